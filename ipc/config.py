@@ -1,0 +1,124 @@
+"""The one frozen server configuration, built once from the command line.
+
+Every process receives the same `ServerConfig`; socket endpoints are derived from it so no
+process invents an address of its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+PROJECT_NAME = "kiln"
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Start-up settings shared by every process. Field docs double as `--help` text."""
+
+    model: str = dataclasses.field(
+        default="demo",
+        metadata={"help": "Local model directory, Hugging Face repo id, or a built-in "
+                          "random-weight demo model ('demo', 'demo-tiny', 'demo-60m')."})
+    model_path: str = dataclasses.field(
+        default="", metadata={"cli": False, "help": "Resolved local directory of the model."})
+    served_model_name: str = dataclasses.field(
+        default="", metadata={"help": "Model name reported by /v1/models (default: --model)."})
+    host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "HTTP bind address."})
+    port: int = dataclasses.field(default=8000, metadata={"help": "HTTP port."})
+    zmq_port: int = dataclasses.field(
+        default=0, metadata={"help": "TCP port of the ZMQ endpoint for programmatic clients "
+                                     "(0: --port + 1)."})
+    max_running_requests: int = dataclasses.field(
+        default=128, metadata={"help": "Most requests decoding at once (the batch size cap)."})
+    chunked_prefill_size: int = dataclasses.field(
+        default=2048, metadata={"help": "Prompts longer than this are prefilled in chunks of "
+                                        "this many tokens, interleaved with decode steps."})
+    max_prefill_tokens: int = dataclasses.field(
+        default=8192, metadata={"help": "Most prompt tokens computed in one scheduler step "
+                                        "(summed over all requests in the step)."})
+    mem_fraction: float = dataclasses.field(
+        default=0.6, metadata={"help": "Fraction of the device memory left free after "
+                                       "loading the weights that the KV pool may take."})
+    max_total_tokens: int = dataclasses.field(
+        default=0, metadata={"help": "KV pool size in tokens (slots); overrides the "
+                                     "memory-based size when > 0."})
+    log_level: str = dataclasses.field(
+        default="info", metadata={"help": "debug, info, warning or error."})
+    ready_timeout: float = dataclasses.field(
+        default=900.0, metadata={"help": "Seconds each process may take to report ready "
+                                         "(model download and load included)."})
+    shutdown_timeout: float = dataclasses.field(
+        default=10.0, metadata={"help": "Seconds in-flight requests get to finish after "
+                                        "SIGINT/SIGTERM before they are aborted."})
+    run_dir: str = dataclasses.field(
+        default="", metadata={"cli": False, "help": "Private directory (0700) of the ipc:// "
+                                                    "endpoints."})
+
+    def __post_init__(self) -> None:
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be >= 1")
+        if self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
+            raise ValueError("--chunked-prefill-size and --max-prefill-tokens must be >= 1")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError("--mem-fraction must be in (0, 1]")
+        if self.max_total_tokens < 0:
+            raise ValueError("--max-total-tokens must be >= 0")
+
+    # NOTE: endpoints live in run_dir, which the launcher creates with mode 0700, so no
+    # other user can connect to our internal sockets.
+    def _ipc(self, name: str) -> str:
+        return f"ipc://{Path(self.run_dir) / name}"
+
+    @property
+    def launcher_endpoint(self) -> str:
+        return self._ipc("launcher")
+
+    @property
+    def scheduler_endpoint(self) -> str:
+        """Requests from the tokenizer and step results from the worker share this pipe."""
+        return self._ipc("scheduler")
+
+    @property
+    def worker_endpoint(self) -> str:
+        return self._ipc("worker")
+
+    @property
+    def detokenizer_endpoint(self) -> str:
+        return self._ipc("detokenizer")
+
+    @property
+    def tokenizer_endpoint(self) -> str:
+        return self._ipc("tokenizer")
+
+    @property
+    def client_port(self) -> int:
+        return self.zmq_port or self.port + 1
+
+    @property
+    def client_endpoint(self) -> str:
+        """TCP address that programmatic clients connect to (printed at start-up)."""
+        return f"tcp://{self.host}:{self.client_port}"
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+    @property
+    def chunk_size(self) -> int:
+        """Largest prefill chunk: a chunk never exceeds the per-step prefill budget."""
+        return min(self.chunked_prefill_size, self.max_prefill_tokens)
+
+    def process_title(self, role: str) -> str:
+        return f"{PROJECT_NAME}:{role}"
+
+
+def cli_fields() -> list[dataclasses.Field]:
+    """Fields exposed as command-line flags, in declaration order."""
+    return [f for f in dataclasses.fields(ServerConfig) if f.metadata.get("cli", True)]
+
+
+def default_run_root() -> str:
+    return os.environ.get("XDG_RUNTIME_DIR") or "/tmp"

@@ -1,0 +1,51 @@
+"""Records shared by several message families."""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Message(msgspec.Struct, frozen=True, tag=True, kw_only=True):
+    """Base of every wire record; the tag is the class name."""
+
+
+class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
+    """Per-request sampling settings, already validated by the tokenizer process.
+
+    top_k == 0 means "no top-k"; temperature == 0 means greedy; seed None means the
+    worker draws one, so the request is still sampled independently of its batch mates.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    max_new_tokens: int = 16
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Usage(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_tokens: int
+    completion_tokens: int
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A snapshot of the scheduler's KV and queue state."""
+
+    capacity_slots: int
+    used_slots: int
+    free_slots: int
+    running_requests: int
+    waiting_requests: int
+    prompt_tokens_total: int
+    computed_prompt_tokens_total: int
+    generated_tokens_total: int
+    finished_requests_total: int
+    aborted_requests_total: int

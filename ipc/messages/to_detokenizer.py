@@ -1,0 +1,38 @@
+"""Token outputs the scheduler sends for detokenization."""
+
+from __future__ import annotations
+
+import msgspec
+
+from ipc.messages.common import Message, SchedulerStats, Usage
+
+
+class TokenOutput(msgspec.Struct, frozen=True, kw_only=True):
+    """New tokens of one request since its last output.
+
+    `prompt_tail` (the last few prompt ids) and `skip_special_tokens` come with the first
+    output of a request only: they set up its detokenizer state.
+    """
+
+    rid: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+    prompt_tail: list[int] | None = None
+    skip_special_tokens: bool = True
+
+
+class BatchTokens(Message, frozen=True):
+    outputs: list[TokenOutput]
+
+
+class StatsReply(Message, frozen=True):
+    """Passed through to the tokenizer process unchanged."""
+
+    query_id: str
+    stats: SchedulerStats
+
+
+DetokenizerMessage = BatchTokens | StatsReply

@@ -1,0 +1,54 @@
+"""The step plan the scheduler sends to the worker.
+
+NOTE: per-step traffic is O(batch): the worker keeps each request's slot list and last
+token itself, so a decode entry carries only the one new slot id.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ipc.messages.common import Message, SamplingParams
+
+
+class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
+    """Sent once, in the first step that touches the request."""
+
+    rid: str
+    sampling: SamplingParams
+
+
+class PrefillChunk(msgspec.Struct, frozen=True, kw_only=True):
+    """Compute `token_ids` at positions start.. and store their K/V in `slot_ids`.
+
+    `sample` is set on the chunk that ends the prompt: its last position yields the
+    request's next token.
+    """
+
+    rid: str
+    start: int
+    token_ids: list[int]
+    slot_ids: list[int]
+    sample: bool
+
+
+class ForwardBatch(Message, frozen=True):
+    step: int
+    new_requests: list[NewRequest] = []
+    prefill: list[PrefillChunk] = []
+    # Decode: each request feeds its last sampled token, whose K/V goes to the given slot.
+    decode_rids: list[str] = []
+    decode_slots: list[int] = []
+    # Requests the worker can forget (finished, aborted); sent before any reuse of their rid.
+    released: list[str] = []
+
+    @property
+    def is_empty(self) -> bool:
+        return not (self.prefill or self.decode_rids)
+
+
+class Shutdown(Message, frozen=True):
+    reason: str = ""
+
+
+WorkerMessage = ForwardBatch | Shutdown

@@ -1,0 +1,228 @@
+"""Start the kiln server: an OpenAI-compatible HTTP API and a ZMQ endpoint over MLX.
+
+    python launch.py --model <local dir | Hugging Face id | demo>
+
+The launcher builds one frozen config, starts the four processes (worker, scheduler,
+detokenizer, tokenizer), waits for each to report ready, and then only supervises: if any
+child dies it stops the rest and exits non-zero; on SIGINT/SIGTERM it lets in-flight
+requests finish (up to --shutdown-timeout), stops everything and exits 0.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import multiprocessing as mp
+import multiprocessing.connection
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from ipc.channel import Receiver
+from ipc.config import PROJECT_NAME, ServerConfig, cli_fields, default_run_root
+from ipc.messages.to_launcher import LauncherMessage, ProcessProgress, ProcessReady
+from ipc.process import setup_logging
+
+logger = logging.getLogger("launcher")
+
+# Seconds between SIGTERM and SIGKILL for a child that will not stop.
+_KILL_GRACE = 2.0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="launch.py", description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for f in cli_fields():
+        flag = "--" + f.name.replace("_", "-")
+        parser.add_argument(flag, type=type(f.default), default=f.default,
+                            help=f.metadata.get("help", ""))
+    return parser
+
+
+def resolve_model(name: str) -> str:
+    """A local directory for the model: the demo generator, a path, or a hub download."""
+    from worker_proc.demo_model import ensure_demo_model, is_demo_model
+
+    if is_demo_model(name):
+        return str(ensure_demo_model(name))
+    if Path(name).is_dir():
+        return str(Path(name).resolve())
+    from mlx_lm.utils import _download  # the same resolution mlx_lm.load does
+
+    try:
+        return str(_download(name))
+    except Exception as exc:  # noqa: BLE001 - any hub failure means the same to the user
+        raise SystemExit(f"could not find model {name!r} locally or fetch it from the "
+                         f"Hugging Face Hub: {exc}") from exc
+
+
+def make_run_dir() -> str:
+    path = tempfile.mkdtemp(prefix=f"{PROJECT_NAME}-", dir=default_run_root())
+    os.chmod(path, 0o700)
+    return path
+
+
+def config_from_args(argv: list[str] | None = None) -> ServerConfig:
+    args = vars(build_parser().parse_args(argv))
+    try:
+        base = ServerConfig(**args)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from exc
+    setup_logging(base.log_level, "launcher")
+    logger.info("resolving model %s", base.model)
+    return dataclasses.replace(base, model_path=resolve_model(base.model), run_dir=make_run_dir())
+
+
+def _child_targets() -> dict[str, Callable[[ServerConfig], None]]:
+    from detokenizer_proc import run_detokenizer
+    from scheduler_proc import run_scheduler
+    from tokenizer_proc import run_tokenizer
+    from worker_proc import run_worker
+
+    # Start order: the worker loads the model, which takes longest.
+    return {"worker": run_worker, "scheduler": run_scheduler,
+            "detokenizer": run_detokenizer, "tokenizer": run_tokenizer}
+
+
+def describe_exit(code: int | None) -> str:
+    if code is None:
+        return "still running"
+    if code < 0:
+        try:
+            return f"killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"killed by signal {-code}"
+    return f"exit code {code}"
+
+
+class Supervisor:
+    """Owns the child processes from start to teardown."""
+
+    def __init__(self, config: ServerConfig) -> None:
+        self.config = config
+        self.ctx = mp.get_context("spawn")
+        self.children: dict[str, mp.process.BaseProcess] = {}
+        self.stop_requested = False
+
+    def start(self) -> None:
+        for name, target in _child_targets().items():
+            proc = self.ctx.Process(target=target, args=(self.config,), name=name, daemon=False)
+            proc.start()
+            self.children[name] = proc
+
+    def dead_child(self) -> str | None:
+        for name, proc in self.children.items():
+            if proc.exitcode is not None:
+                return name
+        return None
+
+    def wait_ready(self, inbox: Receiver[LauncherMessage]) -> bool:
+        """True once every child reported ready; False on a death, a signal or the timeout."""
+        pending = set(self.children)
+        deadline = time.monotonic() + self.config.ready_timeout
+        while pending:
+            if self.stop_requested:
+                return False
+            dead = self.dead_child()
+            if dead:
+                logger.error("%s died during start-up (%s)", dead,
+                             describe_exit(self.children[dead].exitcode))
+                return False
+            if time.monotonic() > deadline:
+                logger.error("start-up timed out after %.0fs waiting for %s",
+                             self.config.ready_timeout, ", ".join(sorted(pending)))
+                return False
+            message = inbox.recv(timeout_ms=200)
+            if isinstance(message, ProcessProgress):
+                logger.info("%s: %s", message.name, message.text)
+            elif isinstance(message, ProcessReady):
+                pending.discard(message.name)
+                logger.info("%s ready%s", message.name, f" ({message.detail})" if message.detail else "")
+        return True
+
+    def supervise(self) -> str | None:
+        """Block until a child dies (its name) or a stop signal arrives (None)."""
+        sentinels = {p.sentinel: name for name, p in self.children.items()}
+        while not self.stop_requested:
+            ready = mp.connection.wait(list(sentinels), timeout=0.5)
+            if ready:
+                return sentinels[ready[0]]
+        return None
+
+    def drain_front(self) -> None:
+        """Graceful part of a stop: the front stops accepting and lets requests finish."""
+        front = self.children["tokenizer"]
+        if front.exitcode is None:
+            os.kill(front.pid, signal.SIGTERM)
+            front.join(self.config.shutdown_timeout + 5)
+
+    def stop_all(self) -> None:
+        alive = [p for p in self.children.values() if p.exitcode is None]
+        for p in alive:
+            p.terminate()
+        deadline = time.monotonic() + _KILL_GRACE
+        for p in alive:
+            p.join(max(0.0, deadline - time.monotonic()))
+        for p in alive:
+            if p.exitcode is None:
+                logger.warning("%s did not stop; killing it", p.name)
+                p.kill()
+                p.join(1.0)
+
+
+def _install_signal_handlers(supervisor: Supervisor) -> None:
+    def on_signal(signum: int, _frame: object) -> None:
+        if supervisor.stop_requested:  # a second Ctrl-C: stop waiting for requests
+            raise KeyboardInterrupt
+        logger.info("%s received: finishing in-flight requests, then stopping",
+                    signal.Signals(signum).name)
+        supervisor.stop_requested = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+
+
+def serve(config: ServerConfig) -> int:
+    """Run the server until a signal (returns 0) or a child's death (returns 1)."""
+    supervisor = Supervisor(config)
+    _install_signal_handlers(supervisor)
+    inbox: Receiver[LauncherMessage] = Receiver(config.launcher_endpoint, LauncherMessage)
+    try:
+        supervisor.start()
+        if not supervisor.wait_ready(inbox):
+            supervisor.stop_all()
+            return 0 if supervisor.stop_requested and not supervisor.dead_child() else 1
+        logger.info("serving %s: HTTP http://%s:%d/v1  ZMQ %s", config.model_name, config.host,
+                    config.port, config.client_endpoint)
+        dead = supervisor.supervise()
+        if dead is not None:
+            logger.error("%s died (%s); stopping the server", dead,
+                         describe_exit(supervisor.children[dead].exitcode))
+            supervisor.stop_all()
+            return 1
+        supervisor.drain_front()
+        supervisor.stop_all()
+        logger.info("stopped")
+        return 0
+    except KeyboardInterrupt:
+        supervisor.stop_all()
+        return 0
+    finally:
+        inbox.close()
+        shutil.rmtree(config.run_dir, ignore_errors=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = config_from_args(argv)
+    return serve(config)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

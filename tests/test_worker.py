@@ -1,0 +1,87 @@
+"""The scheduler and the worker's model runner on a tiny float32 model, against mlx-lm."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.engine_driver import InProcessEngine
+
+
+def _eos(tokenizer) -> list[int]:
+    return sorted(tokenizer.eos_token_ids)
+
+
+def _prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    # Ids above the 5 special tokens, so no prompt contains an EOS.
+    return [rng.integers(5, vocab, size=lengths[i % len(lengths)]).tolist() for i in range(n)]
+
+
+def test_batched_chunked_greedy_matches_mlx_lm(tiny_model, oracle):
+    model, tokenizer = tiny_model
+    lengths = [1, 7, 64, 300, 600, 33, 128, 257]
+    prompts = _prompts(8, lengths, model.args.vocab_size)
+    max_tokens = [40, 1, 25, 60, 10, 33, 5, 48]
+    engine = InProcessEngine(model, chunk_size=128, max_prefill_tokens=256)
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        engine.submit(f"r{i}", p, m, _eos(tokenizer))
+    results = engine.run_until_idle()
+    for i, (p, m) in enumerate(zip(prompts, max_tokens)):
+        assert results[f"r{i}"].token_ids == oracle(p, m), f"request r{i} (prompt {len(p)})"
+    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.capacity
+
+
+def test_requests_join_a_running_batch(tiny_model, oracle):
+    model, tokenizer = tiny_model
+    prompts = _prompts(6, [20, 90, 5], model.args.vocab_size, seed=1)
+    engine = InProcessEngine(model, chunk_size=32, max_prefill_tokens=64)
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 30, _eos(tokenizer))
+        for _ in range(3):  # the others are mid-decode or mid-prefill when the next arrives
+            engine.step()
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == oracle(p, 30)
+
+
+def test_seeded_sampling_is_independent_of_batch_mates(tiny_model):
+    model, tokenizer = tiny_model
+    prompt = _prompts(1, [12], model.args.vocab_size, seed=2)[0]
+    others = _prompts(5, [3, 40, 17], model.args.vocab_size, seed=3)
+    sampling = dict(temperature=0.9, top_p=0.9, top_k=50, seed=1234)
+
+    alone = InProcessEngine(model)
+    alone.submit("x", prompt, 30, [], **sampling)
+    crowded = InProcessEngine(model)
+    for i, p in enumerate(others):
+        crowded.submit(f"o{i}", p, 20 + i, [], temperature=1.0)
+    crowded.step()
+    crowded.submit("x", prompt, 30, [], **sampling)
+    a = alone.run_until_idle()["x"].token_ids
+    b = crowded.run_until_idle()["x"].token_ids
+    assert a == b and len(a) == 30
+    other_seed = InProcessEngine(model)
+    other_seed.submit("x", prompt, 30, [], **{**sampling, "seed": 99})
+    assert other_seed.run_until_idle()["x"].token_ids != a
+
+
+def test_request_that_can_never_fit_is_rejected(tiny_model):
+    model, _ = tiny_model
+    engine = InProcessEngine(model, capacity=100)
+    engine.submit("big", list(range(5, 95)), 20, [])
+    assert engine.results["big"].finish_reason == "error"
+    assert "KV slots" in engine.results["big"].error
+
+
+def test_waiting_request_runs_when_slots_free_up(tiny_model, oracle):
+    model, tokenizer = tiny_model
+    prompts = _prompts(3, [40], model.args.vocab_size, seed=4)
+    engine = InProcessEngine(model, capacity=100)  # room for one request at a time
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 50, _eos(tokenizer))
+    engine.step()
+    assert len(engine.scheduler.running) == 1 and len(engine.scheduler.waiting) == 2
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == oracle(p, 50)

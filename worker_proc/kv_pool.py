@@ -1,0 +1,68 @@
+"""The KV pool: every attention layer's K/V, addressed by the scheduler's slot ids.
+
+Slot 0 is padding: it is never handed out, so gathering it for a padded position reads
+zeros that the attention mask hides.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import mlx.core as mx
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class AttentionLayerSpec:
+    """Shape of one full-attention layer's cache entry per token."""
+
+    n_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype: mx.Dtype
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return (self.n_kv_heads * (self.head_dim + self.v_head_dim)) * self.dtype.size
+
+
+class KVPool:
+    """K and V arrays of shape [num_slots + 1, n_kv_heads, head_dim] per layer."""
+
+    def __init__(self, specs: list[AttentionLayerSpec], num_slots: int) -> None:
+        self.specs = specs
+        self.num_slots = num_slots
+        rows = num_slots + 1
+        self.keys = [mx.zeros((rows, s.n_kv_heads, s.head_dim), s.dtype) for s in specs]
+        self.values = [mx.zeros((rows, s.n_kv_heads, s.v_head_dim), s.dtype) for s in specs]
+        mx.eval(self.keys, self.values)
+
+    @staticmethod
+    def bytes_per_slot(specs: list[AttentionLayerSpec]) -> int:
+        return sum(s.bytes_per_slot for s in specs)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.keys + self.values)
+
+    def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
+        """Store new K/V ([B, H, S, D], the model's layout) under slots [B * S].
+
+        NOTE: the scatter replaces the layer's array; the old one has no other reference
+        once the step's graph is built, so MLX updates the buffer in place.
+        """
+        self.keys[layer][slots] = _token_major(keys)
+        self.values[layer][slots] = _token_major(values)
+
+    def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
+        """Gather K/V for slots [B, L] into the model's [B, H, L, D] layout."""
+        k = self.keys[layer][slots].transpose(0, 2, 1, 3)
+        v = self.values[layer][slots].transpose(0, 2, 1, 3)
+        return k, v
+
+
+def _token_major(x: mx.array) -> mx.array:
+    b, h, s, d = x.shape
+    return x.transpose(0, 2, 1, 3).reshape(b * s, h, d)

@@ -1,0 +1,152 @@
+"""The model runner: turns the scheduler's step plans into forward passes and tokens.
+
+The runner mirrors, per request, what it needs to build a step without being sent the
+whole context again: the slot list (a row of its own table), the context length, and the
+last sampled token, which stays a lazy device array so the next step can be built before
+the previous one has finished.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+
+from ipc.messages.common import SamplingParams
+from ipc.messages.to_scheduler import StepResult
+from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
+from worker_proc.attention import ForwardLayout, build_layer_caches
+from worker_proc.kv_pool import KVPool
+from worker_proc.sampling import SamplingBatch, sample
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class RequestState:
+    rid: str
+    row: int
+    sampling: SamplingParams
+    seed: int
+    length: int = 0  # tokens whose K/V is in the pool
+    num_sampled: int = 0
+    last_token: mx.array | None = None  # [1] int32, possibly not evaluated yet
+
+
+@dataclass(frozen=True)
+class PendingStep:
+    """A launched step whose tokens may still be computing."""
+
+    step: int
+    rids: list[str]
+    tokens: mx.array | None
+
+
+class ModelRunner:
+    def __init__(self, model: Any, pool: KVPool, max_requests: int, max_context: int) -> None:
+        self.model = model
+        self.pool = pool
+        self.max_context = max_context
+        # NOTE: a mirror of the scheduler's req-to-token rows for the requests it sent us;
+        # it is filled only from the slot ids in step plans.
+        self.table = np.zeros((max_requests, max_context), dtype=np.int32)
+        self._free_rows = list(range(max_requests - 1, -1, -1))
+        self.requests: dict[str, RequestState] = {}
+        self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
+
+    # -- request bookkeeping -------------------------------------------------------------
+
+    def _add(self, new: NewRequest) -> None:
+        if new.rid in self.requests:
+            raise RuntimeError(f"request {new.rid} is already on the worker")
+        seed = new.sampling.seed
+        seed32 = int(self._seed_rng.integers(1 << 32)) if seed is None else _fold_seed(seed)
+        self.requests[new.rid] = RequestState(new.rid, self._free_rows.pop(), new.sampling, seed32)
+
+    def _release(self, rid: str) -> None:
+        state = self.requests.pop(rid, None)
+        if state is not None:
+            self._free_rows.append(state.row)
+
+    # -- one step ------------------------------------------------------------------------
+
+    def launch(self, batch: ForwardBatch) -> PendingStep:
+        """Build the step's graph and start it on the device without waiting for it."""
+        for rid in batch.released:
+            self._release(rid)
+        for new in batch.new_requests:
+            self._add(new)
+        logits: list[mx.array] = []
+        sampled: list[RequestState] = []
+        for chunk in batch.prefill:
+            out = self._prefill(chunk)
+            if chunk.sample:
+                logits.append(out)
+                sampled.append(self.requests[chunk.rid])
+        if batch.decode_rids:
+            logits.append(self._decode(batch.decode_rids, batch.decode_slots))
+            sampled.extend(self.requests[rid] for rid in batch.decode_rids)
+        tokens = self._sample(logits, sampled) if sampled else None
+        # The pool arrays are evaluated with the tokens: a step that samples nothing (a
+        # middle prefill chunk) must still land its K/V, and the graph must not grow.
+        mx.async_eval(*([tokens] if tokens is not None else []), *self.pool.keys, *self.pool.values)
+        return PendingStep(batch.step, [s.rid for s in sampled], tokens)
+
+    def finish(self, pending: PendingStep) -> StepResult:
+        """Wait for a launched step and report its tokens."""
+        if pending.tokens is None:
+            mx.eval(self.pool.keys, self.pool.values)
+            return StepResult(step=pending.step, rids=[], token_ids=[])
+        return StepResult(step=pending.step, rids=pending.rids, token_ids=pending.tokens.tolist())
+
+    def run(self, batch: ForwardBatch) -> StepResult:
+        return self.finish(self.launch(batch))
+
+    def _prefill(self, chunk: PrefillChunk) -> mx.array:
+        state = self.requests[chunk.rid]
+        n = len(chunk.token_ids)
+        if chunk.start != state.length:
+            raise RuntimeError(f"{chunk.rid}: chunk starts at {chunk.start}, context is {state.length}")
+        self._check_room(state, n)
+        row = self.table[state.row]
+        row[chunk.start:chunk.start + n] = chunk.slot_ids
+        layout = ForwardLayout.single(row, chunk.start, n)
+        out = self.model(mx.array([chunk.token_ids]), cache=build_layer_caches(self.pool, layout))
+        state.length += n
+        return out[:, -1, :]
+
+    def _decode(self, rids: list[str], slots: list[int]) -> mx.array:
+        states = [self.requests[rid] for rid in rids]
+        rows = np.array([s.row for s in states])
+        lengths = np.array([s.length for s in states]) + 1
+        for s in states:
+            self._check_room(s, 1)
+        self.table[rows, lengths - 1] = slots
+        layout = ForwardLayout.decode(self.table[rows], lengths)
+        inputs = mx.concatenate([s.last_token for s in states])[:, None]
+        out = self.model(inputs, cache=build_layer_caches(self.pool, layout))
+        for s in states:
+            s.length += 1
+        return out[:, -1, :]
+
+    def _sample(self, logits: list[mx.array], states: list[RequestState]) -> mx.array:
+        params = SamplingBatch.build([s.sampling for s in states], [s.seed for s in states],
+                                     [s.num_sampled for s in states])
+        tokens = sample(mx.concatenate(logits, axis=0), params)
+        for i, s in enumerate(states):
+            s.last_token = tokens[i:i + 1]
+            s.num_sampled += 1
+        return tokens
+
+    def _check_room(self, state: RequestState, n: int) -> None:
+        if state.length + n > self.max_context:
+            raise RuntimeError(f"{state.rid}: context would exceed {self.max_context} tokens")
+
+
+def _fold_seed(seed: int) -> int:
+    seed &= (1 << 64) - 1
+    return (seed ^ (seed >> 32)) & 0xFFFFFFFF
