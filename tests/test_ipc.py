@@ -1,0 +1,104 @@
+"""Every wire record survives encode/decode unchanged; bad frames are dropped, not fatal."""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import pkgutil
+
+import pytest
+
+import ipc.messages
+from ipc.codec import Decoder, encode
+from ipc.messages.client import (AbortGenerate, ClientToServer, GenerateOutput, GenerateRequest,
+                                 ServerToClient, StatsQuery, StatsResult)
+from ipc.messages.common import Message, SamplingParams, SchedulerStats, Usage
+from ipc.messages.to_detokenizer import BatchTokens, DetokenizerMessage, StatsReply, TokenOutput
+from ipc.messages.to_launcher import LauncherMessage, ProcessProgress, ProcessReady
+from ipc.messages.to_scheduler import (AbortRequest, GetStats, SchedulerMessage, StepResult,
+                                       TokenizedRequest, WorkerReady)
+from ipc.messages.to_tokenizer import BatchText, TextOutput, TokenizerMessage
+from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk, Shutdown, WorkerMessage
+
+STATS = SchedulerStats(capacity_slots=100, used_slots=3, free_slots=97, running_requests=1,
+                       waiting_requests=2, prompt_tokens_total=10, computed_prompt_tokens_total=9,
+                       generated_tokens_total=5, finished_requests_total=4, aborted_requests_total=1)
+USAGE = Usage(prompt_tokens=7, completion_tokens=3)
+SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**40, max_new_tokens=12)
+
+# (record, the union its receiving socket decodes)
+SAMPLES = [
+    (ProcessProgress(name="worker", text="loading"), LauncherMessage),
+    (ProcessReady(name="worker", detail="100 slots"), LauncherMessage),
+    (TokenizedRequest(rid="a", input_ids=[1, 2, 3], sampling=SAMPLING, stop_token_ids=[0],
+                      skip_special_tokens=False), SchedulerMessage),
+    (AbortRequest(rid="a"), SchedulerMessage),
+    (GetStats(query_id="q"), SchedulerMessage),
+    (WorkerReady(num_slots=10, max_context_len=8), SchedulerMessage),
+    (StepResult(step=3, rids=["a", "b"], token_ids=[5, 6]), SchedulerMessage),
+    (ForwardBatch(step=1, new_requests=[NewRequest(rid="a", sampling=SAMPLING)],
+                  prefill=[PrefillChunk(rid="a", start=0, token_ids=[1, 2], slot_ids=[4, 5],
+                                        sample=True)],
+                  decode_rids=["b"], decode_slots=[9], released=["c"]), WorkerMessage),
+    (Shutdown(reason="bye"), WorkerMessage),
+    (BatchTokens(outputs=[TokenOutput(rid="a", token_ids=[1], finished=True, finish_reason="stop",
+                                      usage=USAGE, prompt_tail=[1, 2])]), DetokenizerMessage),
+    (StatsReply(query_id="q", stats=STATS), DetokenizerMessage),
+    (BatchText(outputs=[TextOutput(rid="a", text="h\u00e9\U0001F642", token_ids=[1],
+                                   finished=True, finish_reason="length", usage=USAGE)]),
+     TokenizerMessage),
+    (StatsReply(query_id="q2", stats=STATS), TokenizerMessage),
+    (GenerateRequest(request_id="c1", prompt="hi", max_tokens=3, temperature=0.0, stream=True),
+     ClientToServer),
+    (AbortGenerate(request_id="c1"), ClientToServer),
+    (StatsQuery(request_id="s"), ClientToServer),
+    (GenerateOutput(request_id="c1", text="x", token_ids=[3], finished=True, usage=USAGE),
+     ServerToClient),
+    (StatsResult(request_id="s", stats=STATS), ServerToClient),
+]
+
+
+def _all_message_types() -> set[type]:
+    found = set()
+    for info in pkgutil.iter_modules(ipc.messages.__path__):
+        module = importlib.import_module(f"ipc.messages.{info.name}")
+        for _, obj in inspect.getmembers(module, inspect.isclass):
+            if issubclass(obj, Message) and obj is not Message:
+                found.add(obj)
+    return found
+
+
+def test_every_message_type_has_a_round_trip_sample():
+    assert _all_message_types() <= {type(m) for m, _ in SAMPLES}
+
+
+@pytest.mark.parametrize("message,accepted", SAMPLES, ids=lambda x: type(x).__name__)
+def test_round_trip(message, accepted):
+    assert Decoder(accepted, "test").decode(encode(message)) == message
+
+
+@pytest.mark.parametrize("frame", [b"", b"\xc1", b"garbage that is not msgpack",
+                                   encode(ProcessReady(name="x")),  # a record of another family
+                                   encode(AbortRequest(rid="a"))[:-1]])  # truncated
+def test_undecodable_frames_are_dropped(frame, caplog):
+    assert Decoder(SchedulerMessage, "test").decode(frame) is None
+    assert "dropped a frame" in caplog.text
+
+
+def test_wrong_field_type_is_dropped():
+    bad = encode(StepResult(step=1, rids=["a"], token_ids=[1])).replace(b"StepResult", b"AbortRequest")
+    assert Decoder(SchedulerMessage, "test").decode(bad) is None
+
+
+def test_receiver_keeps_serving_after_a_bad_frame(tmp_path):
+    from ipc.channel import Receiver, Sender
+
+    endpoint = f"ipc://{tmp_path}/sock"
+    rx = Receiver(endpoint, SchedulerMessage)
+    raw = Sender(endpoint)
+    raw._sock.send(b"\x00\x01junk")
+    raw.send(AbortRequest(rid="ok"))
+    got = [rx.recv(timeout_ms=2000), rx.recv(timeout_ms=2000)]
+    assert got == [None, AbortRequest(rid="ok")]
+    raw.close()
+    rx.close()

@@ -1,0 +1,171 @@
+"""The scheduler's managers on plain data: allocator, table, queue, budgets, step plans."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from ipc.messages.common import SamplingParams
+from ipc.messages.to_scheduler import StepResult, TokenizedRequest
+from scheduler_proc.allocator import ReqToTokenTable, SlotAllocator
+from scheduler_proc.request import Req, WaitingQueue
+from scheduler_proc.scheduler import KVReservation, PrefillBudget, Scheduler, SchedulerLimits
+
+
+def _req(rid: str, prompt: int, max_new: int, eos: tuple[int, ...] = (0,)) -> TokenizedRequest:
+    return TokenizedRequest(rid=rid, input_ids=list(range(10, 10 + prompt)), stop_token_ids=list(eos),
+                            sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new))
+
+
+def _sched(capacity=1000, max_context=512, max_running=8, chunk=64, budget=128) -> Scheduler:
+    return Scheduler(SchedulerLimits(capacity, max_context, max_running, chunk, budget))
+
+
+def _answer(batch, token: int = 7) -> StepResult:
+    rids = [c.rid for c in batch.prefill if c.sample] + list(batch.decode_rids)
+    return StepResult(step=batch.step, rids=rids, token_ids=[token] * len(rids))
+
+
+# -- allocator and table -------------------------------------------------------------------
+
+def test_allocator_never_hands_out_slot_zero_or_a_slot_twice():
+    alloc = SlotAllocator(10)
+    a = alloc.alloc(4)
+    b = alloc.alloc(6)
+    assert alloc.alloc(1) is None and alloc.num_free == 0
+    assert sorted(np.concatenate([a, b]).tolist()) == list(range(1, 11))
+    alloc.free(a)
+    assert alloc.num_free == 4 and alloc.num_used == 6
+    assert sorted(alloc.alloc(4).tolist()) == sorted(a.tolist())
+
+
+def test_allocator_refuses_partial_allocations_and_double_frees():
+    alloc = SlotAllocator(3)
+    assert alloc.alloc(4) is None and alloc.num_free == 3
+    with pytest.raises(RuntimeError):
+        alloc.free(np.array([1], dtype=np.int32))
+
+
+def test_req_to_token_table_rows():
+    table = ReqToTokenTable(rows=2, max_context=8)
+    r0, r1 = table.alloc_row(), table.alloc_row()
+    assert table.alloc_row() is None
+    table.assign(r0, 0, np.array([5, 6, 7]))
+    table.assign(r0, 3, np.array([9]))
+    assert table.slots(r0, 4).tolist() == [5, 6, 7, 9]
+    table.free_row(r0)
+    assert table.num_free_rows == 1 and table.slots(r0, 4).tolist() == [0, 0, 0, 0]
+
+
+def test_waiting_queue_is_fifo_with_removal():
+    q = WaitingQueue()
+    for rid in "abc":
+        q.push(Req.from_message(_req(rid, 3, 2)))
+    assert q.remove("b").rid == "b" and q.remove("zz") is None
+    assert [q.pop().rid, q.pop().rid] == ["a", "c"] and len(q) == 0
+
+
+def test_prefill_budget_chunks():
+    budget = PrefillBudget(tokens=100, chunk=64)
+    assert [budget.take(200), budget.take(200), budget.take(5)] == [64, 36, 0]
+    assert budget.exhausted
+
+
+def test_kv_reservation_counts_future_tokens_of_running_requests():
+    running = Req.from_message(_req("r", 10, 20))
+    running.num_computed = 10
+    res = KVReservation(free_slots=60, running=[running])  # r may still claim 19
+    assert res.available == 41
+    assert res.try_reserve(Req.from_message(_req("a", 20, 21)))  # needs 40
+    assert not res.try_reserve(Req.from_message(_req("b", 1, 2)))  # needs 2, 1 left
+
+
+# -- step plans -----------------------------------------------------------------------------
+
+def test_long_prompt_is_chunked_and_decode_shares_steps():
+    s = _sched(chunk=64, budget=64)
+    s.add_request(_req("short", 10, 5))
+    b1 = s.plan_step()
+    assert [(c.rid, c.start, len(c.token_ids), c.sample) for c in b1.prefill] == [("short", 0, 10, True)]
+    s.apply_result(_answer(b1))
+    s.add_request(_req("long", 150, 5))
+    b2 = s.plan_step()
+    assert b2.decode_rids == ["short"]
+    assert [(c.rid, c.start, len(c.token_ids), c.sample) for c in b2.prefill] == [("long", 0, 64, False)]
+    s.apply_result(_answer(b2))
+    b3 = s.plan_step()
+    assert [(c.start, len(c.token_ids), c.sample) for c in b3.prefill] == [(64, 64, False)]
+    s.apply_result(_answer(b3))
+    b4 = s.plan_step()
+    assert [(c.start, len(c.token_ids), c.sample) for c in b4.prefill] == [(128, 22, True)]
+    assert b4.new_requests == [] and "short" in b4.decode_rids
+
+
+def test_slot_ids_are_consistent_between_plan_and_table():
+    s = _sched()
+    s.add_request(_req("a", 5, 3))
+    b = s.plan_step()
+    row = s.running["a"].row
+    assert s.table.slots(row, 5).tolist() == b.prefill[0].slot_ids
+    s.apply_result(_answer(b))
+    b2 = s.plan_step()
+    assert s.table.slots(row, 6).tolist()[-1] == b2.decode_slots[0]
+
+
+def test_stop_token_and_max_tokens_finish_and_free_everything():
+    s = _sched()
+    s.add_request(_req("eos", 4, 10, eos=(3,)))
+    s.add_request(_req("len", 4, 2))
+    b = s.plan_step()
+    out = s.apply_result(StepResult(step=b.step, rids=["eos", "len"], token_ids=[3, 8]))
+    eos = next(o for o in out if o.rid == "eos")
+    assert eos.finished and eos.finish_reason == "stop" and eos.token_ids == []
+    assert eos.usage.completion_tokens == 1 and eos.prompt_tail == [10, 11, 12, 13]
+    b2 = s.plan_step()
+    assert b2.released == ["eos"] and b2.decode_rids == ["len"]
+    out2 = s.apply_result(StepResult(step=b2.step, rids=["len"], token_ids=[9]))
+    assert out2[0].finish_reason == "length" and out2[0].usage.completion_tokens == 2
+    assert out2[0].prompt_tail is None
+    assert s.allocator.num_free == s.allocator.capacity and not s.has_work
+
+
+def test_abort_while_waiting_and_while_running_frees_slots():
+    s = _sched(max_running=1)
+    s.add_request(_req("a", 8, 50))
+    s.add_request(_req("b", 8, 50))
+    b = s.plan_step()
+    assert [c.rid for c in b.prefill] == ["a"]
+    assert s.abort("b")[0].finish_reason == "abort"
+    s.apply_result(_answer(b))
+    assert s.abort("a")[0].finished
+    assert s.apply_result(StepResult(step=99, rids=["a"], token_ids=[1])) == []
+    assert s.allocator.num_free == s.allocator.capacity
+    assert s.stats().aborted_requests_total == 2 and s.stats().running_requests == 0
+    assert s.plan_step() is None
+
+
+def test_requests_that_can_never_fit_are_rejected():
+    s = _sched(capacity=100, max_context=80)
+    (ctx,) = s.add_request(_req("ctx", 70, 20))
+    assert ctx.finish_reason == "error" and "context length" in ctx.error
+    s2 = _sched(capacity=50, max_context=512)
+    (kv,) = s2.add_request(_req("kv", 40, 20))
+    assert "KV slots" in kv.error and not s2.has_work
+
+
+def test_max_running_requests_caps_the_batch():
+    s = _sched(max_running=2)
+    for rid in "abc":
+        s.add_request(_req(rid, 4, 5))
+    b = s.plan_step()
+    assert [c.rid for c in b.prefill] == ["a", "b"] and len(s.waiting) == 1
+
+
+def test_stats_counters():
+    s = _sched()
+    s.add_request(_req("a", 6, 2))
+    b = s.plan_step()
+    s.apply_result(_answer(b))
+    st = s.stats()
+    assert (st.prompt_tokens_total, st.computed_prompt_tokens_total, st.generated_tokens_total) == (6, 6, 1)
+    assert st.used_slots == 6 and st.used_slots + st.free_slots == st.capacity_slots
