@@ -98,8 +98,9 @@ class AsyncSender:
     async def send(self, message: msgspec.Struct) -> None:
         await self._sock.send(encode(message), copy=False)
 
-    def close(self) -> None:
-        self._sock.close(linger=0)
+    def close(self, linger_ms: int = 0) -> None:
+        """linger_ms > 0 lets queued frames reach a live peer before the socket goes."""
+        self._sock.close(linger=linger_ms)
 
 
 class AsyncReceiver(Generic[T]):

@@ -1,0 +1,67 @@
+"""Records between programmatic clients (`ipc.client`) and the tokenizer process's ZMQ front.
+
+The client's DEALER socket talks to the front's ROUTER: every reply names the client's own
+`request_id`, which the client uses to hand it to the right waiter. Request ids only need
+to be unique per client.
+"""
+
+from __future__ import annotations
+
+from ipc.messages.common import Message, SchedulerStats, Usage
+
+
+class GenerateRequest(Message, frozen=True):
+    """Text or token ids in (exactly one); the same sampling fields the HTTP API takes.
+
+    top_k 0 or -1 means off, temperature 0 means greedy, seed None means unseeded;
+    max_tokens None means 16, or fewer when the context has less room left.
+    """
+
+    request_id: str
+    prompt: str | None = None
+    input_ids: list[int] | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+    stream: bool = False
+    skip_special_tokens: bool = True
+
+
+class AbortGenerate(Message, frozen=True):
+    """Stop a request; its waiter then gets a final output with finish_reason "abort"."""
+
+    request_id: str
+
+
+class StatsQuery(Message, frozen=True):
+    request_id: str
+
+
+class GenerateOutput(Message, frozen=True):
+    """A streamed delta (stream=True) or the whole result (stream=False).
+
+    The last message of a request has finished=True; `usage` comes with it. A refused or
+    failed request gets one message with finished=True and `error` set.
+    """
+
+    request_id: str
+    text: str
+    token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None
+    usage: Usage | None = None
+    error: str | None = None
+
+
+class StatsResult(Message, frozen=True):
+    """The scheduler's snapshot, or `error` when it did not answer in time."""
+
+    request_id: str
+    stats: SchedulerStats | None = None
+    error: str | None = None
+
+
+ClientToServer = GenerateRequest | AbortGenerate | StatsQuery
+ServerToClient = GenerateOutput | StatsResult

@@ -1,0 +1,240 @@
+"""End to end through all four processes: HTTP (official openai client) and ZMQ client."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import httpx
+import numpy as np
+import openai
+import psutil
+import pytest
+
+from tests.server import Server
+
+pytestmark = pytest.mark.timeout(600)
+
+MODEL = "demo-tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir, tmp_path_factory):
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    srv = Server(tiny_model_dir, "--max-total-tokens", "20000", "--chunked-prefill-size", "128",
+                 "--max-prefill-tokens", "512", "--max-running-requests", "16",
+                 "--served-model-name", MODEL, log_path=log).wait_ready()
+    yield srv
+    assert srv.stop() == 0, srv.log_tail()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tiny_model):
+    return tiny_model[1]
+
+
+def _prompts(vocab: int) -> list[list[int]]:
+    rng = np.random.default_rng(7)
+    lengths = [1, 600, 3, 129, 40, 257, 8, 512, 77, 200, 16, 350, 64, 2, 450, 31]
+    return [rng.integers(5, vocab, size=n).tolist() for n in lengths]
+
+
+MAX_TOKENS = [48, 20, 64, 5, 33, 1, 60, 12, 40, 25, 64, 9, 30, 50, 16, 44]
+
+
+def _wait_idle(server: Server, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = server.stats()
+        if stats["running_requests"] == 0 and stats["waiting_requests"] == 0:
+            return stats
+        assert time.monotonic() < deadline, stats
+        time.sleep(0.1)
+
+
+def test_16_concurrent_http_requests_match_mlx_lm(server, tiny_model, oracle, tokenizer):
+    prompts = _prompts(tiny_model[0].args.vocab_size)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+    async def one(p, m):
+        return await client.completions.create(model=MODEL, prompt=p, max_tokens=m, temperature=0)
+
+    async def all_of_them():
+        return await asyncio.gather(*(one(p, m) for p, m in zip(prompts, MAX_TOKENS)))
+
+    responses = asyncio.run(all_of_them())
+    for p, m, r in zip(prompts, MAX_TOKENS, responses):
+        expected = oracle(p, m)
+        assert r.choices[0].text == tokenizer.decode(expected), f"prompt of {len(p)} tokens"
+        assert r.usage.completion_tokens in (len(expected), len(expected) + 1)
+        assert r.usage.prompt_tokens == len(p)
+        assert r.choices[0].finish_reason == ("length" if len(expected) == m else "stop")
+    stats = _wait_idle(server)
+    assert stats["used_slots"] == 0
+
+
+def test_16_concurrent_zmq_requests_match_mlx_lm(server, tiny_model, oracle):
+    from ipc.client import AsyncKilnClient
+
+    prompts = _prompts(tiny_model[0].args.vocab_size)
+
+    async def all_of_them():
+        client = AsyncKilnClient(server.zmq)
+        try:
+            return await asyncio.gather(*(
+                client.generate(input_ids=p, max_tokens=m, temperature=0.0)
+                for p, m in zip(prompts, MAX_TOKENS)))
+        finally:
+            client.close()
+
+    for p, m, r in zip(prompts, MAX_TOKENS, asyncio.run(all_of_them())):
+        assert r.token_ids == oracle(p, m)
+
+
+def test_streamed_text_equals_non_streamed_chat(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    messages = [{"role": "user", "content": "Tell me about café culture in 日本 🙂"}]
+    full = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=80,
+                                          temperature=0)
+    chunks = list(client.chat.completions.create(
+        model=MODEL, messages=messages, max_tokens=80, temperature=0, stream=True,
+        stream_options={"include_usage": True}))
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == full.choices[0].message.content
+    assert chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_multibyte_utf8_streams_intact(server, tiny_model, oracle, tokenizer):
+    """Pick prompts whose greedy output contains multi-byte characters; every streamed
+    delta is whole characters and the deltas join to the full decode."""
+    rng = np.random.default_rng(11)
+    vocab = tiny_model[0].args.vocab_size
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    checked = 0
+    for _ in range(40):
+        prompt = rng.integers(5, vocab, size=12).tolist()
+        expected = tokenizer.decode(oracle(prompt, 64))
+        if not any(ord(ch) > 127 and ch != "\ufffd" for ch in expected):
+            continue
+        deltas = [c.choices[0].text for c in client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=64, temperature=0, stream=True)]
+        assert "".join(deltas) == expected
+        final_replacements = expected.count("\ufffd")
+        assert sum(d.count("\ufffd") for d in deltas) == final_replacements
+        checked += 1
+        if checked == 3:
+            break
+    assert checked >= 1, "no prompt produced multi-byte output"
+
+
+def test_abort_mid_stream_frees_kv_slots(server):
+    before = server.stats()["aborted_requests_total"]
+    body = {"model": MODEL, "prompt": "a long story", "max_tokens": 3000, "temperature": 0.8,
+            "stream": True}
+    with httpx.Client(base_url=server.url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            assert resp.status_code == 200
+            lines = resp.iter_lines()
+            got = [next(lines) for _ in range(6)]
+            assert any(line.startswith("data: ") for line in got)
+            assert server.stats()["used_slots"] > 0
+    stats = _wait_idle(server)
+    assert stats["used_slots"] == 0
+    assert stats["aborted_requests_total"] == before + 1
+
+
+@pytest.mark.parametrize("path,body", [
+    ("/v1/completions", {"model": MODEL, "max_tokens": 5}),  # no prompt
+    ("/v1/completions", {"model": MODEL, "prompt": "", "max_tokens": 5}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "five"}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 100000}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": []}),
+    ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}),
+])
+def test_invalid_requests_get_4xx_and_server_keeps_serving(server, path, body):
+    r = httpx.post(server.url + path, json=body, timeout=30)
+    assert 400 <= r.status_code < 500, r.text
+    assert r.json()["error"]["message"]
+    ok = httpx.post(server.url + "/v1/completions", timeout=30,
+                    json={"model": MODEL, "prompt": "hi", "max_tokens": 2})
+    assert ok.status_code == 200
+
+
+def test_malformed_json_is_400(server):
+    r = httpx.post(server.url + "/v1/completions", content=b"{not json",
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["message"]
+
+
+def test_models_and_health(server):
+    assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    models = httpx.get(server.url + "/v1/models", timeout=10).json()
+    assert [m["id"] for m in models["data"]] == [MODEL]
+
+
+def test_process_titles(server):
+    # setproctitle pads the title with spaces to the original command line's length.
+    titles = sorted(" ".join(p.cmdline()).strip() for p in server.children()
+                    if " ".join(p.cmdline()).startswith("kiln:"))
+    assert titles == ["kiln:detokenizer", "kiln:scheduler", "kiln:tokenizer", "kiln:worker"]
+
+
+# -- lifecycle: each test owns a server ------------------------------------------------------
+
+def _gone(pids: list[int], timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                   for p in pids):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def test_kill_9_of_the_worker_takes_the_server_down(tiny_model_dir, tmp_path):
+    srv = Server(tiny_model_dir, "--max-total-tokens", "4000", log_path=tmp_path / "log").wait_ready()
+    pids = [p.pid for p in srv.children()]
+    srv.child("kiln:worker").send_signal(signal.SIGKILL)
+    t0 = time.monotonic()
+    code = srv.proc.wait(10)
+    assert code != 0 and time.monotonic() - t0 < 5.0
+    assert _gone(pids, 5.0)
+    assert "worker died (killed by SIGKILL)" in srv.log_tail()
+    srv.stop()
+
+
+def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_model_dir, tmp_path):
+    srv = Server(tiny_model_dir, "--max-total-tokens", "4000", log_path=tmp_path / "log").wait_ready()
+    pids = [p.pid for p in srv.children()]
+    body = {"model": "x", "prompt": "hello", "max_tokens": 200, "temperature": 0.0}
+
+    async def request_then_signal():
+        async with httpx.AsyncClient(timeout=60) as http:
+            task = asyncio.create_task(http.post(srv.url + "/v1/completions", json=body))
+            await asyncio.sleep(0.5)
+            srv.proc.send_signal(signal.SIGTERM)
+            return await task
+
+    resp = asyncio.run(request_then_signal())
+    assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] in ("length", "stop")
+    assert srv.proc.wait(30) == 0
+    assert _gone(pids, 5.0)
+    srv.stop()
+
+
+def test_help_describes_every_flag():
+    import subprocess
+    import sys
+
+    from tests.server import ROOT
+
+    out = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--help"], capture_output=True,
+                         text=True, timeout=60).stdout
+    for flag in ["--model", "--host", "--port", "--max-running-requests", "--chunked-prefill-size",
+                 "--max-prefill-tokens", "--mem-fraction", "--max-total-tokens", "--log-level"]:
+        assert flag in out

@@ -1,0 +1,479 @@
+"""The HTTP API against a scripted engine: shapes, validation, rejections, disconnects,
+and the official openai client against a real uvicorn server."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import threading
+import time
+from typing import Any, Callable, Iterator
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from ipc.messages.to_scheduler import TokenizedRequest
+from tokenizer_proc.fake_engine import (FakeEngine, Script, counting_script, endless_script,
+                                        reject_script, text_script)
+from tokenizer_proc.http_api import create_app
+from tokenizer_proc.manager import TokenizerManager
+from tokenizer_proc.prepare import RequestPreparer
+from tokenizer_proc.server import QuietSignalServer
+from worker_proc.demo_model import ensure_demo_model
+
+MODEL = "demo-tiny"
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+HELLO = [{"role": "user", "content": "hello"}]
+
+
+@pytest.fixture(scope="module")
+def preparer(tmp_path_factory: pytest.TempPathFactory) -> RequestPreparer:
+    path = ensure_demo_model(MODEL, cache_root=tmp_path_factory.mktemp("models"))
+    return RequestPreparer.load(MODEL, str(path))
+
+
+class Api:
+    """An app wired to a fake engine, with a TestClient."""
+
+    def __init__(self, preparer: RequestPreparer, script: Script | None = None,
+                 delay: float = 0.0, stats_timeout: float = 5.0, **engine: Any) -> None:
+        self.engine = FakeEngine(script, delay, **engine)
+        self.manager = TokenizerManager(self.engine, stats_timeout=stats_timeout)
+        self.engine.connect(self.manager)
+        self.app = create_app(self.manager, preparer, {"model_name": MODEL})
+        self.http = TestClient(self.app)
+
+    def request(self) -> TokenizedRequest:
+        (request,) = self.engine.requests()
+        return request
+
+
+@pytest.fixture
+def make_api(preparer: RequestPreparer) -> Callable[..., Api]:
+    return lambda *args, **kwargs: Api(preparer, *args, **kwargs)
+
+
+@pytest.fixture
+def api(make_api: Callable[..., Api]) -> Api:
+    return make_api(text_script(["Hel", "lo", " world"]))
+
+
+def sse_payloads(text: str) -> list[Any]:
+    """The data of each SSE event; '[DONE]' stays a string."""
+    events = [e for e in text.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events), events
+    return [e[6:] if e[6:] == "[DONE]" else json.loads(e[6:]) for e in events]
+
+
+# --- response shapes --------------------------------------------------------------------
+
+
+def test_completion_shape(api: Api) -> None:
+    r = api.http.post(COMPLETIONS, json={"model": MODEL, "prompt": "hi", "max_tokens": 5})
+    assert r.status_code == 200
+    body = r.json()
+    assert body["id"].startswith("cmpl-") and body["object"] == "text_completion"
+    assert body["model"] == MODEL and abs(body["created"] - time.time()) < 60
+    assert body["choices"] == [{"index": 0, "text": "Hello world", "logprobs": None,
+                                "finish_reason": "stop"}]
+    prompt_tokens = len(api.request().input_ids)
+    assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 3,
+                             "total_tokens": prompt_tokens + 3}
+
+
+def test_chat_shape(api: Api) -> None:
+    body = api.http.post(CHAT, json={"model": MODEL, "messages": HELLO}).json()
+    assert body["id"].startswith("chatcmpl-") and body["object"] == "chat.completion"
+    assert body["choices"] == [{"index": 0, "logprobs": None, "finish_reason": "stop",
+                                "message": {"role": "assistant", "content": "Hello world",
+                                            "refusal": None}}]
+    assert body["usage"]["completion_tokens"] == 3
+
+
+def test_completion_stream_with_usage(api: Api) -> None:
+    r = api.http.post(COMPLETIONS, json={"prompt": "hi", "stream": True,
+                                         "stream_options": {"include_usage": True}})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    *chunks, usage, done = sse_payloads(r.text)
+    assert done == "[DONE]"
+    assert [c["choices"][0]["text"] for c in chunks] == ["Hel", "lo", " world", ""]
+    assert [c["choices"][0]["finish_reason"] for c in chunks] == [None, None, None, "stop"]
+    assert all(c["object"] == "text_completion" and c["usage"] is None for c in chunks)
+    assert len({c["id"] for c in chunks + [usage]}) == 1
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
+
+
+def test_chat_stream_without_usage(api: Api) -> None:
+    r = api.http.post(CHAT, json={"messages": HELLO, "stream": True})
+    *chunks, done = sse_payloads(r.text)
+    assert done == "[DONE]"
+    assert all(c["object"] == "chat.completion.chunk" and "usage" not in c for c in chunks)
+    deltas = [c["choices"][0]["delta"] for c in chunks]
+    assert deltas == [{"role": "assistant", "content": ""}, {"content": "Hel"},
+                      {"content": "lo"}, {"content": " world"}, {}]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+
+
+def test_chat_stream_with_usage(api: Api) -> None:
+    r = api.http.post(CHAT, json={"messages": HELLO, "stream": True,
+                                  "stream_options": {"include_usage": True}})
+    *chunks, usage, done = sse_payloads(r.text)
+    assert all(c["usage"] is None for c in chunks) and done == "[DONE]"
+    assert usage["object"] == "chat.completion.chunk" and usage["choices"] == []
+    prompt_tokens = len(api.request().input_ids)
+    assert usage["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 3,
+                              "total_tokens": prompt_tokens + 3}
+
+
+def test_length_finish_passes_through(make_api: Callable[..., Api]) -> None:
+    api = make_api(counting_script(length=10))
+    body = api.http.post(COMPLETIONS, json={"prompt": "hi", "max_tokens": 2}).json()
+    assert body["choices"][0]["text"] == " w0 w1"
+    assert body["choices"][0]["finish_reason"] == "length"
+
+
+# --- conversion to the engine's request -------------------------------------------------
+
+
+@pytest.mark.parametrize("prompt", ["hello world", ["hello world"]])
+def test_text_prompt_is_tokenized(api: Api, preparer: RequestPreparer, prompt: Any) -> None:
+    api.http.post(COMPLETIONS, json={"prompt": prompt})
+    assert api.request().input_ids == preparer.text_ids("hello world", "prompt")
+
+
+@pytest.mark.parametrize("prompt", [[5, 6, 7], [[5, 6, 7]]])
+def test_token_prompt_passes_through(api: Api, prompt: Any) -> None:
+    api.http.post(COMPLETIONS, json={"prompt": prompt})
+    assert api.request().input_ids == [5, 6, 7]
+
+
+def test_sampling_and_eos_reach_the_engine(api: Api, preparer: RequestPreparer) -> None:
+    api.http.post(COMPLETIONS, json={"prompt": "x", "max_tokens": 7, "temperature": 0,
+                                     "top_p": 0.5, "top_k": -1, "seed": 42,
+                                     "skip_special_tokens": False})
+    request = api.request()
+    s = request.sampling
+    assert (s.max_new_tokens, s.temperature, s.top_p, s.top_k, s.seed) == (7, 0.0, 0.5, 0, 42)
+    assert s.greedy and not request.skip_special_tokens
+    assert request.stop_token_ids == list(preparer.info.eos_token_ids) == [1, 3]
+
+
+def test_sampling_defaults(api: Api, preparer: RequestPreparer) -> None:
+    api.http.post(COMPLETIONS, json={"prompt": "x"})
+    api.http.post(CHAT, json={"messages": HELLO})
+    api.http.post(CHAT, json={"messages": HELLO, "max_tokens": 9, "max_completion_tokens": 4})
+    completion, chat, chat_limited = api.engine.requests()
+    assert completion.sampling.max_new_tokens == 16
+    assert (completion.sampling.temperature, completion.sampling.top_p) == (1.0, 1.0)
+    assert completion.sampling.top_k == 0 and completion.sampling.seed is None
+    room = preparer.info.context_len - len(chat.input_ids)
+    assert chat.sampling.max_new_tokens == room
+    assert chat_limited.sampling.max_new_tokens == 4  # max_completion_tokens wins
+
+
+def test_chat_template_and_text_parts(api: Api, preparer: RequestPreparer) -> None:
+    parts = [{"type": "text", "text": "hel"}, {"type": "text", "text": "lo"}]
+    api.http.post(CHAT, json={"messages": [{"role": "system", "content": "be brief"},
+                                           {"role": "user", "content": parts}]})
+    expected = ("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhel\nlo<|im_end|>\n"
+                "<|im_start|>assistant\n")
+    assert api.request().input_ids == preparer.text_ids(expected, "messages")
+
+
+def test_completion_default_shrinks_to_the_room_left(api: Api,
+                                                     preparer: RequestPreparer) -> None:
+    ctx = preparer.info.context_len
+    api.http.post(COMPLETIONS, json={"prompt": [5] * (ctx - 3)})
+    assert api.request().sampling.max_new_tokens == 3
+
+
+# --- refusals ---------------------------------------------------------------------------
+
+ERROR_CASES = [
+    (COMPLETIONS, {}, "prompt"),
+    (COMPLETIONS, {"prompt": ""}, "prompt"),
+    (COMPLETIONS, {"prompt": []}, "prompt"),
+    (COMPLETIONS, {"prompt": [[]]}, "prompt"),
+    (COMPLETIONS, {"prompt": ["a", "b"]}, "prompt"),
+    (COMPLETIONS, {"prompt": 5}, "prompt"),
+    (COMPLETIONS, {"prompt": [1, "a"]}, "prompt"),
+    (COMPLETIONS, {"prompt": [1, 99999]}, "prompt"),
+    (COMPLETIONS, {"prompt": [-1]}, "prompt"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 0}, "max_tokens"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": "5"}, "max_tokens"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 2.5}, "max_tokens"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 100000}, "max_tokens"),
+    (COMPLETIONS, {"prompt": [5] * 5000}, "prompt"),
+    (COMPLETIONS, {"prompt": "x", "temperature": -0.1}, "temperature"),
+    (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, "temperature"),
+    (COMPLETIONS, {"prompt": "x", "top_p": 0}, "top_p"),
+    (COMPLETIONS, {"prompt": "x", "top_p": 1.5}, "top_p"),
+    (COMPLETIONS, {"prompt": "x", "top_k": -2}, "top_k"),
+    (COMPLETIONS, {"prompt": "x", "seed": -1}, "seed"),
+    (COMPLETIONS, {"prompt": "x", "stream": "yes"}, "stream"),
+    (COMPLETIONS, {"prompt": "x", "stream_options": {"include_usage": True}}, "stream_options"),
+    (COMPLETIONS, {"prompt": "x", "stream": True, "stream_options": {"bogus": 1}},
+     "stream_options.bogus"),
+    (COMPLETIONS, {"prompt": "x", "frobnicate": 1}, "frobnicate"),
+    (CHAT, {}, "messages"),
+    (CHAT, {"messages": []}, "messages"),
+    (CHAT, {"messages": "hello"}, "messages"),
+    (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    (CHAT, {"messages": [{"content": "x"}]}, "messages[0].role"),
+    (CHAT, {"messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url",
+                                                        "image_url": {"url": "x"}}]}]},
+     "messages[0].content[0]"),
+    (CHAT, {"messages": [{"role": "user", "content": "x", "mood": "sad"}]},
+     "messages[0].mood"),
+    (CHAT, {"messages": [{"role": "user", "content": [{"type": "text"}]}]},
+     "messages[0].content[0].text"),
+    (CHAT, {"messages": HELLO, "max_completion_tokens": 0}, "max_completion_tokens"),
+    (CHAT, {"messages": HELLO, "max_tokens": 5000}, "max_tokens"),
+    (CHAT, {"messages": [{"role": "user", "content": "word " * 5000}]}, "messages"),
+]
+
+
+@pytest.mark.parametrize(("path", "body", "param"), ERROR_CASES)
+def test_invalid_request_is_400_naming_the_param(api: Api, path: str, body: dict[str, Any],
+                                                 param: str) -> None:
+    r = api.http.post(path, json=body)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+    assert error["message"] and set(error) == {"message", "type", "param", "code"}
+    assert api.engine.requests() == []
+
+
+@pytest.mark.parametrize("raw", [b"", b"{not json", b"[1, 2]", b'"text"', b"null",
+                                 b"\xff\xfe"])
+def test_malformed_body_is_400(api: Api, raw: bytes) -> None:
+    for path in (COMPLETIONS, CHAT):
+        r = api.http.post(path, content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_body_without_json_content_type_is_accepted(api: Api) -> None:
+    # curl -d sends application/x-www-form-urlencoded.
+    r = api.http.post(COMPLETIONS, content=b'{"prompt": "hi"}',
+                      headers={"content-type": "application/x-www-form-urlencoded"})
+    assert r.status_code == 200
+
+
+def test_any_model_name_is_served_by_the_one_model(api: Api) -> None:
+    r = api.http.post(COMPLETIONS, json={"model": "gpt-9", "prompt": "x"})
+    assert r.status_code == 200 and r.json()["model"] == MODEL
+
+
+def test_unknown_route_has_an_openai_error_body(api: Api) -> None:
+    r = api.http.get("/v1/nothing")
+    assert r.status_code == 404 and "message" in r.json()["error"]
+
+
+UNSUPPORTED = [
+    (COMPLETIONS, "n", 2, 1), (COMPLETIONS, "best_of", 3, 1), (COMPLETIONS, "echo", True, False),
+    (COMPLETIONS, "logprobs", 0, None), (COMPLETIONS, "suffix", "end", ""),
+    (COMPLETIONS, "stop", ["\n"], None), (COMPLETIONS, "stop", "\n", []),
+    (COMPLETIONS, "presence_penalty", 0.5, 0.0), (COMPLETIONS, "frequency_penalty", 1, 0),
+    (COMPLETIONS, "repetition_penalty", 1.2, 1.0), (COMPLETIONS, "logit_bias", {"5": 1.0}, {}),
+    (COMPLETIONS, "min_p", 0.1, 0.0), (COMPLETIONS, "ignore_eos", True, False),
+    (COMPLETIONS, "min_tokens", 3, 0), (COMPLETIONS, "stop_token_ids", [2], []),
+    (CHAT, "n", 2, 1), (CHAT, "logprobs", True, False), (CHAT, "top_logprobs", 2, 0),
+    (CHAT, "response_format", {"type": "json_object"}, {"type": "text"}),
+    (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}], []),
+    (CHAT, "tool_choice", "required", "auto"), (CHAT, "stop", ["x"], None),
+]
+
+
+@pytest.mark.parametrize(("path", "name", "value", "default"), UNSUPPORTED)
+def test_unsupported_parameter_refused_unless_default(api: Api, path: str, name: str,
+                                                      value: Any, default: Any) -> None:
+    base = {"prompt": "x"} if path == COMPLETIONS else {"messages": HELLO}
+    r = api.http.post(path, json={**base, name: value})
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["param"] == name and error["code"] == "unsupported_parameter"
+    assert name in error["message"]
+    assert api.http.post(path, json={**base, name: default}).status_code == 200
+
+
+def test_metadata_fields_are_accepted(api: Api) -> None:
+    r = api.http.post(CHAT, json={"messages": HELLO, "user": "u1", "store": False,
+                                  "metadata": {"k": "v"}, "parallel_tool_calls": True})
+    assert r.status_code == 200
+
+
+# --- engine-side errors -----------------------------------------------------------------
+
+KV_FULL = "request needs more KV slots than the server has"
+
+
+@pytest.mark.parametrize("path", [COMPLETIONS, CHAT])
+@pytest.mark.parametrize("stream", [False, True])
+def test_engine_rejection_is_400(make_api: Callable[..., Api], path: str, stream: bool) -> None:
+    api = make_api(reject_script(KV_FULL))
+    base = {"prompt": "x"} if path == COMPLETIONS else {"messages": HELLO}
+    r = api.http.post(path, json={**base, "stream": stream})
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == KV_FULL
+    assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_engine_error_mid_stream_is_an_error_event(make_api: Callable[..., Api]) -> None:
+    def script(request: TokenizedRequest) -> list[Any]:
+        first = text_script(["a"])(request)[0]
+        failed = reject_script("worker failed")(request)[0]
+        return [type(first)(rid=first.rid, text="a", token_ids=[10]), failed]
+
+    api = make_api(script)
+    r = api.http.post(COMPLETIONS, json={"prompt": "x", "stream": True})
+    *events, done = sse_payloads(r.text)
+    assert done == "[DONE]" and events[-1]["error"]["message"] == "worker failed"
+
+
+# --- aborts -----------------------------------------------------------------------------
+
+
+async def _call_asgi(app: FastAPI, path: str, body: dict[str, Any],
+                     disconnect_after: float) -> list[dict[str, Any]]:
+    """Drive the app directly: the client disconnects `disconnect_after` seconds in."""
+    raw = json.dumps(body).encode()
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": path, "raw_path": path.encode(),
+             "query_string": b"", "root_path": "", "server": ("test", 80),
+             "client": ("test", 1), "headers": [(b"content-type", b"application/json")]}
+    messages = [{"type": "http.request", "body": raw, "more_body": False}]
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        if messages:
+            return messages.pop()
+        await asyncio.sleep(disconnect_after)
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    await asyncio.wait_for(app(scope, receive, send), 5)
+    return sent
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_disconnect_aborts_the_request(make_api: Callable[..., Api], stream: bool) -> None:
+    api = make_api(endless_script(pieces=1))
+    sent = asyncio.run(_call_asgi(api.app, COMPLETIONS, {"prompt": "x", "stream": stream},
+                                  disconnect_after=0.2))
+    (request,) = api.engine.requests()
+    assert api.engine.aborted() == [request.rid]
+    assert api.manager.in_flight == 0
+    if stream:  # headers went out with the first output, before the disconnect
+        assert sent[0]["status"] == 200
+
+
+def test_finished_request_is_not_aborted(api: Api) -> None:
+    api.http.post(COMPLETIONS, json={"prompt": "x", "stream": True})
+    api.http.post(COMPLETIONS, json={"prompt": "x"})
+    assert api.engine.aborted() == [] and api.manager.in_flight == 0
+
+
+# --- other routes -----------------------------------------------------------------------
+
+
+def test_models_health_and_server_info(api: Api, preparer: RequestPreparer) -> None:
+    models = api.http.get("/v1/models").json()
+    assert models["object"] == "list"
+    (card,) = models["data"]
+    assert card["id"] == MODEL and card["object"] == "model"
+    assert card["max_model_len"] == preparer.info.context_len
+    assert api.http.get("/health").status_code == 200
+    info = api.http.get("/get_server_info").json()
+    assert info["model_name"] == MODEL and info["scheduler"]["capacity_slots"] == 1024
+
+
+def test_server_info_without_scheduler_answer_is_503(make_api: Callable[..., Api]) -> None:
+    api = make_api(stats=None, stats_timeout=0.1)
+    r = api.http.get("/get_server_info")
+    assert r.status_code == 503 and r.json()["error"]["type"] == "server_error"
+
+
+# --- a real server and the official openai client ---------------------------------------
+
+
+@contextlib.contextmanager
+def serving(app: FastAPI) -> Iterator[str]:
+    """Run the app on uvicorn in a thread, on an ephemeral port of 127.0.0.1."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = QuietSignalServer(uvicorn.Config(app, log_config=None, lifespan="off"))
+    thread = threading.Thread(target=asyncio.run, args=(server.serve(sockets=[sock]),))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while not server.started and time.monotonic() < deadline:
+            time.sleep(0.01)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+@pytest.fixture
+def live(make_api: Callable[..., Api]) -> Iterator[tuple[Api, openai.OpenAI]]:
+    api = make_api(text_script(["Hel", "lo", " world"]), delay=0.01)
+    with serving(api.app) as url:
+        yield api, openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+
+def test_openai_client_completions(live: tuple[Api, openai.OpenAI]) -> None:
+    _, client = live
+    result = client.completions.create(model=MODEL, prompt="hi", max_tokens=5)
+    assert result.choices[0].text == "Hello world"
+    assert result.choices[0].finish_reason == "stop" and result.usage.completion_tokens == 3
+    chunks = list(client.completions.create(model=MODEL, prompt="hi", stream=True,
+                                            stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == "Hello world"
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == 3
+
+
+def test_openai_client_chat(live: tuple[Api, openai.OpenAI]) -> None:
+    _, client = live
+    result = client.chat.completions.create(model=MODEL, messages=HELLO, temperature=0)
+    assert result.choices[0].message.content == "Hello world"
+    assert result.choices[0].message.role == "assistant"
+    stream = client.chat.completions.create(model=MODEL, messages=HELLO, stream=True)
+    chunks = list(stream)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == "Hello world"
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_openai_client_sees_errors(live: tuple[Api, openai.OpenAI]) -> None:
+    _, client = live
+    with pytest.raises(openai.BadRequestError) as info:
+        client.completions.create(model=MODEL, prompt="hi", n=2)
+    assert info.value.code == "unsupported_parameter"
+    with pytest.raises(openai.BadRequestError) as info:
+        client.chat.completions.create(model=MODEL, messages=[])
+    assert info.value.param == "messages"
+
+
+def test_real_disconnect_mid_stream_aborts(make_api: Callable[..., Api]) -> None:
+    api = make_api(endless_script(pieces=2), delay=0.01)
+    with serving(api.app) as url:
+        with httpx.stream("POST", f"{url}{COMPLETIONS}",
+                          json={"prompt": "x", "stream": True}) as r:
+            assert r.status_code == 200
+            next(r.iter_lines())
+        deadline = time.monotonic() + 5
+        while not api.engine.aborted() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert api.engine.aborted() == [api.request().rid]

@@ -1,0 +1,39 @@
+"""The front process: HTTP (OpenAI API) and ZMQ clients in, tokenized requests out.
+
+Layout: `protocol` (request bodies), `prepare` (validation, chat template, tokenization),
+`manager` (request ids, output routing, aborts, stats), `responses` (OpenAI shapes),
+`http_api` (FastAPI routes), `client_front` (ZMQ clients), `server` (sockets, uvicorn,
+signals), `fake_engine` (scripted engine for tests).
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+from ipc.config import ServerConfig
+from ipc.process import setup_child
+
+logger = logging.getLogger(__name__)
+
+
+def run_tokenizer(config: ServerConfig) -> None:
+    """Process entry: load the tokenizer, serve until SIGTERM, exit 0."""
+    reporter = setup_child(config, "tokenizer")
+    # Until the event loop takes SIGTERM over, a shutdown during loading is a clean exit.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    # Imported here so that importing the package (the launcher does) stays cheap.
+    import uvloop
+
+    from tokenizer_proc.prepare import RequestPreparer
+    from tokenizer_proc.server import TokenizerServer
+
+    model_path = config.model_path or config.model
+    reporter.progress(f"loading tokenizer from {model_path}")
+    preparer = RequestPreparer.load(config.model_name, model_path)
+    info = preparer.info
+    logger.info("model %s: context %d tokens, vocab %d, eos ids %s", info.name,
+                info.context_len, info.vocab_size, list(info.eos_token_ids))
+    server = TokenizerServer(config, preparer)
+    uvloop.run(server.run(reporter.ready))

@@ -1,0 +1,131 @@
+"""The programmatic-client front: `ipc.client` requests in, `GenerateOutput`s out.
+
+Pure logic like the HTTP layer: replies go through a `reply(identity, message)`
+coroutine, so tests run it without sockets. Client request ids are only unique per
+client, so requests are keyed by (client identity, request id) and get an internal rid.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Awaitable, Callable
+
+from ipc.messages.client import (AbortGenerate, ClientToServer, GenerateOutput,
+                                 GenerateRequest, ServerToClient, StatsQuery, StatsResult)
+from ipc.messages.to_tokenizer import TextOutput
+from tokenizer_proc.errors import RequestError
+from tokenizer_proc.manager import (RequestStream, StatsUnavailable, TokenizerManager,
+                                    new_id)
+from tokenizer_proc.prepare import RequestPreparer
+
+logger = logging.getLogger(__name__)
+
+Reply = Callable[[bytes, ServerToClient], Awaitable[None]]
+_Key = tuple[bytes, str]
+
+
+class ClientFront:
+    """Serves GenerateRequest / AbortGenerate / StatsQuery from many clients at once."""
+
+    def __init__(self, manager: TokenizerManager, preparer: RequestPreparer,
+                 reply: Reply) -> None:
+        self._manager = manager
+        self._preparer = preparer
+        self._reply = reply
+        self._active: dict[_Key, RequestStream] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.accepting = True
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._active)
+
+    async def handle(self, identity: bytes, message: ClientToServer) -> None:
+        """Act on one client message; never blocks on a generation."""
+        if isinstance(message, GenerateRequest):
+            await self._start(identity, message)
+        elif isinstance(message, AbortGenerate):
+            self._abort(identity, message.request_id)
+        elif isinstance(message, StatsQuery):
+            self._spawn(self._stats(identity, message.request_id))
+
+    async def wait_replies(self) -> None:
+        """Wait until every generation task has sent its last reply (shutdown)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def _start(self, identity: bytes, message: GenerateRequest) -> None:
+        key = (identity, message.request_id)
+        try:
+            stream = await self._submit(key, message)
+        except RequestError as exc:
+            await self._reply(identity, _error(message.request_id, exc.message))
+            return
+        self._active[key] = stream
+        self._spawn(self._pump(key, message.stream, stream))
+
+    async def _submit(self, key: _Key, message: GenerateRequest) -> RequestStream:
+        if not self.accepting:
+            raise RequestError("The server is shutting down.")
+        if key in self._active:
+            raise RequestError(f"Request id {message.request_id!r} is already in flight.")
+        tokenized = self._preparer.generate(message, new_id("zmq"))
+        return await self._manager.submit(tokenized)
+
+    async def _pump(self, key: _Key, streaming: bool, stream: RequestStream) -> None:
+        identity, request_id = key
+        try:
+            if streaming:
+                await self._send_deltas(identity, request_id, stream)
+            else:
+                result = await stream.collect()
+                await self._reply(identity, GenerateOutput(
+                    request_id=request_id, text=result.text, token_ids=result.token_ids,
+                    finished=True, finish_reason=result.finish_reason, usage=result.usage,
+                    error=result.error))
+        finally:
+            del self._active[key]
+            stream.close()
+
+    async def _send_deltas(self, identity: bytes, request_id: str,
+                           stream: RequestStream) -> None:
+        while not stream.done:
+            output = await stream.next()
+            await self._reply(identity, _delta(request_id, output, stream))
+
+    def _abort(self, identity: bytes, request_id: str) -> None:
+        # The stream then yields a final "abort" output, which its pump relays.
+        stream = self._active.get((identity, request_id))
+        if stream is not None:
+            stream.close()
+
+    async def _stats(self, identity: bytes, request_id: str) -> None:
+        try:
+            stats = await self._manager.query_stats()
+        except StatsUnavailable as exc:
+            await self._reply(identity, StatsResult(request_id=request_id, error=str(exc)))
+            return
+        await self._reply(identity, StatsResult(request_id=request_id, stats=stats))
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("client request task failed", exc_info=task.exception())
+
+
+def _error(request_id: str, message: str) -> GenerateOutput:
+    return GenerateOutput(request_id=request_id, text="", token_ids=[], finished=True,
+                          error=message)
+
+
+def _delta(request_id: str, output: TextOutput, stream: RequestStream) -> GenerateOutput:
+    return GenerateOutput(request_id=request_id, text=output.text, token_ids=output.token_ids,
+                          finished=stream.done, finish_reason=output.finish_reason,
+                          usage=stream.usage(output) if stream.done else None,
+                          error=output.error)

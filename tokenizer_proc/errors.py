@@ -1,0 +1,80 @@
+"""Request errors and their OpenAI-style JSON body.
+
+Every refusal the front makes (HTTP or ZMQ) is a `RequestError`; the HTTP layer turns it
+into `{"error": {"message", "type", "param", "code"}}` with its status code.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+INVALID_REQUEST = "invalid_request_error"
+
+
+@dataclass
+class RequestError(Exception):
+    """A request the server refuses; `param` names the offending field when there is one."""
+
+    message: str
+    param: str | None = None
+    code: str | None = None
+    status: int = 400
+    type: str = INVALID_REQUEST
+
+    def __str__(self) -> str:
+        return self.message
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def error_body(message: str, type_: str = INVALID_REQUEST, param: str | None = None,
+               code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# Pydantic puts union-member tags ("str", "list[int]", "TextPart") into error locations;
+# they are not field names, so they are dropped from the reported parameter path.
+_FIELD_NAME = re.compile(r"^[a-z_][a-z0-9_]*$")
+_TYPE_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def param_path(loc: Sequence[int | str]) -> str | None:
+    """OpenAI-style parameter path ("messages[0].content") from a pydantic location."""
+    path = ""
+    for part in loc:
+        if isinstance(part, int):
+            path += f"[{part}]"
+        elif _FIELD_NAME.match(part) and part not in _TYPE_TAGS:
+            path += f".{part}" if path else part
+    return path or None
+
+
+def from_validation_errors(errors: Sequence[dict[str, Any]]) -> RequestError:
+    """One RequestError summing up pydantic errors (locations relative to the body)."""
+    extra = [param_path(e["loc"]) for e in errors if e["type"] == "extra_forbidden"]
+    if extra:
+        names = ", ".join(str(name) for name in extra)
+        return RequestError(f"Unrecognized request argument supplied: {names}",
+                            param=extra[0], code="unrecognized_argument")
+    # Our own validators' messages say the most; after them, the error that got deepest
+    # (in a union, the alternative the client most likely meant).
+    first = max(errors, key=lambda e: (e["type"] == "value_error", len(e["loc"])))
+    param = param_path(first["loc"])
+    if first["type"] == "missing":
+        return RequestError(f"Missing required parameter: '{param}'.", param=param,
+                            code="missing_required_parameter")
+    if param is None:
+        return RequestError(_strip_value_error(str(first["msg"])))
+    # A value matching none of a union's types fails once per alternative, same place.
+    alternatives = [_strip_value_error(str(e["msg"])) for e in errors
+                    if param_path(e["loc"]) == param]
+    return RequestError(f"Invalid value for '{param}': {'; or '.join(alternatives)}",
+                        param=param, code="invalid_value")
+
+
+def _strip_value_error(msg: str) -> str:
+    # Our own validators raise ValueError; pydantic prefixes their text with this.
+    return msg.removeprefix("Value error, ")

@@ -1,0 +1,245 @@
+"""The HTTP API: OpenAI completions and chat completions, models, health, server info.
+
+A thin layer: bodies are parsed and validated here, turned into requests by
+`RequestPreparer`, run through `TokenizerManager`, and shaped by `responses`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from typing import Any, AsyncIterator, Awaitable, Mapping, TypeVar
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import Receive, Scope, Send
+
+from ipc.messages.to_scheduler import TokenizedRequest
+from ipc.messages.to_tokenizer import TextOutput
+from tokenizer_proc.errors import RequestError, error_body, from_validation_errors
+from tokenizer_proc.manager import RequestStream, StatsUnavailable, TokenizerManager, new_id
+from tokenizer_proc.prepare import RequestPreparer
+from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
+from tokenizer_proc.responses import DONE, ChatFormat, CompletionFormat, ResponseFormat, sse
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+M = TypeVar("M", bound=BaseModel)
+
+_SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# nginx's code for "client closed request": nobody reads it, but access logs show it.
+_CLIENT_CLOSED = 499
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected before its response was ready."""
+
+
+def create_app(manager: TokenizerManager, preparer: RequestPreparer,
+               facts: Mapping[str, Any] | None = None) -> FastAPI:
+    """The FastAPI app; `facts` are config details shown by /get_server_info."""
+    app = FastAPI(title="kiln", docs_url="/docs", redoc_url=None)
+    routes = ApiRoutes(manager, preparer, dict(facts or {}))
+    routes.install(app)
+    install_error_handlers(app)
+    return app
+
+
+class ApiRoutes:
+    """The route handlers; state lives in the manager and the preparer."""
+
+    def __init__(self, manager: TokenizerManager, preparer: RequestPreparer,
+                 facts: dict[str, Any]) -> None:
+        self._manager = manager
+        self._preparer = preparer
+        self._facts = facts
+        self._started = int(time.time())
+
+    def install(self, app: FastAPI) -> None:
+        app.add_api_route("/v1/completions", self.completions, methods=["POST"])
+        app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
+        app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/health", self.health, methods=["GET"])
+        app.add_api_route("/get_server_info", self.server_info, methods=["GET"])
+
+    async def completions(self, request: Request) -> Response:
+        body = _parse(CompletionRequest, await _read_json(request))
+        rid = new_id("cmpl")
+        fmt = CompletionFormat(rid, self._preparer.info.name, _include_usage(body))
+        return await self._generate(request, self._preparer.completion(body, rid), fmt,
+                                    body.stream)
+
+    async def chat_completions(self, request: Request) -> Response:
+        body = _parse(ChatCompletionRequest, await _read_json(request))
+        rid = new_id("chatcmpl")
+        fmt = ChatFormat(rid, self._preparer.info.name, _include_usage(body))
+        return await self._generate(request, self._preparer.chat(body, rid), fmt, body.stream)
+
+    async def models(self) -> dict[str, Any]:
+        info = self._preparer.info
+        card = {"id": info.name, "object": "model", "created": self._started,
+                "owned_by": "kiln", "root": info.path, "max_model_len": info.context_len}
+        return {"object": "list", "data": [card]}
+
+    async def health(self) -> Response:
+        return Response(status_code=200)
+
+    async def server_info(self) -> dict[str, Any]:
+        stats = await self._manager.query_stats()
+        fields = {name: getattr(stats, name) for name in stats.__struct_fields__}
+        return {**self._facts, "in_flight_requests": self._manager.in_flight,
+                "scheduler": fields}
+
+    async def _generate(self, request: Request, tokenized: TokenizedRequest,
+                        fmt: ResponseFormat, streaming: bool) -> Response:
+        stream = await self._manager.submit(tokenized)
+        try:
+            # Even a streamed response waits for the first output before its headers go
+            # out, so an engine rejection can still be a proper 400.
+            first = await _until_disconnect(request, stream.next())
+            _raise_engine_error(first.error)
+            if streaming:
+                return _EventStream(_events(stream, first, fmt), stream)
+            result = await _until_disconnect(request, stream.collect(first))
+        except BaseException:
+            stream.close()
+            raise
+        _raise_engine_error(result.error)
+        return JSONResponse(fmt.response(result))
+
+
+class _EventStream(StreamingResponse):
+    """SSE response that aborts its request however the response ends (disconnect too)."""
+
+    def __init__(self, events: AsyncIterator[str], stream: RequestStream) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=_SSE_HEADERS)
+        self._stream = stream
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._stream.close()
+
+
+async def _events(stream: RequestStream, first: TextOutput,
+                  fmt: ResponseFormat) -> AsyncIterator[str]:
+    for chunk in fmt.opening():
+        yield sse(chunk)
+    output = first
+    while True:
+        if output.error is not None:
+            # Headers are gone; OpenAI clients raise on a chunk carrying "error".
+            yield sse(error_body(output.error))
+            break
+        if output.text:
+            yield sse(fmt.text_chunk(output.text))
+        if output.finished:
+            yield sse(fmt.finish_chunk(output.finish_reason))
+            if fmt.include_usage:
+                yield sse(fmt.usage_chunk(stream.usage(output)))
+            break
+        output = await stream.next()
+    yield DONE
+
+
+async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await work, unless the client disconnects first (then ClientGone)."""
+    work_task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({work_task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+        work_task.cancel()  # no-op when done
+    if work_task.done() and not work_task.cancelled():
+        return work_task.result()
+    raise ClientGone()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    # The body is already read, so the only message left to come is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+async def _read_json(request: Request) -> Any:
+    # Parsed by hand rather than by FastAPI so that any content type is accepted (curl -d
+    # sends a form type) and malformed JSON gets a message of our own.
+    raw = await request.body()
+    if not raw.strip():
+        raise RequestError("The request body is empty; send a JSON object.")
+    try:
+        data = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise RequestError(f"The request body is not valid JSON: {exc}",
+                           code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise RequestError("The request body must be a JSON object.", code="invalid_json")
+    return data
+
+
+def _parse(model: type[M], data: dict[str, Any]) -> M:
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise from_validation_errors(exc.errors()) from None
+
+
+def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
+    return bool(body.stream and body.stream_options and body.stream_options.include_usage)
+
+
+def _raise_engine_error(error: str | None) -> None:
+    if error is not None:
+        raise RequestError(error, code="engine_rejected")
+
+
+# --- error handlers ------------------------------------------------------------------
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    """Every failure answers with an OpenAI error body; validation failures are 400s."""
+    app.add_exception_handler(RequestError, _on_request_error)
+    app.add_exception_handler(RequestValidationError, _on_validation_error)
+    app.add_exception_handler(StarletteHTTPException, _on_http_error)
+    app.add_exception_handler(ClientGone, _on_client_gone)
+    app.add_exception_handler(StatsUnavailable, _on_stats_unavailable)
+    app.add_exception_handler(Exception, _on_unexpected)
+
+
+async def _on_request_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestError)
+    return JSONResponse(exc.body(), status_code=exc.status)
+
+
+async def _on_validation_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, RequestValidationError)
+    # FastAPI prefixes locations with "body"/"query"; our params are body-relative.
+    errors = [{**e, "loc": tuple(e["loc"])[1:]} for e in exc.errors()]
+    return await _on_request_error(request, from_validation_errors(errors))
+
+
+async def _on_http_error(request: Request, exc: Exception) -> Response:
+    assert isinstance(exc, StarletteHTTPException)
+    return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code,
+                        headers=exc.headers)
+
+
+async def _on_client_gone(request: Request, exc: Exception) -> Response:
+    return Response(status_code=_CLIENT_CLOSED)
+
+
+async def _on_stats_unavailable(request: Request, exc: Exception) -> Response:
+    return JSONResponse(error_body(str(exc), "server_error"), status_code=503)
+
+
+async def _on_unexpected(request: Request, exc: Exception) -> Response:
+    logger.exception("unexpected error serving %s", request.url.path, exc_info=exc)
+    return JSONResponse(error_body("Internal server error.", "server_error"), status_code=500)

@@ -1,0 +1,212 @@
+"""Request bookkeeping of the front process: ids, output routing, aborts, stats queries.
+
+No sockets here: the engine is anything with `async send(message)`, and outputs come in
+through `on_message`, so tests drive the manager with a fake engine.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from ipc.messages.common import SchedulerStats, Usage
+from ipc.messages.to_scheduler import AbortRequest, GetStats, TokenizedRequest
+from ipc.messages.to_tokenizer import BatchText, StatsReply, TextOutput, TokenizerMessage
+
+logger = logging.getLogger(__name__)
+
+ABORT = "abort"
+
+
+class EngineLink(Protocol):
+    """Where requests go: the scheduler's socket in production, a fake in tests."""
+
+    async def send(self, message: TokenizedRequest | AbortRequest | GetStats) -> None: ...
+
+
+class StatsUnavailable(Exception):
+    """The scheduler did not answer a stats query in time."""
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def is_terminal(output: TextOutput) -> bool:
+    return output.finished or output.error is not None
+
+
+@dataclass
+class Collected:
+    """A whole generation, folded from its outputs."""
+
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    usage: Usage
+    error: str | None = None
+
+
+class RequestStream:
+    """The outputs of one submitted request, in order, up to its terminal output."""
+
+    def __init__(self, manager: "TokenizerManager", request: TokenizedRequest,
+                 queue: asyncio.Queue[TextOutput]) -> None:
+        self.rid = request.rid
+        self.prompt_tokens = len(request.input_ids)
+        self.completion_tokens = 0
+        self.done = False
+        self._manager = manager
+        self._queue = queue
+
+    async def next(self) -> TextOutput:
+        """The next output; after the terminal one, `done` is set and nothing more comes."""
+        output = await self._queue.get()
+        self.completion_tokens += len(output.token_ids)
+        self.done = is_terminal(output)
+        return output
+
+    def usage(self, last: TextOutput) -> Usage:
+        """The engine's usage from the terminal output, else what this stream counted."""
+        return last.usage or Usage(prompt_tokens=self.prompt_tokens,
+                                   completion_tokens=self.completion_tokens)
+
+    async def collect(self, first: TextOutput | None = None) -> Collected:
+        """Wait for the end and fold every output into one result."""
+        outputs = [first] if first is not None else []
+        while not (outputs and is_terminal(outputs[-1])):
+            outputs.append(await self.next())
+        return self._fold(outputs)
+
+    def close(self) -> None:
+        """Abort the request unless it already ended; safe to call any number of times.
+
+        Synchronous on purpose: it runs in `finally` blocks of cancelled tasks, where an
+        await would be cancelled again.
+        """
+        # NOTE: `done` stays False until the final "abort" output is read, so a reader
+        # still relays that output; the manager ignores an abort of an ended request.
+        if not self.done:
+            self._manager.abort(self.rid)
+
+    def _fold(self, outputs: list[TextOutput]) -> Collected:
+        last = outputs[-1]
+        return Collected(text="".join(o.text for o in outputs),
+                         token_ids=[t for o in outputs for t in o.token_ids],
+                         finish_reason=last.finish_reason, usage=self.usage(last),
+                         error=last.error)
+
+
+@dataclass
+class TokenizerManager:
+    """Tracks every request in flight and routes the engine's outputs to its waiter."""
+
+    engine: EngineLink
+    stats_timeout: float = 10.0
+    _queues: dict[str, asyncio.Queue[TextOutput]] = field(default_factory=dict)
+    _stats: dict[str, asyncio.Future[SchedulerStats]] = field(default_factory=dict)
+    _background: set[asyncio.Task[None]] = field(default_factory=set)
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._queues)
+
+    def rids(self) -> list[str]:
+        return list(self._queues)
+
+    async def submit(self, request: TokenizedRequest) -> RequestStream:
+        """Register the request (before sending: outputs may come back at once) and send it."""
+        if request.rid in self._queues:
+            raise ValueError(f"request id {request.rid} is already in flight")
+        queue: asyncio.Queue[TextOutput] = asyncio.Queue()
+        self._queues[request.rid] = queue
+        try:
+            await self.engine.send(request)
+        except BaseException:
+            del self._queues[request.rid]
+            raise
+        return RequestStream(self, request, queue)
+
+    def on_message(self, message: TokenizerMessage) -> None:
+        """Route what the detokenizer sent: text outputs to their streams, stats replies."""
+        if isinstance(message, BatchText):
+            for output in message.outputs:
+                self._route(output)
+        elif isinstance(message, StatsReply):
+            self._answer_stats(message)
+
+    def _route(self, output: TextOutput) -> None:
+        queue = self._queues.get(output.rid)
+        if queue is None:
+            # Normal after an abort: the engine may have been mid-step.
+            logger.debug("dropped an output of unknown or finished request %s", output.rid)
+            return
+        if is_terminal(output):
+            del self._queues[output.rid]
+        queue.put_nowait(output)
+
+    def abort(self, rid: str) -> bool:
+        """Stop a request: the engine is told, its waiter gets a final 'abort' output.
+
+        Returns False when the request had already ended.
+        """
+        queue = self._queues.pop(rid, None)
+        if queue is None:
+            return False
+        logger.info("aborting request %s", rid)
+        queue.put_nowait(TextOutput(rid=rid, text="", token_ids=[], finished=True,
+                                    finish_reason=ABORT))
+        self._send_later(AbortRequest(rid=rid))
+        return True
+
+    def abort_all(self) -> list[str]:
+        """Abort everything in flight (shutdown); returns the aborted ids."""
+        rids = self.rids()
+        for rid in rids:
+            self.abort(rid)
+        return rids
+
+    async def flush(self) -> None:
+        """Wait until every message queued by `abort` has been handed to the engine link."""
+        while self._background:
+            await asyncio.gather(*self._background, return_exceptions=True)
+
+    async def wait_idle(self, timeout: float) -> bool:
+        """Wait up to timeout seconds for all requests to end; True if they did."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self._queues and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        return not self._queues
+
+    async def query_stats(self, timeout: float | None = None) -> SchedulerStats:
+        """Round trip a GetStats to the scheduler; raises StatsUnavailable on timeout."""
+        query_id = uuid.uuid4().hex
+        future: asyncio.Future[SchedulerStats] = asyncio.get_running_loop().create_future()
+        self._stats[query_id] = future
+        try:
+            await self.engine.send(GetStats(query_id=query_id))
+            return await asyncio.wait_for(future, timeout or self.stats_timeout)
+        except asyncio.TimeoutError:
+            raise StatsUnavailable("the scheduler did not answer the stats query") from None
+        finally:
+            self._stats.pop(query_id, None)
+
+    def _answer_stats(self, reply: StatsReply) -> None:
+        future = self._stats.pop(reply.query_id, None)
+        if future is not None and not future.done():
+            future.set_result(reply.stats)
+
+    def _send_later(self, message: AbortRequest) -> None:
+        # A task, not an await: abort() runs in finally blocks of cancelled tasks.
+        task = asyncio.get_running_loop().create_task(self.engine.send(message))
+        self._background.add(task)
+        task.add_done_callback(self._sent)
+
+    def _sent(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            logger.error("could not send to the scheduler: %s", task.exception())

@@ -1,0 +1,70 @@
+"""Facts about the served model that request validation needs."""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Hugging Face puts a huge sentinel in model_max_length when a tokenizer declares none.
+_NO_LIMIT = 10**8
+_FALLBACK_CONTEXT = 2048
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    path: str
+    context_len: int
+    vocab_size: int
+    eos_token_ids: tuple[int, ...]
+
+
+def load_model_info(name: str, model_path: str, tokenizer: Any) -> ModelInfo:
+    """Read the context length and EOS ids from the model directory and its tokenizer."""
+    config = _read_json(Path(model_path) / "config.json")
+    generation = _read_json(Path(model_path) / "generation_config.json")
+    return ModelInfo(
+        name=name,
+        path=model_path,
+        context_len=_context_len(config, tokenizer),
+        vocab_size=len(tokenizer),
+        eos_token_ids=_eos_ids(config, generation, tokenizer),
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _context_len(config: dict[str, Any], tokenizer: Any) -> int:
+    # Multimodal checkpoints keep the language model's settings under text_config.
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("max_position_embeddings")
+        if isinstance(value, int) and value > 0:
+            return value
+    limit = getattr(tokenizer, "model_max_length", None)
+    if isinstance(limit, int) and 0 < limit < _NO_LIMIT:
+        return limit
+    logger.warning("no context length in config.json or the tokenizer; assuming %d",
+                   _FALLBACK_CONTEXT)
+    return _FALLBACK_CONTEXT
+
+
+def _eos_ids(config: dict[str, Any], generation: dict[str, Any],
+             tokenizer: Any) -> tuple[int, ...]:
+    ids: dict[int, None] = {}  # insertion-ordered set
+    for value in (config.get("eos_token_id"), generation.get("eos_token_id"),
+                  getattr(tokenizer, "eos_token_id", None)):
+        for token in value if isinstance(value, list) else [value]:
+            if isinstance(token, int):
+                ids.setdefault(token)
+    return tuple(ids)

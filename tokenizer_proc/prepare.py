@@ -1,0 +1,297 @@
+"""Request validation and conversion: API bodies in, `TokenizedRequest` out.
+
+Pure logic (a tokenizer and the model facts, no sockets), shared by the HTTP API and the
+ZMQ front so both refuse the same requests with the same messages.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from pydantic import BaseModel
+
+from ipc.messages.client import GenerateRequest
+from ipc.messages.common import SamplingParams
+from ipc.messages.to_scheduler import TokenizedRequest
+from tokenizer_proc.errors import RequestError
+from tokenizer_proc.model_info import ModelInfo, load_model_info
+from tokenizer_proc.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+_MAX_SEED = 2**63  # seeds travel as int64 and feed the worker's RNG key
+
+_IsDefault = Callable[[Any], bool]
+
+
+def _unset(value: Any) -> bool:
+    return value is None
+
+
+def _empty(value: Any) -> bool:
+    # None, 0, 0.0, False, "", [] and {} all mean "feature not used".
+    return not value
+
+
+def _one(value: Any) -> bool:
+    return value is None or value == 1
+
+
+def _auto_or_none(value: Any) -> bool:
+    return value is None or value in ("none", "auto")
+
+
+def _text_format(value: Any) -> bool:
+    return value is None or value.type == "text"
+
+
+# Parameters the engine does not implement yet, each with the test for its default.
+_COMMON_UNSUPPORTED: dict[str, _IsDefault] = {
+    "n": _one,
+    "stop": _empty,
+    "stop_token_ids": _empty,
+    "presence_penalty": _empty,
+    "frequency_penalty": _empty,
+    "repetition_penalty": _one,
+    "logit_bias": _empty,
+    "min_p": _empty,
+    "min_tokens": _empty,
+    "ignore_eos": _empty,
+}
+COMPLETION_UNSUPPORTED: dict[str, _IsDefault] = {
+    **_COMMON_UNSUPPORTED, "best_of": _one, "echo": _empty, "suffix": _empty,
+    "logprobs": _unset,  # logprobs=0 still asks for the chosen tokens' logprobs
+}
+CHAT_UNSUPPORTED: dict[str, _IsDefault] = {
+    **_COMMON_UNSUPPORTED, "logprobs": _empty, "top_logprobs": _empty,
+    "response_format": _text_format, "tools": _empty, "tool_choice": _auto_or_none,
+    "functions": _empty, "function_call": _auto_or_none,
+}
+
+
+def check_unsupported(body: BaseModel, table: dict[str, _IsDefault]) -> None:
+    """Refuse any not-yet-implemented parameter set to something other than its default."""
+    for name, is_default in table.items():
+        if not is_default(getattr(body, name)):
+            raise RequestError(
+                f"Parameter '{name}' is not supported by this server yet; leave it out or "
+                "set it to its default.", param=name, code="unsupported_parameter")
+
+
+@dataclass(frozen=True)
+class SamplingInput:
+    """Sampling fields as the client sent them (None: not given)."""
+
+    max_tokens: int | None
+    temperature: float | None
+    top_p: float | None
+    top_k: int | None
+    seed: int | None
+    max_tokens_param: str = "max_tokens"
+
+
+class RequestPreparer:
+    """Turns validated API bodies into `TokenizedRequest`s, refusing what the engine can't do."""
+
+    def __init__(self, tokenizer: Any, info: ModelInfo) -> None:
+        self._tokenizer = tokenizer
+        self.info = info
+
+    @classmethod
+    def load(cls, name: str, model_path: str) -> "RequestPreparer":
+        """Load the model's tokenizer and facts from its directory."""
+        from transformers import AutoTokenizer  # slow import, only where needed
+
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        return cls(tokenizer, load_model_info(name, model_path, tokenizer))
+
+    # --- entry points -------------------------------------------------------------
+
+    def completion(self, body: CompletionRequest, rid: str) -> TokenizedRequest:
+        self._check_common(body, COMPLETION_UNSUPPORTED)
+        ids = self.prompt_ids(body.prompt)
+        return self._request(rid, ids, _sampling_input(body, body.max_tokens),
+                             self._completion_default(ids), "prompt", body.skip_special_tokens)
+
+    def chat(self, body: ChatCompletionRequest, rid: str) -> TokenizedRequest:
+        self._check_common(body, CHAT_UNSUPPORTED)
+        ids = self.chat_ids(body.messages)
+        # max_completion_tokens replaced max_tokens in OpenAI's chat API.
+        if body.max_completion_tokens is not None:
+            sampling = _sampling_input(body, body.max_completion_tokens, "max_completion_tokens")
+        else:
+            sampling = _sampling_input(body, body.max_tokens)
+        default = self.info.context_len - len(ids)
+        return self._request(rid, ids, sampling, default, "messages", body.skip_special_tokens)
+
+    def generate(self, message: GenerateRequest, rid: str) -> TokenizedRequest:
+        """The ZMQ front's request: text or token ids plus explicit sampling fields."""
+        if (message.prompt is None) == (message.input_ids is None):
+            raise RequestError("Give exactly one of 'prompt' and 'input_ids'.", param="prompt")
+        if message.prompt is not None:
+            ids = self.text_ids(message.prompt, "prompt")
+        else:
+            ids = self.checked_ids(message.input_ids or [], "input_ids")
+        sampling = SamplingInput(message.max_tokens, message.temperature, message.top_p,
+                                 message.top_k, message.seed)
+        param = "prompt" if message.prompt is not None else "input_ids"
+        return self._request(rid, ids, sampling, self._completion_default(ids), param,
+                             message.skip_special_tokens)
+
+    def _completion_default(self, ids: list[int]) -> int:
+        # An explicit max_tokens is checked against the context; the implicit 16 is not
+        # the client's wish, so it shrinks to the room left rather than failing.
+        return min(COMPLETION_DEFAULT_MAX_TOKENS, self.info.context_len - len(ids))
+
+    # --- prompts --------------------------------------------------------------------
+
+    def prompt_ids(self, prompt: Any) -> list[int]:
+        """Token ids of a completions `prompt`: a string, ids, or a one-element list of either."""
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+            prompt = prompt[0]
+        if prompt is None:
+            raise RequestError("Missing required parameter: 'prompt'.", param="prompt",
+                               code="missing_required_parameter")
+        if isinstance(prompt, str):
+            return self.text_ids(prompt, "prompt")
+        if isinstance(prompt, list) and all(_is_int(t) for t in prompt):
+            return self.checked_ids(prompt, "prompt")
+        if isinstance(prompt, list) and all(isinstance(p, (str, list)) for p in prompt):
+            raise RequestError("Batched prompts are not supported; send one prompt per "
+                               "request.", param="prompt", code="unsupported_value")
+        raise RequestError("'prompt' must be a string, a list of token ids, or a one-element "
+                           "list of either.", param="prompt", code="invalid_type")
+
+    def text_ids(self, text: str, param: str) -> list[int]:
+        ids = list(self._tokenizer.encode(text)) if text else []
+        if not ids:
+            raise RequestError(f"'{param}' must not be empty.", param=param)
+        return ids
+
+    def checked_ids(self, ids: list[int], param: str) -> list[int]:
+        if not ids:
+            raise RequestError(f"'{param}' must not be empty.", param=param)
+        bad = next((t for t in ids if not 0 <= t < self.info.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"Token id {bad} in '{param}' is outside the vocabulary "
+                               f"(0..{self.info.vocab_size - 1}).", param=param)
+        return list(ids)
+
+    def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
+        """Render the chat template (with the assistant prompt) and tokenize it."""
+        if not messages:
+            raise RequestError("'messages' must contain at least one message.",
+                               param="messages")
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise RequestError("This model has no chat template; use /v1/completions.",
+                               param="messages")
+        text = self._render(messages)
+        # The template already wrote any BOS it wants; encoding must not add another.
+        return self.checked_ids(list(self._tokenizer.encode(text, add_special_tokens=False)),
+                                "messages")
+
+    def _render(self, messages: list[ChatMessage]) -> str:
+        dicts = [_message_dict(m) for m in messages]
+        try:
+            return self._tokenizer.apply_chat_template(dicts, add_generation_prompt=True,
+                                                       tokenize=False)
+        # Templates ship with the model and may raise anything on input they dislike
+        # (jinja's raise_exception for wrong role order, TypeError, ...).
+        except Exception as exc:  # noqa: BLE001
+            raise RequestError(f"The chat template rejected the messages: {exc}",
+                               param="messages") from exc
+
+    # --- sampling and limits --------------------------------------------------------
+
+    def _check_common(self, body: CompletionRequest | ChatCompletionRequest,
+                      unsupported: dict[str, _IsDefault]) -> None:
+        # `model` is not checked: this server has one model and answers under its name
+        # whatever was asked (the launcher's own tests send placeholder names).
+        check_unsupported(body, unsupported)
+        if body.stream_options is not None and not body.stream:
+            raise RequestError("'stream_options' is only allowed when 'stream' is true.",
+                               param="stream_options")
+
+    def _request(self, rid: str, ids: list[int], sampling: SamplingInput, default_max: int,
+                 prompt_param: str, skip_special_tokens: bool) -> TokenizedRequest:
+        params = self.sampling_params(sampling, len(ids), default_max, prompt_param)
+        return TokenizedRequest(rid=rid, input_ids=ids, sampling=params,
+                                stop_token_ids=list(self.info.eos_token_ids),
+                                skip_special_tokens=skip_special_tokens)
+
+    def sampling_params(self, s: SamplingInput, prompt_len: int, default_max: int,
+                        prompt_param: str) -> SamplingParams:
+        if s.max_tokens is not None and s.max_tokens < 1:
+            raise RequestError(f"'{s.max_tokens_param}' must be at least 1.",
+                               param=s.max_tokens_param)
+        # Without max_tokens the prompt must still leave room for one token; the defaults
+        # never exceed the room left.
+        requested = 1 if s.max_tokens is None else s.max_tokens
+        self._check_room(prompt_len, requested, prompt_param, s.max_tokens_param)
+        max_tokens = default_max if s.max_tokens is None else s.max_tokens
+        return SamplingParams(temperature=_temperature(s.temperature), top_p=_top_p(s.top_p),
+                              top_k=_top_k(s.top_k), seed=_seed(s.seed),
+                              max_new_tokens=max_tokens)
+
+    def _check_room(self, prompt_len: int, max_tokens: int, prompt_param: str,
+                    max_param: str) -> None:
+        limit = self.info.context_len
+        if prompt_len + max_tokens <= limit:
+            return
+        param = prompt_param if prompt_len >= limit else max_param
+        raise RequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, "
+            f"{max_tokens} for the completion). Please reduce the length of the "
+            f"{prompt_param} or of the completion.", param=param,
+            code="context_length_exceeded")
+
+
+def _sampling_input(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
+                    max_tokens_param: str = "max_tokens") -> SamplingInput:
+    return SamplingInput(max_tokens, body.temperature, body.top_p, body.top_k, body.seed,
+                         max_tokens_param)
+
+
+def _message_dict(message: ChatMessage) -> dict[str, str]:
+    out = {"role": message.role, "content": message.flat_content()}
+    if message.name is not None:
+        out["name"] = message.name
+    return out
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _temperature(value: float | None) -> float:
+    if value is None:
+        return 1.0
+    if not math.isfinite(value) or value < 0:
+        raise RequestError("'temperature' must be a finite number >= 0.", param="temperature")
+    return float(value)
+
+
+def _top_p(value: float | None) -> float:
+    if value is None:
+        return 1.0
+    if not (math.isfinite(value) and 0 < value <= 1):
+        raise RequestError("'top_p' must be in (0, 1].", param="top_p")
+    return float(value)
+
+
+def _top_k(value: int | None) -> int:
+    # -1 is vLLM's spelling of "off", 0 is ours.
+    if value is None or value == -1:
+        return 0
+    if value < 0:
+        raise RequestError("'top_k' must be -1 or 0 (off) or a positive integer.",
+                           param="top_k")
+    return value
+
+
+def _seed(value: int | None) -> int | None:
+    if value is not None and not 0 <= value < _MAX_SEED:
+        raise RequestError(f"'seed' must be in [0, {_MAX_SEED - 1}].", param="seed")
+    return value

@@ -1,0 +1,105 @@
+"""OpenAI request bodies as pydantic models.
+
+Strict types (no "16" for 16, no 1 for true) and unknown fields refused, so a typo is a
+400 naming the field rather than a silently ignored setting. Parameters the engine does
+not implement yet are declared so that their default values are accepted;
+`prepare.check_unsupported` refuses any other value.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, model_validator
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+
+class StreamOptions(_Strict):
+    include_usage: bool = False
+    # Real OpenAI pads chunks against length side channels; plain local output needs none.
+    include_obfuscation: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    type: str
+    json_schema: dict[str, Any] | None = None
+
+
+class _SamplingFields(_Strict):
+    """Fields shared by completions and chat completions."""
+
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    skip_special_tokens: bool = True
+    user: str | None = None
+    # Not implemented yet: only their defaults are accepted (see prepare.py).
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_p: float | None = None
+    min_tokens: int | None = None
+    ignore_eos: bool | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    prompt: Any = None  # str | list[int] | one-element list of either; checked in prepare.py
+    best_of: int | None = None
+    echo: bool | None = None
+    logprobs: int | None = None
+    suffix: str | None = None
+
+
+class TextPart(_Strict):
+    type: str
+    text: str
+
+    @model_validator(mode="before")
+    @classmethod
+    def _text_only(cls, data: Any) -> Any:
+        # Checked before the fields so an image part says "not supported", not "extra field".
+        kind = data.get("type") if isinstance(data, dict) else None
+        if kind is not None and kind != "text":
+            raise ValueError(f"content parts of type {kind!r} are not supported; "
+                             "only 'text' parts are")
+        return data
+
+
+class ChatMessage(_Strict):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def flat_content(self) -> str:
+        """The content as one string: text parts joined by newlines (as vLLM does)."""
+        if isinstance(self.content, list):
+            return "\n".join(part.text for part in self.content)
+        return self.content or ""
+
+
+class ChatCompletionRequest(_SamplingFields):
+    messages: list[ChatMessage]
+    max_completion_tokens: int | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    parallel_tool_calls: bool | None = None
+    # Not implemented yet: only their defaults are accepted (see prepare.py).
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
+    response_format: ResponseFormat | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
