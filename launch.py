@@ -153,7 +153,10 @@ class Supervisor:
         while not self.stop_requested:
             ready = mp.connection.wait(list(sentinels), timeout=0.5)
             if ready:
-                return sentinels[ready[0]]
+                name = sentinels[ready[0]]
+                # The sentinel can fire a moment before the child is reapable.
+                self.children[name].join(1.0)
+                return name
         return None
 
     def drain_front(self) -> None:

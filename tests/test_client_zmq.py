@@ -20,7 +20,7 @@ from ipc.messages.common import Usage
 from ipc.messages.to_scheduler import TokenizedRequest
 from ipc.messages.to_tokenizer import TextOutput
 from tokenizer_proc.client_front import ClientFront
-from tokenizer_proc.fake_engine import (FAKE_STATS, FakeEngine, Script, endless_script,
+from tests.fake_engine import (FAKE_STATS, FakeEngine, Script, endless_script,
                                         reject_script)
 from tokenizer_proc.manager import TokenizerManager
 from tokenizer_proc.prepare import RequestPreparer

@@ -19,7 +19,7 @@ from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
 from ipc.messages.to_scheduler import TokenizedRequest
-from tokenizer_proc.fake_engine import (FakeEngine, Script, counting_script, endless_script,
+from tests.fake_engine import (FakeEngine, Script, counting_script, endless_script,
                                         reject_script, text_script)
 from tokenizer_proc.http_api import create_app
 from tokenizer_proc.manager import TokenizerManager

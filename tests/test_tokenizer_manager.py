@@ -12,7 +12,7 @@ import pytest
 from ipc.messages.common import SamplingParams, Usage
 from ipc.messages.to_scheduler import AbortRequest, GetStats, TokenizedRequest
 from ipc.messages.to_tokenizer import BatchText, StatsReply, TextOutput
-from tokenizer_proc.fake_engine import FAKE_STATS
+from tests.fake_engine import FAKE_STATS
 from tokenizer_proc.manager import StatsUnavailable, TokenizerManager
 from tokenizer_proc.model_info import load_model_info
 

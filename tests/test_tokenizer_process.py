@@ -24,7 +24,7 @@ from ipc.messages.to_scheduler import (AbortRequest, GetStats, SchedulerMessage,
                                        TokenizedRequest)
 from ipc.messages.to_tokenizer import BatchText, StatsReply, TextOutput
 from tokenizer_proc import run_tokenizer
-from tokenizer_proc.fake_engine import FAKE_STATS
+from tests.fake_engine import FAKE_STATS
 from worker_proc.demo_model import ensure_demo_model
 
 SHUTDOWN_TIMEOUT = 1.5
