@@ -45,8 +45,10 @@ def _start(cmd: list[str], log: Path) -> subprocess.Popen:
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
 
-def _bench(url: str, args: argparse.Namespace) -> dict:
-    return serving.main(["--url", url, "--concurrency", str(args.concurrency),
+def _bench(url: str, model_dir: str, args: argparse.Namespace) -> dict:
+    # mlx_lm.server loads whatever the request's "model" names: give both the directory.
+    return serving.main(["--url", url, "--model", model_dir,
+                         "--concurrency", str(args.concurrency),
                          "--num-requests", str(args.num_requests),
                          "--input-words", str(args.input_words),
                          "--output-tokens", str(args.output_tokens)])
@@ -84,7 +86,7 @@ def main() -> None:
         proc = _start(cmd, out / f"{name}.log")
         try:
             _wait(url, proc)
-            results[name] = _bench(url, args)
+            results[name] = _bench(url, model_dir, args)
         finally:
             proc.terminate()
             proc.wait(30)

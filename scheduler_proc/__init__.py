@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 from ipc.channel import Receiver, Sender
 from ipc.config import ServerConfig
@@ -45,6 +46,7 @@ class SchedulerLoop:
         self.worker = worker
         self.detokenizer = detokenizer
         self.in_flight: int | None = None  # step id sent to the worker, result pending
+        self._sent_at = 0.0
 
     def handle(self, message: SchedulerMessage, outputs: list[TokenOutput]) -> None:
         s = self.scheduler
@@ -56,6 +58,8 @@ class SchedulerLoop:
             if message.step != self.in_flight:
                 raise RuntimeError(f"result of step {message.step}, expected {self.in_flight}")
             self.in_flight = None
+            logger.debug("step %d: %d tokens back after %.1f ms", message.step,
+                         len(message.token_ids), (time.perf_counter() - self._sent_at) * 1e3)
             outputs += s.apply_result(message)
         elif isinstance(message, GetStats):
             self.detokenizer.send(StatsReply(query_id=message.query_id, stats=s.stats()))
@@ -77,6 +81,10 @@ class SchedulerLoop:
             if batch is not None:
                 self.worker.send(batch)
                 self.in_flight = batch.step
+                self._sent_at = time.perf_counter()
+                logger.debug("step %d: %d prefill chunks (%d tokens), %d decodes", batch.step,
+                             len(batch.prefill), sum(len(c.token_ids) for c in batch.prefill),
+                             len(batch.decode_rids))
         # 3. Forward finished and streamed tokens.
         if outputs:
             self.detokenizer.send(BatchTokens(outputs=outputs))

@@ -117,7 +117,13 @@ class ModelRunner:
         layout = ForwardLayout.single(row, chunk.start, n)
         out = self.model(mx.array([chunk.token_ids]), cache=build_layer_caches(self.pool, layout))
         state.length += n
-        return out[:, -1, :]
+        logits = out[:, -1, :]
+        # NOTE: queue this forward before the next one is built. Otherwise the next
+        # forward's pool scatter finds the pool still referenced by this forward's pending
+        # gather and copies the whole pool instead of updating it in place (seen: 36x
+        # slower steps with a 500k-slot pool).
+        mx.async_eval(logits, *self.pool.keys, *self.pool.values)
+        return logits
 
     def _decode(self, rids: list[str], slots: list[int]) -> mx.array:
         states = [self.requests[rid] for rid in rids]
