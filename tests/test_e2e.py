@@ -238,3 +238,13 @@ def test_help_describes_every_flag():
     for flag in ["--model", "--host", "--port", "--max-running-requests", "--chunked-prefill-size",
                  "--max-prefill-tokens", "--mem-fraction", "--max-total-tokens", "--log-level"]:
         assert flag in out
+
+
+def test_children_exit_when_the_launcher_is_killed(tiny_model_dir, tmp_path):
+    srv = Server(tiny_model_dir, "--max-total-tokens", "4000", log_path=tmp_path / "log").wait_ready()
+    pids = [p.pid for p in srv.children()]
+    assert len(pids) >= 4
+    srv.proc.send_signal(signal.SIGKILL)
+    srv.proc.wait(10)
+    assert _gone(pids, 5.0)
+    srv.stop()

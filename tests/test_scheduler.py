@@ -169,3 +169,18 @@ def test_stats_counters():
     st = s.stats()
     assert (st.prompt_tokens_total, st.computed_prompt_tokens_total, st.generated_tokens_total) == (6, 6, 1)
     assert st.used_slots == 6 and st.used_slots + st.free_slots == st.capacity_slots
+
+
+def test_decode_plans_do_not_grow_with_context():
+    """Per-step traffic to the worker is O(batch): a decode entry is one slot id."""
+    from ipc.codec import encode
+
+    sizes = []
+    for prompt in (10, 1000):
+        s = _sched(capacity=5000, max_context=2048, chunk=2048, budget=2048)
+        s.add_request(_req("a", prompt, 50))
+        s.apply_result(_answer(s.plan_step()))
+        decode = s.plan_step()
+        assert not decode.prefill
+        sizes.append(len(encode(decode)))
+    assert abs(sizes[0] - sizes[1]) <= 2  # only the slot id's varint width may differ
