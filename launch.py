@@ -28,11 +28,14 @@ from ipc.channel import Receiver
 from ipc.config import PROJECT_NAME, ServerConfig, cli_fields, default_run_root
 from ipc.messages.to_launcher import LauncherMessage, ProcessProgress, ProcessReady
 from ipc.process import setup_logging
+from tokenizer_proc.remote_code import UntrustedModelError, check_remote_code
 
 logger = logging.getLogger("launcher")
 
 # Seconds between SIGTERM and SIGKILL for a child that will not stop.
 _KILL_GRACE = 2.0
+# Read when --api-key is empty.
+API_KEY_ENV = "KILN_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,8 +44,12 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     for f in cli_fields():
         flag = "--" + f.name.replace("_", "-")
-        parser.add_argument(flag, type=type(f.default), default=f.default,
-                            help=f.metadata.get("help", ""))
+        help_text = f.metadata.get("help", "")
+        if isinstance(f.default, bool):
+            parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+        else:
+            parser.add_argument(flag, type=type(f.default), default=f.default, help=help_text,
+                                choices=f.metadata.get("choices"))
     return parser
 
 
@@ -77,7 +84,15 @@ def config_from_args(argv: list[str] | None = None) -> ServerConfig:
         raise SystemExit(f"error: {exc}") from exc
     setup_logging(base.log_level, "launcher")
     logger.info("resolving model %s", base.model)
-    return dataclasses.replace(base, model_path=resolve_model(base.model), run_dir=make_run_dir())
+    model_path = resolve_model(base.model)
+    try:
+        check_remote_code(model_path, base.trust_remote_code)
+    except UntrustedModelError as exc:
+        raise SystemExit(f"error: {exc}") from None
+    # The environment keeps the key out of `ps` output, where the flag would show it.
+    api_key = base.api_key or os.environ.get(API_KEY_ENV, "")
+    return dataclasses.replace(base, model_path=model_path, run_dir=make_run_dir(),
+                               api_key=api_key)
 
 
 def _child_targets() -> dict[str, Callable[[ServerConfig], None]]:

@@ -25,7 +25,8 @@ def run_detokenizer(config: ServerConfig) -> None:
     reporter.progress(f"loading tokenizer from {config.model_path}")
     from transformers import AutoTokenizer  # heavy import, only in this process
 
-    tokenizer = AutoTokenizer.from_pretrained(config.model_path)
+    tokenizer = AutoTokenizer.from_pretrained(config.model_path,
+                                              trust_remote_code=config.trust_remote_code)
     manager = DetokenizerManager(tokenizer)
     inbox: Receiver[DetokenizerMessage] = Receiver(config.detokenizer_endpoint,
                                                    DetokenizerMessage)

@@ -15,7 +15,9 @@ once over one DEALER socket; replies are routed to their waiter by request id.
 Sampling keywords (all optional): max_tokens (16), temperature (1.0; 0 = greedy),
 top_p (1.0), top_k (0 = off), seed (None), skip_special_tokens (True). Every call takes
 `timeout` (seconds; default: the client's) for the wait on each reply; a request that
-times out is aborted on the server.
+times out is aborted on the server. A server started with --api-key needs
+`KilnClient(address, api_key=...)`; with a wrong or missing key every request fails with
+KilnRequestError.
 """
 
 from __future__ import annotations
@@ -110,9 +112,11 @@ class _Call:
 class AsyncKilnClient:
     """asyncio client; use it from one event loop. Close it (or `async with`) when done."""
 
-    def __init__(self, address: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, address: str, *, timeout: float | None = DEFAULT_TIMEOUT,
+                 api_key: str | None = None) -> None:
         self.address = address
         self.timeout = timeout
+        self._api_key = api_key
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.connect(address)
@@ -131,7 +135,7 @@ class AsyncKilnClient:
                        input_ids: Sequence[int] | None = None, request_id: str | None = None,
                        timeout: float | None = None, **sampling: Any) -> GenerateResult:
         """Generate from text or token ids; returns when the request ends."""
-        request = _request(prompt, input_ids, request_id, False, sampling)
+        request = _request(prompt, input_ids, request_id, False, sampling, self._api_key)
         async with self._call(request) as call:
             reply = await call.next(self._timeout(timeout))
         output = _checked(reply)
@@ -146,7 +150,7 @@ class AsyncKilnClient:
         `timeout` bounds the wait for each delta. Wrap in `contextlib.aclosing` to abort
         at once when breaking out (otherwise it happens when the generator is collected).
         """
-        request = _request(prompt, input_ids, request_id, True, sampling)
+        request = _request(prompt, input_ids, request_id, True, sampling, self._api_key)
         async with self._call(request) as call:
             while not call.finished:
                 output = _checked(await call.next(self._timeout(timeout)))
@@ -156,11 +160,15 @@ class AsyncKilnClient:
     async def abort(self, request_id: str) -> None:
         """Stop a request; its generate() returns (or its stream ends) with "abort"."""
         self._check_open()
-        await self._sock.send(encode(AbortGenerate(request_id=request_id)))
+        await self._sock.send(encode(AbortGenerate(request_id=request_id,
+                                                   api_key=self._api_key)))
 
-    async def server_stats(self, *, timeout: float | None = None) -> SchedulerStats:
-        """The scheduler's current KV and queue statistics."""
-        async with self._call(StatsQuery(request_id=_new_id())) as call:
+    async def server_stats(self, *, timeout: float | None = None,
+                           flush_cache: bool = False) -> SchedulerStats:
+        """The scheduler's current KV and queue statistics; with flush_cache, taken after
+        dropping every cached prefix that no running request uses."""
+        query = StatsQuery(request_id=_new_id(), api_key=self._api_key, flush_cache=flush_cache)
+        async with self._call(query) as call:
             reply = await call.next(self._timeout(timeout))
         if not isinstance(reply, StatsResult) or reply.stats is None:
             raise KilnRequestError(getattr(reply, "error", None) or "no stats in the reply")
@@ -206,7 +214,8 @@ class AsyncKilnClient:
             del self._calls[request.request_id]
             if not call.finished and not self._closed and isinstance(request, GenerateRequest):
                 # Not awaited: this may run while the task is being cancelled.
-                self._sock.send(encode(AbortGenerate(request_id=request.request_id)))
+                self._sock.send(encode(AbortGenerate(request_id=request.request_id,
+                                                     api_key=self._api_key)))
 
     def _start_reader(self) -> None:
         if self._reader is None or self._reader.done():
@@ -228,12 +237,13 @@ class KilnClient:
     number of threads may have requests in flight at once. Close it (or use `with`).
     """
 
-    def __init__(self, address: str, *, timeout: float | None = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, address: str, *, timeout: float | None = DEFAULT_TIMEOUT,
+                 api_key: str | None = None) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="kiln-client")
         self._thread.start()
-        self._client = self._run(_make_async_client(address, timeout))
+        self._client = self._run(_make_async_client(address, timeout, api_key))
 
     def __enter__(self) -> "KilnClient":
         return self
@@ -269,9 +279,10 @@ class KilnClient:
         """Stop a request running in another thread of this client."""
         self._run(self._client.abort(request_id))
 
-    def server_stats(self, *, timeout: float | None = None) -> SchedulerStats:
-        """The scheduler's current KV and queue statistics."""
-        return self._run(self._client.server_stats(timeout=timeout))
+    def server_stats(self, *, timeout: float | None = None,
+                     flush_cache: bool = False) -> SchedulerStats:
+        """The scheduler's current KV and queue statistics (see AsyncKilnClient)."""
+        return self._run(self._client.server_stats(timeout=timeout, flush_cache=flush_cache))
 
     def close(self) -> None:
         if not self._loop.is_running():
@@ -290,9 +301,10 @@ class KilnClient:
             raise
 
 
-async def _make_async_client(address: str, timeout: float | None) -> AsyncKilnClient:
+async def _make_async_client(address: str, timeout: float | None,
+                             api_key: str | None) -> AsyncKilnClient:
     # Built on the loop thread, which is the only thread that touches its socket.
-    return AsyncKilnClient(address, timeout=timeout)
+    return AsyncKilnClient(address, timeout=timeout, api_key=api_key)
 
 
 async def _close(client: AsyncKilnClient) -> None:
@@ -327,7 +339,8 @@ def _new_id() -> str:
 
 
 def _request(prompt: Prompt | None, input_ids: Sequence[int] | None,
-             request_id: str | None, stream: bool, sampling: dict[str, Any]) -> GenerateRequest:
+             request_id: str | None, stream: bool, sampling: dict[str, Any],
+             api_key: str | None = None) -> GenerateRequest:
     """Build and type-check a request here, so a mistake raises now instead of the server
     dropping a frame it cannot decode."""
     if (prompt is None) == (input_ids is None):
@@ -336,7 +349,7 @@ def _request(prompt: Prompt | None, input_ids: Sequence[int] | None,
         prompt, input_ids = None, prompt
     ids = None if input_ids is None else list(input_ids)
     request = GenerateRequest(request_id=request_id or _new_id(), prompt=prompt, input_ids=ids,
-                              stream=stream, **sampling)
+                              stream=stream, api_key=api_key, **sampling)
     try:
         return msgspec.msgpack.decode(encode(request), type=GenerateRequest)
     except msgspec.ValidationError as exc:

@@ -45,6 +45,15 @@ class ServerConfig:
     max_total_tokens: int = dataclasses.field(
         default=0, metadata={"help": "KV pool size in tokens (slots); overrides the "
                                      "memory-based size when > 0."})
+    disable_radix_cache: bool = dataclasses.field(
+        default=False, metadata={"help": "Do not cache and share prompt prefixes."})
+    schedule_policy: str = dataclasses.field(
+        default="fcfs", metadata={"choices": ("fcfs", "lpm"),
+                                  "help": "Order of admission: first come first served, or "
+                                          "longest cached prefix first (lpm)."})
+    disable_overlap: bool = dataclasses.field(
+        default=False, metadata={"help": "Run one step at a time instead of building step "
+                                         "N+1 while step N computes (for A/B runs)."})
     log_level: str = dataclasses.field(
         default="info", metadata={"help": "debug, info, warning or error."})
     ready_timeout: float = dataclasses.field(
@@ -56,6 +65,19 @@ class ServerConfig:
     run_dir: str = dataclasses.field(
         default="", metadata={"cli": False, "help": "Private directory (0700) of the ipc:// "
                                                     "endpoints."})
+    api_key: str = dataclasses.field(
+        default="", repr=False,
+        metadata={"help": "Require 'Authorization: Bearer <key>' on every HTTP route but "
+                          "/health, and this key in ZMQ client requests. Empty: the "
+                          "KILN_API_KEY environment variable (hidden from ps, unlike the "
+                          "flag); unset too: no authentication."})
+    max_request_bytes: int = dataclasses.field(
+        default=8 * 2**20, metadata={"help": "Largest HTTP request body in bytes; a larger "
+                                             "one is refused with 413 before parsing."})
+    trust_remote_code: bool = dataclasses.field(
+        default=False, metadata={"help": "Allow models that need code shipped with them "
+                                         "(config.json auto_map or model_file, or a "
+                                         "model_type mlx-lm lacks); it runs as this user."})
 
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
@@ -66,6 +88,10 @@ class ServerConfig:
             raise ValueError("--mem-fraction must be in (0, 1]")
         if self.max_total_tokens < 0:
             raise ValueError("--max-total-tokens must be >= 0")
+        if self.max_request_bytes < 1:
+            raise ValueError("--max-request-bytes must be >= 1")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError("--schedule-policy must be fcfs or lpm")
 
     # NOTE: endpoints live in run_dir, which the launcher creates with mode 0700, so no
     # other user can connect to our internal sockets.

@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+from dataclasses import dataclass
 
 from ipc.channel import Receiver, Sender
 from ipc.config import ServerConfig
 from ipc.messages.to_detokenizer import BatchTokens, StatsReply, TokenOutput
-from ipc.messages.to_scheduler import (AbortRequest, GetStats, SchedulerMessage, StepResult,
-                                       TokenizedRequest, WorkerReady)
+from ipc.messages.to_scheduler import (AbortRequest, FlushCache, GetStats, SchedulerMessage,
+                                       StepResult, TokenizedRequest, WorkerReady)
+from ipc.messages.to_worker import SyncSteps
 from ipc.process import setup_child
 from scheduler_proc.scheduler import Scheduler, SchedulerLimits
 
@@ -33,20 +36,37 @@ def limits_from(config: ServerConfig, ready: WorkerReady) -> SchedulerLimits:
     return SchedulerLimits(capacity=ready.num_slots, max_context=ready.max_context_len,
                            max_running=config.max_running_requests,
                            chunk_size=config.chunk_size,
-                           max_prefill_tokens=config.max_prefill_tokens)
+                           max_prefill_tokens=config.max_prefill_tokens,
+                           radix_cache=not config.disable_radix_cache,
+                           schedule_policy=config.schedule_policy)
+
+
+@dataclass(frozen=True)
+class InFlight:
+    step: int
+    sent_at: float
 
 
 class SchedulerLoop:
-    """Drain messages, plan a step if none is in flight, ship outputs; repeat."""
+    """The scheduler process's step loop.
+
+    1. wait for news unless a step can be planned now, then drain every message;
+    2. apply step results and requests (stop checks, admission input, aborts);
+    3. keep `max_in_flight` steps at the worker: with overlap (2) step N+1 is planned and
+       sent before step N's result is processed, so this bookkeeping runs while the device
+       computes; when nothing more can be planned, ask the worker to report what it holds;
+    4. forward new tokens to the detokenizer.
+    """
 
     def __init__(self, scheduler: Scheduler, inbox: Receiver[SchedulerMessage],
-                 worker: Sender, detokenizer: Sender) -> None:
+                 worker: Sender, detokenizer: Sender, max_in_flight: int = 2) -> None:
         self.scheduler = scheduler
         self.inbox = inbox
         self.worker = worker
         self.detokenizer = detokenizer
-        self.in_flight: int | None = None  # step id sent to the worker, result pending
-        self._sent_at = 0.0
+        self.max_in_flight = max_in_flight
+        self.in_flight: deque[InFlight] = deque()
+        self._synced = True  # the worker has been told to report every launched step
 
     def handle(self, message: SchedulerMessage, outputs: list[TokenOutput]) -> None:
         s = self.scheduler
@@ -55,39 +75,49 @@ class SchedulerLoop:
         elif isinstance(message, AbortRequest):
             outputs += s.abort(message.rid)
         elif isinstance(message, StepResult):
-            if message.step != self.in_flight:
-                raise RuntimeError(f"result of step {message.step}, expected {self.in_flight}")
-            self.in_flight = None
-            logger.debug("step %d: %d tokens back after %.1f ms", message.step,
-                         len(message.token_ids), (time.perf_counter() - self._sent_at) * 1e3)
-            outputs += s.apply_result(message)
+            outputs += s.apply_result(self._landed(message))
         elif isinstance(message, GetStats):
+            self.detokenizer.send(StatsReply(query_id=message.query_id, stats=s.stats()))
+        elif isinstance(message, FlushCache):
+            logger.info("flushed %d cached slots", s.flush_cache())
             self.detokenizer.send(StatsReply(query_id=message.query_id, stats=s.stats()))
         elif isinstance(message, WorkerReady):
             logger.warning("ignoring a second worker handshake")
 
+    def _landed(self, result: StepResult) -> StepResult:
+        sent = self.in_flight.popleft() if self.in_flight else None
+        if sent is None or sent.step != result.step:
+            raise RuntimeError(f"result of step {result.step}, expected {sent}")
+        logger.debug("step %d: %d tokens back after %.1f ms", result.step,
+                     len(result.token_ids), (time.perf_counter() - sent.sent_at) * 1e3)
+        return result
+
     def run_once(self) -> None:
-        # 1. Wait for news (a result, a request) unless a step can be planned right away;
-        #    then drain whatever else has arrived.
-        can_plan = self.in_flight is None and self.scheduler.has_work
+        can_plan = len(self.in_flight) < self.max_in_flight and self.scheduler.has_work
         first = self.inbox.recv(timeout_ms=0 if can_plan else _IDLE_POLL_MS)
         messages = ([first] if first is not None else []) + self.inbox.drain()
         outputs: list[TokenOutput] = []
         for message in messages:
             self.handle(message, outputs)
-        # 2. Plan and launch the next step once the previous one is back.
-        if self.in_flight is None:
-            batch = self.scheduler.plan_step()
-            if batch is not None:
-                self.worker.send(batch)
-                self.in_flight = batch.step
-                self._sent_at = time.perf_counter()
-                logger.debug("step %d: %d prefill chunks (%d tokens), %d decodes", batch.step,
-                             len(batch.prefill), sum(len(c.token_ids) for c in batch.prefill),
-                             len(batch.decode_rids))
-        # 3. Forward finished and streamed tokens.
+        self._launch()
         if outputs:
             self.detokenizer.send(BatchTokens(outputs=outputs))
+
+    def _launch(self) -> None:
+        while len(self.in_flight) < self.max_in_flight:
+            batch = self.scheduler.plan_step()
+            if batch is None:
+                break
+            self.worker.send(batch)
+            self.in_flight.append(InFlight(batch.step, time.perf_counter()))
+            self._synced = self.max_in_flight == 1
+            logger.debug("step %d: %d prefill chunks (%d tokens), %d decodes", batch.step,
+                         len(batch.prefill), sum(len(c.token_ids) for c in batch.prefill),
+                         len(batch.decode_rids))
+        if self.in_flight and not self._synced and len(self.in_flight) < self.max_in_flight:
+            # Nothing to chain behind the last step: the worker must not wait for one.
+            self.worker.send(SyncSteps())
+            self._synced = True
 
 
 def run_scheduler(config: ServerConfig) -> None:
@@ -98,7 +128,8 @@ def run_scheduler(config: ServerConfig) -> None:
     reporter.progress("waiting for the worker's KV pool")
     early: list[SchedulerMessage] = []
     ready = _wait_for_worker(inbox, early)
-    loop = SchedulerLoop(Scheduler(limits_from(config, ready)), inbox, worker, detokenizer)
+    loop = SchedulerLoop(Scheduler(limits_from(config, ready)), inbox, worker, detokenizer,
+                         max_in_flight=1 if config.disable_overlap else 2)
     outputs: list[TokenOutput] = []
     for message in early:
         loop.handle(message, outputs)

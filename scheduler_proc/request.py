@@ -6,8 +6,11 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import TokenizedRequest
+from scheduler_proc.radix_cache import Node
 
 # The detokenizer decodes the first outputs with this much prompt context (see TokenOutput).
 PROMPT_TAIL = 4
@@ -19,7 +22,7 @@ class FinishReason(str, enum.Enum):
     ABORT = "abort"
 
 
-@dataclass
+@dataclass(eq=False)
 class Req:
     rid: str
     input_ids: list[int]
@@ -29,6 +32,17 @@ class Req:
     output_ids: list[int] = field(default_factory=list)
     row: int | None = None
     num_computed: int = 0  # tokens whose K/V the worker has been told to write
+    # Tokens to compute before the next sample: the prompt, or prompt + outputs when a
+    # preempted request resumes. Set at each admission.
+    fill_len: int = 0
+    # NOTE: slot ownership. The radix cache owns the slots of the first prefix_len tokens
+    # (locked through last_node); the request owns [prefix_len, num_computed) plus
+    # dup_slots (its own copies of tokens another request cached first).
+    prefix_len: int = 0
+    last_node: Node | None = None
+    dup_slots: list[np.ndarray] = field(default_factory=list)
+    cached_tokens: int = 0  # prompt tokens served from the cache at first admission
+    admissions: int = 0
     on_worker: bool = False
     announced: bool = False  # the detokenizer has seen this request's first output
     finish_reason: FinishReason | None = None
@@ -43,22 +57,31 @@ class Req:
     def prompt_len(self) -> int:
         return len(self.input_ids)
 
-    @property
-    def prefilling(self) -> bool:
-        return self.num_computed < self.prompt_len
+    def all_ids(self, end: int | None = None) -> np.ndarray:
+        """Prompt then outputs, as the radix cache keys them."""
+        ids = np.asarray(self.input_ids + self.output_ids, dtype=np.int32)
+        return ids if end is None else ids[:end]
 
     @property
-    def remaining_prompt(self) -> int:
-        return self.prompt_len - self.num_computed
+    def prefilling(self) -> bool:
+        return self.num_computed < self.fill_len
+
+    @property
+    def remaining_fill(self) -> int:
+        return self.fill_len - self.num_computed
+
+    @property
+    def remaining_new(self) -> int:
+        return self.sampling.max_new_tokens - len(self.output_ids)
+
+    @property
+    def owned_slots(self) -> int:
+        return self.num_computed - self.prefix_len + sum(len(d) for d in self.dup_slots)
 
     @property
     def max_kv_tokens(self) -> int:
         """K/V slots the request can ever hold: its last token's K/V is never computed."""
         return self.prompt_len + self.sampling.max_new_tokens - 1
-
-    @property
-    def future_kv_tokens(self) -> int:
-        return self.max_kv_tokens - self.num_computed
 
     @property
     def finished(self) -> bool:
@@ -79,6 +102,18 @@ class WaitingQueue:
 
     def push(self, req: Req) -> None:
         self._reqs[req.rid] = req
+
+    def push_front(self, req: Req) -> None:
+        """A preempted request goes back to the head: it was admitted before the others."""
+        self._reqs[req.rid] = req
+        self._reqs.move_to_end(req.rid, last=False)
+
+    def reorder(self, key) -> None:  # noqa: ANN001 - a sort key over Req
+        """Stable re-sort (the lpm policy orders by cached prefix length)."""
+        self._reqs = OrderedDict((r.rid, r) for r in sorted(self._reqs.values(), key=key))
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(list(self._reqs.values()))
 
     def peek(self) -> Req | None:
         return next(iter(self._reqs.values()), None)

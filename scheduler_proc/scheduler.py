@@ -1,4 +1,5 @@
-"""The scheduler's decisions: admission, batching, chunked prefill, stop checks.
+"""The scheduler's decisions: admission, batching, chunked prefill, prefix caching,
+preemption and stop checks.
 
 Pure logic on plain data: the process loop in `scheduler_proc.__init__` feeds it messages
 and ships what it returns.
@@ -7,6 +8,7 @@ and ships what it returns.
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -16,9 +18,14 @@ from ipc.messages.to_detokenizer import TokenOutput
 from ipc.messages.to_scheduler import StepResult, TokenizedRequest
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from scheduler_proc.allocator import ReqToTokenTable, SlotAllocator
+from scheduler_proc.radix_cache import DisabledCache, RadixCache, common_prefix_len
 from scheduler_proc.request import PROMPT_TAIL, FinishReason, Req, WaitingQueue
 
 logger = logging.getLogger(__name__)
+
+# A waiting request that shares this many more tokens with a prompt still being prefilled
+# than with the cache waits for that prompt to land in the cache instead of recomputing it.
+IN_FLIGHT_PREFIX_MIN = 32
 
 
 @dataclass(frozen=True)
@@ -28,6 +35,8 @@ class SchedulerLimits:
     max_running: int
     chunk_size: int
     max_prefill_tokens: int
+    radix_cache: bool = True
+    schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
 
 
 class PrefillBudget:
@@ -42,32 +51,63 @@ class PrefillBudget:
         self.left -= n
         return n
 
+    def give_back(self, n: int) -> None:
+        self.left += n
+
     @property
     def exhausted(self) -> bool:
         return self.left <= 0
 
 
+class DecodeRatio:
+    """How much of their remaining max_tokens admission expects requests to still use.
+
+    Optimistic at first (most requests stop early or share prefixes); a preemption shows
+    the guess was too low, so it jumps to 1.0 and decays back step by step.
+    """
+
+    INITIAL, FLOOR, DECAY = 0.5, 0.1, 0.002
+
+    def __init__(self) -> None:
+        self.value = self.INITIAL
+
+    def on_step(self) -> None:
+        self.value = max(self.FLOOR, self.value - self.DECAY)
+
+    def on_preempt(self) -> None:
+        self.value = 1.0
+
+    def expected(self, req: Req) -> int:
+        return math.ceil(self.value * max(0, req.remaining_new - 1))
+
+
 class KVReservation:
-    """Admission control: a request is admitted only when every slot it could ever need
-    is free beyond what the running requests may still claim, so decode never runs dry."""
+    """Admission control: the new request's uncached prompt plus its expected decode must
+    fit in free + evictable slots, beyond what the running requests are expected to claim."""
 
-    def __init__(self, free_slots: int, running: list[Req]) -> None:
-        self.available = free_slots - sum(r.future_kv_tokens for r in running)
+    def __init__(self, running: list[Req], ratio: DecodeRatio) -> None:
+        self.ratio = ratio
+        self.claimed = sum(r.remaining_fill + ratio.expected(r) for r in running)
 
-    def try_reserve(self, req: Req) -> bool:
-        if req.future_kv_tokens > self.available:
-            return False
-        self.available -= req.future_kv_tokens
-        return True
+    def need(self, req: Req, cached: int) -> int:
+        return req.fill_len - cached + self.ratio.expected(req)
+
+    def fits(self, room: int, need: int) -> bool:
+        return room - self.claimed >= need
+
+    def claim(self, need: int) -> None:
+        self.claimed += need
 
 
 @dataclass
 class Counters:
     prompt_tokens: int = 0
     computed_prompt_tokens: int = 0
+    cache_hit_tokens: int = 0
     generated_tokens: int = 0
     finished: int = 0
     aborted: int = 0
+    preemptions: int = 0
 
 
 class Scheduler:
@@ -75,17 +115,22 @@ class Scheduler:
         self.limits = limits
         self.allocator = SlotAllocator(limits.capacity)
         self.table = ReqToTokenTable(limits.max_running, limits.max_context)
+        self.cache: RadixCache = RadixCache() if limits.radix_cache else DisabledCache()
         self.waiting = WaitingQueue()
-        self.running: dict[str, Req] = {}  # admission order
+        self.running: dict[str, Req] = {}  # admission order: the newest is preempted first
+        self.ratio = DecodeRatio()
         self.counters = Counters()
         self._released: list[str] = []
         self._step = 0
+        # Per step in flight: which admission of each sampled request it samples for. A
+        # request preempted and re-admitted meanwhile must not take its old token.
+        self._sampled_for: dict[int, dict[str, int]] = {}
 
     @property
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
-    # -- requests in, aborts ---------------------------------------------------------------
+    # -- requests in, aborts, cache control ---------------------------------------------------
 
     def add_request(self, msg: TokenizedRequest) -> list[TokenOutput]:
         """Queue a request, or answer at once with an error if it can never run."""
@@ -121,11 +166,21 @@ class Scheduler:
         self._finish(req, FinishReason.ABORT)
         return [self._output(req, [])]
 
-    # -- planning a step -------------------------------------------------------------------
+    def flush_cache(self) -> int:
+        """Drop every cached prefix no running request uses; returns the slots freed."""
+        freed = self.cache.flush()
+        self.allocator.free(freed)
+        return len(freed)
+
+    # -- planning a step ------------------------------------------------------------------
 
     def plan_step(self) -> ForwardBatch | None:
-        """The next step: decode every running request, then spend the prefill budget on
-        unfinished prompts (oldest first), admitting waiting requests while they fit."""
+        """The next step, as a recipe:
+        1. one decode slot for every running request past its prompt (evicting cached
+           prefixes, then preempting the newest requests, when slots run short);
+        2. the prefill budget for unfinished prompts, oldest first, in chunks;
+        3. waiting requests admitted while budget, batch size and KV room allow.
+        """
         new_reqs: list[NewRequest] = []
         decode_rids, decode_slots = self._plan_decode()
         budget = PrefillBudget(self.limits.max_prefill_tokens, self.limits.chunk_size)
@@ -134,63 +189,178 @@ class Scheduler:
         prefill += self._admit(budget, new_reqs)
         prefill = [c for c in prefill if c is not None]
         if not (prefill or decode_rids):
+            if self.running:  # every running prompt is stuck for want of slots
+                self._preempt(next(reversed(self.running.values())))
+                return self.plan_step()
             return None
         self._step += 1
+        self.ratio.on_step()
+        sampled = [c.rid for c in prefill if c.sample] + decode_rids
+        self._sampled_for[self._step] = {rid: self.running[rid].admissions for rid in sampled}
         released, self._released = self._released, []
         return ForwardBatch(step=self._step, new_requests=new_reqs, prefill=prefill,
                             decode_rids=decode_rids, decode_slots=decode_slots, released=released)
 
+    def _make_room(self, n: int) -> bool:
+        """Ensure n free slots, evicting unlocked cached prefixes if needed."""
+        short = n - self.allocator.num_free
+        if short > 0:
+            self.allocator.free(self.cache.evict(short))
+        return self.allocator.num_free >= n
+
     def _plan_decode(self) -> tuple[list[str], list[int]]:
         decoding = [r for r in self.running.values() if not r.prefilling]
+        while decoding and not self._make_room(len(decoding)):
+            victim = next(reversed(self.running.values()))
+            self._preempt(victim)
+            decoding = [r for r in decoding if r is not victim]
         if not decoding:
             return [], []
         slots = self.allocator.alloc(len(decoding))
-        if slots is None:  # NOTE: admission reserves every future slot, so this is a bug
-            raise RuntimeError("KV slots ran out for decode despite admission control")
         for req, slot in zip(decoding, slots):
             self.table.assign(req.row, req.num_computed, slot[None])
             req.num_computed += 1
         return [r.rid for r in decoding], slots.tolist()
 
     def _admit(self, budget: PrefillBudget, new_reqs: list[NewRequest]) -> list[PrefillChunk | None]:
+        if self.limits.schedule_policy == "lpm":
+            self.waiting.reorder(lambda r: -self.cache.match_len(r.all_ids(max(0, r.prompt_len - 1))))
         chunks: list[PrefillChunk | None] = []
-        reservation = KVReservation(self.allocator.num_free, list(self.running.values()))
+        reservation = KVReservation(list(self.running.values()), self.ratio)
         while (self.waiting and not budget.exhausted
                and len(self.running) < self.limits.max_running):
             req = self.waiting.peek()
-            if not reservation.try_reserve(req):
+            if self._wait_for_in_flight_prefix(req):
+                break
+            if not self._try_admit(req, reservation):
                 break  # FCFS: later requests do not overtake the head of the queue
             self.waiting.pop()
-            req.row = self.table.alloc_row()
-            self.running[req.rid] = req
             chunks.append(self._plan_chunk(req, budget, new_reqs))
         return chunks
 
+    def _try_admit(self, req: Req, reservation: KVReservation) -> bool:
+        fill_len = req.prompt_len + len(req.output_ids)
+        # At least the last token is computed: its logits give the next token.
+        match = self.cache.match_prefix(req.all_ids(fill_len - 1))
+        self.cache.lock(match.node)
+        req.fill_len = fill_len
+        need = reservation.need(req, len(match))
+        room = self.allocator.num_free + self.cache.evictable_size
+        if not reservation.fits(room, need):
+            self.cache.unlock(match.node)
+            return False
+        reservation.claim(need)
+        req.row = self.table.alloc_row()
+        req.last_node, req.prefix_len, req.num_computed = match.node, len(match), len(match)
+        self.table.assign(req.row, 0, match.slots)
+        if req.admissions == 0:
+            req.cached_tokens = len(match)
+        req.admissions += 1
+        self.counters.cache_hit_tokens += len(match)
+        self.running[req.rid] = req
+        return True
+
+    def _wait_for_in_flight_prefix(self, req: Req) -> bool:
+        """True when req's prompt shares a long prefix with one still being prefilled:
+        admitting it later lets it read that prefix from the cache."""
+        if isinstance(self.cache, DisabledCache):
+            return False
+        ids = req.all_ids(req.prompt_len)
+        cached = self.cache.match_len(ids)
+        for other in self.running.values():
+            if other.prefilling:
+                shared = common_prefix_len(ids, other.all_ids(other.fill_len))
+                if shared - cached >= IN_FLIGHT_PREFIX_MIN:
+                    return True
+        return False
+
     def _plan_chunk(self, req: Req, budget: PrefillBudget,
                     new_reqs: list[NewRequest]) -> PrefillChunk | None:
-        n = budget.take(req.remaining_prompt)
+        n = budget.take(req.remaining_fill)
         if n == 0:
             return None
+        if not self._make_room(n):
+            budget.give_back(n)
+            return None  # waits for slots; plan_step preempts if nothing can move
         start = req.num_computed
         slots = self.allocator.alloc(n)
-        if slots is None:
-            raise RuntimeError("KV slots ran out for prefill despite admission control")
         self.table.assign(req.row, start, slots)
         req.num_computed += n
         self.counters.computed_prompt_tokens += n
         if not req.on_worker:
             req.on_worker = True
-            new_reqs.append(NewRequest(rid=req.rid, sampling=req.sampling))
-        return PrefillChunk(rid=req.rid, start=start, token_ids=req.input_ids[start:start + n],
+            new_reqs.append(NewRequest(rid=req.rid, sampling=req.sampling,
+                                       prefix_slot_ids=self.table.slots(req.row, start).tolist(),
+                                       num_sampled=len(req.output_ids)))
+        if not req.prefilling:
+            self._cache_prompt(req)
+        return PrefillChunk(rid=req.rid, start=start, token_ids=req.all_ids()[start:start + n].tolist(),
                             slot_ids=slots.tolist(), sample=not req.prefilling)
+
+    def _cache_prompt(self, req: Req) -> None:
+        """Share a prompt as soon as its last chunk is planned: later steps (and later
+        chunks of this one) run after its K/V is written."""
+        ids = req.all_ids(req.fill_len)
+        slots = self.table.slots(req.row, req.fill_len).copy()
+        adopted_from, node = self.cache.insert(ids, slots)
+        if adopted_from > req.prefix_len:
+            req.dup_slots.append(slots[req.prefix_len:adopted_from])
+        self.cache.lock(node)
+        self.cache.unlock(req.last_node)
+        req.last_node, req.prefix_len = node, req.fill_len
+
+    # -- preemption, finishing ---------------------------------------------------------------
+
+    def _preempt(self, req: Req) -> None:
+        """Back to the head of the queue with its outputs; its K/V goes to the cache, so a
+        resumption reads whatever of it has not been evicted by then."""
+        logger.info("preempting %s (%d tokens computed, %d generated)", req.rid,
+                    req.num_computed, len(req.output_ids))
+        self.counters.preemptions += 1
+        self.ratio.on_preempt()
+        self._release_kv(req)
+        self.waiting.push_front(req)
+
+    def _release_kv(self, req: Req) -> None:
+        """Give the request's slots to the cache (or back to the allocator) and drop its row."""
+        if req.row is None:
+            return
+        slots = self.table.slots(req.row, req.num_computed).copy()
+        # NOTE: with steps in flight the last planned position may hold the K/V of a token
+        # we never learnt (the request stopped, or the token is still on its way): only
+        # positions with known tokens can be cached, the rest is freed.
+        known = min(req.num_computed, len(req.input_ids) + len(req.output_ids))
+        adopted_from, _ = self.cache.insert(req.all_ids(known), slots[:known])
+        self.allocator.free(slots[req.prefix_len:max(req.prefix_len, adopted_from)])
+        self.allocator.free(slots[known:])
+        for dup in req.dup_slots:
+            self.allocator.free(dup)
+        if req.last_node is not None:
+            self.cache.unlock(req.last_node)
+        self.table.free_row(req.row)
+        self.running.pop(req.rid, None)
+        if req.on_worker:
+            self._released.append(req.rid)
+        req.row, req.last_node, req.dup_slots = None, None, []
+        req.num_computed = req.prefix_len = 0
+        req.on_worker = False
+
+    def _finish(self, req: Req, reason: FinishReason) -> None:
+        req.finish_reason = reason
+        self._release_kv(req)
+        if reason is not FinishReason.ABORT:
+            self.counters.finished += 1
 
     # -- results ---------------------------------------------------------------------------
 
     def apply_result(self, result: StepResult) -> list[TokenOutput]:
         outputs = []
+        sampled_for = self._sampled_for.pop(result.step, {})
         for rid, token in zip(result.rids, result.token_ids):
             req = self.running.get(rid)
-            if req is not None:  # None: aborted while the step ran; the token is dropped
+            # Dropped: the request finished, was aborted, or was preempted (and maybe
+            # re-admitted) after this step was planned; its token is stale.
+            if req is not None and sampled_for.get(rid) == req.admissions:
                 outputs.append(self._append_token(req, token))
         return outputs
 
@@ -205,30 +375,26 @@ class Scheduler:
             self._finish(req, FinishReason.LENGTH)
         return self._output(req, [token])
 
-    def _finish(self, req: Req, reason: FinishReason) -> None:
-        req.finish_reason = reason
-        if req.row is not None:
-            self.allocator.free(self.table.slots(req.row, req.num_computed).copy())
-            self.table.free_row(req.row)
-            req.row = None
-        self.running.pop(req.rid, None)
-        if req.on_worker:
-            self._released.append(req.rid)
-        if reason is not FinishReason.ABORT:
-            self.counters.finished += 1
-
     def _output(self, req: Req, token_ids: list[int], stop_token: bool = False) -> TokenOutput:
         first = not req.announced
         req.announced = True
         usage = None
         if req.finished:
             usage = Usage(prompt_tokens=req.prompt_len,
-                          completion_tokens=len(req.output_ids) + int(stop_token))
+                          completion_tokens=len(req.output_ids) + int(stop_token),
+                          cached_tokens=req.cached_tokens)
         return TokenOutput(
             rid=req.rid, token_ids=token_ids, finished=req.finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None, usage=usage,
             prompt_tail=req.input_ids[-PROMPT_TAIL:] if first else None,
             skip_special_tokens=req.skip_special_tokens)
+
+    # -- introspection -----------------------------------------------------------------------
+
+    def slots_consistent(self) -> bool:
+        """Every slot is free, cached, or held by exactly one running request (counts)."""
+        held = sum(r.owned_slots for r in self.running.values())
+        return self.allocator.num_free + self.cache.total_size + held == self.allocator.capacity
 
     def stats(self) -> SchedulerStats:
         c = self.counters
@@ -238,7 +404,9 @@ class Scheduler:
             waiting_requests=len(self.waiting), prompt_tokens_total=c.prompt_tokens,
             computed_prompt_tokens_total=c.computed_prompt_tokens,
             generated_tokens_total=c.generated_tokens, finished_requests_total=c.finished,
-            aborted_requests_total=c.aborted)
+            aborted_requests_total=c.aborted, cached_slots=self.cache.total_size,
+            evictable_slots=self.cache.evictable_size, preemptions_total=c.preemptions,
+            cache_hit_tokens_total=c.cache_hit_tokens, slots_consistent=self.slots_consistent())
 
 
 def _error(rid: str, message: str) -> TokenOutput:

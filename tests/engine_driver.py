@@ -1,17 +1,43 @@
-"""Scheduler and worker wired together in one process, without sockets, for tests."""
+"""The scheduler and the worker wired together in one process, for tests.
+
+`InProcessEngine` drives the real step loops (`SchedulerLoop`, `WorkerLoop`) over
+in-memory pipes instead of sockets, so overlap (two steps in flight), discarded tokens and
+SyncSteps are exercised exactly as in the server, deterministically, in one thread.
+"""
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from ipc.messages.common import SamplingParams
-from ipc.messages.to_detokenizer import TokenOutput
-from ipc.messages.to_scheduler import TokenizedRequest
+from ipc.messages.to_detokenizer import BatchTokens, TokenOutput
+from ipc.messages.to_scheduler import AbortRequest, TokenizedRequest
+from scheduler_proc import SchedulerLoop
 from scheduler_proc.scheduler import Scheduler, SchedulerLimits
+from worker_proc import WorkerLoop
 from worker_proc.kv_pool import KVPool
 from worker_proc.memory import probe_attention_specs
 from worker_proc.runner import ModelRunner
+
+
+class Pipe:
+    """Sender and Receiver in one, backed by a deque (no sockets, no codec)."""
+
+    def __init__(self) -> None:
+        self.items: deque = deque()
+
+    def send(self, message: Any) -> None:
+        self.items.append(message)
+
+    def recv(self, timeout_ms: int | None = None) -> Any:
+        return self.items.popleft() if self.items else None
+
+    def drain(self) -> list:
+        out = list(self.items)
+        self.items.clear()
+        return out
 
 
 @dataclass
@@ -23,11 +49,17 @@ class Finished:
 
 class InProcessEngine:
     def __init__(self, model: Any, capacity: int = 8192, max_running: int = 16,
-                 chunk_size: int = 256, max_prefill_tokens: int = 1024, max_context: int = 4096) -> None:
+                 chunk_size: int = 256, max_prefill_tokens: int = 1024, max_context: int = 4096,
+                 radix_cache: bool = True, schedule_policy: str = "fcfs",
+                 overlap: bool = True) -> None:
         self.pool = KVPool(probe_attention_specs(model), capacity)
         self.runner = ModelRunner(model, self.pool, max_running, max_context)
         self.scheduler = Scheduler(SchedulerLimits(capacity, max_context, max_running, chunk_size,
-                                                   max_prefill_tokens))
+                                                   max_prefill_tokens, radix_cache, schedule_policy))
+        self.to_scheduler, self.to_worker, self.to_detokenizer = Pipe(), Pipe(), Pipe()
+        self.loop = SchedulerLoop(self.scheduler, self.to_scheduler, self.to_worker,
+                                  self.to_detokenizer, max_in_flight=2 if overlap else 1)
+        self.worker = WorkerLoop(self.runner, self.to_scheduler, overlap=overlap)
         self.results: dict[str, Finished] = {}
         self.steps = 0
 
@@ -37,15 +69,22 @@ class InProcessEngine:
                                sampling=SamplingParams(max_new_tokens=max_tokens,
                                                        **{"temperature": 0.0, **sampling}))
         self.results[rid] = Finished()
-        self._collect(self.scheduler.add_request(msg))
+        self.to_scheduler.send(msg)
+        self._turn_scheduler(plan=False)
+
+    def abort(self, rid: str) -> None:
+        self.to_scheduler.send(AbortRequest(rid=rid))
+        self._turn_scheduler(plan=False)
 
     def step(self) -> bool:
-        batch = self.scheduler.plan_step()
-        if batch is None:
-            return False
-        self.steps += 1
-        self._collect(self.scheduler.apply_result(self.runner.run(batch)))
-        return True
+        """One scheduler turn and one worker turn; False once nothing moves any more."""
+        before = self.scheduler._step
+        self._turn_scheduler(plan=True)
+        self.steps += self.scheduler._step - before
+        moved = bool(self.to_worker.items)
+        while self.to_worker.items:
+            self.worker.handle(self.to_worker.recv())
+        return moved or bool(self.loop.in_flight) or bool(self.to_scheduler.items)
 
     def run_until_idle(self, max_steps: int = 100_000) -> dict[str, Finished]:
         for _ in range(max_steps):
@@ -53,9 +92,18 @@ class InProcessEngine:
                 break
         return self.results
 
-    def _collect(self, outputs: list[TokenOutput]) -> None:
-        for out in outputs:
-            r = self.results[out.rid]
-            r.token_ids += out.token_ids
-            if out.finished:
-                r.finish_reason, r.error = out.finish_reason, out.error
+    def _turn_scheduler(self, plan: bool) -> None:
+        if plan:
+            self.loop.run_once()
+        else:  # only take the messages in, as the server does between steps
+            outputs: list[TokenOutput] = []
+            for message in self.to_scheduler.drain():
+                self.loop.handle(message, outputs)
+            if outputs:
+                self.to_detokenizer.send(BatchTokens(outputs=outputs))
+        for batch in self.to_detokenizer.drain():
+            for out in batch.outputs:
+                r = self.results[out.rid]
+                r.token_ids += out.token_ids
+                if out.finished:
+                    r.finish_reason, r.error = out.finish_reason, out.error

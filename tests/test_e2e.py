@@ -45,13 +45,22 @@ MAX_TOKENS = [48, 20, 64, 5, 33, 1, 60, 12, 40, 25, 64, 9, 30, 50, 16, 44]
 
 
 def _wait_idle(server: Server, timeout: float = 20.0) -> dict:
+    """Wait until nothing runs, then check that every slot is free or cached."""
     deadline = time.monotonic() + timeout
     while True:
         stats = server.stats()
         if stats["running_requests"] == 0 and stats["waiting_requests"] == 0:
+            assert stats["slots_consistent"], stats
+            assert stats["free_slots"] + stats["cached_slots"] == stats["capacity_slots"], stats
             return stats
         assert time.monotonic() < deadline, stats
         time.sleep(0.1)
+
+
+def _flush(server: Server) -> dict:
+    r = httpx.post(server.url + "/flush_cache", timeout=10)
+    assert r.status_code == 200
+    return r.json()["scheduler"]
 
 
 def test_16_concurrent_http_requests_match_mlx_lm(server, tiny_model, oracle, tokenizer):
@@ -71,8 +80,8 @@ def test_16_concurrent_http_requests_match_mlx_lm(server, tiny_model, oracle, to
         assert r.usage.completion_tokens in (len(expected), len(expected) + 1)
         assert r.usage.prompt_tokens == len(p)
         assert r.choices[0].finish_reason == ("length" if len(expected) == m else "stop")
-    stats = _wait_idle(server)
-    assert stats["used_slots"] == 0
+    _wait_idle(server)
+    assert _flush(server)["free_slots"] == server.stats()["capacity_slots"]
 
 
 def test_16_concurrent_zmq_requests_match_mlx_lm(server, tiny_model, oracle):
@@ -142,8 +151,8 @@ def test_abort_mid_stream_frees_kv_slots(server):
             assert any(line.startswith("data: ") for line in got)
             assert server.stats()["used_slots"] > 0
     stats = _wait_idle(server)
-    assert stats["used_slots"] == 0
     assert stats["aborted_requests_total"] == before + 1
+    assert _flush(server)["used_slots"] == 0
 
 
 @pytest.mark.parametrize("path,body", [
@@ -248,3 +257,30 @@ def test_children_exit_when_the_launcher_is_killed(tiny_model_dir, tmp_path):
     srv.proc.wait(10)
     assert _gone(pids, 5.0)
     srv.stop()
+
+
+def test_second_chat_turn_hits_the_cache_and_usage_says_so(server):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+    _flush(server)
+    turn1 = [{"role": "system", "content": "You are a terse assistant. " * 20},
+             {"role": "user", "content": "Name three colours."}]
+    first = client.chat.completions.create(model=MODEL, messages=turn1, max_tokens=20,
+                                           temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    turn2 = turn1 + [{"role": "assistant", "content": first.choices[0].message.content},
+                     {"role": "user", "content": "And three more?"}]
+    second = client.chat.completions.create(model=MODEL, messages=turn2, max_tokens=20,
+                                            temperature=0)
+    assert second.usage.prompt_tokens_details.cached_tokens >= first.usage.prompt_tokens
+    stats = _wait_idle(server)
+    assert stats["cache_hit_tokens_total"] >= first.usage.prompt_tokens
+
+
+def test_flush_cache_through_the_zmq_client(server):
+    from ipc.client import KilnClient
+
+    with KilnClient(server.zmq) as client:
+        client.generate("fill the cache with something", max_tokens=4, temperature=0)
+        assert client.server_stats().cached_slots > 0
+        stats = client.server_stats(flush_cache=True)
+        assert stats.cached_slots == 0 and stats.free_slots == stats.capacity_slots

@@ -15,15 +15,18 @@ from ipc.messages.client import (AbortGenerate, ClientToServer, GenerateOutput, 
 from ipc.messages.common import Message, SamplingParams, SchedulerStats, Usage
 from ipc.messages.to_detokenizer import BatchTokens, DetokenizerMessage, StatsReply, TokenOutput
 from ipc.messages.to_launcher import LauncherMessage, ProcessProgress, ProcessReady
-from ipc.messages.to_scheduler import (AbortRequest, GetStats, SchedulerMessage, StepResult,
+from ipc.messages.to_scheduler import (AbortRequest, FlushCache, GetStats, SchedulerMessage, StepResult,
                                        TokenizedRequest, WorkerReady)
 from ipc.messages.to_tokenizer import BatchText, TextOutput, TokenizerMessage
-from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk, Shutdown, WorkerMessage
+from ipc.messages.to_worker import (ForwardBatch, NewRequest, PrefillChunk, Shutdown, SyncSteps,
+                                    WorkerMessage)
 
 STATS = SchedulerStats(capacity_slots=100, used_slots=3, free_slots=97, running_requests=1,
                        waiting_requests=2, prompt_tokens_total=10, computed_prompt_tokens_total=9,
-                       generated_tokens_total=5, finished_requests_total=4, aborted_requests_total=1)
-USAGE = Usage(prompt_tokens=7, completion_tokens=3)
+                       generated_tokens_total=5, finished_requests_total=4, aborted_requests_total=1,
+                       cached_slots=2, evictable_slots=1, preemptions_total=3,
+                       cache_hit_tokens_total=6, slots_consistent=True)
+USAGE = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=4)
 SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**40, max_new_tokens=12)
 
 # (record, the union its receiving socket decodes)
@@ -34,13 +37,16 @@ SAMPLES = [
                       skip_special_tokens=False), SchedulerMessage),
     (AbortRequest(rid="a"), SchedulerMessage),
     (GetStats(query_id="q"), SchedulerMessage),
+    (FlushCache(query_id="f"), SchedulerMessage),
     (WorkerReady(num_slots=10, max_context_len=8), SchedulerMessage),
     (StepResult(step=3, rids=["a", "b"], token_ids=[5, 6]), SchedulerMessage),
-    (ForwardBatch(step=1, new_requests=[NewRequest(rid="a", sampling=SAMPLING)],
+    (ForwardBatch(step=1, new_requests=[NewRequest(rid="a", sampling=SAMPLING,
+                                                   prefix_slot_ids=[7, 8], num_sampled=2)],
                   prefill=[PrefillChunk(rid="a", start=0, token_ids=[1, 2], slot_ids=[4, 5],
                                         sample=True)],
                   decode_rids=["b"], decode_slots=[9], released=["c"]), WorkerMessage),
     (Shutdown(reason="bye"), WorkerMessage),
+    (SyncSteps(), WorkerMessage),
     (BatchTokens(outputs=[TokenOutput(rid="a", token_ids=[1], finished=True, finish_reason="stop",
                                       usage=USAGE, prompt_tail=[1, 2])]), DetokenizerMessage),
     (StatsReply(query_id="q", stats=STATS), DetokenizerMessage),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import pytest
 
@@ -9,12 +11,25 @@ from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import StepResult, TokenizedRequest
 from scheduler_proc.allocator import ReqToTokenTable, SlotAllocator
 from scheduler_proc.request import Req, WaitingQueue
-from scheduler_proc.scheduler import KVReservation, PrefillBudget, Scheduler, SchedulerLimits
+from scheduler_proc.scheduler import (DecodeRatio, KVReservation, PrefillBudget, Scheduler,
+                                      SchedulerLimits)
 
 
-def _req(rid: str, prompt: int, max_new: int, eos: tuple[int, ...] = (0,)) -> TokenizedRequest:
-    return TokenizedRequest(rid=rid, input_ids=list(range(10, 10 + prompt)), stop_token_ids=list(eos),
+def _req(rid: str, prompt: int, max_new: int, eos: tuple[int, ...] = (0,),
+         first: int | None = None) -> TokenizedRequest:
+    """A prompt of consecutive ids; distinct rids get disjoint prompts unless `first` is given."""
+    start = first if first is not None else 10 + 1000 * (sum(map(ord, rid)) % 50)
+    return TokenizedRequest(rid=rid, input_ids=list(range(start, start + prompt)),
+                            stop_token_ids=list(eos),
                             sampling=SamplingParams(temperature=0.0, max_new_tokens=max_new))
+
+
+def assert_idle_invariant(s: Scheduler) -> None:
+    """Idle: every slot is free or cached; flushing the cache frees them all."""
+    assert not s.running and s.slots_consistent()
+    assert s.allocator.num_free + s.cache.total_size == s.allocator.capacity
+    s.flush_cache()
+    assert s.allocator.num_free == s.allocator.capacity and s.cache.total_size == 0
 
 
 def _sched(capacity=1000, max_context=512, max_running=8, chunk=64, budget=128) -> Scheduler:
@@ -71,13 +86,19 @@ def test_prefill_budget_chunks():
     assert budget.exhausted
 
 
-def test_kv_reservation_counts_future_tokens_of_running_requests():
-    running = Req.from_message(_req("r", 10, 20))
-    running.num_computed = 10
-    res = KVReservation(free_slots=60, running=[running])  # r may still claim 19
-    assert res.available == 41
-    assert res.try_reserve(Req.from_message(_req("a", 20, 21)))  # needs 40
-    assert not res.try_reserve(Req.from_message(_req("b", 1, 2)))  # needs 2, 1 left
+def test_kv_reservation_counts_expected_decode_of_running_requests():
+    ratio = DecodeRatio()
+    running = Req.from_message(_req("r", 10, 21))
+    running.fill_len = running.num_computed = 10  # prompt done, 21 tokens to go
+    res = KVReservation([running], ratio)
+    assert res.claimed == math.ceil(ratio.value * 20)
+    new = Req.from_message(_req("a", 30, 11))
+    new.fill_len = 30
+    need = res.need(new, cached=10)  # 20 uncached prompt tokens + expected decode
+    assert need == 20 + math.ceil(ratio.value * 10)
+    assert res.fits(res.claimed + need, need) and not res.fits(res.claimed + need - 1, need)
+    ratio.on_preempt()
+    assert ratio.value == 1.0 and KVReservation([running], ratio).claimed == 20
 
 
 # -- step plans -----------------------------------------------------------------------------
@@ -120,13 +141,14 @@ def test_stop_token_and_max_tokens_finish_and_free_everything():
     out = s.apply_result(StepResult(step=b.step, rids=["eos", "len"], token_ids=[3, 8]))
     eos = next(o for o in out if o.rid == "eos")
     assert eos.finished and eos.finish_reason == "stop" and eos.token_ids == []
-    assert eos.usage.completion_tokens == 1 and eos.prompt_tail == [10, 11, 12, 13]
+    assert eos.usage.completion_tokens == 1 and eos.prompt_tail == _req("eos", 4, 1).input_ids
     b2 = s.plan_step()
     assert b2.released == ["eos"] and b2.decode_rids == ["len"]
     out2 = s.apply_result(StepResult(step=b2.step, rids=["len"], token_ids=[9]))
     assert out2[0].finish_reason == "length" and out2[0].usage.completion_tokens == 2
     assert out2[0].prompt_tail is None
-    assert s.allocator.num_free == s.allocator.capacity and not s.has_work
+    assert not s.has_work
+    assert_idle_invariant(s)
 
 
 def test_abort_while_waiting_and_while_running_frees_slots():
@@ -139,7 +161,7 @@ def test_abort_while_waiting_and_while_running_frees_slots():
     s.apply_result(_answer(b))
     assert s.abort("a")[0].finished
     assert s.apply_result(StepResult(step=99, rids=["a"], token_ids=[1])) == []
-    assert s.allocator.num_free == s.allocator.capacity
+    assert_idle_invariant(s)
     assert s.stats().aborted_requests_total == 2 and s.stats().running_requests == 0
     assert s.plan_step() is None
 

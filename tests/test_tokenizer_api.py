@@ -85,7 +85,8 @@ def test_completion_shape(api: Api) -> None:
                                 "finish_reason": "stop"}]
     prompt_tokens = len(api.request().input_ids)
     assert body["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 3,
-                             "total_tokens": prompt_tokens + 3}
+                             "total_tokens": prompt_tokens + 3,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_chat_shape(api: Api) -> None:
@@ -129,7 +130,8 @@ def test_chat_stream_with_usage(api: Api) -> None:
     assert usage["object"] == "chat.completion.chunk" and usage["choices"] == []
     prompt_tokens = len(api.request().input_ids)
     assert usage["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 3,
-                              "total_tokens": prompt_tokens + 3}
+                              "total_tokens": prompt_tokens + 3,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
 
 
 def test_length_finish_passes_through(make_api: Callable[..., Api]) -> None:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from tests.engine_driver import InProcessEngine
+from tests.test_scheduler import assert_idle_invariant
 
 
 def _eos(tokenizer) -> list[int]:
@@ -18,18 +19,20 @@ def _prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list
     return [rng.integers(5, vocab, size=lengths[i % len(lengths)]).tolist() for i in range(n)]
 
 
-def test_batched_chunked_greedy_matches_mlx_lm(tiny_model, oracle):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_batched_chunked_greedy_matches_mlx_lm(tiny_model, oracle, overlap):
     model, tokenizer = tiny_model
     lengths = [1, 7, 64, 300, 600, 33, 128, 257]
     prompts = _prompts(8, lengths, model.args.vocab_size)
     max_tokens = [40, 1, 25, 60, 10, 33, 5, 48]
-    engine = InProcessEngine(model, chunk_size=128, max_prefill_tokens=256)
+    engine = InProcessEngine(model, chunk_size=128, max_prefill_tokens=256, overlap=overlap)
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         engine.submit(f"r{i}", p, m, _eos(tokenizer))
     results = engine.run_until_idle()
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         assert results[f"r{i}"].token_ids == oracle(p, m), f"request r{i} (prompt {len(p)})"
-    assert engine.scheduler.allocator.num_free == engine.scheduler.allocator.capacity
+    assert engine.worker.most_in_flight == (2 if overlap else 1)
+    assert_idle_invariant(engine.scheduler)
 
 
 def test_requests_join_a_running_batch(tiny_model, oracle):
@@ -45,7 +48,8 @@ def test_requests_join_a_running_batch(tiny_model, oracle):
         assert results[f"r{i}"].token_ids == oracle(p, 30)
 
 
-def test_seeded_sampling_is_independent_of_batch_mates(tiny_model):
+@pytest.mark.parametrize("overlap", [True, False])
+def test_seeded_sampling_is_independent_of_batch_mates(tiny_model, overlap):
     model, tokenizer = tiny_model
     prompt = _prompts(1, [12], model.args.vocab_size, seed=2)[0]
     others = _prompts(5, [3, 40, 17], model.args.vocab_size, seed=3)
@@ -53,7 +57,7 @@ def test_seeded_sampling_is_independent_of_batch_mates(tiny_model):
 
     alone = InProcessEngine(model)
     alone.submit("x", prompt, 30, [], **sampling)
-    crowded = InProcessEngine(model)
+    crowded = InProcessEngine(model, overlap=overlap)
     for i, p in enumerate(others):
         crowded.submit(f"o{i}", p, 20 + i, [], temperature=1.0)
     crowded.step()

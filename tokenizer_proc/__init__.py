@@ -1,9 +1,10 @@
 """The front process: HTTP (OpenAI API) and ZMQ clients in, tokenized requests out.
 
 Layout: `protocol` (request bodies), `prepare` (validation, chat template, tokenization),
-`manager` (request ids, output routing, aborts, stats), `responses` (OpenAI shapes),
-`http_api` (FastAPI routes), `client_front` (ZMQ clients), `server` (sockets, uvicorn,
-signals), `fake_engine` (scripted engine for tests).
+`manager` (request ids, output routing, aborts, stats), `metrics` (Prometheus series,
+request and throughput logs), `responses` (OpenAI and native shapes), `http_api` (FastAPI
+routes), `security` (API key, body size cap), `client_front` (ZMQ clients), `server`
+(sockets, uvicorn, signals), `remote_code` (the launcher's trust_remote_code check).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ def run_tokenizer(config: ServerConfig) -> None:
 
     model_path = config.model_path or config.model
     reporter.progress(f"loading tokenizer from {model_path}")
-    preparer = RequestPreparer.load(config.model_name, model_path)
+    preparer = RequestPreparer.load(config.model_name, model_path, config.trust_remote_code)
     info = preparer.info
     logger.info("model %s: context %d tokens, vocab %d, eos ids %s", info.name,
                 info.context_len, info.vocab_size, list(info.eos_token_ids))

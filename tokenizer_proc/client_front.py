@@ -3,6 +3,7 @@
 Pure logic like the HTTP layer: replies go through a `reply(identity, message)`
 coroutine, so tests run it without sockets. Client request ids are only unique per
 client, so requests are keyed by (client identity, request id) and get an internal rid.
+With --api-key every message must carry the key; a request without it gets an error reply.
 """
 
 from __future__ import annotations
@@ -18,21 +19,24 @@ from tokenizer_proc.errors import RequestError
 from tokenizer_proc.manager import (RequestStream, StatsUnavailable, TokenizerManager,
                                     new_id)
 from tokenizer_proc.prepare import RequestPreparer
+from tokenizer_proc.security import ApiKey
 
 logger = logging.getLogger(__name__)
 
 Reply = Callable[[bytes, ServerToClient], Awaitable[None]]
 _Key = tuple[bytes, str]
+_BAD_KEY = "Missing or incorrect API key: pass the server's key as KilnClient(..., api_key=)."
 
 
 class ClientFront:
     """Serves GenerateRequest / AbortGenerate / StatsQuery from many clients at once."""
 
     def __init__(self, manager: TokenizerManager, preparer: RequestPreparer,
-                 reply: Reply) -> None:
+                 reply: Reply, api_key: ApiKey | None = None) -> None:
         self._manager = manager
         self._preparer = preparer
         self._reply = reply
+        self._api_key = api_key or ApiKey()
         self._active: dict[_Key, RequestStream] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self.accepting = True
@@ -43,12 +47,23 @@ class ClientFront:
 
     async def handle(self, identity: bytes, message: ClientToServer) -> None:
         """Act on one client message; never blocks on a generation."""
-        if isinstance(message, GenerateRequest):
+        if not self._api_key.accepts(message.api_key):
+            await self._refuse(identity, message)
+        elif isinstance(message, GenerateRequest):
             await self._start(identity, message)
         elif isinstance(message, AbortGenerate):
             self._abort(identity, message.request_id)
         elif isinstance(message, StatsQuery):
-            self._spawn(self._stats(identity, message.request_id))
+            self._spawn(self._stats(identity, message.request_id, message.flush_cache))
+
+    async def _refuse(self, identity: bytes, message: ClientToServer) -> None:
+        if isinstance(message, GenerateRequest):
+            await self._reply(identity, _error(message.request_id, _BAD_KEY))
+        elif isinstance(message, StatsQuery):
+            await self._reply(identity, StatsResult(request_id=message.request_id,
+                                                    error=_BAD_KEY))
+        else:  # an abort has no reply; its request was refused the same way anyway
+            logger.warning("ignored an abort with a wrong API key")
 
     async def wait_replies(self) -> None:
         """Wait until every generation task has sent its last reply (shutdown)."""
@@ -100,9 +115,9 @@ class ClientFront:
         if stream is not None:
             stream.close()
 
-    async def _stats(self, identity: bytes, request_id: str) -> None:
+    async def _stats(self, identity: bytes, request_id: str, flush_cache: bool) -> None:
         try:
-            stats = await self._manager.query_stats()
+            stats = await self._manager.query_stats(flush_cache=flush_cache)
         except StatsUnavailable as exc:
             await self._reply(identity, StatsResult(request_id=request_id, error=str(exc)))
             return

@@ -1,12 +1,15 @@
-"""The HTTP API: OpenAI completions and chat completions, models, health, server info.
+"""The HTTP API: OpenAI completions and chat completions, models, the native /generate and
+/abort_request, health, server info and Prometheus /metrics.
 
 A thin layer: bodies are parsed and validated here, turned into requests by
-`RequestPreparer`, run through `TokenizerManager`, and shaped by `responses`.
+`RequestPreparer`, run through `TokenizerManager`, and shaped by `responses`. The API key
+and the body size cap are `security.HttpGuard`'s, in front of every route.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import time
@@ -15,17 +18,22 @@ from typing import Any, AsyncIterator, Awaitable, Mapping, TypeVar
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
+from ipc.config import ServerConfig
 from ipc.messages.to_scheduler import TokenizedRequest
 from ipc.messages.to_tokenizer import TextOutput
 from tokenizer_proc.errors import RequestError, error_body, from_validation_errors
 from tokenizer_proc.manager import RequestStream, StatsUnavailable, TokenizerManager, new_id
 from tokenizer_proc.prepare import RequestPreparer
-from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
-from tokenizer_proc.responses import DONE, ChatFormat, CompletionFormat, ResponseFormat, sse
+from tokenizer_proc.protocol import (AbortBody, ChatCompletionRequest, CompletionRequest,
+                                     GenerateBody)
+from tokenizer_proc.responses import (DONE, ChatFormat, CompletionFormat, NativeFormat,
+                                      ResponseFormat, sse)
+from tokenizer_proc.security import ApiKey, HttpGuard
 
 logger = logging.getLogger(__name__)
 
@@ -35,6 +43,8 @@ M = TypeVar("M", bound=BaseModel)
 _SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 # nginx's code for "client closed request": nobody reads it, but access logs show it.
 _CLIENT_CLOSED = 499
+# A scrape waits this long for fresh scheduler stats, then shows the last ones it has.
+_SCRAPE_STATS_TIMEOUT_S = 2.0
 
 
 class ClientGone(Exception):
@@ -42,12 +52,17 @@ class ClientGone(Exception):
 
 
 def create_app(manager: TokenizerManager, preparer: RequestPreparer,
-               facts: Mapping[str, Any] | None = None) -> FastAPI:
-    """The FastAPI app; `facts` are config details shown by /get_server_info."""
+               facts: Mapping[str, Any] | None = None,
+               config: ServerConfig | None = None) -> FastAPI:
+    """The FastAPI app; `facts` are config details shown by /get_server_info, `config`
+    gives the API key and the body size cap (defaults: none and 8 MiB)."""
+    config = config or ServerConfig()
     app = FastAPI(title="kiln", docs_url="/docs", redoc_url=None)
     routes = ApiRoutes(manager, preparer, dict(facts or {}))
     routes.install(app)
     install_error_handlers(app)
+    app.add_middleware(HttpGuard, api_key=ApiKey(config.api_key),
+                       max_body_bytes=config.max_request_bytes)
     return app
 
 
@@ -67,6 +82,10 @@ class ApiRoutes:
         app.add_api_route("/v1/models", self.models, methods=["GET"])
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/get_server_info", self.server_info, methods=["GET"])
+        app.add_api_route("/generate", self.generate, methods=["POST"])
+        app.add_api_route("/abort_request", self.abort_request, methods=["POST"])
+        app.add_api_route("/metrics", self.metrics, methods=["GET"])
+        app.add_api_route("/flush_cache", self.flush_cache, methods=["POST"])
 
     async def completions(self, request: Request) -> Response:
         body = _parse(CompletionRequest, await _read_json(request))
@@ -92,12 +111,37 @@ class ApiRoutes:
 
     async def server_info(self) -> dict[str, Any]:
         stats = await self._manager.query_stats()
-        fields = {name: getattr(stats, name) for name in stats.__struct_fields__}
         return {**self._facts, "in_flight_requests": self._manager.in_flight,
-                "scheduler": fields}
+                "scheduler": _fields(stats)}
+
+    async def flush_cache(self) -> dict[str, Any]:
+        """Drop every cached prefix no running request reads; answers with the stats after."""
+        stats = await self._manager.query_stats(flush_cache=True)
+        return {"flushed": True, "scheduler": _fields(stats)}
+
+    async def generate(self, request: Request) -> Response:
+        """The native API: text or token ids in; text, ids and meta_info out."""
+        body = _parse(GenerateBody, await _read_json(request))
+        rid = body.rid or new_id("gen")
+        if self._manager.is_in_flight(rid):
+            raise RequestError(f"Request id {rid!r} is already in flight.", param="rid",
+                               code="duplicate_request_id")
+        tokenized = self._preparer.native(body, rid)
+        return await self._generate(request, tokenized, NativeFormat(rid), body.stream)
+
+    async def abort_request(self, request: Request) -> dict[str, bool]:
+        """Abort any request by id (a /generate rid or an OpenAI response id)."""
+        body = _parse(AbortBody, await _read_json(request))
+        return {"aborted": self._manager.abort(body.rid)}
+
+    async def metrics(self) -> Response:
+        # A slow scheduler must not fail the scrape: the last stats it sent stay shown.
+        with contextlib.suppress(StatsUnavailable):
+            await self._manager.query_stats(_SCRAPE_STATS_TIMEOUT_S)
+        return Response(self._manager.metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
 
     async def _generate(self, request: Request, tokenized: TokenizedRequest,
-                        fmt: ResponseFormat, streaming: bool) -> Response:
+                        fmt: ResponseFormat | NativeFormat, streaming: bool) -> Response:
         stream = await self._manager.submit(tokenized)
         try:
             # Even a streamed response waits for the first output before its headers go
@@ -105,7 +149,7 @@ class ApiRoutes:
             first = await _until_disconnect(request, stream.next())
             _raise_engine_error(first.error)
             if streaming:
-                return _EventStream(_events(stream, first, fmt), stream)
+                return _EventStream(_event_source(stream, first, fmt), stream)
             result = await _until_disconnect(request, stream.collect(first))
         except BaseException:
             stream.close()
@@ -126,6 +170,28 @@ class _EventStream(StreamingResponse):
             await super().__call__(scope, receive, send)
         finally:
             self._stream.close()
+
+
+def _event_source(stream: RequestStream, first: TextOutput,
+                  fmt: ResponseFormat | NativeFormat) -> AsyncIterator[str]:
+    if isinstance(fmt, NativeFormat):
+        return _native_events(stream, first, fmt)
+    return _events(stream, first, fmt)
+
+
+async def _native_events(stream: RequestStream, first: TextOutput,
+                         fmt: NativeFormat) -> AsyncIterator[str]:
+    # Every output is an event, even one without text: its token ids are news too.
+    output = first
+    while True:
+        if output.error is not None:
+            yield sse(error_body(output.error))
+            break
+        yield sse(fmt.chunk(output, stream.usage(output)))
+        if output.finished:
+            break
+        output = await stream.next()
+    yield DONE
 
 
 async def _events(stream: RequestStream, first: TextOutput,
@@ -243,3 +309,7 @@ async def _on_stats_unavailable(request: Request, exc: Exception) -> Response:
 async def _on_unexpected(request: Request, exc: Exception) -> Response:
     logger.exception("unexpected error serving %s", request.url.path, exc_info=exc)
     return JSONResponse(error_body("Internal server error.", "server_error"), status_code=500)
+
+
+def _fields(stats: Any) -> dict[str, Any]:
+    return {name: getattr(stats, name) for name in stats.__struct_fields__}

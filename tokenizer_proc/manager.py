@@ -1,7 +1,8 @@
 """Request bookkeeping of the front process: ids, output routing, aborts, stats queries.
 
 No sockets here: the engine is anything with `async send(message)`, and outputs come in
-through `on_message`, so tests drive the manager with a fake engine.
+through `on_message`, so tests drive the manager with a fake engine. Every request's life
+also passes through `metrics`, the front's Prometheus series.
 """
 
 from __future__ import annotations
@@ -13,18 +14,17 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from ipc.messages.common import SchedulerStats, Usage
-from ipc.messages.to_scheduler import AbortRequest, GetStats, TokenizedRequest
+from ipc.messages.to_scheduler import AbortRequest, FlushCache, GetStats, TokenizedRequest
 from ipc.messages.to_tokenizer import BatchText, StatsReply, TextOutput, TokenizerMessage
+from tokenizer_proc.metrics import ABORT, RequestMetrics
 
 logger = logging.getLogger(__name__)
-
-ABORT = "abort"
 
 
 class EngineLink(Protocol):
     """Where requests go: the scheduler's socket in production, a fake in tests."""
 
-    async def send(self, message: TokenizedRequest | AbortRequest | GetStats) -> None: ...
+    async def send(self, message: TokenizedRequest | AbortRequest | GetStats | FlushCache) -> None: ...
 
 
 class StatsUnavailable(Exception):
@@ -106,6 +106,7 @@ class TokenizerManager:
 
     engine: EngineLink
     stats_timeout: float = 10.0
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
     _queues: dict[str, asyncio.Queue[TextOutput]] = field(default_factory=dict)
     _stats: dict[str, asyncio.Future[SchedulerStats]] = field(default_factory=dict)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
@@ -117,16 +118,21 @@ class TokenizerManager:
     def rids(self) -> list[str]:
         return list(self._queues)
 
+    def is_in_flight(self, rid: str) -> bool:
+        return rid in self._queues
+
     async def submit(self, request: TokenizedRequest) -> RequestStream:
         """Register the request (before sending: outputs may come back at once) and send it."""
         if request.rid in self._queues:
             raise ValueError(f"request id {request.rid} is already in flight")
         queue: asyncio.Queue[TextOutput] = asyncio.Queue()
         self._queues[request.rid] = queue
+        self.metrics.submitted(request.rid, len(request.input_ids))
         try:
             await self.engine.send(request)
         except BaseException:
             del self._queues[request.rid]
+            self.metrics.forget(request.rid)
             raise
         return RequestStream(self, request, queue)
 
@@ -146,6 +152,7 @@ class TokenizerManager:
             return
         if is_terminal(output):
             del self._queues[output.rid]
+        self.metrics.output(output)
         queue.put_nowait(output)
 
     def abort(self, rid: str) -> bool:
@@ -157,6 +164,7 @@ class TokenizerManager:
         if queue is None:
             return False
         logger.info("aborting request %s", rid)
+        self.metrics.aborted(rid)
         queue.put_nowait(TextOutput(rid=rid, text="", token_ids=[], finished=True,
                                     finish_reason=ABORT))
         self._send_later(AbortRequest(rid=rid))
@@ -182,13 +190,16 @@ class TokenizerManager:
             await asyncio.sleep(0.05)
         return not self._queues
 
-    async def query_stats(self, timeout: float | None = None) -> SchedulerStats:
-        """Round trip a GetStats to the scheduler; raises StatsUnavailable on timeout."""
+    async def query_stats(self, timeout: float | None = None,
+                          flush_cache: bool = False) -> SchedulerStats:
+        """Round trip a GetStats (or a FlushCache, answered with the stats after the
+        flush) to the scheduler; raises StatsUnavailable on timeout."""
         query_id = uuid.uuid4().hex
         future: asyncio.Future[SchedulerStats] = asyncio.get_running_loop().create_future()
         self._stats[query_id] = future
+        query = FlushCache(query_id=query_id) if flush_cache else GetStats(query_id=query_id)
         try:
-            await self.engine.send(GetStats(query_id=query_id))
+            await self.engine.send(query)
             return await asyncio.wait_for(future, timeout or self.stats_timeout)
         except asyncio.TimeoutError:
             raise StatsUnavailable("the scheduler did not answer the stats query") from None
@@ -196,6 +207,8 @@ class TokenizerManager:
             self._stats.pop(query_id, None)
 
     def _answer_stats(self, reply: StatsReply) -> None:
+        # Any answer, whoever asked, refreshes the scheduler's series.
+        self.metrics.set_scheduler_stats(reply.stats)
         future = self._stats.pop(reply.query_id, None)
         if future is not None and not future.done():
             future.set_result(reply.stats)

@@ -26,8 +26,8 @@ class ModelInfo:
 
 def load_model_info(name: str, model_path: str, tokenizer: Any) -> ModelInfo:
     """Read the context length and EOS ids from the model directory and its tokenizer."""
-    config = _read_json(Path(model_path) / "config.json")
-    generation = _read_json(Path(model_path) / "generation_config.json")
+    config = read_json(Path(model_path) / "config.json")
+    generation = read_json(Path(model_path) / "generation_config.json")
     return ModelInfo(
         name=name,
         path=model_path,
@@ -37,7 +37,8 @@ def load_model_info(name: str, model_path: str, tokenizer: Any) -> ModelInfo:
     )
 
 
-def _read_json(path: Path) -> dict[str, Any]:
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON object from a file; {} when the file is missing or holds no object."""
     try:
         data = json.loads(path.read_text(encoding="utf-8"))
     except FileNotFoundError:

@@ -6,9 +6,10 @@ ZMQ front so both refuse the same requests with the same messages.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 from pydantic import BaseModel
 
@@ -17,7 +18,8 @@ from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import TokenizedRequest
 from tokenizer_proc.errors import RequestError
 from tokenizer_proc.model_info import ModelInfo, load_model_info
-from tokenizer_proc.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from tokenizer_proc.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
+                                     GenerateBody)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 _MAX_SEED = 2**63  # seeds travel as int64 and feed the worker's RNG key
@@ -69,6 +71,16 @@ CHAT_UNSUPPORTED: dict[str, _IsDefault] = {
     "functions": _empty, "function_call": _auto_or_none,
 }
 
+# The native /generate: top-level fields, then fields of its `sampling_params`.
+NATIVE_UNSUPPORTED: dict[str, _IsDefault] = {"return_logprob": _empty,
+                                             "top_logprobs_num": _empty}
+NATIVE_SAMPLING_UNSUPPORTED: dict[str, _IsDefault] = {
+    "n": _one, "stop": _empty, "stop_token_ids": _empty, "min_new_tokens": _empty,
+    "presence_penalty": _empty, "frequency_penalty": _empty, "repetition_penalty": _one,
+    "min_p": _empty, "ignore_eos": _empty, "json_schema": _empty, "regex": _empty,
+    "ebnf": _empty,
+}
+
 
 def check_unsupported(body: BaseModel, table: dict[str, _IsDefault]) -> None:
     """Refuse any not-yet-implemented parameter set to something other than its default."""
@@ -99,11 +111,13 @@ class RequestPreparer:
         self.info = info
 
     @classmethod
-    def load(cls, name: str, model_path: str) -> "RequestPreparer":
+    def load(cls, name: str, model_path: str,
+             trust_remote_code: bool = False) -> "RequestPreparer":
         """Load the model's tokenizer and facts from its directory."""
         from transformers import AutoTokenizer  # slow import, only where needed
 
-        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        tokenizer = AutoTokenizer.from_pretrained(model_path,
+                                                  trust_remote_code=trust_remote_code)
         return cls(tokenizer, load_model_info(name, model_path, tokenizer))
 
     # --- entry points -------------------------------------------------------------
@@ -127,17 +141,33 @@ class RequestPreparer:
 
     def generate(self, message: GenerateRequest, rid: str) -> TokenizedRequest:
         """The ZMQ front's request: text or token ids plus explicit sampling fields."""
-        if (message.prompt is None) == (message.input_ids is None):
-            raise RequestError("Give exactly one of 'prompt' and 'input_ids'.", param="prompt")
-        if message.prompt is not None:
-            ids = self.text_ids(message.prompt, "prompt")
-        else:
-            ids = self.checked_ids(message.input_ids or [], "input_ids")
+        ids, param = self.text_or_ids(message.prompt, message.input_ids, "prompt")
         sampling = SamplingInput(message.max_tokens, message.temperature, message.top_p,
                                  message.top_k, message.seed)
-        param = "prompt" if message.prompt is not None else "input_ids"
         return self._request(rid, ids, sampling, self._completion_default(ids), param,
                              message.skip_special_tokens)
+
+    def native(self, body: GenerateBody, rid: str) -> TokenizedRequest:
+        """The native /generate: text or token ids plus SGLang-style `sampling_params`."""
+        check_unsupported(body, NATIVE_UNSUPPORTED)
+        ids, param = self.text_or_ids(body.text, body.input_ids, "text")
+        sp = body.sampling_params
+        with _nested_params("sampling_params", top_level=param):
+            check_unsupported(sp, NATIVE_SAMPLING_UNSUPPORTED)
+            sampling = SamplingInput(sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k,
+                                     sp.seed, "max_new_tokens")
+            return self._request(rid, ids, sampling, self._completion_default(ids), param,
+                                 sp.skip_special_tokens)
+
+    def text_or_ids(self, text: str | None, ids: list[int] | None,
+                    text_param: str) -> tuple[list[int], str]:
+        """Token ids from exactly one of text and ids, and the name of the one given."""
+        if (text is None) == (ids is None):
+            raise RequestError(f"Give exactly one of '{text_param}' and 'input_ids'.",
+                               param=text_param)
+        if text is not None:
+            return self.text_ids(text, text_param), text_param
+        return self.checked_ids(ids or [], "input_ids"), "input_ids"
 
     def _completion_default(self, ids: list[int]) -> int:
         # An explicit max_tokens is checked against the context; the implicit 16 is not
@@ -246,6 +276,18 @@ class RequestPreparer:
             f"{max_tokens} for the completion). Please reduce the length of the "
             f"{prompt_param} or of the completion.", param=param,
             code="context_length_exceeded")
+
+
+@contextlib.contextmanager
+def _nested_params(prefix: str, top_level: str) -> Iterator[None]:
+    """Name refused sampling fields by their place in the body ("sampling_params.top_p");
+    `top_level` (the prompt's field) stays as it is."""
+    try:
+        yield
+    except RequestError as exc:
+        if exc.param is not None and exc.param != top_level:
+            exc.param = f"{prefix}.{exc.param}"
+        raise
 
 
 def _sampling_input(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,

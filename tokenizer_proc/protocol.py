@@ -1,4 +1,4 @@
-"""OpenAI request bodies as pydantic models.
+"""Request bodies as pydantic models: the OpenAI API and the native /generate.
 
 Strict types (no "16" for 16, no 1 for true) and unknown fields refused, so a typo is a
 400 naming the field rather than a silently ignored setting. Parameters the engine does
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, model_validator
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 
 class _Strict(BaseModel):
@@ -103,3 +103,50 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
+
+
+# --- the native API (/generate, /abort_request), SGLang's field names -------------------
+
+
+class NativeSamplingParams(_Strict):
+    """`sampling_params` of /generate; None means the same default as /v1/completions."""
+
+    max_new_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    seed: int | None = None
+    skip_special_tokens: bool = True
+    # Not implemented yet: only their defaults are accepted (see prepare.py).
+    n: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    min_new_tokens: int | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_p: float | None = None
+    ignore_eos: bool | None = None
+    json_schema: str | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+
+
+class GenerateBody(_Strict):
+    """POST /generate: exactly one of `text` and `input_ids`."""
+
+    text: str | None = None
+    input_ids: list[int] | None = None
+    sampling_params: NativeSamplingParams = Field(default_factory=NativeSamplingParams)
+    stream: bool = False
+    # The request id, for /abort_request; chosen by the server when absent.
+    rid: str | None = Field(default=None, min_length=1, max_length=256)
+    # Not implemented yet: only their defaults are accepted (see prepare.py).
+    return_logprob: bool | None = None
+    top_logprobs_num: int | None = None
+
+
+class AbortBody(_Strict):
+    """POST /abort_request."""
+
+    rid: str

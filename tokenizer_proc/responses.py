@@ -1,6 +1,7 @@
-"""OpenAI response bodies: whole responses and streamed chunks, for both endpoints.
+"""Response bodies: whole responses and streamed chunks, for the OpenAI endpoints and the
+native /generate.
 
-Each formatter knows one endpoint's shapes; the HTTP layer drives them the same way.
+Each formatter knows one endpoint's shapes; the HTTP layer drives them.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ipc.messages.common import Usage
+from ipc.messages.to_tokenizer import TextOutput
 from tokenizer_proc.manager import Collected
 
 DONE = "data: [DONE]\n\n"
@@ -21,10 +23,11 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage_dict(usage: Usage) -> dict[str, int]:
+def usage_dict(usage: Usage) -> dict[str, Any]:
     return {"prompt_tokens": usage.prompt_tokens,
             "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+            "total_tokens": usage.total_tokens,
+            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
 
 
 @dataclass
@@ -103,3 +106,24 @@ ResponseFormat = CompletionFormat | ChatFormat
 
 def _text_choice(text: str, reason: str | None) -> dict[str, Any]:
     return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+
+
+@dataclass
+class NativeFormat:
+    """Shapes of the native /generate: one object, whole or (streamed) one per output."""
+
+    id: str
+
+    def response(self, result: Collected) -> dict[str, Any]:
+        return self._shape(result.text, result.token_ids, result.finish_reason, result.usage)
+
+    def chunk(self, output: TextOutput, usage: Usage) -> dict[str, Any]:
+        """A streamed piece: the output's new text and ids; usage counts tokens so far."""
+        return self._shape(output.text, output.token_ids, output.finish_reason, usage)
+
+    def _shape(self, text: str, token_ids: list[int], finish_reason: str | None,
+               usage: Usage) -> dict[str, Any]:
+        meta = {"id": self.id, "finish_reason": finish_reason,
+                "prompt_tokens": usage.prompt_tokens,
+                "completion_tokens": usage.completion_tokens}
+        return {"text": text, "output_ids": token_ids, "meta_info": meta}

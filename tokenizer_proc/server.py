@@ -21,9 +21,10 @@ from ipc.messages.client import ClientToServer
 from ipc.messages.to_tokenizer import TokenizerMessage
 from tokenizer_proc.client_front import ClientFront
 from tokenizer_proc.http_api import create_app
-from tokenizer_proc.manager import TokenizerManager
+from tokenizer_proc.manager import StatsUnavailable, TokenizerManager
 from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.prepare import RequestPreparer
+from tokenizer_proc.security import ApiKey
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,9 @@ _FLUSH_LINGER_MS = 1000
 _LAST_REPLIES_S = 1.0
 # uvicorn's own deadline comes this long after ours, so our aborts end responses first.
 _UVICORN_MARGIN_S = 2.0
+# The throughput log line: how often, and how long it waits for the scheduler's counts.
+_THROUGHPUT_LOG_S = 10.0
+_THROUGHPUT_STATS_TIMEOUT_S = 1.0
 
 
 class QuietSignalServer(uvicorn.Server):
@@ -81,7 +85,9 @@ def server_facts(config: ServerConfig, info: ModelInfo) -> dict[str, Any]:
             "max_total_tokens": config.max_total_tokens,
             "chunked_prefill_size": config.chunked_prefill_size,
             "max_prefill_tokens": config.max_prefill_tokens,
-            "shutdown_timeout": config.shutdown_timeout}
+            "shutdown_timeout": config.shutdown_timeout,
+            "max_request_bytes": config.max_request_bytes,
+            "api_key_required": bool(config.api_key)}
 
 
 class GracefulShutdown:
@@ -140,12 +146,14 @@ class TokenizerServer:
     async def run(self, on_ready: Callable[[str], None]) -> None:
         sockets = Sockets.open(self._config)
         manager = TokenizerManager(sockets.scheduler)
-        front = ClientFront(manager, self._preparer, sockets.clients.send)
+        front = ClientFront(manager, self._preparer, sockets.clients.send,
+                            ApiKey(self._config.api_key))
         server = QuietSignalServer(self._uvicorn_config(manager))
         shutdown = GracefulShutdown(server, manager, front, self._config.shutdown_timeout)
         asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, shutdown.begin)
         pumps = [asyncio.ensure_future(route_engine_outputs(sockets.inbox, manager)),
-                 asyncio.ensure_future(serve_clients(sockets.clients, front))]
+                 asyncio.ensure_future(serve_clients(sockets.clients, front)),
+                 asyncio.ensure_future(log_throughput(manager, _THROUGHPUT_LOG_S))]
         try:
             await self._serve(server, on_ready)
             await shutdown.finish()
@@ -155,7 +163,8 @@ class TokenizerServer:
             sockets.close()
 
     def _uvicorn_config(self, manager: TokenizerManager) -> uvicorn.Config:
-        app = create_app(manager, self._preparer, server_facts(self._config, self._preparer.info))
+        app = create_app(manager, self._preparer, server_facts(self._config, self._preparer.info),
+                         self._config)
         return uvicorn.Config(
             app, host=self._config.host, port=self._config.port, loop="uvloop",
             log_config=None, log_level=self._config.log_level, lifespan="off",
@@ -193,3 +202,16 @@ async def serve_clients(router: AsyncRouter[ClientToServer], front: ClientFront)
             await front.handle(identity, message)
         except Exception:  # one bad client request must not stop the front
             logger.exception("failed to handle %s", type(message).__name__)
+
+
+async def log_throughput(manager: TokenizerManager, interval_s: float) -> None:
+    """Forever: every interval with traffic, one info line of queue sizes and tokens/s."""
+    while True:
+        await asyncio.sleep(interval_s)
+        if not manager.metrics.had_traffic():
+            continue
+        try:
+            stats = await manager.query_stats(_THROUGHPUT_STATS_TIMEOUT_S)
+        except StatsUnavailable:  # the line still says what the front saw
+            stats = None
+        logger.info(manager.metrics.throughput_line(stats))

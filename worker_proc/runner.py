@@ -65,7 +65,11 @@ class ModelRunner:
             raise RuntimeError(f"request {new.rid} is already on the worker")
         seed = new.sampling.seed
         seed32 = int(self._seed_rng.integers(1 << 32)) if seed is None else _fold_seed(seed)
-        self.requests[new.rid] = RequestState(new.rid, self._free_rows.pop(), new.sampling, seed32)
+        state = RequestState(new.rid, self._free_rows.pop(), new.sampling, seed32,
+                             length=len(new.prefix_slot_ids), num_sampled=new.num_sampled)
+        # A cached prefix: its K/V is already in the pool, the first chunk starts after it.
+        self.table[state.row, :state.length] = new.prefix_slot_ids
+        self.requests[new.rid] = state
 
     def _release(self, rid: str) -> None:
         state = self.requests.pop(rid, None)

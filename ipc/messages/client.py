@@ -27,16 +27,22 @@ class GenerateRequest(Message, frozen=True):
     seed: int | None = None
     stream: bool = False
     skip_special_tokens: bool = True
+    api_key: str | None = None  # checked when the server has --api-key
 
 
 class AbortGenerate(Message, frozen=True):
     """Stop a request; its waiter then gets a final output with finish_reason "abort"."""
 
     request_id: str
+    api_key: str | None = None
 
 
 class StatsQuery(Message, frozen=True):
+    """The scheduler's stats; with flush_cache, after dropping every unlocked cached prefix."""
+
     request_id: str
+    flush_cache: bool = False
+    api_key: str | None = None
 
 
 class GenerateOutput(Message, frozen=True):

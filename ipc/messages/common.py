@@ -30,6 +30,7 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
 class Usage(msgspec.Struct, frozen=True, kw_only=True):
     prompt_tokens: int
     completion_tokens: int
+    cached_tokens: int = 0  # prompt tokens whose K/V came from the prefix cache
 
     @property
     def total_tokens(self) -> int:
@@ -37,7 +38,11 @@ class Usage(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
-    """A snapshot of the scheduler's KV and queue state."""
+    """A snapshot of the scheduler's KV and queue state.
+
+    NOTE: free_slots + cached_slots + slots held by running requests == capacity_slots
+    always (slots_consistent); when idle, free + cached == capacity.
+    """
 
     capacity_slots: int
     used_slots: int
@@ -49,3 +54,8 @@ class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
     generated_tokens_total: int
     finished_requests_total: int
     aborted_requests_total: int
+    cached_slots: int = 0
+    evictable_slots: int = 0
+    preemptions_total: int = 0
+    cache_hit_tokens_total: int = 0
+    slots_consistent: bool = True

@@ -21,6 +21,12 @@ class GetStats(Message, frozen=True):
     query_id: str
 
 
+class FlushCache(Message, frozen=True):
+    """Drop every unlocked cached prefix; answered with a StatsReply of the same query_id."""
+
+    query_id: str
+
+
 class WorkerReady(Message, frozen=True):
     """The worker's handshake: the KV pool it allocated fixes the scheduler's capacity."""
 
@@ -36,4 +42,5 @@ class StepResult(Message, frozen=True):
     token_ids: list[int]
 
 
-SchedulerMessage = TokenizedRequest | AbortRequest | GetStats | WorkerReady | StepResult
+SchedulerMessage = (TokenizedRequest | AbortRequest | GetStats | FlushCache | WorkerReady
+                    | StepResult)

@@ -12,10 +12,17 @@ from ipc.messages.common import Message, SamplingParams
 
 
 class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
-    """Sent once, in the first step that touches the request."""
+    """Sent once per admission, in the first step that touches the request.
+
+    prefix_slot_ids: slots of a cached prefix whose K/V the request reads instead of
+    computing (its first chunk starts after them). num_sampled: tokens sampled before a
+    preemption, so a seeded request resumes its random stream where it stopped.
+    """
 
     rid: str
     sampling: SamplingParams
+    prefix_slot_ids: list[int] = []
+    num_sampled: int = 0
 
 
 class PrefillChunk(msgspec.Struct, frozen=True, kw_only=True):
@@ -47,8 +54,12 @@ class ForwardBatch(Message, frozen=True):
         return not (self.prefill or self.decode_rids)
 
 
+class SyncSteps(Message, frozen=True):
+    """Finish and report every launched step: the scheduler has no next step to send."""
+
+
 class Shutdown(Message, frozen=True):
     reason: str = ""
 
 
-WorkerMessage = ForwardBatch | Shutdown
+WorkerMessage = ForwardBatch | SyncSteps | Shutdown

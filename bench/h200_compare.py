@@ -1,0 +1,439 @@
+"""kiln versus mlx_lm.server on a Llama-3-8B-shaped random-weight bf16 model, in one command.
+
+    bash bench/h200_run.sh                          # on the lent H200 (see the script's header)
+    python bench/h200_compare.py --out /tmp/h200    # the same, flags spelled out
+    python bench/h200_compare.py --smoke --out /tmp/smoke   # CPU smoke test, tiny float32 model
+
+Steps, all in this process or its children on 127.0.0.1:
+1. Make (or reuse) a random-weight llama model directory: hidden 4096, 32 layers, 32 heads,
+   8 KV heads, intermediate 14336, vocab 8192, bf16, drawn with mx.random on the default
+   device and saved in safetensors shards. The tokenizer is the "demo" preset's (4096 ids):
+   lm_head rows of ids the tokenizer lacks, and of its special tokens, are zero, so greedy
+   decoding never picks them and never stops early. A short mlx_lm.generate checks the model.
+2. Start kiln (`launch.py`), warm it up, run the serving sweep, stop it; then the same for
+   `mlx_lm.server --decode-concurrency 256 --prompt-concurrency 16`.
+3. Write <out>/kiln.json, <out>/mlx_lm.json (bench/serving.py sweep documents), sweep.png,
+   summary.txt and both server logs, and print the summary table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import hashlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import serving  # noqa: E402
+
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                    "generation_config.json")
+_COMPLETE = ".kiln-bench-complete"
+# Output projection scale: logits get a standard deviation of about this many units.
+_LOGIT_SCALE = 4.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    name: str
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vocab: int
+    tokenizer_preset: str  # demo model whose tokenizer is copied
+    max_context: int = 8192
+    rope_theta: float = 500000.0
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+LLAMA3_8B = ModelShape("llama3-8b-shape", 4096, 32, 32, 8, 14336, 8192, "demo")
+SMOKE = ModelShape("smoke-tiny", 64, 2, 4, 2, 128, 2048, "demo-tiny")
+
+
+# -- 1. the random model -------------------------------------------------------------------
+
+def tensor_shapes(s: ModelShape) -> dict[str, tuple[int, ...]]:
+    q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (s.vocab, s.hidden)}
+    for i in range(s.layers):
+        p = f"model.layers.{i}"
+        shapes |= {f"{p}.self_attn.q_proj.weight": (q, s.hidden),
+                   f"{p}.self_attn.k_proj.weight": (kv, s.hidden),
+                   f"{p}.self_attn.v_proj.weight": (kv, s.hidden),
+                   f"{p}.self_attn.o_proj.weight": (s.hidden, q),
+                   f"{p}.mlp.gate_proj.weight": (s.intermediate, s.hidden),
+                   f"{p}.mlp.up_proj.weight": (s.intermediate, s.hidden),
+                   f"{p}.mlp.down_proj.weight": (s.hidden, s.intermediate),
+                   f"{p}.input_layernorm.weight": (s.hidden,),
+                   f"{p}.post_attention_layernorm.weight": (s.hidden,)}
+    shapes |= {"model.norm.weight": (s.hidden,), "lm_head.weight": (s.vocab, s.hidden)}
+    return shapes
+
+
+def init_std(name: str, shape: tuple[int, ...]) -> float:
+    """Unit-scale embeddings, 1/sqrt(fan_in) projections, logits of std _LOGIT_SCALE."""
+    if name.endswith("embed_tokens.weight"):
+        return 1.0
+    if name == "lm_head.weight":
+        return _LOGIT_SCALE / shape[1] ** 0.5
+    return 1.0 / shape[1] ** 0.5
+
+
+def shard_plan(shapes: dict[str, tuple[int, ...]], itemsize: int,
+               max_bytes: int) -> list[list[str]]:
+    """Tensor names grouped into shards of at most max_bytes (one tensor may exceed it)."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, shape in shapes.items():
+        nbytes = itemsize
+        for d in shape:
+            nbytes *= d
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += nbytes
+    return shards
+
+
+def draw_tensor(name: str, shape: tuple[int, ...], dtype: Any, keep_rows: Any) -> Any:
+    import mlx.core as mx
+
+    if len(shape) == 1:
+        return mx.ones(shape, dtype=dtype)
+    w = mx.random.normal(shape, dtype=dtype) * init_std(name, shape)
+    if name == "lm_head.weight":
+        w = w * keep_rows[:, None]  # zero rows: logit 0, never the argmax
+    return w.astype(dtype)
+
+
+def tokenizer_info(tok_dir: Path) -> tuple[int, list[int], dict[str, Any]]:
+    """The tokenizer's id count, its special ids, and the source model's config."""
+    config = json.loads((tok_dir / "config.json").read_text())
+    vocab = json.loads((tok_dir / "tokenizer.json").read_text())
+    n_ids = len(vocab["model"]["vocab"]) + len(vocab.get("added_tokens", []))
+    specials = sorted({t["id"] for t in vocab.get("added_tokens", [])})
+    return max(n_ids, config["vocab_size"]), specials, config
+
+
+def model_config(s: ModelShape, dtype_name: str, source: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": s.hidden, "num_hidden_layers": s.layers,
+        "num_attention_heads": s.heads, "num_key_value_heads": s.kv_heads,
+        "head_dim": s.head_dim, "intermediate_size": s.intermediate, "hidden_act": "silu",
+        "vocab_size": s.vocab, "max_position_embeddings": s.max_context,
+        "rms_norm_eps": 1e-5, "rope_theta": s.rope_theta, "rope_scaling": None,
+        "attention_bias": False, "mlp_bias": False, "tie_word_embeddings": False,
+        "bos_token_id": source["bos_token_id"], "eos_token_id": source["eos_token_id"],
+        "pad_token_id": source.get("pad_token_id"), "torch_dtype": dtype_name,
+        "kiln_bench": {"shape": s.name, "random_weights": True},
+    }
+
+
+def model_fingerprint(s: ModelShape, dtype_name: str, seed: int) -> str:
+    payload = json.dumps({"shape": asdict(s), "dtype": dtype_name, "seed": seed, "v": 1})
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def make_random_model(s: ModelShape, dtype_name: str, out_dir: Path, seed: int,
+                      shard_bytes: int = 4 << 30) -> Path:
+    """Write the model directory unless an identical one is already complete there."""
+    import mlx.core as mx
+
+    from worker_proc.demo_model import ensure_demo_model
+
+    fingerprint = model_fingerprint(s, dtype_name, seed)
+    marker = out_dir / _COMPLETE
+    if marker.is_file() and marker.read_text().strip() == fingerprint:
+        print(f"reusing model at {out_dir}", flush=True)
+        return out_dir
+    start = time.monotonic()
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    tok_dir = ensure_demo_model(s.tokenizer_preset)
+    for f in _TOKENIZER_FILES:
+        shutil.copy(tok_dir / f, out_dir / f)
+    tok_vocab, specials, source = tokenizer_info(tok_dir)
+    if tok_vocab > s.vocab:
+        raise ValueError(f"the tokenizer has {tok_vocab} ids, more than the vocab {s.vocab}")
+    (out_dir / "config.json").write_text(
+        json.dumps(model_config(s, dtype_name, source), indent=2) + "\n")
+    dtype = getattr(mx, dtype_name)
+    mx.random.seed(seed)
+    keep = mx.concatenate([mx.ones((tok_vocab,)), mx.zeros((s.vocab - tok_vocab,))])
+    keep[mx.array(specials)] = 0.0
+    _write_shards(tensor_shapes(s), dtype, keep.astype(dtype), out_dir, shard_bytes)
+    marker.write_text(fingerprint + "\n")
+    print(f"made {s.name} ({dtype_name}) at {out_dir} in {time.monotonic() - start:.1f}s",
+          flush=True)
+    return out_dir
+
+
+def _write_shards(shapes: dict[str, tuple[int, ...]], dtype: Any, keep_rows: Any,
+                  out_dir: Path, shard_bytes: int) -> None:
+    import mlx.core as mx
+
+    plan = shard_plan(shapes, dtype.size, shard_bytes)
+    weight_map: dict[str, str] = {}
+    for i, names in enumerate(plan):
+        file = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+        arrays = {n: draw_tensor(n, shapes[n], dtype, keep_rows) for n in names}
+        mx.eval(arrays)
+        mx.save_safetensors(str(out_dir / file), arrays, metadata={"format": "mlx"})
+        weight_map |= {n: file for n in names}
+        del arrays
+        mx.clear_cache()
+    index = {"metadata": {}, "weight_map": weight_map}
+    (out_dir / "model.safetensors.index.json").write_text(json.dumps(index, indent=1) + "\n")
+
+
+def check_model(model_dir: Path, max_tokens: int = 8) -> dict[str, Any]:
+    """mlx_lm.load and a greedy mlx_lm.generate: the model runs, and every generated id is
+    one the (smaller) tokenizer knows, so streamed text is never empty."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx_lm.generate import generate_step
+
+    start = time.monotonic()
+    model, tokenizer = mlx_lm.load(str(model_dir))
+    prompt = mx.array(tokenizer.encode("the model token cache batch server kernel"))
+    ids = [tok for tok, _ in generate_step(prompt, model, max_tokens=max_tokens)]
+    known = len(tokenizer.vocab)
+    text = tokenizer.decode(ids)
+    del model
+    mx.clear_cache()
+    if max(ids) >= known or not text:
+        raise RuntimeError(f"generated ids {ids} include ids the tokenizer ({known}) lacks")
+    return {"generated_ids": ids, "text": text, "tokenizer_ids": known,
+            "seconds": round(time.monotonic() - start, 1)}
+
+
+# -- 2. the servers ------------------------------------------------------------------------
+
+def free_port_pair() -> int:
+    """A port p with p and p + 1 free on 127.0.0.1 (kiln takes p + 1 for ZMQ)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        try:
+            with socket.socket() as s2:
+                s2.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no free pair of ports on 127.0.0.1")
+
+
+@dataclass
+class ServerRun:
+    name: str
+    url: str
+    proc: subprocess.Popen
+    log: Path
+
+
+def start_server(name: str, cmd: list[str], port: int, log: Path) -> ServerRun:
+    # A new session, so the server and any children it starts stop together.
+    with open(log, "wb") as sink:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                start_new_session=True)
+    return ServerRun(name, f"http://127.0.0.1:{port}", proc, log)
+
+
+def wait_ready(server: ServerRun, model: str, timeout: float) -> float:
+    """Poll until one short completion succeeds; returns the seconds it took."""
+    start = time.monotonic()
+    body = {"model": model, "prompt": "the model", "max_tokens": 4, "temperature": 0.0}
+    while time.monotonic() - start < timeout:
+        if server.proc.poll() is not None:
+            raise RuntimeError(f"{server.name} exited with {server.proc.returncode}; "
+                               f"see {server.log}")
+        try:
+            if httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200:
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(1.0)
+    raise RuntimeError(f"{server.name} not ready after {timeout:.0f}s; see {server.log}")
+
+
+def stop_server(server: ServerRun, grace: float = 20.0) -> None:
+    if server.proc.poll() is None:
+        os.killpg(server.proc.pid, signal.SIGTERM)
+        try:
+            server.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.proc.pid, signal.SIGKILL)
+            server.proc.wait(10)
+
+
+def server_command(name: str, model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
+    common = ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
+    if name == "kiln":
+        return [sys.executable, "launch.py", *common, *args.kiln_args.split()]
+    return [sys.executable, "-m", "mlx_lm", "server", *common, "--decode-concurrency", "256",
+            "--prompt-concurrency", "16", *args.mlx_args.split()]
+
+
+# -- 3. the sweep --------------------------------------------------------------------------
+
+def sweep_args(url: str, label: str, model_dir: Path, args: argparse.Namespace) -> argparse.Namespace:
+    return serving.parse_args([
+        "--url", url, "--model", str(model_dir), "--label", label,
+        "--concurrency", args.concurrency, "--num-requests", args.num_requests,
+        "--input-words", str(args.input_words), "--output-tokens", str(args.output_tokens),
+        "--warmup-tokens", str(args.warmup_tokens), "--timeout", str(args.request_timeout),
+        "--max-seconds", str(args.sweep_seconds)])
+
+
+def bench_server(name: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+    """Start one server, wait for it, sweep it, stop it; returns the sweep document."""
+    port = free_port_pair()
+    cmd = server_command(name, model_dir, port, args)
+    print(f"starting {name}: {' '.join(cmd)}", flush=True)
+    server = start_server(name, cmd, port, args.out / f"{name}.log")
+    try:
+        ready_s = wait_ready(server, str(model_dir), args.ready_timeout)
+        print(f"{name} answered after {ready_s:.1f}s", flush=True)
+        sargs = sweep_args(server.url, name, model_dir, args)
+        doc = serving.sweep_document(asyncio.run(serving.run_sweep(sargs)), sargs)
+        doc["ready_s"] = round(ready_s, 1)
+    finally:
+        stop_server(server)
+    (args.out / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+    return doc
+
+
+def summary_table(sweeps: dict[str, dict[str, Any]]) -> str:
+    lines = [f"{'server':<8}{'conc':>6}{'reqs':>6}{'out tok/s':>11}{'TTFT p50':>11}"
+             f"{'ITL p50':>10}{'e2e p50':>10}{'failed':>8}{'retries':>9}"]
+    for name, doc in sweeps.items():
+        for r in doc["results"]:
+            if "skipped" in r:
+                lines.append(f"{name:<8}{r['concurrency']:>6}{r['num_requests']:>6}  skipped")
+                continue
+            lines.append(f"{name:<8}{r['concurrency']:>6}{r['num_requests']:>6}"
+                         f"{r['output_tok_s']:>11.1f}{r['ttft_ms']['p50'] / 1e3:>10.2f}s"
+                         f"{r['itl_ms']['p50']:>8.1f}ms{r['e2e_ms']['p50'] / 1e3:>9.1f}s"
+                         f"{r['failed']:>8}{r.get('retries', 0):>9}")
+    lines += _ratios(sweeps)
+    return "\n".join(lines)
+
+
+def _ratios(sweeps: dict[str, dict[str, Any]]) -> list[str]:
+    if set(sweeps) != {"kiln", "mlx_lm"}:
+        return []
+    theirs = {r["concurrency"]: r for r in sweeps["mlx_lm"]["results"] if "skipped" not in r}
+    out = []
+    for r in sweeps["kiln"]["results"]:
+        other = theirs.get(r["concurrency"])
+        if "skipped" not in r and other and other["output_tok_s"] > 0:
+            out.append(f"kiln / mlx_lm.server output tok/s at {r['concurrency']}: "
+                       f"{r['output_tok_s'] / other['output_tok_s']:.2f}x")
+    return out
+
+
+def write_plot(sweeps: dict[str, dict[str, Any]], out: Path, title: str) -> None:
+    try:
+        from bench.plot import plot_sweeps
+    except ImportError as exc:  # matplotlib missing: the JSONs and the table still stand
+        print(f"no plot: {exc}", flush=True)
+        return
+    try:
+        plot_sweeps(list(sweeps.values()), out / "sweep.png", title)
+    except ImportError as exc:
+        print(f"no plot: {exc}", flush=True)
+
+
+# -- the command line ----------------------------------------------------------------------
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--smoke", action="store_true",
+                   help="CPU smoke test: tiny float32 model, 2 levels, few requests")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ROOT / "bench/results")),
+                   help="where JSONs, PNG, table and logs go (default $OUT or bench/results)")
+    p.add_argument("--model-dir", type=Path, default=None,
+                   help="where the random model is made or reused "
+                        "(default ~/.cache/kiln/bench/<shape>-<dtype>)")
+    p.add_argument("--dtype", default=None, help="bfloat16 (default) or float32 (--smoke)")
+    p.add_argument("--seed", type=int, default=0, help="weights seed")
+    p.add_argument("--servers", default="kiln,mlx_lm", help="which to run, in this order")
+    p.add_argument("--concurrency", default=None, help="levels (default 1,16,64,128)")
+    p.add_argument("--num-requests", default=None,
+                   help="requests per level, one or one per level (default 4,16,64,128)")
+    p.add_argument("--input-words", type=int, default=None, help="default 100")
+    p.add_argument("--output-tokens", type=int, default=None, help="default 256")
+    p.add_argument("--warmup-tokens", type=int, default=8)
+    p.add_argument("--request-timeout", type=float, default=180.0, help="seconds per request")
+    p.add_argument("--sweep-seconds", type=float, default=180.0,
+                   help="per server: levels not started by then are skipped")
+    p.add_argument("--ready-timeout", type=float, default=300.0,
+                   help="seconds a server may take to load and answer")
+    p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
+                   help="load the model with mlx_lm and generate a few tokens first")
+    p.add_argument("--kiln-args", default="", help="extra launch.py flags")
+    p.add_argument("--mlx-args", default="", help="extra mlx_lm.server flags")
+    return apply_defaults(p.parse_args(argv))
+
+
+def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the flags left unset from the full (H200) or the --smoke preset."""
+    full = {"dtype": "bfloat16", "concurrency": "1,16,64,128", "num_requests": "4,16,64,128",
+            "input_words": 100, "output_tokens": 256}
+    smoke = {"dtype": "float32", "concurrency": "1,4", "num_requests": "2,4",
+             "input_words": 30, "output_tokens": 16}
+    for key, value in (smoke if args.smoke else full).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.shape = SMOKE if args.smoke else LLAMA3_8B
+    if args.model_dir is None:
+        args.model_dir = Path.home() / ".cache/kiln/bench" / f"{args.shape.name}-{args.dtype}"
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    import mlx.core as mx
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"device {mx.default_device()}, model {args.shape.name} {args.dtype}", flush=True)
+    model_dir = make_random_model(args.shape, args.dtype, args.model_dir, args.seed)
+    if args.check:
+        print(f"mlx_lm check: {check_model(model_dir)}", flush=True)
+    sweeps = {name: bench_server(name, model_dir, args) for name in args.servers.split(",")}
+    title = (f"{args.shape.name} {args.dtype}, {args.input_words}-word prompts, "
+             f"{args.output_tokens} output tokens, {mx.default_device()}")
+    write_plot(sweeps, args.out, title)
+    table = f"{title}\n{summary_table(sweeps)}"
+    (args.out / "summary.txt").write_text(table + "\n")
+    print("\n" + table, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,186 @@
+"""The radix prefix cache: token sequences -> the KV slots that hold them.
+
+The tree owns the slots of every cached token. A running request locks the path it
+reads (lock counts run up to the root), so only unlocked leaves are ever evicted, least
+recently used first. Page size is one token.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+import numpy as np
+
+_EMPTY = np.zeros(0, dtype=np.int32)
+
+
+@dataclass(eq=False)
+class Node:
+    key: np.ndarray  # the tokens on the edge into this node
+    value: np.ndarray  # their slots
+    parent: "Node | None" = None
+    children: dict[int, "Node"] = field(default_factory=dict)
+    lock_ref: int = 0
+    last_access: int = 0
+
+    def __lt__(self, other: "Node") -> bool:  # heap order for LRU eviction
+        return self.last_access < other.last_access
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    slots: np.ndarray  # slots of the matched prefix, in token order
+    node: Node  # the deepest matched node; lock it while the slots are in use
+
+    def __len__(self) -> int:
+        return len(self.slots)
+
+
+def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(len(a), len(b))
+    diff = np.nonzero(a[:n] != b[:n])[0]
+    return int(diff[0]) if len(diff) else n
+
+
+class RadixCache:
+    def __init__(self) -> None:
+        self.root = Node(_EMPTY, _EMPTY, lock_ref=1)
+        self.total_size = 0  # cached tokens (= slots the tree owns)
+        self.protected_size = 0  # of which locked by running requests
+        self._clock = 0
+
+    @property
+    def evictable_size(self) -> int:
+        return self.total_size - self.protected_size
+
+    def _tick(self) -> int:
+        self._clock += 1
+        return self._clock
+
+    # -- lookups ---------------------------------------------------------------------------
+
+    def match_prefix(self, tokens: np.ndarray) -> PrefixMatch:
+        """The longest cached prefix of tokens. Splits an edge matched only in part, so the
+        returned node ends exactly at the match (and can be locked exactly)."""
+        node, pos, parts = self.root, 0, []
+        now = self._tick()
+        while pos < len(tokens):
+            child = node.children.get(int(tokens[pos]))
+            if child is None:
+                break
+            common = common_prefix_len(child.key, tokens[pos:])
+            if common < len(child.key):
+                child = self._split(child, common)
+            child.last_access = now
+            parts.append(child.value)
+            node, pos = child, pos + common
+        slots = np.concatenate(parts) if parts else _EMPTY
+        return PrefixMatch(slots, node)
+
+    def match_len(self, tokens: np.ndarray) -> int:
+        """Length of the cached prefix, without touching the tree (for queue ordering)."""
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(int(tokens[pos]))
+            if child is None:
+                break
+            common = common_prefix_len(child.key, tokens[pos:])
+            pos += common
+            if common < len(child.key):
+                break
+            node = child
+        return pos
+
+    # -- updates ---------------------------------------------------------------------------
+
+    def insert(self, tokens: np.ndarray, slots: np.ndarray) -> tuple[int, Node]:
+        """Cache tokens with their slots. Returns (adopted_from, node): the tree owns the
+        caller's slots from position adopted_from on; before it the tree already had its
+        own slots (the caller's are duplicates, or the same ones). node ends the sequence."""
+        node, pos = self.root, 0
+        now = self._tick()
+        while pos < len(tokens):
+            child = node.children.get(int(tokens[pos]))
+            if child is None:
+                leaf = Node(tokens[pos:].copy(), slots[pos:].copy(), parent=node, last_access=now)
+                node.children[int(tokens[pos])] = leaf
+                self.total_size += len(leaf.key)
+                return pos, leaf
+            common = common_prefix_len(child.key, tokens[pos:])
+            if common < len(child.key):
+                child = self._split(child, common)
+            child.last_access = now
+            node, pos = child, pos + common
+        return pos, node
+
+    def _split(self, child: Node, at: int) -> Node:
+        """Cut child's edge after `at` tokens; returns the new upper node."""
+        upper = Node(child.key[:at], child.value[:at], parent=child.parent,
+                     lock_ref=child.lock_ref, last_access=child.last_access)
+        upper.children[int(child.key[at])] = child
+        child.parent.children[int(upper.key[0])] = upper
+        child.key, child.value, child.parent = child.key[at:], child.value[at:], upper
+        return upper
+
+    def lock(self, node: Node) -> None:
+        while node is not self.root:
+            if node.lock_ref == 0:
+                self.protected_size += len(node.key)
+            node.lock_ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node) -> None:
+        while node is not self.root:
+            node.lock_ref -= 1
+            if node.lock_ref == 0:
+                self.protected_size -= len(node.key)
+            node = node.parent
+
+    def evict(self, n: int) -> np.ndarray:
+        """Drop unlocked leaves, least recently used first, until at least n slots are
+        freed or nothing is evictable. Returns the freed slots."""
+        heap = [x for x in self._nodes() if not x.children and x.lock_ref == 0]
+        heapq.heapify(heap)
+        freed: list[np.ndarray] = []
+        count = 0
+        while heap and count < n:
+            leaf = heapq.heappop(heap)
+            parent = leaf.parent
+            del parent.children[int(leaf.key[0])]
+            self.total_size -= len(leaf.key)
+            freed.append(leaf.value)
+            count += len(leaf.value)
+            if parent is not self.root and not parent.children and parent.lock_ref == 0:
+                heapq.heappush(heap, parent)
+        return np.concatenate(freed) if freed else _EMPTY
+
+    def flush(self) -> np.ndarray:
+        """Drop every unlocked cached prefix; returns the freed slots."""
+        return self.evict(self.evictable_size)
+
+    def _nodes(self) -> list[Node]:
+        out, stack = [], [self.root]
+        while stack:
+            node = stack.pop()
+            out.extend(node.children.values())
+            stack.extend(node.children.values())
+        return out
+
+    def all_slots(self) -> np.ndarray:
+        """Every slot the tree owns (for invariant checks)."""
+        values = [n.value for n in self._nodes()]
+        return np.concatenate(values) if values else _EMPTY
+
+
+class DisabledCache(RadixCache):
+    """--disable-radix-cache: nothing is ever cached or matched."""
+
+    def match_prefix(self, tokens: np.ndarray) -> PrefixMatch:
+        return PrefixMatch(_EMPTY, self.root)
+
+    def match_len(self, tokens: np.ndarray) -> int:
+        return 0
+
+    def insert(self, tokens: np.ndarray, slots: np.ndarray) -> tuple[int, Node]:
+        return len(tokens), self.root  # adopts nothing: the caller keeps (and frees) its slots
