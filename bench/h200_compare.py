@@ -44,12 +44,16 @@ from bench import serving  # noqa: E402
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "generation_config.json")
 _COMPLETE = ".kiln-bench-complete"
+# Short names (file names, --servers) and the labels their sweeps carry.
+_LABELS = {"kiln": "kiln", "mlx_lm": "mlx_lm.server"}
 # Output projection scale: logits get a standard deviation of about this many units.
 _LOGIT_SCALE = 4.0
 
 
 @dataclass(frozen=True)
 class ModelShape:
+    """A llama configuration to fill with random weights."""
+
     name: str
     hidden: int
     layers: int
@@ -129,11 +133,13 @@ def draw_tensor(name: str, shape: tuple[int, ...], dtype: Any, keep_rows: Any) -
 
 def tokenizer_info(tok_dir: Path) -> tuple[int, list[int], dict[str, Any]]:
     """The tokenizer's id count, its special ids, and the source model's config."""
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    added = tokenizer.get_added_tokens_decoder()
+    specials = sorted(i for i, token in added.items() if token.special)
     config = json.loads((tok_dir / "config.json").read_text())
-    vocab = json.loads((tok_dir / "tokenizer.json").read_text())
-    n_ids = len(vocab["model"]["vocab"]) + len(vocab.get("added_tokens", []))
-    specials = sorted({t["id"] for t in vocab.get("added_tokens", [])})
-    return max(n_ids, config["vocab_size"]), specials, config
+    return tokenizer.get_vocab_size(with_added_tokens=True), specials, config
 
 
 def model_config(s: ModelShape, dtype_name: str, source: dict[str, Any]) -> dict[str, Any]:
@@ -281,13 +287,38 @@ def wait_ready(server: ServerRun, model: str, timeout: float) -> float:
 
 
 def stop_server(server: ServerRun, grace: float = 20.0) -> None:
-    if server.proc.poll() is None:
-        os.killpg(server.proc.pid, signal.SIGTERM)
-        try:
-            server.proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.proc.pid, signal.SIGKILL)
-            server.proc.wait(10)
+    """SIGTERM the server's process group, SIGKILL what is left after `grace` seconds, and
+    wait until every process of the group is gone, so its device memory is free again."""
+    group = server.proc.pid
+    _signal_group(group, signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    while _group_alive(group) and time.monotonic() < deadline:
+        server.proc.poll()  # reap the leader so the group can empty
+        time.sleep(0.2)
+    if _group_alive(group):
+        _signal_group(group, signal.SIGKILL)
+    server.proc.wait(10)
+    for _ in range(50):
+        if not _group_alive(group):
+            return
+        time.sleep(0.2)
+
+
+def _signal_group(group: int, sig: int) -> None:
+    try:
+        os.killpg(group, sig)
+    except ProcessLookupError:
+        pass
+
+
+def _group_alive(group: int) -> bool:
+    try:
+        os.killpg(group, 0)
+        return True
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
 
 
 def server_command(name: str, model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
@@ -300,16 +331,18 @@ def server_command(name: str, model_dir: Path, port: int, args: argparse.Namespa
 
 # -- 3. the sweep --------------------------------------------------------------------------
 
-def sweep_args(url: str, label: str, model_dir: Path, args: argparse.Namespace) -> argparse.Namespace:
+def sweep_args(url: str, label: str, model_dir: Path, args: argparse.Namespace,
+               seconds: float) -> argparse.Namespace:
     return serving.parse_args([
         "--url", url, "--model", str(model_dir), "--label", label,
         "--concurrency", args.concurrency, "--num-requests", args.num_requests,
         "--input-words", str(args.input_words), "--output-tokens", str(args.output_tokens),
         "--warmup-tokens", str(args.warmup_tokens), "--timeout", str(args.request_timeout),
-        "--max-seconds", str(args.sweep_seconds)])
+        "--max-seconds", str(seconds)])
 
 
-def bench_server(name: str, model_dir: Path, args: argparse.Namespace) -> dict[str, Any]:
+def bench_server(name: str, model_dir: Path, args: argparse.Namespace,
+                 sweep_seconds: float) -> dict[str, Any]:
     """Start one server, wait for it, sweep it, stop it; returns the sweep document."""
     port = free_port_pair()
     cmd = server_command(name, model_dir, port, args)
@@ -318,7 +351,7 @@ def bench_server(name: str, model_dir: Path, args: argparse.Namespace) -> dict[s
     try:
         ready_s = wait_ready(server, str(model_dir), args.ready_timeout)
         print(f"{name} answered after {ready_s:.1f}s", flush=True)
-        sargs = sweep_args(server.url, name, model_dir, args)
+        sargs = sweep_args(server.url, _LABELS[name], model_dir, args, sweep_seconds)
         doc = serving.sweep_document(asyncio.run(serving.run_sweep(sargs)), sargs)
         doc["ready_s"] = round(ready_s, 1)
     finally:
@@ -327,9 +360,16 @@ def bench_server(name: str, model_dir: Path, args: argparse.Namespace) -> dict[s
     return doc
 
 
+def sweep_budget(deadline: float, servers_left: int, cap: float) -> float:
+    """Seconds in which this server's sweep may start levels: a fair share of what is left
+    of --total-seconds, less a minute for the server's start and its last level."""
+    share = (deadline - time.monotonic()) / servers_left - 60.0
+    return max(1.0, min(cap, share))
+
+
 def summary_table(sweeps: dict[str, dict[str, Any]]) -> str:
     lines = [f"{'server':<8}{'conc':>6}{'reqs':>6}{'out tok/s':>11}{'TTFT p50':>11}"
-             f"{'ITL p50':>10}{'e2e p50':>10}{'failed':>8}{'retries':>9}"]
+             f"{'ITL p50':>10}{'TPOT p50':>10}{'e2e p50':>10}{'failed':>8}{'retries':>9}"]
     for name, doc in sweeps.items():
         for r in doc["results"]:
             if "skipped" in r:
@@ -337,7 +377,8 @@ def summary_table(sweeps: dict[str, dict[str, Any]]) -> str:
                 continue
             lines.append(f"{name:<8}{r['concurrency']:>6}{r['num_requests']:>6}"
                          f"{r['output_tok_s']:>11.1f}{r['ttft_ms']['p50'] / 1e3:>10.2f}s"
-                         f"{r['itl_ms']['p50']:>8.1f}ms{r['e2e_ms']['p50'] / 1e3:>9.1f}s"
+                         f"{r['itl_ms']['p50']:>8.1f}ms{r['tpot_ms']['p50']:>8.1f}ms"
+                         f"{r['e2e_ms']['p50'] / 1e3:>9.1f}s"
                          f"{r['failed']:>8}{r.get('retries', 0):>9}")
     lines += _ratios(sweeps)
     return "\n".join(lines)
@@ -392,6 +433,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=180.0, help="seconds per request")
     p.add_argument("--sweep-seconds", type=float, default=180.0,
                    help="per server: levels not started by then are skipped")
+    p.add_argument("--total-seconds", type=float, default=480.0,
+                   help="whole run; each server's sweep gets a share of what is left")
     p.add_argument("--ready-timeout", type=float, default=300.0,
                    help="seconds a server may take to load and answer")
     p.add_argument("--check", action=argparse.BooleanOptionalAction, default=True,
@@ -420,12 +463,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     import mlx.core as mx
 
+    deadline = time.monotonic() + args.total_seconds
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"device {mx.default_device()}, model {args.shape.name} {args.dtype}", flush=True)
     model_dir = make_random_model(args.shape, args.dtype, args.model_dir, args.seed)
     if args.check:
         print(f"mlx_lm check: {check_model(model_dir)}", flush=True)
-    sweeps = {name: bench_server(name, model_dir, args) for name in args.servers.split(",")}
+    sweeps = {}
+    names = args.servers.split(",")
+    for i, name in enumerate(names):
+        budget = sweep_budget(deadline, len(names) - i, args.sweep_seconds)
+        sweeps[name] = bench_server(name, model_dir, args, budget)
     title = (f"{args.shape.name} {args.dtype}, {args.input_words}-word prompts, "
              f"{args.output_tokens} output tokens, {mx.default_device()}")
     write_plot(sweeps, args.out, title)

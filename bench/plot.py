@@ -1,10 +1,10 @@
-"""Plot serving sweeps: output throughput, TTFT p50 and ITL p50 against concurrency.
+"""Plot serving sweeps: output throughput, TTFT, ITL and TPOT p50 against concurrency.
 
     python bench/plot.py kiln_sweep.json mlx_lm_sweep.json --out sweep.png [--title "..."]
 
 Each JSON is what `bench/serving.py` writes: a sweep document (its "label" names the line)
 or a single level's result (a one-point line named by its URL). Several files are overlaid
-in one figure of three panels. Uses matplotlib's Agg backend, so no display is needed.
+in one figure of four panels. Uses matplotlib's Agg backend, so no display is needed.
 """
 
 from __future__ import annotations
@@ -14,11 +14,16 @@ import json
 from pathlib import Path
 from typing import Any
 
+def _tpot_p50(result: dict[str, Any]) -> float:
+    return result.get("tpot_ms", {}).get("p50", float("nan"))  # absent in older JSONs
+
+
 # (panel title, y label, how to read the value from one level's result)
 _PANELS: tuple[tuple[str, str, Any], ...] = (
     ("Output throughput", "output tokens/s", lambda r: r["output_tok_s"]),
     ("Time to first token (p50)", "ms", lambda r: r["ttft_ms"]["p50"]),
     ("Inter-token latency (p50)", "ms", lambda r: r["itl_ms"]["p50"]),
+    ("Time per output token (p50)", "ms", _tpot_p50),
 )
 
 
@@ -44,7 +49,7 @@ def plot_sweeps(sweeps: list[dict[str, Any]], out: Path, title: str = "") -> Pat
     from matplotlib.ticker import NullFormatter, ScalarFormatter
 
     levels = sorted({r["concurrency"] for s in sweeps for r in measured(s)})
-    fig, axes = plt.subplots(1, len(_PANELS), figsize=(5 * len(_PANELS), 4.2))
+    fig, axes = plt.subplots(1, len(_PANELS), figsize=(4.5 * len(_PANELS), 4.2))
     for ax, (name, unit, value) in zip(axes, _PANELS):
         for sweep in sweeps:
             rows = measured(sweep)

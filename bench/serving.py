@@ -10,10 +10,13 @@
 
 Streams `/v1/completions` with `stream_options.include_usage`, at a fixed concurrency or
 at a Poisson request rate (still capped by the concurrency), greedy by default, and reports
-output tokens/s, requests/s, and TTFT, inter-token and end-to-end latency percentiles
-(milliseconds) as JSON. With one concurrency the JSON is that level's result; with several
-it is a sweep document {"label", "url", "model", "settings", "results": [...]}, which
-`bench/plot.py` draws (several servers' sweeps overlaid).
+output tokens/s, requests/s, and TTFT, inter-token (between text chunks), time per output
+token ((e2e - TTFT) / (tokens - 1), which chunking does not skew) and end-to-end latency
+percentiles (milliseconds) as JSON. With one concurrency the JSON is that level's result;
+with several it is a sweep document {"label", "url", "model", "settings", "results": [...]},
+which `bench/plot.py` draws (several servers' sweeps overlaid). Before each level a warm-up
+runs that level's concurrency with a few tokens, so first-use kernel compiles are not timed.
+A request whose connection the server drops before answering is re-sent (--retries).
 
 `ignore_eos` is sent only with --ignore-eos: mlx_lm.server ignores unknown fields, but kiln
 refuses the field until it implements it.
@@ -113,7 +116,8 @@ async def _stream_once(http: httpx.AsyncClient, spec: RequestSpec, prompt: str,
                        rec: RequestRecord, start: float) -> None:
     rec.error, last, chunks = None, start, 0
     try:
-        async with http.stream("POST", spec.url + "/v1/completions", json=spec.body(prompt)) as resp:
+        url = spec.url + "/v1/completions"
+        async with http.stream("POST", url, json=spec.body(prompt)) as resp:
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return
@@ -192,23 +196,34 @@ def summarize(records: list[RequestRecord], elapsed: float, level: Level,
         "duration_s": round(elapsed, 3), "output_tokens": out_tokens,
         "output_tok_s": round(out_tokens / elapsed, 2), "requests_s": round(len(ok) / elapsed, 3),
         "ttft_ms": _pcts([r.ttft for r in ok]), "itl_ms": _pcts([x for r in ok for x in r.itls]),
+        "tpot_ms": _pcts([_tpot(r) for r in ok if r.output_tokens > 1]),
         "e2e_ms": _pcts([r.latency for r in ok]),
     }
 
 
+def _tpot(rec: RequestRecord) -> float:
+    """Mean time per output token after the first: unlike ITL it does not depend on how
+    the server groups tokens into stream chunks."""
+    return (rec.latency - rec.ttft) / (rec.output_tokens - 1)
+
+
+async def warm_up(http: httpx.AsyncClient, level: Level, seed: int,
+                  args: argparse.Namespace) -> None:
+    """The level's batch size at a few tokens a request: first-use compiles land here."""
+    n = min(level.concurrency, level.num_requests)
+    prompts = make_prompts(n, args.input_words, seed, args.shared_prefix_words)
+    spec = RequestSpec(args.url, args.model, args.warmup_tokens, args.temperature, False)
+    await run_requests(http, spec, prompts, level.concurrency, 0.0, seed, args.retries)
+
+
 async def run_level(http: httpx.AsyncClient, level: Level, index: int,
                     args: argparse.Namespace) -> dict[str, Any]:
-    # Each level has its own prompts (the seed moves on), so a server's prefix cache
-    # cannot serve one level from the previous level's requests.
+    # Each level (and its warm-up) has its own prompts, so a server's prefix cache cannot
+    # answer one level from an earlier level's requests.
     seed = args.seed + 1000 * index
-    prompts = make_prompts(level.num_requests, args.input_words, seed, args.shared_prefix_words)
     if args.warmup:
-        # Same batch sizes at a few tokens each: first-use kernel compiles land here.
-        warm = RequestSpec(args.url, args.model, args.warmup_tokens, args.temperature, False)
-        await run_requests(http, warm, make_prompts(min(level.concurrency, level.num_requests),
-                                                    args.input_words, seed + 1,
-                                                    args.shared_prefix_words),
-                           level.concurrency, 0.0, seed, args.retries)
+        await warm_up(http, level, seed + 1, args)
+    prompts = make_prompts(level.num_requests, args.input_words, seed, args.shared_prefix_words)
     spec = RequestSpec(args.url, args.model, args.output_tokens, args.temperature,
                        args.ignore_eos)
     records, elapsed = await run_requests(http, spec, prompts, level.concurrency,

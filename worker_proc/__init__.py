@@ -27,7 +27,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from worker_proc.attention import check_layer_kinds
     from worker_proc.kv_pool import KVPool
     from worker_proc.memory import pool_slots, probe_attention_specs
-    from worker_proc.runner import ModelRunner
+    from worker_proc.runner import ModelRunner, warm_up
 
     say = reporter.progress if reporter else logger.info
     t0 = time.monotonic()
@@ -41,7 +41,11 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     slots = pool_slots(config, KVPool.bytes_per_slot(specs), context)
     pool = KVPool(specs, slots)
     say(f"KV pool: {slots} slots, {pool.nbytes / 2**20:.1f} MiB")
-    return ModelRunner(model, pool, config.max_running_requests, min(context, slots))
+    runner = ModelRunner(model, pool, config.max_running_requests, min(context, slots))
+    t0 = time.monotonic()
+    steps = warm_up(runner, config.max_running_requests)
+    say(f"warmed up ({steps} steps, {time.monotonic() - t0:.1f}s)")
+    return runner
 
 
 class WorkerLoop:

@@ -20,6 +20,8 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from worker_proc.kv_pool import KVPool
+from worker_proc.paged_attention import (kernel_available, paged_decode_attention,
+                                         reference_decode_attention)
 
 
 class UnsupportedModelError(RuntimeError):
@@ -34,13 +36,16 @@ class ForwardLayout:
     read_slots:  [B, L] slots of each row's whole context (new tokens included),
                  right-padded with slot 0.
     offset:      position of each row's first new token (int when B == 1).
-    mask:        None, "causal", or a boolean [B, 1, S, L] array for ragged rows.
+    mask:        None or "causal" (dense path).
+    lengths:     [B] context length per row, for decode: set, attention reads the pool
+                 through `paged_attention` instead of a gathered dense block.
     """
 
     write_slots: mx.array
     read_slots: mx.array
     offset: int | mx.array
     mask: Any
+    lengths: mx.array | None = None
 
     @classmethod
     def single(cls, context_slots: np.ndarray, start: int, n_new: int) -> "ForwardLayout":
@@ -60,15 +65,12 @@ class ForwardLayout:
         max_len = int(lengths.max())
         read = table_rows[:, :max_len]
         write = read[np.arange(len(lengths)), lengths - 1]
-        mask = None
-        if int(lengths.min()) != max_len:
-            valid = np.arange(max_len)[None, :] < lengths[:, None]
-            mask = mx.array(valid[:, None, None, :])
         return cls(
             write_slots=mx.array(write),
             read_slots=mx.array(read),
             offset=mx.array(lengths - 1) if len(lengths) > 1 else int(lengths[0] - 1),
-            mask=mask,
+            mask=None,
+            lengths=mx.array(lengths.astype(np.int32)),
         )
 
 
@@ -92,9 +94,21 @@ class PooledKVCache:
             return _causal_array(n, self._layout.read_slots.shape[1])
         return mask
 
+    @property
+    def paged(self) -> bool:
+        return self._layout.lengths is not None
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._pool.write(self._layer, self._layout.write_slots, keys, values)
+        if self.paged:  # attention reads the pool itself (see paged_attention)
+            return self._pool.keys[self._layer], self._pool.values[self._layer]
         return self._pool.read(self._layer, self._layout.read_slots)
+
+    def paged_attention(self, queries: mx.array, scale: float) -> mx.array:
+        layout, layer = self._layout, self._layer
+        attend = paged_decode_attention if kernel_available() else reference_decode_attention
+        return attend(queries, self._pool.keys[layer], self._pool.values[layer],
+                      layout.read_slots, layout.lengths, scale)
 
 
 def _causal_array(n_new: int, n_total: int) -> mx.array:
@@ -113,3 +127,31 @@ def check_layer_kinds(model: Any) -> None:
 
 def build_layer_caches(pool: KVPool, layout: ForwardLayout) -> list[PooledKVCache]:
     return [PooledKVCache(pool, i, layout) for i in range(len(pool.specs))]
+
+
+def install_attention_hook() -> None:
+    """Route mlx-lm's attention calls for pooled decode layers to `paged_attention`.
+
+    mlx-lm's model modules call `scaled_dot_product_attention` (from models/base.py) with
+    the layer's cache; for a `PooledKVCache` in paged mode the keys/values it was handed
+    are the whole pool, and only the cache knows each row's slots and length. Every other
+    call goes to mlx-lm's own function unchanged. Call after the model's module is imported.
+    """
+    import sys
+
+    import mlx_lm.models.base as base
+
+    original = getattr(base.scaled_dot_product_attention, "__wrapped__", base.scaled_dot_product_attention)
+
+    def attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001, ANN202
+        if isinstance(cache, PooledKVCache) and cache.paged:
+            if sinks is not None:
+                raise UnsupportedModelError("attention sinks are not supported yet")
+            return cache.paged_attention(queries, scale)
+        return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
+
+    attention.__wrapped__ = original
+    for name, module in list(sys.modules.items()):
+        if name.startswith("mlx_lm.models.") and getattr(
+                module, "scaled_dot_product_attention", None) in (original, base.scaled_dot_product_attention):
+            module.scaled_dot_product_attention = attention

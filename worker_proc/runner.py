@@ -19,7 +19,7 @@ import numpy as np
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import StepResult
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
-from worker_proc.attention import ForwardLayout, build_layer_caches
+from worker_proc.attention import ForwardLayout, build_layer_caches, install_attention_hook
 from worker_proc.kv_pool import KVPool
 from worker_proc.sampling import SamplingBatch, sample
 
@@ -48,6 +48,7 @@ class PendingStep:
 
 class ModelRunner:
     def __init__(self, model: Any, pool: KVPool, max_requests: int, max_context: int) -> None:
+        install_attention_hook()  # decode attention reads the pool (idempotent)
         self.model = model
         self.pool = pool
         self.max_context = max_context
@@ -155,6 +156,33 @@ class ModelRunner:
     def _check_room(self, state: RequestState, n: int) -> None:
         if state.length + n > self.max_context:
             raise RuntimeError(f"{state.rid}: context would exceed {self.max_context} tokens")
+
+
+def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
+    """Run throwaway requests through every decode batch size the server will see first
+    (powers of two up to max_batch), so kernel compilation happens before the first user
+    request, not during it. Uses slots from 1 up: the scheduler has handed none out yet,
+    and every slot is written before it is read. Returns the number of steps run."""
+    steps_per_size = 2
+    sizes = [b for b in (1 << i for i in range(16)) if b <= max_batch] or [1]
+    per_request = prompt_len + len(sizes) * steps_per_size
+    n_req = min(sizes[-1], max(1, runner.pool.num_slots // per_request))
+    sizes = [b for b in sizes if b <= n_req]
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=per_request)
+    rids = [f"warmup-{i}" for i in range(n_req)]
+    next_slot = iter(range(1, runner.pool.num_slots + 1))
+    chunks = [PrefillChunk(rid=rid, start=0, token_ids=[1] * prompt_len, sample=True,
+                           slot_ids=[next(next_slot) for _ in range(prompt_len)]) for rid in rids]
+    step = 0
+    runner.run(ForwardBatch(step=step, new_requests=[NewRequest(rid=r, sampling=greedy) for r in rids],
+                            prefill=chunks))
+    for size in sizes:
+        for _ in range(steps_per_size):
+            step += 1
+            runner.run(ForwardBatch(step=step, decode_rids=rids[:size],
+                                    decode_slots=[next(next_slot) for _ in range(size)]))
+    runner.run(ForwardBatch(step=step + 1, released=rids))
+    return step + 1
 
 
 def _fold_seed(seed: int) -> int:
