@@ -1,24 +1,28 @@
 """kiln's scheduler and model runner driven in one process, without sockets, for benchmarks.
 
-    from bench.engine_loop import EngineLoop, load_model
+    from bench.engine_loop import EngineLoop, EngineSizes, load_model
     model, _ = load_model("demo-tiny")
     loop = EngineLoop(model, EngineSizes(capacity=8192, max_running=16, max_context=2048))
     loop.submit("r0", [5, 6, 7], max_tokens=32)
     loop.run_until_idle(max_steps=1000)
 
-The step is the served engine's: `Scheduler.plan_step` -> `ModelRunner.run` (launch, then
-finish) -> `Scheduler.apply_result`. Requests are greedy and carry no EOS ids, so each one
-runs to exactly `max_tokens`.
+Plain stepping is `Scheduler.plan_step` -> `ModelRunner.run` (launch, then finish) ->
+`Scheduler.apply_result`, one step at a time, so each step can be timed. With
+`run_until_idle(..., overlap=True)` the server's own step loops (`SchedulerLoop`,
+`WorkerLoop`) run over in-memory queues instead, two steps in flight as in the server.
+Requests are greedy and carry no EOS ids, so each one runs to exactly `max_tokens`.
 """
 
 from __future__ import annotations
 
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ipc.messages.common import SamplingParams
-from ipc.messages.to_detokenizer import TokenOutput
+from ipc.messages.to_detokenizer import BatchTokens, TokenOutput
 from ipc.messages.to_scheduler import StepResult, TokenizedRequest
 from ipc.messages.to_worker import ForwardBatch
 from scheduler_proc.scheduler import Scheduler, SchedulerLimits
@@ -58,6 +62,22 @@ class EngineSizes:
 
 
 @dataclass
+class StepClock:
+    """Wall time of completed steps, split by whether a step computed any prompt tokens."""
+
+    prefill_s: float = 0.0  # steps holding a prefill chunk (decode rows may ride along)
+    decode_s: float = 0.0  # decode-only steps
+    decode_steps: int = 0
+
+    def add(self, batch: ForwardBatch, seconds: float) -> None:
+        if batch.prefill:
+            self.prefill_s += seconds
+        else:
+            self.decode_s += seconds
+            self.decode_steps += 1
+
+
+@dataclass
 class RequestOutput:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
@@ -75,6 +95,7 @@ class EngineLoop:
             min(sizes.chunk_size, sizes.max_prefill_tokens), sizes.max_prefill_tokens))
         self.outputs: dict[str, RequestOutput] = {}
         self.steps = 0
+        self.clock = StepClock()
 
     def submit(self, rid: str, prompt: list[int], max_tokens: int) -> None:
         """Queue a greedy request with no stop ids: it ends after exactly max_tokens."""
@@ -92,9 +113,11 @@ class EngineLoop:
 
     def execute(self, batch: ForwardBatch) -> StepResult:
         """Run one planned step on the runner to completion and apply its tokens."""
+        start = time.perf_counter()
         result = self.runner.run(batch)
-        self.steps += 1
         self._collect(self.scheduler.apply_result(result))
+        self.clock.add(batch, time.perf_counter() - start)
+        self.steps += 1
         return result
 
     def step(self) -> bool:
@@ -104,17 +127,38 @@ class EngineLoop:
         self.execute(batch)
         return True
 
-    def run_until_idle(self, max_steps: int) -> int:
+    def run_until_idle(self, max_steps: int, overlap: bool = False) -> int:
         """Step until no work is left; returns the steps taken. Raises past max_steps."""
+        if overlap:
+            return self._run_overlapped(max_steps)
         start = self.steps
         while self.step():
             if self.steps - start >= max_steps:
                 raise RuntimeError(f"engine still busy after {max_steps} steps")
         return self.steps - start
 
-    @property
-    def generated_tokens(self) -> int:
-        return sum(len(o.token_ids) for o in self.outputs.values())
+    def _run_overlapped(self, max_steps: int) -> int:
+        """The server's loops, sockets replaced by queues: the scheduler plans step N+1
+        before it applies step N's result, the worker launches N+1 before it waits on N."""
+        from scheduler_proc import SchedulerLoop
+        from worker_proc import WorkerLoop
+
+        inbox, to_worker, to_detokenizer = _Queue(), _Queue(), _Queue()
+        scheduler = SchedulerLoop(self.scheduler, inbox, to_worker, to_detokenizer,
+                                  max_in_flight=2)
+        worker = WorkerLoop(self.runner, inbox, overlap=True)
+        start = self.steps
+        while self.scheduler.has_work or scheduler.in_flight or inbox.items:
+            scheduler.run_once()
+            for message in to_worker.drain():
+                self.steps += isinstance(message, ForwardBatch)
+                worker.handle(message)
+            for batch in to_detokenizer.drain():
+                if isinstance(batch, BatchTokens):
+                    self._collect(batch.outputs)
+            if self.steps - start > max_steps:
+                raise RuntimeError(f"engine still busy after {max_steps} steps")
+        return self.steps - start
 
     def errors(self) -> list[str]:
         return [f"{rid}: {o.error}" for rid, o in self.outputs.items() if o.error]
@@ -125,3 +169,21 @@ class EngineLoop:
             record.token_ids += out.token_ids
             if out.finished:
                 record.finish_reason, record.error = out.finish_reason, out.error
+
+
+class _Queue:
+    """A socket's stand-in for the in-process loops: send, recv (never blocks), drain."""
+
+    def __init__(self) -> None:
+        self.items: deque[Any] = deque()
+
+    def send(self, message: Any) -> None:
+        self.items.append(message)
+
+    def recv(self, timeout_ms: int | None = None) -> Any:
+        return self.items.popleft() if self.items else None
+
+    def drain(self) -> list[Any]:
+        out = list(self.items)
+        self.items.clear()
+        return out

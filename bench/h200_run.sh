@@ -25,7 +25,10 @@ missing = [m for m in need if importlib.util.find_spec(m.split(".")[0]) is None]
 if missing:
     sys.exit(f"missing Python packages: {', '.join(missing)}")
 import mlx.core as mx
-print(f"python {sys.version.split()[0]}, mlx {mx.__version__}, device {mx.default_device()}")
+import mlx_lm
+import transformers
+print(f"python {sys.version.split()[0]}, mlx {mx.__version__}, mlx-lm {mlx_lm.__version__}, "
+      f"transformers {transformers.__version__}, device {mx.default_device()}")
 if importlib.util.find_spec("matplotlib") is None:
     print("matplotlib missing: no sweep.png, the JSONs and the table still come")
 EOF

@@ -6,7 +6,8 @@
 Both engines get the same N random-token prompts at once, decode greedily with no EOS stop
 (each request makes exactly --output-len tokens) and are timed from submission to the last
 token. kiln runs its scheduler and model runner directly (bench/engine_loop.py), with no
-sockets or HTTP. Prints both tokens/s figures and their ratio, and whether the two engines
+sockets or HTTP, by default through the server's overlapped step loops (--no-overlap: one
+step at a time). Prints both tokens/s figures and their ratio, and whether the two engines
 produced the same tokens; writes the same as JSON.
 """
 
@@ -41,8 +42,8 @@ class Workload:
     output_len: int
     seed: int
 
-    def prompts(self, vocab_size: int) -> list[list[int]]:
-        rng = np.random.default_rng(self.seed)
+    def prompts(self, vocab_size: int, salt: int = 0) -> list[list[int]]:
+        rng = np.random.default_rng([self.seed, salt])
         ids = rng.integers(_FIRST_PROMPT_ID, vocab_size, size=(self.num_prompts, self.input_len))
         return ids.tolist()
 
@@ -54,6 +55,10 @@ class EngineRun:
     output_tokens: int
     output_tok_s: float
     steps: int  # forward steps (kiln) or generator calls (mlx-lm)
+    # Each engine's own split of its time (kiln: steps with / without prompt tokens;
+    # mlx-lm: BatchGenerator's prompt and decode counters).
+    prefill_s: float | None
+    decode_s: float | None
 
 
 def run_kiln(model: Any, prompts: list[list[int]], output_len: int,
@@ -66,12 +71,15 @@ def run_kiln(model: Any, prompts: list[list[int]], output_len: int,
     start = time.perf_counter()
     for i, p in enumerate(prompts):
         loop.submit(f"r{i}", p, output_len)
-    steps = loop.run_until_idle(max_steps=n * (longest + output_len) + 16)
+    steps = loop.run_until_idle(max_steps=n * (longest + output_len) + 16, overlap=args.overlap)
     seconds = time.perf_counter() - start
     if loop.errors():
         raise RuntimeError(f"kiln rejected requests: {loop.errors()[:3]}")
     tokens = [loop.outputs[f"r{i}"].token_ids for i in range(n)]
-    return _summary("kiln", seconds, tokens, steps), tokens
+    # With two steps in flight a step's time is not its own: no split then.
+    split = (None, None) if args.overlap else (loop.clock.prefill_s, loop.clock.decode_s)
+    name = "kiln (overlap)" if args.overlap else "kiln"
+    return _summary(name, seconds, tokens, steps, *split), tokens
 
 
 def run_mlx_lm(model: Any, prompts: list[list[int]], output_len: int,
@@ -84,24 +92,32 @@ def run_mlx_lm(model: Any, prompts: list[list[int]], output_len: int,
                          prefill_batch_size=args.prefill_batch_size,
                          prefill_step_size=args.prefill_step_size)
     start = time.perf_counter()
-    uids = gen.insert(prompts, [output_len] * len(prompts))
-    out: dict[int, list[int]] = {uid: [] for uid in uids}
-    calls = 0
-    while responses := gen.next_generated():
-        for r in responses:
-            out[r.uid].append(r.token)
-        calls += 1
-        if calls > len(prompts) * (output_len + 1):
-            raise RuntimeError("BatchGenerator did not finish in the expected number of steps")
+    with gen.stats() as stats:
+        uids = gen.insert(prompts, [output_len] * len(prompts))
+        out: dict[int, list[int]] = {uid: [] for uid in uids}
+        calls = 0
+        while responses := gen.next_generated():
+            for r in responses:
+                out[r.uid].append(r.token)
+            calls += 1
+            if calls > len(prompts) * (output_len + 1):
+                raise RuntimeError("BatchGenerator did not finish in the expected steps")
     seconds = time.perf_counter() - start
     gen.close()
     tokens = [out[uid] for uid in uids]
-    return _summary("mlx_lm.BatchGenerator", seconds, tokens, calls), tokens
+    return _summary("mlx_lm.BatchGenerator", seconds, tokens, calls, stats.prompt_time,
+                    stats.decode_time), tokens
 
 
-def _summary(engine: str, seconds: float, tokens: list[list[int]], steps: int) -> EngineRun:
+def _summary(engine: str, seconds: float, tokens: list[list[int]], steps: int,
+             prefill_s: float | None, decode_s: float | None) -> EngineRun:
     total = sum(len(t) for t in tokens)
-    return EngineRun(engine, round(seconds, 4), total, round(total / seconds, 2), steps)
+    return EngineRun(engine, round(seconds, 4), total, round(total / seconds, 2), steps,
+                     _round(prefill_s), _round(decode_s))
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
 
 
 def _check_lengths(name: str, tokens: list[list[int]], output_len: int) -> None:
@@ -110,7 +126,7 @@ def _check_lengths(name: str, tokens: list[list[int]], output_len: int) -> None:
         raise RuntimeError(f"{name}: {len(short)} requests did not make {output_len} tokens")
 
 
-def _agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float]:
+def _agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, float | int]:
     """How far the two engines' greedy outputs agree (identical in float32 on the CPU)."""
     same_requests = sum(x == y for x, y in zip(a, b))
     prefix = [_common_prefix(x, y) for x, y in zip(a, b)]
@@ -143,8 +159,9 @@ def measure(model: Any, args: argparse.Namespace) -> dict[str, Any]:
     tokens: dict[str, list[list[int]]] = {}
     for name in args.engines.split(","):
         runner = _RUNNERS[name]
-        if args.warmup:  # compile kernels for these shapes before the clock starts
-            runner(model, prompts[:min(4, len(prompts))], min(8, args.output_len), args)
+        if args.warmup:  # same batch, other prompts, few tokens: first-use compiles land here
+            runner(model, work.prompts(model.args.vocab_size, salt=1), min(4, args.output_len),
+                   args)
         runs[name], tokens[name] = runner(model, prompts, args.output_len, args)
         _check_lengths(name, tokens[name], args.output_len)
         gc.collect()
@@ -160,14 +177,20 @@ def measure(model: Any, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def print_table(result: dict[str, Any]) -> None:
-    print(f"\n{'engine':<24}{'seconds':>10}{'out tokens':>12}{'out tok/s':>12}{'steps':>8}")
+    print(f"\n{'engine':<24}{'seconds':>10}{'out tokens':>12}{'out tok/s':>12}{'steps':>8}"
+          f"{'prefill s':>11}{'decode s':>10}")
     for r in result["runs"].values():
         print(f"{r['engine']:<24}{r['seconds']:>10.3f}{r['output_tokens']:>12}"
-              f"{r['output_tok_s']:>12.1f}{r['steps']:>8}")
+              f"{r['output_tok_s']:>12.1f}{r['steps']:>8}{_cell(r['prefill_s'], 11)}"
+              f"{_cell(r['decode_s'], 10)}")
     if "kiln_over_mlx_lm" in result:
         ag = result["agreement"]
         print(f"kiln / mlx-lm output tokens/s: {result['kiln_over_mlx_lm']:.2f}x; identical "
               f"outputs: {ag['identical_requests']}/{ag['requests']} requests")
+
+
+def _cell(value: float | None, width: int) -> str:
+    return f"{value:>{width}.3f}" if value is not None else f"{'-':>{width}}"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -178,6 +201,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--input-len", type=int, default=128, help="prompt tokens per request")
     p.add_argument("--output-len", type=int, default=64, help="generated tokens per request")
     p.add_argument("--engines", default="kiln,mlx_lm", help="which to run, in this order")
+    p.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
+                   help="kiln: the server's two-steps-in-flight loops (off: one step at a "
+                        "time, which also splits kiln's time into prefill and decode)")
     p.add_argument("--chunk-size", type=int, default=2048, help="kiln: prefill chunk size")
     p.add_argument("--max-prefill-tokens", type=int, default=8192,
                    help="kiln: prompt tokens per step")
@@ -185,7 +211,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="mlx-lm: prompts prefilled together")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="mlx-lm: prefill chunk")
     p.add_argument("--warmup", action=argparse.BooleanOptionalAction, default=True,
-                   help="run each engine on a small batch first")
+                   help="run each engine once on other prompts with a few tokens first")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--json", default="", help="also write the result here")
     args = p.parse_args(argv)

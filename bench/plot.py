@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+
 def _tpot_p50(result: dict[str, Any]) -> float:
     return result.get("tpot_ms", {}).get("p50", float("nan"))  # absent in older JSONs
 

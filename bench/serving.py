@@ -114,35 +114,41 @@ async def one_request(http: httpx.AsyncClient, spec: RequestSpec, prompt: str,
 
 async def _stream_once(http: httpx.AsyncClient, spec: RequestSpec, prompt: str,
                        rec: RequestRecord, start: float) -> None:
-    rec.error, last, chunks = None, start, 0
+    rec.error, answered = None, False
     try:
-        url = spec.url + "/v1/completions"
-        async with http.stream("POST", url, json=spec.body(prompt)) as resp:
+        async with http.stream("POST", spec.url + "/v1/completions",
+                               json=spec.body(prompt)) as resp:
+            answered = True
             if resp.status_code != 200:
                 rec.error = f"HTTP {resp.status_code}: {(await resp.aread())[:200]!r}"
                 return
-            try:
-                async for line in resp.aiter_lines():
-                    if not line.startswith("data: ") or line == "data: [DONE]":
-                        continue
-                    data = json.loads(line[6:])
-                    if data.get("usage"):
-                        rec.output_tokens = data["usage"]["completion_tokens"]
-                    if not data.get("choices") or not data["choices"][0].get("text"):
-                        continue
-                    now = time.perf_counter()
-                    if chunks == 0:
-                        rec.ttft = now - start
-                    else:
-                        rec.itls.append(now - last)
-                    last = now
-                    chunks += 1
-            except httpx.HTTPError as exc:  # broke mid-stream: not retried
-                rec.error = repr(exc)
-    except httpx.TimeoutException as exc:  # the server is slow, not refusing: not retried
-        rec.error = repr(exc)
+            await _read_events(resp, rec, start)
     except httpx.HTTPError as exc:
-        raise _NoResponse from exc
+        # Retry only a request the server never took in; a slow one is not re-sent.
+        if answered or isinstance(exc, httpx.TimeoutException):
+            rec.error = repr(exc)
+        else:
+            raise _NoResponse from exc
+
+
+async def _read_events(resp: httpx.Response, rec: RequestRecord, start: float) -> None:
+    """Timestamps of the text chunks of an SSE completion stream, and its usage."""
+    last, chunks = start, 0
+    async for line in resp.aiter_lines():
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        data = json.loads(line[6:])
+        if data.get("usage"):
+            rec.output_tokens = data["usage"]["completion_tokens"]
+        if not data.get("choices") or not data["choices"][0].get("text"):
+            continue
+        now = time.perf_counter()
+        if chunks == 0:
+            rec.ttft = now - start
+        else:
+            rec.itls.append(now - last)
+        last = now
+        chunks += 1
     rec.output_tokens = rec.output_tokens or chunks
 
 

@@ -49,31 +49,36 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
 
 
 class WorkerLoop:
-    """Runs step plans with at most two steps in flight.
+    """Runs step plans, keeping the next step's host work off the device's critical path.
 
-    With overlap, step N+1's graph (fed by step N's still-lazy tokens) is launched before
-    the worker blocks on step N's tokens, so the device always has the next step queued
-    while the worker and the scheduler do their host work. A SyncSteps message (the
-    scheduler has nothing to chain) makes it report what it holds.
+    With overlap, step N+1's graph (fed by step N's still-lazy tokens) is built while step
+    N computes; then the worker waits for N, reports it and starts N+1, so the
+    scheduler's bookkeeping for N runs while N+1 computes. (N+1 is not started before N
+    ends: see ModelRunner.start.) A SyncSteps message (the scheduler has nothing to
+    chain) makes the worker report what it holds.
     """
 
     def __init__(self, runner, results: Sender, overlap: bool) -> None:  # noqa: ANN001
         self.runner = runner
         self.results = results
-        self.depth = 2 if overlap else 1
+        self.overlap = overlap
         self.in_flight: deque = deque()
-        self.most_in_flight = 0  # observability: 2 shows steps really overlapped
+        self.steps_built_ahead = 0  # observability: > 0 shows the overlap at work
 
     def handle(self, message: WorkerMessage) -> bool:
         """Process one message; False once the worker should stop."""
         if isinstance(message, ForwardBatch):
-            self.in_flight.append(self.runner.launch(message))
-            self.most_in_flight = max(self.most_in_flight, len(self.in_flight))
-            while len(self.in_flight) >= self.depth:
+            if message.prefill:  # its forwards run as they are built: nothing may be in flight
+                self._report_all()
+            pending = self.runner.build(message)
+            self.steps_built_ahead += bool(self.in_flight)
+            self._report_all()
+            self.runner.start(pending)
+            self.in_flight.append(pending)
+            if not self.overlap:
                 self._report_oldest()
         elif isinstance(message, SyncSteps):
-            while self.in_flight:
-                self._report_oldest()
+            self._report_all()
         elif isinstance(message, Shutdown):
             logger.info("shutting down: %s", message.reason)
             return False
@@ -81,6 +86,10 @@ class WorkerLoop:
 
     def _report_oldest(self) -> None:
         self.results.send(self.runner.finish(self.in_flight.popleft()))
+
+    def _report_all(self) -> None:
+        while self.in_flight:
+            self._report_oldest()
 
 
 def run_worker(config: ServerConfig) -> None:

@@ -39,6 +39,7 @@ _SOURCE = r"""
     const int start = split * CHUNK;
     const int end = min(start + CHUNK, len);
     const float sc = scale[0];
+    const float neg_inf = __int_as_float(0xff800000);
 
     float qv[G][E];
     for (int g = 0; g < G; ++g) {
@@ -47,7 +48,7 @@ _SOURCE = r"""
     }
     float m[G], l[G], acc[G][E];
     for (int g = 0; g < G; ++g) {
-        m[g] = -inf;
+        m[g] = neg_inf;
         l[g] = 0.f;
         for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
     }
@@ -83,11 +84,11 @@ _SOURCE = r"""
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
         const int g = i / D;
         const int d = i % D;
-        float mm = -inf;
+        float mm = neg_inf;
         for (int w = 0; w < NW; ++w) mm = fmaxf(mm, sm_m[w][g]);
         float ll = 0.f, aa = 0.f;
         for (int w = 0; w < NW; ++w) {
-            if (sm_m[w][g] == -inf) continue;
+            if (sm_m[w][g] == neg_inf) continue;
             const float f = __expf(sm_m[w][g] - mm);
             ll += sm_l[w][g] * f;
             aa += sm_acc[w][g][d] * f;

@@ -39,11 +39,15 @@ class RequestState:
 
 @dataclass(frozen=True)
 class PendingStep:
-    """A launched step whose tokens may still be computing."""
+    """A built step: its lazy graph, then (once started) its tokens computing.
+
+    final: the sampled tokens and the pool arrays, computed when the step starts.
+    """
 
     step: int
     rids: list[str]
     tokens: mx.array | None
+    final: list[mx.array]
 
 
 class ModelRunner:
@@ -79,8 +83,10 @@ class ModelRunner:
 
     # -- one step ------------------------------------------------------------------------
 
-    def launch(self, batch: ForwardBatch) -> PendingStep:
-        """Build the step's graph and start it on the device without waiting for it."""
+    def build(self, batch: ForwardBatch) -> PendingStep:
+        """Build the step's lazy graph. A decode-only step is host work only; a step with
+        prefill chunks already runs those forwards (see start's NOTE: no earlier step may
+        still be running when this is called for one)."""
         for rid in batch.released:
             self._release(rid)
         for new in batch.new_requests:
@@ -96,15 +102,30 @@ class ModelRunner:
             logits.append(self._decode(batch.decode_rids, batch.decode_slots))
             sampled.extend(self.requests[rid] for rid in batch.decode_rids)
         tokens = self._sample(logits, sampled) if sampled else None
-        # The pool arrays are evaluated with the tokens: a step that samples nothing (a
+        # The pool arrays are computed with the tokens: a step that samples nothing (a
         # middle prefill chunk) must still land its K/V, and the graph must not grow.
-        mx.async_eval(*([tokens] if tokens is not None else []), *self.pool.keys, *self.pool.values)
-        return PendingStep(batch.step, [s.rid for s in sampled], tokens)
+        final = [*([tokens] if tokens is not None else []), *self.pool.keys, *self.pool.values]
+        return PendingStep(batch.step, [s.rid for s in sampled], tokens, final)
+
+    def start(self, pending: PendingStep) -> None:
+        """Put a built step on the device; returns before it finishes.
+
+        NOTE: call only once every earlier step has finished. A pool scatter is done in
+        place only when no work still in flight holds the pool; otherwise MLX copies the
+        whole pool (seen: 2 s steps with a 74 GB pool on the H200, 4x slower steps on the
+        CPU). Building the next step's graph while this one runs is fine.
+        """
+        mx.async_eval(*pending.final)
+
+    def launch(self, batch: ForwardBatch) -> PendingStep:
+        pending = self.build(batch)
+        self.start(pending)
+        return pending
 
     def finish(self, pending: PendingStep) -> StepResult:
-        """Wait for a launched step and report its tokens."""
+        """Wait for a started step and report its tokens."""
+        mx.eval(*pending.final)
         if pending.tokens is None:
-            mx.eval(self.pool.keys, self.pool.values)
             return StepResult(step=pending.step, rids=[], token_ids=[])
         return StepResult(step=pending.step, rids=pending.rids, token_ids=pending.tokens.tolist())
 
@@ -123,10 +144,8 @@ class ModelRunner:
         out = self.model(mx.array([chunk.token_ids]), cache=build_layer_caches(self.pool, layout))
         state.length += n
         logits = out[:, -1, :]
-        # NOTE: queue this forward before the next one is built. Otherwise the next
-        # forward's pool scatter finds the pool still referenced by this forward's pending
-        # gather and copies the whole pool instead of updating it in place (seen: 36x
-        # slower steps with a 500k-slot pool).
+        # Run this forward before the next one is built, for start's NOTE: the next
+        # forward's scatter must find this one's reads of the pool done.
         mx.async_eval(logits, *self.pool.keys, *self.pool.values)
         return logits
 
