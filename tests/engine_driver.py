@@ -51,7 +51,9 @@ class InProcessEngine:
     def __init__(self, model: Any, capacity: int = 8192, max_running: int = 16,
                  chunk_size: int = 256, max_prefill_tokens: int = 1024, max_context: int = 4096,
                  radix_cache: bool = True, schedule_policy: str = "fcfs",
-                 overlap: bool = True) -> None:
+                 overlap: bool | str = True) -> None:
+        """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
+        as on CUDA) or False."""
         self.pool = KVPool(probe_attention_specs(model), capacity)
         self.runner = ModelRunner(model, self.pool, max_running, max_context)
         self.scheduler = Scheduler(SchedulerLimits(capacity, max_context, max_running, chunk_size,
@@ -59,7 +61,8 @@ class InProcessEngine:
         self.to_scheduler, self.to_worker, self.to_detokenizer = Pipe(), Pipe(), Pipe()
         self.loop = SchedulerLoop(self.scheduler, self.to_scheduler, self.to_worker,
                                   self.to_detokenizer, max_in_flight=2 if overlap else 1)
-        self.worker = WorkerLoop(self.runner, self.to_scheduler, overlap=overlap)
+        self.worker = WorkerLoop(self.runner, self.to_scheduler, overlap=bool(overlap),
+                                 start_ahead=overlap == "ahead")
         self.results: dict[str, Finished] = {}
         self.steps = 0
 

@@ -121,7 +121,7 @@ def test_chunked_prefill_after_a_cached_prefix(tiny_model, oracle, vocab):
     check_idle(engine.scheduler)
 
 
-@pytest.mark.parametrize("overlap", [True, False])
+@pytest.mark.parametrize("overlap", [True, "ahead", False])
 def test_capacity_far_below_the_working_set_preempts_and_stays_exact(tiny_model, oracle, vocab,
                                                                      overlap):
     model, _ = tiny_model

@@ -51,38 +51,57 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
 class WorkerLoop:
     """Runs step plans, keeping the next step's host work off the device's critical path.
 
-    With overlap, step N+1's graph (fed by step N's still-lazy tokens) is built while step
-    N computes; then the worker waits for N, reports it and starts N+1, so the
-    scheduler's bookkeeping for N runs while N+1 computes. (N+1 is not started before N
-    ends: see ModelRunner.start.) A SyncSteps message (the scheduler has nothing to
-    chain) makes the worker report what it holds.
+    With overlap, step N+1's graph (fed by step N's still-lazy tokens) is built while
+    step N computes, so the scheduler's bookkeeping and the worker's graph building hide
+    behind the device. Then either
+    - start_ahead (the CUDA backend): N+1 is started before the worker blocks on N, so
+      the device never idles between steps (at most two steps in flight); or
+    - deferred (elsewhere): the worker waits for N, reports it, then starts N+1. On the
+      CPU backend a pool scatter started while the previous step is in flight copies the
+      whole pool (bench/pool_update_probe.py: 4x slower steps); on the H200 it does not.
+    A SyncSteps message (the scheduler has nothing to chain) makes the worker report
+    what it holds.
     """
 
-    def __init__(self, runner, results: Sender, overlap: bool) -> None:  # noqa: ANN001
+    def __init__(self, runner, results: Sender, overlap: bool,  # noqa: ANN001
+                 start_ahead: bool = False) -> None:
         self.runner = runner
         self.results = results
         self.overlap = overlap
+        self.start_ahead = overlap and start_ahead
         self.in_flight: deque = deque()
         self.steps_built_ahead = 0  # observability: > 0 shows the overlap at work
 
     def handle(self, message: WorkerMessage) -> bool:
         """Process one message; False once the worker should stop."""
         if isinstance(message, ForwardBatch):
-            if message.prefill:  # its forwards run as they are built: nothing may be in flight
-                self._report_all()
-            pending = self.runner.build(message)
-            self.steps_built_ahead += bool(self.in_flight)
-            self._report_all()
-            self.runner.start(pending)
-            self.in_flight.append(pending)
-            if not self.overlap:
-                self._report_oldest()
+            if self.start_ahead:
+                self._run_ahead(message)
+            else:
+                self._run_deferred(message)
         elif isinstance(message, SyncSteps):
             self._report_all()
         elif isinstance(message, Shutdown):
             logger.info("shutting down: %s", message.reason)
             return False
         return True
+
+    def _run_ahead(self, batch: ForwardBatch) -> None:
+        self.steps_built_ahead += bool(self.in_flight)
+        self.in_flight.append(self.runner.launch(batch))
+        while len(self.in_flight) > 1:
+            self._report_oldest()
+
+    def _run_deferred(self, batch: ForwardBatch) -> None:
+        if batch.prefill:  # its forwards run as they are built: nothing may be in flight
+            self._report_all()
+        pending = self.runner.build(batch)
+        self.steps_built_ahead += bool(self.in_flight)
+        self._report_all()
+        self.runner.start(pending)
+        self.in_flight.append(pending)
+        if not self.overlap:
+            self._report_oldest()
 
     def _report_oldest(self) -> None:
         self.results.send(self.runner.finish(self.in_flight.popleft()))
@@ -92,6 +111,16 @@ class WorkerLoop:
             self._report_oldest()
 
 
+def starts_ahead_safely() -> bool:
+    """Whether a step may start while the previous one runs without copying the pool:
+    measured true on MLX's CUDA backend, false on the CPU; unmeasured on Metal."""
+    import mlx.core as mx
+
+    from worker_proc.paged_attention import kernel_available
+
+    return kernel_available() and mx.default_device() == mx.gpu
+
+
 def run_worker(config: ServerConfig) -> None:
     reporter = setup_child(config, "worker")
     runner = build_runner(config, reporter)
@@ -99,6 +128,7 @@ def run_worker(config: ServerConfig) -> None:
     results = Sender(config.scheduler_endpoint)
     results.send(WorkerReady(num_slots=runner.pool.num_slots, max_context_len=runner.max_context))
     reporter.ready(f"{runner.pool.num_slots} KV slots")
-    loop = WorkerLoop(runner, results, overlap=not config.disable_overlap)
+    loop = WorkerLoop(runner, results, overlap=not config.disable_overlap,
+                      start_ahead=starts_ahead_safely())
     while loop.handle(plans.recv()):
         pass

@@ -38,6 +38,7 @@ _SOURCE = r"""
     const int len = lengths[b];
     const int start = split * CHUNK;
     const int end = min(start + CHUNK, len);
+    const size_t lmax = table_shape[1];  // a runtime value: a template would recompile per length
     const float sc = scale[0];
     const float neg_inf = __int_as_float(0xff800000);
 
@@ -53,7 +54,7 @@ _SOURCE = r"""
         for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
     }
     for (int t = start + warp; t < end; t += NW) {
-        const size_t base = ((size_t)table[(size_t)b * LMAX + t] * HKV + kvh) * D + lane * E;
+        const size_t base = ((size_t)table[(size_t)b * lmax + t] * HKV + kvh) * D + lane * E;
         float kv[E], vv[E];
         for (int e = 0; e < E; ++e) {
             kv[e] = static_cast<float>(k_pool[base + e]);
@@ -137,7 +138,7 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     acc, ml = _kernel()(
         inputs=[q.reshape(batch, n_q, dim), k_pool, v_pool, table, lengths,
                 mx.array([scale], dtype=mx.float32)],
-        template=[("T", q.dtype), ("D", dim), ("G", group), ("HKV", n_kv), ("LMAX", l_max),
+        template=[("T", q.dtype), ("D", dim), ("G", group), ("HKV", n_kv),
                   ("CHUNK", SPLIT_TOKENS)],
         grid=(n_splits * _THREADS, n_kv, batch),
         threadgroup=(_THREADS, 1, 1),

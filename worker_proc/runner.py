@@ -110,10 +110,10 @@ class ModelRunner:
     def start(self, pending: PendingStep) -> None:
         """Put a built step on the device; returns before it finishes.
 
-        NOTE: call only once every earlier step has finished. A pool scatter is done in
-        place only when no work still in flight holds the pool; otherwise MLX copies the
-        whole pool (seen: 2 s steps with a 74 GB pool on the H200, 4x slower steps on the
-        CPU). Building the next step's graph while this one runs is fine.
+        NOTE: on the CPU backend call only once every earlier step has finished: a pool
+        scatter started while work that holds the pool is in flight copies the whole pool
+        instead of updating it in place (4x slower steps in bench/pool_update_probe.py).
+        MLX's CUDA backend updates in place either way (same probe on the H200).
         """
         mx.async_eval(*pending.final)
 
