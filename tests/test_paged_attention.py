@@ -43,6 +43,15 @@ def test_merging_splits_equals_one_softmax():
     np.testing.assert_allclose(np.array(merge_splits(acc, ml))[0], exact, rtol=1e-5, atol=1e-5)
 
 
+def test_a_single_split_is_just_normalised():
+    rng = np.random.default_rng(2)
+    acc = mx.array(rng.standard_normal((2, 1, 3, 4)).astype(np.float32))
+    ml = mx.array(np.stack([rng.standard_normal((2, 1, 3)), rng.uniform(1, 2, (2, 1, 3))],
+                           -1).astype(np.float32))
+    np.testing.assert_allclose(np.array(merge_splits(acc, ml)),
+                               np.array(acc)[:, 0] / np.array(ml)[:, 0, :, 1:], rtol=1e-6)
+
+
 def test_reference_matches_per_row_attention():
     q, k, v, table, lengths = _case()
     out = reference_decode_attention(q, k, v, table, lengths, scale=0.125)

@@ -136,8 +136,7 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     l_max = table.shape[1]
     n_splits = max(1, math.ceil(l_max / SPLIT_TOKENS))
     acc, ml = _kernel()(
-        inputs=[q.reshape(batch, n_q, dim), k_pool, v_pool, table, lengths,
-                mx.array([scale], dtype=mx.float32)],
+        inputs=[q.reshape(batch, n_q, dim), k_pool, v_pool, table, lengths, _scale(scale)],
         template=[("T", q.dtype), ("D", dim), ("G", group), ("HKV", n_kv),
                   ("CHUNK", SPLIT_TOKENS)],
         grid=(n_splits * _THREADS, n_kv, batch),
@@ -148,9 +147,17 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     return merge_splits(acc, ml).reshape(batch, n_q, 1, dim).astype(q.dtype)
 
 
+@functools.cache
+def _scale(scale: float) -> mx.array:
+    # One device array per model, not a host-to-device copy per layer and step.
+    return mx.array([scale], dtype=mx.float32)
+
+
 def merge_splits(acc: mx.array, ml: mx.array) -> mx.array:
     """Combine per-split partial softmax results: acc [..., S, G, D], ml [..., S, G, 2]
     (running max, running sum) -> [..., G, D]."""
+    if acc.shape[-3] == 1:  # one split (contexts up to SPLIT_TOKENS): just normalise
+        return acc[..., 0, :, :] / ml[..., 0, :, 1:]
     m, l = ml[..., 0], ml[..., 1]
     m_max = mx.max(m, axis=-2, keepdims=True)
     w = mx.exp(m - m_max)  # empty splits have m = -inf: weight 0
