@@ -13,7 +13,9 @@
 once over one DEALER socket; replies are routed to their waiter by request id.
 
 Sampling keywords (all optional): max_tokens (16), temperature (1.0; 0 = greedy),
-top_p (1.0), top_k (0 = off), seed (None), skip_special_tokens (True). Every call takes
+top_p (1.0), top_k (0 = off), seed (None), min_p (0), logit_bias ({token id: bias}),
+repetition_penalty (1), frequency_penalty (0), presence_penalty (0), min_tokens (0),
+stop_token_ids (None), ignore_eos (False), skip_special_tokens (True). Every call takes
 `timeout` (seconds; default: the client's) for the wait on each reply; a request that
 times out is aborted on the server. A server started with --api-key needs
 `KilnClient(address, api_key=...)`; with a wrong or missing key every request fails with

@@ -289,9 +289,7 @@ class Scheduler:
         self.counters.computed_prompt_tokens += n
         if not req.on_worker:
             req.on_worker = True
-            new_reqs.append(NewRequest(rid=req.rid, sampling=req.sampling,
-                                       prefix_slot_ids=self.table.slots(req.row, start).tolist(),
-                                       num_sampled=len(req.output_ids)))
+            new_reqs.append(self._new_request(req, start))
         if not req.prefilling:
             self._cache_prompt(req)
         return PrefillChunk(rid=req.rid, start=start, token_ids=req.all_ids()[start:start + n].tolist(),
@@ -363,6 +361,17 @@ class Scheduler:
             if req is not None and sampled_for.get(rid) == req.admissions:
                 outputs.append(self._append_token(req, token))
         return outputs
+
+    def _new_request(self, req: Req, start: int) -> NewRequest:
+        """What the worker needs to (re)start sampling for req; its cached prefix ends at start."""
+        sp = req.sampling
+        penalised = sp.uses_penalties
+        return NewRequest(
+            rid=req.rid, sampling=sp, prefix_slot_ids=self.table.slots(req.row, start).tolist(),
+            num_sampled=len(req.output_ids),
+            stop_token_ids=sorted(req.stop_token_ids) if sp.min_tokens > 0 else [],
+            prompt_ids=req.input_ids if penalised and sp.repetition_penalty != 1.0 else [],
+            output_ids=req.output_ids if penalised else [])
 
     def _append_token(self, req: Req, token: int) -> TokenOutput:
         self.counters.generated_tokens += 1

@@ -71,6 +71,11 @@ class InProcessEngine:
         msg = TokenizedRequest(rid=rid, input_ids=prompt, stop_token_ids=eos,
                                sampling=SamplingParams(max_new_tokens=max_tokens,
                                                        **{"temperature": 0.0, **sampling}))
+        self.submit_message(msg)
+
+    def submit_message(self, msg: TokenizedRequest) -> None:
+        """A request as the tokenizer process would send it (e.g. from RequestPreparer)."""
+        rid = msg.rid
         self.results[rid] = Finished()
         self.to_scheduler.send(msg)
         self._turn_scheduler(plan=False)

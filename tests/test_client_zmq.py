@@ -140,6 +140,20 @@ def test_generate_from_text_and_ids(make_front: Callable[..., Front],
     assert sent[0].stop_token_ids == list(preparer.info.eos_token_ids)
 
 
+def test_sampling_controls_reach_the_engine(make_front: Callable[..., Front]) -> None:
+    front = make_front()
+    with sync_client(front) as client:
+        client.generate([5, 6], max_tokens=6, min_p=0.1, logit_bias={5: -2.0},
+                        repetition_penalty=1.2, frequency_penalty=0.3, presence_penalty=-0.3,
+                        min_tokens=2, stop_token_ids=[9], ignore_eos=True)
+        with pytest.raises(KilnRequestError, match="frequency_penalty"):
+            client.generate([5, 6], frequency_penalty=3.0)
+    s = front.engine.requests()[0].sampling
+    assert (s.min_p, s.logit_bias, s.repetition_penalty) == (0.1, {5: -2.0}, 1.2)
+    assert (s.frequency_penalty, s.presence_penalty, s.min_tokens) == (0.3, -0.3, 2)
+    assert front.engine.requests()[0].stop_token_ids == [9]
+
+
 def test_stream_yields_deltas(make_front: Callable[..., Front]) -> None:
     front = make_front(delay=0.01)
     with sync_client(front) as client:

@@ -27,7 +27,9 @@ STATS = SchedulerStats(capacity_slots=100, used_slots=3, free_slots=97, running_
                        cached_slots=2, evictable_slots=1, preemptions_total=3,
                        cache_hit_tokens_total=6, slots_consistent=True)
 USAGE = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=4)
-SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**40, max_new_tokens=12)
+SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**40, max_new_tokens=12,
+                          min_p=0.05, logit_bias={3: -100.0, 17: 2.5}, repetition_penalty=1.1,
+                          frequency_penalty=0.5, presence_penalty=-0.5, min_tokens=2)
 
 # (record, the union its receiving socket decodes)
 SAMPLES = [
@@ -41,7 +43,9 @@ SAMPLES = [
     (WorkerReady(num_slots=10, max_context_len=8), SchedulerMessage),
     (StepResult(step=3, rids=["a", "b"], token_ids=[5, 6]), SchedulerMessage),
     (ForwardBatch(step=1, new_requests=[NewRequest(rid="a", sampling=SAMPLING,
-                                                   prefix_slot_ids=[7, 8], num_sampled=2)],
+                                                   prefix_slot_ids=[7, 8], num_sampled=2,
+                                                   stop_token_ids=[0], prompt_ids=[1, 2],
+                                                   output_ids=[5, 6])],
                   prefill=[PrefillChunk(rid="a", start=0, token_ids=[1, 2], slot_ids=[4, 5],
                                         sample=True)],
                   decode_rids=["b"], decode_slots=[9], released=["c"]), WorkerMessage),

@@ -146,6 +146,12 @@ ERROR_CASES = [
      None),
     ({"text": "x", "sampling_params": {"stop": ["\n"]}}, "sampling_params.stop",
      "unsupported_parameter"),
+    ({"text": "x", "sampling_params": {"min_new_tokens": 99, "max_new_tokens": 3}},
+     "sampling_params.min_new_tokens", None),
+    ({"text": "x", "sampling_params": {"repetition_penalty": -1}},
+     "sampling_params.repetition_penalty", None),
+    ({"text": "x", "sampling_params": {"stop_token_ids": [-1]}},
+     "sampling_params.stop_token_ids", None),
     ({"text": "x", "sampling_params": {"regex": "a+"}}, "sampling_params.regex",
      "unsupported_parameter"),
     ({"text": "x", "sampling_params": {"typo": 1}}, "sampling_params.typo",
@@ -163,6 +169,18 @@ def test_invalid_generate_is_400_naming_the_param(api: Native, body: dict[str, A
     if code is not None:
         assert error["code"] == code
     assert api.engine.requests() == []
+
+
+def test_sampling_controls_reach_the_engine(api: Native) -> None:
+    params = {"min_new_tokens": 2, "max_new_tokens": 5, "frequency_penalty": 0.5,
+              "presence_penalty": 0.25, "repetition_penalty": 1.1, "min_p": 0.05,
+              "logit_bias": {"6": 3.0}, "ignore_eos": True, "stop_token_ids": [8]}
+    assert api.http.post(GENERATE, json={"text": "x", "sampling_params": params}).status_code == 200
+    request = api.engine.requests()[0]
+    s = request.sampling
+    assert (s.min_tokens, s.frequency_penalty, s.presence_penalty) == (2, 0.5, 0.25)
+    assert (s.repetition_penalty, s.min_p, s.logit_bias) == (1.1, 0.05, {6: 3.0})
+    assert request.stop_token_ids == [8]
 
 
 def test_unsupported_sampling_params_pass_at_their_default(api: Native) -> None:

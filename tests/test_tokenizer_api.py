@@ -167,6 +167,21 @@ def test_sampling_and_eos_reach_the_engine(api: Api, preparer: RequestPreparer) 
     assert request.stop_token_ids == list(preparer.info.eos_token_ids) == [1, 3]
 
 
+def test_sampling_controls_reach_the_engine(api: Api, preparer: RequestPreparer) -> None:
+    api.http.post(COMPLETIONS, json={
+        "prompt": "x", "max_tokens": 9, "min_p": 0.1, "logit_bias": {"5": -100, "7": 2.5},
+        "repetition_penalty": 1.3, "frequency_penalty": -0.5, "presence_penalty": 2,
+        "min_tokens": 4, "stop_token_ids": [7, 3]})
+    api.http.post(CHAT, json={"messages": HELLO, "ignore_eos": True, "stop_token_ids": [9]})
+    completion, chat = api.engine.requests()
+    s = completion.sampling
+    assert (s.min_p, s.logit_bias, s.min_tokens) == (0.1, {5: -100.0, 7: 2.5}, 4)
+    assert (s.repetition_penalty, s.frequency_penalty, s.presence_penalty) == (1.3, -0.5, 2.0)
+    assert s.uses_penalties and not chat.sampling.uses_penalties
+    assert completion.stop_token_ids == [1, 3, 7]  # EOS first, duplicates once
+    assert chat.stop_token_ids == [9]  # ignore_eos: only the client's own
+
+
 def test_sampling_defaults(api: Api, preparer: RequestPreparer) -> None:
     api.http.post(COMPLETIONS, json={"prompt": "x"})
     api.http.post(CHAT, json={"messages": HELLO})
@@ -224,6 +239,19 @@ ERROR_CASES = [
     (COMPLETIONS, {"prompt": "x", "stream": True, "stream_options": {"bogus": 1}},
      "stream_options.bogus"),
     (COMPLETIONS, {"prompt": "x", "frobnicate": 1}, "frobnicate"),
+    (COMPLETIONS, {"prompt": "x", "min_p": 1.5}, "min_p"),
+    (COMPLETIONS, {"prompt": "x", "min_p": -0.1}, "min_p"),
+    (COMPLETIONS, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    (COMPLETIONS, {"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
+    (COMPLETIONS, {"prompt": "x", "presence_penalty": -3}, "presence_penalty"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "x", "min_tokens": -1}, "min_tokens"),
+    (COMPLETIONS, {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
+    (COMPLETIONS, {"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
+    (COMPLETIONS, {"prompt": "x", "ignore_eos": 1}, "ignore_eos"),
+    (CHAT, {"messages": HELLO, "presence_penalty": 2.01}, "presence_penalty"),
     (CHAT, {}, "messages"),
     (CHAT, {"messages": []}, "messages"),
     (CHAT, {"messages": "hello"}, "messages"),
@@ -284,10 +312,6 @@ UNSUPPORTED = [
     (COMPLETIONS, "n", 2, 1), (COMPLETIONS, "best_of", 3, 1), (COMPLETIONS, "echo", True, False),
     (COMPLETIONS, "logprobs", 0, None), (COMPLETIONS, "suffix", "end", ""),
     (COMPLETIONS, "stop", ["\n"], None), (COMPLETIONS, "stop", "\n", []),
-    (COMPLETIONS, "presence_penalty", 0.5, 0.0), (COMPLETIONS, "frequency_penalty", 1, 0),
-    (COMPLETIONS, "repetition_penalty", 1.2, 1.0), (COMPLETIONS, "logit_bias", {"5": 1.0}, {}),
-    (COMPLETIONS, "min_p", 0.1, 0.0), (COMPLETIONS, "ignore_eos", True, False),
-    (COMPLETIONS, "min_tokens", 3, 0), (COMPLETIONS, "stop_token_ids", [2], []),
     (CHAT, "n", 2, 1), (CHAT, "logprobs", True, False), (CHAT, "top_logprobs", 2, 0),
     (CHAT, "response_format", {"type": "json_object"}, {"type": "text"}),
     (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}], []),

@@ -49,18 +49,7 @@ def _text_format(value: Any) -> bool:
 
 
 # Parameters the engine does not implement yet, each with the test for its default.
-_COMMON_UNSUPPORTED: dict[str, _IsDefault] = {
-    "n": _one,
-    "stop": _empty,
-    "stop_token_ids": _empty,
-    "presence_penalty": _empty,
-    "frequency_penalty": _empty,
-    "repetition_penalty": _one,
-    "logit_bias": _empty,
-    "min_p": _empty,
-    "min_tokens": _empty,
-    "ignore_eos": _empty,
-}
+_COMMON_UNSUPPORTED: dict[str, _IsDefault] = {"n": _one, "stop": _empty}
 COMPLETION_UNSUPPORTED: dict[str, _IsDefault] = {
     **_COMMON_UNSUPPORTED, "best_of": _one, "echo": _empty, "suffix": _empty,
     "logprobs": _unset,  # logprobs=0 still asks for the chosen tokens' logprobs
@@ -75,11 +64,10 @@ CHAT_UNSUPPORTED: dict[str, _IsDefault] = {
 NATIVE_UNSUPPORTED: dict[str, _IsDefault] = {"return_logprob": _empty,
                                              "top_logprobs_num": _empty}
 NATIVE_SAMPLING_UNSUPPORTED: dict[str, _IsDefault] = {
-    "n": _one, "stop": _empty, "stop_token_ids": _empty, "min_new_tokens": _empty,
-    "presence_penalty": _empty, "frequency_penalty": _empty, "repetition_penalty": _one,
-    "min_p": _empty, "ignore_eos": _empty, "json_schema": _empty, "regex": _empty,
-    "ebnf": _empty,
+    "n": _one, "stop": _empty, "json_schema": _empty, "regex": _empty, "ebnf": _empty,
 }
+_BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
+_PENALTY_LIMIT = 2.0  # OpenAI's range for frequency and presence penalties
 
 
 def check_unsupported(body: BaseModel, table: dict[str, _IsDefault]) -> None:
@@ -101,6 +89,15 @@ class SamplingInput:
     top_k: int | None
     seed: int | None
     max_tokens_param: str = "max_tokens"
+    min_p: float | None = None
+    logit_bias: dict[str, float] | dict[int, float] | None = None
+    repetition_penalty: float | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    min_tokens: int | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool | None = None
+    min_tokens_param: str = "min_tokens"
 
 
 class RequestPreparer:
@@ -142,8 +139,12 @@ class RequestPreparer:
     def generate(self, message: GenerateRequest, rid: str) -> TokenizedRequest:
         """The ZMQ front's request: text or token ids plus explicit sampling fields."""
         ids, param = self.text_or_ids(message.prompt, message.input_ids, "prompt")
-        sampling = SamplingInput(message.max_tokens, message.temperature, message.top_p,
-                                 message.top_k, message.seed)
+        m = message
+        sampling = SamplingInput(
+            m.max_tokens, m.temperature, m.top_p, m.top_k, m.seed, min_p=m.min_p,
+            logit_bias=m.logit_bias, repetition_penalty=m.repetition_penalty,
+            frequency_penalty=m.frequency_penalty, presence_penalty=m.presence_penalty,
+            min_tokens=m.min_tokens, stop_token_ids=m.stop_token_ids, ignore_eos=m.ignore_eos)
         return self._request(rid, ids, sampling, self._completion_default(ids), param,
                              message.skip_special_tokens)
 
@@ -154,8 +155,13 @@ class RequestPreparer:
         sp = body.sampling_params
         with _nested_params("sampling_params", top_level=param):
             check_unsupported(sp, NATIVE_SAMPLING_UNSUPPORTED)
-            sampling = SamplingInput(sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k,
-                                     sp.seed, "max_new_tokens")
+            sampling = SamplingInput(
+                sp.max_new_tokens, sp.temperature, sp.top_p, sp.top_k, sp.seed, "max_new_tokens",
+                min_p=sp.min_p, logit_bias=sp.logit_bias,
+                repetition_penalty=sp.repetition_penalty,
+                frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
+                min_tokens=sp.min_new_tokens, stop_token_ids=sp.stop_token_ids,
+                ignore_eos=sp.ignore_eos, min_tokens_param="min_new_tokens")
             return self._request(rid, ids, sampling, self._completion_default(ids), param,
                                  sp.skip_special_tokens)
 
@@ -202,11 +208,7 @@ class RequestPreparer:
     def checked_ids(self, ids: list[int], param: str) -> list[int]:
         if not ids:
             raise RequestError(f"'{param}' must not be empty.", param=param)
-        bad = next((t for t in ids if not 0 <= t < self.info.vocab_size), None)
-        if bad is not None:
-            raise RequestError(f"Token id {bad} in '{param}' is outside the vocabulary "
-                               f"(0..{self.info.vocab_size - 1}).", param=param)
-        return list(ids)
+        return self.vocab_ids(ids, param)
 
     def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
         """Render the chat template (with the assistant prompt) and tokenize it."""
@@ -247,8 +249,14 @@ class RequestPreparer:
                  prompt_param: str, skip_special_tokens: bool) -> TokenizedRequest:
         params = self.sampling_params(sampling, len(ids), default_max, prompt_param)
         return TokenizedRequest(rid=rid, input_ids=ids, sampling=params,
-                                stop_token_ids=list(self.info.eos_token_ids),
+                                stop_token_ids=self.stop_ids(sampling),
                                 skip_special_tokens=skip_special_tokens)
+
+    def stop_ids(self, s: SamplingInput) -> list[int]:
+        """The ids that end the request: EOS (unless ignore_eos), then the client's own."""
+        extra = self.vocab_ids(s.stop_token_ids or [], "stop_token_ids")
+        eos = [] if s.ignore_eos else list(self.info.eos_token_ids)
+        return list(dict.fromkeys(eos + extra))
 
     def sampling_params(self, s: SamplingInput, prompt_len: int, default_max: int,
                         prompt_param: str) -> SamplingParams:
@@ -260,9 +268,34 @@ class RequestPreparer:
         requested = 1 if s.max_tokens is None else s.max_tokens
         self._check_room(prompt_len, requested, prompt_param, s.max_tokens_param)
         max_tokens = default_max if s.max_tokens is None else s.max_tokens
-        return SamplingParams(temperature=_temperature(s.temperature), top_p=_top_p(s.top_p),
-                              top_k=_top_k(s.top_k), seed=_seed(s.seed),
-                              max_new_tokens=max_tokens)
+        return SamplingParams(
+            temperature=_temperature(s.temperature), top_p=_top_p(s.top_p),
+            top_k=_top_k(s.top_k), seed=_seed(s.seed), max_new_tokens=max_tokens,
+            min_p=_min_p(s.min_p), logit_bias=self.logit_bias(s.logit_bias),
+            repetition_penalty=_repetition_penalty(s.repetition_penalty),
+            frequency_penalty=_penalty(s.frequency_penalty, "frequency_penalty"),
+            presence_penalty=_penalty(s.presence_penalty, "presence_penalty"),
+            min_tokens=_min_tokens(s.min_tokens, max_tokens, s.min_tokens_param))
+
+    def logit_bias(self, bias: dict[str, float] | dict[int, float] | None) -> dict[int, float]:
+        """OpenAI's map of token id (a string in JSON) to a bias in [-100, 100]."""
+        out: dict[int, float] = {}
+        for key, value in (bias or {}).items():
+            token = _token_key(key)
+            self.vocab_ids([token], "logit_bias")
+            if not (math.isfinite(value) and abs(value) <= _BIAS_LIMIT):
+                raise RequestError(f"logit_bias values must be in [-100, 100]; got {value} "
+                                   f"for token {token}.", param="logit_bias")
+            out[token] = float(value)
+        return out
+
+    def vocab_ids(self, ids: list[int], param: str) -> list[int]:
+        """ids, refused if any lies outside the vocabulary."""
+        bad = next((t for t in ids if not 0 <= t < self.info.vocab_size), None)
+        if bad is not None:
+            raise RequestError(f"Token id {bad} in '{param}' is outside the vocabulary "
+                               f"(0..{self.info.vocab_size - 1}).", param=param)
+        return list(ids)
 
     def _check_room(self, prompt_len: int, max_tokens: int, prompt_param: str,
                     max_param: str) -> None:
@@ -292,8 +325,12 @@ def _nested_params(prefix: str, top_level: str) -> Iterator[None]:
 
 def _sampling_input(body: CompletionRequest | ChatCompletionRequest, max_tokens: int | None,
                     max_tokens_param: str = "max_tokens") -> SamplingInput:
-    return SamplingInput(max_tokens, body.temperature, body.top_p, body.top_k, body.seed,
-                         max_tokens_param)
+    return SamplingInput(
+        max_tokens, body.temperature, body.top_p, body.top_k, body.seed, max_tokens_param,
+        min_p=body.min_p, logit_bias=body.logit_bias,
+        repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
+        presence_penalty=body.presence_penalty, min_tokens=body.min_tokens,
+        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos)
 
 
 def _message_dict(message: ChatMessage) -> dict[str, str]:
@@ -337,3 +374,46 @@ def _seed(value: int | None) -> int | None:
     if value is not None and not 0 <= value < _MAX_SEED:
         raise RequestError(f"'seed' must be in [0, {_MAX_SEED - 1}].", param="seed")
     return value
+
+
+def _min_p(value: float | None) -> float:
+    if value is None:
+        return 0.0
+    if not (math.isfinite(value) and 0 <= value <= 1):
+        raise RequestError("'min_p' must be in [0, 1].", param="min_p")
+    return float(value)
+
+
+def _repetition_penalty(value: float | None) -> float:
+    if value is None:
+        return 1.0
+    if not (math.isfinite(value) and value > 0):
+        raise RequestError("'repetition_penalty' must be a finite number > 0.",
+                           param="repetition_penalty")
+    return float(value)
+
+
+def _penalty(value: float | None, param: str) -> float:
+    if value is None:
+        return 0.0
+    if not (math.isfinite(value) and abs(value) <= _PENALTY_LIMIT):
+        raise RequestError(f"'{param}' must be in [-2, 2].", param=param)
+    return float(value)
+
+
+def _min_tokens(value: int | None, max_tokens: int, param: str) -> int:
+    if value is None:
+        return 0
+    if not 0 <= value <= max_tokens:
+        raise RequestError(f"'{param}' must be in [0, max tokens ({max_tokens})].", param=param)
+    return value
+
+
+def _token_key(key: str | int) -> int:
+    if isinstance(key, int):
+        return key
+    try:
+        return int(key)
+    except ValueError:
+        raise RequestError(f"logit_bias keys must be token ids; got {key!r}.",
+                           param="logit_bias") from None

@@ -41,9 +41,6 @@ class _SamplingFields(_Strict):
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True
     user: str | None = None
-    # Not implemented yet: only their defaults are accepted (see prepare.py).
-    n: int | None = None
-    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
@@ -52,6 +49,9 @@ class _SamplingFields(_Strict):
     min_p: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
+    # Not implemented yet: only their defaults are accepted (see prepare.py).
+    n: int | None = None
+    stop: str | list[str] | None = None
 
 
 class CompletionRequest(_SamplingFields):
@@ -117,16 +117,17 @@ class NativeSamplingParams(_Strict):
     top_k: int | None = None
     seed: int | None = None
     skip_special_tokens: bool = True
-    # Not implemented yet: only their defaults are accepted (see prepare.py).
-    n: int | None = None
-    stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     min_new_tokens: int | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
     min_p: float | None = None
     ignore_eos: bool | None = None
+    # Not implemented yet: only their defaults are accepted (see prepare.py).
+    n: int | None = None
+    stop: str | list[str] | None = None
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None

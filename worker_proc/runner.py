@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
@@ -21,9 +21,30 @@ from ipc.messages.to_scheduler import StepResult
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from worker_proc.attention import ForwardLayout, build_layer_caches, install_attention_hook
 from worker_proc.kv_pool import KVPool
-from worker_proc.sampling import SamplingBatch, sample
+from worker_proc.sampling import Penalties, SamplingBatch, sample
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass
+class TokenCounts:
+    """A penalised request's device rows, built at its first sample (the vocab size is
+    known then) from the ids the scheduler sent, then advanced with each lazy token."""
+
+    prompt_ids: list[int]
+    output_ids: list[int]
+    counts: mx.array | None = None  # [V] int32, possibly not evaluated yet
+    in_prompt: mx.array | None = None  # [V] bool
+
+    def rows(self, vocab: int) -> tuple[mx.array, mx.array]:
+        if self.counts is None:
+            self.counts = mx.array(np.bincount(self.output_ids, minlength=vocab).astype(np.int32))
+            in_prompt = np.zeros(vocab, dtype=bool)
+            in_prompt[self.prompt_ids] = True
+            self.in_prompt = mx.array(in_prompt)
+            self.prompt_ids, self.output_ids = [], []  # the rows hold them from now on
+        assert self.in_prompt is not None
+        return self.counts, self.in_prompt
 
 
 @dataclass
@@ -35,6 +56,8 @@ class RequestState:
     length: int = 0  # tokens whose K/V is in the pool
     num_sampled: int = 0
     last_token: mx.array | None = None  # [1] int32, possibly not evaluated yet
+    stop_ids: list[int] = field(default_factory=list)  # masked until min_tokens outputs
+    token_counts: TokenCounts | None = None  # only for requests with penalties
 
 
 @dataclass(frozen=True)
@@ -71,7 +94,10 @@ class ModelRunner:
         seed = new.sampling.seed
         seed32 = int(self._seed_rng.integers(1 << 32)) if seed is None else _fold_seed(seed)
         state = RequestState(new.rid, self._free_rows.pop(), new.sampling, seed32,
-                             length=len(new.prefix_slot_ids), num_sampled=new.num_sampled)
+                             length=len(new.prefix_slot_ids), num_sampled=new.num_sampled,
+                             stop_ids=list(new.stop_token_ids))
+        if new.sampling.uses_penalties:
+            state.token_counts = TokenCounts(list(new.prompt_ids), list(new.output_ids))
         # A cached prefix: its K/V is already in the pool, the first chunk starts after it.
         self.table[state.row, :state.length] = new.prefix_slot_ids
         self.requests[new.rid] = state
@@ -101,10 +127,12 @@ class ModelRunner:
         if batch.decode_rids:
             logits.append(self._decode(batch.decode_rids, batch.decode_slots))
             sampled.extend(self.requests[rid] for rid in batch.decode_rids)
-        tokens = self._sample(logits, sampled) if sampled else None
-        # The pool arrays are computed with the tokens: a step that samples nothing (a
-        # middle prefill chunk) must still land its K/V, and the graph must not grow.
-        final = [*([tokens] if tokens is not None else []), *self.pool.keys, *self.pool.values]
+        tokens, counts = self._sample(logits, sampled) if sampled else (None, [])
+        # The pool arrays (and new token counts) are computed with the tokens: a step that
+        # samples nothing (a middle prefill chunk) must still land its K/V, and the graph
+        # must not grow.
+        final = [*([tokens] if tokens is not None else []), *counts, *self.pool.keys,
+                 *self.pool.values]
         return PendingStep(batch.step, [s.rid for s in sampled], tokens, final)
 
     def start(self, pending: PendingStep) -> None:
@@ -163,14 +191,37 @@ class ModelRunner:
             s.length += 1
         return out[:, -1, :]
 
-    def _sample(self, logits: list[mx.array], states: list[RequestState]) -> mx.array:
+    def _sample(self, logits: list[mx.array],
+                states: list[RequestState]) -> tuple[mx.array, list[mx.array]]:
+        """The step's tokens, and the penalised requests' new (lazy) token counts."""
+        stacked = mx.concatenate(logits, axis=0)
+        penalties = self._penalties(states, stacked.shape[-1])
         params = SamplingBatch.build([s.sampling for s in states], [s.seed for s in states],
-                                     [s.num_sampled for s in states])
-        tokens = sample(mx.concatenate(logits, axis=0), params)
+                                     [s.num_sampled for s in states],
+                                     [s.stop_ids for s in states], penalties)
+        tokens = sample(stacked, params)
         for i, s in enumerate(states):
             s.last_token = tokens[i:i + 1]
             s.num_sampled += 1
-        return tokens
+        return tokens, self._count(states, penalties, tokens)
+
+    def _penalties(self, states: list[RequestState], vocab: int) -> Penalties | None:
+        rows = [i for i, s in enumerate(states) if s.token_counts is not None]
+        counted = [states[i].token_counts.rows(vocab) for i in rows]  # type: ignore[union-attr]
+        return Penalties.build(rows, [states[i].sampling for i in rows],
+                               [c for c, _ in counted], [p for _, p in counted])
+
+    def _count(self, states: list[RequestState], penalties: Penalties | None,
+               tokens: mx.array) -> list[mx.array]:
+        # NOTE: from the lazy tokens, never host values: the next step may be built
+        # before this one's tokens exist.
+        if penalties is None:
+            return []
+        counts = penalties.counted(tokens)
+        rows = [s for s in states if s.token_counts is not None]
+        for j, s in enumerate(rows):
+            s.token_counts.counts = counts[j]  # type: ignore[union-attr]
+        return [counts]
 
     def _check_room(self, state: RequestState, n: int) -> None:
         if state.length + n > self.max_context:

@@ -1,4 +1,5 @@
-"""Batched in-graph sampling: greedy, temperature, top-k and top-p, per-row settings.
+"""Batched in-graph sampling: greedy, temperature, top-k, top-p and min-p, per-row settings,
+after the logit edits (logit_bias, min_tokens' stop-id mask) and the penalties.
 
 Random draws come from a counter-based hash of (seed, step, token id) instead of a shared
 generator, so a seeded request's tokens do not depend on what else is in its batch, and
@@ -18,6 +19,62 @@ _U32 = mx.uint32
 
 
 @dataclass(frozen=True)
+class LogitEdits:
+    """Sparse additions to the logits, entry k adding values[k] at (rows[k], tokens[k]):
+    logit_bias, and -inf on stop ids for rows that have not reached min_tokens."""
+
+    rows: mx.array  # [K] int32
+    tokens: mx.array  # [K] int32
+    values: mx.array  # [K] float32
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], steps: list[int],
+              stop_ids: list[list[int]]) -> "LogitEdits | None":
+        """None when no row edits anything, so such batches pay nothing."""
+        rows: list[int] = []
+        tokens: list[int] = []
+        values: list[float] = []
+        for i, (p, n, stops) in enumerate(zip(params, steps, stop_ids)):
+            masked = stops if n < p.min_tokens else []
+            entries = [*p.logit_bias.items(), *((t, -np.inf) for t in masked)]
+            rows += [i] * len(entries)
+            tokens += [t for t, _ in entries]
+            values += [v for _, v in entries]
+        if not rows:
+            return None
+        return cls(mx.array(rows, dtype=mx.int32), mx.array(tokens, dtype=mx.int32),
+                   mx.array(np.array(values, dtype=np.float32)))
+
+
+@dataclass(frozen=True)
+class Penalties:
+    """Repetition, frequency and presence penalties of the rows that use any of them."""
+
+    rows: mx.array  # [P] int32: their rows in the batch
+    counts: mx.array  # [P, V] int32: how often each token was sampled (outputs only)
+    in_prompt: mx.array  # [P, V] bool
+    repetition: mx.array  # [P] float32
+    frequency: mx.array  # [P] float32
+    presence: mx.array  # [P] float32
+
+    @classmethod
+    def build(cls, rows: list[int], params: list[SamplingParams], counts: list[mx.array],
+              in_prompt: list[mx.array]) -> "Penalties | None":
+        if not rows:
+            return None
+        return cls(rows=mx.array(rows, dtype=mx.int32), counts=mx.stack(counts),
+                   in_prompt=mx.stack(in_prompt),
+                   repetition=_f32([p.repetition_penalty for p in params]),
+                   frequency=_f32([p.frequency_penalty for p in params]),
+                   presence=_f32([p.presence_penalty for p in params]))
+
+    def counted(self, tokens: mx.array) -> mx.array:
+        """counts [P, V] after the batch's sampled tokens (lazy, like the tokens)."""
+        vocab = mx.arange(self.counts.shape[-1], dtype=mx.int32)[None, :]
+        return self.counts + (vocab == tokens[self.rows][:, None]).astype(mx.int32)
+
+
+@dataclass(frozen=True)
 class SamplingBatch:
     """Per-row sampling settings for one step, as device arrays."""
 
@@ -26,14 +83,22 @@ class SamplingBatch:
     top_k: mx.array  # [N] int32; 0 = off
     seed: mx.array  # [N] uint32
     step: mx.array  # [N] uint32: how many tokens the row has sampled before
+    min_p: mx.array  # [N] float32; 0 = off
     all_greedy: bool
     needs_filter: bool
+    edits: LogitEdits | None = None
+    penalties: Penalties | None = None
 
     @classmethod
-    def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int]) -> "SamplingBatch":
+    def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int],
+              stop_ids: list[list[int]] | None = None,
+              penalties: Penalties | None = None) -> "SamplingBatch":
+        """steps: tokens each row sampled before; stop_ids: each row's ids that min_tokens
+        masks (default none)."""
         temps = np.array([p.temperature for p in params], dtype=np.float32)
         top_p = np.array([p.top_p for p in params], dtype=np.float32)
         top_k = np.array([p.top_k for p in params], dtype=np.int32)
+        min_p = np.array([p.min_p for p in params], dtype=np.float32)
         sampled = temps > 0
         return cls(
             temperature=mx.array(temps),
@@ -41,14 +106,43 @@ class SamplingBatch:
             top_k=mx.array(top_k),
             seed=mx.array(np.array(seeds, dtype=np.uint32)),
             step=mx.array(np.array(steps, dtype=np.uint32)),
+            min_p=mx.array(min_p),
             all_greedy=not sampled.any(),
-            needs_filter=bool(((top_p < 1.0) | (top_k > 0))[sampled].any()),
+            needs_filter=bool(((top_p < 1.0) | (top_k > 0) | (min_p > 0))[sampled].any()),
+            edits=LogitEdits.build(params, steps, stop_ids or [[] for _ in params]),
+            penalties=penalties,
         )
+
+
+def process_logits(logits: mx.array, batch: SamplingBatch) -> mx.array:
+    """float32 logits after the edits, then the penalties; rows without either are
+    untouched, so their greedy tokens stay bit-identical to plain argmax."""
+    logits = logits.astype(mx.float32)
+    if batch.edits is not None:
+        e = batch.edits
+        logits = logits.at[e.rows, e.tokens].add(e.values)
+    if batch.penalties is not None:
+        logits = apply_penalties(logits, batch.penalties)
+    return logits
+
+
+def apply_penalties(logits: mx.array, pen: Penalties) -> mx.array:
+    """HF/vLLM repetition penalty over prompt + outputs (positive logits divided, negative
+    multiplied), then OpenAI's logit -= frequency * count + presence * (count > 0)."""
+    logits = logits.astype(mx.float32)  # a new array: the caller's stays as it was
+    rows = logits[pen.rows]
+    counts = pen.counts.astype(mx.float32)
+    seen = pen.in_prompt | (pen.counts > 0)
+    rep = pen.repetition[:, None]
+    rows = mx.where(seen, mx.where(rows > 0, rows / rep, rows * rep), rows)
+    rows = rows - pen.frequency[:, None] * counts - pen.presence[:, None] * (counts > 0)
+    logits[pen.rows] = rows
+    return logits
 
 
 def sample(logits: mx.array, batch: SamplingBatch) -> mx.array:
     """Next token per row of logits [N, V] (float32 math), as int32 [N]."""
-    logits = logits.astype(mx.float32)
+    logits = process_logits(logits, batch)
     # Same quantity mlx-lm's greedy sampler takes the argmax of, so ties break alike.
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
@@ -67,6 +161,9 @@ def sample(logits: mx.array, batch: SamplingBatch) -> mx.array:
 def _sample_filtered(scaled: mx.array, noise: mx.array, batch: SamplingBatch) -> mx.array:
     order = mx.argsort(-scaled, axis=-1)
     sorted_logits = mx.take_along_axis(scaled, order, axis=-1)
+    # min-p first (as vLLM): top-p's mass is then taken over the tokens min-p kept.
+    min_p_floor = sorted_logits[:, :1] + mx.log(batch.min_p)[:, None]
+    sorted_logits = mx.where(sorted_logits >= min_p_floor, sorted_logits, -mx.inf)
     probs = mx.softmax(sorted_logits, axis=-1, precise=True)
     mass_before = mx.cumsum(probs, axis=-1) - probs
     rank = mx.arange(scaled.shape[-1])[None, :]
@@ -86,6 +183,10 @@ def gumbel_noise(seed: mx.array, step: mx.array, vocab: int) -> mx.array:
     # 24 random bits, centred in their bucket so u is never exactly 0 or 1.
     u = ((x >> _c(8)).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
     return -mx.log(-mx.log(u))
+
+
+def _f32(values: list[float]) -> mx.array:
+    return mx.array(np.array(values, dtype=np.float32))
 
 
 def _c(v: int) -> mx.array:

@@ -14,7 +14,8 @@ class GenerateRequest(Message, frozen=True):
     """Text or token ids in (exactly one); the same sampling fields the HTTP API takes.
 
     top_k 0 or -1 means off, temperature 0 means greedy, seed None means unseeded;
-    max_tokens None means 16, or fewer when the context has less room left.
+    max_tokens None means 16, or fewer when the context has less room left. The other
+    sampling fields mean what the OpenAI routes' fields of the same names mean.
     """
 
     request_id: str
@@ -25,6 +26,14 @@ class GenerateRequest(Message, frozen=True):
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    min_tokens: int = 0
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
     stream: bool = False
     skip_special_tokens: bool = True
     api_key: str | None = None  # checked when the server has --api-key

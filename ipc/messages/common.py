@@ -21,10 +21,21 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     top_k: int = 0
     seed: int | None = None
     max_new_tokens: int = 16
+    min_p: float = 0.0  # drop tokens with probability < min_p * the top probability
+    logit_bias: dict[int, float] = {}  # token id -> added to its logit before anything else
+    repetition_penalty: float = 1.0  # over prompt + outputs (HF / vLLM definition)
+    frequency_penalty: float = 0.0  # over outputs (OpenAI definitions)
+    presence_penalty: float = 0.0
+    min_tokens: int = 0  # stop ids cannot be sampled before this many outputs exist
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def uses_penalties(self) -> bool:
+        return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
+                or self.presence_penalty != 0.0)
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):

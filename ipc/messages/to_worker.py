@@ -17,12 +17,18 @@ class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     prefix_slot_ids: slots of a cached prefix whose K/V the request reads instead of
     computing (its first chunk starts after them). num_sampled: tokens sampled before a
     preemption, so a seeded request resumes its random stream where it stopped.
+    stop_token_ids: what min_tokens masks (sent only with min_tokens). prompt_ids and
+    output_ids (sent only with penalties) let the worker (re)build the request's token
+    counts, also after a preemption.
     """
 
     rid: str
     sampling: SamplingParams
     prefix_slot_ids: list[int] = []
     num_sampled: int = 0
+    stop_token_ids: list[int] = []
+    prompt_ids: list[int] = []
+    output_ids: list[int] = []
 
 
 class PrefillChunk(msgspec.Struct, frozen=True, kw_only=True):
