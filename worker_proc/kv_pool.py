@@ -58,8 +58,9 @@ class KVPool:
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """Gather K/V for slots [B, L] into the model's [B, H, L, D] layout."""
-        k = self.keys[layer][slots].transpose(0, 2, 1, 3)
-        v = self.values[layer][slots].transpose(0, 2, 1, 3)
+        # Contiguous: attention over the transposed gather view was ~2x slower on the CPU.
+        k = mx.contiguous(self.keys[layer][slots].transpose(0, 2, 1, 3))
+        v = mx.contiguous(self.values[layer][slots].transpose(0, 2, 1, 3))
         return k, v
 
 

@@ -169,8 +169,9 @@ def merge_splits(acc: mx.array, ml: mx.array) -> mx.array:
 def reference_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array,
                                table: mx.array, lengths: mx.array, scale: float) -> mx.array:
     """The plain-MLX meaning of paged_decode_attention: gather, mask, fused SDPA."""
-    keys = k_pool[table].transpose(0, 2, 1, 3)
-    values = v_pool[table].transpose(0, 2, 1, 3)
+    # Contiguous: on the CPU, attention over the transposed gather view costs ~2x.
+    keys = mx.contiguous(k_pool[table].transpose(0, 2, 1, 3))
+    values = mx.contiguous(v_pool[table].transpose(0, 2, 1, 3))
     valid = mx.arange(table.shape[1])[None, :] < lengths[:, None]
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
                                                 mask=valid[:, None, None, :])
