@@ -34,3 +34,8 @@ def test_pool_bytes_per_slot_matches_allocation():
 
 def test_available_memory_is_positive_on_this_machine():
     assert memory.available_memory_bytes() > 0
+
+
+def test_device_wide_free_memory_wins_where_reported(monkeypatch):
+    monkeypatch.setattr(memory.mx, "device_info", lambda: {"free_memory": 123, "memory_size": 10**12})
+    assert memory.available_memory_bytes() == 123

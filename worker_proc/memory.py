@@ -27,6 +27,10 @@ def probe_attention_specs(model: Any) -> list[AttentionLayerSpec]:
 def available_memory_bytes() -> int:
     """Memory the pool may draw on: device memory where MLX reports it, else host RAM."""
     info = mx.device_info()
+    if "free_memory" in info:
+        # CUDA: the device's free memory as NVML sees it, so memory other processes hold
+        # is not counted as ours to take (a leftover server once made the pool OOM).
+        return int(info["free_memory"])
     total = info.get("max_recommended_working_set_size") or info.get("memory_size")
     if total:
         return max(0, int(total) - mx.get_active_memory())
