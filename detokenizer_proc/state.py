@@ -23,8 +23,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Protocol, Sequence
 
+from detokenizer_proc.stops import StopTrimmer
 from ipc.messages.to_detokenizer import BatchTokens, TokenOutput
-from ipc.messages.to_tokenizer import BatchText, TextOutput
+from ipc.messages.to_tokenizer import BatchText, TextLogprob, TextOutput
 
 logger = logging.getLogger(__name__)
 
@@ -186,6 +187,8 @@ class DetokenizerManager:
         self._tokenizer = tokenizer
         self._byte_tokens = byte_fallback_ids(tokenizer)
         self._states: dict[str, DetokenizerState] = {}
+        self._token_texts: dict[int, str] = {}  # logprobs' token texts, by id (bounded by V)
+        self._trimmers: dict[str, StopTrimmer] = {}  # requests with stop strings
 
     def __len__(self) -> int:
         return len(self._states)
@@ -203,10 +206,27 @@ class DetokenizerManager:
         except Exception as exc:  # one bad request must not fail its batch mates
             logger.exception("request %s: detokenization failed", out.rid)
             self._states.pop(out.rid, None)
+            self._trimmers.pop(out.rid, None)
             text, error = "", out.error or f"detokenization failed: {exc}"
         return TextOutput(rid=out.rid, text=text, token_ids=out.token_ids,
                           finished=out.finished, finish_reason=out.finish_reason,
-                          usage=out.usage, error=error)
+                          usage=out.usage, error=error, logprobs=self._text_logprobs(out))
+
+    def _text_logprobs(self, out: TokenOutput) -> list[TextLogprob] | None:
+        """The token logprobs with each token's own text (the decode of that one id)."""
+        if out.logprobs is None:
+            return None
+        return [TextLogprob(token=self._token_text(t), logprob=lp.logprob,
+                            top_tokens=[self._token_text(i) for i in lp.top_ids],
+                            top_logprobs=lp.top_logprobs)
+                for t, lp in zip(out.token_ids, out.logprobs)]
+
+    def _token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            self._token_texts[token_id] = text
+        return text
 
     def _detokenize(self, out: TokenOutput) -> str:
         state = self._states.get(out.rid)
@@ -215,8 +235,23 @@ class DetokenizerManager:
             state = DetokenizerState.start(self._tokenizer, out.prompt_tail,
                                            out.skip_special_tokens, self._byte_tokens)
             self._states[out.rid] = state
+            if out.stop:
+                self._trimmers[out.rid] = StopTrimmer(out.stop, out.include_stop_str)
         text = state.step(out.token_ids)
         if out.finished:
             text += state.finish()
             del self._states[out.rid]
+        return self._trim(out, text)
+
+    def _trim(self, out: TokenOutput, text: str) -> str:
+        """Cut the text at the request's first stop string; hold back what may start one."""
+        trimmer = self._trimmers.get(out.rid)
+        if trimmer is None:
+            return text
+        if out.finished:
+            del self._trimmers[out.rid]
+        text = trimmer.push(text, final=out.finished)
+        if out.stop_str is not None and trimmer.matched is None:
+            logger.warning("request %s: the scheduler matched stop %r, the text holds none",
+                           out.rid, out.stop_str)
         return text

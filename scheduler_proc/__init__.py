@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections import deque
 from dataclasses import dataclass
 
+from detokenizer_proc.state import TokenizerLike
 from ipc.channel import Receiver, Sender
 from ipc.config import ServerConfig
 from ipc.messages.to_detokenizer import BatchTokens, StatsReply, TokenOutput
@@ -120,6 +122,14 @@ class SchedulerLoop:
             self._synced = True
 
 
+def _load_tokenizer(config: ServerConfig) -> TokenizerLike:
+    from transformers import AutoTokenizer  # slow import: only once a request has stops
+
+    logger.info("loading the tokenizer for stop strings")
+    return AutoTokenizer.from_pretrained(config.model_path,
+                                         trust_remote_code=config.trust_remote_code)
+
+
 def run_scheduler(config: ServerConfig) -> None:
     reporter = setup_child(config, "scheduler")
     inbox: Receiver[SchedulerMessage] = Receiver(config.scheduler_endpoint, SchedulerMessage)
@@ -128,7 +138,8 @@ def run_scheduler(config: ServerConfig) -> None:
     reporter.progress("waiting for the worker's KV pool")
     early: list[SchedulerMessage] = []
     ready = _wait_for_worker(inbox, early)
-    loop = SchedulerLoop(Scheduler(limits_from(config, ready)), inbox, worker, detokenizer,
+    scheduler = Scheduler(limits_from(config, ready), functools.partial(_load_tokenizer, config))
+    loop = SchedulerLoop(scheduler, inbox, worker, detokenizer,
                          max_in_flight=1 if config.disable_overlap else 2)
     outputs: list[TokenOutput] = []
     for message in early:

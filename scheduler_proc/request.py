@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from detokenizer_proc.state import DetokenizerState, TokenizerLike
+from detokenizer_proc.stops import StopStringMatcher
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import TokenizedRequest
 from scheduler_proc.radix_cache import Node
@@ -20,6 +22,28 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+
+
+@dataclass
+class StopWatch:
+    """A request's generated text, decoded as it grows, against its stop strings.
+
+    The decode is the detokenizer's own incremental one (a bounded window of ids per
+    step), so the scheduler stops at exactly the step whose text the detokenizer cuts.
+    """
+
+    decoder: DetokenizerState
+    matcher: StopStringMatcher
+
+    @classmethod
+    def start(cls, tokenizer: TokenizerLike, req: "Req") -> "StopWatch":
+        decoder = DetokenizerState.start(tokenizer, req.input_ids[-PROMPT_TAIL:],
+                                         req.skip_special_tokens)
+        return cls(decoder, StopStringMatcher(req.stop))
+
+    def feed(self, token: int) -> str | None:
+        """The stop string the text now contains, if any."""
+        return self.matcher.feed(self.decoder.step([token]))
 
 
 @dataclass(eq=False)
@@ -46,12 +70,17 @@ class Req:
     on_worker: bool = False
     announced: bool = False  # the detokenizer has seen this request's first output
     finish_reason: FinishReason | None = None
+    stop: list[str] = field(default_factory=list)  # stop strings
+    include_stop_str: bool = False
+    stop_watch: StopWatch | None = None  # set at arrival when there are stop strings
+    stop_str: str | None = None  # the stop string that ended the request
 
     @classmethod
     def from_message(cls, msg: TokenizedRequest) -> "Req":
         return cls(rid=msg.rid, input_ids=list(msg.input_ids), sampling=msg.sampling,
                    stop_token_ids=frozenset(msg.stop_token_ids),
-                   skip_special_tokens=msg.skip_special_tokens)
+                   skip_special_tokens=msg.skip_special_tokens, stop=list(msg.stop),
+                   include_stop_str=msg.include_stop_str_in_output)
 
     @property
     def prompt_len(self) -> int:

@@ -10,16 +10,19 @@ from __future__ import annotations
 import logging
 import math
 from dataclasses import dataclass
+from typing import Callable
 
+import msgspec
 import numpy as np
 
-from ipc.messages.common import SchedulerStats, Usage
+from ipc.messages.common import SchedulerStats, TokenLogprob, Usage
 from ipc.messages.to_detokenizer import TokenOutput
 from ipc.messages.to_scheduler import StepResult, TokenizedRequest
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from scheduler_proc.allocator import ReqToTokenTable, SlotAllocator
 from scheduler_proc.radix_cache import DisabledCache, RadixCache, common_prefix_len
-from scheduler_proc.request import PROMPT_TAIL, FinishReason, Req, WaitingQueue
+from detokenizer_proc.state import TokenizerLike
+from scheduler_proc.request import PROMPT_TAIL, FinishReason, Req, StopWatch, WaitingQueue
 
 logger = logging.getLogger(__name__)
 
@@ -111,8 +114,12 @@ class Counters:
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits) -> None:
+    def __init__(self, limits: SchedulerLimits,
+                 load_tokenizer: Callable[[], TokenizerLike] | None = None) -> None:
         self.limits = limits
+        # Stop strings need the text: the tokenizer is loaded for the first such request.
+        self._load_tokenizer = load_tokenizer
+        self._tokenizer: TokenizerLike | None = None
         self.allocator = SlotAllocator(limits.capacity)
         self.table = ReqToTokenTable(limits.max_running, limits.max_context)
         self.cache: RadixCache = RadixCache() if limits.radix_cache else DisabledCache()
@@ -137,7 +144,7 @@ class Scheduler:
         req = Req.from_message(msg)
         if req.rid in self.running or req.rid in self.waiting:
             return [_error(req.rid, f"duplicate request id {req.rid}")]
-        problem = self._never_fits(req)
+        problem = self._never_fits(req) or self._watch_stops(req)
         if problem:
             return [_error(req.rid, problem)]
         self.counters.prompt_tokens += req.prompt_len
@@ -156,6 +163,17 @@ class Scheduler:
         if need > self.limits.capacity:
             return (f"the request needs {need} KV slots but the server has only "
                     f"{self.limits.capacity}; lower max_tokens or raise --max-total-tokens")
+        return None
+
+    def _watch_stops(self, req: Req) -> str | None:
+        """Give a request with stop strings its StopWatch; a problem message if it can't."""
+        if not req.stop:
+            return None
+        if self._tokenizer is None:
+            if self._load_tokenizer is None:
+                return "stop strings are not available: the scheduler has no tokenizer"
+            self._tokenizer = self._load_tokenizer()
+        req.stop_watch = StopWatch.start(self._tokenizer, req)
         return None
 
     def abort(self, rid: str) -> list[TokenOutput]:
@@ -354,12 +372,13 @@ class Scheduler:
     def apply_result(self, result: StepResult) -> list[TokenOutput]:
         outputs = []
         sampled_for = self._sampled_for.pop(result.step, {})
-        for rid, token in zip(result.rids, result.token_ids):
+        logprobs = result.token_logprobs()
+        for row, (rid, token) in enumerate(zip(result.rids, result.token_ids)):
             req = self.running.get(rid)
             # Dropped: the request finished, was aborted, or was preempted (and maybe
             # re-admitted) after this step was planned; its token is stale.
             if req is not None and sampled_for.get(rid) == req.admissions:
-                outputs.append(self._append_token(req, token))
+                outputs.append(_with_logprob(self._append_token(req, token), logprobs.get(row)))
         return outputs
 
     def _new_request(self, req: Req, start: int) -> NewRequest:
@@ -380,7 +399,10 @@ class Scheduler:
             return self._output(req, [], stop_token=True)
         req.output_ids.append(token)
         n_out = len(req.output_ids)
-        if n_out >= req.sampling.max_new_tokens or req.prompt_len + n_out >= self.limits.max_context:
+        req.stop_str = req.stop_watch.feed(token) if req.stop_watch else None
+        if req.stop_str is not None:
+            self._finish(req, FinishReason.STOP)
+        elif n_out >= req.sampling.max_new_tokens or req.prompt_len + n_out >= self.limits.max_context:
             self._finish(req, FinishReason.LENGTH)
         return self._output(req, [token])
 
@@ -396,7 +418,9 @@ class Scheduler:
             rid=req.rid, token_ids=token_ids, finished=req.finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None, usage=usage,
             prompt_tail=req.input_ids[-PROMPT_TAIL:] if first else None,
-            skip_special_tokens=req.skip_special_tokens)
+            skip_special_tokens=req.skip_special_tokens,
+            stop=req.stop if first and req.stop else None,
+            include_stop_str=req.include_stop_str, stop_str=req.stop_str)
 
     # -- introspection -----------------------------------------------------------------------
 
@@ -416,6 +440,13 @@ class Scheduler:
             aborted_requests_total=c.aborted, cached_slots=self.cache.total_size,
             evictable_slots=self.cache.evictable_size, preemptions_total=c.preemptions,
             cache_hit_tokens_total=c.cache_hit_tokens, slots_consistent=self.slots_consistent())
+
+
+def _with_logprob(output: TokenOutput, logprob: TokenLogprob | None) -> TokenOutput:
+    """The output with its token's logprob; a stop token has none (it is no output)."""
+    if logprob is None or len(output.token_ids) != 1:
+        return output
+    return msgspec.structs.replace(output, logprobs=[logprob])
 
 
 def _error(rid: str, message: str) -> TokenOutput:

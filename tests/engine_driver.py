@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
-from ipc.messages.common import SamplingParams
+from ipc.messages.common import SamplingParams, TokenLogprob
 from ipc.messages.to_detokenizer import BatchTokens, TokenOutput
 from ipc.messages.to_scheduler import AbortRequest, TokenizedRequest
 from scheduler_proc import SchedulerLoop
@@ -45,19 +45,21 @@ class Finished:
     token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
 
 
 class InProcessEngine:
     def __init__(self, model: Any, capacity: int = 8192, max_running: int = 16,
                  chunk_size: int = 256, max_prefill_tokens: int = 1024, max_context: int = 4096,
                  radix_cache: bool = True, schedule_policy: str = "fcfs",
-                 overlap: bool | str = True) -> None:
+                 overlap: bool | str = True, tokenizer: Any = None) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
-        as on CUDA) or False."""
+        as on CUDA) or False. tokenizer: what the scheduler decodes stop strings with."""
         self.pool = KVPool(probe_attention_specs(model), capacity)
         self.runner = ModelRunner(model, self.pool, max_running, max_context)
         self.scheduler = Scheduler(SchedulerLimits(capacity, max_context, max_running, chunk_size,
-                                                   max_prefill_tokens, radix_cache, schedule_policy))
+                                                   max_prefill_tokens, radix_cache, schedule_policy),
+                                   (lambda: tokenizer) if tokenizer is not None else None)
         self.to_scheduler, self.to_worker, self.to_detokenizer = Pipe(), Pipe(), Pipe()
         self.loop = SchedulerLoop(self.scheduler, self.to_scheduler, self.to_worker,
                                   self.to_detokenizer, max_in_flight=2 if overlap else 1)
@@ -113,5 +115,6 @@ class InProcessEngine:
             for out in batch.outputs:
                 r = self.results[out.rid]
                 r.token_ids += out.token_ids
+                r.logprobs += out.logprobs or []
                 if out.finished:
                     r.finish_reason, r.error = out.finish_reason, out.error

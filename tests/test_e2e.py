@@ -161,7 +161,7 @@ def test_abort_mid_stream_frees_kv_slots(server):
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 0}),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": "five"}),
     ("/v1/completions", {"model": MODEL, "prompt": "hi", "max_tokens": 100000}),
-    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}),
+    ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}),
     ("/v1/chat/completions", {"model": MODEL, "messages": []}),
     ("/v1/chat/completions", {"model": MODEL, "messages": "hello"}),
 ])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 import logging
 import time
@@ -24,15 +25,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import Receive, Scope, Send
 
 from ipc.config import ServerConfig
+from ipc.messages.common import Usage
 from ipc.messages.to_scheduler import TokenizedRequest
 from ipc.messages.to_tokenizer import TextOutput
 from tokenizer_proc.errors import RequestError, error_body, from_validation_errors
 from tokenizer_proc.manager import RequestStream, StatsUnavailable, TokenizerManager, new_id
-from tokenizer_proc.prepare import RequestPreparer
+from tokenizer_proc.prepare import RequestPreparer, choice_count, fan_out
 from tokenizer_proc.protocol import (AbortBody, ChatCompletionRequest, CompletionRequest,
                                      GenerateBody)
 from tokenizer_proc.responses import (DONE, ChatFormat, CompletionFormat, NativeFormat,
-                                      ResponseFormat, sse)
+                                      ResponseFormat, merged_response, sse, total_usage,
+                                      with_index)
 from tokenizer_proc.security import ApiKey, HttpGuard
 
 logger = logging.getLogger(__name__)
@@ -90,15 +93,23 @@ class ApiRoutes:
     async def completions(self, request: Request) -> Response:
         body = _parse(CompletionRequest, await _read_json(request))
         rid = new_id("cmpl")
-        fmt = CompletionFormat(rid, self._preparer.info.name, _include_usage(body))
-        return await self._generate(request, self._preparer.completion(body, rid), fmt,
-                                    body.stream)
+        tokenized = self._preparer.completion(body, rid)
+        echo = self._preparer.echo_text(body, tokenized.input_ids) if body.echo else ""
+        fmt = CompletionFormat(rid, self._preparer.info.name, _include_usage(body), echo=echo)
+        n = choice_count(body.n, body.best_of)
+        if n > 1:
+            return await self._generate_n(request, fan_out(tokenized, n), fmt, body.stream)
+        return await self._generate(request, tokenized, fmt, body.stream)
 
     async def chat_completions(self, request: Request) -> Response:
         body = _parse(ChatCompletionRequest, await _read_json(request))
         rid = new_id("chatcmpl")
         fmt = ChatFormat(rid, self._preparer.info.name, _include_usage(body))
-        return await self._generate(request, self._preparer.chat(body, rid), fmt, body.stream)
+        tokenized = self._preparer.chat(body, rid)
+        n = choice_count(body.n)
+        if n > 1:
+            return await self._generate_n(request, fan_out(tokenized, n), fmt, body.stream)
+        return await self._generate(request, tokenized, fmt, body.stream)
 
     async def models(self) -> dict[str, Any]:
         info = self._preparer.info
@@ -158,18 +169,45 @@ class ApiRoutes:
         return JSONResponse(fmt.response(result))
 
 
-class _EventStream(StreamingResponse):
-    """SSE response that aborts its request however the response ends (disconnect too)."""
+    async def _generate_n(self, request: Request, tokenized: list[TokenizedRequest],
+                          fmt: ResponseFormat, streaming: bool) -> Response:
+        """n choices of one prompt: one engine request each, one response for all."""
+        streams: list[RequestStream] = []
+        try:
+            for one in tokenized:
+                streams.append(await self._manager.submit(one))
+            firsts = [await _until_disconnect(request, s.next()) for s in streams]
+            for first in firsts:
+                _raise_engine_error(first.error)
+            # One formatter per choice: a formatter may keep per-choice state.
+            fmts = [dataclasses.replace(fmt) for _ in streams]
+            if streaming:
+                return _EventStream(_choice_events(streams, firsts, fmts), *streams)
+            results = [await _until_disconnect(request, s.collect(first))
+                       for s, first in zip(streams, firsts)]
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        for result in results:
+            _raise_engine_error(result.error)
+        bodies = [f.response(r) for f, r in zip(fmts, results)]
+        return JSONResponse(merged_response(bodies, total_usage([r.usage for r in results])))
 
-    def __init__(self, events: AsyncIterator[str], stream: RequestStream) -> None:
+
+class _EventStream(StreamingResponse):
+    """SSE response that aborts its requests however the response ends (disconnect too)."""
+
+    def __init__(self, events: AsyncIterator[str], *streams: RequestStream) -> None:
         super().__init__(events, media_type="text/event-stream", headers=_SSE_HEADERS)
-        self._stream = stream
+        self._streams = streams
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            self._stream.close()
+            for stream in self._streams:
+                stream.close()
 
 
 def _event_source(stream: RequestStream, first: TextOutput,
@@ -204,8 +242,9 @@ async def _events(stream: RequestStream, first: TextOutput,
             # Headers are gone; OpenAI clients raise on a chunk carrying "error".
             yield sse(error_body(output.error))
             break
-        if output.text:
-            yield sse(fmt.text_chunk(output.text))
+        # Tokens still held back as text (part of a character) still bring their logprobs.
+        if output.text or output.logprobs:
+            yield sse(fmt.text_chunk(output.text, output.logprobs))
         if output.finished:
             yield sse(fmt.finish_chunk(output.finish_reason))
             if fmt.include_usage:
@@ -213,6 +252,49 @@ async def _events(stream: RequestStream, first: TextOutput,
             break
         output = await stream.next()
     yield DONE
+
+
+async def _choice_events(streams: list[RequestStream], firsts: list[TextOutput],
+                         fmts: list[ResponseFormat]) -> AsyncIterator[str]:
+    """The events of n choices, interleaved as their outputs come; each names its choice."""
+    for i, fmt in enumerate(fmts):
+        for chunk in fmt.opening():
+            yield sse(with_index(chunk, i))
+    usages: dict[int, Usage] = {}
+    async with contextlib.aclosing(_merged(streams, firsts)) as outputs:
+        async for i, output in outputs:
+            if output.error is not None:
+                yield sse(error_body(output.error))
+                break
+            if output.text or output.logprobs:
+                yield sse(with_index(fmts[i].text_chunk(output.text, output.logprobs), i))
+            if output.finished:
+                yield sse(with_index(fmts[i].finish_chunk(output.finish_reason), i))
+                usages[i] = streams[i].usage(output)
+        else:
+            if fmts[0].include_usage:
+                usage = total_usage([usages[i] for i in sorted(usages)])
+                yield sse(fmts[0].usage_chunk(usage))
+    yield DONE
+
+
+async def _merged(streams: list[RequestStream],
+                  firsts: list[TextOutput]) -> AsyncIterator[tuple[int, TextOutput]]:
+    """(choice index, output) of every stream, each stream's in order, as they arrive."""
+    for i, first in enumerate(firsts):
+        yield i, first
+    waiting = {asyncio.ensure_future(s.next()): i for i, s in enumerate(streams) if not s.done}
+    try:
+        while waiting:
+            done, _ = await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            for task in sorted(done, key=waiting.__getitem__):
+                i = waiting.pop(task)
+                yield i, task.result()
+                if not streams[i].done:
+                    waiting[asyncio.ensure_future(streams[i].next())] = i
+    finally:
+        for task in waiting:
+            task.cancel()
 
 
 async def _until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -15,7 +15,8 @@ from typing import Protocol
 
 from ipc.messages.common import SchedulerStats, Usage
 from ipc.messages.to_scheduler import AbortRequest, FlushCache, GetStats, TokenizedRequest
-from ipc.messages.to_tokenizer import BatchText, StatsReply, TextOutput, TokenizerMessage
+from ipc.messages.to_tokenizer import (BatchText, StatsReply, TextLogprob, TextOutput,
+                                       TokenizerMessage)
 from tokenizer_proc.metrics import ABORT, RequestMetrics
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class Collected:
     finish_reason: str | None
     usage: Usage
     error: str | None = None
+    logprobs: list[TextLogprob] | None = None  # one per token id, when asked for
 
 
 class RequestStream:
@@ -97,7 +99,14 @@ class RequestStream:
         return Collected(text="".join(o.text for o in outputs),
                          token_ids=[t for o in outputs for t in o.token_ids],
                          finish_reason=last.finish_reason, usage=self.usage(last),
-                         error=last.error)
+                         error=last.error, logprobs=_joined_logprobs(outputs))
+
+
+def _joined_logprobs(outputs: list[TextOutput]) -> list[TextLogprob] | None:
+    """All outputs' logprobs in order; None when the request did not ask for them."""
+    if all(o.logprobs is None for o in outputs):
+        return None
+    return [lp for o in outputs for lp in o.logprobs or []]
 
 
 @dataclass

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
+import msgspec
 from pydantic import BaseModel
 
 from ipc.messages.client import GenerateRequest
@@ -25,10 +26,6 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 _MAX_SEED = 2**63  # seeds travel as int64 and feed the worker's RNG key
 
 _IsDefault = Callable[[Any], bool]
-
-
-def _unset(value: Any) -> bool:
-    return value is None
 
 
 def _empty(value: Any) -> bool:
@@ -49,14 +46,13 @@ def _text_format(value: Any) -> bool:
 
 
 # Parameters the engine does not implement yet, each with the test for its default.
-_COMMON_UNSUPPORTED: dict[str, _IsDefault] = {"n": _one, "stop": _empty}
+_COMMON_UNSUPPORTED: dict[str, _IsDefault] = {}
 COMPLETION_UNSUPPORTED: dict[str, _IsDefault] = {
-    **_COMMON_UNSUPPORTED, "best_of": _one, "echo": _empty, "suffix": _empty,
-    "logprobs": _unset,  # logprobs=0 still asks for the chosen tokens' logprobs
+    **_COMMON_UNSUPPORTED, "suffix": _empty,
 }
 CHAT_UNSUPPORTED: dict[str, _IsDefault] = {
-    **_COMMON_UNSUPPORTED, "logprobs": _empty, "top_logprobs": _empty,
-    "response_format": _text_format, "tools": _empty, "tool_choice": _auto_or_none,
+    **_COMMON_UNSUPPORTED, "response_format": _text_format, "tools": _empty,
+    "tool_choice": _auto_or_none,
     "functions": _empty, "function_call": _auto_or_none,
 }
 
@@ -64,10 +60,14 @@ CHAT_UNSUPPORTED: dict[str, _IsDefault] = {
 NATIVE_UNSUPPORTED: dict[str, _IsDefault] = {"return_logprob": _empty,
                                              "top_logprobs_num": _empty}
 NATIVE_SAMPLING_UNSUPPORTED: dict[str, _IsDefault] = {
-    "n": _one, "stop": _empty, "json_schema": _empty, "regex": _empty, "ebnf": _empty,
+    "n": _one, "json_schema": _empty, "regex": _empty, "ebnf": _empty,
 }
 _BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
+_MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's chat limit; its completions' is 5)
 _PENALTY_LIMIT = 2.0  # OpenAI's range for frequency and presence penalties
+MAX_STOPS = 16  # OpenAI takes 4
+MAX_STOP_CHARS = 256
+MAX_CHOICES = 16  # n and best_of
 
 
 def check_unsupported(body: BaseModel, table: dict[str, _IsDefault]) -> None:
@@ -98,6 +98,9 @@ class SamplingInput:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool | None = None
     min_tokens_param: str = "min_tokens"
+    stop: str | list[str] | None = None
+    include_stop_str: bool = False
+    logprobs: int = -1  # top-k logprobs per token, already checked; -1: off
 
 
 class RequestPreparer:
@@ -122,8 +125,19 @@ class RequestPreparer:
     def completion(self, body: CompletionRequest, rid: str) -> TokenizedRequest:
         self._check_common(body, COMPLETION_UNSUPPORTED)
         ids = self.prompt_ids(body.prompt)
-        return self._request(rid, ids, _sampling_input(body, body.max_tokens),
-                             self._completion_default(ids), "prompt", body.skip_special_tokens)
+        sampling = replace(_sampling_input(body, body.max_tokens),
+                           logprobs=_completion_logprobs(body))
+        return self._request(rid, ids, sampling, self._completion_default(ids), "prompt",
+                             body.skip_special_tokens)
+
+    def echo_text(self, body: CompletionRequest, ids: list[int]) -> str:
+        """What `echo` puts before the completion: the prompt as sent (decoded if ids)."""
+        prompt = body.prompt
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return prompt
+        return self._tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)
 
     def chat(self, body: ChatCompletionRequest, rid: str) -> TokenizedRequest:
         self._check_common(body, CHAT_UNSUPPORTED)
@@ -133,6 +147,7 @@ class RequestPreparer:
             sampling = _sampling_input(body, body.max_completion_tokens, "max_completion_tokens")
         else:
             sampling = _sampling_input(body, body.max_tokens)
+        sampling = replace(sampling, logprobs=_chat_logprobs(body))
         default = self.info.context_len - len(ids)
         return self._request(rid, ids, sampling, default, "messages", body.skip_special_tokens)
 
@@ -144,7 +159,8 @@ class RequestPreparer:
             m.max_tokens, m.temperature, m.top_p, m.top_k, m.seed, min_p=m.min_p,
             logit_bias=m.logit_bias, repetition_penalty=m.repetition_penalty,
             frequency_penalty=m.frequency_penalty, presence_penalty=m.presence_penalty,
-            min_tokens=m.min_tokens, stop_token_ids=m.stop_token_ids, ignore_eos=m.ignore_eos)
+            min_tokens=m.min_tokens, stop_token_ids=m.stop_token_ids, ignore_eos=m.ignore_eos,
+            stop=m.stop, include_stop_str=m.include_stop_str_in_output)
         return self._request(rid, ids, sampling, self._completion_default(ids), param,
                              message.skip_special_tokens)
 
@@ -161,7 +177,8 @@ class RequestPreparer:
                 repetition_penalty=sp.repetition_penalty,
                 frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
                 min_tokens=sp.min_new_tokens, stop_token_ids=sp.stop_token_ids,
-                ignore_eos=sp.ignore_eos, min_tokens_param="min_new_tokens")
+                ignore_eos=sp.ignore_eos, min_tokens_param="min_new_tokens", stop=sp.stop,
+                include_stop_str=sp.no_stop_trim)
             return self._request(rid, ids, sampling, self._completion_default(ids), param,
                                  sp.skip_special_tokens)
 
@@ -250,7 +267,9 @@ class RequestPreparer:
         params = self.sampling_params(sampling, len(ids), default_max, prompt_param)
         return TokenizedRequest(rid=rid, input_ids=ids, sampling=params,
                                 stop_token_ids=self.stop_ids(sampling),
-                                skip_special_tokens=skip_special_tokens)
+                                skip_special_tokens=skip_special_tokens,
+                                stop=_stop_strings(sampling.stop),
+                                include_stop_str_in_output=sampling.include_stop_str)
 
     def stop_ids(self, s: SamplingInput) -> list[int]:
         """The ids that end the request: EOS (unless ignore_eos), then the client's own."""
@@ -275,7 +294,8 @@ class RequestPreparer:
             repetition_penalty=_repetition_penalty(s.repetition_penalty),
             frequency_penalty=_penalty(s.frequency_penalty, "frequency_penalty"),
             presence_penalty=_penalty(s.presence_penalty, "presence_penalty"),
-            min_tokens=_min_tokens(s.min_tokens, max_tokens, s.min_tokens_param))
+            min_tokens=_min_tokens(s.min_tokens, max_tokens, s.min_tokens_param),
+            logprobs=s.logprobs)
 
     def logit_bias(self, bias: dict[str, float] | dict[int, float] | None) -> dict[int, float]:
         """OpenAI's map of token id (a string in JSON) to a bias in [-100, 100]."""
@@ -330,7 +350,78 @@ def _sampling_input(body: CompletionRequest | ChatCompletionRequest, max_tokens:
         min_p=body.min_p, logit_bias=body.logit_bias,
         repetition_penalty=body.repetition_penalty, frequency_penalty=body.frequency_penalty,
         presence_penalty=body.presence_penalty, min_tokens=body.min_tokens,
-        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos)
+        stop_token_ids=body.stop_token_ids, ignore_eos=body.ignore_eos, stop=body.stop,
+        include_stop_str=body.include_stop_str_in_output)
+
+
+def _completion_logprobs(body: CompletionRequest) -> int:
+    """Legacy completions: `logprobs` is the top-k count (0 still reports the sampled
+    token's). Prompt logprobs (echo with logprobs) are not computed yet."""
+    if body.logprobs is None:
+        return -1
+    if not 0 <= body.logprobs <= _MAX_LOGPROBS:
+        raise RequestError(f"'logprobs' must be in [0, {_MAX_LOGPROBS}].", param="logprobs")
+    if body.echo:
+        raise RequestError("'echo' together with 'logprobs' (prompt logprobs) is not "
+                           "supported by this server yet; use one or the other.",
+                           param="echo", code="unsupported_parameter")
+    return body.logprobs
+
+
+def _chat_logprobs(body: ChatCompletionRequest) -> int:
+    """Chat: `logprobs` switches them on, `top_logprobs` (0..20) asks for the top-k."""
+    k = body.top_logprobs
+    if k is not None and not body.logprobs:
+        raise RequestError("'top_logprobs' requires 'logprobs' to be true.",
+                           param="top_logprobs")
+    if k is not None and not 0 <= k <= _MAX_LOGPROBS:
+        raise RequestError(f"'top_logprobs' must be in [0, {_MAX_LOGPROBS}].",
+                           param="top_logprobs")
+    return (k or 0) if body.logprobs else -1
+
+
+def choice_count(n: int | None, best_of: int | None = None) -> int:
+    """The number of choices (engine requests) an OpenAI request asks for: `n`, 1 to 16.
+
+    `best_of` (completions) may only equal n: picking the best of more choices needs each
+    one's cumulative logprob, which this server does not rank by yet.
+    """
+    count = 1 if n is None else n
+    if not 1 <= count <= MAX_CHOICES:
+        raise RequestError(f"'n' must be in [1, {MAX_CHOICES}].", param="n")
+    if best_of is not None and best_of < count:
+        raise RequestError("'best_of' must be at least 'n'.", param="best_of")
+    if best_of is not None and best_of > count:
+        raise RequestError("'best_of' greater than 'n' is not supported by this server yet; "
+                           "leave it out or set it to 'n'.", param="best_of",
+                           code="unsupported_parameter")
+    return count
+
+
+def fan_out(request: TokenizedRequest, n: int) -> list[TokenizedRequest]:
+    """The engine requests of n choices of one prompt, ids `<rid>-<i>` (the radix cache
+    computes the prompt once). A seeded request's choice i samples with seed + i; an
+    unseeded one's choices each get their own random seed from the worker."""
+    if n == 1:
+        return [request]
+    seed = request.sampling.seed
+    return [msgspec.structs.replace(
+        request, rid=f"{request.rid}-{i}",
+        sampling=msgspec.structs.replace(
+            request.sampling, seed=None if seed is None else (seed + i) % _MAX_SEED))
+        for i in range(n)]
+
+
+def _stop_strings(value: str | list[str] | None) -> list[str]:
+    """OpenAI's `stop`: one string or a list of them; duplicates dropped."""
+    stops = [value] if isinstance(value, str) else list(value or [])
+    if len(stops) > MAX_STOPS:
+        raise RequestError(f"'stop' takes at most {MAX_STOPS} strings; got {len(stops)}.",
+                           param="stop")
+    if any(not 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+        raise RequestError(f"Each 'stop' string must be 1 to {MAX_STOP_CHARS} characters.",
+                           param="stop")
+    return list(dict.fromkeys(stops))
 
 
 def _message_dict(message: ChatMessage) -> dict[str, str]:

@@ -49,16 +49,17 @@ class _SamplingFields(_Strict):
     min_p: float | None = None
     min_tokens: int | None = None
     ignore_eos: bool | None = None
-    # Not implemented yet: only their defaults are accepted (see prepare.py).
     n: int | None = None
     stop: str | list[str] | None = None
+    include_stop_str_in_output: bool = False  # vLLM's name
 
 
 class CompletionRequest(_SamplingFields):
     prompt: Any = None  # str | list[int] | one-element list of either; checked in prepare.py
+    echo: bool | None = None  # the prompt's text before the completion's
+    logprobs: int | None = None  # top-k per token, 0..20; 0: the sampled token's only
+    # Not implemented yet: only their defaults are accepted (see prepare.py).
     best_of: int | None = None
-    echo: bool | None = None
-    logprobs: int | None = None
     suffix: str | None = None
 
 
@@ -95,9 +96,9 @@ class ChatCompletionRequest(_SamplingFields):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     parallel_tool_calls: bool | None = None
-    # Not implemented yet: only their defaults are accepted (see prepare.py).
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = None  # 0..20, only with logprobs
+    # Not implemented yet: only their defaults are accepted (see prepare.py).
     response_format: ResponseFormat | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
@@ -125,9 +126,10 @@ class NativeSamplingParams(_Strict):
     logit_bias: dict[str, float] | None = None
     min_p: float | None = None
     ignore_eos: bool | None = None
+    stop: str | list[str] | None = None
+    no_stop_trim: bool = False  # SGLang's name: keep the matched stop string in the text
     # Not implemented yet: only their defaults are accepted (see prepare.py).
     n: int | None = None
-    stop: str | list[str] | None = None
     json_schema: str | None = None
     regex: str | None = None
     ebnf: str | None = None

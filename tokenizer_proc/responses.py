@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ipc.messages.common import Usage
-from ipc.messages.to_tokenizer import TextOutput
+from ipc.messages.to_tokenizer import TextLogprob, TextOutput
 from tokenizer_proc.manager import Collected
 
 DONE = "data: [DONE]\n\n"
@@ -51,14 +51,20 @@ class _Format:
         return {**self._envelope(obj, []), "usage": usage_dict(usage)}
 
 
+@dataclass
 class CompletionFormat(_Format):
-    """Shapes of /v1/completions (object "text_completion")."""
+    """Shapes of /v1/completions (object "text_completion"); `echo` is the prompt text
+    that comes before the completion (empty: no echo)."""
+
+    echo: str = ""
+    _offset: int = 0  # text_offset of the next token with logprobs, after the echo
 
     def opening(self) -> list[dict[str, Any]]:
-        return []
+        return [self.text_chunk(self.echo)] if self.echo else []
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return self._envelope("text_completion", [_text_choice(text, None)])
+    def text_chunk(self, text: str, logprobs: list[TextLogprob] | None = None) -> dict[str, Any]:
+        choice = _text_choice(text, None, self._logprobs(logprobs))
+        return self._envelope("text_completion", [choice])
 
     def finish_chunk(self, reason: str | None) -> dict[str, Any]:
         return self._envelope("text_completion", [_text_choice("", reason)])
@@ -69,8 +75,24 @@ class CompletionFormat(_Format):
     def response(self, result: Collected) -> dict[str, Any]:
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
-                "choices": [_text_choice(result.text, result.finish_reason)],
+                "choices": [_text_choice(self.echo + result.text, result.finish_reason,
+                                         self._logprobs(result.logprobs))],
                 "usage": usage_dict(result.usage)}
+
+    def _logprobs(self, logprobs: list[TextLogprob] | None) -> dict[str, Any] | None:
+        """The legacy shape: parallel lists; each top_logprobs dict also holds the
+        sampled token, as OpenAI's does."""
+        if logprobs is None:
+            return None
+        offsets = []
+        for lp in logprobs:
+            offsets.append(len(self.echo) + self._offset)
+            self._offset += len(lp.token)
+        return {"tokens": [lp.token for lp in logprobs],
+                "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
+                "top_logprobs": [{**{t: _finite(v) for t, v in zip(lp.top_tokens, lp.top_logprobs)},
+                                  lp.token: _finite(lp.logprob)} for lp in logprobs],
+                "text_offset": offsets}
 
 
 class ChatFormat(_Format):
@@ -80,8 +102,8 @@ class ChatFormat(_Format):
         # OpenAI's first chunk announces the role with empty content.
         return [self._chunk({"role": "assistant", "content": ""}, None)]
 
-    def text_chunk(self, text: str) -> dict[str, Any]:
-        return self._chunk({"content": text}, None)
+    def text_chunk(self, text: str, logprobs: list[TextLogprob] | None = None) -> dict[str, Any]:
+        return self._chunk({"content": text}, None, _chat_logprobs(logprobs))
 
     def finish_chunk(self, reason: str | None) -> dict[str, Any]:
         return self._chunk({}, reason)
@@ -91,21 +113,43 @@ class ChatFormat(_Format):
 
     def response(self, result: Collected) -> dict[str, Any]:
         message = {"role": "assistant", "content": result.text, "refusal": None}
-        choice = {"index": 0, "message": message, "logprobs": None,
+        choice = {"index": 0, "message": message, "logprobs": _chat_logprobs(result.logprobs),
                   "finish_reason": result.finish_reason}
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "choices": [choice], "usage": usage_dict(result.usage)}
 
-    def _chunk(self, delta: dict[str, Any], reason: str | None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+    def _chunk(self, delta: dict[str, Any], reason: str | None,
+               logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
         return self._envelope("chat.completion.chunk", [choice])
 
 
 ResponseFormat = CompletionFormat | ChatFormat
 
 
-def _text_choice(text: str, reason: str | None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+def _text_choice(text: str, reason: str | None,
+                 logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
+    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+
+
+def _chat_logprobs(logprobs: list[TextLogprob] | None) -> dict[str, Any] | None:
+    """The chat shape: one entry per token, with its UTF-8 bytes and its top-k."""
+    if logprobs is None:
+        return None
+    return {"content": [{**_chat_entry(lp.token, lp.logprob),
+                         "top_logprobs": [_chat_entry(t, v) for t, v
+                                          in zip(lp.top_tokens, lp.top_logprobs)]}
+                        for lp in logprobs],
+            "refusal": None}
+
+
+def _chat_entry(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": _finite(logprob), "bytes": list(token.encode("utf-8"))}
+
+
+def _finite(logprob: float) -> float:
+    # JSON has no -Infinity; a token the model rules out gets vLLM's stand-in.
+    return max(logprob, -9999.0)
 
 
 @dataclass
@@ -127,3 +171,24 @@ class NativeFormat:
                 "prompt_tokens": usage.prompt_tokens,
                 "completion_tokens": usage.completion_tokens}
         return {"text": text, "output_ids": token_ids, "meta_info": meta}
+
+
+# --- n > 1: each choice is shaped as a one-choice body, then given its index -----------
+
+
+def with_index(body: dict[str, Any], index: int) -> dict[str, Any]:
+    """A one-choice body (response or chunk) relabelled as choice `index`."""
+    return {**body, "choices": [{**c, "index": index} for c in body["choices"]]}
+
+
+def merged_response(bodies: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
+    """n one-choice responses of one prompt as one response with n choices."""
+    choices = [with_index(b, i)["choices"][0] for i, b in enumerate(bodies)]
+    return {**bodies[0], "choices": choices, "usage": usage_dict(usage)}
+
+
+def total_usage(usages: list[Usage]) -> Usage:
+    """The usage of n choices of one prompt: the prompt counts once, completions add up."""
+    return Usage(prompt_tokens=usages[0].prompt_tokens,
+                 completion_tokens=sum(u.completion_tokens for u in usages),
+                 cached_tokens=usages[0].cached_tokens)

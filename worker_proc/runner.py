@@ -11,9 +11,10 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import mlx.core as mx
+import msgspec
 import numpy as np
 
 from ipc.messages.common import SamplingParams
@@ -21,7 +22,7 @@ from ipc.messages.to_scheduler import StepResult
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from worker_proc.attention import ForwardLayout, build_layer_caches, install_attention_hook
 from worker_proc.kv_pool import KVPool
-from worker_proc.sampling import Penalties, SamplingBatch, sample
+from worker_proc.sampling import Penalties, SamplingBatch, StepLogprobs, sample, step_logprobs
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,12 @@ class RequestState:
     token_counts: TokenCounts | None = None  # only for requests with penalties
 
 
+class _Sampled(NamedTuple):
+    tokens: mx.array | None
+    counts: list[mx.array]  # penalised requests' new token counts
+    logprobs: StepLogprobs | None
+
+
 @dataclass(frozen=True)
 class PendingStep:
     """A built step: its lazy graph, then (once started) its tokens computing.
@@ -71,6 +78,7 @@ class PendingStep:
     rids: list[str]
     tokens: mx.array | None
     final: list[mx.array]
+    logprobs: StepLogprobs | None = None  # only when some row asked
 
 
 class ModelRunner:
@@ -127,13 +135,15 @@ class ModelRunner:
         if batch.decode_rids:
             logits.append(self._decode(batch.decode_rids, batch.decode_slots))
             sampled.extend(self.requests[rid] for rid in batch.decode_rids)
-        tokens, counts = self._sample(logits, sampled) if sampled else (None, [])
+        out = self._sample(logits, sampled) if sampled else _Sampled(None, [], None)
+        tokens, logprobs = out.tokens, out.logprobs
         # The pool arrays (and new token counts) are computed with the tokens: a step that
         # samples nothing (a middle prefill chunk) must still land its K/V, and the graph
         # must not grow.
-        final = [*([tokens] if tokens is not None else []), *counts, *self.pool.keys,
+        final = [*([tokens] if tokens is not None else []), *out.counts,
+                 *(logprobs.arrays if logprobs is not None else []), *self.pool.keys,
                  *self.pool.values]
-        return PendingStep(batch.step, [s.rid for s in sampled], tokens, final)
+        return PendingStep(batch.step, [s.rid for s in sampled], tokens, final, logprobs)
 
     def start(self, pending: PendingStep) -> None:
         """Put a built step on the device; returns before it finishes.
@@ -155,7 +165,16 @@ class ModelRunner:
         mx.eval(*pending.final)
         if pending.tokens is None:
             return StepResult(step=pending.step, rids=[], token_ids=[])
-        return StepResult(step=pending.step, rids=pending.rids, token_ids=pending.tokens.tolist())
+        result = StepResult(step=pending.step, rids=pending.rids,
+                            token_ids=pending.tokens.tolist())
+        lp = pending.logprobs
+        if lp is None:
+            return result
+        top_ids, top_logprobs = lp.top_ids.tolist(), lp.top_logprobs.tolist()
+        return msgspec.structs.replace(
+            result, logprob_rows=lp.rows, logprobs=lp.chosen.tolist(), top_counts=lp.counts,
+            top_ids=[t for row, k in zip(top_ids, lp.counts) for t in row[:k]],
+            top_logprobs=[v for row, k in zip(top_logprobs, lp.counts) for v in row[:k]])
 
     def run(self, batch: ForwardBatch) -> StepResult:
         return self.finish(self.launch(batch))
@@ -191,19 +210,21 @@ class ModelRunner:
             s.length += 1
         return out[:, -1, :]
 
-    def _sample(self, logits: list[mx.array],
-                states: list[RequestState]) -> tuple[mx.array, list[mx.array]]:
-        """The step's tokens, and the penalised requests' new (lazy) token counts."""
+    def _sample(self, logits: list[mx.array], states: list[RequestState]) -> _Sampled:
+        """The step's tokens, the penalised requests' new (lazy) token counts, and the
+        logprobs of the rows that asked."""
         stacked = mx.concatenate(logits, axis=0)
         penalties = self._penalties(states, stacked.shape[-1])
         params = SamplingBatch.build([s.sampling for s in states], [s.seed for s in states],
                                      [s.num_sampled for s in states],
                                      [s.stop_ids for s in states], penalties)
         tokens = sample(stacked, params)
+        # From the raw logits: see StepLogprobs for which distribution.
+        logprobs = step_logprobs(stacked, tokens, [s.sampling for s in states])
         for i, s in enumerate(states):
             s.last_token = tokens[i:i + 1]
             s.num_sampled += 1
-        return tokens, self._count(states, penalties, tokens)
+        return _Sampled(tokens, self._count(states, penalties, tokens), logprobs)
 
     def _penalties(self, states: list[RequestState], vocab: int) -> Penalties | None:
         rows = [i for i, s in enumerate(states) if s.token_counts is not None]

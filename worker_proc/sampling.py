@@ -175,6 +175,52 @@ def _sample_filtered(scaled: mx.array, noise: mx.array, batch: SamplingBatch) ->
     return mx.take_along_axis(order, choice[:, None], axis=-1)[:, 0].astype(mx.int32)
 
 
+@dataclass(frozen=True)
+class StepLogprobs:
+    """Log-probabilities for the rows of a step whose request asked (lazy arrays).
+
+    Of the raw model distribution: log-softmax of the logits before any edit, penalty,
+    temperature or filter (vLLM's default "raw" mode), so a value does not depend on the
+    request's sampling settings. top_ids/top_logprobs hold `max(counts)` entries per row,
+    most likely first; row j keeps its first counts[j].
+    """
+
+    rows: list[int]  # indices into the step's rows
+    counts: list[int]  # top-k wanted per row
+    chosen: mx.array  # [R] float32: the sampled token's logprob
+    top_ids: mx.array  # [R, K] int32
+    top_logprobs: mx.array  # [R, K] float32
+
+    @property
+    def arrays(self) -> list[mx.array]:
+        return [self.chosen, self.top_ids, self.top_logprobs]
+
+
+def step_logprobs(logits: mx.array, tokens: mx.array,
+                  params: list[SamplingParams]) -> StepLogprobs | None:
+    """Logprobs of the sampled tokens and the top-k, only for rows with logprobs >= 0;
+    None (nothing in the graph) when no row asked."""
+    rows = [i for i, p in enumerate(params) if p.logprobs >= 0]
+    if not rows:
+        return None
+    counts = [params[i].logprobs for i in rows]
+    index = mx.array(rows, dtype=mx.int32)
+    picked = logits[index].astype(mx.float32)
+    logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, tokens[index][:, None], axis=-1)[:, 0]
+    k = max(counts)
+    if k == 0:
+        top_ids = mx.zeros((len(rows), 0), dtype=mx.int32)
+        return StepLogprobs(rows, counts, chosen, top_ids, top_ids.astype(mx.float32))
+    # argpartition finds the k largest unordered; a sort of those k orders them.
+    top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
+    top_values = mx.take_along_axis(logprobs, top, axis=-1)
+    order = mx.argsort(-top_values, axis=-1)
+    return StepLogprobs(rows, counts, chosen,
+                        mx.take_along_axis(top, order, axis=-1).astype(mx.int32),
+                        mx.take_along_axis(top_values, order, axis=-1))
+
+
 def gumbel_noise(seed: mx.array, step: mx.array, vocab: int) -> mx.array:
     """Gumbel(0, 1) noise [N, vocab], a pure function of (seed, step, token id)."""
     token = mx.arange(vocab, dtype=_U32)[None, :]

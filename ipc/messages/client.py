@@ -37,6 +37,8 @@ class GenerateRequest(Message, frozen=True):
     stream: bool = False
     skip_special_tokens: bool = True
     api_key: str | None = None  # checked when the server has --api-key
+    stop: list[str] | None = None
+    include_stop_str_in_output: bool = False
 
 
 class AbortGenerate(Message, frozen=True):

@@ -27,6 +27,9 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     frequency_penalty: float = 0.0  # over outputs (OpenAI definitions)
     presence_penalty: float = 0.0
     min_tokens: int = 0  # stop ids cannot be sampled before this many outputs exist
+    # Log-probabilities of each sampled token and of the `logprobs` most likely ones
+    # (0..20); -1: off. Of the raw model distribution (see TokenLogprob).
+    logprobs: int = -1
 
     @property
     def greedy(self) -> bool:
@@ -36,6 +39,16 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     def uses_penalties(self) -> bool:
         return (self.repetition_penalty != 1.0 or self.frequency_penalty != 0.0
                 or self.presence_penalty != 0.0)
+
+
+class TokenLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """Log-probabilities at one sampled position, of the raw model distribution: the
+    log-softmax of the model's logits before logit_bias, penalties, temperature and the
+    filters. `top_ids` are the k most likely tokens, most likely first."""
+
+    logprob: float  # of the sampled token
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
 
 
 class Usage(msgspec.Struct, frozen=True, kw_only=True):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from ipc.messages.common import Message, SchedulerStats, Usage
+from ipc.messages.common import Message, SchedulerStats, TokenLogprob, Usage
 
 
 class TokenOutput(msgspec.Struct, frozen=True, kw_only=True):
@@ -22,6 +22,13 @@ class TokenOutput(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     prompt_tail: list[int] | None = None
     skip_special_tokens: bool = True
+    # One per token id, for requests that asked for logprobs; None otherwise.
+    logprobs: list[TokenLogprob] | None = None
+    # The request's stop strings (first output only: the detokenizer holds back any tail
+    # that may start one) and, on the final output of a request they ended, the one matched.
+    stop: list[str] | None = None
+    include_stop_str: bool = False
+    stop_str: str | None = None
 
 
 class BatchTokens(Message, frozen=True):

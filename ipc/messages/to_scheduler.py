@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ipc.messages.common import Message, SamplingParams
+from ipc.messages.common import Message, SamplingParams, TokenLogprob
 
 
 class TokenizedRequest(Message, frozen=True):
@@ -11,6 +11,9 @@ class TokenizedRequest(Message, frozen=True):
     sampling: SamplingParams
     stop_token_ids: list[int]
     skip_special_tokens: bool = True
+    # Stop strings: the request ends with "stop" at the first step whose text contains one.
+    stop: list[str] = []
+    include_stop_str_in_output: bool = False
 
 
 class AbortRequest(Message, frozen=True):
@@ -40,6 +43,23 @@ class StepResult(Message, frozen=True):
     step: int
     rids: list[str]
     token_ids: list[int]
+    # Log-probabilities, only for the rows (indices into rids) whose request asked, flat:
+    # row logprob_rows[j] has top_counts[j] entries of top_ids / top_logprobs, in order.
+    logprob_rows: list[int] = []
+    logprobs: list[float] = []
+    top_counts: list[int] = []
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+    def token_logprobs(self) -> dict[int, TokenLogprob]:
+        """The flat lists regrouped: row index -> its TokenLogprob."""
+        out: dict[int, TokenLogprob] = {}
+        start = 0
+        for row, lp, k in zip(self.logprob_rows, self.logprobs, self.top_counts):
+            out[row] = TokenLogprob(logprob=lp, top_ids=self.top_ids[start:start + k],
+                                    top_logprobs=self.top_logprobs[start:start + k])
+            start += k
+        return out
 
 
 SchedulerMessage = (TokenizedRequest | AbortRequest | GetStats | FlushCache | WorkerReady

@@ -8,6 +8,16 @@ from ipc.messages.common import Message, Usage
 from ipc.messages.to_detokenizer import StatsReply
 
 
+class TextLogprob(msgspec.Struct, frozen=True, array_like=True):
+    """A TokenLogprob with each token's text: the decode of that one id, special tokens
+    kept (a token that is part of a UTF-8 character decodes to U+FFFD)."""
+
+    token: str
+    logprob: float
+    top_tokens: list[str] = []
+    top_logprobs: list[float] = []
+
+
 class TextOutput(msgspec.Struct, frozen=True, kw_only=True):
     """A text delta (never a broken UTF-8 character) and the token ids behind it."""
 
@@ -18,6 +28,8 @@ class TextOutput(msgspec.Struct, frozen=True, kw_only=True):
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    # One per token id, for requests that asked for logprobs; None otherwise.
+    logprobs: list[TextLogprob] | None = None
 
 
 class BatchText(Message, frozen=True):
