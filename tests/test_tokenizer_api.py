@@ -421,6 +421,10 @@ def test_models_health_and_server_info(api: Api, preparer: RequestPreparer) -> N
     assert info["model_name"] == MODEL and info["scheduler"]["capacity_slots"] == 1024
 
 
+def test_health_is_503_until_the_engine_answers(make_api: Callable[..., Api]) -> None:
+    assert make_api(stats=None).http.get("/health").status_code == 503
+
+
 def test_server_info_without_scheduler_answer_is_503(make_api: Callable[..., Api]) -> None:
     api = make_api(stats=None, stats_timeout=0.1)
     r = api.http.get("/get_server_info")

@@ -105,7 +105,10 @@ def test_serves_then_shuts_down_gracefully(config: ServerConfig,
     scheduler = FakeScheduler(config)
     pool = ThreadPoolExecutor(4)
     try:
-        assert httpx.get(f"{base}/health").status_code == 200
+        health = pool.submit(httpx.get, f"{base}/health", timeout=10)
+        query = scheduler.expect(GetStats)  # health asks the engine: answer as it would
+        scheduler.outbox.send(StatsReply(query_id=query.query_id, stats=FAKE_STATS))
+        assert health.result(10).status_code == 200
         _check_stats_round_trip(base, scheduler, pool)
 
         # Two HTTP streams and a ZMQ request in flight, each past its first output.

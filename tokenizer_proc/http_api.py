@@ -38,6 +38,10 @@ from tokenizer_proc.responses import (DONE, ChatFormat, CompletionFormat, Native
                                       with_index)
 from tokenizer_proc.security import ApiKey, HttpGuard
 
+# The scheduler answers between steps (milliseconds); only a starting or stuck engine
+# takes this long.
+HEALTH_TIMEOUT_S = 2.0
+
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
@@ -118,6 +122,14 @@ class ApiRoutes:
         return {"object": "list", "data": [card]}
 
     async def health(self) -> Response:
+        """200 once the engine behind this front answers (the worker has loaded and the
+        scheduler is stepping), 503 while it starts or when it stops answering: what a
+        load balancer or readiness probe needs, not just a live HTTP socket."""
+        try:
+            await self._manager.query_stats(timeout=HEALTH_TIMEOUT_S)
+        except StatsUnavailable:
+            return JSONResponse(error_body("the engine is not ready", "server_error"),
+                                status_code=503)
         return Response(status_code=200)
 
     async def server_info(self) -> dict[str, Any]:
