@@ -19,9 +19,9 @@ from ipc.messages.common import SchedulerStats, TokenLogprob, Usage
 from ipc.messages.to_detokenizer import TokenOutput
 from ipc.messages.to_scheduler import StepResult, TokenizedRequest
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
+from detokenizer_proc.state import TokenizerLike
 from scheduler_proc.allocator import ReqToTokenTable, SlotAllocator
 from scheduler_proc.radix_cache import DisabledCache, RadixCache, common_prefix_len
-from detokenizer_proc.state import TokenizerLike
 from scheduler_proc.request import PROMPT_TAIL, FinishReason, Req, StopWatch, WaitingQueue
 
 logger = logging.getLogger(__name__)
@@ -172,7 +172,11 @@ class Scheduler:
         if self._tokenizer is None:
             if self._load_tokenizer is None:
                 return "stop strings are not available: the scheduler has no tokenizer"
-            self._tokenizer = self._load_tokenizer()
+            try:  # once, on the first request with stop strings (a one-off pause)
+                self._tokenizer = self._load_tokenizer()
+            except Exception as exc:  # noqa: BLE001 - refuse the request, keep serving
+                logger.exception("could not load the tokenizer for stop strings")
+                return f"stop strings are not available: the tokenizer did not load ({exc})"
         req.stop_watch = StopWatch.start(self._tokenizer, req)
         return None
 
