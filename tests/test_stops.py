@@ -190,6 +190,31 @@ def test_n_choices_share_the_prompt(client, server):
     assert [c.text for c in again.choices] == [c.text for c in r.choices]  # seed + i
 
 
+def test_abort_request_with_the_response_id_stops_every_choice(server):
+    import json
+    import time
+
+    body = {"model": MODEL, "prompt": "go on and on", "max_tokens": 3000, "n": 2,
+            "temperature": 1.0, "stream": True}
+    finishes = {}
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        with http.stream("POST", "/v1/completions", json=body) as resp:
+            lines = resp.iter_lines()
+            first = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
+            aborted = http.post("/abort_request", json={"rid": first["id"]}).json()
+            assert aborted == {"aborted": True}
+            for line in lines:
+                if line.startswith("data: {"):
+                    for choice in json.loads(line[6:])["choices"]:
+                        if choice.get("finish_reason"):
+                            finishes[choice["index"]] = choice["finish_reason"]
+    assert finishes == {0: "abort", 1: "abort"}
+    deadline = time.monotonic() + 20
+    while server.stats()["running_requests"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+
+
 def test_n_choices_stream_with_their_index(client):
     chunks = list(client.chat.completions.create(
         model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=8, n=2,

@@ -102,7 +102,8 @@ class ApiRoutes:
         fmt = CompletionFormat(rid, self._preparer.info.name, _include_usage(body), echo=echo)
         n = choice_count(body.n, body.best_of)
         if n > 1:
-            return await self._generate_n(request, fan_out(tokenized, n), fmt, body.stream)
+            return await self._generate_n(request, tokenized.rid, fan_out(tokenized, n), fmt,
+                                          body.stream)
         return await self._generate(request, tokenized, fmt, body.stream)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -112,7 +113,8 @@ class ApiRoutes:
         tokenized = self._preparer.chat(body, rid)
         n = choice_count(body.n)
         if n > 1:
-            return await self._generate_n(request, fan_out(tokenized, n), fmt, body.stream)
+            return await self._generate_n(request, tokenized.rid, fan_out(tokenized, n), fmt,
+                                          body.stream)
         return await self._generate(request, tokenized, fmt, body.stream)
 
     async def models(self) -> dict[str, Any]:
@@ -181,10 +183,12 @@ class ApiRoutes:
         return JSONResponse(fmt.response(result))
 
 
-    async def _generate_n(self, request: Request, tokenized: list[TokenizedRequest],
+    async def _generate_n(self, request: Request, parent: str, tokenized: list[TokenizedRequest],
                           fmt: ResponseFormat, streaming: bool) -> Response:
         """n choices of one prompt: one engine request each, one response for all."""
         streams: list[RequestStream] = []
+        # /abort_request with the response's id must reach every choice.
+        self._manager.group(parent, [t.rid for t in tokenized])
         try:
             for one in tokenized:
                 streams.append(await self._manager.submit(one))

@@ -119,6 +119,7 @@ class TokenizerManager:
     _queues: dict[str, asyncio.Queue[TextOutput]] = field(default_factory=dict)
     _stats: dict[str, asyncio.Future[SchedulerStats]] = field(default_factory=dict)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
+    _groups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # n-choice id -> choices
 
     @property
     def in_flight(self) -> int:
@@ -169,6 +170,8 @@ class TokenizerManager:
 
         Returns False when the request had already ended.
         """
+        if rid in self._groups:
+            return any([self.abort(child) for child in self._groups.pop(rid)])
         queue = self._queues.pop(rid, None)
         if queue is None:
             return False
@@ -178,6 +181,14 @@ class TokenizerManager:
                                     finish_reason=ABORT))
         self._send_later(AbortRequest(rid=rid))
         return True
+
+    def group(self, parent: str, children: list[str]) -> None:
+        """Let abort(parent) stop the engine requests of an n-choice request."""
+        # Drop groups whose choices have all ended: the map stays as small as what runs.
+        for done in [p for p, kids in self._groups.items()
+                     if not any(k in self._queues for k in kids)]:
+            del self._groups[done]
+        self._groups[parent] = tuple(children)
 
     def abort_all(self) -> list[str]:
         """Abort everything in flight (shutdown); returns the aborted ids."""
