@@ -55,7 +55,8 @@ class ServerConfig:
         default=False, metadata={"help": "Run one step at a time instead of building step "
                                          "N+1 while step N computes (for A/B runs)."})
     log_level: str = dataclasses.field(
-        default="info", metadata={"help": "debug, info, warning or error."})
+        default="info", metadata={"choices": ("debug", "info", "warning", "error"),
+                                  "help": "Logging level of every process."})
     ready_timeout: float = dataclasses.field(
         default=900.0, metadata={"help": "Seconds each process may take to report ready "
                                          "(model download and load included)."})
