@@ -25,7 +25,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -40,6 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import serving  # noqa: E402
+from tests.server import free_port_pair  # noqa: E402
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "generation_config.json")
@@ -236,21 +236,6 @@ def check_model(model_dir: Path, max_tokens: int = 8) -> dict[str, Any]:
 
 
 # -- 2. the servers ------------------------------------------------------------------------
-
-def free_port_pair() -> int:
-    """A port p with p and p + 1 free on 127.0.0.1 (kiln takes p + 1 for ZMQ)."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        try:
-            with socket.socket() as s2:
-                s2.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no free pair of ports on 127.0.0.1")
-
 
 @dataclass
 class ServerRun:
