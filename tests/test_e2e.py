@@ -284,3 +284,30 @@ def test_flush_cache_through_the_zmq_client(server):
         assert client.server_stats().cached_slots > 0
         stats = client.server_stats(flush_cache=True)
         assert stats.cached_slots == 0 and stats.free_slots == stats.capacity_slots
+
+
+def test_memory_pressure_through_all_processes_stays_exact(tiny_model_dir, tiny_model, oracle,
+                                                          tmp_path):
+    """A pool far below the working set: requests are preempted and resumed across the real
+    step pipeline (sockets, overlap), and every output still equals mlx-lm's."""
+    from ipc.client import AsyncKilnClient
+
+    srv = Server(tiny_model_dir, "--max-total-tokens", "1200", "--max-running-requests", "24",
+                 "--chunked-prefill-size", "128", log_path=tmp_path / "log").wait_ready()
+    try:
+        rng = np.random.default_rng(31)
+        prompts = [rng.integers(5, tiny_model[0].args.vocab_size, size=200).tolist()
+                   for _ in range(24)]
+
+        async def all_of_them():
+            async with AsyncKilnClient(srv.zmq) as client:
+                return await asyncio.gather(*(
+                    client.generate(input_ids=p, max_tokens=60, temperature=0.0)
+                    for p in prompts))
+
+        for p, r in zip(prompts, asyncio.run(all_of_them())):
+            assert r.token_ids == oracle(p, 60)
+        stats = _wait_idle(srv)
+        assert stats["preemptions_total"] > 0
+    finally:
+        assert srv.stop() == 0, srv.log_tail()
