@@ -15,7 +15,8 @@ once over one DEALER socket; replies are routed to their waiter by request id.
 Sampling keywords (all optional): max_tokens (16), temperature (1.0; 0 = greedy),
 top_p (1.0), top_k (0 = off), seed (None), min_p (0), logit_bias ({token id: bias}),
 repetition_penalty (1), frequency_penalty (0), presence_penalty (0), min_tokens (0),
-stop_token_ids (None), ignore_eos (False), skip_special_tokens (True). Every call takes
+stop_token_ids (None), ignore_eos (False), skip_special_tokens (True), logprobs (None;
+k in 0..20 returns each token's log-probability and the top k). Every call takes
 `timeout` (seconds; default: the client's) for the wait on each reply; a request that
 times out is aborted on the server. A server started with --api-key needs
 `KilnClient(address, api_key=...)`; with a wrong or missing key every request fails with
@@ -41,6 +42,7 @@ from ipc.codec import Decoder, encode
 from ipc.messages.client import (AbortGenerate, GenerateOutput, GenerateRequest,
                                  ServerToClient, StatsQuery, StatsResult)
 from ipc.messages.common import SchedulerStats, Usage
+from ipc.messages.to_tokenizer import TextLogprob
 
 T = TypeVar("T")
 
@@ -75,6 +77,7 @@ class GenerateResult:
     token_ids: list[int]
     finish_reason: str | None
     usage: Usage | None
+    logprobs: list[TextLogprob] | None = None  # per token, with logprobs=k (0..20)
 
 
 @dataclass(frozen=True)
@@ -87,6 +90,7 @@ class StreamDelta:
     finished: bool
     finish_reason: str | None
     usage: Usage | None
+    logprobs: list[TextLogprob] | None = None
 
 
 _CLOSED = object()  # put in waiting queues when the client closes
@@ -142,7 +146,7 @@ class AsyncKilnClient:
             reply = await call.next(self._timeout(timeout))
         output = _checked(reply)
         return GenerateResult(output.request_id, output.text, output.token_ids,
-                              output.finish_reason, output.usage)
+                              output.finish_reason, output.usage, output.logprobs)
 
     async def stream(self, prompt: Prompt | None = None, *,
                      input_ids: Sequence[int] | None = None, request_id: str | None = None,
@@ -157,7 +161,8 @@ class AsyncKilnClient:
             while not call.finished:
                 output = _checked(await call.next(self._timeout(timeout)))
                 yield StreamDelta(output.request_id, output.text, output.token_ids,
-                                  output.finished, output.finish_reason, output.usage)
+                                  output.finished, output.finish_reason, output.usage,
+                                  output.logprobs)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its generate() returns (or its stream ends) with "abort"."""

@@ -108,12 +108,40 @@ def test_step_result_logprobs_round_trip() -> None:
 
 
 @pytest.fixture(scope="module")
-def client(tiny_model_dir, tmp_path_factory):
+def server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     srv = Server(tiny_model_dir, "--max-total-tokens", "8000", "--max-running-requests", "8",
                  "--served-model-name", MODEL, log_path=log).wait_ready()
-    yield openai.OpenAI(base_url=f"{srv.url}/v1", api_key="none", max_retries=0)
+    yield srv
     assert srv.stop() == 0, srv.log_tail()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+def test_zmq_client_logprobs_equal_mlx_lm_log_softmax(server, tiny_model) -> None:
+    from ipc.client import KilnClient, KilnRequestError
+
+    model, _ = tiny_model
+    prompt = _prompts(model.args.vocab_size)[1]
+    with KilnClient(server.zmq) as zmq_client:
+        whole = zmq_client.generate(input_ids=prompt, max_tokens=8, temperature=0.0, logprobs=3)
+        deltas = list(zmq_client.stream(input_ids=prompt, max_tokens=8, temperature=0.0,
+                                        logprobs=3))
+        with pytest.raises(KilnRequestError, match="logprobs"):
+            zmq_client.generate(input_ids=prompt, max_tokens=2, logprobs=21)
+        plain = zmq_client.generate(input_ids=prompt, max_tokens=2, temperature=0.0)
+    assert plain.logprobs is None
+    ref = _reference(model, prompt, whole.token_ids)
+    assert len(whole.logprobs) == len(whole.token_ids) == 8
+    for pos, (token, lp) in enumerate(zip(whole.token_ids, whole.logprobs)):
+        assert abs(lp.logprob - ref[pos, token]) < TOL and len(lp.top_logprobs) == 3
+        np.testing.assert_allclose(sorted(lp.top_logprobs, reverse=True),
+                                   np.sort(ref[pos])[::-1][:3], atol=TOL)
+    streamed = [lp.logprob for d in deltas for lp in d.logprobs or []]
+    np.testing.assert_allclose(streamed, [lp.logprob for lp in whole.logprobs], atol=TOL)
 
 
 HELLO = [{"role": "user", "content": "hello"}]

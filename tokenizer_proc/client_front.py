@@ -98,7 +98,7 @@ class ClientFront:
                 await self._reply(identity, GenerateOutput(
                     request_id=request_id, text=result.text, token_ids=result.token_ids,
                     finished=True, finish_reason=result.finish_reason, usage=result.usage,
-                    error=result.error))
+                    error=result.error, logprobs=result.logprobs))
         finally:
             del self._active[key]
             stream.close()
@@ -143,4 +143,4 @@ def _delta(request_id: str, output: TextOutput, stream: RequestStream) -> Genera
     return GenerateOutput(request_id=request_id, text=output.text, token_ids=output.token_ids,
                           finished=stream.done, finish_reason=output.finish_reason,
                           usage=stream.usage(output) if stream.done else None,
-                          error=output.error)
+                          error=output.error, logprobs=output.logprobs)

@@ -160,7 +160,8 @@ class RequestPreparer:
             logit_bias=m.logit_bias, repetition_penalty=m.repetition_penalty,
             frequency_penalty=m.frequency_penalty, presence_penalty=m.presence_penalty,
             min_tokens=m.min_tokens, stop_token_ids=m.stop_token_ids, ignore_eos=m.ignore_eos,
-            stop=m.stop, include_stop_str=m.include_stop_str_in_output)
+            stop=m.stop, include_stop_str=m.include_stop_str_in_output,
+            logprobs=_top_k_logprobs(m.logprobs, "logprobs"))
         return self._request(rid, ids, sampling, self._completion_default(ids), param,
                              message.skip_special_tokens)
 
@@ -508,3 +509,12 @@ def _token_key(key: str | int) -> int:
     except ValueError:
         raise RequestError(f"logit_bias keys must be token ids; got {key!r}.",
                            param="logit_bias") from None
+
+
+def _top_k_logprobs(k: int | None, param: str) -> int:
+    """The ZMQ client's `logprobs`: None off, else the top-k count (0 = the sampled token's)."""
+    if k is None:
+        return -1
+    if not 0 <= k <= _MAX_LOGPROBS:
+        raise RequestError(f"'{param}' must be in [0, {_MAX_LOGPROBS}].", param=param)
+    return k

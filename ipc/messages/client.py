@@ -8,6 +8,7 @@ to be unique per client.
 from __future__ import annotations
 
 from ipc.messages.common import Message, SchedulerStats, Usage
+from ipc.messages.to_tokenizer import TextLogprob
 
 
 class GenerateRequest(Message, frozen=True):
@@ -39,6 +40,7 @@ class GenerateRequest(Message, frozen=True):
     api_key: str | None = None  # checked when the server has --api-key
     stop: list[str] | None = None
     include_stop_str_in_output: bool = False
+    logprobs: int | None = None  # top-k log-probabilities per token (0..20); None: off
 
 
 class AbortGenerate(Message, frozen=True):
@@ -70,6 +72,7 @@ class GenerateOutput(Message, frozen=True):
     finish_reason: str | None = None
     usage: Usage | None = None
     error: str | None = None
+    logprobs: list[TextLogprob] | None = None  # one per token id, when asked for
 
 
 class StatsResult(Message, frozen=True):
