@@ -29,6 +29,7 @@ if str(ROOT) not in sys.path:
 import numpy as np  # noqa: E402
 
 from bench.engine_loop import EngineLoop, EngineSizes, load_model  # noqa: E402
+from bench.serving import int_list as _int_list  # noqa: E402
 
 _FIRST_PROMPT_ID = 10  # skip the demo tokenizers' special ids
 
@@ -163,13 +164,6 @@ def print_tables(cells: list[Cell], batch_sizes: list[int], contexts: list[int])
     print(f"\nprefill of one prompt\n{'':<8}{head}")
     print(f"{'ms':<8}" + "".join(_fmt(by_key[("prefill", 1, c)].median_ms, 12) for c in contexts))
     print(f"{'tok/s':<8}" + "".join(_fmt(by_key[("prefill", 1, c)].tok_s, 12) for c in contexts))
-
-
-def _int_list(text: str) -> list[int]:
-    values = [int(x) for x in text.split(",") if x.strip()]
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError("expected a comma list of positive integers")
-    return values
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

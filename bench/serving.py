@@ -277,7 +277,8 @@ def sweep_document(results: list[dict[str, Any]], args: argparse.Namespace) -> d
             "settings": settings, "results": results}
 
 
-def _int_list(text: str) -> list[int]:
+def int_list(text: str) -> list[int]:
+    """argparse type: a comma list of positive integers (also used by bench/one_batch.py)."""
     values = [int(x) for x in text.split(",") if x.strip()]
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError("expected a comma list of positive integers")
@@ -291,9 +292,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--model", default="default",
                    help="the request's model field (mlx_lm.server loads what it names)")
     p.add_argument("--label", default="", help="name of this server in the sweep JSON and plot")
-    p.add_argument("--concurrency", type=_int_list, default=[16],
+    p.add_argument("--concurrency", type=int_list, default=[16],
                    help="requests in flight; a comma list makes a sweep")
-    p.add_argument("--num-requests", type=_int_list, default=[64],
+    p.add_argument("--num-requests", type=int_list, default=[64],
                    help="requests per level: one value, or one per concurrency level")
     p.add_argument("--request-rate", type=float, default=0.0,
                    help="Poisson arrivals per second; 0 = all at once")

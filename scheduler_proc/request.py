@@ -141,9 +141,6 @@ class WaitingQueue:
         """Stable re-sort (the lpm policy orders by cached prefix length)."""
         self._reqs = OrderedDict((r.rid, r) for r in sorted(self._reqs.values(), key=key))
 
-    def __iter__(self):  # noqa: ANN204
-        return iter(list(self._reqs.values()))
-
     def peek(self) -> Req | None:
         return next(iter(self._reqs.values()), None)
 
