@@ -1,4 +1,4 @@
-"""Decode attention over the pool: the split merge on the CPU, the CUDA kernel where it runs."""
+"""Decode attention over the pool: the plain-MLX fallback everywhere, the CUDA kernel where it runs."""
 
 from __future__ import annotations
 
@@ -6,13 +6,18 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from worker_proc.paged_attention import (kernel_available, merge_splits, paged_decode_attention,
+from worker_proc.paged_attention import (MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, kernel_available,
+                                         num_splits, paged_decode_attention,
                                          reference_decode_attention)
 
 
-def _case(batch=5, n_q=8, n_kv=2, dim=64, slots=3000, seed=0, dtype=mx.float32):
+def _case(batch=5, n_q=8, n_kv=2, dim=64, slots=3000, seed=0, dtype=mx.float32, lengths=None):
     rng = np.random.default_rng(seed)
-    lengths = rng.integers(1, 700, size=batch).astype(np.int32)
+    if lengths is None:
+        lengths = rng.integers(1, 700, size=batch)
+    lengths = np.asarray(lengths, dtype=np.int32)
+    batch = len(lengths)
+    slots = max(slots, int(lengths.sum()) + 1)
     table = np.zeros((batch, int(lengths.max())), dtype=np.int32)
     perm = rng.permutation(np.arange(1, slots))
     used = 0
@@ -23,33 +28,6 @@ def _case(batch=5, n_q=8, n_kv=2, dim=64, slots=3000, seed=0, dtype=mx.float32):
     k = mx.array(rng.standard_normal((slots, n_kv, dim)).astype(np.float32)).astype(dtype)
     v = mx.array(rng.standard_normal((slots, n_kv, dim)).astype(np.float32)).astype(dtype)
     return q, k, v, mx.array(table), mx.array(lengths)
-
-
-def test_merging_splits_equals_one_softmax():
-    rng = np.random.default_rng(1)
-    scores = rng.standard_normal((3, 10)).astype(np.float32) * 3
-    values = rng.standard_normal((10, 4)).astype(np.float32)
-    exact = (np.exp(scores - scores.max(-1, keepdims=True))
-             / np.exp(scores - scores.max(-1, keepdims=True)).sum(-1, keepdims=True)) @ values
-    accs, mls = [], []
-    for lo, hi in ((0, 4), (4, 10), (10, 10)):  # the last split is empty
-        s = scores[:, lo:hi]
-        m = s.max(-1) if hi > lo else np.full(3, -np.inf, np.float32)
-        p = np.exp(s - m[:, None]) if hi > lo else np.zeros((3, 0), np.float32)
-        accs.append(p @ values[lo:hi])
-        mls.append(np.stack([m, p.sum(-1)], -1))
-    acc = mx.array(np.stack(accs)[None])  # [1, S=3, G=3, D=4]: the 3 score rows are a head group
-    ml = mx.array(np.stack(mls)[None])
-    np.testing.assert_allclose(np.array(merge_splits(acc, ml))[0], exact, rtol=1e-5, atol=1e-5)
-
-
-def test_a_single_split_is_just_normalised():
-    rng = np.random.default_rng(2)
-    acc = mx.array(rng.standard_normal((2, 1, 3, 4)).astype(np.float32))
-    ml = mx.array(np.stack([rng.standard_normal((2, 1, 3)), rng.uniform(1, 2, (2, 1, 3))],
-                           -1).astype(np.float32))
-    np.testing.assert_allclose(np.array(merge_splits(acc, ml)),
-                               np.array(acc)[:, 0] / np.array(ml)[:, 0, :, 1:], rtol=1e-6)
 
 
 def test_reference_matches_per_row_attention():
@@ -73,3 +51,22 @@ def test_cuda_kernel_matches_reference(dtype, dim, n_q, n_kv):
     tol = 2e-2 if dtype != mx.float32 else 1e-4
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
                                rtol=tol, atol=tol)
+
+
+def test_splits_fill_the_gpu_within_their_bounds():
+    assert num_splits(batch=1, n_kv=8, l_max=20) == 1  # too short to split
+    one_row = num_splits(batch=1, n_kv=8, l_max=400)
+    assert 1 < one_row <= 400 / MIN_SPLIT_TOKENS + 1  # a lone short row still spreads out
+    assert num_splits(batch=128, n_kv=8, l_max=1024) == 1024 // MAX_SPLIT_TOKENS
+    assert num_splits(batch=128, n_kv=8, l_max=100) == 1
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
+@pytest.mark.parametrize("lengths", [[1], [31], [400], [4096], [1, 4096, 33, 257],
+                                     list(range(1, 640, 10))])
+def test_cuda_kernel_every_split_shape(lengths):
+    q, k, v, table, ln = _case(n_q=32, n_kv=8, dim=128, dtype=mx.bfloat16, lengths=lengths)
+    got = paged_decode_attention(q, k, v, table, ln, scale=128 ** -0.5)
+    want = reference_decode_attention(q, k, v, table, ln, scale=128 ** -0.5)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               rtol=2e-2, atol=2e-2)

@@ -4,8 +4,8 @@ The dense path (gather every row's context into a padded block, mask the padding
 everywhere but costs a gather per layer and step and, for ragged batches, an array mask
 that keeps MLX's fused attention kernel off. On the CUDA backend this module's kernel
 reads the pool through the slot table and stops at each row's own length: no gather, no
-padding, no mask. It is split along the context (flash-decoding) so a few long rows still
-fill the GPU; an MLX reduction merges the splits.
+padding, no mask. It is split along the context (flash-decoding) so a few short rows
+still fill the GPU; a second small kernel merges the splits.
 
 Other backends (the CPU, Metal for now) use the dense path: it is the plain-MLX fallback
 that the CPU tests exercise.
@@ -21,12 +21,20 @@ import mlx.core as mx
 
 logger = logging.getLogger(__name__)
 
-# Tokens one thread block reads. Small enough that short contexts still make several
-# blocks per (row, kv head), large enough that merging the splits stays cheap.
-SPLIT_TOKENS = 256
+# How a row's context is split across thread blocks (flash-decoding). Enough blocks to
+# fill the GPU's SMs even for one short row (at batch 1, a few big splits left most SMs
+# idle: ~0.25 ms a layer), but no split longer than MAX_SPLIT_TOKENS (long rows at large
+# batches stay parallel) or shorter than MIN_SPLIT_TOKENS (merging would dominate).
+TARGET_BLOCKS = 512
+MIN_SPLIT_TOKENS = 32
+MAX_SPLIT_TOKENS = 256
 _THREADS = 128  # four warps per block
 
-_SOURCE = r"""
+# One block per (split, KV head, row). Each warp streams tokens of the split through an
+# online softmax for the whole query-head group; the four warps then combine in shared
+# memory. With one split (_DIRECT_WRITE) the block writes the normalised output in q's
+# dtype; otherwise it writes its partial (acc, max, sum) for _MERGE_SOURCE.
+_BODY = r"""
     constexpr int NW = 4;
     constexpr int E = D / 32;
     const int split = blockIdx.x;
@@ -36,9 +44,10 @@ _SOURCE = r"""
     const int warp = threadIdx.x >> 5;
     const int n_splits = gridDim.x;
     const int len = lengths[b];
-    const int start = split * CHUNK;
-    const int end = min(start + CHUNK, len);
-    const size_t lmax = table_shape[1];  // a runtime value: a template would recompile per length
+    const int lmax = table_shape[1];  // runtime values: a template would recompile per length
+    const int chunk = (lmax + n_splits - 1) / n_splits;
+    const int start = split * chunk;
+    const int end = min(start + chunk, len);
     const float sc = scale[0];
     const float neg_inf = __int_as_float(0xff800000);
 
@@ -53,8 +62,9 @@ _SOURCE = r"""
         l[g] = 0.f;
         for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
     }
+    const int* row_slots = table + (size_t)b * lmax;
     for (int t = start + warp; t < end; t += NW) {
-        const size_t base = ((size_t)table[(size_t)b * lmax + t] * HKV + kvh) * D + lane * E;
+        const size_t base = ((size_t)row_slots[t] * HKV + kvh) * D + lane * E;
         float kv[E], vv[E];
         for (int e = 0; e < E; ++e) {
             kv[e] = static_cast<float>(k_pool[base + e]);
@@ -81,7 +91,7 @@ _SOURCE = r"""
         for (int e = 0; e < E; ++e) sm_acc[warp][g][lane * E + e] = acc[g][e];
     }
     __syncthreads();
-    const size_t row = ((size_t)b * HKV + kvh) * n_splits + split;
+    const size_t part = ((size_t)b * HKV + kvh) * n_splits + split;
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
         const int g = i / D;
         const int d = i % D;
@@ -94,23 +104,57 @@ _SOURCE = r"""
             ll += sm_l[w][g] * f;
             aa += sm_acc[w][g][d] * f;
         }
-        out_acc[(row * G + g) * D + d] = aa;
+        WRITE
+    }
+"""
+
+_DIRECT_WRITE = "out[(((size_t)b * HKV + kvh) * G + g) * D + d] = static_cast<T>(aa / ll);"
+_SPLIT_WRITE = """out[(part * G + g) * D + d] = aa;
         if (d == 0) {
-            out_ml[(row * G + g) * 2] = mm;
-            out_ml[(row * G + g) * 2 + 1] = ll;
+            out_ml[(part * G + g) * 2] = mm;
+            out_ml[(part * G + g) * 2 + 1] = ll;
+        }"""
+
+# One block per (KV head, row): weights each split's partial by exp(its max - the max of
+# all) and normalises. Empty splits (past the row's length) have max -inf: weight 0.
+_MERGE_SOURCE = r"""
+    const int kvh = blockIdx.y;
+    const int b = blockIdx.z;
+    const int n_splits = acc_shape[2];
+    const float neg_inf = __int_as_float(0xff800000);
+    const size_t first = ((size_t)b * HKV + kvh) * n_splits;
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        const int g = i / D;
+        const int d = i % D;
+        float mm = neg_inf;
+        for (int s = 0; s < n_splits; ++s) mm = fmaxf(mm, ml[((first + s) * G + g) * 2]);
+        float num = 0.f, den = 0.f;
+        for (int s = 0; s < n_splits; ++s) {
+            const float ms = ml[((first + s) * G + g) * 2];
+            if (ms == neg_inf) continue;
+            const float f = __expf(ms - mm);
+            den += ml[((first + s) * G + g) * 2 + 1] * f;
+            num += acc[((first + s) * G + g) * D + d] * f;
         }
+        out[(((size_t)b * HKV + kvh) * G + g) * D + d] = static_cast<T>(num / den);
     }
 """
 
 
 @functools.cache
-def _kernel():
+def _kernel(direct: bool):
     return mx.fast.cuda_kernel(
-        name="kiln_paged_decode",
+        name="kiln_paged_decode_direct" if direct else "kiln_paged_decode_split",
         input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
-        output_names=["out_acc", "out_ml"],
-        source=_SOURCE,
+        output_names=["out"] if direct else ["out", "out_ml"],
+        source=_BODY.replace("WRITE", _DIRECT_WRITE if direct else _SPLIT_WRITE),
     )
+
+
+@functools.cache
+def _merge_kernel():
+    return mx.fast.cuda_kernel(name="kiln_paged_decode_merge", input_names=["acc", "ml"],
+                               output_names=["out"], source=_MERGE_SOURCE)
 
 
 @functools.cache
@@ -120,6 +164,14 @@ def kernel_available() -> bool:
         return mx.cuda.is_available() and mx.default_device() == mx.gpu
     except AttributeError:
         return False
+
+
+def num_splits(batch: int, n_kv: int, l_max: int) -> int:
+    """How many blocks share each (row, KV head): see TARGET_BLOCKS."""
+    most = max(1, math.ceil(l_max / MIN_SPLIT_TOKENS))
+    least = max(1, math.ceil(l_max / MAX_SPLIT_TOKENS))
+    wanted = math.ceil(TARGET_BLOCKS / (batch * n_kv))
+    return min(most, max(least, wanted))
 
 
 def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array,
@@ -133,37 +185,30 @@ def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, tabl
     batch, n_q, _, dim = q.shape
     n_kv = k_pool.shape[1]
     group = n_q // n_kv
-    l_max = table.shape[1]
-    n_splits = max(1, math.ceil(l_max / SPLIT_TOKENS))
-    acc, ml = _kernel()(
-        inputs=[q.reshape(batch, n_q, dim), k_pool, v_pool, table, lengths, _scale(scale)],
-        template=[("T", q.dtype), ("D", dim), ("G", group), ("HKV", n_kv),
-                  ("CHUNK", SPLIT_TOKENS)],
-        grid=(n_splits * _THREADS, n_kv, batch),
-        threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(batch, n_kv, n_splits, group, dim), (batch, n_kv, n_splits, group, 2)],
-        output_dtypes=[mx.float32, mx.float32],
-    )
-    return merge_splits(acc, ml).reshape(batch, n_q, 1, dim).astype(q.dtype)
+    splits = num_splits(batch, n_kv, table.shape[1])
+    template = [("T", q.dtype), ("D", dim), ("G", group), ("HKV", n_kv)]
+    inputs = [q.reshape(batch, n_q, dim), k_pool, v_pool, table, lengths, _scale(scale)]
+    grid = (splits * _THREADS, n_kv, batch)
+    if splits == 1:
+        (out,) = _kernel(True)(inputs=inputs, template=template, grid=grid,
+                               threadgroup=(_THREADS, 1, 1), output_shapes=[(batch, n_q, dim)],
+                               output_dtypes=[q.dtype])
+        return out.reshape(batch, n_q, 1, dim)
+    acc, ml = _kernel(False)(
+        inputs=inputs, template=template, grid=grid, threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(batch, n_kv, splits, group, dim), (batch, n_kv, splits, group, 2)],
+        output_dtypes=[mx.float32, mx.float32])
+    (out,) = _merge_kernel()(
+        inputs=[acc, ml], template=[("T", q.dtype), ("D", dim), ("G", group), ("HKV", n_kv)],
+        grid=(_THREADS, n_kv, batch), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(batch, n_q, dim)], output_dtypes=[q.dtype])
+    return out.reshape(batch, n_q, 1, dim)
 
 
 @functools.cache
 def _scale(scale: float) -> mx.array:
     # One device array per model, not a host-to-device copy per layer and step.
     return mx.array([scale], dtype=mx.float32)
-
-
-def merge_splits(acc: mx.array, ml: mx.array) -> mx.array:
-    """Combine per-split partial softmax results: acc [..., S, G, D], ml [..., S, G, 2]
-    (running max, running sum) -> [..., G, D]."""
-    if acc.shape[-3] == 1:  # one split (contexts up to SPLIT_TOKENS): just normalise
-        return acc[..., 0, :, :] / ml[..., 0, :, 1:]
-    m, l = ml[..., 0], ml[..., 1]
-    m_max = mx.max(m, axis=-2, keepdims=True)
-    w = mx.exp(m - m_max)  # empty splits have m = -inf: weight 0
-    num = mx.sum(acc * w[..., None], axis=-3)
-    den = mx.sum(l * w, axis=-2)
-    return num / den[..., None]
 
 
 def reference_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array,
