@@ -8,7 +8,9 @@ unless include_stop_str_in_output. Both classes keep only a bounded tail of text
 
 from __future__ import annotations
 
-from typing import NamedTuple, Sequence
+from typing import Generic, NamedTuple, Sequence, TypeVar
+
+T = TypeVar("T")
 
 
 class StopMatch(NamedTuple):
@@ -79,3 +81,39 @@ class StopTrimmer:
             if any(s.startswith(tail) for s in self.stops):
                 return n
         return 0
+
+
+class LogprobGate(Generic[T]):
+    """Keeps a stop-string request's logprob entries in step with its returned text.
+
+    An entry is tied to where its token's text starts in the untrimmed text (a token
+    whose text is still held back, part of a character, starts where that text will).
+    It goes out once the trimmer has let text past that point out, so streamed entries
+    are never taken back; at a stop string, the entries of tokens that start at or past
+    the cut are dropped. A token partly cut keeps its entry (some of its text is
+    returned); with include_stop_str_in_output the cut is after the stop string, so the
+    stop string's tokens keep theirs.
+    """
+
+    def __init__(self) -> None:
+        self._decoded = 0  # characters of the untrimmed text so far
+        self._released = 0  # characters the trimmer let out (a prefix of the above)
+        self._held: list[tuple[int, T]] = []  # (start of the token's text, entry)
+        self._cut = False
+
+    def push(self, entries: Sequence[T], decoded: str, released: str, cut: bool,
+             final: bool) -> list[T]:
+        """The entries that may go out now. `entries` belong to the tokens that produced
+        `decoded` (untrimmed), of which the trimmer released `released`; `cut`: the
+        trimmer has matched a stop string."""
+        if self._cut:
+            return []
+        self._held += [(self._decoded, e) for e in entries]
+        self._decoded += len(decoded)
+        self._released += len(released)
+        ready = len(self._held) if final and not cut else \
+            sum(1 for start, _ in self._held if start < self._released)
+        out = [e for _, e in self._held[:ready]]
+        self._held = [] if cut else self._held[ready:]
+        self._cut = cut
+        return out

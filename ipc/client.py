@@ -16,7 +16,11 @@ Sampling keywords (all optional): max_tokens (16), temperature (1.0; 0 = greedy)
 top_p (1.0), top_k (0 = off), seed (None), min_p (0), logit_bias ({token id: bias}),
 repetition_penalty (1), frequency_penalty (0), presence_penalty (0), min_tokens (0),
 stop_token_ids (None), ignore_eos (False), skip_special_tokens (True), logprobs (None;
-k in 0..20 returns each token's log-probability and the top k). Every call takes
+k in 0..20 returns each token's log-probability and the top k), n (1; up to 16 outputs
+of the prompt, which is computed once: `generate` then returns a list of n results in
+index order, and `stream` interleaves the outputs' deltas, each naming its `index`;
+with a seed, output i samples with seed + i), and at most one structured-output
+constraint: json_schema (a dict or JSON text), regex, ebnf (GBNF) or lark. Every call takes
 `timeout` (seconds; default: the client's) for the wait on each reply; a request that
 times out is aborted on the server. A server started with --api-key needs
 `KilnClient(address, api_key=...)`; with a wrong or missing key every request fails with
@@ -78,6 +82,7 @@ class GenerateResult:
     finish_reason: str | None
     usage: Usage | None
     logprobs: list[TextLogprob] | None = None  # per token, with logprobs=k (0..20)
+    index: int = 0  # which of the request's n outputs
 
 
 @dataclass(frozen=True)
@@ -91,18 +96,21 @@ class StreamDelta:
     finish_reason: str | None
     usage: Usage | None
     logprobs: list[TextLogprob] | None = None
+    index: int = 0  # which of the request's n outputs
 
 
 _CLOSED = object()  # put in waiting queues when the client closes
 
 
 class _Call:
-    """One request's reply queue."""
+    """One request's reply queue; it ends with the last of its `outputs` final replies
+    (or an error)."""
 
-    def __init__(self, request_id: str) -> None:
+    def __init__(self, request_id: str, outputs: int = 1) -> None:
         self.request_id = request_id
         self.replies: asyncio.Queue[Any] = asyncio.Queue()
         self.finished = False
+        self._open = outputs
 
     async def next(self, timeout: float | None) -> ServerToClient:
         try:
@@ -111,7 +119,11 @@ class _Call:
             raise KilnTimeoutError(f"no reply to {self.request_id} within {timeout} s") from None
         if reply is _CLOSED:
             raise KilnClosedError("the client was closed")
-        self.finished = isinstance(reply, StatsResult) or reply.finished
+        if isinstance(reply, StatsResult) or reply.error is not None:
+            self.finished = True
+        elif reply.finished:
+            self._open -= 1
+            self.finished = self._open == 0
         return reply
 
 
@@ -139,14 +151,20 @@ class AsyncKilnClient:
 
     async def generate(self, prompt: Prompt | None = None, *,
                        input_ids: Sequence[int] | None = None, request_id: str | None = None,
-                       timeout: float | None = None, **sampling: Any) -> GenerateResult:
-        """Generate from text or token ids; returns when the request ends."""
+                       timeout: float | None = None,
+                       **sampling: Any) -> GenerateResult | list[GenerateResult]:
+        """Generate from text or token ids; returns when the request ends. With n > 1, a
+        list of the n results in index order."""
         request = _request(prompt, input_ids, request_id, False, sampling, self._api_key)
+        results: list[GenerateResult] = []
         async with self._call(request) as call:
-            reply = await call.next(self._timeout(timeout))
-        output = _checked(reply)
-        return GenerateResult(output.request_id, output.text, output.token_ids,
-                              output.finish_reason, output.usage, output.logprobs)
+            while not call.finished:
+                output = _checked(await call.next(self._timeout(timeout)))
+                results.append(GenerateResult(output.request_id, output.text,
+                                              output.token_ids, output.finish_reason,
+                                              output.usage, output.logprobs, output.index))
+        results.sort(key=lambda r: r.index)
+        return results if request.n > 1 else results[0]
 
     async def stream(self, prompt: Prompt | None = None, *,
                      input_ids: Sequence[int] | None = None, request_id: str | None = None,
@@ -162,7 +180,7 @@ class AsyncKilnClient:
                 output = _checked(await call.next(self._timeout(timeout)))
                 yield StreamDelta(output.request_id, output.text, output.token_ids,
                                   output.finished, output.finish_reason, output.usage,
-                                  output.logprobs)
+                                  output.logprobs, output.index)
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its generate() returns (or its stream ends) with "abort"."""
@@ -213,7 +231,8 @@ class AsyncKilnClient:
         if request.request_id in self._calls:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         self._start_reader()
-        call = self._calls[request.request_id] = _Call(request.request_id)
+        outputs = request.n if isinstance(request, GenerateRequest) else 1
+        call = self._calls[request.request_id] = _Call(request.request_id, outputs)
         try:
             await self._sock.send(encode(request))
             yield call
@@ -260,8 +279,9 @@ class KilnClient:
 
     def generate(self, prompt: Prompt | None = None, *, input_ids: Sequence[int] | None = None,
                  request_id: str | None = None, timeout: float | None = None,
-                 **sampling: Any) -> GenerateResult:
-        """Generate from text or token ids; blocks until the request ends."""
+                 **sampling: Any) -> GenerateResult | list[GenerateResult]:
+        """Generate from text or token ids; blocks until the request ends (n > 1: a list
+        of the n results, as AsyncKilnClient.generate)."""
         return self._run(self._client.generate(prompt, input_ids=input_ids,
                                                request_id=request_id, timeout=timeout,
                                                **sampling))

@@ -10,7 +10,7 @@ import numpy as np
 
 from detokenizer_proc.state import DetokenizerState, TokenizerLike
 from detokenizer_proc.stops import StopStringMatcher
-from ipc.messages.common import SamplingParams
+from ipc.messages.common import SamplingParams, TokenLogprob
 from ipc.messages.to_scheduler import TokenizedRequest
 from scheduler_proc.radix_cache import Node
 
@@ -74,6 +74,9 @@ class Req:
     include_stop_str: bool = False
     stop_watch: StopWatch | None = None  # set at arrival when there are stop strings
     stop_str: str | None = None  # the stop string that ended the request
+    # Prompt logprobs received so far, of prompt tokens 1.. in order (when asked for).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
+    cumulative_logprob: float = 0.0  # over every sampled token, when logprobs are on
 
     @classmethod
     def from_message(cls, msg: TokenizedRequest) -> "Req":
@@ -109,12 +112,27 @@ class Req:
 
     @property
     def max_kv_tokens(self) -> int:
-        """K/V slots the request can ever hold: its last token's K/V is never computed."""
-        return self.prompt_len + self.sampling.max_new_tokens - 1
+        """K/V slots the request can ever hold: its last token's K/V is never computed
+        (with max_new_tokens 0 the whole prompt's is)."""
+        return self.prompt_len + max(0, self.sampling.max_new_tokens - 1)
 
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Asked for prompt logprobs and does not have them all yet: such a request
+        computes its whole prompt (a cached prefix would leave positions unscored)."""
+        return (self.sampling.prompt_logprobs >= 0
+                and len(self.prompt_logprobs) < self.prompt_len - 1)
+
+    def add_prompt_logprobs(self, start: int, entries: list[TokenLogprob]) -> None:
+        """Take the entries of prompt tokens start.. that extend what it has; a repeat
+        (a step that was in flight across a preemption) adds nothing."""
+        have = len(self.prompt_logprobs) + 1  # the next prompt token without one
+        if start <= have < start + len(entries):
+            self.prompt_logprobs.extend(entries[have - start:self.prompt_len - start])
 
 
 class WaitingQueue:

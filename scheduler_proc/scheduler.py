@@ -15,8 +15,8 @@ from typing import Callable
 import msgspec
 import numpy as np
 
-from ipc.messages.common import SchedulerStats, TokenLogprob, Usage
-from ipc.messages.to_detokenizer import TokenOutput
+from ipc.messages.common import SamplingParams, SchedulerStats, TokenLogprob, Usage
+from ipc.messages.to_detokenizer import PromptTokenLogprobs, TokenOutput
 from ipc.messages.to_scheduler import StepResult, TokenizedRequest
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from detokenizer_proc.state import TokenizerLike
@@ -154,8 +154,8 @@ class Scheduler:
     def _never_fits(self, req: Req) -> str | None:
         if not req.input_ids:
             return "the prompt is empty"
-        if req.sampling.max_new_tokens < 1:
-            return "max_new_tokens must be >= 1"
+        if req.sampling.max_new_tokens < 0:
+            return "max_new_tokens must be >= 0"
         need = req.max_kv_tokens
         if need > self.limits.max_context:
             return (f"prompt ({req.prompt_len} tokens) + max_tokens ({req.sampling.max_new_tokens}) "
@@ -262,8 +262,10 @@ class Scheduler:
 
     def _try_admit(self, req: Req, reservation: KVReservation) -> bool:
         fill_len = req.prompt_len + len(req.output_ids)
-        # At least the last token is computed: its logits give the next token.
-        match = self.cache.match_prefix(req.all_ids(fill_len - 1))
+        # At least the last token is computed: its logits give the next token. A request
+        # scoring its prompt computes all of it (it still caches it for others).
+        match = self.cache.match_prefix(req.all_ids(0 if req.wants_prompt_logprobs
+                                                    else fill_len - 1))
         self.cache.lock(match.node)
         req.fill_len = fill_len
         need = reservation.need(req, len(match))
@@ -285,7 +287,7 @@ class Scheduler:
     def _wait_for_in_flight_prefix(self, req: Req) -> bool:
         """True when req's prompt shares a long prefix with one still being prefilled:
         admitting it later lets it read that prefix from the cache."""
-        if isinstance(self.cache, DisabledCache):
+        if isinstance(self.cache, DisabledCache) or req.wants_prompt_logprobs:
             return False
         ids = req.all_ids(req.prompt_len)
         cached = self.cache.match_len(ids)
@@ -376,13 +378,18 @@ class Scheduler:
     def apply_result(self, result: StepResult) -> list[TokenOutput]:
         outputs = []
         sampled_for = self._sampled_for.pop(result.step, {})
+        # Before the tokens: a request's first output carries its prompt's logprobs.
+        for scored in result.prompt_logprobs:
+            req = self.running.get(scored.rid)
+            if req is not None:
+                req.add_prompt_logprobs(scored.start, scored.entries())
         logprobs = result.token_logprobs()
         for row, (rid, token) in enumerate(zip(result.rids, result.token_ids)):
             req = self.running.get(rid)
             # Dropped: the request finished, was aborted, or was preempted (and maybe
             # re-admitted) after this step was planned; its token is stale.
             if req is not None and sampled_for.get(rid) == req.admissions:
-                outputs.append(_with_logprob(self._append_token(req, token), logprobs.get(row)))
+                outputs.append(self._append_token(req, token, logprobs.get(row)))
         return outputs
 
     def _new_request(self, req: Req, start: int) -> NewRequest:
@@ -390,14 +397,22 @@ class Scheduler:
         sp = req.sampling
         penalised = sp.uses_penalties
         return NewRequest(
-            rid=req.rid, sampling=sp, prefix_slot_ids=self.table.slots(req.row, start).tolist(),
+            rid=req.rid, sampling=_worker_sampling(req),
+            prefix_slot_ids=self.table.slots(req.row, start).tolist(),
             num_sampled=len(req.output_ids),
             stop_token_ids=sorted(req.stop_token_ids) if sp.min_tokens > 0 else [],
             prompt_ids=req.input_ids if penalised and sp.repetition_penalty != 1.0 else [],
-            output_ids=req.output_ids if penalised else [])
+            # A grammar's matcher resumes after the outputs a preempted request already has.
+            output_ids=req.output_ids if penalised or sp.grammar is not None else [])
 
-    def _append_token(self, req: Req, token: int) -> TokenOutput:
+    def _append_token(self, req: Req, token: int, logprob: TokenLogprob | None) -> TokenOutput:
+        if req.sampling.max_new_tokens == 0:
+            # Only the prompt was wanted (echo, prompt logprobs): the token is dropped.
+            self._finish(req, FinishReason.LENGTH)
+            return self._output(req, [])
         self.counters.generated_tokens += 1
+        if logprob is not None:
+            req.cumulative_logprob += logprob.logprob
         if token in req.stop_token_ids:
             self._finish(req, FinishReason.STOP)
             return self._output(req, [], stop_token=True)
@@ -408,7 +423,9 @@ class Scheduler:
             self._finish(req, FinishReason.STOP)
         elif n_out >= req.sampling.max_new_tokens or req.prompt_len + n_out >= self.limits.max_context:
             self._finish(req, FinishReason.LENGTH)
-        return self._output(req, [token])
+        output = self._output(req, [token])
+        # A stop token has no logprob entry: it is no output.
+        return output if logprob is None else msgspec.structs.replace(output, logprobs=[logprob])
 
     def _output(self, req: Req, token_ids: list[int], stop_token: bool = False) -> TokenOutput:
         first = not req.announced
@@ -424,7 +441,16 @@ class Scheduler:
             prompt_tail=req.input_ids[-PROMPT_TAIL:] if first else None,
             skip_special_tokens=req.skip_special_tokens,
             stop=req.stop if first and req.stop else None,
-            include_stop_str=req.include_stop_str, stop_str=req.stop_str)
+            include_stop_str=req.include_stop_str, stop_str=req.stop_str,
+            prompt_logprobs=self._prompt_logprobs(req) if first else None,
+            cumulative_logprob=(req.cumulative_logprob
+                                if req.finished and req.sampling.logprobs >= 0 else None))
+
+    def _prompt_logprobs(self, req: Req) -> PromptTokenLogprobs | None:
+        """A request's prompt logprobs, once it has them all (its first output)."""
+        if req.sampling.prompt_logprobs < 0 or req.wants_prompt_logprobs:
+            return None
+        return PromptTokenLogprobs(token_ids=req.input_ids, logprobs=req.prompt_logprobs)
 
     # -- introspection -----------------------------------------------------------------------
 
@@ -446,11 +472,12 @@ class Scheduler:
             cache_hit_tokens_total=c.cache_hit_tokens, slots_consistent=self.slots_consistent())
 
 
-def _with_logprob(output: TokenOutput, logprob: TokenLogprob | None) -> TokenOutput:
-    """The output with its token's logprob; a stop token has none (it is no output)."""
-    if logprob is None or len(output.token_ids) != 1:
-        return output
-    return msgspec.structs.replace(output, logprobs=[logprob])
+def _worker_sampling(req: Req) -> SamplingParams:
+    """The request's settings for the worker: a resumed request whose prompt logprobs
+    are all in does not score its prompt again."""
+    if req.sampling.prompt_logprobs < 0 or req.wants_prompt_logprobs:
+        return req.sampling
+    return msgspec.structs.replace(req.sampling, prompt_logprobs=-1)
 
 
 def _error(rid: str, message: str) -> TokenOutput:

@@ -46,17 +46,21 @@ class Finished:
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] = field(default_factory=list)  # when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # of prompt tokens 1.., when asked
+    cumulative_logprob: float | None = None
 
 
 class InProcessEngine:
     def __init__(self, model: Any, capacity: int = 8192, max_running: int = 16,
                  chunk_size: int = 256, max_prefill_tokens: int = 1024, max_context: int = 4096,
                  radix_cache: bool = True, schedule_policy: str = "fcfs",
-                 overlap: bool | str = True, tokenizer: Any = None) -> None:
+                 overlap: bool | str = True, tokenizer: Any = None,
+                 grammars: Any = None) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
-        as on CUDA) or False. tokenizer: what the scheduler decodes stop strings with."""
+        as on CUDA) or False. tokenizer: what the scheduler decodes stop strings with.
+        grammars: the worker's GrammarMatchers, for requests with a grammar."""
         self.pool = KVPool(probe_attention_specs(model), capacity)
-        self.runner = ModelRunner(model, self.pool, max_running, max_context)
+        self.runner = ModelRunner(model, self.pool, max_running, max_context, grammars)
         self.scheduler = Scheduler(SchedulerLimits(capacity, max_context, max_running, chunk_size,
                                                    max_prefill_tokens, radix_cache, schedule_policy),
                                    (lambda: tokenizer) if tokenizer is not None else None)
@@ -116,5 +120,8 @@ class InProcessEngine:
                 r = self.results[out.rid]
                 r.token_ids += out.token_ids
                 r.logprobs += out.logprobs or []
+                if out.prompt_logprobs is not None:
+                    r.prompt_logprobs = out.prompt_logprobs.logprobs
                 if out.finished:
                     r.finish_reason, r.error = out.finish_reason, out.error
+                    r.cumulative_logprob = out.cumulative_logprob

@@ -12,12 +12,15 @@ import ipc.messages
 from ipc.codec import Decoder, encode
 from ipc.messages.client import (AbortGenerate, ClientToServer, GenerateOutput, GenerateRequest,
                                  ServerToClient, StatsQuery, StatsResult)
-from ipc.messages.common import Message, SamplingParams, SchedulerStats, Usage
-from ipc.messages.to_detokenizer import BatchTokens, DetokenizerMessage, StatsReply, TokenOutput
+from ipc.messages.common import Message, SamplingParams, SchedulerStats, TokenLogprob, Usage
+from ipc.messages.to_detokenizer import (BatchTokens, DetokenizerMessage, PromptTokenLogprobs,
+                                         StatsReply, TokenOutput)
 from ipc.messages.to_launcher import LauncherMessage, ProcessProgress, ProcessReady
-from ipc.messages.to_scheduler import (AbortRequest, FlushCache, GetStats, SchedulerMessage, StepResult,
-                                       TokenizedRequest, WorkerReady)
-from ipc.messages.to_tokenizer import BatchText, TextOutput, TokenizerMessage
+from ipc.messages.to_scheduler import (AbortRequest, FlushCache, GetStats, PromptLogprobs,
+                                       SchedulerMessage, StepResult, TokenizedRequest,
+                                       WorkerReady)
+from ipc.messages.to_tokenizer import (BatchText, PromptTextLogprobs, TextLogprob, TextOutput,
+                                       TokenizerMessage)
 from ipc.messages.to_worker import (ForwardBatch, NewRequest, PrefillChunk, Shutdown, SyncSteps,
                                     WorkerMessage)
 
@@ -29,7 +32,8 @@ STATS = SchedulerStats(capacity_slots=100, used_slots=3, free_slots=97, running_
 USAGE = Usage(prompt_tokens=7, completion_tokens=3, cached_tokens=4)
 SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**40, max_new_tokens=12,
                           min_p=0.05, logit_bias={3: -100.0, 17: 2.5}, repetition_penalty=1.1,
-                          frequency_penalty=0.5, presence_penalty=-0.5, min_tokens=2)
+                          frequency_penalty=0.5, presence_penalty=-0.5, min_tokens=2,
+                          logprobs=3, prompt_logprobs=3, grammar='{"grammars": []}')
 
 # (record, the union its receiving socket decodes)
 SAMPLES = [
@@ -42,6 +46,9 @@ SAMPLES = [
     (FlushCache(query_id="f"), SchedulerMessage),
     (WorkerReady(num_slots=10, max_context_len=8), SchedulerMessage),
     (StepResult(step=3, rids=["a", "b"], token_ids=[5, 6]), SchedulerMessage),
+    (StepResult(step=4, rids=[], token_ids=[], prompt_logprobs=[PromptLogprobs(
+        rid="a", start=1, logprobs=[-0.5, -1.5], top_k=1, top_ids=[3, 4],
+        top_logprobs=[-0.1, -0.2])]), SchedulerMessage),
     (ForwardBatch(step=1, new_requests=[NewRequest(rid="a", sampling=SAMPLING,
                                                    prefix_slot_ids=[7, 8], num_sampled=2,
                                                    stop_token_ids=[0], prompt_ids=[1, 2],
@@ -53,9 +60,19 @@ SAMPLES = [
     (SyncSteps(), WorkerMessage),
     (BatchTokens(outputs=[TokenOutput(rid="a", token_ids=[1], finished=True, finish_reason="stop",
                                       usage=USAGE, prompt_tail=[1, 2])]), DetokenizerMessage),
+    (BatchTokens(outputs=[TokenOutput(
+        rid="a", token_ids=[4], logprobs=[TokenLogprob(logprob=-0.3, top_ids=[4],
+                                                        top_logprobs=[-0.3])],
+        prompt_logprobs=PromptTokenLogprobs(token_ids=[1, 2], logprobs=[TokenLogprob(-1.0)]),
+        cumulative_logprob=-0.3)]), DetokenizerMessage),
     (StatsReply(query_id="q", stats=STATS), DetokenizerMessage),
     (BatchText(outputs=[TextOutput(rid="a", text="h\u00e9\U0001F642", token_ids=[1],
                                    finished=True, finish_reason="length", usage=USAGE)]),
+     TokenizerMessage),
+    (BatchText(outputs=[TextOutput(
+        rid="a", text="x", token_ids=[4], cumulative_logprob=-0.3,
+        logprobs=[TextLogprob("x", -0.3, ["x"], [-0.3], token_id=4, top_ids=[4])],
+        prompt_logprobs=PromptTextLogprobs("a", 1, [TextLogprob("b", -1.0, token_id=2)]))]),
      TokenizerMessage),
     (StatsReply(query_id="q2", stats=STATS), TokenizerMessage),
     (GenerateRequest(request_id="c1", prompt="hi", max_tokens=3, temperature=0.0, stream=True),
@@ -64,6 +81,11 @@ SAMPLES = [
     (StatsQuery(request_id="s"), ClientToServer),
     (GenerateOutput(request_id="c1", text="x", token_ids=[3], finished=True, usage=USAGE),
      ServerToClient),
+    (GenerateRequest(request_id="c2", input_ids=[1], n=3, logprobs=2), ClientToServer),
+    (GenerateRequest(request_id="c3", prompt="x", json_schema={"type": "object"}),
+     ClientToServer),
+    (GenerateRequest(request_id="c4", prompt="x", regex="a+"), ClientToServer),
+    (GenerateOutput(request_id="c2", text="", token_ids=[], index=2), ServerToClient),
     (StatsResult(request_id="s", stats=STATS), ServerToClient),
 ]
 

@@ -220,7 +220,6 @@ def test_completion_echo(client: openai.OpenAI) -> None:
     ("chat", {"logprobs": True, "top_logprobs": -1}, "top_logprobs"),
     ("completions", {"logprobs": 21}, "logprobs"),
     ("completions", {"logprobs": -1}, "logprobs"),
-    ("completions", {"logprobs": 1, "echo": True}, "echo"),
 ])
 def test_logprobs_validation(client: openai.OpenAI, kind: str, args: dict[str, Any],
                              param: str) -> None:

@@ -135,7 +135,14 @@ ERROR_CASES = [
     ({"text": "x", "bogus": 1}, "bogus", "unrecognized_argument"),
     ({"text": "x", "rid": ""}, "rid", None),
     ({"text": "x", "stream": "yes"}, "stream", None),
-    ({"text": "x", "return_logprob": True}, "return_logprob", "unsupported_parameter"),
+    ({"text": "x", "top_logprobs_num": 2}, "top_logprobs_num", None),
+    ({"text": "x", "logprob_start_len": 0}, "logprob_start_len", None),
+    ({"text": "x", "return_text_in_logprobs": True}, "return_text_in_logprobs", None),
+    ({"text": "x", "return_logprob": True, "top_logprobs_num": 21}, "top_logprobs_num", None),
+    ({"text": "x", "return_logprob": True, "logprob_start_len": 5}, "logprob_start_len",
+     None),
+    ({"text": "x", "return_logprob": True, "logprob_start_len": -2}, "logprob_start_len",
+     None),
     ({"text": "x", "sampling_params": {"max_new_tokens": 0}},
      "sampling_params.max_new_tokens", None),
     ({"text": "x", "sampling_params": {"max_new_tokens": 100000}},
@@ -144,8 +151,8 @@ ERROR_CASES = [
     ({"text": "x", "sampling_params": {"top_p": 2}}, "sampling_params.top_p", None),
     ({"text": "x", "sampling_params": {"temperature": -1}}, "sampling_params.temperature",
      None),
-    ({"text": "x", "sampling_params": {"n": 2}}, "sampling_params.n",
-     "unsupported_parameter"),
+    ({"text": "x", "sampling_params": {"n": 0}}, "sampling_params.n", None),
+    ({"text": "x", "sampling_params": {"n": 17}}, "sampling_params.n", None),
     ({"text": "x", "sampling_params": {"stop": [""]}}, "sampling_params.stop", None),
     ({"text": "x", "sampling_params": {"min_new_tokens": 99, "max_new_tokens": 3}},
      "sampling_params.min_new_tokens", None),
@@ -153,8 +160,10 @@ ERROR_CASES = [
      "sampling_params.repetition_penalty", None),
     ({"text": "x", "sampling_params": {"stop_token_ids": [-1]}},
      "sampling_params.stop_token_ids", None),
-    ({"text": "x", "sampling_params": {"regex": "a+"}}, "sampling_params.regex",
-     "unsupported_parameter"),
+    ({"text": "x", "sampling_params": {"regex": "a("}}, "sampling_params.regex",
+     "invalid_grammar"),
+    ({"text": "x", "sampling_params": {"regex": "a+", "ebnf": 'root ::= "a"'}},
+     "sampling_params.ebnf", None),
     ({"text": "x", "sampling_params": {"typo": 1}}, "sampling_params.typo",
      "unrecognized_argument"),
 ]
@@ -184,11 +193,43 @@ def test_sampling_controls_reach_the_engine(api: Native) -> None:
     assert request.stop_token_ids == [8]
 
 
-def test_unsupported_sampling_params_pass_at_their_default(api: Native) -> None:
+def test_optional_params_pass_at_their_default(api: Native) -> None:
     params = {"n": 1, "stop": [], "repetition_penalty": 1.0, "min_p": 0, "ignore_eos": False}
     r = api.http.post(GENERATE, json={"text": "x", "sampling_params": params,
-                                      "return_logprob": False})
-    assert r.status_code == 200
+                                      "return_logprob": False, "logprob_start_len": -1})
+    assert r.status_code == 200 and "output_token_logprobs" not in r.json()["meta_info"]
+
+
+def test_n_fans_out_and_answers_a_list(api: Native) -> None:
+    r = api.http.post(GENERATE, json={"text": "x", "rid": "many",
+                                      "sampling_params": {"n": 3, "seed": 7}})
+    bodies = r.json()
+    assert [b["meta_info"]["index"] for b in bodies] == [0, 1, 2]
+    assert {b["meta_info"]["id"] for b in bodies} == {"many"}
+    assert all(b["text"] == "Hello world" for b in bodies)
+    requests = api.engine.requests()
+    assert [q.rid for q in requests] == ["many-0", "many-1", "many-2"]
+    assert [q.sampling.seed for q in requests] == [7, 8, 9]
+
+
+def test_n_streams_events_naming_their_index(api: Native) -> None:
+    r = api.http.post(GENERATE, json={"text": "x", "stream": True, "sampling_params": {"n": 2}})
+    *chunks, done = events(r.text)
+    assert done == "[DONE]" and len(chunks) == 6
+    for index in (0, 1):
+        mine = [c for c in chunks if c["meta_info"]["index"] == index]
+        assert "".join(c["text"] for c in mine) == "Hello world"
+        assert mine[-1]["meta_info"]["finish_reason"] == "stop"
+
+
+def test_logprob_fields_reach_the_engine(api: Native) -> None:
+    api.http.post(GENERATE, json={"input_ids": [5, 6, 7], "return_logprob": True,
+                                  "top_logprobs_num": 3, "logprob_start_len": 1,
+                                  "sampling_params": {"max_new_tokens": 0}})
+    api.http.post(GENERATE, json={"input_ids": [5, 6, 7], "return_logprob": True})
+    scored, plain = (r.sampling for r in api.engine.requests())
+    assert (scored.logprobs, scored.prompt_logprobs, scored.max_new_tokens) == (3, 3, 0)
+    assert (plain.logprobs, plain.prompt_logprobs) == (0, -1)
 
 
 # --- /abort_request ---------------------------------------------------------------------

@@ -11,7 +11,7 @@ import openai
 import pytest
 
 from detokenizer_proc.state import DetokenizerManager
-from detokenizer_proc.stops import StopStringMatcher, StopTrimmer, first_stop
+from detokenizer_proc.stops import LogprobGate, StopStringMatcher, StopTrimmer, first_stop
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_detokenizer import BatchTokens, TokenOutput
 from ipc.messages.to_scheduler import TokenizedRequest
@@ -240,7 +240,8 @@ def test_n_choices_stream_with_their_index(client):
     ({"n": 0}, "n"),
     ({"n": 17}, "n"),
     ({"n": 2, "best_of": 1}, "best_of"),
-    ({"n": 1, "best_of": 3}, "best_of"),
+    ({"n": 1, "best_of": 17}, "best_of"),
+    ({"n": 1, "best_of": 2, "stream": True}, "best_of"),
 ])
 def test_invalid_stop_and_n_are_400(server, body, param):
     r = httpx.post(server.url + "/v1/completions", timeout=30,
@@ -253,3 +254,26 @@ def test_best_of_equal_to_n_is_accepted(server):
     r = httpx.post(server.url + "/v1/completions", timeout=30,
                    json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "n": 2, "best_of": 2})
     assert r.status_code == 200 and len(r.json()["choices"]) == 2
+
+
+# --- logprob entries follow the cut --------------------------------------------------------
+
+
+@pytest.mark.parametrize(("include", "expected"), [(False, [[0], [1], [], []]),
+                                                   (True, [[0], [1], [], [2, 3]])])
+def test_logprob_gate_keeps_the_entries_of_returned_text(include, expected):
+    """One entry per token; a token is kept when its text starts before the cut."""
+    trimmer, gate = StopTrimmer(["STOP"], include_stop=include), LogprobGate()
+    out = []
+    for i, token_text in enumerate(["Hel", "lo S", "TO", "Px"]):
+        text = trimmer.push(token_text)
+        out.append(gate.push([i], token_text, text, trimmer.matched is not None, final=False))
+    assert out == expected
+
+
+def test_logprob_gate_holds_with_the_text_and_flushes_at_the_end():
+    trimmer, gate = StopTrimmer(["STOP"]), LogprobGate()
+    assert gate.push([0], "a S", trimmer.push("a S"), False, False) == [0]
+    assert gate.push([1], "T", trimmer.push("T"), False, False) == []  # "ST" is held back
+    text = trimmer.push("", final=True)
+    assert text == "ST" and gate.push([], "", text, False, final=True) == [1]

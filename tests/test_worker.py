@@ -125,3 +125,37 @@ def test_warm_up_leaves_the_runner_clean(tiny_model, oracle):
     prompt = _prompts(1, [30], model.args.vocab_size, seed=9)[0]
     engine.submit("r", prompt, 20, _eos(tokenizer))
     assert engine.run_until_idle()["r"].token_ids == oracle(prompt, 20)
+
+
+def test_group_by_length_bounds_padding():
+    from worker_proc.runner import group_by_length
+
+    assert group_by_length([130, 120, 150, 110, 2000, 30, 31]) == [[4], [2, 0, 1, 3], [6, 5]]
+    assert group_by_length([]) == []
+    for sizes in ([1, 2, 3, 4, 5, 6, 7, 8, 9, 10], [64] * 9, [500, 1, 1, 1]):
+        for group in group_by_length(sizes):
+            real = sum(sizes[i] for i in group)
+            assert len(group) * max(sizes[i] for i in group) <= 1.25 * real
+
+
+def test_prompts_prefilled_together_match_mlx_lm(tiny_model, oracle, monkeypatch):
+    """Several prompts (some after a cached prefix) in one padded forward, same tokens."""
+    from worker_proc.runner import ModelRunner
+
+    shared = []
+    original = ModelRunner._prefill_many
+    monkeypatch.setattr(ModelRunner, "_prefill_many",
+                        lambda self, chunks: shared.append(len(chunks)) or original(self, chunks))
+    model, tokenizer = tiny_model
+    prefix = _prompts(1, [40], model.args.vocab_size, seed=5)[0]
+    tails = _prompts(6, [9, 11, 12, 10, 8, 13], model.args.vocab_size, seed=6)
+    engine = InProcessEngine(model, chunk_size=64, max_prefill_tokens=512)
+    engine.submit("first", prefix + tails[0], 4, _eos(tokenizer))
+    engine.run_until_idle()  # the prefix is cached from here on
+    prompts = [prefix + t for t in tails[1:]] + _prompts(3, [12, 10, 11], model.args.vocab_size, seed=7)
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 12, _eos(tokenizer))
+    results = engine.run_until_idle()
+    assert max(shared) >= 4
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == oracle(p, 12), f"r{i}"

@@ -18,7 +18,7 @@ from ipc.messages.to_tokenizer import TextOutput
 from tokenizer_proc.errors import RequestError
 from tokenizer_proc.manager import (RequestStream, StatsUnavailable, TokenizerManager,
                                     new_id)
-from tokenizer_proc.prepare import RequestPreparer
+from tokenizer_proc.prepare import RequestPreparer, choice_count, fan_out
 from tokenizer_proc.security import ApiKey
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class ClientFront:
         self._preparer = preparer
         self._reply = reply
         self._api_key = api_key or ApiKey()
-        self._active: dict[_Key, RequestStream] = {}
+        self._active: dict[_Key, list[RequestStream]] = {}  # a request's n outputs
         self._tasks: set[asyncio.Task[None]] = set()
         self.accepting = True
 
@@ -73,46 +73,60 @@ class ClientFront:
     async def _start(self, identity: bytes, message: GenerateRequest) -> None:
         key = (identity, message.request_id)
         try:
-            stream = await self._submit(key, message)
+            streams = await self._submit(key, message)
         except RequestError as exc:
             await self._reply(identity, _error(message.request_id, exc.message))
             return
-        self._active[key] = stream
-        self._spawn(self._pump(key, message.stream, stream))
+        self._active[key] = list(streams)
+        for index, stream in enumerate(streams):
+            self._spawn(self._pump(key, index, message.stream, stream))
 
-    async def _submit(self, key: _Key, message: GenerateRequest) -> RequestStream:
+    async def _submit(self, key: _Key, message: GenerateRequest) -> list[RequestStream]:
+        """One engine request per output; n > 1 shares the prompt (prepare.fan_out)."""
         if not self.accepting:
             raise RequestError("The server is shutting down.")
         if key in self._active:
             raise RequestError(f"Request id {message.request_id!r} is already in flight.")
+        n = choice_count(message.n)
         tokenized = self._preparer.generate(message, new_id("zmq"))
-        return await self._manager.submit(tokenized)
+        streams: list[RequestStream] = []
+        try:
+            for one in fan_out(tokenized, n):
+                streams.append(await self._manager.submit(one))
+        except BaseException:
+            for stream in streams:
+                stream.close()
+            raise
+        return streams
 
-    async def _pump(self, key: _Key, streaming: bool, stream: RequestStream) -> None:
+    async def _pump(self, key: _Key, index: int, streaming: bool,
+                    stream: RequestStream) -> None:
         identity, request_id = key
         try:
             if streaming:
-                await self._send_deltas(identity, request_id, stream)
+                await self._send_deltas(identity, request_id, index, stream)
             else:
                 result = await stream.collect()
                 await self._reply(identity, GenerateOutput(
                     request_id=request_id, text=result.text, token_ids=result.token_ids,
                     finished=True, finish_reason=result.finish_reason, usage=result.usage,
-                    error=result.error, logprobs=result.logprobs))
+                    error=result.error, logprobs=result.logprobs, index=index))
         finally:
-            del self._active[key]
+            streams = self._active[key]
+            streams.remove(stream)
+            if not streams:
+                del self._active[key]
             stream.close()
 
-    async def _send_deltas(self, identity: bytes, request_id: str,
+    async def _send_deltas(self, identity: bytes, request_id: str, index: int,
                            stream: RequestStream) -> None:
         while not stream.done:
             output = await stream.next()
-            await self._reply(identity, _delta(request_id, output, stream))
+            await self._reply(identity, _delta(request_id, output, stream, index))
 
     def _abort(self, identity: bytes, request_id: str) -> None:
-        # The stream then yields a final "abort" output, which its pump relays.
-        stream = self._active.get((identity, request_id))
-        if stream is not None:
+        # Each stream then yields a final "abort" output, which its pump relays.
+        for stream in list(self._active.get((identity, request_id), [])):
             stream.close()
 
     async def _stats(self, identity: bytes, request_id: str, flush_cache: bool) -> None:
@@ -139,8 +153,9 @@ def _error(request_id: str, message: str) -> GenerateOutput:
                           error=message)
 
 
-def _delta(request_id: str, output: TextOutput, stream: RequestStream) -> GenerateOutput:
+def _delta(request_id: str, output: TextOutput, stream: RequestStream,
+           index: int) -> GenerateOutput:
     return GenerateOutput(request_id=request_id, text=output.text, token_ids=output.token_ids,
                           finished=stream.done, finish_reason=output.finish_reason,
                           usage=stream.usage(output) if stream.done else None,
-                          error=output.error, logprobs=output.logprobs)
+                          error=output.error, logprobs=output.logprobs, index=index)

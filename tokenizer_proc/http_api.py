@@ -30,12 +30,13 @@ from ipc.messages.to_scheduler import TokenizedRequest
 from ipc.messages.to_tokenizer import TextOutput
 from tokenizer_proc.errors import RequestError, error_body, from_validation_errors
 from tokenizer_proc.manager import RequestStream, StatsUnavailable, TokenizerManager, new_id
-from tokenizer_proc.prepare import RequestPreparer, choice_count, fan_out
+from tokenizer_proc.prepare import (RequestPreparer, choice_count, completion_choices,
+                                    fan_out)
 from tokenizer_proc.protocol import (AbortBody, ChatCompletionRequest, CompletionRequest,
                                      GenerateBody)
-from tokenizer_proc.responses import (DONE, ChatFormat, CompletionFormat, NativeFormat,
-                                      ResponseFormat, merged_response, sse, total_usage,
-                                      with_index)
+from tokenizer_proc.responses import (DONE, BestOf, ChatFormat, CompletionFormat,
+                                      NativeFormat, ResponseFormat, merged_response,
+                                      share_prompt_logprobs, sse, total_usage, with_index)
 from tokenizer_proc.security import ApiKey, HttpGuard
 
 # The scheduler answers between steps (milliseconds); only a starting or stuck engine
@@ -100,10 +101,12 @@ class ApiRoutes:
         tokenized = self._preparer.completion(body, rid)
         echo = self._preparer.echo_text(body, tokenized.input_ids) if body.echo else ""
         fmt = CompletionFormat(rid, self._preparer.info.name, _include_usage(body), echo=echo)
-        n = choice_count(body.n, body.best_of)
-        if n > 1:
-            return await self._generate_n(request, tokenized.rid, fan_out(tokenized, n), fmt,
-                                          body.stream)
+        choices = completion_choices(body)
+        if choices.best_of > 1:
+            best = BestOf(choices.n, body.logprobs is not None) if choices.ranked else None
+            return await self._generate_n(request, tokenized.rid,
+                                          fan_out(tokenized, choices.best_of), fmt,
+                                          body.stream, best)
         return await self._generate(request, tokenized, fmt, body.stream)
 
     async def chat_completions(self, request: Request) -> Response:
@@ -151,8 +154,15 @@ class ApiRoutes:
         if self._manager.is_in_flight(rid):
             raise RequestError(f"Request id {rid!r} is already in flight.", param="rid",
                                code="duplicate_request_id")
+        n = self._preparer.native_choices(body)
         tokenized = self._preparer.native(body, rid)
-        return await self._generate(request, tokenized, NativeFormat(rid), body.stream)
+        start = body.logprob_start_len
+        fmt = NativeFormat(rid, logprobs=bool(body.return_logprob),
+                           logprob_start_len=-1 if start is None else start,
+                           text_in_logprobs=body.return_text_in_logprobs)
+        if n > 1:
+            return await self._generate_n(request, rid, fan_out(tokenized, n), fmt, body.stream)
+        return await self._generate(request, tokenized, fmt, body.stream)
 
     async def abort_request(self, request: Request) -> dict[str, bool]:
         """Abort any request by id (a /generate rid or an OpenAI response id)."""
@@ -184,8 +194,10 @@ class ApiRoutes:
 
 
     async def _generate_n(self, request: Request, parent: str, tokenized: list[TokenizedRequest],
-                          fmt: ResponseFormat, streaming: bool) -> Response:
-        """n choices of one prompt: one engine request each, one response for all."""
+                          fmt: ResponseFormat | NativeFormat, streaming: bool,
+                          best: BestOf | None = None) -> Response:
+        """n choices of one prompt: one engine request each, one response for all (with
+        best_of, only the best `best.n` of them; never streamed)."""
         streams: list[RequestStream] = []
         # /abort_request with the response's id must reach every choice.
         self._manager.group(parent, [t.rid for t in tokenized])
@@ -196,7 +208,7 @@ class ApiRoutes:
             for first in firsts:
                 _raise_engine_error(first.error)
             # One formatter per choice: a formatter may keep per-choice state.
-            fmts = [dataclasses.replace(fmt) for _ in streams]
+            fmts = [_choice_format(fmt, i) for i in range(len(streams))]
             if streaming:
                 return _EventStream(_choice_events(streams, firsts, fmts), *streams)
             results = [await _until_disconnect(request, s.collect(first))
@@ -207,8 +219,15 @@ class ApiRoutes:
             raise
         for result in results:
             _raise_engine_error(result.error)
+        # usage counts every choice generated, best_of's dropped ones too (as OpenAI).
+        usage = total_usage([r.usage for r in results])
+        results = share_prompt_logprobs(results)
+        if best is not None:
+            results = best.pick(results)
         bodies = [f.response(r) for f, r in zip(fmts, results)]
-        return JSONResponse(merged_response(bodies, total_usage([r.usage for r in results])))
+        if isinstance(fmt, NativeFormat):
+            return JSONResponse(bodies)
+        return JSONResponse(merged_response(bodies, usage))
 
 
 class _EventStream(StreamingResponse):
@@ -224,6 +243,12 @@ class _EventStream(StreamingResponse):
         finally:
             for stream in self._streams:
                 stream.close()
+
+
+def _choice_format(fmt: ResponseFormat | NativeFormat, index: int) -> ResponseFormat | NativeFormat:
+    if isinstance(fmt, NativeFormat):
+        return dataclasses.replace(fmt, index=index)
+    return dataclasses.replace(fmt)
 
 
 def _event_source(stream: RequestStream, first: TextOutput,
@@ -250,7 +275,7 @@ async def _native_events(stream: RequestStream, first: TextOutput,
 
 async def _events(stream: RequestStream, first: TextOutput,
                   fmt: ResponseFormat) -> AsyncIterator[str]:
-    for chunk in fmt.opening():
+    for chunk in fmt.opening(first.prompt_logprobs):
         yield sse(chunk)
     output = first
     while True:
@@ -270,11 +295,32 @@ async def _events(stream: RequestStream, first: TextOutput,
     yield DONE
 
 
-async def _choice_events(streams: list[RequestStream], firsts: list[TextOutput],
-                         fmts: list[ResponseFormat]) -> AsyncIterator[str]:
+def _choice_events(streams: list[RequestStream], firsts: list[TextOutput],
+                   fmts: list[Any]) -> AsyncIterator[str]:
     """The events of n choices, interleaved as their outputs come; each names its choice."""
+    if isinstance(fmts[0], NativeFormat):
+        return _native_choice_events(streams, firsts, fmts)
+    return _openai_choice_events(streams, firsts, fmts)
+
+
+async def _native_choice_events(streams: list[RequestStream], firsts: list[TextOutput],
+                                fmts: list[NativeFormat]) -> AsyncIterator[str]:
+    """/generate with n > 1: every output of every choice is an event naming its index."""
+    async with contextlib.aclosing(_merged(streams, firsts)) as outputs:
+        async for i, output in outputs:
+            if output.error is not None:
+                yield sse(error_body(output.error))
+                break
+            # Only choice 0 scores the prompt: its entries come once, in its first event.
+            yield sse(fmts[i].chunk(output, streams[i].usage(output)))
+    yield DONE
+
+
+async def _openai_choice_events(streams: list[RequestStream], firsts: list[TextOutput],
+                                fmts: list[ResponseFormat]) -> AsyncIterator[str]:
+    # Only choice 0 scores the prompt (prepare.fan_out): its entries open every choice.
     for i, fmt in enumerate(fmts):
-        for chunk in fmt.opening():
+        for chunk in fmt.opening(firsts[0].prompt_logprobs):
             yield sse(with_index(chunk, i))
     usages: dict[int, Usage] = {}
     async with contextlib.aclosing(_merged(streams, firsts)) as outputs:

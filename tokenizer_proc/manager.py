@@ -15,8 +15,8 @@ from typing import Protocol
 
 from ipc.messages.common import SchedulerStats, Usage
 from ipc.messages.to_scheduler import AbortRequest, FlushCache, GetStats, TokenizedRequest
-from ipc.messages.to_tokenizer import (BatchText, StatsReply, TextLogprob, TextOutput,
-                                       TokenizerMessage)
+from ipc.messages.to_tokenizer import (BatchText, PromptTextLogprobs, StatsReply, TextLogprob,
+                                       TextOutput, TokenizerMessage)
 from tokenizer_proc.metrics import ABORT, RequestMetrics
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,17 @@ class Collected:
     usage: Usage
     error: str | None = None
     logprobs: list[TextLogprob] | None = None  # one per token id, when asked for
+    prompt_logprobs: PromptTextLogprobs | None = None  # when asked for
+    cumulative_logprob: float | None = None  # of every sampled token, with logprobs
+
+    @property
+    def mean_logprob(self) -> float:
+        """Log-probability per generated token (the stop token too): what best_of ranks
+        by. Without logprobs or tokens it is -inf."""
+        n = self.usage.completion_tokens
+        if self.cumulative_logprob is None or n == 0:
+            return float("-inf")
+        return self.cumulative_logprob / n
 
 
 class RequestStream:
@@ -99,7 +110,10 @@ class RequestStream:
         return Collected(text="".join(o.text for o in outputs),
                          token_ids=[t for o in outputs for t in o.token_ids],
                          finish_reason=last.finish_reason, usage=self.usage(last),
-                         error=last.error, logprobs=_joined_logprobs(outputs))
+                         error=last.error, logprobs=_joined_logprobs(outputs),
+                         prompt_logprobs=next((o.prompt_logprobs for o in outputs
+                                               if o.prompt_logprobs is not None), None),
+                         cumulative_logprob=last.cumulative_logprob)
 
 
 def _joined_logprobs(outputs: list[TextOutput]) -> list[TextLogprob] | None:
@@ -129,7 +143,8 @@ class TokenizerManager:
         return list(self._queues)
 
     def is_in_flight(self, rid: str) -> bool:
-        return rid in self._queues
+        """Whether rid names a request (or an n-choice group) that has not ended."""
+        return rid in self._queues or any(k in self._queues for k in self._groups.get(rid, ()))
 
     async def submit(self, request: TokenizedRequest) -> RequestStream:
         """Register the request (before sending: outputs may come back at once) and send it."""

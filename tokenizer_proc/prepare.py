@@ -17,6 +17,8 @@ from pydantic import BaseModel
 from ipc.messages.client import GenerateRequest
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import TokenizedRequest
+from tokenizer_proc.constraints import (Constraint, GrammarCompiler, ll_tokenizer,
+                                        one_constraint, response_format_constraint)
 from tokenizer_proc.errors import RequestError
 from tokenizer_proc.model_info import ModelInfo, load_model_info
 from tokenizer_proc.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -33,16 +35,8 @@ def _empty(value: Any) -> bool:
     return not value
 
 
-def _one(value: Any) -> bool:
-    return value is None or value == 1
-
-
 def _auto_or_none(value: Any) -> bool:
     return value is None or value in ("none", "auto")
-
-
-def _text_format(value: Any) -> bool:
-    return value is None or value.type == "text"
 
 
 # Parameters the engine does not implement yet, each with the test for its default.
@@ -51,17 +45,15 @@ COMPLETION_UNSUPPORTED: dict[str, _IsDefault] = {
     **_COMMON_UNSUPPORTED, "suffix": _empty,
 }
 CHAT_UNSUPPORTED: dict[str, _IsDefault] = {
-    **_COMMON_UNSUPPORTED, "response_format": _text_format, "tools": _empty,
+    **_COMMON_UNSUPPORTED, "tools": _empty,
     "tool_choice": _auto_or_none,
     "functions": _empty, "function_call": _auto_or_none,
 }
 
 # The native /generate: top-level fields, then fields of its `sampling_params`.
-NATIVE_UNSUPPORTED: dict[str, _IsDefault] = {"return_logprob": _empty,
-                                             "top_logprobs_num": _empty}
-NATIVE_SAMPLING_UNSUPPORTED: dict[str, _IsDefault] = {
-    "n": _one, "json_schema": _empty, "regex": _empty, "ebnf": _empty,
-}
+# (None left today: every field GenerateBody declares is implemented.)
+NATIVE_UNSUPPORTED: dict[str, _IsDefault] = {}
+NATIVE_SAMPLING_UNSUPPORTED: dict[str, _IsDefault] = {}
 _BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 _MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's chat limit; its completions' is 5)
 _PENALTY_LIMIT = 2.0  # OpenAI's range for frequency and presence penalties
@@ -101,6 +93,9 @@ class SamplingInput:
     stop: str | list[str] | None = None
     include_stop_str: bool = False
     logprobs: int = -1  # top-k logprobs per token, already checked; -1: off
+    prompt_logprobs: int = -1  # top-k logprobs per prompt token, already checked; -1: off
+    max_tokens_floor: int = 1  # 0 where only the prompt may be wanted (echo, scoring)
+    constraint: Constraint | None = None  # structured output, compiled in sampling_params
 
 
 class RequestPreparer:
@@ -109,6 +104,8 @@ class RequestPreparer:
     def __init__(self, tokenizer: Any, info: ModelInfo) -> None:
         self._tokenizer = tokenizer
         self.info = info
+        self._grammars = GrammarCompiler(
+            lambda: ll_tokenizer(tokenizer, info.eos_token_ids))
 
     @classmethod
     def load(cls, name: str, model_path: str,
@@ -125,8 +122,14 @@ class RequestPreparer:
     def completion(self, body: CompletionRequest, rid: str) -> TokenizedRequest:
         self._check_common(body, COMPLETION_UNSUPPORTED)
         ids = self.prompt_ids(body.prompt)
+        k = _completion_logprobs(body)
+        # best_of ranks its choices by their tokens' logprobs, asked for or not.
+        ranked = completion_choices(body).ranked
         sampling = replace(_sampling_input(body, body.max_tokens),
-                           logprobs=_completion_logprobs(body))
+                           logprobs=max(k, 0) if ranked else k,
+                           prompt_logprobs=k if body.echo else -1,
+                           max_tokens_floor=0 if body.echo else 1,
+                           constraint=response_format_constraint(body.response_format))
         return self._request(rid, ids, sampling, self._completion_default(ids), "prompt",
                              body.skip_special_tokens)
 
@@ -147,7 +150,8 @@ class RequestPreparer:
             sampling = _sampling_input(body, body.max_completion_tokens, "max_completion_tokens")
         else:
             sampling = _sampling_input(body, body.max_tokens)
-        sampling = replace(sampling, logprobs=_chat_logprobs(body))
+        sampling = replace(sampling, logprobs=_chat_logprobs(body),
+                           constraint=response_format_constraint(body.response_format))
         default = self.info.context_len - len(ids)
         return self._request(rid, ids, sampling, default, "messages", body.skip_special_tokens)
 
@@ -161,7 +165,9 @@ class RequestPreparer:
             frequency_penalty=m.frequency_penalty, presence_penalty=m.presence_penalty,
             min_tokens=m.min_tokens, stop_token_ids=m.stop_token_ids, ignore_eos=m.ignore_eos,
             stop=m.stop, include_stop_str=m.include_stop_str_in_output,
-            logprobs=_top_k_logprobs(m.logprobs, "logprobs"))
+            logprobs=_top_k_logprobs(m.logprobs, "logprobs"),
+            constraint=one_constraint({"json_schema": m.json_schema, "regex": m.regex,
+                                       "ebnf": m.ebnf, "lark": m.lark}))
         return self._request(rid, ids, sampling, self._completion_default(ids), param,
                              message.skip_special_tokens)
 
@@ -169,6 +175,7 @@ class RequestPreparer:
         """The native /generate: text or token ids plus SGLang-style `sampling_params`."""
         check_unsupported(body, NATIVE_UNSUPPORTED)
         ids, param = self.text_or_ids(body.text, body.input_ids, "text")
+        k, prompt_k = _native_logprobs(body, len(ids))
         sp = body.sampling_params
         with _nested_params("sampling_params", top_level=param):
             check_unsupported(sp, NATIVE_SAMPLING_UNSUPPORTED)
@@ -179,9 +186,17 @@ class RequestPreparer:
                 frequency_penalty=sp.frequency_penalty, presence_penalty=sp.presence_penalty,
                 min_tokens=sp.min_new_tokens, stop_token_ids=sp.stop_token_ids,
                 ignore_eos=sp.ignore_eos, min_tokens_param="min_new_tokens", stop=sp.stop,
-                include_stop_str=sp.no_stop_trim)
+                include_stop_str=sp.no_stop_trim, logprobs=k, prompt_logprobs=prompt_k,
+                max_tokens_floor=0 if prompt_k >= 0 else 1,
+                constraint=one_constraint({"json_schema": sp.json_schema, "regex": sp.regex,
+                                           "ebnf": sp.ebnf, "lark": sp.lark}))
             return self._request(rid, ids, sampling, self._completion_default(ids), param,
                                  sp.skip_special_tokens)
+
+    def native_choices(self, body: GenerateBody) -> int:
+        """`sampling_params.n` of /generate, checked like the OpenAI routes' `n`."""
+        with _nested_params("sampling_params", top_level=""):
+            return choice_count(body.sampling_params.n)
 
     def text_or_ids(self, text: str | None, ids: list[int] | None,
                     text_param: str) -> tuple[list[int], str]:
@@ -280,8 +295,8 @@ class RequestPreparer:
 
     def sampling_params(self, s: SamplingInput, prompt_len: int, default_max: int,
                         prompt_param: str) -> SamplingParams:
-        if s.max_tokens is not None and s.max_tokens < 1:
-            raise RequestError(f"'{s.max_tokens_param}' must be at least 1.",
+        if s.max_tokens is not None and s.max_tokens < s.max_tokens_floor:
+            raise RequestError(f"'{s.max_tokens_param}' must be at least {s.max_tokens_floor}.",
                                param=s.max_tokens_param)
         # Without max_tokens the prompt must still leave room for one token; the defaults
         # never exceed the room left.
@@ -296,7 +311,22 @@ class RequestPreparer:
             frequency_penalty=_penalty(s.frequency_penalty, "frequency_penalty"),
             presence_penalty=_penalty(s.presence_penalty, "presence_penalty"),
             min_tokens=_min_tokens(s.min_tokens, max_tokens, s.min_tokens_param),
-            logprobs=s.logprobs)
+            logprobs=s.logprobs, prompt_logprobs=s.prompt_logprobs, grammar=self._grammar(s))
+
+    def _grammar(self, s: SamplingInput) -> str | None:
+        """The request's llguidance grammar, or None; refuses settings that fight one: a
+        finished grammar allows only EOS, so EOS must end the request and may not be held
+        back."""
+        c = s.constraint
+        if c is None:
+            return None
+        if s.ignore_eos:
+            raise RequestError(f"'ignore_eos' cannot be combined with '{c.param}': a "
+                               "finished grammar allows only EOS.", param="ignore_eos")
+        if s.min_tokens:
+            raise RequestError(f"'{s.min_tokens_param}' cannot be combined with '{c.param}': "
+                               "the grammar may finish sooner.", param=s.min_tokens_param)
+        return self._grammars.compile(c)
 
     def logit_bias(self, bias: dict[str, float] | dict[int, float] | None) -> dict[int, float]:
         """OpenAI's map of token id (a string in JSON) to a bias in [-100, 100]."""
@@ -357,16 +387,35 @@ def _sampling_input(body: CompletionRequest | ChatCompletionRequest, max_tokens:
 
 def _completion_logprobs(body: CompletionRequest) -> int:
     """Legacy completions: `logprobs` is the top-k count (0 still reports the sampled
-    token's). Prompt logprobs (echo with logprobs) are not computed yet."""
+    token's); with `echo` the prompt's tokens get theirs too."""
     if body.logprobs is None:
         return -1
     if not 0 <= body.logprobs <= _MAX_LOGPROBS:
         raise RequestError(f"'logprobs' must be in [0, {_MAX_LOGPROBS}].", param="logprobs")
-    if body.echo:
-        raise RequestError("'echo' together with 'logprobs' (prompt logprobs) is not "
-                           "supported by this server yet; use one or the other.",
-                           param="echo", code="unsupported_parameter")
     return body.logprobs
+
+
+def _native_logprobs(body: GenerateBody, prompt_len: int) -> tuple[int, int]:
+    """/generate's (SGLang's) logprob fields: the top-k of the outputs and of the prompt
+    (-1: off). `logprob_start_len` -1 (default) scores no prompt token, s >= 0 the
+    prompt from position s on."""
+    start = -1 if body.logprob_start_len is None else body.logprob_start_len
+    k = body.top_logprobs_num or 0
+    if not body.return_logprob:
+        extra = next((name for name, used in (("top_logprobs_num", k != 0),
+                                              ("logprob_start_len", start != -1),
+                                              ("return_text_in_logprobs",
+                                               body.return_text_in_logprobs)) if used), None)
+        if extra is not None:
+            raise RequestError(f"'{extra}' requires 'return_logprob' to be true.", param=extra)
+        return -1, -1
+    if not 0 <= k <= _MAX_LOGPROBS:
+        raise RequestError(f"'top_logprobs_num' must be in [0, {_MAX_LOGPROBS}].",
+                           param="top_logprobs_num")
+    if not -1 <= start < prompt_len:
+        raise RequestError(f"'logprob_start_len' must be -1 (outputs only) or a prompt "
+                           f"position in [0, {prompt_len - 1}].", param="logprob_start_len")
+    return k, (k if start >= 0 else -1)
 
 
 def _chat_logprobs(body: ChatCompletionRequest) -> int:
@@ -381,35 +430,53 @@ def _chat_logprobs(body: ChatCompletionRequest) -> int:
     return (k or 0) if body.logprobs else -1
 
 
-def choice_count(n: int | None, best_of: int | None = None) -> int:
-    """The number of choices (engine requests) an OpenAI request asks for: `n`, 1 to 16.
-
-    `best_of` (completions) may only equal n: picking the best of more choices needs each
-    one's cumulative logprob, which this server does not rank by yet.
-    """
+def choice_count(n: int | None) -> int:
+    """The number of choices (engine requests) a request asks for: `n`, 1 to 16."""
     count = 1 if n is None else n
     if not 1 <= count <= MAX_CHOICES:
         raise RequestError(f"'n' must be in [1, {MAX_CHOICES}].", param="n")
-    if best_of is not None and best_of < count:
-        raise RequestError("'best_of' must be at least 'n'.", param="best_of")
-    if best_of is not None and best_of > count:
-        raise RequestError("'best_of' greater than 'n' is not supported by this server yet; "
-                           "leave it out or set it to 'n'.", param="best_of",
-                           code="unsupported_parameter")
     return count
+
+
+@dataclass(frozen=True)
+class Choices:
+    """Completions' `n` and `best_of`: best_of choices are generated and the n with the
+    highest log-probability per token returned (OpenAI's definition)."""
+
+    n: int
+    best_of: int
+
+    @property
+    def ranked(self) -> bool:
+        return self.best_of > self.n
+
+
+def completion_choices(body: CompletionRequest) -> Choices:
+    n = choice_count(body.n)
+    best_of = n if body.best_of is None else body.best_of
+    if not n <= best_of <= MAX_CHOICES:
+        raise RequestError(f"'best_of' must be at least 'n' ({n}) and at most {MAX_CHOICES}.",
+                           param="best_of")
+    if best_of > n and body.stream:
+        # As OpenAI: the best are known only once every choice has ended.
+        raise RequestError("'best_of' greater than 'n' cannot be streamed.", param="best_of")
+    return Choices(n, best_of)
 
 
 def fan_out(request: TokenizedRequest, n: int) -> list[TokenizedRequest]:
     """The engine requests of n choices of one prompt, ids `<rid>-<i>` (the radix cache
     computes the prompt once). A seeded request's choice i samples with seed + i; an
-    unseeded one's choices each get their own random seed from the worker."""
+    unseeded one's choices each get their own random seed from the worker. Only choice 0
+    scores the prompt (its prompt logprobs serve every choice), so the others may read
+    the prompt from the cache."""
     if n == 1:
         return [request]
     seed = request.sampling.seed
     return [msgspec.structs.replace(
         request, rid=f"{request.rid}-{i}",
         sampling=msgspec.structs.replace(
-            request.sampling, seed=None if seed is None else (seed + i) % _MAX_SEED))
+            request.sampling, seed=None if seed is None else (seed + i) % _MAX_SEED,
+            prompt_logprobs=request.sampling.prompt_logprobs if i == 0 else -1))
         for i in range(n)]
 
 

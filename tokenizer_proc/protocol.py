@@ -23,9 +23,18 @@ class StreamOptions(_Strict):
     include_obfuscation: bool | None = None
 
 
+class JsonSchemaFormat(_Strict):
+    """`response_format.json_schema`: the schema is enforced whatever `strict` says."""
+
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
 class ResponseFormat(_Strict):
-    type: str
-    json_schema: dict[str, Any] | None = None
+    type: str  # "text", "json_object" or "json_schema"; checked in constraints.py
+    json_schema: JsonSchemaFormat | None = None
 
 
 class _SamplingFields(_Strict):
@@ -56,10 +65,12 @@ class _SamplingFields(_Strict):
 
 class CompletionRequest(_SamplingFields):
     prompt: Any = None  # str | list[int] | one-element list of either; checked in prepare.py
-    echo: bool | None = None  # the prompt's text before the completion's
+    # The prompt's text before the completion's; with logprobs, the prompt's tokens too.
+    echo: bool | None = None
     logprobs: int | None = None  # top-k per token, 0..20; 0: the sampled token's only
+    response_format: ResponseFormat | None = None  # vLLM takes it on completions too
+    best_of: int | None = None  # choices generated, of which the n best are returned
     # Not implemented yet: only their defaults are accepted (see prepare.py).
-    best_of: int | None = None
     suffix: str | None = None
 
 
@@ -98,8 +109,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None  # 0..20, only with logprobs
-    # Not implemented yet: only their defaults are accepted (see prepare.py).
     response_format: ResponseFormat | None = None
+    # Not implemented yet: only their defaults are accepted (see prepare.py).
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
@@ -128,11 +139,13 @@ class NativeSamplingParams(_Strict):
     ignore_eos: bool | None = None
     stop: str | list[str] | None = None
     no_stop_trim: bool = False  # SGLang's name: keep the matched stop string in the text
-    # Not implemented yet: only their defaults are accepted (see prepare.py).
-    n: int | None = None
-    json_schema: str | None = None
+    # Structured output, at most one (see constraints.py): a JSON schema (object or JSON
+    # text), a regex, a GBNF grammar (llama.cpp syntax, SGLang's `ebnf`) or a Lark grammar.
+    json_schema: str | dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    lark: str | None = None
+    n: int | None = None  # outputs of the prompt (1..16): a list of n responses
 
 
 class GenerateBody(_Strict):
@@ -144,9 +157,13 @@ class GenerateBody(_Strict):
     stream: bool = False
     # The request id, for /abort_request; chosen by the server when absent.
     rid: str | None = Field(default=None, min_length=1, max_length=256)
-    # Not implemented yet: only their defaults are accepted (see prepare.py).
+    # Logprobs, SGLang's fields: of each output token (and its top `top_logprobs_num`),
+    # and of the prompt's tokens from `logprob_start_len` on (-1: none); token texts
+    # only with return_text_in_logprobs.
     return_logprob: bool | None = None
     top_logprobs_num: int | None = None
+    logprob_start_len: int | None = None
+    return_text_in_logprobs: bool = False
 
 
 class AbortBody(_Strict):

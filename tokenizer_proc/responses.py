@@ -6,13 +6,14 @@ Each formatter knows one endpoint's shapes; the HTTP layer drives them.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from ipc.messages.common import Usage
-from ipc.messages.to_tokenizer import TextLogprob, TextOutput
+from ipc.messages.to_tokenizer import PromptTextLogprobs, TextLogprob, TextOutput
 from tokenizer_proc.manager import Collected
 
 DONE = "data: [DONE]\n\n"
@@ -59,8 +60,12 @@ class CompletionFormat(_Format):
     echo: str = ""
     _offset: int = 0  # text_offset of the next token with logprobs, after the echo
 
-    def opening(self) -> list[dict[str, Any]]:
-        return [self.text_chunk(self.echo)] if self.echo else []
+    def opening(self, prompt: PromptTextLogprobs | None = None) -> list[dict[str, Any]]:
+        """The echoed prompt, with its tokens' logprobs when they were asked for."""
+        if not self.echo:
+            return []
+        choice = _text_choice(self.echo, None, _prompt_legacy(prompt))
+        return [self._envelope("text_completion", [choice])]
 
     def text_chunk(self, text: str, logprobs: list[TextLogprob] | None = None) -> dict[str, Any]:
         choice = _text_choice(text, None, self._logprobs(logprobs))
@@ -73,10 +78,14 @@ class CompletionFormat(_Format):
         return self._usage_envelope("text_completion", usage)
 
     def response(self, result: Collected) -> dict[str, Any]:
+        logprobs = self._logprobs(result.logprobs)
+        prompt = _prompt_legacy(result.prompt_logprobs) if self.echo else None
+        if prompt is not None:
+            logprobs = {key: prompt[key] + (logprobs or {}).get(key, []) for key in prompt}
         return {"id": self.id, "object": "text_completion", "created": self.created,
                 "model": self.model,
                 "choices": [_text_choice(self.echo + result.text, result.finish_reason,
-                                         self._logprobs(result.logprobs))],
+                                         logprobs)],
                 "usage": usage_dict(result.usage)}
 
     def _logprobs(self, logprobs: list[TextLogprob] | None) -> dict[str, Any] | None:
@@ -90,15 +99,35 @@ class CompletionFormat(_Format):
             self._offset += len(lp.token)
         return {"tokens": [lp.token for lp in logprobs],
                 "token_logprobs": [_finite(lp.logprob) for lp in logprobs],
-                "top_logprobs": [{**{t: _finite(v) for t, v in zip(lp.top_tokens, lp.top_logprobs)},
-                                  lp.token: _finite(lp.logprob)} for lp in logprobs],
+                "top_logprobs": [_top_dict(lp) for lp in logprobs],
                 "text_offset": offsets}
+
+
+def _prompt_legacy(prompt: PromptTextLogprobs | None) -> dict[str, Any] | None:
+    """The prompt's part of the legacy logprobs (echo): token 0 has no logprob and no
+    top dict (null, as OpenAI's); offsets count the token texts from the text's start."""
+    if prompt is None:
+        return None
+    tokens = [prompt.first, *(lp.token for lp in prompt.rest)]
+    offsets = [0]
+    for token in tokens[:-1]:
+        offsets.append(offsets[-1] + len(token))
+    return {"tokens": tokens,
+            "token_logprobs": [None, *(_finite(lp.logprob) for lp in prompt.rest)],
+            "top_logprobs": [None, *(_top_dict(lp) for lp in prompt.rest)],
+            "text_offset": offsets}
+
+
+def _top_dict(lp: TextLogprob) -> dict[str, float]:
+    # The token itself is always in its dict, as in OpenAI's.
+    return {**{t: _finite(v) for t, v in zip(lp.top_tokens, lp.top_logprobs)},
+            lp.token: _finite(lp.logprob)}
 
 
 class ChatFormat(_Format):
     """Shapes of /v1/chat/completions ("chat.completion", "chat.completion.chunk")."""
 
-    def opening(self) -> list[dict[str, Any]]:
+    def opening(self, prompt: PromptTextLogprobs | None = None) -> list[dict[str, Any]]:
         # OpenAI's first chunk announces the role with empty content.
         return [self._chunk({"role": "assistant", "content": ""}, None)]
 
@@ -154,23 +183,64 @@ def _finite(logprob: float) -> float:
 
 @dataclass
 class NativeFormat:
-    """Shapes of the native /generate: one object, whole or (streamed) one per output."""
+    """Shapes of the native /generate: one object, whole or (streamed) one per output.
+
+    With logprobs, meta_info carries SGLang's lists: `output_token_logprobs` (one
+    [logprob, token id, text] per output token; text null unless text_in_logprobs),
+    `output_top_logprobs` (per token, a list of such triples, most likely first) and,
+    when logprob_start_len >= 0, `input_token_logprobs` / `input_top_logprobs` for the
+    prompt from that position (prompt token 0 has logprob null and top list null).
+    Streamed, each piece carries its own tokens' entries, the first the prompt's.
+    """
 
     id: str
+    logprobs: bool = False
+    logprob_start_len: int = -1
+    text_in_logprobs: bool = False
+    index: int | None = None  # n > 1: the choice, shown in meta_info
 
     def response(self, result: Collected) -> dict[str, Any]:
-        return self._shape(result.text, result.token_ids, result.finish_reason, result.usage)
+        return self._shape(result.text, result.token_ids, result.finish_reason, result.usage,
+                           result.logprobs, result.prompt_logprobs)
 
     def chunk(self, output: TextOutput, usage: Usage) -> dict[str, Any]:
         """A streamed piece: the output's new text and ids; usage counts tokens so far."""
-        return self._shape(output.text, output.token_ids, output.finish_reason, usage)
+        return self._shape(output.text, output.token_ids, output.finish_reason, usage,
+                           output.logprobs, output.prompt_logprobs)
 
     def _shape(self, text: str, token_ids: list[int], finish_reason: str | None,
-               usage: Usage) -> dict[str, Any]:
-        meta = {"id": self.id, "finish_reason": finish_reason,
-                "prompt_tokens": usage.prompt_tokens,
-                "completion_tokens": usage.completion_tokens}
+               usage: Usage, logprobs: list[TextLogprob] | None,
+               prompt: PromptTextLogprobs | None) -> dict[str, Any]:
+        meta: dict[str, Any] = {"id": self.id, "finish_reason": finish_reason,
+                                "prompt_tokens": usage.prompt_tokens,
+                                "completion_tokens": usage.completion_tokens}
+        if self.index is not None:
+            meta["index"] = self.index
+        if self.logprobs:
+            meta.update(self._output_logprobs(logprobs or []))
+        if self.logprob_start_len >= 0 and prompt is not None:
+            meta.update(self._input_logprobs(prompt))
         return {"text": text, "output_ids": token_ids, "meta_info": meta}
+
+    def _output_logprobs(self, logprobs: list[TextLogprob]) -> dict[str, Any]:
+        return {"output_token_logprobs": [self._entry(lp.logprob, lp.token_id, lp.token)
+                                          for lp in logprobs],
+                "output_top_logprobs": [self._top(lp) for lp in logprobs]}
+
+    def _input_logprobs(self, prompt: PromptTextLogprobs) -> dict[str, Any]:
+        start = self.logprob_start_len
+        first = [None, prompt.first_id, prompt.first if self.text_in_logprobs else None]
+        entries = [first, *(self._entry(lp.logprob, lp.token_id, lp.token)
+                            for lp in prompt.rest)]
+        tops = [None, *(self._top(lp) for lp in prompt.rest)]
+        return {"input_token_logprobs": entries[start:], "input_top_logprobs": tops[start:]}
+
+    def _top(self, lp: TextLogprob) -> list[list[Any]]:
+        return [self._entry(v, i, t) for v, i, t in zip(lp.top_logprobs, lp.top_ids,
+                                                         lp.top_tokens)]
+
+    def _entry(self, logprob: float, token_id: int, text: str) -> list[Any]:
+        return [_finite(logprob), token_id, text if self.text_in_logprobs else None]
 
 
 # --- n > 1: each choice is shaped as a one-choice body, then given its index -----------
@@ -185,6 +255,30 @@ def merged_response(bodies: list[dict[str, Any]], usage: Usage) -> dict[str, Any
     """n one-choice responses of one prompt as one response with n choices."""
     choices = [with_index(b, i)["choices"][0] for i, b in enumerate(bodies)]
     return {**bodies[0], "choices": choices, "usage": usage_dict(usage)}
+
+
+def share_prompt_logprobs(results: list[Collected]) -> list[Collected]:
+    """Only choice 0 scores the prompt (prepare.fan_out): every choice shows its entries."""
+    prompt = results[0].prompt_logprobs
+    return [dataclasses.replace(r, prompt_logprobs=prompt) for r in results]
+
+
+@dataclass(frozen=True)
+class BestOf:
+    """best_of > n: of the choices generated, the n with the highest log-probability
+    per token (OpenAI's definition; vLLM ranks by the sum) are returned, earlier
+    choices first on a tie. `show_logprobs`: the client asked for them (else they were
+    computed only to rank)."""
+
+    n: int
+    show_logprobs: bool
+
+    def pick(self, results: list[Collected]) -> list[Collected]:
+        order = sorted(range(len(results)), key=lambda i: -results[i].mean_logprob)
+        kept = [results[i] for i in order[:self.n]]
+        if self.show_logprobs:
+            return kept
+        return [dataclasses.replace(r, logprobs=None) for r in kept]
 
 
 def total_usage(usages: list[Usage]) -> Usage:

@@ -5,12 +5,17 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from typing import TYPE_CHECKING
 
 from ipc.channel import Receiver, Sender
 from ipc.config import ServerConfig
 from ipc.messages.to_scheduler import WorkerReady
 from ipc.messages.to_worker import ForwardBatch, Shutdown, SyncSteps, WorkerMessage
 from ipc.process import StartupReporter, setup_child
+
+if TYPE_CHECKING:
+    from worker_proc.grammar import GrammarMatchers
+    from worker_proc.runner import PendingStep
 
 logger = logging.getLogger(__name__)
 
@@ -32,8 +37,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     say = reporter.progress if reporter else logger.info
     t0 = time.monotonic()
     say(f"loading model from {config.model_path}")
-    model, _ = mlx_lm.load(config.model_path, trust_remote_code=config.trust_remote_code,
-                           tokenizer_config={"trust_remote_code": config.trust_remote_code})
+    model, tokenizer = mlx_lm.load(config.model_path, trust_remote_code=config.trust_remote_code,
+                                   tokenizer_config={"trust_remote_code": config.trust_remote_code})
     check_layer_kinds(model)
     specs = probe_attention_specs(model)
     say(f"model loaded in {time.monotonic() - t0:.1f}s")
@@ -41,11 +46,28 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     slots = pool_slots(config, KVPool.bytes_per_slot(specs), context)
     pool = KVPool(specs, slots)
     say(f"KV pool: {slots} slots, {pool.nbytes / 2**20:.1f} MiB")
-    runner = ModelRunner(model, pool, config.max_running_requests, min(context, slots))
+    runner = ModelRunner(model, pool, config.max_running_requests, min(context, slots),
+                         grammar_matchers(config, tokenizer))
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests)
     say(f"warmed up ({steps} steps, {time.monotonic() - t0:.1f}s)")
     return runner
+
+
+def grammar_matchers(config: ServerConfig, tokenizer: object) -> GrammarMatchers:
+    """Structured output's matchers, over mlx-lm's tokenizer (its Hugging Face one) with
+    the EOS ids the tokenizer process stops on (config, generation config, tokenizer)."""
+    from tokenizer_proc.constraints import ll_tokenizer
+    from tokenizer_proc.model_info import load_model_info
+    from worker_proc.grammar import GrammarMatchers
+
+    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper wraps it
+
+    def make() -> object:
+        info = load_model_info("", config.model_path, hf)
+        return ll_tokenizer(hf, info.eos_token_ids)
+
+    return GrammarMatchers(make)
 
 
 class WorkerLoop:
@@ -60,7 +82,9 @@ class WorkerLoop:
       CPU backend a pool scatter started while the previous step is in flight copies the
       whole pool (bench/pool_update_probe.py: 4x slower steps); on the H200 it does not.
     A SyncSteps message (the scheduler has nothing to chain) makes the worker report
-    what it holds.
+    what it holds. A step with grammar-constrained rows starts with its forward only: its
+    masks need every earlier step's tokens, so its sampling follows once those are
+    reported (`_sampled`).
     """
 
     def __init__(self, runner, results: Sender, overlap: bool,  # noqa: ANN001
@@ -88,7 +112,7 @@ class WorkerLoop:
 
     def _run_ahead(self, batch: ForwardBatch) -> None:
         self.steps_built_ahead += bool(self.in_flight)
-        self.in_flight.append(self.runner.launch(batch))
+        self.in_flight.append(self._sampled(self.runner.launch(batch)))
         while len(self.in_flight) > 1:
             self._report_oldest()
 
@@ -99,9 +123,20 @@ class WorkerLoop:
         self.steps_built_ahead += bool(self.in_flight)
         self._report_all()
         self.runner.start(pending)
-        self.in_flight.append(pending)
+        self.in_flight.append(self._sampled(pending))
         if not self.overlap:
             self._report_oldest()
+
+    def _sampled(self, pending: PendingStep) -> PendingStep:
+        """A started step, with its sampling: a step with constrained rows was started with
+        only its forward, and its grammar masks need every earlier step's tokens, so those
+        are reported first; the forward keeps running while the host fills the masks."""
+        if not pending.needs_sampling:
+            return pending
+        self._report_all()
+        pending = self.runner.sample_constrained(pending)
+        self.runner.start(pending)
+        return pending
 
     def _report_oldest(self) -> None:
         self.results.send(self.runner.finish(self.in_flight.popleft()))

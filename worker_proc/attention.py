@@ -60,6 +60,26 @@ class ForwardLayout:
         )
 
     @classmethod
+    def prefill(cls, table_rows: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> "ForwardLayout":
+        """Chunks of several requests in one forward, right-padded to the longest: row b
+        computes positions starts[b] .. starts[b] + sizes[b] - 1. Padded positions write
+        to slot 0 and no real query attends to them (a boolean causal mask per row)."""
+        width = int(sizes.max())
+        ends = starts + sizes
+        cols = np.arange(int(ends.max()))
+        read = np.where(cols[None, :] < ends[:, None], table_rows[:, :len(cols)], 0)
+        pos = starts[:, None] + np.arange(width)[None, :]
+        real = np.arange(width)[None, :] < sizes[:, None]
+        write = np.where(real, np.take_along_axis(read, np.minimum(pos, len(cols) - 1), 1), 0)
+        mask = cols[None, None, :] <= pos[:, :, None]  # [B, width, L]
+        return cls(
+            write_slots=mx.array(write.reshape(-1).astype(np.int32)),
+            read_slots=mx.array(read.astype(np.int32)),
+            offset=mx.array(starts.astype(np.int32)),
+            mask=mx.array(mask[:, None]),
+        )
+
+    @classmethod
     def decode(cls, table_rows: np.ndarray, lengths: np.ndarray) -> "ForwardLayout":
         """One new token per row; lengths count the new token. table_rows: [B, >= max(lengths)]."""
         max_len = int(lengths.max())
@@ -106,7 +126,9 @@ class PooledKVCache:
 
     def paged_attention(self, queries: mx.array, scale: float) -> mx.array:
         layout, layer = self._layout, self._layer
-        attend = paged_decode_attention if kernel_available() else reference_decode_attention
+        # The kernel spreads a head over a warp's 32 lanes; other head sizes take the fallback.
+        fits = kernel_available() and queries.shape[-1] % 32 == 0
+        attend = paged_decode_attention if fits else reference_decode_attention
         return attend(queries, self._pool.keys[layer], self._pool.values[layer],
                       layout.read_slots, layout.lengths, scale)
 

@@ -30,12 +30,13 @@ MIN_SPLIT_TOKENS = 32
 MAX_SPLIT_TOKENS = 256
 _THREADS = 128  # four warps per block
 
-# One block per (split, KV head, row). Each warp streams tokens of the split through an
-# online softmax for the whole query-head group; the four warps then combine in shared
+# One block per (split, KV head, row). Each warp streams tokens of the split, U at a time,
+# through an online softmax for the whole query-head group; the four warps then combine in shared
 # memory. With one split (_DIRECT_WRITE) the block writes the normalised output in q's
 # dtype; otherwise it writes its partial (acc, max, sum) for _MERGE_SOURCE.
 _BODY = r"""
     constexpr int NW = 4;
+    constexpr int U = 4;
     constexpr int E = D / 32;
     const int split = blockIdx.x;
     const int kvh = blockIdx.y;
@@ -63,22 +64,41 @@ _BODY = r"""
         for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
     }
     const int* row_slots = table + (size_t)b * lmax;
-    for (int t = start + warp; t < end; t += NW) {
-        const size_t base = ((size_t)row_slots[t] * HKV + kvh) * D + lane * E;
-        float kv[E], vv[E];
-        for (int e = 0; e < E; ++e) {
-            kv[e] = static_cast<float>(k_pool[base + e]);
-            vv[e] = static_cast<float>(v_pool[base + e]);
+    // Each warp takes U consecutive tokens at a time: their slot ids and K/V rows are
+    // independent loads in flight together, instead of one dependent pair per token.
+    for (int t0 = start + warp * U; t0 < end; t0 += NW * U) {
+        float kv[U][E], vv[U][E];
+        bool ok[U];
+        for (int u = 0; u < U; ++u) {
+            ok[u] = t0 + u < end;
+            const size_t base = ((size_t)row_slots[ok[u] ? t0 + u : t0] * HKV + kvh) * D + lane * E;
+            for (int e = 0; e < E; ++e) {
+                kv[u][e] = static_cast<float>(k_pool[base + e]);
+                vv[u][e] = static_cast<float>(v_pool[base + e]);
+            }
         }
         for (int g = 0; g < G; ++g) {
-            float s = 0.f;
-            for (int e = 0; e < E; ++e) s += qv[g][e] * kv[e];
-            for (int off = 16; off > 0; off >>= 1) s += __shfl_xor_sync(0xffffffff, s, off);
-            const float m_new = fmaxf(m[g], s);
+            float s[U];
+            for (int u = 0; u < U; ++u) {
+                float x = 0.f;
+                for (int e = 0; e < E; ++e) x += qv[g][e] * kv[u][e];
+                s[u] = x;
+            }
+            for (int off = 16; off > 0; off >>= 1) {
+                for (int u = 0; u < U; ++u) s[u] += __shfl_xor_sync(0xffffffff, s[u], off);
+            }
+            float m_new = m[g];
+            for (int u = 0; u < U; ++u) {
+                if (ok[u]) m_new = fmaxf(m_new, s[u]);
+            }
             const float alpha = __expf(m[g] - m_new);
-            const float p = __expf(s - m_new);
-            l[g] = l[g] * alpha + p;
-            for (int e = 0; e < E; ++e) acc[g][e] = acc[g][e] * alpha + p * vv[e];
+            l[g] *= alpha;
+            for (int e = 0; e < E; ++e) acc[g][e] *= alpha;
+            for (int u = 0; u < U; ++u) {
+                const float p = ok[u] ? __expf(s[u] - m_new) : 0.f;
+                l[g] += p;
+                for (int e = 0; e < E; ++e) acc[g][e] += p * vv[u][e];
+            }
             m[g] = m_new;
         }
     }

@@ -18,11 +18,13 @@ import msgspec
 import numpy as np
 
 from ipc.messages.common import SamplingParams
-from ipc.messages.to_scheduler import StepResult
+from ipc.messages.to_scheduler import PromptLogprobs, StepResult
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from worker_proc.attention import ForwardLayout, build_layer_caches, install_attention_hook
 from worker_proc.kv_pool import KVPool
-from worker_proc.sampling import Penalties, SamplingBatch, StepLogprobs, sample, step_logprobs
+from worker_proc.grammar import GrammarMatchers
+from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, SamplingBatch,
+                                  StepLogprobs, sample, step_logprobs, token_logprobs)
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +61,12 @@ class RequestState:
     last_token: mx.array | None = None  # [1] int32, possibly not evaluated yet
     stop_ids: list[int] = field(default_factory=list)  # masked until min_tokens outputs
     token_counts: TokenCounts | None = None  # only for requests with penalties
+    # Only for requests with a grammar: an llguidance matcher that has consumed every
+    # output the host has seen (advanced in finish, so it may lag the lazy last_token).
+    matcher: Any = None
+    # Prompt logprobs: the last position's logits of the previous chunk, which score the
+    # next chunk's first token.
+    prompt_carry: mx.array | None = None
 
 
 class _Sampled(NamedTuple):
@@ -79,19 +87,55 @@ class PendingStep:
     tokens: mx.array | None
     final: list[mx.array]
     logprobs: StepLogprobs | None = None  # only when some row asked
+    # Constrained rows (index into rids) and their matchers, which finish advances.
+    matchers: list[tuple[int, Any]] = field(default_factory=list)
+    # Set while a step with constrained rows holds only its forward (final: its logits and
+    # the pool): sample_constrained adds the sampling once earlier steps have finished.
+    unsampled: "_Unsampled | None" = None
+
+    @property
+    def needs_sampling(self) -> bool:
+        return self.unsampled is not None
+
+
+@dataclass(frozen=True)
+class PendingPromptLogprobs:
+    """One prefill chunk's prompt logprobs (lazy): entry i scores prompt token start + i."""
+
+    rid: str
+    start: int
+    top_k: int
+    picked: PickedLogprobs
+
+    def message(self) -> PromptLogprobs:
+        p = self.picked
+        return PromptLogprobs(rid=self.rid, start=self.start, logprobs=p.chosen.tolist(),
+                              top_k=self.top_k, top_ids=p.top_ids.reshape(-1).tolist(),
+                              top_logprobs=p.top_logprobs.reshape(-1).tolist())
+
+
+class _Unsampled(NamedTuple):
+    logits: list[mx.array]
+    states: list[RequestState]
 
 
 class ModelRunner:
-    def __init__(self, model: Any, pool: KVPool, max_requests: int, max_context: int) -> None:
+    def __init__(self, model: Any, pool: KVPool, max_requests: int, max_context: int,
+                 grammars: GrammarMatchers | None = None) -> None:
+        """grammars: matchers for structured output (None: requests with a grammar are
+        refused, as the worker has no tokenizer)."""
         install_attention_hook()  # decode attention reads the pool (idempotent)
         self.model = model
         self.pool = pool
+        self.grammars = grammars
         self.max_context = max_context
         # NOTE: a mirror of the scheduler's req-to-token rows for the requests it sent us;
         # it is filled only from the slot ids in step plans.
         self.table = np.zeros((max_requests, max_context), dtype=np.int32)
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self.requests: dict[str, RequestState] = {}
+        # Prompt logprobs computed by each built step's chunks, reported by its finish.
+        self._prompt_logprobs: dict[int, list[PendingPromptLogprobs]] = {}
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
 
     # -- request bookkeeping -------------------------------------------------------------
@@ -106,6 +150,10 @@ class ModelRunner:
                              stop_ids=list(new.stop_token_ids))
         if new.sampling.uses_penalties:
             state.token_counts = TokenCounts(list(new.prompt_ids), list(new.output_ids))
+        if new.sampling.grammar is not None:
+            if self.grammars is None:
+                raise RuntimeError(f"{new.rid} has a grammar but this worker has no tokenizer")
+            state.matcher = self.grammars.matcher(new.sampling.grammar, new.output_ids)
         # A cached prefix: its K/V is already in the pool, the first chunk starts after it.
         self.table[state.row, :state.length] = new.prefix_slot_ids
         self.requests[new.rid] = state
@@ -127,15 +175,41 @@ class ModelRunner:
             self._add(new)
         logits: list[mx.array] = []
         sampled: list[RequestState] = []
-        for chunk in batch.prefill:
-            out = self._prefill(chunk)
-            if chunk.sample:
-                logits.append(out)
-                sampled.append(self.requests[chunk.rid])
+        prompt: list[PendingPromptLogprobs] = []
+        for group in self._prefill_groups(batch.prefill):
+            outs = (self._prefill_many(group) if len(group) > 1
+                    else [self._prefill(group[0], prompt)])
+            for chunk, out in zip(group, outs):
+                if chunk.sample:
+                    logits.append(out)
+                    sampled.append(self.requests[chunk.rid])
+        if prompt:
+            self._prompt_logprobs[batch.step] = prompt
         if batch.decode_rids:
             logits.append(self._decode(batch.decode_rids, batch.decode_slots))
             sampled.extend(self.requests[rid] for rid in batch.decode_rids)
+        if any(s.matcher is not None for s in sampled):
+            # The masks need the tokens of the steps still in flight: sampled later.
+            return PendingStep(batch.step, [s.rid for s in sampled], None,
+                               [*logits, *self.pool.keys, *self.pool.values],
+                               unsampled=_Unsampled(logits, sampled))
         out = self._sample(logits, sampled) if sampled else _Sampled(None, [], None)
+        return self._with_tokens(batch.step, sampled, out)
+
+    def sample_constrained(self, pending: PendingStep) -> PendingStep:
+        """The sampling of a step whose forward build() left alone because some rows have
+        a grammar. Call it once every earlier step has finished (their tokens are then in
+        the matchers); the forward may still be running: only the masks are host work."""
+        assert pending.unsampled is not None and self.grammars is not None
+        logits, states = pending.unsampled
+        rows = [i for i, s in enumerate(states) if s.matcher is not None]
+        masks = self.grammars.fill([states[i].matcher for i in rows])
+        out = self._sample(logits, states, GrammarMask.build(rows, masks))
+        return self._with_tokens(pending.step, states, out,
+                                 [(i, states[i].matcher) for i in rows])
+
+    def _with_tokens(self, step: int, sampled: list[RequestState], out: _Sampled,
+                     matchers: list[tuple[int, Any]] | None = None) -> PendingStep:
         tokens, logprobs = out.tokens, out.logprobs
         # The pool arrays (and new token counts) are computed with the tokens: a step that
         # samples nothing (a middle prefill chunk) must still land its K/V, and the graph
@@ -143,7 +217,8 @@ class ModelRunner:
         final = [*([tokens] if tokens is not None else []), *out.counts,
                  *(logprobs.arrays if logprobs is not None else []), *self.pool.keys,
                  *self.pool.values]
-        return PendingStep(batch.step, [s.rid for s in sampled], tokens, final, logprobs)
+        return PendingStep(step, [s.rid for s in sampled], tokens, final, logprobs,
+                           matchers=matchers or [])
 
     def start(self, pending: PendingStep) -> None:
         """Put a built step on the device; returns before it finishes.
@@ -161,12 +236,17 @@ class ModelRunner:
         return pending
 
     def finish(self, pending: PendingStep) -> StepResult:
-        """Wait for a started step and report its tokens."""
+        """Wait for a started step and report its tokens; the grammars of its constrained
+        rows consume theirs."""
+        assert not pending.needs_sampling, "sample_constrained was not called"
         mx.eval(*pending.final)
+        prompt = [p.message() for p in self._prompt_logprobs.pop(pending.step, [])]
         if pending.tokens is None:
-            return StepResult(step=pending.step, rids=[], token_ids=[])
+            return StepResult(step=pending.step, rids=[], token_ids=[], prompt_logprobs=prompt)
         result = StepResult(step=pending.step, rids=pending.rids,
-                            token_ids=pending.tokens.tolist())
+                            token_ids=pending.tokens.tolist(), prompt_logprobs=prompt)
+        for row, matcher in pending.matchers:
+            GrammarMatchers.advance(matcher, result.token_ids[row])
         lp = pending.logprobs
         if lp is None:
             return result
@@ -177,9 +257,15 @@ class ModelRunner:
             top_logprobs=[v for row, k in zip(top_logprobs, lp.counts) for v in row[:k]])
 
     def run(self, batch: ForwardBatch) -> StepResult:
-        return self.finish(self.launch(batch))
+        pending = self.launch(batch)
+        if pending.needs_sampling:
+            pending = self.sample_constrained(pending)
+            self.start(pending)
+        return self.finish(pending)
 
-    def _prefill(self, chunk: PrefillChunk) -> mx.array:
+    def _prefill(self, chunk: PrefillChunk, prompt: list[PendingPromptLogprobs]) -> mx.array:
+        """Run one chunk's forward; its last position's logits. A request that asked for
+        prompt logprobs gets this chunk's appended to `prompt`."""
         state = self.requests[chunk.rid]
         n = len(chunk.token_ids)
         if chunk.start != state.length:
@@ -191,10 +277,61 @@ class ModelRunner:
         out = self.model(mx.array([chunk.token_ids]), cache=build_layer_caches(self.pool, layout))
         state.length += n
         logits = out[:, -1, :]
+        scored = self._prompt_logprobs_of(state, chunk, out[0], logits)
+        if scored is not None:
+            prompt.append(scored)
         # Run this forward before the next one is built, for start's NOTE: the next
         # forward's scatter must find this one's reads of the pool done.
-        mx.async_eval(logits, *self.pool.keys, *self.pool.values)
+        mx.async_eval(logits, *(scored.picked if scored else ()), *self.pool.keys,
+                      *self.pool.values)
         return logits
+
+    def _prefill_groups(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
+        """Chunks that share a forward: those of similar length, except a request's that
+        asked for prompt logprobs (scored over every position, one forward of its own)."""
+        alone = [[c] for c in chunks if self.requests[c.rid].sampling.prompt_logprobs >= 0]
+        rest = [c for c in chunks if self.requests[c.rid].sampling.prompt_logprobs < 0]
+        groups = group_by_length([len(c.token_ids) for c in rest])
+        return alone + [[rest[i] for i in g] for g in groups]
+
+    def _prefill_many(self, chunks: list[PrefillChunk]) -> list[mx.array]:
+        """One forward over chunks of several requests (right-padded to the longest);
+        each chunk's last position's logits, [1, V] each."""
+        states = [self.requests[c.rid] for c in chunks]
+        sizes = np.array([len(c.token_ids) for c in chunks])
+        starts = np.array([c.start for c in chunks])
+        tokens = np.zeros((len(chunks), int(sizes.max())), dtype=np.int32)
+        for i, (chunk, state) in enumerate(zip(chunks, states)):
+            if chunk.start != state.length:
+                raise RuntimeError(f"{chunk.rid}: chunk starts at {chunk.start}, context is {state.length}")
+            self._check_room(state, sizes[i])
+            self.table[state.row, chunk.start:chunk.start + sizes[i]] = chunk.slot_ids
+            tokens[i, :sizes[i]] = chunk.token_ids
+        layout = ForwardLayout.prefill(self.table[[s.row for s in states]], starts, sizes)
+        out = self.model(mx.array(tokens), cache=build_layer_caches(self.pool, layout))
+        for state, n in zip(states, sizes):
+            state.length += int(n)
+        logits = out[mx.arange(len(chunks)), mx.array(sizes - 1)]
+        mx.async_eval(logits, *self.pool.keys, *self.pool.values)  # see _prefill's note
+        return [logits[i:i + 1] for i in range(len(chunks))]
+
+    def _prompt_logprobs_of(self, state: RequestState, chunk: PrefillChunk, out: mx.array,
+                            last: mx.array) -> PendingPromptLogprobs | None:
+        """The logprob of each prompt token of the chunk given the tokens before it, from
+        the logits of the position before it (the previous chunk's last, for its first);
+        None when the request did not ask (then nothing joins its graph)."""
+        k = state.sampling.prompt_logprobs
+        if k < 0:
+            return None
+        rows, targets, start = out[:-1], chunk.token_ids[1:], chunk.start + 1
+        if state.prompt_carry is not None:
+            rows, targets = mx.concatenate([state.prompt_carry, rows]), chunk.token_ids
+            start = chunk.start
+        state.prompt_carry = None if chunk.sample else last
+        if not targets:
+            return None
+        picked = token_logprobs(rows, mx.array(targets, dtype=mx.int32), k)
+        return PendingPromptLogprobs(chunk.rid, start, k, picked)
 
     def _decode(self, rids: list[str], slots: list[int]) -> mx.array:
         states = [self.requests[rid] for rid in rids]
@@ -210,14 +347,15 @@ class ModelRunner:
             s.length += 1
         return out[:, -1, :]
 
-    def _sample(self, logits: list[mx.array], states: list[RequestState]) -> _Sampled:
+    def _sample(self, logits: list[mx.array], states: list[RequestState],
+                grammar: GrammarMask | None = None) -> _Sampled:
         """The step's tokens, the penalised requests' new (lazy) token counts, and the
         logprobs of the rows that asked."""
         stacked = mx.concatenate(logits, axis=0)
         penalties = self._penalties(states, stacked.shape[-1])
         params = SamplingBatch.build([s.sampling for s in states], [s.seed for s in states],
                                      [s.num_sampled for s in states],
-                                     [s.stop_ids for s in states], penalties)
+                                     [s.stop_ids for s in states], penalties, grammar)
         tokens = sample(stacked, params)
         # From the raw logits: see StepLogprobs for which distribution.
         logprobs = step_logprobs(stacked, tokens, [s.sampling for s in states])
@@ -274,6 +412,22 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
                                     decode_slots=[next(next_slot) for _ in range(size)]))
     runner.run(ForwardBatch(step=step + 1, released=rids))
     return step + 1
+
+
+def group_by_length(sizes: list[int], max_padding: float = 0.25) -> list[list[int]]:
+    """Indices of chunks to run together, longest first: a group grows while its padded
+    size (members x longest) stays within (1 + max_padding) of its real tokens."""
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    groups: list[list[int]] = []
+    real = 0
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * sizes[groups[-1][0]] <= (1 + max_padding) * (real + sizes[i]):
+            groups[-1].append(i)
+            real += sizes[i]
+        else:
+            groups.append([i])
+            real = sizes[i]
+    return groups
 
 
 def _fold_seed(seed: int) -> int:

@@ -1,5 +1,6 @@
 """Batched in-graph sampling: greedy, temperature, top-k, top-p and min-p, per-row settings,
-after the logit edits (logit_bias, min_tokens' stop-id mask) and the penalties.
+after the logit edits (logit_bias, min_tokens' stop-id mask), the penalties and the grammar
+mask (structured output).
 
 Random draws come from a counter-based hash of (seed, step, token id) instead of a shared
 generator, so a seeded request's tokens do not depend on what else is in its batch, and
@@ -9,6 +10,7 @@ the whole batch still samples in one vectorised graph (Gumbel-max trick).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -16,6 +18,8 @@ import numpy as np
 from ipc.messages.common import SamplingParams
 
 _U32 = mx.uint32
+_BELOW_ONE = float(np.nextafter(np.float32(1.0), np.float32(0.0)))
+_BIT_VALUES = mx.array([1 << b for b in range(32)], dtype=_U32)  # bit b of a mask word
 
 
 @dataclass(frozen=True)
@@ -75,6 +79,48 @@ class Penalties:
 
 
 @dataclass(frozen=True)
+class GrammarMask:
+    """The tokens each constrained row's grammar allows next, as llguidance's bitmasks:
+    bit t % 32 of word t // 32 allows token t. Ids past the mask (a model vocab wider
+    than the tokenizer's) are never allowed."""
+
+    rows: mx.array  # [G] int32: the constrained rows of the batch
+    words: mx.array  # [G, W] uint32
+
+    @classmethod
+    def build(cls, rows: list[int], masks: np.ndarray) -> "GrammarMask | None":
+        """rows: distinct, ascending; masks: [G, W] int32 as llguidance fills them; None
+        when no row is constrained."""
+        assert rows == sorted(set(rows)), rows
+        if not rows:
+            return None
+        return cls(mx.array(rows, dtype=mx.int32), mx.array(masks.view(np.uint32)))
+
+    def allowed(self, vocab: int) -> mx.array:
+        """[G, vocab] bool."""
+        g, w = self.words.shape
+        bits = (self.words[:, :, None] & _BIT_VALUES) != 0
+        bits = bits.reshape(g, w * 32)
+        if w * 32 >= vocab:
+            return bits[:, :vocab]
+        return mx.concatenate([bits, mx.zeros((g, vocab - w * 32), dtype=mx.bool_)], axis=1)
+
+
+def apply_grammar_mask(logits: mx.array, mask: GrammarMask) -> mx.array:
+    """-inf on every token a constrained row's grammar does not allow; allowed tokens and
+    unconstrained rows keep their logits bit for bit."""
+    logits = logits.astype(mx.float32)  # a new array: the caller's stays as it was
+    allowed = mask.allowed(logits.shape[-1])
+    # NOTE: rows are distinct and ascending, so as many rows as the batch are all of it;
+    # then no gather and scatter (on the CPU they cost as much as the mask itself).
+    if mask.rows.shape[0] == logits.shape[0]:
+        return mx.where(allowed, logits, -mx.inf)
+    rows = logits[mask.rows]
+    logits[mask.rows] = mx.where(allowed, rows, -mx.inf)
+    return logits
+
+
+@dataclass(frozen=True)
 class SamplingBatch:
     """Per-row sampling settings for one step, as device arrays."""
 
@@ -88,13 +134,15 @@ class SamplingBatch:
     needs_filter: bool
     edits: LogitEdits | None = None
     penalties: Penalties | None = None
+    grammar: GrammarMask | None = None
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int],
               stop_ids: list[list[int]] | None = None,
-              penalties: Penalties | None = None) -> "SamplingBatch":
+              penalties: Penalties | None = None,
+              grammar: GrammarMask | None = None) -> "SamplingBatch":
         """steps: tokens each row sampled before; stop_ids: each row's ids that min_tokens
-        masks (default none)."""
+        masks (default none); grammar: the constrained rows' masks (default none)."""
         temps = np.array([p.temperature for p in params], dtype=np.float32)
         top_p = np.array([p.top_p for p in params], dtype=np.float32)
         top_k = np.array([p.top_k for p in params], dtype=np.int32)
@@ -111,18 +159,22 @@ class SamplingBatch:
             needs_filter=bool(((top_p < 1.0) | (top_k > 0) | (min_p > 0))[sampled].any()),
             edits=LogitEdits.build(params, steps, stop_ids or [[] for _ in params]),
             penalties=penalties,
+            grammar=grammar,
         )
 
 
 def process_logits(logits: mx.array, batch: SamplingBatch) -> mx.array:
-    """float32 logits after the edits, then the penalties; rows without either are
-    untouched, so their greedy tokens stay bit-identical to plain argmax."""
+    """float32 logits after the edits, then the penalties, then the grammar mask (last, so
+    nothing can lift a disallowed token); rows without any are untouched, so their greedy
+    tokens stay bit-identical to plain argmax."""
     logits = logits.astype(mx.float32)
     if batch.edits is not None:
         e = batch.edits
         logits = logits.at[e.rows, e.tokens].add(e.values)
     if batch.penalties is not None:
         logits = apply_penalties(logits, batch.penalties)
+    if batch.grammar is not None:
+        logits = apply_grammar_mask(logits, batch.grammar)
     return logits
 
 
@@ -205,20 +257,30 @@ def step_logprobs(logits: mx.array, tokens: mx.array,
         return None
     counts = [params[i].logprobs for i in rows]
     index = mx.array(rows, dtype=mx.int32)
-    picked = logits[index].astype(mx.float32)
-    logprobs = picked - mx.logsumexp(picked, axis=-1, keepdims=True)
-    chosen = mx.take_along_axis(logprobs, tokens[index][:, None], axis=-1)[:, 0]
-    k = max(counts)
+    picked = token_logprobs(logits[index], tokens[index], max(counts))
+    return StepLogprobs(rows, counts, *picked)
+
+
+class PickedLogprobs(NamedTuple):
+    chosen: mx.array  # [R] float32: each row's token's logprob
+    top_ids: mx.array  # [R, k] int32, most likely first
+    top_logprobs: mx.array  # [R, k] float32
+
+
+def token_logprobs(logits: mx.array, tokens: mx.array, k: int) -> PickedLogprobs:
+    """Log-softmax of logits [R, V] (float32) at tokens [R], and each row's k most likely."""
+    logits = logits.astype(mx.float32)
+    logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
+    chosen = mx.take_along_axis(logprobs, tokens[:, None], axis=-1)[:, 0]
     if k == 0:
-        top_ids = mx.zeros((len(rows), 0), dtype=mx.int32)
-        return StepLogprobs(rows, counts, chosen, top_ids, top_ids.astype(mx.float32))
+        top_ids = mx.zeros((logits.shape[0], 0), dtype=mx.int32)
+        return PickedLogprobs(chosen, top_ids, top_ids.astype(mx.float32))
     # argpartition finds the k largest unordered; a sort of those k orders them.
     top = mx.argpartition(-logprobs, kth=k - 1, axis=-1)[:, :k]
     top_values = mx.take_along_axis(logprobs, top, axis=-1)
     order = mx.argsort(-top_values, axis=-1)
-    return StepLogprobs(rows, counts, chosen,
-                        mx.take_along_axis(top, order, axis=-1).astype(mx.int32),
-                        mx.take_along_axis(top_values, order, axis=-1))
+    return PickedLogprobs(chosen, mx.take_along_axis(top, order, axis=-1).astype(mx.int32),
+                          mx.take_along_axis(top_values, order, axis=-1))
 
 
 def gumbel_noise(seed: mx.array, step: mx.array, vocab: int) -> mx.array:
@@ -226,8 +288,20 @@ def gumbel_noise(seed: mx.array, step: mx.array, vocab: int) -> mx.array:
     token = mx.arange(vocab, dtype=_U32)[None, :]
     x = seed[:, None] * _c(0x9E3779B1) ^ (step[:, None] + _c(1)) * _c(0x85EBCA77)
     x = _fmix32(_fmix32(x) ^ token * _c(0xC2B2AE3D))
-    # 24 random bits, centred in their bucket so u is never exactly 0 or 1.
-    u = ((x >> _c(8)).astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
+    return gumbel_from_bits(x >> _c(8))
+
+
+def gumbel_from_bits(bits: mx.array) -> mx.array:
+    """Gumbel(0, 1) from 24 random bits (uint32 < 2**24), centred in their bucket so u is
+    never 0 or 1.
+
+    NOTE: the top bucket's centre, 1 - 2**-25, rounds to 1.0 in float32, whose noise is
+    +inf: that token then beat every other, and a grammar's -inf plus it made a NaN that
+    argmax took. It is clamped to the float just below 1 (noise ~16.6); every other draw
+    is unchanged.
+    """
+    u = (bits.astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
+    u = mx.minimum(u, _BELOW_ONE)
     return -mx.log(-mx.log(u))
 
 

@@ -7,6 +7,8 @@ to be unique per client.
 
 from __future__ import annotations
 
+from typing import Any
+
 from ipc.messages.common import Message, SchedulerStats, Usage
 from ipc.messages.to_tokenizer import TextLogprob
 
@@ -41,6 +43,13 @@ class GenerateRequest(Message, frozen=True):
     stop: list[str] | None = None
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-k log-probabilities per token (0..20); None: off
+    n: int = 1  # outputs of the prompt (1..16), each replied with its `index`
+    # Structured output, at most one: a JSON schema (object or JSON text), a regex, a GBNF
+    # grammar (llama.cpp syntax) or a Lark grammar (llguidance's dialect).
+    json_schema: str | dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    lark: str | None = None
 
 
 class AbortGenerate(Message, frozen=True):
@@ -61,8 +70,9 @@ class StatsQuery(Message, frozen=True):
 class GenerateOutput(Message, frozen=True):
     """A streamed delta (stream=True) or the whole result (stream=False).
 
-    The last message of a request has finished=True; `usage` comes with it. A refused or
-    failed request gets one message with finished=True and `error` set.
+    The last message of each of a request's n outputs has finished=True; `usage` (its
+    prompt and its own completion tokens) comes with it. A refused or failed request gets
+    one message with finished=True and `error` set.
     """
 
     request_id: str
@@ -73,6 +83,7 @@ class GenerateOutput(Message, frozen=True):
     usage: Usage | None = None
     error: str | None = None
     logprobs: list[TextLogprob] | None = None  # one per token id, when asked for
+    index: int = 0  # which of the request's n outputs
 
 
 class StatsResult(Message, frozen=True):

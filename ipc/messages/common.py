@@ -30,6 +30,14 @@ class SamplingParams(msgspec.Struct, frozen=True, kw_only=True):
     # Log-probabilities of each sampled token and of the `logprobs` most likely ones
     # (0..20); -1: off. Of the raw model distribution (see TokenLogprob).
     logprobs: int = -1
+    # Log-probabilities of the prompt's own tokens (each given the ones before it) with
+    # the top `prompt_logprobs` (0..20); -1: off. A request asking computes its whole
+    # prompt: the prefix cache would skip positions.
+    prompt_logprobs: int = -1
+    # Structured output: an llguidance grammar (the text `LLMatcher.grammar_from_*` makes
+    # of a JSON schema, regex or Lark grammar), validated by the tokenizer process; the
+    # worker masks every token it does not allow. None: unconstrained.
+    grammar: str | None = None
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,13 @@ import msgspec
 from ipc.messages.common import Message, SchedulerStats, TokenLogprob, Usage
 
 
+class PromptTokenLogprobs(msgspec.Struct, frozen=True, kw_only=True):
+    """A request's prompt with the logprobs of its tokens 1.. (token 0 has no context)."""
+
+    token_ids: list[int]
+    logprobs: list[TokenLogprob]
+
+
 class TokenOutput(msgspec.Struct, frozen=True, kw_only=True):
     """New tokens of one request since its last output.
 
@@ -29,6 +36,12 @@ class TokenOutput(msgspec.Struct, frozen=True, kw_only=True):
     stop: list[str] | None = None
     include_stop_str: bool = False
     stop_str: str | None = None
+    # First output of a request that asked for prompt logprobs (and had its whole prompt
+    # computed); None otherwise.
+    prompt_logprobs: PromptTokenLogprobs | None = None
+    # Final output of a request with logprobs: the sum over every token it sampled (the
+    # stop token too), which best_of ranks by.
+    cumulative_logprob: float | None = None
 
 
 class BatchTokens(Message, frozen=True):

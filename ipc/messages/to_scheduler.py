@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import msgspec
+
 from ipc.messages.common import Message, SamplingParams, TokenLogprob
 
 
@@ -37,8 +39,28 @@ class WorkerReady(Message, frozen=True):
     max_context_len: int
 
 
+class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """Logprobs of prompt tokens `start`.. of one request, from one prefill chunk: entry i
+    is of prompt token start + i given the tokens before it (so start >= 1), with the
+    `top_k` most likely ids at that position (flat: top_k entries per token)."""
+
+    rid: str
+    start: int
+    logprobs: list[float]
+    top_k: int
+    top_ids: list[int] = []
+    top_logprobs: list[float] = []
+
+    def entries(self) -> list[TokenLogprob]:
+        k = self.top_k
+        return [TokenLogprob(logprob=lp, top_ids=self.top_ids[i * k:(i + 1) * k],
+                             top_logprobs=self.top_logprobs[i * k:(i + 1) * k])
+                for i, lp in enumerate(self.logprobs)]
+
+
 class StepResult(Message, frozen=True):
-    """One sampled token for every request of step `step` that asked for one."""
+    """One sampled token for every request of step `step` that asked for one, and the
+    prompt logprobs its prefill chunks computed for requests that asked."""
 
     step: int
     rids: list[str]
@@ -50,6 +72,7 @@ class StepResult(Message, frozen=True):
     top_counts: list[int] = []
     top_ids: list[int] = []
     top_logprobs: list[float] = []
+    prompt_logprobs: list[PromptLogprobs] = []
 
     def token_logprobs(self) -> dict[int, TokenLogprob]:
         """The flat lists regrouped: row index -> its TokenLogprob."""

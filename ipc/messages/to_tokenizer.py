@@ -16,6 +16,17 @@ class TextLogprob(msgspec.Struct, frozen=True, array_like=True):
     logprob: float
     top_tokens: list[str] = []
     top_logprobs: list[float] = []
+    token_id: int = -1  # -1: not known (records built by hand)
+    top_ids: list[int] = []
+
+
+class PromptTextLogprobs(msgspec.Struct, frozen=True, array_like=True):
+    """The prompt's tokens with their logprobs: `first` (token 0, whose logprob does not
+    exist: nothing precedes it), then one entry per later prompt token."""
+
+    first: str
+    first_id: int
+    rest: list[TextLogprob]
 
 
 class TextOutput(msgspec.Struct, frozen=True, kw_only=True):
@@ -30,6 +41,8 @@ class TextOutput(msgspec.Struct, frozen=True, kw_only=True):
     error: str | None = None
     # One per token id, for requests that asked for logprobs; None otherwise.
     logprobs: list[TextLogprob] | None = None
+    prompt_logprobs: PromptTextLogprobs | None = None  # first output only, when asked for
+    cumulative_logprob: float | None = None  # final output only, with logprobs
 
 
 class BatchText(Message, frozen=True):

@@ -19,7 +19,8 @@ class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     preemption, so a seeded request resumes its random stream where it stopped.
     stop_token_ids: what min_tokens masks (sent only with min_tokens). prompt_ids and
     output_ids (sent only with penalties) let the worker (re)build the request's token
-    counts, also after a preemption.
+    counts, also after a preemption; output_ids are also sent with a grammar, whose
+    matcher must have consumed them before it masks the next token.
     """
 
     rid: str
