@@ -16,7 +16,10 @@ Sampling keywords (all optional): max_tokens (16), temperature (1.0; 0 = greedy)
 top_p (1.0), top_k (0 = off), seed (None), min_p (0), logit_bias ({token id: bias}),
 repetition_penalty (1), frequency_penalty (0), presence_penalty (0), min_tokens (0),
 stop_token_ids (None), ignore_eos (False), skip_special_tokens (True), logprobs (None;
-k in 0..20 returns each token's log-probability and the top k), n (1; up to 16 outputs
+k in 0..20 returns each token's log-probability and the top k), prompt_logprobs (None;
+k in 0..20 returns the same for every prompt token given the ones before it, as
+`prompt_logprobs[i]` for prompt position i, None at position 0; max_tokens may then be 0
+to only score the prompt; streamed, the first delta carries them), n (1; up to 16 outputs
 of the prompt, which is computed once: `generate` then returns a list of n results in
 index order, and `stream` interleaves the outputs' deltas, each naming its `index`;
 with a seed, output i samples with seed + i), and at most one structured-output
@@ -34,7 +37,7 @@ import contextlib
 import queue
 import threading
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import (Any, AsyncIterator, Awaitable, Coroutine, Generator, Iterator, Sequence,
                     TypeVar)
 
@@ -83,6 +86,9 @@ class GenerateResult:
     usage: Usage | None
     logprobs: list[TextLogprob] | None = None  # per token, with logprobs=k (0..20)
     index: int = 0  # which of the request's n outputs
+    # Per prompt position, with prompt_logprobs=k (0..20); position 0 is None (nothing
+    # precedes it). Every one of n results carries the same list.
+    prompt_logprobs: list[TextLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -97,6 +103,8 @@ class StreamDelta:
     usage: Usage | None
     logprobs: list[TextLogprob] | None = None
     index: int = 0  # which of the request's n outputs
+    # As GenerateResult's, on the first delta only (with n > 1: the first of output 0).
+    prompt_logprobs: list[TextLogprob | None] | None = None
 
 
 _CLOSED = object()  # put in waiting queues when the client closes
@@ -159,12 +167,9 @@ class AsyncKilnClient:
         results: list[GenerateResult] = []
         async with self._call(request) as call:
             while not call.finished:
-                output = _checked(await call.next(self._timeout(timeout)))
-                results.append(GenerateResult(output.request_id, output.text,
-                                              output.token_ids, output.finish_reason,
-                                              output.usage, output.logprobs, output.index))
+                results.append(_result(_checked(await call.next(self._timeout(timeout)))))
         results.sort(key=lambda r: r.index)
-        return results if request.n > 1 else results[0]
+        return _shared_prompt_logprobs(results) if request.n > 1 else results[0]
 
     async def stream(self, prompt: Prompt | None = None, *,
                      input_ids: Sequence[int] | None = None, request_id: str | None = None,
@@ -177,10 +182,7 @@ class AsyncKilnClient:
         request = _request(prompt, input_ids, request_id, True, sampling, self._api_key)
         async with self._call(request) as call:
             while not call.finished:
-                output = _checked(await call.next(self._timeout(timeout)))
-                yield StreamDelta(output.request_id, output.text, output.token_ids,
-                                  output.finished, output.finish_reason, output.usage,
-                                  output.logprobs, output.index)
+                yield _delta(_checked(await call.next(self._timeout(timeout))))
 
     async def abort(self, request_id: str) -> None:
         """Stop a request; its generate() returns (or its stream ends) with "abort"."""
@@ -381,6 +383,27 @@ def _request(prompt: Prompt | None, input_ids: Sequence[int] | None,
         return msgspec.msgpack.decode(encode(request), type=GenerateRequest)
     except msgspec.ValidationError as exc:
         raise TypeError(f"invalid generate argument: {exc}") from None
+
+
+def _result(output: GenerateOutput) -> GenerateResult:
+    return GenerateResult(output.request_id, output.text, output.token_ids,
+                          output.finish_reason, output.usage, output.logprobs, output.index,
+                          output.prompt_logprobs)
+
+
+def _delta(output: GenerateOutput) -> StreamDelta:
+    return StreamDelta(output.request_id, output.text, output.token_ids, output.finished,
+                       output.finish_reason, output.usage, output.logprobs, output.index,
+                       output.prompt_logprobs)
+
+
+def _shared_prompt_logprobs(results: list[GenerateResult]) -> list[GenerateResult]:
+    """Only output 0 scores the prompt (the server's fan-out lets the others read it from
+    the prefix cache), so its entries are given to every result, sorted by index."""
+    prompt = results[0].prompt_logprobs
+    if prompt is None:
+        return results
+    return [replace(r, prompt_logprobs=prompt) for r in results]
 
 
 def _checked(reply: ServerToClient) -> GenerateOutput:

@@ -10,6 +10,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Iterator
 
+import msgspec
 import pytest
 
 from ipc.channel import AsyncRouter
@@ -18,7 +19,7 @@ from ipc.client import (AsyncKilnClient, KilnClient, KilnClosedError, KilnReques
 from ipc.messages.client import ClientToServer
 from ipc.messages.common import Usage
 from ipc.messages.to_scheduler import TokenizedRequest
-from ipc.messages.to_tokenizer import TextOutput
+from ipc.messages.to_tokenizer import PromptTextLogprobs, TextLogprob, TextOutput
 from tokenizer_proc.client_front import ClientFront
 from tests.fake_engine import (FAKE_STATS, FakeEngine, Script, endless_script,
                                         reject_script)
@@ -41,6 +42,25 @@ def echo_script(request: TokenizedRequest) -> list[TextOutput]:
 
 def echoed(ids: list[int]) -> str:
     return "".join(f"{t} " for t in ids)
+
+
+def scored(token_id: int) -> TextLogprob:
+    """A made-up prompt entry: token t gets logprob -t and one top alternative."""
+    return TextLogprob(f"<{token_id}>", -float(token_id), [f"<{token_id + 1}>"],
+                       [-0.5], token_id=token_id, top_ids=[token_id + 1])
+
+
+def scoring_script(request: TokenizedRequest) -> list[TextOutput]:
+    """echo_script, plus made-up prompt entries on the first output of a request that
+    asked for them, as the detokenizer sends them (max_tokens 0: one empty output)."""
+    outputs = echo_script(request) or [TextOutput(
+        rid=request.rid, text="", token_ids=[], finished=True, finish_reason="length",
+        usage=Usage(prompt_tokens=len(request.input_ids), completion_tokens=0))]
+    if request.sampling.prompt_logprobs < 0:
+        return outputs
+    ids = request.input_ids
+    prompt = PromptTextLogprobs(f"<{ids[0]}>", ids[0], [scored(t) for t in ids[1:]])
+    return [msgspec.structs.replace(outputs[0], prompt_logprobs=prompt), *outputs[1:]]
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +181,51 @@ def test_stream_yields_deltas(make_front: Callable[..., Front]) -> None:
     assert [d.text for d in deltas] == ["5 ", "6 ", "7 "]
     assert [d.finished for d in deltas] == [False, False, True]
     assert deltas[-1].finish_reason == "stop" and deltas[-1].usage is not None
+
+
+def test_prompt_logprobs_per_prompt_position(make_front: Callable[..., Front]) -> None:
+    front = make_front(scoring_script, delay=0.005)
+    expected = [None, scored(6), scored(7)]
+    with sync_client(front) as client:
+        result = client.generate([5, 6, 7], prompt_logprobs=1, max_tokens=2)
+        assert result.prompt_logprobs == expected and result.logprobs is None
+        assert client.generate([5, 6, 7]).prompt_logprobs is None
+        deltas = list(client.stream([5, 6, 7], prompt_logprobs=1))
+        assert [d.prompt_logprobs for d in deltas] == [expected, None, None]
+        # Scoring only: max_tokens 0 is allowed with prompt logprobs, and only then.
+        only = client.generate([5, 6, 7], prompt_logprobs=0, max_tokens=0)
+        assert (only.token_ids, only.prompt_logprobs) == ([], expected)
+        with pytest.raises(KilnRequestError, match="max_tokens"):
+            client.generate([5, 6, 7], max_tokens=0)
+    sent = front.engine.requests()
+    assert [r.sampling.prompt_logprobs for r in sent] == [1, -1, 1, 0]
+    assert sent[0].sampling.logprobs == -1
+
+
+def test_prompt_logprobs_with_n_are_shared(make_front: Callable[..., Front]) -> None:
+    front = make_front(scoring_script)
+    with sync_client(front) as client:
+        results = client.generate([5, 6], n=3, prompt_logprobs=2)
+        assert [r.prompt_logprobs for r in results] == [[None, scored(6)]] * 3
+        deltas = list(client.stream([5, 6], n=2, prompt_logprobs=2))
+    carried = [(d.index, d.prompt_logprobs) for d in deltas if d.prompt_logprobs]
+    assert carried == [(0, [None, scored(6)])]
+    # Only output 0 scores the prompt; the others may read it from the prefix cache.
+    assert [r.sampling.prompt_logprobs for r in front.engine.requests()[:3]] == [2, -1, -1]
+
+
+def test_prompt_logprobs_refusals(make_front: Callable[..., Front]) -> None:
+    front = make_front(scoring_script)
+    with sync_client(front) as client:
+        for bad in (21, -1):
+            with pytest.raises(KilnRequestError, match="prompt_logprobs"):
+                client.generate("hi", prompt_logprobs=bad)
+        for wrong in (True, "2", 1.5):
+            with pytest.raises(TypeError, match="prompt_logprobs"):
+                client.generate("hi", prompt_logprobs=wrong)
+        with pytest.raises(TypeError):  # the native API's field has no ZMQ twin
+            client.generate("hi", prompt_logprobs=1, logprob_start_len=1)
+    assert front.engine.requests() == []
 
 
 def test_many_threads_share_one_client(make_front: Callable[..., Front]) -> None:

@@ -5,6 +5,7 @@ mlx-lm's log-softmax."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from typing import Any
 
@@ -252,6 +253,58 @@ def test_zmq_client_n(server, vocab) -> None:
     for r in results:
         assert [t for d in deltas if d.index == r.index for t in d.token_ids] == r.token_ids
     assert sum(d.finished for d in deltas) == 3
+
+
+def _native_prompt_scores(server: Server, body: dict[str, Any], k: int) -> dict[str, Any]:
+    """/generate's prompt entries from position 0, with texts, for the ZMQ comparison."""
+    full = {**body, "return_logprob": True, "top_logprobs_num": k, "logprob_start_len": 0,
+            "return_text_in_logprobs": True}
+    return httpx.post(server.url + "/generate", json=full, timeout=60).json()["meta_info"]
+
+
+def _as_native(entries: list[Any]) -> tuple[list[Any], list[Any]]:
+    """The ZMQ client's prompt entries in /generate's [logprob, id, text] triples."""
+    tokens = [None if e is None else [e.logprob, e.token_id, e.token] for e in entries]
+    tops = [None if e is None else [list(t) for t in zip(e.top_logprobs, e.top_ids,
+                                                         e.top_tokens)] for e in entries]
+    return tokens, tops
+
+
+def test_zmq_prompt_logprobs_equal_native_and_mlx_lm(server, tiny_model, vocab) -> None:
+    from ipc.client import AsyncKilnClient, KilnClient
+
+    model, _ = tiny_model
+    prompt = _prompt(vocab, 40, seed=16)  # over 2 prefill chunks of 16
+    k = 3
+    args = {"max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    native = _native_prompt_scores(server, {"input_ids": prompt, "sampling_params": {
+        "max_new_tokens": 3, "temperature": 0, "ignore_eos": True}}, k)
+    with KilnClient(server.zmq) as zmq_client:
+        result = zmq_client.generate(input_ids=prompt, prompt_logprobs=k, **args)
+        deltas = list(zmq_client.stream(input_ids=prompt, prompt_logprobs=k, **args))
+    tokens, tops = _as_native(result.prompt_logprobs)
+    # Position 0 has no logprob: None here, [null, id, text] and null natively.
+    assert len(tokens) == len(prompt) and tokens[0] is None and tops[0] is None
+    assert tokens[1:] == native["input_token_logprobs"][1:]
+    assert tops[1:] == native["input_top_logprobs"][1:]
+    ref = _log_softmax(model, prompt)
+    for pos in range(1, len(prompt)):
+        assert tokens[pos][1] == prompt[pos]
+        assert abs(tokens[pos][0] - ref[pos - 1, prompt[pos]]) < TOL
+        assert [t[1] for t in tops[pos]] == np.argsort(-ref[pos - 1])[:k].tolist()
+    assert deltas[0].prompt_logprobs == result.prompt_logprobs
+    assert all(d.prompt_logprobs is None for d in deltas[1:])
+
+    async def score_text() -> Any:
+        async with AsyncKilnClient(server.zmq) as client:
+            return await client.generate("once upon a time", prompt_logprobs=0, max_tokens=0)
+
+    scored = asyncio.run(score_text())
+    native = _native_prompt_scores(server, {"text": "once upon a time",
+                                            "sampling_params": {"max_new_tokens": 0}}, 0)
+    assert scored.token_ids == [] and scored.usage.completion_tokens == 0
+    assert _as_native(scored.prompt_logprobs)[0][1:] == native["input_token_logprobs"][1:]
+    assert scored.finish_reason == "length"
 
 
 # --- logprobs follow stop-string trimming ----------------------------------------------------

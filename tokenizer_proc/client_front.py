@@ -14,7 +14,7 @@ from typing import Awaitable, Callable
 
 from ipc.messages.client import (AbortGenerate, ClientToServer, GenerateOutput,
                                  GenerateRequest, ServerToClient, StatsQuery, StatsResult)
-from ipc.messages.to_tokenizer import TextOutput
+from ipc.messages.to_tokenizer import PromptTextLogprobs, TextLogprob, TextOutput
 from tokenizer_proc.errors import RequestError
 from tokenizer_proc.manager import (RequestStream, StatsUnavailable, TokenizerManager,
                                     new_id)
@@ -110,7 +110,8 @@ class ClientFront:
                 await self._reply(identity, GenerateOutput(
                     request_id=request_id, text=result.text, token_ids=result.token_ids,
                     finished=True, finish_reason=result.finish_reason, usage=result.usage,
-                    error=result.error, logprobs=result.logprobs, index=index))
+                    error=result.error, logprobs=result.logprobs, index=index,
+                    prompt_logprobs=per_position(result.prompt_logprobs)))
         finally:
             streams = self._active[key]
             streams.remove(stream)
@@ -158,4 +159,13 @@ def _delta(request_id: str, output: TextOutput, stream: RequestStream,
     return GenerateOutput(request_id=request_id, text=output.text, token_ids=output.token_ids,
                           finished=stream.done, finish_reason=output.finish_reason,
                           usage=stream.usage(output) if stream.done else None,
-                          error=output.error, logprobs=output.logprobs, index=index)
+                          error=output.error, logprobs=output.logprobs, index=index,
+                          prompt_logprobs=per_position(output.prompt_logprobs))
+
+
+def per_position(prompt: PromptTextLogprobs | None) -> list[TextLogprob | None] | None:
+    """The client's shape of prompt logprobs: indexed by prompt position like `token_ids`
+    index the output's, so token 0, which has no logprob, holds None."""
+    if prompt is None:
+        return None
+    return [None, *prompt.rest]

@@ -159,13 +159,16 @@ class RequestPreparer:
         """The ZMQ front's request: text or token ids plus explicit sampling fields."""
         ids, param = self.text_or_ids(message.prompt, message.input_ids, "prompt")
         m = message
+        prompt_k = _top_k_logprobs(m.prompt_logprobs, "prompt_logprobs")
         sampling = SamplingInput(
             m.max_tokens, m.temperature, m.top_p, m.top_k, m.seed, min_p=m.min_p,
             logit_bias=m.logit_bias, repetition_penalty=m.repetition_penalty,
             frequency_penalty=m.frequency_penalty, presence_penalty=m.presence_penalty,
             min_tokens=m.min_tokens, stop_token_ids=m.stop_token_ids, ignore_eos=m.ignore_eos,
             stop=m.stop, include_stop_str=m.include_stop_str_in_output,
-            logprobs=_top_k_logprobs(m.logprobs, "logprobs"),
+            logprobs=_top_k_logprobs(m.logprobs, "logprobs"), prompt_logprobs=prompt_k,
+            # Scoring a prompt needs no completion, as on the native /generate.
+            max_tokens_floor=0 if prompt_k >= 0 else 1,
             constraint=one_constraint({"json_schema": m.json_schema, "regex": m.regex,
                                        "ebnf": m.ebnf, "lark": m.lark}))
         return self._request(rid, ids, sampling, self._completion_default(ids), param,
@@ -579,7 +582,8 @@ def _token_key(key: str | int) -> int:
 
 
 def _top_k_logprobs(k: int | None, param: str) -> int:
-    """The ZMQ client's `logprobs`: None off, else the top-k count (0 = the sampled token's)."""
+    """The ZMQ client's `logprobs` / `prompt_logprobs`: None off, else the top-k count
+    (0 = only the token's own)."""
     if k is None:
         return -1
     if not 0 <= k <= _MAX_LOGPROBS:

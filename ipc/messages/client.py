@@ -43,6 +43,9 @@ class GenerateRequest(Message, frozen=True):
     stop: list[str] | None = None
     include_stop_str_in_output: bool = False
     logprobs: int | None = None  # top-k log-probabilities per token (0..20); None: off
+    # The same for every prompt token given the ones before it (0..20); None: off. The
+    # prompt is then computed whole (no prefix-cache reuse), and max_tokens may be 0.
+    prompt_logprobs: int | None = None
     n: int = 1  # outputs of the prompt (1..16), each replied with its `index`
     # Structured output, at most one: a JSON schema (object or JSON text), a regex, a GBNF
     # grammar (llama.cpp syntax) or a Lark grammar (llguidance's dialect).
@@ -84,6 +87,9 @@ class GenerateOutput(Message, frozen=True):
     error: str | None = None
     logprobs: list[TextLogprob] | None = None  # one per token id, when asked for
     index: int = 0  # which of the request's n outputs
+    # One per prompt token, None for token 0 (nothing precedes it), when asked for: on
+    # the whole result, or on the first streamed delta; with n > 1 on output 0's only.
+    prompt_logprobs: list[TextLogprob | None] | None = None
 
 
 class StatsResult(Message, frozen=True):
