@@ -4,11 +4,14 @@ parts of kiln's step switched off to attribute the difference.
     python bench/step_breakdown.py --model DIR [--batch-sizes 1,64] [--context 256]
     python bench/step_breakdown.py --layers 32      # a narrow random llama, any machine
 
-For each batch size: the host time to build one step's graph, and the time of one whole
-step run synchronously (build, start, wait), median of --steps. Variants of kiln's step:
-as served; paged attention replaced by returning the queries (its cost); the pool write
-skipped (the scatter's cost); mlx-lm's own model call over its KVCache, all rows one
-length, no mask (the bare-loop floor). The variants compute wrong tokens: timing only.
+For each batch size, medians over --steps of the host phases of a step: building the
+graph, starting it (`mx.async_eval`: on MLX's CUDA backend this launches the kernels),
+waiting for a result, and the whole step. Variants of kiln's step, each run alone: as
+served; paged attention replaced by returning the queries (its cost); the pool write
+skipped (the scatter's cost). mlx-lm's own model call over its KVCache (all rows one
+length, no mask), run alone. Then both pipelined, two steps in flight as kiln's worker and
+mlx-lm's generate loop run them: there "step" is the steady-state time per step. The
+"no ..." variants compute wrong tokens: timing only.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import argparse
 import statistics
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from typing import Any, Iterator
 
 import mlx.core as mx
@@ -50,8 +54,8 @@ def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
         setattr(obj, name, original)
 
 
-def kiln_step_ms(model: Any, batch: int, context: int, steps: int) -> tuple[float, float]:
-    """(median host build ms, median synchronous step ms) over `steps` decode steps."""
+def _runner(model: Any, batch: int, context: int, steps: int) -> tuple[ModelRunner, list[str], Iterator[int]]:
+    """A runner whose `batch` requests have prefilled `context` tokens each."""
     pool = KVPool(probe_attention_specs(model), batch * (context + steps + 4) + 1)
     runner = ModelRunner(model, pool, max_requests=batch, max_context=context + steps + 4)
     rids = [f"r{i}" for i in range(batch)]
@@ -61,36 +65,89 @@ def kiln_step_ms(model: Any, batch: int, context: int, steps: int) -> tuple[floa
                             prefill=[PrefillChunk(rid=r, start=0, token_ids=[1] * context, sample=True,
                                                   slot_ids=[next(slot) for _ in range(context)])
                                      for r in rids]))
-    build, whole = [], []
+    return runner, rids, slot
+
+
+def kiln_step_ms(model: Any, batch: int, context: int, steps: int) -> Timings:
+    """Each decode step run alone: build, start (async_eval), wait."""
+    runner, rids, slot = _runner(model, batch, context, steps)
+    t = Timings()
     for step in range(1, steps + 1):
         plan = ForwardBatch(step=step, decode_rids=rids, decode_slots=[next(slot) for _ in rids])
         t0 = time.perf_counter()
         pending = runner.build(plan)
         t1 = time.perf_counter()
         runner.start(pending)
-        runner.finish(pending)
         t2 = time.perf_counter()
-        build.append(t1 - t0)
-        whole.append(t2 - t0)
-    del runner, pool
-    return statistics.median(build[2:]) * 1e3, statistics.median(whole[2:]) * 1e3
+        runner.finish(pending)
+        t.add(t0, t1, t2, time.perf_counter())
+    return t
 
 
-def mlx_lm_step_ms(model: Any, batch: int, context: int, steps: int) -> tuple[float, float]:
+def kiln_pipelined_ms(model: Any, batch: int, context: int, steps: int) -> Timings:
+    """As the worker's start-ahead loop: step N+1 is built and started before N is waited
+    for (no scheduler or sockets): step ms is the steady-state time per step."""
+    runner, rids, slot = _runner(model, batch, context, steps)
+    t = Timings()
+    in_flight = None
+    for step in range(1, steps + 1):
+        plan = ForwardBatch(step=step, decode_rids=rids, decode_slots=[next(slot) for _ in rids])
+        t0 = time.perf_counter()
+        pending = runner.build(plan)
+        t1 = time.perf_counter()
+        runner.start(pending)
+        t2 = time.perf_counter()
+        if in_flight is not None:
+            runner.finish(in_flight)
+        in_flight = pending
+        t.add(t0, t1, t2, time.perf_counter())
+    runner.finish(in_flight)
+    return t
+
+
+def mlx_lm_step_ms(model: Any, batch: int, context: int, steps: int,
+                   pipelined: bool = False) -> Timings:
+    """mlx-lm's model over its KVCache, greedy; pipelined as mlx-lm's generate loop (the
+    next step queued with async_eval before the last one's tokens are read)."""
     cache = [KVCache() for _ in model.layers]
     mx.eval(model(mx.ones((batch, context), dtype=mx.int32), cache=cache))
     y = mx.ones((batch, 1), dtype=mx.int32)
-    build, whole = [], []
+    t = Timings()
+    previous = None
     for _ in range(steps):
         t0 = time.perf_counter()
         logits = model(y, cache=cache)[:, -1, :]
         y = mx.argmax(logits, axis=-1).astype(mx.int32)[:, None]
         t1 = time.perf_counter()
-        mx.eval(y)
+        mx.async_eval(y)
         t2 = time.perf_counter()
-        build.append(t1 - t0)
-        whole.append(t2 - t0)
-    return statistics.median(build[2:]) * 1e3, statistics.median(whole[2:]) * 1e3
+        if not pipelined:
+            mx.eval(y)
+        elif previous is not None:
+            previous.tolist()
+        previous = y
+        t.add(t0, t1, t2, time.perf_counter())
+    return t
+
+
+@dataclass
+class Timings:
+    """Per-step host phases: build the graph, start it (async_eval), wait for a result."""
+
+    build: list[float] = field(default_factory=list)
+    launch: list[float] = field(default_factory=list)
+    wait: list[float] = field(default_factory=list)
+    step: list[float] = field(default_factory=list)
+
+    def add(self, t0: float, t1: float, t2: float, t3: float) -> None:
+        self.build.append(t1 - t0)
+        self.launch.append(t2 - t1)
+        self.wait.append(t3 - t2)
+        self.step.append(t3 - t0)
+
+    def medians_ms(self) -> list[float]:
+        # The first steps pay one-off costs (kernel compilation, allocations).
+        return [statistics.median(x[2:]) * 1e3 for x in (self.build, self.launch, self.wait, self.step)]
 
 
 def main() -> None:
@@ -109,19 +166,22 @@ def main() -> None:
         model = narrow_llama(args.layers)
     no_attention = lambda self, queries, scale: queries  # noqa: E731
     no_write = lambda self, layer, slots, keys, values: None  # noqa: E731
+    n, c = args.steps, args.context
     variants = {
-        "kiln": lambda b: kiln_step_ms(model, b, args.context, args.steps),
+        "kiln": lambda b: kiln_step_ms(model, b, c, n),
         "kiln, no attention": lambda b: _with(PooledKVCache, "paged_attention", no_attention,
-                                              lambda: kiln_step_ms(model, b, args.context, args.steps)),
+                                              lambda: kiln_step_ms(model, b, c, n)),
         "kiln, no pool write": lambda b: _with(KVPool, "write", no_write,
-                                               lambda: kiln_step_ms(model, b, args.context, args.steps)),
-        "mlx-lm loop": lambda b: mlx_lm_step_ms(model, b, args.context, args.steps),
+                                               lambda: kiln_step_ms(model, b, c, n)),
+        "mlx-lm loop": lambda b: mlx_lm_step_ms(model, b, c, n),
+        "kiln, pipelined": lambda b: kiln_pipelined_ms(model, b, c, n),
+        "mlx-lm loop, pipelined": lambda b: mlx_lm_step_ms(model, b, c, n, pipelined=True),
     }
-    print(f"{'batch':>6}  {'variant':<22}{'build ms':>10}{'step ms':>10}")
+    print(f"{'batch':>6}  {'variant':<24}{'build ms':>10}{'launch ms':>11}{'wait ms':>9}{'step ms':>9}")
     for b in (int(x) for x in args.batch_sizes.split(",")):
         for name, run in variants.items():
-            build, whole = run(b)
-            print(f"{b:>6}  {name:<22}{build:>10.2f}{whole:>10.2f}", flush=True)
+            build, launch, wait, step = run(b).medians_ms()
+            print(f"{b:>6}  {name:<24}{build:>10.2f}{launch:>11.2f}{wait:>9.2f}{step:>9.2f}", flush=True)
 
 
 def _with(obj: Any, name: str, value: Any, run: Any) -> tuple[float, float]:
