@@ -239,10 +239,14 @@ class ModelRunner:
         """Wait for a started step and report its tokens; the grammars of its constrained
         rows consume theirs."""
         assert not pending.needs_sampling, "sample_constrained was not called"
-        mx.eval(*pending.final)
         prompt = [p.message() for p in self._prompt_logprobs.pop(pending.step, [])]
         if pending.tokens is None:
+            mx.eval(*pending.final)
             return StepResult(step=pending.step, rids=[], token_ids=[], prompt_logprobs=prompt)
+        # NOTE: reading the tokens waits for this step's own work (start's async_eval gave
+        # all of `final` one event). mx.eval would instead put a barrier at the end of the
+        # stream and so also wait for a next step already started (the CUDA start-ahead):
+        # measured on the H200, 3.3 ms of waiting per step at batch 1 for nothing.
         result = StepResult(step=pending.step, rids=pending.rids,
                             token_ids=pending.tokens.tolist(), prompt_logprobs=prompt)
         for row, matcher in pending.matchers:
