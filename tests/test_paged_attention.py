@@ -70,3 +70,42 @@ def test_cuda_kernel_every_split_shape(lengths):
     want = reference_decode_attention(q, k, v, table, ln, scale=128 ** -0.5)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
                                rtol=2e-2, atol=2e-2)
+
+
+def test_dense_decode_context_tracks_the_pool_across_steps():
+    """Kept blocks (appended to, rebuilt when the batch changes or outgrows them) give the
+    gather path's attention at every step."""
+    from worker_proc.attention import DenseDecodeContext
+    from worker_proc.kv_pool import AttentionLayerSpec, KVPool
+
+    rng = np.random.default_rng(3)
+    n_kv, dim, n_q = 2, 16, 4
+    pool = KVPool([AttentionLayerSpec(n_kv, dim, dim, mx.float32)], num_slots=4000)
+    free = iter(rng.permutation(np.arange(1, 4001)).tolist())
+    contexts = {r: [next(free) for _ in range(int(n))] for r, n in zip(range(5), (3, 60, 61, 1, 30))}
+    for slots in contexts.values():  # the prompts' K/V
+        kv = mx.array(rng.standard_normal((1, n_kv, len(slots), dim)).astype(np.float32))
+        pool.write(0, mx.array(slots), kv, kv * 0.5)
+    dense = DenseDecodeContext(num_layers=1)
+    batches = [(0, 1, 2)] * 6 + [(0, 2)] * 3 + [(4, 3, 0)] * 4  # a leaver, then a new mix
+    rebuilds = 0
+    for step, rows in enumerate(batches):
+        for r in rows:
+            contexts[r].append(next(free))
+        lengths = np.array([len(contexts[r]) for r in rows])
+        table = np.zeros((len(rows), lengths.max()), dtype=np.int32)
+        for i, r in enumerate(rows):
+            table[i, :lengths[i]] = contexts[r]
+        dense.plan(rows, lengths)
+        rebuilds += dense._rebuild
+        new_k = mx.array(rng.standard_normal((len(rows), n_kv, 1, dim)).astype(np.float32))
+        write = mx.array(table[np.arange(len(rows)), lengths - 1])
+        pool.write(0, write, new_k, new_k * 0.5)
+        dense.update(0, pool, mx.array(table), new_k, new_k * 0.5)
+        q = mx.array(rng.standard_normal((len(rows), n_q, 1, dim)).astype(np.float32))
+        want = reference_decode_attention(q, pool.keys[0], pool.values[0], mx.array(table),
+                                          mx.array(lengths.astype(np.int32)), scale=0.25)
+        np.testing.assert_allclose(np.array(dense.attention(0, q, 0.25)), np.array(want),
+                                   rtol=1e-5, atol=1e-5, err_msg=f"step {step}")
+    # first step, row 2 crossing 64 tokens, the leaver, the new mix: the rest appended
+    assert rebuilds == 4

@@ -39,6 +39,8 @@ class ForwardLayout:
     mask:        None or "causal" (dense path).
     lengths:     [B] context length per row, for decode: set, attention reads the pool
                  through `paged_attention` instead of a gathered dense block.
+    dense:       for decode on the plain-MLX fallback: the batch's contexts kept across
+                 steps (see DenseDecodeContext); None: the CUDA kernel reads the pool.
     """
 
     write_slots: mx.array
@@ -46,6 +48,7 @@ class ForwardLayout:
     offset: int | mx.array
     mask: Any
     lengths: mx.array | None = None
+    dense: "DenseDecodeContext | None" = None
 
     @classmethod
     def single(cls, context_slots: np.ndarray, start: int, n_new: int) -> "ForwardLayout":
@@ -80,8 +83,10 @@ class ForwardLayout:
         )
 
     @classmethod
-    def decode(cls, table_rows: np.ndarray, lengths: np.ndarray) -> "ForwardLayout":
-        """One new token per row; lengths count the new token. table_rows: [B, >= max(lengths)]."""
+    def decode(cls, table_rows: np.ndarray, lengths: np.ndarray,
+               dense: "DenseDecodeContext | None" = None) -> "ForwardLayout":
+        """One new token per row; lengths count the new token. table_rows: [B, >= max(lengths)].
+        dense: the fallback's kept context, already planned for this step."""
         max_len = int(lengths.max())
         read = table_rows[:, :max_len]
         write = read[np.arange(len(lengths)), lengths - 1]
@@ -91,6 +96,7 @@ class ForwardLayout:
             offset=mx.array(lengths - 1) if len(lengths) > 1 else int(lengths[0] - 1),
             mask=None,
             lengths=mx.array(lengths.astype(np.int32)),
+            dense=dense,
         )
 
 
@@ -120,17 +126,88 @@ class PooledKVCache:
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         self._pool.write(self._layer, self._layout.write_slots, keys, values)
+        if self._layout.dense is not None:
+            self._layout.dense.update(self._layer, self._pool, self._layout.read_slots, keys, values)
         if self.paged:  # attention reads the pool itself (see paged_attention)
             return self._pool.keys[self._layer], self._pool.values[self._layer]
         return self._pool.read(self._layer, self._layout.read_slots)
 
     def paged_attention(self, queries: mx.array, scale: float) -> mx.array:
         layout, layer = self._layout, self._layer
-        # The kernel spreads a head over a warp's 32 lanes; other head sizes take the fallback.
+        if layout.dense is not None:
+            return layout.dense.attention(layer, queries, scale)
         fits = kernel_available() and queries.shape[-1] % 32 == 0
         attend = paged_decode_attention if fits else reference_decode_attention
         return attend(queries, self._pool.keys[layer], self._pool.values[layer],
                       layout.read_slots, layout.lengths, scale)
+
+
+class DenseDecodeContext:
+    """Decode attention for the plain-MLX fallback (CPU, Metal): each layer's K/V of the
+    decode batch as a dense [B, H, capacity, D] block kept from step to step.
+
+    Gathering every row's whole context out of the pool each layer and step is most of a
+    CPU decode step (a gather, then a transposed copy into attention's layout). While the
+    batch stays the same requests, each one a token longer than last step, the block only
+    takes each row's new token (a scatter of B entries); any other change (a request
+    joins, leaves or is preempted, or a row outgrows the capacity) rebuilds it from the
+    pool with one gather. Positions past a row's length are masked, so the math is the
+    gather path's: the same values under the same boolean mask. The pool stays the
+    source of truth; the block is a cache of it.
+    """
+
+    GROWTH = 64  # capacity is a multiple of this: a rebuild every GROWTH steps at most
+
+    def __init__(self, num_layers: int) -> None:
+        self._keys: list[mx.array | None] = [None] * num_layers
+        self._values: list[mx.array | None] = [None] * num_layers
+        self._rows: tuple[int, ...] = ()
+        self._lengths = np.zeros(0, dtype=np.int64)
+        self._capacity = 0
+        self._rebuild = True
+        self._positions = mx.zeros((0,), dtype=mx.int32)
+        self._mask = mx.zeros((0,), dtype=mx.bool_)
+
+    def plan(self, rows: tuple[int, ...], lengths: np.ndarray) -> None:
+        """Before a decode step: rows identify the batch's requests (the runner's table
+        rows, in batch order), lengths their context lengths with the new token."""
+        longest = int(lengths.max())
+        grown = rows == self._rows and np.array_equal(lengths, self._lengths + 1)
+        self._rebuild = not grown or longest > self._capacity
+        if self._rebuild:
+            self._capacity = -(-longest // self.GROWTH) * self.GROWTH
+        self._rows, self._lengths = rows, lengths.copy()
+        self._positions = mx.array((lengths - 1).astype(np.int32))
+        valid = np.arange(self._capacity)[None, :] < lengths[:, None]
+        self._mask = mx.array(valid[:, None, None, :])
+
+    def clear(self) -> None:
+        """Drop the blocks (no decode batch left to keep them for)."""
+        self.__init__(len(self._keys))
+
+    def update(self, layer: int, pool: KVPool, read_slots: mx.array, keys: mx.array,
+               values: mx.array) -> None:
+        """This step's new K/V ([B, H, 1, D]) into the layer's block; the pool already
+        holds them, so a rebuild reads them from there."""
+        if self._rebuild:
+            pad = self._capacity - read_slots.shape[1]
+            slots = mx.pad(read_slots, [(0, 0), (0, pad)]) if pad else read_slots
+            self._keys[layer], self._values[layer] = pool.read(layer, slots)
+            return
+        rows = mx.arange(len(self._rows))
+        self._keys[layer][rows, :, self._positions] = keys[:, :, 0, :]
+        self._values[layer][rows, :, self._positions] = values[:, :, 0, :]
+
+    def attention(self, layer: int, queries: mx.array, scale: float) -> mx.array:
+        return mx.fast.scaled_dot_product_attention(queries, self._keys[layer], self._values[layer],
+                                                    scale=scale, mask=self._mask)
+
+
+def paged_kernel_fits(pool: KVPool) -> bool:
+    """Whether decode attention runs the CUDA kernel for this pool's layers (it spreads a
+    head over a warp's 32 lanes); otherwise the runner keeps a DenseDecodeContext."""
+    return kernel_available() and all(s.head_dim % 32 == 0 and s.v_head_dim % 32 == 0
+                                      for s in pool.specs)
 
 
 def _causal_array(n_new: int, n_total: int) -> mx.array:

@@ -20,7 +20,8 @@ import numpy as np
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import PromptLogprobs, StepResult
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
-from worker_proc.attention import ForwardLayout, build_layer_caches, install_attention_hook
+from worker_proc.attention import (DenseDecodeContext, ForwardLayout, build_layer_caches,
+                                   install_attention_hook, paged_kernel_fits)
 from worker_proc.kv_pool import KVPool
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, SamplingBatch,
@@ -134,6 +135,8 @@ class ModelRunner:
         self.table = np.zeros((max_requests, max_context), dtype=np.int32)
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self.requests: dict[str, RequestState] = {}
+        # The fallback decode path's contexts, kept across steps (see DenseDecodeContext).
+        self._dense_decode = DenseDecodeContext(len(pool.specs))
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
         self._prompt_logprobs: dict[int, list[PendingPromptLogprobs]] = {}
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
@@ -344,7 +347,11 @@ class ModelRunner:
         for s in states:
             self._check_room(s, 1)
         self.table[rows, lengths - 1] = slots
-        layout = ForwardLayout.decode(self.table[rows], lengths)
+        dense = None
+        if not paged_kernel_fits(self.pool):
+            dense = self._dense_decode
+            dense.plan(tuple(int(r) for r in rows), lengths)
+        layout = ForwardLayout.decode(self.table[rows], lengths, dense)
         inputs = mx.concatenate([s.last_token for s in states])[:, None]
         out = self.model(inputs, cache=build_layer_caches(self.pool, layout))
         for s in states:
