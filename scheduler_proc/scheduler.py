@@ -13,7 +13,6 @@ from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
-import numpy as np
 
 from ipc.messages.common import SamplingParams, SchedulerStats, TokenLogprob, Usage
 from ipc.messages.to_detokenizer import PromptTokenLogprobs, TokenOutput
