@@ -7,6 +7,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import httpx
@@ -197,3 +200,257 @@ def test_without_overlap(tiny_model_dir, tmp_path_factory, tiny_model, oracle) -
         assert re.fullmatch("[A-Z]{3}-[0-9]{4}", r.json()["text"]), r.text
     finally:
         assert srv.stop() == 0, srv.log_tail()
+
+
+# --- validation off the event loop, kept verdicts, tokenizers built ahead -----------------
+# Unit tests of the front's logic (no sockets, no server) and of the worker's matchers.
+
+REGEX_BODY = {"text": "x", "sampling_params": {"regex": "[a-c]{2,5}", "max_new_tokens": 3}}
+
+
+class GatedValidation:
+    """A validation that blocks until released and counts its calls: a big schema stand-in
+    whose slowness is under the test's control rather than the clock's."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.entered = threading.Event()
+        self.release = threading.Event()
+        self.release.set()  # open unless a test closes it
+
+    def __call__(self, grammar: str, tokenizer: Any) -> Any:
+        from tokenizer_proc.constraints import llguidance_verdict
+
+        self.calls.append(threading.current_thread().name)
+        self.entered.set()
+        assert self.release.wait(30), "the test never released the validation"
+        return llguidance_verdict(grammar, tokenizer)
+
+
+@pytest.fixture(scope="module")
+def hf_and_info(tiny_model_dir):
+    from transformers import AutoTokenizer
+
+    from tokenizer_proc.model_info import load_model_info
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_model_dir))
+    return hf, load_model_info(MODEL, str(tiny_model_dir), hf)
+
+
+def _gated_preparer(hf_and_info, gate: GatedValidation, make: Any = None) -> Any:
+    from tokenizer_proc.constraints import GrammarCompiler, ll_tokenizer
+    from tokenizer_proc.prepare import RequestPreparer
+
+    hf, info = hf_and_info
+    make = make or (lambda: ll_tokenizer(hf, info.eos_token_ids))
+    return RequestPreparer(hf, info, GrammarCompiler(make, gate))
+
+
+async def _wait_for(event: threading.Event) -> None:
+    assert await asyncio.to_thread(event.wait, 30)
+
+
+def test_a_slow_validation_does_not_hold_up_a_plain_http_request(hf_and_info) -> None:
+    from tests.fake_engine import FakeEngine, text_script
+    from tokenizer_proc.http_api import create_app
+    from tokenizer_proc.manager import TokenizerManager
+
+    gate = GatedValidation()
+    gate.release.clear()
+    engine = FakeEngine(text_script(["ab"]))
+    manager = TokenizerManager(engine)
+    engine.connect(manager)
+    app = create_app(manager, _gated_preparer(hf_and_info, gate), {"model_name": MODEL})
+
+    async def scenario() -> None:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://kiln") as http:
+            constrained = asyncio.ensure_future(http.post("/generate", json=REGEX_BODY))
+            await _wait_for(gate.entered)  # its validation now runs (and blocks) off the loop
+            plain = await http.post("/v1/completions", json={"model": MODEL, "prompt": "hi",
+                                                             "max_tokens": 2})
+            assert plain.status_code == 200, plain.text
+            assert not constrained.done()
+            assert [r.sampling.grammar for r in engine.requests()] == [None]
+            gate.release.set()
+            assert (await constrained).status_code == 200
+        assert engine.requests()[1].sampling.grammar
+        assert gate.calls and all(name.startswith("grammar-validation") for name in gate.calls)
+
+    asyncio.run(scenario())
+
+
+def test_a_slow_validation_does_not_hold_up_a_plain_zmq_request(hf_and_info) -> None:
+    from ipc.messages.client import GenerateOutput, GenerateRequest
+    from tests.fake_engine import FakeEngine, text_script
+    from tokenizer_proc.client_front import ClientFront
+    from tokenizer_proc.manager import TokenizerManager
+
+    gate = GatedValidation()
+    gate.release.clear()
+    engine = FakeEngine(text_script(["ab"]))
+    manager = TokenizerManager(engine)
+    engine.connect(manager)
+
+    async def scenario() -> None:
+        replies: asyncio.Queue[GenerateOutput] = asyncio.Queue()
+
+        async def reply(identity: bytes, message: Any) -> None:
+            await replies.put(message)
+
+        front = ClientFront(manager, _gated_preparer(hf_and_info, gate), reply)
+        constrained = asyncio.ensure_future(front.handle(b"a", GenerateRequest(
+            request_id="constrained", prompt="x", regex="[a-c]{2,5}", max_tokens=3)))
+        await _wait_for(gate.entered)
+        await front.handle(b"b", GenerateRequest(request_id="plain", prompt="x", max_tokens=2))
+        first = await asyncio.wait_for(replies.get(), 30)
+        assert (first.request_id, first.finished, first.error) == ("plain", True, None)
+        assert not constrained.done()
+        gate.release.set()
+        await constrained
+        second = await asyncio.wait_for(replies.get(), 30)
+        assert (second.request_id, second.error) == ("constrained", None)
+        assert engine.requests()[1].sampling.grammar
+
+    asyncio.run(scenario())
+
+
+def test_a_repeated_grammar_is_validated_once(hf_and_info) -> None:
+    from tokenizer_proc.constraints import Constraint
+
+    gate = GatedValidation()
+    grammars = _gated_preparer(hf_and_info, gate).grammars
+    schema = Constraint("json_schema", SCHEMA, "response_format.json_schema.schema")
+    first = grammars.compile(schema)
+    assert grammars.compile(schema) == first and len(gate.calls) == 1
+    # The same schema under another parameter (and as JSON text) is the same grammar.
+    assert grammars.compile(Constraint("json_schema", json.dumps(SCHEMA), "json_schema")) == first
+    assert len(gate.calls) == 1
+
+    async def clients_at_once() -> None:
+        regex = Constraint("regex", "[0-9]{3}", "regex")
+        await asyncio.gather(*(grammars.prevalidate(regex) for _ in range(5)))
+        grammars.compile(regex)
+
+    asyncio.run(clients_at_once())
+    assert len(gate.calls) == 2
+
+
+def test_a_kept_refusal_still_names_each_requests_parameter(hf_and_info) -> None:
+    from tokenizer_proc.constraints import Constraint
+    from tokenizer_proc.errors import RequestError
+
+    gate = GatedValidation()
+    grammars = _gated_preparer(hf_and_info, gate).grammars
+    for param in ("regex", "sampling_params.regex"):
+        asyncio.run(grammars.prevalidate(Constraint("regex", "a(", param)))  # raises nothing
+        with pytest.raises(RequestError) as info:
+            grammars.compile(Constraint("regex", "a(", param))
+        assert (info.value.param, info.value.code) == (param, "invalid_grammar")
+    assert len(gate.calls) == 1
+
+
+def test_prevalidation_leaves_the_order_of_errors_alone(hf_and_info) -> None:
+    from tokenizer_proc.errors import RequestError
+    from tokenizer_proc.protocol import GenerateBody
+
+    gate = GatedValidation()
+    preparer = _gated_preparer(hf_and_info, gate)
+    bad = GenerateBody.model_validate({"text": "x", "sampling_params": {
+        "regex": "a(", "ignore_eos": True}})
+    asyncio.run(preparer.prevalidate(bad))
+    with pytest.raises(RequestError) as info:
+        preparer.native(bad, "r1")
+    assert info.value.param == "sampling_params.ignore_eos"  # checked before the grammar
+    two = GenerateBody.model_validate({"text": "x", "sampling_params": {
+        "regex": "a+", "lark": 'start: "a"'}})
+    asyncio.run(preparer.prevalidate(two))  # one_constraint's 400 is the entry point's
+    with pytest.raises(RequestError, match="at most one"):
+        preparer.native(two, "r2")
+
+
+def test_the_fronts_llguidance_tokenizer_is_built_once_at_start_up(hf_and_info) -> None:
+    from tokenizer_proc.constraints import Constraint, ll_tokenizer
+
+    hf, info = hf_and_info
+    built: list[str] = []
+
+    def make() -> Any:
+        built.append(threading.current_thread().name)
+        return ll_tokenizer(hf, info.eos_token_ids)
+
+    preparer = _gated_preparer(hf_and_info, GatedValidation(), make)
+    preparer.start_grammar_build()
+    for pattern in ("a+", "b+"):
+        preparer.grammars.compile(Constraint("regex", pattern, "regex"))
+    assert built == ["llguidance tokenizer"]  # the background thread, not the caller
+
+
+def test_a_tokenizer_llguidance_cannot_use_is_refused_without_retrying(hf_and_info) -> None:
+    from tokenizer_proc.constraints import Constraint, structured_output_supported
+    from tokenizer_proc.errors import RequestError
+    from tokenizer_proc.prepare import RequestPreparer
+
+    hf, info = hf_and_info
+    assert structured_output_supported(hf) and not structured_output_supported(object())
+    unsupported = RequestPreparer(object(), info)
+    unsupported.start_grammar_build()  # builds nothing for a tokenizer it can't wrap
+    assert not unsupported.grammars.building_started
+    builds: list[int] = []
+
+    def broken() -> Any:
+        builds.append(1)
+        raise ValueError("Only fast tokenizers are supported")
+
+    preparer = _gated_preparer(hf_and_info, GatedValidation(), broken)
+    for _ in range(2):
+        asyncio.run(preparer.grammars.prevalidate(Constraint("regex", "a+", "regex")))
+        with pytest.raises(RequestError, match="not available") as info_:
+            preparer.grammars.compile(Constraint("regex", "a+", "regex"))
+        assert info_.value.code == "unsupported_parameter"
+    assert builds == [1]
+
+
+def test_worker_matchers_wait_for_the_start_up_build_instead_of_building(tiny_model,
+                                                                         hf_and_info) -> None:
+    from llguidance import LLMatcher
+
+    from tokenizer_proc.constraints import ll_tokenizer
+    from worker_proc.grammar import GrammarMatchers
+
+    hf, info = hf_and_info
+    gate = threading.Event()
+    built: list[str] = []
+
+    def make() -> Any:
+        built.append(threading.current_thread().name)
+        assert gate.wait(30)
+        return ll_tokenizer(hf, info.eos_token_ids)
+
+    matchers = GrammarMatchers(make)
+    matchers.start_building()
+    with ThreadPoolExecutor(1) as step:  # a step's first constrained row, mid-build
+        first = step.submit(matchers.matcher, LLMatcher.grammar_from_regex("(yes|no)"))
+        while not built:
+            time.sleep(0.001)
+        assert not first.done()
+        gate.set()
+        assert not first.result(30).is_error()
+    matchers.matcher(LLMatcher.grammar_from_regex("[0-9]+"))
+    assert built == ["llguidance tokenizer"]
+
+
+def test_build_runner_builds_llguidance_tokenizer_only_when_it_can(tiny_model_dir,
+                                                                   monkeypatch) -> None:
+    import mlx_lm
+
+    from ipc.config import ServerConfig
+    from worker_proc import build_runner
+
+    config = ServerConfig(model_path=str(tiny_model_dir), max_running_requests=2)
+    runner = build_runner(config)
+    assert runner.grammars.building_started
+    assert runner.grammars.tokenizer.vocab_size > 0
+    load = mlx_lm.load
+    monkeypatch.setattr(mlx_lm, "load", lambda *a, **k: (load(*a, **k)[0], object()))
+    assert not build_runner(config).grammars.building_started

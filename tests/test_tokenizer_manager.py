@@ -238,6 +238,9 @@ def test_model_info_context_fallbacks(tmp_path: Path) -> None:
 
 
 class _StubPreparer:
+    async def prevalidate(self, message: Any) -> None:  # no constraints here
+        pass
+
     def generate(self, message: Any, rid: str) -> TokenizedRequest:
         return request(rid)
 

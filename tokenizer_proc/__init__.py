@@ -4,7 +4,8 @@ Layout: `protocol` (request bodies), `prepare` (validation, chat template, token
 `manager` (request ids, output routing, aborts, stats), `metrics` (Prometheus series,
 request and throughput logs), `responses` (OpenAI and native shapes), `http_api` (FastAPI
 routes), `security` (API key, body size cap), `client_front` (ZMQ clients), `server`
-(sockets, uvicorn, signals), `remote_code` (the launcher's trust_remote_code check).
+(sockets, uvicorn, signals), `remote_code` (the launcher's trust_remote_code check),
+`constraints` (structured output's grammars), `background` (values built ahead of need).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ def run_tokenizer(config: ServerConfig) -> None:
     model_path = config.model_path or config.model
     reporter.progress(f"loading tokenizer from {model_path}")
     preparer = RequestPreparer.load(config.model_name, model_path, config.trust_remote_code)
+    preparer.start_grammar_build()  # in the background, while the worker loads the model
     info = preparer.info
     logger.info("model %s: context %d tokens, vocab %d, eos ids %s", info.name,
                 info.context_len, info.vocab_size, list(info.eos_token_ids))

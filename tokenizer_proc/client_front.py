@@ -83,6 +83,8 @@ class ClientFront:
 
     async def _submit(self, key: _Key, message: GenerateRequest) -> list[RequestStream]:
         """One engine request per output; n > 1 shares the prompt (prepare.fan_out)."""
+        # First: nothing may await between the checks below and the entry point.
+        await self._preparer.prevalidate(message)
         if not self.accepting:
             raise RequestError("The server is shutting down.")
         if key in self._active:

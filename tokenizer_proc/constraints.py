@@ -10,11 +10,15 @@ model's tokenizer, so the worker never meets a grammar it cannot run.
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
 
+from tokenizer_proc.background import BackgroundBuild
 from tokenizer_proc.errors import RequestError
 from tokenizer_proc.protocol import ResponseFormat
 
@@ -52,6 +56,12 @@ def one_constraint(fields: dict[str, Any]) -> Constraint | None:
     return Constraint(name, value, name)  # type: ignore[arg-type]
 
 
+def native_constraint(fields: Any) -> Constraint | None:
+    """`one_constraint` of an object's native parameters: a /generate body's
+    `sampling_params` or a ZMQ client's GenerateRequest."""
+    return one_constraint({name: getattr(fields, name) for name in CONSTRAINT_PARAMS})
+
+
 def response_format_constraint(fmt: ResponseFormat | None,
                                param: str = "response_format") -> Constraint | None:
     """OpenAI's `response_format`: "text" (none), "json_object" (any JSON object) or
@@ -70,40 +80,127 @@ def response_format_constraint(fmt: ResponseFormat | None,
     return Constraint("json_schema", fmt.json_schema.schema_, f"{param}.json_schema.schema")
 
 
+Verdict = tuple[bool, list[str]]  # llguidance's (failed, messages)
+Validate = Callable[[str, Any], Verdict]  # (grammar text, llguidance tokenizer) -> Verdict
+
+
+def llguidance_verdict(grammar: str, tokenizer: Any) -> Verdict:
+    """llguidance's compile of a grammar against the tokenizer (releases the GIL)."""
+    from llguidance import LLMatcher
+
+    return LLMatcher.validate_grammar_with_warnings(grammar, tokenizer)
+
+
 class GrammarCompiler:
     """Builds and validates llguidance grammars against the model's tokenizer.
 
-    The llguidance tokenizer is made on the first constrained request (about a second for
-    a 150k vocabulary), so servers that never see one never pay for it.
+    Validating is compiling: milliseconds for a small schema, up to seconds for a big one.
+    On the event loop that would stall every other request, so the front calls
+    `prevalidate` first, which runs it on a small thread pool (llguidance drops the GIL
+    while it compiles), and `compile`, called next on the loop, finds the verdict kept.
+    Recent verdicts stay kept (keyed by grammar text), so clients repeating a schema pay
+    once. The llguidance tokenizer, made on first use or from start-up on
+    (`start_building`), is a `BackgroundBuild`.
     """
 
-    def __init__(self, make_tokenizer: Callable[[], Any]) -> None:
-        self._make_tokenizer = make_tokenizer
-        self._tokenizer: Any = None
+    CACHED_VERDICTS = 256
+    # Grammar texts can be as large as a request body; this bounds what the keys hold.
+    CACHED_CHARS = 16 * 2**20
+    VALIDATION_THREADS = 4
+
+    def __init__(self, make_tokenizer: Callable[[], Any],
+                 validate: Validate = llguidance_verdict) -> None:
+        self._tokenizer: BackgroundBuild[Any] = BackgroundBuild(make_tokenizer,
+                                                                "llguidance tokenizer")
+        self._validate = validate
+        # Read and written on the event loop's thread only (or a sync caller's): no lock.
+        self._verdicts: OrderedDict[str, Verdict] = OrderedDict()
+        self._verdict_chars = 0
+        self._pending: dict[str, asyncio.Future[Verdict | None]] = {}
+        self._pool: ThreadPoolExecutor | None = None
+
+    def start_building(self) -> None:
+        """Start-up: build the llguidance tokenizer on a thread now. Its construction holds
+        the GIL (about half a second of its second on a 150k vocabulary), so no thread
+        keeps that off the event loop; done before traffic comes, it stalls nobody."""
+        self._tokenizer.start()
+
+    @property
+    def building_started(self) -> bool:
+        return self._tokenizer.started
+
+    async def prevalidate(self, constraint: Constraint) -> None:
+        """Validate off the event loop and keep the verdict, for `compile` to find when it
+        is called next with no await in between. Raises nothing: `compile` raises the
+        request's errors, in their usual order among the request's other checks."""
+        try:
+            grammar = grammar_text(constraint)
+        except RequestError:
+            return
+        if grammar in self._verdicts:
+            return
+        pending = self._pending.get(grammar)
+        if pending is None:  # clients sending one grammar at once share its validation
+            pending = asyncio.get_running_loop().run_in_executor(
+                self._validation_pool(), self._verdict_off_loop, grammar)
+            self._pending[grammar] = pending
+            pending.add_done_callback(lambda _: self._pending.pop(grammar, None))
+        # Shielded: one client giving up must not cancel the others' shared validation.
+        verdict = await asyncio.shield(pending)
+        if verdict is not None:
+            self._keep(grammar, verdict, constraint.param)
 
     def compile(self, constraint: Constraint) -> str:
         """The grammar text for SamplingParams.grammar; a 400 naming the parameter when
         the constraint is malformed or llguidance cannot build it."""
-        from llguidance import LLMatcher
-
         grammar = grammar_text(constraint)
-        failed, messages = LLMatcher.validate_grammar_with_warnings(grammar, self._ll_tokenizer())
+        verdict = self._verdicts.get(grammar)
+        if verdict is None:  # not prevalidated (a sync caller): validate on this thread
+            verdict = self._validate(grammar, self._ll_tokenizer())
+            self._keep(grammar, verdict, constraint.param)
+        else:
+            self._verdicts.move_to_end(grammar)
+        failed, messages = verdict
         if failed:
             raise RequestError(f"Invalid '{constraint.param}': {_one_line(messages)}",
                                param=constraint.param, code="invalid_grammar")
-        if messages:
-            logger.info("grammar warnings for %s: %s", constraint.param, messages)
         return grammar
 
+    def _verdict_off_loop(self, grammar: str) -> Verdict | None:
+        try:
+            return self._validate(grammar, self._tokenizer.get())
+        except Exception:  # noqa: BLE001 - None: compile meets it again and answers as ever
+            return None
+
+    def _validation_pool(self) -> ThreadPoolExecutor:
+        # Its own few threads: big schemas queue behind each other, not behind (or in
+        # front of) whatever else uses the loop's default executor.
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.VALIDATION_THREADS,
+                                            thread_name_prefix="grammar-validation")
+        return self._pool
+
+    def _keep(self, grammar: str, verdict: Verdict, param: str) -> None:
+        if grammar in self._verdicts:
+            self._verdicts.move_to_end(grammar)
+            return
+        failed, messages = verdict
+        if messages and not failed:
+            logger.info("grammar warnings for %s: %s", param, messages)
+        self._verdicts[grammar] = verdict
+        self._verdict_chars += len(grammar)
+        # The newest stays even alone over the budget: compile is about to read it.
+        while len(self._verdicts) > 1 and (len(self._verdicts) > self.CACHED_VERDICTS
+                                           or self._verdict_chars > self.CACHED_CHARS):
+            old, _ = self._verdicts.popitem(last=False)
+            self._verdict_chars -= len(old)
+
     def _ll_tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            try:
-                self._tokenizer = self._make_tokenizer()
-            except Exception as exc:  # noqa: BLE001 - refuse the request, keep serving
-                logger.exception("could not build llguidance's tokenizer")
-                raise RequestError(f"Structured output is not available for this model's "
-                                   f"tokenizer: {exc}", code="unsupported_parameter") from exc
-        return self._tokenizer
+        try:
+            return self._tokenizer.get()
+        except Exception as exc:  # noqa: BLE001 - refuse the request, keep serving
+            raise RequestError(f"Structured output is not available for this model's "
+                               f"tokenizer: {exc}", code="unsupported_parameter") from exc
 
 
 def grammar_text(constraint: Constraint) -> str:
@@ -127,6 +224,14 @@ def grammar_text(constraint: Constraint) -> str:
             raise RequestError(f"Invalid '{constraint.param}' (GBNF): {exc}",
                                param=constraint.param, code="invalid_grammar") from exc
     return LLMatcher.grammar_from_lark(source)
+
+
+def structured_output_supported(hf_tokenizer: Any) -> bool:
+    """Whether llguidance can wrap this tokenizer (fast Hugging Face ones only): start-up
+    builds nothing for one it can't, and a constrained request then gets the 400."""
+    from transformers import PreTrainedTokenizerFast
+
+    return isinstance(hf_tokenizer, PreTrainedTokenizerFast)
 
 
 def ll_tokenizer(hf_tokenizer: Any, eos_token_ids: Sequence[int]) -> Any:

@@ -97,6 +97,7 @@ class ApiRoutes:
 
     async def completions(self, request: Request) -> Response:
         body = _parse(CompletionRequest, await _read_json(request))
+        await self._preparer.prevalidate(body)
         rid = new_id("cmpl")
         tokenized = self._preparer.completion(body, rid)
         echo = self._preparer.echo_text(body, tokenized.input_ids) if body.echo else ""
@@ -111,6 +112,7 @@ class ApiRoutes:
 
     async def chat_completions(self, request: Request) -> Response:
         body = _parse(ChatCompletionRequest, await _read_json(request))
+        await self._preparer.prevalidate(body)
         rid = new_id("chatcmpl")
         fmt = ChatFormat(rid, self._preparer.info.name, _include_usage(body))
         tokenized = self._preparer.chat(body, rid)
@@ -150,6 +152,8 @@ class ApiRoutes:
     async def generate(self, request: Request) -> Response:
         """The native API: text or token ids in; text, ids and meta_info out."""
         body = _parse(GenerateBody, await _read_json(request))
+        # Before the duplicate-rid check, so that no new await falls between it and submit.
+        await self._preparer.prevalidate(body)
         rid = body.rid or new_id("gen")
         if self._manager.is_in_flight(rid):
             raise RequestError(f"Request id {rid!r} is already in flight.", param="rid",

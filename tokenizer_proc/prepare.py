@@ -18,7 +18,8 @@ from ipc.messages.client import GenerateRequest
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import TokenizedRequest
 from tokenizer_proc.constraints import (Constraint, GrammarCompiler, ll_tokenizer,
-                                        one_constraint, response_format_constraint)
+                                        native_constraint, response_format_constraint,
+                                        structured_output_supported)
 from tokenizer_proc.errors import RequestError
 from tokenizer_proc.model_info import ModelInfo, load_model_info
 from tokenizer_proc.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
@@ -71,6 +72,19 @@ def check_unsupported(body: BaseModel, table: dict[str, _IsDefault]) -> None:
                 "set it to its default.", param=name, code="unsupported_parameter")
 
 
+ConstrainedBody = CompletionRequest | ChatCompletionRequest | GenerateBody | GenerateRequest
+
+
+def request_constraint(body: ConstrainedBody) -> Constraint | None:
+    """A request's structured-output constraint: OpenAI's `response_format`, or the native
+    parameters of /generate's `sampling_params` and of the ZMQ client."""
+    if isinstance(body, GenerateBody):
+        return native_constraint(body.sampling_params)
+    if isinstance(body, GenerateRequest):
+        return native_constraint(body)
+    return response_format_constraint(body.response_format)
+
+
 @dataclass(frozen=True)
 class SamplingInput:
     """Sampling fields as the client sent them (None: not given)."""
@@ -101,11 +115,29 @@ class SamplingInput:
 class RequestPreparer:
     """Turns validated API bodies into `TokenizedRequest`s, refusing what the engine can't do."""
 
-    def __init__(self, tokenizer: Any, info: ModelInfo) -> None:
+    def __init__(self, tokenizer: Any, info: ModelInfo,
+                 grammars: GrammarCompiler | None = None) -> None:
         self._tokenizer = tokenizer
         self.info = info
-        self._grammars = GrammarCompiler(
+        self.grammars = grammars or GrammarCompiler(
             lambda: ll_tokenizer(tokenizer, info.eos_token_ids))
+
+    def start_grammar_build(self) -> None:
+        """Process start-up: build llguidance's tokenizer in the background, unless this
+        tokenizer is one llguidance cannot use (see GrammarCompiler.start_building)."""
+        if structured_output_supported(self._tokenizer):
+            self.grammars.start_building()
+
+    async def prevalidate(self, body: ConstrainedBody) -> None:
+        """Validate the body's constraint off the event loop; call it right before the
+        body's entry point, with no await in between, which then finds the verdict. Raises
+        nothing: the entry point raises every error, in its usual order."""
+        try:
+            constraint = request_constraint(body)
+        except RequestError:
+            return
+        if constraint is not None:
+            await self.grammars.prevalidate(constraint)
 
     @classmethod
     def load(cls, name: str, model_path: str,
@@ -129,7 +161,7 @@ class RequestPreparer:
                            logprobs=max(k, 0) if ranked else k,
                            prompt_logprobs=k if body.echo else -1,
                            max_tokens_floor=0 if body.echo else 1,
-                           constraint=response_format_constraint(body.response_format))
+                           constraint=request_constraint(body))
         return self._request(rid, ids, sampling, self._completion_default(ids), "prompt",
                              body.skip_special_tokens)
 
@@ -151,7 +183,7 @@ class RequestPreparer:
         else:
             sampling = _sampling_input(body, body.max_tokens)
         sampling = replace(sampling, logprobs=_chat_logprobs(body),
-                           constraint=response_format_constraint(body.response_format))
+                           constraint=request_constraint(body))
         default = self.info.context_len - len(ids)
         return self._request(rid, ids, sampling, default, "messages", body.skip_special_tokens)
 
@@ -169,8 +201,7 @@ class RequestPreparer:
             logprobs=_top_k_logprobs(m.logprobs, "logprobs"), prompt_logprobs=prompt_k,
             # Scoring a prompt needs no completion, as on the native /generate.
             max_tokens_floor=0 if prompt_k >= 0 else 1,
-            constraint=one_constraint({"json_schema": m.json_schema, "regex": m.regex,
-                                       "ebnf": m.ebnf, "lark": m.lark}))
+            constraint=request_constraint(m))
         return self._request(rid, ids, sampling, self._completion_default(ids), param,
                              message.skip_special_tokens)
 
@@ -191,8 +222,7 @@ class RequestPreparer:
                 ignore_eos=sp.ignore_eos, min_tokens_param="min_new_tokens", stop=sp.stop,
                 include_stop_str=sp.no_stop_trim, logprobs=k, prompt_logprobs=prompt_k,
                 max_tokens_floor=0 if prompt_k >= 0 else 1,
-                constraint=one_constraint({"json_schema": sp.json_schema, "regex": sp.regex,
-                                           "ebnf": sp.ebnf, "lark": sp.lark}))
+                constraint=request_constraint(body))
             return self._request(rid, ids, sampling, self._completion_default(ids), param,
                                  sp.skip_special_tokens)
 
@@ -329,7 +359,7 @@ class RequestPreparer:
         if s.min_tokens:
             raise RequestError(f"'{s.min_tokens_param}' cannot be combined with '{c.param}': "
                                "the grammar may finish sooner.", param=s.min_tokens_param)
-        return self._grammars.compile(c)
+        return self.grammars.compile(c)
 
     def logit_bias(self, bias: dict[str, float] | dict[int, float] | None) -> dict[int, float]:
         """OpenAI's map of token id (a string in JSON) to a bias in [-100, 100]."""

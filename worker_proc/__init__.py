@@ -29,6 +29,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     """Load the model and size the pool; returns the runner (split out for tests)."""
     import mlx_lm
 
+    from tokenizer_proc.constraints import structured_output_supported
     from worker_proc.attention import check_layer_kinds
     from worker_proc.kv_pool import KVPool
     from worker_proc.memory import pool_slots, probe_attention_specs
@@ -46,22 +47,31 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     slots = pool_slots(config, KVPool.bytes_per_slot(specs), context)
     pool = KVPool(specs, slots)
     say(f"KV pool: {slots} slots, {pool.nbytes / 2**20:.1f} MiB")
-    runner = ModelRunner(model, pool, config.max_running_requests, min(context, slots),
-                         grammar_matchers(config, tokenizer))
+    hf = _hf_tokenizer(tokenizer)
+    grammars = grammar_matchers(config, hf)
+    runner = ModelRunner(model, pool, config.max_running_requests, min(context, slots), grammars)
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests)
     say(f"warmed up ({steps} steps, {time.monotonic() - t0:.1f}s)")
+    # Not before the warm-up: building holds the GIL (about half a second on a 150k
+    # vocabulary), which delayed the warm-up's graph building, hence readiness, as much.
+    # A tokenizer llguidance can't use builds nothing: the front refuses every grammar.
+    if structured_output_supported(hf):
+        grammars.start_building()
     return runner
 
 
-def grammar_matchers(config: ServerConfig, tokenizer: object) -> GrammarMatchers:
-    """Structured output's matchers, over mlx-lm's tokenizer (its Hugging Face one) with
-    the EOS ids the tokenizer process stops on (config, generation config, tokenizer)."""
+def _hf_tokenizer(tokenizer: object) -> object:
+    return getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper wraps it
+
+
+def grammar_matchers(config: ServerConfig, hf: object) -> GrammarMatchers:
+    """Structured output's matchers, over the Hugging Face tokenizer with the EOS ids the
+    tokenizer process stops on (config, generation config, tokenizer). Nothing is built
+    yet (build_runner starts that)."""
     from tokenizer_proc.constraints import ll_tokenizer
     from tokenizer_proc.model_info import load_model_info
     from worker_proc.grammar import GrammarMatchers
-
-    hf = getattr(tokenizer, "_tokenizer", tokenizer)  # mlx-lm's TokenizerWrapper wraps it
 
     def make() -> object:
         info = load_model_info("", config.model_path, hf)

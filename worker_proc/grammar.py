@@ -15,31 +15,42 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
+from tokenizer_proc.background import BackgroundBuild
+
 logger = logging.getLogger(__name__)
 
 
 class GrammarMatchers:
     """Makes matchers for grammar texts and fills a step's masks.
 
-    The llguidance tokenizer is built on the first constrained request, so a worker that
-    never sees one never pays for it. Compiled grammars are kept (a few, least recently
-    used dropped): n choices of one request, or clients repeating a schema, then get a
-    copy of a compiled matcher instead of compiling again.
+    The llguidance tokenizer takes up to a second to build on a 150k vocabulary; built by
+    the first constrained request, it would stall that whole batch's step. So start-up
+    starts building it in the background (`start_building`), and the first use waits only
+    for what is left of that (or builds it, where nothing started it). Compiled grammars
+    are kept (a few, least recently used dropped): n choices of one request, or clients
+    repeating a schema, then get a copy of a compiled matcher instead of compiling again.
     """
 
     CACHED_GRAMMARS = 32
 
     def __init__(self, make_tokenizer: Callable[[], Any]) -> None:
-        self._make_tokenizer = make_tokenizer
-        self._tokenizer: Any = None
+        self._tokenizer: BackgroundBuild[Any] = BackgroundBuild(make_tokenizer,
+                                                                "llguidance tokenizer")
         self._executor: Any = None
         self._compiled: OrderedDict[str, Any] = OrderedDict()
 
+    def start_building(self) -> None:
+        """Build the llguidance tokenizer on a thread from now on (start-up: readiness does
+        not wait for it)."""
+        self._tokenizer.start()
+
+    @property
+    def building_started(self) -> bool:
+        return self._tokenizer.started
+
     @property
     def tokenizer(self) -> Any:
-        if self._tokenizer is None:
-            self._tokenizer = self._make_tokenizer()
-        return self._tokenizer
+        return self._tokenizer.get()
 
     @property
     def executor(self) -> Any:
