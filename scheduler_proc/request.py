@@ -77,6 +77,7 @@ class Req:
     # Prompt logprobs received so far, of prompt tokens 1.. in order (when asked for).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     cumulative_logprob: float = 0.0  # over every sampled token, when logprobs are on
+    _prompt_ids: np.ndarray | None = field(default=None, repr=False)  # see all_ids
 
     @classmethod
     def from_message(cls, msg: TokenizedRequest) -> "Req":
@@ -90,9 +91,28 @@ class Req:
         return len(self.input_ids)
 
     def all_ids(self, end: int | None = None) -> np.ndarray:
-        """Prompt then outputs, as the radix cache keys them."""
-        ids = np.asarray(self.input_ids + self.output_ids, dtype=np.int32)
-        return ids if end is None else ids[:end]
+        """Prompt then outputs (the first `end`), as the radix cache keys them.
+
+        NOTE: within the prompt this is a view of an array made once, so planning a chunk
+        or checking a prefix costs O(1), not O(context), per call.
+        """
+        end = self.prompt_len + len(self.output_ids) if end is None else end
+        if end <= self.prompt_len:
+            return self._prompt_array[:end]
+        tail = np.asarray(self.output_ids[:end - self.prompt_len], dtype=np.int32)
+        return np.concatenate([self._prompt_array, tail])
+
+    def ids_between(self, start: int, end: int) -> list[int]:
+        """Prompt-then-output ids [start, end), as a list (a prefill chunk's tokens)."""
+        if end <= self.prompt_len:
+            return self.input_ids[start:end]
+        return (self.input_ids + self.output_ids)[start:end]
+
+    @property
+    def _prompt_array(self) -> np.ndarray:
+        if self._prompt_ids is None:
+            self._prompt_ids = np.asarray(self.input_ids, dtype=np.int32)
+        return self._prompt_ids
 
     @property
     def prefilling(self) -> bool:
