@@ -159,3 +159,22 @@ def test_prompts_prefilled_together_match_mlx_lm(tiny_model, oracle, monkeypatch
     assert max(shared) >= 4
     for i, p in enumerate(prompts):
         assert results[f"r{i}"].token_ids == oracle(p, 12), f"r{i}"
+
+
+def test_decode_inputs_gather_last_tokens_from_any_steps():
+    import mlx.core as mx
+
+    from ipc.messages.common import SamplingParams
+    from worker_proc.runner import RequestState, _gather_last_tokens
+
+    step_a, step_b = mx.array([10, 11, 12], dtype=mx.int32), mx.array([20, 21], dtype=mx.int32)
+
+    def state(tokens, row):
+        return RequestState(rid=f"r{row}", row=0, sampling=SamplingParams(), seed=0,
+                            last_tokens=tokens, last_row=row)
+
+    same = [state(step_a, 0), state(step_a, 1), state(step_a, 2)]
+    assert _gather_last_tokens(same) is step_a  # the steady case: no op at all
+    assert _gather_last_tokens([state(step_a, 2), state(step_a, 0)]).tolist() == [12, 10]
+    mixed = [state(step_b, 1), state(step_a, 2), state(step_b, 0), state(step_a, 0)]
+    assert _gather_last_tokens(mixed).tolist() == [21, 12, 20, 10]

@@ -59,11 +59,15 @@ class RequestState:
     seed: int
     length: int = 0  # tokens whose K/V is in the pool
     num_sampled: int = 0
-    last_token: mx.array | None = None  # [1] int32, possibly not evaluated yet
+    # The last sampled token: row last_row of a step's tokens array, possibly not
+    # evaluated yet. Kept as (array, row), not a slice, so a decode batch gathers its
+    # inputs in one op instead of concatenating a slice per row (a kernel each on a GPU).
+    last_tokens: mx.array | None = None
+    last_row: int = 0
     stop_ids: list[int] = field(default_factory=list)  # masked until min_tokens outputs
     token_counts: TokenCounts | None = None  # only for requests with penalties
     # Only for requests with a grammar: an llguidance matcher that has consumed every
-    # output the host has seen (advanced in finish, so it may lag the lazy last_token).
+    # output the host has seen (advanced in finish, so it may lag the lazy last_tokens).
     matcher: Any = None
     # Prompt logprobs: the last position's logits of the previous chunk, which score the
     # next chunk's first token.
@@ -352,7 +356,7 @@ class ModelRunner:
             dense = self._dense_decode
             dense.plan(tuple(int(r) for r in rows), lengths)
         layout = ForwardLayout.decode(self.table[rows], lengths, dense)
-        inputs = mx.concatenate([s.last_token for s in states])[:, None]
+        inputs = _gather_last_tokens(states)[:, None]
         out = self.model(inputs, cache=build_layer_caches(self.pool, layout))
         for s in states:
             s.length += 1
@@ -371,7 +375,7 @@ class ModelRunner:
         # From the raw logits: see StepLogprobs for which distribution.
         logprobs = step_logprobs(stacked, tokens, [s.sampling for s in states])
         for i, s in enumerate(states):
-            s.last_token = tokens[i:i + 1]
+            s.last_tokens, s.last_row = tokens, i
             s.num_sampled += 1
         return _Sampled(tokens, self._count(states, penalties, tokens), logprobs)
 
@@ -423,6 +427,27 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
                                     decode_slots=[next(next_slot) for _ in range(size)]))
     runner.run(ForwardBatch(step=step + 1, released=rids))
     return step + 1
+
+
+def _gather_last_tokens(states: list[RequestState]) -> mx.array:
+    """Each state's last sampled token, [B] int32: the previous step's tokens array itself
+    when the batch is that step's rows in order (the steady decode case), else one gather
+    per distinct source step."""
+    sources: dict[int, tuple[mx.array, list[int], list[int]]] = {}
+    for i, s in enumerate(states):
+        assert s.last_tokens is not None, f"{s.rid} has no sampled token to decode from"
+        _, rows, where = sources.setdefault(id(s.last_tokens), (s.last_tokens, [], []))
+        rows.append(s.last_row)
+        where.append(i)
+    if len(sources) == 1:
+        tokens, rows, _ = next(iter(sources.values()))
+        if rows == list(range(tokens.shape[0])):
+            return tokens
+        return tokens[mx.array(rows, dtype=mx.int32)]
+    parts = [tokens[mx.array(rows, dtype=mx.int32)] for tokens, rows, _ in sources.values()]
+    order = [i for _, _, where in sources.values() for i in where]
+    inverse = mx.array(sorted(range(len(order)), key=order.__getitem__), dtype=mx.int32)
+    return mx.concatenate(parts)[inverse]
 
 
 def group_by_length(sizes: list[int], max_padding: float = 0.25) -> list[list[int]]:
