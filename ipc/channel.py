@@ -123,9 +123,12 @@ class AsyncReceiver(Generic[T]):
 class AsyncRouter(Generic[T]):
     """Server side of the programmatic-client endpoint: many clients, replies by identity."""
 
-    def __init__(self, endpoint: str, accepted: Any) -> None:
+    def __init__(self, endpoint: str, accepted: Any, max_message_bytes: int = -1) -> None:
+        """max_message_bytes: a larger message is never read into memory; ZMQ drops its
+        sender's connection instead (-1: no limit)."""
         self._sock = zmq.asyncio.Context.instance().socket(zmq.ROUTER)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
         _configure(self._sock, endpoint, bind=True)
         self._decoder: Decoder[T] = Decoder(accepted, endpoint)
 

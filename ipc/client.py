@@ -54,6 +54,9 @@ from ipc.messages.to_tokenizer import TextLogprob
 T = TypeVar("T")
 
 DEFAULT_TIMEOUT = 300.0
+# The server's --max-request-bytes default: its endpoint drops the connection of a client
+# whose message is larger, so the client refuses to send one (with a clear error) first.
+DEFAULT_MAX_REQUEST_BYTES = 8 * 2**20
 """Seconds to wait for any one reply (a whole result, or the next streamed delta)."""
 
 Prompt = str | Sequence[int]
@@ -139,9 +142,13 @@ class AsyncKilnClient:
     """asyncio client; use it from one event loop. Close it (or `async with`) when done."""
 
     def __init__(self, address: str, *, timeout: float | None = DEFAULT_TIMEOUT,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
+        """max_request_bytes: the server's --max-request-bytes (requests larger are
+        refused here with KilnRequestError, as the server would drop them)."""
         self.address = address
         self.timeout = timeout
+        self.max_request_bytes = max_request_bytes
         self._api_key = api_key
         self._sock = zmq.asyncio.Context.instance().socket(zmq.DEALER)
         self._sock.setsockopt(zmq.LINGER, 0)
@@ -234,9 +241,13 @@ class AsyncKilnClient:
             raise ValueError(f"request id {request.request_id!r} is already in flight")
         self._start_reader()
         outputs = request.n if isinstance(request, GenerateRequest) else 1
+        payload = encode(request)
+        if len(payload) > self.max_request_bytes:
+            raise KilnRequestError(f"the request is {len(payload)} bytes, over the server's "
+                                   f"limit of {self.max_request_bytes} (--max-request-bytes)")
         call = self._calls[request.request_id] = _Call(request.request_id, outputs)
         try:
-            await self._sock.send(encode(request))
+            await self._sock.send(payload)
             yield call
         finally:
             del self._calls[request.request_id]
@@ -266,12 +277,14 @@ class KilnClient:
     """
 
     def __init__(self, address: str, *, timeout: float | None = DEFAULT_TIMEOUT,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None,
+                 max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> None:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
                                         name="kiln-client")
         self._thread.start()
-        self._client = self._run(_make_async_client(address, timeout, api_key))
+        self._client = self._run(_make_async_client(address, timeout, api_key,
+                                                    max_request_bytes))
 
     def __enter__(self) -> "KilnClient":
         return self
@@ -330,10 +343,11 @@ class KilnClient:
             raise
 
 
-async def _make_async_client(address: str, timeout: float | None,
-                             api_key: str | None) -> AsyncKilnClient:
+async def _make_async_client(address: str, timeout: float | None, api_key: str | None,
+                             max_request_bytes: int) -> AsyncKilnClient:
     # Built on the loop thread, which is the only thread that touches its socket.
-    return AsyncKilnClient(address, timeout=timeout, api_key=api_key)
+    return AsyncKilnClient(address, timeout=timeout, api_key=api_key,
+                           max_request_bytes=max_request_bytes)
 
 
 async def _close(client: AsyncKilnClient) -> None:

@@ -14,6 +14,8 @@ from typing import Any, Callable, Iterator
 import httpx
 import openai
 import pytest
+import zmq
+import zmq.asyncio
 from fastapi.routing import APIRoute
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
@@ -22,8 +24,9 @@ from starlette.datastructures import Headers
 import launch
 from ipc.channel import AsyncRouter
 from ipc.client import AsyncKilnClient, KilnClient, KilnRequestError
+from ipc.codec import encode
 from ipc.config import ServerConfig
-from ipc.messages.client import ClientToServer
+from ipc.messages.client import ClientToServer, GenerateRequest
 from ipc.messages.to_scheduler import GetStats
 from tests.fake_engine import FakeEngine, counting_script
 from tests.server import ROOT, Server
@@ -182,10 +185,11 @@ def _free_port() -> int:
 
 
 async def _with_zmq_front(preparer: RequestPreparer, server_key: str,
-                          use: Callable[[str], Any]) -> Any:
+                          use: Callable[[str], Any], max_message_bytes: int = -1) -> Any:
     """Serve a ClientFront (fake engine) on a TCP port while `use(address)` runs."""
     address = f"tcp://127.0.0.1:{_free_port()}"
-    router: AsyncRouter[ClientToServer] = AsyncRouter(address, ClientToServer)
+    router: AsyncRouter[ClientToServer] = AsyncRouter(address, ClientToServer,
+                                                      max_message_bytes=max_message_bytes)
     engine = FakeEngine(counting_script(3))
     manager = TokenizerManager(engine, stats_timeout=1.0)
     engine.connect(manager)
@@ -226,6 +230,39 @@ def test_zmq_client_with_the_right_key_is_served(preparer: RequestPreparer) -> N
 
     (text, capacity), _ = asyncio.run(_with_zmq_front(preparer, KEY, use))
     assert text == " w0 w1" and capacity == 1024
+
+
+def test_zmq_client_refuses_a_request_over_the_limit(preparer: RequestPreparer) -> None:
+    async def use(address: str) -> str:
+        async with AsyncKilnClient(address, timeout=5, max_request_bytes=1000) as client:
+            with pytest.raises(KilnRequestError, match="over the server.s limit of 1000"):
+                await client.generate("x" * 1000, max_tokens=2)
+            return (await client.generate("hello", max_tokens=2)).text
+
+    text, engine = asyncio.run(_with_zmq_front(preparer, "", use, max_message_bytes=1000))
+    assert text == " w0 w1" and len(engine.sent) == 1  # only the small one got through
+
+
+def test_zmq_endpoint_drops_an_oversized_message_unread(preparer: RequestPreparer) -> None:
+    """A client that ignores the limit loses its message (and connection), not the
+    server its memory; other clients are still served."""
+    big = encode(GenerateRequest(request_id="big", prompt="x" * 5000, max_tokens=2))
+
+    async def use(address: str) -> tuple[bool, str]:
+        rogue = zmq.asyncio.Context.instance().socket(zmq.DEALER)
+        rogue.setsockopt(zmq.LINGER, 0)
+        rogue.connect(address)
+        try:
+            await rogue.send(big)
+            answered = await rogue.poll(500) != 0
+        finally:
+            rogue.close()
+        async with AsyncKilnClient(address, timeout=5) as client:
+            return answered, (await client.generate("hello", max_tokens=2)).text
+
+    (answered, text), engine = asyncio.run(
+        _with_zmq_front(preparer, "", use, max_message_bytes=len(big) - 1))
+    assert not answered and text == " w0 w1" and len(engine.sent) == 1
 
 
 # --- remote code ------------------------------------------------------------------------

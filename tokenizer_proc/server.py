@@ -66,7 +66,8 @@ class Sockets:
     def open(cls, config: ServerConfig) -> "Sockets":
         return cls(scheduler=AsyncSender(config.scheduler_endpoint),
                    inbox=AsyncReceiver(config.tokenizer_endpoint, TokenizerMessage),
-                   clients=AsyncRouter(config.client_endpoint, ClientToServer))
+                   clients=AsyncRouter(config.client_endpoint, ClientToServer,
+                                       max_message_bytes=config.max_request_bytes))
 
     def close(self) -> None:
         self.scheduler.close(linger_ms=_FLUSH_LINGER_MS)
