@@ -86,7 +86,8 @@ def test_dense_decode_context_tracks_the_pool_across_steps():
     for slots in contexts.values():  # the prompts' K/V
         kv = mx.array(rng.standard_normal((1, n_kv, len(slots), dim)).astype(np.float32))
         pool.write(0, mx.array(slots), kv, kv * 0.5)
-    dense = DenseDecodeContext(num_layers=1)
+    dense = DenseDecodeContext(num_layers=1, budget_bytes=1 << 30,
+                               bytes_per_token=KVPool.bytes_per_slot(pool.specs))
     batches = [(0, 1, 2)] * 6 + [(0, 2)] * 3 + [(4, 3, 0)] * 4  # a leaver, then a new mix
     rebuilds = 0
     for step, rows in enumerate(batches):
@@ -109,3 +110,23 @@ def test_dense_decode_context_tracks_the_pool_across_steps():
                                    rtol=1e-5, atol=1e-5, err_msg=f"step {step}")
     # first step, row 2 crossing 64 tokens, the leaver, the new mix: the rest appended
     assert rebuilds == 4
+
+
+def test_dense_decode_context_over_budget_falls_back_to_gathering(tiny_model, oracle):
+    """A decode batch whose kept contexts would exceed the budget is served by the
+    per-layer gather (no blocks held), with the same tokens."""
+    from tests.engine_driver import InProcessEngine
+    from worker_proc import runner as runner_module
+
+    model, tokenizer = tiny_model
+    rng = np.random.default_rng(4)
+    prompts = [rng.integers(5, model.args.vocab_size, size=n).tolist() for n in (30, 70, 9)]
+    engine = InProcessEngine(model)
+    dense = engine.runner._dense_decode
+    dense._budget = 0  # nothing fits
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 12, sorted(tokenizer.eos_token_ids))
+    results = engine.run_until_idle()
+    assert not dense.active and all(k is None for k in dense._keys)
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == oracle(p, 12)

@@ -30,10 +30,10 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     import mlx_lm
 
     from tokenizer_proc.constraints import structured_output_supported
-    from worker_proc.attention import check_layer_kinds
+    from worker_proc.attention import check_layer_kinds, paged_kernel_fits
     from worker_proc.kv_pool import KVPool
     from worker_proc.memory import pool_slots, probe_attention_specs
-    from worker_proc.runner import ModelRunner, warm_up
+    from worker_proc.runner import DENSE_DECODE_SHARE, ModelRunner, warm_up
 
     say = reporter.progress if reporter else logger.info
     t0 = time.monotonic()
@@ -44,9 +44,13 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     specs = probe_attention_specs(model)
     say(f"model loaded in {time.monotonic() - t0:.1f}s")
     context = _model_context_len(model) or 4096
-    slots = pool_slots(config, KVPool.bytes_per_slot(specs), context)
+    per_slot = KVPool.bytes_per_slot(specs)
+    kept = 0.0 if paged_kernel_fits(specs) else DENSE_DECODE_SHARE
+    # The fallback decode path keeps up to `kept` of the pool's size again in dense blocks.
+    slots = pool_slots(config, int(per_slot * (1 + kept)), context)
     pool = KVPool(specs, slots)
-    say(f"KV pool: {slots} slots, {pool.nbytes / 2**20:.1f} MiB")
+    say(f"KV pool: {slots} slots, {pool.nbytes / 2**20:.1f} MiB"
+        + (f" (+ up to {pool.nbytes * kept / 2**20:.1f} MiB of kept decode contexts)" if kept else ""))
     hf = _hf_tokenizer(tokenizer)
     grammars = grammar_matchers(config, hf)
     runner = ModelRunner(model, pool, config.max_running_requests, min(context, slots), grammars)

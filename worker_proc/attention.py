@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from worker_proc.kv_pool import KVPool
+from worker_proc.kv_pool import AttentionLayerSpec, KVPool
 from worker_proc.paged_attention import (kernel_available, paged_decode_attention,
                                          reference_decode_attention)
 
@@ -134,7 +134,7 @@ class PooledKVCache:
 
     def paged_attention(self, queries: mx.array, scale: float) -> mx.array:
         layout, layer = self._layout, self._layer
-        if layout.dense is not None:
+        if layout.dense is not None and layout.dense.active:
             return layout.dense.attention(layer, queries, scale)
         fits = kernel_available() and queries.shape[-1] % 32 == 0
         attend = paged_decode_attention if fits else reference_decode_attention
@@ -153,12 +153,19 @@ class DenseDecodeContext:
     joins, leaves or is preempted, or a row outgrows the capacity) rebuilds it from the
     pool with one gather. Positions past a row's length are masked, so the math is the
     gather path's: the same values under the same boolean mask. The pool stays the
-    source of truth; the block is a cache of it.
+    source of truth; the block is a cache of it, within a memory budget (the worker sizes
+    the pool to leave room for it); a batch over budget takes the per-layer gather.
     """
 
     GROWTH = 64  # capacity is a multiple of this: a rebuild every GROWTH steps at most
 
-    def __init__(self, num_layers: int) -> None:
+    def __init__(self, num_layers: int, budget_bytes: int, bytes_per_token: int) -> None:
+        """budget_bytes: the most the blocks may hold (all layers, K and V); a batch
+        needing more is served by gathering from the pool layer by layer, as transient
+        arrays (bytes_per_token: one token's K and V over all layers)."""
+        self._budget = budget_bytes
+        self._bytes_per_token = bytes_per_token
+        self.active = False
         self._keys: list[mx.array | None] = [None] * num_layers
         self._values: list[mx.array | None] = [None] * num_layers
         self._rows: tuple[int, ...] = ()
@@ -172,23 +179,26 @@ class DenseDecodeContext:
         """Before a decode step: rows identify the batch's requests (the runner's table
         rows, in batch order), lengths their context lengths with the new token."""
         longest = int(lengths.max())
-        grown = rows == self._rows and np.array_equal(lengths, self._lengths + 1)
+        grown = self.active and rows == self._rows and np.array_equal(lengths, self._lengths + 1)
         self._rebuild = not grown or longest > self._capacity
         if self._rebuild:
             self._capacity = -(-longest // self.GROWTH) * self.GROWTH
+            self.active = len(rows) * self._capacity * self._bytes_per_token <= self._budget
+            if not self.active:  # free the old blocks now, not at the next rebuild
+                self._keys = [None] * len(self._keys)
+                self._values = [None] * len(self._values)
         self._rows, self._lengths = rows, lengths.copy()
         self._positions = mx.array((lengths - 1).astype(np.int32))
         valid = np.arange(self._capacity)[None, :] < lengths[:, None]
         self._mask = mx.array(valid[:, None, None, :])
 
-    def clear(self) -> None:
-        """Drop the blocks (no decode batch left to keep them for)."""
-        self.__init__(len(self._keys))
 
     def update(self, layer: int, pool: KVPool, read_slots: mx.array, keys: mx.array,
                values: mx.array) -> None:
         """This step's new K/V ([B, H, 1, D]) into the layer's block; the pool already
         holds them, so a rebuild reads them from there."""
+        if not self.active:
+            return
         if self._rebuild:
             pad = self._capacity - read_slots.shape[1]
             slots = mx.pad(read_slots, [(0, 0), (0, pad)]) if pad else read_slots
@@ -203,11 +213,11 @@ class DenseDecodeContext:
                                                     scale=scale, mask=self._mask)
 
 
-def paged_kernel_fits(pool: KVPool) -> bool:
-    """Whether decode attention runs the CUDA kernel for this pool's layers (it spreads a
-    head over a warp's 32 lanes); otherwise the runner keeps a DenseDecodeContext."""
+def paged_kernel_fits(specs: list[AttentionLayerSpec]) -> bool:
+    """Whether decode attention runs the CUDA kernel for these layers (it spreads a head
+    over a warp's 32 lanes); otherwise the runner keeps a DenseDecodeContext."""
     return kernel_available() and all(s.head_dim % 32 == 0 and s.v_head_dim % 32 == 0
-                                      for s in pool.specs)
+                                      for s in specs)
 
 
 def _causal_array(n_new: int, n_total: int) -> mx.array:

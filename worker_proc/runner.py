@@ -29,6 +29,10 @@ from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, Sampli
 
 logger = logging.getLogger(__name__)
 
+# Where decode attention takes the plain-MLX fallback, the kept decode contexts may use
+# this share of the pool's size on top of it (see DenseDecodeContext).
+DENSE_DECODE_SHARE = 0.5
+
 
 @dataclass
 class TokenCounts:
@@ -139,8 +143,11 @@ class ModelRunner:
         self.table = np.zeros((max_requests, max_context), dtype=np.int32)
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self.requests: dict[str, RequestState] = {}
-        # The fallback decode path's contexts, kept across steps (see DenseDecodeContext).
-        self._dense_decode = DenseDecodeContext(len(pool.specs))
+        # The fallback decode path's contexts, kept across steps (see DenseDecodeContext),
+        # in at most DENSE_DECODE_SHARE of the pool's bytes (build_runner leaves room).
+        self._dense_decode = DenseDecodeContext(
+            len(pool.specs), budget_bytes=int(pool.nbytes * DENSE_DECODE_SHARE),
+            bytes_per_token=KVPool.bytes_per_slot(pool.specs))
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
         self._prompt_logprobs: dict[int, list[PendingPromptLogprobs]] = {}
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
@@ -352,7 +359,7 @@ class ModelRunner:
             self._check_room(s, 1)
         self.table[rows, lengths - 1] = slots
         dense = None
-        if not paged_kernel_fits(self.pool):
+        if not paged_kernel_fits(self.pool.specs):
             dense = self._dense_decode
             dense.plan(tuple(int(r) for r in rows), lengths)
         layout = ForwardLayout.decode(self.table[rows], lengths, dense)
