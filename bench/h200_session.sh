@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One H200 device call's worth of measurements (under 10 minutes), in this order:
+# the CUDA kernel tests, the in-process step breakdown on the 8B-shaped model, then kiln
+# and mlx_lm.server side by side (bench/h200_run.sh). Each part has its own time limit,
+# so a hang in one still leaves the others' results in $OUT.
+#
+#   OUT=$OUT bash bench/h200_session.sh
+#
+# Needs PYTHONPATH with MLX's CUDA build and the repo (../shared/gpu/README.md's two
+# install calls, then export PYTHONPATH=~/site:$PWD).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-bench/results}
+PYTHON=${PYTHON:-python3}
+MODEL=${MODEL:-$HOME/.cache/kiln/bench/llama3-8b-shape-bfloat16}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
+
+echo "== kernel tests"
+timeout 100 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_paged_attention.py 2>&1 \
+    | tail -3 | tee "$OUT/kernel_tests.txt"
+
+echo "== model"
+timeout 90 "$PYTHON" - "$MODEL" <<'PY' 2>&1 | grep -v "RANDOM WEIGHTS"
+import sys
+from pathlib import Path
+from bench.h200_compare import LLAMA3_8B, make_random_model
+make_random_model(LLAMA3_8B, "bfloat16", Path(sys.argv[1]), 0)
+PY
+
+echo "== step breakdown"
+timeout 120 "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes 1,64 --steps 16 \
+    2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/step_breakdown.txt"
+
+echo "== serving, side by side"
+OUT=$OUT timeout 290 bash bench/h200_run.sh --model-dir "$MODEL" --total-seconds 270 \
+    --concurrency 1,64,128 --num-requests 4,64,128 2>&1 | tail -14
