@@ -130,3 +130,19 @@ def test_dense_decode_context_over_budget_falls_back_to_gathering(tiny_model, or
     assert not dense.active and all(k is None for k in dense._keys)
     for i, p in enumerate(prompts):
         assert results[f"r{i}"].token_ids == oracle(p, 12)
+
+
+def test_batched_prefill_layout_masks():
+    from worker_proc.attention import ForwardLayout
+
+    table = np.arange(1, 41, dtype=np.int32).reshape(2, 20)
+    same = ForwardLayout.prefill(table, np.array([4, 4]), np.array([3, 5]))
+    assert same.mask == "causal" and same.offset == 4  # the fused path
+    # Row 0's padded positions write to slot 0; real ones to their own slots.
+    assert np.array(same.write_slots).tolist() == [5, 6, 7, 0, 0, 25, 26, 27, 28, 29]
+    assert np.array(same.read_slots).tolist()[0] == [1, 2, 3, 4, 5, 6, 7, 0, 0]
+    mixed = ForwardLayout.prefill(table, np.array([0, 2]), np.array([2, 2]))
+    mask = np.array(mixed.mask)[:, 0]
+    assert mask[0].tolist() == [[True, False, False, False], [True, True, False, False]]
+    assert mask[1].tolist() == [[True, True, True, False], [True, True, True, True]]
+    assert np.array(mixed.offset).tolist() == [0, 2]

@@ -66,7 +66,7 @@ class ForwardLayout:
     def prefill(cls, table_rows: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> "ForwardLayout":
         """Chunks of several requests in one forward, right-padded to the longest: row b
         computes positions starts[b] .. starts[b] + sizes[b] - 1. Padded positions write
-        to slot 0 and no real query attends to them (a boolean causal mask per row)."""
+        to slot 0 and no real query attends to them (causal from each row's start)."""
         width = int(sizes.max())
         ends = starts + sizes
         cols = np.arange(int(ends.max()))
@@ -74,12 +74,20 @@ class ForwardLayout:
         pos = starts[:, None] + np.arange(width)[None, :]
         real = np.arange(width)[None, :] < sizes[:, None]
         write = np.where(real, np.take_along_axis(read, np.minimum(pos, len(cols) - 1), 1), 0)
-        mask = cols[None, None, :] <= pos[:, :, None]  # [B, width, L]
+        if (starts == starts[0]).all():
+            # One start for every row (fresh prompts, or one shared cached prefix): the
+            # causal mask aligned to the keys' end is then exact for every real query,
+            # whatever each row's length, and keeps attention on the fused path.
+            offset: int | mx.array = int(starts[0])
+            mask: Any = "causal"
+        else:
+            offset = mx.array(starts.astype(np.int32))
+            mask = mx.array((cols[None, None, :] <= pos[:, :, None])[:, None])  # [B, 1, width, L]
         return cls(
             write_slots=mx.array(write.reshape(-1).astype(np.int32)),
             read_slots=mx.array(read.astype(np.int32)),
-            offset=mx.array(starts.astype(np.int32)),
-            mask=mx.array(mask[:, None]),
+            offset=offset,
+            mask=mask,
         )
 
     @classmethod
