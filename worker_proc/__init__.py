@@ -27,13 +27,15 @@ def _model_context_len(model: object) -> int | None:
 
 def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     """Load the model and size the pool; returns the runner (split out for tests)."""
+    import mlx.core as mx
     import mlx_lm
 
     from tokenizer_proc.constraints import structured_output_supported
     from worker_proc.attention import check_layer_kinds, paged_kernel_fits
     from worker_proc.kv_pool import KVPool
     from worker_proc.memory import pool_slots, probe_attention_specs
-    from worker_proc.runner import DENSE_DECODE_SHARE, ModelRunner, warm_up
+    from worker_proc.runner import (CPU_PREFILL_PADDING, DENSE_DECODE_SHARE, PREFILL_PADDING,
+                                    ModelRunner, warm_up)
 
     say = reporter.progress if reporter else logger.info
     t0 = time.monotonic()
@@ -53,7 +55,9 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         + (f" (+ up to {pool.nbytes * kept / 2**20:.1f} MiB of kept decode contexts)" if kept else ""))
     hf = _hf_tokenizer(tokenizer)
     grammars = grammar_matchers(config, hf)
-    runner = ModelRunner(model, pool, config.max_running_requests, min(context, slots), grammars)
+    padding = CPU_PREFILL_PADDING if mx.default_device() == mx.cpu else PREFILL_PADDING
+    runner = ModelRunner(model, pool, config.max_running_requests, min(context, slots), grammars,
+                         prefill_padding=padding)
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests)
     say(f"warmed up ({steps} steps, {time.monotonic() - t0:.1f}s)")
