@@ -132,6 +132,21 @@ def test_dense_decode_context_over_budget_falls_back_to_gathering(tiny_model, or
         assert results[f"r{i}"].token_ids == oracle(p, 12)
 
 
+def test_dense_decode_blocks_are_dropped_with_the_last_request(tiny_model):
+    from ipc.messages.to_worker import ForwardBatch
+    from tests.engine_driver import InProcessEngine
+
+    model, tokenizer = tiny_model
+    engine = InProcessEngine(model)
+    dense = engine.runner._dense_decode
+    engine.submit("a", [7, 8, 9, 10], 5, [])
+    engine.run_until_idle()
+    assert dense.active and dense._keys[0] is not None  # kept for a next decode step
+    # The scheduler's next plan carries the release (the worker is never told sooner).
+    engine.runner.run(ForwardBatch(step=10_000, released=list(engine.runner.requests)))
+    assert not dense.active and all(k is None for k in dense._keys)
+
+
 def test_batched_prefill_layout_masks():
     from worker_proc.attention import ForwardLayout
 

@@ -201,6 +201,13 @@ class DenseDecodeContext:
         self._mask = mx.array(valid[:, None, None, :])
 
 
+    def reset(self) -> None:
+        """Drop the blocks (nothing left to decode): their memory goes back at once."""
+        self.active = False
+        self._rows = ()
+        self._keys = [None] * len(self._keys)
+        self._values = [None] * len(self._values)
+
     def update(self, layer: int, pool: KVPool, read_slots: mx.array, keys: mx.array,
                values: mx.array) -> None:
         """This step's new K/V ([B, H, 1, D]) into the layer's block; the pool already

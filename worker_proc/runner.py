@@ -185,6 +185,8 @@ class ModelRunner:
         state = self.requests.pop(rid, None)
         if state is not None:
             self._free_rows.append(state.row)
+        if not self.requests:
+            self._dense_decode.reset()
 
     # -- one step ------------------------------------------------------------------------
 
