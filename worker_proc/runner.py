@@ -8,6 +8,7 @@ the previous one has finished.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -29,6 +30,8 @@ from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, Sampli
 
 logger = logging.getLogger(__name__)
 
+_SERIALS = itertools.count()
+
 # Where decode attention takes the plain-MLX fallback, the kept decode contexts may use
 # this share of the pool's size on top of it (see DenseDecodeContext).
 DENSE_DECODE_SHARE = 0.5
@@ -48,6 +51,8 @@ class TokenCounts:
     output_ids: list[int]
     counts: mx.array | None = None  # [V] int32, possibly not evaluated yet
     in_prompt: mx.array | None = None  # [V] bool
+    # Names this request's rows among stacked ones (an id() could be reused once freed).
+    serial: int = field(default_factory=lambda: next(_SERIALS))
 
     def rows(self, vocab: int) -> tuple[mx.array, mx.array]:
         if self.counts is None:
@@ -152,6 +157,10 @@ class ModelRunner:
         self.table = np.zeros((max_requests, max_context), dtype=np.int32)
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self.requests: dict[str, RequestState] = {}
+        # The last step's penalised rows, stacked ([P, V] counts and prompt presence), and
+        # whose they are (TokenCounts serials, in order): see _penalties.
+        self._stacked_key: tuple[int, ...] = ()
+        self._stacked: tuple[mx.array, mx.array] | None = None
         # The fallback decode path's contexts, kept across steps (see DenseDecodeContext),
         # in at most DENSE_DECODE_SHARE of the pool's bytes (build_runner leaves room).
         self._dense_decode = DenseDecodeContext(
@@ -399,9 +408,18 @@ class ModelRunner:
 
     def _penalties(self, states: list[RequestState], vocab: int) -> Penalties | None:
         rows = [i for i, s in enumerate(states) if s.token_counts is not None]
-        counted = [states[i].token_counts.rows(vocab) for i in rows]  # type: ignore[union-attr]
-        return Penalties.build(rows, [states[i].sampling for i in rows],
-                               [c for c, _ in counted], [p for _, p in counted])
+        if not rows:
+            return None
+        counters = [states[i].token_counts for i in rows]
+        key = tuple(c.serial for c in counters)  # type: ignore[union-attr]
+        params = [states[i].sampling for i in rows]
+        if key == self._stacked_key:
+            # The same penalised requests as last step, in order: last step's stacked
+            # arrays, not a restack of every row ([P, V] copies) each step.
+            counts, in_prompt = self._stacked
+            return Penalties.of(rows, params, counts, in_prompt)
+        counted = [c.rows(vocab) for c in counters]  # type: ignore[union-attr]
+        return Penalties.build(rows, params, [c for c, _ in counted], [p for _, p in counted])
 
     def _count(self, states: list[RequestState], penalties: Penalties | None,
                tokens: mx.array) -> list[mx.array]:
@@ -413,6 +431,8 @@ class ModelRunner:
         rows = [s for s in states if s.token_counts is not None]
         for j, s in enumerate(rows):
             s.token_counts.counts = counts[j]  # type: ignore[union-attr]
+        self._stacked_key = tuple(s.token_counts.serial for s in rows)  # type: ignore[union-attr]
+        self._stacked = (counts, penalties.in_prompt)
         return [counts]
 
     def _check_room(self, state: RequestState, n: int) -> None:

@@ -66,8 +66,13 @@ class Penalties:
               in_prompt: list[mx.array]) -> "Penalties | None":
         if not rows:
             return None
-        return cls(rows=mx.array(rows, dtype=mx.int32), counts=mx.stack(counts),
-                   in_prompt=mx.stack(in_prompt),
+        return cls.of(rows, params, mx.stack(counts), mx.stack(in_prompt))
+
+    @classmethod
+    def of(cls, rows: list[int], params: list[SamplingParams], counts: mx.array,
+           in_prompt: mx.array) -> "Penalties":
+        """From rows already stacked: counts and in_prompt [P, V]."""
+        return cls(rows=mx.array(rows, dtype=mx.int32), counts=counts, in_prompt=in_prompt,
                    repetition=_f32([p.repetition_penalty for p in params]),
                    frequency=_f32([p.frequency_penalty for p in params]),
                    presence=_f32([p.presence_penalty for p in params]))
