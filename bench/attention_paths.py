@@ -17,6 +17,7 @@ import time
 import mlx.core as mx
 import numpy as np
 
+from tests.attention_cases import ragged_slot_table
 from worker_proc.paged_attention import (kernel_available, paged_decode_attention,
                                          reference_decode_attention)
 
@@ -35,12 +36,7 @@ def _timed(fn, repeats: int = 20) -> float:
 def case(batch: int, lengths: np.ndarray, n_q=32, n_kv=8, dim=128, dtype=mx.bfloat16) -> dict:
     rng = np.random.default_rng(0)
     slots = int(lengths.sum()) + 1
-    table = np.zeros((batch, int(lengths.max())), dtype=np.int32)
-    perm = rng.permutation(np.arange(1, slots))
-    used = 0
-    for b, n in enumerate(lengths):
-        table[b, :n] = perm[used:used + n]
-        used += n
+    table = ragged_slot_table(lengths, slots, rng)
     q = mx.random.normal((batch, n_q, 1, dim)).astype(dtype)
     k = mx.random.normal((slots, n_kv, dim)).astype(dtype)
     v = mx.random.normal((slots, n_kv, dim)).astype(dtype)

@@ -6,6 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from tests.attention_cases import ragged_slot_table
 from worker_proc.paged_attention import (MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, kernel_available,
                                          num_splits, paged_decode_attention,
                                          reference_decode_attention)
@@ -18,12 +19,7 @@ def _case(batch=5, n_q=8, n_kv=2, dim=64, slots=3000, seed=0, dtype=mx.float32, 
     lengths = np.asarray(lengths, dtype=np.int32)
     batch = len(lengths)
     slots = max(slots, int(lengths.sum()) + 1)
-    table = np.zeros((batch, int(lengths.max())), dtype=np.int32)
-    perm = rng.permutation(np.arange(1, slots))
-    used = 0
-    for b, n in enumerate(lengths):
-        table[b, :n] = perm[used:used + n]
-        used += n
+    table = ragged_slot_table(lengths, slots, rng)
     q = mx.array(rng.standard_normal((batch, n_q, 1, dim)).astype(np.float32)).astype(dtype)
     k = mx.array(rng.standard_normal((slots, n_kv, dim)).astype(np.float32)).astype(dtype)
     v = mx.array(rng.standard_normal((slots, n_kv, dim)).astype(np.float32)).astype(dtype)
