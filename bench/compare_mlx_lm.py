@@ -14,7 +14,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
@@ -23,21 +22,12 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import serving  # noqa: E402
-from tests.server import free_port_pair  # noqa: E402
+from tests.server import free_port_pair, wait_until  # noqa: E402
 
 
 def _wait(url: str, proc: subprocess.Popen, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/v1/models", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"{url} not ready")
+    wait_until(lambda: httpx.get(url + "/v1/models", timeout=2).status_code == 200, proc,
+               timeout, url, interval=0.5)
 
 
 def _start(cmd: list[str], log: Path) -> subprocess.Popen:

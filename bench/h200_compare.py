@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import serving  # noqa: E402
-from tests.server import free_port_pair  # noqa: E402
+from tests.server import free_port_pair, wait_until  # noqa: E402
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                     "generation_config.json")
@@ -256,19 +256,10 @@ def start_server(name: str, cmd: list[str], port: int, log: Path) -> ServerRun:
 
 def wait_ready(server: ServerRun, model: str, timeout: float) -> float:
     """Poll until one short completion succeeds; returns the seconds it took."""
-    start = time.monotonic()
     body = {"model": model, "prompt": "the model", "max_tokens": 4, "temperature": 0.0}
-    while time.monotonic() - start < timeout:
-        if server.proc.poll() is not None:
-            raise RuntimeError(f"{server.name} exited with {server.proc.returncode}; "
-                               f"see {server.log}")
-        try:
-            if httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200:
-                return time.monotonic() - start
-        except httpx.HTTPError:
-            pass
-        time.sleep(1.0)
-    raise RuntimeError(f"{server.name} not ready after {timeout:.0f}s; see {server.log}")
+    return wait_until(
+        lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200,
+        server.proc, timeout, f"{server.name} (see {server.log})", interval=1.0)
 
 
 def stop_server(server: ServerRun, grace: float = 20.0) -> None:

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import serving  # noqa: E402
-from tests.server import free_port_pair  # noqa: E402
+from tests.server import free_port_pair, wait_until  # noqa: E402
 
 
 def start_server(model_dir: str, port: int, extra: list[str], log: Path) -> subprocess.Popen:
@@ -33,16 +33,9 @@ def start_server(model_dir: str, port: int, extra: list[str], log: Path) -> subp
     proc = subprocess.Popen(cmd, cwd=ROOT, stdout=open(log, "wb"), stderr=subprocess.STDOUT,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     url = f"http://127.0.0.1:{port}"
-    for _ in range(1200):
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited: see {log}")
-        try:
-            if httpx.get(url + "/get_server_info", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.25)
-    raise RuntimeError("server did not start")
+    wait_until(lambda: httpx.get(url + "/get_server_info", timeout=2).status_code == 200, proc,
+               300.0, f"server (see {log})")
+    return proc
 
 
 def ttft(url: str, prompt: list[int]) -> float:

@@ -9,11 +9,29 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Callable
 
 import httpx
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
+
+
+def wait_until(ready: Callable[[], bool], proc: subprocess.Popen, timeout: float,
+               what: str, interval: float = 0.25) -> float:
+    """Poll `ready` (an HTTP error counts as not yet) until it holds; returns the seconds
+    it took. Fails at once when `proc` exits, and after `timeout` seconds."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}")
+        try:
+            if ready():
+                return time.monotonic() - start
+        except httpx.HTTPError:
+            pass
+        time.sleep(interval)
+    raise RuntimeError(f"{what} not ready after {timeout:.0f}s")
 
 
 def free_port_pair() -> int:
@@ -44,17 +62,15 @@ class Server:
                                      env={**os.environ, "PYTHONUNBUFFERED": "1"})
 
     def wait_ready(self, timeout: float = 180.0) -> "Server":
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}: {self.log_tail()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1.0).status_code == 200 and self._all_ready():
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.2)
-        raise RuntimeError(f"server not ready after {timeout}s: {self.log_tail()}")
+        def ready() -> bool:
+            return (httpx.get(self.url + "/health", timeout=1.0).status_code == 200
+                    and self._all_ready())
+
+        try:
+            wait_until(ready, self.proc, timeout, "server", interval=0.2)
+        except RuntimeError as exc:
+            raise RuntimeError(f"{exc}: {self.log_tail()}") from None
+        return self
 
     def _all_ready(self) -> bool:
         return self.log_path is None or b"serving " in self.log_path.read_bytes()

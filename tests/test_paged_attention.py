@@ -112,7 +112,6 @@ def test_dense_decode_context_over_budget_falls_back_to_gathering(tiny_model, or
     """A decode batch whose kept contexts would exceed the budget is served by the
     per-layer gather (no blocks held), with the same tokens."""
     from tests.engine_driver import InProcessEngine
-    from worker_proc import runner as runner_module
 
     model, tokenizer = tiny_model
     rng = np.random.default_rng(4)
