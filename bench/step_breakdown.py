@@ -56,7 +56,9 @@ def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
 
 def _runner(model: Any, batch: int, context: int, steps: int) -> tuple[ModelRunner, list[str], Iterator[int]]:
     """A runner whose `batch` requests have prefilled `context` tokens each."""
-    pool = KVPool(probe_attention_specs(model), batch * (context + steps + 4) + 1)
+    # Three times what the batch needs, as a server's pool is larger than its batch: the
+    # kept decode contexts of the fallback path may use half the pool's size.
+    pool = KVPool(probe_attention_specs(model), 3 * batch * (context + steps + 4) + 1)
     runner = ModelRunner(model, pool, max_requests=batch, max_context=context + steps + 4)
     rids = [f"r{i}" for i in range(batch)]
     slot = iter(range(1, pool.num_slots + 1))
