@@ -70,25 +70,11 @@ def _runner(model: Any, batch: int, context: int, steps: int) -> tuple[ModelRunn
     return runner, rids, slot
 
 
-def kiln_step_ms(model: Any, batch: int, context: int, steps: int) -> Timings:
-    """Each decode step run alone: build, start (async_eval), wait."""
-    runner, rids, slot = _runner(model, batch, context, steps)
-    t = Timings()
-    for step in range(1, steps + 1):
-        plan = ForwardBatch(step=step, decode_rids=rids, decode_slots=[next(slot) for _ in rids])
-        t0 = time.perf_counter()
-        pending = runner.build(plan)
-        t1 = time.perf_counter()
-        runner.start(pending)
-        t2 = time.perf_counter()
-        runner.finish(pending)
-        t.add(t0, t1, t2, time.perf_counter())
-    return t
-
-
-def kiln_pipelined_ms(model: Any, batch: int, context: int, steps: int) -> Timings:
-    """As the worker's start-ahead loop: step N+1 is built and started before N is waited
-    for (no scheduler or sockets): step ms is the steady-state time per step."""
+def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
+                 pipelined: bool = False) -> Timings:
+    """Decode steps: build, start (async_eval), wait. Alone, each step is waited for before
+    the next; pipelined, as the worker's start-ahead loop (no scheduler or sockets), step
+    N+1 is built and started before N is waited for, so step ms is the steady state."""
     runner, rids, slot = _runner(model, batch, context, steps)
     t = Timings()
     in_flight = None
@@ -99,11 +85,12 @@ def kiln_pipelined_ms(model: Any, batch: int, context: int, steps: int) -> Timin
         t1 = time.perf_counter()
         runner.start(pending)
         t2 = time.perf_counter()
-        if in_flight is not None:
-            runner.finish(in_flight)
-        in_flight = pending
+        waited, in_flight = (in_flight, pending) if pipelined else (pending, None)
+        if waited is not None:
+            runner.finish(waited)
         t.add(t0, t1, t2, time.perf_counter())
-    runner.finish(in_flight)
+    if in_flight is not None:
+        runner.finish(in_flight)
     return t
 
 
@@ -176,7 +163,7 @@ def main() -> None:
         "kiln, no pool write": lambda b: _with(KVPool, "write", no_write,
                                                lambda: kiln_step_ms(model, b, c, n)),
         "mlx-lm loop": lambda b: mlx_lm_step_ms(model, b, c, n),
-        "kiln, pipelined": lambda b: kiln_pipelined_ms(model, b, c, n),
+        "kiln, pipelined": lambda b: kiln_step_ms(model, b, c, n, pipelined=True),
         "mlx-lm loop, pipelined": lambda b: mlx_lm_step_ms(model, b, c, n, pipelined=True),
     }
     print(f"{'batch':>6}  {'variant':<24}{'build ms':>10}{'launch ms':>11}{'wait ms':>9}{'step ms':>9}")

@@ -102,12 +102,6 @@ class Req:
         tail = np.asarray(self.output_ids[:end - self.prompt_len], dtype=np.int32)
         return np.concatenate([self._prompt_array, tail])
 
-    def ids_between(self, start: int, end: int) -> list[int]:
-        """Prompt-then-output ids [start, end), as a list (a prefill chunk's tokens)."""
-        if end <= self.prompt_len:
-            return self.input_ids[start:end]
-        return (self.input_ids + self.output_ids)[start:end]
-
     @property
     def _prompt_array(self) -> np.ndarray:
         if self._prompt_ids is None:

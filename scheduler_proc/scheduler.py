@@ -315,7 +315,8 @@ class Scheduler:
             new_reqs.append(self._new_request(req, start))
         if not req.prefilling:
             self._cache_prompt(req)
-        return PrefillChunk(rid=req.rid, start=start, token_ids=req.ids_between(start, start + n),
+        return PrefillChunk(rid=req.rid, start=start,
+                            token_ids=req.all_ids(start + n)[start:].tolist(),
                             slot_ids=slots.tolist(), sample=not req.prefilling)
 
     def _cache_prompt(self, req: Req) -> None:

@@ -142,10 +142,12 @@ class PooledKVCache:
 
     def paged_attention(self, queries: mx.array, scale: float) -> mx.array:
         layout, layer = self._layout, self._layer
-        if layout.dense is not None and layout.dense.active:
-            return layout.dense.attention(layer, queries, scale)
-        fits = kernel_available() and queries.shape[-1] % 32 == 0
-        attend = paged_decode_attention if fits else reference_decode_attention
+        dense = layout.dense
+        if dense is not None and dense.active:
+            return dense.attention(layer, queries, scale)
+        # No kept context: the runner chose the kernel (paged_kernel_fits); an inactive
+        # one: the batch is over its budget, so gather from the pool for this layer.
+        attend = paged_decode_attention if dense is None else reference_decode_attention
         return attend(queries, self._pool.keys[layer], self._pool.values[layer],
                       layout.read_slots, layout.lengths, scale)
 
@@ -190,18 +192,16 @@ class DenseDecodeContext:
     def plan(self, rows: tuple[int, ...], lengths: np.ndarray) -> None:
         """Before a decode step: rows identify the batch's requests (the runner's table
         rows, in batch order), lengths their context lengths with the new token."""
-        longest = int(lengths.max())
+        needed = -(-int(lengths.max()) // self.GROWTH) * self.GROWTH
         grown = self.active and rows == self._rows and np.array_equal(lengths, self._lengths + 1)
-        capacity = max(self._capacity, -(-longest // self.GROWTH) * self.GROWTH) if grown \
-            else -(-longest // self.GROWTH) * self.GROWTH
         self._rebuild = not grown
-        self._extend_by = capacity - self._capacity if grown else 0
-        self._capacity = capacity
+        # Grown by one token each, the rows fit the blocks or outgrow them by one GROWTH.
+        self._extend_by = max(0, needed - self._capacity) if grown else 0
         if self._rebuild or self._extend_by:
-            self.active = len(rows) * capacity * self._bytes_per_token <= self._budget
+            self._capacity = needed
+            self.active = len(rows) * needed * self._bytes_per_token <= self._budget
             if not self.active:  # free the old blocks now, not at the next rebuild
-                self._keys = [None] * len(self._keys)
-                self._values = [None] * len(self._values)
+                self._drop_blocks()
         self._rows, self._lengths = rows, lengths.copy()
         self._positions = mx.array((lengths - 1).astype(np.int32))
         valid = np.arange(self._capacity)[None, :] < lengths[:, None]
@@ -211,6 +211,9 @@ class DenseDecodeContext:
         """Drop the blocks (nothing left to decode): their memory goes back at once."""
         self.active = False
         self._rows = ()
+        self._drop_blocks()
+
+    def _drop_blocks(self) -> None:
         self._keys = [None] * len(self._keys)
         self._values = [None] * len(self._values)
 

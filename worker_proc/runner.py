@@ -163,7 +163,7 @@ class ModelRunner:
         self._stacked: tuple[mx.array, mx.array] | None = None
         # The fallback decode path's contexts, kept across steps (see DenseDecodeContext),
         # in at most DENSE_DECODE_SHARE of the pool's bytes (build_runner leaves room).
-        self._dense_decode = DenseDecodeContext(
+        self._dense_decode = None if paged_kernel_fits(pool.specs) else DenseDecodeContext(
             len(pool.specs), budget_bytes=int(pool.nbytes * DENSE_DECODE_SHARE),
             bytes_per_token=KVPool.bytes_per_slot(pool.specs))
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
@@ -194,7 +194,7 @@ class ModelRunner:
         state = self.requests.pop(rid, None)
         if state is not None:
             self._free_rows.append(state.row)
-        if not self.requests:
+        if not self.requests and self._dense_decode is not None:
             self._dense_decode.reset()
 
     # -- one step ------------------------------------------------------------------------
@@ -378,9 +378,8 @@ class ModelRunner:
         for s in states:
             self._check_room(s, 1)
         self.table[rows, lengths - 1] = slots
-        dense = None
-        if not paged_kernel_fits(self.pool.specs):
-            dense = self._dense_decode
+        dense = self._dense_decode
+        if dense is not None:
             dense.plan(tuple(int(r) for r in rows), lengths)
         layout = ForwardLayout.decode(self.table[rows], lengths, dense)
         inputs = _gather_last_tokens(states)[:, None]
