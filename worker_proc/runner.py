@@ -304,14 +304,9 @@ class ModelRunner:
     def _prefill(self, chunk: PrefillChunk, prompt: list[PendingPromptLogprobs]) -> mx.array:
         """Run one chunk's forward; its last position's logits. A request that asked for
         prompt logprobs gets this chunk's appended to `prompt`."""
-        state = self.requests[chunk.rid]
+        state = self._place(chunk)
         n = len(chunk.token_ids)
-        if chunk.start != state.length:
-            raise RuntimeError(f"{chunk.rid}: chunk starts at {chunk.start}, context is {state.length}")
-        self._check_room(state, n)
-        row = self.table[state.row]
-        row[chunk.start:chunk.start + n] = chunk.slot_ids
-        layout = ForwardLayout.single(row, chunk.start, n)
+        layout = ForwardLayout.single(self.table[state.row], chunk.start, n)
         out = self.model(mx.array([chunk.token_ids]), cache=build_layer_caches(self.pool, layout))
         state.length += n
         logits = out[:, -1, :]
@@ -324,6 +319,16 @@ class ModelRunner:
                       *self.pool.values)
         return logits
 
+    def _place(self, chunk: PrefillChunk) -> RequestState:
+        """Check a chunk continues its request's context and record its slots."""
+        state = self.requests[chunk.rid]
+        n = len(chunk.token_ids)
+        if chunk.start != state.length:
+            raise RuntimeError(f"{chunk.rid}: chunk starts at {chunk.start}, context is {state.length}")
+        self._check_room(state, n)
+        self.table[state.row, chunk.start:chunk.start + n] = chunk.slot_ids
+        return state
+
     def _prefill_groups(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
         """Chunks that share a forward: those of similar length, except a request's that
         asked for prompt logprobs (scored over every position, one forward of its own)."""
@@ -335,15 +340,11 @@ class ModelRunner:
     def _prefill_many(self, chunks: list[PrefillChunk]) -> list[mx.array]:
         """One forward over chunks of several requests (right-padded to the longest);
         each chunk's last position's logits, [1, V] each."""
-        states = [self.requests[c.rid] for c in chunks]
+        states = [self._place(c) for c in chunks]
         sizes = np.array([len(c.token_ids) for c in chunks])
         starts = np.array([c.start for c in chunks])
         tokens = np.zeros((len(chunks), int(sizes.max())), dtype=np.int32)
-        for i, (chunk, state) in enumerate(zip(chunks, states)):
-            if chunk.start != state.length:
-                raise RuntimeError(f"{chunk.rid}: chunk starts at {chunk.start}, context is {state.length}")
-            self._check_room(state, sizes[i])
-            self.table[state.row, chunk.start:chunk.start + sizes[i]] = chunk.slot_ids
+        for i, chunk in enumerate(chunks):
             tokens[i, :sizes[i]] = chunk.token_ids
         layout = ForwardLayout.prefill(self.table[[s.row for s in states]], starts, sizes)
         out = self.model(mx.array(tokens), cache=build_layer_caches(self.pool, layout))
