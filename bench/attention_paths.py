@@ -40,19 +40,20 @@ def case(batch: int, lengths: np.ndarray, n_q=32, n_kv=8, dim=128, dtype=mx.bflo
     q = mx.random.normal((batch, n_q, 1, dim)).astype(dtype)
     k = mx.random.normal((slots, n_kv, dim)).astype(dtype)
     v = mx.random.normal((slots, n_kv, dim)).astype(dtype)
+    kv = mx.concatenate([k, v], axis=-1)  # KVPool's layout
     t, ln = mx.array(table), mx.array(lengths.astype(np.int32))
     dense_k = mx.random.normal((batch, n_kv, int(lengths.max()), dim)).astype(dtype)
     dense_v = mx.random.normal((batch, n_kv, int(lengths.max()), dim)).astype(dtype)
-    mx.eval(q, k, v, t, ln, dense_k, dense_v)
+    mx.eval(q, kv, t, ln, dense_k, dense_v)
     scale = dim ** -0.5
     out = {"batch": batch, "max_len": int(lengths.max()), "mean_len": float(lengths.mean()),
-           "gather_mask_ms": _timed(lambda: reference_decode_attention(q, k, v, t, ln, scale)),
+           "gather_mask_ms": _timed(lambda: reference_decode_attention(q, kv, t, ln, scale)),
            "fused_contiguous_no_mask_ms": _timed(
                lambda: mx.fast.scaled_dot_product_attention(q, dense_k, dense_v, scale=scale))}
     if kernel_available():
-        out["paged_kernel_ms"] = _timed(lambda: paged_decode_attention(q, k, v, t, ln, scale))
-        diff = mx.abs(paged_decode_attention(q, k, v, t, ln, scale).astype(mx.float32)
-                      - reference_decode_attention(q, k, v, t, ln, scale).astype(mx.float32))
+        out["paged_kernel_ms"] = _timed(lambda: paged_decode_attention(q, kv, t, ln, scale))
+        diff = mx.abs(paged_decode_attention(q, kv, t, ln, scale).astype(mx.float32)
+                      - reference_decode_attention(q, kv, t, ln, scale).astype(mx.float32))
         out["max_abs_diff"] = float(diff.max())
     return {k: round(v, 4) if isinstance(v, float) else v for k, v in out.items()}
 

@@ -13,6 +13,7 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 PYTHON=${PYTHON:-python3}
 MODEL=${MODEL:-$HOME/.cache/kiln/bench/llama3-8b-shape-bfloat16}
+KILN_ARGS=${KILN_ARGS:-}  # extra launch.py flags, e.g. "--log-level debug"
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 
@@ -29,9 +30,11 @@ make_random_model(LLAMA3_8B, "bfloat16", Path(sys.argv[1]), 0)
 PY
 
 echo "== step breakdown"
-timeout 120 "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes 1,64 --steps 16 \
+timeout 150 "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes 1,64 --steps 16 \
+    --prefill-batches 1,16,64 \
     2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/step_breakdown.txt"
 
 echo "== serving, side by side"
 OUT=$OUT timeout 290 bash bench/h200_run.sh --model-dir "$MODEL" --total-seconds 270 \
-    --concurrency 1,64,128 --num-requests 4,64,128 2>&1 | tail -14
+    --concurrency 1,64,128 --num-requests 4,64,128 --kiln-args="$KILN_ARGS" 2>&1 | tail -14
+grep -h "steps/s" "$OUT/kiln.log" | tail -12

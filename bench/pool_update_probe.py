@@ -29,9 +29,10 @@ def main() -> None:
     n_kv, dim, dtype = 8, 128, mx.bfloat16
     per_slot = args.layers * 2 * n_kv * dim * 2
     slots = int(args.pool_gb * 2**30 / per_slot)
-    keys = [mx.zeros((slots * n_kv * dim,), dtype).reshape(slots, n_kv, dim) for _ in range(args.layers)]
-    values = [mx.zeros((slots * n_kv * dim,), dtype).reshape(slots, n_kv, dim) for _ in range(args.layers)]
-    mx.eval(keys, values)
+    # KVPool's layout: a head's keys, then its values.
+    pool = [mx.zeros((slots * n_kv * 2 * dim,), dtype).reshape(slots, n_kv, 2 * dim)
+            for _ in range(args.layers)]
+    mx.eval(pool)
     print(f"pool: {slots} slots, {args.pool_gb} GiB, active {mx.get_active_memory() / 2**30:.1f} GiB")
     attend = paged_decode_attention if kernel_available() else reference_decode_attention
     ctx = 64
@@ -45,10 +46,8 @@ def main() -> None:
         q = mx.ones((args.batch, 32, 1, dim), dtype)
         out = q
         for i in range(args.layers):
-            new = mx.ones((args.batch, n_kv, dim), dtype) * (step % 7)
-            keys[i][write] = new
-            values[i][write] = new
-            out = out + attend(q, keys[i], values[i], t, ln, dim ** -0.5)
+            pool[i][write] = mx.ones((args.batch, n_kv, 2 * dim), dtype) * (step % 7)
+            out = out + attend(q, pool[i], t, ln, dim ** -0.5)
         return out.sum()
 
     for schedule in ("sync", "ahead", "deferred", "sync"):
@@ -58,16 +57,16 @@ def main() -> None:
         for step in range(args.steps):
             nxt = build(step)
             if schedule == "sync":
-                mx.eval(nxt, keys, values)
+                mx.eval(nxt, pool)
             elif schedule == "ahead":
-                mx.async_eval(nxt, keys, values)
+                mx.async_eval(nxt, pool)
                 if pending is not None:
                     pending.item()
                 pending = nxt
             else:
                 if pending is not None:
                     pending.item()
-                mx.async_eval(nxt, keys, values)
+                mx.async_eval(nxt, pool)
                 pending = nxt
         if pending is not None:
             pending.item()

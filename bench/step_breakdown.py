@@ -119,6 +119,23 @@ def mlx_lm_step_ms(model: Any, batch: int, context: int, steps: int,
     return t
 
 
+def prefill_ms(model: Any, batch: int, prompt: int, kiln: bool, repeats: int = 3) -> float:
+    """One step prefilling `batch` fresh prompts of `prompt` tokens, until its tokens are
+    back: kiln's runner (shared padded forwards, as served) or mlx-lm's model over a
+    batch KVCache. The fastest of `repeats` after one untimed run."""
+    times = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        if kiln:
+            _runner(model, batch, prompt, 1)
+        else:
+            cache = [KVCache() for _ in model.layers]
+            logits = model(mx.ones((batch, prompt), dtype=mx.int32), cache=cache)[:, -1, :]
+            mx.argmax(logits, axis=-1).tolist()
+        times.append(time.perf_counter() - t0)
+    return min(times[1:]) * 1e3
+
+
 @dataclass
 class Timings:
     """Per-step host phases: build the graph, start it (async_eval), wait for a result."""
@@ -146,6 +163,9 @@ def main() -> None:
     p.add_argument("--batch-sizes", default="1,64")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--prefill-batches", default="",
+                   help="also time one prefill step of this many prompts (e.g. 1,16,64)")
+    p.add_argument("--prompt", type=int, default=130, help="prompt length for --prefill-batches")
     args = p.parse_args()
     if args.model:
         import mlx_lm
@@ -171,6 +191,13 @@ def main() -> None:
         for name, run in variants.items():
             build, launch, wait, step = run(b).medians_ms()
             print(f"{b:>6}  {name:<24}{build:>10.2f}{launch:>11.2f}{wait:>9.2f}{step:>9.2f}", flush=True)
+    if args.prefill_batches:
+        print(f"\nprefill, {args.prompt}-token prompts (kiln's time includes its pool's allocation)")
+        print(f"{'prompts':>8}{'kiln ms':>10}{'mlx-lm ms':>11}{'kiln tok/s':>12}")
+        for b in (int(x) for x in args.prefill_batches.split(",")):
+            ours = prefill_ms(model, b, args.prompt, kiln=True)
+            theirs = prefill_ms(model, b, args.prompt, kiln=False)
+            print(f"{b:>8}{ours:>10.1f}{theirs:>11.1f}{b * args.prompt / ours * 1e3:>12.0f}", flush=True)
 
 
 def _with(obj: Any, name: str, value: Any, run: Any) -> tuple[float, float]:

@@ -29,7 +29,8 @@ def test_pool_bytes_per_slot_matches_allocation():
     specs = [AttentionLayerSpec(2, 16, 16, mx.float32), AttentionLayerSpec(4, 8, 8, mx.float32)]
     pool = KVPool(specs, num_slots=100)
     assert pool.nbytes == 101 * KVPool.bytes_per_slot(specs)
-    assert pool.keys[0].shape == (101, 2, 16) and float(mx.abs(pool.keys[1]).sum()) == 0.0
+    assert pool.layers[0].shape == (101, 2, 32) and pool.keys(0).shape == (101, 2, 16)
+    assert pool.values(1).shape == (101, 4, 8) and float(mx.abs(pool.layers[1]).sum()) == 0.0
 
 
 def test_available_memory_is_positive_on_this_machine():

@@ -23,12 +23,14 @@ def _case(batch=5, n_q=8, n_kv=2, dim=64, slots=3000, seed=0, dtype=mx.float32, 
     q = mx.array(rng.standard_normal((batch, n_q, 1, dim)).astype(np.float32)).astype(dtype)
     k = mx.array(rng.standard_normal((slots, n_kv, dim)).astype(np.float32)).astype(dtype)
     v = mx.array(rng.standard_normal((slots, n_kv, dim)).astype(np.float32)).astype(dtype)
-    return q, k, v, mx.array(table), mx.array(lengths)
+    kv = mx.concatenate([k, v], axis=-1)  # KVPool's layout: a head's keys, then its values
+    return q, kv, mx.array(table), mx.array(lengths)
 
 
 def test_reference_matches_per_row_attention():
-    q, k, v, table, lengths = _case()
-    out = reference_decode_attention(q, k, v, table, lengths, scale=0.125)
+    q, kv, table, lengths = _case()
+    out = reference_decode_attention(q, kv, table, lengths, scale=0.125)
+    k, v = kv[..., :q.shape[-1]], kv[..., q.shape[-1]:]
     for b in range(q.shape[0]):
         n = int(lengths[b])
         keys = k[table[b, :n]].transpose(1, 0, 2)[None]
@@ -41,9 +43,9 @@ def test_reference_matches_per_row_attention():
 @pytest.mark.parametrize("dtype,dim,n_q,n_kv", [(mx.bfloat16, 128, 32, 8), (mx.float16, 64, 8, 8),
                                                 (mx.float32, 128, 16, 2)])
 def test_cuda_kernel_matches_reference(dtype, dim, n_q, n_kv):
-    q, k, v, table, lengths = _case(batch=9, n_q=n_q, n_kv=n_kv, dim=dim, dtype=dtype)
-    got = paged_decode_attention(q, k, v, table, lengths, scale=dim ** -0.5)
-    want = reference_decode_attention(q, k, v, table, lengths, scale=dim ** -0.5)
+    q, kv, table, lengths = _case(batch=9, n_q=n_q, n_kv=n_kv, dim=dim, dtype=dtype)
+    got = paged_decode_attention(q, kv, table, lengths, scale=dim ** -0.5)
+    want = reference_decode_attention(q, kv, table, lengths, scale=dim ** -0.5)
     tol = 2e-2 if dtype != mx.float32 else 1e-4
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
                                rtol=tol, atol=tol)
@@ -61,9 +63,9 @@ def test_splits_fill_the_gpu_within_their_bounds():
 @pytest.mark.parametrize("lengths", [[1], [31], [400], [4096], [1, 4096, 33, 257],
                                      list(range(1, 640, 10))])
 def test_cuda_kernel_every_split_shape(lengths):
-    q, k, v, table, ln = _case(n_q=32, n_kv=8, dim=128, dtype=mx.bfloat16, lengths=lengths)
-    got = paged_decode_attention(q, k, v, table, ln, scale=128 ** -0.5)
-    want = reference_decode_attention(q, k, v, table, ln, scale=128 ** -0.5)
+    q, kv, table, ln = _case(n_q=32, n_kv=8, dim=128, dtype=mx.bfloat16, lengths=lengths)
+    got = paged_decode_attention(q, kv, table, ln, scale=128 ** -0.5)
+    want = reference_decode_attention(q, kv, table, ln, scale=128 ** -0.5)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
                                rtol=2e-2, atol=2e-2)
 
@@ -101,7 +103,7 @@ def test_dense_decode_context_tracks_the_pool_across_steps():
         pool.write(0, write, new_k, new_k * 0.5)
         dense.update(0, pool, mx.array(table), new_k, new_k * 0.5)
         q = mx.array(rng.standard_normal((len(rows), n_q, 1, dim)).astype(np.float32))
-        want = reference_decode_attention(q, pool.keys[0], pool.values[0], mx.array(table),
+        want = reference_decode_attention(q, pool.layers[0], mx.array(table),
                                           mx.array(lengths.astype(np.int32)), scale=0.25)
         np.testing.assert_allclose(np.array(dense.attention(0, q, 0.25)), np.array(want),
                                    rtol=1e-5, atol=1e-5, err_msg=f"step {step}")

@@ -178,3 +178,25 @@ def test_decode_inputs_gather_last_tokens_from_any_steps():
     assert _gather_last_tokens([state(step_a, 2), state(step_a, 0)]).tolist() == [12, 10]
     mixed = [state(step_b, 1), state(step_a, 2), state(step_b, 0), state(step_a, 0)]
     assert _gather_last_tokens(mixed).tolist() == [21, 12, 20, 10]
+
+
+def test_step_stats_account_the_loop_and_summarise_by_interval(tiny_model):
+    from worker_proc.step_stats import StepStats
+
+    model, tokenizer = tiny_model
+    engine = InProcessEngine(model, overlap=False)  # overlap adds discarded steps
+    stats = engine.worker.stats
+    for i, p in enumerate(_prompts(3, [20, 9], model.args.vocab_size, seed=5)):
+        engine.submit(f"r{i}", p, 6, [])
+    engine.run_until_idle()
+    # 3 prompts of 20/9/20 tokens, then every request's 5 more tokens one step each.
+    assert stats.prefill_tokens == 49 and stats.decode_tokens == 15
+    assert stats.steps >= 6 and stats.totals.build > 0 and stats.totals.start > 0
+
+    clock = StepStats(interval_s=10.0, _since=100.0)
+    assert clock.summary(now=105.0) is None  # the interval is not over
+    clock.on_step(prefill_tokens=100, decode_tokens=4)
+    clock.add("wait", 0.5)
+    line = clock.summary(now=110.0)
+    assert line is not None and "0.4 decode tok/s" in line and "wait 500.00" in line
+    assert clock.steps == 0 and clock.summary(now=125.0) is None  # a new, empty interval

@@ -12,12 +12,15 @@ from ipc.config import ServerConfig
 from ipc.messages.to_scheduler import WorkerReady
 from ipc.messages.to_worker import ForwardBatch, Shutdown, SyncSteps, WorkerMessage
 from ipc.process import StartupReporter, setup_child
+from worker_proc.step_stats import StepStats, Timer
 
 if TYPE_CHECKING:
     from worker_proc.grammar import GrammarMatchers
     from worker_proc.runner import PendingStep
 
 logger = logging.getLogger(__name__)
+
+_SUMMARY_POLL_MS = 1000
 
 
 def _model_context_len(model: object) -> int | None:
@@ -102,21 +105,27 @@ class WorkerLoop:
     A SyncSteps message (the scheduler has nothing to chain) makes the worker report
     what it holds. A step with grammar-constrained rows starts with its forward only: its
     masks need every earlier step's tokens, so its sampling follows once those are
-    reported (`_sampled`).
+    reported (`_sampled`). Every phase of the loop is timed (see step_stats).
     """
 
     def __init__(self, runner, results: Sender, overlap: bool,  # noqa: ANN001
-                 start_ahead: bool = False) -> None:
+                 start_ahead: bool = False, stats: StepStats | None = None) -> None:
         self.runner = runner
         self.results = results
         self.overlap = overlap
         self.start_ahead = overlap and start_ahead
         self.in_flight: deque = deque()
         self.steps_built_ahead = 0  # observability: > 0 shows the overlap at work
+        self.stats = stats or StepStats()
+        self._timer = Timer(self.stats)
 
-    def handle(self, message: WorkerMessage) -> bool:
-        """Process one message; False once the worker should stop."""
+    def handle(self, message: WorkerMessage | None) -> bool:
+        """Process one message (None: a receive that timed out); False once the worker
+        should stop. The time since the previous call returned counts as idle."""
+        self._timer.mark("idle")
         if isinstance(message, ForwardBatch):
+            self.stats.on_step(sum(len(c.token_ids) for c in message.prefill),
+                               len(message.decode_rids))
             if self.start_ahead:
                 self._run_ahead(message)
             else:
@@ -130,20 +139,32 @@ class WorkerLoop:
 
     def _run_ahead(self, batch: ForwardBatch) -> None:
         self.steps_built_ahead += bool(self.in_flight)
-        self.in_flight.append(self._sampled(self.runner.launch(batch)))
+        pending = self._build(batch)
+        self._start(pending)
+        self.in_flight.append(self._sampled(pending))
         while len(self.in_flight) > 1:
             self._report_oldest()
 
     def _run_deferred(self, batch: ForwardBatch) -> None:
         if batch.prefill:  # its forwards run as they are built: nothing may be in flight
             self._report_all()
-        pending = self.runner.build(batch)
+        pending = self._build(batch)
         self.steps_built_ahead += bool(self.in_flight)
         self._report_all()
-        self.runner.start(pending)
+        self._start(pending)
         self.in_flight.append(self._sampled(pending))
         if not self.overlap:
             self._report_oldest()
+
+    def _build(self, batch: ForwardBatch) -> PendingStep:
+        pending = self.runner.build(batch)
+        spent = self._timer.mark("build")
+        logger.debug("step %d built in %.2f ms", batch.step, spent * 1e3)
+        return pending
+
+    def _start(self, pending: PendingStep) -> None:
+        self.runner.start(pending)
+        self._timer.mark("start")
 
     def _sampled(self, pending: PendingStep) -> PendingStep:
         """A started step, with its sampling: a step with constrained rows was started with
@@ -153,11 +174,22 @@ class WorkerLoop:
             return pending
         self._report_all()
         pending = self.runner.sample_constrained(pending)
-        self.runner.start(pending)
+        self._timer.mark("build")
+        self._start(pending)
         return pending
 
     def _report_oldest(self) -> None:
-        self.results.send(self.runner.finish(self.in_flight.popleft()))
+        result = self.runner.finish(self.in_flight.popleft())
+        waited = self._timer.mark("wait")
+        self.results.send(result)
+        self._timer.mark("report")
+        logger.debug("step %d: waited %.2f ms for its tokens", result.step, waited * 1e3)
+
+    def log_summary(self) -> None:
+        """Log the last interval's phase times once one has passed (see StepStats)."""
+        line = self.stats.summary()
+        if line:
+            logger.info("%s", line)
 
     def _report_all(self) -> None:
         while self.in_flight:
@@ -183,5 +215,6 @@ def run_worker(config: ServerConfig) -> None:
     reporter.ready(f"{runner.pool.num_slots} KV slots")
     loop = WorkerLoop(runner, results, overlap=not config.disable_overlap,
                       start_ahead=starts_ahead_safely())
-    while loop.handle(plans.recv()):
-        pass
+    # A timeout now and then lets an interval's summary out while no plans come.
+    while loop.handle(plans.recv(timeout_ms=_SUMMARY_POLL_MS)):
+        loop.log_summary()

@@ -137,7 +137,7 @@ class PooledKVCache:
         if self._layout.dense is not None:
             self._layout.dense.update(self._layer, self._pool, self._layout.read_slots, keys, values)
         if self.paged:  # attention reads the pool itself (see paged_attention)
-            return self._pool.keys[self._layer], self._pool.values[self._layer]
+            return self._pool.keys(self._layer), self._pool.values(self._layer)
         return self._pool.read(self._layer, self._layout.read_slots)
 
     def paged_attention(self, queries: mx.array, scale: float) -> mx.array:
@@ -148,8 +148,7 @@ class PooledKVCache:
         # No kept context: the runner chose the kernel (paged_kernel_fits); an inactive
         # one: the batch is over its budget, so gather from the pool for this layer.
         attend = paged_decode_attention if dense is None else reference_decode_attention
-        return attend(queries, self._pool.keys[layer], self._pool.values[layer],
-                      layout.read_slots, layout.lengths, scale)
+        return attend(queries, self._pool.layers[layer], layout.read_slots, layout.lengths, scale)
 
 
 class DenseDecodeContext:
@@ -249,8 +248,9 @@ def _extended(block: mx.array | None, columns: int) -> mx.array:
 
 def paged_kernel_fits(specs: list[AttentionLayerSpec]) -> bool:
     """Whether decode attention runs the CUDA kernel for these layers (it spreads a head
-    over a warp's 32 lanes); otherwise the runner keeps a DenseDecodeContext."""
-    return kernel_available() and all(s.head_dim % 32 == 0 and s.v_head_dim % 32 == 0
+    over a warp's 32 lanes, keys and values of one size); otherwise the runner keeps a
+    DenseDecodeContext."""
+    return kernel_available() and all(s.head_dim % 32 == 0 and s.v_head_dim == s.head_dim
                                       for s in specs)
 
 

@@ -19,6 +19,8 @@ import math
 
 import mlx.core as mx
 
+from worker_proc.kv_pool import split_kv
+
 logger = logging.getLogger(__name__)
 
 # How a row's context is split across thread blocks (flash-decoding). Enough blocks to
@@ -71,10 +73,11 @@ _BODY = r"""
         bool ok[U];
         for (int u = 0; u < U; ++u) {
             ok[u] = t0 + u < end;
-            const size_t base = ((size_t)row_slots[ok[u] ? t0 + u : t0] * HKV + kvh) * D + lane * E;
+            // A pool row holds a head's keys then its values (see KVPool).
+            const size_t base = ((size_t)row_slots[ok[u] ? t0 + u : t0] * HKV + kvh) * 2 * D + lane * E;
             for (int e = 0; e < E; ++e) {
-                kv[u][e] = static_cast<float>(k_pool[base + e]);
-                vv[u][e] = static_cast<float>(v_pool[base + e]);
+                kv[u][e] = static_cast<float>(kv_pool[base + e]);
+                vv[u][e] = static_cast<float>(kv_pool[base + D + e]);
             }
         }
         for (int g = 0; g < G; ++g) {
@@ -165,7 +168,7 @@ _MERGE_SOURCE = r"""
 def _kernel(direct: bool):
     return mx.fast.cuda_kernel(
         name="kiln_paged_decode_direct" if direct else "kiln_paged_decode_split",
-        input_names=["q", "k_pool", "v_pool", "table", "lengths", "scale"],
+        input_names=["q", "kv_pool", "table", "lengths", "scale"],
         output_names=["out"] if direct else ["out", "out_ml"],
         source=_BODY.replace("WRITE", _DIRECT_WRITE if direct else _SPLIT_WRITE),
     )
@@ -194,20 +197,20 @@ def num_splits(batch: int, n_kv: int, l_max: int) -> int:
     return min(most, max(least, wanted))
 
 
-def paged_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array, table: mx.array,
+def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
                            lengths: mx.array, scale: float) -> mx.array:
     """Attention of one new token per row over its pooled context.
 
-    q: [B, Hq, 1, D]; k_pool, v_pool: [slots, Hkv, D]; table: [B, Lmax] int32 slot ids
-    (right-padded); lengths: [B] int32 context length per row (the new token included).
-    Returns [B, Hq, 1, D] in q's dtype.
+    q: [B, Hq, 1, D]; kv_pool: [slots, Hkv, 2 * D], keys then values (KVPool's layout);
+    table: [B, Lmax] int32 slot ids (right-padded); lengths: [B] int32 context length per
+    row (the new token included). Returns [B, Hq, 1, D] in q's dtype.
     """
     batch, n_q, _, dim = q.shape
-    n_kv = k_pool.shape[1]
+    n_kv = kv_pool.shape[1]
     group = n_q // n_kv
     splits = num_splits(batch, n_kv, table.shape[1])
     template = [("T", q.dtype), ("D", dim), ("G", group), ("HKV", n_kv)]
-    inputs = [q.reshape(batch, n_q, dim), k_pool, v_pool, table, lengths, _scale(scale)]
+    inputs = [q.reshape(batch, n_q, dim), kv_pool, table, lengths, _scale(scale)]
     grid = (splits * _THREADS, n_kv, batch)
     if splits == 1:
         (out,) = _kernel(True)(inputs=inputs, template=template, grid=grid,
@@ -231,12 +234,11 @@ def _scale(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
-def reference_decode_attention(q: mx.array, k_pool: mx.array, v_pool: mx.array,
-                               table: mx.array, lengths: mx.array, scale: float) -> mx.array:
-    """The plain-MLX meaning of paged_decode_attention: gather, mask, fused SDPA."""
-    # Contiguous: on the CPU, attention over the transposed gather view costs ~2x.
-    keys = mx.contiguous(k_pool[table].transpose(0, 2, 1, 3))
-    values = mx.contiguous(v_pool[table].transpose(0, 2, 1, 3))
+def reference_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
+                               lengths: mx.array, scale: float) -> mx.array:
+    """The plain-MLX meaning of paged_decode_attention: gather, mask, fused SDPA (keys
+    of q's head size, values the rest of a pool row)."""
+    keys, values = split_kv(kv_pool[table], q.shape[-1])
     valid = mx.arange(table.shape[1])[None, :] < lengths[:, None]
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
                                                 mask=valid[:, None, None, :])

@@ -225,7 +225,7 @@ class ModelRunner:
         if any(s.matcher is not None for s in sampled):
             # The masks need the tokens of the steps still in flight: sampled later.
             return PendingStep(batch.step, [s.rid for s in sampled], None,
-                               [*logits, *self.pool.keys, *self.pool.values],
+                               [*logits, *self.pool.layers],
                                unsampled=_Unsampled(logits, sampled))
         out = self._sample(logits, sampled) if sampled else _Sampled(None, [], None)
         return self._with_tokens(batch.step, sampled, out)
@@ -249,8 +249,7 @@ class ModelRunner:
         # samples nothing (a middle prefill chunk) must still land its K/V, and the graph
         # must not grow.
         final = [*([tokens] if tokens is not None else []), *out.counts,
-                 *(logprobs.arrays if logprobs is not None else []), *self.pool.keys,
-                 *self.pool.values]
+                 *(logprobs.arrays if logprobs is not None else []), *self.pool.layers]
         return PendingStep(step, [s.rid for s in sampled], tokens, final, logprobs,
                            matchers=matchers or [])
 
@@ -315,8 +314,7 @@ class ModelRunner:
             prompt.append(scored)
         # Run this forward before the next one is built, for start's NOTE: the next
         # forward's scatter must find this one's reads of the pool done.
-        mx.async_eval(logits, *(scored.picked if scored else ()), *self.pool.keys,
-                      *self.pool.values)
+        mx.async_eval(logits, *(scored.picked if scored else ()), *self.pool.layers)
         return logits
 
     def _place(self, chunk: PrefillChunk) -> RequestState:
@@ -351,7 +349,7 @@ class ModelRunner:
         for state, n in zip(states, sizes):
             state.length += int(n)
         logits = out[mx.arange(len(chunks)), mx.array(sizes - 1)]
-        mx.async_eval(logits, *self.pool.keys, *self.pool.values)  # see _prefill's note
+        mx.async_eval(logits, *self.pool.layers)  # see _prefill's note
         return [logits[i:i + 1] for i in range(len(chunks))]
 
     def _prompt_logprobs_of(self, state: RequestState, chunk: PrefillChunk, out: mx.array,
