@@ -160,3 +160,24 @@ def test_batched_prefill_layout_masks():
     assert mask[0].tolist() == [[True, False, False, False], [True, True, False, False]]
     assert mask[1].tolist() == [[True, True, True, False], [True, True, True, True]]
     assert np.array(mixed.offset).tolist() == [0, 2]
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+@pytest.mark.parametrize("mask_kind", ["causal", "array", None])
+def test_unfused_prefill_attention_matches_fused(mask_kind, dtype):
+    """The CUDA backend's prefill attention (plain matmuls) means what MLX's fused one does:
+    grouped heads, causal aligned to the keys' end, boolean masks."""
+    from worker_proc.paged_attention import unfused_prefill_attention
+
+    rng = np.random.default_rng(7)
+    b, n_q, n_kv, s, length, d = (3, 8, 2, 5, 12, 16) if dtype == mx.float32 else (2, 32, 8, 40, 96, 128)
+    q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32)).astype(dtype)
+               for shape in ((b, n_q, s, d), (b, n_kv, length, d), (b, n_kv, length, d)))
+    # Random holes, but every query may see its own position: no row fully masked.
+    holes = mx.array(rng.random((b, 1, s, length)) < 0.7) | mx.eye(s, length, k=length - s, dtype=mx.bool_)
+    mask = {"causal": "causal", None: None, "array": holes}[mask_kind]
+    # bf16 on the CUDA backend: the fused side is cuDNN's kernel.
+    got = unfused_prefill_attention(q, k, v, 0.25, mask).astype(mx.float32)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask).astype(mx.float32)
+    tol = 1e-5 if dtype == mx.float32 else 3e-2
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=tol, atol=tol)

@@ -191,12 +191,15 @@ def test_step_stats_account_the_loop_and_summarise_by_interval(tiny_model):
     engine.run_until_idle()
     # 3 prompts of 20/9/20 tokens, then every request's 5 more tokens one step each.
     assert stats.prefill_tokens == 49 and stats.decode_tokens == 15
-    assert stats.steps >= 6 and stats.totals.build > 0 and stats.totals.start > 0
+    assert stats.steps >= 6 and stats.total("build") > 0 and stats.total("start") > 0
 
     clock = StepStats(interval_s=10.0, _since=100.0)
     assert clock.summary(now=105.0) is None  # the interval is not over
     clock.on_step(prefill_tokens=100, decode_tokens=4)
-    clock.add("wait", 0.5)
+    for seconds in (0.5, 0.1, 0.2):
+        clock.add("wait", seconds)
+    clock.add("idle", 2.5)
     line = clock.summary(now=110.0)
-    assert line is not None and "0.4 decode tok/s" in line and "wait 500.00" in line
+    assert line is not None and "0.4 decode tok/s" in line and "busy 75%" in line
+    assert "wait 200.00" in line  # the median
     assert clock.steps == 0 and clock.summary(now=125.0) is None  # a new, empty interval

@@ -21,7 +21,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from worker_proc.kv_pool import AttentionLayerSpec, KVPool
 from worker_proc.paged_attention import (kernel_available, paged_decode_attention,
-                                         reference_decode_attention)
+                                         reference_decode_attention, unfused_prefill_attention)
 
 
 class UnsupportedModelError(RuntimeError):
@@ -273,7 +273,8 @@ def build_layer_caches(pool: KVPool, layout: ForwardLayout) -> list[PooledKVCach
 
 
 def install_attention_hook() -> None:
-    """Route mlx-lm's attention calls for pooled decode layers to `paged_attention`.
+    """Route mlx-lm's attention calls over the pool: decode layers to `paged_attention`,
+    prefill on the CUDA backend to `unfused_prefill_attention`.
 
     mlx-lm's model modules call `scaled_dot_product_attention` (from models/base.py) with
     the layer's cache; for a `PooledKVCache` in paged mode the keys/values it was handed
@@ -287,10 +288,13 @@ def install_attention_hook() -> None:
     original = getattr(base.scaled_dot_product_attention, "__wrapped__", base.scaled_dot_product_attention)
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001, ANN202
-        if isinstance(cache, PooledKVCache) and cache.paged:
+        if isinstance(cache, PooledKVCache):
             if sinks is not None:
                 raise UnsupportedModelError("attention sinks are not supported yet")
-            return cache.paged_attention(queries, scale)
+            if cache.paged:
+                return cache.paged_attention(queries, scale)
+            if kernel_available():  # CUDA: no cuDNN graph build per prompt shape
+                return unfused_prefill_attention(queries, keys, values, scale, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     attention.__wrapped__ = original

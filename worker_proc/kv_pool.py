@@ -63,8 +63,10 @@ class KVPool:
         once the step's graph is built, so MLX updates the buffer in place.
         """
         b, h, s, _ = keys.shape
-        # One copy into token-major [B, S, H, Dk + Dv] (none more for the reshape).
-        both = mx.concatenate([keys.swapaxes(1, 2), values.swapaxes(1, 2)], axis=-1)
+        if s == 1:  # decode: [B, H, 1, D] is token-major already
+            both = mx.concatenate([keys, values], axis=-1)
+        else:  # one copy into token-major [B, S, H, Dk + Dv] (none more for the reshape)
+            both = mx.concatenate([keys.swapaxes(1, 2), values.swapaxes(1, 2)], axis=-1)
         self.layers[layer][slots] = both.reshape(b * s, h, both.shape[-1])
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:

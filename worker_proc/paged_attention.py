@@ -234,6 +234,40 @@ def _scale(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
+def unfused_prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                              mask: mx.array | str | None) -> mx.array:
+    """Attention of a prefill forward as plain matmuls and a softmax, for the CUDA backend.
+
+    MLX's fused attention there is cuDNN's, which builds (and caches) a graph for every
+    new combination of shapes: 50 ms to over a second on the H200 each time. A server
+    sees a new (rows, prompt length, context) nearly every prefill, so that build
+    dominated time to first token (measured: single 110-token prompts 60-100 ms a
+    forward, batches of prompts up to 1.7 s). Matmuls have no such cost; the price is
+    the [B, H, S, L] scores in memory, small at chunked-prefill sizes.
+
+    q: [B, Hq, S, D]; k, v: [B, Hkv, L, D]; mask: None, "causal" (queries aligned to the
+    keys' end) or a boolean [B, 1, S, L] array (True: may attend).
+    """
+    b, n_q, s, d = q.shape
+    n_kv, length = k.shape[1], k.shape[2]
+    group = n_q // n_kv
+    # Grouped heads share their K/V: [B, Hkv, G*S, D] against [B, Hkv, L, D].
+    scores = (q * scale).reshape(b, n_kv, group * s, d) @ k.swapaxes(-1, -2)
+    scores = scores.reshape(b, n_kv, group, s, length)
+    if isinstance(mask, str):
+        rows = mx.arange(length - s, length)[:, None]
+        scores = mx.where(rows >= mx.arange(length)[None], scores, _neg_inf(scores.dtype))
+    elif mask is not None:
+        scores = mx.where(mask[:, :, None], scores, _neg_inf(scores.dtype))
+    weights = mx.softmax(scores, axis=-1, precise=True)
+    out = weights.reshape(b, n_kv, group * s, length) @ v
+    return out.reshape(b, n_q, s, v.shape[-1])
+
+
+def _neg_inf(dtype: mx.Dtype) -> mx.array:
+    return mx.array(-float("inf"), dtype=dtype)
+
+
 def reference_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
                                lengths: mx.array, scale: float) -> mx.array:
     """The plain-MLX meaning of paged_decode_attention: gather, mask, fused SDPA (keys

@@ -16,40 +16,34 @@ INFO, the per-step record at DEBUG.
 
 from __future__ import annotations
 
-import logging
+import statistics
 import time
-from dataclasses import dataclass, field, fields
-
-logger = logging.getLogger(__name__)
+from dataclasses import dataclass, field
 
 PHASES = ("idle", "build", "start", "wait", "report")
 
 
 @dataclass
-class PhaseTotals:
-    idle: float = 0.0
-    build: float = 0.0
-    start: float = 0.0
-    wait: float = 0.0
-    report: float = 0.0
-
-    def add(self, phase: str, seconds: float) -> None:
-        setattr(self, phase, getattr(self, phase) + seconds)
-
-
-@dataclass
 class StepStats:
-    """Accumulates phase times and work done; `summary` closes an interval."""
+    """Accumulates phase times and work done; `summary` closes an interval.
+
+    The summary gives each phase's median per occurrence (the typical step: a mean would
+    fold the idle time between requests and one-off kernel compilations into every step)
+    and how busy the loop was (the share of the interval not idle).
+    """
 
     interval_s: float = 10.0
-    totals: PhaseTotals = field(default_factory=PhaseTotals)
+    samples: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
     steps: int = 0
     decode_tokens: int = 0
     prefill_tokens: int = 0
     _since: float = field(default_factory=time.perf_counter)
 
     def add(self, phase: str, seconds: float) -> None:
-        self.totals.add(phase, seconds)
+        self.samples[phase].append(seconds)
+
+    def total(self, phase: str) -> float:
+        return sum(self.samples[phase])
 
     def on_step(self, prefill_tokens: int, decode_tokens: int) -> None:
         self.steps += 1
@@ -64,15 +58,18 @@ class StepStats:
         if elapsed < self.interval_s:
             return None
         line = self._line(elapsed) if self.steps else None
-        self.totals, self.steps, self.decode_tokens, self.prefill_tokens = PhaseTotals(), 0, 0, 0
+        self.samples = {p: [] for p in PHASES}
+        self.steps = self.decode_tokens = self.prefill_tokens = 0
         self._since = now
         return line
 
     def _line(self, elapsed: float) -> str:
-        per_step = ", ".join(f"{f.name} {getattr(self.totals, f.name) / self.steps * 1e3:.2f}"
-                             for f in fields(self.totals))
+        medians = ", ".join(f"{p} {statistics.median(self.samples[p]) * 1e3:.2f}"
+                            for p in PHASES if self.samples[p])
+        busy = 1.0 - min(1.0, self.total("idle") / elapsed)
         return (f"{self.steps / elapsed:.1f} steps/s, {self.decode_tokens / elapsed:.1f} decode tok/s, "
-                f"{self.prefill_tokens / elapsed:.1f} prefill tok/s; ms per step: {per_step}")
+                f"{self.prefill_tokens / elapsed:.1f} prefill tok/s, busy {busy:.0%}; "
+                f"median ms: {medians}")
 
 
 class Timer:
