@@ -31,7 +31,7 @@ PY
 
 echo "== step breakdown"
 timeout 150 "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes 1,64 --steps 16 \
-    --prefill-batches 1,16,64 \
+    --prefill-batches 1,64 \
     2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/step_breakdown.txt"
 
 echo "== serving, side by side"

@@ -98,7 +98,8 @@ class WorkerLoop:
     step N computes, so the scheduler's bookkeeping and the worker's graph building hide
     behind the device. Then either
     - start_ahead (the CUDA backend): N+1 is started before the worker blocks on N, so
-      the device never idles between steps (at most two steps in flight); or
+      the device never idles between steps (at most two steps in flight): its first
+      half, then N is reported, then its second half (`_run_ahead`); or
     - deferred (elsewhere): the worker waits for N, reports it, then starts N+1. On the
       CPU backend a pool scatter started while the previous step is in flight copies the
       whole pool (bench/pool_update_probe.py: 4x slower steps); on the H200 it does not.
@@ -140,10 +141,15 @@ class WorkerLoop:
     def _run_ahead(self, batch: ForwardBatch) -> None:
         self.steps_built_ahead += bool(self.in_flight)
         pending = self._build(batch)
+        if self.in_flight:
+            # Launching a step takes the host as long as the device takes to run one. So
+            # half of N+1 goes first, then N is reported: the scheduler's round trip for
+            # N+2 overlaps the launch of N+1's second half instead of following it.
+            self.runner.start_head()
+            self._timer.mark("start")
+            self._report_all()
         self._start(pending)
         self.in_flight.append(self._sampled(pending))
-        while len(self.in_flight) > 1:
-            self._report_oldest()
 
     def _run_deferred(self, batch: ForwardBatch) -> None:
         if batch.prefill:  # its forwards run as they are built: nothing may be in flight

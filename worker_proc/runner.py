@@ -263,6 +263,12 @@ class ModelRunner:
         """
         mx.async_eval(*pending.final)
 
+    def start_head(self) -> None:
+        """Put the first half of the last built step's layers on the device, ahead of
+        `start` (see WorkerLoop): the middle layer's pool array needs every layer before
+        it. A step whose forwards build already ran (prefill) gains nothing, loses nothing."""
+        mx.async_eval(self.pool.layers[len(self.pool.layers) // 2])
+
     def launch(self, batch: ForwardBatch) -> PendingStep:
         pending = self.build(batch)
         self.start(pending)
