@@ -203,3 +203,52 @@ def test_step_stats_account_the_loop_and_summarise_by_interval(tiny_model):
     assert line is not None and "0.4 decode tok/s" in line and "busy 75%" in line
     assert "wait 200.00" in line  # the median
     assert clock.steps == 0 and clock.summary(now=125.0) is None  # a new, empty interval
+
+
+def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
+    """On the start-ahead path the device always has work queued when the worker blocks,
+    and step N's result leaves before the second half of N+1 is launched (so the
+    scheduler plans N+2 meanwhile); never more than two steps in flight."""
+    from dataclasses import dataclass
+
+    from ipc.messages.to_scheduler import StepResult
+    from ipc.messages.to_worker import ForwardBatch, SyncSteps
+    from worker_proc import WorkerLoop
+
+    calls: list[tuple] = []
+
+    @dataclass
+    class Pending:
+        step: int
+        needs_sampling: bool = False
+
+    class Runner:
+        def build(self, batch):
+            calls.append(("build", batch.step))
+            return Pending(batch.step)
+
+        def start_head(self):
+            calls.append(("start half",))
+
+        def start(self, pending):
+            calls.append(("start", pending.step))
+
+        def finish(self, pending):
+            calls.append(("finish", pending.step))
+            return StepResult(step=pending.step, rids=[], token_ids=[])
+
+    sent: list[StepResult] = []
+
+    class Results:
+        send = sent.append
+
+    loop = WorkerLoop(Runner(), Results(), overlap=True, start_ahead=True)
+    for step in (1, 2, 3):
+        loop.handle(ForwardBatch(step=step, decode_rids=["a"], decode_slots=[step]))
+        assert len(loop.in_flight) == 1
+    loop.handle(SyncSteps())
+    assert calls == [("build", 1), ("start", 1),
+                     ("build", 2), ("start half",), ("finish", 1), ("start", 2),
+                     ("build", 3), ("start half",), ("finish", 2), ("start", 3),
+                     ("finish", 3)]
+    assert [r.step for r in sent] == [1, 2, 3]
