@@ -41,6 +41,9 @@ class ForwardLayout:
                  through `paged_attention` instead of a gathered dense block.
     dense:       for decode on the plain-MLX fallback: the batch's contexts kept across
                  steps (see DenseDecodeContext); None: the CUDA kernel reads the pool.
+    fresh:       every row starts at position 0, so its context is exactly this forward's
+                 tokens: attention takes their K/V as computed instead of gathering them
+                 back from the pool (the same values).
     """
 
     write_slots: mx.array
@@ -49,6 +52,7 @@ class ForwardLayout:
     mask: Any
     lengths: mx.array | None = None
     dense: "DenseDecodeContext | None" = None
+    fresh: bool = False
 
     @classmethod
     def single(cls, context_slots: np.ndarray, start: int, n_new: int) -> "ForwardLayout":
@@ -60,6 +64,7 @@ class ForwardLayout:
             offset=start,
             # Same mask mlx-lm's own KVCache gives, so the fused kernel path is the same.
             mask="causal" if n_new > 1 else None,
+            fresh=start == 0,
         )
 
     @classmethod
@@ -88,6 +93,9 @@ class ForwardLayout:
             read_slots=mx.array(read.astype(np.int32)),
             offset=offset,
             mask=mask,
+            # Padded positions sit after each row's real ones, which the causal mask
+            # hides from every real query, whether their K/V come from here or slot 0.
+            fresh=bool((starts == 0).all()),
         )
 
     @classmethod
@@ -138,6 +146,8 @@ class PooledKVCache:
             self._layout.dense.update(self._layer, self._pool, self._layout.read_slots, keys, values)
         if self.paged:  # attention reads the pool itself (see paged_attention)
             return self._pool.keys(self._layer), self._pool.values(self._layer)
+        if self._layout.fresh:
+            return keys, values
         return self._pool.read(self._layer, self._layout.read_slots)
 
     def paged_attention(self, queries: mx.array, scale: float) -> mx.array:
