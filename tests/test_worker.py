@@ -114,13 +114,13 @@ def test_steps_update_the_pool_in_place(tiny_model):
 
 
 def test_warm_up_leaves_the_runner_clean(tiny_model, oracle):
-    """Warm-up runs every decode batch size on throwaway requests and forgets them; the
-    engine then serves exactly as before."""
+    """Warm-up runs prompts in two chunks and every decode batch size on throwaway
+    requests and forgets them; the engine then serves exactly as before."""
     from worker_proc.runner import warm_up
 
     model, tokenizer = tiny_model
     engine = InProcessEngine(model, capacity=2000, max_running=16)
-    assert warm_up(engine.runner, max_batch=16) == 1 + 2 * 5  # sizes 1, 2, 4, 8, 16
+    assert warm_up(engine.runner, max_batch=16) == 2 + 2 * 5  # sizes 1, 2, 4, 8, 16
     assert engine.runner.requests == {}
     prompt = _prompts(1, [30], model.args.vocab_size, seed=9)[0]
     engine.submit("r", prompt, 20, _eos(tokenizer))

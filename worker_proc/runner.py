@@ -445,10 +445,12 @@ class ModelRunner:
 
 
 def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
-    """Run throwaway requests through every decode batch size the server will see first
-    (powers of two up to max_batch), so kernel compilation happens before the first user
-    request, not during it. Uses slots from 1 up: the scheduler has handed none out yet,
-    and every slot is written before it is read. Returns the number of steps run."""
+    """Run throwaway requests through the paths the server will meet first, so kernel
+    compilation happens before the first user request, not during it: prompts in two
+    chunks (the first fresh, the second read back from the pool, with one start and with
+    mixed starts), then every decode batch size up to max_batch (powers of two). Uses
+    slots from 1 up: the scheduler has handed none out yet, and every slot is written
+    before it is read. Returns the number of steps run."""
     steps_per_size = 2
     sizes = [b for b in (1 << i for i in range(16)) if b <= max_batch] or [1]
     per_request = prompt_len + len(sizes) * steps_per_size
@@ -456,17 +458,25 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
     sizes = [b for b in sizes if b <= n_req]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=per_request)
     rids = [f"warmup-{i}" for i in range(n_req)]
-    next_slot = iter(range(1, runner.pool.num_slots + 1))
-    chunks = [PrefillChunk(rid=rid, start=0, token_ids=[1] * prompt_len, sample=True,
-                           slot_ids=[next(next_slot) for _ in range(prompt_len)]) for rid in rids]
+    slots = [iter(range(1 + i * per_request, 1 + (i + 1) * per_request)) for i in range(n_req)]
+    # The last request's first chunk is shorter, so its second starts elsewhere.
+    splits = [prompt_len // 2] * (n_req - 1) + [prompt_len // 4]
+
+    def chunk(i: int, start: int, end: int, sample: bool) -> PrefillChunk:
+        return PrefillChunk(rid=rids[i], start=start, token_ids=[1] * (end - start), sample=sample,
+                            slot_ids=[next(slots[i]) for _ in range(end - start)])
+
     step = 0
     runner.run(ForwardBatch(step=step, new_requests=[NewRequest(rid=r, sampling=greedy) for r in rids],
-                            prefill=chunks))
+                            prefill=[chunk(i, 0, splits[i], False) for i in range(n_req)]))
+    step += 1
+    runner.run(ForwardBatch(step=step, prefill=[chunk(i, splits[i], prompt_len, True)
+                                                for i in range(n_req)]))
     for size in sizes:
         for _ in range(steps_per_size):
             step += 1
             runner.run(ForwardBatch(step=step, decode_rids=rids[:size],
-                                    decode_slots=[next(next_slot) for _ in range(size)]))
+                                    decode_slots=[next(slots[i]) for i in range(size)]))
     runner.run(ForwardBatch(step=step + 1, released=rids))
     return step + 1
 
