@@ -38,3 +38,7 @@ echo "== serving, side by side"
 OUT=$OUT timeout 290 bash bench/h200_run.sh --model-dir "$MODEL" --total-seconds 270 \
     --concurrency 1,64,128 --num-requests 4,64,128 --kiln-args="$KILN_ARGS" 2>&1 | tail -14
 grep -h "steps/s" "$OUT/kiln.log" | tail -12
+
+# At most 8 files come back from a device call: the two short reports travel as one.
+cat "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" > "$OUT/session.txt" 2>/dev/null \
+    && rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt"
