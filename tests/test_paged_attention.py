@@ -182,3 +182,64 @@ def test_unfused_prefill_attention_matches_fused(mask_kind, dtype):
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.25, mask=mask)
     tol = 1e-5 if dtype == mx.float32 else 2e-2
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=tol, atol=tol)
+
+
+def test_pooled_forward_matches_mlx_lm_cache():
+    """The model over the pool, as the runner drives it (prompts prefilled alone and
+    together, then ragged decode steps), gives mlx-lm's own KVCache forward's logits.
+    On the CUDA backend this is the paged kernel and the matmul prefill attention inside
+    a real model; elsewhere the kept decode contexts."""
+    from mlx_lm.models import llama
+    from mlx_lm.models.cache import KVCache
+
+    from worker_proc.attention import (DenseDecodeContext, ForwardLayout, build_layer_caches,
+                                       install_attention_hook, paged_kernel_fits)
+    from worker_proc.kv_pool import KVPool
+    from worker_proc.memory import probe_attention_specs
+
+    mx.random.seed(11)
+    model = llama.Model(llama.ModelArgs(
+        model_type="llama", hidden_size=128, num_hidden_layers=2, intermediate_size=256,
+        num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5, vocab_size=256,
+        head_dim=32))
+    mx.eval(model.parameters())
+    install_attention_hook()
+    specs = probe_attention_specs(model)
+    pool = KVPool(specs, num_slots=400)
+    dense = None if paged_kernel_fits(specs) else DenseDecodeContext(
+        len(specs), budget_bytes=1 << 30, bytes_per_token=KVPool.bytes_per_slot(specs))
+    rng = np.random.default_rng(12)
+    prompts = [rng.integers(0, 256, size=n).tolist() for n in (7, 19, 19, 3)]
+    table = np.zeros((len(prompts), 64), dtype=np.int32)
+    free = iter(range(1, 401))
+    for row, p in enumerate(prompts):
+        table[row, :len(p) + 4] = [next(free) for _ in range(len(p) + 4)]
+    theirs = [[KVCache() for _ in model.layers] for _ in prompts]
+
+    def check(ours: mx.array, row: int, tokens: list[int]) -> None:
+        want = model(mx.array([tokens]), cache=theirs[row])[0, -1]
+        np.testing.assert_allclose(np.array(ours), np.array(want), rtol=2e-4, atol=2e-4)
+
+    # Prompt 0 alone; prompts 1-3 in one forward (two of one length, one shorter).
+    out = model(mx.array([prompts[0]]),
+                cache=build_layer_caches(pool, ForwardLayout.single(table[0], 0, len(prompts[0]))))
+    check(out[0, -1], 0, prompts[0])
+    sizes = np.array([len(p) for p in prompts[1:]])
+    tokens = np.zeros((3, sizes.max()), dtype=np.int32)
+    for i, p in enumerate(prompts[1:]):
+        tokens[i, :len(p)] = p
+    layout = ForwardLayout.prefill(table[1:], np.zeros(3, dtype=np.int64), sizes)
+    out = model(mx.array(tokens), cache=build_layer_caches(pool, layout))
+    for i in range(3):
+        check(out[i, sizes[i] - 1], i + 1, prompts[i + 1])
+    # Three decode steps, every row at its own length.
+    lengths = np.array([len(p) for p in prompts])
+    for step in range(3):
+        nxt = [int(rng.integers(0, 256)) for _ in prompts]
+        lengths = lengths + 1
+        if dense is not None:
+            dense.plan(tuple(range(len(prompts))), lengths)
+        layout = ForwardLayout.decode(table, lengths, dense)
+        out = model(mx.array(nxt)[:, None], cache=build_layer_caches(pool, layout))
+        for row in range(len(prompts)):
+            check(out[row, -1], row, [nxt[row]])
