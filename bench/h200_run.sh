@@ -19,7 +19,7 @@ export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 "$PYTHON" - <<'EOF'
 import importlib.util
 import sys
-need = ["mlx.core", "mlx_lm", "numpy", "httpx", "msgspec", "zmq", "fastapi", "uvicorn",
+need = ["mlx.core", "mlx_lm", "numpy", "httpx", "aiohttp", "msgspec", "zmq", "fastapi", "uvicorn",
         "psutil", "setproctitle", "transformers", "tokenizers"]
 missing = [m for m in need if importlib.util.find_spec(m.split(".")[0]) is None]
 if missing:
