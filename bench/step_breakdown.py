@@ -10,8 +10,9 @@ waiting for a result, and the whole step. Variants of kiln's step, each run alon
 served; paged attention replaced by returning the queries (its cost); the pool write
 skipped (the scatter's cost). mlx-lm's own model call over its KVCache (all rows one
 length, no mask), run alone. Then both pipelined, two steps in flight as kiln's worker and
-mlx-lm's generate loop run them: there "step" is the steady-state time per step. The
-"no ..." variants compute wrong tokens: timing only.
+mlx-lm's generate loop run them: there "step" is the steady-state time per step; on the
+CUDA kernel path also kiln's `--compile-decode` forward, pipelined. The "no ..." variants
+compute wrong tokens: timing only.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from mlx_lm.models.cache import KVCache
 
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
-from worker_proc.attention import PooledKVCache
+from worker_proc.attention import PooledKVCache, paged_kernel_fits
 from worker_proc.kv_pool import KVPool
 from worker_proc.memory import probe_attention_specs
 from worker_proc.runner import ModelRunner
@@ -54,12 +55,14 @@ def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
         setattr(obj, name, original)
 
 
-def _runner(model: Any, batch: int, context: int, steps: int) -> tuple[ModelRunner, list[str], Iterator[int]]:
+def _runner(model: Any, batch: int, context: int, steps: int,
+            compile_decode: bool = False) -> tuple[ModelRunner, list[str], Iterator[int]]:
     """A runner whose `batch` requests have prefilled `context` tokens each."""
     # Three times what the batch needs, as a server's pool is larger than its batch: the
     # kept decode contexts of the fallback path may use half the pool's size.
     pool = KVPool(probe_attention_specs(model), 3 * batch * (context + steps + 4) + 1)
-    runner = ModelRunner(model, pool, max_requests=batch, max_context=context + steps + 4)
+    runner = ModelRunner(model, pool, max_requests=batch, max_context=context + steps + 4,
+                         compile_decode=compile_decode)
     rids = [f"r{i}" for i in range(batch)]
     slot = iter(range(1, pool.num_slots + 1))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=steps + 2)
@@ -71,11 +74,11 @@ def _runner(model: Any, batch: int, context: int, steps: int) -> tuple[ModelRunn
 
 
 def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
-                 pipelined: bool = False) -> Timings:
+                 pipelined: bool = False, compile_decode: bool = False) -> Timings:
     """Decode steps: build, start (async_eval), wait. Alone, each step is waited for before
     the next; pipelined, as the worker's start-ahead loop (no scheduler or sockets), step
     N+1 is built and started before N is waited for, so step ms is the steady state."""
-    runner, rids, slot = _runner(model, batch, context, steps)
+    runner, rids, slot = _runner(model, batch, context, steps, compile_decode)
     t = Timings()
     in_flight = None
     for step in range(1, steps + 1):
@@ -187,6 +190,9 @@ def main() -> None:
         "kiln, pipelined": lambda b: kiln_step_ms(model, b, c, n, pipelined=True),
         "mlx-lm loop, pipelined": lambda b: mlx_lm_step_ms(model, b, c, n, pipelined=True),
     }
+    if paged_kernel_fits(probe_attention_specs(model)):  # --compile-decode's only path
+        variants["kiln, compiled, pipelined"] = lambda b: kiln_step_ms(
+            model, b, c, n, pipelined=True, compile_decode=True)
     print(f"{'batch':>6}  {'variant':<24}{'build ms':>10}{'launch ms':>11}{'wait ms':>9}{'step ms':>9}")
     for b in (int(x) for x in args.batch_sizes.split(",")):
         for name, run in variants.items():

@@ -54,6 +54,11 @@ class ServerConfig:
     disable_overlap: bool = dataclasses.field(
         default=False, metadata={"help": "Run one step at a time instead of building step "
                                          "N+1 while step N computes (for A/B runs)."})
+    compile_decode: bool = dataclasses.field(
+        default=False, metadata={"help": "Compile decode forwards with mx.compile (CUDA paged-"
+                                         "attention path; elsewhere refused): less host time "
+                                         "a step, one trace per batch size and context bucket. "
+                                         "Experimental."})
     log_level: str = dataclasses.field(
         default="info", metadata={"choices": ("debug", "info", "warning", "error"),
                                   "help": "Logging level of every process."})

@@ -55,12 +55,13 @@ class InProcessEngine:
                  chunk_size: int = 256, max_prefill_tokens: int = 1024, max_context: int = 4096,
                  radix_cache: bool = True, schedule_policy: str = "fcfs",
                  overlap: bool | str = True, tokenizer: Any = None,
-                 grammars: Any = None) -> None:
+                 grammars: Any = None, compile_decode: bool = False) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False. tokenizer: what the scheduler decodes stop strings with.
         grammars: the worker's GrammarMatchers, for requests with a grammar."""
         self.pool = KVPool(probe_attention_specs(model), capacity)
-        self.runner = ModelRunner(model, self.pool, max_running, max_context, grammars)
+        self.runner = ModelRunner(model, self.pool, max_running, max_context, grammars,
+                                  compile_decode=compile_decode)
         self.scheduler = Scheduler(SchedulerLimits(capacity, max_context, max_running, chunk_size,
                                                    max_prefill_tokens, radix_cache, schedule_policy),
                                    (lambda: tokenizer) if tokenizer is not None else None)

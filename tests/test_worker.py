@@ -252,3 +252,25 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
                      ("build", 3), ("start half",), ("finish", 2), ("start", 3),
                      ("finish", 3)]
     assert [r.step for r in sent] == [1, 2, 3]
+
+
+def test_compiled_decode_matches_mlx_lm(tiny_model, oracle, monkeypatch):
+    """--compile-decode: decode forwards replayed from mx.compile traces (one per batch size
+    and table-width bucket, across the 128 bucket) give mlx-lm's greedy tokens. The CUDA
+    path it serves is stood in for by the pool-reading attention of the same meaning."""
+    import worker_proc.attention as attention
+    import worker_proc.runner as runner_module
+    from worker_proc.paged_attention import reference_decode_attention
+
+    model, tokenizer = tiny_model
+    with pytest.raises(ValueError, match="compile-decode"):
+        InProcessEngine(model, compile_decode=True)  # the CPU has no paged-attention path
+    monkeypatch.setattr(runner_module, "paged_kernel_fits", lambda specs: True)
+    monkeypatch.setattr(attention, "paged_decode_attention", reference_decode_attention)
+    prompts = _prompts(5, [100, 7, 30], model.args.vocab_size, seed=13)
+    engine = InProcessEngine(model, compile_decode=True, overlap="ahead")
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 40, _eos(tokenizer))
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == oracle(p, 40), f"r{i}"

@@ -40,6 +40,9 @@ DENSE_DECODE_SHARE = 0.5
 # the padding is pure loss (16 prompts of 110-170 tokens: 3.35 s padded, 2.95 s one by one).
 PREFILL_PADDING = 0.25
 CPU_PREFILL_PADDING = 0.0
+# A compiled decode forward is traced once per (batch size, slot-table width); widths are
+# powers of two from this, so a long decode re-traces a handful of times, not every step.
+COMPILED_MIN_WIDTH = 128
 
 
 @dataclass
@@ -141,11 +144,12 @@ class _Unsampled(NamedTuple):
 class ModelRunner:
     def __init__(self, model: Any, pool: KVPool, max_requests: int, max_context: int,
                  grammars: GrammarMatchers | None = None,
-                 prefill_padding: float = PREFILL_PADDING) -> None:
+                 prefill_padding: float = PREFILL_PADDING, compile_decode: bool = False) -> None:
         """grammars: matchers for structured output (None: requests with a grammar are
         refused, as the worker has no tokenizer). prefill_padding: how much padding a
         shared prefill forward may carry, as a share of its real tokens (0: only chunks
-        of one length share a forward)."""
+        of one length share a forward). compile_decode: decode forwards through
+        mx.compile (only where attention reads the pool: the CUDA kernel path)."""
         install_attention_hook()  # decode attention reads the pool (idempotent)
         self.prefill_padding = prefill_padding
         self.model = model
@@ -166,6 +170,10 @@ class ModelRunner:
         self._dense_decode = None if paged_kernel_fits(pool.specs) else DenseDecodeContext(
             len(pool.specs), budget_bytes=int(pool.nbytes * DENSE_DECODE_SHARE),
             bytes_per_token=KVPool.bytes_per_slot(pool.specs))
+        if compile_decode and self._dense_decode is not None:
+            raise ValueError("--compile-decode needs the CUDA paged-attention path (MLX's CUDA "
+                             "backend, head sizes a multiple of 32)")
+        self._compiled_decode = mx.compile(self._decode_forward) if compile_decode else None
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
         self._prompt_logprobs: dict[int, list[PendingPromptLogprobs]] = {}
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
@@ -386,12 +394,40 @@ class ModelRunner:
         dense = self._dense_decode
         if dense is not None:
             dense.plan(tuple(int(r) for r in rows), lengths)
-        layout = ForwardLayout.decode(self.table[rows], lengths, dense)
-        inputs = _gather_last_tokens(states)[:, None]
-        out = self.model(inputs, cache=build_layer_caches(self.pool, layout))
+        tokens = _gather_last_tokens(states)
+        if self._compiled_decode is not None:
+            logits = self._run_compiled(tokens, rows, lengths)
+        else:
+            layout = ForwardLayout.decode(self.table[rows], lengths, dense)
+            logits = self.model(tokens[:, None], cache=build_layer_caches(self.pool, layout))[:, -1, :]
         for s in states:
             s.length += 1
-        return out[:, -1, :]
+        return logits
+
+    def _run_compiled(self, tokens: mx.array, rows: np.ndarray, lengths: np.ndarray) -> mx.array:
+        """The decode forward through its compiled trace; every input is an array (a
+        Python value would be frozen into the trace) and the slot table's width is
+        bucketed, so steps of one batch size replay one trace."""
+        width = max(COMPILED_MIN_WIDTH, 1 << (int(lengths.max()) - 1).bit_length())
+        table = np.zeros((len(rows), width), dtype=np.int32)
+        table[:, :min(width, self.max_context)] = self.table[rows, :width]
+        write = table[np.arange(len(rows)), lengths - 1]
+        logits, *layers = self._compiled_decode(
+            tokens, mx.array((lengths - 1).astype(np.int32)), mx.array(write), mx.array(table),
+            mx.array(lengths.astype(np.int32)), *self.pool.layers)
+        self.pool.layers = layers
+        return logits
+
+    def _decode_forward(self, tokens: mx.array, offsets: mx.array, write_slots: mx.array,
+                        table: mx.array, lengths: mx.array, *layers: mx.array) -> tuple[mx.array, ...]:
+        """What _run_compiled traces: the model over the pool arrays it is given; returns
+        the logits and the pool arrays after this step's writes. (Python runs only while
+        tracing: the pool attribute it sets is replaced by the caller with the outputs.)"""
+        self.pool.layers = list(layers)
+        layout = ForwardLayout(write_slots=write_slots, read_slots=table, offset=offsets,
+                               mask=None, lengths=lengths)
+        out = self.model(tokens[:, None], cache=build_layer_caches(self.pool, layout))
+        return (out[:, -1, :], *self.pool.layers)
 
     def _sample(self, logits: list[mx.array], states: list[RequestState],
                 grammar: GrammarMask | None = None) -> _Sampled:
