@@ -45,7 +45,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "generation_config.json")
 _COMPLETE = ".kiln-bench-complete"
 # Short names (file names, --servers) and the labels their sweeps carry.
-_LABELS = {"kiln": "kiln", "mlx_lm": "mlx_lm.server"}
+_LABELS = {"kiln": "kiln", "kiln_compiled": "kiln --compile-decode", "mlx_lm": "mlx_lm.server"}
 # Output projection scale: logits get a standard deviation of about this many units.
 _LOGIT_SCALE = 4.0
 
@@ -299,8 +299,9 @@ def _group_alive(group: int) -> bool:
 
 def server_command(name: str, model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
     common = ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
-    if name == "kiln":
-        return [sys.executable, "launch.py", *common, *args.kiln_args.split()]
+    if name in ("kiln", "kiln_compiled"):
+        extra = ["--compile-decode"] if name == "kiln_compiled" else []
+        return [sys.executable, "launch.py", *common, *extra, *args.kiln_args.split()]
     return [sys.executable, "-m", "mlx_lm", "server", *common, "--decode-concurrency", "256",
             "--prompt-concurrency", "16", *args.mlx_args.split()]
 
@@ -361,15 +362,16 @@ def summary_table(sweeps: dict[str, dict[str, Any]]) -> str:
 
 
 def _ratios(sweeps: dict[str, dict[str, Any]]) -> list[str]:
-    if set(sweeps) != {"kiln", "mlx_lm"}:
+    if "mlx_lm" not in sweeps:
         return []
     theirs = {r["concurrency"]: r for r in sweeps["mlx_lm"]["results"] if "skipped" not in r}
     out = []
-    for r in sweeps["kiln"]["results"]:
-        other = theirs.get(r["concurrency"])
-        if "skipped" not in r and other and other["output_tok_s"] > 0:
-            out.append(f"kiln / mlx_lm.server output tok/s at {r['concurrency']}: "
-                       f"{r['output_tok_s'] / other['output_tok_s']:.2f}x")
+    for name in (n for n in sweeps if n != "mlx_lm"):
+        for r in sweeps[name]["results"]:
+            other = theirs.get(r["concurrency"])
+            if "skipped" not in r and other and other["output_tok_s"] > 0:
+                out.append(f"{_LABELS[name]} / mlx_lm.server output tok/s at {r['concurrency']}: "
+                           f"{r['output_tok_s'] / other['output_tok_s']:.2f}x")
     return out
 
 
@@ -399,7 +401,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "(default ~/.cache/kiln/bench/<shape>-<dtype>)")
     p.add_argument("--dtype", default=None, help="bfloat16 (default) or float32 (--smoke)")
     p.add_argument("--seed", type=int, default=0, help="weights seed")
-    p.add_argument("--servers", default="kiln,mlx_lm", help="which to run, in this order")
+    p.add_argument("--servers", default="kiln,mlx_lm",
+                   help="which to run, in this order (kiln, kiln_compiled, mlx_lm)")
     p.add_argument("--concurrency", default=None, help="levels (default 1,16,64,128)")
     p.add_argument("--num-requests", default=None,
                    help="requests per level, one or one per level (default 4,16,64,128)")

@@ -14,6 +14,8 @@ OUT=${OUT:-bench/results}
 PYTHON=${PYTHON:-python3}
 MODEL=${MODEL:-$HOME/.cache/kiln/bench/llama3-8b-shape-bfloat16}
 KILN_ARGS=${KILN_ARGS:-}  # extra launch.py flags, e.g. "--log-level debug"
+SERVERS=${SERVERS:-kiln,mlx_lm}  # or kiln,kiln_compiled,mlx_lm (then raise SWEEP_SECONDS)
+SWEEP_SECONDS=${SWEEP_SECONDS:-270}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 
@@ -35,10 +37,13 @@ timeout 150 "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes 1,6
     2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/step_breakdown.txt"
 
 echo "== serving, side by side"
-OUT=$OUT timeout 290 bash bench/h200_run.sh --model-dir "$MODEL" --total-seconds 270 \
-    --concurrency 1,64,128 --num-requests 4,64,128 --kiln-args="$KILN_ARGS" 2>&1 | tail -14
-grep -h "steps/s" "$OUT/kiln.log" | tail -12
+OUT=$OUT timeout $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MODEL" \
+    --total-seconds "$SWEEP_SECONDS" --servers "$SERVERS" \
+    --concurrency 1,64,128 --num-requests 4,64,128 --kiln-args="$KILN_ARGS" 2>&1 | tail -18
+grep -h "steps/s" "$OUT"/kiln*.log | tail -12
 
-# At most 8 files come back from a device call: the two short reports travel as one.
+# At most 8 files come back from a device call: the two short reports travel as one,
+# the logs as one archive.
 cat "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" > "$OUT/session.txt" 2>/dev/null \
     && rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt"
+(cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)
