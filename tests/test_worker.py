@@ -274,3 +274,5 @@ def test_compiled_decode_matches_mlx_lm(tiny_model, oracle, monkeypatch):
     results = engine.run_until_idle()
     for i, p in enumerate(prompts):
         assert results[f"r{i}"].token_ids == oracle(p, 40), f"r{i}"
+    engine.submit("alone", prompts[1], 12, _eos(tokenizer))  # a batch of one (RoPE offsets [1])
+    assert engine.run_until_idle()["alone"].token_ids == oracle(prompts[1], 12)
