@@ -201,7 +201,7 @@ def test_step_stats_account_the_loop_and_summarise_by_interval(tiny_model):
     clock.add("idle", 2.5)
     line = clock.summary(now=110.0)
     assert line is not None and "0.4 decode tok/s" in line and "busy 75%" in line
-    assert "wait 200.00" in line  # the median
+    assert "wait 200.00/800.00" in line  # the median, then the total over the one step
     assert clock.steps == 0 and clock.summary(now=125.0) is None  # a new, empty interval
 
 

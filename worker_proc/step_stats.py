@@ -27,9 +27,10 @@ PHASES = ("idle", "build", "start", "wait", "report")
 class StepStats:
     """Accumulates phase times and work done; `summary` closes an interval.
 
-    The summary gives each phase's median per occurrence (the typical step: a mean would
-    fold the idle time between requests and one-off kernel compilations into every step)
-    and how busy the loop was (the share of the interval not idle).
+    The summary gives each phase's median per occurrence (the typical step) and its total
+    per step (its share of the wall time: this also counts long tails, such as a launch
+    that blocks, prefill forwards, or idle time between requests), and how busy the loop
+    was (the share of the interval not idle).
     """
 
     interval_s: float = 10.0
@@ -64,12 +65,13 @@ class StepStats:
         return line
 
     def _line(self, elapsed: float) -> str:
-        medians = ", ".join(f"{p} {statistics.median(self.samples[p]) * 1e3:.2f}"
-                            for p in PHASES if self.samples[p])
+        phases = ", ".join(f"{p} {statistics.median(self.samples[p]) * 1e3:.2f}"
+                           f"/{self.total(p) / self.steps * 1e3:.2f}"
+                           for p in PHASES if self.samples[p])
         busy = 1.0 - min(1.0, self.total("idle") / elapsed)
         return (f"{self.steps / elapsed:.1f} steps/s, {self.decode_tokens / elapsed:.1f} decode tok/s, "
                 f"{self.prefill_tokens / elapsed:.1f} prefill tok/s, busy {busy:.0%}; "
-                f"median ms: {medians}")
+                f"ms, median/per step: {phases}")
 
 
 class Timer:
