@@ -243,3 +243,14 @@ def test_pooled_forward_matches_mlx_lm_cache():
         out = model(mx.array(nxt)[:, None], cache=build_layer_caches(pool, layout))
         for row in range(len(prompts)):
             check(out[row, -1], row, [nxt[row]])
+
+
+def test_unfused_prefill_is_bounded_in_memory():
+    """Prefill attention as matmuls materialises [B, H, S, L] float32 scores: a long chunk
+    deep into a long context takes the fused path instead."""
+    from worker_proc.paged_attention import UNFUSED_SCORES_MAX_BYTES, unfused_prefill_fits
+
+    assert unfused_prefill_fits((64, 32, 130, 128), 130)  # a burst of 100-word prompts
+    assert unfused_prefill_fits((1, 32, 2048, 128), 2048)  # one full chunk
+    assert not unfused_prefill_fits((1, 32, 2048, 128), 32768)  # 8 GiB of scores
+    assert 1 * 32 * 2048 * 4096 * 4 <= UNFUSED_SCORES_MAX_BYTES

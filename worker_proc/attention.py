@@ -21,7 +21,8 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from worker_proc.kv_pool import AttentionLayerSpec, KVPool
 from worker_proc.paged_attention import (kernel_available, paged_decode_attention,
-                                         reference_decode_attention, unfused_prefill_attention)
+                                         reference_decode_attention, unfused_prefill_attention,
+                                         unfused_prefill_fits)
 
 
 class UnsupportedModelError(RuntimeError):
@@ -303,7 +304,8 @@ def install_attention_hook() -> None:
                 raise UnsupportedModelError("attention sinks are not supported yet")
             if cache.paged:
                 return cache.paged_attention(queries, scale)
-            if kernel_available():  # CUDA: no cuDNN graph build per prompt shape
+            # CUDA: no cuDNN graph build per prompt shape, while the scores stay small.
+            if kernel_available() and unfused_prefill_fits(queries.shape, keys.shape[2]):
                 return unfused_prefill_attention(queries, keys, values, scale, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 

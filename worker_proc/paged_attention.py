@@ -234,6 +234,19 @@ def _scale(scale: float) -> mx.array:
     return mx.array([scale], dtype=mx.float32)
 
 
+# Largest float32 score matrix (all heads and rows of one forward) the matmul prefill path
+# may materialise; a bigger one (a long chunk deep into a long context) takes MLX's fused
+# attention, whose memory does not grow with the context, and pays its per-shape build.
+UNFUSED_SCORES_MAX_BYTES = 1 << 30
+
+
+def unfused_prefill_fits(q_shape: tuple[int, ...], key_len: int) -> bool:
+    """Whether unfused_prefill_attention's scores for q [B, Hq, S, D] over key_len keys
+    stay within UNFUSED_SCORES_MAX_BYTES."""
+    b, n_q, s, _ = q_shape
+    return b * n_q * s * key_len * 4 <= UNFUSED_SCORES_MAX_BYTES
+
+
 def unfused_prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
                               mask: mx.array | str | None) -> mx.array:
     """Attention of a prefill forward as plain matmuls and a softmax, for the CUDA backend.
