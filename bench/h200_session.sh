@@ -5,6 +5,8 @@
 # so a hang in one still leaves the others' results in $OUT.
 #
 #   OUT=$OUT bash bench/h200_session.sh
+#   PARTS=tests,breakdown OUT=$OUT bash bench/h200_session.sh    # then, in a second call:
+#   PARTS=sweep SERVERS=kiln,kiln_compiled,mlx_lm SWEEP_SECONDS=480 OUT=$OUT bash bench/h200_session.sh
 #
 # Needs PYTHONPATH with MLX's CUDA build and the repo (../shared/gpu/README.md's two
 # install calls, then export PYTHONPATH=~/site:$PWD).
@@ -16,12 +18,16 @@ MODEL=${MODEL:-$HOME/.cache/kiln/bench/llama3-8b-shape-bfloat16}
 KILN_ARGS=${KILN_ARGS:-}  # extra launch.py flags, e.g. "--log-level debug"
 SERVERS=${SERVERS:-kiln,mlx_lm}  # or kiln,kiln_compiled,mlx_lm (then raise SWEEP_SECONDS)
 SWEEP_SECONDS=${SWEEP_SECONDS:-270}
+PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any)
 mkdir -p "$OUT"
+has() { [[ ",$PARTS," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 
+if has tests; then
 echo "== kernel tests"
 timeout 100 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_paged_attention.py 2>&1 \
     | tail -3 | tee "$OUT/kernel_tests.txt"
+fi
 
 echo "== model"
 timeout 90 "$PYTHON" - "$MODEL" <<'PY' 2>&1 | grep -v "RANDOM WEIGHTS"
@@ -31,19 +37,26 @@ from bench.h200_compare import LLAMA3_8B, make_random_model
 make_random_model(LLAMA3_8B, "bfloat16", Path(sys.argv[1]), 0)
 PY
 
+if has breakdown; then
 echo "== step breakdown"
 timeout 150 "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes 1,64 --steps 16 \
     --prefill-batches 1,64 \
     2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/step_breakdown.txt"
+fi
 
+if has sweep; then
 echo "== serving, side by side"
 OUT=$OUT timeout $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MODEL" \
     --total-seconds "$SWEEP_SECONDS" --servers "$SERVERS" \
     --concurrency 1,64,128 --num-requests 4,64,128 --kiln-args="$KILN_ARGS" 2>&1 | tail -18
 grep -h "steps/s" "$OUT"/kiln*.log | tail -12
+fi
 
 # At most 8 files come back from a device call: the two short reports travel as one,
 # the logs as one archive.
-cat "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" > "$OUT/session.txt" 2>/dev/null \
-    && rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt"
-(cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)
+cat "$OUT"/kernel_tests.txt "$OUT"/step_breakdown.txt > "$OUT/session.txt" 2>/dev/null
+rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt"
+[ -s "$OUT/session.txt" ] || rm -f "$OUT/session.txt"
+if compgen -G "$OUT/*.log" >/dev/null; then
+    (cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)
+fi
