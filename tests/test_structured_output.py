@@ -250,9 +250,10 @@ async def _wait_for(event: threading.Event) -> None:
     assert await asyncio.to_thread(event.wait, 30)
 
 
-def test_a_slow_validation_does_not_hold_up_a_plain_http_request(hf_and_info) -> None:
+def _closed_gate_and_engine() -> tuple[GatedValidation, Any, Any]:
+    """A validation gate that holds every grammar until released, and a fake engine
+    answering "ab" behind a manager."""
     from tests.fake_engine import FakeEngine, text_script
-    from tokenizer_proc.http_api import create_app
     from tokenizer_proc.manager import TokenizerManager
 
     gate = GatedValidation()
@@ -260,6 +261,13 @@ def test_a_slow_validation_does_not_hold_up_a_plain_http_request(hf_and_info) ->
     engine = FakeEngine(text_script(["ab"]))
     manager = TokenizerManager(engine)
     engine.connect(manager)
+    return gate, engine, manager
+
+
+def test_a_slow_validation_does_not_hold_up_a_plain_http_request(hf_and_info) -> None:
+    from tokenizer_proc.http_api import create_app
+
+    gate, engine, manager = _closed_gate_and_engine()
     app = create_app(manager, _gated_preparer(hf_and_info, gate), {"model_name": MODEL})
 
     async def scenario() -> None:
@@ -282,15 +290,9 @@ def test_a_slow_validation_does_not_hold_up_a_plain_http_request(hf_and_info) ->
 
 def test_a_slow_validation_does_not_hold_up_a_plain_zmq_request(hf_and_info) -> None:
     from ipc.messages.client import GenerateOutput, GenerateRequest
-    from tests.fake_engine import FakeEngine, text_script
     from tokenizer_proc.client_front import ClientFront
-    from tokenizer_proc.manager import TokenizerManager
 
-    gate = GatedValidation()
-    gate.release.clear()
-    engine = FakeEngine(text_script(["ab"]))
-    manager = TokenizerManager(engine)
-    engine.connect(manager)
+    gate, engine, manager = _closed_gate_and_engine()
 
     async def scenario() -> None:
         replies: asyncio.Queue[GenerateOutput] = asyncio.Queue()
