@@ -45,7 +45,8 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "generation_config.json")
 _COMPLETE = ".kiln-bench-complete"
 # Short names (file names, --servers) and the labels their sweeps carry.
-_LABELS = {"kiln": "kiln", "kiln_compiled": "kiln --compile-decode", "mlx_lm": "mlx_lm.server"}
+_LABELS = {"kiln": "kiln", "kiln_compiled": "kiln --compile-decode", "kiln_b": "kiln B",
+           "mlx_lm": "mlx_lm.server"}
 # Output projection scale: logits get a standard deviation of about this many units.
 _LOGIT_SCALE = 4.0
 
@@ -245,11 +246,12 @@ class ServerRun:
     log: Path
 
 
-def start_server(name: str, cmd: list[str], port: int, log: Path) -> ServerRun:
+def start_server(name: str, cmd: list[str], port: int, log: Path,
+                 env: dict[str, str] | None = None) -> ServerRun:
     # A new session, so the server and any children it starts stop together.
     with open(log, "wb") as sink:
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
-                                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                 start_new_session=True)
     return ServerRun(name, f"http://127.0.0.1:{port}", proc, log)
 
@@ -299,8 +301,9 @@ def _group_alive(group: int) -> bool:
 
 def server_command(name: str, model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
     common = ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
-    if name in ("kiln", "kiln_compiled"):
-        extra = ["--compile-decode"] if name == "kiln_compiled" else []
+    if name in ("kiln", "kiln_compiled", "kiln_b"):
+        extra = {"kiln": [], "kiln_compiled": ["--compile-decode"],
+                 "kiln_b": args.kiln_b_args.split()}[name]
         return [sys.executable, "launch.py", *common, *extra, *args.kiln_args.split()]
     return [sys.executable, "-m", "mlx_lm", "server", *common, "--decode-concurrency", "256",
             "--prompt-concurrency", "16", *args.mlx_args.split()]
@@ -324,7 +327,8 @@ def bench_server(name: str, model_dir: Path, args: argparse.Namespace,
     port = free_port_pair()
     cmd = server_command(name, model_dir, port, args)
     print(f"starting {name}: {' '.join(cmd)}", flush=True)
-    server = start_server(name, cmd, port, args.out / f"{name}.log")
+    env = dict(kv.split("=", 1) for kv in args.kiln_b_env.split()) if name == "kiln_b" else None
+    server = start_server(name, cmd, port, args.out / f"{name}.log", env)
     try:
         ready_s = wait_ready(server, str(model_dir), args.ready_timeout)
         print(f"{name} answered after {ready_s:.1f}s", flush=True)
@@ -402,7 +406,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="bfloat16 (default) or float32 (--smoke)")
     p.add_argument("--seed", type=int, default=0, help="weights seed")
     p.add_argument("--servers", default="kiln,mlx_lm",
-                   help="which to run, in this order (kiln, kiln_compiled, mlx_lm)")
+                   help="which to run, in this order (kiln, kiln_compiled, kiln_b, mlx_lm)")
+    p.add_argument("--kiln-b-args", default="",
+                   help="kiln_b, an A/B variant of kiln: launch.py flags added to --kiln-args")
+    p.add_argument("--kiln-b-env", default="",
+                   help="kiln_b's extra environment, K=V separated by spaces")
     p.add_argument("--concurrency", default=None, help="levels (default 1,16,64,128)")
     p.add_argument("--num-requests", default=None,
                    help="requests per level, one or one per level (default 4,16,64,128)")
@@ -435,6 +443,7 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
     args.shape = SMOKE if args.smoke else LLAMA3_8B
     if args.model_dir is None:
         args.model_dir = Path.home() / ".cache/kiln/bench" / f"{args.shape.name}-{args.dtype}"
+    _LABELS["kiln_b"] = " ".join(["kiln B", args.kiln_b_args, args.kiln_b_env]).strip()
     return args
 
 

@@ -16,8 +16,10 @@ OUT=${OUT:-bench/results}
 PYTHON=${PYTHON:-python3}
 MODEL=${MODEL:-$HOME/.cache/kiln/bench/llama3-8b-shape-bfloat16}
 KILN_ARGS=${KILN_ARGS:-}  # extra launch.py flags, e.g. "--log-level debug"
-SERVERS=${SERVERS:-kiln,mlx_lm}  # or kiln,kiln_compiled,mlx_lm (then raise SWEEP_SECONDS)
+SERVERS=${SERVERS:-kiln,mlx_lm}  # or kiln,kiln_b,mlx_lm (then raise SWEEP_SECONDS)
 SWEEP_SECONDS=${SWEEP_SECONDS:-270}
+KILN_B_ARGS=${KILN_B_ARGS:-}  # server kiln_b (in SERVERS): kiln with these flags added
+KILN_B_ENV=${KILN_B_ENV:-}    # ... and this environment (K=V ...), for A/B runs
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any)
 mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -48,8 +50,11 @@ if has sweep; then
 echo "== serving, side by side"
 OUT=$OUT timeout $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MODEL" \
     --total-seconds "$SWEEP_SECONDS" --servers "$SERVERS" \
-    --concurrency 1,64,128 --num-requests 4,64,128 --kiln-args="$KILN_ARGS" 2>&1 | tail -18
-grep -h "steps/s" "$OUT"/kiln*.log | tail -12
+    --concurrency 1,64,128 --num-requests 4,64,128 --kiln-args="$KILN_ARGS" \
+    --kiln-b-args="$KILN_B_ARGS" --kiln-b-env="$KILN_B_ENV" 2>&1 | tail -18
+for log in "$OUT"/kiln*.log; do
+    echo "-- $(basename "$log")"; grep "steps/s" "$log" | tail -4
+done
 fi
 
 # At most 8 files come back from a device call: the two short reports travel as one,

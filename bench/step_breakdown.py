@@ -87,7 +87,10 @@ def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
     the next; pipelined, as the worker's start-ahead loop (no scheduler or sockets), step
     N+1 is built and started before N is waited for, so step ms is the steady state."""
     runner, rids, slot = _runner(model, batch, context, steps, compile_decode)
-    t = Timings()
+    t = Timings(pool_mb=sum(layer.nbytes for layer in runner.pool.layers) / 1e6)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    base = mx.get_active_memory()
     in_flight = None
     for step in range(1, steps + 1):
         plan = ForwardBatch(step=step, decode_rids=rids, decode_slots=[next(slot) for _ in rids])
@@ -102,6 +105,8 @@ def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
         t.add(t0, t1, t2, time.perf_counter())
     if in_flight is not None:
         runner.finish(in_flight)
+    # A step whose pool writes copy the pool instead of updating it in place shows here.
+    t.over_mb = (mx.get_peak_memory() - base) / 1e6
     return t
 
 
@@ -158,6 +163,8 @@ class Timings:
     launch: list[float] = field(default_factory=list)
     wait: list[float] = field(default_factory=list)
     step: list[float] = field(default_factory=list)
+    pool_mb: float = 0.0  # kiln's: the KV pool's size
+    over_mb: float = 0.0  # kiln's: peak memory during the steps over what was held before
 
     def add(self, t0: float, t1: float, t2: float, t3: float) -> None:
         self.build.append(t1 - t0)
@@ -180,6 +187,8 @@ def main() -> None:
     p.add_argument("--prefill-batches", default="",
                    help="also time one prefill step of this many prompts (e.g. 1,16,64)")
     p.add_argument("--prompt", type=int, default=130, help="prompt length for --prefill-batches")
+    p.add_argument("--variants", default="",
+                   help="variant names to time, joined by ';' (default: all)")
     args = p.parse_args()
     if args.model:
         import mlx_lm
@@ -203,11 +212,21 @@ def main() -> None:
     if paged_kernel_fits(probe_attention_specs(model)):  # --compile-decode's only path
         variants["kiln, compiled, pipelined"] = lambda b: kiln_step_ms(
             model, b, c, n, pipelined=True, compile_decode=True)
-    print(f"{'batch':>6}  {'variant':<24}{'build ms':>10}{'launch ms':>11}{'wait ms':>9}{'step ms':>9}")
+    if args.variants:
+        wanted = [v.strip() for v in args.variants.split(";")]
+        unknown = [v for v in wanted if v not in variants]
+        if unknown:
+            p.error(f"unknown variants {unknown}; known: {list(variants)}")
+        variants = {v: variants[v] for v in wanted}
+    print(f"{'batch':>6}  {'variant':<24}{'build ms':>10}{'launch ms':>11}{'wait ms':>9}{'step ms':>9}"
+          f"{'pool MB':>9}{'peak+ MB':>10}")
     for b in (int(x) for x in args.batch_sizes.split(",")):
         for name, run in variants.items():
-            build, launch, wait, step = run(b).medians_ms()
-            print(f"{b:>6}  {name:<24}{build:>10.2f}{launch:>11.2f}{wait:>9.2f}{step:>9.2f}", flush=True)
+            timings = run(b)
+            build, launch, wait, step = timings.medians_ms()
+            memory = f"{timings.pool_mb:>9.0f}{timings.over_mb:>10.0f}" if timings.pool_mb else ""
+            print(f"{b:>6}  {name:<24}{build:>10.2f}{launch:>11.2f}{wait:>9.2f}{step:>9.2f}{memory}",
+                  flush=True)
     if args.prefill_batches:
         print(f"\nprefill, {args.prompt}-token prompts, ms: first (new shape) / best")
         print(f"{'prompts':>8}{'kiln first':>12}{'kiln best':>11}{'mlx-lm first':>14}{'mlx-lm best':>13}")
