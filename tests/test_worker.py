@@ -7,6 +7,7 @@ import pytest
 
 from tests.engine_driver import InProcessEngine
 from tests.test_scheduler import assert_idle_invariant
+from worker_proc.runner import compiled_batch_size, warm_up
 
 
 def _eos(tokenizer) -> list[int]:
@@ -116,7 +117,6 @@ def test_steps_update_the_pool_in_place(tiny_model):
 def test_warm_up_leaves_the_runner_clean(tiny_model, oracle):
     """Warm-up runs prompts in two chunks and every decode batch size on throwaway
     requests and forgets them; the engine then serves exactly as before."""
-    from worker_proc.runner import warm_up
 
     model, tokenizer = tiny_model
     engine = InProcessEngine(model, capacity=2000, max_running=16)
@@ -276,3 +276,39 @@ def test_compiled_decode_matches_mlx_lm(tiny_model, oracle, monkeypatch):
         assert results[f"r{i}"].token_ids == oracle(p, 40), f"r{i}"
     engine.submit("alone", prompts[1], 12, _eos(tokenizer))  # a batch of one (RoPE offsets [1])
     assert engine.run_until_idle()["alone"].token_ids == oracle(prompts[1], 12)
+    # A fresh server's warm-up traces every batch bucket it meets with 12 rows: 1, 2, 4,
+    # 8 and 16 (run with 12 rows); then it serves as before.
+    engine = InProcessEngine(model, compile_decode=True, overlap="ahead")
+    assert warm_up(engine.runner, max_batch=12) == 2 + 2 * 5
+    engine.submit("after", prompts[2], 12, _eos(tokenizer))
+    assert engine.run_until_idle()["after"].token_ids == oracle(prompts[2], 12)
+
+
+def test_compiled_batch_buckets():
+    sizes = [1, 2, 3, 5, 8, 9, 16, 17, 100, 128]
+    assert [compiled_batch_size(n) for n in sizes] == [1, 2, 4, 8, 8, 16, 16, 24, 104, 128]
+
+
+def test_compiled_decode_updates_the_pool_in_place(tiny_model, oracle):
+    """Pipelined as the CUDA worker runs them (step N+1 started before N is waited for),
+    compiled decode steps write the pool in place: a step that held on to the last step's
+    pool arrays would copy the whole pool every step (seen: peak memory twice the pool)."""
+    import mlx.core as mx
+
+    from worker_proc.paged_attention import kernel_available
+
+    if not kernel_available():
+        pytest.skip("--compile-decode runs on the CUDA kernel path only")
+    model, tokenizer = tiny_model
+    engine = InProcessEngine(model, capacity=400_000, compile_decode=True, overlap="ahead")
+    pool_bytes = engine.pool.nbytes
+    prompts = _prompts(3, [40, 9, 25], model.args.vocab_size, seed=5)
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 30, _eos(tokenizer))
+    results = engine.run_until_idle()
+    assert mx.get_peak_memory() - before < pool_bytes // 4
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == oracle(p, 30), f"r{i}"

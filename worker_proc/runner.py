@@ -45,6 +45,12 @@ CPU_PREFILL_PADDING = 0.0
 COMPILED_MIN_WIDTH = 128
 
 
+def compiled_batch_size(n: int) -> int:
+    """The batch a compiled decode step of n rows runs at: powers of two up to 8, then
+    multiples of 8 (at most 20 traces up to 128 rows, at most 7 pad rows a step)."""
+    return 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
+
+
 @dataclass
 class TokenCounts:
     """A penalised request's device rows, built at its first sample (the vocab size is
@@ -270,6 +276,12 @@ class ModelRunner:
         MLX's CUDA backend updates in place either way (same probe on the H200).
         """
         mx.async_eval(*pending.final)
+        if pending.tokens is not None:
+            # Its tokens now stand for the whole step (finish waits on them). Holding the
+            # pool arrays past this point would keep the next step from updating them in
+            # place once they are a compiled forward's outputs (new arrays, not the ones
+            # a scatter overwrote): a copy of the whole pool every step.
+            del pending.final[-len(self.pool.layers):]
 
     def start_head(self) -> None:
         """Put the first half of the last built step's layers on the device, ahead of
@@ -404,19 +416,30 @@ class ModelRunner:
             s.length += 1
         return logits
 
+    @property
+    def compiles_decode(self) -> bool:
+        return self._compiled_decode is not None
+
     def _run_compiled(self, tokens: mx.array, rows: np.ndarray, lengths: np.ndarray) -> mx.array:
         """The decode forward through its compiled trace; every input is an array (a
-        Python value would be frozen into the trace) and the slot table's width is
-        bucketed, so steps of one batch size replay one trace."""
+        Python value would be frozen into the trace). The batch is padded to a bucket and
+        the slot table's width bucketed, so a few traces serve every step: a pad row reads
+        and writes only slot 0 (the pool's scratch row) and its logits are dropped."""
+        n = len(rows)
+        size = compiled_batch_size(n)
         width = max(COMPILED_MIN_WIDTH, 1 << (int(lengths.max()) - 1).bit_length())
-        table = np.zeros((len(rows), width), dtype=np.int32)
-        table[:, :min(width, self.max_context)] = self.table[rows, :width]
-        write = table[np.arange(len(rows)), lengths - 1]
+        table = np.zeros((size, width), dtype=np.int32)
+        table[:n, :min(width, self.max_context)] = self.table[rows, :width]
+        padded = np.ones(size, dtype=np.int32)
+        padded[:n] = lengths
+        write = table[np.arange(size), padded - 1]
+        if size > n:
+            tokens = mx.concatenate([tokens, mx.zeros((size - n,), dtype=tokens.dtype)])
         logits, *layers = self._compiled_decode(
-            tokens, mx.array((lengths - 1).astype(np.int32)), mx.array(write), mx.array(table),
-            mx.array(lengths.astype(np.int32)), *self.pool.layers)
+            tokens, mx.array(padded - 1), mx.array(write), mx.array(table), mx.array(padded),
+            *self.pool.layers)
         self.pool.layers = layers
-        return logits
+        return logits[:n] if size > n else logits
 
     def _decode_forward(self, tokens: mx.array, offsets: mx.array, write_slots: mx.array,
                         table: mx.array, lengths: mx.array, *layers: mx.array) -> tuple[mx.array, ...]:
@@ -484,11 +507,16 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
     """Run throwaway requests through the paths the server will meet first, so kernel
     compilation happens before the first user request, not during it: prompts in two
     chunks (the first fresh, the second read back from the pool, with one start and with
-    mixed starts), then every decode batch size up to max_batch (powers of two). Uses
-    slots from 1 up: the scheduler has handed none out yet, and every slot is written
-    before it is read. Returns the number of steps run."""
+    mixed starts), then decode batch sizes up to max_batch: powers of two, or with
+    --compile-decode every compiled batch bucket (each is a trace of its own). Uses slots
+    from 1 up: the scheduler has handed none out yet, and every slot is written before it
+    is read. Returns the number of steps run."""
     steps_per_size = 2
-    sizes = [b for b in (1 << i for i in range(16)) if b <= max_batch] or [1]
+    if runner.compiles_decode:
+        # Row counts whose buckets are every bucket (the last may hold fewer rows).
+        sizes = sorted({min(compiled_batch_size(n), max_batch) for n in range(1, max_batch + 1)})
+    else:
+        sizes = [b for b in (1 << i for i in range(16)) if b <= max_batch] or [1]
     per_request = prompt_len + len(sizes) * steps_per_size
     n_req = min(sizes[-1], max(1, runner.pool.num_slots // per_request))
     sizes = [b for b in sizes if b <= n_req]
