@@ -208,11 +208,13 @@ def test_step_stats_account_the_loop_and_summarise_by_interval(tiny_model):
 def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
     """On the start-ahead path the device always has work queued when the worker blocks,
     and step N's result leaves before the second half of N+1 is launched (so the
-    scheduler plans N+2 meanwhile); never more than two steps in flight."""
+    scheduler plans N+2 meanwhile); never more than two steps in flight. N+1's first half
+    launches once N's first half has run (its pool writes would otherwise copy the layers
+    N still reads), and a step with prefill (launched as it is built) once N is done."""
     from dataclasses import dataclass
 
     from ipc.messages.to_scheduler import StepResult
-    from ipc.messages.to_worker import ForwardBatch, SyncSteps
+    from ipc.messages.to_worker import ForwardBatch, PrefillChunk, SyncSteps
     from worker_proc import WorkerLoop
 
     calls: list[tuple] = []
@@ -227,8 +229,13 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
             calls.append(("build", batch.step))
             return Pending(batch.step)
 
+        def wait_head(self, head_done):
+            calls.append(("wait half", head_done))
+
         def start_head(self):
-            calls.append(("start half",))
+            step = max(c[1] for c in calls if c[0] == "build")  # the step just built
+            calls.append(("start half", step))
+            return step
 
         def start(self, pending):
             calls.append(("start", pending.step))
@@ -246,12 +253,16 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
     for step in (1, 2, 3):
         loop.handle(ForwardBatch(step=step, decode_rids=["a"], decode_slots=[step]))
         assert len(loop.in_flight) == 1
+    loop.handle(ForwardBatch(step=4, decode_rids=["a"], decode_slots=[4],
+                             prefill=[PrefillChunk(rid="b", start=0, token_ids=[1], sample=True,
+                                                   slot_ids=[9])]))
     loop.handle(SyncSteps())
-    assert calls == [("build", 1), ("start", 1),
-                     ("build", 2), ("start half",), ("finish", 1), ("start", 2),
-                     ("build", 3), ("start half",), ("finish", 2), ("start", 3),
-                     ("finish", 3)]
-    assert [r.step for r in sent] == [1, 2, 3]
+    assert calls == [("build", 1), ("start half", 1), ("start", 1),
+                     ("build", 2), ("wait half", 1), ("start half", 2), ("finish", 1), ("start", 2),
+                     ("build", 3), ("wait half", 2), ("start half", 3), ("finish", 2), ("start", 3),
+                     ("finish", 3), ("build", 4), ("start half", 4), ("start", 4),
+                     ("finish", 4)]
+    assert [r.step for r in sent] == [1, 2, 3, 4]
 
 
 def test_compiled_decode_matches_mlx_lm(tiny_model, oracle, monkeypatch):

@@ -100,9 +100,16 @@ class WorkerLoop:
     - start_ahead (the CUDA backend): N+1 is started before the worker blocks on N, so
       the device never idles between steps (at most two steps in flight): its first
       half, then N is reported, then its second half (`_run_ahead`); or
-    - deferred (elsewhere): the worker waits for N, reports it, then starts N+1. On the
-      CPU backend a pool scatter started while the previous step is in flight copies the
-      whole pool (bench/pool_update_probe.py: 4x slower steps); on the H200 it does not.
+    - deferred (elsewhere): the worker waits for N, reports it, then starts N+1.
+    Pool writes: MLX updates a pool layer in place only if nothing else holds it when
+    the write is launched, and a launched read holds its inputs until it completes. A
+    write launched while the previous step's read of that layer still runs copies the
+    layer (the whole pool, at a step's scale: 2x the pool's memory, out of memory on the
+    H200 at 128 streams once the device fell behind a large prefill). So start-ahead
+    launches N+1's first half only once N's first half is done, its second half once N
+    is, and a step with prefill (launched while built) only once nothing is in flight.
+    On the CPU backend the device is always behind (bench/pool_update_probe.py: 4x
+    slower steps), hence deferred there.
     A SyncSteps message (the scheduler has nothing to chain) makes the worker report
     what it holds. A step with grammar-constrained rows starts with its forward only: its
     masks need every earlier step's tokens, so its sampling follows once those are
@@ -117,6 +124,7 @@ class WorkerLoop:
         self.start_ahead = overlap and start_ahead
         self.in_flight: deque = deque()
         self.steps_built_ahead = 0  # observability: > 0 shows the overlap at work
+        self._head_done = None  # start-ahead: the last started step's first half, run
         self.stats = stats or StepStats()
         self._timer = Timer(self.stats)
 
@@ -139,15 +147,25 @@ class WorkerLoop:
         return True
 
     def _run_ahead(self, batch: ForwardBatch) -> None:
+        if batch.prefill:
+            # Its forwards launch while they are built, all at once; nothing may hold the
+            # pool then (see the class note on pool writes).
+            self._report_all()
         self.steps_built_ahead += bool(self.in_flight)
         pending = self._build(batch)
         if self.in_flight:
-            # Launching a step takes the host as long as the device takes to run one. So
-            # half of N+1 goes first, then N is reported: the scheduler's round trip for
-            # N+2 overlaps the launch of N+1's second half instead of following it.
-            self.runner.start_head()
-            self._timer.mark("start")
-            self._report_all()
+            # N+1's first half writes the pool layers N's first half reads: those reads
+            # must be done before the writes launch, or MLX copies each such layer instead
+            # of updating it (a pool launch holds its inputs until it completes). Free
+            # while the host is the bottleneck; when the device is, waiting is no loss.
+            self.runner.wait_head(self._head_done)
+            self._timer.mark("wait")
+        # Launching a step takes the host about as long as the device takes to run one.
+        # So half of N+1 goes first, then N is reported: the scheduler's round trip for
+        # N+2 overlaps the launch of N+1's second half instead of following it.
+        self._head_done = self.runner.start_head()
+        self._timer.mark("start")
+        self._report_all()
         self._start(pending)
         self.in_flight.append(self._sampled(pending))
 
@@ -195,11 +213,23 @@ class WorkerLoop:
         """Log the last interval's phase times once one has passed (see StepStats)."""
         line = self.stats.summary()
         if line:
-            logger.info("%s", line)
+            logger.info("%s; %s", line, memory_note())
 
     def _report_all(self) -> None:
         while self.in_flight:
             self._report_oldest()
+
+
+def memory_note() -> str:
+    """MLX's memory figures, the peak since the last note: a peak far above the active
+    memory (the pool is most of it) is a pool write that copied instead of updating."""
+    import mlx.core as mx
+
+    gib = 1 << 30
+    note = (f"memory GiB: active {mx.get_active_memory() / gib:.1f}, peak "
+            f"{mx.get_peak_memory() / gib:.1f}, cache {mx.get_cache_memory() / gib:.1f}")
+    mx.reset_peak_memory()
+    return note
 
 
 def starts_ahead_safely() -> bool:

@@ -283,11 +283,23 @@ class ModelRunner:
             # a scatter overwrote): a copy of the whole pool every step.
             del pending.final[-len(self.pool.layers):]
 
-    def start_head(self) -> None:
+    def start_head(self) -> mx.array:
         """Put the first half of the last built step's layers on the device, ahead of
         `start` (see WorkerLoop): the middle layer's pool array needs every layer before
-        it. A step whose forwards build already ran (prefill) gains nothing, loses nothing."""
-        mx.async_eval(self.pool.layers[len(self.pool.layers) // 2])
+        it. A step whose forwards already launched in build (prefill) launches nothing
+        new. Returns a one-element array that is ready once that half has run."""
+        middle = self.pool.layers[len(self.pool.layers) // 2]
+        # A new buffer, not a view: a view would share the layer's buffer and so keep the
+        # next step from updating it in place.
+        head_done = mx.abs(middle[:1, 0, :1])
+        mx.async_eval(head_done)
+        return head_done
+
+    @staticmethod
+    def wait_head(head_done: mx.array) -> None:
+        """Block until the half a start_head call launched has run (its array alone: no
+        wait for anything launched after it)."""
+        head_done.item()
 
     def launch(self, batch: ForwardBatch) -> PendingStep:
         pending = self.build(batch)
