@@ -83,6 +83,7 @@ def test_batches_without_new_settings_skip_the_extra_work() -> None:
     batch = SamplingBatch.build([SamplingParams(temperature=0.0)] * 2, [0, 0], [0, 0],
                                 [[1], [1]])
     assert batch.edits is None and batch.penalties is None
+    assert batch.draws is None  # all greedy: no per-row arrays built or sent
 
 
 def _reference_probs(logits: np.ndarray, temperature: float, top_k: int, top_p: float,

@@ -126,8 +126,8 @@ def apply_grammar_mask(logits: mx.array, mask: GrammarMask) -> mx.array:
 
 
 @dataclass(frozen=True)
-class SamplingBatch:
-    """Per-row sampling settings for one step, as device arrays."""
+class RowDraws:
+    """What the rows of a step with sampled (temperature > 0) rows draw with."""
 
     temperature: mx.array  # [N] float32; 0 rows are greedy
     top_p: mx.array  # [N] float32
@@ -135,11 +135,21 @@ class SamplingBatch:
     seed: mx.array  # [N] uint32
     step: mx.array  # [N] uint32: how many tokens the row has sampled before
     min_p: mx.array  # [N] float32; 0 = off
-    all_greedy: bool
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row sampling settings for one step, as device arrays."""
+
+    draws: RowDraws | None  # None when every row is greedy: no arrays to send
     needs_filter: bool
     edits: LogitEdits | None = None
     penalties: Penalties | None = None
     grammar: GrammarMask | None = None
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.draws is None
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int],
@@ -149,19 +159,19 @@ class SamplingBatch:
         """steps: tokens each row sampled before; stop_ids: each row's ids that min_tokens
         masks (default none); grammar: the constrained rows' masks (default none)."""
         temps = np.array([p.temperature for p in params], dtype=np.float32)
-        top_p = np.array([p.top_p for p in params], dtype=np.float32)
-        top_k = np.array([p.top_k for p in params], dtype=np.int32)
-        min_p = np.array([p.min_p for p in params], dtype=np.float32)
         sampled = temps > 0
+        draws, needs_filter = None, False
+        if sampled.any():
+            top_p = np.array([p.top_p for p in params], dtype=np.float32)
+            top_k = np.array([p.top_k for p in params], dtype=np.int32)
+            min_p = np.array([p.min_p for p in params], dtype=np.float32)
+            needs_filter = bool(((top_p < 1.0) | (top_k > 0) | (min_p > 0))[sampled].any())
+            draws = RowDraws(temperature=mx.array(temps), top_p=mx.array(top_p),
+                             top_k=mx.array(top_k), seed=mx.array(np.array(seeds, dtype=np.uint32)),
+                             step=mx.array(np.array(steps, dtype=np.uint32)), min_p=mx.array(min_p))
         return cls(
-            temperature=mx.array(temps),
-            top_p=mx.array(top_p),
-            top_k=mx.array(top_k),
-            seed=mx.array(np.array(seeds, dtype=np.uint32)),
-            step=mx.array(np.array(steps, dtype=np.uint32)),
-            min_p=mx.array(min_p),
-            all_greedy=not sampled.any(),
-            needs_filter=bool(((top_p < 1.0) | (top_k > 0) | (min_p > 0))[sampled].any()),
+            draws=draws,
+            needs_filter=needs_filter,
             edits=LogitEdits.build(params, steps, stop_ids or [[] for _ in params]),
             penalties=penalties,
             grammar=grammar,
@@ -203,19 +213,20 @@ def sample(logits: mx.array, batch: SamplingBatch) -> mx.array:
     # Same quantity mlx-lm's greedy sampler takes the argmax of, so ties break alike.
     logprobs = logits - mx.logsumexp(logits, axis=-1, keepdims=True)
     greedy = mx.argmax(logprobs, axis=-1).astype(mx.int32)
-    if batch.all_greedy:
+    draws = batch.draws
+    if draws is None:
         return greedy
-    temps = mx.where(batch.temperature > 0, batch.temperature, 1.0)
+    temps = mx.where(draws.temperature > 0, draws.temperature, 1.0)
     scaled = logits / temps[:, None]
-    noise = gumbel_noise(batch.seed, batch.step, logits.shape[-1])
+    noise = gumbel_noise(draws.seed, draws.step, logits.shape[-1])
     if batch.needs_filter:
-        drawn = _sample_filtered(scaled, noise, batch)
+        drawn = _sample_filtered(scaled, noise, draws)
     else:
         drawn = mx.argmax(scaled + noise, axis=-1).astype(mx.int32)
-    return mx.where(batch.temperature > 0, drawn, greedy)
+    return mx.where(draws.temperature > 0, drawn, greedy)
 
 
-def _sample_filtered(scaled: mx.array, noise: mx.array, batch: SamplingBatch) -> mx.array:
+def _sample_filtered(scaled: mx.array, noise: mx.array, batch: RowDraws) -> mx.array:
     order = mx.argsort(-scaled, axis=-1)
     sorted_logits = mx.take_along_axis(scaled, order, axis=-1)
     # min-p first (as vLLM): top-p's mass is then taken over the tokens min-p kept.
