@@ -18,6 +18,8 @@ compute wrong tokens: timing only.
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import time
 from contextlib import contextmanager
@@ -82,11 +84,13 @@ def _empty_runner(model: Any, batch: int, context: int, steps: int, compile_deco
 
 
 def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
-                 pipelined: bool = False, compile_decode: bool = False) -> Timings:
+                 pipelined: bool = False, compile_decode: bool = False,
+                 profile: cProfile.Profile | None = None) -> Timings:
     """Decode steps: build, start (async_eval), wait. Alone, each step is waited for before
     the next; pipelined, as the worker's start-ahead loop (no scheduler or sockets), step
     N+1 is built and half started before N is waited for, so step ms is the steady state
-    (its waits, for N's first half and then for N, are counted as "wait")."""
+    (its waits, for N's first half and then for N, are counted as "wait"). profile: a
+    profiler to run around each step's build."""
     runner, rids, slot = _runner(model, batch, context, steps, compile_decode)
     t = Timings(pool_mb=sum(layer.nbytes for layer in runner.pool.layers) / 1e6)
     mx.synchronize()
@@ -96,7 +100,11 @@ def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
     for step in range(1, steps + 1):
         plan = ForwardBatch(step=step, decode_rids=rids, decode_slots=[next(slot) for _ in rids])
         t0 = time.perf_counter()
+        if profile is not None:
+            profile.enable()
         pending = runner.build(plan)
+        if profile is not None:
+            profile.disable()
         t1 = time.perf_counter()
         if pipelined:  # the worker's start-ahead order (WorkerLoop._run_ahead)
             waiting = 0.0
@@ -204,6 +212,9 @@ def main() -> None:
     p.add_argument("--prefill-batches", default="",
                    help="also time one prefill step of this many prompts (e.g. 1,16,64)")
     p.add_argument("--prompt", type=int, default=130, help="prompt length for --prefill-batches")
+    p.add_argument("--profile-batch", type=int, default=0,
+                   help="then profile the builds of kiln's pipelined steps at this batch size "
+                        "(cProfile, top functions by own time)")
     p.add_argument("--variants", default="",
                    help="variant names to time, joined by ';' (default: all)")
     args = p.parse_args()
@@ -244,6 +255,12 @@ def main() -> None:
             memory = f"{timings.pool_mb:>9.0f}{timings.over_mb:>10.0f}" if timings.pool_mb else ""
             print(f"{b:>6}  {name:<24}{build:>10.2f}{launch:>11.2f}{wait:>9.2f}{step:>9.2f}{memory}",
                   flush=True)
+    if args.profile_batch:
+        profile = cProfile.Profile()
+        kiln_step_ms(model, args.profile_batch, c, n, pipelined=True, profile=profile)
+        print(f"\nbuild of kiln's pipelined steps at batch {args.profile_batch}, {n} steps "
+              "(cProfile; its overhead inflates Python-heavy entries):")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(18)
     if args.prefill_batches:
         print(f"\nprefill, {args.prompt}-token prompts, ms: first (new shape) / best")
         print(f"{'prompts':>8}{'kiln first':>12}{'kiln best':>11}{'mlx-lm first':>14}{'mlx-lm best':>13}")
