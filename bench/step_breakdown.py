@@ -96,7 +96,7 @@ def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
     mx.synchronize()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    in_flight = head_done = None
+    in_flight = head_mark = None
     for step in range(1, steps + 1):
         plan = ForwardBatch(step=step, decode_rids=rids, decode_slots=[next(slot) for _ in rids])
         t0 = time.perf_counter()
@@ -110,14 +110,14 @@ def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
             waiting = 0.0
             if in_flight is not None:
                 w0 = time.perf_counter()
-                runner.wait_head(head_done)
+                runner.wait_head(head_mark)
                 waiting += time.perf_counter() - w0
-            head_done = runner.start_head()
+            runner.start_head()
             if in_flight is not None:
                 w0 = time.perf_counter()
                 runner.finish(in_flight)
                 waiting += time.perf_counter() - w0
-            runner.start(pending)
+            head_mark = runner.start(pending, head_mark=True)
             in_flight = pending
             # Launch and waits interleave: the waits are moved to the end of the step.
             t3 = time.perf_counter()

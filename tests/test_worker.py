@@ -229,16 +229,16 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
             calls.append(("build", batch.step))
             return Pending(batch.step)
 
-        def wait_head(self, head_done):
-            calls.append(("wait half", head_done))
+        def wait_head(self, mark):
+            calls.append(("wait half", mark))
 
         def start_head(self):
             step = max(c[1] for c in calls if c[0] == "build")  # the step just built
             calls.append(("start half", step))
-            return step
 
-        def start(self, pending):
+        def start(self, pending, head_mark=False):
             calls.append(("start", pending.step))
+            return pending.step if head_mark else None
 
         def finish(self, pending):
             calls.append(("finish", pending.step))

@@ -106,8 +106,10 @@ class WorkerLoop:
     write launched while the previous step's read of that layer still runs copies the
     layer (the whole pool, at a step's scale: 2x the pool's memory, out of memory on the
     H200 at 128 streams once the device fell behind a large prefill). So start-ahead
-    launches N+1's first half only once N's first half is done, its second half once N
-    is, and a step with prefill (launched while built) only once nothing is in flight.
+    launches N+1's first layers (up to two before the middle) only once N has read
+    them (N's head mark: an array computed from N's middle-layer pool array, launched
+    first), the rest once N is reported, and a step with prefill (launched while built)
+    only once nothing is in flight.
     On the CPU backend the device is always behind (bench/pool_update_probe.py: 4x
     slower steps), hence deferred there.
     A SyncSteps message (the scheduler has nothing to chain) makes the worker report
@@ -124,7 +126,7 @@ class WorkerLoop:
         self.start_ahead = overlap and start_ahead
         self.in_flight: deque = deque()
         self.steps_built_ahead = 0  # observability: > 0 shows the overlap at work
-        self._head_done = None  # start-ahead: the last started step's first half, run
+        self._head_mark = None  # start-ahead: ready once the last step's first half ran
         self.stats = stats or StepStats()
         self._timer = Timer(self.stats)
 
@@ -158,15 +160,15 @@ class WorkerLoop:
             # must be done before the writes launch, or MLX copies each such layer instead
             # of updating it (a pool launch holds its inputs until it completes). Free
             # while the host is the bottleneck; when the device is, waiting is no loss.
-            self.runner.wait_head(self._head_done)
+            self.runner.wait_head(self._head_mark)
             self._timer.mark("wait")
         # Launching a step takes the host about as long as the device takes to run one.
         # So half of N+1 goes first, then N is reported: the scheduler's round trip for
         # N+2 overlaps the launch of N+1's second half instead of following it.
-        self._head_done = self.runner.start_head()
+        self.runner.start_head()
         self._timer.mark("start")
         self._report_all()
-        self._start(pending)
+        self._head_mark = self._start(pending)
         self.in_flight.append(self._sampled(pending))
 
     def _run_deferred(self, batch: ForwardBatch) -> None:
@@ -186,9 +188,10 @@ class WorkerLoop:
         logger.debug("step %d built in %.2f ms", batch.step, spent * 1e3)
         return pending
 
-    def _start(self, pending: PendingStep) -> None:
-        self.runner.start(pending)
+    def _start(self, pending: PendingStep):  # noqa: ANN202 (the runner's array type)
+        mark = self.runner.start(pending, head_mark=self.start_ahead)
         self._timer.mark("start")
+        return mark
 
     def _sampled(self, pending: PendingStep) -> PendingStep:
         """A started step, with its sampling: a step with constrained rows was started with

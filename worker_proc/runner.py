@@ -267,14 +267,25 @@ class ModelRunner:
         return PendingStep(step, [s.rid for s in sampled], tokens, final, logprobs,
                            matchers=matchers or [])
 
-    def start(self, pending: PendingStep) -> None:
+    def start(self, pending: PendingStep, head_mark: bool = False) -> mx.array | None:
         """Put a built step on the device; returns before it finishes.
+
+        head_mark (the start-ahead loop): first launch a one-element array that is ready
+        once the step has read the layers `start_head` writes (all of them before the
+        middle), and return it for `wait_head`.
 
         NOTE: on the CPU backend call only once every earlier step has finished: a pool
         scatter started while work that holds the pool is in flight copies the whole pool
         instead of updating it in place (4x slower steps in bench/pool_update_probe.py).
-        MLX's CUDA backend updates in place either way (same probe on the H200).
+        See WorkerLoop for how the CUDA path avoids it.
         """
+        mark = None
+        if head_mark:
+            # The middle layer's new pool array needs the hidden state from every layer
+            # before it, reads included. A new buffer, not a view: a view would share the
+            # layer's buffer and so keep the next step from updating it in place.
+            mark = mx.abs(self.pool.layers[len(self.pool.layers) // 2][:1, 0, :1])
+            mx.async_eval(mark)
         mx.async_eval(*pending.final)
         if pending.tokens is not None:
             # Its tokens now stand for the whole step (finish waits on them). Holding the
@@ -282,24 +293,25 @@ class ModelRunner:
             # place once they are a compiled forward's outputs (new arrays, not the ones
             # a scatter overwrote): a copy of the whole pool every step.
             del pending.final[-len(self.pool.layers):]
+        return mark
 
-    def start_head(self) -> mx.array:
-        """Put the first half of the last built step's layers on the device, ahead of
-        `start` (see WorkerLoop): the middle layer's pool array needs every layer before
-        it. A step whose forwards already launched in build (prefill) launches nothing
-        new. Returns a one-element array that is ready once that half has run."""
-        middle = self.pool.layers[len(self.pool.layers) // 2]
-        # A new buffer, not a view: a view would share the layer's buffer and so keep the
-        # next step from updating it in place.
-        head_done = mx.abs(middle[:1, 0, :1])
-        mx.async_eval(head_done)
-        return head_done
+    def start_head(self) -> None:
+        """Put the first layers of the last built step on the device, ahead of `start`
+        (see WorkerLoop): everything up to the pool write two layers before the middle,
+        so every layer it writes is one the previous step's head mark covers, with a
+        layer's launches (about one of the backend's command batches) to spare: a read's
+        hold on its inputs ends with its batch's completion handler, which may trail the
+        mark. A step whose forwards already launched in build (prefill) launches nothing
+        new."""
+        last = len(self.pool.layers) // 2 - 2
+        if last >= 0:
+            mx.async_eval(self.pool.layers[last])
 
     @staticmethod
-    def wait_head(head_done: mx.array) -> None:
-        """Block until the half a start_head call launched has run (its array alone: no
-        wait for anything launched after it)."""
-        head_done.item()
+    def wait_head(mark: mx.array) -> None:
+        """Block until a step's head mark (`start`) is ready: that array alone, no wait
+        for anything launched after it."""
+        mark.item()
 
     def launch(self, batch: ForwardBatch) -> PendingStep:
         pending = self.build(batch)
