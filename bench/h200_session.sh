@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One H200 device call's worth of measurements (under 10 minutes), in this order:
-# the CUDA kernel tests, the in-process step breakdown on the 8B-shaped model, then kiln
+# the CUDA kernel and worker tests, the in-process step breakdown on the 8B-shaped model, then kiln
 # and mlx_lm.server side by side (bench/h200_run.sh). Each part has its own time limit,
 # so a hang in one still leaves the others' results in $OUT.
 #
@@ -27,8 +27,8 @@ export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 
 if has tests; then
 echo "== kernel tests"
-timeout 100 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_paged_attention.py 2>&1 \
-    | tail -3 | tee "$OUT/kernel_tests.txt"
+timeout 130 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_paged_attention.py \
+    tests/test_worker.py -k "not test_batched_chunked" 2>&1 | tail -4 | tee "$OUT/kernel_tests.txt"
 fi
 
 echo "== model"
