@@ -205,6 +205,27 @@ def test_step_stats_account_the_loop_and_summarise_by_interval(tiny_model):
     assert clock.steps == 0 and clock.summary(now=125.0) is None  # a new, empty interval
 
 
+def test_memory_note_reports_the_peak_since_the_last_note():
+    """The worker's summary ends with MLX's memory: a transient peak (what a pool write
+    that copied instead of updating in place leaves) shows once, then the next note
+    starts from the memory held."""
+    import re
+
+    import mlx.core as mx
+
+    from worker_proc import memory_note
+
+    memory_note()
+    held = mx.zeros((64 << 20,), dtype=mx.uint8)  # 64 MiB kept
+    mx.eval(held)
+    mx.eval(mx.zeros((512 << 20,), dtype=mx.uint8).sum())  # a 512 MiB transient
+    gib = [float(x) for x in re.findall(r"[\d.]+", memory_note())]
+    active, peak = gib[0], gib[1]
+    assert peak - active >= 0.45
+    later = [float(x) for x in re.findall(r"[\d.]+", memory_note())]
+    assert later[1] - later[0] < 0.1
+
+
 def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
     """On the start-ahead path the device always has work queued when the worker blocks,
     and step N's result leaves before the second half of N+1 is launched (so the
