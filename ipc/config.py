@@ -57,8 +57,8 @@ class ServerConfig:
     compile_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Compile decode forwards with mx.compile (CUDA paged-"
                                          "attention path; elsewhere refused): less host time "
-                                         "a step, one trace per batch size and context bucket. "
-                                         "Experimental."})
+                                         "a step, one trace per batch bucket and context bucket "
+                                         "(all traced at start-up). Experimental."})
     log_level: str = dataclasses.field(
         default="info", metadata={"choices": ("debug", "info", "warning", "error"),
                                   "help": "Logging level of every process."})
