@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ipc.channel import Receiver, Sender
 from ipc.config import ServerConfig
@@ -156,10 +156,10 @@ class WorkerLoop:
         self.steps_built_ahead += bool(self.in_flight)
         pending = self._build(batch)
         if self.in_flight:
-            # N+1's first half writes the pool layers N's first half reads: those reads
-            # must be done before the writes launch, or MLX copies each such layer instead
-            # of updating it (a pool launch holds its inputs until it completes). Free
-            # while the host is the bottleneck; when the device is, waiting is no loss.
+            # N+1's head writes pool layers N reads: those reads must be done before the
+            # writes launch, or MLX copies each such layer instead of updating it (a
+            # launch holds its inputs until it completes). Free while the host is the
+            # bottleneck; when the device is, waiting is no loss.
             self.runner.wait_head(self._head_mark)
             self._timer.mark("wait")
         # Launching a step takes the host about as long as the device takes to run one.
@@ -188,7 +188,8 @@ class WorkerLoop:
         logger.debug("step %d built in %.2f ms", batch.step, spent * 1e3)
         return pending
 
-    def _start(self, pending: PendingStep):  # noqa: ANN202 (the runner's array type)
+    def _start(self, pending: PendingStep) -> Any:
+        """Start a step; with start-ahead, returns its head mark (see ModelRunner.start)."""
         mark = self.runner.start(pending, head_mark=self.start_ahead)
         self._timer.mark("start")
         return mark
@@ -236,8 +237,11 @@ def memory_note() -> str:
 
 
 def starts_ahead_safely() -> bool:
-    """Whether a step may start while the previous one runs without copying the pool:
-    measured true on MLX's CUDA backend, false on the CPU; unmeasured on Metal."""
+    """Whether the start-ahead loop keeps pool writes in place: on MLX's CUDA backend a
+    launch's hold on its inputs ends as its command batch completes, so waiting for the
+    previous step's head mark frees the layers the next head writes; on the CPU backend
+    the holds last until the whole evaluation completes (seen: every head write copied
+    its layer there). Unmeasured on Metal, so not used there."""
     import mlx.core as mx
 
     from worker_proc.paged_attention import kernel_available
