@@ -92,7 +92,7 @@ def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
     (its waits, for N's first half and then for N, are counted as "wait"). profile: a
     profiler to run around each step's build."""
     runner, rids, slot = _runner(model, batch, context, steps, compile_decode)
-    t = Timings(pool_mb=sum(layer.nbytes for layer in runner.pool.layers) / 1e6)
+    t = Timings(pool_mb=runner.pool.nbytes / 1e6)
     mx.synchronize()
     mx.reset_peak_memory()
     base = mx.get_active_memory()

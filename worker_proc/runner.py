@@ -284,7 +284,7 @@ class ModelRunner:
             # The middle layer's new pool array needs the hidden state from every layer
             # before it, reads included. A new buffer, not a view: a view would share the
             # layer's buffer and so keep the next step from updating it in place.
-            mark = mx.abs(self.pool.layers[len(self.pool.layers) // 2][:1, 0, :1])
+            mark = mx.abs(self.pool.layers[self._middle][:1, 0, :1])
             mx.async_eval(mark)
         mx.async_eval(*pending.final)
         if pending.tokens is not None:
@@ -303,9 +303,14 @@ class ModelRunner:
         hold on its inputs ends with its batch's completion handler, which may trail the
         mark. A step whose forwards already launched in build (prefill) launches nothing
         new."""
-        last = len(self.pool.layers) // 2 - 2
+        last = self._middle - 2
         if last >= 0:
             mx.async_eval(self.pool.layers[last])
+
+    @property
+    def _middle(self) -> int:
+        """The layer whose pool array a step's head mark is computed from."""
+        return len(self.pool.layers) // 2
 
     @staticmethod
     def wait_head(mark: mx.array) -> None:

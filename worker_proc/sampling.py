@@ -135,6 +135,7 @@ class RowDraws:
     seed: mx.array  # [N] uint32
     step: mx.array  # [N] uint32: how many tokens the row has sampled before
     min_p: mx.array  # [N] float32; 0 = off
+    needs_filter: bool  # some sampled row uses top-p, top-k or min-p
 
 
 @dataclass(frozen=True)
@@ -142,14 +143,9 @@ class SamplingBatch:
     """Per-row sampling settings for one step, as device arrays."""
 
     draws: RowDraws | None  # None when every row is greedy: no arrays to send
-    needs_filter: bool
     edits: LogitEdits | None = None
     penalties: Penalties | None = None
     grammar: GrammarMask | None = None
-
-    @property
-    def all_greedy(self) -> bool:
-        return self.draws is None
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int],
@@ -160,18 +156,17 @@ class SamplingBatch:
         masks (default none); grammar: the constrained rows' masks (default none)."""
         temps = np.array([p.temperature for p in params], dtype=np.float32)
         sampled = temps > 0
-        draws, needs_filter = None, False
+        draws = None
         if sampled.any():
             top_p = np.array([p.top_p for p in params], dtype=np.float32)
             top_k = np.array([p.top_k for p in params], dtype=np.int32)
             min_p = np.array([p.min_p for p in params], dtype=np.float32)
-            needs_filter = bool(((top_p < 1.0) | (top_k > 0) | (min_p > 0))[sampled].any())
             draws = RowDraws(temperature=mx.array(temps), top_p=mx.array(top_p),
                              top_k=mx.array(top_k), seed=mx.array(np.array(seeds, dtype=np.uint32)),
-                             step=mx.array(np.array(steps, dtype=np.uint32)), min_p=mx.array(min_p))
+                             step=mx.array(np.array(steps, dtype=np.uint32)), min_p=mx.array(min_p),
+                             needs_filter=bool(((top_p < 1.0) | (top_k > 0) | (min_p > 0))[sampled].any()))
         return cls(
             draws=draws,
-            needs_filter=needs_filter,
             edits=LogitEdits.build(params, steps, stop_ids or [[] for _ in params]),
             penalties=penalties,
             grammar=grammar,
@@ -219,7 +214,7 @@ def sample(logits: mx.array, batch: SamplingBatch) -> mx.array:
     temps = mx.where(draws.temperature > 0, draws.temperature, 1.0)
     scaled = logits / temps[:, None]
     noise = gumbel_noise(draws.seed, draws.step, logits.shape[-1])
-    if batch.needs_filter:
+    if draws.needs_filter:
         drawn = _sample_filtered(scaled, noise, draws)
     else:
         drawn = mx.argmax(scaled + noise, axis=-1).astype(mx.int32)
