@@ -141,13 +141,13 @@ class EngineLoop:
         """The server's loops, sockets replaced by queues: the scheduler plans step N+1
         before it applies step N's result, the worker launches N+1 before it waits on N."""
         from scheduler_proc import SchedulerLoop
-        from worker_proc import WorkerLoop, starts_ahead_safely
+        from worker_proc import WorkerLoop
 
         inbox, to_worker, to_detokenizer = _Queue(), _Queue(), _Queue()
         scheduler = SchedulerLoop(self.scheduler, inbox, to_worker, to_detokenizer,
                                   max_in_flight=2)
         # As the server does: on CUDA the next step starts before the worker waits.
-        worker = WorkerLoop(self.runner, inbox, overlap=True, start_ahead=starts_ahead_safely())
+        worker = WorkerLoop(self.runner, inbox, overlap=True, start_ahead=self.runner.pool.in_place)
         start = self.steps
         while self.scheduler.has_work or scheduler.in_flight or inbox.items:
             scheduler.run_once()

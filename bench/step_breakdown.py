@@ -8,7 +8,7 @@ For each batch size, medians over --steps of the host phases of a step: building
 graph, starting it (`mx.async_eval`: on MLX's CUDA backend this launches the kernels),
 waiting for a result, and the whole step. Variants of kiln's step, each run alone: as
 served; paged attention replaced by returning the queries (its cost); the pool write
-skipped (the scatter's cost). mlx-lm's own model call over its KVCache (all rows one
+skipped (the write's cost). mlx-lm's own model call over its KVCache (all rows one
 length, no mask), run alone. Then both pipelined, two steps in flight as kiln's worker and
 mlx-lm's generate loop run them: there "step" is the steady-state time per step; on the
 CUDA kernel path also kiln's `--compile-decode` forward, pipelined. The "no ..." variants
@@ -32,8 +32,8 @@ from mlx_lm.models.cache import KVCache
 
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
-from worker_proc.attention import PooledKVCache, paged_kernel_fits
-from worker_proc.kv_pool import KVPool
+from worker_proc.attention import PooledKVCache
+from worker_proc.kv_pool import KVPool, paged_kernel_fits
 from worker_proc.memory import probe_attention_specs
 from worker_proc.runner import ModelRunner
 
@@ -89,14 +89,14 @@ def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
     """Decode steps: build, start (async_eval), wait. Alone, each step is waited for before
     the next; pipelined, as the worker's start-ahead loop (no scheduler or sockets), step
     N+1 is built and half started before N is waited for, so step ms is the steady state
-    (its waits, for N's first half and then for N, are counted as "wait"). profile: a
+    (the wait for N counts as "wait"). profile: a
     profiler to run around each step's build."""
     runner, rids, slot = _runner(model, batch, context, steps, compile_decode)
     t = Timings(pool_mb=runner.pool.nbytes / 1e6)
     mx.synchronize()
     mx.reset_peak_memory()
     base = mx.get_active_memory()
-    in_flight = head_mark = None
+    in_flight = None
     for step in range(1, steps + 1):
         plan = ForwardBatch(step=step, decode_rids=rids, decode_slots=[next(slot) for _ in rids])
         t0 = time.perf_counter()
@@ -107,19 +107,15 @@ def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
             profile.disable()
         t1 = time.perf_counter()
         if pipelined:  # the worker's start-ahead order (WorkerLoop._run_ahead)
+            runner.start_head()
             waiting = 0.0
             if in_flight is not None:
                 w0 = time.perf_counter()
-                runner.wait_head(head_mark)
-                waiting += time.perf_counter() - w0
-            runner.start_head()
-            if in_flight is not None:
-                w0 = time.perf_counter()
                 runner.finish(in_flight)
-                waiting += time.perf_counter() - w0
-            head_mark = runner.start(pending, head_mark=True)
+                waiting = time.perf_counter() - w0
+            runner.start(pending)
             in_flight = pending
-            # Launch and waits interleave: the waits are moved to the end of the step.
+            # Launch and wait interleave: the wait is moved to the end of the step.
             t3 = time.perf_counter()
             t2 = t3 - waiting
         else:

@@ -51,6 +51,38 @@ def test_cuda_kernel_matches_reference(dtype, dim, n_q, n_kv):
                                rtol=tol, atol=tol)
 
 
+@pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
+@pytest.mark.parametrize("pool_dtype,kv_dtype,seq", [(mx.bfloat16, mx.bfloat16, 1),
+                                                     (mx.bfloat16, mx.bfloat16, 7),
+                                                     (mx.float16, mx.float32, 3)])
+def test_in_place_pool_write_matches_a_scatter(pool_dtype, kv_dtype, seq):
+    """The in-place write stores what KVPool's scatter stores, into the pool's own buffer,
+    from keys and values in the model's (strided) layouts; a read that takes its mark sees
+    the rows in the same evaluation."""
+    from worker_proc.kv_pool import AttentionLayerSpec, KVPool
+
+    rng = np.random.default_rng(4)
+    b, h, d = 3, 4, 64
+    spec = [AttentionLayerSpec(h, d, d, pool_dtype)]
+    ours, theirs = KVPool(spec, 200, in_place=True), KVPool(spec, 200, in_place=False)
+    buffer = ours.layers[0]
+    # Values as attention layers make them: [B, S, H, D] projections transposed (strided).
+    keys = mx.array(rng.standard_normal((b, h, seq, d)).astype(np.float32)).astype(kv_dtype)
+    values = mx.array(rng.standard_normal((b, seq, h, d)).astype(np.float32)).astype(
+        kv_dtype).transpose(0, 2, 1, 3)
+    slots = mx.array(rng.permutation(np.arange(1, 201))[:b * seq].astype(np.int32))
+    for pool in (ours, theirs):
+        pool.write(0, slots, keys, values)
+    got_k, got_v = ours.read(0, slots.reshape(b, seq))
+    want_k, want_v = theirs.read(0, slots.reshape(b, seq))
+    mx.eval(got_k, got_v, *theirs.landing())
+    assert ours.layers[0] is buffer
+    np.testing.assert_array_equal(np.array(got_k.astype(mx.float32)), np.array(want_k.astype(mx.float32)))
+    np.testing.assert_array_equal(np.array(got_v.astype(mx.float32)), np.array(want_v.astype(mx.float32)))
+    np.testing.assert_array_equal(np.array(ours.layers[0].astype(mx.float32)),
+                                  np.array(theirs.layers[0].astype(mx.float32)))
+
+
 def test_splits_fill_the_gpu_within_their_bounds():
     assert num_splits(batch=1, n_kv=8, l_max=20) == 1  # too short to split
     one_row = num_splits(batch=1, n_kv=8, l_max=400)
@@ -193,8 +225,8 @@ def test_pooled_forward_matches_mlx_lm_cache():
     from mlx_lm.models.cache import KVCache
 
     from worker_proc.attention import (DenseDecodeContext, ForwardLayout, build_layer_caches,
-                                       install_attention_hook, paged_kernel_fits)
-    from worker_proc.kv_pool import KVPool
+                                       install_attention_hook)
+    from worker_proc.kv_pool import KVPool, paged_kernel_fits
     from worker_proc.memory import probe_attention_specs
 
     mx.random.seed(11)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ipc.channel import Receiver, Sender
 from ipc.config import ServerConfig
@@ -34,8 +34,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     import mlx_lm
 
     from tokenizer_proc.constraints import structured_output_supported
-    from worker_proc.attention import check_layer_kinds, paged_kernel_fits
-    from worker_proc.kv_pool import KVPool
+    from worker_proc.attention import check_layer_kinds
+    from worker_proc.kv_pool import KVPool, paged_kernel_fits
     from worker_proc.memory import pool_slots, probe_attention_specs
     from worker_proc.runner import (CPU_PREFILL_PADDING, DENSE_DECODE_SHARE, PREFILL_PADDING,
                                     ModelRunner, warm_up)
@@ -97,21 +97,14 @@ class WorkerLoop:
     With overlap, step N+1's graph (fed by step N's still-lazy tokens) is built while
     step N computes, so the scheduler's bookkeeping and the worker's graph building hide
     behind the device. Then either
-    - start_ahead (the CUDA backend): N+1 is started before the worker blocks on N, so
-      the device never idles between steps (at most two steps in flight): its first
-      half, then N is reported, then its second half (`_run_ahead`); or
-    - deferred (elsewhere): the worker waits for N, reports it, then starts N+1.
-    Pool writes: MLX updates a pool layer in place only if nothing else holds it when
-    the write is launched, and a launched read holds its inputs until it completes. A
-    write launched while the previous step's read of that layer still runs copies the
-    layer (the whole pool, at a step's scale: 2x the pool's memory, out of memory on the
-    H200 at 128 streams once the device fell behind a large prefill). So start-ahead
-    launches N+1's first layers (up to two before the middle) only once N has read
-    them (N's head mark: an array computed from N's middle-layer pool array, launched
-    first), the rest once N is reported, and a step with prefill (launched while built)
-    only once nothing is in flight.
-    On the CPU backend the device is always behind (bench/pool_update_probe.py: 4x
-    slower steps), hence deferred there.
+    - start_ahead (pools written in place: the CUDA backend): N+1 is started before the
+      worker blocks on N, so the device has the next step queued when it finishes one
+      (at most two steps in flight): its first half, then N is reported, then its second
+      half (`_run_ahead`); or
+    - deferred (scatter-written pools: the CPU, Metal): the worker waits for N, reports
+      it, then starts N+1. A scatter launched while the previous step still reads the
+      layer copies it (KVPool); a CPU step always runs past the next one's build
+      (bench/pool_update_probe.py: 4x slower steps when started ahead).
     A SyncSteps message (the scheduler has nothing to chain) makes the worker report
     what it holds. A step with grammar-constrained rows starts with its forward only: its
     masks need every earlier step's tokens, so its sampling follows once those are
@@ -126,7 +119,6 @@ class WorkerLoop:
         self.start_ahead = overlap and start_ahead
         self.in_flight: deque = deque()
         self.steps_built_ahead = 0  # observability: > 0 shows the overlap at work
-        self._head_mark = None  # start-ahead: ready once the last step's first half ran
         self.stats = stats or StepStats()
         self._timer = Timer(self.stats)
 
@@ -149,26 +141,15 @@ class WorkerLoop:
         return True
 
     def _run_ahead(self, batch: ForwardBatch) -> None:
-        if batch.prefill:
-            # Its forwards launch while they are built, all at once; nothing may hold the
-            # pool then (see the class note on pool writes).
-            self._report_all()
         self.steps_built_ahead += bool(self.in_flight)
         pending = self._build(batch)
-        if self.in_flight:
-            # N+1's head writes pool layers N reads: those reads must be done before the
-            # writes launch, or MLX copies each such layer instead of updating it (a
-            # launch holds its inputs until it completes). Free while the host is the
-            # bottleneck; when the device is, waiting is no loss.
-            self.runner.wait_head(self._head_mark)
-            self._timer.mark("wait")
         # Launching a step takes the host about as long as the device takes to run one.
         # So half of N+1 goes first, then N is reported: the scheduler's round trip for
         # N+2 overlaps the launch of N+1's second half instead of following it.
         self.runner.start_head()
         self._timer.mark("start")
         self._report_all()
-        self._head_mark = self._start(pending)
+        self._start(pending)
         self.in_flight.append(self._sampled(pending))
 
     def _run_deferred(self, batch: ForwardBatch) -> None:
@@ -188,11 +169,9 @@ class WorkerLoop:
         logger.debug("step %d built in %.2f ms", batch.step, spent * 1e3)
         return pending
 
-    def _start(self, pending: PendingStep) -> Any:
-        """Start a step; with start-ahead, returns its head mark (see ModelRunner.start)."""
-        mark = self.runner.start(pending, head_mark=self.start_ahead)
+    def _start(self, pending: PendingStep) -> None:
+        self.runner.start(pending)
         self._timer.mark("start")
-        return mark
 
     def _sampled(self, pending: PendingStep) -> PendingStep:
         """A started step, with its sampling: a step with constrained rows was started with
@@ -236,19 +215,6 @@ def memory_note() -> str:
     return note
 
 
-def starts_ahead_safely() -> bool:
-    """Whether the start-ahead loop keeps pool writes in place: on MLX's CUDA backend a
-    launch's hold on its inputs ends as its command batch completes, so waiting for the
-    previous step's head mark frees the layers the next head writes; on the CPU backend
-    the holds last until the whole evaluation completes (seen: every head write copied
-    its layer there). Unmeasured on Metal, so not used there."""
-    import mlx.core as mx
-
-    from worker_proc.paged_attention import kernel_available
-
-    return kernel_available() and mx.default_device() == mx.gpu
-
-
 def run_worker(config: ServerConfig) -> None:
     reporter = setup_child(config, "worker")
     runner = build_runner(config, reporter)
@@ -257,7 +223,7 @@ def run_worker(config: ServerConfig) -> None:
     results.send(WorkerReady(num_slots=runner.pool.num_slots, max_context_len=runner.max_context))
     reporter.ready(f"{runner.pool.num_slots} KV slots")
     loop = WorkerLoop(runner, results, overlap=not config.disable_overlap,
-                      start_ahead=starts_ahead_safely())
+                      start_ahead=runner.pool.in_place)
     # A timeout now and then lets an interval's summary out while no plans come.
     while loop.handle(plans.recv(timeout_ms=_SUMMARY_POLL_MS)):
         loop.log_summary()

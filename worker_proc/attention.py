@@ -19,7 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
-from worker_proc.kv_pool import AttentionLayerSpec, KVPool
+from worker_proc.kv_pool import KVPool
 from worker_proc.paged_attention import (kernel_available, paged_decode_attention,
                                          reference_decode_attention, unfused_prefill_attention,
                                          unfused_prefill_fits)
@@ -159,7 +159,8 @@ class PooledKVCache:
         # No kept context: the runner chose the kernel (paged_kernel_fits); an inactive
         # one: the batch is over its budget, so gather from the pool for this layer.
         attend = paged_decode_attention if dense is None else reference_decode_attention
-        return attend(queries, self._pool.layers[layer], layout.read_slots, layout.lengths, scale)
+        return attend(queries, self._pool.layers[layer], layout.read_slots, layout.lengths, scale,
+                      self._pool.mark(layer))
 
 
 class DenseDecodeContext:
@@ -255,14 +256,6 @@ def _extended(block: mx.array | None, columns: int) -> mx.array:
     assert block is not None
     b, h, _, d = block.shape
     return mx.concatenate([block, mx.zeros((b, h, columns, d), dtype=block.dtype)], axis=2)
-
-
-def paged_kernel_fits(specs: list[AttentionLayerSpec]) -> bool:
-    """Whether decode attention runs the CUDA kernel for these layers (it spreads a head
-    over a warp's 32 lanes, keys and values of one size); otherwise the runner keeps a
-    DenseDecodeContext."""
-    return kernel_available() and all(s.head_dim % 32 == 0 and s.v_head_dim == s.head_dim
-                                      for s in specs)
 
 
 def _causal_array(n_new: int, n_total: int) -> mx.array:

@@ -1,15 +1,18 @@
 """The KV pool: every attention layer's K/V, addressed by the scheduler's slot ids.
 
-Slot 0 is padding: it is never handed out, so gathering it for a padded position reads
-zeros that the attention mask hides.
+Slot 0 is padding: it is never handed out; padded positions write and read it, and the
+attention masks hide what they read.
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 from dataclasses import dataclass
 
 import mlx.core as mx
+
+from worker_proc.paged_attention import kernel_available, pool_write_in_place, split_kv
 
 logger = logging.getLogger(__name__)
 
@@ -28,18 +31,47 @@ class AttentionLayerSpec:
         return (self.n_kv_heads * (self.head_dim + self.v_head_dim)) * self.dtype.size
 
 
+def paged_kernel_fits(specs: list[AttentionLayerSpec]) -> bool:
+    """Whether decode attention runs the CUDA kernel for these layers (it spreads a head
+    over a warp's 32 lanes, keys and values of one size); otherwise the runner keeps a
+    DenseDecodeContext. Pools of such layers are written in place (KVPool)."""
+    return kernel_available() and all(s.head_dim % 32 == 0 and s.v_head_dim == s.head_dim
+                                      for s in specs)
+
+
 class KVPool:
     """One array per attention layer, [num_slots + 1, n_kv_heads, head_dim + v_head_dim]:
-    a token's keys and values side by side, so a step stores both with one scatter (on
-    MLX's CUDA backend each scatter costs ~20 us of host launch time; two per layer were
-    ~1.4 ms of a 6 ms batch-1 step on the H200)."""
+    a token's keys and values side by side, so a step stores both with one write (on
+    MLX's CUDA backend each launch costs ~20 us of host time; two per layer were ~1.4 ms
+    of a 6 ms batch-1 step on the H200).
 
-    def __init__(self, specs: list[AttentionLayerSpec], num_slots: int) -> None:
+    Two ways to write, fixed per pool:
+    - scatter (plain MLX, every backend): the write replaces the layer's array. MLX
+      updates the buffer in place only if nothing else holds the old array when the
+      write is launched, and a launched read holds its inputs until it completes: a
+      write launched while the previous step still reads the layer copies it (the whole
+      pool, at a step's scale). So no step may be launched while another runs.
+    - in place (`in_place`, where the CUDA decode kernel serves every layer): a kernel
+      writes the rows into the layer's buffer, which never changes (see
+      pool_write_in_place). Writes cannot copy, so steps may be launched back to back:
+      the device runs them in launch order. Each write leaves a mark that this step's
+      reads of the layer take as an input (`mark`), so they follow it.
+    `landing()` is what a step evaluates for its writes to land: the layer arrays, or
+    the marks.
+    """
+
+    def __init__(self, specs: list[AttentionLayerSpec], num_slots: int,
+                 in_place: bool | None = None) -> None:
+        """in_place: None picks it wherever the CUDA decode kernel fits the layers."""
         self.specs = specs
         self.num_slots = num_slots
+        self.in_place = paged_kernel_fits(specs) if in_place is None else in_place
         rows = num_slots + 1
         self.layers = [_zeros(rows, s.n_kv_heads, s.head_dim + s.v_head_dim, s.dtype) for s in specs]
         mx.eval(self.layers)
+        # In place: each layer's last write's mark, and the marks not yet taken by a step.
+        self._marks: list[mx.array | None] = [None] * len(specs)
+        self._unlanded: list[mx.array] = []
 
     @staticmethod
     def bytes_per_slot(specs: list[AttentionLayerSpec]) -> int:
@@ -57,11 +89,12 @@ class KVPool:
         return self.layers[layer][..., self.specs[layer].head_dim:]
 
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
-        """Store new K/V ([B, H, S, D], the model's layout) under slots [B * S].
-
-        NOTE: the scatter replaces the layer's array; the old one has no other reference
-        once the step's graph is built, so MLX updates the buffer in place.
-        """
+        """Store new K/V ([B, H, S, D], the model's layout) under slots [B * S]."""
+        if self.in_place:
+            mark = pool_write_in_place(self.layers[layer], slots, keys, values)
+            self._marks[layer] = mark
+            self._unlanded.append(mark)
+            return
         b, h, s, _ = keys.shape
         if s == 1:  # decode: [B, H, 1, D] is token-major already
             both = mx.concatenate([keys, values], axis=-1)
@@ -71,15 +104,42 @@ class KVPool:
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """Gather K/V for slots [B, L] into the model's [B, H, L, D] layout."""
+        mark = self._marks[layer]
+        if mark is not None:
+            slots = slots + mark  # a zero: the gather follows the write
         return split_kv(self.layers[layer][slots], self.specs[layer].head_dim)
 
+    def mark(self, layer: int) -> mx.array | None:
+        """In place: the mark of the layer's last write, for a reader to take as input."""
+        return self._marks[layer]
 
-def split_kv(gathered: mx.array, head_dim: int) -> tuple[mx.array, mx.array]:
-    """[B, L, H, Dk + Dv] gathered pool rows -> keys [B, H, L, Dk], values [B, H, L, Dv]."""
-    # Contiguous: attention over the transposed gather view was ~2x slower on the CPU.
-    k = mx.contiguous(gathered[..., :head_dim].transpose(0, 2, 1, 3))
-    v = mx.contiguous(gathered[..., head_dim:].transpose(0, 2, 1, 3))
-    return k, v
+    def landing(self) -> list[mx.array]:
+        """What to evaluate for every write so far to land (see the class note)."""
+        return list(self._unlanded) if self.in_place else list(self.layers)
+
+    def take_landing(self) -> list[mx.array]:
+        """landing(), for a step that takes charge of evaluating it: in place, the marks
+        are not handed out again."""
+        landing = self.landing()
+        self._unlanded.clear()
+        return landing
+
+    def with_layers(self, layers: "list[mx.array] | tuple[mx.array, ...]") -> "KVPool":
+        """A pool of this layout over the given layer arrays, with no writes yet: what a
+        traced (mx.compile) forward writes, so the trace's placeholders stay out of this
+        pool."""
+        view = copy.copy(self)
+        view.layers = list(layers)
+        view._marks = [None] * len(self.specs)
+        view._unlanded = []
+        return view
+
+    def adopt_marks(self, marks: list[mx.array]) -> None:
+        """In place: the marks a compiled forward returned (one per layer, in order) stand
+        for its writes."""
+        assert self.in_place and len(marks) == len(self.layers)
+        self._marks = list(marks)
+        self._unlanded.extend(marks)
 
 
 def _zeros(rows: int, heads: int, dim: int, dtype: mx.Dtype) -> mx.array:

@@ -19,8 +19,6 @@ import math
 
 import mlx.core as mx
 
-from worker_proc.kv_pool import split_kv
-
 logger = logging.getLogger(__name__)
 
 # How a row's context is split across thread blocks (flash-decoding). Enough blocks to
@@ -168,7 +166,9 @@ _MERGE_SOURCE = r"""
 def _kernel(direct: bool):
     return mx.fast.cuda_kernel(
         name="kiln_paged_decode_direct" if direct else "kiln_paged_decode_split",
-        input_names=["q", "kv_pool", "table", "lengths", "scale"],
+        # `written`: the mark of this layer's in-place pool write (pool_write_in_place),
+        # an input only so that the kernel runs after it.
+        input_names=["q", "kv_pool", "table", "lengths", "scale", "written"],
         output_names=["out"] if direct else ["out", "out_ml"],
         source=_BODY.replace("WRITE", _DIRECT_WRITE if direct else _SPLIT_WRITE),
     )
@@ -198,19 +198,23 @@ def num_splits(batch: int, n_kv: int, l_max: int) -> int:
 
 
 def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
-                           lengths: mx.array, scale: float) -> mx.array:
+                           lengths: mx.array, scale: float,
+                           written: mx.array | None = None) -> mx.array:
     """Attention of one new token per row over its pooled context.
 
     q: [B, Hq, 1, D]; kv_pool: [slots, Hkv, 2 * D], keys then values (KVPool's layout);
     table: [B, Lmax] int32 slot ids (right-padded); lengths: [B] int32 context length per
-    row (the new token included). Returns [B, Hq, 1, D] in q's dtype.
+    row (the new token included); written: the mark of the pool write this step made to
+    kv_pool in place (pool_write_in_place), which the kernel must follow. Returns
+    [B, Hq, 1, D] in q's dtype.
     """
     batch, n_q, _, dim = q.shape
     n_kv = kv_pool.shape[1]
     group = n_q // n_kv
     splits = num_splits(batch, n_kv, table.shape[1])
     template = [("T", q.dtype), ("D", dim), ("G", group), ("HKV", n_kv)]
-    inputs = [q.reshape(batch, n_q, dim), kv_pool, table, lengths, _scale(scale)]
+    inputs = [q.reshape(batch, n_q, dim), kv_pool, table, lengths, _scale(scale),
+              _no_write() if written is None else written]
     grid = (splits * _THREADS, n_kv, batch)
     if splits == 1:
         (out,) = _kernel(True)(inputs=inputs, template=template, grid=grid,
@@ -232,6 +236,66 @@ def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
 def _scale(scale: float) -> mx.array:
     # One device array per model, not a host-to-device copy per layer and step.
     return mx.array([scale], dtype=mx.float32)
+
+
+@functools.cache
+def _no_write() -> mx.array:
+    return mx.zeros((1,), dtype=mx.int32)
+
+
+# Writes every new token's keys and values into its pool row, in place: MLX hands a
+# kernel its inputs as const pointers and has no in-place custom kernel, so the pool comes
+# in as an input and is written through a cast pointer. MLX never learns of the write;
+# the one-element `written` output (always 0) is what later readers take as an input so
+# that they run after it. One thread per element of a token's pool row.
+_WRITE_SOURCE = r"""
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i == 0) written[0] = 0;
+    constexpr int W = DK + DV;
+    const int s_len = keys_shape[2];
+    const size_t tokens = (size_t)keys_shape[0] * s_len;
+    if (i >= tokens * HKV * W) return;
+    const int c = i % W;
+    const int h = (i / W) % HKV;
+    const size_t t = i / ((size_t)W * HKV);
+    const size_t b = t / s_len;
+    const size_t s = t % s_len;
+    const TK x = c < DK
+        ? keys[b * keys_strides[0] + h * keys_strides[1] + s * keys_strides[2] + c * keys_strides[3]]
+        : values[b * values_strides[0] + h * values_strides[1] + s * values_strides[2]
+                 + (c - DK) * values_strides[3]];
+    T* pool = const_cast<T*>(kv_pool);
+    pool[((size_t)slots[t] * HKV + h) * W + c] = static_cast<T>(x);
+"""
+
+
+@functools.cache
+def _write_kernel():
+    # ensure_row_contiguous=False: MLX must hand over the pool's own buffer, never a
+    # contiguous copy (a write into a copy would be lost); keys and values are read
+    # through their strides, so they need no copy either.
+    return mx.fast.cuda_kernel(name="kiln_pool_write", input_names=["kv_pool", "keys", "values", "slots"],
+                               output_names=["written"], source=_WRITE_SOURCE,
+                               ensure_row_contiguous=False)
+
+
+def pool_write_in_place(kv_pool: mx.array, slots: mx.array, keys: mx.array,
+                        values: mx.array) -> mx.array:
+    """Store keys [B, H, S, Dk] and values [B, H, S, Dv] (the model's layout) in kv_pool
+    [rows, H, Dk + Dv] (KVPool's layer array, as allocated: contiguous) at slots [B * S],
+    in place; returns the write's mark, [1] int32 zero, which anything that reads the
+    pool afterwards must take as an input (a dependency MLX cannot see otherwise).
+
+    Two writes to one slot in a call (padding writes slot 0) leave one of them."""
+    b, h, s, dk = keys.shape
+    total = b * s * h * (dk + values.shape[-1])
+    (written,) = _write_kernel()(
+        inputs=[kv_pool, keys, values, slots.astype(mx.int32)],
+        template=[("T", kv_pool.dtype), ("TK", keys.dtype), ("HKV", h), ("DK", dk),
+                  ("DV", values.shape[-1])],
+        grid=(-(-total // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(1,)], output_dtypes=[mx.int32])
+    return written
 
 
 # Largest float32 score matrix (all heads and rows of one forward) the matmul prefill path
@@ -281,10 +345,21 @@ def unfused_prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: floa
     return out.reshape(b, n_q, s, v.shape[-1])
 
 
+def split_kv(gathered: mx.array, head_dim: int) -> tuple[mx.array, mx.array]:
+    """[B, L, H, Dk + Dv] gathered pool rows -> keys [B, H, L, Dk], values [B, H, L, Dv]."""
+    # Contiguous: attention over the transposed gather view was ~2x slower on the CPU.
+    k = mx.contiguous(gathered[..., :head_dim].transpose(0, 2, 1, 3))
+    v = mx.contiguous(gathered[..., head_dim:].transpose(0, 2, 1, 3))
+    return k, v
+
+
 def reference_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
-                               lengths: mx.array, scale: float) -> mx.array:
+                               lengths: mx.array, scale: float,
+                               written: mx.array | None = None) -> mx.array:
     """The plain-MLX meaning of paged_decode_attention: gather, mask, fused SDPA (keys
     of q's head size, values the rest of a pool row)."""
+    if written is not None:
+        table = table + written  # after the write (see pool_write_in_place)
     keys, values = split_kv(kv_pool[table], q.shape[-1])
     valid = mx.arange(table.shape[1])[None, :] < lengths[:, None]
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,

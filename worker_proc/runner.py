@@ -22,8 +22,8 @@ from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import PromptLogprobs, StepResult
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from worker_proc.attention import (DenseDecodeContext, ForwardLayout, build_layer_caches,
-                                   install_attention_hook, paged_kernel_fits)
-from worker_proc.kv_pool import KVPool
+                                   install_attention_hook)
+from worker_proc.kv_pool import KVPool, paged_kernel_fits
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, SamplingBatch,
                                   StepLogprobs, sample, step_logprobs, token_logprobs)
@@ -107,13 +107,15 @@ class _Sampled(NamedTuple):
 class PendingStep:
     """A built step: its lazy graph, then (once started) its tokens computing.
 
-    final: the sampled tokens and the pool arrays, computed when the step starts.
+    final: the sampled tokens (and what else the step reports), computed when it starts;
+    landing: what lands its pool writes (KVPool.landing), computed with them.
     """
 
     step: int
     rids: list[str]
     tokens: mx.array | None
     final: list[mx.array]
+    landing: list[mx.array]
     logprobs: StepLogprobs | None = None  # only when some row asked
     # Constrained rows (index into rids) and their matchers, which finish advances.
     matchers: list[tuple[int, Any]] = field(default_factory=list)
@@ -238,9 +240,8 @@ class ModelRunner:
             sampled.extend(self.requests[rid] for rid in batch.decode_rids)
         if any(s.matcher is not None for s in sampled):
             # The masks need the tokens of the steps still in flight: sampled later.
-            return PendingStep(batch.step, [s.rid for s in sampled], None,
-                               [*logits, *self.pool.layers],
-                               unsampled=_Unsampled(logits, sampled))
+            return PendingStep(batch.step, [s.rid for s in sampled], None, logits,
+                               self.pool.take_landing(), unsampled=_Unsampled(logits, sampled))
         out = self._sample(logits, sampled) if sampled else _Sampled(None, [], None)
         return self._with_tokens(batch.step, sampled, out)
 
@@ -259,64 +260,39 @@ class ModelRunner:
     def _with_tokens(self, step: int, sampled: list[RequestState], out: _Sampled,
                      matchers: list[tuple[int, Any]] | None = None) -> PendingStep:
         tokens, logprobs = out.tokens, out.logprobs
-        # The pool arrays (and new token counts) are computed with the tokens: a step that
+        # The pool writes (and new token counts) are computed with the tokens: a step that
         # samples nothing (a middle prefill chunk) must still land its K/V, and the graph
         # must not grow.
         final = [*([tokens] if tokens is not None else []), *out.counts,
-                 *(logprobs.arrays if logprobs is not None else []), *self.pool.layers]
-        return PendingStep(step, [s.rid for s in sampled], tokens, final, logprobs,
-                           matchers=matchers or [])
+                 *(logprobs.arrays if logprobs is not None else [])]
+        return PendingStep(step, [s.rid for s in sampled], tokens, final,
+                           self.pool.take_landing(), logprobs, matchers=matchers or [])
 
-    def start(self, pending: PendingStep, head_mark: bool = False) -> mx.array | None:
+    def start(self, pending: PendingStep) -> None:
         """Put a built step on the device; returns before it finishes.
 
-        head_mark (the start-ahead loop): first launch a one-element array that is ready
-        once the step has read the layers `start_head` writes (all of them before the
-        middle), and return it for `wait_head`.
-
-        NOTE: on the CPU backend call only once every earlier step has finished: a pool
-        scatter started while work that holds the pool is in flight copies the whole pool
-        instead of updating it in place (4x slower steps in bench/pool_update_probe.py).
-        See WorkerLoop for how the CUDA path avoids it.
+        NOTE: with a scatter-written pool (KVPool), call only once every earlier step has
+        finished: a write launched while work that holds the pool is in flight copies the
+        layer instead of updating it in place (on the CPU, 4x slower steps in
+        bench/pool_update_probe.py; on the H200, out of memory).
         """
-        mark = None
-        if head_mark:
-            # The middle layer's new pool array needs the hidden state from every layer
-            # before it, reads included. A new buffer, not a view: a view would share the
-            # layer's buffer and so keep the next step from updating it in place.
-            mark = mx.abs(self.pool.layers[self._middle][:1, 0, :1])
-            mx.async_eval(mark)
-        mx.async_eval(*pending.final)
+        mx.async_eval(*pending.final, *pending.landing)
         if pending.tokens is not None:
-            # Its tokens now stand for the whole step (finish waits on them). Holding the
-            # pool arrays past this point would keep the next step from updating them in
-            # place once they are a compiled forward's outputs (new arrays, not the ones
-            # a scatter overwrote): a copy of the whole pool every step.
-            del pending.final[-len(self.pool.layers):]
-        return mark
+            # Its tokens now stand for the whole step (finish waits on them). Scatter
+            # pools: holding the layer arrays past this point would keep the next step
+            # from updating them in place.
+            pending.landing.clear()
 
     def start_head(self) -> None:
-        """Put the first layers of the last built step on the device, ahead of `start`
-        (see WorkerLoop): everything up to the pool write two layers before the middle,
-        so every layer it writes is one the previous step's head mark covers, with a
-        layer's launches (about one of the backend's command batches) to spare: a read's
-        hold on its inputs ends with its batch's completion handler, which may trail the
-        mark. A step whose forwards already launched in build (prefill) launches nothing
-        new."""
-        last = self._middle - 2
-        if last >= 0:
-            mx.async_eval(self.pool.layers[last])
-
-    @property
-    def _middle(self) -> int:
-        """The layer whose pool array a step's head mark is computed from."""
-        return len(self.pool.layers) // 2
-
-    @staticmethod
-    def wait_head(mark: mx.array) -> None:
-        """Block until a step's head mark (`start`) is ready: that array alone, no wait
-        for anything launched after it."""
-        mark.item()
+        """Launch the first half of the last built step's forward, ahead of `start`, so
+        the host can report the previous step between the two halves (see WorkerLoop).
+        Launching while a step runs is for in-place pools; a scatter pool's layers would
+        be copied (correct, only slow). A step whose forwards launched as they were built
+        (prefill) launches nothing new."""
+        middle = len(self.pool.layers) // 2
+        head = self.pool.mark(middle) if self.pool.in_place else self.pool.layers[middle]
+        if head is not None:
+            mx.async_eval(head)
 
     def launch(self, batch: ForwardBatch) -> PendingStep:
         pending = self.build(batch)
@@ -329,7 +305,7 @@ class ModelRunner:
         assert not pending.needs_sampling, "sample_constrained was not called"
         prompt = [p.message() for p in self._prompt_logprobs.pop(pending.step, [])]
         if pending.tokens is None:
-            mx.eval(*pending.final)
+            mx.eval(*pending.final, *pending.landing)
             return StepResult(step=pending.step, rids=[], token_ids=[], prompt_logprobs=prompt)
         # NOTE: reading the tokens waits for this step's own work (start's async_eval gave
         # all of `final` one event). mx.eval would instead put a barrier at the end of the
@@ -369,7 +345,7 @@ class ModelRunner:
             prompt.append(scored)
         # Run this forward before the next one is built, for start's NOTE: the next
         # forward's scatter must find this one's reads of the pool done.
-        mx.async_eval(logits, *(scored.picked if scored else ()), *self.pool.layers)
+        mx.async_eval(logits, *(scored.picked if scored else ()), *self.pool.landing())
         return logits
 
     def _place(self, chunk: PrefillChunk) -> RequestState:
@@ -404,7 +380,7 @@ class ModelRunner:
         for state, n in zip(states, sizes):
             state.length += int(n)
         logits = out[mx.arange(len(chunks)), mx.array(sizes - 1)]
-        mx.async_eval(logits, *self.pool.layers)  # see _prefill's note
+        mx.async_eval(logits, *self.pool.landing())  # see _prefill's note
         return [logits[i:i + 1] for i in range(len(chunks))]
 
     def _prompt_logprobs_of(self, state: RequestState, chunk: PrefillChunk, out: mx.array,
@@ -464,22 +440,25 @@ class ModelRunner:
         write = table[np.arange(size), padded - 1]
         if size > n:
             tokens = mx.concatenate([tokens, mx.zeros((size - n,), dtype=tokens.dtype)])
-        logits, *layers = self._compiled_decode(
+        logits, *rest = self._compiled_decode(
             tokens, mx.array(padded - 1), mx.array(write), mx.array(table), mx.array(padded),
             *self.pool.layers)
-        self.pool.layers = layers
+        if self.pool.in_place:
+            self.pool.adopt_marks(rest)
+        else:
+            self.pool.layers = rest
         return logits[:n] if size > n else logits
 
     def _decode_forward(self, tokens: mx.array, offsets: mx.array, write_slots: mx.array,
                         table: mx.array, lengths: mx.array, *layers: mx.array) -> tuple[mx.array, ...]:
-        """What _run_compiled traces: the model over the pool arrays it is given; returns
-        the logits and the pool arrays after this step's writes. (Python runs only while
-        tracing: the pool attribute it sets is replaced by the caller with the outputs.)"""
-        self.pool.layers = list(layers)
+        """What _run_compiled traces: the model over the pool arrays it is given (through a
+        view of the pool, so the trace leaves the runner's alone); returns the logits, then
+        the writes' marks (in place) or the pool arrays after the writes (scatter)."""
+        pool = self.pool.with_layers(layers)
         layout = ForwardLayout(write_slots=write_slots, read_slots=table, offset=offsets,
                                mask=None, lengths=lengths)
-        out = self.model(tokens[:, None], cache=build_layer_caches(self.pool, layout))
-        return (out[:, -1, :], *self.pool.layers)
+        out = self.model(tokens[:, None], cache=build_layer_caches(pool, layout))
+        return (out[:, -1, :], *pool.take_landing())
 
     def _sample(self, logits: list[mx.array], states: list[RequestState],
                 grammar: GrammarMask | None = None) -> _Sampled:
