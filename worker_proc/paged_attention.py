@@ -260,12 +260,13 @@ _WRITE_SOURCE = r"""
     const size_t t = i / ((size_t)W * HKV);
     const size_t b = t / s_len;
     const size_t s = t % s_len;
-    const TK x = c < DK
-        ? keys[b * keys_strides[0] + h * keys_strides[1] + s * keys_strides[2] + c * keys_strides[3]]
-        : values[b * values_strides[0] + h * values_strides[1] + s * values_strides[2]
-                 + (c - DK) * values_strides[3]];
+    const float x = c < DK
+        ? static_cast<float>(keys[b * keys_strides[0] + h * keys_strides[1] + s * keys_strides[2]
+                                  + c * keys_strides[3]])
+        : static_cast<float>(values[b * values_strides[0] + h * values_strides[1]
+                                    + s * values_strides[2] + (c - DK) * values_strides[3]]);
     T* pool = const_cast<T*>(kv_pool);
-    pool[((size_t)slots[t] * HKV + h) * W + c] = static_cast<T>(x);
+    pool[((size_t)slots[t * slots_strides[0]] * HKV + h) * W + c] = static_cast<T>(x);
 """
 
 
