@@ -305,8 +305,10 @@ def server_command(name: str, model_dir: Path, port: int, args: argparse.Namespa
         extra = {"kiln": [], "kiln_compiled": ["--compile-decode"],
                  "kiln_b": args.kiln_b_args.split()}[name]
         return [sys.executable, "launch.py", *common, *extra, *args.kiln_args.split()]
-    return [sys.executable, "-m", "mlx_lm", "server", *common, "--decode-concurrency", "256",
-            "--prompt-concurrency", "16", *args.mlx_args.split()]
+    launch = ([sys.executable, "bench/mlx_lm_server_backlog.py", str(args.mlx_backlog)]
+              if args.mlx_backlog else [sys.executable, "-m", "mlx_lm", "server"])
+    return [*launch, *common, "--decode-concurrency", "256", "--prompt-concurrency", "16",
+            *args.mlx_args.split()]
 
 
 # -- 3. the sweep --------------------------------------------------------------------------
@@ -374,7 +376,7 @@ def _ratios(sweeps: dict[str, dict[str, Any]]) -> list[str]:
         for r in sweeps[name]["results"]:
             other = theirs.get(r["concurrency"])
             if "skipped" not in r and other and other["output_tok_s"] > 0:
-                out.append(f"{_LABELS[name]} / mlx_lm.server output tok/s at {r['concurrency']}: "
+                out.append(f"{_LABELS[name]} / {_LABELS['mlx_lm']} output tok/s at {r['concurrency']}: "
                            f"{r['output_tok_s'] / other['output_tok_s']:.2f}x")
     return out
 
@@ -428,6 +430,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="load the model with mlx_lm and generate a few tokens first")
     p.add_argument("--kiln-args", default="", help="extra launch.py flags")
     p.add_argument("--mlx-args", default="", help="extra mlx_lm.server flags")
+    p.add_argument("--mlx-backlog", type=int, default=0,
+                   help="start mlx_lm.server with this listen backlog instead of its 5 "
+                        "(bench/mlx_lm_server_backlog.py); 0: as shipped")
     return apply_defaults(p.parse_args(argv))
 
 
@@ -444,6 +449,8 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.model_dir is None:
         args.model_dir = Path.home() / ".cache/kiln/bench" / f"{args.shape.name}-{args.dtype}"
     _LABELS["kiln_b"] = " ".join(["kiln B", args.kiln_b_args, args.kiln_b_env]).strip()
+    if args.mlx_backlog:
+        _LABELS["mlx_lm"] = f"mlx_lm.server (backlog {args.mlx_backlog})"
     return args
 
 

@@ -20,6 +20,8 @@ SERVERS=${SERVERS:-kiln,mlx_lm}  # or kiln,kiln_b,mlx_lm (then raise SWEEP_SECON
 SWEEP_SECONDS=${SWEEP_SECONDS:-270}
 KILN_B_ARGS=${KILN_B_ARGS:-}  # server kiln_b (in SERVERS): kiln with these flags added
 KILN_B_ENV=${KILN_B_ENV:-}    # ... and this environment (K=V ...), for A/B runs
+MLX_BACKLOG=${MLX_BACKLOG:-0}  # mlx_lm.server's listen backlog (0: its own 5; see
+                               # bench/mlx_lm_server_backlog.py)
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any)
 mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -51,7 +53,8 @@ echo "== serving, side by side"
 OUT=$OUT timeout $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MODEL" \
     --total-seconds "$SWEEP_SECONDS" --servers "$SERVERS" \
     --concurrency 1,64,128 --num-requests 4,64,128 --kiln-args="$KILN_ARGS" \
-    --kiln-b-args="$KILN_B_ARGS" --kiln-b-env="$KILN_B_ENV" 2>&1 | tail -18
+    --kiln-b-args="$KILN_B_ARGS" --kiln-b-env="$KILN_B_ENV" --mlx-backlog "$MLX_BACKLOG" \
+    2>&1 | tail -18
 for log in "$OUT"/kiln*.log; do
     echo "-- $(basename "$log")"; grep "steps/s" "$log" | tail -4
 done

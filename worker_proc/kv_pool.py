@@ -54,8 +54,9 @@ class KVPool:
     - in place (`in_place`, where the CUDA decode kernel serves every layer): a kernel
       writes the rows into the layer's buffer, which never changes (see
       pool_write_in_place). Writes cannot copy, so steps may be launched back to back:
-      the device runs them in launch order. Each write leaves a mark that this step's
-      reads of the layer take as an input (`mark`), so they follow it.
+      the device runs them in launch order. Each write leaves a mark that reads of the
+      layer take as an input (`mark`), so they follow it; the next write to the layer
+      takes it too, so a read follows every write before it, evaluated or not.
     `landing()` is what a step evaluates for its writes to land: the layer arrays, or
     the marks.
     """
@@ -91,7 +92,7 @@ class KVPool:
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store new K/V ([B, H, S, D], the model's layout) under slots [B * S]."""
         if self.in_place:
-            mark = pool_write_in_place(self.layers[layer], slots, keys, values)
+            mark = pool_write_in_place(self.layers[layer], slots, keys, values, self._marks[layer])
             self._marks[layer] = mark
             self._unlanded.append(mark)
             return

@@ -247,7 +247,9 @@ def _no_write() -> mx.array:
 # kernel its inputs as const pointers and has no in-place custom kernel, so the pool comes
 # in as an input and is written through a cast pointer. MLX never learns of the write;
 # the one-element `written` output (always 0) is what later readers take as an input so
-# that they run after it. One thread per element of a token's pool row.
+# that they run after it, and `after` (the previous write's) chains the writes to a
+# layer, so a reader of the last one follows them all. One thread per element of a
+# token's pool row.
 _WRITE_SOURCE = r"""
     const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
     if (i == 0) written[0] = 0;
@@ -275,23 +277,26 @@ def _write_kernel():
     # ensure_row_contiguous=False: MLX must hand over the pool's own buffer, never a
     # contiguous copy (a write into a copy would be lost); keys and values are read
     # through their strides, so they need no copy either.
-    return mx.fast.cuda_kernel(name="kiln_pool_write", input_names=["kv_pool", "keys", "values", "slots"],
+    return mx.fast.cuda_kernel(name="kiln_pool_write",
+                               input_names=["kv_pool", "keys", "values", "slots", "after"],
                                output_names=["written"], source=_WRITE_SOURCE,
                                ensure_row_contiguous=False)
 
 
 def pool_write_in_place(kv_pool: mx.array, slots: mx.array, keys: mx.array,
-                        values: mx.array) -> mx.array:
+                        values: mx.array, after: mx.array | None = None) -> mx.array:
     """Store keys [B, H, S, Dk] and values [B, H, S, Dv] (the model's layout) in kv_pool
     [rows, H, Dk + Dv] (KVPool's layer array, as allocated: contiguous) at slots [B * S],
-    in place; returns the write's mark, [1] int32 zero, which anything that reads the
-    pool afterwards must take as an input (a dependency MLX cannot see otherwise).
+    in place, after the write whose mark is `after`; returns this write's mark, [1] int32
+    zero, which anything that reads the pool afterwards must take as an input (a
+    dependency MLX cannot see otherwise).
 
     Two writes to one slot in a call (padding writes slot 0) leave one of them."""
     b, h, s, dk = keys.shape
     total = b * s * h * (dk + values.shape[-1])
     (written,) = _write_kernel()(
-        inputs=[kv_pool, keys, values, slots.astype(mx.int32)],
+        inputs=[kv_pool, keys, values, slots.astype(mx.int32),
+                _no_write() if after is None else after],
         template=[("T", kv_pool.dtype), ("TK", keys.dtype), ("HKV", h), ("DK", dk),
                   ("DV", values.shape[-1])],
         grid=(-(-total // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
