@@ -45,7 +45,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
                     "generation_config.json")
 _COMPLETE = ".kiln-bench-complete"
 # Short names (file names, --servers) and the labels their sweeps carry.
-_LABELS = {"kiln": "kiln", "kiln_compiled": "kiln --compile-decode", "kiln_b": "kiln B",
+_LABELS = {"kiln": "kiln", "kiln_eager": "kiln --eager-decode", "kiln_b": "kiln B",
            "mlx_lm": "mlx_lm.server"}
 # Output projection scale: logits get a standard deviation of about this many units.
 _LOGIT_SCALE = 4.0
@@ -301,8 +301,8 @@ def _group_alive(group: int) -> bool:
 
 def server_command(name: str, model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
     common = ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
-    if name in ("kiln", "kiln_compiled", "kiln_b"):
-        extra = {"kiln": [], "kiln_compiled": ["--compile-decode"],
+    if name in ("kiln", "kiln_eager", "kiln_b"):
+        extra = {"kiln": [], "kiln_eager": ["--eager-decode"],
                  "kiln_b": args.kiln_b_args.split()}[name]
         return [sys.executable, "launch.py", *common, *extra, *args.kiln_args.split()]
     launch = ([sys.executable, "bench/mlx_lm_server_backlog.py", str(args.mlx_backlog)]
@@ -408,7 +408,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="bfloat16 (default) or float32 (--smoke)")
     p.add_argument("--seed", type=int, default=0, help="weights seed")
     p.add_argument("--servers", default="kiln,mlx_lm",
-                   help="which to run, in this order (kiln, kiln_compiled, kiln_b, mlx_lm)")
+                   help="which to run, in this order (kiln, kiln_eager, kiln_b, mlx_lm)")
     p.add_argument("--kiln-b-args", default="",
                    help="kiln_b, an A/B variant of kiln: launch.py flags added to --kiln-args")
     p.add_argument("--kiln-b-env", default="",
@@ -430,7 +430,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="load the model with mlx_lm and generate a few tokens first")
     p.add_argument("--kiln-args", default="", help="extra launch.py flags")
     p.add_argument("--mlx-args", default="", help="extra mlx_lm.server flags")
-    p.add_argument("--mlx-backlog", type=int, default=0,
+    p.add_argument("--mlx-backlog", type=int, default=1024,
                    help="start mlx_lm.server with this listen backlog instead of its 5 "
                         "(bench/mlx_lm_server_backlog.py); 0: as shipped")
     return apply_defaults(p.parse_args(argv))

@@ -6,7 +6,7 @@
 #
 #   OUT=$OUT bash bench/h200_session.sh
 #   PARTS=tests,breakdown OUT=$OUT bash bench/h200_session.sh    # then, in a second call:
-#   PARTS=sweep SERVERS=kiln,kiln_compiled,mlx_lm SWEEP_SECONDS=480 OUT=$OUT bash bench/h200_session.sh
+#   PARTS=sweep SERVERS=kiln,kiln_eager,mlx_lm SWEEP_SECONDS=480 OUT=$OUT bash bench/h200_session.sh
 #
 # Needs PYTHONPATH with MLX's CUDA build and the repo (../shared/gpu/README.md's two
 # install calls, then export PYTHONPATH=~/site:$PWD).
@@ -20,7 +20,7 @@ SERVERS=${SERVERS:-kiln,mlx_lm}  # or kiln,kiln_b,mlx_lm (then raise SWEEP_SECON
 SWEEP_SECONDS=${SWEEP_SECONDS:-270}
 KILN_B_ARGS=${KILN_B_ARGS:-}  # server kiln_b (in SERVERS): kiln with these flags added
 KILN_B_ENV=${KILN_B_ENV:-}    # ... and this environment (K=V ...), for A/B runs
-MLX_BACKLOG=${MLX_BACKLOG:-0}  # mlx_lm.server's listen backlog (0: its own 5; see
+MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5; see
                                # bench/mlx_lm_server_backlog.py)
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any)
 mkdir -p "$OUT"

@@ -11,7 +11,7 @@ served; paged attention replaced by returning the queries (its cost); the pool w
 skipped (the write's cost). mlx-lm's own model call over its KVCache (all rows one
 length, no mask), run alone. Then both pipelined, two steps in flight as kiln's worker and
 mlx-lm's generate loop run them: there "step" is the steady-state time per step; on the
-CUDA kernel path also kiln's `--compile-decode` forward, pipelined. The "no ..." variants
+CUDA kernel path also kiln's compiled decode forward (its default there), pipelined. The "no ..." variants
 compute wrong tokens: timing only.
 """
 
@@ -233,7 +233,7 @@ def main() -> None:
         "kiln, pipelined": lambda b: kiln_step_ms(model, b, c, n, pipelined=True),
         "mlx-lm loop, pipelined": lambda b: mlx_lm_step_ms(model, b, c, n, pipelined=True),
     }
-    if paged_kernel_fits(probe_attention_specs(model)):  # --compile-decode's only path
+    if paged_kernel_fits(probe_attention_specs(model)):  # compiled decode's only path
         variants["kiln, compiled, pipelined"] = lambda b: kiln_step_ms(
             model, b, c, n, pipelined=True, compile_decode=True)
     if args.variants:

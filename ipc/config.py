@@ -54,11 +54,11 @@ class ServerConfig:
     disable_overlap: bool = dataclasses.field(
         default=False, metadata={"help": "Run one step at a time instead of building step "
                                          "N+1 while step N computes (for A/B runs)."})
-    compile_decode: bool = dataclasses.field(
-        default=False, metadata={"help": "Compile decode forwards with mx.compile (CUDA paged-"
-                                         "attention path; elsewhere refused): less host time "
-                                         "a step, one trace per batch bucket and context bucket "
-                                         "(all traced at start-up). Experimental."})
+    eager_decode: bool = dataclasses.field(
+        default=False, metadata={"help": "Run decode forwards through the model's Python code "
+                                         "every step instead of replaying mx.compile traces "
+                                         "(the default where decode attention runs the CUDA "
+                                         "kernel; the only way elsewhere)."})
     log_level: str = dataclasses.field(
         default="info", metadata={"choices": ("debug", "info", "warning", "error"),
                                   "help": "Logging level of every process."})

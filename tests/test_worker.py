@@ -136,12 +136,22 @@ def test_group_by_length_bounds_padding():
         for group in group_by_length(sizes):
             real = sum(sizes[i] for i in group)
             assert len(group) * max(sizes[i] for i in group) <= 1.25 * real
+    # A forward's tokens are capped too: 64 prompts of 130 tokens in forwards of <= 2048.
+    groups = group_by_length([130] * 64, max_tokens=2048)
+    assert [len(g) for g in groups] == [15, 15, 15, 15, 4]
+    assert group_by_length([3000, 100, 100], max_tokens=2048) == [[0], [1, 2]]
 
 
-def test_prompts_prefilled_together_match_mlx_lm(tiny_model, oracle, monkeypatch):
-    """Several prompts (some after a cached prefix) in one padded forward, same tokens."""
+@pytest.mark.parametrize("forward_tokens", [None, 30])
+def test_prompts_prefilled_together_match_mlx_lm(tiny_model, oracle, monkeypatch, forward_tokens):
+    """Several prompts (some after a cached prefix) in one padded forward, same tokens; with
+    a small cap on a forward's tokens, in several forwards of a step (each launched while
+    the one before it may still run)."""
+    import worker_proc.runner as runner_module
     from worker_proc.runner import ModelRunner
 
+    if forward_tokens is not None:
+        monkeypatch.setattr(runner_module, "PREFILL_FORWARD_TOKENS", forward_tokens)
     shared = []
     original = ModelRunner._prefill_many
     monkeypatch.setattr(ModelRunner, "_prefill_many",
@@ -156,7 +166,7 @@ def test_prompts_prefilled_together_match_mlx_lm(tiny_model, oracle, monkeypatch
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, 12, _eos(tokenizer))
     results = engine.run_until_idle()
-    assert max(shared) >= 4
+    assert max(shared) >= 4 if forward_tokens is None else max(shared) == 2
     for i, p in enumerate(prompts):
         assert results[f"r{i}"].token_ids == oracle(p, 12), f"r{i}"
 
@@ -284,7 +294,7 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
 
 
 def test_compiled_decode_matches_mlx_lm(tiny_model, oracle, monkeypatch):
-    """--compile-decode: decode forwards replayed from mx.compile traces (one per batch size
+    """Compiled decode (the CUDA default): decode forwards replayed from mx.compile traces (one per batch size
     and table-width bucket, across the 128 bucket) give mlx-lm's greedy tokens. The CUDA
     path it serves is stood in for by the pool-reading attention of the same meaning."""
     import worker_proc.attention as attention
@@ -292,7 +302,7 @@ def test_compiled_decode_matches_mlx_lm(tiny_model, oracle, monkeypatch):
     from worker_proc.paged_attention import reference_decode_attention
 
     model, tokenizer = tiny_model
-    with pytest.raises(ValueError, match="compile-decode"):
+    with pytest.raises(ValueError, match="compiled decode"):
         InProcessEngine(model, compile_decode=True)  # the CPU has no paged-attention path
     monkeypatch.setattr(runner_module, "paged_kernel_fits", lambda specs: True)
     monkeypatch.setattr(attention, "paged_decode_attention", reference_decode_attention)

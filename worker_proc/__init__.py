@@ -60,7 +60,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     grammars = grammar_matchers(config, hf)
     padding = CPU_PREFILL_PADDING if mx.default_device() == mx.cpu else PREFILL_PADDING
     runner = ModelRunner(model, pool, config.max_running_requests, min(context, slots), grammars,
-                         prefill_padding=padding, compile_decode=config.compile_decode)
+                         prefill_padding=padding,
+                         compile_decode=not config.eager_decode and paged_kernel_fits(specs))
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests)
     say(f"warmed up ({steps} steps, {time.monotonic() - t0:.1f}s)")

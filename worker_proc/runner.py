@@ -40,6 +40,13 @@ DENSE_DECODE_SHARE = 0.5
 # the padding is pure loss (16 prompts of 110-170 tokens: 3.35 s padded, 2.95 s one by one).
 PREFILL_PADDING = 0.25
 CPU_PREFILL_PADDING = 0.0
+# Most tokens (padding included) one prefill forward computes. MLX allocates a launched
+# op's output when it is launched, and the host launches a forward's 32 layers far faster
+# than the device runs them, so one forward holds about all of its activations at once:
+# ~5 MB a token for an 8B model (8192 tokens, a step's worth, ran the H200 out of memory
+# beside a 74 GB pool). A chunk longer than this still runs whole (--chunked-prefill-size
+# bounds those). mlx-lm prefills in steps of 2048 too.
+PREFILL_FORWARD_TOKENS = 2048
 # A compiled decode forward is traced once per (batch size, slot-table width); widths are
 # powers of two from this, so a long decode re-traces a handful of times, not every step.
 COMPILED_MIN_WIDTH = 128
@@ -179,12 +186,13 @@ class ModelRunner:
             len(pool.specs), budget_bytes=int(pool.nbytes * DENSE_DECODE_SHARE),
             bytes_per_token=KVPool.bytes_per_slot(pool.specs))
         if compile_decode and self._dense_decode is not None:
-            raise ValueError("--compile-decode needs the CUDA paged-attention path (MLX's CUDA "
+            raise ValueError("compiled decode needs the CUDA paged-attention path (MLX's CUDA "
                              "backend, head sizes a multiple of 32)")
         self._compiled_decode = mx.compile(self._decode_forward) if compile_decode else None
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
         self._prompt_logprobs: dict[int, list[PendingPromptLogprobs]] = {}
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
+        self._last_prefill: mx.array | None = None  # see _launch_prefill
 
     # -- request bookkeeping -------------------------------------------------------------
 
@@ -343,9 +351,7 @@ class ModelRunner:
         scored = self._prompt_logprobs_of(state, chunk, out[0], logits)
         if scored is not None:
             prompt.append(scored)
-        # Run this forward before the next one is built, for start's NOTE: the next
-        # forward's scatter must find this one's reads of the pool done.
-        mx.async_eval(logits, *(scored.picked if scored else ()), *self.pool.landing())
+        self._launch_prefill(logits, *(scored.picked if scored else ()))
         return logits
 
     def _place(self, chunk: PrefillChunk) -> RequestState:
@@ -363,7 +369,8 @@ class ModelRunner:
         asked for prompt logprobs (scored over every position, one forward of its own)."""
         alone = [[c] for c in chunks if self.requests[c.rid].sampling.prompt_logprobs >= 0]
         rest = [c for c in chunks if self.requests[c.rid].sampling.prompt_logprobs < 0]
-        groups = group_by_length([len(c.token_ids) for c in rest], self.prefill_padding)
+        groups = group_by_length([len(c.token_ids) for c in rest], self.prefill_padding,
+                                 PREFILL_FORWARD_TOKENS)
         return alone + [[rest[i] for i in g] for g in groups]
 
     def _prefill_many(self, chunks: list[PrefillChunk]) -> list[mx.array]:
@@ -380,8 +387,22 @@ class ModelRunner:
         for state, n in zip(states, sizes):
             state.length += int(n)
         logits = out[mx.arange(len(chunks)), mx.array(sizes - 1)]
-        mx.async_eval(logits, *self.pool.landing())  # see _prefill's note
+        self._launch_prefill(logits)
         return [logits[i:i + 1] for i in range(len(chunks))]
+
+    def _launch_prefill(self, logits: mx.array, *more: mx.array) -> None:
+        """Put a prefill forward on the device as it is built, then wait for the one put
+        there before it: at most two forwards' activations are held at once (see
+        PREFILL_FORWARD_TOKENS), while the host still builds one ahead. Launched now,
+        also for start's NOTE: a scatter-written pool's next forward must find this one's
+        reads done."""
+        # A view of its first logit, evaluated with it: reading it waits for this
+        # forward alone (mx.eval would wait for everything launched since).
+        probe = logits[:1, :1]
+        mx.async_eval(logits, probe, *more, *self.pool.landing())
+        previous, self._last_prefill = self._last_prefill, probe
+        if previous is not None:
+            previous.item()
 
     def _prompt_logprobs_of(self, state: RequestState, chunk: PrefillChunk, out: mx.array,
                             last: mx.array) -> PendingPromptLogprobs | None:
@@ -516,7 +537,7 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
     compilation happens before the first user request, not during it: prompts in two
     chunks (the first fresh, the second read back from the pool, with one start and with
     mixed starts), then decode batch sizes up to max_batch: powers of two, or with
-    --compile-decode every compiled batch bucket (each is a trace of its own). Uses slots
+    compiled decode every batch bucket (each is a trace of its own). Uses slots
     from 1 up: the scheduler has handed none out yet, and every slot is written before it
     is read. Returns the number of steps run."""
     steps_per_size = 2
@@ -574,14 +595,18 @@ def _gather_last_tokens(states: list[RequestState]) -> mx.array:
     return mx.concatenate(parts)[inverse]
 
 
-def group_by_length(sizes: list[int], max_padding: float = 0.25) -> list[list[int]]:
+def group_by_length(sizes: list[int], max_padding: float = 0.25,
+                    max_tokens: int | None = None) -> list[list[int]]:
     """Indices of chunks to run together, longest first: a group grows while its padded
-    size (members x longest) stays within (1 + max_padding) of its real tokens."""
+    size (members x longest) stays within (1 + max_padding) of its real tokens, and
+    within max_tokens (a longer chunk is a group of its own)."""
     order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
     groups: list[list[int]] = []
     real = 0
     for i in order:
-        if groups and (len(groups[-1]) + 1) * sizes[groups[-1][0]] <= (1 + max_padding) * (real + sizes[i]):
+        padded = (len(groups[-1]) + 1) * sizes[groups[-1][0]] if groups else 0
+        if (groups and padded <= (1 + max_padding) * (real + sizes[i])
+                and (max_tokens is None or padded <= max_tokens)):
             groups[-1].append(i)
             real += sizes[i]
         else:
