@@ -11,7 +11,8 @@ Steps, all in this process or its children on 127.0.0.1:
    lm_head rows of ids the tokenizer lacks, and of its special tokens, are zero, so greedy
    decoding never picks them and never stops early. A short mlx_lm.generate checks the model.
 2. Start kiln (`launch.py`), warm it up, run the serving sweep, stop it; then the same for
-   `mlx_lm.server --decode-concurrency 256 --prompt-concurrency 16`.
+   `mlx_lm.server --decode-concurrency 256 --prompt-concurrency 16`, started with a listen
+   backlog of 1024 instead of its 5 (`--mlx-backlog`; see bench/mlx_lm_server_backlog.py).
 3. Write <out>/kiln.json, <out>/mlx_lm.json (bench/serving.py sweep documents), sweep.png,
    summary.txt and both server logs, and print the summary table last.
 """
