@@ -40,3 +40,43 @@ def test_available_memory_is_positive_on_this_machine():
 def test_device_wide_free_memory_wins_where_reported(monkeypatch):
     monkeypatch.setattr(memory.mx, "device_info", lambda: {"free_memory": 123, "memory_size": 10**12})
     assert memory.available_memory_bytes() == 123
+
+
+def test_in_place_pool_keeps_its_arrays_and_orders_reads_after_writes(monkeypatch):
+    """An in-place pool (the CUDA path; its kernel stood in for by a recorder here) never
+    replaces a layer's array; each write takes the layer's previous mark (so a read of the
+    last follows them all), reads take the last mark, and a step takes the marks it must
+    evaluate once. A traced forward's view starts without marks and leaves the pool's
+    alone until its own are adopted."""
+    import worker_proc.kv_pool as kv_pool
+
+    calls = []
+
+    def record(layer_array, slots, keys, values, after):
+        mark = mx.zeros((1,), dtype=mx.int32)
+        calls.append((layer_array, after, mark))
+        return mark
+
+    monkeypatch.setattr(kv_pool, "pool_write_in_place", record)
+    specs = [AttentionLayerSpec(2, 4, 4, mx.float32)] * 2
+    pool = KVPool(specs, num_slots=10, in_place=True)
+    layers = list(pool.layers)
+    k = v = mx.ones((1, 2, 1, 4))
+    assert pool.landing() == [] and pool.mark(0) is None
+    pool.write(0, mx.array([3]), k, v)
+    pool.write(0, mx.array([4]), k, v)
+    pool.write(1, mx.array([3]), k, v)
+    assert [c[0] is layers[i] for c, i in zip(calls, (0, 0, 1))] == [True] * 3
+    assert calls[0][1] is None and calls[1][1] is calls[0][2] and calls[2][1] is None
+    assert pool.mark(0) is calls[1][2] and all(a is b for a, b in zip(pool.layers, layers))
+    keys, _ = pool.read(0, mx.array([[3, 4]]))
+    assert keys.shape == (1, 2, 2, 4)
+    taken = pool.take_landing()
+    assert [id(m) for m in taken] == [id(c[2]) for c in calls] and pool.landing() == []
+    view = pool.with_layers(layers)
+    assert view.mark(0) is None and view.landing() == []
+    view.write(0, mx.array([5]), k, v)
+    assert pool.landing() == [] and pool.mark(0) is calls[1][2]
+    traced = [mx.zeros((1,), dtype=mx.int32), mx.zeros((1,), dtype=mx.int32)]
+    pool.adopt_marks(traced)
+    assert pool.mark(1) is traced[1] and [id(m) for m in pool.take_landing()] == [id(m) for m in traced]
