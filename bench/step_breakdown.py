@@ -11,8 +11,10 @@ served; paged attention replaced by returning the queries (its cost); the pool w
 skipped (the write's cost). mlx-lm's own model call over its KVCache (all rows one
 length, no mask), run alone. Then both pipelined, two steps in flight as kiln's worker and
 mlx-lm's generate loop run them: there "step" is the steady-state time per step; on the
-CUDA kernel path also kiln's compiled decode forward (its default there), pipelined. The "no ..." variants
-compute wrong tokens: timing only.
+CUDA kernel path also kiln's compiled decode forward (its default there), pipelined. The
+"fused" variants run a second copy of the model with its q/k/v and gate/up projections
+fused (worker_proc/fused_projections.py, as the server runs it); the others run mlx-lm's
+modules as loaded. The "no ..." variants compute wrong tokens: timing only.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from mlx_lm.models.cache import KVCache
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from worker_proc.attention import PooledKVCache
+from worker_proc.fused_projections import fuse_projections
 from worker_proc.kv_pool import KVPool, paged_kernel_fits
 from worker_proc.memory import probe_attention_specs
 from worker_proc.runner import ModelRunner
@@ -214,12 +217,24 @@ def main() -> None:
     p.add_argument("--variants", default="",
                    help="variant names to time, joined by ';' (default: all)")
     args = p.parse_args()
-    if args.model:
-        import mlx_lm
 
-        model, _ = mlx_lm.load(args.model)
-    else:
-        model = narrow_llama(args.layers)
+    def load() -> Any:
+        if args.model:
+            import mlx_lm
+
+            return mlx_lm.load(args.model)[0]
+        mx.random.seed(0)
+        return narrow_llama(args.layers)
+
+    model = load()
+    fused: list[Any] = []  # a second copy, fused at first use (the "fused" variants)
+
+    def fused_model() -> Any:
+        if not fused:
+            fused.append(load())
+            fuse_projections(fused[0])
+        return fused[0]
+
     no_attention = lambda self, queries, scale: queries  # noqa: E731
     no_write = lambda self, layer, slots, keys, values: None  # noqa: E731
     n, c = args.steps, args.context
@@ -232,24 +247,27 @@ def main() -> None:
         "mlx-lm loop": lambda b: mlx_lm_step_ms(model, b, c, n),
         "kiln, pipelined": lambda b: kiln_step_ms(model, b, c, n, pipelined=True),
         "mlx-lm loop, pipelined": lambda b: mlx_lm_step_ms(model, b, c, n, pipelined=True),
+        "kiln, fused, pipelined": lambda b: kiln_step_ms(fused_model(), b, c, n, pipelined=True),
     }
     if paged_kernel_fits(probe_attention_specs(model)):  # compiled decode's only path
         variants["kiln, compiled, pipelined"] = lambda b: kiln_step_ms(
             model, b, c, n, pipelined=True, compile_decode=True)
+        variants["kiln, compiled, fused, pipelined"] = lambda b: kiln_step_ms(
+            fused_model(), b, c, n, pipelined=True, compile_decode=True)
     if args.variants:
         wanted = [v.strip() for v in args.variants.split(";")]
         unknown = [v for v in wanted if v not in variants]
         if unknown:
             p.error(f"unknown variants {unknown}; known: {list(variants)}")
         variants = {v: variants[v] for v in wanted}
-    print(f"{'batch':>6}  {'variant':<24}{'build ms':>10}{'launch ms':>11}{'wait ms':>9}{'step ms':>9}"
+    print(f"{'batch':>6}  {'variant':<33}{'build ms':>10}{'launch ms':>11}{'wait ms':>9}{'step ms':>9}"
           f"{'pool MB':>9}{'peak+ MB':>10}")
     for b in (int(x) for x in args.batch_sizes.split(",")):
         for name, run in variants.items():
             timings = run(b)
             build, launch, wait, step = timings.medians_ms()
             memory = f"{timings.pool_mb:>9.0f}{timings.over_mb:>10.0f}" if timings.pool_mb else ""
-            print(f"{b:>6}  {name:<24}{build:>10.2f}{launch:>11.2f}{wait:>9.2f}{step:>9.2f}{memory}",
+            print(f"{b:>6}  {name:<33}{build:>10.2f}{launch:>11.2f}{wait:>9.2f}{step:>9.2f}{memory}",
                   flush=True)
     if args.profile_batch:
         profile = cProfile.Profile()

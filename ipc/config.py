@@ -54,6 +54,11 @@ class ServerConfig:
     disable_overlap: bool = dataclasses.field(
         default=False, metadata={"help": "Run one step at a time instead of building step "
                                          "N+1 while step N computes (for A/B runs)."})
+    fuse_projections: bool = dataclasses.field(
+        default=False, metadata={"help": "Compute each attention's q/k/v and each MLP's "
+                                         "gate/up projections as one matmul per group: three "
+                                         "kernel launches fewer a layer (same tokens; no gain "
+                                         "on the CPU, not yet measured on a GPU)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

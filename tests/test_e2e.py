@@ -288,11 +288,13 @@ def test_flush_cache_through_the_zmq_client(server):
 def test_memory_pressure_through_all_processes_stays_exact(tiny_model_dir, tiny_model, oracle,
                                                           tmp_path):
     """A pool far below the working set: requests are preempted and resumed across the real
-    step pipeline (sockets, overlap), and every output still equals mlx-lm's."""
+    step pipeline (sockets, overlap), and every output still equals mlx-lm's, with the
+    model's projections fused (--fuse-projections) against mlx-lm's separate ones."""
     from ipc.client import AsyncKilnClient
 
     srv = Server(tiny_model_dir, "--max-total-tokens", "1200", "--max-running-requests", "24",
-                 "--chunked-prefill-size", "128", log_path=tmp_path / "log").wait_ready()
+                 "--chunked-prefill-size", "128", "--fuse-projections",
+                 log_path=tmp_path / "log").wait_ready()
     try:
         rng = np.random.default_rng(31)
         prompts = [rng.integers(5, tiny_model[0].args.vocab_size, size=200).tolist()

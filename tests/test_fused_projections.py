@@ -1,0 +1,72 @@
+"""Fused q/k/v and gate/up projections: the same tokens as mlx-lm's separate matmuls."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import pytest
+
+from tests.engine_driver import InProcessEngine
+from tests.test_worker import _eos, _prompts
+from worker_proc.fused_projections import ProjectionPart, fuse_projections
+
+
+@pytest.fixture()
+def fused_tiny(tiny_model_dir):
+    """A second copy of the tiny model, fused (the fixture's copy stays mlx-lm's own: it
+    is the oracle)."""
+    import mlx_lm
+
+    model, _ = mlx_lm.load(str(tiny_model_dir))
+    layers = len(model.layers)
+    assert fuse_projections(model) == 2 * layers
+    return model
+
+
+def test_fused_model_generates_mlx_lm_tokens_batched_and_chunked(tiny_model, oracle, fused_tiny):
+    _, tokenizer = tiny_model
+    attention = fused_tiny.layers[0].self_attn
+    assert isinstance(attention.q_proj, ProjectionPart) and "qkv_proj" in attention
+    assert "gate_up_proj" in fused_tiny.layers[0].mlp
+    prompts = _prompts(6, [3, 70, 130, 9, 40, 257], fused_tiny.args.vocab_size, seed=21)
+    engine = InProcessEngine(fused_tiny, chunk_size=64, max_prefill_tokens=200)
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 24, _eos(tokenizer))
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == oracle(p, 24), f"r{i}"
+
+
+def test_quantized_projections_fuse_to_the_same_logits(tiny_model_dir):
+    import mlx_lm
+
+    theirs, _ = mlx_lm.load(str(tiny_model_dir))
+    ours, _ = mlx_lm.load(str(tiny_model_dir))
+    for model in (theirs, ours):
+        nn.quantize(model, group_size=32, bits=4)
+    assert fuse_projections(ours) == 2 * len(ours.layers)
+    assert isinstance(ours.layers[0].self_attn["qkv_proj"], nn.QuantizedLinear)
+    tokens = mx.array([[7, 8, 9, 10, 11, 12]])
+    assert mx.array_equal(ours(tokens), theirs(tokens)).item()
+
+
+def test_projections_that_differ_stay_separate():
+    class Block(nn.Module):
+        def __init__(self, bias_on_v: bool) -> None:
+            super().__init__()
+            self.q_proj = nn.Linear(8, 8, bias=False)
+            self.k_proj = nn.Linear(8, 4, bias=False)
+            self.v_proj = nn.Linear(8, 4, bias=bias_on_v)
+            self.gate_proj = nn.Linear(8, 16, bias=False)
+            self.up_proj = nn.Linear(4, 16, bias=False)  # another input size
+
+    mixed, plain = Block(bias_on_v=True), Block(bias_on_v=False)
+    assert fuse_projections(mixed) == 0 and "qkv_proj" not in mixed
+    x = mx.random.normal((2, 8))
+    want = [plain.q_proj(x), plain.k_proj(x), plain.v_proj(x)]
+    assert fuse_projections(plain) == 1 and "gate_up_proj" not in plain
+    got = [plain.q_proj(x), plain.k_proj(x), plain.v_proj(x)]
+    assert all(mx.array_equal(a, b).item() for a, b in zip(got, want))
+    # A new input is projected afresh; parts called out of order still match.
+    y = mx.random.normal((3, 8))
+    assert mx.array_equal(plain.v_proj(y), y @ plain["qkv_proj"].weight[12:].T).item()
