@@ -70,3 +70,22 @@ def test_projections_that_differ_stay_separate():
     # A new input is projected afresh; parts called out of order still match.
     y = mx.random.normal((3, 8))
     assert mx.array_equal(plain.v_proj(y), y @ plain["qkv_proj"].weight[12:].T).item()
+
+
+def test_fused_model_through_compiled_decode(tiny_model, oracle, fused_tiny, monkeypatch):
+    """The parts run inside mx.compile's trace too (the CUDA default decode path, stood in
+    for by the pool-reading attention of the same meaning, as in test_worker)."""
+    import worker_proc.attention as attention
+    import worker_proc.runner as runner_module
+    from worker_proc.paged_attention import reference_decode_attention
+
+    _, tokenizer = tiny_model
+    monkeypatch.setattr(runner_module, "paged_kernel_fits", lambda specs: True)
+    monkeypatch.setattr(attention, "paged_decode_attention", reference_decode_attention)
+    prompts = _prompts(3, [50, 6, 21], fused_tiny.args.vocab_size, seed=22)
+    engine = InProcessEngine(fused_tiny, compile_decode=True, overlap="ahead")
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 20, _eos(tokenizer))
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == oracle(p, 20), f"r{i}"
