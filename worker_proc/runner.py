@@ -225,8 +225,8 @@ class ModelRunner:
 
     def build(self, batch: ForwardBatch) -> PendingStep:
         """Build the step's lazy graph. A decode-only step is host work only; a step with
-        prefill chunks already runs those forwards (see start's NOTE: no earlier step may
-        still be running when this is called for one)."""
+        prefill chunks already runs those forwards (with a scatter-written pool, see
+        start's NOTE: no earlier step may still be running when this is called for one)."""
         for rid in batch.released:
             self._release(rid)
         for new in batch.new_requests:
