@@ -23,6 +23,7 @@ KILN_B_ENV=${KILN_B_ENV:-}    # ... and this environment (K=V ...), for A/B runs
 MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5; see
                                # bench/mlx_lm_server_backlog.py)
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any)
+BREAKDOWN_VARIANTS=${BREAKDOWN_VARIANTS:-}  # step_breakdown --variants (';'-joined; default all)
 mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
@@ -44,7 +45,7 @@ PY
 if has breakdown; then
 echo "== step breakdown"
 timeout 240 "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes 1,64,128 --steps 16 \
-    --prefill-batches 1,64 --profile-batch 128 \
+    --prefill-batches 1,64 --profile-batch 128 ${BREAKDOWN_VARIANTS:+--variants "$BREAKDOWN_VARIANTS"} \
     2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/step_breakdown.txt"
 fi
 
