@@ -126,3 +126,15 @@ class InProcessEngine:
                 if out.finished:
                     r.finish_reason, r.error = out.finish_reason, out.error
                     r.cumulative_logprob = out.cumulative_logprob
+
+
+def stand_in_kernel_path(monkeypatch: Any) -> None:
+    """On the CPU, take the CUDA decode kernel's path (no kept dense contexts; compiled
+    decode allowed) with the pool-reading attention of the same meaning in the kernel's
+    place."""
+    import worker_proc.attention as attention
+    import worker_proc.runner as runner_module
+    from worker_proc.paged_attention import reference_decode_attention
+
+    monkeypatch.setattr(runner_module, "paged_kernel_fits", lambda specs: True)
+    monkeypatch.setattr(attention, "paged_decode_attention", reference_decode_attention)

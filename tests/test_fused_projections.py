@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from tests.engine_driver import InProcessEngine
+from tests.engine_driver import InProcessEngine, stand_in_kernel_path
 from tests.test_worker import _eos, _prompts
 from worker_proc.fused_projections import ProjectionPart, fuse_projections
 
@@ -74,14 +74,9 @@ def test_projections_that_differ_stay_separate():
 
 def test_fused_model_through_compiled_decode(tiny_model, oracle, fused_tiny, monkeypatch):
     """The parts run inside mx.compile's trace too (the CUDA default decode path, stood in
-    for by the pool-reading attention of the same meaning, as in test_worker)."""
-    import worker_proc.attention as attention
-    import worker_proc.runner as runner_module
-    from worker_proc.paged_attention import reference_decode_attention
-
+    for on the CPU)."""
     _, tokenizer = tiny_model
-    monkeypatch.setattr(runner_module, "paged_kernel_fits", lambda specs: True)
-    monkeypatch.setattr(attention, "paged_decode_attention", reference_decode_attention)
+    stand_in_kernel_path(monkeypatch)
     prompts = _prompts(3, [50, 6, 21], fused_tiny.args.vocab_size, seed=22)
     engine = InProcessEngine(fused_tiny, compile_decode=True, overlap="ahead")
     for i, p in enumerate(prompts):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.engine_driver import InProcessEngine
+from tests.engine_driver import InProcessEngine, stand_in_kernel_path
 from tests.test_scheduler import assert_idle_invariant
 from worker_proc.runner import compiled_batch_size, warm_up
 
@@ -294,18 +294,13 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
 
 
 def test_compiled_decode_matches_mlx_lm(tiny_model, oracle, monkeypatch):
-    """Compiled decode (the CUDA default): decode forwards replayed from mx.compile traces (one per batch size
-    and table-width bucket, across the 128 bucket) give mlx-lm's greedy tokens. The CUDA
-    path it serves is stood in for by the pool-reading attention of the same meaning."""
-    import worker_proc.attention as attention
-    import worker_proc.runner as runner_module
-    from worker_proc.paged_attention import reference_decode_attention
-
+    """Compiled decode (the CUDA default): decode forwards replayed from mx.compile traces
+    (one per batch size and table-width bucket, across the 128 bucket) give mlx-lm's
+    greedy tokens, on the kernel path stood in for on the CPU."""
     model, tokenizer = tiny_model
     with pytest.raises(ValueError, match="compiled decode"):
         InProcessEngine(model, compile_decode=True)  # the CPU has no paged-attention path
-    monkeypatch.setattr(runner_module, "paged_kernel_fits", lambda specs: True)
-    monkeypatch.setattr(attention, "paged_decode_attention", reference_decode_attention)
+    stand_in_kernel_path(monkeypatch)
     prompts = _prompts(5, [100, 7, 30], model.args.vocab_size, seed=13)
     engine = InProcessEngine(model, compile_decode=True, overlap="ahead")
     for i, p in enumerate(prompts):
