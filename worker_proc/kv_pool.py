@@ -12,7 +12,8 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
-from worker_proc.paged_attention import kernel_available, pool_write_in_place, split_kv
+from worker_proc.paged_attention import (after_write, kernel_available, pool_write_in_place,
+                                         split_kv)
 
 logger = logging.getLogger(__name__)
 
@@ -105,10 +106,8 @@ class KVPool:
 
     def read(self, layer: int, slots: mx.array) -> tuple[mx.array, mx.array]:
         """Gather K/V for slots [B, L] into the model's [B, H, L, D] layout."""
-        mark = self._marks[layer]
-        if mark is not None:
-            slots = slots + mark  # a zero: the gather follows the write
-        return split_kv(self.layers[layer][slots], self.specs[layer].head_dim)
+        gathered = self.layers[layer][after_write(slots, self._marks[layer])]
+        return split_kv(gathered, self.specs[layer].head_dim)
 
     def mark(self, layer: int) -> mx.array | None:
         """In place: the mark of the layer's last write, for a reader to take as input."""

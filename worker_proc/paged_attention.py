@@ -283,6 +283,12 @@ def _write_kernel():
                                ensure_row_contiguous=False)
 
 
+def after_write(indices: mx.array, mark: mx.array | None) -> mx.array:
+    """Slot ids that a gather from the pool reads through, made to follow the in-place
+    write whose mark is given (the mark is a zero; None: no write to follow)."""
+    return indices if mark is None else indices + mark
+
+
 def pool_write_in_place(kv_pool: mx.array, slots: mx.array, keys: mx.array,
                         values: mx.array, after: mx.array | None = None) -> mx.array:
     """Store keys [B, H, S, Dk] and values [B, H, S, Dv] (the model's layout) in kv_pool
@@ -364,9 +370,7 @@ def reference_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
                                written: mx.array | None = None) -> mx.array:
     """The plain-MLX meaning of paged_decode_attention: gather, mask, fused SDPA (keys
     of q's head size, values the rest of a pool row)."""
-    if written is not None:
-        table = table + written  # after the write (see pool_write_in_place)
-    keys, values = split_kv(kv_pool[table], q.shape[-1])
+    keys, values = split_kv(kv_pool[after_write(table, written)], q.shape[-1])
     valid = mx.arange(table.shape[1])[None, :] < lengths[:, None]
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
                                                 mask=valid[:, None, None, :])
