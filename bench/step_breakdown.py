@@ -14,8 +14,11 @@ mlx-lm's generate loop run them: there "step" is the steady-state time per step;
 CUDA kernel path also kiln's compiled decode forward (its default there), pipelined. The
 "fused" variants run a second copy of the model with its q/k/v and gate/up projections
 fused (worker_proc/fused_projections.py, as `--fuse-projections` serves it); the others
-run mlx-lm's modules as loaded. "splits <= 1024" lets the decode kernel give a row of up
-to 1024 tokens one block (no merge kernel at large batches; the default is 256). The "no ..." variants compute wrong tokens: timing only.
+run mlx-lm's modules as loaded. "splits <= 256" caps the decode kernel's stretch of a row
+per block at 256 tokens (the default before 1024: a merge kernel at large batches too);
+"separate write" stores decode K/V with their own kernel, not inside the attention
+kernel (worker_proc.attention.WRITE_IN_ATTENTION). The "no ..." variants compute wrong
+tokens: timing only.
 """
 
 from __future__ import annotations
@@ -36,7 +39,7 @@ from mlx_lm.models.cache import KVCache
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from worker_proc.attention import PooledKVCache
-from worker_proc import paged_attention
+from worker_proc import attention, paged_attention
 from worker_proc.fused_projections import fuse_projections
 from worker_proc.kv_pool import KVPool, paged_kernel_fits
 from worker_proc.memory import probe_attention_specs
@@ -244,8 +247,8 @@ def main() -> None:
         "kiln": lambda b: kiln_step_ms(model, b, c, n),
         "kiln, no attention": lambda b: _with(PooledKVCache, "paged_attention", no_attention,
                                               lambda: kiln_step_ms(model, b, c, n)),
-        "kiln, no pool write": lambda b: _with(KVPool, "write", no_write,
-                                               lambda: kiln_step_ms(model, b, c, n)),
+        "kiln, no pool write": lambda b: _with(KVPool, "write", no_write, lambda: _with(
+            attention, "WRITE_IN_ATTENTION", False, lambda: kiln_step_ms(model, b, c, n))),
         "mlx-lm loop": lambda b: mlx_lm_step_ms(model, b, c, n),
         "kiln, pipelined": lambda b: kiln_step_ms(model, b, c, n, pipelined=True),
         "mlx-lm loop, pipelined": lambda b: mlx_lm_step_ms(model, b, c, n, pipelined=True),
@@ -256,10 +259,11 @@ def main() -> None:
             model, b, c, n, pipelined=True, compile_decode=True)
         variants["kiln, compiled, fused, pipelined"] = lambda b: kiln_step_ms(
             fused_model(), b, c, n, pipelined=True, compile_decode=True)
-        # Rows up to 1024 tokens in one block: no merge kernel at large batches (a launch
-        # a layer fewer), each block streaming a longer stretch of its row.
-        variants["kiln, compiled, splits <= 1024"] = lambda b: _with(
-            paged_attention, "MAX_SPLIT_TOKENS", 1024,
+        variants["kiln, compiled, splits <= 256"] = lambda b: _with(
+            paged_attention, "MAX_SPLIT_TOKENS", 256,
+            lambda: kiln_step_ms(model, b, c, n, pipelined=True, compile_decode=True))
+        variants["kiln, compiled, separate write"] = lambda b: _with(
+            attention, "WRITE_IN_ATTENTION", False,
             lambda: kiln_step_ms(model, b, c, n, pipelined=True, compile_decode=True))
     if args.variants:
         wanted = [v.strip() for v in args.variants.split(";")]

@@ -138,3 +138,30 @@ def stand_in_kernel_path(monkeypatch: Any) -> None:
 
     monkeypatch.setattr(runner_module, "paged_kernel_fits", lambda specs: True)
     monkeypatch.setattr(attention, "paged_decode_attention", reference_decode_attention)
+
+
+def stand_in_in_place_kernels(monkeypatch: Any) -> None:
+    """On the CPU, the CUDA path with an in-place pool (eager decode only): the write and
+    write-and-attend kernels stood in by plain-MLX scatters into the layer's array object
+    (what KVPool.layers holds), returning a zero mark as the kernels do."""
+    import mlx.core as mx
+
+    import worker_proc.attention as attention
+    import worker_proc.kv_pool as kv_pool
+    from worker_proc.paged_attention import reference_decode_attention
+
+    def write(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.array,
+              after: mx.array | None = None) -> mx.array:
+        b, h, s, _ = keys.shape
+        rows = mx.concatenate([keys.swapaxes(1, 2), values.swapaxes(1, 2)], axis=-1)
+        pool[slots] = rows.reshape(b * s, h, -1).astype(pool.dtype)
+        return mx.zeros((1,), dtype=mx.int32)
+
+    def write_attention(q, keys, values, slots, pool, table, lengths, scale, after=None):  # noqa: ANN001, ANN202
+        mark = write(pool, slots, keys, values)
+        return reference_decode_attention(q, pool, table, lengths, scale, mark), mark
+
+    stand_in_kernel_path(monkeypatch)
+    monkeypatch.setattr(kv_pool, "paged_kernel_fits", lambda specs: True)
+    monkeypatch.setattr(kv_pool, "pool_write_in_place", write)
+    monkeypatch.setattr(attention, "paged_decode_write_attention", write_attention)

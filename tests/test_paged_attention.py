@@ -9,6 +9,7 @@ import pytest
 from tests.attention_cases import ragged_slot_table
 from worker_proc.paged_attention import (MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, kernel_available,
                                          num_splits, paged_decode_attention,
+                                         paged_decode_write_attention, pool_write_in_place,
                                          reference_decode_attention)
 
 
@@ -87,7 +88,8 @@ def test_splits_fill_the_gpu_within_their_bounds():
     assert num_splits(batch=1, n_kv=8, l_max=20) == 1  # too short to split
     one_row = num_splits(batch=1, n_kv=8, l_max=400)
     assert 1 < one_row <= 400 / MIN_SPLIT_TOKENS + 1  # a lone short row still spreads out
-    assert num_splits(batch=128, n_kv=8, l_max=1024) == 1024 // MAX_SPLIT_TOKENS
+    assert num_splits(batch=128, n_kv=8, l_max=8192) == 8192 // MAX_SPLIT_TOKENS
+    assert num_splits(batch=64, n_kv=8, l_max=512) == 1  # no merge for a full batch
     assert num_splits(batch=128, n_kv=8, l_max=100) == 1
 
 
@@ -100,6 +102,32 @@ def test_cuda_kernel_every_split_shape(lengths):
     want = reference_decode_attention(q, kv, table, ln, scale=128 ** -0.5)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
+@pytest.mark.parametrize("lengths", [[1], [300], [1, 4096, 33, 257], list(range(1, 640, 10))])
+def test_cuda_write_attention_equals_a_write_then_attention(lengths):
+    """The kernel that stores the step's K/V and attends in one launch leaves the pool as
+    the separate in-place write does and returns the same output, bit for bit, with the
+    new values strided as a model's transposed projections are (one split and several)."""
+    q, kv, table, ln = _case(n_q=32, n_kv=8, dim=128, dtype=mx.bfloat16, lengths=lengths, seed=7)
+    rng = np.random.default_rng(8)
+    b = q.shape[0]
+    keys = mx.array(rng.standard_normal((b, 8, 1, 128)).astype(np.float32)).astype(mx.bfloat16)
+    values = mx.array(rng.standard_normal((b, 1, 8, 128)).astype(np.float32)).astype(
+        mx.bfloat16).transpose(0, 2, 1, 3)
+    slots = table[mx.arange(b), ln - 1]
+    separate, fused = kv + 0, kv + 0  # two pools of the same rows
+    mx.eval(separate, fused)
+    mark = pool_write_in_place(separate, slots, keys, values)
+    want = paged_decode_attention(q, separate, table, ln, scale=128 ** -0.5, written=mark)
+    got, got_mark = paged_decode_write_attention(q, keys, values, slots, fused, table, ln,
+                                                 scale=128 ** -0.5)
+    mx.eval(want, got, got_mark)
+    assert got_mark.tolist() == [0]
+    np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
+    np.testing.assert_array_equal(np.array(fused.astype(mx.float32)),
+                                  np.array(separate.astype(mx.float32)))
 
 
 def test_dense_decode_context_tracks_the_pool_across_steps():

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.engine_driver import InProcessEngine, stand_in_kernel_path
+from tests.engine_driver import InProcessEngine, stand_in_in_place_kernels, stand_in_kernel_path
 from tests.test_scheduler import assert_idle_invariant
-from worker_proc.runner import compiled_batch_size, warm_up
+from worker_proc.runner import compiled_batch_size, trace_decode_shapes, warm_up
 
 
 def _eos(tokenizer) -> list[int]:
@@ -316,6 +316,59 @@ def test_compiled_decode_matches_mlx_lm(tiny_model, oracle, monkeypatch):
     assert warm_up(engine.runner, max_batch=12) == 2 + 2 * 5
     engine.submit("after", prompts[2], 12, _eos(tokenizer))
     assert engine.run_until_idle()["after"].token_ids == oracle(prompts[2], 12)
+
+
+@pytest.mark.parametrize("in_attention", [True, False])
+def test_in_place_pool_decode_stores_through_attention(tiny_model, oracle, monkeypatch,
+                                                       in_attention):
+    """On the in-place pool's path, decode K/V are stored by the attention call (one
+    kernel on CUDA, stood in for here) or by a separate write: mlx-lm's greedy tokens
+    either way, steps launched ahead; a model whose attention skips that call is refused
+    rather than left without its K/V."""
+    import mlx.core as mx
+
+    import worker_proc.attention as attention
+
+    model, tokenizer = tiny_model
+    stand_in_in_place_kernels(monkeypatch)
+    monkeypatch.setattr(attention, "WRITE_IN_ATTENTION", in_attention)
+    prompts = _prompts(4, [60, 9, 33], model.args.vocab_size, seed=17)
+    engine = InProcessEngine(model, overlap="ahead")
+    assert engine.pool.in_place
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 25, _eos(tokenizer))
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == oracle(p, 25), f"r{i}"
+    if in_attention:
+        caches = attention.build_layer_caches(engine.pool, attention.ForwardLayout.decode(
+            np.array([[1, 2]], dtype=np.int32), np.array([2])))
+        spec = engine.pool.specs[0]
+        new = mx.zeros((1, spec.n_kv_heads, 1, spec.head_dim))
+        caches[0].update_and_fetch(new, new)  # and no attention call after it
+        with pytest.raises(attention.UnsupportedModelError, match="layer 0"):
+            attention.check_written(caches)
+
+
+def test_compiled_decode_traced_at_start_up_serves_without_tracing(tiny_model, oracle,
+                                                                   monkeypatch):
+    """After the warm-up and the start-up traces (every batch bucket at every slot-table
+    width up to the longest context), serving traces nothing, also as contexts cross
+    width buckets; tokens stay mlx-lm's."""
+    model, tokenizer = tiny_model
+    stand_in_kernel_path(monkeypatch)
+    engine = InProcessEngine(model, compile_decode=True, overlap="ahead", max_context=600)
+    runner = engine.runner
+    warm_up(runner, max_batch=6)
+    assert trace_decode_shapes(runner, max_batch=6) == 4 * 3  # buckets 1, 2, 4, 8; widths 256-1024
+    traces = runner.decode_traces
+    prompts = _prompts(5, [200, 7, 120], model.args.vocab_size, seed=21)
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 70, _eos(tokenizer))  # r0 crosses 256, r2 128 and 256
+    results = engine.run_until_idle()
+    assert runner.decode_traces == traces
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == oracle(p, 70), f"r{i}"
 
 
 def test_compiled_batch_buckets():

@@ -39,7 +39,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from worker_proc.kv_pool import KVPool, paged_kernel_fits
     from worker_proc.memory import pool_slots, probe_attention_specs
     from worker_proc.runner import (CPU_PREFILL_PADDING, DENSE_DECODE_SHARE, PREFILL_PADDING,
-                                    ModelRunner, warm_up)
+                                    ModelRunner, trace_decode_shapes, warm_up)
 
     say = reporter.progress if reporter else logger.info
     t0 = time.monotonic()
@@ -67,7 +67,9 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                          compile_decode=not config.eager_decode and paged_kernel_fits(specs))
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests)
-    say(f"warmed up ({steps} steps, {time.monotonic() - t0:.1f}s)")
+    traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
+    say(f"warmed up ({steps} steps{f', {traces} more decode traces' if traces else ''}, "
+        f"{time.monotonic() - t0:.1f}s)")
     # Not before the warm-up: building holds the GIL (about half a second on a 150k
     # vocabulary), which delayed the warm-up's graph building, hence readiness, as much.
     # A tokenizer llguidance can't use builds nothing: the front refuses every grammar.

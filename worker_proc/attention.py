@@ -21,8 +21,14 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from worker_proc.kv_pool import KVPool
 from worker_proc.paged_attention import (kernel_available, paged_decode_attention,
+                                         paged_decode_write_attention,
                                          reference_decode_attention, unfused_prefill_attention,
                                          unfused_prefill_fits)
+
+# Decode on the CUDA kernel path with an in-place pool: the attention kernel stores the
+# step's K/V itself (paged_decode_write_attention), a launch less per layer than a
+# separate write. False: the separate write (for A/B runs, bench/step_breakdown.py).
+WRITE_IN_ATTENTION = True
 
 
 class UnsupportedModelError(RuntimeError):
@@ -124,6 +130,8 @@ class PooledKVCache:
         self._pool = pool
         self._layer = layer
         self._layout = layout
+        # This step's K/V, for the attention kernel to store (see WRITE_IN_ATTENTION).
+        self._unwritten: tuple[mx.array, mx.array] | None = None
 
     @property
     def offset(self) -> int | mx.array:
@@ -141,7 +149,15 @@ class PooledKVCache:
     def paged(self) -> bool:
         return self._layout.lengths is not None
 
+    @property
+    def written(self) -> bool:
+        """Whether this forward's K/V reached the pool (or a kernel that stores them)."""
+        return self._unwritten is None
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.paged and self._layout.dense is None and self._pool.in_place and WRITE_IN_ATTENTION:
+            self._unwritten = (keys, values)  # paged_attention stores them
+            return self._pool.keys(self._layer), self._pool.values(self._layer)
         self._pool.write(self._layer, self._layout.write_slots, keys, values)
         if self._layout.dense is not None:
             self._layout.dense.update(self._layer, self._pool, self._layout.read_slots, keys, values)
@@ -156,6 +172,15 @@ class PooledKVCache:
         dense = layout.dense
         if dense is not None and dense.active:
             return dense.attention(layer, queries, scale)
+        pool = self._pool
+        if self._unwritten is not None:
+            keys, values = self._unwritten
+            out, mark = paged_decode_write_attention(
+                queries, keys, values, layout.write_slots, pool.layers[layer], layout.read_slots,
+                layout.lengths, scale, pool.mark(layer))
+            pool.record_write(layer, mark)
+            self._unwritten = None
+            return out
         # No kept context: the runner chose the kernel (paged_kernel_fits); an inactive
         # one: the batch is over its budget, so gather from the pool for this layer.
         attend = paged_decode_attention if dense is None else reference_decode_attention
@@ -274,6 +299,17 @@ def check_layer_kinds(model: Any) -> None:
 
 def build_layer_caches(pool: KVPool, layout: ForwardLayout) -> list[PooledKVCache]:
     return [PooledKVCache(pool, i, layout) for i in range(len(pool.specs))]
+
+
+def check_written(caches: list[PooledKVCache]) -> None:
+    """After a forward: every layer stored its K/V. A decode forward leaves the store to
+    the attention call; a model that attends some other way than through mlx-lm's
+    scaled_dot_product_attention would lose them, so it is refused here."""
+    for i, cache in enumerate(caches):
+        if not cache.written:
+            raise UnsupportedModelError(
+                f"layer {i} attends without mlx-lm's scaled_dot_product_attention, which "
+                f"stores decode K/V on the CUDA kernel path: this model needs support added")
 
 
 def install_attention_hook() -> None:

@@ -93,9 +93,8 @@ class KVPool:
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store new K/V ([B, H, S, D], the model's layout) under slots [B * S]."""
         if self.in_place:
-            mark = pool_write_in_place(self.layers[layer], slots, keys, values, self._marks[layer])
-            self._marks[layer] = mark
-            self._unlanded.append(mark)
+            self.record_write(layer, pool_write_in_place(self.layers[layer], slots, keys, values,
+                                                         self._marks[layer]))
             return
         b, h, s, _ = keys.shape
         if s == 1:  # decode: [B, H, 1, D] is token-major already
@@ -108,6 +107,11 @@ class KVPool:
         """Gather K/V for slots [B, L] into the model's [B, H, L, D] layout."""
         gathered = self.layers[layer][after_write(slots, self._marks[layer])]
         return split_kv(gathered, self.specs[layer].head_dim)
+
+    def record_write(self, layer: int, mark: mx.array) -> None:
+        """In place: a kernel wrote the layer (after its previous write); its mark."""
+        self._marks[layer] = mark
+        self._unlanded.append(mark)
 
     def mark(self, layer: int) -> mx.array | None:
         """In place: the mark of the layer's last write, for a reader to take as input."""

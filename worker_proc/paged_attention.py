@@ -24,10 +24,12 @@ logger = logging.getLogger(__name__)
 # How a row's context is split across thread blocks (flash-decoding). Enough blocks to
 # fill the GPU's SMs even for one short row (at batch 1, a few big splits left most SMs
 # idle: ~0.25 ms a layer), but no split longer than MAX_SPLIT_TOKENS (long rows at large
-# batches stay parallel) or shorter than MIN_SPLIT_TOKENS (merging would dominate).
+# batches stay parallel) or shorter than MIN_SPLIT_TOKENS (merging would dominate). Up to
+# 1024 tokens, a large batch's rows take one block each, so no merge kernel runs: at 64
+# rows the step is bound by host launches, not by attention's device time.
 TARGET_BLOCKS = 512
 MIN_SPLIT_TOKENS = 32
-MAX_SPLIT_TOKENS = 256
+MAX_SPLIT_TOKENS = 1024
 _THREADS = 128  # four warps per block
 
 # One block per (split, KV head, row). Each warp streams tokens of the split, U at a time,
@@ -44,18 +46,17 @@ _BODY = r"""
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
     const int n_splits = gridDim.x;
-    const int len = lengths[b];
+    const int len = LENGTH;
     const int lmax = table_shape[1];  // runtime values: a template would recompile per length
     const int chunk = (lmax + n_splits - 1) / n_splits;
     const int start = split * chunk;
     const int end = min(start + chunk, len);
     const float sc = scale[0];
     const float neg_inf = __int_as_float(0xff800000);
-
+    PROLOGUE
     float qv[G][E];
     for (int g = 0; g < G; ++g) {
-        const T* qp = q + ((size_t)b * HKV * G + kvh * G + g) * D + lane * E;
-        for (int e = 0; e < E; ++e) qv[g][e] = static_cast<float>(qp[e]) * sc;
+        for (int e = 0; e < E; ++e) qv[g][e] = static_cast<float>(q[Q_INDEX]) * sc;
     }
     float m[G], l[G], acc[G][E];
     for (int g = 0; g < G; ++g) {
@@ -63,7 +64,7 @@ _BODY = r"""
         l[g] = 0.f;
         for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
     }
-    const int* row_slots = table + (size_t)b * lmax;
+    const int* row_slots = ROW_SLOTS;
     // Each warp takes U consecutive tokens at a time: their slot ids and K/V rows are
     // independent loads in flight together, instead of one dependent pair per token.
     for (int t0 = start + warp * U; t0 < end; t0 += NW * U) {
@@ -72,11 +73,7 @@ _BODY = r"""
         for (int u = 0; u < U; ++u) {
             ok[u] = t0 + u < end;
             // A pool row holds a head's keys then its values (see KVPool).
-            const size_t base = ((size_t)row_slots[ok[u] ? t0 + u : t0] * HKV + kvh) * 2 * D + lane * E;
-            for (int e = 0; e < E; ++e) {
-                kv[u][e] = static_cast<float>(kv_pool[base + e]);
-                vv[u][e] = static_cast<float>(kv_pool[base + D + e]);
-            }
+            LOAD_KV
         }
         for (int g = 0; g < G; ++g) {
             float s[U];
@@ -162,16 +159,79 @@ _MERGE_SOURCE = r"""
 """
 
 
+# The body's parts that differ between the two kinds of kernel. Reading only: every
+# input row-contiguous (MLX copies any that is not). Writing this step's K/V as well
+# (paged_decode_write_attention): no input is copied (the pool must be its own buffer),
+# so the others are read through their strides; the step's token is attended from the
+# K/V inputs, never from the pool that this launch writes.
+_READ_ONLY = {
+    "PROLOGUE": "",
+    "LENGTH": "lengths[b]",
+    "ROW_SLOTS": "table + (size_t)b * lmax",
+    "Q_INDEX": "((size_t)b * HKV * G + kvh * G + g) * D + lane * E + e",
+    "LOAD_KV": """const size_t base = ((size_t)row_slots[ok[u] ? t0 + u : t0] * HKV + kvh) * 2 * D + lane * E;
+            for (int e = 0; e < E; ++e) {
+                kv[u][e] = static_cast<float>(kv_pool[base + e]);
+                vv[u][e] = static_cast<float>(kv_pool[base + D + e]);
+            }""",
+}
+_WRITE_NEW = {
+    "PROLOGUE": """const size_t k_at = (size_t)b * k_new_strides[0] + (size_t)kvh * k_new_strides[1];
+    const size_t v_at = (size_t)b * v_new_strides[0] + (size_t)kvh * v_new_strides[1];
+    if (split == 0) {  // one block per (row, head) stores the head's new K/V
+        P* pool = const_cast<P*>(kv_pool);
+        const size_t dst = ((size_t)slots[b * slots_strides[0]] * HKV + kvh) * 2 * D;
+        for (int i = threadIdx.x; i < 2 * D; i += blockDim.x) {
+            const float x = i < D ? static_cast<float>(k_new[k_at + (size_t)i * k_new_strides[3]])
+                                  : static_cast<float>(v_new[v_at + (size_t)(i - D) * v_new_strides[3]]);
+            pool[dst + i] = static_cast<P>(x);
+        }
+        if (b == 0 && kvh == 0 && threadIdx.x == 0) mark[0] = 0;
+    }""",
+    "LENGTH": "lengths[b * lengths_strides[0]]",
+    "ROW_SLOTS": "table + (size_t)b * table_strides[0]",
+    "Q_INDEX": "(size_t)b * q_strides[0] + (size_t)(kvh * G + g) * q_strides[1] + (size_t)(lane * E + e) * q_strides[3]",
+    "LOAD_KV": """const int t = ok[u] ? t0 + u : t0;
+            if (t == len - 1) {  // this step's token: stored as the pool would round it
+                for (int e = 0; e < E; ++e) {
+                    kv[u][e] = static_cast<float>(static_cast<P>(k_new[k_at + (size_t)(lane * E + e) * k_new_strides[3]]));
+                    vv[u][e] = static_cast<float>(static_cast<P>(v_new[v_at + (size_t)(lane * E + e) * v_new_strides[3]]));
+                }
+            } else {
+                const size_t base = ((size_t)row_slots[t * table_strides[1]] * HKV + kvh) * 2 * D + lane * E;
+                for (int e = 0; e < E; ++e) {
+                    kv[u][e] = static_cast<float>(kv_pool[base + e]);
+                    vv[u][e] = static_cast<float>(kv_pool[base + D + e]);
+                }
+            }""",
+}
+
+
+def _source(direct: bool, write_new: bool) -> str:
+    source = _BODY.replace("WRITE", _DIRECT_WRITE if direct else _SPLIT_WRITE)
+    for name, text in (_WRITE_NEW if write_new else _READ_ONLY).items():
+        source = source.replace(name, text)
+    return source
+
+
 @functools.cache
-def _kernel(direct: bool):
+def _kernel(direct: bool, write_new: bool = False):
+    outputs = ["out"] if direct else ["out", "out_ml"]
+    if write_new:
+        return mx.fast.cuda_kernel(
+            name=f"kiln_paged_write_decode_{'direct' if direct else 'split'}",
+            # `written`: the mark of the layer's previous in-place write, which this
+            # launch follows; `mark` (out): this launch's, as pool_write_in_place's.
+            input_names=["q", "kv_pool", "table", "lengths", "scale", "written", "k_new",
+                         "v_new", "slots"],
+            output_names=[*outputs, "mark"], source=_source(direct, True),
+            ensure_row_contiguous=False)
     return mx.fast.cuda_kernel(
         name="kiln_paged_decode_direct" if direct else "kiln_paged_decode_split",
         # `written`: the mark of this layer's in-place pool write (pool_write_in_place),
         # an input only so that the kernel runs after it.
         input_names=["q", "kv_pool", "table", "lengths", "scale", "written"],
-        output_names=["out"] if direct else ["out", "out_ml"],
-        source=_BODY.replace("WRITE", _DIRECT_WRITE if direct else _SPLIT_WRITE),
-    )
+        output_names=outputs, source=_source(direct, False))
 
 
 @functools.cache
@@ -209,27 +269,56 @@ def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
     [B, Hq, 1, D] in q's dtype.
     """
     batch, n_q, _, dim = q.shape
-    n_kv = kv_pool.shape[1]
-    group = n_q // n_kv
-    splits = num_splits(batch, n_kv, table.shape[1])
-    template = [("T", q.dtype), ("D", dim), ("G", group), ("HKV", n_kv)]
     inputs = [q.reshape(batch, n_q, dim), kv_pool, table, lengths, _scale(scale),
               _no_write() if written is None else written]
+    out, _ = _attend(inputs, q, kv_pool, table.shape[1], write_new=False)
+    return out
+
+
+def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
+                                 slots: mx.array, kv_pool: mx.array, table: mx.array,
+                                 lengths: mx.array, scale: float,
+                                 after: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """paged_decode_attention for a pool written in place, storing the step's new keys
+    and values ([B, Hkv, 1, D] each, any strides) at slots [B] in the same launch: the
+    pool write of pool_write_in_place and the attention in one kernel, a launch less per
+    layer and step. Follows the write whose mark is `after`; returns the attention's
+    output and this write's mark (see pool_write_in_place)."""
+    inputs = [q, kv_pool, table, lengths, _scale(scale), _no_write() if after is None else after,
+              keys, values, slots]
+    out, mark = _attend(inputs, q, kv_pool, table.shape[1], write_new=True)
+    assert mark is not None
+    return out, mark
+
+
+def _attend(inputs: list[mx.array], q: mx.array, kv_pool: mx.array, width: int,
+            write_new: bool) -> tuple[mx.array, mx.array | None]:
+    """Launch the decode kernel (and the merge, for several splits): [B, Hq, 1, D], and
+    the write's mark when it stores the new K/V."""
+    batch, n_q, _, dim = q.shape
+    n_kv = kv_pool.shape[1]
+    group = n_q // n_kv
+    splits = num_splits(batch, n_kv, width)
+    template = [("T", q.dtype), ("D", dim), ("G", group), ("HKV", n_kv)]
+    mark_shape, mark_dtype = ([(1,)], [mx.int32]) if write_new else ([], [])
+    if write_new:
+        template.append(("P", kv_pool.dtype))
     grid = (splits * _THREADS, n_kv, batch)
     if splits == 1:
-        (out,) = _kernel(True)(inputs=inputs, template=template, grid=grid,
-                               threadgroup=(_THREADS, 1, 1), output_shapes=[(batch, n_q, dim)],
-                               output_dtypes=[q.dtype])
-        return out.reshape(batch, n_q, 1, dim)
-    acc, ml = _kernel(False)(
+        out, *mark = _kernel(True, write_new)(
+            inputs=inputs, template=template, grid=grid, threadgroup=(_THREADS, 1, 1),
+            output_shapes=[(batch, n_q, dim), *mark_shape], output_dtypes=[q.dtype, *mark_dtype])
+        return out.reshape(batch, n_q, 1, dim), (mark[0] if mark else None)
+    acc, ml, *mark = _kernel(False, write_new)(
         inputs=inputs, template=template, grid=grid, threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(batch, n_kv, splits, group, dim), (batch, n_kv, splits, group, 2)],
-        output_dtypes=[mx.float32, mx.float32])
+        output_shapes=[(batch, n_kv, splits, group, dim), (batch, n_kv, splits, group, 2),
+                       *mark_shape],
+        output_dtypes=[mx.float32, mx.float32, *mark_dtype])
     (out,) = _merge_kernel()(
         inputs=[acc, ml], template=[("T", q.dtype), ("D", dim), ("G", group), ("HKV", n_kv)],
         grid=(_THREADS, n_kv, batch), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(batch, n_q, dim)], output_dtypes=[q.dtype])
-    return out.reshape(batch, n_q, 1, dim)
+    return out.reshape(batch, n_q, 1, dim), (mark[0] if mark else None)
 
 
 @functools.cache

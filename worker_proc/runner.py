@@ -22,7 +22,7 @@ from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import PromptLogprobs, StepResult
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from worker_proc.attention import (DenseDecodeContext, ForwardLayout, build_layer_caches,
-                                   install_attention_hook)
+                                   check_written, install_attention_hook)
 from worker_proc.kv_pool import KVPool, paged_kernel_fits
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, SamplingBatch,
@@ -189,6 +189,7 @@ class ModelRunner:
             raise ValueError("compiled decode needs the CUDA paged-attention path (MLX's CUDA "
                              "backend, head sizes a multiple of 32)")
         self._compiled_decode = mx.compile(self._decode_forward) if compile_decode else None
+        self.decode_traces = 0  # how many times mx.compile traced the decode forward
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
         self._prompt_logprobs: dict[int, list[PendingPromptLogprobs]] = {}
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
@@ -437,7 +438,9 @@ class ModelRunner:
             logits = self._run_compiled(tokens, rows, lengths)
         else:
             layout = ForwardLayout.decode(self.table[rows], lengths, dense)
-            logits = self.model(tokens[:, None], cache=build_layer_caches(self.pool, layout))[:, -1, :]
+            caches = build_layer_caches(self.pool, layout)
+            logits = self.model(tokens[:, None], cache=caches)[:, -1, :]
+            check_written(caches)
         for s in states:
             s.length += 1
         return logits
@@ -470,15 +473,27 @@ class ModelRunner:
             self.pool.layers = rest
         return logits[:n] if size > n else logits
 
+    def trace_decode(self, size: int, width: int) -> None:
+        """Trace the compiled decode forward for `size` rows (a batch bucket) over a
+        `width`-column slot table, running nothing: a trace made at start-up is not made
+        mid-serving, as a step (about a forward's host time, tens of ms on an 8B model)."""
+        assert self._compiled_decode is not None
+        rows = mx.zeros((size,), dtype=mx.int32)
+        self._compiled_decode(rows, rows, rows, mx.zeros((size, width), dtype=mx.int32),
+                              rows + 1, *self.pool.layers)  # outputs dropped unevaluated
+
     def _decode_forward(self, tokens: mx.array, offsets: mx.array, write_slots: mx.array,
                         table: mx.array, lengths: mx.array, *layers: mx.array) -> tuple[mx.array, ...]:
         """What _run_compiled traces: the model over the pool arrays it is given (through a
         view of the pool, so the trace leaves the runner's alone); returns the logits, then
         the writes' marks (in place) or the pool arrays after the writes (scatter)."""
+        self.decode_traces += 1
         pool = self.pool.with_layers(layers)
         layout = ForwardLayout(write_slots=write_slots, read_slots=table, offset=offsets,
                                mask=None, lengths=lengths)
-        out = self.model(tokens[:, None], cache=build_layer_caches(pool, layout))
+        caches = build_layer_caches(pool, layout)
+        out = self.model(tokens[:, None], cache=caches)
+        check_written(caches)
         return (out[:, -1, :], *pool.take_landing())
 
     def _sample(self, logits: list[mx.array], states: list[RequestState],
@@ -572,6 +587,22 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
                                     decode_slots=[next(slots[i]) for i in range(size)]))
     runner.run(ForwardBatch(step=step + 1, released=rids))
     return step + 1
+
+
+def trace_decode_shapes(runner: ModelRunner, max_batch: int) -> int:
+    """Compiled decode: trace every (batch bucket, slot-table width) the server can meet,
+    beyond those warm_up ran; returns how many. Widths double from COMPILED_MIN_WIDTH
+    to the runner's longest context."""
+    buckets = sorted({compiled_batch_size(n) for n in range(1, max_batch + 1)})
+    widths = []
+    width = COMPILED_MIN_WIDTH * 2
+    while width < 2 * runner.max_context:
+        widths.append(width)
+        width *= 2
+    for size in buckets:
+        for width in widths:
+            runner.trace_decode(size, width)
+    return len(buckets) * len(widths)
 
 
 def _gather_last_tokens(states: list[RequestState]) -> mx.array:
