@@ -282,9 +282,12 @@ def main() -> None:
                   flush=True)
     if args.profile_batch:
         profile = cProfile.Profile()
-        kiln_step_ms(model, args.profile_batch, c, n, pipelined=True, profile=profile)
-        print(f"\nbuild of kiln's pipelined steps at batch {args.profile_batch}, {n} steps "
-              "(cProfile; its overhead inflates Python-heavy entries):")
+        compiled = paged_kernel_fits(probe_attention_specs(model))  # the served path
+        kiln_step_ms(model, args.profile_batch, c, n, pipelined=True, compile_decode=compiled,
+                     profile=profile)
+        print(f"\nbuild of kiln's pipelined {'compiled ' if compiled else ''}steps at batch "
+              f"{args.profile_batch}, {n} steps (cProfile; its overhead inflates Python-heavy "
+              "entries):")
         pstats.Stats(profile).sort_stats("tottime").print_stats(18)
     if args.prefill_batches:
         print(f"\nprefill, {args.prompt}-token prompts, ms: first (new shape) / best")
