@@ -54,11 +54,14 @@ class ServerConfig:
     disable_overlap: bool = dataclasses.field(
         default=False, metadata={"help": "Run one step at a time instead of building step "
                                          "N+1 while step N computes (for A/B runs)."})
-    fuse_projections: bool = dataclasses.field(
-        default=False, metadata={"help": "Compute each attention's q/k/v and each MLP's "
-                                         "gate/up projections as one matmul per group: three "
-                                         "kernel launches fewer a layer (same tokens; no gain "
-                                         "on the CPU, not yet measured on a GPU)."})
+    fuse_projections: str = dataclasses.field(
+        default="auto", metadata={"choices": ("auto", "on", "off"),
+                                  "help": "Compute each attention's q/k/v and each MLP's "
+                                          "gate/up projections as one matmul per group: three "
+                                          "kernel launches fewer a layer, same tokens. auto: "
+                                          "on with MLX's CUDA backend (a decode step at 64 "
+                                          "rows ~20%% faster on the H200), off elsewhere (no "
+                                          "gain on the CPU)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

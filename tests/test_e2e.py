@@ -293,7 +293,7 @@ def test_memory_pressure_through_all_processes_stays_exact(tiny_model_dir, tiny_
     from ipc.client import AsyncKilnClient
 
     srv = Server(tiny_model_dir, "--max-total-tokens", "1200", "--max-running-requests", "24",
-                 "--chunked-prefill-size", "128", "--fuse-projections",
+                 "--chunked-prefill-size", "128", "--fuse-projections", "on",
                  log_path=tmp_path / "log").wait_ready()
     try:
         rng = np.random.default_rng(31)

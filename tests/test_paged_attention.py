@@ -108,8 +108,10 @@ def test_cuda_kernel_every_split_shape(lengths):
 @pytest.mark.parametrize("lengths", [[1], [300], [1, 4096, 33, 257], list(range(1, 640, 10))])
 def test_cuda_write_attention_equals_a_write_then_attention(lengths):
     """The kernel that stores the step's K/V and attends in one launch leaves the pool as
-    the separate in-place write does and returns the same output, bit for bit, with the
-    new values strided as a model's transposed projections are (one split and several)."""
+    the separate in-place write does, bit for bit, and returns its attention's output, with
+    the new values strided as a model's transposed projections are (one split and several).
+    The outputs may differ in the last bit: the compiler contracts multiply-adds into FMAs
+    differently in the two kernels (seen: one bf16 ulp in a few elements)."""
     q, kv, table, ln = _case(n_q=32, n_kv=8, dim=128, dtype=mx.bfloat16, lengths=lengths, seed=7)
     rng = np.random.default_rng(8)
     b = q.shape[0]
@@ -125,7 +127,8 @@ def test_cuda_write_attention_equals_a_write_then_attention(lengths):
                                                  scale=128 ** -0.5)
     mx.eval(want, got, got_mark)
     assert got_mark.tolist() == [0]
-    np.testing.assert_array_equal(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)))
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               rtol=2 ** -7, atol=1e-5)
     np.testing.assert_array_equal(np.array(fused.astype(mx.float32)),
                                   np.array(separate.astype(mx.float32)))
 

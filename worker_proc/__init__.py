@@ -38,6 +38,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from worker_proc.fused_projections import fuse_projections
     from worker_proc.kv_pool import KVPool, paged_kernel_fits
     from worker_proc.memory import pool_slots, probe_attention_specs
+    from worker_proc.paged_attention import kernel_available
     from worker_proc.runner import (CPU_PREFILL_PADDING, DENSE_DECODE_SHARE, PREFILL_PADDING,
                                     ModelRunner, trace_decode_shapes, warm_up)
 
@@ -47,7 +48,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     model, tokenizer = mlx_lm.load(config.model_path, trust_remote_code=config.trust_remote_code,
                                    tokenizer_config={"trust_remote_code": config.trust_remote_code})
     check_layer_kinds(model)
-    if config.fuse_projections:
+    if config.fuse_projections == "on" or (config.fuse_projections == "auto" and kernel_available()):
         fuse_projections(model)
     specs = probe_attention_specs(model)
     say(f"model loaded in {time.monotonic() - t0:.1f}s")
