@@ -18,6 +18,7 @@ MODEL=${MODEL:-$HOME/.cache/kiln/bench/llama3-8b-shape-bfloat16}
 KILN_ARGS=${KILN_ARGS:-}  # extra launch.py flags, e.g. "--log-level debug"
 SERVERS=${SERVERS:-kiln,mlx_lm}  # or kiln,kiln_b,mlx_lm (then raise SWEEP_SECONDS)
 SWEEP_SECONDS=${SWEEP_SECONDS:-270}
+NUM_REQUESTS=${NUM_REQUESTS:-4,64,128}  # per concurrency level 1,64,128 (2x: two waves)
 KILN_B_ARGS=${KILN_B_ARGS:-}  # server kiln_b (in SERVERS): kiln with these flags added
 KILN_B_ENV=${KILN_B_ENV:-}    # ... and this environment (K=V ...), for A/B runs
 MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5; see
@@ -53,7 +54,7 @@ if has sweep; then
 echo "== serving, side by side"
 OUT=$OUT timeout $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MODEL" \
     --total-seconds "$SWEEP_SECONDS" --servers "$SERVERS" \
-    --concurrency 1,64,128 --num-requests 4,64,128 --kiln-args="$KILN_ARGS" \
+    --concurrency 1,64,128 --num-requests "$NUM_REQUESTS" --kiln-args="$KILN_ARGS" \
     --kiln-b-args="$KILN_B_ARGS" --kiln-b-env="$KILN_B_ENV" --mlx-backlog "$MLX_BACKLOG" \
     2>&1 | tail -18
 for log in "$OUT"/kiln*.log; do
