@@ -80,3 +80,12 @@ def test_in_place_pool_keeps_its_arrays_and_orders_reads_after_writes(monkeypatc
     traced = [mx.zeros((1,), dtype=mx.int32), mx.zeros((1,), dtype=mx.int32)]
     pool.adopt_marks(traced)
     assert pool.mark(1) is traced[1] and [id(m) for m in pool.take_landing()] == [id(m) for m in traced]
+
+
+def test_cuda_cache_is_capped_at_a_share_of_free_memory(monkeypatch):
+    limits = []
+    monkeypatch.setattr(memory.mx, "set_cache_limit", limits.append)
+    monkeypatch.setattr(memory.mx, "device_info", lambda: {"free_memory": 40 << 30})
+    assert memory.bound_cuda_cache() == 10 << 30 and limits == [10 << 30]
+    monkeypatch.setattr(memory.mx, "device_info", lambda: {"memory_size": 1 << 40})
+    assert memory.bound_cuda_cache() is None and limits == [10 << 30]  # CPU, Metal: untouched

@@ -37,7 +37,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from worker_proc.attention import check_layer_kinds
     from worker_proc.fused_projections import fuse_projections
     from worker_proc.kv_pool import KVPool, paged_kernel_fits
-    from worker_proc.memory import pool_slots, probe_attention_specs
+    from worker_proc.memory import bound_cuda_cache, pool_slots, probe_attention_specs
     from worker_proc.paged_attention import kernel_available
     from worker_proc.runner import (CPU_PREFILL_PADDING, DENSE_DECODE_SHARE, PREFILL_PADDING,
                                     ModelRunner, trace_decode_shapes, warm_up)
@@ -62,6 +62,9 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     # The fallback decode path keeps up to `kept` of the pool's size again in dense blocks.
     slots = pool_slots(config, int(per_slot * (1 + kept)), context)
     pool = KVPool(specs, slots)
+    cache_limit = bound_cuda_cache()
+    if cache_limit is not None:
+        say(f"MLX buffer cache capped at {cache_limit / 2**30:.1f} GiB")
     say(f"KV pool: {slots} slots, {pool.nbytes / 2**20:.1f} MiB"
         + (f" (+ up to {pool.nbytes * kept / 2**20:.1f} MiB of kept decode contexts)" if kept else ""))
     hf = _hf_tokenizer(tokenizer)

@@ -38,6 +38,25 @@ def available_memory_bytes() -> int:
     return int(psutil.virtual_memory().available)
 
 
+# MLX keeps freed buffers for reuse, by default up to most of the device's memory. Mixed
+# traffic (prefill forwards of many shapes beside decode) filled 36 GiB of cache beside a
+# 71 GiB pool on the H200 until a prefill's allocation failed, which MLX does not retry
+# after freeing its cache. On CUDA the cache may hold this share of what the pool and the
+# weights leave free (decode steps reuse a few fixed sizes; they still hit it).
+CUDA_CACHE_SHARE = 0.25
+
+
+def bound_cuda_cache() -> int | None:
+    """On CUDA, cap MLX's buffer cache at CUDA_CACHE_SHARE of the free device memory
+    (call once the pool is allocated); returns the cap, or None elsewhere."""
+    info = mx.device_info()
+    if "free_memory" not in info:
+        return None
+    limit = max(1 << 28, int(int(info["free_memory"]) * CUDA_CACHE_SHARE))
+    mx.set_cache_limit(limit)
+    return limit
+
+
 def pool_slots(config: ServerConfig, bytes_per_slot: int, max_context: int) -> int:
     """Slots to allocate: --max-total-tokens, else a --mem-fraction share of free memory,
     never more than every running request at full context could use."""
