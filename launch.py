@@ -27,12 +27,12 @@ from pathlib import Path
 from ipc.channel import Receiver
 from ipc.config import PROJECT_NAME, ServerConfig, cli_fields, default_run_root
 from ipc.messages.to_launcher import LauncherMessage, ProcessProgress, ProcessReady
-from ipc.process import setup_logging
+from ipc.process import STOP_SIGNAL, setup_logging
 from tokenizer_proc.remote_code import UntrustedModelError, check_remote_code
 
 logger = logging.getLogger("launcher")
 
-# Seconds between SIGTERM and SIGKILL for a child that will not stop.
+# Seconds between the stop signal and SIGKILL for a child that will not stop.
 _KILL_GRACE = 2.0
 # Read when --api-key is empty.
 API_KEY_ENV = "KILN_API_KEY"
@@ -178,13 +178,13 @@ class Supervisor:
         """Graceful part of a stop: the front stops accepting and lets requests finish."""
         front = self.children["tokenizer"]
         if front.exitcode is None:
-            os.kill(front.pid, signal.SIGTERM)
+            os.kill(front.pid, STOP_SIGNAL)
             front.join(self.config.shutdown_timeout + 5)
 
     def stop_all(self) -> None:
         alive = [p for p in self.children.values() if p.exitcode is None]
         for p in alive:
-            p.terminate()
+            os.kill(p.pid, STOP_SIGNAL)
         deadline = time.monotonic() + _KILL_GRACE
         for p in alive:
             p.join(max(0.0, deadline - time.monotonic()))

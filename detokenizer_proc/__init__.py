@@ -38,7 +38,7 @@ def run_detokenizer(config: ServerConfig) -> None:
 
 def _serve(manager: DetokenizerManager, inbox: Receiver[DetokenizerMessage],
            outbox: Sender) -> None:
-    # NOTE: runs until the launcher kills us; SIGTERM's default action is the shutdown.
+    # NOTE: runs until the launcher stops us: STOP_SIGNAL's default action is the shutdown.
     while True:
         message = inbox.recv()
         if isinstance(message, BatchTokens):

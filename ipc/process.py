@@ -18,6 +18,13 @@ logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
 
+# How the launcher stops a child: the front drains its requests on it (a second one aborts
+# the rest), the others exit (the signal's default action). Not SIGTERM: SIGINT and
+# SIGTERM may reach the whole process group (Ctrl-C; `kill -- -PGID`; systemd's default
+# KillMode), and a worker dying of it at once would cut the requests the front is still
+# letting finish. Children ignore both; only the launcher decides how the server stops.
+STOP_SIGNAL = signal.SIGUSR1
+
 
 def setup_logging(level: str, role: str) -> None:
     logging.basicConfig(
@@ -57,8 +64,9 @@ def setup_child(config: ServerConfig, role: str) -> "StartupReporter":
     except ImportError:  # optional nicety
         pass
     setup_logging(config.log_level, role)
-    # Ctrl-C reaches the whole process group; only the launcher decides how to stop.
+    # See STOP_SIGNAL: the launcher alone decides how the server stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     _die_with_parent()
     return StartupReporter(config, role)
 

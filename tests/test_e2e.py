@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 import time
 
@@ -216,8 +217,13 @@ def test_kill_9_of_the_worker_takes_the_server_down(tiny_model_dir, tmp_path):
     srv.stop()
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_model_dir, tmp_path):
-    srv = Server(tiny_model_dir, "--max-total-tokens", "4000", log_path=tmp_path / "log").wait_ready()
+@pytest.mark.parametrize("whole_group", [False, True])
+def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_model_dir, tmp_path, whole_group):
+    """SIGTERM to the launcher, or to the server's whole process group (as `kill --
+    -PGID` or systemd's default KillMode sends it): in-flight requests still finish, every
+    process exits and the launcher returns 0, no child reported dead."""
+    srv = Server(tiny_model_dir, "--max-total-tokens", "4000", log_path=tmp_path / "log",
+                 own_group=whole_group).wait_ready()
     pids = [p.pid for p in srv.children()]
     body = {"model": "x", "prompt": "hello", "max_tokens": 200, "temperature": 0.0}
 
@@ -225,13 +231,17 @@ def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_model_dir, tmp_pat
         async with httpx.AsyncClient(timeout=60) as http:
             task = asyncio.create_task(http.post(srv.url + "/v1/completions", json=body))
             await asyncio.sleep(0.5)
-            srv.proc.send_signal(signal.SIGTERM)
+            if whole_group:
+                os.killpg(srv.proc.pid, signal.SIGTERM)
+            else:
+                srv.proc.send_signal(signal.SIGTERM)
             return await task
 
     resp = asyncio.run(request_then_signal())
     assert resp.status_code == 200 and resp.json()["choices"][0]["finish_reason"] in ("length", "stop")
     assert srv.proc.wait(30) == 0
     assert _gone(pids, 5.0)
+    assert "died" not in srv.log_tail(20000)
     srv.stop()
 
 

@@ -1,5 +1,6 @@
 """The tokenizer process end to end, with the test playing launcher and scheduler:
-ready report, a stats round trip, SIGINT ignored, and SIGTERM's graceful shutdown."""
+ready report, a stats round trip, SIGINT and SIGTERM ignored, and the launcher's stop
+signal's graceful shutdown."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from ipc.messages.to_launcher import LauncherMessage, ProcessReady
 from ipc.messages.to_scheduler import (AbortRequest, GetStats, SchedulerMessage,
                                        TokenizedRequest)
 from ipc.messages.to_tokenizer import BatchText, StatsReply, TextOutput
+from ipc.process import STOP_SIGNAL
 from tokenizer_proc import run_tokenizer
 from tests.fake_engine import FAKE_STATS
 from worker_proc.demo_model import ensure_demo_model
@@ -123,12 +125,13 @@ def test_serves_then_shuts_down_gracefully(config: ServerConfig,
         zmq_result: Future[Any] = pool.submit(client.generate, "hi")
         rid_zmq = scheduler.expect(TokenizedRequest).rid
 
-        os.kill(process.pid, signal.SIGINT)  # the launcher's business, not ours
+        for sig in (signal.SIGINT, signal.SIGTERM):  # the launcher's business, not ours
+            os.kill(process.pid, sig)
         time.sleep(0.3)
         assert process.is_alive()
 
         started = time.monotonic()
-        os.kill(process.pid, signal.SIGTERM)
+        os.kill(process.pid, STOP_SIGNAL)
         time.sleep(0.2)
         scheduler.emit(rid_finishing, "c", finished=True)  # finishes within the grace period
         aborted = {scheduler.expect(AbortRequest).rid, scheduler.expect(AbortRequest).rid}

@@ -15,16 +15,16 @@ import signal
 import sys
 
 from ipc.config import ServerConfig
-from ipc.process import setup_child
+from ipc.process import STOP_SIGNAL, setup_child
 
 logger = logging.getLogger(__name__)
 
 
 def run_tokenizer(config: ServerConfig) -> None:
-    """Process entry: load the tokenizer, serve until SIGTERM, exit 0."""
+    """Process entry: load the tokenizer, serve until the launcher's stop signal, exit 0."""
     reporter = setup_child(config, "tokenizer")
-    # Until the event loop takes SIGTERM over, a shutdown during loading is a clean exit.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(0))
+    # Until the event loop takes the stop signal over, a stop during loading is a clean exit.
+    signal.signal(STOP_SIGNAL, lambda signum, frame: sys.exit(0))
     # Imported here so that importing the package (the launcher does) stays cheap.
     import uvloop
 

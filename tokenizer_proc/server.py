@@ -1,4 +1,4 @@
-"""The tokenizer process's I/O: sockets, the uvicorn server, SIGTERM and shutdown.
+"""The tokenizer process's I/O: sockets, the uvicorn server, the stop signal and shutdown.
 
 Everything with logic lives in the manager, the preparer, the HTTP routes and the client
 front; this module only connects them to the world.
@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -19,6 +18,7 @@ from ipc.channel import AsyncReceiver, AsyncRouter, AsyncSender
 from ipc.config import ServerConfig
 from ipc.messages.client import ClientToServer
 from ipc.messages.to_tokenizer import TokenizerMessage
+from ipc.process import STOP_SIGNAL
 from tokenizer_proc.client_front import ClientFront
 from tokenizer_proc.http_api import create_app
 from tokenizer_proc.manager import StatsUnavailable, TokenizerManager
@@ -43,10 +43,10 @@ _THROUGHPUT_STATS_TIMEOUT_S = 1.0
 class QuietSignalServer(uvicorn.Server):
     """uvicorn without its own signal handlers.
 
-    Its handlers would catch SIGINT (which setup_child ignores on purpose: the launcher
-    decides when to stop) and, once shut down, re-raise SIGTERM under the default handler,
-    so the process would die of the signal instead of exiting 0. We handle SIGTERM
-    ourselves and set `should_exit`.
+    Its handlers would catch SIGINT and SIGTERM (which setup_child ignores on purpose: the
+    launcher decides when to stop) and, once shut down, re-raise them under the default
+    handler, so the process would die of the signal instead of exiting 0. We handle the
+    launcher's STOP_SIGNAL ourselves and set `should_exit`.
     """
 
     @contextlib.contextmanager
@@ -92,7 +92,8 @@ def server_facts(config: ServerConfig, info: ModelInfo) -> dict[str, Any]:
 
 
 class GracefulShutdown:
-    """SIGTERM: stop taking requests, give in-flight ones the grace period, abort the rest.
+    """The stop signal: stop taking requests, give in-flight ones the grace period, abort
+    the rest.
 
     Aborting ends each request with finish_reason "abort", so HTTP responses still end
     properly (a final chunk and [DONE]) before uvicorn's own, later deadline would cut
@@ -108,11 +109,11 @@ class GracefulShutdown:
         self._drain: asyncio.Task[None] | None = None
 
     def begin(self) -> None:
-        """The SIGTERM handler; a second SIGTERM aborts everything at once."""
+        """The stop signal's handler; a second one aborts everything at once."""
         if self._drain is not None:
             self._abort_rest()
             return
-        logger.info("SIGTERM: finishing in-flight requests (up to %.1f s)", self._grace_s)
+        logger.info("stopping: finishing in-flight requests (up to %.1f s)", self._grace_s)
         self._front.accepting = False
         self._server.should_exit = True
         self._drain = asyncio.ensure_future(self._drain_then_abort())
@@ -121,7 +122,7 @@ class GracefulShutdown:
         """Once uvicorn has stopped: end what is left and let the last messages go out."""
         if self._drain is not None:
             await self._drain
-        self._abort_rest()  # uvicorn may also have stopped without a SIGTERM
+        self._abort_rest()  # uvicorn may also have stopped without the stop signal
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self._front.wait_replies(), _LAST_REPLIES_S)
         await self._manager.flush()
@@ -138,7 +139,7 @@ class GracefulShutdown:
 
 
 class TokenizerServer:
-    """Runs the HTTP API and the ZMQ front until SIGTERM, then shuts down gracefully."""
+    """Runs the HTTP API and the ZMQ front until the stop signal, then shuts down gracefully."""
 
     def __init__(self, config: ServerConfig, preparer: RequestPreparer) -> None:
         self._config = config
@@ -151,7 +152,7 @@ class TokenizerServer:
                             ApiKey(self._config.api_key))
         server = QuietSignalServer(self._uvicorn_config(manager))
         shutdown = GracefulShutdown(server, manager, front, self._config.shutdown_timeout)
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, shutdown.begin)
+        asyncio.get_running_loop().add_signal_handler(STOP_SIGNAL, shutdown.begin)
         pumps = [asyncio.ensure_future(route_engine_outputs(sockets.inbox, manager)),
                  asyncio.ensure_future(serve_clients(sockets.clients, front)),
                  asyncio.ensure_future(log_throughput(manager, _THROUGHPUT_LOG_S))]
@@ -181,7 +182,7 @@ class TokenizerServer:
         if server.started:
             on_ready(f"HTTP on http://{self._config.host}:{self._config.port}, "
                      f"ZMQ clients on {self._config.client_endpoint}")
-        await serving  # returns once SIGTERM's graceful shutdown is over
+        await serving  # returns once the graceful shutdown is over
 
 
 async def route_engine_outputs(inbox: AsyncReceiver[TokenizerMessage],
