@@ -7,6 +7,7 @@ import pytest
 
 from tests.engine_driver import InProcessEngine, stand_in_in_place_kernels, stand_in_kernel_path
 from tests.test_scheduler import assert_idle_invariant
+import worker_proc.runner as runner_module
 from worker_proc.runner import compiled_batch_size, trace_decode_shapes, warm_up
 
 
@@ -361,6 +362,8 @@ def test_compiled_decode_traced_at_start_up_serves_without_tracing(tiny_model, o
     runner = engine.runner
     warm_up(runner, max_batch=6)
     assert trace_decode_shapes(runner, max_batch=6) == 4 * 3  # buckets 1, 2, 4, 8; widths 256-1024
+    monkeypatch.setattr(runner_module, "TRACED_AHEAD_MAX_WIDTH", 512)
+    assert trace_decode_shapes(runner, max_batch=6) == 4 * 2  # a bound on start-up time
     traces = runner.decode_traces
     prompts = _prompts(5, [200, 7, 120], model.args.vocab_size, seed=21)
     for i, p in enumerate(prompts):

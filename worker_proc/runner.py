@@ -50,6 +50,10 @@ PREFILL_FORWARD_TOKENS = 2048
 # A compiled decode forward is traced once per (batch size, slot-table width); widths are
 # powers of two from this, so a long decode re-traces a handful of times, not every step.
 COMPILED_MIN_WIDTH = 128
+# Start-up traces widths up to this (each trace ~0.1 s of an 8B model's host time on the
+# H200; 20 buckets x 7 widths ~15 s); a context first passing it traces then, once per
+# bucket, a stall of about one trace.
+TRACED_AHEAD_MAX_WIDTH = 16384
 
 
 def compiled_batch_size(n: int) -> int:
@@ -592,11 +596,11 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
 def trace_decode_shapes(runner: ModelRunner, max_batch: int) -> int:
     """Compiled decode: trace every (batch bucket, slot-table width) the server can meet,
     beyond those warm_up ran; returns how many. Widths double from COMPILED_MIN_WIDTH
-    to the runner's longest context."""
+    to the runner's longest context, at most TRACED_AHEAD_MAX_WIDTH."""
     buckets = sorted({compiled_batch_size(n) for n in range(1, max_batch + 1)})
     widths = []
     width = COMPILED_MIN_WIDTH * 2
-    while width < 2 * runner.max_context:
+    while width < 2 * runner.max_context and width <= TRACED_AHEAD_MAX_WIDTH:
         widths.append(width)
         width *= 2
     for size in buckets:
