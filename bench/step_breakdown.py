@@ -17,7 +17,8 @@ fused (worker_proc/fused_projections.py, as `--fuse-projections` serves it); the
 run mlx-lm's modules as loaded. "splits <= 256" caps the decode kernel's stretch of a row
 per block at 256 tokens (the default before 1024: a merge kernel at large batches too);
 "separate write" stores decode K/V with their own kernel, not inside the attention
-kernel (worker_proc.attention.WRITE_IN_ATTENTION). The "no ..." variants compute wrong
+kernel (worker_proc.attention.WRITE_IN_ATTENTION). "fast blocks" adds
+worker_proc/decode_block.py's call (--fast-decode-blocks) to the fused copy. The "no ..." variants compute wrong
 tokens: timing only.
 """
 
@@ -40,8 +41,10 @@ from ipc.messages.common import SamplingParams
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from worker_proc.attention import PooledKVCache
 from worker_proc import attention, paged_attention
+from worker_proc.decode_block import speed_up_decode_blocks
 from worker_proc.fused_projections import fuse_projections
 from worker_proc.kv_pool import KVPool, paged_kernel_fits
+from worker_proc.paged_attention import kernel_available
 from worker_proc.memory import probe_attention_specs
 from worker_proc.runner import ModelRunner
 
@@ -233,12 +236,20 @@ def main() -> None:
 
     model = load()
     fused: list[Any] = []  # a second copy, fused at first use (the "fused" variants)
+    fast: list[Any] = []  # a third, fused with fast decode blocks ("fast blocks")
 
     def fused_model() -> Any:
         if not fused:
             fused.append(load())
             fuse_projections(fused[0])
         return fused[0]
+
+    def fast_model() -> Any:
+        if not fast:
+            fast.append(load())
+            fuse_projections(fast[0])
+            speed_up_decode_blocks(fast[0], residual_in_gemm=kernel_available())
+        return fast[0]
 
     no_attention = lambda self, queries, scale: queries  # noqa: E731
     no_write = lambda self, layer, slots, keys, values: None  # noqa: E731
@@ -259,6 +270,8 @@ def main() -> None:
             model, b, c, n, pipelined=True, compile_decode=True)
         variants["kiln, compiled, fused, pipelined"] = lambda b: kiln_step_ms(
             fused_model(), b, c, n, pipelined=True, compile_decode=True)
+        variants["kiln, compiled, fused, fast blocks"] = lambda b: kiln_step_ms(
+            fast_model(), b, c, n, pipelined=True, compile_decode=True)
         variants["kiln, compiled, splits <= 256"] = lambda b: _with(
             paged_attention, "MAX_SPLIT_TOKENS", 256,
             lambda: kiln_step_ms(model, b, c, n, pipelined=True, compile_decode=True))

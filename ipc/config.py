@@ -62,6 +62,12 @@ class ServerConfig:
                                           "on with MLX's CUDA backend (a decode step at 64 "
                                           "rows ~20%% faster on the H200), off elsewhere (no "
                                           "gain on the CPU)."})
+    fast_decode_blocks: bool = dataclasses.field(
+        default=False, metadata={"help": "Decode steps of llama blocks in fewer kernel "
+                                         "launches: one RoPE for q and k, and on CUDA the "
+                                         "residual adds inside the o and down GEMMs (tokens "
+                                         "may then differ from mlx-lm's at near-ties). Needs "
+                                         "fused projections; not yet measured on a GPU."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "
@@ -106,6 +112,9 @@ class ServerConfig:
             raise ValueError("--max-request-bytes must be >= 1")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError("--schedule-policy must be fcfs or lpm")
+        if self.fast_decode_blocks and self.fuse_projections == "off":
+            raise ValueError("--fast-decode-blocks needs fused projections "
+                             "(drop --fuse-projections off)")
 
     # NOTE: endpoints live in run_dir, which the launcher creates with mode 0700, so no
     # other user can connect to our internal sockets.

@@ -299,12 +299,13 @@ def test_memory_pressure_through_all_processes_stays_exact(tiny_model_dir, tiny_
                                                           tmp_path):
     """A pool far below the working set: requests are preempted and resumed across the real
     step pipeline (sockets, overlap), and every output still equals mlx-lm's, with the
-    model's projections fused (--fuse-projections) against mlx-lm's separate ones."""
+    model's projections fused (--fuse-projections) and its blocks' fast decode call
+    (--fast-decode-blocks) against mlx-lm's own modules."""
     from ipc.client import AsyncKilnClient
 
     srv = Server(tiny_model_dir, "--max-total-tokens", "1200", "--max-running-requests", "24",
                  "--chunked-prefill-size", "128", "--fuse-projections", "on",
-                 log_path=tmp_path / "log").wait_ready()
+                 "--fast-decode-blocks", log_path=tmp_path / "log").wait_ready()
     try:
         rng = np.random.default_rng(31)
         prompts = [rng.integers(5, tiny_model[0].args.vocab_size, size=200).tolist()

@@ -34,7 +34,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     import mlx_lm
 
     from tokenizer_proc.constraints import structured_output_supported
-    from worker_proc.attention import check_layer_kinds
+    from worker_proc.attention import UnsupportedModelError, check_layer_kinds
+    from worker_proc.decode_block import speed_up_decode_blocks
     from worker_proc.fused_projections import fuse_projections
     from worker_proc.kv_pool import KVPool, paged_kernel_fits
     from worker_proc.memory import bound_cuda_cache, pool_slots, probe_attention_specs
@@ -48,12 +49,16 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     model, tokenizer = mlx_lm.load(config.model_path, trust_remote_code=config.trust_remote_code,
                                    tokenizer_config={"trust_remote_code": config.trust_remote_code})
     check_layer_kinds(model)
-    if config.fuse_projections == "on" or (config.fuse_projections == "auto" and kernel_available()):
+    fuse = config.fuse_projections == "on" or (config.fuse_projections == "auto" and kernel_available())
+    if fuse or config.fast_decode_blocks:
         fuse_projections(model)
         # The separate weights' buffers sit in MLX's cache, which the device reports as
         # used: give them back before the pool is sized from free memory (~8.5 GiB on
         # an 8B model, which shrank the H200's pool by 5 GiB).
         mx.clear_cache()
+    if config.fast_decode_blocks and not speed_up_decode_blocks(model, kernel_available()):
+        raise UnsupportedModelError("--fast-decode-blocks: the model has no llama block "
+                                    "(mlx_lm.models.llama) to speed up")
     specs = probe_attention_specs(model)
     say(f"model loaded in {time.monotonic() - t0:.1f}s")
     context = _model_context_len(model) or 4096

@@ -1,0 +1,90 @@
+"""The fast llama decode block (--fast-decode-blocks): mlx-lm's tokens with fewer launches."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.engine_driver import InProcessEngine, stand_in_kernel_path
+from tests.test_worker import _eos, _prompts
+from worker_proc.decode_block import FastDecodeBlock, speed_up_decode_blocks
+from worker_proc.fused_projections import fuse_projections
+
+
+def _load(model_dir):
+    import mlx_lm
+
+    return mlx_lm.load(str(model_dir))[0]
+
+
+@pytest.fixture()
+def fast_tiny(tiny_model_dir):
+    """A fused copy of the tiny model whose blocks take the fast decode call (the
+    fixture's own copy stays mlx-lm's: it is the oracle)."""
+    model = _load(tiny_model_dir)
+    fuse_projections(model)
+    assert speed_up_decode_blocks(model, residual_in_gemm=False) == len(model.layers)
+    assert all(type(layer) is FastDecodeBlock for layer in model.layers)
+    return model
+
+
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_fast_blocks_decode_mlx_lm_tokens(tiny_model, oracle, fast_tiny, monkeypatch,
+                                         compile_decode):
+    """Batched, ragged, chunked prompts, prefill through mlx-lm's block call and decode
+    through the fast one (on the kernel path, stood in for on the CPU), eager and
+    compiled: mlx-lm's greedy tokens."""
+    _, tokenizer = tiny_model
+    stand_in_kernel_path(monkeypatch)
+    prompts = _prompts(5, [3, 70, 130, 9, 40], fast_tiny.args.vocab_size, seed=31)
+    engine = InProcessEngine(fast_tiny, chunk_size=64, compile_decode=compile_decode,
+                             overlap="ahead")
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 24, _eos(tokenizer))
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == oracle(p, 24), f"r{i}"
+
+
+def test_residual_adds_inside_the_gemms_compute_the_block(tiny_model_dir, monkeypatch):
+    """The CUDA variant (residual adds by addmm) computes what mlx-lm's block does, up to
+    the one rounding it saves; the separate-add variant bit for bit."""
+    from worker_proc.attention import ForwardLayout, build_layer_caches, install_attention_hook
+    from worker_proc.kv_pool import KVPool
+    from worker_proc.memory import probe_attention_specs
+
+    install_attention_hook()
+    stand_in_kernel_path(monkeypatch)
+    theirs, ours = _load(tiny_model_dir), _load(tiny_model_dir)
+    fuse_projections(ours)
+    speed_up_decode_blocks(ours, residual_in_gemm=False)
+    pool = KVPool(probe_attention_specs(theirs), 300, in_place=False)
+    rng = np.random.default_rng(3)
+    table = rng.permutation(np.arange(1, 301))[:40].reshape(4, 10).astype(np.int32)
+    lengths = np.array([10, 3, 7, 1])
+    x = mx.array(rng.standard_normal((4, 1, theirs.args.hidden_size)).astype(np.float32))
+
+    def block_out(block):
+        layout = ForwardLayout.decode(table, lengths)
+        return block(x, cache=build_layer_caches(pool, layout)[0])
+
+    want = block_out(theirs.layers[0])
+    assert mx.array_equal(block_out(ours.layers[0]), want).item()
+    ours.layers[0].residual_in_gemm = True
+    np.testing.assert_allclose(np.array(block_out(ours.layers[0])), np.array(want),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_the_flag_needs_fused_projections():
+    from ipc.config import ServerConfig
+
+    with pytest.raises(ValueError, match="fast-decode-blocks needs fused projections"):
+        ServerConfig(fast_decode_blocks=True, fuse_projections="off")
+    assert ServerConfig(fast_decode_blocks=True).fuse_projections == "auto"
+
+
+def test_only_fused_llama_blocks_are_sped_up(tiny_model_dir):
+    model = _load(tiny_model_dir)
+    assert speed_up_decode_blocks(model, residual_in_gemm=True) == 0  # not fused
+    assert not any(type(layer) is FastDecodeBlock for layer in model.layers)

@@ -1,0 +1,85 @@
+"""A llama block's decode step in fewer kernel launches (`--fast-decode-blocks`, opt-in).
+
+On MLX's CUDA backend a decode step at 64 rows is bound by the host's time per launched
+kernel. mlx-lm's llama block, with fused projections (worker_proc/fused_projections.py),
+launches per layer: norm, q/k/v GEMM, RoPE of q, RoPE of k, K/V store and attention, o
+GEMM, residual add, norm, gate/up GEMM, SwiGLU, down GEMM, residual add: 12. For a paged
+decode forward `FastDecodeBlock` computes the same thing in 9: one RoPE over q and k
+together (they are adjacent heads of the fused q/k/v output, and RoPE works head by head
+with one offset per row), and on CUDA each residual add inside its GEMM (`mx.addmm`).
+Every other forward (prefill, the dense fallback) runs mlx-lm's code unchanged.
+
+addmm rounds the product and the residual once where a matmul then an add round twice, so
+with it the tokens may differ from mlx-lm's at near-ties (as the decode kernel's already
+may). Without it (the CPU) the block's math is mlx-lm's bit for bit: the tests compare
+tokens there.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import llama
+from mlx_lm.models.activations import swiglu
+
+from worker_proc.attention import PooledKVCache
+
+logger = logging.getLogger(__name__)
+
+
+class FastDecodeBlock(llama.TransformerBlock):
+    """The class a fused llama block takes (see speed_up_decode_blocks): its parameters and
+    submodules stay where mlx-lm put them; only the call differs, for paged decode."""
+
+    residual_in_gemm: bool  # set per block by speed_up_decode_blocks
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if not (isinstance(cache, PooledKVCache) and cache.paged):
+            return super().__call__(x, mask, cache)
+        attn, mlp = self.self_attn, self.mlp
+        b, length, _ = x.shape
+        n_q, n_kv, dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        qkv = attn.qkv_proj(self.input_layernorm(x))
+        qk = qkv[..., :(n_q + n_kv) * dim].reshape(b, length, n_q + n_kv, dim).transpose(0, 2, 1, 3)
+        qk = attn.rope(qk, offset=cache.offset)
+        values = qkv[..., (n_q + n_kv) * dim:].reshape(b, length, n_kv, dim).transpose(0, 2, 1, 3)
+        cache.update_and_fetch(qk[:, n_q:], values)
+        out = cache.paged_attention(qk[:, :n_q], attn.scale)
+        h = self._residual(x, attn.o_proj, out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+        gate, up = mx.split(mlp.gate_up_proj(self.post_attention_layernorm(h)), 2, axis=-1)
+        return self._residual(h, mlp.down_proj, swiglu(gate, up))
+
+    def _residual(self, x: mx.array, proj: nn.Module, a: mx.array) -> mx.array:
+        """x + proj(a), the add inside the GEMM where it may be."""
+        if self.residual_in_gemm and type(proj) is nn.Linear and "bias" not in proj:
+            return mx.addmm(x, a, proj.weight.T)
+        return x + proj(a)
+
+
+def _eligible(block: nn.Module) -> bool:
+    """A llama block as mlx-lm builds it, with its q/k/v and gate/up fused."""
+    if type(block) is not llama.TransformerBlock:
+        return False
+    attn, mlp = block.self_attn, block.mlp
+    if type(attn) is not llama.Attention or type(mlp) is not llama.MLP:
+        return False
+    return "qkv_proj" in attn and "gate_up_proj" in mlp
+
+
+def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
+    """Give every eligible block (mlx-lm's llama block, projections fused) the decode call
+    of FastDecodeBlock; returns how many. residual_in_gemm: residual adds inside the o and
+    down GEMMs (CUDA)."""
+    count = 0
+    for _, module in model.named_modules():
+        if _eligible(module):
+            module.__class__ = FastDecodeBlock
+            module.residual_in_gemm = residual_in_gemm
+            count += 1
+    if count:
+        logger.info("%d llama blocks take the fast decode call (residual adds in GEMMs: %s)",
+                    count, residual_in_gemm)
+    return count
