@@ -55,7 +55,9 @@ class FastDecodeBlock(llama.TransformerBlock):
     def _residual(self, x: mx.array, proj: nn.Module, a: mx.array) -> mx.array:
         """x + proj(a), the add inside the GEMM where it may be."""
         if self.residual_in_gemm and type(proj) is nn.Linear and "bias" not in proj:
-            return mx.addmm(x, a, proj.weight.T)
+            # As 2-D operands: one GEMM over all rows, never a batch of one-row GEMMs.
+            out = mx.addmm(x.reshape(-1, x.shape[-1]), a.reshape(-1, a.shape[-1]), proj.weight.T)
+            return out.reshape(x.shape)
         return x + proj(a)
 
 
