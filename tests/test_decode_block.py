@@ -88,3 +88,35 @@ def test_only_fused_llama_blocks_are_sped_up(tiny_model_dir):
     model = _load(tiny_model_dir)
     assert speed_up_decode_blocks(model, residual_in_gemm=True) == 0  # not fused
     assert not any(type(layer) is FastDecodeBlock for layer in model.layers)
+
+
+def test_fast_blocks_on_the_cuda_kernel_path_match_mlx_lm(tmp_path_factory):
+    """On the CUDA backend (residual adds inside the GEMMs, K/V stored by the attention
+    kernel, steps launched ahead, compiled): mlx-lm's greedy tokens on the demo model."""
+    from worker_proc.paged_attention import kernel_available
+
+    if not kernel_available():
+        pytest.skip("the CUDA decode kernel needs MLX's CUDA backend")
+    import os
+    from pathlib import Path
+
+    import mlx_lm
+
+    from tests.oracle import mlx_lm_greedy
+    from worker_proc.demo_model import ensure_demo_model
+
+    root = os.environ.get("KILN_TEST_CACHE") or tmp_path_factory.mktemp("kiln-cache")
+    path = str(ensure_demo_model("demo", cache_root=Path(root)))
+    theirs, tokenizer = mlx_lm.load(path)
+    ours = _load(path)
+    fuse_projections(ours)
+    assert speed_up_decode_blocks(ours, residual_in_gemm=True) == len(ours.layers)
+    engine = InProcessEngine(ours, capacity=20_000, compile_decode=True, overlap="ahead")
+    assert engine.pool.in_place
+    prompts = _prompts(4, [40, 9, 25, 130], ours.args.vocab_size, seed=6)
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 30, _eos(tokenizer))
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        want = mlx_lm_greedy(theirs, tokenizer, p, 30)
+        assert results[f"r{i}"].token_ids == want, f"r{i}: {results[f'r{i}'].token_ids} != {want}"
