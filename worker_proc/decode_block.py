@@ -3,11 +3,13 @@
 On MLX's CUDA backend a decode step at 64 rows is bound by the host's time per launched
 kernel. mlx-lm's llama block, with fused projections (worker_proc/fused_projections.py),
 launches per layer: norm, q/k/v GEMM, RoPE of q, RoPE of k, K/V store and attention, o
-GEMM, residual add, norm, gate/up GEMM, SwiGLU, down GEMM, residual add: 12. For a paged
-decode forward `FastDecodeBlock` computes the same thing in 9: one RoPE over q and k
-together (they are adjacent heads of the fused q/k/v output, and RoPE works head by head
-with one offset per row), and on CUDA each residual add inside its GEMM (`mx.addmm`).
-Every other forward (prefill, the dense fallback) runs mlx-lm's code unchanged.
+GEMM, residual add, norm, gate/up GEMM, SwiGLU, down GEMM, residual add, and two copies:
+MLX's CUDA RoPE first copies an input that is not row-contiguous and more than 3-D, as
+the fused q and k views are (their rows are the q/k/v output's): 14. For a paged decode
+forward `FastDecodeBlock` computes the same thing in 10: one RoPE (and one copy) over q
+and k together (adjacent heads of the fused output; RoPE works head by head with one
+offset per row), and on CUDA each residual add inside its GEMM (`mx.addmm`). Every other
+forward (prefill, the dense fallback) runs mlx-lm's code unchanged.
 
 addmm rounds the product and the residual once where a matmul then an add round twice, so
 with it the tokens may differ from mlx-lm's at near-ties (as the decode kernel's already
