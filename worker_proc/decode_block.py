@@ -36,7 +36,7 @@ class FastDecodeBlock(llama.TransformerBlock):
     """The class a fused llama block takes (see speed_up_decode_blocks): its parameters and
     submodules stay where mlx-lm put them; only the call differs, for paged decode."""
 
-    residual_in_gemm: bool  # set per block by speed_up_decode_blocks
+    residual_in_gemm: bool = False  # set per block by speed_up_decode_blocks
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if not (isinstance(cache, PooledKVCache) and cache.paged):
