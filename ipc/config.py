@@ -63,7 +63,7 @@ class ServerConfig:
                                           "rows ~20%% faster on the H200), off elsewhere (no "
                                           "gain on the CPU)."})
     fast_decode_blocks: bool = dataclasses.field(
-        default=False, metadata={"help": "Decode steps of llama blocks in fewer kernel "
+        default=False, metadata={"help": "Decode steps of llama/qwen2 blocks in fewer kernel "
                                          "launches: one RoPE for q and k, and on CUDA the "
                                          "residual adds inside the o and down GEMMs (tokens "
                                          "may then differ from mlx-lm's at near-ties). Needs "

@@ -25,7 +25,7 @@ def fast_tiny(tiny_model_dir):
     model = _load(tiny_model_dir)
     fuse_projections(model)
     assert speed_up_decode_blocks(model, residual_in_gemm=False) == len(model.layers)
-    assert all(type(layer) is FastDecodeBlock for layer in model.layers)
+    assert all(isinstance(layer, FastDecodeBlock) for layer in model.layers)
     return model
 
 
@@ -45,6 +45,34 @@ def test_fast_blocks_decode_mlx_lm_tokens(tiny_model, oracle, fast_tiny, monkeyp
     results = engine.run_until_idle()
     for i, p in enumerate(prompts):
         assert results[f"r{i}"].token_ids == oracle(p, 24), f"r{i}"
+
+
+def test_qwen2_blocks_decode_mlx_lm_tokens(tiny_model, monkeypatch):
+    """Qwen2's block (q/k/v with biases) takes the fast call too: mlx-lm's tokens, compiled
+    decode on the kernel path (stood in for on the CPU)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import qwen2
+
+    from tests.oracle import mlx_lm_greedy
+
+    _, tokenizer = tiny_model
+    args = qwen2.ModelArgs(model_type="qwen2", hidden_size=64, num_hidden_layers=2,
+                           intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                           rms_norm_eps=1e-6, vocab_size=tiny_model[0].args.vocab_size)
+    mx.random.seed(5)
+    theirs, ours = qwen2.Model(args), qwen2.Model(args)
+    ours.load_weights(tree_flatten(theirs.parameters()))
+    mx.eval(theirs.parameters(), ours.parameters())
+    fuse_projections(ours)
+    assert speed_up_decode_blocks(ours, residual_in_gemm=False) == 2
+    stand_in_kernel_path(monkeypatch)
+    prompts = _prompts(3, [33, 8, 70], args.vocab_size, seed=8)
+    engine = InProcessEngine(ours, compile_decode=True, overlap="ahead")
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 20, _eos(tokenizer))
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == mlx_lm_greedy(theirs, tokenizer, p, 20), f"r{i}"
 
 
 def test_residual_adds_inside_the_gemms_compute_the_block(tiny_model_dir, monkeypatch):
@@ -87,7 +115,7 @@ def test_the_flag_needs_fused_projections():
 def test_only_fused_llama_blocks_are_sped_up(tiny_model_dir):
     model = _load(tiny_model_dir)
     assert speed_up_decode_blocks(model, residual_in_gemm=True) == 0  # not fused
-    assert not any(type(layer) is FastDecodeBlock for layer in model.layers)
+    assert not any(isinstance(layer, FastDecodeBlock) for layer in model.layers)
 
 
 def test_fast_blocks_on_the_cuda_kernel_path_match_mlx_lm(tmp_path_factory):

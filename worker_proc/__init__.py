@@ -57,8 +57,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         # an 8B model, which shrank the H200's pool by 5 GiB).
         mx.clear_cache()
     if config.fast_decode_blocks and not speed_up_decode_blocks(model, kernel_available()):
-        raise UnsupportedModelError("--fast-decode-blocks: the model has no llama block "
-                                    "(mlx_lm.models.llama) to speed up")
+        raise UnsupportedModelError("--fast-decode-blocks: the model has no llama or qwen2 "
+                                    "block (mlx_lm.models.llama, .qwen2) to speed up")
     specs = probe_attention_specs(model)
     say(f"model loaded in {time.monotonic() - t0:.1f}s")
     context = _model_context_len(model) or 4096

@@ -1,4 +1,4 @@
-"""A llama block's decode step in fewer kernel launches (`--fast-decode-blocks`, opt-in).
+"""A llama-style block's decode step in fewer kernel launches (`--fast-decode-blocks`, opt-in).
 
 On MLX's CUDA backend a decode step at 64 rows is bound by the host's time per launched
 kernel. mlx-lm's llama block, with fused projections (worker_proc/fused_projections.py),
@@ -24,7 +24,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama
+from mlx_lm.models import llama, qwen2
 from mlx_lm.models.activations import swiglu
 
 from worker_proc.attention import PooledKVCache
@@ -32,26 +32,28 @@ from worker_proc.attention import PooledKVCache
 logger = logging.getLogger(__name__)
 
 
-class FastDecodeBlock(llama.TransformerBlock):
-    """The class a fused llama block takes (see speed_up_decode_blocks): its parameters and
+class FastDecodeBlock:
+    """Mixed into a block's class (see speed_up_decode_blocks): its parameters and
     submodules stay where mlx-lm put them; only the call differs, for paged decode."""
 
     residual_in_gemm: bool = False  # set per block by speed_up_decode_blocks
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if not (isinstance(cache, PooledKVCache) and cache.paged):
-            return super().__call__(x, mask, cache)
-        attn, mlp = self.self_attn, self.mlp
+            return super().__call__(x, mask, cache)  # type: ignore[misc]
+        attn, mlp = self.self_attn, self.mlp  # type: ignore[attr-defined]
         b, length, _ = x.shape
-        n_q, n_kv, dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
-        qkv = attn.qkv_proj(self.input_layernorm(x))
+        n_q, n_kv = attn.n_heads, attn.n_kv_heads
+        qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
+        dim = qkv.shape[-1] // (n_q + 2 * n_kv)
         qk = qkv[..., :(n_q + n_kv) * dim].reshape(b, length, n_q + n_kv, dim).transpose(0, 2, 1, 3)
         qk = attn.rope(qk, offset=cache.offset)
         values = qkv[..., (n_q + n_kv) * dim:].reshape(b, length, n_kv, dim).transpose(0, 2, 1, 3)
         cache.update_and_fetch(qk[:, n_q:], values)
         out = cache.paged_attention(qk[:, :n_q], attn.scale)
         h = self._residual(x, attn.o_proj, out.transpose(0, 2, 1, 3).reshape(b, length, -1))
-        gate, up = mx.split(mlp.gate_up_proj(self.post_attention_layernorm(h)), 2, axis=-1)
+        normed = self.post_attention_layernorm(h)  # type: ignore[attr-defined]
+        gate, up = mx.split(mlp.gate_up_proj(normed), 2, axis=-1)
         return self._residual(h, mlp.down_proj, swiglu(gate, up))
 
     def _residual(self, x: mx.array, proj: nn.Module, a: mx.array) -> mx.array:
@@ -63,27 +65,40 @@ class FastDecodeBlock(llama.TransformerBlock):
         return x + proj(a)
 
 
+# mlx-lm block classes whose call, attention and MLP are the math FastDecodeBlock does
+# (pre-norm residual block; q/k/v projections, with or without bias, RoPE on q and k with
+# the cache's offset, attention, o projection; SwiGLU MLP), read from their source. Other
+# model types reuse these modules (mistral is llama's).
+_FAMILIES: dict[type, tuple[type, type]] = {
+    llama.TransformerBlock: (llama.Attention, llama.MLP),
+    qwen2.TransformerBlock: (qwen2.Attention, qwen2.MLP),
+}
+_FAST_CLASSES = {base: type(f"Fast{base.__module__.rsplit('.', 1)[-1].title()}Block",
+                            (FastDecodeBlock, base), {}) for base in _FAMILIES}
+
+
 def _eligible(block: nn.Module) -> bool:
-    """A llama block as mlx-lm builds it, with its q/k/v and gate/up fused."""
-    if type(block) is not llama.TransformerBlock:
+    """A block of a family above, as mlx-lm builds it, with its q/k/v and gate/up fused."""
+    parts = _FAMILIES.get(type(block))
+    if parts is None:
         return False
     attn, mlp = block.self_attn, block.mlp
-    if type(attn) is not llama.Attention or type(mlp) is not llama.MLP:
+    if (type(attn), type(mlp)) != parts:
         return False
     return "qkv_proj" in attn and "gate_up_proj" in mlp
 
 
 def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
-    """Give every eligible block (mlx-lm's llama block, projections fused) the decode call
-    of FastDecodeBlock; returns how many. residual_in_gemm: residual adds inside the o and
+    """Give every eligible block (mlx-lm's llama or qwen2 block, projections fused) the
+    decode call of FastDecodeBlock; returns how many. residual_in_gemm: residual adds inside the o and
     down GEMMs (CUDA)."""
     count = 0
     for _, module in model.named_modules():
         if _eligible(module):
-            module.__class__ = FastDecodeBlock
+            module.__class__ = _FAST_CLASSES[type(module)]
             module.residual_in_gemm = residual_in_gemm
             count += 1
     if count:
-        logger.info("%d llama blocks take the fast decode call (residual adds in GEMMs: %s)",
+        logger.info("%d blocks take the fast decode call (residual adds in GEMMs: %s)",
                     count, residual_in_gemm)
     return count
