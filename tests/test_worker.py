@@ -431,3 +431,20 @@ def test_in_place_pool_steps_launched_ahead_match_mlx_lm_without_copies(kernel_m
     for i, p in enumerate(prompts):
         want = oracle(p, 30 if i < 3 else 20)
         assert results[f"r{i}"].token_ids == want, f"r{i}: {results[f'r{i}'].token_ids} != {want}"
+
+
+def test_prefill_without_a_known_output_head_takes_every_positions_logits(tiny_model, oracle):
+    """A model whose call is not backbone-then-head (no output_head) is prefilled through
+    its own call, every position's logits computed: the same tokens."""
+    from worker_proc.runner import output_head
+
+    model, tokenizer = tiny_model
+    assert output_head(model) is not None  # the demo model is mlx-lm's llama
+    engine = InProcessEngine(model)
+    engine.runner._head = None
+    prompts = _prompts(3, [40, 9, 25], model.args.vocab_size, seed=41)
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 10, _eos(tokenizer))
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == oracle(p, 10), f"r{i}"
