@@ -26,6 +26,8 @@ MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any;
                                        # also: launch, bench/launch_cost.py)
 BREAKDOWN_VARIANTS=${BREAKDOWN_VARIANTS:-}  # step_breakdown --variants (';'-joined; default all)
+BREAKDOWN_ROUNDS=${BREAKDOWN_ROUNDS:-1}  # step_breakdown --rounds (interleaved repeats; the
+                                        # host's speed drifts, so A/B runs want 3 or more)
 mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
@@ -47,7 +49,8 @@ PY
 if has breakdown; then
 echo "== step breakdown"
 timeout 240 "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes 1,64,128 --steps 16 \
-    --prefill-batches 1,64 --profile-batch 128 ${BREAKDOWN_VARIANTS:+--variants "$BREAKDOWN_VARIANTS"} \
+    --prefill-batches 1,64 --profile-batch 128 --rounds "$BREAKDOWN_ROUNDS" \
+    ${BREAKDOWN_VARIANTS:+--variants "$BREAKDOWN_VARIANTS"} \
     2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/step_breakdown.txt"
 fi
 

@@ -224,6 +224,11 @@ def main() -> None:
                         "(cProfile, top functions by own time)")
     p.add_argument("--variants", default="",
                    help="variant names to time, joined by ';' (default: all)")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="time every variant this many times, interleaved (A B A B ...), and "
+                        "print medians over the rounds with the step's spread: the H200 "
+                        "host's speed drifts +-25%% within minutes, so a single pass "
+                        "compares variants run at different speeds")
     args = p.parse_args()
 
     def load() -> Any:
@@ -284,15 +289,23 @@ def main() -> None:
         if unknown:
             p.error(f"unknown variants {unknown}; known: {list(variants)}")
         variants = {v: variants[v] for v in wanted}
+    spread = args.rounds > 1
     print(f"{'batch':>6}  {'variant':<33}{'build ms':>10}{'launch ms':>11}{'wait ms':>9}{'step ms':>9}"
-          f"{'pool MB':>9}{'peak+ MB':>10}")
+          + (f"{'step min-max':>15}" if spread else "") + f"{'pool MB':>9}{'peak+ MB':>10}")
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        for name, run in variants.items():
-            timings = run(b)
-            build, launch, wait, step = timings.medians_ms()
-            memory = f"{timings.pool_mb:>9.0f}{timings.over_mb:>10.0f}" if timings.pool_mb else ""
-            print(f"{b:>6}  {name:<33}{build:>10.2f}{launch:>11.2f}{wait:>9.2f}{step:>9.2f}{memory}",
-                  flush=True)
+        rounds: dict[str, list[Timings]] = {name: [] for name in variants}
+        for _ in range(args.rounds):
+            for name, run in variants.items():
+                rounds[name].append(run(b))
+        for name, runs in rounds.items():
+            medians = [t.medians_ms() for t in runs]
+            build, launch, wait, step = (statistics.median(m[i] for m in medians) for i in range(4))
+            steps = [m[3] for m in medians]
+            extent = f"{min(steps):>8.2f}-{max(steps):<6.2f}" if spread else ""
+            last = runs[-1]
+            memory = f"{last.pool_mb:>9.0f}{max(t.over_mb for t in runs):>10.0f}" if last.pool_mb else ""
+            print(f"{b:>6}  {name:<33}{build:>10.2f}{launch:>11.2f}{wait:>9.2f}{step:>9.2f}"
+                  f"{extent}{memory}", flush=True)
     if args.profile_batch:
         profile = cProfile.Profile()
         compiled = paged_kernel_fits(probe_attention_specs(model))  # the served path
