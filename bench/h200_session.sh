@@ -48,7 +48,7 @@ PY
 
 if has breakdown; then
 echo "== step breakdown"
-timeout 240 "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes 1,64,128 --steps 16 \
+timeout $((150 + 90 * BREAKDOWN_ROUNDS)) "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes 1,64,128 --steps 16 \
     --prefill-batches 1,64 --profile-batch 128 --rounds "$BREAKDOWN_ROUNDS" \
     ${BREAKDOWN_VARIANTS:+--variants "$BREAKDOWN_VARIANTS"} \
     2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/step_breakdown.txt"
