@@ -640,6 +640,10 @@ def _gather_last_tokens(states: list[RequestState]) -> mx.array:
     """Each state's last sampled token, [B] int32: the previous step's tokens array itself
     when the batch is that step's rows in order (the steady decode case), else one gather
     per distinct source step."""
+    first = states[0].last_tokens
+    if (first is not None and first.shape[0] == len(states)
+            and all(s.last_tokens is first and s.last_row == i for i, s in enumerate(states))):
+        return first  # the steady case, without the bookkeeping below
     sources: dict[int, tuple[mx.array, list[int], list[int]]] = {}
     for i, s in enumerate(states):
         assert s.last_tokens is not None, f"{s.rid} has no sampled token to decode from"
@@ -648,8 +652,6 @@ def _gather_last_tokens(states: list[RequestState]) -> mx.array:
         where.append(i)
     if len(sources) == 1:
         tokens, rows, _ = next(iter(sources.values()))
-        if rows == list(range(tokens.shape[0])):
-            return tokens
         return tokens[mx.array(rows, dtype=mx.int32)]
     parts = [tokens[mx.array(rows, dtype=mx.int32)] for tokens, rows, _ in sources.values()]
     order = [i for _, _, where in sources.values() for i in where]

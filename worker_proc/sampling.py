@@ -35,6 +35,9 @@ class LogitEdits:
     def build(cls, params: list[SamplingParams], steps: list[int],
               stop_ids: list[list[int]]) -> "LogitEdits | None":
         """None when no row edits anything, so such batches pay nothing."""
+        if not any(p.logit_bias or (stops and n < p.min_tokens)
+                   for p, n, stops in zip(params, steps, stop_ids)):
+            return None  # the usual batch, found without building a list per row
         rows: list[int] = []
         tokens: list[int] = []
         values: list[float] = []
