@@ -184,8 +184,8 @@ class PooledKVCache:
         # No kept context: the runner chose the kernel (paged_kernel_fits); an inactive
         # one: the batch is over its budget, so gather from the pool for this layer.
         attend = paged_decode_attention if dense is None else reference_decode_attention
-        return attend(queries, self._pool.layers[layer], layout.read_slots, layout.lengths, scale,
-                      self._pool.mark(layer))
+        return attend(queries, pool.layers[layer], layout.read_slots, layout.lengths, scale,
+                      pool.mark(layer))
 
 
 class DenseDecodeContext:

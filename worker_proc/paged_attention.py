@@ -164,16 +164,21 @@ _MERGE_SOURCE = r"""
 # (paged_decode_write_attention): no input is copied (the pool must be its own buffer),
 # so the others are read through their strides; the step's token is attended from the
 # K/V inputs, never from the pool that this launch writes.
+def _pool_load(slot: str) -> str:
+    """Source loading token `u`'s key and value (lanes' share) from the pool row `slot`."""
+    return f"""const size_t base = ((size_t){slot} * HKV + kvh) * 2 * D + lane * E;
+                for (int e = 0; e < E; ++e) {{
+                    kv[u][e] = static_cast<float>(kv_pool[base + e]);
+                    vv[u][e] = static_cast<float>(kv_pool[base + D + e]);
+                }}"""
+
+
 _READ_ONLY = {
     "PROLOGUE": "",
     "LENGTH": "lengths[b]",
     "ROW_SLOTS": "table + (size_t)b * lmax",
     "Q_INDEX": "((size_t)b * HKV * G + kvh * G + g) * D + lane * E + e",
-    "LOAD_KV": """const size_t base = ((size_t)row_slots[ok[u] ? t0 + u : t0] * HKV + kvh) * 2 * D + lane * E;
-            for (int e = 0; e < E; ++e) {
-                kv[u][e] = static_cast<float>(kv_pool[base + e]);
-                vv[u][e] = static_cast<float>(kv_pool[base + D + e]);
-            }""",
+    "LOAD_KV": _pool_load("row_slots[ok[u] ? t0 + u : t0]"),
 }
 _WRITE_NEW = {
     "PROLOGUE": """const size_t k_at = (size_t)b * k_new_strides[0] + (size_t)kvh * k_new_strides[1];
@@ -198,11 +203,7 @@ _WRITE_NEW = {
                     vv[u][e] = static_cast<float>(static_cast<P>(v_new[v_at + (size_t)(lane * E + e) * v_new_strides[3]]));
                 }
             } else {
-                const size_t base = ((size_t)row_slots[t * table_strides[1]] * HKV + kvh) * 2 * D + lane * E;
-                for (int e = 0; e < E; ++e) {
-                    kv[u][e] = static_cast<float>(kv_pool[base + e]);
-                    vv[u][e] = static_cast<float>(kv_pool[base + D + e]);
-                }
+                """ + _pool_load("row_slots[t * table_strides[1]]") + """
             }""",
 }
 
@@ -270,7 +271,7 @@ def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
     """
     batch, n_q, _, dim = q.shape
     inputs = [q.reshape(batch, n_q, dim), kv_pool, table, lengths, _scale(scale),
-              _no_write() if written is None else written]
+              _follow(written)]
     out, _ = _attend(inputs, q, kv_pool, table.shape[1], write_new=False)
     return out
 
@@ -284,8 +285,7 @@ def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
     pool write of pool_write_in_place and the attention in one kernel, a launch less per
     layer and step. Follows the write whose mark is `after`; returns the attention's
     output and this write's mark (see pool_write_in_place)."""
-    inputs = [q, kv_pool, table, lengths, _scale(scale), _no_write() if after is None else after,
-              keys, values, slots]
+    inputs = [q, kv_pool, table, lengths, _scale(scale), _follow(after), keys, values, slots]
     out, mark = _attend(inputs, q, kv_pool, table.shape[1], write_new=True)
     assert mark is not None
     return out, mark
@@ -330,6 +330,12 @@ def _scale(scale: float) -> mx.array:
 @functools.cache
 def _no_write() -> mx.array:
     return mx.zeros((1,), dtype=mx.int32)
+
+
+def _follow(mark: mx.array | None) -> mx.array:
+    """A kernel's input that orders it after the in-place write whose mark is given (a
+    constant zero where there is none to follow)."""
+    return _no_write() if mark is None else mark
 
 
 # Writes every new token's keys and values into its pool row, in place: MLX hands a
@@ -390,8 +396,7 @@ def pool_write_in_place(kv_pool: mx.array, slots: mx.array, keys: mx.array,
     b, h, s, dk = keys.shape
     total = b * s * h * (dk + values.shape[-1])
     (written,) = _write_kernel()(
-        inputs=[kv_pool, keys, values, slots.astype(mx.int32),
-                _no_write() if after is None else after],
+        inputs=[kv_pool, keys, values, slots.astype(mx.int32), _follow(after)],
         template=[("T", kv_pool.dtype), ("TK", keys.dtype), ("HKV", h), ("DK", dk),
                   ("DV", values.shape[-1])],
         grid=(-(-total // 256) * 256, 1, 1), threadgroup=(256, 1, 1),

@@ -56,6 +56,12 @@ COMPILED_MIN_WIDTH = 128
 TRACED_AHEAD_MAX_WIDTH = 16384
 
 
+def compiled_table_width(length: int) -> int:
+    """The slot-table width a compiled decode step over contexts of at most `length`
+    tokens runs at: a power of two, at least COMPILED_MIN_WIDTH."""
+    return max(COMPILED_MIN_WIDTH, 1 << (length - 1).bit_length())
+
+
 def compiled_batch_size(n: int) -> int:
     """The batch a compiled decode step of n rows runs at: powers of two up to 8, then
     multiples of 8 (at most 20 traces up to 128 rows, at most 7 pad rows a step)."""
@@ -353,11 +359,11 @@ class ModelRunner:
         layout = ForwardLayout.single(self.table[state.row], chunk.start, n)
         tokens, caches = mx.array([chunk.token_ids]), build_layer_caches(self.pool, layout)
         out: mx.array | None = None  # every position's logits, [n, V], where needed
-        if state.sampling.prompt_logprobs >= 0 or self._head is None:
+        if state.sampling.prompt_logprobs >= 0:
             out = self.model(tokens, cache=caches)[0]
             logits = out[-1:]
         else:
-            logits = self._head(self.model.model(tokens, cache=caches)[:, -1, :])
+            logits = self._logits_at(tokens, caches, (slice(None), -1))
         state.length += n
         scored = self._prompt_logprobs_of(state, chunk, out, logits)
         if scored is not None:
@@ -394,16 +400,20 @@ class ModelRunner:
         for i, chunk in enumerate(chunks):
             tokens[i, :sizes[i]] = chunk.token_ids
         layout = ForwardLayout.prefill(self.table[[s.row for s in states]], starts, sizes)
-        caches = build_layer_caches(self.pool, layout)
-        last = (mx.arange(len(chunks)), mx.array(sizes - 1))
-        if self._head is None:
-            logits = self.model(mx.array(tokens), cache=caches)[last]
-        else:
-            logits = self._head(self.model.model(mx.array(tokens), cache=caches)[last])
+        logits = self._logits_at(mx.array(tokens), build_layer_caches(self.pool, layout),
+                                 (mx.arange(len(chunks)), mx.array(sizes - 1)))
         for state, n in zip(states, sizes):
             state.length += int(n)
         self._launch_prefill(logits)
         return [logits[i:i + 1] for i in range(len(chunks))]
+
+    def _logits_at(self, tokens: mx.array, caches: list, positions: tuple) -> mx.array:
+        """A prefill forward's logits at `positions` (an index into [B, L]) only: the
+        output head over those hidden states where the model has one (output_head), else
+        the model's own call, every position's logits, indexed."""
+        if self._head is None:
+            return self.model(tokens, cache=caches)[positions]
+        return self._head(self.model.model(tokens, cache=caches)[positions])
 
     def _launch_prefill(self, logits: mx.array, *more: mx.array) -> None:
         """Put a prefill forward on the device as it is built, then wait for the one put
@@ -471,7 +481,7 @@ class ModelRunner:
         and writes only slot 0 (the pool's scratch row) and its logits are dropped."""
         n = len(rows)
         size = compiled_batch_size(n)
-        width = max(COMPILED_MIN_WIDTH, 1 << (int(lengths.max()) - 1).bit_length())
+        width = compiled_table_width(int(lengths.max()))
         table = np.zeros((size, width), dtype=np.int32)
         table[:n, :min(width, self.max_context)] = self.table[rows, :width]
         padded = np.ones(size, dtype=np.int32)
@@ -625,9 +635,10 @@ def trace_decode_shapes(runner: ModelRunner, max_batch: int) -> int:
     beyond those warm_up ran; returns how many. Widths double from COMPILED_MIN_WIDTH
     to the runner's longest context, at most TRACED_AHEAD_MAX_WIDTH."""
     buckets = sorted({compiled_batch_size(n) for n in range(1, max_batch + 1)})
+    longest = compiled_table_width(min(runner.max_context, TRACED_AHEAD_MAX_WIDTH))
     widths = []
-    width = COMPILED_MIN_WIDTH * 2
-    while width < 2 * runner.max_context and width <= TRACED_AHEAD_MAX_WIDTH:
+    width = 2 * COMPILED_MIN_WIDTH  # warm_up ran the narrowest
+    while width <= longest:
         widths.append(width)
         width *= 2
     for size in buckets:
