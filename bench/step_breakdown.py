@@ -18,8 +18,8 @@ run mlx-lm's modules as loaded. "splits <= 256" caps the decode kernel's stretch
 per block at 256 tokens (the default before 1024: a merge kernel at large batches too);
 "separate write" stores decode K/V with their own kernel, not inside the attention
 kernel (worker_proc.attention.WRITE_IN_ATTENTION). "fast blocks" adds
-worker_proc/decode_block.py's call (--fast-decode-blocks) to the fused copy. The "no ..." variants compute wrong
-tokens: timing only.
+worker_proc/decode_block.py's call (--fast-decode-blocks) to the fused copy. The "no ..."
+variants compute wrong tokens: timing only.
 """
 
 from __future__ import annotations
@@ -270,7 +270,8 @@ def main() -> None:
         "mlx-lm loop, pipelined": lambda b: mlx_lm_step_ms(model, b, c, n, pipelined=True),
         "kiln, fused, pipelined": lambda b: kiln_step_ms(fused_model(), b, c, n, pipelined=True),
     }
-    if paged_kernel_fits(probe_attention_specs(model)):  # compiled decode's only path
+    kernel_path = paged_kernel_fits(probe_attention_specs(model))  # the served decode path
+    if kernel_path:  # compiled decode's only path
         variants["kiln, compiled, pipelined"] = lambda b: kiln_step_ms(
             model, b, c, n, pipelined=True, compile_decode=True)
         variants["kiln, compiled, fused, pipelined"] = lambda b: kiln_step_ms(
@@ -308,10 +309,9 @@ def main() -> None:
                   f"{extent}{memory}", flush=True)
     if args.profile_batch:
         profile = cProfile.Profile()
-        compiled = paged_kernel_fits(probe_attention_specs(model))  # the served path
-        kiln_step_ms(model, args.profile_batch, c, n, pipelined=True, compile_decode=compiled,
+        kiln_step_ms(model, args.profile_batch, c, n, pipelined=True, compile_decode=kernel_path,
                      profile=profile)
-        print(f"\nbuild of kiln's pipelined {'compiled ' if compiled else ''}steps at batch "
+        print(f"\nbuild of kiln's pipelined {'compiled ' if kernel_path else ''}steps at batch "
               f"{args.profile_batch}, {n} steps (cProfile; its overhead inflates Python-heavy "
               "entries):")
         pstats.Stats(profile).sort_stats("tottime").print_stats(18)

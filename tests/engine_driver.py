@@ -128,6 +128,20 @@ class InProcessEngine:
                     r.cumulative_logprob = out.cumulative_logprob
 
 
+def assert_greedy(engine: InProcessEngine, prompts: list[list[int]], max_tokens: int,
+                  eos: list[int], want: Any) -> dict[str, Finished]:
+    """Submit the prompts together (as r0, r1, ...), run them to the end and check each
+    request's tokens are want(prompt, max_tokens) (an oracle's); returns the results."""
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, max_tokens, eos)
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        expected = want(p, max_tokens)
+        assert results[f"r{i}"].token_ids == expected, \
+            f"r{i}: {results[f'r{i}'].token_ids} != {expected}"
+    return results
+
+
 def stand_in_kernel_path(monkeypatch: Any) -> None:
     """On the CPU, take the CUDA decode kernel's path (no kept dense contexts; compiled
     decode allowed) with the pool-reading attention of the same meaning in the kernel's

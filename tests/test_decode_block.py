@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.engine_driver import InProcessEngine, stand_in_kernel_path
+from tests.engine_driver import InProcessEngine, assert_greedy, stand_in_kernel_path
 from tests.test_worker import _eos, _prompts
 from worker_proc.decode_block import FastDecodeBlock, speed_up_decode_blocks
 from worker_proc.fused_projections import fuse_projections
@@ -40,11 +40,7 @@ def test_fast_blocks_decode_mlx_lm_tokens(tiny_model, oracle, fast_tiny, monkeyp
     prompts = _prompts(5, [3, 70, 130, 9, 40], fast_tiny.args.vocab_size, seed=31)
     engine = InProcessEngine(fast_tiny, chunk_size=64, compile_decode=compile_decode,
                              overlap="ahead")
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, 24, _eos(tokenizer))
-    results = engine.run_until_idle()
-    for i, p in enumerate(prompts):
-        assert results[f"r{i}"].token_ids == oracle(p, 24), f"r{i}"
+    assert_greedy(engine, prompts, 24, _eos(tokenizer), oracle)
 
 
 def test_qwen2_blocks_decode_mlx_lm_tokens(tiny_model, monkeypatch):
@@ -68,11 +64,8 @@ def test_qwen2_blocks_decode_mlx_lm_tokens(tiny_model, monkeypatch):
     stand_in_kernel_path(monkeypatch)
     prompts = _prompts(3, [33, 8, 70], args.vocab_size, seed=8)
     engine = InProcessEngine(ours, compile_decode=True, overlap="ahead")
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, 20, _eos(tokenizer))
-    results = engine.run_until_idle()
-    for i, p in enumerate(prompts):
-        assert results[f"r{i}"].token_ids == mlx_lm_greedy(theirs, tokenizer, p, 20), f"r{i}"
+    assert_greedy(engine, prompts, 20, _eos(tokenizer),
+                  lambda p, n: mlx_lm_greedy(theirs, tokenizer, p, n))
 
 
 def test_residual_adds_inside_the_gemms_compute_the_block(tiny_model_dir, monkeypatch):
@@ -142,9 +135,5 @@ def test_fast_blocks_on_the_cuda_kernel_path_match_mlx_lm(tmp_path_factory):
     engine = InProcessEngine(ours, capacity=20_000, compile_decode=True, overlap="ahead")
     assert engine.pool.in_place
     prompts = _prompts(4, [40, 9, 25, 130], ours.args.vocab_size, seed=6)
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, 30, _eos(tokenizer))
-    results = engine.run_until_idle()
-    for i, p in enumerate(prompts):
-        want = mlx_lm_greedy(theirs, tokenizer, p, 30)
-        assert results[f"r{i}"].token_ids == want, f"r{i}: {results[f'r{i}'].token_ids} != {want}"
+    assert_greedy(engine, prompts, 30, _eos(tokenizer),
+                  lambda p, n: mlx_lm_greedy(theirs, tokenizer, p, n))

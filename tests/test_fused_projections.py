@@ -6,7 +6,7 @@ import mlx.core as mx
 import mlx.nn as nn
 import pytest
 
-from tests.engine_driver import InProcessEngine, stand_in_kernel_path
+from tests.engine_driver import InProcessEngine, assert_greedy, stand_in_kernel_path
 from tests.test_worker import _eos, _prompts
 from worker_proc.fused_projections import ProjectionPart, fuse_projections
 
@@ -30,11 +30,7 @@ def test_fused_model_generates_mlx_lm_tokens_batched_and_chunked(tiny_model, ora
     assert "gate_up_proj" in fused_tiny.layers[0].mlp
     prompts = _prompts(6, [3, 70, 130, 9, 40, 257], fused_tiny.args.vocab_size, seed=21)
     engine = InProcessEngine(fused_tiny, chunk_size=64, max_prefill_tokens=200)
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, 24, _eos(tokenizer))
-    results = engine.run_until_idle()
-    for i, p in enumerate(prompts):
-        assert results[f"r{i}"].token_ids == oracle(p, 24), f"r{i}"
+    assert_greedy(engine, prompts, 24, _eos(tokenizer), oracle)
 
 
 def test_quantized_projections_fuse_to_the_same_logits(tiny_model_dir):
@@ -79,8 +75,4 @@ def test_fused_model_through_compiled_decode(tiny_model, oracle, fused_tiny, mon
     stand_in_kernel_path(monkeypatch)
     prompts = _prompts(3, [50, 6, 21], fused_tiny.args.vocab_size, seed=22)
     engine = InProcessEngine(fused_tiny, compile_decode=True, overlap="ahead")
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, 20, _eos(tokenizer))
-    results = engine.run_until_idle()
-    for i, p in enumerate(prompts):
-        assert results[f"r{i}"].token_ids == oracle(p, 20), f"r{i}"
+    assert_greedy(engine, prompts, 20, _eos(tokenizer), oracle)

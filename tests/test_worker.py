@@ -5,7 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.engine_driver import InProcessEngine, stand_in_in_place_kernels, stand_in_kernel_path
+from tests.engine_driver import (InProcessEngine, assert_greedy, stand_in_in_place_kernels,
+                                 stand_in_kernel_path)
 from tests.test_scheduler import assert_idle_invariant
 import worker_proc.runner as runner_module
 from worker_proc.runner import compiled_batch_size, trace_decode_shapes, warm_up
@@ -304,11 +305,7 @@ def test_compiled_decode_matches_mlx_lm(tiny_model, oracle, monkeypatch):
     stand_in_kernel_path(monkeypatch)
     prompts = _prompts(5, [100, 7, 30], model.args.vocab_size, seed=13)
     engine = InProcessEngine(model, compile_decode=True, overlap="ahead")
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, 40, _eos(tokenizer))
-    results = engine.run_until_idle()
-    for i, p in enumerate(prompts):
-        assert results[f"r{i}"].token_ids == oracle(p, 40), f"r{i}"
+    assert_greedy(engine, prompts, 40, _eos(tokenizer), oracle)
     engine.submit("alone", prompts[1], 12, _eos(tokenizer))  # a batch of one (RoPE offsets [1])
     assert engine.run_until_idle()["alone"].token_ids == oracle(prompts[1], 12)
     # A fresh server's warm-up traces every batch bucket it meets with 12 rows: 1, 2, 4,
@@ -336,11 +333,7 @@ def test_in_place_pool_decode_stores_through_attention(tiny_model, oracle, monke
     prompts = _prompts(4, [60, 9, 33], model.args.vocab_size, seed=17)
     engine = InProcessEngine(model, overlap="ahead")
     assert engine.pool.in_place
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, 25, _eos(tokenizer))
-    results = engine.run_until_idle()
-    for i, p in enumerate(prompts):
-        assert results[f"r{i}"].token_ids == oracle(p, 25), f"r{i}"
+    assert_greedy(engine, prompts, 25, _eos(tokenizer), oracle)
     if in_attention:
         caches = attention.build_layer_caches(engine.pool, attention.ForwardLayout.decode(
             np.array([[1, 2]], dtype=np.int32), np.array([2])))
@@ -366,12 +359,8 @@ def test_compiled_decode_traced_at_start_up_serves_without_tracing(tiny_model, o
     assert trace_decode_shapes(runner, max_batch=6) == 4 * 2  # a bound on start-up time
     traces = runner.decode_traces
     prompts = _prompts(5, [200, 7, 120], model.args.vocab_size, seed=21)
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, 70, _eos(tokenizer))  # r0 crosses 256, r2 128 and 256
-    results = engine.run_until_idle()
+    assert_greedy(engine, prompts, 70, _eos(tokenizer), oracle)  # r0 crosses 256, r2 128 and 256
     assert runner.decode_traces == traces
-    for i, p in enumerate(prompts):
-        assert results[f"r{i}"].token_ids == oracle(p, 70), f"r{i}"
 
 
 def test_compiled_batch_buckets():
@@ -443,8 +432,4 @@ def test_prefill_without_a_known_output_head_takes_every_positions_logits(tiny_m
     engine = InProcessEngine(model)
     engine.runner._head = None
     prompts = _prompts(3, [40, 9, 25], model.args.vocab_size, seed=41)
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, 10, _eos(tokenizer))
-    results = engine.run_until_idle()
-    for i, p in enumerate(prompts):
-        assert results[f"r{i}"].token_ids == oracle(p, 10), f"r{i}"
+    assert_greedy(engine, prompts, 10, _eos(tokenizer), oracle)
