@@ -305,7 +305,7 @@ def test_memory_pressure_through_all_processes_stays_exact(tiny_model_dir, tiny_
 
     srv = Server(tiny_model_dir, "--max-total-tokens", "1200", "--max-running-requests", "24",
                  "--chunked-prefill-size", "128", "--fuse-projections", "on",
-                 "--fast-decode-blocks", log_path=tmp_path / "log").wait_ready()
+                 "--fast-decode-blocks", "on", log_path=tmp_path / "log").wait_ready()
     try:
         rng = np.random.default_rng(31)
         prompts = [rng.integers(5, tiny_model[0].args.vocab_size, size=200).tolist()

@@ -49,15 +49,19 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     model, tokenizer = mlx_lm.load(config.model_path, trust_remote_code=config.trust_remote_code,
                                    tokenizer_config={"trust_remote_code": config.trust_remote_code})
     check_layer_kinds(model)
-    fuse = config.fuse_projections == "on" or (config.fuse_projections == "auto" and kernel_available())
-    if fuse or config.fast_decode_blocks:
+    on_cuda = kernel_available()
+    fuse = config.fuse_projections == "on" or (config.fuse_projections == "auto" and on_cuda)
+    fast_blocks = config.fast_decode_blocks == "on" or (
+        config.fast_decode_blocks == "auto" and fuse and on_cuda)
+    if fuse or fast_blocks:
         fuse_projections(model)
         # The separate weights' buffers sit in MLX's cache, which the device reports as
         # used: give them back before the pool is sized from free memory (~8.5 GiB on
         # an 8B model, which shrank the H200's pool by 5 GiB).
         mx.clear_cache()
-    if config.fast_decode_blocks and not speed_up_decode_blocks(model, kernel_available()):
-        raise UnsupportedModelError("--fast-decode-blocks: the model has no llama or qwen2 "
+    if fast_blocks and not speed_up_decode_blocks(model, on_cuda) \
+            and config.fast_decode_blocks == "on":
+        raise UnsupportedModelError("--fast-decode-blocks on: the model has no llama or qwen2 "
                                     "block (mlx_lm.models.llama, .qwen2) to speed up")
     specs = probe_attention_specs(model)
     say(f"model loaded in {time.monotonic() - t0:.1f}s")

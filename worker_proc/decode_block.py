@@ -1,4 +1,4 @@
-"""A llama-style block's decode step in fewer kernel launches (`--fast-decode-blocks`, opt-in).
+"""A llama-style block's decode step in fewer kernel launches (`--fast-decode-blocks`).
 
 On MLX's CUDA backend a decode step at 64 rows is bound by the host's time per launched
 kernel. mlx-lm's llama block, with fused projections (worker_proc/fused_projections.py),
@@ -14,7 +14,8 @@ forward (prefill, the dense fallback) runs mlx-lm's code unchanged.
 addmm rounds the product and the residual once where a matmul then an add round twice, so
 with it the tokens may differ from mlx-lm's at near-ties (as the decode kernel's already
 may). Without it (the CPU) the block's math is mlx-lm's bit for bit: the tests compare
-tokens there.
+tokens there. On the H200 (64 streams, 8B-shaped model) it served ~6% more tokens/s than
+fused projections alone, so `auto` turns it on with the CUDA decode kernel.
 """
 
 from __future__ import annotations
