@@ -76,12 +76,20 @@ def _runner(model: Any, batch: int, context: int, steps: int,
     return runner, rids, slot
 
 
+# --pool-slots: a served pool's size (0: three times what the batch needs). It matters on
+# CUDA: MLX ends a CUDA graph once its inputs pass a size budget, and a served pool's
+# layer alone is over it (the decode kernel reads the whole layer), so a server commits a
+# graph every layer where a small pool lets several layers share one.
+POOL_SLOTS = 0
+
+
 def _empty_runner(model: Any, batch: int, context: int, steps: int, compile_decode: bool = False
                   ) -> tuple[ModelRunner, list[str], Iterator[int], ForwardBatch]:
     """A runner with room for `batch` requests, and the step that prefills them."""
     # Three times what the batch needs, as a server's pool is larger than its batch: the
     # kept decode contexts of the fallback path may use half the pool's size.
-    pool = KVPool(probe_attention_specs(model), 3 * batch * (context + steps + 4) + 1)
+    slots = max(POOL_SLOTS, 3 * batch * (context + steps + 4) + 1)
+    pool = KVPool(probe_attention_specs(model), slots)
     runner = ModelRunner(model, pool, max_requests=batch, max_context=context + steps + 4,
                          compile_decode=compile_decode)
     rids = [f"r{i}" for i in range(batch)]
@@ -229,7 +237,12 @@ def main() -> None:
                         "print medians over the rounds with the step's spread: the H200 "
                         "host's speed drifts +-25%% within minutes, so a single pass "
                         "compares variants run at different speeds")
+    p.add_argument("--pool-slots", type=int, default=0,
+                   help="KV pool size in slots, e.g. a server's (its log's 'KV pool: N "
+                        "slots'); default three times what the batch needs")
     args = p.parse_args()
+    global POOL_SLOTS
+    POOL_SLOTS = args.pool_slots
 
     def load() -> Any:
         if args.model:
