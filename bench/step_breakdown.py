@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import pstats
 import statistics
 import time
@@ -45,7 +46,7 @@ from worker_proc.decode_block import speed_up_decode_blocks
 from worker_proc.fused_projections import fuse_projections
 from worker_proc.kv_pool import KVPool, paged_kernel_fits
 from worker_proc.paged_attention import kernel_available
-from worker_proc.memory import probe_attention_specs
+from worker_proc.memory import probe_attention_specs, raise_cuda_graph_budgets
 from worker_proc.runner import ModelRunner
 
 
@@ -243,6 +244,9 @@ def main() -> None:
     args = p.parse_args()
     global POOL_SLOTS
     POOL_SLOTS = args.pool_slots
+    # As the worker serves (before any GPU work); for every variant, the mlx-lm loop too.
+    # MLX's own budgets: set MLX_MAX_MB_PER_BUFFER / MLX_MAX_OPS_PER_BUFFER to its defaults.
+    print("CUDA graph budgets:", raise_cuda_graph_budgets() or "not on CUDA")
 
     def load() -> Any:
         if args.model:
@@ -311,6 +315,11 @@ def main() -> None:
         for _ in range(args.rounds):
             for name, run in variants.items():
                 rounds[name].append(run(b))
+                # The runner's compiled step and its pool sit in reference cycles: free
+                # them before the next one allocates its pool (two served-size pools
+                # do not fit beside the weights).
+                gc.collect()
+                mx.clear_cache()
         for name, runs in rounds.items():
             medians = [t.medians_ms() for t in runs]
             build, launch, wait, step = (statistics.median(m[i] for m in medians) for i in range(4))

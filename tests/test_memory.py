@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import mlx.core as mx
 
@@ -89,3 +90,16 @@ def test_cuda_cache_is_capped_at_a_share_of_free_memory(monkeypatch):
     assert memory.bound_cuda_cache() == 10 << 30 and limits == [10 << 30]
     monkeypatch.setattr(memory.mx, "device_info", lambda: {"memory_size": 1 << 40})
     assert memory.bound_cuda_cache() is None and limits == [10 << 30]  # CPU, Metal: untouched
+
+
+def test_cuda_graph_budgets_are_raised_on_cuda_only_and_yield_to_the_environment(monkeypatch):
+    for name in memory.CUDA_GRAPH_BUDGETS:
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(mx, "cuda", type("NoCuda", (), {"is_available": staticmethod(lambda: False)}))
+    assert memory.raise_cuda_graph_budgets() == {}
+    assert not any(name in os.environ for name in memory.CUDA_GRAPH_BUDGETS)
+
+    monkeypatch.setattr(mx, "cuda", type("Cuda", (), {"is_available": staticmethod(lambda: True)}))
+    monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "40")  # the user's setting wins
+    assert memory.raise_cuda_graph_budgets() == {"MLX_MAX_MB_PER_BUFFER": "100000",
+                                                 "MLX_MAX_OPS_PER_BUFFER": "40"}

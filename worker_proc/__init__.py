@@ -38,12 +38,16 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from worker_proc.decode_block import speed_up_decode_blocks
     from worker_proc.fused_projections import fuse_projections
     from worker_proc.kv_pool import KVPool, paged_kernel_fits
-    from worker_proc.memory import bound_cuda_cache, pool_slots, probe_attention_specs
+    from worker_proc.memory import (bound_cuda_cache, pool_slots, probe_attention_specs,
+                                    raise_cuda_graph_budgets)
     from worker_proc.paged_attention import kernel_available
     from worker_proc.runner import (CPU_PREFILL_PADDING, DENSE_DECODE_SHARE, PREFILL_PADDING,
                                     ModelRunner, trace_decode_shapes, warm_up)
 
     say = reporter.progress if reporter else logger.info
+    budgets = raise_cuda_graph_budgets()  # before the model touches the GPU
+    if budgets:
+        say("CUDA graph budgets: " + ", ".join(f"{k}={v}" for k, v in budgets.items()))
     t0 = time.monotonic()
     say(f"loading model from {config.model_path}")
     model, tokenizer = mlx_lm.load(config.model_path, trust_remote_code=config.trust_remote_code,
