@@ -20,6 +20,12 @@ per block at 256 tokens (the default before 1024: a merge kernel at large batche
 kernel (worker_proc.attention.WRITE_IN_ATTENTION). "fast blocks" adds
 worker_proc/decode_block.py's call (--fast-decode-blocks) to the fused copy. The "no ..."
 variants compute wrong tokens: timing only.
+
+--prefill-batches times one step prefilling that many fresh prompts: kiln's runner on the
+model as loaded and mlx-lm's call over its KVCache; on the CUDA kernel path also the
+served model (fused, fast blocks) and, on it, forwards of up to 8,192 tokens instead of
+PREFILL_FORWARD_TOKENS, MLX's fused (cuDNN) attention instead of the unfused prefill
+attention, and no pool write.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from worker_proc.kv_pool import KVPool, paged_kernel_fits
 from worker_proc.paged_attention import kernel_available
 from worker_proc.memory import probe_attention_specs, raise_cuda_graph_budgets
 from worker_proc.runner import ModelRunner
+import worker_proc.runner as runner_module
 
 
 def narrow_llama(layers: int) -> Any:
@@ -338,14 +345,32 @@ def main() -> None:
               "entries):")
         pstats.Stats(profile).sort_stats("tottime").print_stats(18)
     if args.prefill_batches:
-        print(f"\nprefill, {args.prompt}-token prompts, ms: first (new shape) / best")
-        print(f"{'prompts':>8}{'kiln first':>12}{'kiln best':>11}{'mlx-lm first':>14}{'mlx-lm best':>13}")
+        prefill_variants = {
+            "kiln": lambda b, n: prefill_ms(model, b, n, kiln=True),
+            "mlx-lm": lambda b, n: prefill_ms(model, b, n, kiln=False),
+        }
+        if kernel_path:  # served: fused projections and fast blocks; attention unfused
+            prefill_variants.update({
+                "kiln, served model": lambda b, n: prefill_ms(fast_model(), b, n, kiln=True),
+                "kiln, served, forwards <= 8192": lambda b, n: _with(
+                    runner_module, "PREFILL_FORWARD_TOKENS", 8192,
+                    lambda: prefill_ms(fast_model(), b, n, kiln=True)),
+                "kiln, served, fused attention": lambda b, n: _with(
+                    attention, "unfused_prefill_fits", lambda *_: False,
+                    lambda: prefill_ms(fast_model(), b, n, kiln=True)),
+                "kiln, served, no pool write": lambda b, n: _with(
+                    KVPool, "write", no_write, lambda: prefill_ms(fast_model(), b, n, kiln=True)),
+            })
+        print(f"\nprefill, {args.prompt}-token prompts (+1 a batch size), ms: first (a shape not "
+              "seen before) / best of 3")
+        print(f"{'prompts':>8}  {'variant':<33}{'first':>9}{'best':>9}")
         for i, b in enumerate(int(x) for x in args.prefill_batches.split(",")):
             prompt = args.prompt + i  # a length no earlier row used
-            ours = prefill_ms(model, b, prompt, kiln=True)
-            theirs = prefill_ms(model, b, prompt, kiln=False)
-            print(f"{b:>8}{ours[0]:>12.1f}{ours[1]:>11.1f}{theirs[0]:>14.1f}{theirs[1]:>13.1f}", flush=True)
-
+            for name, run in prefill_variants.items():
+                first, best = run(b, prompt)
+                print(f"{b:>8}  {name:<33}{first:>9.1f}{best:>9.1f}", flush=True)
+                gc.collect()
+                mx.clear_cache()
 
 def _with(obj: Any, name: str, value: Any, run: Any) -> tuple[float, float]:
     with patched(obj, name, value):
