@@ -140,7 +140,7 @@ def run_scheduler(config: ServerConfig) -> None:
     ready = _wait_for_worker(inbox, early)
     scheduler = Scheduler(limits_from(config, ready), functools.partial(_load_tokenizer, config))
     loop = SchedulerLoop(scheduler, inbox, worker, detokenizer,
-                         max_in_flight=1 if config.disable_overlap else 2)
+                         max_in_flight=2 if ready.overlap else 1)
     outputs: list[TokenOutput] = []
     for message in early:
         loop.handle(message, outputs)

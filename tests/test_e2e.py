@@ -25,7 +25,8 @@ def server(tiny_model_dir, tmp_path_factory):
     log = tmp_path_factory.mktemp("server") / "server.log"
     srv = Server(tiny_model_dir, "--max-total-tokens", "20000", "--chunked-prefill-size", "128",
                  "--max-prefill-tokens", "512", "--max-running-requests", "16",
-                 "--served-model-name", MODEL, log_path=log).wait_ready()
+                 # the step pipeline across processes (auto leaves it off on the CPU)
+                 "--overlap", "on", "--served-model-name", MODEL, log_path=log).wait_ready()
     yield srv
     assert srv.stop() == 0, srv.log_tail()
 
@@ -305,7 +306,8 @@ def test_memory_pressure_through_all_processes_stays_exact(tiny_model_dir, tiny_
 
     srv = Server(tiny_model_dir, "--max-total-tokens", "1200", "--max-running-requests", "24",
                  "--chunked-prefill-size", "128", "--fuse-projections", "on",
-                 "--fast-decode-blocks", "on", log_path=tmp_path / "log").wait_ready()
+                 "--fast-decode-blocks", "on", "--overlap", "on",
+                 log_path=tmp_path / "log").wait_ready()
     try:
         rng = np.random.default_rng(31)
         prompts = [rng.integers(5, tiny_model[0].args.vocab_size, size=200).tolist()

@@ -44,7 +44,7 @@ SAMPLES = [
     (AbortRequest(rid="a"), SchedulerMessage),
     (GetStats(query_id="q"), SchedulerMessage),
     (FlushCache(query_id="f"), SchedulerMessage),
-    (WorkerReady(num_slots=10, max_context_len=8), SchedulerMessage),
+    (WorkerReady(num_slots=10, max_context_len=8, overlap=True), SchedulerMessage),
     (StepResult(step=3, rids=["a", "b"], token_ids=[5, 6]), SchedulerMessage),
     (StepResult(step=4, rids=[], token_ids=[], prompt_logprobs=[PromptLogprobs(
         rid="a", start=1, logprobs=[-0.5, -1.5], top_k=1, top_ids=[3, 4],

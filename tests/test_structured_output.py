@@ -45,7 +45,8 @@ PROMPT = [{"role": "user", "content": "Describe a pet as JSON."}]
 def _start(model_dir, tmp_path_factory, *extra: str) -> Server:
     log = tmp_path_factory.mktemp("server") / "server.log"
     return Server(model_dir, "--max-total-tokens", "16000", "--max-running-requests", "32",
-                  "--served-model-name", MODEL, *extra, log_path=log).wait_ready()
+                  "--served-model-name", MODEL, *(extra or ("--overlap", "on")),
+                  log_path=log).wait_ready()
 
 
 @pytest.fixture(scope="module")

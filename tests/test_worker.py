@@ -433,3 +433,16 @@ def test_prefill_without_a_known_output_head_takes_every_positions_logits(tiny_m
     engine.runner._head = None
     prompts = _prompts(3, [40, 9, 25], model.args.vocab_size, seed=41)
     assert_greedy(engine, prompts, 10, _eos(tokenizer), oracle)
+
+
+def test_overlap_auto_is_on_with_a_gpu_only_and_the_flags_force_it():
+    from ipc.config import ServerConfig
+    from worker_proc import overlap_enabled
+
+    auto = ServerConfig()
+    assert overlap_enabled(auto, on_gpu=True) and not overlap_enabled(auto, on_gpu=False)
+    assert overlap_enabled(ServerConfig(overlap="on"), on_gpu=False)
+    for off in (ServerConfig(overlap="off"), ServerConfig(disable_overlap=True)):
+        assert not overlap_enabled(off, on_gpu=True)
+    with pytest.raises(ValueError, match="contradicts"):
+        ServerConfig(disable_overlap=True, overlap="on")

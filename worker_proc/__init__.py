@@ -242,15 +242,26 @@ def memory_note() -> str:
     return note
 
 
+def overlap_enabled(config: ServerConfig, on_gpu: bool) -> bool:
+    """--overlap resolved for the device: auto keeps two steps in flight on a GPU only
+    (on MLX's CPU backend a step's launch returns once the step is nearly done)."""
+    if config.disable_overlap or config.overlap == "off":
+        return False
+    return config.overlap == "on" or on_gpu
+
+
 def run_worker(config: ServerConfig) -> None:
+    import mlx.core as mx
+
     reporter = setup_child(config, "worker")
     runner = build_runner(config, reporter)
+    overlap = overlap_enabled(config, on_gpu=mx.default_device() == mx.gpu)
     plans: Receiver[WorkerMessage] = Receiver(config.worker_endpoint, WorkerMessage)
     results = Sender(config.scheduler_endpoint)
-    results.send(WorkerReady(num_slots=runner.pool.num_slots, max_context_len=runner.max_context))
-    reporter.ready(f"{runner.pool.num_slots} KV slots")
-    loop = WorkerLoop(runner, results, overlap=not config.disable_overlap,
-                      start_ahead=runner.pool.in_place)
+    results.send(WorkerReady(num_slots=runner.pool.num_slots, max_context_len=runner.max_context,
+                             overlap=overlap))
+    reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
+    loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place)
     # A timeout now and then lets an interval's summary out while no plans come.
     while loop.handle(plans.recv(timeout_ms=_SUMMARY_POLL_MS)):
         loop.log_summary()

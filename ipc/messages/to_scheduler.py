@@ -33,10 +33,12 @@ class FlushCache(Message, frozen=True):
 
 
 class WorkerReady(Message, frozen=True):
-    """The worker's handshake: the KV pool it allocated fixes the scheduler's capacity."""
+    """The worker's handshake: the KV pool it allocated fixes the scheduler's capacity;
+    overlap (resolved for the worker's device) whether to keep two steps in flight."""
 
     num_slots: int
     max_context_len: int
+    overlap: bool
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
