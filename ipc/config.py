@@ -10,8 +10,15 @@ import dataclasses
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 PROJECT_NAME = "kiln"
+
+
+def _auto_on_off(help_text: str) -> Any:
+    """A three-way switch: auto (the engine picks for the device), on or off."""
+    return dataclasses.field(default="auto",
+                             metadata={"choices": ("auto", "on", "off"), "help": help_text})
 
 
 @dataclass(frozen=True)
@@ -51,35 +58,25 @@ class ServerConfig:
         default="fcfs", metadata={"choices": ("fcfs", "lpm"),
                                   "help": "Order of admission: first come first served, or "
                                           "longest cached prefix first (lpm)."})
-    overlap: str = dataclasses.field(
-        default="auto", metadata={"choices": ("auto", "on", "off"),
-                                  "help": "Build (and on CUDA start) step N+1 while step N "
-                                          "computes, two steps in flight. auto: on with a "
-                                          "GPU (CUDA, Metal), off on MLX's CPU backend, "
-                                          "where a step's launch returns only once it is "
-                                          "nearly done, so nothing overlaps and serving "
-                                          "measured 3-10%% slower with it on."})
+    overlap: str = _auto_on_off(
+        "Build (and on CUDA start) step N+1 while step N computes, two steps in flight. auto:"
+        " on with a GPU (CUDA, Metal), off on MLX's CPU backend, where a step's launch "
+        "returns only once it is nearly done, so nothing overlaps (served with it on: 1-9%% "
+        "fewer tokens/s in five alternated pairs).")
     disable_overlap: bool = dataclasses.field(
         default=False, metadata={"help": "Run one step at a time: --overlap off (for A/B "
                                          "runs)."})
-    fuse_projections: str = dataclasses.field(
-        default="auto", metadata={"choices": ("auto", "on", "off"),
-                                  "help": "Compute each attention's q/k/v and each MLP's "
-                                          "gate/up projections as one matmul per group: three "
-                                          "kernel launches fewer a layer, same tokens. auto: "
-                                          "on with MLX's CUDA backend (a decode step at 64 "
-                                          "rows ~20%% faster on the H200), off elsewhere (no "
-                                          "gain on the CPU)."})
-    fast_decode_blocks: str = dataclasses.field(
-        default="auto", metadata={"choices": ("auto", "on", "off"),
-                                  "help": "Decode steps of llama/qwen2 blocks in fewer kernel "
-                                          "launches: one RoPE for q and k, and on CUDA the "
-                                          "residual adds inside the o and down GEMMs (tokens "
-                                          "may then differ from mlx-lm's at near-ties). Needs "
-                                          "fused projections. auto: on where projections are "
-                                          "fused and decode attention runs the CUDA kernel "
-                                          "(64 streams ~6%% more tokens/s on the H200), for "
-                                          "the models that have such blocks."})
+    fuse_projections: str = _auto_on_off(
+        "Compute each attention's q/k/v and each MLP's gate/up projections as one matmul per "
+        "group: three kernel launches fewer a layer, same tokens. auto: on with MLX's CUDA "
+        "backend (a decode step at 64 rows ~20%% faster on the H200), off elsewhere (no gain "
+        "on the CPU).")
+    fast_decode_blocks: str = _auto_on_off(
+        "Decode steps of llama/qwen2 blocks in fewer kernel launches: one RoPE for q and k, "
+        "and on CUDA the residual adds inside the o and down GEMMs (tokens may then differ "
+        "from mlx-lm's at near-ties). Needs fused projections. auto: on where projections are"
+        " fused and decode attention runs the CUDA kernel (64 streams ~6%% more tokens/s on "
+        "the H200), for the models that have such blocks.")
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "
