@@ -157,7 +157,8 @@ def stand_in_kernel_path(monkeypatch: Any) -> None:
 def stand_in_in_place_kernels(monkeypatch: Any) -> None:
     """On the CPU, the CUDA path with an in-place pool (eager decode only): the write and
     write-and-attend kernels stood in by plain-MLX scatters into the layer's array object
-    (what KVPool.layers holds), returning a zero mark as the kernels do."""
+    (what KVPool.layers holds), returning a zero mark as the kernels do; RoPE in the
+    write-and-attend kernel by mx.fast.rope."""
     import mlx.core as mx
 
     import worker_proc.attention as attention
@@ -171,7 +172,10 @@ def stand_in_in_place_kernels(monkeypatch: Any) -> None:
         pool[slots] = rows.reshape(b * s, h, -1).astype(pool.dtype)
         return mx.zeros((1,), dtype=mx.int32)
 
-    def write_attention(q, keys, values, slots, pool, table, lengths, scale, after=None):  # noqa: ANN001, ANN202
+    def write_attention(q, keys, values, slots, pool, table, lengths, scale, after=None,  # noqa: ANN001, ANN202
+                        rope=None):
+        if rope is not None:  # the kernel's RoPE, at each row's new position
+            q, keys = (rope.apply(x, lengths - 1) for x in (q, keys))
         mark = write(pool, slots, keys, values)
         return reference_decode_attention(q, pool, table, lengths, scale, mark), mark
 

@@ -112,11 +112,61 @@ def test_only_fused_llama_blocks_are_sped_up(tiny_model_dir):
     assert not any(isinstance(layer, FastDecodeBlock) for layer in model.layers)
 
 
-def test_fast_blocks_on_the_cuda_kernel_path_match_mlx_lm(tmp_path_factory):
+def test_rope_in_attention_decodes_mlx_lm_tokens(tiny_model, oracle, fast_tiny, monkeypatch):
+    """With RoPE left to the write-and-attend kernel (stood in for on the CPU by
+    mx.fast.rope at each row's position), the block hands it unrotated q and k: mlx-lm's
+    greedy tokens, ragged batches, chunked prompts, steps launched ahead."""
+    import worker_proc.decode_block as decode_block
+    from tests.engine_driver import stand_in_in_place_kernels
+
+    _, tokenizer = tiny_model
+    stand_in_in_place_kernels(monkeypatch)
+    monkeypatch.setattr(decode_block, "ROPE_IN_ATTENTION", True)
+    prompts = _prompts(5, [3, 70, 130, 9, 40], fast_tiny.args.vocab_size, seed=32)
+    engine = InProcessEngine(fast_tiny, chunk_size=64, overlap="ahead")
+    assert engine.pool.in_place
+    assert_greedy(engine, prompts, 24, _eos(tokenizer), oracle)
+    assert all(layer._rope_spec is not None for layer in fast_tiny.layers)
+
+
+def test_rope_spec_reproduces_mlx_lm_rope_modules():
+    """The kernel's RoPE arguments: nn.RoPE's and Llama3RoPE's rotation exactly (as
+    mx.fast.rope gives it), and none for RoPEs the kernel does not do."""
+    from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE
+
+    from worker_proc.decode_block import rope_spec
+
+    x = mx.random.normal((3, 4, 1, 16))
+    offsets = mx.array([0, 7, 300])
+    llama3 = Llama3RoPE(16, base=500000.0, scaling_config={
+        "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192})
+    for module in (nn_rope(16, False, 10000.0, 1.0), nn_rope(16, True, 500000.0, 0.5), llama3):
+        spec = rope_spec(module, 16)
+        assert spec is not None
+        assert mx.array_equal(spec.apply(x, offsets), module(x, offset=offsets)).item()
+        assert spec.kernel_params.dtype == mx.float32
+    assert rope_spec(nn_rope(8, False, 10000.0, 1.0), 16) is None  # partial rotary dims
+    assert rope_spec(SuScaledRoPE(16, max_position_embeddings=4096,
+                                  short_factor=[1.0] * 8, long_factor=[1.0] * 8), 16) is None
+
+
+def nn_rope(dims: int, traditional: bool, base: float, scale: float):
+    import mlx.nn as nn
+
+    return nn.RoPE(dims, traditional=traditional, base=base, scale=scale)
+
+
+@pytest.mark.parametrize("rope_in_attention", [False, True])
+def test_fast_blocks_on_the_cuda_kernel_path_match_mlx_lm(tmp_path_factory, monkeypatch,
+                                                          rope_in_attention):
     """On the CUDA backend (residual adds inside the GEMMs, K/V stored by the attention
-    kernel, steps launched ahead, compiled): mlx-lm's greedy tokens on the demo model."""
+    kernel, steps launched ahead, compiled; and with RoPE applied by that kernel):
+    mlx-lm's greedy tokens on the demo model."""
+    import worker_proc.decode_block as decode_block
     from worker_proc.paged_attention import kernel_available
 
+    monkeypatch.setattr(decode_block, "ROPE_IN_ATTENTION", rope_in_attention)
     if not kernel_available():
         pytest.skip("the CUDA decode kernel needs MLX's CUDA backend")
     import os

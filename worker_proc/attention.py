@@ -20,7 +20,7 @@ import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from worker_proc.kv_pool import KVPool
-from worker_proc.paged_attention import (kernel_available, paged_decode_attention,
+from worker_proc.paged_attention import (RopeSpec, kernel_available, paged_decode_attention,
                                          paged_decode_write_attention,
                                          reference_decode_attention, unfused_prefill_attention,
                                          unfused_prefill_fits)
@@ -154,8 +154,15 @@ class PooledKVCache:
         """Whether this forward's K/V reached the pool (or a kernel that stores them)."""
         return self._unwritten is None
 
+    @property
+    def writes_in_attention(self) -> bool:
+        """Whether this forward's K/V go to the pool through the attention kernel (paged
+        decode on an in-place pool): then paged_attention may also rotate q and k."""
+        return (self.paged and self._layout.dense is None and self._pool.in_place
+                and WRITE_IN_ATTENTION)
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        if self.paged and self._layout.dense is None and self._pool.in_place and WRITE_IN_ATTENTION:
+        if self.writes_in_attention:
             self._unwritten = (keys, values)  # paged_attention stores them
             return self._pool.keys(self._layer), self._pool.values(self._layer)
         self._pool.write(self._layer, self._layout.write_slots, keys, values)
@@ -167,8 +174,13 @@ class PooledKVCache:
             return keys, values
         return self._pool.read(self._layer, self._layout.read_slots)
 
-    def paged_attention(self, queries: mx.array, scale: float) -> mx.array:
+    def paged_attention(self, queries: mx.array, scale: float,
+                        rope: RopeSpec | None = None) -> mx.array:
+        """rope: queries and the keys given to update_and_fetch are not rotated yet; the
+        kernel rotates them (only where writes_in_attention)."""
         layout, layer = self._layout, self._layer
+        if rope is not None and self._unwritten is None:
+            raise RuntimeError("RoPE in the attention kernel needs its K/V write there too")
         dense = layout.dense
         if dense is not None and dense.active:
             return dense.attention(layer, queries, scale)
@@ -177,7 +189,7 @@ class PooledKVCache:
             keys, values = self._unwritten
             out, mark = paged_decode_write_attention(
                 queries, keys, values, layout.write_slots, pool.layers[layer], layout.read_slots,
-                layout.lengths, scale, pool.mark(layer))
+                layout.lengths, scale, pool.mark(layer), rope)
             pool.record_write(layer, mark)
             self._unwritten = None
             return out

@@ -27,10 +27,32 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import llama, qwen2
 from mlx_lm.models.activations import swiglu
+from mlx_lm.models.rope_utils import Llama3RoPE
 
 from worker_proc.attention import PooledKVCache
+from worker_proc.paged_attention import RopeSpec
 
 logger = logging.getLogger(__name__)
+
+# Where the attention kernel stores the step's K/V (an in-place pool on CUDA), it may also
+# rotate q and k itself: the block then skips RoPE and the copy MLX's CUDA RoPE makes of
+# the strided q/k heads, two launches less a layer. Off until measured on a GPU (the
+# kernel's RoPE is written to MLX's formulas; tests/test_decode_block.py has the CUDA
+# token test); bench/step_breakdown.py's "rope in attention" variant turns it on.
+ROPE_IN_ATTENTION = False
+_UNSET = object()
+
+
+def rope_spec(rope: nn.Module, head_dim: int) -> RopeSpec | None:
+    """The RopeSpec of an mlx-lm RoPE module over whole heads of head_dim; None for any
+    other kind (scaled variants that also scale the input, partial rotary dims)."""
+    if getattr(rope, "dims", None) != head_dim:
+        return None
+    if type(rope) is nn.RoPE:
+        return RopeSpec(rope.traditional, float(rope.base), float(rope.scale))
+    if type(rope) is Llama3RoPE:  # its call: base None, scale 1, its own frequencies
+        return RopeSpec(rope.traditional, None, 1.0, rope._freqs)
+    return None
 
 
 class FastDecodeBlock:
@@ -48,14 +70,26 @@ class FastDecodeBlock:
         qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
         dim = qkv.shape[-1] // (n_q + 2 * n_kv)
         qk = qkv[..., :(n_q + n_kv) * dim].reshape(b, length, n_q + n_kv, dim).transpose(0, 2, 1, 3)
-        qk = attn.rope(qk, offset=cache.offset)
+        rope = self._kernel_rope(attn.rope, dim) if cache.writes_in_attention else None
+        if rope is None:
+            qk = attn.rope(qk, offset=cache.offset)
         values = qkv[..., (n_q + n_kv) * dim:].reshape(b, length, n_kv, dim).transpose(0, 2, 1, 3)
         cache.update_and_fetch(qk[:, n_q:], values)
-        out = cache.paged_attention(qk[:, :n_q], attn.scale)
+        out = cache.paged_attention(qk[:, :n_q], attn.scale, rope)
         h = self._residual(x, attn.o_proj, out.transpose(0, 2, 1, 3).reshape(b, length, -1))
         normed = self.post_attention_layernorm(h)  # type: ignore[attr-defined]
         gate, up = mx.split(mlp.gate_up_proj(normed), 2, axis=-1)
         return self._residual(h, mlp.down_proj, swiglu(gate, up))
+
+    def _kernel_rope(self, rope: nn.Module, head_dim: int) -> RopeSpec | None:
+        """The RoPE for the attention kernel to apply, where ROPE_IN_ATTENTION allows it
+        (made once: its kernel parameters are a device array)."""
+        if not ROPE_IN_ATTENTION:
+            return None
+        spec = getattr(self, "_rope_spec", _UNSET)
+        if spec is _UNSET:
+            spec = self._rope_spec = rope_spec(rope, head_dim)
+        return spec
 
     def _residual(self, x: mx.array, proj: nn.Module, a: mx.array) -> mx.array:
         """x + proj(a), the add inside the GEMM where it may be."""

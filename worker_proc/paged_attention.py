@@ -16,8 +16,10 @@ from __future__ import annotations
 import functools
 import logging
 import math
+from dataclasses import dataclass
 
 import mlx.core as mx
+import numpy as np
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ _BODY = r"""
     PROLOGUE
     float qv[G][E];
     for (int g = 0; g < G; ++g) {
-        for (int e = 0; e < E; ++e) qv[g][e] = static_cast<float>(q[Q_INDEX]) * sc;
+        for (int e = 0; e < E; ++e) qv[g][e] = Q_LOAD * sc;
     }
     float m[G], l[G], acc[G][E];
     for (int g = 0; g < G; ++g) {
@@ -177,56 +179,96 @@ _READ_ONLY = {
     "PROLOGUE": "",
     "LENGTH": "lengths[b]",
     "ROW_SLOTS": "table + (size_t)b * lmax",
-    "Q_INDEX": "((size_t)b * HKV * G + kvh * G + g) * D + lane * E + e",
+    "Q_LOAD": "static_cast<float>(q[((size_t)b * HKV * G + kvh * G + g) * D + lane * E + e])",
     "LOAD_KV": _pool_load("row_slots[ok[u] ? t0 + u : t0]"),
 }
-_WRITE_NEW = {
-    "PROLOGUE": """const size_t k_at = (size_t)b * k_new_strides[0] + (size_t)kvh * k_new_strides[1];
+
+
+def _write_new(rope: bool) -> dict[str, str]:
+    """The parts of the write-and-attend kernel; rope: it rotates q and the new k itself
+    (kiln_rope in _ROPE_HEADER), at each row's new position."""
+    q_at = "(size_t)b * q_strides[0] + (size_t)(kvh * G + g) * q_strides[1]"
+
+    def k_new(i: str) -> str:  # element i of the head's new key, as a float
+        if rope:
+            return f"kiln_rope<T, D, ROPE_TRADITIONAL, ROPE_FREQS>(k_new, k_at, k_new_strides[3], {i}, pos, rope)"
+        return f"static_cast<float>(k_new[k_at + (size_t)({i}) * k_new_strides[3]])"
+
+    return {
+        "PROLOGUE": """const size_t k_at = (size_t)b * k_new_strides[0] + (size_t)kvh * k_new_strides[1];
     const size_t v_at = (size_t)b * v_new_strides[0] + (size_t)kvh * v_new_strides[1];
-    if (split == 0) {  // one block per (row, head) stores the head's new K/V
+    """ + ("const float pos = static_cast<float>(len - 1);  // the new token's position\n    "
+           if rope else "") + """if (split == 0) {  // one block per (row, head) stores the head's new K/V
         P* pool = const_cast<P*>(kv_pool);
         const size_t dst = ((size_t)slots[b * slots_strides[0]] * HKV + kvh) * 2 * D;
         for (int i = threadIdx.x; i < 2 * D; i += blockDim.x) {
-            const float x = i < D ? static_cast<float>(k_new[k_at + (size_t)i * k_new_strides[3]])
+            const float x = i < D ? """ + k_new("i") + """
                                   : static_cast<float>(v_new[v_at + (size_t)(i - D) * v_new_strides[3]]);
             pool[dst + i] = static_cast<P>(x);
         }
         if (b == 0 && kvh == 0 && threadIdx.x == 0) mark[0] = 0;
     }""",
-    "LENGTH": "lengths[b * lengths_strides[0]]",
-    "ROW_SLOTS": "table + (size_t)b * table_strides[0]",
-    "Q_INDEX": "(size_t)b * q_strides[0] + (size_t)(kvh * G + g) * q_strides[1] + (size_t)(lane * E + e) * q_strides[3]",
-    "LOAD_KV": """const int t = ok[u] ? t0 + u : t0;
+        "LENGTH": "lengths[b * lengths_strides[0]]",
+        "ROW_SLOTS": "table + (size_t)b * table_strides[0]",
+        "Q_LOAD": (f"kiln_rope<T, D, ROPE_TRADITIONAL, ROPE_FREQS>(q, {q_at}, q_strides[3], lane * E + e, pos, rope)"
+                   if rope else f"static_cast<float>(q[{q_at} + (size_t)(lane * E + e) * q_strides[3]])"),
+        "LOAD_KV": """const int t = ok[u] ? t0 + u : t0;
             if (t == len - 1) {  // this step's token: stored as the pool would round it
                 for (int e = 0; e < E; ++e) {
-                    kv[u][e] = static_cast<float>(static_cast<P>(k_new[k_at + (size_t)(lane * E + e) * k_new_strides[3]]));
+                    kv[u][e] = static_cast<float>(static_cast<P>(""" + k_new("lane * E + e") + """));
                     vv[u][e] = static_cast<float>(static_cast<P>(v_new[v_at + (size_t)(lane * E + e) * v_new_strides[3]]));
                 }
             } else {
                 """ + _pool_load("row_slots[t * table_strides[1]]") + """
             }""",
+    }
+
+
+# Element d of a head rotated as mx.fast.rope rotates it (MLX's CUDA RoPE, same formulas
+# and order, so the same rounding where the compiler contracts alike): over the whole head,
+# at position pos, rounded to T as RoPE's output is. x[at + j * step] is the head's element j;
+# rope: [log2(base), scale] or [unused, scale, *freqs] (ROPE_FREQS: frequencies given).
+_ROPE_HEADER = r"""
+template <typename T, int D, bool TRAD, bool FREQS, typename X>
+__device__ float kiln_rope(const X* x, size_t at, int64_t step, int d, float pos,
+                           const float* rope) {
+    constexpr int HALF = D / 2;
+    const int i = TRAD ? d / 2 : d % HALF;
+    const bool first = TRAD ? d % 2 == 0 : d < HALF;
+    const int d1 = TRAD ? 2 * i : i;
+    const int d2 = TRAD ? 2 * i + 1 : i + HALF;
+    const float inv_freq = FREQS
+        ? static_cast<float>(1.0 / rope[2 + i])
+        : exp2f(-(static_cast<float>(i) / static_cast<float>(HALF)) * rope[0]);
+    const float theta = (rope[1] * pos) * inv_freq;
+    const float c = cosf(theta);  // what MLX's cos(float) and sin(float) call
+    const float s = sinf(theta);
+    const float x1 = static_cast<float>(x[at + (size_t)d1 * step]);
+    const float x2 = static_cast<float>(x[at + (size_t)d2 * step]);
+    return static_cast<float>(static_cast<T>(first ? x1 * c - x2 * s : x1 * s + x2 * c));
 }
+"""
 
 
-def _source(direct: bool, write_new: bool) -> str:
+def _source(direct: bool, write_new: bool, rope: bool = False) -> str:
     source = _BODY.replace("WRITE", _DIRECT_WRITE if direct else _SPLIT_WRITE)
-    for name, text in (_WRITE_NEW if write_new else _READ_ONLY).items():
+    for name, text in (_write_new(rope) if write_new else _READ_ONLY).items():
         source = source.replace(name, text)
     return source
 
 
 @functools.cache
-def _kernel(direct: bool, write_new: bool = False):
+def _kernel(direct: bool, write_new: bool = False, rope: bool = False):
     outputs = ["out"] if direct else ["out", "out_ml"]
     if write_new:
         return mx.fast.cuda_kernel(
-            name=f"kiln_paged_write_decode_{'direct' if direct else 'split'}",
+            name=f"kiln_paged_write{'_rope' if rope else ''}_decode_{'direct' if direct else 'split'}",
             # `written`: the mark of the layer's previous in-place write, which this
             # launch follows; `mark` (out): this launch's, as pool_write_in_place's.
             input_names=["q", "kv_pool", "table", "lengths", "scale", "written", "k_new",
-                         "v_new", "slots"],
-            output_names=[*outputs, "mark"], source=_source(direct, True),
-            ensure_row_contiguous=False)
+                         "v_new", "slots", *(["rope"] if rope else [])],
+            output_names=[*outputs, "mark"], source=_source(direct, True, rope),
+            header=_ROPE_HEADER if rope else "", ensure_row_contiguous=False)
     return mx.fast.cuda_kernel(
         name="kiln_paged_decode_direct" if direct else "kiln_paged_decode_split",
         # `written`: the mark of this layer's in-place pool write (pool_write_in_place),
@@ -276,23 +318,54 @@ def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
     return out
 
 
+@dataclass(frozen=True)
+class RopeSpec:
+    """A RoPE over whole heads that the write-and-attend kernel applies to q and the new
+    keys itself, at each row's new position (length - 1): mx.fast.rope's math with these
+    arguments (base None: freqs given)."""
+
+    traditional: bool
+    base: float | None
+    scale: float
+    freqs: mx.array | None = None
+
+    def apply(self, x: mx.array, offset: int | mx.array) -> mx.array:
+        """The same rotation by mx.fast.rope (what the kernel replaces)."""
+        return mx.fast.rope(x, x.shape[-1], traditional=self.traditional, base=self.base,
+                            scale=self.scale, offset=offset, freqs=self.freqs)
+
+    @functools.cached_property
+    def kernel_params(self) -> mx.array:
+        """The kernel's `rope` input: [log2(base), scale], or [0, scale, *freqs]."""
+        if self.freqs is None:
+            assert self.base is not None
+            # float32 like MLX's std::log2 of its float base
+            return mx.array(np.array([np.log2(np.float32(self.base)), self.scale], np.float32))
+        head = mx.array([0.0, self.scale], dtype=mx.float32)
+        return mx.concatenate([head, self.freqs.astype(mx.float32)])
+
+
 def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
                                  slots: mx.array, kv_pool: mx.array, table: mx.array,
-                                 lengths: mx.array, scale: float,
-                                 after: mx.array | None = None) -> tuple[mx.array, mx.array]:
+                                 lengths: mx.array, scale: float, after: mx.array | None = None,
+                                 rope: RopeSpec | None = None) -> tuple[mx.array, mx.array]:
     """paged_decode_attention for a pool written in place, storing the step's new keys
     and values ([B, Hkv, 1, D] each, any strides) at slots [B] in the same launch: the
     pool write of pool_write_in_place and the attention in one kernel, a launch less per
     layer and step. Follows the write whose mark is `after`; returns the attention's
-    output and this write's mark (see pool_write_in_place)."""
+    output and this write's mark (see pool_write_in_place). rope: q and keys come
+    unrotated ([B, Hq, 1, D] any strides, as keys), and the kernel rotates them (two
+    launches less a layer: RoPE and the copy MLX's RoPE makes of strided heads)."""
     inputs = [q, kv_pool, table, lengths, _scale(scale), _follow(after), keys, values, slots]
-    out, mark = _attend(inputs, q, kv_pool, table.shape[1], write_new=True)
+    if rope is not None:
+        inputs.append(rope.kernel_params)
+    out, mark = _attend(inputs, q, kv_pool, table.shape[1], write_new=True, rope=rope)
     assert mark is not None
     return out, mark
 
 
 def _attend(inputs: list[mx.array], q: mx.array, kv_pool: mx.array, width: int,
-            write_new: bool) -> tuple[mx.array, mx.array | None]:
+            write_new: bool, rope: RopeSpec | None = None) -> tuple[mx.array, mx.array | None]:
     """Launch the decode kernel (and the merge, for several splits): [B, Hq, 1, D], and
     the write's mark when it stores the new K/V."""
     batch, n_q, _, dim = q.shape
@@ -303,13 +376,15 @@ def _attend(inputs: list[mx.array], q: mx.array, kv_pool: mx.array, width: int,
     mark_shape, mark_dtype = ([(1,)], [mx.int32]) if write_new else ([], [])
     if write_new:
         template.append(("P", kv_pool.dtype))
+    if rope is not None:
+        template += [("ROPE_TRADITIONAL", rope.traditional), ("ROPE_FREQS", rope.freqs is not None)]
     grid = (splits * _THREADS, n_kv, batch)
     if splits == 1:
-        out, *mark = _kernel(True, write_new)(
+        out, *mark = _kernel(True, write_new, rope is not None)(
             inputs=inputs, template=template, grid=grid, threadgroup=(_THREADS, 1, 1),
             output_shapes=[(batch, n_q, dim), *mark_shape], output_dtypes=[q.dtype, *mark_dtype])
         return out.reshape(batch, n_q, 1, dim), (mark[0] if mark else None)
-    acc, ml, *mark = _kernel(False, write_new)(
+    acc, ml, *mark = _kernel(False, write_new, rope is not None)(
         inputs=inputs, template=template, grid=grid, threadgroup=(_THREADS, 1, 1),
         output_shapes=[(batch, n_kv, splits, group, dim), (batch, n_kv, splits, group, 2),
                        *mark_shape],
