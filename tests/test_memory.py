@@ -100,6 +100,13 @@ def test_cuda_graph_budgets_are_raised_on_cuda_only_and_yield_to_the_environment
     assert not any(name in os.environ for name in memory.CUDA_GRAPH_BUDGETS)
 
     monkeypatch.setattr(mx, "cuda", type("Cuda", (), {"is_available": staticmethod(lambda: True)}))
+    free = {"free_memory": memory.LARGE_DEVICE_BYTES}
+    monkeypatch.setattr(mx, "device_info", lambda: free)
     monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "40")  # the user's setting wins
     assert memory.raise_cuda_graph_budgets() == {"MLX_MAX_MB_PER_BUFFER": "100000",
                                                  "MLX_MAX_OPS_PER_BUFFER": "40"}
+    for name in memory.CUDA_GRAPH_BUDGETS:
+        monkeypatch.delenv(name)
+    free["free_memory"] = memory.LARGE_DEVICE_BYTES - 1  # a smaller device: MLX's op budget
+    assert memory.raise_cuda_graph_budgets() == {"MLX_MAX_MB_PER_BUFFER": "100000"}
+    assert "MLX_MAX_OPS_PER_BUFFER" not in os.environ

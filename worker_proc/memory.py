@@ -65,20 +65,28 @@ def bound_cuda_cache() -> int | None:
 # a graph update and launch of host time. Raised, the H200 served 64 streams at 7,386
 # tok/s against 6,853 (ITL 7.3 against 8.1 ms) and one stream at 5.5 against 5.6 ms;
 # 128 streams were level (10,943 against 11,145), docs/benchmarks.md session 7.
+# The op budget also bounds how many kernels' buffers a graph holds until it completes:
+# at 250 the H200's peak memory rose ~19 GiB (8B model, prefill forwards of up to 2,048
+# tokens). So it is raised only on a device with LARGE_DEVICE_BYTES free before the
+# model loads; elsewhere only the element budget is, and MLX's own op budget stays.
 CUDA_GRAPH_BUDGETS = {"MLX_MAX_MB_PER_BUFFER": "100000", "MLX_MAX_OPS_PER_BUFFER": "250"}
+LARGE_DEVICE_BYTES = 96 << 30
 
 
 def raise_cuda_graph_budgets() -> dict[str, str]:
-    """On MLX's CUDA backend, set CUDA_GRAPH_BUDGETS where the environment has not set
-    them; MLX reads them once, at the process's first GPU work, so call before any.
-    Returns the values in force (empty elsewhere: Metal has variables of these names
-    with other meanings)."""
+    """On MLX's CUDA backend, set CUDA_GRAPH_BUDGETS (the op budget only on a large
+    device) where the environment has not set them; MLX reads them once, at the
+    process's first GPU work, so call before any. Returns the values set or in force
+    (empty elsewhere: Metal has variables of these names with other meanings)."""
     cuda = getattr(mx, "cuda", None)
     if cuda is None or not cuda.is_available():
         return {}
-    for name, value in CUDA_GRAPH_BUDGETS.items():
-        os.environ.setdefault(name, value)
-    return {name: os.environ[name] for name in CUDA_GRAPH_BUDGETS}
+    names = list(CUDA_GRAPH_BUDGETS)
+    if int(mx.device_info().get("free_memory", 0)) < LARGE_DEVICE_BYTES:
+        names.remove("MLX_MAX_OPS_PER_BUFFER")
+    for name in names:
+        os.environ.setdefault(name, CUDA_GRAPH_BUDGETS[name])
+    return {name: os.environ[name] for name in CUDA_GRAPH_BUDGETS if name in os.environ}
 
 
 def pool_slots(config: ServerConfig, bytes_per_slot: int, max_context: int) -> int:
