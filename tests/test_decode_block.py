@@ -126,7 +126,7 @@ def test_rope_in_attention_decodes_mlx_lm_tokens(tiny_model, oracle, fast_tiny, 
     engine = InProcessEngine(fast_tiny, chunk_size=64, overlap="ahead")
     assert engine.pool.in_place
     assert_greedy(engine, prompts, 24, _eos(tokenizer), oracle)
-    assert all(layer._rope_spec is not None for layer in fast_tiny.layers)
+    assert all(layer.rope_spec is not None for layer in fast_tiny.layers)
 
 
 def test_rope_spec_reproduces_mlx_lm_rope_modules():
@@ -142,13 +142,24 @@ def test_rope_spec_reproduces_mlx_lm_rope_modules():
         "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192})
     for module in (nn_rope(16, False, 10000.0, 1.0), nn_rope(16, True, 500000.0, 0.5), llama3):
-        spec = rope_spec(module, 16)
-        assert spec is not None
+        spec = rope_spec(module)
+        assert spec is not None and spec.dims == 16
         assert mx.array_equal(spec.apply(x, offsets), module(x, offset=offsets)).item()
         assert spec.kernel_params.dtype == mx.float32
-    assert rope_spec(nn_rope(8, False, 10000.0, 1.0), 16) is None  # partial rotary dims
     assert rope_spec(SuScaledRoPE(16, max_position_embeddings=4096,
-                                  short_factor=[1.0] * 8, long_factor=[1.0] * 8), 16) is None
+                                  short_factor=[1.0] * 8, long_factor=[1.0] * 8)) is None
+
+
+def test_rope_over_part_of_a_head_stays_with_the_block(fast_tiny, monkeypatch):
+    """A RoPE over fewer dims than the head (partial rotary) is not the kernel's to do."""
+    import worker_proc.decode_block as decode_block
+
+    monkeypatch.setattr(decode_block, "ROPE_IN_ATTENTION", True)
+    block = fast_tiny.layers[0]
+    head = block.rope_spec.dims
+    assert block._kernel_rope(head) is block.rope_spec
+    block.rope_spec = decode_block.rope_spec(nn_rope(head // 2, False, 10000.0, 1.0))
+    assert block._kernel_rope(head) is None
 
 
 def nn_rope(dims: int, traditional: bool, base: float, scale: float):

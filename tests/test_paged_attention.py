@@ -150,7 +150,7 @@ def test_cuda_write_attention_rotates_q_and_k_as_mx_fast_rope(traditional, freqs
         mx.bfloat16)
     heads = fused.reshape(b, 1, 48, 128).transpose(0, 2, 1, 3)  # [B, 48, 1, D], strided
     q_raw, keys_raw, values = heads[:, :32], heads[:, 32:40], heads[:, 40:]
-    spec = RopeSpec(traditional, None if freqs else 500000.0, 1.0 if freqs else 0.5,
+    spec = RopeSpec(128, traditional, None if freqs else 500000.0, 1.0 if freqs else 0.5,
                     mx.array(np.geomspace(1.0, 4e5, 64).astype(np.float32)) if freqs else None)
     slots = table[mx.arange(b), ln - 1]
     separate, rotated = kv + 0, kv + 0

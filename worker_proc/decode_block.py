@@ -38,20 +38,17 @@ logger = logging.getLogger(__name__)
 # rotate q and k itself: the block then skips RoPE and the copy MLX's CUDA RoPE makes of
 # the strided q/k heads, two launches less a layer. Off until measured on a GPU (the
 # kernel's RoPE is written to MLX's formulas; tests/test_decode_block.py has the CUDA
-# token test); bench/step_breakdown.py's "rope in attention" variant turns it on.
+# token test); bench/step_breakdown.py's "rope in kernel" variant turns it on.
 ROPE_IN_ATTENTION = False
-_UNSET = object()
 
 
-def rope_spec(rope: nn.Module, head_dim: int) -> RopeSpec | None:
-    """The RopeSpec of an mlx-lm RoPE module over whole heads of head_dim; None for any
-    other kind (scaled variants that also scale the input, partial rotary dims)."""
-    if getattr(rope, "dims", None) != head_dim:
-        return None
+def rope_spec(rope: nn.Module) -> RopeSpec | None:
+    """The RopeSpec of an mlx-lm RoPE module (nn.RoPE, Llama3RoPE); None for other kinds
+    (scaled variants that also scale the input)."""
     if type(rope) is nn.RoPE:
-        return RopeSpec(rope.traditional, float(rope.base), float(rope.scale))
+        return RopeSpec(rope.dims, rope.traditional, float(rope.base), float(rope.scale))
     if type(rope) is Llama3RoPE:  # its call: base None, scale 1, its own frequencies
-        return RopeSpec(rope.traditional, None, 1.0, rope._freqs)
+        return RopeSpec(rope.dims, rope.traditional, None, 1.0, rope._freqs)
     return None
 
 
@@ -60,6 +57,7 @@ class FastDecodeBlock:
     submodules stay where mlx-lm put them; only the call differs, for paged decode."""
 
     residual_in_gemm: bool = False  # set per block by speed_up_decode_blocks
+    rope_spec: RopeSpec | None = None  # its attention's RoPE, ditto
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if not (isinstance(cache, PooledKVCache) and cache.paged):
@@ -70,7 +68,7 @@ class FastDecodeBlock:
         qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
         dim = qkv.shape[-1] // (n_q + 2 * n_kv)
         qk = qkv[..., :(n_q + n_kv) * dim].reshape(b, length, n_q + n_kv, dim).transpose(0, 2, 1, 3)
-        rope = self._kernel_rope(attn.rope, dim) if cache.writes_in_attention else None
+        rope = self._kernel_rope(dim) if cache.writes_in_attention else None
         if rope is None:
             qk = attn.rope(qk, offset=cache.offset)
         values = qkv[..., (n_q + n_kv) * dim:].reshape(b, length, n_kv, dim).transpose(0, 2, 1, 3)
@@ -81,15 +79,13 @@ class FastDecodeBlock:
         gate, up = mx.split(mlp.gate_up_proj(normed), 2, axis=-1)
         return self._residual(h, mlp.down_proj, swiglu(gate, up))
 
-    def _kernel_rope(self, rope: nn.Module, head_dim: int) -> RopeSpec | None:
-        """The RoPE for the attention kernel to apply, where ROPE_IN_ATTENTION allows it
-        (made once: its kernel parameters are a device array)."""
-        if not ROPE_IN_ATTENTION:
-            return None
-        spec = getattr(self, "_rope_spec", _UNSET)
-        if spec is _UNSET:
-            spec = self._rope_spec = rope_spec(rope, head_dim)
-        return spec
+    def _kernel_rope(self, head_dim: int) -> RopeSpec | None:
+        """The RoPE for the attention kernel to apply (see ROPE_IN_ATTENTION): the block's
+        own, where the kernel can do it (over whole heads)."""
+        spec = self.rope_spec
+        if ROPE_IN_ATTENTION and spec is not None and spec.dims == head_dim:
+            return spec
+        return None
 
     def _residual(self, x: mx.array, proj: nn.Module, a: mx.array) -> mx.array:
         """x + proj(a), the add inside the GEMM where it may be."""
@@ -132,6 +128,9 @@ def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
         if _eligible(module):
             module.__class__ = _FAST_CLASSES[type(module)]
             module.residual_in_gemm = residual_in_gemm
+            module.rope_spec = rope_spec(module.self_attn.rope)
+            if module.rope_spec is not None:  # evaluated here, never inside a compiled trace
+                mx.eval(module.rope_spec.kernel_params)
             count += 1
     if count:
         logger.info("%d blocks take the fast decode call (residual adds in GEMMs: %s)",

@@ -320,10 +320,11 @@ def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """A RoPE over whole heads that the write-and-attend kernel applies to q and the new
-    keys itself, at each row's new position (length - 1): mx.fast.rope's math with these
-    arguments (base None: freqs given)."""
+    """A RoPE that the write-and-attend kernel applies to q and the new keys itself, at
+    each row's new position (length - 1): mx.fast.rope's math with these arguments (base
+    None: freqs given), over whole heads (the kernel takes dims == the head size only)."""
 
+    dims: int
     traditional: bool
     base: float | None
     scale: float
@@ -331,7 +332,7 @@ class RopeSpec:
 
     def apply(self, x: mx.array, offset: int | mx.array) -> mx.array:
         """The same rotation by mx.fast.rope (what the kernel replaces)."""
-        return mx.fast.rope(x, x.shape[-1], traditional=self.traditional, base=self.base,
+        return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base,
                             scale=self.scale, offset=offset, freqs=self.freqs)
 
     @functools.cached_property
