@@ -24,7 +24,8 @@ KILN_B_ENV=${KILN_B_ENV:-}    # ... and this environment (K=V ...), for A/B runs
 MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5; see
                                # bench/mlx_lm_server_backlog.py)
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any;
-                                       # also: launch, bench/launch_cost.py)
+                                       # also: launch, bench/launch_cost.py; gemm,
+                                       # bench/skinny_gemm.py)
 BREAKDOWN_VARIANTS=${BREAKDOWN_VARIANTS:-}  # step_breakdown --variants (';'-joined; default all)
 BREAKDOWN_ROUNDS=${BREAKDOWN_ROUNDS:-1}  # step_breakdown --rounds (interleaved repeats; the
                                         # host's speed drifts, so A/B runs want 3 or more)
@@ -59,6 +60,11 @@ echo "== host time per graph node"
 timeout 120 "$PYTHON" bench/launch_cost.py 2>&1 | tee "$OUT/launch_cost.txt"
 fi
 
+if has gemm; then
+echo "== decode-shaped GEMM: custom kernel against cuBLAS"
+timeout 150 "$PYTHON" bench/skinny_gemm.py 2>&1 | tee "$OUT/skinny_gemm.txt"
+fi
+
 if has sweep; then
 echo "== serving, side by side"
 OUT=$OUT timeout $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MODEL" \
@@ -73,8 +79,9 @@ fi
 
 # At most 8 files come back from a device call: the two short reports travel as one,
 # the logs as one archive.
-cat "$OUT"/kernel_tests.txt "$OUT"/step_breakdown.txt "$OUT"/launch_cost.txt > "$OUT/session.txt" 2>/dev/null
-rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" "$OUT/launch_cost.txt"
+cat "$OUT"/kernel_tests.txt "$OUT"/step_breakdown.txt "$OUT"/launch_cost.txt "$OUT"/skinny_gemm.txt \
+    > "$OUT/session.txt" 2>/dev/null
+rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" "$OUT/launch_cost.txt" "$OUT/skinny_gemm.txt"
 [ -s "$OUT/session.txt" ] || rm -f "$OUT/session.txt"
 if compgen -G "$OUT/*.log" >/dev/null; then
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)
