@@ -67,10 +67,16 @@ _SOURCE = r"""
     for (int i = 0; i < MT; ++i)
         for (int j = 0; j < NT; ++j)
             for (int r = 0; r < 4; ++r) acc[i][j][r] = 0.f;
+    // The weight stream is what the kernel waits on (DRAM; x is small and stays in L2):
+    // the next stretch's weights are loaded before this stretch's MMAs.
+    uint4 wv[NT];
+    for (int j = 0; j < NT; ++j) wv[j] = w4[(size_t)(n_first + 8 * j + g) * K8 + (k_begin >> 3) + t];
     for (int k0 = k_begin; k0 < k_begin + k_span; k0 += 32) {
         const int kq = (k0 >> 3) + t;
-        uint4 wv[NT];
-        for (int j = 0; j < NT; ++j) wv[j] = w4[(size_t)(n_first + 8 * j + g) * K8 + kq];
+        uint4 wn[NT];
+        const bool more = k0 + 32 < k_begin + k_span;
+        for (int j = 0; j < NT; ++j)
+            wn[j] = more ? w4[(size_t)(n_first + 8 * j + g) * K8 + kq + 4] : zero4;
         for (int i = 0; i < MT; ++i) {
             const int r0 = 16 * i + g;
             const uint4 lo = r0 < M ? x4[(size_t)r0 * K8 + kq] : zero4;
@@ -80,6 +86,7 @@ _SOURCE = r"""
                 kiln_mma(acc[i][j], lo.z, hi.z, lo.w, hi.w, wv[j].z, wv[j].w);
             }
         }
+        for (int j = 0; j < NT; ++j) wv[j] = wn[j];
     }
     __shared__ float part[KW][16 * MT][8 * NT];
     for (int i = 0; i < MT; ++i) {
