@@ -35,7 +35,7 @@ export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 
 if has tests; then
 echo "== kernel tests"
-timeout 200 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_decode_block.py \
+timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_decode_block.py tests/test_skinny_gemm.py \
     tests/test_worker.py -k "not test_batched_chunked" 2>&1 | tail -4 | tee "$OUT/kernel_tests.txt"
 fi
 

@@ -173,7 +173,7 @@ def test_fast_blocks_on_the_cuda_kernel_path_match_mlx_lm(tmp_path_factory, monk
                                                           rope_in_attention):
     """On the CUDA backend (residual adds inside the GEMMs, K/V stored by the attention
     kernel, steps launched ahead, compiled; and with RoPE applied by that kernel):
-    mlx-lm's greedy tokens on the demo model."""
+    mlx-lm's greedy tokens on the (float32) demo model."""
     import worker_proc.decode_block as decode_block
     from worker_proc.paged_attention import kernel_available
 
