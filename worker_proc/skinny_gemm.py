@@ -5,7 +5,7 @@ of host time a call (bench/launch_cost.py) against ~4 us for a custom kernel: it
 cuBLASLt descriptors and asks for a heuristic on every call, then records the call by
 stream capture. Four GEMMs a layer are ~2.2 ms of a ~7.3 ms step. `gemm` computes
 x @ w.T (+ bias) (+ residual) for few rows (x [M, K], w [N, K] as nn.Linear keeps it,
-bf16 or fp16) with tensor cores (mma.sync m16n8k16 through inline PTX, no shared memory
+bf16) with tensor cores (mma.sync m16n8k16 through inline PTX, no shared memory
 for the operands): each warp owns NT tiles of 8 output columns and a 1/KW slice of K,
 streams its weight rows 16 bytes a lane, and the block's KW warps add their partial sums
 in shared memory. Within a 32-wide stretch of K each lane loads 8 consecutive k of a row,
@@ -28,7 +28,7 @@ from worker_proc.paged_attention import kernel_available
 
 # Decode batches of up to this many rows take the kernel (0: none; at most 128).
 MAX_ROWS = 0
-DTYPES = (mx.bfloat16, mx.float16)  # what the kernel's MMA takes
+DTYPES = (mx.bfloat16,)  # what the kernel's MMA instruction is written for
 
 _HEADER = r"""
 __device__ __forceinline__ void kiln_mma(float* c, unsigned a0, unsigned a1, unsigned a2,
@@ -137,10 +137,12 @@ def fits(m: int, k: int, n: int) -> bool:
 
 def gemm(x: mx.array, w: mx.array, bias: mx.array | None = None,
          residual: mx.array | None = None) -> mx.array:
-    """x [M, K] @ w [N, K].T (+ bias [N]) (+ residual [M, N]) in x's dtype, M <= 128
-    (see fits). CUDA only."""
+    """x [M, K] @ w [N, K].T (+ bias [N]) (+ residual [M, N]), bf16, M <= 128 (see fits).
+    CUDA only."""
     m, k = x.shape
     n = w.shape[0]
+    if x.dtype != mx.bfloat16 or w.dtype != mx.bfloat16:
+        raise ValueError("skinny gemm: bf16 operands only")
     if not fits(m, k, n):
         raise ValueError(f"skinny gemm: unsupported sizes M={m} K={k} N={n}")
     mt, nt, kw = tiles(m)
@@ -153,8 +155,7 @@ def gemm(x: mx.array, w: mx.array, bias: mx.array | None = None,
 
 
 def linear(layer: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array | None:
-    """layer(x) (+ residual) through gemm where it applies: a plain nn.Linear in bf16 or
-    fp16, a batch of at most MAX_ROWS rows, sizes gemm takes, MLX's CUDA backend. None
+    """layer(x) (+ residual) through gemm where it applies: a plain bf16 nn.Linear, a batch of at most MAX_ROWS rows, sizes gemm takes, MLX's CUDA backend. None
     elsewhere (the caller computes it as before)."""
     if type(layer) is not nn.Linear or not MAX_ROWS:
         return None
