@@ -53,6 +53,9 @@ def main() -> None:
     p.add_argument("--output-tokens", type=int, default=64)
     p.add_argument("--kiln-args", default="", help="extra launch.py flags")
     p.add_argument("--out-dir", default=str(ROOT / "bench" / "results"))
+    p.add_argument("--tag", default="",
+                   help="write compare_mlx_lm_TAG.json instead of compare_mlx_lm.json (which "
+                        "each untagged run replaces)")
     args = p.parse_args()
 
     from launch import resolve_model
@@ -81,8 +84,10 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
     ratio = results["kiln"]["output_tok_s"] / max(results["mlx_lm.server"]["output_tok_s"], 1e-9)
-    summary = {"model": args.model, "results": results, "kiln_over_mlx_lm": round(ratio, 3)}
-    (out / "compare_mlx_lm.json").write_text(json.dumps(summary, indent=2) + "\n")
+    summary = {"model": args.model, "kiln_args": args.kiln_args, "results": results,
+               "kiln_over_mlx_lm": round(ratio, 3)}
+    name = f"compare_mlx_lm_{args.tag}.json" if args.tag else "compare_mlx_lm.json"
+    (out / name).write_text(json.dumps(summary, indent=2) + "\n")
     print(f"\n{'server':<16}{'out tok/s':>12}{'TTFT p50 ms':>14}{'ITL p50 ms':>12}{'failed':>8}")
     for name, r in results.items():
         print(f"{name:<16}{r['output_tok_s']:>12}{r['ttft_ms']['p50']:>14}{r['itl_ms']['p50']:>12}"
