@@ -37,6 +37,10 @@ def test_kernel_matches_matmul(rows, bias, residual):
     err = mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item()
     assert got.shape == (rows, n) and got.dtype == mx.bfloat16
     assert err <= scale * 2 ** -7, (err, scale)
+    # a decode input's [B, 1, K] shape, as the block passes it: the same rows
+    shaped = skinny_gemm.gemm(x.reshape(rows, 1, k), w, bias=b,
+                              residual=None if r is None else r.reshape(rows, 1, n))
+    assert shaped.shape == (rows, 1, n) and mx.array_equal(shaped.reshape(rows, n), got).item()
 
 
 def test_sizes_the_kernel_takes():

@@ -51,8 +51,8 @@ _SOURCE = r"""
     const int warp = threadIdx.x >> 5;
     const int g = lane >> 2;
     const int t = lane & 3;
-    const int M = x_shape[0];
-    const int K = x_shape[1];
+    const int M = ROWS;  // x: ROWS rows of K, any leading shape (row-contiguous)
+    const int K = w_shape[1];
     const int N = w_shape[0];
     const int K8 = K / 8;
     const int n_first = blockIdx.x * (8 * NT);
@@ -137,26 +137,31 @@ def fits(m: int, k: int, n: int) -> bool:
 
 def gemm(x: mx.array, w: mx.array, bias: mx.array | None = None,
          residual: mx.array | None = None) -> mx.array:
-    """x [M, K] @ w [N, K].T (+ bias [N]) (+ residual [M, N]), bf16, M <= 128 (see fits).
-    CUDA only."""
-    m, k = x.shape
+    """x [..., K] @ w [N, K].T (+ bias [N]) (+ residual [..., N]), bf16, at most 128 rows
+    (see fits); leading dims as x's, so a [B, 1, K] decode input needs no reshape (a graph
+    node each). CUDA only."""
+    k = x.shape[-1]
+    m = x.size // k
     n = w.shape[0]
     if x.dtype != mx.bfloat16 or w.dtype != mx.bfloat16:
         raise ValueError("skinny gemm: bf16 operands only")
-    if not fits(m, k, n):
+    if not fits(m, k, n) or w.shape[1] != k:
         raise ValueError(f"skinny gemm: unsupported sizes M={m} K={k} N={n}")
     mt, nt, kw = tiles(m)
     inputs = [x, w] + [a for a in (bias, residual) if a is not None]
     (y,) = _kernel(bias is not None, residual is not None)(
-        inputs=inputs, template=[("T", x.dtype), ("MT", mt), ("NT", nt), ("KW", kw)],
+        inputs=inputs,
+        # ROWS as a template value: decode batches come in a few bucket sizes
+        template=[("T", x.dtype), ("ROWS", m), ("MT", mt), ("NT", nt), ("KW", kw)],
         grid=(n // (8 * nt) * 32 * kw, 1, 1), threadgroup=(32 * kw, 1, 1),
-        output_shapes=[(m, n)], output_dtypes=[x.dtype])
+        output_shapes=[(*x.shape[:-1], n)], output_dtypes=[x.dtype])
     return y
 
 
 def linear(layer: nn.Module, x: mx.array, residual: mx.array | None = None) -> mx.array | None:
-    """layer(x) (+ residual) through gemm where it applies: a plain bf16 nn.Linear, a batch of at most MAX_ROWS rows, sizes gemm takes, MLX's CUDA backend. None
-    elsewhere (the caller computes it as before)."""
+    """layer(x) (+ residual) through gemm where it applies: a plain bf16 nn.Linear, a
+    batch of at most MAX_ROWS rows, sizes gemm takes, MLX's CUDA backend. None elsewhere
+    (the caller computes it as before)."""
     if type(layer) is not nn.Linear or not MAX_ROWS:
         return None
     w = layer.weight
@@ -164,9 +169,7 @@ def linear(layer: nn.Module, x: mx.array, residual: mx.array | None = None) -> m
     if (rows > MAX_ROWS or x.dtype != w.dtype or w.dtype not in DTYPES
             or not fits(rows, w.shape[1], w.shape[0]) or not available()):
         return None
-    out = gemm(x.reshape(rows, -1), w, layer.get("bias"),
-               None if residual is None else residual.reshape(rows, -1))
-    return out.reshape(*x.shape[:-1], w.shape[0])
+    return gemm(x, w, layer.get("bias"), residual)
 
 
 def available() -> bool:
