@@ -157,8 +157,8 @@ def stand_in_kernel_path(monkeypatch: Any) -> None:
 def stand_in_in_place_kernels(monkeypatch: Any) -> None:
     """On the CPU, the CUDA path with an in-place pool (eager decode only): the write and
     write-and-attend kernels stood in by plain-MLX scatters into the layer's array object
-    (what KVPool.layers holds), returning a zero mark as the kernels do; RoPE in the
-    write-and-attend kernel by mx.fast.rope."""
+    (what KVPool.layers holds), returning a zero mark as the kernels do; the fused q/k/v
+    kernel's RoPE by mx.fast.rope."""
     import mlx.core as mx
 
     import worker_proc.attention as attention
@@ -172,14 +172,22 @@ def stand_in_in_place_kernels(monkeypatch: Any) -> None:
         pool[slots] = rows.reshape(b * s, h, -1).astype(pool.dtype)
         return mx.zeros((1,), dtype=mx.int32)
 
-    def write_attention(q, keys, values, slots, pool, table, lengths, scale, after=None,  # noqa: ANN001, ANN202
-                        rope=None):
-        if rope is not None:  # the kernel's RoPE, at each row's new position
-            q, keys = (rope.apply(x, lengths - 1) for x in (q, keys))
+    def write_attention(q, keys, values, slots, pool, table, lengths, scale, after=None):  # noqa: ANN001, ANN202
         mark = write(pool, slots, keys, values)
         return reference_decode_attention(q, pool, table, lengths, scale, mark), mark
+
+    def qkv_attention(qkv, n_q, rope, slots, pool, table, lengths, scale, after=None):  # noqa: ANN001, ANN202
+        b, n_kv = qkv.shape[0], pool.shape[1]
+        dim = qkv.shape[-1] // (n_q + 2 * n_kv)
+        heads = qkv.reshape(b, 1, n_q + 2 * n_kv, dim).transpose(0, 2, 1, 3)
+        q, keys = (rope.apply(x, lengths - 1)  # the kernel's RoPE, at each row's position
+                   for x in (heads[:, :n_q], heads[:, n_q:n_q + n_kv]))
+        out, mark = write_attention(q, keys, heads[:, n_q + n_kv:], slots, pool, table, lengths,
+                                    scale)
+        return out.transpose(0, 2, 1, 3).reshape(b, 1, n_q * dim), mark
 
     stand_in_kernel_path(monkeypatch)
     monkeypatch.setattr(kv_pool, "paged_kernel_fits", lambda specs: True)
     monkeypatch.setattr(kv_pool, "pool_write_in_place", write)
     monkeypatch.setattr(attention, "paged_decode_write_attention", write_attention)
+    monkeypatch.setattr(attention, "paged_decode_qkv_attention", qkv_attention)

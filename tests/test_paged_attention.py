@@ -136,35 +136,37 @@ def test_cuda_write_attention_equals_a_write_then_attention(lengths):
 
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
 @pytest.mark.parametrize("traditional,freqs", [(False, False), (True, False), (False, True)])
-def test_cuda_write_attention_rotates_q_and_k_as_mx_fast_rope(traditional, freqs):
-    """Given unrotated q and keys (strided views of one projection, as a fused block has
-    them) and a RopeSpec, the kernel stores the keys rotated as mx.fast.rope rotates them
-    at each row's position, bit for bit, and attends with q rotated the same way."""
-    from worker_proc.paged_attention import RopeSpec
+def test_cuda_qkv_attention_rotates_q_and_k_as_mx_fast_rope(traditional, freqs):
+    """From a fused q/k/v projection's output, unrotated, the kernel stores the keys rotated
+    as mx.fast.rope rotates them at each row's position (bit for bit, against RoPE and the
+    separate in-place write) and attends with q rotated the same way, its output in the
+    o projection's layout [B, 1, Hq * D]."""
+    from worker_proc.paged_attention import RopeSpec, paged_decode_qkv_attention
 
     lengths = [1, 300, 33, 257]
     q, kv, table, ln = _case(n_q=32, n_kv=8, dim=128, dtype=mx.bfloat16, lengths=lengths, seed=9)
     b = q.shape[0]
     rng = np.random.default_rng(10)
-    fused = mx.array(rng.standard_normal((b, 1, (32 + 16) * 128)).astype(np.float32)).astype(
+    qkv = mx.array(rng.standard_normal((b, 1, (32 + 16) * 128)).astype(np.float32)).astype(
         mx.bfloat16)
-    heads = fused.reshape(b, 1, 48, 128).transpose(0, 2, 1, 3)  # [B, 48, 1, D], strided
-    q_raw, keys_raw, values = heads[:, :32], heads[:, 32:40], heads[:, 40:]
+    heads = qkv.reshape(b, 1, 48, 128).transpose(0, 2, 1, 3)  # [B, 48, 1, D], strided
     spec = RopeSpec(128, traditional, None if freqs else 500000.0, 1.0 if freqs else 0.5,
                     mx.array(np.geomspace(1.0, 4e5, 64).astype(np.float32)) if freqs else None)
     slots = table[mx.arange(b), ln - 1]
-    separate, rotated = kv + 0, kv + 0
-    mx.eval(separate, rotated)
-    q_rot, keys_rot = (spec.apply(x, ln - 1) for x in (q_raw, keys_raw))
-    mark = pool_write_in_place(separate, slots, keys_rot, values)
+    separate, fused = kv + 0, kv + 0
+    mx.eval(separate, fused)
+    q_rot, keys_rot = (spec.apply(x, ln - 1) for x in (heads[:, :32], heads[:, 32:40]))
+    mark = pool_write_in_place(separate, slots, keys_rot, heads[:, 40:])
     want = paged_decode_attention(q_rot, separate, table, ln, scale=128 ** -0.5, written=mark)
-    got, _ = paged_decode_write_attention(q_raw, keys_raw, values, slots, rotated, table, ln,
-                                          scale=128 ** -0.5, rope=spec)
+    got, _ = paged_decode_qkv_attention(qkv, 32, spec, slots, fused, table, ln, scale=128 ** -0.5)
     mx.eval(want, got)
-    np.testing.assert_array_equal(np.array(rotated.astype(mx.float32)),
+    assert got.shape == (b, 1, 32 * 128)
+    np.testing.assert_array_equal(np.array(fused.astype(mx.float32)),
                                   np.array(separate.astype(mx.float32)))
-    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)),
+                               np.array(want.transpose(0, 2, 1, 3).reshape(b, 1, -1).astype(mx.float32)),
                                rtol=2 ** -7, atol=1e-5)
+
 
 def test_dense_decode_context_tracks_the_pool_across_steps():
     """Kept blocks (appended to, rebuilt when the batch changes or outgrows them) give the

@@ -21,6 +21,7 @@ from mlx_lm.models.cache import KVCache, make_prompt_cache
 
 from worker_proc.kv_pool import KVPool
 from worker_proc.paged_attention import (RopeSpec, kernel_available, paged_decode_attention,
+                                         paged_decode_qkv_attention,
                                          paged_decode_write_attention,
                                          reference_decode_attention, unfused_prefill_attention,
                                          unfused_prefill_fits)
@@ -157,7 +158,8 @@ class PooledKVCache:
     @property
     def writes_in_attention(self) -> bool:
         """Whether this forward's K/V go to the pool through the attention kernel (paged
-        decode on an in-place pool): then paged_attention may also rotate q and k."""
+        decode on an in-place pool): then attend_qkv may take the place of RoPE,
+        update_and_fetch and paged_attention."""
         return (self.paged and self._layout.dense is None and self._pool.in_place
                 and WRITE_IN_ATTENTION)
 
@@ -174,13 +176,22 @@ class PooledKVCache:
             return keys, values
         return self._pool.read(self._layer, self._layout.read_slots)
 
-    def paged_attention(self, queries: mx.array, scale: float,
-                        rope: RopeSpec | None = None) -> mx.array:
-        """rope: queries and the keys given to update_and_fetch are not rotated yet; the
-        kernel rotates them (only where writes_in_attention)."""
+    def attend_qkv(self, qkv: mx.array, n_q: int, scale: float, rope: RopeSpec) -> mx.array:
+        """A decode layer's attention from its fused q/k/v projection's output [B, 1,
+        (n_q + 2 Hkv) * D], unrotated: one kernel rotates q and k, stores the new K/V and
+        attends (paged_decode_qkv_attention); [B, 1, n_q * D]. Only where
+        writes_in_attention."""
+        if not self.writes_in_attention:
+            raise RuntimeError("attend_qkv needs the attention kernel to write the pool")
+        layout, pool, layer = self._layout, self._pool, self._layer
+        out, mark = paged_decode_qkv_attention(
+            qkv, n_q, rope, layout.write_slots, pool.layers[layer], layout.read_slots,
+            layout.lengths, scale, pool.mark(layer))
+        pool.record_write(layer, mark)
+        return out
+
+    def paged_attention(self, queries: mx.array, scale: float) -> mx.array:
         layout, layer = self._layout, self._layer
-        if rope is not None and self._unwritten is None:
-            raise RuntimeError("RoPE in the attention kernel needs its K/V write there too")
         dense = layout.dense
         if dense is not None and dense.active:
             return dense.attention(layer, queries, scale)
@@ -189,7 +200,7 @@ class PooledKVCache:
             keys, values = self._unwritten
             out, mark = paged_decode_write_attention(
                 queries, keys, values, layout.write_slots, pool.layers[layer], layout.read_slots,
-                layout.lengths, scale, pool.mark(layer), rope)
+                layout.lengths, scale, pool.mark(layer))
             pool.record_write(layer, mark)
             self._unwritten = None
             return out

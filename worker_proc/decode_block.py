@@ -36,8 +36,9 @@ from worker_proc.paged_attention import RopeSpec
 logger = logging.getLogger(__name__)
 
 # Where the attention kernel stores the step's K/V (an in-place pool on CUDA), it may also
-# rotate q and k itself: the block then skips RoPE and the copy MLX's CUDA RoPE makes of
-# the strided q/k heads, two launches less a layer. Off until measured on a GPU (the
+# take the fused q/k/v projection's output whole and rotate q and k itself: the block then
+# skips RoPE and the copy MLX's CUDA RoPE makes of the strided q/k heads (two launches a
+# layer) and the ~11 view nodes that split the heads and join the output. Off until measured on a GPU (the
 # kernel's RoPE is written to MLX's formulas; tests/test_decode_block.py has the CUDA
 # token test); bench/step_breakdown.py's "rope in kernel" variant turns it on.
 ROPE_IN_ATTENTION = False
@@ -68,14 +69,17 @@ class FastDecodeBlock:
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
         qkv = self._project(attn.qkv_proj, self.input_layernorm(x))  # type: ignore[attr-defined]
         dim = qkv.shape[-1] // (n_q + 2 * n_kv)
-        qk = qkv[..., :(n_q + n_kv) * dim].reshape(b, length, n_q + n_kv, dim).transpose(0, 2, 1, 3)
         rope = self._kernel_rope(dim) if cache.writes_in_attention else None
-        if rope is None:
+        if rope is not None:  # one kernel from the projection's output to o's input
+            out = cache.attend_qkv(qkv, n_q, attn.scale, rope)
+        else:
+            qk = qkv[..., :(n_q + n_kv) * dim].reshape(b, length, n_q + n_kv, dim).transpose(0, 2, 1, 3)
             qk = attn.rope(qk, offset=cache.offset)
-        values = qkv[..., (n_q + n_kv) * dim:].reshape(b, length, n_kv, dim).transpose(0, 2, 1, 3)
-        cache.update_and_fetch(qk[:, n_q:], values)
-        out = cache.paged_attention(qk[:, :n_q], attn.scale, rope)
-        h = self._residual(x, attn.o_proj, out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+            values = qkv[..., (n_q + n_kv) * dim:].reshape(b, length, n_kv, dim).transpose(0, 2, 1, 3)
+            cache.update_and_fetch(qk[:, n_q:], values)
+            out = cache.paged_attention(qk[:, :n_q], attn.scale)
+            out = out.transpose(0, 2, 1, 3).reshape(b, length, -1)
+        h = self._residual(x, attn.o_proj, out)
         normed = self.post_attention_layernorm(h)  # type: ignore[attr-defined]
         gate, up = mx.split(self._project(mlp.gate_up_proj, normed), 2, axis=-1)
         return self._residual(h, mlp.down_proj, swiglu(gate, up))

@@ -184,39 +184,62 @@ _READ_ONLY = {
 }
 
 
-def _write_new(rope: bool) -> dict[str, str]:
-    """The parts of the write-and-attend kernel; rope: it rotates q and the new k itself
-    (kiln_rope in _ROPE_HEADER), at each row's new position."""
-    q_at = "(size_t)b * q_strides[0] + (size_t)(kvh * G + g) * q_strides[1]"
+def _write_new(fused: bool) -> dict[str, str]:
+    """The parts of the write-and-attend kernel. q, k_new and v_new come as three strided
+    [B, H, 1, D] inputs; fused: as one `qkv` input, a fused projection's [B, 1, (Hq + 2 Hkv)
+    * D] output (no view nodes to make them), and the kernel rotates q and the new k itself
+    (kiln_rope in _ROPE_HEADER) at each row's new position."""
+    if fused:
+        offsets = """const size_t row = (size_t)b * qkv_strides[0];
+    const int64_t es = qkv_strides[2];
+    const size_t q_at = row + (size_t)(kvh * G) * D * es;
+    const size_t k_at = row + (size_t)(HKV * G + kvh) * D * es;
+    const size_t v_at = row + (size_t)(HKV * G + HKV + kvh) * D * es;
+    const float pos = static_cast<float>(len - 1);  // the new token's position
+    """
 
-    def k_new(i: str) -> str:  # element i of the head's new key, as a float
-        if rope:
-            return f"kiln_rope<T, D, ROPE_TRADITIONAL, ROPE_FREQS>(k_new, k_at, k_new_strides[3], {i}, pos, rope)"
-        return f"static_cast<float>(k_new[k_at + (size_t)({i}) * k_new_strides[3]])"
+        def q_elem(g: str, d: str) -> str:
+            return f"kiln_rope<T, D, ROPE_TRADITIONAL, ROPE_FREQS>(qkv, q_at + (size_t)({g}) * D * es, es, {d}, pos, rope)"
+
+        def k_elem(d: str) -> str:
+            return f"kiln_rope<T, D, ROPE_TRADITIONAL, ROPE_FREQS>(qkv, k_at, es, {d}, pos, rope)"
+
+        def v_elem(d: str) -> str:
+            return f"static_cast<float>(qkv[v_at + (size_t)({d}) * es])"
+    else:
+        offsets = """const size_t k_at = (size_t)b * k_new_strides[0] + (size_t)kvh * k_new_strides[1];
+    const size_t v_at = (size_t)b * v_new_strides[0] + (size_t)kvh * v_new_strides[1];
+    """
+
+        def q_elem(g: str, d: str) -> str:
+            return (f"static_cast<float>(q[(size_t)b * q_strides[0] + (size_t)(kvh * G + {g}) * q_strides[1]"
+                    f" + (size_t)({d}) * q_strides[3]])")
+
+        def k_elem(d: str) -> str:
+            return f"static_cast<float>(k_new[k_at + (size_t)({d}) * k_new_strides[3]])"
+
+        def v_elem(d: str) -> str:
+            return f"static_cast<float>(v_new[v_at + (size_t)({d}) * v_new_strides[3]])"
 
     return {
-        "PROLOGUE": """const size_t k_at = (size_t)b * k_new_strides[0] + (size_t)kvh * k_new_strides[1];
-    const size_t v_at = (size_t)b * v_new_strides[0] + (size_t)kvh * v_new_strides[1];
-    """ + ("const float pos = static_cast<float>(len - 1);  // the new token's position\n    "
-           if rope else "") + """if (split == 0) {  // one block per (row, head) stores the head's new K/V
+        "PROLOGUE": offsets + """if (split == 0) {  // one block per (row, head) stores the head's new K/V
         P* pool = const_cast<P*>(kv_pool);
         const size_t dst = ((size_t)slots[b * slots_strides[0]] * HKV + kvh) * 2 * D;
         for (int i = threadIdx.x; i < 2 * D; i += blockDim.x) {
-            const float x = i < D ? """ + k_new("i") + """
-                                  : static_cast<float>(v_new[v_at + (size_t)(i - D) * v_new_strides[3]]);
+            const float x = i < D ? """ + k_elem("i") + """
+                                  : """ + v_elem("i - D") + """;
             pool[dst + i] = static_cast<P>(x);
         }
         if (b == 0 && kvh == 0 && threadIdx.x == 0) mark[0] = 0;
     }""",
         "LENGTH": "lengths[b * lengths_strides[0]]",
         "ROW_SLOTS": "table + (size_t)b * table_strides[0]",
-        "Q_LOAD": (f"kiln_rope<T, D, ROPE_TRADITIONAL, ROPE_FREQS>(q, {q_at}, q_strides[3], lane * E + e, pos, rope)"
-                   if rope else f"static_cast<float>(q[{q_at} + (size_t)(lane * E + e) * q_strides[3]])"),
+        "Q_LOAD": q_elem("g", "lane * E + e"),
         "LOAD_KV": """const int t = ok[u] ? t0 + u : t0;
             if (t == len - 1) {  // this step's token: stored as the pool would round it
                 for (int e = 0; e < E; ++e) {
-                    kv[u][e] = static_cast<float>(static_cast<P>(""" + k_new("lane * E + e") + """));
-                    vv[u][e] = static_cast<float>(static_cast<P>(v_new[v_at + (size_t)(lane * E + e) * v_new_strides[3]]));
+                    kv[u][e] = static_cast<float>(static_cast<P>(""" + k_elem("lane * E + e") + """));
+                    vv[u][e] = static_cast<float>(static_cast<P>(""" + v_elem("lane * E + e") + """));
                 }
             } else {
                 """ + _pool_load("row_slots[t * table_strides[1]]") + """
@@ -250,25 +273,26 @@ __device__ float kiln_rope(const X* x, size_t at, int64_t step, int d, float pos
 """
 
 
-def _source(direct: bool, write_new: bool, rope: bool = False) -> str:
+def _source(direct: bool, write_new: bool, fused: bool = False) -> str:
     source = _BODY.replace("WRITE", _DIRECT_WRITE if direct else _SPLIT_WRITE)
-    for name, text in (_write_new(rope) if write_new else _READ_ONLY).items():
+    for name, text in (_write_new(fused) if write_new else _READ_ONLY).items():
         source = source.replace(name, text)
     return source
 
 
 @functools.cache
-def _kernel(direct: bool, write_new: bool = False, rope: bool = False):
+def _kernel(direct: bool, write_new: bool = False, fused: bool = False):
     outputs = ["out"] if direct else ["out", "out_ml"]
     if write_new:
+        new = ["qkv"] if fused else ["q", "k_new", "v_new"]
         return mx.fast.cuda_kernel(
-            name=f"kiln_paged_write{'_rope' if rope else ''}_decode_{'direct' if direct else 'split'}",
+            name=f"kiln_paged_write{'_qkv_rope' if fused else ''}_decode_{'direct' if direct else 'split'}",
             # `written`: the mark of the layer's previous in-place write, which this
             # launch follows; `mark` (out): this launch's, as pool_write_in_place's.
-            input_names=["q", "kv_pool", "table", "lengths", "scale", "written", "k_new",
-                         "v_new", "slots", *(["rope"] if rope else [])],
-            output_names=[*outputs, "mark"], source=_source(direct, True, rope),
-            header=_ROPE_HEADER if rope else "", ensure_row_contiguous=False)
+            input_names=[*new, "kv_pool", "table", "lengths", "scale", "written", "slots",
+                         *(["rope"] if fused else [])],
+            output_names=[*outputs, "mark"], source=_source(direct, True, fused),
+            header=_ROPE_HEADER if fused else "", ensure_row_contiguous=False)
     return mx.fast.cuda_kernel(
         name="kiln_paged_decode_direct" if direct else "kiln_paged_decode_split",
         # `written`: the mark of this layer's in-place pool write (pool_write_in_place),
@@ -314,8 +338,8 @@ def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
     batch, n_q, _, dim = q.shape
     inputs = [q.reshape(batch, n_q, dim), kv_pool, table, lengths, _scale(scale),
               _follow(written)]
-    out, _ = _attend(inputs, q, kv_pool, table.shape[1], write_new=False)
-    return out
+    out, _ = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1], write_new=False)
+    return out.reshape(batch, n_q, 1, dim)
 
 
 @dataclass(frozen=True)
@@ -348,32 +372,51 @@ class RopeSpec:
 
 def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
                                  slots: mx.array, kv_pool: mx.array, table: mx.array,
-                                 lengths: mx.array, scale: float, after: mx.array | None = None,
-                                 rope: RopeSpec | None = None) -> tuple[mx.array, mx.array]:
+                                 lengths: mx.array, scale: float,
+                                 after: mx.array | None = None) -> tuple[mx.array, mx.array]:
     """paged_decode_attention for a pool written in place, storing the step's new keys
     and values ([B, Hkv, 1, D] each, any strides) at slots [B] in the same launch: the
     pool write of pool_write_in_place and the attention in one kernel, a launch less per
     layer and step. Follows the write whose mark is `after`; returns the attention's
-    output and this write's mark (see pool_write_in_place). rope: q and keys come
-    unrotated ([B, Hq, 1, D] any strides, as keys), and the kernel rotates them (two
-    launches less a layer: RoPE and the copy MLX's RoPE makes of strided heads)."""
-    inputs = [q, kv_pool, table, lengths, _scale(scale), _follow(after), keys, values, slots]
-    if rope is not None:
-        inputs.append(rope.kernel_params)
-    out, mark = _attend(inputs, q, kv_pool, table.shape[1], write_new=True, rope=rope)
-    assert mark is not None
-    return out, mark
-
-
-def _attend(inputs: list[mx.array], q: mx.array, kv_pool: mx.array, width: int,
-            write_new: bool, rope: RopeSpec | None = None) -> tuple[mx.array, mx.array | None]:
-    """Launch the decode kernel (and the merge, for several splits): [B, Hq, 1, D], and
-    the write's mark when it stores the new K/V."""
+    output and this write's mark (see pool_write_in_place)."""
     batch, n_q, _, dim = q.shape
+    inputs = [q, keys, values, kv_pool, table, lengths, _scale(scale), _follow(after), slots]
+    out, mark = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1],
+                        write_new=True)
+    assert mark is not None
+    return out.reshape(batch, n_q, 1, dim), mark
+
+
+def paged_decode_qkv_attention(qkv: mx.array, n_q: int, rope: RopeSpec, slots: mx.array,
+                               kv_pool: mx.array, table: mx.array, lengths: mx.array,
+                               scale: float, after: mx.array | None = None
+                               ) -> tuple[mx.array, mx.array]:
+    """paged_decode_write_attention straight from a fused q/k/v projection's output qkv
+    [B, 1, (n_q + 2 Hkv) * D] (q heads, then k, then v), unrotated: the kernel applies
+    `rope` to q and the new k itself. Returns the attention's output as [B, 1, n_q * D],
+    the o projection's input, and this write's mark. Against RoPE, its copy of the
+    strided heads and a separate write: two launches and ~11 view nodes less a layer."""
+    batch = qkv.shape[0]
+    n_kv = kv_pool.shape[1]
+    dim = qkv.shape[-1] // (n_q + 2 * n_kv)
+    inputs = [qkv, kv_pool, table, lengths, _scale(scale), _follow(after), slots,
+              rope.kernel_params]
+    out, mark = _attend(inputs, qkv.dtype, batch, n_q, dim, kv_pool, table.shape[1],
+                        write_new=True, rope=rope)
+    assert mark is not None
+    return out.reshape(batch, 1, n_q * dim), mark
+
+
+def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: int,
+            kv_pool: mx.array, width: int, write_new: bool,
+            rope: RopeSpec | None = None) -> tuple[mx.array, mx.array | None]:
+    """Launch the decode kernel (and the merge, for several splits): [B, Hq, D] in
+    `dtype`, and the write's mark when it stores the new K/V. rope: the fused q/k/v
+    variant (paged_decode_qkv_attention)."""
     n_kv = kv_pool.shape[1]
     group = n_q // n_kv
     splits = num_splits(batch, n_kv, width)
-    template = [("T", q.dtype), ("D", dim), ("G", group), ("HKV", n_kv)]
+    template = [("T", dtype), ("D", dim), ("G", group), ("HKV", n_kv)]
     mark_shape, mark_dtype = ([(1,)], [mx.int32]) if write_new else ([], [])
     if write_new:
         template.append(("P", kv_pool.dtype))
@@ -383,18 +426,18 @@ def _attend(inputs: list[mx.array], q: mx.array, kv_pool: mx.array, width: int,
     if splits == 1:
         out, *mark = _kernel(True, write_new, rope is not None)(
             inputs=inputs, template=template, grid=grid, threadgroup=(_THREADS, 1, 1),
-            output_shapes=[(batch, n_q, dim), *mark_shape], output_dtypes=[q.dtype, *mark_dtype])
-        return out.reshape(batch, n_q, 1, dim), (mark[0] if mark else None)
+            output_shapes=[(batch, n_q, dim), *mark_shape], output_dtypes=[dtype, *mark_dtype])
+        return out, (mark[0] if mark else None)
     acc, ml, *mark = _kernel(False, write_new, rope is not None)(
         inputs=inputs, template=template, grid=grid, threadgroup=(_THREADS, 1, 1),
         output_shapes=[(batch, n_kv, splits, group, dim), (batch, n_kv, splits, group, 2),
                        *mark_shape],
         output_dtypes=[mx.float32, mx.float32, *mark_dtype])
     (out,) = _merge_kernel()(
-        inputs=[acc, ml], template=[("T", q.dtype), ("D", dim), ("G", group), ("HKV", n_kv)],
+        inputs=[acc, ml], template=[("T", dtype), ("D", dim), ("G", group), ("HKV", n_kv)],
         grid=(_THREADS, n_kv, batch), threadgroup=(_THREADS, 1, 1),
-        output_shapes=[(batch, n_q, dim)], output_dtypes=[q.dtype])
-    return out.reshape(batch, n_q, 1, dim), (mark[0] if mark else None)
+        output_shapes=[(batch, n_q, dim)], output_dtypes=[dtype])
+    return out, (mark[0] if mark else None)
 
 
 @functools.cache
