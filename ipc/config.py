@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 PROJECT_NAME = "kiln"
+# Decode paths built but not yet measured on a GPU, for --experiments (A/B runs).
+DECODE_EXPERIMENTS = ("rope-in-kernel", "skinny-gemm")
 
 
 def _auto_on_off(help_text: str) -> Any:
@@ -77,6 +79,12 @@ class ServerConfig:
         "from mlx-lm's at near-ties). Needs fused projections. auto: on where projections are"
         " fused and decode attention runs the CUDA kernel (64 streams ~6%% more tokens/s on "
         "the H200), for the models that have such blocks.")
+    experiments: str = dataclasses.field(
+        default="", metadata={"help": "Comma-separated experimental CUDA decode paths to turn "
+                                      "on, for A/B runs (not yet measured; may change or go): "
+                                      "rope-in-kernel (the attention kernel rotates the fused "
+                                      "q/k/v projection's output itself), skinny-gemm (decode "
+                                      "GEMMs of up to 64 rows by kiln's kernel, not cuBLAS)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "
@@ -121,11 +129,22 @@ class ServerConfig:
             raise ValueError("--max-request-bytes must be >= 1")
         if self.schedule_policy not in ("fcfs", "lpm"):
             raise ValueError("--schedule-policy must be fcfs or lpm")
+        unknown = self.experiment_set - set(DECODE_EXPERIMENTS)
+        if unknown:
+            raise ValueError(f"--experiments: unknown {sorted(unknown)}; known: "
+                             f"{', '.join(DECODE_EXPERIMENTS)}")
+        if self.experiment_set and "off" in (self.fast_decode_blocks, self.fuse_projections):
+            raise ValueError("--experiments run inside the fast decode blocks: drop "
+                             "--fast-decode-blocks off / --fuse-projections off")
         if self.disable_overlap and self.overlap == "on":
             raise ValueError("--disable-overlap contradicts --overlap on")
         if self.fast_decode_blocks == "on" and self.fuse_projections == "off":
             raise ValueError("--fast-decode-blocks needs fused projections "
                              "(drop --fuse-projections off)")
+
+    @property
+    def experiment_set(self) -> frozenset[str]:
+        return frozenset(name.strip() for name in self.experiments.split(",") if name.strip())
 
     # NOTE: endpoints live in run_dir, which the launcher creates with mode 0700, so no
     # other user can connect to our internal sockets.

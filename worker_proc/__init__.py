@@ -28,6 +28,19 @@ def _model_context_len(model: object) -> int | None:
     return getattr(args, "max_position_embeddings", None)
 
 
+def apply_experiments(names: frozenset[str], on_cuda: bool) -> None:
+    """Turn on the --experiments decode paths (process-wide switches, set before the
+    model's first forward). They exist on the CUDA kernel path only: elsewhere, refused."""
+    from worker_proc import decode_block, skinny_gemm
+
+    if names and not on_cuda:
+        raise ValueError("--experiments: these decode paths run on MLX's CUDA backend only")
+    if "rope-in-kernel" in names:
+        decode_block.ROPE_IN_ATTENTION = True
+    if "skinny-gemm" in names:
+        skinny_gemm.MAX_ROWS = 64
+
+
 def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     """Load the model and size the pool; returns the runner (split out for tests)."""
     import mlx.core as mx
@@ -45,6 +58,9 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                                     ModelRunner, trace_decode_shapes, warm_up)
 
     say = reporter.progress if reporter else logger.info
+    apply_experiments(config.experiment_set, kernel_available())
+    if config.experiment_set:
+        say("experimental decode paths on: " + ", ".join(sorted(config.experiment_set)))
     budgets = raise_cuda_graph_budgets()  # before the model touches the GPU
     if budgets:
         say("CUDA graph budgets: " + ", ".join(f"{k}={v}" for k, v in budgets.items()))
@@ -63,10 +79,11 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         # used: give them back before the pool is sized from free memory (~8.5 GiB on
         # an 8B model, which shrank the H200's pool by 5 GiB).
         mx.clear_cache()
-    if fast_blocks and not speed_up_decode_blocks(model, on_cuda) \
-            and config.fast_decode_blocks == "on":
-        raise UnsupportedModelError("--fast-decode-blocks on: the model has no llama or qwen2 "
-                                    "block (mlx_lm.models.llama, .qwen2) to speed up")
+    sped_up = fast_blocks and speed_up_decode_blocks(model, on_cuda)
+    if not sped_up and (config.fast_decode_blocks == "on" or config.experiment_set):
+        raise UnsupportedModelError(
+            f"{'--experiments' if config.experiment_set else '--fast-decode-blocks on'}: the "
+            "model has no llama or qwen2 block (mlx_lm.models.llama, .qwen2) to speed up")
     specs = probe_attention_specs(model)
     say(f"model loaded in {time.monotonic() - t0:.1f}s")
     context = _model_context_len(model) or 4096
