@@ -323,26 +323,32 @@ def main() -> None:
             p.error(f"unknown variants {unknown}; known: {list(variants)}")
         variants = {v: variants[v] for v in wanted}
     spread = args.rounds > 1
-    print(f"{'batch':>6}  {'variant':<33}{'build ms':>10}{'launch ms':>11}{'wait ms':>9}{'step ms':>9}"
+    print(f"{'batch':>6}  {'variant':<44}{'build ms':>10}{'launch ms':>11}{'wait ms':>9}{'step ms':>9}"
           + (f"{'step min-max':>15}" if spread else "") + f"{'pool MB':>9}{'peak+ MB':>10}")
     for b in (int(x) for x in args.batch_sizes.split(",")):
         rounds: dict[str, list[Timings]] = {name: [] for name in variants}
         for _ in range(args.rounds):
             for name, run in variants.items():
-                rounds[name].append(run(b))
+                try:
+                    rounds[name].append(run(b))
+                except Exception as exc:  # noqa: BLE001 - one failing variant (a kernel
+                    # that does not compile) must not cost the device call the others
+                    print(f"{b:>6}  {name:<44}failed: {type(exc).__name__}: {exc}", flush=True)
                 # The runner's compiled step and its pool sit in reference cycles: free
                 # them before the next one allocates its pool (two served-size pools
                 # do not fit beside the weights).
                 gc.collect()
                 mx.clear_cache()
         for name, runs in rounds.items():
+            if not runs:
+                continue
             medians = [t.medians_ms() for t in runs]
             build, launch, wait, step = (statistics.median(m[i] for m in medians) for i in range(4))
             steps = [m[3] for m in medians]
             extent = f"{min(steps):>8.2f}-{max(steps):<6.2f}" if spread else ""
             last = runs[-1]
             memory = f"{last.pool_mb:>9.0f}{max(t.over_mb for t in runs):>10.0f}" if last.pool_mb else ""
-            print(f"{b:>6}  {name:<33}{build:>10.2f}{launch:>11.2f}{wait:>9.2f}{step:>9.2f}"
+            print(f"{b:>6}  {name:<44}{build:>10.2f}{launch:>11.2f}{wait:>9.2f}{step:>9.2f}"
                   f"{extent}{memory}", flush=True)
     if args.profile_batch:
         profile = cProfile.Profile()
@@ -371,12 +377,15 @@ def main() -> None:
             })
         print(f"\nprefill, {args.prompt}-token prompts (+1 a batch size), ms: first (a shape not "
               "seen before) / best of 3")
-        print(f"{'prompts':>8}  {'variant':<33}{'first':>9}{'best':>9}")
+        print(f"{'prompts':>8}  {'variant':<44}{'first':>9}{'best':>9}")
         for i, b in enumerate(int(x) for x in args.prefill_batches.split(",")):
             prompt = args.prompt + i  # a length no earlier row used
             for name, run in prefill_variants.items():
-                first, best = run(b, prompt)
-                print(f"{b:>8}  {name:<33}{first:>9.1f}{best:>9.1f}", flush=True)
+                try:
+                    first, best = run(b, prompt)
+                    print(f"{b:>8}  {name:<44}{first:>9.1f}{best:>9.1f}", flush=True)
+                except Exception as exc:  # noqa: BLE001 - as for the decode variants
+                    print(f"{b:>8}  {name:<44}failed: {type(exc).__name__}: {exc}", flush=True)
                 gc.collect()
                 mx.clear_cache()
 
