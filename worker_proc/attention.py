@@ -252,7 +252,7 @@ class DenseDecodeContext:
         self._extend_by = 0  # zero columns to append this step (the rows outgrew the blocks)
         self._columns = mx.zeros((0,), dtype=mx.int32)  # a rebuild's gather: [B, capacity]
         self._gather: mx.array | None = None  # this step's rebuild slots, made once
-        self._mask = mx.zeros((0,), dtype=mx.bool_)
+        self._mask: mx.array | None = None
 
     def plan(self, rows: tuple[int, ...], lengths: np.ndarray) -> None:
         """Before a decode step: rows identify the batch's requests (the runner's table
@@ -271,7 +271,9 @@ class DenseDecodeContext:
         self._rows, self._lengths, self._end = rows, lengths.copy(), end
         columns = np.arange(self._capacity)[None, :]
         first = (end - lengths)[:, None]  # each row's first column
-        self._mask = mx.array(((columns >= first) & (columns < end))[:, None, None, :])
+        # Attention reads columns [0, end) only; rows that all span them need no mask.
+        self._mask = (None if (first == 0).all() else
+                      mx.array((columns[:, :end] >= first)[:, None, None, :]))
         if self._rebuild:
             # Column c of row i holds its context position c - first[i]; outside the
             # context, position 0's slot (masked anyway, and always a valid index).
@@ -309,8 +311,12 @@ class DenseDecodeContext:
         self._values[layer][:, :, column:column + 1] = values
 
     def attention(self, layer: int, queries: mx.array, scale: float) -> mx.array:
-        return mx.fast.scaled_dot_product_attention(queries, self._keys[layer], self._values[layer],
-                                                    scale=scale, mask=self._mask)
+        keys, values = self._keys[layer], self._values[layer]
+        assert keys is not None and values is not None
+        if self._end < self._capacity:  # the columns in use (a view), not the spare ones
+            keys, values = keys[:, :, :self._end], values[:, :, :self._end]
+        return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
+                                                    mask=self._mask)
 
 
 def _extended(block: mx.array | None, columns: int) -> mx.array:
