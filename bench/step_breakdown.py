@@ -40,7 +40,7 @@ import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import mlx.core as mx
 from mlx_lm.models import llama
@@ -48,15 +48,15 @@ from mlx_lm.models.cache import KVCache
 
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
-from worker_proc.attention import PooledKVCache
 from worker_proc import attention, decode_block, paged_attention, skinny_gemm
+from worker_proc import runner as runner_module
+from worker_proc.attention import PooledKVCache
 from worker_proc.decode_block import speed_up_decode_blocks
 from worker_proc.fused_projections import fuse_projections
 from worker_proc.kv_pool import KVPool, paged_kernel_fits
-from worker_proc.paged_attention import kernel_available
 from worker_proc.memory import probe_attention_specs, raise_cuda_graph_budgets
+from worker_proc.paged_attention import kernel_available
 from worker_proc.runner import ModelRunner
-import worker_proc.runner as runner_module
 
 
 def narrow_llama(layers: int) -> Any:
@@ -298,24 +298,20 @@ def main() -> None:
     }
     kernel_path = paged_kernel_fits(probe_attention_specs(model))  # the served decode path
     if kernel_path:  # compiled decode's only path
-        variants["kiln, compiled, pipelined"] = lambda b: kiln_step_ms(
-            model, b, c, n, pipelined=True, compile_decode=True)
-        variants["kiln, compiled, fused, pipelined"] = lambda b: kiln_step_ms(
-            fused_model(), b, c, n, pipelined=True, compile_decode=True)
-        variants["kiln, compiled, fused, fast blocks"] = lambda b: kiln_step_ms(
-            fast_model(), b, c, n, pipelined=True, compile_decode=True)
+        def compiled(m: Any, b: int) -> Timings:  # as served there: compiled, pipelined
+            return kiln_step_ms(m, b, c, n, pipelined=True, compile_decode=True)
+
+        variants["kiln, compiled, pipelined"] = lambda b: compiled(model, b)
+        variants["kiln, compiled, fused, pipelined"] = lambda b: compiled(fused_model(), b)
+        variants["kiln, compiled, fused, fast blocks"] = lambda b: compiled(fast_model(), b)
         variants["kiln, compiled, fast blocks, rope in kernel"] = lambda b: _with(
-            decode_block, "ROPE_IN_ATTENTION", True,
-            lambda: kiln_step_ms(fast_model(), b, c, n, pipelined=True, compile_decode=True))
+            decode_block, "ROPE_IN_ATTENTION", True, lambda: compiled(fast_model(), b))
         variants["kiln, compiled, fast blocks, skinny gemm"] = lambda b: _with(
-            skinny_gemm, "MAX_ROWS", 64,
-            lambda: kiln_step_ms(fast_model(), b, c, n, pipelined=True, compile_decode=True))
+            skinny_gemm, "MAX_ROWS", 64, lambda: compiled(fast_model(), b))
         variants["kiln, compiled, splits <= 256"] = lambda b: _with(
-            paged_attention, "MAX_SPLIT_TOKENS", 256,
-            lambda: kiln_step_ms(model, b, c, n, pipelined=True, compile_decode=True))
+            paged_attention, "MAX_SPLIT_TOKENS", 256, lambda: compiled(model, b))
         variants["kiln, compiled, separate write"] = lambda b: _with(
-            attention, "WRITE_IN_ATTENTION", False,
-            lambda: kiln_step_ms(model, b, c, n, pipelined=True, compile_decode=True))
+            attention, "WRITE_IN_ATTENTION", False, lambda: compiled(model, b))
     if args.variants:
         wanted = [v.strip() for v in args.variants.split(";")]
         unknown = [v for v in wanted if v not in variants]
@@ -329,16 +325,9 @@ def main() -> None:
         rounds: dict[str, list[Timings]] = {name: [] for name in variants}
         for _ in range(args.rounds):
             for name, run in variants.items():
-                try:
-                    rounds[name].append(run(b))
-                except Exception as exc:  # noqa: BLE001 - one failing variant (a kernel
-                    # that does not compile) must not cost the device call the others
-                    print(f"{b:>6}  {name:<44}failed: {type(exc).__name__}: {exc}", flush=True)
-                # The runner's compiled step and its pool sit in reference cycles: free
-                # them before the next one allocates its pool (two served-size pools
-                # do not fit beside the weights).
-                gc.collect()
-                mx.clear_cache()
+                timings = _attempt(f"{b:>6}  {name:<44}", lambda: run(b))
+                if timings is not None:
+                    rounds[name].append(timings)
         for name, runs in rounds.items():
             if not runs:
                 continue
@@ -381,13 +370,26 @@ def main() -> None:
         for i, b in enumerate(int(x) for x in args.prefill_batches.split(",")):
             prompt = args.prompt + i  # a length no earlier row used
             for name, run in prefill_variants.items():
-                try:
-                    first, best = run(b, prompt)
-                    print(f"{b:>8}  {name:<44}{first:>9.1f}{best:>9.1f}", flush=True)
-                except Exception as exc:  # noqa: BLE001 - as for the decode variants
-                    print(f"{b:>8}  {name:<44}failed: {type(exc).__name__}: {exc}", flush=True)
-                gc.collect()
-                mx.clear_cache()
+                label = f"{b:>8}  {name:<44}"
+                times = _attempt(label, lambda: run(b, prompt))
+                if times is not None:
+                    print(f"{label}{times[0]:>9.1f}{times[1]:>9.1f}", flush=True)
+
+
+def _attempt(label: str, run: Callable[[], Any]) -> Any:
+    """run()'s result, or None after printing the label and its error: one failing
+    variant (a kernel that does not compile) must not cost a device call the others.
+    Then the runner it made is freed: its compiled step and pool sit in reference cycles,
+    and two served-size pools do not fit beside the weights."""
+    try:
+        return run()
+    except Exception as exc:  # noqa: BLE001 - any failure is reported the same way
+        print(f"{label}failed: {type(exc).__name__}: {exc}", flush=True)
+        return None
+    finally:
+        gc.collect()
+        mx.clear_cache()
+
 
 def _with(obj: Any, name: str, value: Any, run: Any) -> tuple[float, float]:
     with patched(obj, name, value):

@@ -95,11 +95,11 @@ def test_cuda_cache_is_capped_at_a_share_of_free_memory(monkeypatch):
 def test_cuda_graph_budgets_are_raised_on_cuda_only_and_yield_to_the_environment(monkeypatch):
     for name in memory.CUDA_GRAPH_BUDGETS:
         monkeypatch.delenv(name, raising=False)
-    monkeypatch.setattr(mx, "cuda", type("NoCuda", (), {"is_available": staticmethod(lambda: False)}))
+    monkeypatch.setattr(memory, "kernel_available", lambda: False)
     assert memory.raise_cuda_graph_budgets() == {}
     assert not any(name in os.environ for name in memory.CUDA_GRAPH_BUDGETS)
 
-    monkeypatch.setattr(mx, "cuda", type("Cuda", (), {"is_available": staticmethod(lambda: True)}))
+    monkeypatch.setattr(memory, "kernel_available", lambda: True)
     free = {"free_memory": memory.LARGE_DEVICE_BYTES}
     monkeypatch.setattr(mx, "device_info", lambda: free)
     monkeypatch.setenv("MLX_MAX_OPS_PER_BUFFER", "40")  # the user's setting wins

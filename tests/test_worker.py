@@ -149,7 +149,6 @@ def test_prompts_prefilled_together_match_mlx_lm(tiny_model, oracle, monkeypatch
     """Several prompts (some after a cached prefix) in one padded forward, same tokens; with
     a small cap on a forward's tokens, in several forwards of a step (each launched while
     the one before it may still run)."""
-    import worker_proc.runner as runner_module
     from worker_proc.runner import ModelRunner
 
     if forward_tokens is not None:

@@ -58,7 +58,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                                     ModelRunner, trace_decode_shapes, warm_up)
 
     say = reporter.progress if reporter else logger.info
-    apply_experiments(config.experiment_set, kernel_available())
+    on_cuda = kernel_available()
+    apply_experiments(config.experiment_set, on_cuda)
     if config.experiment_set:
         say("experimental decode paths on: " + ", ".join(sorted(config.experiment_set)))
     budgets = raise_cuda_graph_budgets()  # before the model touches the GPU
@@ -69,7 +70,6 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     model, tokenizer = mlx_lm.load(config.model_path, trust_remote_code=config.trust_remote_code,
                                    tokenizer_config={"trust_remote_code": config.trust_remote_code})
     check_layer_kinds(model)
-    on_cuda = kernel_available()
     fuse = config.fuse_projections == "on" or (config.fuse_projections == "auto" and on_cuda)
     fast_blocks = config.fast_decode_blocks == "on" or (
         config.fast_decode_blocks == "auto" and fuse and on_cuda)

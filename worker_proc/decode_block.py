@@ -38,9 +38,10 @@ logger = logging.getLogger(__name__)
 # Where the attention kernel stores the step's K/V (an in-place pool on CUDA), it may also
 # take the fused q/k/v projection's output whole and rotate q and k itself: the block then
 # skips RoPE and the copy MLX's CUDA RoPE makes of the strided q/k heads (two launches a
-# layer) and the ~11 view nodes that split the heads and join the output. Off until measured on a GPU (the
-# kernel's RoPE is written to MLX's formulas; tests/test_decode_block.py has the CUDA
-# token test); bench/step_breakdown.py's "rope in kernel" variant turns it on.
+# layer) and the ~11 view nodes that split the heads and join the output. Off until
+# measured on a GPU (the kernel's RoPE is written to MLX's formulas; tests/
+# test_decode_block.py has the CUDA token test); `--experiments rope-in-kernel` and
+# bench/step_breakdown.py's "rope in kernel" variant turn it on.
 ROPE_IN_ATTENTION = False
 
 
@@ -135,8 +136,8 @@ def _eligible(block: nn.Module) -> bool:
 
 def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
     """Give every eligible block (mlx-lm's llama or qwen2 block, projections fused) the
-    decode call of FastDecodeBlock; returns how many. residual_in_gemm: residual adds inside the o and
-    down GEMMs (CUDA)."""
+    decode call of FastDecodeBlock; returns how many. residual_in_gemm: residual adds
+    inside the o and down GEMMs (CUDA)."""
     count = 0
     for _, module in model.named_modules():
         if _eligible(module):

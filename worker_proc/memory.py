@@ -12,6 +12,7 @@ from mlx_lm.models.cache import make_prompt_cache
 
 from ipc.config import ServerConfig
 from worker_proc.kv_pool import AttentionLayerSpec
+from worker_proc.paged_attention import kernel_available
 
 logger = logging.getLogger(__name__)
 
@@ -74,12 +75,11 @@ LARGE_DEVICE_BYTES = 96 << 30
 
 
 def raise_cuda_graph_budgets() -> dict[str, str]:
-    """On MLX's CUDA backend, set CUDA_GRAPH_BUDGETS (the op budget only on a large
+    """On MLX's CUDA backend (kernel_available), set CUDA_GRAPH_BUDGETS (the op budget only on a large
     device) where the environment has not set them; MLX reads them once, at the
     process's first GPU work, so call before any. Returns the values set or in force
     (empty elsewhere: Metal has variables of these names with other meanings)."""
-    cuda = getattr(mx, "cuda", None)
-    if cuda is None or not cuda.is_available():
+    if not kernel_available():
         return {}
     names = list(CUDA_GRAPH_BUDGETS)
     if int(mx.device_info().get("free_memory", 0)) < LARGE_DEVICE_BYTES:

@@ -14,7 +14,8 @@ accumulation as cuBLAS's, in another order, so the last bf16 bit may differ).
 
 Off (MAX_ROWS = 0) until measured on a GPU: bench/skinny_gemm.py times it against
 cuBLAS per shape and checks it (--emulate replays its index math in numpy anywhere);
-bench/step_breakdown.py's "skinny gemm" variant runs the fast decode blocks through it.
+bench/step_breakdown.py's "skinny gemm" variant and `--experiments skinny-gemm` run the
+fast decode blocks through it.
 """
 
 from __future__ import annotations
