@@ -47,6 +47,11 @@ from bench.h200_compare import LLAMA3_8B, make_random_model
 make_random_model(LLAMA3_8B, "bfloat16", Path(sys.argv[1]), 0)
 PY
 
+if has gemm; then
+echo "== decode-shaped GEMM: custom kernel against cuBLAS"
+timeout 150 "$PYTHON" bench/skinny_gemm.py 2>&1 | tee "$OUT/skinny_gemm.txt"
+fi
+
 if has breakdown; then
 echo "== step breakdown"
 timeout $((150 + 90 * BREAKDOWN_ROUNDS)) "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes 1,64,128 --steps 16 \
@@ -58,11 +63,6 @@ fi
 if has launch; then
 echo "== host time per graph node"
 timeout 120 "$PYTHON" bench/launch_cost.py 2>&1 | tee "$OUT/launch_cost.txt"
-fi
-
-if has gemm; then
-echo "== decode-shaped GEMM: custom kernel against cuBLAS"
-timeout 150 "$PYTHON" bench/skinny_gemm.py 2>&1 | tee "$OUT/skinny_gemm.txt"
 fi
 
 if has sweep; then
