@@ -231,15 +231,24 @@ def _write_new(fused: bool) -> dict[str, str]:
             pool[dst + i] = static_cast<P>(x);
         }
         if (b == 0 && kvh == 0 && threadIdx.x == 0) mark[0] = 0;
+    }
+    // This step's token, as the pool rounds it (this lane's share), read once here: in
+    // the token loop its loads (and, fused, its rotation) cost every iteration registers.
+    float k_mine[E], v_mine[E];
+    if (start <= len - 1 && len - 1 < end) {
+        for (int e = 0; e < E; ++e) {
+            k_mine[e] = static_cast<float>(static_cast<P>(""" + k_elem("lane * E + e") + """));
+            v_mine[e] = static_cast<float>(static_cast<P>(""" + v_elem("lane * E + e") + """));
+        }
     }""",
         "LENGTH": "lengths[b * lengths_strides[0]]",
         "ROW_SLOTS": "table + (size_t)b * table_strides[0]",
         "Q_LOAD": q_elem("g", "lane * E + e"),
         "LOAD_KV": """const int t = ok[u] ? t0 + u : t0;
-            if (t == len - 1) {  // this step's token: stored as the pool would round it
+            if (t == len - 1) {  // this step's token, not yet in the pool this launch writes
                 for (int e = 0; e < E; ++e) {
-                    kv[u][e] = static_cast<float>(static_cast<P>(""" + k_elem("lane * E + e") + """));
-                    vv[u][e] = static_cast<float>(static_cast<P>(""" + v_elem("lane * E + e") + """));
+                    kv[u][e] = k_mine[e];
+                    vv[u][e] = v_mine[e];
                 }
             } else {
                 """ + _pool_load("row_slots[t * table_strides[1]]") + """
