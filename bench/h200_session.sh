@@ -24,8 +24,7 @@ KILN_B_ENV=${KILN_B_ENV:-}    # ... and this environment (K=V ...), for A/B runs
 MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5; see
                                # bench/mlx_lm_server_backlog.py)
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any;
-                                       # also: launch, bench/launch_cost.py; gemm,
-                                       # bench/skinny_gemm.py)
+                                       # also: launch, bench/launch_cost.py)
 BREAKDOWN_VARIANTS=${BREAKDOWN_VARIANTS:-}  # step_breakdown --variants (';'-joined; default all)
 BREAKDOWN_ROUNDS=${BREAKDOWN_ROUNDS:-1}  # step_breakdown --rounds (interleaved repeats; the
                                         # host's speed drifts, so A/B runs want 3 or more)
@@ -35,7 +34,7 @@ export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 
 if has tests; then
 echo "== kernel tests"
-timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_decode_block.py tests/test_skinny_gemm.py \
+timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_paged_attention.py tests/test_decode_block.py \
     tests/test_worker.py -k "not test_batched_chunked" 2>&1 | tail -4 | tee "$OUT/kernel_tests.txt"
 fi
 
@@ -46,11 +45,6 @@ from pathlib import Path
 from bench.h200_compare import LLAMA3_8B, make_random_model
 make_random_model(LLAMA3_8B, "bfloat16", Path(sys.argv[1]), 0)
 PY
-
-if has gemm; then
-echo "== decode-shaped GEMM: custom kernel against cuBLAS"
-timeout 150 "$PYTHON" bench/skinny_gemm.py 2>&1 | tee "$OUT/skinny_gemm.txt"
-fi
 
 if has breakdown; then
 echo "== step breakdown"
@@ -79,9 +73,9 @@ fi
 
 # At most 8 files come back from a device call: the two short reports travel as one,
 # the logs as one archive.
-cat "$OUT"/kernel_tests.txt "$OUT"/step_breakdown.txt "$OUT"/launch_cost.txt "$OUT"/skinny_gemm.txt \
+cat "$OUT"/kernel_tests.txt "$OUT"/step_breakdown.txt "$OUT"/launch_cost.txt \
     > "$OUT/session.txt" 2>/dev/null
-rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" "$OUT/launch_cost.txt" "$OUT/skinny_gemm.txt"
+rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" "$OUT/launch_cost.txt"
 [ -s "$OUT/session.txt" ] || rm -f "$OUT/session.txt"
 if compgen -G "$OUT/*.log" >/dev/null; then
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)

@@ -19,8 +19,7 @@ per block at 256 tokens (the default before 1024: a merge kernel at large batche
 "separate write" stores decode K/V with their own kernel, not inside the attention
 kernel (worker_proc.attention.WRITE_IN_ATTENTION). "fast blocks" adds
 worker_proc/decode_block.py's call (--fast-decode-blocks) to the fused copy, and "rope in
-kernel" its RoPE applied by the attention kernel (decode_block.ROPE_IN_ATTENTION), "skinny
-gemm" its GEMMs of up to 64 rows by worker_proc/skinny_gemm.py's kernel. The "no ..."
+kernel" its RoPE applied by the attention kernel (decode_block.ROPE_IN_ATTENTION). The "no ..."
 variants compute wrong tokens: timing only.
 
 --prefill-batches times one step prefilling that many fresh prompts: kiln's runner on the
@@ -48,7 +47,7 @@ from mlx_lm.models.cache import KVCache
 
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
-from worker_proc import attention, decode_block, paged_attention, skinny_gemm
+from worker_proc import attention, decode_block, paged_attention
 from worker_proc import runner as runner_module
 from worker_proc.attention import PooledKVCache
 from worker_proc.decode_block import speed_up_decode_blocks
@@ -306,8 +305,6 @@ def main() -> None:
         variants["kiln, compiled, fused, fast blocks"] = lambda b: compiled(fast_model(), b)
         variants["kiln, compiled, fast blocks, rope in kernel"] = lambda b: _with(
             decode_block, "ROPE_IN_ATTENTION", True, lambda: compiled(fast_model(), b))
-        variants["kiln, compiled, fast blocks, skinny gemm"] = lambda b: _with(
-            skinny_gemm, "MAX_ROWS", 64, lambda: compiled(fast_model(), b))
         variants["kiln, compiled, splits <= 256"] = lambda b: _with(
             paged_attention, "MAX_SPLIT_TOKENS", 256, lambda: compiled(model, b))
         variants["kiln, compiled, separate write"] = lambda b: _with(

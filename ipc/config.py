@@ -13,8 +13,8 @@ from pathlib import Path
 from typing import Any
 
 PROJECT_NAME = "kiln"
-# Decode paths built but not yet measured on a GPU, for --experiments (A/B runs).
-DECODE_EXPERIMENTS = ("rope-in-kernel", "skinny-gemm")
+# Decode paths built but not the default (not measured ahead), for --experiments (A/B runs).
+DECODE_EXPERIMENTS = ("rope-in-kernel",)
 
 
 def _auto_on_off(help_text: str) -> Any:
@@ -81,10 +81,10 @@ class ServerConfig:
         "the H200), for the models that have such blocks.")
     experiments: str = dataclasses.field(
         default="", metadata={"help": "Comma-separated experimental CUDA decode paths to turn "
-                                      "on, for A/B runs (not yet measured; may change or go): "
-                                      "rope-in-kernel (the attention kernel rotates the fused "
-                                      "q/k/v projection's output itself), skinny-gemm (decode "
-                                      "GEMMs of up to 64 rows by kiln's kernel, not cuBLAS)."})
+                                      "on, for A/B runs (may change or go): rope-in-kernel (the "
+                                      "attention kernel rotates the fused q/k/v projection's "
+                                      "output itself: less host time a step, more device "
+                                      "time; see docs/benchmarks.md)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

@@ -449,18 +449,17 @@ def test_overlap_auto_is_on_with_a_gpu_only_and_the_flags_force_it():
 
 def test_experiments_are_named_and_switch_their_decode_paths(monkeypatch):
     from ipc.config import ServerConfig
-    from worker_proc import apply_experiments, decode_block, skinny_gemm
+    from worker_proc import apply_experiments, decode_block
 
     monkeypatch.setattr(decode_block, "ROPE_IN_ATTENTION", False)
-    monkeypatch.setattr(skinny_gemm, "MAX_ROWS", 0)
-    config = ServerConfig(experiments="rope-in-kernel, skinny-gemm")
+    config = ServerConfig(experiments=" rope-in-kernel ")
     with pytest.raises(ValueError, match="CUDA backend only"):  # no silent no-op elsewhere
         apply_experiments(config.experiment_set, on_cuda=False)
     apply_experiments(ServerConfig().experiment_set, on_cuda=False)  # none asked: fine
-    assert not decode_block.ROPE_IN_ATTENTION and skinny_gemm.MAX_ROWS == 0
+    assert not decode_block.ROPE_IN_ATTENTION
     apply_experiments(config.experiment_set, on_cuda=True)
-    assert decode_block.ROPE_IN_ATTENTION and skinny_gemm.MAX_ROWS == 64
+    assert decode_block.ROPE_IN_ATTENTION
     with pytest.raises(ValueError, match="unknown"):
         ServerConfig(experiments="rope-in-kernel,warp-drive")
     with pytest.raises(ValueError, match="fast decode blocks"):
-        ServerConfig(experiments="skinny-gemm", fast_decode_blocks="off")
+        ServerConfig(experiments="rope-in-kernel", fast_decode_blocks="off")

@@ -29,7 +29,6 @@ from mlx_lm.models import llama, qwen2
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from worker_proc import skinny_gemm
 from worker_proc.attention import PooledKVCache
 from worker_proc.paged_attention import RopeSpec
 
@@ -38,10 +37,11 @@ logger = logging.getLogger(__name__)
 # Where the attention kernel stores the step's K/V (an in-place pool on CUDA), it may also
 # take the fused q/k/v projection's output whole and rotate q and k itself: the block then
 # skips RoPE and the copy MLX's CUDA RoPE makes of the strided q/k heads (two launches a
-# layer) and the ~11 view nodes that split the heads and join the output. Off until
-# measured on a GPU (the kernel's RoPE is written to MLX's formulas; tests/
-# test_decode_block.py has the CUDA token test); `--experiments rope-in-kernel` and
-# bench/step_breakdown.py's "rope in kernel" variant turn it on.
+# layer) and the ~11 view nodes that split the heads and join the output. Off: on the H200
+# it saved host time but added more device time than RoPE's launches cost (session 8 in
+# docs/benchmarks.md; the kernel now computes each block's angles once, unmeasured);
+# `--experiments rope-in-kernel` and bench/step_breakdown.py's "rope in kernel" variant
+# turn it on.
 ROPE_IN_ATTENTION = False
 
 
@@ -68,7 +68,7 @@ class FastDecodeBlock:
         attn, mlp = self.self_attn, self.mlp  # type: ignore[attr-defined]
         b, length, _ = x.shape
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
-        qkv = self._project(attn.qkv_proj, self.input_layernorm(x))  # type: ignore[attr-defined]
+        qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
         dim = qkv.shape[-1] // (n_q + 2 * n_kv)
         rope = self._kernel_rope(dim) if cache.writes_in_attention else None
         if rope is not None:  # one kernel from the projection's output to o's input
@@ -82,7 +82,7 @@ class FastDecodeBlock:
             out = out.transpose(0, 2, 1, 3).reshape(b, length, -1)
         h = self._residual(x, attn.o_proj, out)
         normed = self.post_attention_layernorm(h)  # type: ignore[attr-defined]
-        gate, up = mx.split(self._project(mlp.gate_up_proj, normed), 2, axis=-1)
+        gate, up = mx.split(mlp.gate_up_proj(normed), 2, axis=-1)
         return self._residual(h, mlp.down_proj, swiglu(gate, up))
 
     def _kernel_rope(self, head_dim: int) -> RopeSpec | None:
@@ -93,17 +93,8 @@ class FastDecodeBlock:
             return spec
         return None
 
-    @staticmethod
-    def _project(proj: nn.Module, a: mx.array) -> mx.array:
-        """proj(a), by the skinny GEMM kernel where it applies (worker_proc/skinny_gemm.py)."""
-        out = skinny_gemm.linear(proj, a)
-        return proj(a) if out is None else out
-
     def _residual(self, x: mx.array, proj: nn.Module, a: mx.array) -> mx.array:
         """x + proj(a), the add inside the GEMM where it may be."""
-        out = skinny_gemm.linear(proj, a, residual=x)
-        if out is not None:
-            return out
         if self.residual_in_gemm and type(proj) is nn.Linear and "bias" not in proj:
             # As 2-D operands: one GEMM over all rows, never a batch of one-row GEMMs.
             out = mx.addmm(x.reshape(-1, x.shape[-1]), a.reshape(-1, a.shape[-1]), proj.weight.T)

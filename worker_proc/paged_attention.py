@@ -195,14 +195,17 @@ def _write_new(fused: bool) -> dict[str, str]:
     const size_t q_at = row + (size_t)(kvh * G) * D * es;
     const size_t k_at = row + (size_t)(HKV * G + kvh) * D * es;
     const size_t v_at = row + (size_t)(HKV * G + HKV + kvh) * D * es;
-    const float pos = static_cast<float>(len - 1);  // the new token's position
+    // The new token's angles, once a block: every rotated element below reads them.
+    __shared__ float rope_cos[D / 2], rope_sin[D / 2];
+    kiln_rope_angles<D, ROPE_FREQS>(static_cast<float>(len - 1), rope, rope_cos, rope_sin);
+    __syncthreads();
     """
 
         def q_elem(g: str, d: str) -> str:
-            return f"kiln_rope<T, D, ROPE_TRADITIONAL, ROPE_FREQS>(qkv, q_at + (size_t)({g}) * D * es, es, {d}, pos, rope)"
+            return f"kiln_rope<T, D, ROPE_TRADITIONAL>(qkv, q_at + (size_t)({g}) * D * es, es, {d}, rope_cos, rope_sin)"
 
         def k_elem(d: str) -> str:
-            return f"kiln_rope<T, D, ROPE_TRADITIONAL, ROPE_FREQS>(qkv, k_at, es, {d}, pos, rope)"
+            return f"kiln_rope<T, D, ROPE_TRADITIONAL>(qkv, k_at, es, {d}, rope_cos, rope_sin)"
 
         def v_elem(d: str) -> str:
             return f"static_cast<float>(qkv[v_at + (size_t)({d}) * es])"
@@ -256,25 +259,37 @@ def _write_new(fused: bool) -> dict[str, str]:
     }
 
 
-# Element d of a head rotated as mx.fast.rope rotates it (MLX's CUDA RoPE, same formulas
-# and order, so the same rounding where the compiler contracts alike): over the whole head,
-# at position pos, rounded to T as RoPE's output is. x[at + j * step] is the head's element j;
-# rope: [log2(base), scale] or [unused, scale, *freqs] (ROPE_FREQS: frequencies given).
+# A head rotated as mx.fast.rope rotates it (MLX's CUDA RoPE, same formulas and order, so
+# the same rounding where the compiler contracts alike), at position pos over the whole head.
+# kiln_rope_angles: the cos and sin of each frequency i < D/2 at pos, into a block's shared
+# memory (the caller syncs); rope: [log2(base), scale] or [unused, scale, *freqs]
+# (FREQS: frequencies given). kiln_rope: element d, rounded to T as RoPE's output is;
+# x[at + j * step] is the head's element j. Computing the angles once a block, not once
+# an element, keeps ~20 sin/cos evaluations a thread off the kernel's start.
 _ROPE_HEADER = r"""
-template <typename T, int D, bool TRAD, bool FREQS, typename X>
-__device__ float kiln_rope(const X* x, size_t at, int64_t step, int d, float pos,
-                           const float* rope) {
+template <int D, bool FREQS>
+__device__ void kiln_rope_angles(float pos, const float* rope, float* cos_t, float* sin_t) {
+    constexpr int HALF = D / 2;
+    for (int i = threadIdx.x; i < HALF; i += blockDim.x) {
+        const float inv_freq = FREQS
+            ? static_cast<float>(1.0 / rope[2 + i])
+            : exp2f(-(static_cast<float>(i) / static_cast<float>(HALF)) * rope[0]);
+        const float theta = (rope[1] * pos) * inv_freq;
+        cos_t[i] = cosf(theta);  // what MLX's cos(float) and sin(float) call
+        sin_t[i] = sinf(theta);
+    }
+}
+
+template <typename T, int D, bool TRAD, typename X>
+__device__ float kiln_rope(const X* x, size_t at, int64_t step, int d, const float* cos_t,
+                           const float* sin_t) {
     constexpr int HALF = D / 2;
     const int i = TRAD ? d / 2 : d % HALF;
     const bool first = TRAD ? d % 2 == 0 : d < HALF;
     const int d1 = TRAD ? 2 * i : i;
     const int d2 = TRAD ? 2 * i + 1 : i + HALF;
-    const float inv_freq = FREQS
-        ? static_cast<float>(1.0 / rope[2 + i])
-        : exp2f(-(static_cast<float>(i) / static_cast<float>(HALF)) * rope[0]);
-    const float theta = (rope[1] * pos) * inv_freq;
-    const float c = cosf(theta);  // what MLX's cos(float) and sin(float) call
-    const float s = sinf(theta);
+    const float c = cos_t[i];
+    const float s = sin_t[i];
     const float x1 = static_cast<float>(x[at + (size_t)d1 * step]);
     const float x2 = static_cast<float>(x[at + (size_t)d2 * step]);
     return static_cast<float>(static_cast<T>(first ? x1 * c - x2 * s : x1 * s + x2 * c));
