@@ -69,6 +69,8 @@ class SchedulerLoop:
         self.max_in_flight = max_in_flight
         self.in_flight: deque[InFlight] = deque()
         self._synced = True  # the worker has been told to report every launched step
+        # Planning found nothing to do; until a message changes the state it would again.
+        self._idle = False
 
     def handle(self, message: SchedulerMessage, outputs: list[TokenOutput]) -> None:
         s = self.scheduler
@@ -95,9 +97,11 @@ class SchedulerLoop:
         return result
 
     def run_once(self) -> None:
-        can_plan = len(self.in_flight) < self.max_in_flight and self.scheduler.has_work
+        can_plan = (len(self.in_flight) < self.max_in_flight and self.scheduler.has_work
+                    and not self._idle)
         first = self.inbox.recv(timeout_ms=0 if can_plan else _IDLE_POLL_MS)
         messages = ([first] if first is not None else []) + self.inbox.drain()
+        self._idle = self._idle and not messages
         outputs: list[TokenOutput] = []
         for message in messages:
             self.handle(message, outputs)
@@ -109,6 +113,7 @@ class SchedulerLoop:
         while len(self.in_flight) < self.max_in_flight:
             batch = self.scheduler.plan_step()
             if batch is None:
+                self._idle = True
                 break
             self.worker.send(batch)
             self.in_flight.append(InFlight(batch.step, time.perf_counter()))

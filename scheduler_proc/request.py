@@ -67,6 +67,8 @@ class Req:
     dup_slots: list[np.ndarray] = field(default_factory=list)
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     admissions: int = 0
+    # Steps sent that sample this request and whose results are not in yet.
+    samples_in_flight: int = 0
     on_worker: bool = False
     announced: bool = False  # the detokenizer has seen this request's first output
     finish_reason: FinishReason | None = None

@@ -136,6 +136,15 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.running or self.waiting)
 
+    def _last_token_planned(self, req: Req) -> bool:
+        """Whether the steps in flight sample req's last token by max_tokens or the
+        context limit: a further decode's token would only be discarded (and, with
+        overlap, every length-bound request would cost a wasted row in the step after its
+        last). Stops by token or string cannot be foreseen; those tokens are discarded."""
+        n_out = len(req.output_ids) + req.samples_in_flight
+        return (n_out >= req.sampling.max_new_tokens
+                or req.prompt_len + n_out >= self.limits.max_context)
+
     # -- requests in, aborts, cache control ---------------------------------------------------
 
     def add_request(self, msg: TokenizedRequest) -> list[TokenOutput]:
@@ -210,14 +219,18 @@ class Scheduler:
         prefill += self._admit(budget, new_reqs)
         prefill = [c for c in prefill if c is not None]
         if not (prefill or decode_rids):
-            if self.running:  # every running prompt is stuck for want of slots
+            finishing = any(not r.prefilling and self._last_token_planned(r)
+                            for r in self.running.values())
+            if self.running and not finishing:  # every running prompt is stuck for want of slots
                 self._preempt(next(reversed(self.running.values())))
                 return self.plan_step()
-            return None
+            return None  # nothing to do, or slots to wait for from requests finishing
         self._step += 1
         self.ratio.on_step()
         sampled = [c.rid for c in prefill if c.sample] + decode_rids
         self._sampled_for[self._step] = {rid: self.running[rid].admissions for rid in sampled}
+        for rid in sampled:
+            self.running[rid].samples_in_flight += 1
         released, self._released = self._released, []
         return ForwardBatch(step=self._step, new_requests=new_reqs, prefill=prefill,
                             decode_rids=decode_rids, decode_slots=decode_slots, released=released)
@@ -230,7 +243,8 @@ class Scheduler:
         return self.allocator.num_free >= n
 
     def _plan_decode(self) -> tuple[list[str], list[int]]:
-        decoding = [r for r in self.running.values() if not r.prefilling]
+        decoding = [r for r in self.running.values()
+                    if not r.prefilling and not self._last_token_planned(r)]
         while decoding and not self._make_room(len(decoding)):
             victim = next(reversed(self.running.values()))
             self._preempt(victim)
@@ -364,7 +378,7 @@ class Scheduler:
         if req.on_worker:
             self._released.append(req.rid)
         req.row, req.last_node, req.dup_slots = None, None, []
-        req.num_computed = req.prefix_len = 0
+        req.num_computed = req.prefix_len = req.samples_in_flight = 0
         req.on_worker = False
 
     def _finish(self, req: Req, reason: FinishReason) -> None:
@@ -378,6 +392,10 @@ class Scheduler:
     def apply_result(self, result: StepResult) -> list[TokenOutput]:
         outputs = []
         sampled_for = self._sampled_for.pop(result.step, {})
+        for rid, admission in sampled_for.items():
+            req = self.running.get(rid)
+            if req is not None and req.admissions == admission:
+                req.samples_in_flight -= 1
         # Before the tokens: a request's first output carries its prompt's logprobs.
         for scored in result.prompt_logprobs:
             req = self.running.get(scored.rid)

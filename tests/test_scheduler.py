@@ -64,6 +64,7 @@ def test_allocator_refuses_partial_allocations_and_double_frees():
 def test_req_to_token_table_rows():
     table = ReqToTokenTable(rows=2, max_context=8)
     r0, r1 = table.alloc_row(), table.alloc_row()
+    assert {r0, r1} == {0, 1}
     assert table.alloc_row() is None
     table.assign(r0, 0, np.array([5, 6, 7]))
     table.assign(r0, 3, np.array([9]))
@@ -149,6 +150,71 @@ def test_stop_token_and_max_tokens_finish_and_free_everything():
     assert out2[0].prompt_tail is None
     assert not s.has_work
     assert_idle_invariant(s)
+
+
+def test_no_decode_is_planned_past_a_last_token_already_in_flight():
+    """With two steps in flight, a request whose max_tokens ends with a planned step gets
+    no further decode: that row's token would only be discarded."""
+    s = _sched()
+    s.add_request(_req("two", 4, 2))
+    s.add_request(_req("long", 4, 50))
+    b1 = s.plan_step()  # the prefill samples both first tokens
+    b2 = s.plan_step()  # planned before b1's result: samples "two"'s last
+    assert b2.decode_rids == ["two", "long"]
+    b3 = s.plan_step()
+    assert b3.decode_rids == ["long"]
+    s.apply_result(_answer(b1))
+    out = s.apply_result(_answer(b2))
+    assert [(o.rid, o.finish_reason) for o in out if o.finished] == [("two", "length")]
+    assert "two" not in s.running and s.slots_consistent()
+    s.abort("long")
+    s.apply_result(_answer(b3))
+    assert_idle_invariant(s)
+
+
+def test_requests_finishing_in_flight_are_waited_for_not_preempted():
+    """Nothing else can run until the slots of requests whose last tokens are in flight
+    come back: planning waits (None) instead of preempting anyone."""
+    s = _sched(capacity=16, max_running=4)
+    s.add_request(_req("a", 4, 2))
+    s.add_request(_req("b", 4, 2))
+    b1, b2 = s.plan_step(), s.plan_step()
+    assert b2.decode_rids == ["a", "b"]  # both last tokens in flight; 6 slots free
+    s.add_request(_req("c", 6, 2))  # admission wants 6 + 1 beyond a's and b's expected 2
+    assert s.plan_step() is None and s.counters.preemptions == 0
+    s.apply_result(_answer(b1))
+    s.apply_result(_answer(b2))
+    b3 = s.plan_step()
+    assert [c.rid for c in b3.prefill] == ["c"] and s.counters.preemptions == 0
+
+
+def test_scheduler_loop_waits_for_news_when_nothing_can_be_planned():
+    """With a step in flight that samples every running request's last token, there is
+    nothing to plan until a message comes: the loop blocks on its inbox, never spins."""
+    from scheduler_proc import _IDLE_POLL_MS, SchedulerLoop
+    from tests.engine_driver import Pipe
+
+    class Inbox(Pipe):
+        timeouts: list[int | None] = []
+
+        def recv(self, timeout_ms=None):
+            self.timeouts.append(timeout_ms)
+            return super().recv(timeout_ms)
+
+    s, inbox, worker = _sched(), Inbox(), Pipe()
+    loop = SchedulerLoop(s, inbox, worker, Pipe(), max_in_flight=2)
+    inbox.send(_req("a", 4, 2))
+    loop.run_once()
+    b1, b2 = worker.drain()  # the prefill, and the decode of "a"'s last token
+    inbox.send(_answer(b1))
+    loop.run_once()
+    assert len(loop.in_flight) == 1 and worker.drain()[-1].__class__.__name__ == "SyncSteps"
+    inbox.timeouts.clear()
+    loop.run_once()
+    assert inbox.timeouts == [_IDLE_POLL_MS] and not worker.items
+    inbox.send(_answer(b2))
+    loop.run_once()
+    assert not s.running and not loop.in_flight
 
 
 def test_abort_while_waiting_and_while_running_frees_slots():

@@ -191,6 +191,20 @@ def test_decode_inputs_gather_last_tokens_from_any_steps():
     assert _gather_last_tokens(mixed).tolist() == [21, 12, 20, 10]
 
 
+def test_overlap_computes_no_row_past_a_length_bound_requests_last_token(tiny_model):
+    """Two steps in flight: the scheduler plans the step after a request's max_tokens-th
+    token before it sees that token, and leaves the request out of it (no discarded row)."""
+    model, _ = tiny_model
+    engine = InProcessEngine(model)
+    limits = (3, 6, 9)
+    for i, p in enumerate(_prompts(3, [20, 9], model.args.vocab_size, seed=6)):
+        engine.submit(f"r{i}", p, limits[i], [])
+    results = engine.run_until_idle()
+    assert [len(results[f"r{i}"].token_ids) for i in range(3)] == list(limits)
+    assert engine.worker.stats.decode_tokens == sum(n - 1 for n in limits)
+    assert_idle_invariant(engine.scheduler)
+
+
 def test_step_stats_account_the_loop_and_summarise_by_interval(tiny_model):
     from worker_proc.step_stats import StepStats
 
