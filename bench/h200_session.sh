@@ -24,7 +24,8 @@ KILN_B_ENV=${KILN_B_ENV:-}    # ... and this environment (K=V ...), for A/B runs
 MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5; see
                                # bench/mlx_lm_server_backlog.py)
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any;
-                                       # also: launch, bench/launch_cost.py)
+                                       # also: launch, bench/launch_cost.py; timeline,
+                                       # bench/device_timeline.py (needs cupti-python))
 BREAKDOWN_VARIANTS=${BREAKDOWN_VARIANTS:-}  # step_breakdown --variants (';'-joined; default all)
 BREAKDOWN_ROUNDS=${BREAKDOWN_ROUNDS:-1}  # step_breakdown --rounds (interleaved repeats; the
                                         # host's speed drifts, so A/B runs want 3 or more)
@@ -59,6 +60,12 @@ echo "== host time per graph node"
 timeout 120 "$PYTHON" bench/launch_cost.py 2>&1 | tee "$OUT/launch_cost.txt"
 fi
 
+if has timeline; then
+echo "== device timeline of the served decode step (CUPTI)"
+LD_LIBRARY_PATH=$HOME/site/nvidia/cu13/lib:${LD_LIBRARY_PATH:-} timeout 300 "$PYTHON" bench/device_timeline.py --model "$MODEL" --batch-sizes 1,64,128 \
+    --json "$OUT/device_timeline.json" 2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/device_timeline.txt"
+fi
+
 if has sweep; then
 echo "== serving, side by side"
 OUT=$OUT timeout $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MODEL" \
@@ -73,9 +80,9 @@ fi
 
 # At most 8 files come back from a device call: the two short reports travel as one,
 # the logs as one archive.
-cat "$OUT"/kernel_tests.txt "$OUT"/step_breakdown.txt "$OUT"/launch_cost.txt \
+cat "$OUT"/kernel_tests.txt "$OUT"/step_breakdown.txt "$OUT"/launch_cost.txt "$OUT"/device_timeline.txt \
     > "$OUT/session.txt" 2>/dev/null
-rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" "$OUT/launch_cost.txt"
+rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" "$OUT/launch_cost.txt" "$OUT/device_timeline.txt"
 [ -s "$OUT/session.txt" ] || rm -f "$OUT/session.txt"
 if compgen -G "$OUT/*.log" >/dev/null; then
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)

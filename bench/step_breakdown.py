@@ -113,12 +113,13 @@ def _empty_runner(model: Any, batch: int, context: int, steps: int, compile_deco
 
 def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
                  pipelined: bool = False, compile_decode: bool = False,
-                 profile: cProfile.Profile | None = None) -> Timings:
+                 profile: cProfile.Profile | None = None,
+                 before_step: Callable[[int], None] | None = None) -> Timings:
     """Decode steps: build, start (async_eval), wait. Alone, each step is waited for before
     the next; pipelined, as the worker's start-ahead loop (no scheduler or sockets), step
     N+1 is built and half started before N is waited for, so step ms is the steady state
-    (the wait for N counts as "wait"). profile: a
-    profiler to run around each step's build."""
+    (the wait for N counts as "wait"). profile: a profiler to run around each step's
+    build; before_step: called with each step's number (1, 2, ...) before its build."""
     runner, rids, slot = _runner(model, batch, context, steps, compile_decode)
     t = Timings(pool_mb=runner.pool.nbytes / 1e6)
     mx.synchronize()
@@ -126,6 +127,8 @@ def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
     base = mx.get_active_memory()
     in_flight = None
     for step in range(1, steps + 1):
+        if before_step is not None:
+            before_step(step)
         plan = ForwardBatch(step=step, decode_rids=rids, decode_slots=[next(slot) for _ in rids])
         t0 = time.perf_counter()
         if profile is not None:
