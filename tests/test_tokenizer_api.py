@@ -503,3 +503,47 @@ def test_real_disconnect_mid_stream_aborts(make_api: Callable[..., Api]) -> None
         while not api.engine.aborted() and time.monotonic() < deadline:
             time.sleep(0.02)
         assert api.engine.aborted() == [api.request().rid]
+
+
+class _HeldTokenizer:
+    """The real tokenizer, except that encoding a text containing HOLD waits until the
+    test releases it: a long prompt's tokenization, as long as the test needs."""
+
+    def __init__(self, inner: Any) -> None:
+        self._inner = inner
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def encode(self, text: str, *args: Any, **kwargs: Any) -> Any:
+        if "HOLD" in text:
+            self.started.set()
+            self.release.wait(10)
+        return self._inner.encode(text, *args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+
+def test_a_prompt_being_tokenized_does_not_stall_other_streams(preparer: RequestPreparer) -> None:
+    held = _HeldTokenizer(preparer._tokenizer)
+    api = Api(RequestPreparer(held, preparer.info), counting_script(length=400), delay=0.01)
+    with serving(api.app) as url:
+        with httpx.stream("POST", f"{url}{COMPLETIONS}", timeout=30,
+                          json={"prompt": "x", "max_tokens": 400, "stream": True}) as a:
+            lines = a.iter_lines()
+            next(lines)
+            answers: list[httpx.Response] = []
+            b = threading.Thread(target=lambda: answers.append(httpx.post(
+                f"{url}{COMPLETIONS}", json={"prompt": "HOLD", "max_tokens": 2}, timeout=30)))
+            b.start()
+            try:
+                assert held.started.wait(10)
+                # While B's prompt is in the tokenizer, A's tokens keep coming (tokenizing
+                # on the event loop, they would wait for the release, 10 s).
+                start = time.monotonic()
+                for _ in range(20):
+                    next(lines)
+                assert time.monotonic() - start < 5
+            finally:
+                held.release.set()
+                b.join(30)
+    assert answers and answers[0].status_code == 200

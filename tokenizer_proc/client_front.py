@@ -83,14 +83,14 @@ class ClientFront:
 
     async def _submit(self, key: _Key, message: GenerateRequest) -> list[RequestStream]:
         """One engine request per output; n > 1 shares the prompt (prepare.fan_out)."""
-        # First: nothing may await between the checks below and the entry point.
         await self._preparer.prevalidate(message)
+        n = choice_count(message.n)
+        tokenized = await self._preparer.run(self._preparer.generate, message, new_id("zmq"))
+        # Checked after tokenizing (an await), so a request that came meanwhile is seen.
         if not self.accepting:
             raise RequestError("The server is shutting down.")
         if key in self._active:
             raise RequestError(f"Request id {message.request_id!r} is already in flight.")
-        n = choice_count(message.n)
-        tokenized = self._preparer.generate(message, new_id("zmq"))
         streams: list[RequestStream] = []
         try:
             for one in fan_out(tokenized, n):

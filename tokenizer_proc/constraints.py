@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -97,7 +98,8 @@ class GrammarCompiler:
     Validating is compiling: milliseconds for a small schema, up to seconds for a big one.
     On the event loop that would stall every other request, so the front calls
     `prevalidate` first, which runs it on a small thread pool (llguidance drops the GIL
-    while it compiles), and `compile`, called next on the loop, finds the verdict kept.
+    while it compiles), and `compile`, called next (on the preparer's tokenizing thread),
+    finds the verdict kept.
     Recent verdicts stay kept (keyed by grammar text), so clients repeating a schema pay
     once. The llguidance tokenizer, made on first use or from start-up on
     (`start_building`), is a `BackgroundBuild`.
@@ -113,7 +115,8 @@ class GrammarCompiler:
         self._tokenizer: BackgroundBuild[Any] = BackgroundBuild(make_tokenizer,
                                                                 "llguidance tokenizer")
         self._validate = validate
-        # Read and written on the event loop's thread only (or a sync caller's): no lock.
+        # Kept on the event loop's thread (prevalidate), read on the preparer's.
+        self._lock = threading.Lock()
         self._verdicts: OrderedDict[str, Verdict] = OrderedDict()
         self._verdict_chars = 0
         self._pending: dict[str, asyncio.Future[Verdict | None]] = {}
@@ -130,15 +133,17 @@ class GrammarCompiler:
         return self._tokenizer.started
 
     async def prevalidate(self, constraint: Constraint) -> None:
-        """Validate off the event loop and keep the verdict, for `compile` to find when it
-        is called next with no await in between. Raises nothing: `compile` raises the
-        request's errors, in their usual order among the request's other checks."""
+        """Validate off the event loop and keep the verdict, for `compile` to find when the
+        request's entry point runs next (if 256 other grammars pushed it out meanwhile,
+        `compile` validates again). Raises nothing: `compile` raises the request's errors,
+        in their usual order among the request's other checks."""
         try:
             grammar = grammar_text(constraint)
         except RequestError:
             return
-        if grammar in self._verdicts:
-            return
+        with self._lock:
+            if grammar in self._verdicts:
+                return
         pending = self._pending.get(grammar)
         if pending is None:  # clients sending one grammar at once share its validation
             pending = asyncio.get_running_loop().run_in_executor(
@@ -154,12 +159,13 @@ class GrammarCompiler:
         """The grammar text for SamplingParams.grammar; a 400 naming the parameter when
         the constraint is malformed or llguidance cannot build it."""
         grammar = grammar_text(constraint)
-        verdict = self._verdicts.get(grammar)
-        if verdict is None:  # not prevalidated (a sync caller): validate on this thread
+        with self._lock:
+            verdict = self._verdicts.get(grammar)
+            if verdict is not None:
+                self._verdicts.move_to_end(grammar)
+        if verdict is None:  # not prevalidated (or since evicted): validate on this thread
             verdict = self._validate(grammar, self._ll_tokenizer())
             self._keep(grammar, verdict, constraint.param)
-        else:
-            self._verdicts.move_to_end(grammar)
         failed, messages = verdict
         if failed:
             raise RequestError(f"Invalid '{constraint.param}': {_one_line(messages)}",
@@ -181,19 +187,20 @@ class GrammarCompiler:
         return self._pool
 
     def _keep(self, grammar: str, verdict: Verdict, param: str) -> None:
-        if grammar in self._verdicts:
-            self._verdicts.move_to_end(grammar)
-            return
+        with self._lock:
+            if grammar in self._verdicts:
+                self._verdicts.move_to_end(grammar)
+                return
+            self._verdicts[grammar] = verdict
+            self._verdict_chars += len(grammar)
+            # The newest stays even alone over the budget: compile is about to read it.
+            while len(self._verdicts) > 1 and (len(self._verdicts) > self.CACHED_VERDICTS
+                                               or self._verdict_chars > self.CACHED_CHARS):
+                old, _ = self._verdicts.popitem(last=False)
+                self._verdict_chars -= len(old)
         failed, messages = verdict
         if messages and not failed:
             logger.info("grammar warnings for %s: %s", param, messages)
-        self._verdicts[grammar] = verdict
-        self._verdict_chars += len(grammar)
-        # The newest stays even alone over the budget: compile is about to read it.
-        while len(self._verdicts) > 1 and (len(self._verdicts) > self.CACHED_VERDICTS
-                                           or self._verdict_chars > self.CACHED_CHARS):
-            old, _ = self._verdicts.popitem(last=False)
-            self._verdict_chars -= len(old)
 
     def _ll_tokenizer(self) -> Any:
         try:

@@ -99,8 +99,9 @@ class ApiRoutes:
         body = _parse(CompletionRequest, await _read_json(request))
         await self._preparer.prevalidate(body)
         rid = new_id("cmpl")
-        tokenized = self._preparer.completion(body, rid)
-        echo = self._preparer.echo_text(body, tokenized.input_ids) if body.echo else ""
+        prep = self._preparer
+        tokenized = await prep.run(prep.completion, body, rid)
+        echo = await prep.run(prep.echo_text, body, tokenized.input_ids) if body.echo else ""
         fmt = CompletionFormat(rid, self._preparer.info.name, _include_usage(body), echo=echo)
         choices = completion_choices(body)
         if choices.best_of > 1:
@@ -115,7 +116,7 @@ class ApiRoutes:
         await self._preparer.prevalidate(body)
         rid = new_id("chatcmpl")
         fmt = ChatFormat(rid, self._preparer.info.name, _include_usage(body))
-        tokenized = self._preparer.chat(body, rid)
+        tokenized = await self._preparer.run(self._preparer.chat, body, rid)
         n = choice_count(body.n)
         if n > 1:
             return await self._generate_n(request, tokenized.rid, fan_out(tokenized, n), fmt,
@@ -152,14 +153,14 @@ class ApiRoutes:
     async def generate(self, request: Request) -> Response:
         """The native API: text or token ids in; text, ids and meta_info out."""
         body = _parse(GenerateBody, await _read_json(request))
-        # Before the duplicate-rid check, so that no new await falls between it and submit.
         await self._preparer.prevalidate(body)
         rid = body.rid or new_id("gen")
+        n = self._preparer.native_choices(body)
+        tokenized = await self._preparer.run(self._preparer.native, body, rid)
+        # After the last await before submit: no other request can take the rid between.
         if self._manager.is_in_flight(rid):
             raise RequestError(f"Request id {rid!r} is already in flight.", param="rid",
                                code="duplicate_request_id")
-        n = self._preparer.native_choices(body)
-        tokenized = self._preparer.native(body, rid)
         start = body.logprob_start_len
         fmt = NativeFormat(rid, logprobs=bool(body.return_logprob),
                            logprob_start_len=-1 if start is None else start,

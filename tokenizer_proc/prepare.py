@@ -6,10 +6,13 @@ ZMQ front so both refuse the same requests with the same messages.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
 import math
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, TypeVar
 
 import msgspec
 from pydantic import BaseModel
@@ -29,6 +32,7 @@ COMPLETION_DEFAULT_MAX_TOKENS = 16
 _MAX_SEED = 2**63  # seeds travel as int64 and feed the worker's RNG key
 
 _IsDefault = Callable[[Any], bool]
+R = TypeVar("R")
 
 
 def _empty(value: Any) -> bool:
@@ -121,6 +125,17 @@ class RequestPreparer:
         self.info = info
         self.grammars = grammars or GrammarCompiler(
             lambda: ll_tokenizer(tokenizer, info.eos_token_ids))
+        self._thread: ThreadPoolExecutor | None = None
+
+    async def run(self, entry: Callable[..., R], *args: Any) -> R:
+        """Call an entry point (or echo_text) on the preparer's own thread, off the event
+        loop: tokenizing a long prompt (~100 ms for 80k tokens) there would stall every
+        other request's stream. One thread, so the tokenizer (a Hugging Face fast
+        tokenizer is not safe to call from several threads at once) has one caller."""
+        if self._thread is None:
+            self._thread = ThreadPoolExecutor(1, thread_name_prefix="tokenize")
+        return await asyncio.get_running_loop().run_in_executor(
+            self._thread, functools.partial(entry, *args))
 
     def start_grammar_build(self) -> None:
         """Process start-up: build llguidance's tokenizer in the background, unless this
@@ -130,8 +145,8 @@ class RequestPreparer:
 
     async def prevalidate(self, body: ConstrainedBody) -> None:
         """Validate the body's constraint off the event loop; call it right before the
-        body's entry point, with no await in between, which then finds the verdict. Raises
-        nothing: the entry point raises every error, in its usual order."""
+        body's entry point, which then finds the verdict. Raises nothing: the entry point
+        raises every error, in its usual order."""
         try:
             constraint = request_constraint(body)
         except RequestError:
