@@ -241,6 +241,9 @@ class _StubPreparer:
     async def prevalidate(self, message: Any) -> None:  # no constraints here
         pass
 
+    async def run(self, entry: Any, *args: Any) -> Any:
+        return entry(*args)
+
     def generate(self, message: Any, rid: str) -> TokenizedRequest:
         return request(rid)
 
