@@ -353,3 +353,31 @@ def test_best_of_ranks_per_token_and_keeps_order_on_ties() -> None:
     assert [r.text for r in picked] == ["long", "a", "b"]
     assert all(r.logprobs is None for r in picked)
     assert BestOf(1, show_logprobs=True).pick(results)[0].logprobs == []
+
+
+def test_echo_offsets_index_the_echoed_text_past_an_added_bos() -> None:
+    """A BOS the tokenizer put before the prompt as sent is not in the echoed text: it
+    sits at offset 0 and the prompt's tokens (and the completion's) index the text."""
+    from ipc.messages.common import Usage
+    from ipc.messages.to_tokenizer import PromptTextLogprobs, TextLogprob
+    from tokenizer_proc.manager import Collected
+    from tokenizer_proc.responses import CompletionFormat
+
+    prompt = PromptTextLogprobs(first="<|begin_of_text|>", first_id=1,
+                                rest=[TextLogprob("Hel", -1.0), TextLogprob("lo", -2.0)])
+    done = Collected(text=" you", token_ids=[7], finish_reason="length",
+                     usage=Usage(prompt_tokens=3, completion_tokens=1),
+                     logprobs=[TextLogprob(" you", -0.5)], prompt_logprobs=prompt)
+    whole = CompletionFormat("cmpl-1", "m", echo="Hello").response(done)["choices"][0]
+    text, offsets = whole["text"], whole["logprobs"]["text_offset"]
+    assert text == "Hello you" and offsets == [0, 0, 3, 5]
+    assert [text[o:o + len(t)] for o, t in zip(offsets[1:], whole["logprobs"]["tokens"][1:])] \
+        == ["Hel", "lo", " you"]
+    streamed = CompletionFormat("cmpl-1", "m", echo="Hello")
+    opening = streamed.opening(prompt)[0]["choices"][0]["logprobs"]["text_offset"]
+    chunk = streamed.text_chunk(" you", [TextLogprob(" you", -0.5)])
+    assert opening + chunk["choices"][0]["logprobs"]["text_offset"] == offsets
+    # Without a BOS (the prompt's first token starts the echo) nothing changes.
+    plain = PromptTextLogprobs(first="Hel", first_id=5, rest=[TextLogprob("lo", -2.0)])
+    opening = CompletionFormat("cmpl-2", "m", echo="Hello").opening(plain)
+    assert opening[0]["choices"][0]["logprobs"]["text_offset"] == [0, 3]

@@ -64,7 +64,7 @@ class CompletionFormat(_Format):
         """The echoed prompt, with its tokens' logprobs when they were asked for."""
         if not self.echo:
             return []
-        choice = _text_choice(self.echo, None, _prompt_legacy(prompt))
+        choice = _text_choice(self.echo, None, _prompt_legacy(prompt, self.echo))
         return [self._envelope("text_completion", [choice])]
 
     def text_chunk(self, text: str, logprobs: list[TextLogprob] | None = None) -> dict[str, Any]:
@@ -79,7 +79,7 @@ class CompletionFormat(_Format):
 
     def response(self, result: Collected) -> dict[str, Any]:
         logprobs = self._logprobs(result.logprobs)
-        prompt = _prompt_legacy(result.prompt_logprobs) if self.echo else None
+        prompt = _prompt_legacy(result.prompt_logprobs, self.echo) if self.echo else None
         if prompt is not None:
             logprobs = {key: prompt[key] + (logprobs or {}).get(key, []) for key in prompt}
         return {"id": self.id, "object": "text_completion", "created": self.created,
@@ -103,15 +103,19 @@ class CompletionFormat(_Format):
                 "text_offset": offsets}
 
 
-def _prompt_legacy(prompt: PromptTextLogprobs | None) -> dict[str, Any] | None:
+def _prompt_legacy(prompt: PromptTextLogprobs | None, echo: str) -> dict[str, Any] | None:
     """The prompt's part of the legacy logprobs (echo): token 0 has no logprob and no
-    top dict (null, as OpenAI's); offsets count the token texts from the text's start."""
+    top dict (null, as OpenAI's); offsets count the token texts from the echoed text's
+    start. A first token the echo does not start with (a BOS the tokenizer added to the
+    prompt as sent) is at offset 0 and takes no room, so the others index the echo."""
     if prompt is None:
         return None
     tokens = [prompt.first, *(lp.token for lp in prompt.rest)]
-    offsets = [0]
-    for token in tokens[:-1]:
-        offsets.append(offsets[-1] + len(token))
+    at = 0 if echo.startswith(prompt.first) else -len(prompt.first)
+    offsets = []
+    for token in tokens:
+        offsets.append(max(at, 0))
+        at += len(token)
     return {"tokens": tokens,
             "token_logprobs": [None, *(_finite(lp.logprob) for lp in prompt.rest)],
             "top_logprobs": [None, *(_top_dict(lp) for lp in prompt.rest)],
