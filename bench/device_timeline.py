@@ -248,6 +248,9 @@ def main() -> None:
                                pipelined=True, compile_decode=True, before_step=before_step)
         mx.synchronize()
         records = trace.take()
+        if not records:
+            print(f"\nbatch {batch}: CUPTI recorded no kernels")
+            continue
         host_ms = statistics.median(timings.step[args.warmup:]) * 1e3
         report = analyse(records, batch, args.steps, args.top)
         print_report(report, host_ms)
