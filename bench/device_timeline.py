@@ -102,8 +102,9 @@ def analyse(records: list[KernelRecord], batch: int, steps: int, top: int = 10) 
     for r in records:
         if r.start_ns > covered_to:
             gap_us = (r.start_ns - covered_to) / 1e3
-            gaps[_gap_bin(gap_us)] += gap_us
-            gap_counts[_gap_bin(gap_us)] += 1
+            size = _gap_bin(gap_us)
+            gaps[size] += gap_us
+            gap_counts[size] += 1
         busy += max(0, r.end_ns - max(r.start_ns, covered_to))
         covered_to = max(covered_to, r.end_ns)
     kinds: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
@@ -224,9 +225,7 @@ def main() -> None:
     import mlx.core as mx
     import mlx_lm
 
-    from bench.step_breakdown import kiln_step_ms
-    from worker_proc.decode_block import speed_up_decode_blocks
-    from worker_proc.fused_projections import fuse_projections
+    from bench.step_breakdown import kiln_step_ms, served_model
     from worker_proc.memory import raise_cuda_graph_budgets
     from worker_proc.paged_attention import kernel_available
 
@@ -234,9 +233,7 @@ def main() -> None:
         sys.exit("needs MLX's CUDA backend (the served decode path)")
     print("CUDA graph budgets:", raise_cuda_graph_budgets())
     trace = KernelTrace()
-    model = mlx_lm.load(args.model)[0]
-    fuse_projections(model)
-    speed_up_decode_blocks(model, residual_in_gemm=True)
+    model = served_model(mlx_lm.load(args.model)[0])
     reports: list[dict[str, Any]] = []
     for batch in (int(b) for b in args.batch_sizes.split(",")):
         def before_step(step: int) -> None:

@@ -23,6 +23,11 @@ def _auto_on_off(help_text: str) -> Any:
                              metadata={"choices": ("auto", "on", "off"), "help": help_text})
 
 
+def switch_on(value: str, auto: bool) -> bool:
+    """An auto/on/off switch's answer, `auto` being what the engine picks for the device."""
+    return value == "on" or (value == "auto" and auto)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Start-up settings shared by every process. Field docs double as `--help` text."""

@@ -8,7 +8,7 @@ from collections import deque
 from typing import TYPE_CHECKING
 
 from ipc.channel import Receiver, Sender
-from ipc.config import ServerConfig
+from ipc.config import ServerConfig, switch_on
 from ipc.messages.to_scheduler import WorkerReady
 from ipc.messages.to_worker import ForwardBatch, Shutdown, SyncSteps, WorkerMessage
 from ipc.process import StartupReporter, setup_child
@@ -68,9 +68,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     model, tokenizer = mlx_lm.load(config.model_path, trust_remote_code=config.trust_remote_code,
                                    tokenizer_config={"trust_remote_code": config.trust_remote_code})
     check_layer_kinds(model)
-    fuse = config.fuse_projections == "on" or (config.fuse_projections == "auto" and on_cuda)
-    fast_blocks = config.fast_decode_blocks == "on" or (
-        config.fast_decode_blocks == "auto" and fuse and on_cuda)
+    fuse = switch_on(config.fuse_projections, auto=on_cuda)
+    fast_blocks = switch_on(config.fast_decode_blocks, auto=fuse and on_cuda)
     if fuse or fast_blocks:
         fuse_projections(model)
         # The separate weights' buffers sit in MLX's cache, which the device reports as
@@ -260,9 +259,7 @@ def memory_note() -> str:
 def overlap_enabled(config: ServerConfig, on_gpu: bool) -> bool:
     """--overlap resolved for the device: auto keeps two steps in flight on a GPU only
     (on MLX's CPU backend a step's launch returns once the step is nearly done)."""
-    if config.disable_overlap or config.overlap == "off":
-        return False
-    return config.overlap == "on" or on_gpu
+    return not config.disable_overlap and switch_on(config.overlap, auto=on_gpu)
 
 
 def run_worker(config: ServerConfig) -> None:
