@@ -33,94 +33,172 @@ TARGET_BLOCKS = 512
 MIN_SPLIT_TOKENS = 32
 MAX_SPLIT_TOKENS = 1024
 _THREADS = 128  # four warps per block
+# Lanes sharing one token's dot products (a power of two up to 32 dividing D / 32 * 32),
+# and passes of 32 / LANES_PER_TOKEN tokens a warp takes per iteration: see _BODY.
+LANES_PER_TOKEN = 16
+PASSES = 1
 
-# One block per (split, KV head, row). Each warp streams tokens of the split, U at a time,
-# through an online softmax for the whole query-head group; the four warps then combine in shared
-# memory. With one split (_DIRECT_WRITE) the block writes the normalised output in q's
-# dtype; otherwise it writes its partial (acc, max, sum) for _MERGE_SOURCE.
+# One block per (split, KV head, row), four warps. A token's dot products take L lanes
+# (LANES, a template argument), E = D / L elements each, so a warp pass covers 32 / L
+# tokens; U passes (PASSES) make a warp's share of an iteration. Each lane keeps an online
+# softmax of its own tokens for the whole query-head group; the lanes of a warp then merge
+# by shuffles, the four warps in shared memory. K/V rows come as one vector load a lane,
+# and the next iteration's are loaded before this one's math (double buffering), so the
+# memory latency hides behind it. With one split (_DIRECT_WRITE) the block writes the
+# normalised output in q's dtype; otherwise its partial (acc, max, sum) for _MERGE_SOURCE.
+# Scores are kept in log2 units (q scaled by log2(e)), so each exponential is one exp2.
+# Maxima start at -FLT_MAX, not -inf, so that a lane with no token yet rescales by
+# exp(0) = 1 rather than exp(-inf + inf) = NaN, and an empty partial weighs exp(-huge) = 0.
 _BODY = r"""
     constexpr int NW = 4;
-    constexpr int U = 4;
-    constexpr int E = D / 32;
+    constexpr int L = LANES;
+    constexpr int TPW = 32 / L;
+    constexpr int U = PASSES;
+    constexpr int E = D / L;
+    constexpr int STEP = NW * U * TPW;
+    using V = kiln_vec<P, E>;
     const int split = blockIdx.x;
     const int kvh = blockIdx.y;
     const int b = blockIdx.z;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+    const int sub = lane / L;    // the lane's token within a pass
+    const int part = lane % L;   // its slice of the head: elements part * E ...
     const int n_splits = gridDim.x;
     const int len = LENGTH;
     const int lmax = table_shape[1];  // runtime values: a template would recompile per length
     const int chunk = (lmax + n_splits - 1) / n_splits;
     const int start = split * chunk;
     const int end = min(start + chunk, len);
-    const float sc = scale[0];
-    const float neg_inf = __int_as_float(0xff800000);
+    const float sc = scale[0] * 1.4426950408889634f;  // scores in log2 units: exp2 is one instruction
+    const float lowest = -3.402823466e38f;
     PROLOGUE
     float qv[G][E];
+#pragma unroll
     for (int g = 0; g < G; ++g) {
+#pragma unroll
         for (int e = 0; e < E; ++e) qv[g][e] = Q_LOAD * sc;
     }
     float m[G], l[G], acc[G][E];
+#pragma unroll
     for (int g = 0; g < G; ++g) {
-        m[g] = neg_inf;
+        m[g] = lowest;
         l[g] = 0.f;
+#pragma unroll
         for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
     }
-    const int* row_slots = ROW_SLOTS;
-    // Each warp takes U consecutive tokens at a time: their slot ids and K/V rows are
-    // independent loads in flight together, instead of one dependent pair per token.
-    for (int t0 = start + warp * U; t0 < end; t0 += NW * U) {
-        float kv[U][E], vv[U][E];
-        bool ok[U];
+    // The split's slot ids, staged once in shared memory: a K/V load's address then
+    // waits on shared memory, not on a dependent global load, every iteration.
+    __shared__ int sm_slots[CHUNK_MAX];
+    {
+        const int* row_slots = ROW_SLOTS;
+        for (int i = threadIdx.x; i < end - start; i += blockDim.x) sm_slots[i] = SLOT_AT;
+    }
+    __syncthreads();
+    V kb[U], vb[U];
+    auto load = [&](int at, V* kk, V* vv) {
+#pragma unroll
         for (int u = 0; u < U; ++u) {
-            ok[u] = t0 + u < end;
-            // A pool row holds a head's keys then its values (see KVPool).
+            const int t0 = at + (warp * U + u) * TPW + sub;
+            const int t = t0 < end ? t0 : start;  // past the end: any valid row, masked below
             LOAD_KV
         }
-        for (int g = 0; g < G; ++g) {
-            float s[U];
-            for (int u = 0; u < U; ++u) {
+    };
+    if (start < end) load(start, kb, vb);  // an empty split (past the row's end) loads nothing
+    for (int at = start; at < end; at += STEP) {
+        V kn[U], vn[U];
+        if (at + STEP < end) load(at + STEP, kn, vn);
+        float s[U][G];
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+#pragma unroll
+            for (int g = 0; g < G; ++g) {
                 float x = 0.f;
-                for (int e = 0; e < E; ++e) x += qv[g][e] * kv[u][e];
-                s[u] = x;
+#pragma unroll
+                for (int e = 0; e < E; ++e) x += qv[g][e] * static_cast<float>(kb[u].v[e]);
+                s[u][g] = x;
             }
-            for (int off = 16; off > 0; off >>= 1) {
-                for (int u = 0; u < U; ++u) s[u] += __shfl_xor_sync(0xffffffff, s[u], off);
+        }
+#pragma unroll
+        for (int off = L / 2; off > 0; off >>= 1) {
+#pragma unroll
+            for (int u = 0; u < U; ++u) {
+#pragma unroll
+                for (int g = 0; g < G; ++g) s[u][g] += __shfl_xor_sync(0xffffffff, s[u][g], off);
             }
+        }
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
             float m_new = m[g];
+#pragma unroll
             for (int u = 0; u < U; ++u) {
-                if (ok[u]) m_new = fmaxf(m_new, s[u]);
+                if (at + (warp * U + u) * TPW + sub < end) m_new = fmaxf(m_new, s[u][g]);
             }
-            const float alpha = __expf(m[g] - m_new);
-            l[g] *= alpha;
-            for (int e = 0; e < E; ++e) acc[g][e] *= alpha;
+            if (m_new != m[g]) {  // rescale only when the max moved (rarely, past the first tokens)
+                const float alpha = exp2f(m[g] - m_new);
+                l[g] *= alpha;
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[g][e] *= alpha;
+            }
+#pragma unroll
             for (int u = 0; u < U; ++u) {
-                const float p = ok[u] ? __expf(s[u] - m_new) : 0.f;
+                const bool ok = at + (warp * U + u) * TPW + sub < end;
+                const float p = ok ? exp2f(s[u][g] - m_new) : 0.f;
                 l[g] += p;
-                for (int e = 0; e < E; ++e) acc[g][e] += p * vv[u][e];
+#pragma unroll
+                for (int e = 0; e < E; ++e) acc[g][e] += p * static_cast<float>(vb[u].v[e]);
             }
             m[g] = m_new;
+        }
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            kb[u] = kn[u];
+            vb[u] = vn[u];
+        }
+    }
+    // The warp's token streams (lanes part, part + L, ...) into one, by shuffles.
+#pragma unroll
+    for (int off = L; off < 32; off <<= 1) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            const float mo = __shfl_xor_sync(0xffffffff, m[g], off);
+            const float lo = __shfl_xor_sync(0xffffffff, l[g], off);
+            const float mm = fmaxf(m[g], mo);
+            const float fs = exp2f(m[g] - mm);
+            const float fo = exp2f(mo - mm);
+            l[g] = l[g] * fs + lo * fo;
+#pragma unroll
+            for (int e = 0; e < E; ++e) {
+                const float ao = __shfl_xor_sync(0xffffffff, acc[g][e], off);
+                acc[g][e] = acc[g][e] * fs + ao * fo;
+            }
+            m[g] = mm;
         }
     }
 
     __shared__ float sm_m[NW][G];
     __shared__ float sm_l[NW][G];
     __shared__ float sm_acc[NW][G][D];
-    for (int g = 0; g < G; ++g) {
-        if (lane == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
-        for (int e = 0; e < E; ++e) sm_acc[warp][g][lane * E + e] = acc[g][e];
+    if (sub == 0) {
+#pragma unroll
+        for (int g = 0; g < G; ++g) {
+            if (part == 0) { sm_m[warp][g] = m[g]; sm_l[warp][g] = l[g]; }
+#pragma unroll
+            for (int e = 0; e < E; ++e) sm_acc[warp][g][part * E + e] = acc[g][e];
+        }
     }
     __syncthreads();
-    const size_t part = ((size_t)b * HKV + kvh) * n_splits + split;
+    const size_t part_at = ((size_t)b * HKV + kvh) * n_splits + split;
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
         const int g = i / D;
         const int d = i % D;
-        float mm = neg_inf;
+        float mm = lowest;
+#pragma unroll
         for (int w = 0; w < NW; ++w) mm = fmaxf(mm, sm_m[w][g]);
         float ll = 0.f, aa = 0.f;
+#pragma unroll
         for (int w = 0; w < NW; ++w) {
-            if (sm_m[w][g] == neg_inf) continue;
-            const float f = __expf(sm_m[w][g] - mm);
+            const float f = exp2f(sm_m[w][g] - mm);
             ll += sm_l[w][g] * f;
             aa += sm_acc[w][g][d] * f;
         }
@@ -128,31 +206,45 @@ _BODY = r"""
     }
 """
 
+# E elements of P as one load: aligned to the largest power of two dividing its size
+# (16 bytes at most: wider loads do not exist), which every lane's offset (a multiple of
+# E elements) keeps.
+_HEADER = r"""
+template <typename P, int E>
+struct kiln_vec_align {
+    static constexpr int bytes = static_cast<int>(sizeof(P)) * E;
+    static constexpr int low = bytes & -bytes;
+    static constexpr int value = low > 16 ? 16 : low;
+};
+template <typename P, int E>
+struct alignas(kiln_vec_align<P, E>::value) kiln_vec {
+    P v[E];
+};
+"""
+
 _DIRECT_WRITE = "out[(((size_t)b * HKV + kvh) * G + g) * D + d] = static_cast<T>(aa / ll);"
-_SPLIT_WRITE = """out[(part * G + g) * D + d] = aa;
+_SPLIT_WRITE = """out[(part_at * G + g) * D + d] = aa;
         if (d == 0) {
-            out_ml[(part * G + g) * 2] = mm;
-            out_ml[(part * G + g) * 2 + 1] = ll;
+            out_ml[(part_at * G + g) * 2] = mm;
+            out_ml[(part_at * G + g) * 2 + 1] = ll;
         }"""
 
-# One block per (KV head, row): weights each split's partial by exp(its max - the max of
-# all) and normalises. Empty splits (past the row's length) have max -inf: weight 0.
+# One block per (KV head, row): weights each split's partial by 2^(its max - the max of
+# all), maxima in log2 units as _BODY keeps them, and normalises. Empty splits (past the row's length) have max -FLT_MAX: weight 0.
 _MERGE_SOURCE = r"""
     const int kvh = blockIdx.y;
     const int b = blockIdx.z;
     const int n_splits = acc_shape[2];
-    const float neg_inf = __int_as_float(0xff800000);
     const size_t first = ((size_t)b * HKV + kvh) * n_splits;
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
         const int g = i / D;
         const int d = i % D;
-        float mm = neg_inf;
+        float mm = -3.402823466e38f;
         for (int s = 0; s < n_splits; ++s) mm = fmaxf(mm, ml[((first + s) * G + g) * 2]);
         float num = 0.f, den = 0.f;
         for (int s = 0; s < n_splits; ++s) {
             const float ms = ml[((first + s) * G + g) * 2];
-            if (ms == neg_inf) continue;
-            const float f = __expf(ms - mm);
+            const float f = exp2f(ms - mm);
             den += ml[((first + s) * G + g) * 2 + 1] * f;
             num += acc[((first + s) * G + g) * D + d] * f;
         }
@@ -167,20 +259,19 @@ _MERGE_SOURCE = r"""
 # so the others are read through their strides; the step's token is attended from the
 # K/V inputs, never from the pool that this launch writes.
 def _pool_load(slot: str) -> str:
-    """Source loading token `u`'s key and value (lanes' share) from the pool row `slot`."""
-    return f"""const size_t base = ((size_t){slot} * HKV + kvh) * 2 * D + lane * E;
-                for (int e = 0; e < E; ++e) {{
-                    kv[u][e] = static_cast<float>(kv_pool[base + e]);
-                    vv[u][e] = static_cast<float>(kv_pool[base + D + e]);
-                }}"""
+    """Source loading pass `u`'s key and value (the lane's slice) from the pool row `slot`."""
+    return f"""const size_t base = ((size_t)({slot}) * HKV + kvh) * 2 * D + part * E;
+            kk[u] = *reinterpret_cast<const V*>(kv_pool + base);
+            vv[u] = *reinterpret_cast<const V*>(kv_pool + base + D);"""
 
 
 _READ_ONLY = {
     "PROLOGUE": "",
     "LENGTH": "lengths[b]",
     "ROW_SLOTS": "table + (size_t)b * lmax",
-    "Q_LOAD": "static_cast<float>(q[((size_t)b * HKV * G + kvh * G + g) * D + lane * E + e])",
-    "LOAD_KV": _pool_load("row_slots[ok[u] ? t0 + u : t0]"),
+    "SLOT_AT": "row_slots[start + i]",
+    "Q_LOAD": "static_cast<float>(q[((size_t)b * HKV * G + kvh * G + g) * D + part * E + e])",
+    "LOAD_KV": _pool_load("sm_slots[t - start]"),
 }
 
 
@@ -235,26 +326,25 @@ def _write_new(fused: bool) -> dict[str, str]:
         }
         if (b == 0 && kvh == 0 && threadIdx.x == 0) mark[0] = 0;
     }
-    // This step's token, as the pool rounds it (this lane's share), read once here: in
+    // This step's token, as the pool rounds it (this lane's slice), read once here: in
     // the token loop its loads (and, fused, its rotation) cost every iteration registers.
-    float k_mine[E], v_mine[E];
+    V k_mine, v_mine;
     if (start <= len - 1 && len - 1 < end) {
+#pragma unroll
         for (int e = 0; e < E; ++e) {
-            k_mine[e] = static_cast<float>(static_cast<P>(""" + k_elem("lane * E + e") + """));
-            v_mine[e] = static_cast<float>(static_cast<P>(""" + v_elem("lane * E + e") + """));
+            k_mine.v[e] = static_cast<P>(""" + k_elem("part * E + e") + """);
+            v_mine.v[e] = static_cast<P>(""" + v_elem("part * E + e") + """);
         }
     }""",
         "LENGTH": "lengths[b * lengths_strides[0]]",
         "ROW_SLOTS": "table + (size_t)b * table_strides[0]",
-        "Q_LOAD": q_elem("g", "lane * E + e"),
-        "LOAD_KV": """const int t = ok[u] ? t0 + u : t0;
-            if (t == len - 1) {  // this step's token, not yet in the pool this launch writes
-                for (int e = 0; e < E; ++e) {
-                    kv[u][e] = k_mine[e];
-                    vv[u][e] = v_mine[e];
-                }
+        "SLOT_AT": "row_slots[(size_t)(start + i) * table_strides[1]]",
+        "Q_LOAD": q_elem("g", "part * E + e"),
+        "LOAD_KV": """if (t == len - 1) {  // this step's token, not yet in the pool this launch writes
+                kk[u] = k_mine;
+                vv[u] = v_mine;
             } else {
-                """ + _pool_load("row_slots[t * table_strides[1]]") + """
+                """ + _pool_load("sm_slots[t - start]") + """
             }""",
     }
 
@@ -316,13 +406,13 @@ def _kernel(direct: bool, write_new: bool = False, fused: bool = False):
             input_names=[*new, "kv_pool", "table", "lengths", "scale", "written", "slots",
                          *(["rope"] if fused else [])],
             output_names=[*outputs, "mark"], source=_source(direct, True, fused),
-            header=_ROPE_HEADER if fused else "", ensure_row_contiguous=False)
+            header=_HEADER + (_ROPE_HEADER if fused else ""), ensure_row_contiguous=False)
     return mx.fast.cuda_kernel(
         name="kiln_paged_decode_direct" if direct else "kiln_paged_decode_split",
         # `written`: the mark of this layer's in-place pool write (pool_write_in_place),
         # an input only so that the kernel runs after it.
         input_names=["q", "kv_pool", "table", "lengths", "scale", "written"],
-        output_names=outputs, source=_source(direct, False))
+        output_names=outputs, source=_source(direct, False), header=_HEADER)
 
 
 @functools.cache
@@ -440,10 +530,10 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
     n_kv = kv_pool.shape[1]
     group = n_q // n_kv
     splits = num_splits(batch, n_kv, width)
-    template = [("T", dtype), ("D", dim), ("G", group), ("HKV", n_kv)]
+    template = [("T", dtype), ("D", dim), ("G", group), ("HKV", n_kv), ("P", kv_pool.dtype),
+                ("LANES", LANES_PER_TOKEN), ("PASSES", PASSES),
+                ("CHUNK_MAX", MAX_SPLIT_TOKENS)]
     mark_shape, mark_dtype = ([(1,)], [mx.int32]) if write_new else ([], [])
-    if write_new:
-        template.append(("P", kv_pool.dtype))
     if rope is not None:
         template += [("ROPE_TRADITIONAL", rope.traditional), ("ROPE_FREQS", rope.freqs is not None)]
     grid = (splits * _THREADS, n_kv, batch)

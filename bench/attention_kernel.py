@@ -1,0 +1,196 @@
+"""Decode attention alone: kiln's paged kernel against MLX's fused attention, by batch.
+
+    python bench/attention_kernel.py --batch-sizes 1,64,128 --context 256
+    python bench/attention_kernel.py --shapes 32x4,16x2 --targets 512,2048
+
+On MLX's CUDA backend. Each layer has its own pool (as the served model's do, so L2
+holds none of a layer's K/V when it comes round), every row `--context` tokens long with
+its slots in a random order (as a long-running pool hands them out), Llama-3-8B's heads
+(32 query, 8 KV, 128 wide) in bf16. A "step" is `--layers` launches, each layer's output
+the next one's query, evaluated as one graph; the figure is its median time over
+`--repeats`, per layer. Every kernel shape (lanes a token x passes, see
+worker_proc/paged_attention._BODY) and split target (TARGET_BLOCKS) given is checked
+against the plain-MLX reference first.
+
+The yardstick, "mlx sdpa", is mx.fast.scaled_dot_product_attention over dense
+[B, 8, context, 128] K/V of equal lengths (no table, no padding): what a bare decode loop's
+attention costs. Its K/V sit in the cache's layout, so it reads the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import mlx.core as mx
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from worker_proc import paged_attention as pa  # noqa: E402
+
+N_Q, N_KV, DIM = 32, 8, 128
+SCALE = DIM ** -0.5
+
+
+# Reading the bytes alone: each warp streams a row's tokens for one KV head, four tokens
+# an iteration, a 16-byte load a lane (a token's 512-byte K/V row per warp load), slot
+# ids through the table as the kernel reads them; a sum keeps the loads alive.
+_STREAM_SOURCE = r"""
+    const int kvh = blockIdx.y;
+    const int b = blockIdx.z;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int len = lengths[b];
+    const int lmax = table_shape[1];
+    const int* row = table + (size_t)b * lmax;
+    float acc = 0.f;
+    for (int t0 = warp * 4; t0 < len; t0 += 16) {
+        uint4 x[4];
+#pragma unroll
+        for (int u = 0; u < 4; ++u) {
+            const int t = min(t0 + u, len - 1);
+            x[u] = *reinterpret_cast<const uint4*>(kv_pool + ((size_t)row[t] * HKV + kvh) * 2 * D + lane * 8);
+        }
+#pragma unroll
+        for (int u = 0; u < 4; ++u) acc += __int_as_float((x[u].x ^ x[u].y) & 0x3f800000) + __int_as_float((x[u].z ^ x[u].w) & 0x3f800000);
+    }
+    out[((size_t)b * HKV + kvh) * 128 + threadIdx.x] = acc;
+"""
+
+
+def stream_us(batch: int, context: int, layers: int, repeats: int, rng: np.random.Generator,
+              order: str) -> float:
+    """µs a layer of reading the K/V bytes alone, in the kernel's pattern."""
+    pools, table, lengths, _ = _pools(batch, context, layers, rng, order)
+    kernel = mx.fast.cuda_kernel(name="kiln_bench_stream", input_names=["kv_pool", "table", "lengths"],
+                                 output_names=["out"], source=_STREAM_SOURCE)
+
+    def step() -> list[mx.array]:
+        return [kernel(inputs=[pool, table, lengths], template=[("HKV", N_KV), ("D", DIM)],
+                       grid=(128, N_KV, batch), threadgroup=(128, 1, 1),
+                       output_shapes=[(batch, N_KV, 128)], output_dtypes=[mx.float32])[0]
+                for pool in pools]
+
+    return _time(step, repeats) / layers * 1e6
+
+
+def _pools(batch: int, context: int, layers: int, rng: np.random.Generator, order: str
+           ) -> tuple[list[mx.array], mx.array, mx.array, mx.array]:
+    """Per-layer pools, the shared slot table (slots in random or contiguous order),
+    lengths and new slots."""
+    rows = batch * context + 1
+    pools = [mx.random.normal((rows, N_KV, 2 * DIM)).astype(mx.bfloat16) for _ in range(layers)]
+    ids = np.arange(1, rows)
+    order = (rng.permutation(ids) if order == "random" else ids).astype(np.int32).reshape(batch, context)
+    lengths = mx.full((batch,), context, dtype=mx.int32)
+    return pools, mx.array(order), lengths, mx.array(order[:, -1])
+
+
+def _time(step, repeats: int) -> float:
+    """Median seconds of step() evaluated, after warm-up."""
+    for _ in range(3):
+        mx.eval(step())
+    times = []
+    for _ in range(repeats):
+        mx.synchronize()
+        t0 = time.perf_counter()
+        mx.eval(step())
+        mx.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def paged_us(batch: int, context: int, layers: int, repeats: int, rng: np.random.Generator,
+             check: bool, order: str = "random") -> tuple[float, float]:
+    """(µs a layer, max abs error against the reference) of the write-and-attend kernel
+    with the module's current shape and split target."""
+    pools, table, lengths, slots = _pools(batch, context, layers, rng, order)
+    q0 = mx.random.normal((batch, N_Q, 1, DIM)).astype(mx.bfloat16)
+    kv_new = mx.random.normal((batch, N_KV, 1, 2 * DIM)).astype(mx.bfloat16)
+    k_new, v_new = kv_new[..., :DIM], kv_new[..., DIM:]
+    mx.eval(pools, q0, kv_new)
+    error = 0.0
+    if check:
+        out, mark = pa.paged_decode_write_attention(q0, k_new, v_new, slots, pools[0], table,
+                                                    lengths, SCALE)
+        mx.eval(out, mark)
+        ref = pa.reference_decode_attention(q0, pools[0], table, lengths, SCALE)
+        error = float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))))
+
+    def step() -> mx.array:
+        q, mark = q0, None
+        for pool in pools:
+            q, mark = pa.paged_decode_write_attention(q, k_new, v_new, slots, pool, table,
+                                                      lengths, SCALE, after=mark)
+        return q
+
+    return _time(step, repeats) / layers * 1e6, error
+
+
+def sdpa_us(batch: int, context: int, layers: int, repeats: int) -> float:
+    """µs a layer of MLX's fused attention over dense equal-length K/V."""
+    kvs = [mx.random.normal((batch, N_KV, context, 2 * DIM)).astype(mx.bfloat16)
+           for _ in range(layers)]
+    q0 = mx.random.normal((batch, N_Q, 1, DIM)).astype(mx.bfloat16)
+    mx.eval(kvs, q0)
+    # Views of the pool-like layout, as the paged kernel reads (no copy: strided K/V).
+    halves = [(kv[..., :DIM], kv[..., DIM:]) for kv in kvs]
+
+    def step() -> mx.array:
+        q = q0
+        for k, v in halves:
+            q = mx.fast.scaled_dot_product_attention(q, k, v, scale=SCALE)
+        return q
+
+    return _time(step, repeats) / layers * 1e6
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--batch-sizes", default="1,64,128")
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--shapes", default=f"{pa.LANES_PER_TOKEN}x{pa.PASSES}",
+                   help="kernel shapes, lanes a token x passes: 32x4,16x2")
+    p.add_argument("--targets", default=str(pa.TARGET_BLOCKS), help="TARGET_BLOCKS values")
+    p.add_argument("--order", choices=("random", "contiguous"), default="random",
+                   help="each row's slots: shuffled across the pool, or consecutive")
+    p.add_argument("--json", type=Path)
+    args = p.parse_args()
+    if not pa.kernel_available():
+        sys.exit("needs MLX's CUDA backend")
+    rng = np.random.default_rng(0)
+    rows = []
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    targets = [int(t) for t in args.targets.split(",")]
+    print(f"context {args.context}, {args.layers} layers, slots in {args.order} order; "
+          "µs a layer (max abs error vs reference)")
+    for batch in (int(b) for b in args.batch_sizes.split(",")):
+        ref = sdpa_us(batch, args.context, args.layers, args.repeats)
+        rows.append({"batch": batch, "kernel": "mlx sdpa", "us": ref})
+        print(f"batch {batch:4d}  mlx sdpa (dense, equal lengths)   {ref:8.1f}")
+        floor = stream_us(batch, args.context, args.layers, args.repeats, rng, args.order)
+        rows.append({"batch": batch, "kernel": "stream", "us": floor})
+        print(f"batch {batch:4d}  reading the K/V alone            {floor:8.1f}")
+        for lanes, passes in shapes:
+            for target in targets:
+                pa.LANES_PER_TOKEN, pa.PASSES, pa.TARGET_BLOCKS = lanes, passes, target
+                splits = pa.num_splits(batch, N_KV, args.context)
+                us, err = paged_us(batch, args.context, args.layers, args.repeats, rng, True,
+                                   args.order)
+                label = f"kiln {lanes}x{passes}, target {target} ({splits} splits)"
+                rows.append({"batch": batch, "kernel": label, "us": us, "max_abs_error": err})
+                print(f"batch {batch:4d}  {label:32s} {us:8.1f}   ({err:.4f})")
+    if args.json:
+        args.json.write_text(json.dumps({"context": args.context, "order": args.order,
+                                         "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

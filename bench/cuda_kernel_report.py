@@ -1,0 +1,119 @@
+"""Compile kiln's custom CUDA decode-attention kernels with nvcc, no GPU needed, and print
+ptxas's resource report (registers, spills, stack, shared memory) for each variant.
+
+    python bench/cuda_kernel_report.py --cuda /usr/local/cuda-13.0 [--arch sm_90]
+
+(a CUDA toolkit; without one, pip install --target /tmp/cuda "nvidia-cuda-nvcc==13.0.*"
+"nvidia-cuda-runtime==13.0.*" "nvidia-cuda-crt==13.0.*" "nvidia-cuda-cccl==13.0.*" and pass
+--cuda /tmp/cuda/nvidia/cu13)
+
+MLX compiles these sources at run time (NVRTC) inside its own wrapper; this script wraps
+the same bodies (worker_proc.paged_attention) in a kernel of the same parameters, so a
+syntax error, a spill to local memory (arrays the compiler could not keep in registers)
+or a register count that caps occupancy shows here before a GPU call is spent on it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from worker_proc import paged_attention as pa  # noqa: E402
+
+# Each input's element type in the kernels (T: q's dtype; P: the pool's).
+_TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "table": "int32_t",
+          "lengths": "int32_t", "scale": "float", "written": "int32_t", "slots": "int32_t",
+          "rope": "float", "acc": "float", "ml": "float", "out": "T", "out_ml": "float",
+          "mark": "int32_t"}
+
+
+def wrap(name: str, inputs: list[str], outputs: list[str], body: str, header: str,
+         params: dict[str, str]) -> str:
+    """A .cu file: the body as a kernel of MLX's wrapper's parameters (each input a const
+    pointer with its shape and strides; outputs plain pointers), its template arguments
+    given as file-scope types and constants."""
+    args = []
+    for x in inputs:
+        args += [f"const {_TYPES[x]}* {x}", f"const int32_t* {x}_shape",
+                 f"const int64_t* {x}_strides", f"int {x}_ndim"]
+    args += [f"{_TYPES[x]}* {x}" for x in outputs]
+    consts = "".join(f"using {k} = {v};\n" if v.startswith("__nv") or v == "float"
+                     else f"constexpr auto {k} = {v};\n" for k, v in params.items())
+    return (f"#include <cuda_bf16.h>\n#include <cstdint>\n{consts}{header}\n"
+            f"__global__ void {name}({', '.join(args)}) {{\n{body}\n}}\n")
+
+
+def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
+             passes: int) -> list[tuple[str, str]]:
+    """(label, .cu source) of every decode kernel as the served model launches it."""
+    out = []
+    for direct in (True, False):
+        outputs = ["out"] if direct else ["out", "out_ml"]
+        kinds = (("read", False, False), ("write", True, False), ("write_qkv_rope", True, True))
+        for label, write_new, fused in kinds:
+            new = (["qkv"] if fused else ["q", "k_new", "v_new"]) if write_new else ["q"]
+            inputs = [*new, "kv_pool", "table", "lengths", "scale", "written"]
+            params = {"T": dtype, "D": str(dim), "G": str(group), "HKV": str(n_kv), "P": dtype,
+                      "LANES": str(lanes), "PASSES": str(passes),
+                      "CHUNK_MAX": str(pa.MAX_SPLIT_TOKENS)}
+            outs = list(outputs)
+            if write_new:
+                inputs.append("slots")
+                outs.append("mark")
+            if fused:
+                inputs.append("rope")
+                params |= {"ROPE_TRADITIONAL": "false", "ROPE_FREQS": "true"}
+            name = f"kiln_{label}_{'direct' if direct else 'split'}_l{lanes}_u{passes}"
+            out.append((name, wrap(name, inputs, outs, pa._source(direct, write_new, fused),
+                                   pa._HEADER + (pa._ROPE_HEADER if fused else ""),
+                                   params)))
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cuda", type=Path, required=True, help="CUDA root: bin/nvcc, include/")
+    p.add_argument("--arch", default="sm_90")
+    p.add_argument("--dtype", default="__nv_bfloat16")
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--group", type=int, default=4, help="query heads per KV head")
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--shapes", default=f"{pa.LANES_PER_TOKEN}x{pa.PASSES}",
+                   help="lanes a token x passes, comma-separated: 32x4,16x2")
+    p.add_argument("--keep", type=Path, help="write the .cu files here too")
+    args = p.parse_args()
+    nvcc = args.cuda / "bin" / "nvcc"
+    # CCCL's headers (nv/target, which cuda_fp16.h includes) sit in include/cccl in
+    # the toolkit, in include/ itself in the pip wheels.
+    includes = [f"-I{d}" for d in (args.cuda / "include", args.cuda / "include" / "cccl") if d.is_dir()]
+    failed = False
+    with tempfile.TemporaryDirectory() as tmp:
+        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+        kernels = [k for lanes, passes in shapes
+                   for k in variants(args.dtype, args.head_dim, args.group, args.kv_heads, lanes, passes)]
+        for name, source in kernels:
+            cu = Path(tmp) / f"{name}.cu"
+            cu.write_text(source)
+            if args.keep:
+                args.keep.mkdir(parents=True, exist_ok=True)
+                (args.keep / cu.name).write_text(source)
+            run = subprocess.run(
+                [str(nvcc), f"-arch={args.arch}", "-cubin", "-O3", "--use_fast_math",
+                 "-Xptxas", "-v", *includes, "-o", str(cu.with_suffix(".cubin")),
+                 str(cu)], capture_output=True, text=True)
+            report = [ln.split(":", 1)[-1].strip() for ln in run.stderr.splitlines()
+                      if "Used" in ln or "stack frame" in ln]
+            print(f"{name:40s} " + ("; ".join(report) if run.returncode == 0 else "FAILED"))
+            if run.returncode != 0:
+                failed = True
+                print(run.stderr[-3000:])
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
