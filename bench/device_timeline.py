@@ -5,14 +5,16 @@
 
 On MLX's CUDA backend, with cupti-python (and libcupti) importable. The lent H200 has no
 registry: download the wheels here (next to MLX's, see ../shared/gpu/README.md), carry
-them in a call of their own right after the install call, and install them into ~/site:
+them in a call of their own right after the install call, and install them:
 
     python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any \
         --no-deps -d .dev/gpu_c cupti-python==13.0.1 nvidia-cuda-cupti==13.0.85 \
         cuda-bindings cuda-pathfinder
-    # on the device: python3 -m pip install -q --no-index --no-deps --target ~/site .dev/gpu_c/*.whl
-    #                export LD_LIBRARY_PATH=~/site/nvidia/cu13/lib
+    # on the device, into a folder of their own (into ~/site, nvidia-cuda-cupti's
+    # nvidia/cu13 replaces the one holding the CUDA headers MLX compiles kernels with):
+    #   python3 -m pip install -q --no-index --no-deps --target ~/site_c .dev/gpu_c/*.whl
+    #   export PYTHONPATH=$PYTHONPATH:~/site_c LD_LIBRARY_PATH=~/site_c/nvidia/cu13/lib
 
 For each batch size it
 runs the served model (fused projections, fast decode blocks, compiled, pipelined as the

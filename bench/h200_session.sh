@@ -25,7 +25,8 @@ MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5
                                # bench/mlx_lm_server_backlog.py)
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any;
                                        # also: launch, bench/launch_cost.py; timeline,
-                                       # bench/device_timeline.py (needs cupti-python))
+                                       # bench/device_timeline.py (needs cupti-python);
+                                       # attention, bench/attention_kernel.py)
 BREAKDOWN_VARIANTS=${BREAKDOWN_VARIANTS:-}  # step_breakdown --variants (';'-joined; default all)
 BREAKDOWN_ROUNDS=${BREAKDOWN_ROUNDS:-1}  # step_breakdown --rounds (interleaved repeats; the
                                         # host's speed drifts, so A/B runs want 3 or more)
@@ -60,9 +61,16 @@ echo "== host time per graph node"
 timeout 120 "$PYTHON" bench/launch_cost.py 2>&1 | tee "$OUT/launch_cost.txt"
 fi
 
+if has attention; then
+echo "== decode attention kernel alone"
+timeout 300 "$PYTHON" bench/attention_kernel.py --batch-sizes 1,64,128 --json "$OUT/attention_kernel.json" \
+    2>&1 | tee "$OUT/attention_kernel.txt"
+fi
+
 if has timeline; then
 echo "== device timeline of the served decode step (CUPTI)"
-LD_LIBRARY_PATH=$HOME/site/nvidia/cu13/lib:${LD_LIBRARY_PATH:-} timeout 300 "$PYTHON" bench/device_timeline.py --model "$MODEL" --batch-sizes 1,64,128 \
+PYTHONPATH=${PYTHONPATH:-}:$HOME/site_c LD_LIBRARY_PATH=$HOME/site_c/nvidia/cu13/lib:${LD_LIBRARY_PATH:-} \
+    timeout 300 "$PYTHON" bench/device_timeline.py --model "$MODEL" --batch-sizes 1,64,128 \
     --json "$OUT/device_timeline.json" 2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/device_timeline.txt"
 fi
 
@@ -80,9 +88,9 @@ fi
 
 # At most 8 files come back from a device call: the two short reports travel as one,
 # the logs as one archive.
-cat "$OUT"/kernel_tests.txt "$OUT"/step_breakdown.txt "$OUT"/launch_cost.txt "$OUT"/device_timeline.txt \
+cat "$OUT"/kernel_tests.txt "$OUT"/step_breakdown.txt "$OUT"/launch_cost.txt "$OUT"/attention_kernel.txt "$OUT"/device_timeline.txt \
     > "$OUT/session.txt" 2>/dev/null
-rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" "$OUT/launch_cost.txt" "$OUT/device_timeline.txt"
+rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" "$OUT/launch_cost.txt" "$OUT/attention_kernel.txt" "$OUT/device_timeline.txt"
 [ -s "$OUT/session.txt" ] || rm -f "$OUT/session.txt"
 if compgen -G "$OUT/*.log" >/dev/null; then
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)

@@ -352,3 +352,22 @@ def test_unfused_prefill_is_bounded_in_memory():
     assert unfused_prefill_fits((1, 32, 2048, 128), 2048)  # one full chunk
     assert not unfused_prefill_fits((1, 32, 2048, 128), 32768)  # 8 GiB of scores
     assert 1 * 32 * 2048 * 4096 * 4 <= UNFUSED_SCORES_MAX_BYTES
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("write_new, fused", [(False, False), (True, False), (True, True)])
+def test_every_kernel_source_has_its_parts_filled_in(direct, write_new, fused):
+    """The CUDA sources are assembled from named parts on any machine; one left unfilled
+    would only fail at NVRTC compile time on a GPU."""
+    import re
+
+    from worker_proc import paged_attention as pa
+
+    source = pa._source(direct, write_new, fused)
+    left = set(re.findall(r"\b(PROLOGUE|LENGTH|ROW_SLOTS|SLOT_AT|Q_LOAD|LOAD_KV|WRITE)\b", source))
+    assert not left
+    # The template arguments _attend passes are the ones the body uses.
+    for name in ("LANES", "PASSES", "CHUNK_MAX", "D", "G", "HKV"):
+        assert re.search(rf"\b{name}\b", source), name
+    assert ("kiln_rope<" in source) == fused
+    assert ("out_ml" in source) == (not direct)

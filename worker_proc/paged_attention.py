@@ -27,14 +27,17 @@ logger = logging.getLogger(__name__)
 # fill the GPU's SMs even for one short row (at batch 1, a few big splits left most SMs
 # idle: ~0.25 ms a layer), but no split longer than MAX_SPLIT_TOKENS (long rows at large
 # batches stay parallel) or shorter than MIN_SPLIT_TOKENS (merging would dominate). Up to
-# 1024 tokens, a large batch's rows take one block each, so no merge kernel runs: at 64
-# rows the step is bound by host launches, not by attention's device time.
+# 1024 tokens, a large batch's rows take one block each, so no merge kernel runs: on the
+# H200 a 2,048-block target was slower at 64 and 128 rows (the merge and a second wave of
+# blocks cost more than the added parallelism; session 9 in docs/benchmarks.md).
 TARGET_BLOCKS = 512
 MIN_SPLIT_TOKENS = 32
 MAX_SPLIT_TOKENS = 1024
 _THREADS = 128  # four warps per block
-# Lanes sharing one token's dot products (a power of two up to 32 dividing D / 32 * 32),
-# and passes of 32 / LANES_PER_TOKEN tokens a warp takes per iteration: see _BODY.
+# Lanes sharing one token's dot products (8, 16 or 32: head sizes are multiples of 32),
+# and passes of 32 / LANES_PER_TOKEN tokens a warp takes per iteration: see _BODY. 16 x 1
+# was fastest on the H200 at 64 and 128 rows (bench/attention_kernel.py); 32 lanes repeat
+# the softmax math on every lane, more passes or fewer lanes cost registers (occupancy).
 LANES_PER_TOKEN = 16
 PASSES = 1
 
