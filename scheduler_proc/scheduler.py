@@ -206,8 +206,10 @@ class Scheduler:
 
     def plan_step(self) -> ForwardBatch | None:
         """The next step, as a recipe:
-        1. one decode slot for every running request past its prompt (evicting cached
-           prefixes, then preempting the newest requests, when slots run short);
+        1. one decode slot for every running request past its prompt (when slots run
+           short: evicting cached prefixes, then waiting a step if requests whose last
+           tokens are in flight will give back enough, else preempting the newest
+           requests that are not finishing);
         2. the prefill budget for unfinished prompts, oldest first, in chunks;
         3. waiting requests admitted while budget, batch size and KV room allow.
         """
@@ -246,7 +248,14 @@ class Scheduler:
         decoding = [r for r in self.running.values()
                     if not r.prefilling and not self._last_token_planned(r)]
         while decoding and not self._make_room(len(decoding)):
-            victim = next(reversed(self.running.values()))
+            finishing = sum(r.num_computed for r in self.running.values()
+                            if not r.prefilling and self._last_token_planned(r))
+            if finishing >= len(decoding) - self.allocator.num_free:
+                # Requests whose last tokens are in flight give back enough slots with
+                # the next result: one step's wait costs less than a preemption's prefill.
+                return [], []
+            victim = next(r for r in reversed(self.running.values())
+                          if r.prefilling or not self._last_token_planned(r))
             self._preempt(victim)
             decoding = [r for r in decoding if r is not victim]
         if not decoding:

@@ -188,6 +188,46 @@ def test_requests_finishing_in_flight_are_waited_for_not_preempted():
     assert [c.rid for c in b3.prefill] == ["c"] and s.counters.preemptions == 0
 
 
+def test_decode_short_of_slots_waits_for_a_finishing_request_instead_of_preempting_it():
+    """b needs a decode slot, none is free, and the newest request, a, has its last token
+    in flight: preempting a would throw that token away and prefill a again. The plan
+    waits for the step's result instead (a's slots come back), then decodes b."""
+    s = _sched(capacity=35, max_running=4)
+    s.ratio.value = DecodeRatio.FLOOR  # an optimistic admission lets a in beside b
+    s.add_request(_req("b", 30, 6))
+    s.add_request(_req("a", 4, 1))
+    b1 = s.plan_step()
+    b2 = s.plan_step()
+    assert [c.rid for c in b2.prefill] == ["a"] and b2.decode_rids == ["b"]
+    assert s.allocator.num_free == 0
+    assert s.plan_step() is None and s.counters.preemptions == 0
+    s.apply_result(_answer(b1))
+    out = s.apply_result(_answer(b2))
+    a_out = [o for o in out if o.rid == "a"]
+    assert a_out and a_out[-1].finish_reason is not None and a_out[-1].token_ids == [7]
+    b3 = s.plan_step()
+    assert b3.decode_rids == ["b"] and s.counters.preemptions == 0
+
+
+def test_decode_short_of_slots_preempts_the_newest_request_that_is_not_finishing():
+    """When the finishing requests' slots would not cover the shortfall, the victim is
+    the newest request still generating, never one whose last token is in flight."""
+    s = _sched(capacity=32, max_running=4)
+    s.ratio.value = DecodeRatio.FLOOR
+    s.add_request(_req("c", 10, 4))
+    s.add_request(_req("b", 10, 4))
+    s.add_request(_req("a", 1, 1))
+    s.plan_step()
+    b2 = s.plan_step()
+    assert [c.rid for c in b2.prefill] == ["a"] and b2.decode_rids == ["c", "b"]
+    # The pool runs dry (slots taken here stand for other requests' use): c and b need
+    # two, a's last token is in flight but it holds one slot only.
+    s.allocator.alloc(s.allocator.num_free)
+    b3 = s.plan_step()
+    assert s.counters.preemptions == 1 and "b" in s.waiting and "a" in s.running
+    assert b3.decode_rids == ["c"]
+
+
 def test_scheduler_loop_waits_for_news_when_nothing_can_be_planned():
     """With a step in flight that samples every running request's last token, there is
     nothing to plan until a message comes: the loop blocks on its inbox, never spins."""
