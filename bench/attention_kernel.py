@@ -9,8 +9,8 @@ its slots in a random order (as a long-running pool hands them out), Llama-3-8B'
 (32 query, 8 KV, 128 wide) in bf16. A "step" is `--layers` launches, each layer's output
 the next one's query, evaluated as one graph; the figure is its median time over
 `--repeats`, per layer. Every kernel shape (lanes a token x passes, see
-worker_proc/paged_attention._BODY) and split target (TARGET_BLOCKS) given is checked
-against the plain-MLX reference first.
+worker_proc/paged_attention._BODY), split target (TARGET_BLOCKS) and K/V pipeline (STAGES)
+given is checked against the plain-MLX reference first.
 
 The yardstick, "mlx sdpa", is mx.fast.scaled_dot_product_attention over dense
 [B, 8, context, 128] K/V of equal lengths (no table, no padding): what a bare decode loop's
@@ -20,6 +20,7 @@ attention costs. Its K/V sit in the cache's layout, so it reads the same bytes.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import statistics
 import sys
@@ -159,6 +160,8 @@ def main() -> None:
     p.add_argument("--shapes", default=f"{pa.LANES_PER_TOKEN}x{pa.PASSES}",
                    help="kernel shapes, lanes a token x passes: 32x4,16x2")
     p.add_argument("--targets", default=str(pa.TARGET_BLOCKS), help="TARGET_BLOCKS values")
+    p.add_argument("--stages", default=str(pa.STAGES),
+                   help="STAGES values: 0 register prefetch, >= 2 cp.async tiles in flight")
     p.add_argument("--order", choices=("random", "contiguous"), default="random",
                    help="each row's slots: shuffled across the pool, or consecutive")
     p.add_argument("--json", type=Path)
@@ -169,6 +172,7 @@ def main() -> None:
     rows = []
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
     targets = [int(t) for t in args.targets.split(",")]
+    stage_counts = [int(x) for x in args.stages.split(",")]
     print(f"context {args.context}, {args.layers} layers, slots in {args.order} order; "
           "µs a layer (max abs error vs reference)")
     for batch in (int(b) for b in args.batch_sizes.split(",")):
@@ -178,15 +182,16 @@ def main() -> None:
         floor = stream_us(batch, args.context, args.layers, args.repeats, rng, args.order)
         rows.append({"batch": batch, "kernel": "stream", "us": floor})
         print(f"batch {batch:4d}  reading the K/V alone            {floor:8.1f}")
-        for lanes, passes in shapes:
-            for target in targets:
-                pa.LANES_PER_TOKEN, pa.PASSES, pa.TARGET_BLOCKS = lanes, passes, target
-                splits = pa.num_splits(batch, N_KV, args.context)
-                us, err = paged_us(batch, args.context, args.layers, args.repeats, rng, True,
-                                   args.order)
-                label = f"kiln {lanes}x{passes}, target {target} ({splits} splits)"
-                rows.append({"batch": batch, "kernel": label, "us": us, "max_abs_error": err})
-                print(f"batch {batch:4d}  {label:32s} {us:8.1f}   ({err:.4f})")
+        for (lanes, passes), target, stages in itertools.product(shapes, targets, stage_counts):
+            pa.LANES_PER_TOKEN, pa.PASSES, pa.TARGET_BLOCKS, pa.STAGES = lanes, passes, target, stages
+            splits = pa.num_splits(batch, N_KV, args.context)
+            us, err = paged_us(batch, args.context, args.layers, args.repeats, rng, True,
+                               args.order)
+            tiles = pa.staged_tiles(DIM, 2)
+            label = (f"kiln {lanes}x{passes}{f' staged {tiles}' if tiles else ''}, "
+                     f"target {target} ({splits} splits)")
+            rows.append({"batch": batch, "kernel": label, "us": us, "max_abs_error": err})
+            print(f"batch {batch:4d}  {label:40s} {us:8.1f}   ({err:.4f})")
     if args.json:
         args.json.write_text(json.dumps({"context": args.context, "order": args.order,
                                          "rows": rows}, indent=1))

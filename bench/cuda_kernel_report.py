@@ -49,7 +49,7 @@ def wrap(name: str, inputs: list[str], outputs: list[str], body: str, header: st
 
 
 def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
-             passes: int) -> list[tuple[str, str]]:
+             passes: int, stages: int = 0) -> list[tuple[str, str]]:
     """(label, .cu source) of every decode kernel as the served model launches it."""
     out = []
     for direct in (True, False):
@@ -61,6 +61,8 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
             params = {"T": dtype, "D": str(dim), "G": str(group), "HKV": str(n_kv), "P": dtype,
                       "LANES": str(lanes), "PASSES": str(passes),
                       "CHUNK_MAX": str(pa.MAX_SPLIT_TOKENS)}
+            if stages:
+                params["STAGES"] = str(stages)
             outs = list(outputs)
             if write_new:
                 inputs.append("slots")
@@ -68,8 +70,9 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
             if fused:
                 inputs.append("rope")
                 params |= {"ROPE_TRADITIONAL": "false", "ROPE_FREQS": "true"}
-            name = f"kiln_{label}_{'direct' if direct else 'split'}_l{lanes}_u{passes}"
-            out.append((name, wrap(name, inputs, outs, pa._source(direct, write_new, fused),
+            name = (f"kiln_{label}_{'direct' if direct else 'split'}_l{lanes}_u{passes}"
+                    + (f"_s{stages}" if stages else ""))
+            out.append((name, wrap(name, inputs, outs, pa._source(direct, write_new, fused, stages > 0),
                                    pa._HEADER + (pa._ROPE_HEADER if fused else ""),
                                    params)))
     return out
@@ -85,6 +88,8 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--shapes", default=f"{pa.LANES_PER_TOKEN}x{pa.PASSES}",
                    help="lanes a token x passes, comma-separated: 32x4,16x2")
+    p.add_argument("--stages", default=str(pa.STAGES),
+                   help="staged-pipeline tiles, comma-separated (0: register prefetch)")
     p.add_argument("--keep", type=Path, help="write the .cu files here too")
     args = p.parse_args()
     nvcc = args.cuda / "bin" / "nvcc"
@@ -94,8 +99,9 @@ def main() -> None:
     failed = False
     with tempfile.TemporaryDirectory() as tmp:
         shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-        kernels = [k for lanes, passes in shapes
-                   for k in variants(args.dtype, args.head_dim, args.group, args.kv_heads, lanes, passes)]
+        kernels = [k for lanes, passes in shapes for stages in map(int, args.stages.split(","))
+                   for k in variants(args.dtype, args.head_dim, args.group, args.kv_heads, lanes,
+                                     passes, stages)]
         for name, source in kernels:
             cu = Path(tmp) / f"{name}.cu"
             cu.write_text(source)

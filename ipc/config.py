@@ -14,7 +14,7 @@ from typing import Any
 
 PROJECT_NAME = "kiln"
 # Decode paths built but not the default (not measured ahead), for --experiments (A/B runs).
-DECODE_EXPERIMENTS = ("rope-in-kernel",)
+DECODE_EXPERIMENTS = ("rope-in-kernel", "staged-kv")
 
 
 def _auto_on_off(help_text: str) -> Any:
@@ -89,7 +89,9 @@ class ServerConfig:
                                       "on, for A/B runs (may change or go): rope-in-kernel (the "
                                       "attention kernel rotates the fused q/k/v projection's "
                                       "output itself: less host time a step, more device "
-                                      "time; see docs/benchmarks.md)."})
+                                      "time; see docs/benchmarks.md), staged-kv (the "
+                                      "attention kernel brings K/V through shared memory with "
+                                      "cp.async, several tiles in flight; sm_80+; unmeasured)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "
@@ -138,9 +140,10 @@ class ServerConfig:
         if unknown:
             raise ValueError(f"--experiments: unknown {sorted(unknown)}; known: "
                              f"{', '.join(DECODE_EXPERIMENTS)}")
-        if self.experiment_set and "off" in (self.fast_decode_blocks, self.fuse_projections):
-            raise ValueError("--experiments run inside the fast decode blocks: drop "
-                             "--fast-decode-blocks off / --fuse-projections off")
+        if "rope-in-kernel" in self.experiment_set and "off" in (self.fast_decode_blocks,
+                                                                 self.fuse_projections):
+            raise ValueError("--experiments rope-in-kernel runs inside the fast decode blocks: "
+                             "drop --fast-decode-blocks off / --fuse-projections off")
         if self.disable_overlap and self.overlap == "on":
             raise ValueError("--disable-overlap contradicts --overlap on")
         if self.fast_decode_blocks == "on" and self.fuse_projections == "off":

@@ -93,10 +93,20 @@ def test_splits_fill_the_gpu_within_their_bounds():
     assert num_splits(batch=128, n_kv=8, l_max=100) == 1
 
 
+@pytest.fixture(params=[0, 4], ids=["register-prefetch", "staged"])
+def kv_pipeline(request, monkeypatch):
+    """Both ways the kernel brings K/V in (paged_attention.STAGES), the default and the
+    cp.async experiment, give the reference's attention."""
+    from worker_proc import paged_attention
+
+    monkeypatch.setattr(paged_attention, "STAGES", request.param)
+    return request.param
+
+
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
 @pytest.mark.parametrize("lengths", [[1], [31], [400], [4096], [1, 4096, 33, 257],
                                      list(range(1, 640, 10))])
-def test_cuda_kernel_every_split_shape(lengths):
+def test_cuda_kernel_every_split_shape(lengths, kv_pipeline):
     q, kv, table, ln = _case(n_q=32, n_kv=8, dim=128, dtype=mx.bfloat16, lengths=lengths)
     got = paged_decode_attention(q, kv, table, ln, scale=128 ** -0.5)
     want = reference_decode_attention(q, kv, table, ln, scale=128 ** -0.5)
@@ -106,7 +116,7 @@ def test_cuda_kernel_every_split_shape(lengths):
 
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
 @pytest.mark.parametrize("lengths", [[1], [300], [1, 4096, 33, 257], list(range(1, 640, 10))])
-def test_cuda_write_attention_equals_a_write_then_attention(lengths):
+def test_cuda_write_attention_equals_a_write_then_attention(lengths, kv_pipeline):
     """The kernel that stores the step's K/V and attends in one launch leaves the pool as
     the separate in-place write does, bit for bit, and returns its attention's output, with
     the new values strided as a model's transposed projections are (one split and several).
@@ -136,7 +146,7 @@ def test_cuda_write_attention_equals_a_write_then_attention(lengths):
 
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
 @pytest.mark.parametrize("traditional,freqs", [(False, False), (True, False), (False, True)])
-def test_cuda_qkv_attention_rotates_q_and_k_as_mx_fast_rope(traditional, freqs):
+def test_cuda_qkv_attention_rotates_q_and_k_as_mx_fast_rope(traditional, freqs, kv_pipeline):
     """From a fused q/k/v projection's output, unrotated, the kernel stores the keys rotated
     as mx.fast.rope rotates them at each row's position (bit for bit, against RoPE and the
     separate in-place write) and attends with q rotated the same way, its output in the
@@ -354,20 +364,23 @@ def test_unfused_prefill_is_bounded_in_memory():
     assert 1 * 32 * 2048 * 4096 * 4 <= UNFUSED_SCORES_MAX_BYTES
 
 
+@pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("write_new, fused", [(False, False), (True, False), (True, True)])
-def test_every_kernel_source_has_its_parts_filled_in(direct, write_new, fused):
+def test_every_kernel_source_has_its_parts_filled_in(direct, write_new, fused, staged):
     """The CUDA sources are assembled from named parts on any machine; one left unfilled
     would only fail at NVRTC compile time on a GPU."""
     import re
 
     from worker_proc import paged_attention as pa
 
-    source = pa._source(direct, write_new, fused)
-    left = set(re.findall(r"\b(PROLOGUE|LENGTH|ROW_SLOTS|SLOT_AT|Q_LOAD|LOAD_KV|WRITE)\b", source))
+    source = pa._source(direct, write_new, fused, staged)
+    left = set(re.findall(r"\b(PROLOGUE|LENGTH|ROW_SLOTS|SLOT_AT|Q_LOAD|LOAD_KV|STAGED_KV|SKIP_NEW"
+                          r"|PIPE_SETUP|PIPE_FETCH|PIPE_NEXT|WRITE)\b", source))
     assert not left
     # The template arguments _attend passes are the ones the body uses.
     for name in ("LANES", "PASSES", "CHUNK_MAX", "D", "G", "HKV"):
         assert re.search(rf"\b{name}\b", source), name
     assert ("kiln_rope<" in source) == fused
     assert ("out_ml" in source) == (not direct)
+    assert ("kiln_cp_async16" in source) == staged and ("STAGES" in source) == staged

@@ -477,3 +477,9 @@ def test_experiments_are_named_and_switch_their_decode_paths(monkeypatch):
         ServerConfig(experiments="rope-in-kernel,warp-drive")
     with pytest.raises(ValueError, match="fast decode blocks"):
         ServerConfig(experiments="rope-in-kernel", fast_decode_blocks="off")
+    from worker_proc import paged_attention
+
+    monkeypatch.setattr(paged_attention, "STAGES", 0)
+    staged = ServerConfig(experiments="staged-kv", fast_decode_blocks="off")  # kernel-level only
+    apply_experiments(staged.experiment_set, on_cuda=True)
+    assert paged_attention.STAGES == 4 and paged_attention.staged_tiles(128, 2) == 4

@@ -31,12 +31,14 @@ def _model_context_len(model: object) -> int | None:
 def apply_experiments(names: frozenset[str], on_cuda: bool) -> None:
     """Turn on the --experiments decode paths (process-wide switches, set before the
     model's first forward). They exist on the CUDA kernel path only: elsewhere, refused."""
-    from worker_proc import decode_block
+    from worker_proc import decode_block, paged_attention
 
     if names and not on_cuda:
         raise ValueError("--experiments: these decode paths run on MLX's CUDA backend only")
     if "rope-in-kernel" in names:
         decode_block.ROPE_IN_ATTENTION = True
+    if "staged-kv" in names:
+        paged_attention.STAGES = 4
 
 
 def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):

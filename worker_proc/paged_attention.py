@@ -40,6 +40,19 @@ _THREADS = 128  # four warps per block
 # the softmax math on every lane, more passes or fewer lanes cost registers (occupancy).
 LANES_PER_TOKEN = 16
 PASSES = 1
+# K/V tiles a block keeps in flight through shared memory (cp.async, sm_80+): 0 keeps the
+# register prefetch that was measured (see _REGISTER_PIPE); unmeasured yet otherwise.
+STAGES = 0
+_STAGE_BYTES_MAX = 32 * 1024  # beside the slot ids (4 KiB) and the merge (8 KiB): < 48 KiB
+
+
+def staged_tiles(dim: int, itemsize: int) -> int:
+    """Tiles of the staged pipeline for this head size and pool dtype: STAGES, fewer where
+    they would not fit in _STAGE_BYTES_MAX of shared memory (at least 2), 0 when off."""
+    if STAGES < 2:
+        return 0
+    tile = _THREADS // 32 * PASSES * (32 // LANES_PER_TOKEN) * 2 * dim * itemsize
+    return max(2, min(STAGES, _STAGE_BYTES_MAX // tile))
 
 # One block per (split, KV head, row), four warps. A token's dot products take L lanes
 # (LANES, a template argument), E = D / L elements each, so a warp pass covers 32 / L
@@ -99,18 +112,9 @@ _BODY = r"""
     }
     __syncthreads();
     V kb[U], vb[U];
-    auto load = [&](int at, V* kk, V* vv) {
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            const int t0 = at + (warp * U + u) * TPW + sub;
-            const int t = t0 < end ? t0 : start;  // past the end: any valid row, masked below
-            LOAD_KV
-        }
-    };
-    if (start < end) load(start, kb, vb);  // an empty split (past the row's end) loads nothing
+    PIPE_SETUP
     for (int at = start; at < end; at += STEP) {
-        V kn[U], vn[U];
-        if (at + STEP < end) load(at + STEP, kn, vn);
+        PIPE_FETCH
         float s[U][G];
 #pragma unroll
         for (int u = 0; u < U; ++u) {
@@ -153,11 +157,7 @@ _BODY = r"""
             }
             m[g] = m_new;
         }
-#pragma unroll
-        for (int u = 0; u < U; ++u) {
-            kb[u] = kn[u];
-            vb[u] = vn[u];
-        }
+        PIPE_NEXT
     }
     // The warp's token streams (lanes part, part + L, ...) into one, by shuffles.
 #pragma unroll
@@ -223,6 +223,15 @@ template <typename P, int E>
 struct alignas(kiln_vec_align<P, E>::value) kiln_vec {
     P v[E];
 };
+// cp.async (sm_80+): a 16-byte copy global -> shared that the thread does not wait for;
+// copies are committed in groups, and wait_group<N> waits until at most N are pending.
+__device__ inline void kiln_cp_async16(void* dst, const void* src) {
+    const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(to), "l"(src));
+}
+__device__ inline void kiln_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ inline void kiln_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
 """
 
 _DIRECT_WRITE = "out[(((size_t)b * HKV + kvh) * G + g) * D + d] = static_cast<T>(aa / ll);"
@@ -268,8 +277,76 @@ def _pool_load(slot: str) -> str:
             vv[u] = *reinterpret_cast<const V*>(kv_pool + base + D);"""
 
 
+# How K/V reach the registers the math reads (kb, vb: the warp's U passes of this
+# iteration). Registers (STAGES 0): each lane loads its rows of the next iteration before
+# this one's math, so one iteration's loads are in flight while it computes, at the cost
+# of registers (and so of blocks an SM). Staged (STAGES >= 2, sm_80+): the block copies
+# whole tiles of STEP tokens into shared memory with cp.async, STAGES - 1 tiles ahead,
+# which keeps more bytes in flight without registers; lanes then read their rows from the
+# tile. An experiment until measured on the GPU (bench/attention_kernel.py --stages).
+_REGISTER_PIPE = {
+    "PIPE_SETUP": """auto load = [&](int at, V* kk, V* vv) {
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int t0 = at + (warp * U + u) * TPW + sub;
+            const int t = t0 < end ? t0 : start;  // past the end: any valid row, masked below
+            LOAD_KV
+        }
+    };
+    if (start < end) load(start, kb, vb);  // an empty split (past the row's end) loads nothing""",
+    "PIPE_FETCH": """V kn[U], vn[U];
+        if (at + STEP < end) load(at + STEP, kn, vn);""",
+    "PIPE_NEXT": """#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            kb[u] = kn[u];
+            vb[u] = vn[u];
+        }""",
+}
+
+_STAGED_PIPE = {
+    "PIPE_SETUP": """constexpr int ROW = 2 * D;  // a token's K/V row of one head, in elements
+    constexpr int PIECE = 16 / static_cast<int>(sizeof(P));  // elements a 16-byte copy moves
+    __shared__ __align__(16) P stage[STAGES][STEP][ROW];
+    // Tile `at` (STEP tokens) into stage `into`; one commit group a tile, empty past the end.
+    auto issue = [&](int at, int into) {
+        for (int c = threadIdx.x; c < STEP * (ROW / PIECE); c += blockDim.x) {
+            const int j = c / (ROW / PIECE);
+            const int piece = c % (ROW / PIECE);
+            const int t = at + j;
+            if (t < end SKIP_NEW) {
+                const P* row = kv_pool + ((size_t)sm_slots[t - start] * HKV + kvh) * ROW;
+                kiln_cp_async16(&stage[into][j][piece * PIECE], row + piece * PIECE);
+            }
+        }
+        kiln_cp_commit();
+    };
+#pragma unroll
+    for (int k = 0; k < STAGES - 1; ++k) issue(start + k * STEP, k);
+    int tile = 0;""",
+    "PIPE_FETCH": """kiln_cp_wait<STAGES - 2>();  // this tile's copies are done (this thread's)
+        __syncthreads();  // ... and every thread's; the stage refilled next was read by all
+        issue(at + (STAGES - 1) * STEP, (tile + STAGES - 1) % STAGES);
+#pragma unroll
+        for (int u = 0; u < U; ++u) {
+            const int j = (warp * U + u) * TPW + sub;
+            const int t = at + j;
+            STAGED_KV
+        }""",
+    "PIPE_NEXT": "++tile;",
+}
+
+_STAGED_READ = """if (t < end) {
+                kb[u] = *reinterpret_cast<const V*>(&stage[tile % STAGES][j][part * E]);
+                vb[u] = *reinterpret_cast<const V*>(&stage[tile % STAGES][j][D + part * E]);
+            } else {  // never copied: zeros, so that p = 0 times it stays 0 (not NaN)
+#pragma unroll
+                for (int e = 0; e < E; ++e) kb[u].v[e] = vb[u].v[e] = static_cast<P>(0.f);
+            }"""
+
 _READ_ONLY = {
     "PROLOGUE": "",
+    "SKIP_NEW": "",
+    "STAGED_KV": _STAGED_READ,
     "LENGTH": "lengths[b]",
     "ROW_SLOTS": "table + (size_t)b * lmax",
     "SLOT_AT": "row_slots[start + i]",
@@ -339,6 +416,11 @@ def _write_new(fused: bool) -> dict[str, str]:
             v_mine.v[e] = static_cast<P>(""" + v_elem("part * E + e") + """);
         }
     }""",
+        "SKIP_NEW": "&& t != len - 1",  # this step's token: not in the pool yet
+        "STAGED_KV": """if (t == len - 1) {
+                kb[u] = k_mine;
+                vb[u] = v_mine;
+            } else """ + _STAGED_READ,
         "LENGTH": "lengths[b * lengths_strides[0]]",
         "ROW_SLOTS": "table + (size_t)b * table_strides[0]",
         "SLOT_AT": "row_slots[(size_t)(start + i) * table_strides[1]]",
@@ -390,32 +472,38 @@ __device__ float kiln_rope(const X* x, size_t at, int64_t step, int d, const flo
 """
 
 
-def _source(direct: bool, write_new: bool, fused: bool = False) -> str:
+def _source(direct: bool, write_new: bool, fused: bool = False, staged: bool = False) -> str:
     source = _BODY.replace("WRITE", _DIRECT_WRITE if direct else _SPLIT_WRITE)
+    # The pipeline first: its parts hold names (LOAD_KV, STAGED_KV, SKIP_NEW) that the
+    # kernel kind's parts fill in.
+    for name, text in (_STAGED_PIPE if staged else _REGISTER_PIPE).items():
+        source = source.replace(name, text)
     for name, text in (_write_new(fused) if write_new else _READ_ONLY).items():
         source = source.replace(name, text)
     return source
 
 
 @functools.cache
-def _kernel(direct: bool, write_new: bool = False, fused: bool = False):
+def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: bool = False):
     outputs = ["out"] if direct else ["out", "out_ml"]
+    # MLX caches a compiled kernel by name and template arguments: one name a source.
+    kind = f"{'_staged' if staged else ''}_decode_{'direct' if direct else 'split'}"
     if write_new:
         new = ["qkv"] if fused else ["q", "k_new", "v_new"]
         return mx.fast.cuda_kernel(
-            name=f"kiln_paged_write{'_qkv_rope' if fused else ''}_decode_{'direct' if direct else 'split'}",
+            name=f"kiln_paged_write{'_qkv_rope' if fused else ''}{kind}",
             # `written`: the mark of the layer's previous in-place write, which this
             # launch follows; `mark` (out): this launch's, as pool_write_in_place's.
             input_names=[*new, "kv_pool", "table", "lengths", "scale", "written", "slots",
                          *(["rope"] if fused else [])],
-            output_names=[*outputs, "mark"], source=_source(direct, True, fused),
+            output_names=[*outputs, "mark"], source=_source(direct, True, fused, staged),
             header=_HEADER + (_ROPE_HEADER if fused else ""), ensure_row_contiguous=False)
     return mx.fast.cuda_kernel(
-        name="kiln_paged_decode_direct" if direct else "kiln_paged_decode_split",
+        name=f"kiln_paged{kind}",
         # `written`: the mark of this layer's in-place pool write (pool_write_in_place),
         # an input only so that the kernel runs after it.
         input_names=["q", "kv_pool", "table", "lengths", "scale", "written"],
-        output_names=outputs, source=_source(direct, False), header=_HEADER)
+        output_names=outputs, source=_source(direct, False, staged=staged), header=_HEADER)
 
 
 @functools.cache
@@ -539,13 +627,16 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
     mark_shape, mark_dtype = ([(1,)], [mx.int32]) if write_new else ([], [])
     if rope is not None:
         template += [("ROPE_TRADITIONAL", rope.traditional), ("ROPE_FREQS", rope.freqs is not None)]
+    stages = staged_tiles(dim, kv_pool.dtype.size)
+    if stages:
+        template.append(("STAGES", stages))
     grid = (splits * _THREADS, n_kv, batch)
     if splits == 1:
-        out, *mark = _kernel(True, write_new, rope is not None)(
+        out, *mark = _kernel(True, write_new, rope is not None, stages > 0)(
             inputs=inputs, template=template, grid=grid, threadgroup=(_THREADS, 1, 1),
             output_shapes=[(batch, n_q, dim), *mark_shape], output_dtypes=[dtype, *mark_dtype])
         return out, (mark[0] if mark else None)
-    acc, ml, *mark = _kernel(False, write_new, rope is not None)(
+    acc, ml, *mark = _kernel(False, write_new, rope is not None, stages > 0)(
         inputs=inputs, template=template, grid=grid, threadgroup=(_THREADS, 1, 1),
         output_shapes=[(batch, n_kv, splits, group, dim), (batch, n_kv, splits, group, 2),
                        *mark_shape],
