@@ -54,13 +54,14 @@ def staged_tiles(dim: int, itemsize: int) -> int:
     tile = _THREADS // 32 * PASSES * (32 // LANES_PER_TOKEN) * 2 * dim * itemsize
     return max(2, min(STAGES, _STAGE_BYTES_MAX // tile))
 
+
 # One block per (split, KV head, row), four warps. A token's dot products take L lanes
 # (LANES, a template argument), E = D / L elements each, so a warp pass covers 32 / L
 # tokens; U passes (PASSES) make a warp's share of an iteration. Each lane keeps an online
 # softmax of its own tokens for the whole query-head group; the lanes of a warp then merge
-# by shuffles, the four warps in shared memory. K/V rows come as one vector load a lane,
-# and the next iteration's are loaded before this one's math (double buffering), so the
-# memory latency hides behind it. With one split (_DIRECT_WRITE) the block writes the
+# by shuffles, the four warps in shared memory. K/V rows come as one vector load a lane
+# (registers) or from a shared-memory tile (staged), ahead of the math that reads them:
+# see the PIPE_ parts below. With one split (_DIRECT_WRITE) the block writes the
 # normalised output in q's dtype; otherwise its partial (acc, max, sum) for _MERGE_SOURCE.
 # Scores are kept in log2 units (q scaled by log2(e)), so each exponential is one exp2.
 # Maxima start at -FLT_MAX, not -inf, so that a lane with no token yet rescales by
