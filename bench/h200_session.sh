@@ -21,6 +21,7 @@ SWEEP_SECONDS=${SWEEP_SECONDS:-270}
 NUM_REQUESTS=${NUM_REQUESTS:-4,64,128}  # per concurrency level 1,64,128 (2x: two waves)
 KILN_B_ARGS=${KILN_B_ARGS:-}  # server kiln_b (in SERVERS): kiln with these flags added
 KILN_B_ENV=${KILN_B_ENV:-}    # ... and this environment (K=V ...), for A/B runs
+ATTENTION_ARGS=${ATTENTION_ARGS:-}  # part attention: extra flags, e.g. "--stages 0,4,8"
 MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5; see
                                # bench/mlx_lm_server_backlog.py)
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any;
@@ -63,7 +64,8 @@ fi
 
 if has attention; then
 echo "== decode attention kernel alone"
-timeout 300 "$PYTHON" bench/attention_kernel.py --batch-sizes 1,64,128 --json "$OUT/attention_kernel.json" \
+timeout 300 "$PYTHON" bench/attention_kernel.py --batch-sizes 1,64,128 ${ATTENTION_ARGS:-} \
+    --json "$OUT/attention_kernel.json" \
     2>&1 | tee "$OUT/attention_kernel.txt"
 fi
 
