@@ -64,7 +64,11 @@ class EngineRun:
 def run_kiln(model: Any, prompts: list[list[int]], output_len: int,
              args: argparse.Namespace) -> tuple[EngineRun, list[list[int]]]:
     n, longest = len(prompts), max(len(p) for p in prompts)
-    sizes = EngineSizes(capacity=n * (longest + output_len) + 16, max_running=n,
+    # The server's pool is sized by memory, and off the CUDA kernel the decode path keeps
+    # the batch's context in dense blocks within half the pool's bytes (DenseDecodeContext).
+    # A pool just big enough for these requests would put every decode step on the
+    # per-layer gather that the server takes only for batches over that budget: 4x room.
+    sizes = EngineSizes(capacity=4 * n * (longest + output_len + 16), max_running=n,
                         max_context=longest + output_len + 1, chunk_size=args.chunk_size,
                         max_prefill_tokens=args.max_prefill_tokens)
     loop = EngineLoop(model, sizes)
