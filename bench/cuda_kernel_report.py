@@ -1,7 +1,7 @@
 """Compile kiln's custom CUDA decode-attention kernels with nvcc, no GPU needed, and print
 ptxas's resource report (registers, spills, stack, shared memory) for each variant.
 
-    python bench/cuda_kernel_report.py --cuda /usr/local/cuda-13.0 [--arch sm_90]
+    python bench/cuda_kernel_report.py [--cuda /usr/local/cuda-13.0] [--arch sm_90] [--stages 0,4]
 
 (a CUDA toolkit; without one, pip install --target /tmp/cuda "nvidia-cuda-nvcc==13.0.*"
 "nvidia-cuda-runtime==13.0.*" "nvidia-cuda-crt==13.0.*" "nvidia-cuda-cccl==13.0.*" and pass
@@ -16,9 +16,11 @@ or a register count that caps occupancy shows here before a GPU call is spent on
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -78,9 +80,47 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
     return out
 
 
+@dataclass(frozen=True)
+class Compiled:
+    name: str
+    ok: bool
+    report: str  # ptxas's resource lines, or the compiler's errors
+    source: str
+
+
+def compile_kernels(cuda: Path, kernels: list[tuple[str, str]], arch: str = "sm_90") -> list[Compiled]:
+    """Compile each (name, source) to a cubin as MLX would (NVRTC takes no fast-math flag
+    from MLX: neither does this), collecting ptxas's resource report."""
+    nvcc = cuda / "bin" / "nvcc"
+    # CCCL's headers (nv/target, which cuda_fp16.h includes) sit in include/cccl in
+    # the toolkit, in include/ itself in the pip wheels.
+    includes = [f"-I{d}" for d in (cuda / "include", cuda / "include" / "cccl") if d.is_dir()]
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, source in kernels:
+            cu = Path(tmp) / f"{name}.cu"
+            cu.write_text(source)
+            run = subprocess.run([str(nvcc), f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v",
+                                  *includes, "-o", str(cu.with_suffix(".cubin")), str(cu)],
+                                 capture_output=True, text=True)
+            report = "; ".join(ln.split(":", 1)[-1].strip() for ln in run.stderr.splitlines()
+                               if "Used" in ln or "stack frame" in ln)
+            out.append(Compiled(name, run.returncode == 0,
+                                report if run.returncode == 0 else run.stderr[-3000:], source))
+    return out
+
+
+def find_cuda() -> Path | None:
+    """A CUDA toolkit with nvcc: $CUDA_HOME, else the newest /usr/local/cuda*."""
+    home = os.environ.get("CUDA_HOME")
+    candidates = [Path(home)] if home else sorted(Path("/usr/local").glob("cuda*"), reverse=True)
+    return next((c for c in candidates if (c / "bin" / "nvcc").is_file()), None)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cuda", type=Path, required=True, help="CUDA root: bin/nvcc, include/")
+    p.add_argument("--cuda", type=Path, default=find_cuda(),
+                   help="CUDA root: bin/nvcc, include/ (default: $CUDA_HOME or /usr/local/cuda*)")
     p.add_argument("--arch", default="sm_90")
     p.add_argument("--dtype", default="__nv_bfloat16")
     p.add_argument("--head-dim", type=int, default=128)
@@ -92,33 +132,19 @@ def main() -> None:
                    help="staged-pipeline tiles, comma-separated (0: register prefetch)")
     p.add_argument("--keep", type=Path, help="write the .cu files here too")
     args = p.parse_args()
-    nvcc = args.cuda / "bin" / "nvcc"
-    # CCCL's headers (nv/target, which cuda_fp16.h includes) sit in include/cccl in
-    # the toolkit, in include/ itself in the pip wheels.
-    includes = [f"-I{d}" for d in (args.cuda / "include", args.cuda / "include" / "cccl") if d.is_dir()]
-    failed = False
-    with tempfile.TemporaryDirectory() as tmp:
-        shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-        kernels = [k for lanes, passes in shapes for stages in map(int, args.stages.split(","))
-                   for k in variants(args.dtype, args.head_dim, args.group, args.kv_heads, lanes,
-                                     passes, stages)]
-        for name, source in kernels:
-            cu = Path(tmp) / f"{name}.cu"
-            cu.write_text(source)
-            if args.keep:
-                args.keep.mkdir(parents=True, exist_ok=True)
-                (args.keep / cu.name).write_text(source)
-            run = subprocess.run(
-                [str(nvcc), f"-arch={args.arch}", "-cubin", "-O3", "--use_fast_math",
-                 "-Xptxas", "-v", *includes, "-o", str(cu.with_suffix(".cubin")),
-                 str(cu)], capture_output=True, text=True)
-            report = [ln.split(":", 1)[-1].strip() for ln in run.stderr.splitlines()
-                      if "Used" in ln or "stack frame" in ln]
-            print(f"{name:40s} " + ("; ".join(report) if run.returncode == 0 else "FAILED"))
-            if run.returncode != 0:
-                failed = True
-                print(run.stderr[-3000:])
-    sys.exit(1 if failed else 0)
+    if args.cuda is None:
+        sys.exit("no CUDA toolkit found: pass --cuda")
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+    kernels = [k for lanes, passes in shapes for stages in map(int, args.stages.split(","))
+               for k in variants(args.dtype, args.head_dim, args.group, args.kv_heads, lanes,
+                                 passes, stages)]
+    results = compile_kernels(args.cuda, kernels, args.arch)
+    for r in results:
+        print(f"{r.name:40s} " + (r.report if r.ok else "FAILED\n" + r.report))
+        if args.keep:
+            args.keep.mkdir(parents=True, exist_ok=True)
+            (args.keep / f"{r.name}.cu").write_text(r.source)
+    sys.exit(0 if all(r.ok for r in results) else 1)
 
 
 if __name__ == "__main__":

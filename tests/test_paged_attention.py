@@ -384,3 +384,28 @@ def test_every_kernel_source_has_its_parts_filled_in(direct, write_new, fused, s
     assert ("kiln_rope<" in source) == fused
     assert ("out_ml" in source) == (not direct)
     assert ("kiln_cp_async16" in source) == staged and ("STAGES" in source) == staged
+
+
+def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
+    """Where a CUDA toolkit is installed (no GPU needed), every decode kernel variant, both
+    K/V pipelines, the float32 pool of the CUDA tests too, compiles as MLX's NVRTC would
+    compile it, keeps its arrays in registers (no spill stores) and at most 128 registers
+    a thread (four blocks of 128 threads an SM: what the H200 measurements assumed)."""
+    import re
+
+    from bench.cuda_kernel_report import compile_kernels, find_cuda, variants
+    from worker_proc import paged_attention as pa
+
+    cuda = find_cuda()
+    if cuda is None:
+        pytest.skip("no CUDA toolkit (nvcc) on this machine")
+    kernels = [k for stages in (0, 4)
+               for k in variants("__nv_bfloat16", 128, 4, 8, pa.LANES_PER_TOKEN, pa.PASSES, stages)]
+    kernels += variants("float", 64, 4, 2, pa.LANES_PER_TOKEN, pa.PASSES, 4)[:2]
+    results = compile_kernels(cuda, kernels)
+    failed = [r.name + ":\n" + r.report for r in results if not r.ok]
+    assert not failed, "\n".join(failed)
+    for r in results:
+        assert "0 bytes spill stores" in r.report, (r.name, r.report)
+        registers = int(re.search(r"Used (\d+) registers", r.report).group(1))
+        assert registers <= 128, (r.name, registers)
