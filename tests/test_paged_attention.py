@@ -399,6 +399,9 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     cuda = find_cuda()
     if cuda is None:
         pytest.skip("no CUDA toolkit (nvcc) on this machine")
+    probe = "#include <cuda_bf16.h>\n__global__ void probe(__nv_bfloat16* x) { x[0] = x[1]; }\n"
+    if not compile_kernels(cuda, [("probe", probe)])[0].ok:
+        pytest.skip(f"the CUDA toolkit at {cuda} cannot compile a bf16 kernel (headers missing)")
     kernels = [k for stages in (0, 4)
                for k in variants("__nv_bfloat16", 128, 4, 8, pa.LANES_PER_TOKEN, pa.PASSES, stages)]
     kernels += variants("float", 64, 4, 2, pa.LANES_PER_TOKEN, pa.PASSES, 4)[:2]
