@@ -80,6 +80,13 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
     return out
 
 
+def merge_variant(dtype: str, dim: int, group: int, n_kv: int) -> tuple[str, str]:
+    """(label, .cu source) of the kernel that merges a row's splits."""
+    params = {"T": dtype, "D": str(dim), "G": str(group), "HKV": str(n_kv)}
+    return "kiln_merge", wrap("kiln_merge", ["acc", "ml"], ["out"], pa._MERGE_SOURCE, pa._HEADER,
+                              params)
+
+
 @dataclass(frozen=True)
 class Compiled:
     name: str
@@ -138,6 +145,7 @@ def main() -> None:
     kernels = [k for lanes, passes in shapes for stages in map(int, args.stages.split(","))
                for k in variants(args.dtype, args.head_dim, args.group, args.kv_heads, lanes,
                                  passes, stages)]
+    kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads))
     results = compile_kernels(args.cuda, kernels, args.arch)
     for r in results:
         print(f"{r.name:40s} " + (r.report if r.ok else "FAILED\n" + r.report))

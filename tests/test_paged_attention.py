@@ -375,7 +375,7 @@ def test_every_kernel_source_has_its_parts_filled_in(direct, write_new, fused, s
     from worker_proc import paged_attention as pa
 
     source = pa._source(direct, write_new, fused, staged)
-    left = set(re.findall(r"\b(PROLOGUE|LENGTH|ROW_SLOTS|SLOT_AT|Q_LOAD|LOAD_KV|STAGED_KV|SKIP_NEW"
+    left = set(re.findall(r"\b(PROLOGUE|LENGTH|ROW_SLOTS|SLOT_AT|Q_LOAD|NEW_TOKEN|SKIP_NEW"
                           r"|PIPE_SETUP|PIPE_FETCH|PIPE_NEXT|WRITE)\b", source))
     assert not left
     # The template arguments _attend passes are the ones the body uses.
@@ -387,13 +387,14 @@ def test_every_kernel_source_has_its_parts_filled_in(direct, write_new, fused, s
 
 
 def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
-    """Where a CUDA toolkit is installed (no GPU needed), every decode kernel variant, both
-    K/V pipelines, the float32 pool of the CUDA tests too, compiles as MLX's NVRTC would
-    compile it, keeps its arrays in registers (no spill stores) and at most 128 registers
-    a thread (four blocks of 128 threads an SM: what the H200 measurements assumed)."""
+    """Where a CUDA toolkit is installed (no GPU needed), every decode kernel variant (both
+    K/V pipelines, the float32 pool of the CUDA tests too) and the merge kernel compile as
+    MLX's NVRTC would compile them, keep their arrays in registers (no spill stores) and
+    use at most 128 registers a thread (four blocks of 128 threads an SM: what the H200
+    measurements assumed)."""
     import re
 
-    from bench.cuda_kernel_report import compile_kernels, find_cuda, variants
+    from bench.cuda_kernel_report import compile_kernels, find_cuda, merge_variant, variants
     from worker_proc import paged_attention as pa
 
     cuda = find_cuda()
@@ -405,6 +406,7 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     kernels = [k for stages in (0, 4)
                for k in variants("__nv_bfloat16", 128, 4, 8, pa.LANES_PER_TOKEN, pa.PASSES, stages)]
     kernels += variants("float", 64, 4, 2, pa.LANES_PER_TOKEN, pa.PASSES, 4)[:2]
+    kernels.append(merge_variant("__nv_bfloat16", 128, 4, 8))
     results = compile_kernels(cuda, kernels)
     failed = [r.name + ":\n" + r.report for r in results if not r.ok]
     assert not failed, "\n".join(failed)

@@ -88,7 +88,6 @@ _BODY = r"""
     const int start = split * chunk;
     const int end = min(start + chunk, len);
     const float sc = scale[0] * 1.4426950408889634f;  // scores in log2 units: exp2 is one instruction
-    const float lowest = -3.402823466e38f;
     PROLOGUE
     float qv[G][E];
 #pragma unroll
@@ -99,7 +98,7 @@ _BODY = r"""
     float m[G], l[G], acc[G][E];
 #pragma unroll
     for (int g = 0; g < G; ++g) {
-        m[g] = lowest;
+        m[g] = kiln_lowest;
         l[g] = 0.f;
 #pragma unroll
         for (int e = 0; e < E; ++e) acc[g][e] = 0.f;
@@ -196,7 +195,7 @@ _BODY = r"""
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
         const int g = i / D;
         const int d = i % D;
-        float mm = lowest;
+        float mm = kiln_lowest;
 #pragma unroll
         for (int w = 0; w < NW; ++w) mm = fmaxf(mm, sm_m[w][g]);
         float ll = 0.f, aa = 0.f;
@@ -214,6 +213,8 @@ _BODY = r"""
 # (16 bytes at most: wider loads do not exist), which every lane's offset (a multiple of
 # E elements) keeps.
 _HEADER = r"""
+// The running maxima's start (-FLT_MAX; see _BODY) and an empty split's max in the merge.
+constexpr float kiln_lowest = -3.402823466e38f;
 template <typename P, int E>
 struct kiln_vec_align {
     static constexpr int bytes = static_cast<int>(sizeof(P)) * E;
@@ -243,7 +244,8 @@ _SPLIT_WRITE = """out[(part_at * G + g) * D + d] = aa;
         }"""
 
 # One block per (KV head, row): weights each split's partial by 2^(its max - the max of
-# all), maxima in log2 units as _BODY keeps them, and normalises. Empty splits (past the row's length) have max -FLT_MAX: weight 0.
+# all), maxima in log2 units as _BODY keeps them, and normalises. Empty splits (past the
+# row's length) have max -FLT_MAX: weight 0.
 _MERGE_SOURCE = r"""
     const int kvh = blockIdx.y;
     const int b = blockIdx.z;
@@ -252,7 +254,7 @@ _MERGE_SOURCE = r"""
     for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
         const int g = i / D;
         const int d = i % D;
-        float mm = -3.402823466e38f;
+        float mm = kiln_lowest;
         for (int s = 0; s < n_splits; ++s) mm = fmaxf(mm, ml[((first + s) * G + g) * 2]);
         float num = 0.f, den = 0.f;
         for (int s = 0; s < n_splits; ++s) {
@@ -291,7 +293,9 @@ _REGISTER_PIPE = {
         for (int u = 0; u < U; ++u) {
             const int t0 = at + (warp * U + u) * TPW + sub;
             const int t = t0 < end ? t0 : start;  // past the end: any valid row, masked below
-            LOAD_KV
+            NEW_TOKEN {
+                """ + _pool_load("sm_slots[t - start]") + """
+            }
         }
     };
     if (start < end) load(start, kb, vb);  // an empty split (past the row's end) loads nothing""",
@@ -327,32 +331,31 @@ _STAGED_PIPE = {
     "PIPE_FETCH": """kiln_cp_wait<STAGES - 2>();  // this tile's copies are done (this thread's)
         __syncthreads();  // ... and every thread's; the stage refilled next was read by all
         issue(at + (STAGES - 1) * STEP, (tile + STAGES - 1) % STAGES);
+        V* kk = kb;  // the names the kernel kind's new-token part stores to
+        V* vv = vb;
 #pragma unroll
         for (int u = 0; u < U; ++u) {
             const int j = (warp * U + u) * TPW + sub;
             const int t = at + j;
-            STAGED_KV
+            NEW_TOKEN if (t < end) {
+                kk[u] = *reinterpret_cast<const V*>(&stage[tile % STAGES][j][part * E]);
+                vv[u] = *reinterpret_cast<const V*>(&stage[tile % STAGES][j][D + part * E]);
+            } else {  // never copied: zeros, so that p = 0 times it stays 0 (not NaN)
+#pragma unroll
+                for (int e = 0; e < E; ++e) kk[u].v[e] = vv[u].v[e] = static_cast<P>(0.f);
+            }
         }""",
     "PIPE_NEXT": "++tile;",
 }
 
-_STAGED_READ = """if (t < end) {
-                kb[u] = *reinterpret_cast<const V*>(&stage[tile % STAGES][j][part * E]);
-                vb[u] = *reinterpret_cast<const V*>(&stage[tile % STAGES][j][D + part * E]);
-            } else {  // never copied: zeros, so that p = 0 times it stays 0 (not NaN)
-#pragma unroll
-                for (int e = 0; e < E; ++e) kb[u].v[e] = vb[u].v[e] = static_cast<P>(0.f);
-            }"""
-
 _READ_ONLY = {
     "PROLOGUE": "",
     "SKIP_NEW": "",
-    "STAGED_KV": _STAGED_READ,
+    "NEW_TOKEN": "",
     "LENGTH": "lengths[b]",
     "ROW_SLOTS": "table + (size_t)b * lmax",
     "SLOT_AT": "row_slots[start + i]",
     "Q_LOAD": "static_cast<float>(q[((size_t)b * HKV * G + kvh * G + g) * D + part * E + e])",
-    "LOAD_KV": _pool_load("sm_slots[t - start]"),
 }
 
 
@@ -418,20 +421,15 @@ def _write_new(fused: bool) -> dict[str, str]:
         }
     }""",
         "SKIP_NEW": "&& t != len - 1",  # this step's token: not in the pool yet
-        "STAGED_KV": """if (t == len - 1) {
-                kb[u] = k_mine;
-                vb[u] = v_mine;
-            } else """ + _STAGED_READ,
+        # This step's token, not yet in the pool this launch writes, from the registers.
+        "NEW_TOKEN": """if (t == len - 1) {
+                kk[u] = k_mine;
+                vv[u] = v_mine;
+            } else""",
         "LENGTH": "lengths[b * lengths_strides[0]]",
         "ROW_SLOTS": "table + (size_t)b * table_strides[0]",
         "SLOT_AT": "row_slots[(size_t)(start + i) * table_strides[1]]",
         "Q_LOAD": q_elem("g", "part * E + e"),
-        "LOAD_KV": """if (t == len - 1) {  // this step's token, not yet in the pool this launch writes
-                kk[u] = k_mine;
-                vv[u] = v_mine;
-            } else {
-                """ + _pool_load("sm_slots[t - start]") + """
-            }""",
     }
 
 
@@ -475,8 +473,8 @@ __device__ float kiln_rope(const X* x, size_t at, int64_t step, int d, const flo
 
 def _source(direct: bool, write_new: bool, fused: bool = False, staged: bool = False) -> str:
     source = _BODY.replace("WRITE", _DIRECT_WRITE if direct else _SPLIT_WRITE)
-    # The pipeline first: its parts hold names (LOAD_KV, STAGED_KV, SKIP_NEW) that the
-    # kernel kind's parts fill in.
+    # The pipeline first: its parts hold names (NEW_TOKEN, SKIP_NEW) that the kernel
+    # kind's parts fill in.
     for name, text in (_STAGED_PIPE if staged else _REGISTER_PIPE).items():
         source = source.replace(name, text)
     for name, text in (_write_new(fused) if write_new else _READ_ONLY).items():
@@ -510,7 +508,7 @@ def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: 
 @functools.cache
 def _merge_kernel():
     return mx.fast.cuda_kernel(name="kiln_paged_decode_merge", input_names=["acc", "ml"],
-                               output_names=["out"], source=_MERGE_SOURCE)
+                               output_names=["out"], source=_MERGE_SOURCE, header=_HEADER)
 
 
 @functools.cache
