@@ -32,6 +32,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.cuda_kernel_report import kernel_shapes, stage_counts  # noqa: E402
+from bench.serving import int_list  # noqa: E402
 from worker_proc import paged_attention as pa  # noqa: E402
 
 N_Q, N_KV, DIM = 32, 8, 128
@@ -153,14 +155,15 @@ def sdpa_us(batch: int, context: int, layers: int, repeats: int) -> float:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--batch-sizes", default="1,64,128")
+    p.add_argument("--batch-sizes", type=int_list, default=[1, 64, 128])
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--shapes", default=f"{pa.LANES_PER_TOKEN}x{pa.PASSES}",
+    p.add_argument("--shapes", type=kernel_shapes, default=[(pa.LANES_PER_TOKEN, pa.PASSES)],
                    help="kernel shapes, lanes a token x passes: 32x4,16x2")
-    p.add_argument("--targets", default=str(pa.TARGET_BLOCKS), help="TARGET_BLOCKS values")
-    p.add_argument("--stages", default=str(pa.STAGES),
+    p.add_argument("--targets", type=int_list, default=[pa.TARGET_BLOCKS],
+                   help="TARGET_BLOCKS values")
+    p.add_argument("--stages", type=stage_counts, default=[pa.STAGES],
                    help="STAGES values: 0 register prefetch, >= 2 cp.async tiles in flight")
     p.add_argument("--order", choices=("random", "contiguous"), default="random",
                    help="each row's slots: shuffled across the pool, or consecutive")
@@ -170,19 +173,17 @@ def main() -> None:
         sys.exit("needs MLX's CUDA backend")
     rng = np.random.default_rng(0)
     rows = []
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    targets = [int(t) for t in args.targets.split(",")]
-    stage_counts = [int(x) for x in args.stages.split(",")]
     print(f"context {args.context}, {args.layers} layers, slots in {args.order} order; "
           "µs a layer (max abs error vs reference)")
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
+    for batch in args.batch_sizes:
         ref = sdpa_us(batch, args.context, args.layers, args.repeats)
         rows.append({"batch": batch, "kernel": "mlx sdpa", "us": ref})
         print(f"batch {batch:4d}  mlx sdpa (dense, equal lengths)   {ref:8.1f}")
         floor = stream_us(batch, args.context, args.layers, args.repeats, rng, args.order)
         rows.append({"batch": batch, "kernel": "stream", "us": floor})
         print(f"batch {batch:4d}  reading the K/V alone            {floor:8.1f}")
-        for (lanes, passes), target, stages in itertools.product(shapes, targets, stage_counts):
+        for (lanes, passes), target, stages in itertools.product(args.shapes, args.targets,
+                                                                   args.stages):
             pa.LANES_PER_TOKEN, pa.PASSES, pa.TARGET_BLOCKS, pa.STAGES = lanes, passes, target, stages
             splits = pa.num_splits(batch, N_KV, args.context)
             us, err = paged_us(batch, args.context, args.layers, args.repeats, rng, True,

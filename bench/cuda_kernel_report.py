@@ -124,6 +124,16 @@ def find_cuda() -> Path | None:
     return next((c for c in candidates if (c / "bin" / "nvcc").is_file()), None)
 
 
+def kernel_shapes(text: str) -> list[tuple[int, int]]:
+    """argparse type: kernel shapes, lanes a token x passes, comma-separated ("16x1,32x4")."""
+    return [(int(lanes), int(passes)) for lanes, passes in (s.split("x") for s in text.split(","))]
+
+
+def stage_counts(text: str) -> list[int]:
+    """argparse type: values of paged_attention.STAGES, comma-separated ("0,4,8")."""
+    return [int(x) for x in text.split(",")]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--cuda", type=Path, default=find_cuda(),
@@ -133,16 +143,15 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--group", type=int, default=4, help="query heads per KV head")
     p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--shapes", default=f"{pa.LANES_PER_TOKEN}x{pa.PASSES}",
+    p.add_argument("--shapes", type=kernel_shapes, default=[(pa.LANES_PER_TOKEN, pa.PASSES)],
                    help="lanes a token x passes, comma-separated: 32x4,16x2")
-    p.add_argument("--stages", default=str(pa.STAGES),
+    p.add_argument("--stages", type=stage_counts, default=[pa.STAGES],
                    help="staged-pipeline tiles, comma-separated (0: register prefetch)")
     p.add_argument("--keep", type=Path, help="write the .cu files here too")
     args = p.parse_args()
     if args.cuda is None:
         sys.exit("no CUDA toolkit found: pass --cuda")
-    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
-    kernels = [k for lanes, passes in shapes for stages in map(int, args.stages.split(","))
+    kernels = [k for lanes, passes in args.shapes for stages in args.stages
                for k in variants(args.dtype, args.head_dim, args.group, args.kv_heads, lanes,
                                  passes, stages)]
     kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads))
