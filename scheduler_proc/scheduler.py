@@ -145,6 +145,11 @@ class Scheduler:
         return (n_out >= req.sampling.max_new_tokens
                 or req.prompt_len + n_out >= self.limits.max_context)
 
+    def _finishing(self) -> list[Req]:
+        """Running requests past their prompts whose last tokens are in flight."""
+        return [r for r in self.running.values()
+                if not r.prefilling and self._last_token_planned(r)]
+
     # -- requests in, aborts, cache control ---------------------------------------------------
 
     def add_request(self, msg: TokenizedRequest) -> list[TokenOutput]:
@@ -221,9 +226,8 @@ class Scheduler:
         prefill += self._admit(budget, new_reqs)
         prefill = [c for c in prefill if c is not None]
         if not (prefill or decode_rids):
-            finishing = any(not r.prefilling and self._last_token_planned(r)
-                            for r in self.running.values())
-            if self.running and not finishing:  # every running prompt is stuck for want of slots
+            # Every running prompt is stuck for want of slots (none will come back).
+            if self.running and not self._finishing():
                 self._preempt(next(reversed(self.running.values())))
                 return self.plan_step()
             return None  # nothing to do, or slots to wait for from requests finishing
@@ -245,17 +249,16 @@ class Scheduler:
         return self.allocator.num_free >= n
 
     def _plan_decode(self) -> tuple[list[str], list[int]]:
-        decoding = [r for r in self.running.values()
-                    if not r.prefilling and not self._last_token_planned(r)]
+        finishing = self._finishing()
+        decoding = [r for r in self.running.values() if not r.prefilling and r not in finishing]
+        # Preemption never takes a finishing request, so their slots stay what they hold.
+        held = sum(r.num_computed for r in finishing)
         while decoding and not self._make_room(len(decoding)):
-            finishing = sum(r.num_computed for r in self.running.values()
-                            if not r.prefilling and self._last_token_planned(r))
-            if finishing >= len(decoding) - self.allocator.num_free:
+            if held >= len(decoding) - self.allocator.num_free:
                 # Requests whose last tokens are in flight give back enough slots with
                 # the next result: one step's wait costs less than a preemption's prefill.
                 return [], []
-            victim = next(r for r in reversed(self.running.values())
-                          if r.prefilling or not self._last_token_planned(r))
+            victim = next(r for r in reversed(self.running.values()) if r not in finishing)
             self._preempt(victim)
             decoding = [r for r in decoding if r is not victim]
         if not decoding:
