@@ -246,7 +246,8 @@ class ModelRunner:
         logits: list[mx.array] = []
         sampled: list[RequestState] = []
         prompt: list[PendingPromptLogprobs] = []
-        for group in self._prefill_groups(batch.prefill):
+        prefixes = {n.rid: n.prefix_slot_ids for n in batch.new_requests if n.prefix_slot_ids}
+        for group in self._prefill_groups(batch.prefill, prefixes):
             outs = (self._prefill_many(group) if len(group) > 1
                     else [self._prefill(group[0], prompt)])
             for chunk, out in zip(group, outs):
@@ -381,14 +382,20 @@ class ModelRunner:
         self.table[state.row, chunk.start:chunk.start + n] = chunk.slot_ids
         return state
 
-    def _prefill_groups(self, chunks: list[PrefillChunk]) -> list[list[PrefillChunk]]:
-        """Chunks that share a forward: those of similar length, except a request's that
-        asked for prompt logprobs (scored over every position, one forward of its own)."""
-        alone = [[c] for c in chunks if self.requests[c.rid].sampling.prompt_logprobs >= 0]
-        rest = [c for c in chunks if self.requests[c.rid].sampling.prompt_logprobs < 0]
-        groups = group_by_length([len(c.token_ids) for c in rest], self.prefill_padding,
-                                 PREFILL_FORWARD_TOKENS)
-        return alone + [[rest[i] for i in g] for g in groups]
+    def _prefill_groups(self, chunks: list[PrefillChunk],
+                        prefixes: dict[str, list[int]]) -> list[list[PrefillChunk]]:
+        """The step's chunks as forwards, in an order that keeps the plan's meaning: a
+        chunk whose cached prefix another chunk of this step writes runs in a later wave
+        (prefill_waves). Within a wave, chunks of similar length share a forward, except
+        a request's that asked for prompt logprobs (scored over every position, alone)."""
+        forwards: list[list[PrefillChunk]] = []
+        for wave in prefill_waves(chunks, prefixes):
+            forwards += [[c] for c in wave if self.requests[c.rid].sampling.prompt_logprobs >= 0]
+            rest = [c for c in wave if self.requests[c.rid].sampling.prompt_logprobs < 0]
+            groups = group_by_length([len(c.token_ids) for c in rest], self.prefill_padding,
+                                     PREFILL_FORWARD_TOKENS)
+            forwards += [[rest[i] for i in g] for g in groups]
+        return forwards
 
     def _prefill_many(self, chunks: list[PrefillChunk]) -> list[mx.array]:
         """One forward over chunks of several requests (right-padded to the longest);
@@ -668,6 +675,44 @@ def _gather_last_tokens(states: list[RequestState]) -> mx.array:
     order = [i for _, _, where in sources.values() for i in where]
     inverse = mx.array(sorted(range(len(order)), key=order.__getitem__), dtype=mx.int32)
     return mx.concatenate(parts)[inverse]
+
+
+def prefill_waves(chunks: list[PrefillChunk],
+                  prefixes: dict[str, list[int]]) -> list[list[PrefillChunk]]:
+    """The step's chunks in waves: a chunk whose request's cached prefix (`prefixes`, by
+    rid: the slot ids of requests new to the worker this step) holds slots that an
+    earlier chunk of the same step writes runs one wave after that chunk, so its reads
+    come after those writes. The scheduler shares a prompt as soon as its last chunk is
+    planned, so a request admitted later in the same plan can hit it; grouping by length
+    alone would run the longer chunk first and read slots not written yet.
+    NOTE: only a request's first chunk on the worker reads another's writes of the same
+    step (later chunks of its own come in later steps), and only from an earlier chunk."""
+    if not any(c.rid in prefixes for c in chunks):
+        return [chunks] if chunks else []
+    written = np.concatenate([np.asarray(c.slot_ids, dtype=np.int64) for c in chunks])
+    writer = np.repeat(np.arange(len(chunks)), [len(c.slot_ids) for c in chunks])
+    order = np.argsort(written, kind="stable")
+    written, writer = written[order], writer[order]
+    levels: list[int] = []
+    for i, chunk in enumerate(chunks):
+        levels.append(_wave_of(i, prefixes.get(chunk.rid), written, writer, levels))
+    waves: list[list[PrefillChunk]] = [[] for _ in range(max(levels) + 1)]
+    for chunk, level in zip(chunks, levels):
+        waves[level].append(chunk)
+    return waves
+
+
+def _wave_of(i: int, prefix: list[int] | None, written: np.ndarray, writer: np.ndarray,
+             levels: list[int]) -> int:
+    """Chunk i's wave: one past the latest wave of the chunks that write its prefix."""
+    if not prefix:
+        return 0
+    slots = np.asarray(prefix, dtype=np.int64)
+    at = np.minimum(np.searchsorted(written, slots), len(written) - 1)
+    writers = set(writer[at[written[at] == slots]].tolist())
+    if any(w >= i for w in writers):
+        raise RuntimeError(f"chunk {i} of a step reads slots a later chunk writes")
+    return 1 + max((levels[w] for w in writers), default=-1)
 
 
 def group_by_length(sizes: list[int], max_padding: float = 0.25,
