@@ -22,6 +22,7 @@ class FinishReason(str, enum.Enum):
     STOP = "stop"
     LENGTH = "length"
     ABORT = "abort"
+    ERROR = "error"  # the worker could not serve it (Req.error says why)
 
 
 @dataclass
@@ -72,6 +73,7 @@ class Req:
     on_worker: bool = False
     announced: bool = False  # the detokenizer has seen this request's first output
     finish_reason: FinishReason | None = None
+    error: str | None = None  # with FinishReason.ERROR
     stop: list[str] = field(default_factory=list)  # stop strings
     include_stop_str: bool = False
     stop_watch: StopWatch | None = None  # set at arrival when there are stop strings

@@ -131,6 +131,9 @@ class Scheduler:
         # Per step in flight: which admission of each sampled request it samples for. A
         # request preempted and re-admitted meanwhile must not take its old token.
         self._sampled_for: dict[int, dict[str, int]] = {}
+        # After a step failed as a whole, the steps planned before that was known fail
+        # too (the worker dropped their requests): up to this step, nothing more to end.
+        self._failed_through = 0
 
     @property
     def has_work(self) -> bool:
@@ -369,8 +372,9 @@ class Scheduler:
         self._release_kv(req)
         self.waiting.push_front(req)
 
-    def _release_kv(self, req: Req) -> None:
-        """Give the request's slots to the cache (or back to the allocator) and drop its row."""
+    def _release_kv(self, req: Req, keep: bool = True) -> None:
+        """Give the request's slots to the cache (or back to the allocator) and drop its
+        row. keep=False caches nothing more of it (its K/V is not to be trusted)."""
         if req.row is None:
             return
         slots = self.table.slots(req.row, req.num_computed).copy()
@@ -378,6 +382,8 @@ class Scheduler:
         # we never learnt (the request stopped, or the token is still on its way): only
         # positions with known tokens can be cached, the rest is freed.
         known = min(req.num_computed, len(req.input_ids) + len(req.output_ids))
+        if not keep:
+            known = req.prefix_len
         adopted_from, _ = self.cache.insert(req.all_ids(known), slots[:known])
         self.allocator.free(slots[req.prefix_len:max(req.prefix_len, adopted_from)])
         self.allocator.free(slots[known:])
@@ -393,21 +399,48 @@ class Scheduler:
         req.num_computed = req.prefix_len = req.samples_in_flight = 0
         req.on_worker = False
 
-    def _finish(self, req: Req, reason: FinishReason) -> None:
+    def _finish(self, req: Req, reason: FinishReason, keep_kv: bool = True) -> None:
         req.finish_reason = reason
-        self._release_kv(req)
+        self._release_kv(req, keep_kv)
         if reason is not FinishReason.ABORT:
             self.counters.finished += 1
+
+    def _fail(self, req: Req, error: str, keep_kv: bool = True) -> TokenOutput:
+        logger.warning("%s ends with an error: %s", req.rid, error)
+        req.error = error
+        self._finish(req, FinishReason.ERROR, keep_kv)
+        return self._output(req, [])
+
+    def _fail_everything(self, step: int, reason: str) -> list[TokenOutput]:
+        """A step failed as a whole: the worker has dropped every request, and what the
+        steps in flight wrote to the pool is unknown. Every request sent to the worker
+        ends with the error, keeping none of its K/V; the cache is dropped (all of it is
+        unlocked then), so no later request reads a suspect slot. Waiting requests that
+        never reached the worker stay queued. Serving goes on."""
+        if step <= self._failed_through:
+            return []  # planned before the failure was known: its requests ended with it
+        self._failed_through = self._step
+        message = f"internal error in the worker: {reason}"
+        outputs = [self._fail(r, message, keep_kv=False) for r in list(self.running.values())]
+        self.flush_cache()
+        self._sampled_for.clear()
+        return outputs
 
     # -- results ---------------------------------------------------------------------------
 
     def apply_result(self, result: StepResult) -> list[TokenOutput]:
         outputs = []
+        if result.failed is not None:
+            return self._fail_everything(result.step, result.failed)
         sampled_for = self._sampled_for.pop(result.step, {})
         for rid, admission in sampled_for.items():
             req = self.running.get(rid)
             if req is not None and req.admissions == admission:
                 req.samples_in_flight -= 1
+        for error in result.errors:  # refused by the worker: their tokens mean nothing
+            req = self.running.get(error.rid)
+            if req is not None and req.on_worker:
+                outputs.append(self._fail(req, error.message))
         # Before the tokens: a request's first output carries its prompt's logprobs.
         for scored in result.prompt_logprobs:
             req = self.running.get(scored.rid)
@@ -468,6 +501,7 @@ class Scheduler:
         return TokenOutput(
             rid=req.rid, token_ids=token_ids, finished=req.finished,
             finish_reason=req.finish_reason.value if req.finish_reason else None, usage=usage,
+            error=req.error,
             prompt_tail=req.input_ids[-PROMPT_TAIL:] if first else None,
             skip_special_tokens=req.skip_special_tokens,
             stop=req.stop if first and req.stop else None,

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 
 from ipc.channel import Receiver, Sender
 from ipc.config import ServerConfig, switch_on
-from ipc.messages.to_scheduler import WorkerReady
+from ipc.messages.to_scheduler import StepResult, WorkerReady
 from ipc.messages.to_worker import ForwardBatch, Shutdown, SyncSteps, WorkerMessage
 from ipc.process import StartupReporter, setup_child
 from worker_proc.step_stats import StepStats, Timer
@@ -161,6 +161,9 @@ class WorkerLoop:
         self.overlap = overlap
         self.start_ahead = overlap and start_ahead
         self.in_flight: deque = deque()
+        # Steps received and not yet reported, oldest first: each gets exactly one result,
+        # also when it fails (the scheduler counts its steps out and back).
+        self.owed: deque[int] = deque()
         self.steps_built_ahead = 0  # observability: > 0 shows the overlap at work
         self.stats = stats or StepStats()
         self._timer = Timer(self.stats)
@@ -169,7 +172,19 @@ class WorkerLoop:
         """Process one message (None: a receive that timed out); False once the worker
         should stop. The time since the previous call returned counts as idle."""
         self._timer.mark("idle")
+        if isinstance(message, Shutdown):
+            logger.info("shutting down: %s", message.reason)
+            return False
+        try:
+            self._handle_step_message(message)
+        except Exception as exc:  # noqa: BLE001 - the worker lives on (see _fail_owed)
+            logger.exception("a step failed; ending every request the worker holds")
+            self._fail_owed(f"{type(exc).__name__}: {exc}")
+        return True
+
+    def _handle_step_message(self, message: WorkerMessage | None) -> None:
         if isinstance(message, ForwardBatch):
+            self.owed.append(message.step)
             self.stats.on_step(sum(len(c.token_ids) for c in message.prefill),
                                len(message.decode_rids))
             if self.start_ahead:
@@ -178,10 +193,17 @@ class WorkerLoop:
                 self._run_deferred(message)
         elif isinstance(message, SyncSteps):
             self._report_all()
-        elif isinstance(message, Shutdown):
-            logger.info("shutting down: %s", message.reason)
-            return False
-        return True
+
+    def _fail_owed(self, reason: str) -> None:
+        """A step failed with an error no request's checks caught (a bug, a device
+        error). What the steps in flight wrote cannot be trusted, so the runner forgets
+        every request and each unreported step is reported failed; the scheduler ends
+        the requests it had sent and drops its prefix cache, and serving goes on."""
+        self.in_flight.clear()
+        self.runner.reset()
+        while self.owed:
+            self.results.send(StepResult(step=self.owed.popleft(), rids=[], token_ids=[],
+                                         failed=reason))
 
     def _run_ahead(self, batch: ForwardBatch) -> None:
         self.steps_built_ahead += bool(self.in_flight)
@@ -229,8 +251,10 @@ class WorkerLoop:
         return pending
 
     def _report_oldest(self) -> None:
-        result = self.runner.finish(self.in_flight.popleft())
+        result = self.runner.finish(self.in_flight[0])
+        self.in_flight.popleft()
         waited = self._timer.mark("wait")
+        self.owed.remove(result.step)
         self.results.send(result)
         self._timer.mark("report")
         logger.debug("step %d: waited %.2f ms for its tokens", result.step, waited * 1e3)

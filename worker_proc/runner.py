@@ -19,7 +19,7 @@ import msgspec
 import numpy as np
 
 from ipc.messages.common import SamplingParams
-from ipc.messages.to_scheduler import PromptLogprobs, StepResult
+from ipc.messages.to_scheduler import PromptLogprobs, RequestError, StepResult
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from worker_proc.attention import (DenseDecodeContext, ForwardLayout, build_layer_caches,
                                    check_written, install_attention_hook)
@@ -202,13 +202,20 @@ class ModelRunner:
         self.decode_traces = 0  # how many times mx.compile traced the decode forward
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
         self._prompt_logprobs: dict[int, list[PendingPromptLogprobs]] = {}
+        # Requests refused by the checks of their step's _add, reported by its finish.
+        self._refused: dict[int, list[RequestError]] = {}
+        self.vocab_size: int | None = getattr(getattr(model, "args", None), "vocab_size", None)
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._last_prefill: mx.array | None = None  # see _launch_prefill
         self._head = output_head(model)
 
     # -- request bookkeeping -------------------------------------------------------------
 
-    def _add(self, new: NewRequest) -> None:
+    def _add(self, new: NewRequest, refused: list[RequestError]) -> None:
+        """Take a request's state. One whose settings the worker cannot serve is refused
+        (appended to `refused`) but kept, greedy and unconstrained: its chunks still run
+        in this step's forwards (their K/V may already be shared through the prefix
+        cache), its tokens are dropped and the scheduler ends it with the error."""
         if new.rid in self.requests:
             raise RuntimeError(f"request {new.rid} is already on the worker")
         seed = new.sampling.seed
@@ -216,15 +223,39 @@ class ModelRunner:
         state = RequestState(new.rid, self._free_rows.pop(), new.sampling, seed32,
                              length=len(new.prefix_slot_ids), num_sampled=new.num_sampled,
                              stop_ids=list(new.stop_token_ids))
-        if new.sampling.uses_penalties:
-            state.token_counts = TokenCounts(list(new.prompt_ids), list(new.output_ids))
-        if new.sampling.grammar is not None:
-            if self.grammars is None:
-                raise RuntimeError(f"{new.rid} has a grammar but this worker has no tokenizer")
-            state.matcher = self.grammars.matcher(new.sampling.grammar, new.output_ids)
         # A cached prefix: its K/V is already in the pool, the first chunk starts after it.
         self.table[state.row, :state.length] = new.prefix_slot_ids
         self.requests[new.rid] = state
+        try:
+            self._take_settings(state, new)
+        except Exception as exc:  # noqa: BLE001 - this request's failure, not the step's
+            logger.warning("refusing %s: %s", new.rid, exc)
+            refused.append(RequestError(new.rid, f"the worker cannot serve this request: {exc}"))
+            state.sampling = SamplingParams(temperature=0.0, max_new_tokens=0)
+            state.stop_ids, state.token_counts, state.matcher = [], None, None
+
+    def _take_settings(self, state: RequestState, new: NewRequest) -> None:
+        """The request's sampling state, checked as the step's sampling will use it."""
+        sp = new.sampling
+        check_sampling(sp, state.seed, state.num_sampled, state.stop_ids, self.vocab_size)
+        if sp.uses_penalties:
+            _check_ids("prompt and output ids", [*new.prompt_ids, *new.output_ids], self.vocab_size)
+            state.token_counts = TokenCounts(list(new.prompt_ids), list(new.output_ids))
+        if sp.grammar is not None:
+            if self.grammars is None:
+                raise ValueError("it has a grammar but this worker has no tokenizer")
+            state.matcher = self.grammars.matcher(sp.grammar, new.output_ids)
+
+    def reset(self) -> None:
+        """Forget every request and every step's pending reports (after a step failed
+        as a whole: nothing it held can be trusted)."""
+        for rid in list(self.requests):
+            self._release(rid)
+        self._prompt_logprobs.clear()
+        self._refused.clear()
+        self._stacked_key, self._stacked = (), None
+        self._last_prefill = None
+        self.pool.take_landing()
 
     def _release(self, rid: str) -> None:
         state = self.requests.pop(rid, None)
@@ -241,8 +272,11 @@ class ModelRunner:
         start's NOTE: no earlier step may still be running when this is called for one)."""
         for rid in batch.released:
             self._release(rid)
+        refused: list[RequestError] = []
         for new in batch.new_requests:
-            self._add(new)
+            self._add(new, refused)
+        if refused:
+            self._refused[batch.step] = refused
         logits: list[mx.array] = []
         sampled: list[RequestState] = []
         prompt: list[PendingPromptLogprobs] = []
@@ -325,15 +359,18 @@ class ModelRunner:
         rows consume theirs."""
         assert not pending.needs_sampling, "sample_constrained was not called"
         prompt = [p.message() for p in self._prompt_logprobs.pop(pending.step, [])]
+        errors = self._refused.pop(pending.step, [])
         if pending.tokens is None:
             mx.eval(*pending.final, *pending.landing)
-            return StepResult(step=pending.step, rids=[], token_ids=[], prompt_logprobs=prompt)
+            return StepResult(step=pending.step, rids=[], token_ids=[], prompt_logprobs=prompt,
+                              errors=errors)
         # NOTE: reading the tokens waits for this step's own work (start's async_eval gave
         # all of `final` one event). mx.eval would instead put a barrier at the end of the
         # stream and so also wait for a next step already started (the CUDA start-ahead):
         # measured on the H200, 3.3 ms of waiting per step at batch 1 for nothing.
         result = StepResult(step=pending.step, rids=pending.rids,
-                            token_ids=pending.tokens.tolist(), prompt_logprobs=prompt)
+                            token_ids=pending.tokens.tolist(), prompt_logprobs=prompt,
+                            errors=errors)
         for row, matcher in pending.matchers:
             GrammarMatchers.advance(matcher, result.token_ids[row])
         lp = pending.logprobs
@@ -733,6 +770,26 @@ def group_by_length(sizes: list[int], max_padding: float = 0.25,
             groups.append([i])
             real = sizes[i]
     return groups
+
+
+def check_sampling(sp: SamplingParams, seed: int, num_sampled: int, stop_ids: list[int],
+                   vocab: int | None) -> None:
+    """Raise if a request's settings cannot go into a step's sampling: the front bounds
+    them, but a value that slipped past it must fail its request, not every request of
+    the step (a top_k past int32 once took the whole worker down)."""
+    SamplingBatch.build([sp], [seed], [num_sampled], [stop_ids])  # the dtype conversions
+    _check_ids("logit_bias ids", list(sp.logit_bias), vocab)
+    _check_ids("stop ids", stop_ids, vocab)
+    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
+                 "presence_penalty", *(["logit_bias"] * bool(sp.logit_bias))):
+        values = sp.logit_bias.values() if name == "logit_bias" else [getattr(sp, name)]
+        if not all(np.isfinite(v) for v in values):
+            raise ValueError(f"{name} is not a finite number")
+
+
+def _check_ids(what: str, ids: list[int], vocab: int | None) -> None:
+    if ids and (min(ids) < 0 or (vocab is not None and max(ids) >= vocab)):
+        raise ValueError(f"{what} must be in [0, {vocab})")
 
 
 def _fold_seed(seed: int) -> int:

@@ -60,13 +60,28 @@ class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
                 for i, lp in enumerate(self.logprobs)]
 
 
+class RequestError(msgspec.Struct, frozen=True, array_like=True):
+    """A request the worker cannot serve (its settings failed the worker's checks): it
+    must end with this error; its forward still ran, so its K/V is sound."""
+
+    rid: str
+    message: str
+
+
 class StepResult(Message, frozen=True):
     """One sampled token for every request of step `step` that asked for one, and the
-    prompt logprobs its prefill chunks computed for requests that asked."""
+    prompt logprobs its prefill chunks computed for requests that asked.
+
+    errors: requests of this step that must end with an error (their rows' tokens, if
+    any, mean nothing). failed: the step as a whole failed (an error no request could be
+    blamed for); the worker then dropped every request it held and the pool's contents
+    are not to be trusted: every request the scheduler had sent it must end."""
 
     step: int
     rids: list[str]
     token_ids: list[int]
+    errors: list[RequestError] = []
+    failed: str | None = None
     # Log-probabilities, only for the rows (indices into rids) whose request asked, flat:
     # row logprob_rows[j] has top_counts[j] entries of top_ids / top_logprobs, in order.
     logprob_rows: list[int] = []

@@ -1,0 +1,65 @@
+"""A failure that belongs to some requests ends those requests, not the worker: a request
+whose settings the worker cannot serve ends with an error while its batch mates finish
+exactly; a step that fails as a whole ends the requests it held, and serving goes on."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.engine_driver import InProcessEngine
+from tests.test_scheduler import assert_idle_invariant
+from tests.test_worker import _prompts
+
+
+@pytest.mark.parametrize("overlap", [False, True, "ahead"])
+@pytest.mark.parametrize("bad", [dict(top_k=2 ** 40), dict(logit_bias={10 ** 9: 1.0}),
+                                 dict(logit_bias={3: float("nan")}),
+                                 dict(repetition_penalty=1.1, top_k=-(2 ** 33))])
+def test_a_request_the_worker_cannot_serve_ends_alone(tiny_model, oracle, overlap, bad):
+    model, _ = tiny_model
+    prompts = _prompts(4, [30, 5, 70, 12], model.args.vocab_size, seed=50)
+    engine = InProcessEngine(model, chunk_size=32, overlap=overlap)
+    engine.submit("r0", prompts[0], 10, [])
+    engine.step()  # r0 is mid-prefill when the bad one arrives
+    engine.submit("bad", prompts[1], 10, [], temperature=1.0, **bad)
+    engine.submit("r2", prompts[2], 10, [])
+    engine.submit("same", prompts[1], 10, [])  # reads the bad request's cached prompt
+    results = engine.run_until_idle()
+    assert results["bad"].finish_reason == "error"
+    assert "cannot serve" in results["bad"].error and results["bad"].token_ids == []
+    for rid, prompt in (("r0", prompts[0]), ("r2", prompts[2]), ("same", prompts[1])):
+        assert results[rid].token_ids == oracle(prompt, 10), rid
+    assert_idle_invariant(engine.scheduler)
+
+
+@pytest.mark.parametrize("overlap", [False, True, "ahead"])
+def test_a_step_that_fails_ends_its_requests_and_serving_goes_on(tiny_model, oracle,
+                                                                 monkeypatch, overlap):
+    model, _ = tiny_model
+    prompts = _prompts(3, [40, 9, 100], model.args.vocab_size, seed=51)
+    engine = InProcessEngine(model, chunk_size=32, overlap=overlap)
+    decode = engine.runner._decode
+    calls = {"n": 0}
+
+    def failing_decode(rids, slots):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise RuntimeError("device lost its mind")
+        return decode(rids, slots)
+
+    monkeypatch.setattr(engine.runner, "_decode", failing_decode)
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 30, [])
+    results = engine.run_until_idle()
+    assert calls["n"] >= 3
+    failed = [rid for rid, r in results.items() if r.finish_reason == "error"]
+    assert failed and all("device lost its mind" in results[rid].error for rid in failed)
+    assert engine.runner.requests == {} and engine.worker.owed == type(engine.worker.owed)()
+    assert engine.scheduler.cache.total_size == 0  # dropped: it may hold what the step wrote
+    # The same engine serves the same prompts again, exactly.
+    for i, p in enumerate(prompts):
+        engine.submit(f"again{i}", p, 30, [])
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"again{i}"].token_ids == oracle(p, 30)
+    assert_idle_invariant(engine.scheduler)
