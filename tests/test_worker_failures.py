@@ -63,3 +63,16 @@ def test_a_step_that_fails_ends_its_requests_and_serving_goes_on(tiny_model, ora
     for i, p in enumerate(prompts):
         assert results[f"again{i}"].token_ids == oracle(p, 30)
     assert_idle_invariant(engine.scheduler)
+
+
+def test_a_token_id_outside_the_vocabulary_fails_its_step_not_the_worker(tiny_model, oracle):
+    """The front refuses such ids; one that slipped past must not read outside the
+    embedding (or crash the process): its step fails, the next request is served."""
+    model, _ = tiny_model
+    engine = InProcessEngine(model)
+    engine.submit("bad", [7, model.args.vocab_size + 5, 9], 5, [])
+    assert engine.run_until_idle()["bad"].finish_reason == "error"
+    prompt = _prompts(1, [20], model.args.vocab_size, seed=52)[0]
+    engine.submit("good", prompt, 8, [])
+    assert engine.run_until_idle()["good"].token_ids == oracle(prompt, 8)
+    assert_idle_invariant(engine.scheduler)

@@ -416,6 +416,8 @@ class ModelRunner:
         if chunk.start != state.length:
             raise RuntimeError(f"{chunk.rid}: chunk starts at {chunk.start}, context is {state.length}")
         self._check_room(state, n)
+        # The front checks prompt ids; an id past the embedding would read outside it.
+        _check_ids(f"{chunk.rid}: prompt token ids", chunk.token_ids, self.vocab_size)
         self.table[state.row, chunk.start:chunk.start + n] = chunk.slot_ids
         return state
 
