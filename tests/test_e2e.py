@@ -13,6 +13,7 @@ import openai
 import psutil
 import pytest
 
+from tests.oracle import divergence_off_a_tie
 from tests.server import Server
 
 pytestmark = pytest.mark.timeout(600)
@@ -101,6 +102,33 @@ def test_16_concurrent_zmq_requests_match_mlx_lm(server, tiny_model, oracle):
 
     for p, m, r in zip(prompts, MAX_TOKENS, asyncio.run(all_of_them())):
         assert r.token_ids == oracle(p, m)
+
+
+def test_concurrent_prompts_sharing_prefixes_match_mlx_lm(server, tiny_model, oracle, tokenizer):
+    """20 greedy completions of 1 to 2,100 token ids arriving together, pairs sharing 1,
+    8, 64 or 300 first tokens, a prompt repeated and one a prefix of another: prefix hits
+    taken while their owners are still prefilled in the same busy steps change nothing."""
+    vocab = tiny_model[0].args.vocab_size
+    rng = np.random.default_rng(61)
+    lengths = [1, 2100, 20, 64, 513, 1024, 8, 300, 700, 90, 5, 1500, 40, 333, 900, 12,
+               640, 1200, 256, 77]
+    prompts = [rng.integers(5, vocab, size=n).tolist() for n in lengths]
+    for owner, sharer, shared in ((2, 3, 1), (6, 4, 8), (3, 5, 64), (7, 8, 300),
+                                  (13, 14, 300), (16, 17, 64)):
+        prompts[sharer][:shared] = prompts[owner][:shared]
+    prompts[19] = list(prompts[9])  # the same prompt twice
+    prompts[10] = prompts[11][:5]  # a prefix of another
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="none", max_retries=0)
+
+    async def all_of_them():
+        return await asyncio.gather(*(
+            client.completions.create(model=MODEL, prompt=p, max_tokens=12, temperature=0)
+            for p in prompts))
+
+    responses = asyncio.run(all_of_them())
+    for i, (p, r) in enumerate(zip(prompts, responses)):
+        assert r.choices[0].text == tokenizer.decode(oracle(p, 12)), f"prompt {i} ({len(p)} tokens)"
+    _wait_idle(server)
 
 
 def test_streamed_text_equals_non_streamed_chat(server):
@@ -319,8 +347,10 @@ def test_memory_pressure_through_all_processes_stays_exact(tiny_model_dir, tiny_
                     client.generate(input_ids=p, max_tokens=60, temperature=0.0)
                     for p in prompts))
 
+        # Fused matmuls need not round as mlx-lm's separate ones: equal up to near-ties.
+        eos = sorted(tiny_model[1].eos_token_ids)
         for p, r in zip(prompts, asyncio.run(all_of_them())):
-            assert r.token_ids == oracle(p, 60)
+            assert divergence_off_a_tie(tiny_model[0], p, r.token_ids, oracle(p, 60), eos) is None
         stats = _wait_idle(srv)
         assert stats["preemptions_total"] > 0
     finally:
