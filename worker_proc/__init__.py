@@ -47,7 +47,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     import mlx_lm
 
     from tokenizer_proc.constraints import structured_output_supported
-    from worker_proc.attention import UnsupportedModelError, check_layer_kinds
+    from worker_proc.layer_kinds import UnsupportedModelError, describe_layers
     from worker_proc.decode_block import speed_up_decode_blocks
     from worker_proc.fused_projections import fuse_projections
     from worker_proc.kv_pool import KVPool, paged_kernel_fits
@@ -69,7 +69,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     say(f"loading model from {config.model_path}")
     model, tokenizer = mlx_lm.load(config.model_path, trust_remote_code=config.trust_remote_code,
                                    tokenizer_config={"trust_remote_code": config.trust_remote_code})
-    check_layer_kinds(model)
+    specs = probe_attention_specs(model)  # refuses layer kinds the pool cannot hold
+    say("layers: " + describe_layers([s.kind for s in specs]))
     fuse = switch_on(config.fuse_projections, auto=on_cuda)
     fast_blocks = switch_on(config.fast_decode_blocks, auto=fuse and on_cuda)
     if fuse or fast_blocks:

@@ -5,21 +5,21 @@ RoPE position of the first new token), `make_mask(...)` (on the first layer, onc
 forward) and `update_and_fetch(keys, values)`. `PooledKVCache` answers those from a
 `ForwardLayout` that describes the whole batch, so the model code runs unchanged.
 
-Other layer kinds (sliding window, linear attention / SSM state) get their own adapter
-class here and their own storage beside the pool; `build_layer_caches` is the one place
-that maps a model's layers to adapters.
+Each layer's adapter knows its `LayerKind` (worker_proc.layer_kinds): full attention, a
+sliding window or chunk-local attention, and whether the model attends through mlx-lm's
+`scaled_dot_product_attention` or computes scores itself. `build_layer_caches` is the one
+place that maps a model's layers to adapters.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from mlx_lm.models.cache import KVCache, make_prompt_cache
-
 from worker_proc.kv_pool import KVPool
+from worker_proc.layer_kinds import Kind, LayerKind, ProbeRecorder, UnsupportedModelError
 from worker_proc.paged_attention import (RopeSpec, kernel_available, paged_decode_attention,
                                          paged_decode_qkv_attention,
                                          paged_decode_write_attention,
@@ -30,10 +30,6 @@ from worker_proc.paged_attention import (RopeSpec, kernel_available, paged_decod
 # step's K/V itself (paged_decode_write_attention), a launch less per layer than a
 # separate write. False: the separate write (for A/B runs, bench/step_breakdown.py).
 WRITE_IN_ATTENTION = True
-
-
-class UnsupportedModelError(RuntimeError):
-    """The model has a layer kind the engine cannot serve yet."""
 
 
 @dataclass(frozen=True)
@@ -52,6 +48,8 @@ class ForwardLayout:
     fresh:       every row starts at position 0, so its context is exactly this forward's
                  tokens: attention takes their K/V as computed instead of gathering them
                  back from the pool (the same values).
+    positions:   prefill: [B, S] position of each new token (row 0 stands for every row
+                 when all start together), for the masks of windowed layers.
     """
 
     write_slots: mx.array
@@ -61,6 +59,42 @@ class ForwardLayout:
     lengths: mx.array | None = None
     dense: "DenseDecodeContext | None" = None
     fresh: bool = False
+    positions: np.ndarray | None = None
+    # Per layer kind, made once a forward: its prefill mask, or its decode window's
+    # slot table and lengths (see windowed_reads).
+    _memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def kind_mask(self, kind: LayerKind) -> mx.array:
+        """A prefill mask for a windowed layer kind: [S, L], or [B, 1, S, L] when rows
+        start at different positions (keys at positions 0..L-1 of each row)."""
+        key = ("mask", kind)
+        if key not in self._memo:
+            assert self.positions is not None, "a prefill layout has its positions"
+            n_keys = self.positions.shape[1] if self.fresh else self.read_slots.shape[1]
+            q = self.positions[:, :, None]
+            visible = kind.visible(q, np.arange(n_keys)[None, None, :])
+            self._memo[key] = mx.array(visible[0] if len(visible) == 1 else visible[:, None])
+        return self._memo[key]
+
+    def windowed_reads(self, kind: LayerKind) -> tuple[mx.array, mx.array]:
+        """Decode: each row's slots from the first position its query sees, and how many,
+        for a windowed layer kind ([B, W] table, W the window or chunk, capped by the
+        widest row; [B] lengths). Built in the graph from read_slots and lengths, so a
+        compiled decode traces it too."""
+        key = ("window", kind)
+        if key not in self._memo:
+            assert self.lengths is not None
+            lengths = self.lengths
+            if kind.kind is Kind.SLIDING:
+                first = mx.maximum(lengths - kind.span, 0)
+            else:
+                first = (lengths - 1) // kind.span * kind.span
+            width = self.read_slots.shape[1]
+            cols = min(kind.span, width)
+            at = mx.minimum(first[:, None] + mx.arange(cols, dtype=first.dtype)[None], width - 1)
+            table = mx.take_along_axis(self.read_slots, at.astype(mx.int32), axis=1)
+            self._memo[key] = (table, (lengths - first).astype(mx.int32))
+        return self._memo[key]
 
     @classmethod
     def single(cls, context_slots: np.ndarray, start: int, n_new: int) -> "ForwardLayout":
@@ -73,6 +107,7 @@ class ForwardLayout:
             # Same mask mlx-lm's own KVCache gives, so the fused kernel path is the same.
             mask="causal" if n_new > 1 else None,
             fresh=start == 0,
+            positions=np.arange(start, end)[None],
         )
 
     @classmethod
@@ -104,6 +139,7 @@ class ForwardLayout:
             # Padded positions sit after each row's real ones, which the causal mask
             # hides from every real query, whether their K/V come from here or slot 0.
             fresh=bool((starts == 0).all()),
+            positions=pos[:1] if isinstance(offset, int) else pos,
         )
 
     @classmethod
@@ -117,7 +153,8 @@ class ForwardLayout:
         return cls(
             write_slots=mx.array(write),
             read_slots=mx.array(read),
-            offset=mx.array(lengths - 1) if len(lengths) > 1 else int(lengths[0] - 1),
+            # One position for every row: a scalar, as some models' own mask code needs.
+            offset=int(lengths[0] - 1) if (lengths == lengths[0]).all() else mx.array(lengths - 1),
             mask=None,
             lengths=mx.array(lengths.astype(np.int32)),
             dense=dense,
@@ -127,10 +164,12 @@ class ForwardLayout:
 class PooledKVCache:
     """One full-attention layer's view of the pool for one forward pass."""
 
-    def __init__(self, pool: KVPool, layer: int, layout: ForwardLayout) -> None:
+    def __init__(self, pool: KVPool, layer: int, layout: ForwardLayout,
+                 kind: LayerKind | None = None) -> None:
         self._pool = pool
         self._layer = layer
         self._layout = layout
+        self.kind = kind or LayerKind()
         # This step's K/V, for the attention kernel to store (see WRITE_IN_ATTENTION).
         self._unwritten: tuple[mx.array, mx.array] | None = None
 
@@ -139,12 +178,31 @@ class PooledKVCache:
         return self._layout.offset
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
-        if window_size is not None:
-            raise UnsupportedModelError("sliding-window attention is not supported yet")
-        mask = self._layout.mask
+        layout, kind = self._layout, self.kind
+        if window_size is not None and not (kind.kind is Kind.SLIDING and kind.span == window_size):
+            kind = LayerKind(Kind.SLIDING, window_size)  # the model's window, not the cache's
+        if self.paged:  # decode: the pool's readers mask by each row's length
+            return self._length_mask() if self.kind.own_attention else None
+        if kind.windowed and n > 1:
+            return layout.kind_mask(kind)
+        mask = layout.mask
         if return_array and isinstance(mask, str):
-            return _causal_array(n, self._layout.read_slots.shape[1])
+            return _causal_array(n, n if layout.fresh else layout.read_slots.shape[1])
         return mask
+
+    def _length_mask(self) -> mx.array | None:
+        """Decode of a layer that computes its own scores over dense K/V ([B, H, L, D],
+        right-padded): which of the L positions each row has, [B, 1, 1, L]."""
+        layout = self._layout
+        width = layout.read_slots.shape[1]
+        return (mx.arange(width)[None] < layout.lengths[:, None])[:, None, None, :]
+
+    # mlx-lm's ChunkedKVCache protocol (llama4's model reads it): the pool keeps every
+    # position, so nothing is trimmed and keys start at position 0.
+    start_position = 0
+
+    def maybe_trim_front(self) -> None:
+        pass
 
     @property
     def paged(self) -> bool:
@@ -161,13 +219,15 @@ class PooledKVCache:
         decode on an in-place pool): then attend_qkv may take the place of RoPE,
         update_and_fetch and paged_attention."""
         return (self.paged and self._layout.dense is None and self._pool.in_place
-                and WRITE_IN_ATTENTION)
+                and WRITE_IN_ATTENTION and self.kind == LayerKind())
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.writes_in_attention:
             self._unwritten = (keys, values)  # paged_attention stores them
             return self._pool.keys(self._layer), self._pool.values(self._layer)
         self._pool.write(self._layer, self._layout.write_slots, keys, values)
+        if self.paged and self.kind.own_attention:  # its own score math needs dense K/V
+            return self._pool.read(self._layer, self._layout.read_slots)
         if self._layout.dense is not None:
             self._layout.dense.update(self._layer, self._pool, self._layout.read_slots, keys, values)
         if self.paged:  # attention reads the pool itself (see paged_attention)
@@ -190,12 +250,18 @@ class PooledKVCache:
         pool.record_write(layer, mark)
         return out
 
-    def paged_attention(self, queries: mx.array, scale: float) -> mx.array:
-        layout, layer = self._layout, self._layer
+    def paged_attention(self, queries: mx.array, scale: float,
+                        sinks: mx.array | None = None) -> mx.array:
+        layout, layer, kind = self._layout, self._layer, self.kind
         dense = layout.dense
         if dense is not None and dense.active:
-            return dense.attention(layer, queries, scale)
+            return dense.attention(layer, queries, scale, kind, sinks)
         pool = self._pool
+        table, lengths = (layout.windowed_reads(kind) if kind.windowed
+                          else (layout.read_slots, layout.lengths))
+        if sinks is not None:  # the CUDA kernel has no sinks: a gather and MLX's attention
+            return reference_decode_attention(queries, pool.layers[layer], table, lengths,
+                                              scale, pool.mark(layer), sinks)
         if self._unwritten is not None:
             keys, values = self._unwritten
             out, mark = paged_decode_write_attention(
@@ -207,8 +273,7 @@ class PooledKVCache:
         # No kept context: the runner chose the kernel (paged_kernel_fits); an inactive
         # one: the batch is over its budget, so gather from the pool for this layer.
         attend = paged_decode_attention if dense is None else reference_decode_attention
-        return attend(queries, pool.layers[layer], layout.read_slots, layout.lengths, scale,
-                      pool.mark(layer))
+        return attend(queries, pool.layers[layer], table, lengths, scale, pool.mark(layer))
 
 
 class DenseDecodeContext:
@@ -253,6 +318,7 @@ class DenseDecodeContext:
         self._columns = mx.zeros((0,), dtype=mx.int32)  # a rebuild's gather: [B, capacity]
         self._gather: mx.array | None = None  # this step's rebuild slots, made once
         self._mask: mx.array | None = None
+        self._kind_masks: dict[LayerKind, mx.array] = {}  # this step's, per windowed kind
 
     def plan(self, rows: tuple[int, ...], lengths: np.ndarray) -> None:
         """Before a decode step: rows identify the batch's requests (the runner's table
@@ -279,6 +345,7 @@ class DenseDecodeContext:
             # context, position 0's slot (masked anyway, and always a valid index).
             self._columns = mx.array(np.clip(columns - first, 0, None).astype(np.int32))
         self._gather = None
+        self._kind_masks = {}
 
     def reset(self) -> None:
         """Drop the blocks (nothing left to decode): their memory goes back at once."""
@@ -310,13 +377,25 @@ class DenseDecodeContext:
         self._keys[layer][:, :, column:column + 1] = keys
         self._values[layer][:, :, column:column + 1] = values
 
-    def attention(self, layer: int, queries: mx.array, scale: float) -> mx.array:
+    def attention(self, layer: int, queries: mx.array, scale: float,
+                  kind: LayerKind | None = None, sinks: mx.array | None = None) -> mx.array:
         keys, values = self._keys[layer], self._values[layer]
         assert keys is not None and values is not None
         if self._end < self._capacity:  # the columns in use (a view), not the spare ones
             keys, values = keys[:, :, :self._end], values[:, :, :self._end]
+        mask = self._mask if kind is None or not kind.windowed else self._kind_mask(kind)
         return mx.fast.scaled_dot_product_attention(queries, keys, values, scale=scale,
-                                                    mask=self._mask)
+                                                    mask=mask, sinks=sinks)
+
+    def _kind_mask(self, kind: LayerKind) -> mx.array:
+        """The columns a windowed kind's queries see: row i's position p sits in column
+        p + first_i, and it sees positions from kind.first_visible on. Once a step."""
+        if kind not in self._kind_masks:
+            first = self._end - self._lengths
+            lo = first + kind.first_visible(self._lengths)
+            columns = np.arange(self._end)[None, :]
+            self._kind_masks[kind] = mx.array((columns >= lo[:, None])[:, None, None, :])
+        return self._kind_masks[kind]
 
 
 def _extended(block: mx.array | None, columns: int) -> mx.array:
@@ -331,17 +410,8 @@ def _causal_array(n_new: int, n_total: int) -> mx.array:
     return q >= mx.arange(n_total)[None]
 
 
-def check_layer_kinds(model: Any) -> None:
-    """Refuse, with a clear message, models whose layers the pool cannot hold yet."""
-    for i, cache in enumerate(make_prompt_cache(model)):
-        if type(cache) is not KVCache:
-            raise UnsupportedModelError(
-                f"layer {i} uses {type(cache).__name__} (sliding-window, linear-attention "
-                f"or other non-standard cache); only full-attention models are supported yet")
-
-
 def build_layer_caches(pool: KVPool, layout: ForwardLayout) -> list[PooledKVCache]:
-    return [PooledKVCache(pool, i, layout) for i in range(len(pool.specs))]
+    return [PooledKVCache(pool, i, layout, spec.kind) for i, spec in enumerate(pool.specs)]
 
 
 def check_written(caches: list[PooledKVCache]) -> None:
@@ -349,7 +419,7 @@ def check_written(caches: list[PooledKVCache]) -> None:
     the attention call; a model that attends some other way than through mlx-lm's
     scaled_dot_product_attention would lose them, so it is refused here."""
     for i, cache in enumerate(caches):
-        if not cache.written:
+        if not cache.written and not cache.kind.own_attention:
             raise UnsupportedModelError(
                 f"layer {i} attends without mlx-lm's scaled_dot_product_attention, which "
                 f"stores decode K/V on the CUDA kernel path: this model needs support added")
@@ -371,13 +441,14 @@ def install_attention_hook() -> None:
     original = getattr(base.scaled_dot_product_attention, "__wrapped__", base.scaled_dot_product_attention)
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001, ANN202
-        if isinstance(cache, PooledKVCache):
-            if sinks is not None:
-                raise UnsupportedModelError("attention sinks are not supported yet")
+        if ProbeRecorder.current is not None:
+            ProbeRecorder.current.saw_attention(cache, keys, values, sinks)
+        if isinstance(cache, PooledKVCache) and not cache.kind.own_attention:
             if cache.paged:
-                return cache.paged_attention(queries, scale)
+                return cache.paged_attention(queries, scale, sinks)
             # CUDA: no cuDNN graph build per prompt shape, while the scores stay small.
-            if kernel_available() and unfused_prefill_fits(queries.shape, keys.shape[2]):
+            if (sinks is None and kernel_available()
+                    and unfused_prefill_fits(queries.shape, keys.shape[2])):
                 return unfused_prefill_attention(queries, keys, values, scale, mask)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
@@ -386,3 +457,37 @@ def install_attention_hook() -> None:
         if name.startswith("mlx_lm.models.") and getattr(
                 module, "scaled_dot_product_attention", None) in (original, base.scaled_dot_product_attention):
             module.scaled_dot_product_attention = attention
+
+
+def batches_ragged_rows(model: Any, specs: list) -> bool:
+    """Whether the model's own code, fed through these adapters, gives every row of a
+    decode batch whose rows have different context lengths what that row gets alone.
+    Not every mlx-lm model does: Gemma 2 broadcasts a per-row mask against its grouped
+    scores and fails, llama4 builds its chunk mask from one scalar offset. The runner
+    batches such a model's forwards only over rows of one length. A few rows of random
+    K/V in a scratch pool, one decode token each; more rows than any head count, so a
+    mask broadcast against heads cannot pass by chance."""
+    rows = 2 * max(s.n_kv_heads for s in specs) + 3
+    lengths = np.arange(1, rows + 1, dtype=np.int32)
+    table = (1 + np.arange(rows)[:, None] * rows + np.arange(rows)[None]).astype(np.int32)
+    pool = KVPool(specs, rows * rows, in_place=False)
+    pool.layers = [mx.random.normal(a.shape).astype(a.dtype) for a in pool.layers]
+    tokens = mx.array(np.arange(rows, dtype=np.int32) + 1)[:, None]
+
+    def decode(picked: np.ndarray) -> mx.array:
+        dense = None
+        if not kernel_available():
+            dense = DenseDecodeContext(len(specs), 1 << 40, KVPool.bytes_per_slot(specs))
+            dense.plan(tuple(int(r) for r in picked), lengths[picked])
+        layout = ForwardLayout.decode(table[picked], lengths[picked], dense)
+        return model(tokens[mx.array(picked)], cache=build_layer_caches(pool, layout))[:, -1, :]
+
+    try:
+        together = decode(np.arange(rows))
+        alone = mx.concatenate([decode(np.array([r])) for r in range(rows)])
+        # Rounding apart (half-precision models batch their matmuls differently), a row
+        # that read another's mask or padding is off by about the logits' own size.
+        tol = 1e-4 if together.dtype == mx.float32 else 3e-2
+        return bool((mx.abs(together - alone).max() <= tol * mx.abs(alone).max()).item())
+    except Exception:  # noqa: BLE001 - a model that cannot take such a batch at all
+        return False

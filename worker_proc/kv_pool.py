@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from worker_proc.layer_kinds import LayerKind
 from worker_proc.paged_attention import (after_write, kernel_available, pool_write_in_place,
                                          split_kv)
 
@@ -20,12 +21,13 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AttentionLayerSpec:
-    """Shape of one full-attention layer's cache entry per token."""
+    """Shape of one attention layer's cache entry per token, and the layer's kind."""
 
     n_kv_heads: int
     head_dim: int
     v_head_dim: int
     dtype: mx.Dtype
+    kind: LayerKind = LayerKind()
 
     @property
     def bytes_per_slot(self) -> int:

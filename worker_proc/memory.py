@@ -8,22 +8,22 @@ from typing import Any
 
 import mlx.core as mx
 import psutil
-from mlx_lm.models.cache import make_prompt_cache
 
 from ipc.config import ServerConfig
 from worker_proc.kv_pool import AttentionLayerSpec
+from worker_proc.layer_kinds import probe_layers
 from worker_proc.paged_attention import kernel_available
 
 logger = logging.getLogger(__name__)
 
 
 def probe_attention_specs(model: Any) -> list[AttentionLayerSpec]:
-    """Run one token through mlx-lm's own caches to learn each layer's K/V shape and dtype."""
-    cache = make_prompt_cache(model)
-    model(mx.array([[0]]), cache=cache)
-    mx.eval([c.state for c in cache])
+    """Each layer's K/V shape, dtype and kind, from tokens run through mlx-lm's own caches
+    (layer_kinds.probe_layers); refuses a model with a layer kind the pool cannot hold."""
+    kinds, caches = probe_layers(model)
     return [AttentionLayerSpec(n_kv_heads=c.keys.shape[1], head_dim=c.keys.shape[3],
-                               v_head_dim=c.values.shape[3], dtype=c.keys.dtype) for c in cache]
+                               v_head_dim=c.values.shape[3], dtype=c.keys.dtype, kind=kind)
+            for c, kind in zip(caches, kinds)]
 
 
 def available_memory_bytes() -> int:

@@ -21,8 +21,8 @@ import numpy as np
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import PromptLogprobs, RequestError, StepResult
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
-from worker_proc.attention import (DenseDecodeContext, ForwardLayout, build_layer_caches,
-                                   check_written, install_attention_hook)
+from worker_proc.attention import (DenseDecodeContext, ForwardLayout, batches_ragged_rows,
+                                   build_layer_caches, check_written, install_attention_hook)
 from worker_proc.kv_pool import KVPool, paged_kernel_fits
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, SamplingBatch,
@@ -198,6 +198,13 @@ class ModelRunner:
         if compile_decode and self._dense_decode is not None:
             raise ValueError("compiled decode needs the CUDA paged-attention path (MLX's CUDA "
                              "backend, head sizes a multiple of 32)")
+        # A model whose own code mishandles rows of different lengths in one forward
+        # (batches_ragged_rows) runs each step's rows in forwards of one length each.
+        self.ragged = batches_ragged_rows(model, pool.specs)
+        if not self.ragged:
+            logger.warning("this model's code cannot batch rows of different lengths: "
+                           "each forward takes rows of one context length (slower)")
+            compile_decode = False  # a compiled bucket pads with rows of length 1
         self._compiled_decode = mx.compile(self._decode_forward) if compile_decode else None
         self.decode_traces = 0  # how many times mx.compile traced the decode forward
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
@@ -431,8 +438,9 @@ class ModelRunner:
         for wave in prefill_waves(chunks, prefixes):
             forwards += [[c] for c in wave if self.requests[c.rid].sampling.prompt_logprobs >= 0]
             rest = [c for c in wave if self.requests[c.rid].sampling.prompt_logprobs < 0]
-            groups = group_by_length([len(c.token_ids) for c in rest], self.prefill_padding,
-                                     PREFILL_FORWARD_TOKENS)
+            groups = (group_by_length([len(c.token_ids) for c in rest], self.prefill_padding,
+                                      PREFILL_FORWARD_TOKENS)
+                  if self.ragged else [[i] for i in range(len(rest))])
             forwards += [[rest[i] for i in g] for g in groups]
         return forwards
 
@@ -496,6 +504,17 @@ class ModelRunner:
 
     def _decode(self, rids: list[str], slots: list[int]) -> mx.array:
         states = [self.requests[rid] for rid in rids]
+        lengths = np.array([s.length for s in states]) + 1
+        if self.ragged or (lengths == lengths[0]).all():
+            return self._decode_rows(states, slots)
+        # Forwards of one length each, the logits put back in the batch's order.
+        order = np.argsort(lengths, kind="stable")
+        bounds = np.flatnonzero(np.diff(lengths[order])) + 1
+        parts = [self._decode_rows([states[i] for i in group], [slots[i] for i in group])
+                 for group in np.split(order, bounds)]
+        return mx.concatenate(parts)[mx.array(np.argsort(order).astype(np.int32))]
+
+    def _decode_rows(self, states: list[RequestState], slots: list[int]) -> mx.array:
         rows = np.array([s.row for s in states])
         lengths = np.array([s.length for s in states]) + 1
         for s in states:

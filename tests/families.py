@@ -1,0 +1,70 @@
+"""Tiny random float32 models of mlx-lm's architecture families, built from mlx-lm's own
+model classes (their make_cache() says each layer's kind), for tests against
+mlx_lm.generate. Windows are shorter than the test prompts, so windows are crossed."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+VOCAB = 512
+WINDOW = 16  # sliding windows and chunks shorter than most test prompts
+
+_COMMON = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96, num_attention_heads=4,
+               num_key_value_heads=2, rms_norm_eps=1e-6, vocab_size=VOCAB, rope_theta=10000.0,
+               max_position_embeddings=4096, tie_word_embeddings=False)
+
+FAMILIES: dict[str, dict[str, Any]] = {
+    "llama": dict(model_type="llama"),
+    "llama_sliding": dict(model_type="llama", sliding_window=WINDOW,
+                          layer_types=["sliding_attention", "full_attention"] * 2),
+    "qwen3": dict(model_type="qwen3", head_dim=16),
+    "qwen3_moe": dict(model_type="qwen3_moe", head_dim=16, num_experts=4, num_experts_per_tok=2,
+                      decoder_sparse_step=1, mlp_only_layers=[], moe_intermediate_size=32,
+                      norm_topk_prob=True),
+    "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
+    "phi3": dict(model_type="phi3"),
+    "gemma2": dict(model_type="gemma2", head_dim=16, query_pre_attn_scalar=16.0,
+                   attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
+    "gemma3_text": dict(model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=16.0,
+                        sliding_window=WINDOW, sliding_window_pattern=2,
+                        rope_local_base_freq=10000.0),
+    "gpt_oss": dict(model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+                    sliding_window=WINDOW,
+                    layer_types=["sliding_attention", "full_attention"] * 2),
+    "ministral3": dict(model_type="ministral3", head_dim=16, sliding_window=WINDOW,
+                       layer_types=["sliding_attention", "full_attention"] * 2,
+                       rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
+                                        "llama_4_scaling_beta": 0.1,
+                                        "original_max_position_embeddings": 4096}),
+    "olmo3": dict(model_type="olmo3", sliding_window=WINDOW,
+                  layer_types=["sliding_attention", "full_attention"] * 2),
+    "cohere2": dict(model_type="cohere2", head_dim=16, layer_norm_eps=1e-5, sliding_window=WINDOW,
+                    sliding_window_pattern=2, logit_scale=0.5),
+    "exaone4": dict(model_type="exaone4", head_dim=16, sliding_window=WINDOW,
+                    sliding_window_pattern="LG", rope_scaling=None),
+    "deepseek_v3": dict(model_type="deepseek_v3", num_key_value_heads=4, kv_lora_rank=32,
+                        q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                        moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                        num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                        topk_group=1, routed_scaling_factor=1.0, topk_method="noaux_tc",
+                        scoring_func="sigmoid", norm_topk_prob=True),
+    "llama4_text": dict(model_type="llama4", text_config=dict(
+        model_type="llama4_text", **{**_COMMON, "num_hidden_layers": 4}, head_dim=16,
+        intermediate_size_mlp=96, num_local_experts=2, num_experts_per_tok=1,
+        interleave_moe_layer_step=2, attention_chunk_size=WINDOW, no_rope_layers=[1, 1, 1, 0],
+        use_qk_norm=True, attention_bias=False, rope_scaling=None)),
+}
+
+
+def build(family: str, seed: int = 0) -> Any:
+    """The family's model with mlx-lm's own random initialisation (seeded), in float32."""
+    import mlx.core as mx
+
+    config = {**_COMMON, **FAMILIES[family]}
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(seed)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model

@@ -1,0 +1,189 @@
+"""What each layer of a model needs from the KV pool, learnt from mlx-lm itself.
+
+`model.make_cache()` (mlx-lm's own per-layer caches) says each layer's kind: full
+attention (`KVCache`), a sliding window (`RotatingKVCache`, its `max_size`), chunk-local
+attention (`ChunkedKVCache`, its `chunk_size`). A probe forward through instrumented
+copies of those caches then says how each layer attends: through mlx-lm's
+`scaled_dot_product_attention` with exactly the keys and values its cache returned (the
+pool can then be read by a kernel or a gather of our choosing), with attention sinks, or
+by computing scores itself (Gemma 2's soft-capping, MLA's latent and RoPE parts), which
+needs real dense K/V. Nothing here is keyed on a model's name.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+class UnsupportedModelError(RuntimeError):
+    """The model has a layer kind the engine cannot serve yet."""
+
+
+class Kind(enum.Enum):
+    FULL = "full attention"
+    SLIDING = "sliding window"
+    CHUNKED = "chunked local attention"
+
+
+@dataclass(frozen=True)
+class LayerKind:
+    """One attention layer's kind and how its model code attends.
+
+    span: SLIDING: positions a query sees, itself included (mlx-lm's max_size); CHUNKED:
+    the chunk size (a query sees its own chunk up to itself). own_attention: the model
+    computes scores from the cache's K/V itself, so decode hands it dense K/V, not the pool.
+    """
+
+    kind: Kind = Kind.FULL
+    span: int = 0
+    own_attention: bool = False
+    sinks: bool = False
+
+    @property
+    def windowed(self) -> bool:
+        return self.kind is not Kind.FULL
+
+    def first_visible(self, lengths: np.ndarray) -> np.ndarray:
+        """The first position a query at position lengths - 1 sees."""
+        if self.kind is Kind.SLIDING:
+            return np.maximum(lengths - self.span, 0)
+        if self.kind is Kind.CHUNKED:
+            return (lengths - 1) // self.span * self.span
+        return np.zeros_like(lengths)
+
+    def visible(self, q: np.ndarray, k: np.ndarray) -> np.ndarray:
+        """Whether a query at position q sees the key at position k (broadcast)."""
+        causal = k <= q
+        if self.kind is Kind.SLIDING:
+            return causal & (q - k < self.span)
+        if self.kind is Kind.CHUNKED:
+            return causal & (k // self.span == q // self.span)
+        return causal
+
+    def describe(self) -> str:
+        what = self.kind.value + (f" {self.span}" if self.windowed else "")
+        return what + (", sinks" if self.sinks else "") + (
+            ", its own score math" if self.own_attention else "")
+
+
+def kinds_from_caches(caches: list[Any]) -> list[LayerKind]:
+    """Each layer's kind from mlx-lm's caches for it; refuses, naming every layer kind it
+    cannot serve (with the layers that have it), any model with one."""
+    from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
+
+    kinds: list[LayerKind] = []
+    unsupported: dict[str, list[int]] = {}
+    for i, cache in enumerate(caches):
+        if type(cache) is KVCache:
+            kinds.append(LayerKind())
+        elif type(cache) is RotatingKVCache and cache.keep == 0:
+            kinds.append(LayerKind(Kind.SLIDING, int(cache.max_size)))
+        elif type(cache) is ChunkedKVCache:
+            kinds.append(LayerKind(Kind.CHUNKED, int(cache.chunk_size)))
+        else:
+            unsupported.setdefault(_cache_name(cache), []).append(i)
+    if unsupported:
+        found = "; ".join(f"{name} in layers {_ranges(layers)}" for name, layers in unsupported.items())
+        raise UnsupportedModelError(f"unsupported layer kinds: {found}")
+    return kinds
+
+
+def _cache_name(cache: Any) -> str:
+    from mlx_lm.models.cache import ArraysCache, CacheList, RotatingKVCache
+
+    name = type(cache).__name__
+    if isinstance(cache, RotatingKVCache):
+        return f"{name} with keep={cache.keep} (sliding window keeping its first tokens)"
+    if isinstance(cache, ArraysCache):
+        return f"{name} (recurrent state: conv / SSM / linear attention)"
+    if isinstance(cache, CacheList):
+        parts = ", ".join(type(c).__name__ for c in cache.caches)
+        return f"{name}({parts}) (several caches in one layer)"
+    return name
+
+
+def _ranges(layers: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    runs: list[list[int]] = []
+    for i in layers:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    return ", ".join(f"{r[0]}-{r[-1]}" if len(r) > 1 else str(r[0]) for r in runs)
+
+
+class ProbeRecorder:
+    """Set while a probe forward runs: which caches' K/V reached the attention hook
+    untouched, and which came with sinks (see install_attention_hook)."""
+
+    current: "ProbeRecorder | None" = None
+
+    def __init__(self) -> None:
+        self.fetched: dict[int, tuple[Any, Any]] = {}  # id(cache) -> K/V it returned
+        self.through_sdpa: set[int] = set()
+        self.sinks: set[int] = set()
+
+    def saw_attention(self, cache: Any, keys: Any, values: Any, sinks: Any) -> None:
+        fetched = self.fetched.get(id(cache))
+        if fetched is not None and fetched[0] is keys and fetched[1] is values:
+            self.through_sdpa.add(id(cache))
+        if sinks is not None:
+            self.sinks.add(id(cache))
+
+
+def _probing(cache: Any, recorder: ProbeRecorder) -> Any:
+    """mlx-lm's cache object, its update_and_fetch noting what it returned."""
+    fetch = cache.update_and_fetch
+
+    def update_and_fetch(keys: Any, values: Any) -> Any:
+        out = fetch(keys, values)
+        recorder.fetched[id(cache)] = out
+        return out
+
+    cache.update_and_fetch = update_and_fetch
+    return cache
+
+
+def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any]]:
+    """Each layer's LayerKind, and mlx-lm's caches after one decode token (their K/V give
+    each layer's shapes): a one-token prompt, then one decode token, through mlx-lm's
+    own caches, watched."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from worker_proc.attention import install_attention_hook
+
+    install_attention_hook()
+    caches = make_prompt_cache(model)
+    kinds = kinds_from_caches(caches)
+    recorder = ProbeRecorder()
+    for cache in caches:
+        _probing(cache, recorder)
+    ProbeRecorder.current = recorder
+    try:
+        model(mx.array([[0]]), cache=caches)
+        recorder.through_sdpa.clear()  # judged on the decode token, as served
+        model(mx.array([[0]]), cache=caches)
+    finally:
+        ProbeRecorder.current = None
+    mx.eval([c.state for c in caches])
+    probed = [LayerKind(k.kind, k.span, own_attention=id(c) not in recorder.through_sdpa,
+                        sinks=id(c) in recorder.sinks) for k, c in zip(kinds, caches)]
+    for i, k in enumerate(probed):
+        if k.own_attention and k.windowed:
+            raise UnsupportedModelError(
+                f"layer {i}: {k.kind.value} whose scores the model computes itself")
+    return probed, caches
+
+
+def describe_layers(kinds: list[LayerKind]) -> str:
+    """'layers 0-4, 6-10: sliding window 512; layers 5, 11: full attention'."""
+    groups: dict[str, list[int]] = {}
+    for i, k in enumerate(kinds):
+        groups.setdefault(k.describe(), []).append(i)
+    return "; ".join(f"layers {_ranges(v)}: {name}" for name, v in groups.items())
