@@ -183,7 +183,7 @@ class PooledKVCache:
             kind = LayerKind(Kind.SLIDING, window_size)  # the model's window, not the cache's
         if self.paged:  # decode: the pool's readers mask by each row's length
             return self._length_mask() if self.kind.own_attention else None
-        if kind.windowed and n > 1:
+        if kind.windowed:  # one new token too: the context read back is not windowed
             return layout.kind_mask(kind)
         mask = layout.mask
         if return_array and isinstance(mask, str):
@@ -446,6 +446,10 @@ def install_attention_hook() -> None:
         if isinstance(cache, PooledKVCache) and not cache.kind.own_attention:
             if cache.paged:
                 return cache.paged_attention(queries, scale, sinks)
+            if cache.kind.windowed:
+                # Ours, not the model's: a model may skip the mask for one new token, or
+                # build it from one scalar offset; the layout knows every row's window.
+                mask = cache._layout.kind_mask(cache.kind)
             # CUDA: no cuDNN graph build per prompt shape, while the scores stay small.
             if (sinks is None and kernel_available()
                     and unfused_prefill_fits(queries.shape, keys.shape[2])):

@@ -787,10 +787,11 @@ def split_kv(gathered: mx.array, head_dim: int) -> tuple[mx.array, mx.array]:
 
 def reference_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
                                lengths: mx.array, scale: float,
-                               written: mx.array | None = None) -> mx.array:
+                               written: mx.array | None = None,
+                               sinks: mx.array | None = None) -> mx.array:
     """The plain-MLX meaning of paged_decode_attention: gather, mask, fused SDPA (keys
-    of q's head size, values the rest of a pool row)."""
+    of q's head size, values the rest of a pool row), with attention sinks if given."""
     keys, values = split_kv(kv_pool[after_write(table, written)], q.shape[-1])
     valid = mx.arange(table.shape[1])[None, :] < lengths[:, None]
     return mx.fast.scaled_dot_product_attention(q, keys, values, scale=scale,
-                                                mask=valid[:, None, None, :])
+                                                mask=valid[:, None, None, :], sinks=sinks)
