@@ -400,6 +400,38 @@ def test_disconnect_aborts_the_request(make_api: Callable[..., Api], stream: boo
         assert sent[0]["status"] == 200
 
 
+# OpenAI's schemas: the finish reasons a chat completion and a completion may report.
+CHAT_REASONS = {"stop", "length", "tool_calls", "content_filter", "function_call"}
+COMPLETION_REASONS = {"stop", "length", "content_filter"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("path", "body"), [(COMPLETIONS, {"prompt": "x"}),
+                                            (CHAT, {"messages": HELLO})])
+def test_an_aborted_request_reports_length(make_api: Callable[..., Api], path: str,
+                                           body: dict[str, Any], stream: bool) -> None:
+    api = make_api(endless_script(pieces=2))
+
+    async def run_then_abort() -> httpx.Response:
+        transport = httpx.ASGITransport(app=api.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            running = asyncio.ensure_future(client.post(path, json={**body, "stream": stream}))
+            while not api.engine.requests():
+                await asyncio.sleep(0.01)
+            aborted = await client.post("/abort_request", json={"rid": api.request().rid})
+            assert aborted.json() == {"aborted": True}
+            return await asyncio.wait_for(running, 5)
+
+    r = asyncio.run(run_then_abort())
+    assert r.status_code == 200
+    choices = ([c for e in sse_payloads(r.text)[:-1] for c in e["choices"]] if stream
+               else r.json()["choices"])
+    reasons = [c["finish_reason"] for c in choices if c["finish_reason"] is not None]
+    # Cut short, never "stop" (a whole answer) nor the engine's own "abort".
+    assert reasons == ["length"]
+    assert set(reasons) <= (CHAT_REASONS if path == CHAT else COMPLETION_REASONS)
+
+
 def test_finished_request_is_not_aborted(api: Api) -> None:
     api.http.post(COMPLETIONS, json={"prompt": "x", "stream": True})
     api.http.post(COMPLETIONS, json={"prompt": "x"})
