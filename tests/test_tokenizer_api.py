@@ -484,6 +484,36 @@ def serving(app: FastAPI) -> Iterator[str]:
         sock.close()
 
 
+def _local_port(response: httpx.Response) -> int:
+    """The client-side port of the connection that carried the response."""
+    return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def test_bad_bodies_and_a_500_leave_the_keep_alive_connection_usable(
+        make_api: Callable[..., Api], preparer: RequestPreparer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    api = make_api(text_script(["Hel", "lo"]))
+    deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    lone = rb'{"messages": [{"role": "user", "content": "\ud800"}]}'
+    with serving(api.app) as url, httpx.Client(base_url=url, timeout=10) as client:
+        answers = [client.post(COMPLETIONS, content=deep), client.post(CHAT, content=lone)]
+        assert [r.status_code for r in answers] == [400, 400]
+        assert answers[1].json()["error"]["param"] == "messages[0].content"
+
+        def broken(*args: Any) -> None:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(preparer, "completion", broken)
+        failed = client.post(COMPLETIONS, json={"prompt": "hi"})
+        assert failed.status_code == 500
+        assert failed.json()["error"]["type"] == "server_error"
+        monkeypatch.undo()
+        served = client.post(COMPLETIONS, json={"prompt": "hi"})
+        assert served.status_code == 200 and served.json()["choices"][0]["text"] == "Hello"
+        # One connection carried them all: the 500 did not close it under the next request.
+        assert len({_local_port(r) for r in [*answers, failed, served]}) == 1
+
+
 @pytest.fixture
 def live(make_api: Callable[..., Api]) -> Iterator[tuple[Api, openai.OpenAI]]:
     api = make_api(text_script(["Hel", "lo", " world"]), delay=0.01)
