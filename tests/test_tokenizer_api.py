@@ -182,6 +182,25 @@ def test_sampling_controls_reach_the_engine(api: Api, preparer: RequestPreparer)
     assert chat.stop_token_ids == [9]  # ignore_eos: only the client's own
 
 
+@pytest.mark.parametrize(("field", "sent", "expected"), [
+    ("top_k", 1023, 1023),
+    ("top_k", 1024, 0),  # the whole vocabulary (demo-tiny's 1024): no limit
+    ("top_k", 2**31, 0),  # past the worker's int32, which it used to die of
+    ("top_k", 2**63, 0),
+    ("temperature", 1e-5, 1e-5),
+    ("temperature", 1e-6, 0.0),  # colder than float32 logits divide by: greedy
+    ("top_p", 1e-300, 1e-8),  # float32 would make it 0, keeping no token at all
+    ("top_p", 1e-8, 1e-8),
+])
+def test_values_past_a_limit_with_a_meaning_are_clamped(api: Api, preparer: RequestPreparer,
+                                                        field: str, sent: float,
+                                                        expected: float) -> None:
+    assert preparer.info.vocab_size == 1024
+    r = api.http.post(COMPLETIONS, json={"prompt": "x", field: sent})
+    assert r.status_code == 200, r.text
+    assert getattr(api.request().sampling, field) == expected
+
+
 def test_sampling_defaults(api: Api, preparer: RequestPreparer) -> None:
     api.http.post(COMPLETIONS, json={"prompt": "x"})
     api.http.post(CHAT, json={"messages": HELLO})
@@ -230,6 +249,8 @@ ERROR_CASES = [
     (COMPLETIONS, {"prompt": [5] * 5000}, "prompt"),
     (COMPLETIONS, {"prompt": "x", "temperature": -0.1}, "temperature"),
     (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, "temperature"),
+    (COMPLETIONS, {"prompt": "x", "temperature": 1e39}, "temperature"),  # float32's inf
+    (COMPLETIONS, {"prompt": "x", "temperature": 10**400}, "temperature"),
     (COMPLETIONS, {"prompt": "x", "top_p": 0}, "top_p"),
     (COMPLETIONS, {"prompt": "x", "top_p": 1.5}, "top_p"),
     (COMPLETIONS, {"prompt": "x", "top_k": -2}, "top_k"),
@@ -242,11 +263,18 @@ ERROR_CASES = [
     (COMPLETIONS, {"prompt": "x", "min_p": 1.5}, "min_p"),
     (COMPLETIONS, {"prompt": "x", "min_p": -0.1}, "min_p"),
     (COMPLETIONS, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    (COMPLETIONS, {"prompt": "x", "repetition_penalty": 0.001}, "repetition_penalty"),
+    (COMPLETIONS, {"prompt": "x", "repetition_penalty": 101}, "repetition_penalty"),
     (COMPLETIONS, {"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
     (COMPLETIONS, {"prompt": "x", "presence_penalty": -3}, "presence_penalty"),
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {" 5": 1}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"+5": 1}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"\u0665": 1}}, "logit_bias"),  # Arabic 5
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 10**400}}, "logit_bias"),
     (COMPLETIONS, {"prompt": "x", "min_tokens": -1}, "min_tokens"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     (COMPLETIONS, {"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
