@@ -217,8 +217,7 @@ def grammar_text(constraint: Constraint) -> str:
 
     source = constraint.source
     if constraint.kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(_schema(source, constraint.param),
-                                                  defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
+        return _json_schema_grammar(_schema(source, constraint.param), constraint.param)
     assert isinstance(source, str)
     if not source:
         raise RequestError(f"'{constraint.param}' must not be empty.", param=constraint.param)
@@ -248,6 +247,18 @@ def ll_tokenizer(hf_tokenizer: Any, eos_token_ids: Sequence[int]) -> Any:
     import llguidance.hf
 
     return llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=list(eos_token_ids) or None)
+
+
+def _json_schema_grammar(schema: dict[str, Any], param: str) -> str:
+    from llguidance import LLMatcher
+
+    try:
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
+    # Its documented refusal of a value JSON cannot carry, e.g. an integer past 64 bits
+    # (Python's json reads any).
+    except ValueError as exc:
+        raise RequestError(f"Invalid '{param}': {_one_line([str(exc)])}", param=param,
+                           code="invalid_grammar") from None
 
 
 def _schema(source: str | dict[str, Any], param: str) -> dict[str, Any]:
