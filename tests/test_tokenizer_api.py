@@ -319,6 +319,46 @@ def test_malformed_body_is_400(api: Api, raw: bytes) -> None:
         assert r.json()["error"]["type"] == "invalid_request_error"
 
 
+DEEP = "[" * 5000 + "]" * 5000  # past json.loads' own recursion limit
+HALF_DEEP = "[" * 200 + "]" * 200  # parsed, then refused by json_body's walk
+LONE = "\\ud800"  # the JSON escape of a lone surrogate
+
+
+@pytest.mark.parametrize(("path", "raw", "param"), [
+    (COMPLETIONS, f'{{"prompt": "{LONE}"}}', "prompt"),
+    (CHAT, f'{{"messages": [{{"role": "user", "content": "a{LONE}"}}]}}', "messages[0].content"),
+    ("/generate", f'{{"text": "{LONE}"}}', "text"),
+    (COMPLETIONS, f'{{"prompt": "x", "stop": ["ok", "{LONE}"]}}', "stop[1]"),
+    ("/generate", f'{{"text": "x", "sampling_params": {{"regex": "{LONE}"}}}}',
+     "sampling_params.regex"),
+    (CHAT, f'{{"messages": [], "logit_bias": {{"{LONE}": 1}}}}', "logit_bias"),
+    ("/abort_request", f'{{"rid": "{LONE}"}}', "rid"),
+    # A JSON text inside a field, holding the escape itself.
+    ("/generate", '{"text": "x", "sampling_params": {"json_schema": '
+                  '"{\\"enum\\": [\\"\\\\ud800\\"]}"}}', "sampling_params.json_schema"),
+    (COMPLETIONS, '{"prompt": "x", "temperature": NaN}', "temperature"),
+    (COMPLETIONS, '{"prompt": "x", "top_p": Infinity}', "top_p"),
+    (COMPLETIONS, '{"prompt": "x", "min_p": 1e400}', "min_p"),
+    (CHAT, '{"messages": [], "logit_bias": {"5": -Infinity}}', "logit_bias"),
+    (COMPLETIONS, f'{{"prompt": {DEEP}}}', None),
+    (CHAT, f'{{"messages": {DEEP}}}', None),
+    ("/generate", f'{{"text": {DEEP}}}', None),
+    ("/abort_request", f'{{"rid": {DEEP}}}', None),
+    (COMPLETIONS, f'{{"prompt": {HALF_DEEP}}}', "prompt"),
+    ("/generate", f'{{"text": "x", "sampling_params": {{"stop": {HALF_DEEP}}}}}',
+     "sampling_params"),
+    ("/generate", f'{{"text": "x", "sampling_params": {{"json_schema": "{HALF_DEEP}"}}}}',
+     "sampling_params.json_schema"),
+])
+def test_json_python_cannot_pass_on_is_400_naming_the_field(api: Api, path: str, raw: str,
+                                                            param: str | None) -> None:
+    r = api.http.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+    assert api.engine.requests() == []
+
+
 def test_body_without_json_content_type_is_accepted(api: Api) -> None:
     # curl -d sends application/x-www-form-urlencoded.
     r = api.http.post(COMPLETIONS, content=b'{"prompt": "hi"}',

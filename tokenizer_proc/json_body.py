@@ -95,9 +95,10 @@ def _problem_of(item: Any, loc: Loc) -> JsonProblem | None:
         return _surrogate_problem(item, loc)
     if isinstance(item, float) and not math.isfinite(item):
         return JsonProblem(loc, f"{item} is not a number JSON has (give a finite number)")
-    # A container at `loc` is the (len(loc) + 1)-th level.
+    # A container at `loc` is the (len(loc) + 1)-th level. Named by its top-level field:
+    # the full path would be 128 steps long.
     if isinstance(item, (dict, list)) and len(loc) >= MAX_DEPTH:
-        return JsonProblem(loc, f"nested more than {MAX_DEPTH} levels deep")
+        return JsonProblem(loc[:1], f"nested more than {MAX_DEPTH} levels deep")
     if isinstance(item, dict):
         bad_key = next((k for k in item if isinstance(k, str) and _SURROGATE.search(k)), None)
         if bad_key is not None:

@@ -2,6 +2,15 @@
 
 Pure logic (a tokenizer and the model facts, no sockets), shared by the HTTP API and the
 ZMQ front so both refuse the same requests with the same messages.
+
+Numeric fields, each a 400 naming it when out of range; clamped only where a value past
+the limit keeps a clear meaning (marked *):
+  max_tokens >= 1 (0 for echo/scoring), prompt + max_tokens <= context; min_tokens 0..max;
+  n 1..16; best_of n..16; logprobs, top_logprobs 0..20; seed 0..2**63-1;
+  token ids (prompt, input_ids, stop_token_ids, logit_bias keys) 0..vocab-1;
+  top_k -1 or 0: off, * >= vocab: off; temperature 0..float32 max, * < 1e-5: greedy;
+  top_p (0, 1], * < 1e-8: 1e-8; min_p [0, 1]; frequency, presence [-2, 2];
+  repetition_penalty [0.01, 100]; logit_bias values [-100, 100]; stop: 16 of 1..256 chars.
 """
 
 from __future__ import annotations
