@@ -305,55 +305,100 @@ class ZmqTally:
     refused: int = 0
 
 
-async def fuzz_zmq(preparer: RequestPreparer) -> tuple[ZmqTally, FakeEngine, TokenizerManager]:
-    engine = FakeEngine(counting_script(3))
-    manager = TokenizerManager(engine, stats_timeout=1.0)
-    engine.connect(manager)
-    replies: list[GenerateOutput] = []
+class InProcessFront:
+    """The ZMQ front without its socket: frames go through the real codec and
+    ClientFront, replies are collected, the engine is scripted."""
 
-    async def reply(identity: bytes, message: Any) -> None:
-        replies.append(message)
+    def __init__(self, preparer: RequestPreparer) -> None:
+        self.engine = FakeEngine(counting_script(3))
+        self.manager = TokenizerManager(self.engine, stats_timeout=1.0)
+        self.engine.connect(self.manager)
+        self._replies: list[GenerateOutput] = []
+        self._front = ClientFront(self.manager, preparer, self._reply)
+        self._decoder: Decoder[ClientToServer] = Decoder(ClientToServer, "fuzz")
 
-    front = ClientFront(manager, preparer, reply)
-    decoder: Decoder[ClientToServer] = Decoder(ClientToServer, "fuzz")
-    tally = ZmqTally()
-    for field, frame in zmq_frames():
-        tally.sent += 1
-        message = decoder.decode(frame)
+    async def _reply(self, identity: bytes, message: Any) -> None:
+        self._replies.append(message)
+
+    async def ask(self, frame: bytes) -> tuple[ClientToServer, list[GenerateOutput]] | None:
+        """The decoded message and its final replies, once all are sent; None when the
+        frame does not decode."""
+        message = self._decoder.decode(frame)
         if message is None:
+            return None
+        self._replies.clear()
+        await self._front.handle(b"client", message)  # raises what validation let escape
+        await self._front.wait_replies()
+        return message, [r for r in self._replies if r.finished]
+
+
+def frame(**fields: Any) -> bytes:
+    return msgspec.msgpack.encode({"type": "GenerateRequest", "request_id": "r",
+                                   "prompt": "hello", "max_tokens": 4, **fields})
+
+
+async def fuzz_zmq(front: InProcessFront) -> ZmqTally:
+    tally = ZmqTally()
+    for field, raw in zmq_frames():
+        tally.sent += 1
+        answer = await front.ask(raw)
+        if answer is None:
             tally.undecodable += 1
             continue
-        replies.clear()
-        await front.handle(b"client", message)  # raises if validation raised anything else
-        await front.wait_replies()
-        finals = [r for r in replies if r.finished]
+        message, finals = answer
         assert finals, (field, message)
         if finals[0].error is not None:
             tally.refused += 1
-            assert len(finals) == 1 and finals[0].error, (field, finals)
+            # A ZMQ error is a message only: it must name the field itself.
+            assert len(finals) == 1 and field in finals[0].error, (field, finals)
         else:
             tally.accepted += 1
             assert all(r.error is None for r in finals)
             n = message.n if isinstance(message, GenerateRequest) else 1
             assert sorted(r.index for r in finals) == list(range(n))
-    # Still serving.
-    replies.clear()
-    await front.handle(b"client", GenerateRequest(request_id="after", prompt="hello",
-                                                  max_tokens=2))
-    await front.wait_replies()
-    assert [(r.text, r.error) for r in replies] == [(" w0 w1", None)]
-    return tally, engine, manager
+    answer = await front.ask(frame(max_tokens=2))  # still serving
+    assert answer is not None and [(r.text, r.error) for r in answer[1]] == [(" w0 w1", None)]
+    return tally
 
 
 def test_every_field_of_the_zmq_generate_request(preparer: RequestPreparer,
                                                  caplog: pytest.LogCaptureFixture) -> None:
-    tally, engine, manager = asyncio.run(fuzz_zmq(preparer))
+    front = InProcessFront(preparer)
+    tally = asyncio.run(fuzz_zmq(front))
     info = preparer.info
-    for request in engine.requests():
+    for request in front.engine.requests():
         check_worker_safe(request, info.vocab_size, info.context_len)
-    assert manager.in_flight == 0
-    # Decodable but refused values make most of the refusals: the shared validation's.
-    assert tally.refused > 0 and tally.accepted > 0 and tally.undecodable > 0
+    assert front.manager.in_flight == 0
+    assert tally.refused > 0 and tally.accepted > 0 and tally.undecodable > 0, tally
     failures = [r for r in caplog.records
                 if r.levelno >= logging.ERROR and r.name.startswith("tokenizer_proc")]
     assert failures == []
+
+
+@pytest.mark.parametrize(("fields", "named"), [
+    ({"temperature": float("nan")}, "temperature"),
+    ({"temperature": 1e39}, "temperature"),  # inf in the worker's float32
+    ({"repetition_penalty": 1e-30}, "repetition_penalty"),  # logits / 1e-30 overflow
+    ({"top_p": float("inf")}, "top_p"),
+    ({"seed": 2**64 - 1}, "seed"),
+    ({"input_ids": [2**63], "prompt": None}, "input_ids"),
+    ({"logit_bias": {-1: 1.0}}, "logit_bias"),
+    ({"json_schema": {"items": nested(200)}}, "json_schema"),
+    ({"json_schema": {"type": "number", "maximum": float("nan")}}, "json_schema"),
+])
+def test_zmq_values_that_decode_but_cannot_run_are_refused_by_name(
+        preparer: RequestPreparer, fields: dict[str, Any], named: str) -> None:
+    front = InProcessFront(preparer)
+    answer = asyncio.run(front.ask(frame(**fields)))
+    assert answer is not None  # decodable: the codec let it through
+    (final,) = answer[1]
+    assert final.error is not None and f"'{named}'" in final.error, final
+    assert front.engine.requests() == []
+
+
+def test_zmq_top_k_past_the_vocabulary_is_no_limit(preparer: RequestPreparer) -> None:
+    front = InProcessFront(preparer)
+    answer = asyncio.run(front.ask(frame(top_k=2**63 - 1, temperature=0.7)))
+    assert answer is not None and answer[1][0].error is None
+    (request,) = front.engine.requests()
+    assert request.sampling.top_k == 0  # was 2**63 - 1, which the worker's int32 dies of

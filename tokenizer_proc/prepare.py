@@ -430,8 +430,8 @@ class RequestPreparer:
         raise RequestError(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, "
-            f"{max_tokens} for the completion). Please reduce the length of the "
-            f"{prompt_param} or of the completion.", param=param,
+            f"{max_tokens} for the completion, '{max_param}'). Please reduce the length of "
+            f"the {prompt_param} or of the completion.", param=param,
             code="context_length_exceeded")
 
 
