@@ -349,10 +349,14 @@ LONE = "\\ud800"  # the JSON escape of a lone surrogate
      "sampling_params"),
     ("/generate", f'{{"text": "x", "sampling_params": {{"json_schema": "{HALF_DEEP}"}}}}',
      "sampling_params.json_schema"),
+    # json.loads reads UTF-16 too, where the escape is other bytes.
+    (COMPLETIONS, f'{{"prompt": "{LONE}"}}'.encode("utf-16"), "prompt"),
 ])
-def test_json_python_cannot_pass_on_is_400_naming_the_field(api: Api, path: str, raw: str,
+def test_json_python_cannot_pass_on_is_400_naming_the_field(api: Api, path: str,
+                                                            raw: str | bytes,
                                                             param: str | None) -> None:
-    r = api.http.post(path, content=raw.encode(), headers={"content-type": "application/json"})
+    content = raw.encode() if isinstance(raw, str) else raw
+    r = api.http.post(path, content=content, headers={"content-type": "application/json"})
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert (error["type"], error["param"]) == ("invalid_request_error", param), error

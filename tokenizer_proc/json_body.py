@@ -23,8 +23,8 @@ from tokenizer_proc.errors import RequestError, param_path
 MAX_DEPTH = 128
 
 _SURROGATE = re.compile("[\ud800-\udfff]")
-# A lone surrogate in a parsed body can only come from such an escape (the raw bytes are
-# UTF-8), so a body without one needs no string checks.
+# In a UTF-8 body a lone surrogate can only come from such an escape (the bytes decode),
+# so a body without one needs no string checks.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
 _PLAIN = (int, type(None))  # values that need no check (bool is an int)
 
@@ -54,7 +54,7 @@ def parse_object(raw: bytes) -> dict[str, Any]:
         raise RequestError("The request body must be a JSON object.", code="invalid_json")
     # The walk is needed only where json.loads may have let something through; a body of
     # 100k token ids is then not walked at all.
-    if scan.non_finite or _may_nest_too_deep(raw) or _SURROGATE_ESCAPE.search(raw):
+    if scan.non_finite or _may_nest_too_deep(raw) or _may_hold_surrogate(raw):
         _raise_problem(data)
     return data
 
@@ -121,6 +121,12 @@ def _children(item: Any, loc: Loc) -> list[tuple[Any, Loc]]:
     if isinstance(item, list):
         return [(v, (*loc, i)) for i, v in enumerate(item) if not isinstance(v, _PLAIN)]
     return []
+
+
+def _may_hold_surrogate(raw: bytes) -> bool:
+    # json.loads also reads UTF-16 and UTF-32, where the escape's bytes differ.
+    utf8 = json.detect_encoding(raw).startswith("utf-8")
+    return not utf8 or _SURROGATE_ESCAPE.search(raw) is not None
 
 
 def _may_nest_too_deep(raw: bytes) -> bool:

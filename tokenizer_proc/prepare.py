@@ -657,7 +657,7 @@ def _token_key(key: str | int) -> int:
     if isinstance(key, int):
         return key
     if not (key.isascii() and key.isdigit()):
-        raise RequestError(f"logit_bias keys must be token ids; got {key!r}.",
+        raise RequestError(f"logit_bias keys must be token ids; got {key[:40]!r}.",
                            param="logit_bias")
     try:
         return int(key)
