@@ -18,7 +18,6 @@ import logging
 import math
 import random
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Iterator
 
 import httpx
@@ -89,10 +88,10 @@ def json_bytes(body: dict[str, Any]) -> bytes:
     return text.encode()
 
 
-Path_ = tuple[str | int, ...]
+Place = tuple[str | int, ...]
 
 
-def with_value(base: dict[str, Any], path: Path_, value: Any) -> dict[str, Any]:
+def with_value(base: dict[str, Any], path: Place, value: Any) -> dict[str, Any]:
     body = copy.deepcopy(base)
     parent: Any = body
     for part in path[:-1]:
@@ -131,7 +130,7 @@ class Field:
     """A fuzzed place in a body, and what the route's base body needs around it (a
     message list for messages[1], a response_format for its type, ...)."""
 
-    path: Path_
+    path: Place
     around: tuple[tuple[str, Any], ...] = ()
     without: str | None = None  # a base field it stands in for (input_ids for text)
 
