@@ -308,6 +308,10 @@ def test_ordinary_models_need_no_remote_code(tmp_path: Path) -> None:
     assert remote_code_reasons(demo) == []
     # mlx-lm's own remapping: "mistral" is built by its llama module.
     assert remote_code_reasons(_model_dir(tmp_path / "m", {"model_type": "mistral"})) == []
+    # A tokenizer class without an auto_map is one of transformers' own (as the README says).
+    named = _model_dir(tmp_path / "t", {"model_type": "llama"},
+                       {"tokenizer_class": "LlamaTokenizerFast"})
+    assert remote_code_reasons(named) == []
 
 
 def test_launcher_refuses_a_remote_code_model(tmp_path: Path) -> None:

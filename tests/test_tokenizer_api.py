@@ -182,6 +182,25 @@ def test_sampling_controls_reach_the_engine(api: Api, preparer: RequestPreparer)
     assert chat.stop_token_ids == [9]  # ignore_eos: only the client's own
 
 
+@pytest.mark.parametrize(("field", "sent", "expected"), [
+    ("top_k", 1023, 1023),
+    ("top_k", 1024, 0),  # the whole vocabulary (demo-tiny's 1024): no limit
+    ("top_k", 2**31, 0),  # past the worker's int32, which it used to die of
+    ("top_k", 2**63, 0),
+    ("temperature", 1e-5, 1e-5),
+    ("temperature", 1e-6, 0.0),  # colder than float32 logits divide by: greedy
+    ("top_p", 1e-300, 1e-8),  # float32 would make it 0, keeping no token at all
+    ("top_p", 1e-8, 1e-8),
+])
+def test_values_past_a_limit_with_a_meaning_are_clamped(api: Api, preparer: RequestPreparer,
+                                                        field: str, sent: float,
+                                                        expected: float) -> None:
+    assert preparer.info.vocab_size == 1024
+    r = api.http.post(COMPLETIONS, json={"prompt": "x", field: sent})
+    assert r.status_code == 200, r.text
+    assert getattr(api.request().sampling, field) == expected
+
+
 def test_sampling_defaults(api: Api, preparer: RequestPreparer) -> None:
     api.http.post(COMPLETIONS, json={"prompt": "x"})
     api.http.post(CHAT, json={"messages": HELLO})
@@ -230,6 +249,8 @@ ERROR_CASES = [
     (COMPLETIONS, {"prompt": [5] * 5000}, "prompt"),
     (COMPLETIONS, {"prompt": "x", "temperature": -0.1}, "temperature"),
     (COMPLETIONS, {"prompt": "x", "temperature": "hot"}, "temperature"),
+    (COMPLETIONS, {"prompt": "x", "temperature": 1e39}, "temperature"),  # float32's inf
+    (COMPLETIONS, {"prompt": "x", "temperature": 10**400}, "temperature"),
     (COMPLETIONS, {"prompt": "x", "top_p": 0}, "top_p"),
     (COMPLETIONS, {"prompt": "x", "top_p": 1.5}, "top_p"),
     (COMPLETIONS, {"prompt": "x", "top_k": -2}, "top_k"),
@@ -242,11 +263,18 @@ ERROR_CASES = [
     (COMPLETIONS, {"prompt": "x", "min_p": 1.5}, "min_p"),
     (COMPLETIONS, {"prompt": "x", "min_p": -0.1}, "min_p"),
     (COMPLETIONS, {"prompt": "x", "repetition_penalty": 0}, "repetition_penalty"),
+    (COMPLETIONS, {"prompt": "x", "repetition_penalty": 0.001}, "repetition_penalty"),
+    (COMPLETIONS, {"prompt": "x", "repetition_penalty": 101}, "repetition_penalty"),
     (COMPLETIONS, {"prompt": "x", "frequency_penalty": 2.5}, "frequency_penalty"),
     (COMPLETIONS, {"prompt": "x", "presence_penalty": -3}, "presence_penalty"),
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 101}}, "logit_bias"),
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"99999": 1}}, "logit_bias"),
     (COMPLETIONS, {"prompt": "x", "logit_bias": {"five": 1}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {" 5": 1}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"+5": 1}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"\u0665": 1}}, "logit_bias"),  # Arabic 5
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"9" * 5000: 1}}, "logit_bias"),
+    (COMPLETIONS, {"prompt": "x", "logit_bias": {"5": 10**400}}, "logit_bias"),
     (COMPLETIONS, {"prompt": "x", "min_tokens": -1}, "min_tokens"),
     (COMPLETIONS, {"prompt": "x", "max_tokens": 4, "min_tokens": 5}, "min_tokens"),
     (COMPLETIONS, {"prompt": "x", "stop_token_ids": [99999]}, "stop_token_ids"),
@@ -289,6 +317,50 @@ def test_malformed_body_is_400(api: Api, raw: bytes) -> None:
         r = api.http.post(path, content=raw, headers={"content-type": "application/json"})
         assert r.status_code == 400, r.text
         assert r.json()["error"]["type"] == "invalid_request_error"
+
+
+DEEP = "[" * 5000 + "]" * 5000  # past json.loads' own recursion limit
+HALF_DEEP = "[" * 200 + "]" * 200  # parsed, then refused by json_body's walk
+LONE = "\\ud800"  # the JSON escape of a lone surrogate
+
+
+@pytest.mark.parametrize(("path", "raw", "param"), [
+    (COMPLETIONS, f'{{"prompt": "{LONE}"}}', "prompt"),
+    (CHAT, f'{{"messages": [{{"role": "user", "content": "a{LONE}"}}]}}', "messages[0].content"),
+    ("/generate", f'{{"text": "{LONE}"}}', "text"),
+    (COMPLETIONS, f'{{"prompt": "x", "stop": ["ok", "{LONE}"]}}', "stop[1]"),
+    ("/generate", f'{{"text": "x", "sampling_params": {{"regex": "{LONE}"}}}}',
+     "sampling_params.regex"),
+    (CHAT, f'{{"messages": [], "logit_bias": {{"{LONE}": 1}}}}', "logit_bias"),
+    ("/abort_request", f'{{"rid": "{LONE}"}}', "rid"),
+    # A JSON text inside a field, holding the escape itself.
+    ("/generate", '{"text": "x", "sampling_params": {"json_schema": '
+                  '"{\\"enum\\": [\\"\\\\ud800\\"]}"}}', "sampling_params.json_schema"),
+    (COMPLETIONS, '{"prompt": "x", "temperature": NaN}', "temperature"),
+    (COMPLETIONS, '{"prompt": "x", "top_p": Infinity}', "top_p"),
+    (COMPLETIONS, '{"prompt": "x", "min_p": 1e400}', "min_p"),
+    (CHAT, '{"messages": [], "logit_bias": {"5": -Infinity}}', "logit_bias"),
+    (COMPLETIONS, f'{{"prompt": {DEEP}}}', None),
+    (CHAT, f'{{"messages": {DEEP}}}', None),
+    ("/generate", f'{{"text": {DEEP}}}', None),
+    ("/abort_request", f'{{"rid": {DEEP}}}', None),
+    (COMPLETIONS, f'{{"prompt": {HALF_DEEP}}}', "prompt"),
+    ("/generate", f'{{"text": "x", "sampling_params": {{"stop": {HALF_DEEP}}}}}',
+     "sampling_params"),
+    ("/generate", f'{{"text": "x", "sampling_params": {{"json_schema": "{HALF_DEEP}"}}}}',
+     "sampling_params.json_schema"),
+    # json.loads reads UTF-16 too, where the escape is other bytes.
+    (COMPLETIONS, f'{{"prompt": "{LONE}"}}'.encode("utf-16"), "prompt"),
+])
+def test_json_python_cannot_pass_on_is_400_naming_the_field(api: Api, path: str,
+                                                            raw: str | bytes,
+                                                            param: str | None) -> None:
+    content = raw.encode() if isinstance(raw, str) else raw
+    r = api.http.post(path, content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert (error["type"], error["param"]) == ("invalid_request_error", param), error
+    assert api.engine.requests() == []
 
 
 def test_body_without_json_content_type_is_accepted(api: Api) -> None:
@@ -400,6 +472,38 @@ def test_disconnect_aborts_the_request(make_api: Callable[..., Api], stream: boo
         assert sent[0]["status"] == 200
 
 
+# OpenAI's schemas: the finish reasons a chat completion and a completion may report.
+CHAT_REASONS = {"stop", "length", "tool_calls", "content_filter", "function_call"}
+COMPLETION_REASONS = {"stop", "length", "content_filter"}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize(("path", "body"), [(COMPLETIONS, {"prompt": "x"}),
+                                            (CHAT, {"messages": HELLO})])
+def test_an_aborted_request_reports_length(make_api: Callable[..., Api], path: str,
+                                           body: dict[str, Any], stream: bool) -> None:
+    api = make_api(endless_script(pieces=2))
+
+    async def run_then_abort() -> httpx.Response:
+        transport = httpx.ASGITransport(app=api.app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
+            running = asyncio.ensure_future(client.post(path, json={**body, "stream": stream}))
+            while not api.engine.requests():
+                await asyncio.sleep(0.01)
+            aborted = await client.post("/abort_request", json={"rid": api.request().rid})
+            assert aborted.json() == {"aborted": True}
+            return await asyncio.wait_for(running, 5)
+
+    r = asyncio.run(run_then_abort())
+    assert r.status_code == 200
+    choices = ([c for e in sse_payloads(r.text)[:-1] for c in e["choices"]] if stream
+               else r.json()["choices"])
+    reasons = [c["finish_reason"] for c in choices if c["finish_reason"] is not None]
+    # Cut short, never "stop" (a whole answer) nor the engine's own "abort".
+    assert reasons == ["length"]
+    assert set(reasons) <= (CHAT_REASONS if path == CHAT else COMPLETION_REASONS)
+
+
 def test_finished_request_is_not_aborted(api: Api) -> None:
     api.http.post(COMPLETIONS, json={"prompt": "x", "stream": True})
     api.http.post(COMPLETIONS, json={"prompt": "x"})
@@ -450,6 +554,36 @@ def serving(app: FastAPI) -> Iterator[str]:
         server.should_exit = True
         thread.join(10)
         sock.close()
+
+
+def _local_port(response: httpx.Response) -> int:
+    """The client-side port of the connection that carried the response."""
+    return response.extensions["network_stream"].get_extra_info("client_addr")[1]
+
+
+def test_bad_bodies_and_a_500_leave_the_keep_alive_connection_usable(
+        make_api: Callable[..., Api], preparer: RequestPreparer,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    api = make_api(text_script(["Hel", "lo"]))
+    deep = b'{"prompt": ' + b"[" * 5000 + b"]" * 5000 + b"}"
+    lone = rb'{"messages": [{"role": "user", "content": "\ud800"}]}'
+    with serving(api.app) as url, httpx.Client(base_url=url, timeout=10) as client:
+        answers = [client.post(COMPLETIONS, content=deep), client.post(CHAT, content=lone)]
+        assert [r.status_code for r in answers] == [400, 400]
+        assert answers[1].json()["error"]["param"] == "messages[0].content"
+
+        def broken(*args: Any) -> None:
+            raise RuntimeError("a bug")
+
+        monkeypatch.setattr(preparer, "completion", broken)
+        failed = client.post(COMPLETIONS, json={"prompt": "hi"})
+        assert failed.status_code == 500
+        assert failed.json()["error"]["type"] == "server_error"
+        monkeypatch.undo()
+        served = client.post(COMPLETIONS, json={"prompt": "hi"})
+        assert served.status_code == 200 and served.json()["choices"][0]["text"] == "Hello"
+        # One connection carried them all: the 500 did not close it under the next request.
+        assert len({_local_port(r) for r in [*answers, failed, served]}) == 1
 
 
 @pytest.fixture

@@ -11,7 +11,6 @@ model's tokenizer, so the worker never meets a grammar it cannot run.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import threading
 from collections import OrderedDict
@@ -21,6 +20,7 @@ from typing import Any, Callable, Literal, Sequence
 
 from tokenizer_proc.background import BackgroundBuild
 from tokenizer_proc.errors import RequestError
+from tokenizer_proc.json_body import find_problem, parse_text
 from tokenizer_proc.protocol import ResponseFormat
 
 logger = logging.getLogger(__name__)
@@ -217,8 +217,7 @@ def grammar_text(constraint: Constraint) -> str:
 
     source = constraint.source
     if constraint.kind == "json_schema":
-        return LLMatcher.grammar_from_json_schema(_schema(source, constraint.param),
-                                                  defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
+        return _json_schema_grammar(_schema(source, constraint.param), constraint.param)
     assert isinstance(source, str)
     if not source:
         raise RequestError(f"'{constraint.param}' must not be empty.", param=constraint.param)
@@ -250,13 +249,25 @@ def ll_tokenizer(hf_tokenizer: Any, eos_token_ids: Sequence[int]) -> Any:
     return llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=list(eos_token_ids) or None)
 
 
+def _json_schema_grammar(schema: dict[str, Any], param: str) -> str:
+    from llguidance import LLMatcher
+
+    try:
+        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
+    # Its documented refusal of a value JSON cannot carry, e.g. an integer past 64 bits
+    # (Python's json reads any).
+    except ValueError as exc:
+        raise RequestError(f"Invalid '{param}': {_one_line([str(exc)])}", param=param,
+                           code="invalid_grammar") from None
+
+
 def _schema(source: str | dict[str, Any], param: str) -> dict[str, Any]:
+    # A schema in an HTTP body was checked with the body; JSON text in a field and a ZMQ
+    # client's msgpack object are checked here (depth, NaN, surrogates: see json_body).
     if isinstance(source, str):
-        try:
-            source = json.loads(source)
-        except json.JSONDecodeError as exc:
-            raise RequestError(f"'{param}' is not valid JSON: {exc}", param=param,
-                               code="invalid_grammar") from None
+        source = parse_text(source, param, code="invalid_grammar")
+    elif (problem := find_problem(source)) is not None:
+        raise problem.error(param)
     if not isinstance(source, dict):
         raise RequestError(f"'{param}' must be a JSON Schema object.", param=param,
                            code="invalid_grammar")

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import json
 import logging
 import time
 from typing import Any, AsyncIterator, Awaitable, Mapping, TypeVar
@@ -22,13 +21,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ipc.config import ServerConfig
 from ipc.messages.common import Usage
 from ipc.messages.to_scheduler import TokenizedRequest
 from ipc.messages.to_tokenizer import TextOutput
 from tokenizer_proc.errors import RequestError, error_body, from_validation_errors
+from tokenizer_proc.json_body import parse_object
 from tokenizer_proc.manager import RequestStream, StatsUnavailable, TokenizerManager, new_id
 from tokenizer_proc.prepare import (RequestPreparer, choice_count, completion_choices,
                                     fan_out)
@@ -71,6 +71,7 @@ def create_app(manager: TokenizerManager, preparer: RequestPreparer,
     install_error_handlers(app)
     app.add_middleware(HttpGuard, api_key=ApiKey(config.api_key),
                        max_body_bytes=config.max_request_bytes)
+    app.add_middleware(InternalErrors)  # added last: outermost, so it covers the guard too
     return app
 
 
@@ -384,20 +385,11 @@ async def _wait_disconnect(request: Request) -> None:
         pass
 
 
-async def _read_json(request: Request) -> Any:
+async def _read_json(request: Request) -> dict[str, Any]:
     # Parsed by hand rather than by FastAPI so that any content type is accepted (curl -d
-    # sends a form type) and malformed JSON gets a message of our own.
-    raw = await request.body()
-    if not raw.strip():
-        raise RequestError("The request body is empty; send a JSON object.")
-    try:
-        data = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise RequestError(f"The request body is not valid JSON: {exc}",
-                           code="invalid_json") from None
-    if not isinstance(data, dict):
-        raise RequestError("The request body must be a JSON object.", code="invalid_json")
-    return data
+    # sends a form type) and malformed JSON (deep nesting, NaN, lone surrogates too) gets
+    # a 400 of our own.
+    return parse_object(await request.body())
 
 
 def _parse(model: type[M], data: dict[str, Any]) -> M:
@@ -426,7 +418,7 @@ def install_error_handlers(app: FastAPI) -> None:
     app.add_exception_handler(StarletteHTTPException, _on_http_error)
     app.add_exception_handler(ClientGone, _on_client_gone)
     app.add_exception_handler(StatsUnavailable, _on_stats_unavailable)
-    app.add_exception_handler(Exception, _on_unexpected)
+    # Any other exception: InternalErrors (a middleware, not a handler: see there).
 
 
 async def _on_request_error(request: Request, exc: Exception) -> Response:
@@ -455,9 +447,40 @@ async def _on_stats_unavailable(request: Request, exc: Exception) -> Response:
     return JSONResponse(error_body(str(exc), "server_error"), status_code=503)
 
 
-async def _on_unexpected(request: Request, exc: Exception) -> Response:
-    logger.exception("unexpected error serving %s", request.url.path, exc_info=exc)
-    return JSONResponse(error_body("Internal server error.", "server_error"), status_code=500)
+class InternalErrors:
+    """ASGI middleware: an unexpected exception becomes a 500 with an OpenAI error body,
+    and the connection stays open for the client's next request.
+
+    Not an exception handler for Exception: Starlette runs that one in its outermost
+    middleware, which re-raises after sending the 500, and uvicorn then closes the
+    connection, so a keep-alive client's next request on it was reset. An exception after
+    the response has started goes on as before: cutting the connection is then the only
+    way to tell the client its response is incomplete.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_noting_start(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_noting_start)
+        except Exception:
+            if started:
+                raise
+            logger.exception("unexpected error serving %s", scope.get("path"))
+            response = JSONResponse(error_body("Internal server error.", "server_error"),
+                                    status_code=500)
+            await response(scope, receive, send)
 
 
 def _fields(stats: Any) -> dict[str, Any]:

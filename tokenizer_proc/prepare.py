@@ -2,6 +2,15 @@
 
 Pure logic (a tokenizer and the model facts, no sockets), shared by the HTTP API and the
 ZMQ front so both refuse the same requests with the same messages.
+
+Numeric fields, each a 400 naming it when out of range; clamped only where a value past
+the limit keeps a clear meaning (marked *):
+  max_tokens >= 1 (0 for echo/scoring), prompt + max_tokens <= context; min_tokens 0..max;
+  n 1..16; best_of n..16; logprobs, top_logprobs 0..20; seed 0..2**63-1;
+  token ids (prompt, input_ids, stop_token_ids, logit_bias keys) 0..vocab-1;
+  top_k -1 or 0: off, * >= vocab: off; temperature 0..float32 max, * < 1e-5: greedy;
+  top_p (0, 1], * < 1e-8: 1e-8; min_p [0, 1]; frequency, presence [-2, 2];
+  repetition_penalty [0.01, 100]; logit_bias values [-100, 100]; stop: 16 of 1..256 chars.
 """
 
 from __future__ import annotations
@@ -9,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import math
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, TypeVar
@@ -29,7 +37,9 @@ from tokenizer_proc.protocol import (ChatCompletionRequest, ChatMessage, Complet
                                      GenerateBody)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
-_MAX_SEED = 2**63  # seeds travel as int64 and feed the worker's RNG key
+# Seeds travel as int64; the worker folds any of them into its 32-bit RNG key
+# (worker_proc.runner._fold_seed), so every value in range samples.
+_MAX_SEED = 2**63
 
 _IsDefault = Callable[[Any], bool]
 R = TypeVar("R")
@@ -62,6 +72,20 @@ NATIVE_SAMPLING_UNSUPPORTED: dict[str, _IsDefault] = {}
 _BIAS_LIMIT = 100.0  # OpenAI's range for logit_bias values
 _MAX_LOGPROBS = 20  # top logprobs per token (OpenAI's chat limit; its completions' is 5)
 _PENALTY_LIMIT = 2.0  # OpenAI's range for frequency and presence penalties
+# NOTE: the worker samples in float32 with top_k as int32 (worker_proc/sampling.py); the
+# bounds below keep every value one it takes, and keep its logits free of inf and NaN.
+_FLOAT32_MAX = 3.4028234663852886e38
+# Logits divided by a smaller temperature can overflow float32 to inf (then NaN in the
+# softmax); sampling that cold is greedy in all but exact ties, so it is greedy (SGLang's
+# rule; vLLM raises such temperatures to 0.01 instead).
+_GREEDY_BELOW = 1e-5
+# A top_p under the most likely token's probability (at least 1/vocab) keeps only that
+# token; float32 would round a tinier top_p to 0, which keeps none, so it is raised to this.
+_MIN_TOP_P = 1e-8
+# The repetition penalty divides or multiplies float32 logits; in this range a logit
+# moves at most 100-fold and cannot overflow. HF and vLLM take any value > 0, SGLang caps
+# it at 2; useful values lie near 1.
+_REPETITION_RANGE = (0.01, 100.0)
 MAX_STOPS = 16  # OpenAI takes 4
 MAX_STOP_CHARS = 256
 MAX_CHOICES = 16  # n and best_of
@@ -353,7 +377,8 @@ class RequestPreparer:
         max_tokens = default_max if s.max_tokens is None else s.max_tokens
         return SamplingParams(
             temperature=_temperature(s.temperature), top_p=_top_p(s.top_p),
-            top_k=_top_k(s.top_k), seed=_seed(s.seed), max_new_tokens=max_tokens,
+            top_k=_top_k(s.top_k, self.info.vocab_size), seed=_seed(s.seed),
+            max_new_tokens=max_tokens,
             min_p=_min_p(s.min_p), logit_bias=self.logit_bias(s.logit_bias),
             repetition_penalty=_repetition_penalty(s.repetition_penalty),
             frequency_penalty=_penalty(s.frequency_penalty, "frequency_penalty"),
@@ -382,7 +407,7 @@ class RequestPreparer:
         for key, value in (bias or {}).items():
             token = _token_key(key)
             self.vocab_ids([token], "logit_bias")
-            if not (math.isfinite(value) and abs(value) <= _BIAS_LIMIT):
+            if not _in_range(value, -_BIAS_LIMIT, _BIAS_LIMIT):
                 raise RequestError(f"logit_bias values must be in [-100, 100]; got {value} "
                                    f"for token {token}.", param="logit_bias")
             out[token] = float(value)
@@ -405,8 +430,8 @@ class RequestPreparer:
         raise RequestError(
             f"This model's maximum context length is {limit} tokens. However, you requested "
             f"{prompt_len + max_tokens} tokens ({prompt_len} in the {prompt_param}, "
-            f"{max_tokens} for the completion). Please reduce the length of the "
-            f"{prompt_param} or of the completion.", param=param,
+            f"{max_tokens} for the completion, '{max_param}'). Please reduce the length of "
+            f"the {prompt_param} or of the completion.", param=param,
             code="context_length_exceeded")
 
 
@@ -554,22 +579,25 @@ def _is_int(value: Any) -> bool:
 def _temperature(value: float | None) -> float:
     if value is None:
         return 1.0
-    if not math.isfinite(value) or value < 0:
-        raise RequestError("'temperature' must be a finite number >= 0.", param="temperature")
-    return float(value)
+    if not _in_range(value, 0.0, _FLOAT32_MAX):
+        raise RequestError(f"'temperature' must be a number in [0, {_FLOAT32_MAX:.4g}].",
+                           param="temperature")
+    return 0.0 if value < _GREEDY_BELOW else float(value)
 
 
 def _top_p(value: float | None) -> float:
     if value is None:
         return 1.0
-    if not (math.isfinite(value) and 0 < value <= 1):
+    if not (_in_range(value, 0.0, 1.0) and value > 0):
         raise RequestError("'top_p' must be in (0, 1].", param="top_p")
-    return float(value)
+    return max(float(value), _MIN_TOP_P)
 
 
-def _top_k(value: int | None) -> int:
-    # -1 is vLLM's spelling of "off", 0 is ours.
-    if value is None or value == -1:
+def _top_k(value: int | None, vocab_size: int) -> int:
+    # -1 is vLLM's spelling of "off", 0 is ours. A k at or past the vocabulary keeps every
+    # token, so it means no limit too (as vLLM and HF clamp it); it must not reach the
+    # worker, whose int32 cannot hold 2**31.
+    if value is None or value == -1 or value >= vocab_size:
         return 0
     if value < 0:
         raise RequestError("'top_k' must be -1 or 0 (off) or a positive integer.",
@@ -586,7 +614,7 @@ def _seed(value: int | None) -> int | None:
 def _min_p(value: float | None) -> float:
     if value is None:
         return 0.0
-    if not (math.isfinite(value) and 0 <= value <= 1):
+    if not _in_range(value, 0.0, 1.0):
         raise RequestError("'min_p' must be in [0, 1].", param="min_p")
     return float(value)
 
@@ -594,8 +622,9 @@ def _min_p(value: float | None) -> float:
 def _repetition_penalty(value: float | None) -> float:
     if value is None:
         return 1.0
-    if not (math.isfinite(value) and value > 0):
-        raise RequestError("'repetition_penalty' must be a finite number > 0.",
+    low, high = _REPETITION_RANGE
+    if not _in_range(value, low, high):
+        raise RequestError(f"'repetition_penalty' must be in [{low}, {high:g}].",
                            param="repetition_penalty")
     return float(value)
 
@@ -603,7 +632,7 @@ def _repetition_penalty(value: float | None) -> float:
 def _penalty(value: float | None, param: str) -> float:
     if value is None:
         return 0.0
-    if not (math.isfinite(value) and abs(value) <= _PENALTY_LIMIT):
+    if not _in_range(value, -_PENALTY_LIMIT, _PENALTY_LIMIT):
         raise RequestError(f"'{param}' must be in [-2, 2].", param=param)
     return float(value)
 
@@ -616,13 +645,24 @@ def _min_tokens(value: int | None, max_tokens: int, param: str) -> int:
     return value
 
 
+def _in_range(value: float, low: float, high: float) -> bool:
+    """low <= value <= high. The bounds are finite, so NaN and infinities are out; an
+    integer too large for a float (10**400 as a temperature) compares exactly, where
+    math.isfinite would raise."""
+    return low <= value <= high
+
+
 def _token_key(key: str | int) -> int:
+    # Decimal digits only: int() would also take " 5", "+5", "1_0" and other scripts' digits.
     if isinstance(key, int):
         return key
+    if not (key.isascii() and key.isdigit()):
+        raise RequestError(f"logit_bias keys must be token ids; got {key[:40]!r}.",
+                           param="logit_bias")
     try:
         return int(key)
-    except ValueError:
-        raise RequestError(f"logit_bias keys must be token ids; got {key!r}.",
+    except ValueError:  # more digits than Python converts (4300)
+        raise RequestError(f"logit_bias key {key[:20]}... is not a token id.",
                            param="logit_bias") from None
 
 

@@ -18,6 +18,19 @@ from tokenizer_proc.manager import Collected
 
 DONE = "data: [DONE]\n\n"
 
+# The engine's reasons that OpenAI's schemas lack (chat allows stop, length, tool_calls,
+# content_filter, function_call; completions stop, length, content_filter), and typed
+# SDKs reject an unknown one. An aborted request (/abort_request, shutdown) was cut short
+# before it ended of itself, as when max_tokens cuts it, so it reports "length": the one
+# allowed value that says "incomplete", where "stop" would pass a cut answer off as whole.
+# (vLLM sends its own "abort".) The native API and the ZMQ client keep "abort".
+_OPENAI_FINISH_REASONS = {"abort": "length"}
+
+
+def openai_finish_reason(reason: str | None) -> str | None:
+    """The finish_reason an OpenAI route shows for the engine's `reason`."""
+    return _OPENAI_FINISH_REASONS.get(reason, reason) if reason is not None else None
+
 
 def sse(payload: dict[str, Any]) -> str:
     """One server-sent event carrying a JSON payload."""
@@ -147,13 +160,14 @@ class ChatFormat(_Format):
     def response(self, result: Collected) -> dict[str, Any]:
         message = {"role": "assistant", "content": result.text, "refusal": None}
         choice = {"index": 0, "message": message, "logprobs": _chat_logprobs(result.logprobs),
-                  "finish_reason": result.finish_reason}
+                  "finish_reason": openai_finish_reason(result.finish_reason)}
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "choices": [choice], "usage": usage_dict(result.usage)}
 
     def _chunk(self, delta: dict[str, Any], reason: str | None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-        choice = {"index": 0, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+        choice = {"index": 0, "delta": delta, "logprobs": logprobs,
+                  "finish_reason": openai_finish_reason(reason)}
         return self._envelope("chat.completion.chunk", [choice])
 
 
@@ -162,7 +176,8 @@ ResponseFormat = CompletionFormat | ChatFormat
 
 def _text_choice(text: str, reason: str | None,
                  logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
-    return {"index": 0, "text": text, "logprobs": logprobs, "finish_reason": reason}
+    return {"index": 0, "text": text, "logprobs": logprobs,
+            "finish_reason": openai_finish_reason(reason)}
 
 
 def _chat_logprobs(logprobs: list[TextLogprob] | None) -> dict[str, Any] | None:

@@ -95,9 +95,9 @@ class GracefulShutdown:
     """The stop signal: stop taking requests, give in-flight ones the grace period, abort
     the rest.
 
-    Aborting ends each request with finish_reason "abort", so HTTP responses still end
-    properly (a final chunk and [DONE]) before uvicorn's own, later deadline would cut
-    their connections.
+    Aborting ends each request with finish_reason "abort" ("length" on the OpenAI routes),
+    so HTTP responses still end properly (a final chunk and [DONE]) before uvicorn's own,
+    later deadline would cut their connections.
     """
 
     def __init__(self, server: uvicorn.Server, manager: TokenizerManager, front: ClientFront,
