@@ -30,7 +30,7 @@ from worker_proc import paged_attention as pa  # noqa: E402
 # Each input's element type in the kernels (T: q's dtype; P: the pool's).
 _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "table": "int32_t",
           "lengths": "int32_t", "scale": "float", "written": "int32_t", "slots": "int32_t",
-          "rope": "float", "acc": "float", "ml": "float", "out": "T", "out_ml": "float",
+          "rope": "float", "sinks": "T", "acc": "float", "ml": "float", "out": "T", "out_ml": "float",
           "mark": "int32_t"}
 
 
@@ -80,11 +80,13 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
     return out
 
 
-def merge_variant(dtype: str, dim: int, group: int, n_kv: int) -> tuple[str, str]:
-    """(label, .cu source) of the kernel that merges a row's splits."""
+def merge_variant(dtype: str, dim: int, group: int, n_kv: int,
+                  sinks: bool = False) -> tuple[str, str]:
+    """(label, .cu source) of the kernel that merges a row's splits (with sinks: GPT-OSS)."""
     params = {"T": dtype, "D": str(dim), "G": str(group), "HKV": str(n_kv)}
-    return "kiln_merge", wrap("kiln_merge", ["acc", "ml"], ["out"], pa._MERGE_SOURCE, pa._HEADER,
-                              params)
+    name = "kiln_merge" + ("_sinks" if sinks else "")
+    return name, wrap(name, ["acc", "ml", *(["sinks"] if sinks else [])], ["out"],
+                      pa.merge_source(sinks), pa._HEADER, params)
 
 
 @dataclass(frozen=True)
@@ -155,6 +157,7 @@ def main() -> None:
                for k in variants(args.dtype, args.head_dim, args.group, args.kv_heads, lanes,
                                  passes, stages)]
     kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads))
+    kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads, sinks=True))
     results = compile_kernels(args.cuda, kernels, args.arch)
     for r in results:
         print(f"{r.name:40s} " + (r.report if r.ok else "FAILED\n" + r.report))

@@ -115,6 +115,24 @@ def test_cuda_kernel_every_split_shape(lengths, kv_pipeline):
 
 
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
+@pytest.mark.parametrize("lengths", [[1], [31], [400], [1, 4096, 33, 257], list(range(1, 640, 10))])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+def test_cuda_kernel_attention_sinks(lengths, dtype, kv_pipeline):
+    """GPT-OSS's sinks (a logit per query head in the softmax's denominator): the kernel
+    as MLX's attention with sinks, also where one split would do."""
+    q, kv, table, ln = _case(n_q=16, n_kv=2, dim=64, dtype=dtype, lengths=lengths, seed=11)
+    sinks = mx.array(np.random.default_rng(12).normal(0.0, 3.0, 16).astype(np.float32)).astype(dtype)
+    got = paged_decode_attention(q, kv, table, ln, scale=64 ** -0.5, sinks=sinks)
+    want = reference_decode_attention(q, kv, table, ln, scale=64 ** -0.5, sinks=sinks)
+    tol = 2e-2 if dtype != mx.float32 else 1e-4
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               rtol=tol, atol=tol)
+    plain = reference_decode_attention(q, kv, table, ln, scale=64 ** -0.5)
+    assert not np.allclose(np.array(plain.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                           atol=tol)  # the sinks matter at these values
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
 @pytest.mark.parametrize("lengths", [[1], [300], [1, 4096, 33, 257], list(range(1, 640, 10))])
 def test_cuda_write_attention_equals_a_write_then_attention(lengths, kv_pipeline):
     """The kernel that stores the step's K/V and attends in one launch leaves the pool as
@@ -407,6 +425,7 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
                for k in variants("__nv_bfloat16", 128, 4, 8, pa.LANES_PER_TOKEN, pa.PASSES, stages)]
     kernels += variants("float", 64, 4, 2, pa.LANES_PER_TOKEN, pa.PASSES, 4)[:2]
     kernels.append(merge_variant("__nv_bfloat16", 128, 4, 8))
+    kernels.append(merge_variant("__nv_bfloat16", 64, 8, 8, sinks=True))
     results = compile_kernels(cuda, kernels)
     failed = [r.name + ":\n" + r.report for r in results if not r.ok]
     assert not failed, "\n".join(failed)

@@ -259,7 +259,7 @@ class PooledKVCache:
         pool = self._pool
         table, lengths = (layout.windowed_reads(kind) if kind.windowed
                           else (layout.read_slots, layout.lengths))
-        if sinks is not None:  # the CUDA kernel has no sinks: a gather and MLX's attention
+        if dense is not None:  # over its budget: gather from the pool for this layer
             return reference_decode_attention(queries, pool.layers[layer], table, lengths,
                                               scale, pool.mark(layer), sinks)
         if self._unwritten is not None:
@@ -270,10 +270,9 @@ class PooledKVCache:
             pool.record_write(layer, mark)
             self._unwritten = None
             return out
-        # No kept context: the runner chose the kernel (paged_kernel_fits); an inactive
-        # one: the batch is over its budget, so gather from the pool for this layer.
-        attend = paged_decode_attention if dense is None else reference_decode_attention
-        return attend(queries, pool.layers[layer], table, lengths, scale, pool.mark(layer))
+        # No kept context: the runner chose the kernel (paged_kernel_fits).
+        return paged_decode_attention(queries, pool.layers[layer], table, lengths, scale,
+                                      pool.mark(layer), sinks=sinks)
 
 
 class DenseDecodeContext:

@@ -245,7 +245,9 @@ _SPLIT_WRITE = """out[(part_at * G + g) * D + d] = aa;
 
 # One block per (KV head, row): weights each split's partial by 2^(its max - the max of
 # all), maxima in log2 units as _BODY keeps them, and normalises. Empty splits (past the
-# row's length) have max -FLT_MAX: weight 0.
+# row's length) have max -FLT_MAX: weight 0. With SINKS (attention sinks, GPT-OSS), each
+# query head's sink logit joins the softmax's denominator once, here, as a token with
+# no value would: its max and sum start at the sink instead of at nothing.
 _MERGE_SOURCE = r"""
     const int kvh = blockIdx.y;
     const int b = blockIdx.z;
@@ -255,8 +257,10 @@ _MERGE_SOURCE = r"""
         const int g = i / D;
         const int d = i % D;
         float mm = kiln_lowest;
+        SINK_MAX
         for (int s = 0; s < n_splits; ++s) mm = fmaxf(mm, ml[((first + s) * G + g) * 2]);
         float num = 0.f, den = 0.f;
+        SINK_SUM
         for (int s = 0; s < n_splits; ++s) {
             const float ms = ml[((first + s) * G + g) * 2];
             const float f = exp2f(ms - mm);
@@ -505,10 +509,21 @@ def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: 
         output_names=outputs, source=_source(direct, False, staged=staged), header=_HEADER)
 
 
+_SINK_MAX = "const float sink = static_cast<float>(sinks[kvh * G + g]) * 1.4426950408889634f;\n        mm = sink;"
+_SINK_SUM = "den = exp2f(sink - mm);"
+
+
+def merge_source(sinks: bool) -> str:
+    """The merge kernel's source, with or without attention sinks."""
+    return (_MERGE_SOURCE.replace("SINK_MAX", _SINK_MAX if sinks else "")
+            .replace("SINK_SUM", _SINK_SUM if sinks else ""))
+
+
 @functools.cache
-def _merge_kernel():
-    return mx.fast.cuda_kernel(name="kiln_paged_decode_merge", input_names=["acc", "ml"],
-                               output_names=["out"], source=_MERGE_SOURCE, header=_HEADER)
+def _merge_kernel(sinks: bool = False):
+    return mx.fast.cuda_kernel(name=f"kiln_paged_decode_merge{'_sinks' if sinks else ''}",
+                               input_names=["acc", "ml", *(["sinks"] if sinks else [])],
+                               output_names=["out"], source=merge_source(sinks), header=_HEADER)
 
 
 @functools.cache
@@ -530,19 +545,21 @@ def num_splits(batch: int, n_kv: int, l_max: int) -> int:
 
 def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
                            lengths: mx.array, scale: float,
-                           written: mx.array | None = None) -> mx.array:
+                           written: mx.array | None = None,
+                           sinks: mx.array | None = None) -> mx.array:
     """Attention of one new token per row over its pooled context.
 
     q: [B, Hq, 1, D]; kv_pool: [slots, Hkv, 2 * D], keys then values (KVPool's layout);
     table: [B, Lmax] int32 slot ids (right-padded); lengths: [B] int32 context length per
     row (the new token included); written: the mark of the pool write this step made to
-    kv_pool in place (pool_write_in_place), which the kernel must follow. Returns
-    [B, Hq, 1, D] in q's dtype.
+    kv_pool in place (pool_write_in_place), which the kernel must follow; sinks: [Hq]
+    attention sink logits (GPT-OSS), or None. Returns [B, Hq, 1, D] in q's dtype.
     """
     batch, n_q, _, dim = q.shape
     inputs = [q.reshape(batch, n_q, dim), kv_pool, table, lengths, _scale(scale),
               _follow(written)]
-    out, _ = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1], write_new=False)
+    out, _ = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1], write_new=False,
+                     sinks=sinks)
     return out.reshape(batch, n_q, 1, dim)
 
 
@@ -613,13 +630,17 @@ def paged_decode_qkv_attention(qkv: mx.array, n_q: int, rope: RopeSpec, slots: m
 
 def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: int,
             kv_pool: mx.array, width: int, write_new: bool,
-            rope: RopeSpec | None = None) -> tuple[mx.array, mx.array | None]:
+            rope: RopeSpec | None = None,
+            sinks: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
     """Launch the decode kernel (and the merge, for several splits): [B, Hq, D] in
     `dtype`, and the write's mark when it stores the new K/V. rope: the fused q/k/v
-    variant (paged_decode_qkv_attention)."""
+    variant (paged_decode_qkv_attention). sinks: [Hq] sink logits, which the merge adds
+    (so such a launch always has it: two splits at least, the second maybe empty)."""
     n_kv = kv_pool.shape[1]
     group = n_q // n_kv
     splits = num_splits(batch, n_kv, width)
+    if sinks is not None:
+        splits = max(splits, 2)
     template = [("T", dtype), ("D", dim), ("G", group), ("HKV", n_kv), ("P", kv_pool.dtype),
                 ("LANES", LANES_PER_TOKEN), ("PASSES", PASSES),
                 ("CHUNK_MAX", MAX_SPLIT_TOKENS)]
@@ -640,8 +661,9 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
         output_shapes=[(batch, n_kv, splits, group, dim), (batch, n_kv, splits, group, 2),
                        *mark_shape],
         output_dtypes=[mx.float32, mx.float32, *mark_dtype])
-    (out,) = _merge_kernel()(
-        inputs=[acc, ml], template=[("T", dtype), ("D", dim), ("G", group), ("HKV", n_kv)],
+    (out,) = _merge_kernel(sinks is not None)(
+        inputs=[acc, ml, *([sinks] if sinks is not None else [])],
+        template=[("T", dtype), ("D", dim), ("G", group), ("HKV", n_kv)],
         grid=(_THREADS, n_kv, batch), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(batch, n_q, dim)], output_dtypes=[dtype])
     return out, (mark[0] if mark else None)
