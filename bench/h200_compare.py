@@ -319,7 +319,8 @@ def sweep_args(url: str, label: str, model_dir: Path, args: argparse.Namespace,
     return serving.parse_args([
         "--url", url, "--model", str(model_dir), "--label", label,
         "--concurrency", args.concurrency, "--num-requests", args.num_requests,
-        "--input-words", str(args.input_words), "--output-tokens", str(args.output_tokens),
+        "--input-words", str(args.input_words), "--length-spread", str(args.length_spread),
+        "--output-tokens", str(args.output_tokens),
         "--warmup-tokens", str(args.warmup_tokens), "--timeout", str(args.request_timeout),
         "--max-seconds", str(seconds)])
 
@@ -418,6 +419,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--num-requests", default=None,
                    help="requests per level, one or one per level (default 4,16,64,128)")
     p.add_argument("--input-words", type=int, default=None, help="default 100")
+    p.add_argument("--length-spread", type=float, default=0.2,
+                   help="prompt lengths uniform in input-words * (1 +- this)")
+    p.add_argument("--family", default=None,
+                   help="a bench/family_models.py shape (gemma3-12b, gpt-oss-20b, ...) "
+                        "instead of the Llama-3-8B shape")
     p.add_argument("--output-tokens", type=int, default=None, help="default 256")
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--request-timeout", type=float, default=180.0, help="seconds per request")
@@ -447,6 +453,10 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, value)
     args.shape = SMOKE if args.smoke else LLAMA3_8B
+    if args.family:
+        from bench.family_models import FAMILY_SHAPES
+
+        args.shape = FAMILY_SHAPES[args.family]
     if args.model_dir is None:
         args.model_dir = Path.home() / ".cache/kiln/bench" / f"{args.shape.name}-{args.dtype}"
     _LABELS["kiln_b"] = " ".join(["kiln B", args.kiln_b_args, args.kiln_b_env]).strip()
@@ -469,7 +479,12 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.monotonic() + args.total_seconds
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"device {mx.default_device()}, model {args.shape.name} {args.dtype}", flush=True)
-    model_dir = make_random_model(args.shape, args.dtype, args.model_dir, args.seed)
+    if args.family:
+        from bench.family_models import make_family_model
+
+        model_dir = make_family_model(args.shape, args.dtype, args.model_dir, args.seed)
+    else:
+        model_dir = make_random_model(args.shape, args.dtype, args.model_dir, args.seed)
     if args.check:
         print(f"mlx_lm check: {check_model(model_dir)}", flush=True)
     sweeps = {}
@@ -477,7 +492,8 @@ def main(argv: list[str] | None = None) -> int:
     for i, name in enumerate(names):
         budget = sweep_budget(deadline, len(names) - i, args.sweep_seconds)
         sweeps[name] = bench_server(name, model_dir, args, budget)
-    title = (f"{args.shape.name} {args.dtype}, {args.input_words}-word prompts, "
+    title = (f"{args.shape.name} {args.dtype}, {args.input_words}-word prompts "
+             f"(+-{args.length_spread:.0%}), "
              f"{args.output_tokens} output tokens, {mx.default_device()}")
     write_plot(sweeps, args.out, title)
     table = f"{title}\n{summary_table(sweeps)}"

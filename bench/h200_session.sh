@@ -14,7 +14,9 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 PYTHON=${PYTHON:-python3}
-MODEL=${MODEL:-$HOME/.cache/kiln/bench/llama3-8b-shape-bfloat16}
+FAMILY=${FAMILY:-}  # a bench/family_models.py shape (gemma3-12b, gpt-oss-20b); empty: Llama-3-8B
+MODEL=${MODEL:-$HOME/.cache/kiln/bench/${FAMILY:-llama3-8b-shape}-bfloat16}
+LENGTH_SPREAD=${LENGTH_SPREAD:-0.2}  # prompt lengths uniform in 100 words * (1 +- this)
 KILN_ARGS=${KILN_ARGS:-}  # extra launch.py flags, e.g. "--log-level debug"
 SERVERS=${SERVERS:-kiln,mlx_lm}  # or kiln,kiln_b,mlx_lm (then raise SWEEP_SECONDS)
 SWEEP_SECONDS=${SWEEP_SECONDS:-270}
@@ -42,12 +44,16 @@ timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_paged_attentio
 fi
 
 echo "== model"
+if [ -n "$FAMILY" ]; then
+timeout 240 "$PYTHON" bench/family_models.py "$FAMILY" "$MODEL" 2>&1 | grep -v "RANDOM WEIGHTS"
+else
 timeout 90 "$PYTHON" - "$MODEL" <<'PY' 2>&1 | grep -v "RANDOM WEIGHTS"
 import sys
 from pathlib import Path
 from bench.h200_compare import LLAMA3_8B, make_random_model
 make_random_model(LLAMA3_8B, "bfloat16", Path(sys.argv[1]), 0)
 PY
+fi
 
 if has breakdown; then
 echo "== step breakdown"
@@ -81,6 +87,7 @@ echo "== serving, side by side"
 OUT=$OUT timeout $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MODEL" \
     --total-seconds "$SWEEP_SECONDS" --servers "$SERVERS" \
     --concurrency 1,64,128 --num-requests "$NUM_REQUESTS" --kiln-args="$KILN_ARGS" \
+    ${FAMILY:+--family "$FAMILY"} --length-spread "$LENGTH_SPREAD" \
     --kiln-b-args="$KILN_B_ARGS" --kiln-b-env="$KILN_B_ENV" --mlx-backlog "$MLX_BACKLOG" \
     2>&1 | tail -18
 for log in "$OUT"/kiln*.log; do

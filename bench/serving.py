@@ -51,12 +51,14 @@ _WORDS = ("the of and to in is that for it as was with be by on not he this are 
           "model token cache batch server kernel memory latency stream prefix").split()
 
 
-def make_prompts(n: int, words: int, seed: int, shared_prefix_words: int = 0) -> list[str]:
+def make_prompts(n: int, words: int, seed: int, shared_prefix_words: int = 0,
+                 spread: float = 0.2) -> list[str]:
+    """n prompts of words * (1 +- spread) words each (uniform), after a shared prefix."""
     rng = random.Random(seed)
     prefix = " ".join(rng.choice(_WORDS) for _ in range(shared_prefix_words))
     prompts = []
     for _ in range(n):
-        k = max(1, int(words * rng.uniform(0.8, 1.2)))  # varied lengths, as real traffic
+        k = max(1, int(words * rng.uniform(1 - spread, 1 + spread)))  # varied, as real traffic
         body = " ".join(rng.choice(_WORDS) for _ in range(k))
         prompts.append(f"{prefix} {body}" if prefix else body)
     return prompts
@@ -201,7 +203,8 @@ def summarize(records: list[RequestRecord], elapsed: float, level: Level,
         "num_requests": len(records), "failed": len(records) - len(ok),
         "errors": sorted({r.error for r in records if r.error})[:3],
         "retries": sum(r.retries for r in records),
-        "input_words": args.input_words, "shared_prefix_words": args.shared_prefix_words,
+        "input_words": args.input_words, "length_spread": args.length_spread,
+        "shared_prefix_words": args.shared_prefix_words,
         "output_tokens_per_request": args.output_tokens,
         "duration_s": round(elapsed, 3), "output_tokens": out_tokens,
         "output_tok_s": round(out_tokens / elapsed, 2), "requests_s": round(len(ok) / elapsed, 3),
@@ -221,7 +224,7 @@ async def warm_up(http: aiohttp.ClientSession, level: Level, seed: int,
                   args: argparse.Namespace) -> None:
     """The level's batch size at a few tokens a request: first-use compiles land here."""
     n = min(level.concurrency, level.num_requests)
-    prompts = make_prompts(n, args.input_words, seed, args.shared_prefix_words)
+    prompts = make_prompts(n, args.input_words, seed, args.shared_prefix_words, args.length_spread)
     spec = RequestSpec(args.url, args.model, args.warmup_tokens, args.temperature, False)
     await run_requests(http, spec, prompts, level.concurrency, 0.0, seed, args.retries)
 
@@ -233,7 +236,8 @@ async def run_level(http: aiohttp.ClientSession, level: Level, index: int,
     seed = args.seed + 1000 * index
     if args.warmup:
         await warm_up(http, level, seed + 1, args)
-    prompts = make_prompts(level.num_requests, args.input_words, seed, args.shared_prefix_words)
+    prompts = make_prompts(level.num_requests, args.input_words, seed, args.shared_prefix_words,
+                           args.length_spread)
     spec = RequestSpec(args.url, args.model, args.output_tokens, args.temperature,
                        args.ignore_eos)
     records, elapsed = await run_requests(http, spec, prompts, level.concurrency,
@@ -303,7 +307,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="requests per level: one value, or one per concurrency level")
     p.add_argument("--request-rate", type=float, default=0.0,
                    help="Poisson arrivals per second; 0 = all at once")
-    p.add_argument("--input-words", type=int, default=100, help="words per prompt (+-20%%)")
+    p.add_argument("--input-words", type=int, default=100,
+                   help="words per prompt, varied by --length-spread")
+    p.add_argument("--length-spread", type=float, default=0.2,
+                   help="prompt lengths uniform in input-words * (1 +- this)")
     p.add_argument("--shared-prefix-words", type=int, default=0,
                    help="words of one prefix shared by every prompt")
     p.add_argument("--output-tokens", type=int, default=64, help="max_tokens per request")

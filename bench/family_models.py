@@ -1,0 +1,166 @@
+"""Random-weight models of real architectures (mlx-lm configs) for benchmarks.
+
+The parameter names and shapes come from mlx-lm's own model class for the config (built
+lazily: nothing is drawn until a shard is written), so any family mlx-lm loads can be
+benchmarked at a real model's shape. The tokenizer is a demo preset's; output rows of ids
+it lacks (and of its special tokens) are zero, so greedy decoding never picks them.
+
+    python bench/family_models.py gemma3-12b ~/.cache/kiln/bench/gemma3-12b   # then serve it
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import importlib
+import json
+import shutil
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench.h200_compare import (_COMPLETE, _LOGIT_SCALE, _TOKENIZER_FILES,  # noqa: E402
+                                shard_plan, tokenizer_info)
+
+VOCAB = 8192  # as the Llama-shaped bench model: the demo tokenizer's ids fit, the head is small
+
+
+@dataclass(frozen=True)
+class FamilyShape:
+    name: str
+    config: dict[str, Any]  # mlx-lm config.json fields (vocab_size set by the maker)
+    tokenizer_preset: str = "demo"
+    tied: bool = field(default=False)  # the output head is the embedding
+
+
+# Shapes of the public configs (text part), the vocabulary cut to VOCAB.
+FAMILY_SHAPES = {s.name: s for s in (
+    FamilyShape("gemma3-12b", dict(
+        model_type="gemma3_text", hidden_size=3840, num_hidden_layers=48, intermediate_size=15360,
+        num_attention_heads=16, num_key_value_heads=8, head_dim=256, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, rope_local_base_freq=10_000.0, query_pre_attn_scalar=256,
+        sliding_window=1024, sliding_window_pattern=6, max_position_embeddings=131072,
+        rope_scaling={"factor": 8.0, "rope_type": "linear"}), tied=True),
+    FamilyShape("gpt-oss-20b", dict(
+        model_type="gpt_oss", hidden_size=2880, num_hidden_layers=24, intermediate_size=2880,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=64, num_local_experts=32,
+        num_experts_per_tok=4, rms_norm_eps=1e-5, rope_theta=150000, sliding_window=128,
+        layer_types=["sliding_attention", "full_attention"] * 12,
+        rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                      "truncate": False, "original_max_position_embeddings": 4096},
+        max_position_embeddings=131072)),
+    # CPU smoke tests of the maker and the serving path.
+    FamilyShape("gemma3-tiny", dict(
+        model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        rope_theta=10000.0, rope_local_base_freq=10000.0, query_pre_attn_scalar=16,
+        sliding_window=16, sliding_window_pattern=2, max_position_embeddings=4096),
+                tokenizer_preset="demo-tiny", tied=True),
+    FamilyShape("gpt-oss-tiny", dict(
+        model_type="gpt_oss", hidden_size=64, num_hidden_layers=4, intermediate_size=64,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=4,
+        num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=10000, sliding_window=16,
+        layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=4096),
+                tokenizer_preset="demo-tiny"),
+)}
+
+
+def parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """mlx-lm's parameter names, shapes and dtypes for the config (a lazy model: its
+    initialisers are never evaluated)."""
+    from mlx.utils import tree_flatten
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    return {name: (tuple(a.shape), a.dtype) for name, a in tree_flatten(model.parameters())}
+
+
+def draw(name: str, shape: tuple[int, ...], dtype: Any, keep_rows: Any, head: bool) -> Any:
+    """Ones for vectors (norms, sinks, biases), 1/sqrt(fan_in) for matrices and expert
+    stacks, unit embeddings; the output head's unknown ids zeroed."""
+    import mlx.core as mx
+
+    if len(shape) == 1:
+        return mx.ones(shape, dtype=dtype)
+    embedding = name.endswith("embed_tokens.weight")
+    std = 1.0 if embedding and not head else (
+        _LOGIT_SCALE / shape[-1] ** 0.5 if head else 1.0 / shape[-1] ** 0.5)
+    w = mx.random.normal(shape, dtype=dtype) * std
+    if head:
+        w = w * keep_rows[:, None]
+    return w.astype(dtype)
+
+
+def fingerprint(shape: FamilyShape, dtype_name: str, seed: int) -> str:
+    payload = json.dumps({"config": shape.config, "dtype": dtype_name, "seed": seed, "v": 1},
+                         sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def make_family_model(shape: FamilyShape, dtype_name: str, out_dir: Path, seed: int = 0,
+                      shard_bytes: int = 4 << 30) -> Path:
+    """Write the model directory unless an identical one is already complete there."""
+    import mlx.core as mx
+
+    from worker_proc.demo_model import ensure_demo_model
+
+    mark = fingerprint(shape, dtype_name, seed)
+    marker = out_dir / _COMPLETE
+    if marker.is_file() and marker.read_text().strip() == mark:
+        print(f"reusing model at {out_dir}", flush=True)
+        return out_dir
+    start = time.monotonic()
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    tok_dir = ensure_demo_model(shape.tokenizer_preset)
+    for f in _TOKENIZER_FILES:
+        shutil.copy(tok_dir / f, out_dir / f)
+    tok_vocab, specials, source = tokenizer_info(tok_dir)
+    vocab = max(VOCAB if shape.tokenizer_preset == "demo" else tok_vocab, tok_vocab)
+    config = {**shape.config, "vocab_size": vocab, "tie_word_embeddings": shape.tied,
+              "bos_token_id": source["bos_token_id"], "eos_token_id": source["eos_token_id"],
+              "torch_dtype": dtype_name, "kiln_bench": {"shape": shape.name, "random_weights": True}}
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    dtype = getattr(mx, dtype_name)
+    mx.random.seed(seed)
+    keep = mx.concatenate([mx.ones((tok_vocab,)), mx.zeros((vocab - tok_vocab,))])
+    keep[mx.array(specials)] = 0.0
+    head_name = "model.embed_tokens.weight" if shape.tied else "lm_head.weight"
+    shapes = parameter_shapes(config)
+    weight_map: dict[str, str] = {}
+    plan = shard_plan({n: s for n, (s, _) in shapes.items()}, dtype.size, shard_bytes)
+    for i, names in enumerate(plan):
+        file = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
+        arrays = {n: draw(n, shapes[n][0], dtype if shapes[n][1] != mx.uint32 else mx.uint32,
+                          keep.astype(dtype), n == head_name) for n in names}
+        mx.eval(arrays)
+        mx.save_safetensors(str(out_dir / file), arrays, metadata={"format": "mlx"})
+        weight_map |= {n: file for n in names}
+        del arrays
+        mx.clear_cache()
+    (out_dir / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1) + "\n")
+    marker.write_text(mark + "\n")
+    print(f"made {shape.name} ({dtype_name}) at {out_dir} in {time.monotonic() - start:.1f}s",
+          flush=True)
+    return out_dir
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("shape", choices=sorted(FAMILY_SHAPES))
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    make_family_model(FAMILY_SHAPES[args.shape], args.dtype, args.out_dir, args.seed)
+
+
+if __name__ == "__main__":
+    main()
