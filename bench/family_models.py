@@ -98,7 +98,7 @@ def draw(name: str, shape: tuple[int, ...], dtype: Any, keep_rows: Any, head: bo
 
 
 def fingerprint(shape: FamilyShape, dtype_name: str, seed: int) -> str:
-    payload = json.dumps({"config": shape.config, "dtype": dtype_name, "seed": seed, "v": 1},
+    payload = json.dumps({"config": shape.config, "dtype": dtype_name, "seed": seed, "v": 2},
                          sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
@@ -131,8 +131,10 @@ def make_family_model(shape: FamilyShape, dtype_name: str, out_dir: Path, seed: 
     mx.random.seed(seed)
     keep = mx.concatenate([mx.ones((tok_vocab,)), mx.zeros((vocab - tok_vocab,))])
     keep[mx.array(specials)] = 0.0
-    head_name = "model.embed_tokens.weight" if shape.tied else "lm_head.weight"
     shapes = parameter_shapes(config)
+    if shape.tied:  # as the real checkpoint: no lm_head, mlx-lm then ties the embedding
+        shapes.pop("lm_head.weight", None)
+    head_name = "lm_head.weight" if "lm_head.weight" in shapes else "model.embed_tokens.weight"
     weight_map: dict[str, str] = {}
     plan = shard_plan({n: s for n, (s, _) in shapes.items()}, dtype.size, shard_bytes)
     for i, names in enumerate(plan):

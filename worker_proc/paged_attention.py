@@ -778,7 +778,7 @@ def unfused_prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: floa
     2 GiB for a 32-head layer, transient).
 
     q: [B, Hq, S, D]; k, v: [B, Hkv, L, D]; mask: None, "causal" (queries aligned to the
-    keys' end) or a boolean [B, 1, S, L] array (True: may attend).
+    keys' end) or a boolean [B, 1, S, L] or [S, L] array (True: may attend).
     """
     b, n_q, s, d = q.shape
     n_kv, length = k.shape[1], k.shape[2]
@@ -792,7 +792,8 @@ def unfused_prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: floa
     if isinstance(mask, str):
         rows = mx.arange(length - s, length)[:, None]
         scores = mx.where(rows >= mx.arange(length)[None], scores, -mx.inf)
-    elif mask is not None:
+    elif mask is not None:  # [S, L] (one for every row) or [B, 1, S, L]
+        mask = mask if mask.ndim == 4 else mask.reshape(1, 1, *mask.shape[-2:])
         scores = mx.where(mask[:, :, None], scores, -mx.inf)
     weights = mx.softmax(scores, axis=-1).astype(v.dtype)
     out = weights.reshape(b, n_kv, group * s, length) @ v
