@@ -19,6 +19,7 @@ import mlx.core as mx
 import numpy as np
 from mlx_lm.models.cache import KVCache, make_prompt_cache
 
+from ipc.process import CannotServe
 from worker_proc.kv_pool import KVPool
 from worker_proc.paged_attention import (RopeSpec, kernel_available, paged_decode_attention,
                                          paged_decode_qkv_attention,
@@ -32,8 +33,14 @@ from worker_proc.paged_attention import (RopeSpec, kernel_available, paged_decod
 WRITE_IN_ATTENTION = True
 
 
-class UnsupportedModelError(RuntimeError):
+class UnsupportedModelError(CannotServe, RuntimeError):
     """The model has a layer kind the engine cannot serve yet."""
+
+
+# What mlx-lm's cache classes hold, in a refusal's words.
+_CACHE_KINDS = {"RotatingKVCache": "sliding window", "ChunkedKVCache": "chunked local attention",
+                "ArraysCache": "recurrent state", "MambaCache": "recurrent state",
+                "CacheList": "several caches in one layer"}
 
 
 @dataclass(frozen=True)
@@ -332,12 +339,36 @@ def _causal_array(n_new: int, n_total: int) -> mx.array:
 
 
 def check_layer_kinds(model: Any) -> None:
-    """Refuse, with a clear message, models whose layers the pool cannot hold yet."""
+    """Refuse models whose layers the pool cannot hold yet, naming every such kind and
+    its layers ("layers 0-4, 6-10: RotatingKVCache (sliding window); ...")."""
+    layers: dict[str, list[int]] = {}
     for i, cache in enumerate(make_prompt_cache(model)):
         if type(cache) is not KVCache:
-            raise UnsupportedModelError(
-                f"layer {i} uses {type(cache).__name__} (sliding-window, linear-attention "
-                f"or other non-standard cache); only full-attention models are supported yet")
+            layers.setdefault(_cache_kind(cache), []).append(i)
+    if layers:
+        found = "; ".join(f"{_layer_ranges(ids)}: {kind}" for kind, ids in layers.items())
+        raise UnsupportedModelError(
+            f"{found}; only full-attention layers (mlx-lm's KVCache) are supported yet")
+
+
+def _cache_kind(cache: Any) -> str:
+    name = type(cache).__name__
+    parts = getattr(cache, "caches", None)  # a CacheList names its members
+    shown = f"{name}({', '.join(type(c).__name__ for c in parts)})" if parts else name
+    note = _CACHE_KINDS.get(name)
+    return f"{shown} ({note})" if note else shown
+
+
+def _layer_ranges(ids: list[int]) -> str:
+    """'layer 5', 'layers 0-4, 6-10' for ascending layer indices."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][-1] + 1:
+            runs[-1].append(i)
+        else:
+            runs.append([i])
+    text = ", ".join(str(r[0]) if len(r) == 1 else f"{r[0]}-{r[-1]}" for r in runs)
+    return f"layer{'s' if len(ids) > 1 else ''} {text}"
 
 
 def build_layer_caches(pool: KVPool, layout: ForwardLayout) -> list[PooledKVCache]:
