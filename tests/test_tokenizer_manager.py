@@ -186,9 +186,9 @@ def test_engine_dead_fails_everything_in_flight_and_refuses_more() -> None:
         query = asyncio.ensure_future(manager.query_stats())
         await asyncio.sleep(0)
         manager.on_message(EngineDead(reason="the worker died"))
-        result = await a.collect()
+        result = await asyncio.wait_for(a.collect(), 1)
         assert (result.text, result.error, result.engine_dead) == ("x", "the worker died", True)
-        last = await b.next()
+        last = await asyncio.wait_for(b.next(), 1)
         assert (last.error, last.engine_dead, b.done) == ("the worker died", True, True)
         with pytest.raises(StatsUnavailable, match="the worker died"):
             await asyncio.wait_for(query, 1)  # at once, not after stats_timeout
