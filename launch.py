@@ -196,11 +196,14 @@ class Supervisor:
             return f"cannot serve {self.config.model}: {report.reason}"
         return f"{name} failed during start-up: {report.reason}"
 
-    def death(self, name: str, inbox: Receiver[LauncherMessage]) -> str:
-        """How a child died while serving, with its own words when it had any."""
-        how = f"{name} died ({describe_exit(self.children[name].exitcode)})"
+    def death(self, name: str) -> str:
+        return f"{name} died ({describe_exit(self.children[name].exitcode)})"
+
+    def death_in_words(self, name: str, inbox: Receiver[LauncherMessage]) -> str:
+        """How a child died while serving, with its own words when it had any (for the
+        log: an exception's text is not for clients)."""
         report = self.failure_report(name, inbox)
-        return f"{how}: {report.reason}" if report else how
+        return f"{self.death(name)}: {report.reason}" if report else self.death(name)
 
     def supervise(self) -> str | None:
         """Block until a child dies (its name) or a stop signal arrives (None)."""
@@ -270,10 +273,9 @@ def serve(config: ServerConfig) -> int:
                     config.port, config.client_endpoint)
         dead = supervisor.supervise()
         if dead is not None:
-            death = supervisor.death(dead, inbox)
-            logger.error("%s; stopping the server", death)
-            supervisor.fail_front(f"The engine stopped: its {death}. The server is "
-                                  "shutting down.")
+            logger.error("%s; stopping the server", supervisor.death_in_words(dead, inbox))
+            supervisor.fail_front(f"The engine stopped: its {supervisor.death(dead)}. The "
+                                  "server is shutting down.")
             supervisor.stop_all()
             return 1
         supervisor.drain_front()
