@@ -27,7 +27,9 @@ constraint: json_schema (a dict or JSON text), regex, ebnf (GBNF) or lark. Every
 `timeout` (seconds; default: the client's) for the wait on each reply; a request that
 times out is aborted on the server. A server started with --api-key needs
 `KilnClient(address, api_key=...)`; with a wrong or missing key every request fails with
-KilnRequestError.
+KilnRequestError, as does every request in flight when the engine behind the server dies.
+A reply that does not decode (a server of another version) fails its call with
+KilnProtocolError.
 """
 
 from __future__ import annotations
