@@ -4,8 +4,10 @@
 
 The launcher builds one frozen config, starts the four processes (worker, scheduler,
 detokenizer, tokenizer), waits for each to report ready, and then only supervises: if any
-child dies it stops the rest and exits non-zero; on SIGINT/SIGTERM it lets in-flight
-requests finish (up to --shutdown-timeout), stops everything and exits 0.
+child dies it has the front fail every request in flight with an error, stops the rest
+and exits non-zero; on SIGINT/SIGTERM it lets in-flight requests finish (up to
+--shutdown-timeout), stops everything and exits 0. A start-up that fails ends with the
+reason as the launcher's last line ("cannot serve <model>: ...").
 """
 
 from __future__ import annotations
@@ -24,16 +26,24 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from ipc.channel import Receiver
+from ipc.channel import Receiver, Sender
 from ipc.config import PROJECT_NAME, ServerConfig, cli_fields, default_run_root
-from ipc.messages.to_launcher import LauncherMessage, ProcessProgress, ProcessReady
-from ipc.process import STOP_SIGNAL, setup_logging
+from ipc.messages.to_launcher import (LauncherMessage, ProcessFailed, ProcessProgress,
+                                      ProcessReady)
+from ipc.messages.to_tokenizer import EngineDead
+from ipc.process import STOP_SIGNAL, run_child, setup_logging
 from tokenizer_proc.remote_code import UntrustedModelError, check_remote_code
 
 logger = logging.getLogger("launcher")
 
 # Seconds between the stop signal and SIGKILL for a child that will not stop.
 _KILL_GRACE = 2.0
+# Seconds the front gets, once told the engine is gone, to send the errors it answered
+# every request with and exit; those answers are already made, only bytes remain to go.
+_FRONT_FLUSH_S = 5.0
+# How long a child that exited with an error may take to be heard saying why (it waited
+# for its ProcessFailed to be delivered before exiting, so this is only the read).
+_FAILURE_REPORT_S = 0.5
 # Read when --api-key is empty.
 API_KEY_ENV = "KILN_API_KEY"
 
@@ -125,10 +135,12 @@ class Supervisor:
         self.ctx = mp.get_context("spawn")
         self.children: dict[str, mp.process.BaseProcess] = {}
         self.stop_requested = False
+        self.failure: str | None = None  # why start-up failed: the launcher's last line
 
     def start(self) -> None:
         for name, target in _child_targets().items():
-            proc = self.ctx.Process(target=target, args=(self.config,), name=name, daemon=False)
+            proc = self.ctx.Process(target=run_child, args=(name, target, self.config),
+                                    name=name, daemon=False)
             proc.start()
             self.children[name] = proc
 
@@ -139,7 +151,8 @@ class Supervisor:
         return None
 
     def wait_ready(self, inbox: Receiver[LauncherMessage]) -> bool:
-        """True once every child reported ready; False on a death, a signal or the timeout."""
+        """True once every child reported ready; False on a failure (then `failure` says
+        why), a signal or the timeout."""
         pending = set(self.children)
         deadline = time.monotonic() + self.config.ready_timeout
         while pending:
@@ -147,20 +160,50 @@ class Supervisor:
                 return False
             dead = self.dead_child()
             if dead:
-                logger.error("%s died during start-up (%s)", dead,
-                             describe_exit(self.children[dead].exitcode))
+                self.failure = self._startup_failure(dead, self.failure_report(dead, inbox))
                 return False
             if time.monotonic() > deadline:
-                logger.error("start-up timed out after %.0fs waiting for %s",
-                             self.config.ready_timeout, ", ".join(sorted(pending)))
+                self.failure = (f"start-up timed out after {self.config.ready_timeout:.0f}s "
+                                f"waiting for {', '.join(sorted(pending))}")
                 return False
             message = inbox.recv(timeout_ms=200)
+            if isinstance(message, ProcessFailed):  # its process is exiting
+                self.failure = self._startup_failure(message.name, message)
+                return False
             if isinstance(message, ProcessProgress):
                 logger.info("%s: %s", message.name, message.text)
             elif isinstance(message, ProcessReady):
                 pending.discard(message.name)
                 logger.info("%s ready%s", message.name, f" ({message.detail})" if message.detail else "")
         return True
+
+    def failure_report(self, name: str, inbox: Receiver[LauncherMessage]) -> ProcessFailed | None:
+        """What a dead child said of its failure; only one that exited with an error code
+        (not killed by a signal) may have said anything."""
+        if (self.children[name].exitcode or 0) <= 0:
+            return None
+        deadline = time.monotonic() + _FAILURE_REPORT_S
+        while (left_ms := int((deadline - time.monotonic()) * 1000)) > 0:
+            message = inbox.recv(timeout_ms=left_ms)
+            if isinstance(message, ProcessFailed) and message.name == name:
+                return message
+        return None
+
+    def _startup_failure(self, name: str, report: ProcessFailed | None) -> str:
+        if report is None:
+            return f"{name} died during start-up ({describe_exit(self.children[name].exitcode)})"
+        if report.refusal:
+            return f"cannot serve {self.config.model}: {report.reason}"
+        return f"{name} failed during start-up: {report.reason}"
+
+    def death(self, name: str) -> str:
+        return f"{name} died ({describe_exit(self.children[name].exitcode)})"
+
+    def death_in_words(self, name: str, inbox: Receiver[LauncherMessage]) -> str:
+        """How a child died while serving, with its own words when it had any (for the
+        log: an exception's text is not for clients)."""
+        report = self.failure_report(name, inbox)
+        return f"{self.death(name)}: {report.reason}" if report else self.death(name)
 
     def supervise(self) -> str | None:
         """Block until a child dies (its name) or a stop signal arrives (None)."""
@@ -174,12 +217,22 @@ class Supervisor:
                 return name
         return None
 
-    def drain_front(self) -> None:
+    def drain_front(self, timeout: float | None = None) -> None:
         """Graceful part of a stop: the front stops accepting and lets requests finish."""
         front = self.children["tokenizer"]
         if front.exitcode is None:
             os.kill(front.pid, STOP_SIGNAL)
-            front.join(self.config.shutdown_timeout + 5)
+            front.join(self.config.shutdown_timeout + 5 if timeout is None else timeout)
+
+    def fail_front(self, reason: str) -> None:
+        """The engine is gone: the front answers every waiting request with `reason` as
+        an error (and refuses new ones), then it is stopped once those answers are out."""
+        if self.children["tokenizer"].exitcode is not None:
+            return
+        sender = Sender(self.config.tokenizer_endpoint)
+        sender.send(EngineDead(reason=reason))
+        sender.close(linger_ms=1000)  # delivered by ZMQ's I/O thread; we go on at once
+        self.drain_front(_FRONT_FLUSH_S)
 
     def stop_all(self) -> None:
         alive = [p for p in self.children.values() if p.exitcode is None]
@@ -215,14 +268,14 @@ def serve(config: ServerConfig) -> int:
     try:
         supervisor.start()
         if not supervisor.wait_ready(inbox):
-            supervisor.stop_all()
-            return 0 if supervisor.stop_requested and not supervisor.dead_child() else 1
+            return _abandon_start(supervisor)
         logger.info("serving %s: HTTP http://%s:%d/v1  ZMQ %s", config.model_name, config.host,
                     config.port, config.client_endpoint)
         dead = supervisor.supervise()
         if dead is not None:
-            logger.error("%s died (%s); stopping the server", dead,
-                         describe_exit(supervisor.children[dead].exitcode))
+            logger.error("%s; stopping the server", supervisor.death_in_words(dead, inbox))
+            supervisor.fail_front(f"The engine stopped: its {supervisor.death(dead)}. The "
+                                  "server is shutting down.")
             supervisor.stop_all()
             return 1
         supervisor.drain_front()
@@ -235,6 +288,17 @@ def serve(config: ServerConfig) -> int:
     finally:
         inbox.close()
         shutil.rmtree(config.run_dir, ignore_errors=True)
+
+
+def _abandon_start(supervisor: Supervisor) -> int:
+    """Stop a start-up that cannot complete; the reason is the launcher's last line."""
+    # A front already up may hold health probes waiting on a scheduler that will never
+    # answer; told first, it ends them at once instead of outliving the kill grace.
+    supervisor.fail_front(supervisor.failure or "The server stopped during start-up.")
+    supervisor.stop_all()
+    if supervisor.failure:
+        logger.error("%s", supervisor.failure)
+    return 0 if supervisor.stop_requested and not supervisor.dead_child() else 1
 
 
 def main(argv: list[str] | None = None) -> int:

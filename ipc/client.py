@@ -27,7 +27,9 @@ constraint: json_schema (a dict or JSON text), regex, ebnf (GBNF) or lark. Every
 `timeout` (seconds; default: the client's) for the wait on each reply; a request that
 times out is aborted on the server. A server started with --api-key needs
 `KilnClient(address, api_key=...)`; with a wrong or missing key every request fails with
-KilnRequestError.
+KilnRequestError, as does every request in flight when the engine behind the server dies.
+A reply that does not decode (a server of another version) fails its call with
+KilnProtocolError.
 """
 
 from __future__ import annotations
@@ -45,7 +47,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from ipc.codec import Decoder, encode
+from ipc.codec import Decoder, DecodeProblem, encode
 from ipc.messages.client import (AbortGenerate, GenerateOutput, GenerateRequest,
                                  ServerToClient, StatsQuery, StatsResult)
 from ipc.messages.common import SchedulerStats, Usage
@@ -76,6 +78,10 @@ class KilnTimeoutError(KilnError, TimeoutError):
 
 class KilnClosedError(KilnError):
     """The client was closed while the request was waiting."""
+
+
+class KilnProtocolError(KilnError):
+    """A reply to the request did not decode (a server of another version?)."""
 
 
 @dataclass(frozen=True)
@@ -130,6 +136,9 @@ class _Call:
             raise KilnTimeoutError(f"no reply to {self.request_id} within {timeout} s") from None
         if reply is _CLOSED:
             raise KilnClosedError("the client was closed")
+        if isinstance(reply, KilnError):
+            self.finished = True
+            raise reply
         if isinstance(reply, StatsResult) or reply.error is not None:
             self.finished = True
         elif reply.finished:
@@ -262,10 +271,15 @@ class AsyncKilnClient:
 
     async def _read(self) -> None:
         while True:
-            reply = self._decoder.decode(await self._sock.recv())
-            call = self._calls.get(reply.request_id) if reply is not None else None
+            reply = self._decoder.decode_or_problem(await self._sock.recv())
+            call = self._calls.get(reply.request_id or "")
             # No waiter: a late reply to a request that timed out or was aborted.
-            if call is not None:
+            if call is None:
+                continue
+            if isinstance(reply, DecodeProblem):  # its waiter hears why, without waiting
+                call.replies.put_nowait(KilnProtocolError(
+                    f"the server's reply to {call.request_id} did not decode: {reply.error}"))
+            else:
                 call.replies.put_nowait(reply)
 
 

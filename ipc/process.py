@@ -1,22 +1,31 @@
-"""What every child process does first: title, logging, signals, parent watch, ready report."""
+"""What every child process does: title, logging, signals, parent watch, start-up reports,
+and the report of a failure."""
 
 from __future__ import annotations
 
 import ctypes
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
 import time
+from typing import Callable
 
-from ipc.channel import Sender
+from ipc.channel import Sender, send_last
 from ipc.config import ServerConfig
-from ipc.messages.to_launcher import ProcessProgress, ProcessReady
+from ipc.messages.to_launcher import ProcessFailed, ProcessProgress, ProcessReady
 
 logger = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+# How long a failing child waits for its last report to reach the launcher.
+_FAILURE_REPORT_MS = 1000
+# The children the kernel kills the moment the launcher dies (Linux). The worker's main
+# thread may sit in a long device call, which the watch thread (below) could not stop
+# promptly; the others notice within a poll and remove the run directory first.
+_KILLED_WITH_PARENT = frozenset({"worker"})
 
 # How the launcher stops a child: the front drains its requests on it (a second one aborts
 # the rest), the others exit (the signal's default action). Not SIGTERM: SIGINT and
@@ -24,6 +33,11 @@ _PR_SET_PDEATHSIG = 1
 # KillMode), and a worker dying of it at once would cut the requests the front is still
 # letting finish. Children ignore both; only the launcher decides how the server stops.
 STOP_SIGNAL = signal.SIGUSR1
+
+
+class CannotServe(Exception):
+    """A refusal to serve (a model with layers the engine cannot run yet). Its message
+    says it all: the launcher makes it its last line, and no traceback is printed."""
 
 
 def setup_logging(level: str, role: str) -> None:
@@ -36,22 +50,25 @@ def setup_logging(level: str, role: str) -> None:
     )
 
 
-def _watch_parent(parent_pid: int) -> None:
-    # Portable fallback for PR_SET_PDEATHSIG (macOS has none): once the launcher is gone
-    # we are re-parented, and nobody would ever stop us.
+def _watch_parent(parent_pid: int, run_dir: str) -> None:
+    # Once the launcher is gone we are re-parented, and nobody would ever stop us or
+    # remove the run directory (its socket files) as the launcher does when it exits.
+    # Also the portable fallback for PR_SET_PDEATHSIG (macOS has none).
     while os.getppid() == parent_pid:
         time.sleep(0.5)
+    if run_dir:
+        shutil.rmtree(run_dir, ignore_errors=True)
     os._exit(1)
 
 
-def _die_with_parent() -> None:
-    if sys.platform.startswith("linux"):
+def _die_with_parent(run_dir: str, at_once: bool) -> None:
+    if at_once and sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6", use_errno=True)
             libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
         except OSError:
             pass
-    threading.Thread(target=_watch_parent, args=(os.getppid(),), daemon=True,
+    threading.Thread(target=_watch_parent, args=(os.getppid(), run_dir), daemon=True,
                      name="parent-watch").start()
 
 
@@ -67,8 +84,28 @@ def setup_child(config: ServerConfig, role: str) -> "StartupReporter":
     # See STOP_SIGNAL: the launcher alone decides how the server stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    _die_with_parent()
+    _die_with_parent(config.run_dir, at_once=role in _KILLED_WITH_PARENT)
     return StartupReporter(config, role)
+
+
+def run_child(role: str, entry: Callable[[ServerConfig], None], config: ServerConfig) -> None:
+    """A child process's target: `entry(config)`; if it raises, the launcher is told why
+    (ProcessFailed) before the process exits 1."""
+    try:
+        entry(config)
+    except CannotServe as exc:
+        _report(config, ProcessFailed(name=role, reason=str(exc), refusal=True))
+        sys.exit(1)
+    except Exception as exc:
+        _report(config, ProcessFailed(name=role, reason=f"{type(exc).__name__}: {exc}"))
+        raise  # multiprocessing prints the traceback and exits 1
+
+
+def _report(config: ServerConfig, failure: ProcessFailed) -> None:
+    try:
+        send_last(config.launcher_endpoint, failure, _FAILURE_REPORT_MS)
+    except Exception:  # noqa: BLE001 - the exit code still tells the launcher
+        logger.exception("could not report the failure to the launcher")
 
 
 class StartupReporter:

@@ -51,9 +51,9 @@ def free_port_pair() -> int:
 
 class Server:
     def __init__(self, model_dir: Path, *extra: str, log_path: Path | None = None,
-                 own_group: bool = False) -> None:
+                 own_group: bool = False, env: dict[str, str] | None = None) -> None:
         """own_group: the server leads a process group of its own (a session), which a
-        test may signal whole."""
+        test may signal whole; env: variables set for the server beside ours."""
         self.port = free_port_pair()
         self.url = f"http://127.0.0.1:{self.port}"
         self.zmq = f"tcp://127.0.0.1:{self.port + 1}"
@@ -62,7 +62,7 @@ class Server:
                 "--port", str(self.port), *extra]
         self._log = open(log_path, "wb") if log_path else subprocess.DEVNULL
         self.proc = subprocess.Popen(args, cwd=ROOT, stdout=self._log, stderr=subprocess.STDOUT,
-                                     env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                                     env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                      start_new_session=own_group)
 
     def wait_ready(self, timeout: float = 180.0) -> "Server":

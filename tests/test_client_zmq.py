@@ -12,11 +12,14 @@ from typing import Any, Callable, Iterator
 
 import msgspec
 import pytest
+import zmq
 
 from ipc.channel import AsyncRouter
-from ipc.client import (AsyncKilnClient, KilnClient, KilnClosedError, KilnRequestError,
-                        KilnTimeoutError)
-from ipc.messages.client import ClientToServer
+from ipc.client import (AsyncKilnClient, KilnClient, KilnClosedError, KilnProtocolError,
+                        KilnRequestError, KilnTimeoutError)
+from ipc.codec import Decoder, encode
+from ipc.messages.client import (ClientToServer, GenerateOutput, GenerateRequest,
+                                 ServerToClient, StatsResult)
 from ipc.messages.common import Usage
 from ipc.messages.to_scheduler import TokenizedRequest
 from ipc.messages.to_tokenizer import PromptTextLogprobs, TextLogprob, TextOutput
@@ -136,6 +139,19 @@ def make_front(preparer: RequestPreparer) -> Iterator[Callable[..., Front]]:
 def sync_client(front: Front, **kwargs: Any) -> Iterator[KilnClient]:
     with KilnClient(front.address, **kwargs) as client:
         yield client
+
+
+@contextlib.contextmanager
+def raw_dealer(address: str) -> Iterator[zmq.Socket]:
+    """A client socket without KilnClient's checks, or its manners (no abort on close)."""
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.setsockopt(zmq.RCVTIMEO, 3000)  # a missing reply fails the test, not hangs it
+    sock.connect(address)
+    try:
+        yield sock
+    finally:
+        sock.close()
 
 
 # --- the blocking client ----------------------------------------------------------------
@@ -358,3 +374,62 @@ def test_async_duplicate_id_and_close(make_front: Callable[..., Front]) -> None:
             await client.generate("hi")
 
     asyncio.run(body())
+
+
+# --- the endpoint's care of its clients ----------------------------------------------------
+
+
+def test_a_vanished_client_has_its_requests_aborted(make_front: Callable[..., Front]) -> None:
+    """A client gone without an abort (a killed process: its kernel closes the TCP
+    connection) leaves nothing running."""
+    front = make_front(endless_script())
+    with raw_dealer(front.address) as sock:
+        sock.send(encode(GenerateRequest(request_id="r", prompt="hi", stream=True)))
+        assert Decoder(ServerToClient, "test").decode(sock.recv()).text == " w0"
+    started = time.monotonic()
+    assert front.wait_aborted() == [front.engine.requests()[0].rid]
+    assert time.monotonic() - started < 2.0
+
+
+def test_a_malformed_message_is_answered_naming_the_problem(
+        make_front: Callable[..., Front]) -> None:
+    front = make_front()
+    decoder: Decoder[ServerToClient] = Decoder(ServerToClient, "test")
+    with raw_dealer(front.address) as sock:
+        sock.send(msgspec.msgpack.encode({"type": "GenerateRequest", "request_id": "r1",
+                                          "prompt": "hi", "max_tokens": "x"}))
+        reply = decoder.decode(sock.recv())
+        assert isinstance(reply, GenerateOutput) and (reply.request_id, reply.finished) == ("r1", True)
+        assert "GenerateRequest" in reply.error and "max_tokens" in reply.error
+        sock.send(msgspec.msgpack.encode({"type": "StatsQuery", "request_id": "q1",
+                                          "flush_cache": 3}))
+        reply = decoder.decode(sock.recv())
+        assert isinstance(reply, StatsResult) and "flush_cache" in reply.error
+    assert front.engine.requests() == []
+
+
+def test_a_reply_that_does_not_decode_fails_its_call_at_once() -> None:
+    """The client's side of the same care: a reply it cannot read (another version's)
+    ends the call naming the problem, instead of waiting for the timeout."""
+    address = f"tcp://127.0.0.1:{_free_port()}"
+    server = zmq.Context.instance().socket(zmq.ROUTER)
+    server.setsockopt(zmq.LINGER, 0)
+    server.bind(address)
+
+    def answer_badly() -> None:
+        identity, payload = server.recv_multipart()
+        request_id = msgspec.msgpack.decode(payload)["request_id"]
+        server.send_multipart([identity, msgspec.msgpack.encode(
+            {"type": "GenerateOutput", "request_id": request_id, "text": 5, "token_ids": []})])
+
+    thread = threading.Thread(target=answer_badly, daemon=True)
+    thread.start()
+    try:
+        with KilnClient(address, timeout=10) as client:
+            started = time.monotonic()
+            with pytest.raises(KilnProtocolError, match="text"):
+                client.generate("hi")
+            assert time.monotonic() - started < 5
+    finally:
+        thread.join(5)
+        server.close()

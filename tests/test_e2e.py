@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import os
+import shutil
 import signal
+import tempfile
 import time
 
 import httpx
@@ -288,13 +290,57 @@ def test_help_describes_every_flag():
 
 
 def test_children_exit_when_the_launcher_is_killed(tiny_model_dir, tmp_path):
-    srv = Server(tiny_model_dir, "--max-total-tokens", "4000", log_path=tmp_path / "log").wait_ready()
-    pids = [p.pid for p in srv.children()]
-    assert len(pids) >= 4
-    srv.proc.send_signal(signal.SIGKILL)
-    srv.proc.wait(10)
-    assert _gone(pids, 5.0)
-    srv.stop()
+    """kill -9 of the launcher: every child exits, and the run directory (its socket
+    files) goes with them."""
+    run_root = tempfile.mkdtemp(prefix="kiln-test-")  # short: ipc:// paths are capped
+    try:
+        srv = Server(tiny_model_dir, "--max-total-tokens", "4000", log_path=tmp_path / "log",
+                     env={"XDG_RUNTIME_DIR": run_root}).wait_ready()
+        pids = [p.pid for p in srv.children()]
+        assert len(pids) >= 4
+        assert len(os.listdir(run_root)) == 1  # this server's run directory
+        srv.proc.send_signal(signal.SIGKILL)
+        srv.proc.wait(10)
+        assert _gone(pids, 5.0)
+        assert os.listdir(run_root) == []
+        srv.stop()
+    finally:
+        shutil.rmtree(run_root, ignore_errors=True)
+
+
+def test_a_killed_zmq_client_has_its_request_aborted(server):
+    """A KilnClient process killed mid-stream says nothing; its request is aborted once
+    its connection closes, not left generating to max_tokens."""
+    import subprocess
+    import sys
+
+    from tests.server import ROOT
+
+    before = server.stats()["aborted_requests_total"]
+    script = ("import sys, time\n"
+              "from ipc.client import KilnClient\n"
+              "deltas = KilnClient(sys.argv[1]).stream('a long story', max_tokens=3500,\n"
+              "                                        ignore_eos=True, temperature=0)\n"
+              "next(deltas)\n"
+              "print('streaming', flush=True)\n"
+              "time.sleep(60)\n")
+    client = subprocess.Popen([sys.executable, "-c", script, server.zmq], cwd=ROOT,
+                              stdout=subprocess.PIPE)
+    try:
+        assert client.stdout.readline() == b"streaming\n"
+        assert server.stats()["running_requests"] == 1
+        client.kill()
+        killed = time.monotonic()
+        client.wait(10)
+        while server.stats()["running_requests"]:
+            assert time.monotonic() - killed < 3.0, "the request still runs"
+            time.sleep(0.05)
+        print(f"\nkill -9 of a streaming ZMQ client: aborted within "
+              f"{time.monotonic() - killed:.3f} s")
+        assert server.stats()["aborted_requests_total"] == before + 1
+    finally:
+        client.kill()
+        client.wait(10)
 
 
 def test_second_chat_turn_hits_the_cache_and_usage_says_so(server):

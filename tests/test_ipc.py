@@ -8,19 +8,22 @@ import pkgutil
 
 import pytest
 
+import msgspec
+
 import ipc.messages
-from ipc.codec import Decoder, encode
+from ipc.codec import Decoder, DecodeProblem, encode
 from ipc.messages.client import (AbortGenerate, ClientToServer, GenerateOutput, GenerateRequest,
                                  ServerToClient, StatsQuery, StatsResult)
 from ipc.messages.common import Message, SamplingParams, SchedulerStats, TokenLogprob, Usage
 from ipc.messages.to_detokenizer import (BatchTokens, DetokenizerMessage, PromptTokenLogprobs,
                                          StatsReply, TokenOutput)
-from ipc.messages.to_launcher import LauncherMessage, ProcessProgress, ProcessReady
+from ipc.messages.to_launcher import (LauncherMessage, ProcessFailed, ProcessProgress,
+                                      ProcessReady)
 from ipc.messages.to_scheduler import (AbortRequest, FlushCache, GetStats, PromptLogprobs,
                                        SchedulerMessage, StepResult, TokenizedRequest,
                                        WorkerReady)
-from ipc.messages.to_tokenizer import (BatchText, PromptTextLogprobs, TextLogprob, TextOutput,
-                                       TokenizerMessage)
+from ipc.messages.to_tokenizer import (BatchText, EngineDead, PromptTextLogprobs, TextLogprob,
+                                       TextOutput, TokenizerMessage)
 from ipc.messages.to_worker import (ForwardBatch, NewRequest, PrefillChunk, Shutdown, SyncSteps,
                                     WorkerMessage)
 
@@ -39,6 +42,7 @@ SAMPLING = SamplingParams(temperature=0.7, top_p=0.9, top_k=40, seed=2**40, max_
 SAMPLES = [
     (ProcessProgress(name="worker", text="loading"), LauncherMessage),
     (ProcessReady(name="worker", detail="100 slots"), LauncherMessage),
+    (ProcessFailed(name="worker", reason="layer 0: ArraysCache", refusal=True), LauncherMessage),
     (TokenizedRequest(rid="a", input_ids=[1, 2, 3], sampling=SAMPLING, stop_token_ids=[0],
                       skip_special_tokens=False), SchedulerMessage),
     (AbortRequest(rid="a"), SchedulerMessage),
@@ -75,6 +79,7 @@ SAMPLES = [
         prompt_logprobs=PromptTextLogprobs("a", 1, [TextLogprob("b", -1.0, token_id=2)]))]),
      TokenizerMessage),
     (StatsReply(query_id="q2", stats=STATS), TokenizerMessage),
+    (EngineDead(reason="the worker died"), TokenizerMessage),
     (GenerateRequest(request_id="c1", prompt="hi", max_tokens=3, temperature=0.0, stream=True),
      ClientToServer),
     (AbortGenerate(request_id="c1"), ClientToServer),
@@ -134,3 +139,39 @@ def test_receiver_keeps_serving_after_a_bad_frame(tmp_path):
     assert got == [None, AbortRequest(rid="ok")]
     raw.close()
     rx.close()
+
+
+@pytest.mark.parametrize("raw,expected", [
+    ({"type": "GenerateRequest", "request_id": "r1", "prompt": "hi", "max_tokens": "x"},
+     DecodeProblem("Expected `int | null`, got `str` - at `$.max_tokens`", "GenerateRequest",
+                   "r1")),
+    ({"type": "Nonsense", "request_id": "r2"},
+     DecodeProblem("Invalid value 'Nonsense' - at `$.type`", "Nonsense", "r2")),
+    ({"request_id": 7}, DecodeProblem("Object missing required field `type`")),
+    ([1, 2], DecodeProblem("Expected `object`, got `array`")),
+])
+def test_a_frame_that_does_not_decode_says_why_and_whose(raw, expected):
+    problem = Decoder(ClientToServer, "test").decode_or_problem(msgspec.msgpack.encode(raw))
+    assert problem == expected
+
+
+def test_garbage_says_why_without_a_request_id():
+    problem = Decoder(ClientToServer, "test").decode_or_problem(b"\xc1junk")
+    assert isinstance(problem, DecodeProblem) and problem.request_id is None and problem.error
+
+
+def test_connections_name_a_closed_connections_client_and_never_a_newcomer():
+    """The client endpoint's map from connections (fds) to clients: a closed fd names
+    its client once; a message still queued from it is refused; the fd's next
+    connection is someone else."""
+    from ipc.channel import Connections
+
+    connections = Connections()
+    connections.opened(7)
+    assert connections.came(b"a", 7) and connections.came(b"a", 7)
+    assert connections.closed(7) == b"a"
+    assert not connections.came(b"a", 7)
+    connections.opened(7)
+    assert connections.came(b"b", 7)
+    assert connections.closed(7) == b"b"
+    assert connections.closed(9) is None  # it never sent anything

@@ -11,8 +11,9 @@ import pytest
 
 from ipc.messages.common import SamplingParams, Usage
 from ipc.messages.to_scheduler import AbortRequest, GetStats, TokenizedRequest
-from ipc.messages.to_tokenizer import BatchText, StatsReply, TextOutput
+from ipc.messages.to_tokenizer import BatchText, EngineDead, StatsReply, TextOutput
 from tests.fake_engine import FAKE_STATS
+from tokenizer_proc.errors import EngineUnavailable
 from tokenizer_proc.manager import StatsUnavailable, TokenizerManager
 from tokenizer_proc.model_info import load_model_info
 
@@ -171,6 +172,34 @@ def test_abort_all_and_wait_idle() -> None:
         await manager.flush()
         assert engine.sent[2:] == [AbortRequest(rid="a"), AbortRequest(rid="b")]
         assert await manager.wait_idle(0.0)
+
+    run(body)
+
+
+def test_engine_dead_fails_everything_in_flight_and_refuses_more() -> None:
+    async def body() -> None:
+        engine = Recorder()
+        manager = TokenizerManager(engine, stats_timeout=30)
+        a, b = await manager.submit(request("a")), await manager.submit(request("b"))
+        manager.group("n", ["b"])
+        manager.on_message(BatchText(outputs=[out("a", "x")]))
+        query = asyncio.ensure_future(manager.query_stats())
+        await asyncio.sleep(0)
+        manager.on_message(EngineDead(reason="the worker died"))
+        result = await asyncio.wait_for(a.collect(), 1)
+        assert (result.text, result.error, result.engine_dead) == ("x", "the worker died", True)
+        last = await asyncio.wait_for(b.next(), 1)
+        assert (last.error, last.engine_dead, b.done) == ("the worker died", True, True)
+        with pytest.raises(StatsUnavailable, match="the worker died"):
+            await asyncio.wait_for(query, 1)  # at once, not after stats_timeout
+        with pytest.raises(StatsUnavailable):
+            await manager.query_stats()
+        with pytest.raises(EngineUnavailable) as refused:
+            await manager.submit(request("c"))
+        assert refused.value.status == 503 and refused.value.type == "server_error"
+        assert manager.rids() == [] and not manager.abort("n")
+        # Nothing more for the dead engine: no aborts of what failed, no new requests.
+        assert [type(m) for m in engine.sent] == [TokenizedRequest, TokenizedRequest, GetStats]
 
     run(body)
 

@@ -18,12 +18,12 @@ import httpx
 import pytest
 
 from ipc.channel import Receiver, Sender
-from ipc.client import KilnClient
+from ipc.client import KilnClient, KilnRequestError
 from ipc.config import ServerConfig
 from ipc.messages.to_launcher import LauncherMessage, ProcessReady
 from ipc.messages.to_scheduler import (AbortRequest, GetStats, SchedulerMessage,
                                        TokenizedRequest)
-from ipc.messages.to_tokenizer import BatchText, StatsReply, TextOutput
+from ipc.messages.to_tokenizer import BatchText, EngineDead, StatsReply, TextOutput
 from ipc.process import STOP_SIGNAL
 from tokenizer_proc import run_tokenizer
 from tests.fake_engine import FAKE_STATS
@@ -166,3 +166,61 @@ def _check_stats_round_trip(base: str, scheduler: FakeScheduler,
     body = info.result(10).json()
     assert body["scheduler"]["capacity_slots"] == FAKE_STATS.capacity_slots
     assert body["model_name"] == "demo-tiny" and body["context_length"] == 4096
+
+
+def _timed(work: Any, *args: Any, **kwargs: Any) -> tuple[float, Any]:
+    """(when it returned, by time.monotonic, and what it returned or raised)."""
+    try:
+        result = work(*args, **kwargs)
+    except Exception as exc:  # noqa: BLE001 - the test looks at it
+        result = exc
+    return time.monotonic(), result
+
+
+def test_engine_dead_answers_every_waiting_client_at_once(
+        config: ServerConfig, process: multiprocessing.Process) -> None:
+    """The launcher's EngineDead: a health probe, an SSE stream, a whole-response request
+    and a ZMQ request, all waiting on an engine that will never answer, get their errors
+    at once; a request coming after it is a 503; then the stop signal takes no grace."""
+    base = f"http://{config.host}:{config.port}"
+    scheduler = FakeScheduler(config)  # it never answers: the engine behind it is dead
+    pool = ThreadPoolExecutor(4)
+    client = KilnClient(config.client_endpoint, timeout=30)
+    try:
+        health = pool.submit(_timed, httpx.get, f"{base}/health", timeout=10)
+        scheduler.expect(GetStats)
+        streaming = pool.submit(_timed, _stream, f"{base}/v1/completions",
+                                {"prompt": "hi", "stream": True})
+        scheduler.emit(scheduler.expect(TokenizedRequest).rid, "a")
+        whole = pool.submit(_timed, httpx.post, f"{base}/v1/completions",
+                            json={"prompt": "hi"}, timeout=10)
+        scheduler.expect(TokenizedRequest)
+        zmq_call = pool.submit(_timed, client.generate, "hi")
+        scheduler.expect(TokenizedRequest)
+
+        launcher = Sender(config.tokenizer_endpoint)
+        launcher.send(EngineDead(reason="The engine stopped: its worker died."))
+        told = time.monotonic()
+        answers = {"health": health.result(10), "sse": streaming.result(10),
+                   "whole": whole.result(10), "zmq": zmq_call.result(10)}
+        assert max(at for at, _ in answers.values()) - told < 1.0, answers
+        assert answers["health"][1].status_code == 503
+        *_, error, done = answers["sse"][1]
+        assert json.loads(error.removeprefix("data: "))["error"]["message"] == \
+            "The engine stopped: its worker died." and done == "data: [DONE]"
+        assert answers["whole"][1].status_code == 503
+        assert answers["whole"][1].json()["error"]["type"] == "server_error"
+        assert isinstance(answers["zmq"][1], KilnRequestError)
+        assert "worker died" in str(answers["zmq"][1])
+        late = httpx.post(f"{base}/v1/completions", json={"prompt": "hi"}, timeout=10)
+        assert late.status_code == 503 and "worker died" in late.json()["error"]["message"]
+
+        stopping = time.monotonic()
+        os.kill(process.pid, STOP_SIGNAL)
+        process.join(10)
+        assert process.exitcode == 0 and time.monotonic() - stopping < 1.5
+        launcher.close()
+    finally:
+        client.close()
+        pool.shutdown(wait=False)
+        scheduler.close()

@@ -4,6 +4,8 @@ Pure logic like the HTTP layer: replies go through a `reply(identity, message)`
 coroutine, so tests run it without sockets. Client request ids are only unique per
 client, so requests are keyed by (client identity, request id) and get an internal rid.
 With --api-key every message must carry the key; a request without it gets an error reply.
+A message that does not decode is answered with an error naming the problem, when it
+names a request id to answer; a client whose connection closes has its requests aborted.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import asyncio
 import logging
 from typing import Awaitable, Callable
 
+from ipc.codec import DecodeProblem
 from ipc.messages.client import (AbortGenerate, ClientToServer, GenerateOutput,
                                  GenerateRequest, ServerToClient, StatsQuery, StatsResult)
 from ipc.messages.to_tokenizer import PromptTextLogprobs, TextLogprob, TextOutput
@@ -55,6 +58,27 @@ class ClientFront:
             self._abort(identity, message.request_id)
         elif isinstance(message, StatsQuery):
             self._spawn(self._stats(identity, message.request_id, message.flush_cache))
+
+    async def refuse_malformed(self, identity: bytes, problem: DecodeProblem) -> None:
+        """Answer a message that did not decode, so its sender does not wait for ever; an
+        abort, or a message naming no request id, has nobody waiting on a reply."""
+        if problem.request_id is None or problem.record_type == AbortGenerate.__name__:
+            return
+        if problem.record_type == StatsQuery.__name__:
+            await self._reply(identity, StatsResult(request_id=problem.request_id,
+                                                    error=problem.describe()))
+        else:
+            await self._reply(identity, _error(problem.request_id, problem.describe()))
+
+    def client_gone(self, identity: bytes) -> None:
+        """The client's connection closed: nobody will read its outputs, so stop them.
+        (The router's events are handled one at a time and `handle` returns once a
+        request is registered, so every request of that client is found here.)"""
+        keys = [key for key in self._active if key[0] == identity]
+        if keys:
+            logger.info("a ZMQ client went away: aborting %d request(s)", len(keys))
+        for _, request_id in keys:
+            self._abort(identity, request_id)
 
     async def _refuse(self, identity: bytes, message: ClientToServer) -> None:
         if isinstance(message, GenerateRequest):

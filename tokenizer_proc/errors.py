@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any, Sequence
 
 INVALID_REQUEST = "invalid_request_error"
+SERVER_ERROR = "server_error"
 
 
 @dataclass
@@ -28,6 +29,16 @@ class RequestError(Exception):
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+@dataclass
+class EngineUnavailable(RequestError):
+    """The engine behind the front died: not the request's fault, and the server is
+    going down (503)."""
+
+    code: str | None = "engine_unavailable"
+    status: int = 503
+    type: str = SERVER_ERROR
 
 
 def error_body(message: str, type_: str = INVALID_REQUEST, param: str | None = None,

@@ -27,9 +27,11 @@ from ipc.config import ServerConfig
 from ipc.messages.common import Usage
 from ipc.messages.to_scheduler import TokenizedRequest
 from ipc.messages.to_tokenizer import TextOutput
-from tokenizer_proc.errors import RequestError, error_body, from_validation_errors
+from tokenizer_proc.errors import (EngineUnavailable, RequestError, error_body,
+                                   from_validation_errors)
 from tokenizer_proc.json_body import parse_object
-from tokenizer_proc.manager import RequestStream, StatsUnavailable, TokenizerManager, new_id
+from tokenizer_proc.manager import (Collected, RequestStream, StatsUnavailable,
+                                    TokenizerManager, new_id)
 from tokenizer_proc.prepare import (RequestPreparer, choice_count, completion_choices,
                                     fan_out)
 from tokenizer_proc.protocol import (AbortBody, ChatCompletionRequest, CompletionRequest,
@@ -188,14 +190,14 @@ class ApiRoutes:
             # Even a streamed response waits for the first output before its headers go
             # out, so an engine rejection can still be a proper 400.
             first = await _until_disconnect(request, stream.next())
-            _raise_engine_error(first.error)
+            _raise_engine_error(first)
             if streaming:
                 return _EventStream(_event_source(stream, first, fmt), stream)
             result = await _until_disconnect(request, stream.collect(first))
         except BaseException:
             stream.close()
             raise
-        _raise_engine_error(result.error)
+        _raise_engine_error(result)
         return JSONResponse(fmt.response(result))
 
 
@@ -212,7 +214,7 @@ class ApiRoutes:
                 streams.append(await self._manager.submit(one))
             firsts = [await _until_disconnect(request, s.next()) for s in streams]
             for first in firsts:
-                _raise_engine_error(first.error)
+                _raise_engine_error(first)
             # One formatter per choice: a formatter may keep per-choice state.
             fmts = [_choice_format(fmt, i) for i in range(len(streams))]
             if streaming:
@@ -224,7 +226,7 @@ class ApiRoutes:
                 stream.close()
             raise
         for result in results:
-            _raise_engine_error(result.error)
+            _raise_engine_error(result)
         # usage counts every choice generated, best_of's dropped ones too (as OpenAI).
         usage = total_usage([r.usage for r in results])
         results = share_prompt_logprobs(results)
@@ -270,7 +272,7 @@ async def _native_events(stream: RequestStream, first: TextOutput,
     output = first
     while True:
         if output.error is not None:
-            yield sse(error_body(output.error))
+            yield sse(_output_error(output).body())
             break
         yield sse(fmt.chunk(output, stream.usage(output)))
         if output.finished:
@@ -287,7 +289,7 @@ async def _events(stream: RequestStream, first: TextOutput,
     while True:
         if output.error is not None:
             # Headers are gone; OpenAI clients raise on a chunk carrying "error".
-            yield sse(error_body(output.error))
+            yield sse(_output_error(output).body())
             break
         # Tokens still held back as text (part of a character) still bring their logprobs.
         if output.text or output.logprobs:
@@ -315,7 +317,7 @@ async def _native_choice_events(streams: list[RequestStream], firsts: list[TextO
     async with contextlib.aclosing(_merged(streams, firsts)) as outputs:
         async for i, output in outputs:
             if output.error is not None:
-                yield sse(error_body(output.error))
+                yield sse(_output_error(output).body())
                 break
             # Only choice 0 scores the prompt: its entries come once, in its first event.
             yield sse(fmts[i].chunk(output, streams[i].usage(output)))
@@ -332,7 +334,7 @@ async def _openai_choice_events(streams: list[RequestStream], firsts: list[TextO
     async with contextlib.aclosing(_merged(streams, firsts)) as outputs:
         async for i, output in outputs:
             if output.error is not None:
-                yield sse(error_body(output.error))
+                yield sse(_output_error(output).body())
                 break
             if output.text or output.logprobs:
                 yield sse(with_index(fmts[i].text_chunk(output.text, output.logprobs), i))
@@ -403,9 +405,17 @@ def _include_usage(body: CompletionRequest | ChatCompletionRequest) -> bool:
     return bool(body.stream and body.stream_options and body.stream_options.include_usage)
 
 
-def _raise_engine_error(error: str | None) -> None:
-    if error is not None:
-        raise RequestError(error, code="engine_rejected")
+def _raise_engine_error(output: TextOutput | Collected) -> None:
+    if output.error is not None:
+        raise _output_error(output)
+
+
+def _output_error(output: TextOutput | Collected) -> RequestError:
+    """An output's error: the engine refused the request (400), or it died (503)."""
+    assert output.error is not None
+    if output.engine_dead:
+        return EngineUnavailable(output.error)
+    return RequestError(output.error, code="engine_rejected")
 
 
 # --- error handlers ------------------------------------------------------------------

@@ -15,8 +15,9 @@ from typing import Protocol
 
 from ipc.messages.common import SchedulerStats, Usage
 from ipc.messages.to_scheduler import AbortRequest, FlushCache, GetStats, TokenizedRequest
-from ipc.messages.to_tokenizer import (BatchText, PromptTextLogprobs, StatsReply, TextLogprob,
-                                       TextOutput, TokenizerMessage)
+from ipc.messages.to_tokenizer import (BatchText, EngineDead, PromptTextLogprobs, StatsReply,
+                                       TextLogprob, TextOutput, TokenizerMessage)
+from tokenizer_proc.errors import EngineUnavailable
 from tokenizer_proc.metrics import ABORT, RequestMetrics
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,7 @@ class Collected:
     logprobs: list[TextLogprob] | None = None  # one per token id, when asked for
     prompt_logprobs: PromptTextLogprobs | None = None  # when asked for
     cumulative_logprob: float | None = None  # of every sampled token, with logprobs
+    engine_dead: bool = False  # the error is the engine's death (see TextOutput)
 
     @property
     def mean_logprob(self) -> float:
@@ -113,7 +115,8 @@ class RequestStream:
                          error=last.error, logprobs=_joined_logprobs(outputs),
                          prompt_logprobs=next((o.prompt_logprobs for o in outputs
                                                if o.prompt_logprobs is not None), None),
-                         cumulative_logprob=last.cumulative_logprob)
+                         cumulative_logprob=last.cumulative_logprob,
+                         engine_dead=last.engine_dead)
 
 
 def _joined_logprobs(outputs: list[TextOutput]) -> list[TextLogprob] | None:
@@ -134,6 +137,8 @@ class TokenizerManager:
     _stats: dict[str, asyncio.Future[SchedulerStats]] = field(default_factory=dict)
     _background: set[asyncio.Task[None]] = field(default_factory=set)
     _groups: dict[str, tuple[str, ...]] = field(default_factory=dict)  # n-choice id -> choices
+    # Why the engine is gone (EngineDead); from then on nothing is sent to it.
+    engine_failure: str | None = None
 
     @property
     def in_flight(self) -> int:
@@ -147,7 +152,10 @@ class TokenizerManager:
         return rid in self._queues or any(k in self._queues for k in self._groups.get(rid, ()))
 
     async def submit(self, request: TokenizedRequest) -> RequestStream:
-        """Register the request (before sending: outputs may come back at once) and send it."""
+        """Register the request (before sending: outputs may come back at once) and send it.
+        Raises EngineUnavailable once the engine is gone."""
+        if self.engine_failure is not None:
+            raise EngineUnavailable(self.engine_failure)
         if request.rid in self._queues:
             raise ValueError(f"request id {request.rid} is already in flight")
         queue: asyncio.Queue[TextOutput] = asyncio.Queue()
@@ -168,6 +176,8 @@ class TokenizerManager:
                 self._route(output)
         elif isinstance(message, StatsReply):
             self._answer_stats(message)
+        elif isinstance(message, EngineDead):
+            self.fail_all(message.reason)
 
     def _route(self, output: TextOutput) -> None:
         queue = self._queues.get(output.rid)
@@ -212,6 +222,22 @@ class TokenizerManager:
             self.abort(rid)
         return rids
 
+    def fail_all(self, reason: str) -> list[str]:
+        """The engine is gone: every request in flight ends with `reason` as its error,
+        every stats query fails, and later ones are refused at once. Returns the failed
+        ids. Nothing is sent: the engine would never answer."""
+        self.engine_failure = reason
+        failed = self.rids()
+        logger.error("%s; failing %d request(s) in flight", reason, len(failed))
+        for rid in failed:
+            self._route(TextOutput(rid=rid, text="", token_ids=[], finished=True,
+                                   error=reason, engine_dead=True))
+        self._groups.clear()
+        for future in self._stats.values():
+            if not future.done():
+                future.set_exception(StatsUnavailable(reason))
+        return failed
+
     async def flush(self) -> None:
         """Wait until every message queued by `abort` has been handed to the engine link."""
         while self._background:
@@ -228,7 +254,10 @@ class TokenizerManager:
     async def query_stats(self, timeout: float | None = None,
                           flush_cache: bool = False) -> SchedulerStats:
         """Round trip a GetStats (or a FlushCache, answered with the stats after the
-        flush) to the scheduler; raises StatsUnavailable on timeout."""
+        flush) to the scheduler; raises StatsUnavailable on timeout, or at once when the
+        engine is gone."""
+        if self.engine_failure is not None:
+            raise StatsUnavailable(self.engine_failure)
         query_id = uuid.uuid4().hex
         future: asyncio.Future[SchedulerStats] = asyncio.get_running_loop().create_future()
         self._stats[query_id] = future

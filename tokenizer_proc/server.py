@@ -14,7 +14,8 @@ from typing import Any, Callable, Iterator
 
 import uvicorn
 
-from ipc.channel import AsyncReceiver, AsyncRouter, AsyncSender
+from ipc.channel import (AsyncReceiver, AsyncRouter, AsyncSender, ClientGone, ClientMalformed,
+                         RouterEvent)
 from ipc.config import ServerConfig
 from ipc.messages.client import ClientToServer
 from ipc.messages.to_tokenizer import TokenizerMessage
@@ -69,8 +70,9 @@ class Sockets:
                    clients=AsyncRouter(config.client_endpoint, ClientToServer,
                                        max_message_bytes=config.max_request_bytes))
 
-    def close(self) -> None:
-        self.scheduler.close(linger_ms=_FLUSH_LINGER_MS)
+    def close(self, engine_alive: bool = True) -> None:
+        # Lingering for a dead engine would only hold the exit up.
+        self.scheduler.close(linger_ms=_FLUSH_LINGER_MS if engine_alive else 0)
         self.inbox.close()
         self.clients.close()
 
@@ -162,7 +164,7 @@ class TokenizerServer:
         finally:
             for pump in pumps:
                 pump.cancel()
-            sockets.close()
+            sockets.close(engine_alive=manager.engine_failure is None)
 
     def _uvicorn_config(self, manager: TokenizerManager) -> uvicorn.Config:
         app = create_app(manager, self._preparer, server_facts(self._config, self._preparer.info),
@@ -197,13 +199,22 @@ async def route_engine_outputs(inbox: AsyncReceiver[TokenizerMessage],
 
 
 async def serve_clients(router: AsyncRouter[ClientToServer], front: ClientFront) -> None:
-    """Forever: hand programmatic clients' messages to the front."""
+    """Forever: hand programmatic clients' messages (and departures) to the front."""
     while True:
-        identity, message = await router.recv()
+        event = await router.recv()
         try:
-            await front.handle(identity, message)
+            await _to_front(event, front)
         except Exception:  # one bad client request must not stop the front
-            logger.exception("failed to handle %s", type(message).__name__)
+            logger.exception("failed to handle %s", type(event).__name__)
+
+
+async def _to_front(event: RouterEvent[ClientToServer], front: ClientFront) -> None:
+    if isinstance(event, ClientGone):
+        front.client_gone(event.identity)
+    elif isinstance(event, ClientMalformed):
+        await front.refuse_malformed(event.identity, event.problem)
+    else:
+        await front.handle(event.identity, event.message)
 
 
 async def log_throughput(manager: TokenizerManager, interval_s: float) -> None:

@@ -18,9 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from ipc.process import CannotServe
 
-class UnsupportedModelError(RuntimeError):
-    """The model has a layer kind the engine cannot serve yet."""
+
+class UnsupportedModelError(CannotServe, RuntimeError):
+    """The model has a layer kind the engine cannot serve yet (the launcher's last line
+    gives its message)."""
 
 
 class Kind(enum.Enum):
@@ -87,8 +90,8 @@ def kinds_from_caches(caches: list[Any]) -> list[LayerKind]:
         else:
             unsupported.setdefault(_cache_name(cache), []).append(i)
     if unsupported:
-        found = "; ".join(f"{name} in layers {_ranges(layers)}" for name, layers in unsupported.items())
-        raise UnsupportedModelError(f"unsupported layer kinds: {found}")
+        found = "; ".join(f"{_layers(ids)}: {name}" for name, ids in unsupported.items())
+        raise UnsupportedModelError(f"{found}: not supported yet")
     return kinds
 
 
@@ -99,11 +102,16 @@ def _cache_name(cache: Any) -> str:
     if isinstance(cache, RotatingKVCache):
         return f"{name} with keep={cache.keep} (sliding window keeping its first tokens)"
     if isinstance(cache, ArraysCache):
-        return f"{name} (recurrent state: conv / SSM / linear attention)"
+        return f"{name} (recurrent state)"
     if isinstance(cache, CacheList):
         parts = ", ".join(type(c).__name__ for c in cache.caches)
         return f"{name}({parts}) (several caches in one layer)"
     return name
+
+
+def _layers(ids: list[int]) -> str:
+    """'layer 5', 'layers 0-4, 6-10'."""
+    return f"layer{'s' if len(ids) > 1 else ''} {_ranges(ids)}"
 
 
 def _ranges(layers: list[int]) -> str:
@@ -186,4 +194,4 @@ def describe_layers(kinds: list[LayerKind]) -> str:
     groups: dict[str, list[int]] = {}
     for i, k in enumerate(kinds):
         groups.setdefault(k.describe(), []).append(i)
-    return "; ".join(f"layers {_ranges(v)}: {name}" for name, v in groups.items())
+    return "; ".join(f"{_layers(v)}: {name}" for name, v in groups.items())

@@ -43,10 +43,21 @@ class TextOutput(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: list[TextLogprob] | None = None
     prompt_logprobs: PromptTextLogprobs | None = None  # first output only, when asked for
     cumulative_logprob: float | None = None  # final output only, with logprobs
+    # The error is the engine's death (EngineDead), not a refusal of this request: an
+    # HTTP response says 503 rather than 400. Set by the front itself, never sent.
+    engine_dead: bool = False
 
 
 class BatchText(Message, frozen=True):
     outputs: list[TextOutput]
 
 
-TokenizerMessage = BatchText | StatsReply
+class EngineDead(Message, frozen=True):
+    """From the launcher: a child behind the front died, so nothing in flight will ever
+    finish. The front fails every waiting request with `reason` and refuses new ones
+    until the launcher stops it."""
+
+    reason: str
+
+
+TokenizerMessage = BatchText | StatsReply | EngineDead

@@ -1,0 +1,167 @@
+"""The launcher's failure paths through all four processes: a child killed while serving
+(every client hears of it within 2 s, then the launcher exits non-zero), and a model the
+engine cannot serve (refused in the launcher's own last line)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from tests.server import Server
+
+pytestmark = pytest.mark.timeout(300)
+
+# Long enough that nothing finishes before the kill (demo-tiny's context is 4,096).
+LONG = {"max_tokens": 3500, "ignore_eos": True, "temperature": 0}
+DEADLINE_S = 2.0
+
+
+@dataclass
+class Heard:
+    """What one client got after the kill, and when (time.monotonic)."""
+
+    at: float
+    what: Any
+
+
+async def _sse(url: str, streaming: asyncio.Event) -> Heard:
+    """A streamed completion's data lines after its first chunk, up to the end."""
+    body = {"model": "x", "prompt": "a long story", "stream": True, **LONG}
+    lines: list[str] = []
+    async with httpx.AsyncClient(timeout=30) as http:
+        async with http.stream("POST", url + "/v1/completions", json=body) as response:
+            async for line in response.aiter_lines():
+                if not line:
+                    continue
+                if not streaming.is_set():
+                    streaming.set()
+                    continue
+                lines.append(line)
+    return Heard(time.monotonic(), lines)
+
+
+async def _whole(url: str) -> Heard:
+    body = {"model": "x", "prompt": "another story", **LONG}
+    async with httpx.AsyncClient(timeout=30) as http:
+        response = await http.post(url + "/v1/completions", json=body)
+    return Heard(time.monotonic(), response)
+
+
+async def _zmq(address: str) -> Heard:
+    from ipc.client import AsyncKilnClient
+
+    async with AsyncKilnClient(address, timeout=30) as client:
+        try:
+            result: Any = await client.generate("a third story", **LONG)
+        except Exception as exc:  # noqa: BLE001 - the test looks at it
+            result = exc
+    return Heard(time.monotonic(), result)
+
+
+async def _running(url: str, count: int) -> None:
+    async with httpx.AsyncClient(timeout=10) as http:
+        while True:
+            info = (await http.get(url + "/get_server_info")).json()
+            if info["scheduler"]["running_requests"] >= count:
+                return
+            await asyncio.sleep(0.05)
+
+
+async def _kill_under_clients(srv: Server, role: str) -> tuple[float, dict[str, Heard]]:
+    streaming = asyncio.Event()
+    clients = {"sse": asyncio.ensure_future(_sse(srv.url, streaming)),
+               "whole": asyncio.ensure_future(_whole(srv.url)),
+               "zmq": asyncio.ensure_future(_zmq(srv.zmq))}
+    await asyncio.wait_for(streaming.wait(), 30)
+    await asyncio.wait_for(_running(srv.url, 3), 30)
+    srv.child(f"kiln:{role}").send_signal(signal.SIGKILL)
+    killed = time.monotonic()
+    heard = await asyncio.wait_for(asyncio.gather(*clients.values()), 20)
+    return killed, dict(zip(clients, heard))
+
+
+@pytest.mark.parametrize("role", ["worker", "scheduler", "detokenizer"])
+def test_every_client_hears_of_a_killed_child_within_2_s(tiny_model_dir, tmp_path, role):
+    """kill -9 of a child behind the front, with an SSE stream, a whole-response request
+    and a ZMQ request generating: the stream gets an error event then [DONE], the
+    request a 503 with an error body, the ZMQ call raises, each within 2 s; then the
+    launcher exits non-zero."""
+    from ipc.client import KilnRequestError
+
+    srv = Server(tiny_model_dir, "--max-total-tokens", "12000",
+                 log_path=tmp_path / "log").wait_ready()
+    try:
+        killed, heard = asyncio.run(_kill_under_clients(srv, role))
+        print(f"\nkill -9 {role}: " + ", ".join(f"{name} {h.at - killed:.3f} s"
+                                              for name, h in heard.items()))
+        for name, h in heard.items():
+            assert h.at - killed < DEADLINE_S, (name, h.at - killed)
+        *_, error, done = heard["sse"].what
+        assert f"{role} died" in json.loads(error.removeprefix("data: "))["error"]["message"]
+        assert done == "data: [DONE]"
+        response = heard["whole"].what
+        assert response.status_code == 503, response.text
+        assert f"{role} died" in response.json()["error"]["message"]
+        assert isinstance(heard["zmq"].what, KilnRequestError), heard["zmq"].what
+        assert f"{role} died" in str(heard["zmq"].what)
+        assert srv.proc.wait(15) == 1
+    finally:
+        srv.stop()
+
+
+# --- a model the engine cannot serve --------------------------------------------------------
+
+
+def write_recurrent_gemma(demo_dir: Path, out: Path) -> Path:
+    """A tiny random recurrent_gemma (mlx-lm's own classes): recurrent layers beside
+    sliding-window attention, with the demo model's tokenizer."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+    from mlx_lm.models import recurrent_gemma
+
+    out.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(demo_dir / name, out / name)
+    config = {"model_type": "recurrent_gemma", "attention_bias": False, "conv1d_width": 4,
+              "hidden_size": 32, "intermediate_size": 64, "logits_soft_cap": 30.0,
+              "num_attention_heads": 2, "num_hidden_layers": 6, "num_key_value_heads": 1,
+              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_window_size": 16,
+              "vocab_size": json.loads((demo_dir / "config.json").read_text())["vocab_size"],
+              "block_types": ["recurrent", "recurrent", "attention"]}
+    model = recurrent_gemma.Model(recurrent_gemma.ModelArgs.from_dict(config))
+    mx.eval(model.parameters())
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    (out / "config.json").write_text(json.dumps(config))
+    return out
+
+
+def test_a_model_it_cannot_serve_is_refused_in_the_launchers_last_line(tiny_model_dir,
+                                                                       tmp_path):
+    """The reason, naming every unsupported layer kind (its sliding-window layers are
+    served), is the launcher's own last line;
+    no traceback; every child stops when told (the front too, though health probes were
+    waiting on the engine as it failed), and the exit code is 1."""
+    model = write_recurrent_gemma(tiny_model_dir, tmp_path / "recurrent-gemma")
+    srv = Server(model, log_path=tmp_path / "log")
+    while srv.proc.poll() is None:  # probes, as a load balancer would send them
+        try:
+            httpx.get(srv.url + "/health", timeout=1.0)
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    log = srv.log_tail(20000)
+    srv.stop()
+    assert srv.proc.returncode == 1
+    assert log.rstrip().splitlines()[-1].endswith(
+        f"launcher: cannot serve {model}: layers 0-1, 3-4: ArraysCache (recurrent state): "
+        "not supported yet"), log
+    assert "Traceback" not in log and "did not stop" not in log, log
