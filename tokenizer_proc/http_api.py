@@ -116,8 +116,9 @@ class ApiRoutes:
         body = _parse(ChatCompletionRequest, await _read_json(request))
         await self._preparer.prevalidate(body)
         rid = new_id("chatcmpl")
-        fmt = ChatFormat(rid, self._preparer.info.name, _include_usage(body))
-        tokenized = await self._preparer.run(self._preparer.chat, body, rid)
+        turn = await self._preparer.run(self._preparer.chat_turn, body, rid)
+        tokenized = turn.request
+        fmt = ChatFormat(rid, self._preparer.info.name, _include_usage(body), parse=turn.parse)
         n = choice_count(body.n)
         if n > 1:
             return await self._generate_n(request, tokenized.rid, fan_out(tokenized, n), fmt,
@@ -291,9 +292,11 @@ async def _events(stream: RequestStream, first: TextOutput,
             break
         # Tokens still held back as text (part of a character) still bring their logprobs.
         if output.text or output.logprobs:
-            yield sse(fmt.text_chunk(output.text, output.logprobs))
+            for chunk in fmt.text_chunks(output.text, output.logprobs):
+                yield sse(chunk)
         if output.finished:
-            yield sse(fmt.finish_chunk(output.finish_reason))
+            for chunk in fmt.finish_chunks(output.finish_reason):
+                yield sse(chunk)
             if fmt.include_usage:
                 yield sse(fmt.usage_chunk(stream.usage(output)))
             break
@@ -335,9 +338,11 @@ async def _openai_choice_events(streams: list[RequestStream], firsts: list[TextO
                 yield sse(error_body(output.error))
                 break
             if output.text or output.logprobs:
-                yield sse(with_index(fmts[i].text_chunk(output.text, output.logprobs), i))
+                for chunk in fmts[i].text_chunks(output.text, output.logprobs):
+                    yield sse(with_index(chunk, i))
             if output.finished:
-                yield sse(with_index(fmts[i].finish_chunk(output.finish_reason), i))
+                for chunk in fmts[i].finish_chunks(output.finish_reason):
+                    yield sse(with_index(chunk, i))
                 usages[i] = streams[i].usage(output)
         else:
             if fmts[0].include_usage:
