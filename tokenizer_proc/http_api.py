@@ -27,7 +27,8 @@ from ipc.config import ServerConfig
 from ipc.messages.common import Usage
 from ipc.messages.to_scheduler import TokenizedRequest
 from ipc.messages.to_tokenizer import TextOutput
-from tokenizer_proc.errors import RequestError, error_body, from_validation_errors
+from tokenizer_proc.errors import (RequestError, error_body, error_body_for,
+                                   from_validation_errors)
 from tokenizer_proc.json_body import parse_object
 from tokenizer_proc.manager import RequestStream, StatsUnavailable, TokenizerManager, new_id
 from tokenizer_proc.prepare import (RequestPreparer, choice_count, completion_choices,
@@ -68,6 +69,10 @@ def create_app(manager: TokenizerManager, preparer: RequestPreparer,
     app = FastAPI(title="kiln", docs_url="/docs", redoc_url=None)
     routes = ApiRoutes(manager, preparer, dict(facts or {}))
     routes.install(app)
+    # Imported here: the agent routes reuse this module's helpers.
+    from tokenizer_proc.agent_routes import AgentRoutes
+
+    AgentRoutes(manager, preparer).install(app)
     install_error_handlers(app)
     app.add_middleware(HttpGuard, api_key=ApiKey(config.api_key),
                        max_body_bytes=config.max_request_bytes)
@@ -428,7 +433,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 async def _on_request_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestError)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(request.url.path), status_code=exc.status)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> Response:
@@ -440,8 +445,8 @@ async def _on_validation_error(request: Request, exc: Exception) -> Response:
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
-    return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code,
-                        headers=exc.headers)
+    return JSONResponse(error_body_for(request.url.path, str(exc.detail), exc.status_code),
+                        status_code=exc.status_code, headers=exc.headers)
 
 
 async def _on_client_gone(request: Request, exc: Exception) -> Response:
@@ -449,7 +454,8 @@ async def _on_client_gone(request: Request, exc: Exception) -> Response:
 
 
 async def _on_stats_unavailable(request: Request, exc: Exception) -> Response:
-    return JSONResponse(error_body(str(exc), "server_error"), status_code=503)
+    return JSONResponse(error_body_for(request.url.path, str(exc), 503, "server_error"),
+                        status_code=503)
 
 
 class InternalErrors:
@@ -483,8 +489,9 @@ class InternalErrors:
             if started:
                 raise
             logger.exception("unexpected error serving %s", scope.get("path"))
-            response = JSONResponse(error_body("Internal server error.", "server_error"),
-                                    status_code=500)
+            body = error_body_for(scope.get("path", ""), "Internal server error.", 500,
+                                  "server_error")
+            response = JSONResponse(body, status_code=500)
             await response(scope, receive, send)
 
 

@@ -52,6 +52,7 @@ class Collected:
     logprobs: list[TextLogprob] | None = None  # one per token id, when asked for
     prompt_logprobs: PromptTextLogprobs | None = None  # when asked for
     cumulative_logprob: float | None = None  # of every sampled token, with logprobs
+    stop_str: str | None = None  # the stop string that ended it, if one did
 
     @property
     def mean_logprob(self) -> float:
@@ -113,7 +114,7 @@ class RequestStream:
                          error=last.error, logprobs=_joined_logprobs(outputs),
                          prompt_logprobs=next((o.prompt_logprobs for o in outputs
                                                if o.prompt_logprobs is not None), None),
-                         cumulative_logprob=last.cumulative_logprob)
+                         cumulative_logprob=last.cumulative_logprob, stop_str=last.stop_str)
 
 
 def _joined_logprobs(outputs: list[TextOutput]) -> list[TextLogprob] | None:

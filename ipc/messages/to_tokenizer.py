@@ -43,6 +43,7 @@ class TextOutput(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: list[TextLogprob] | None = None
     prompt_logprobs: PromptTextLogprobs | None = None  # first output only, when asked for
     cumulative_logprob: float | None = None  # final output only, with logprobs
+    stop_str: str | None = None  # final output of a request a stop string ended: that string
 
 
 class BatchText(Message, frozen=True):
