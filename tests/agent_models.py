@@ -52,10 +52,13 @@ For each function call, return a json object with function name and arguments wi
 {%- if add_generation_prompt %}<|im_start|>assistant
 {% endif %}"""
 
-# Hermes calls with DeepSeek-R1's habit: the prompt opens the reasoning block.
-THINKING = HERMES.replace("{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
-                          "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n"
-                          "{% endif %}")
+# Hermes calls with DeepSeek-R1's habits: past answers lose their reasoning, and the
+# prompt opens the reasoning block.
+THINKING = HERMES.replace(
+    "{% if message.content %}{{ message.content }}{% endif %}",
+    "{% if message.content %}{{ message.content.split('</think>')[-1] }}{% endif %}").replace(
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n{% endif %}")
 
 LLAMA3 = """\
 {{- bos_token }}<|start_header_id|>system<|end_header_id|>
