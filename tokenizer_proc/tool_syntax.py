@@ -16,7 +16,10 @@ tokens), else from `<think>`/`</think>` in the template.
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import logging
+import sys
+import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -74,12 +77,27 @@ def _json_header(args_key: str = "arguments") -> str:
             rf'"(?:{args_key})"\s*:\s*')
 
 
+_MLX_LM_SHIM = "_kiln_mlx_lm"
+
+
+def mlx_lm_module(name: str) -> types.ModuleType:
+    """A module of mlx-lm (`tokenizer_utils`, `tool_parsers.X`) loaded without mlx_lm's
+    package __init__, which imports MLX and its generation stack: the front process never
+    loads MLX (on a GPU that would open a device context here too)."""
+    if _MLX_LM_SHIM not in sys.modules:
+        spec = importlib.util.find_spec("mlx_lm")
+        assert spec is not None and spec.submodule_search_locations is not None
+        shim = types.ModuleType(_MLX_LM_SHIM)
+        shim.__path__ = list(spec.submodule_search_locations)
+        sys.modules[_MLX_LM_SHIM] = shim
+    return importlib.import_module(f"{_MLX_LM_SHIM}.{name}")
+
+
 def _mlx_lm_parser(name: str) -> RegionParser:
     """mlx-lm's parser of a family, imported when first used."""
 
     def parse(text: str, tools: Any) -> Any:
-        return importlib.import_module(f"mlx_lm.tool_parsers.{name}").parse_tool_call(text,
-                                                                                      tools)
+        return mlx_lm_module(f"tool_parsers.{name}").parse_tool_call(text, tools)
 
     return parse
 
@@ -229,7 +247,7 @@ def syntax_named(name: str, template: str = "") -> ToolSyntax:
 def _mlx_lm_region_syntax(name: str) -> ToolSyntax:
     """A family mlx-lm parses: its markers and its parser, on whole regions."""
     try:
-        module = importlib.import_module(f"mlx_lm.tool_parsers.{name}")
+        module = mlx_lm_module(f"tool_parsers.{name}")
     except ImportError:
         raise ValueError(f"unknown tool parser {name!r}") from None
     return ToolSyntax(name, module.tool_call_start, module.tool_call_end or "", None, None,
@@ -237,19 +255,15 @@ def _mlx_lm_region_syntax(name: str) -> ToolSyntax:
 
 
 def _mlx_lm_inferred(tokenizer: Any) -> str | None:
-    from mlx_lm.tokenizer_utils import _infer_tool_parser
-
     try:
-        return _infer_tool_parser(tokenizer)
+        return mlx_lm_module("tokenizer_utils")._infer_tool_parser(tokenizer)
     except Exception:  # noqa: BLE001 - a tokenizer without a vocabulary: no format
         return None
 
 
 def _reasoning_markers(tokenizer: Any, template: str) -> ReasoningMarkers | None:
-    from mlx_lm.tokenizer_utils import _infer_thinking
-
     try:
-        start, end, _, _ = _infer_thinking(tokenizer)
+        start, end, _, _ = mlx_lm_module("tokenizer_utils")._infer_thinking(tokenizer)
     except Exception:  # noqa: BLE001 - as above
         start = end = None
     if start and end:
