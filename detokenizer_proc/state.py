@@ -217,7 +217,7 @@ class DetokenizerManager:
                           finished=out.finished, finish_reason=out.finish_reason,
                           usage=out.usage, error=error, logprobs=logprobs,
                           prompt_logprobs=self._prompt_logprobs(out),
-                          cumulative_logprob=out.cumulative_logprob)
+                          cumulative_logprob=out.cumulative_logprob, stop_str=out.stop_str)
 
     def _text_logprobs(self, out: TokenOutput) -> list[TextLogprob] | None:
         """The token logprobs with each token's own text (the decode of that one id)."""

@@ -123,6 +123,17 @@ class ServerConfig:
                                          "(config.json auto_map or model_file, or a "
                                          "model_type mlx-lm lacks); it runs as this user."})
 
+    tool_parser: str = dataclasses.field(
+        default="auto", metadata={"help": "The model's tool-call format: 'auto' (from the "
+                                          "tokenizer config and chat template), 'none', or "
+                                          "a format name (hermes, llama3_json, mistral, "
+                                          "harmony, deepseek_v3, deepseek_v31, kimi_k2, "
+                                          "json, or one of mlx-lm's tool parsers)."})
+    reasoning_inline: bool = dataclasses.field(
+        default=False, metadata={"help": "Keep a reasoning model's thinking inline in the "
+                                         "answer's text instead of apart (requests may "
+                                         "still choose either)."})
+
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")

@@ -110,6 +110,9 @@ def test_every_route_but_health_needs_the_key(make_app: Callable[..., Guarded]) 
             assert r.status_code == 401, (method, path, headers)
             assert r.headers["www-authenticate"] == "Bearer"
             error = r.json()["error"]
+            if path.startswith("/v1/messages"):  # Anthropic's routes answer in its format
+                assert r.json()["type"] == "error" and error["type"] == "authentication_error"
+                continue
             assert error["code"] == "invalid_api_key" and error["type"] == "invalid_request_error"
             assert set(error) == {"message", "type", "param", "code"}
     # Only /health's readiness query reached the engine.
@@ -370,3 +373,12 @@ def test_real_server_with_an_api_key(keyed_server: Server) -> None:
     assert values["kiln_generation_tokens_total"] >= 2
     assert values["kiln_prompt_tokens_total"] > 0
     assert values["kiln_kv_slots_capacity"] > 0
+
+
+def test_anthropic_clients_send_the_key_as_x_api_key(make_app: Callable[..., Guarded]) -> None:
+    api = make_app(api_key=KEY)
+    body = {"messages": [{"role": "user", "content": "hi"}]}
+    assert api.http.post("/v1/messages/count_tokens", json=body,
+                         headers={"x-api-key": KEY}).status_code == 200
+    assert api.http.post("/v1/messages/count_tokens", json=body,
+                         headers={"x-api-key": "wrong"}).status_code == 401

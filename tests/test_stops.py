@@ -208,7 +208,8 @@ def test_abort_request_with_the_response_id_stops_every_choice(server):
                     for choice in json.loads(line[6:])["choices"]:
                         if choice.get("finish_reason"):
                             finishes[choice["index"]] = choice["finish_reason"]
-    assert finishes == {0: "abort", 1: "abort"}
+    # OpenAI's schema has no "abort": a cut choice reports "length" (responses.py)
+    assert finishes == {0: "length", 1: "length"}
     deadline = time.monotonic() + 20
     while server.stats()["running_requests"]:
         assert time.monotonic() < deadline

@@ -382,8 +382,9 @@ def test_unknown_route_has_an_openai_error_body(api: Api) -> None:
 
 UNSUPPORTED = [
     (COMPLETIONS, "suffix", "end", ""),
-    (CHAT, "tools", [{"type": "function", "function": {"name": "f"}}], []),
-    (CHAT, "tool_choice", "required", "auto"),
+    # The legacy spelling of tools; `tools` itself is served (tests/test_tool_calls.py).
+    (CHAT, "functions", [{"name": "f"}], []),
+    (CHAT, "function_call", {"name": "f"}, "none"),
 ]
 
 

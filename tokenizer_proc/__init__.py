@@ -33,10 +33,17 @@ def run_tokenizer(config: ServerConfig) -> None:
 
     model_path = config.model_path or config.model
     reporter.progress(f"loading tokenizer from {model_path}")
-    preparer = RequestPreparer.load(config.model_name, model_path, config.trust_remote_code)
+    preparer = RequestPreparer.load(config.model_name, model_path, config.trust_remote_code,
+                                    config.tool_parser, config.reasoning_inline)
     preparer.start_grammar_build()  # in the background, while the worker loads the model
     info = preparer.info
     logger.info("model %s: context %d tokens, vocab %d, eos ids %s", info.name,
                 info.context_len, info.vocab_size, list(info.eos_token_ids))
+    # Detected now, so an unknown --tool-parser stops the start-up with its message.
+    syntax = preparer.turns.syntax
+    logger.info("tool-call format: %s; reasoning markers: %s",
+                syntax.tools.name if syntax.tools else "none",
+                f"{syntax.reasoning.start} {syntax.reasoning.end}" if syntax.reasoning
+                else ("harmony channels" if syntax.harmony else "none"))
     server = TokenizerServer(config, preparer)
     uvloop.run(server.run(reporter.ready))

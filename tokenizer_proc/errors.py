@@ -27,7 +27,10 @@ class RequestError(Exception):
     def __str__(self) -> str:
         return self.message
 
-    def body(self) -> dict[str, Any]:
+    def body(self, path: str = "") -> dict[str, Any]:
+        """The error body in the format of the API that `path` belongs to."""
+        if is_anthropic_path(path):
+            return anthropic_error_body(self.message, self.status)
         return error_body(self.message, self.type, self.param, self.code)
 
 
@@ -44,6 +47,30 @@ class EngineUnavailable(RequestError):
 def error_body(message: str, type_: str = INVALID_REQUEST, param: str | None = None,
                code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}
+
+
+# Anthropic's Messages API has its own error shape and types, by HTTP status.
+ANTHROPIC_PATH = "/v1/messages"
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 500: "api_error", 503: "overloaded_error"}
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path == ANTHROPIC_PATH or path.startswith(ANTHROPIC_PATH + "/")
+
+
+def anthropic_error_body(message: str, status: int = 400) -> dict[str, Any]:
+    kind = _ANTHROPIC_TYPES.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def error_body_for(path: str, message: str, status: int, type_: str = INVALID_REQUEST,
+                   code: str | None = None) -> dict[str, Any]:
+    """An error body (no parameter) for the API that `path` belongs to."""
+    if is_anthropic_path(path):
+        return anthropic_error_body(message, status)
+    return error_body(message, type_, None, code)
 
 
 # Pydantic puts union-member tags ("str", "list[int]", "TextPart") into error locations;

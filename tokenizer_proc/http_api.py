@@ -27,7 +27,7 @@ from ipc.config import ServerConfig
 from ipc.messages.common import Usage
 from ipc.messages.to_scheduler import TokenizedRequest
 from ipc.messages.to_tokenizer import TextOutput
-from tokenizer_proc.errors import (EngineUnavailable, RequestError, error_body,
+from tokenizer_proc.errors import (EngineUnavailable, RequestError, error_body, error_body_for,
                                    from_validation_errors)
 from tokenizer_proc.json_body import parse_object
 from tokenizer_proc.manager import (Collected, RequestStream, StatsUnavailable,
@@ -70,6 +70,10 @@ def create_app(manager: TokenizerManager, preparer: RequestPreparer,
     app = FastAPI(title="kiln", docs_url="/docs", redoc_url=None)
     routes = ApiRoutes(manager, preparer, dict(facts or {}))
     routes.install(app)
+    # Imported here: the agent routes reuse this module's helpers.
+    from tokenizer_proc.agent_routes import AgentRoutes
+
+    AgentRoutes(manager, preparer).install(app)
     install_error_handlers(app)
     app.add_middleware(HttpGuard, api_key=ApiKey(config.api_key),
                        max_body_bytes=config.max_request_bytes)
@@ -118,8 +122,9 @@ class ApiRoutes:
         body = _parse(ChatCompletionRequest, await _read_json(request))
         await self._preparer.prevalidate(body)
         rid = new_id("chatcmpl")
-        fmt = ChatFormat(rid, self._preparer.info.name, _include_usage(body))
-        tokenized = await self._preparer.run(self._preparer.chat, body, rid)
+        turn = await self._preparer.run(self._preparer.chat_turn, body, rid)
+        tokenized = turn.request
+        fmt = ChatFormat(rid, self._preparer.info.name, _include_usage(body), parse=turn.parse)
         n = choice_count(body.n)
         if n > 1:
             return await self._generate_n(request, tokenized.rid, fan_out(tokenized, n), fmt,
@@ -293,9 +298,11 @@ async def _events(stream: RequestStream, first: TextOutput,
             break
         # Tokens still held back as text (part of a character) still bring their logprobs.
         if output.text or output.logprobs:
-            yield sse(fmt.text_chunk(output.text, output.logprobs))
+            for chunk in fmt.text_chunks(output.text, output.logprobs):
+                yield sse(chunk)
         if output.finished:
-            yield sse(fmt.finish_chunk(output.finish_reason))
+            for chunk in fmt.finish_chunks(output.finish_reason):
+                yield sse(chunk)
             if fmt.include_usage:
                 yield sse(fmt.usage_chunk(stream.usage(output)))
             break
@@ -337,9 +344,11 @@ async def _openai_choice_events(streams: list[RequestStream], firsts: list[TextO
                 yield sse(_output_error(output).body())
                 break
             if output.text or output.logprobs:
-                yield sse(with_index(fmts[i].text_chunk(output.text, output.logprobs), i))
+                for chunk in fmts[i].text_chunks(output.text, output.logprobs):
+                    yield sse(with_index(chunk, i))
             if output.finished:
-                yield sse(with_index(fmts[i].finish_chunk(output.finish_reason), i))
+                for chunk in fmts[i].finish_chunks(output.finish_reason):
+                    yield sse(with_index(chunk, i))
                 usages[i] = streams[i].usage(output)
         else:
             if fmts[0].include_usage:
@@ -433,7 +442,7 @@ def install_error_handlers(app: FastAPI) -> None:
 
 async def _on_request_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, RequestError)
-    return JSONResponse(exc.body(), status_code=exc.status)
+    return JSONResponse(exc.body(request.url.path), status_code=exc.status)
 
 
 async def _on_validation_error(request: Request, exc: Exception) -> Response:
@@ -445,8 +454,8 @@ async def _on_validation_error(request: Request, exc: Exception) -> Response:
 
 async def _on_http_error(request: Request, exc: Exception) -> Response:
     assert isinstance(exc, StarletteHTTPException)
-    return JSONResponse(error_body(str(exc.detail)), status_code=exc.status_code,
-                        headers=exc.headers)
+    return JSONResponse(error_body_for(request.url.path, str(exc.detail), exc.status_code),
+                        status_code=exc.status_code, headers=exc.headers)
 
 
 async def _on_client_gone(request: Request, exc: Exception) -> Response:
@@ -454,7 +463,8 @@ async def _on_client_gone(request: Request, exc: Exception) -> Response:
 
 
 async def _on_stats_unavailable(request: Request, exc: Exception) -> Response:
-    return JSONResponse(error_body(str(exc), "server_error"), status_code=503)
+    return JSONResponse(error_body_for(request.url.path, str(exc), 503, "server_error"),
+                        status_code=503)
 
 
 class InternalErrors:
@@ -488,8 +498,9 @@ class InternalErrors:
             if started:
                 raise
             logger.exception("unexpected error serving %s", scope.get("path"))
-            response = JSONResponse(error_body("Internal server error.", "server_error"),
-                                    status_code=500)
+            body = error_body_for(scope.get("path", ""), "Internal server error.", 500,
+                                  "server_error")
+            response = JSONResponse(body, status_code=500)
             await response(scope, receive, send)
 
 

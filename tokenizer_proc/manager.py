@@ -54,6 +54,7 @@ class Collected:
     prompt_logprobs: PromptTextLogprobs | None = None  # when asked for
     cumulative_logprob: float | None = None  # of every sampled token, with logprobs
     engine_dead: bool = False  # the error is the engine's death (see TextOutput)
+    stop_str: str | None = None  # the stop string that ended it, if one did
 
     @property
     def mean_logprob(self) -> float:
@@ -116,7 +117,7 @@ class RequestStream:
                          prompt_logprobs=next((o.prompt_logprobs for o in outputs
                                                if o.prompt_logprobs is not None), None),
                          cumulative_logprob=last.cumulative_logprob,
-                         engine_dead=last.engine_dead)
+                         engine_dead=last.engine_dead, stop_str=last.stop_str)
 
 
 def _joined_logprobs(outputs: list[TextOutput]) -> list[TextLogprob] | None:

@@ -28,13 +28,16 @@ from pydantic import BaseModel
 from ipc.messages.client import GenerateRequest
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import TokenizedRequest
+from tokenizer_proc.assistant_parser import ParseSpec
 from tokenizer_proc.constraints import (Constraint, GrammarCompiler, ll_tokenizer,
                                         native_constraint, response_format_constraint,
                                         structured_output_supported)
+from tokenizer_proc.conversation import Conversation, chat_conversation
 from tokenizer_proc.errors import RequestError
 from tokenizer_proc.model_info import ModelInfo, load_model_info
-from tokenizer_proc.protocol import (ChatCompletionRequest, ChatMessage, CompletionRequest,
-                                     GenerateBody)
+from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, GenerateBody
+from tokenizer_proc.tool_syntax import detect_syntax
+from tokenizer_proc.turn_plan import TurnPlanner, special_tokens
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Seeds travel as int64; the worker folds any of them into its 32-bit RNG key
@@ -60,9 +63,8 @@ COMPLETION_UNSUPPORTED: dict[str, _IsDefault] = {
     **_COMMON_UNSUPPORTED, "suffix": _empty,
 }
 CHAT_UNSUPPORTED: dict[str, _IsDefault] = {
-    **_COMMON_UNSUPPORTED, "tools": _empty,
-    "tool_choice": _auto_or_none,
-    "functions": _empty, "function_call": _auto_or_none,
+    # The legacy spelling of tools (deprecated by OpenAI): use `tools`.
+    **_COMMON_UNSUPPORTED, "functions": _empty, "function_call": _auto_or_none,
 }
 
 # The native /generate: top-level fields, then fields of its `sampling_params`.
@@ -140,16 +142,38 @@ class SamplingInput:
     constraint: Constraint | None = None  # structured output, compiled in sampling_params
 
 
+@dataclass(frozen=True)
+class PreparedTurn:
+    """A chat turn (OpenAI chat, Responses, Messages): the engine request and what its
+    output is parsed for."""
+
+    request: TokenizedRequest
+    parse: ParseSpec
+
+
 class RequestPreparer:
-    """Turns validated API bodies into `TokenizedRequest`s, refusing what the engine can't do."""
+    """Turns validated API bodies into `TokenizedRequest`s, refusing what the engine can't do.
+
+    `tool_parser` ("auto": detected from the tokenizer) names the model's tool-call
+    format; `reasoning_inline` keeps reasoning in the content unless a request says
+    otherwise."""
 
     def __init__(self, tokenizer: Any, info: ModelInfo,
-                 grammars: GrammarCompiler | None = None) -> None:
+                 grammars: GrammarCompiler | None = None, tool_parser: str = "auto",
+                 reasoning_inline: bool = False) -> None:
         self._tokenizer = tokenizer
         self.info = info
         self.grammars = grammars or GrammarCompiler(
             lambda: ll_tokenizer(tokenizer, info.eos_token_ids))
         self._thread: ThreadPoolExecutor | None = None
+        self._tool_parser = tool_parser
+        self.reasoning_inline = reasoning_inline
+
+    @functools.cached_property
+    def turns(self) -> TurnPlanner:
+        """The model's tool and reasoning syntax, detected on first use."""
+        return TurnPlanner(detect_syntax(self._tokenizer, self._tool_parser),
+                           special_tokens(self._tokenizer))
 
     async def run(self, entry: Callable[..., R], *args: Any) -> R:
         """Call an entry point (or echo_text) on the preparer's own thread, off the event
@@ -179,14 +203,15 @@ class RequestPreparer:
             await self.grammars.prevalidate(constraint)
 
     @classmethod
-    def load(cls, name: str, model_path: str,
-             trust_remote_code: bool = False) -> "RequestPreparer":
+    def load(cls, name: str, model_path: str, trust_remote_code: bool = False,
+             tool_parser: str = "auto", reasoning_inline: bool = False) -> "RequestPreparer":
         """Load the model's tokenizer and facts from its directory."""
         from transformers import AutoTokenizer  # slow import, only where needed
 
         tokenizer = AutoTokenizer.from_pretrained(model_path,
                                                   trust_remote_code=trust_remote_code)
-        return cls(tokenizer, load_model_info(name, model_path, tokenizer))
+        return cls(tokenizer, load_model_info(name, model_path, tokenizer),
+                   tool_parser=tool_parser, reasoning_inline=reasoning_inline)
 
     # --- entry points -------------------------------------------------------------
 
@@ -214,8 +239,11 @@ class RequestPreparer:
         return self._tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)
 
     def chat(self, body: ChatCompletionRequest, rid: str) -> TokenizedRequest:
+        return self.chat_turn(body, rid).request
+
+    def chat_turn(self, body: ChatCompletionRequest, rid: str) -> PreparedTurn:
         self._check_common(body, CHAT_UNSUPPORTED)
-        ids = self.chat_ids(body.messages)
+        conversation = chat_conversation(body, self.reasoning_inline)
         # max_completion_tokens replaced max_tokens in OpenAI's chat API.
         if body.max_completion_tokens is not None:
             sampling = _sampling_input(body, body.max_completion_tokens, "max_completion_tokens")
@@ -223,8 +251,32 @@ class RequestPreparer:
             sampling = _sampling_input(body, body.max_tokens)
         sampling = replace(sampling, logprobs=_chat_logprobs(body),
                            constraint=request_constraint(body))
+        return self.turn(conversation, sampling, rid, body.skip_special_tokens)
+
+    def turn(self, conversation: Conversation, sampling: SamplingInput, rid: str,
+             skip_special_tokens: bool = True) -> PreparedTurn:
+        """Any chat-like API's request: template (with its tools), the tool grammar, the
+        engine request and what its output is parsed for."""
+        prompt = self._render(conversation)
+        ids = self.checked_ids(list(self._tokenizer.encode(prompt, add_special_tokens=False)),
+                               conversation.messages_param)
+        plan = self.turns.plan(conversation, prompt)
+        if plan.constraint is not None:
+            if sampling.constraint is not None:
+                raise RequestError(f"'{sampling.constraint.param}' cannot be combined with "
+                                   f"tool calls; leave it out or set "
+                                   f"'{conversation.tool_choice_param}' to 'none'.",
+                                   param=sampling.constraint.param)
+            sampling = replace(sampling, constraint=plan.constraint)
         default = self.info.context_len - len(ids)
-        return self._request(rid, ids, sampling, default, "messages", body.skip_special_tokens)
+        request = self._request(rid, ids, sampling, default, conversation.messages_param,
+                                skip_special_tokens and not plan.keep_special_tokens)
+        return PreparedTurn(request, plan.parse)
+
+    def count_tokens(self, conversation: Conversation) -> int:
+        """The prompt tokens a conversation takes (Anthropic's count_tokens)."""
+        prompt = self._render(conversation)
+        return len(self._tokenizer.encode(prompt, add_special_tokens=False))
 
     def generate(self, message: GenerateRequest, rid: str) -> TokenizedRequest:
         """The ZMQ front's request: text or token ids plus explicit sampling fields."""
@@ -315,29 +367,27 @@ class RequestPreparer:
             raise RequestError(f"'{param}' must not be empty.", param=param)
         return self.vocab_ids(ids, param)
 
-    def chat_ids(self, messages: list[ChatMessage]) -> list[int]:
-        """Render the chat template (with the assistant prompt) and tokenize it."""
-        if not messages:
-            raise RequestError("'messages' must contain at least one message.",
-                               param="messages")
+    def _render(self, conversation: Conversation) -> str:
+        """The chat template's text (with the assistant prompt and, when calls are
+        allowed, the tools). The template writes any BOS it wants, so the text is encoded
+        without adding one."""
+        param = conversation.messages_param
+        if not conversation.messages:
+            raise RequestError(f"'{param}' must contain at least one message.", param=param)
         if not getattr(self._tokenizer, "chat_template", None):
             raise RequestError("This model has no chat template; use /v1/completions.",
-                               param="messages")
-        text = self._render(messages)
-        # The template already wrote any BOS it wants; encoding must not add another.
-        return self.checked_ids(list(self._tokenizer.encode(text, add_special_tokens=False)),
-                                "messages")
-
-    def _render(self, messages: list[ChatMessage]) -> str:
-        dicts = [_message_dict(m) for m in messages]
+                               param=param)
+        tools = ([t.template_dict() for t in conversation.tools]
+                 if conversation.calls_tools else None)
         try:
-            return self._tokenizer.apply_chat_template(dicts, add_generation_prompt=True,
-                                                       tokenize=False)
+            return self._tokenizer.apply_chat_template(
+                conversation.messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                **conversation.template_kwargs)
         # Templates ship with the model and may raise anything on input they dislike
         # (jinja's raise_exception for wrong role order, TypeError, ...).
         except Exception as exc:  # noqa: BLE001
-            raise RequestError(f"The chat template rejected the messages: {exc}",
-                               param="messages") from exc
+            raise RequestError(f"The chat template rejected the {param}: {exc}",
+                               param=param) from exc
 
     # --- sampling and limits --------------------------------------------------------
 
@@ -563,13 +613,6 @@ def _stop_strings(value: str | list[str] | None) -> list[str]:
         raise RequestError(f"Each 'stop' string must be 1 to {MAX_STOP_CHARS} characters.",
                            param="stop")
     return list(dict.fromkeys(stops))
-
-
-def _message_dict(message: ChatMessage) -> dict[str, str]:
-    out = {"role": message.role, "content": message.flat_content()}
-    if message.name is not None:
-        out["name"] = message.name
-    return out
 
 
 def _is_int(value: Any) -> bool:

@@ -89,10 +89,28 @@ class TextPart(_Strict):
         return data
 
 
+class FunctionCall(_Strict):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ChatToolCall(_Strict):
+    """A call in an assistant message of the history."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(_Strict):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ChatToolCall] | None = None  # assistant
+    tool_call_id: str | None = None  # tool: the call this message answers
+    # An earlier answer's reasoning (as this server returned it); templates that show
+    # past reasoning (Qwen3's) read it.
+    reasoning_content: str | None = None
 
     def flat_content(self) -> str:
         """The content as one string: text parts joined by newlines (as vLLM does)."""
@@ -101,18 +119,44 @@ class ChatMessage(_Strict):
         return self.content or ""
 
 
+class FunctionDefinition(_Strict):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; none: no arguments
+    strict: bool | None = None  # the schema is enforced whenever a grammar writes the call
+
+
+class ChatTool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(_Strict):
+    name: str
+
+
+class NamedToolChoice(_Strict):
+    type: Literal["function"]
+    function: NamedFunction
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
     metadata: dict[str, str] | None = None
     store: bool | None = None
-    parallel_tool_calls: bool | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = None  # 0..20, only with logprobs
     response_format: ResponseFormat | None = None
+    tools: list[ChatTool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
+    # SGLang's switch: false keeps a reasoning model's thinking inline in `content`
+    # (default: the server's --reasoning-inline, else apart in `reasoning_content`).
+    separate_reasoning: bool | None = None
+    # Extra variables for the chat template (vLLM's and SGLang's), e.g. enable_thinking.
+    chat_template_kwargs: dict[str, Any] | None = None
     # Not implemented yet: only their defaults are accepted (see prepare.py).
-    tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = None
     functions: list[dict[str, Any]] | None = None
     function_call: str | dict[str, Any] | None = None
 

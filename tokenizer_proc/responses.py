@@ -14,6 +14,9 @@ from typing import Any
 
 from ipc.messages.common import Usage
 from ipc.messages.to_tokenizer import PromptTextLogprobs, TextLogprob, TextOutput
+from tokenizer_proc.assistant_parser import (AssistantParser, ContentDelta, Event, ParseSpec,
+                                             ReasoningDelta, ToolCallDelta, ToolCallStart,
+                                             parse_whole)
 from tokenizer_proc.manager import Collected
 
 DONE = "data: [DONE]\n\n"
@@ -87,6 +90,13 @@ class CompletionFormat(_Format):
     def finish_chunk(self, reason: str | None) -> dict[str, Any]:
         return self._envelope("text_completion", [_text_choice("", reason)])
 
+    def text_chunks(self, text: str,
+                    logprobs: list[TextLogprob] | None = None) -> list[dict[str, Any]]:
+        return [self.text_chunk(text, logprobs)]
+
+    def finish_chunks(self, reason: str | None) -> list[dict[str, Any]]:
+        return [self.finish_chunk(reason)]
+
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return self._usage_envelope("text_completion", usage)
 
@@ -141,8 +151,22 @@ def _top_dict(lp: TextLogprob) -> dict[str, float]:
             lp.token: _finite(lp.logprob)}
 
 
+@dataclass
 class ChatFormat(_Format):
-    """Shapes of /v1/chat/completions ("chat.completion", "chat.completion.chunk")."""
+    """Shapes of /v1/chat/completions ("chat.completion", "chat.completion.chunk").
+
+    With a parse spec (tools, a reasoning model), the text goes through the request's
+    `AssistantParser`: reasoning comes as `reasoning_content`, calls as `tool_calls`
+    (streamed: id and name first, then argument fragments) and a stop after a call is
+    finish_reason "tool_calls". Each formatter (one per choice) parses its own output.
+    """
+
+    parse: ParseSpec | None = None
+    _parser: AssistantParser | None = field(default=None, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.parse is not None and self.parse.active:
+            self._parser = self.parse.parser()
 
     def opening(self, prompt: PromptTextLogprobs | None = None) -> list[dict[str, Any]]:
         # OpenAI's first chunk announces the role with empty content.
@@ -151,16 +175,45 @@ class ChatFormat(_Format):
     def text_chunk(self, text: str, logprobs: list[TextLogprob] | None = None) -> dict[str, Any]:
         return self._chunk({"content": text}, None, _chat_logprobs(logprobs))
 
+    def text_chunks(self, text: str,
+                    logprobs: list[TextLogprob] | None = None) -> list[dict[str, Any]]:
+        if self._parser is None:
+            return [self.text_chunk(text, logprobs)]
+        chunks = [self._chunk(d, None) for d in chat_deltas(self._parser.feed(text))]
+        if logprobs:  # the tokens' entries ride on the first chunk of their text
+            if not chunks:
+                chunks = [self._chunk({"content": ""}, None)]
+            chunks[0]["choices"][0]["logprobs"] = _chat_logprobs(logprobs)
+        return chunks
+
     def finish_chunk(self, reason: str | None) -> dict[str, Any]:
         return self._chunk({}, reason)
+
+    def finish_chunks(self, reason: str | None) -> list[dict[str, Any]]:
+        if self._parser is None:
+            return [self.finish_chunk(reason)]
+        chunks = [self._chunk(d, None) for d in chat_deltas(self._parser.finish())]
+        return chunks + [self.finish_chunk(_tool_finish(reason, self._parser.made_calls))]
 
     def usage_chunk(self, usage: Usage) -> dict[str, Any]:
         return self._usage_envelope("chat.completion.chunk", usage)
 
     def response(self, result: Collected) -> dict[str, Any]:
-        message = {"role": "assistant", "content": result.text, "refusal": None}
+        message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
+        reason = result.finish_reason
+        if self.parse is not None and self.parse.active:
+            parsed = parse_whole(self.parse, result.text)
+            message["content"] = parsed.content if parsed.content or not parsed.tool_calls else None
+            if self.parse.syntax.reasoning is not None or self.parse.syntax.harmony:
+                message["reasoning_content"] = parsed.reasoning or None
+            if parsed.tool_calls:
+                message["tool_calls"] = [
+                    {"id": c.id, "type": "function",
+                     "function": {"name": c.name, "arguments": c.arguments}}
+                    for c in parsed.tool_calls]
+            reason = _tool_finish(reason, bool(parsed.tool_calls))
         choice = {"index": 0, "message": message, "logprobs": _chat_logprobs(result.logprobs),
-                  "finish_reason": openai_finish_reason(result.finish_reason)}
+                  "finish_reason": openai_finish_reason(reason)}
         return {"id": self.id, "object": "chat.completion", "created": self.created,
                 "model": self.model, "choices": [choice], "usage": usage_dict(result.usage)}
 
@@ -172,6 +225,29 @@ class ChatFormat(_Format):
 
 
 ResponseFormat = CompletionFormat | ChatFormat
+
+
+def _tool_finish(reason: str | None, made_calls: bool) -> str | None:
+    # A turn that ended of itself after calling tools waits for their results.
+    return "tool_calls" if made_calls and reason == "stop" else reason
+
+
+def chat_deltas(events: list[Event]) -> list[dict[str, Any]]:
+    """Chat chunk deltas of parse events, one each (a call's end has none)."""
+    deltas: list[dict[str, Any]] = []
+    for event in events:
+        if isinstance(event, ReasoningDelta):
+            deltas.append({"reasoning_content": event.text})
+        elif isinstance(event, ContentDelta):
+            deltas.append({"content": event.text})
+        elif isinstance(event, ToolCallStart):
+            deltas.append({"tool_calls": [{"index": event.index, "id": event.id,
+                                           "type": "function",
+                                           "function": {"name": event.name, "arguments": ""}}]})
+        elif isinstance(event, ToolCallDelta):
+            deltas.append({"tool_calls": [{"index": event.index,
+                                           "function": {"arguments": event.arguments}}]})
+    return deltas
 
 
 def _text_choice(text: str, reason: str | None,

@@ -43,7 +43,8 @@ def _digest(key: str) -> bytes:
 
 
 def invalid_key_error() -> RequestError:
-    return RequestError("Missing or incorrect API key. Send 'Authorization: Bearer <key>'.",
+    return RequestError("Missing or incorrect API key. Send 'Authorization: Bearer <key>' "
+                        "(or 'x-api-key: <key>').",
                         code="invalid_api_key", status=401)
 
 
@@ -77,13 +78,15 @@ class HttpGuard:
             return
         refusal = self._refusal(scope)
         if refusal is not None:
-            await _error_response(refusal)(scope, receive, send)
+            await _error_response(refusal, scope["path"])(scope, receive, send)
             return
         await self.app(scope, BodyCounter(receive, self.max_body_bytes), send)
 
     def _refusal(self, scope: Scope) -> RequestError | None:
         headers = Headers(scope=scope)
-        if scope["path"] not in OPEN_PATHS and not self.api_key.accepts(bearer_token(headers)):
+        # Anthropic's clients send the key as x-api-key; OpenAI's as a bearer token.
+        given = bearer_token(headers) or headers.get("x-api-key")
+        if scope["path"] not in OPEN_PATHS and not self.api_key.accepts(given):
             return invalid_key_error()
         declared = headers.get("content-length", "")
         if declared.isdigit() and int(declared) > self.max_body_bytes:
@@ -108,8 +111,8 @@ class BodyCounter:
         return message
 
 
-def _error_response(error: RequestError) -> JSONResponse:
+def _error_response(error: RequestError, path: str) -> JSONResponse:
     headers: dict[str, Any] = {}
     if error.status == 401:
         headers["WWW-Authenticate"] = "Bearer"
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+    return JSONResponse(error.body(path), status_code=error.status, headers=headers)

@@ -46,6 +46,7 @@ class TextOutput(msgspec.Struct, frozen=True, kw_only=True):
     # The error is the engine's death (EngineDead), not a refusal of this request: an
     # HTTP response says 503 rather than 400. Set by the front itself, never sent.
     engine_dead: bool = False
+    stop_str: str | None = None  # final output of a request a stop string ended: that string
 
 
 class BatchText(Message, frozen=True):

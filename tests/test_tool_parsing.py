@@ -1,0 +1,234 @@
+"""The agent parsers and grammars on plain data: realistic outputs of each family parsed
+whole and streamed (one character at a time) to the same message, and each family's
+forcing grammar walked by random tokens under llguidance, every walk parsing back into
+calls that validate against their schemas."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import numpy as np
+import pytest
+
+from tokenizer_proc.assistant_parser import AssistantMessage, ParseSpec, parse_whole
+from tokenizer_proc.tool_grammar import GrammarTool, Lark, ToolGrammarPlan, tool_grammar
+from tokenizer_proc.tool_syntax import (DEEPSEEK_V3, DEEPSEEK_V31, HARMONY, HERMES, KIMI_K2,
+                                        LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, NEUTRAL_JSON,
+                                        ModelSyntax, ReasoningMarkers, ToolSyntax,
+                                        syntax_named)
+
+THINK = ReasoningMarkers("<think>", "</think>")
+WEATHER = ("get_weather", '{"city": "Paris", "unit": "celsius"}')
+TIME = ("get_time", '{"tz": "UTC"}')
+DS = {"calls": "<｜tool▁calls▁begin｜>", "end": "<｜tool▁calls▁end｜>",
+      "call": "<｜tool▁call▁begin｜>", "call_end": "<｜tool▁call▁end｜>", "sep": "<｜tool▁sep｜>"}
+
+# (syntax, reasoning markers, prompt opened reasoning, output, reasoning, content, calls)
+CASES: dict[str, tuple[Any, ...]] = {
+    "hermes-two-calls": (HERMES, None, False,
+                         "I'll check both.\n<tool_call>\n{\"name\": \"get_weather\", \"arguments\": "
+                         "{\"city\": \"Paris\", \"unit\": \"celsius\"}}\n</tool_call>\n<tool_call>\n"
+                         "{\"name\": \"get_time\", \"arguments\": {\"tz\": \"UTC\"}}\n</tool_call>",
+                         "", "I'll check both.", [WEATHER, TIME]),
+    "qwen3-thinking": (HERMES, THINK, False,
+                       "<think>\nThe user wants the weather.\n</think>\n\n<tool_call>\n{\"name\": "
+                       "\"get_weather\", \"arguments\": {\"city\": \"Paris\", \"unit\": "
+                       "\"celsius\"}}\n</tool_call>", "The user wants the weather.", "", [WEATHER]),
+    "qwen3-answer": (HERMES, THINK, False, "<think>\nEasy.\n</think>\n\nParis is sunny.",
+                     "Easy.", "Paris is sunny.", []),
+    "hermes-arguments-first": (HERMES, None, False,
+                               "<tool_call>\n{\"arguments\": {\"tz\": \"UTC\"}, \"name\": "
+                               "\"get_time\"}\n</tool_call>", "", "", [TIME]),
+    "llama3": (LLAMA3_JSON, None, False,
+               "{\"name\": \"get_weather\", \"parameters\": {\"city\": \"Paris\", \"unit\": "
+               "\"celsius\"}}", "", "", [WEATHER]),
+    "llama3-python-tag-two": (LLAMA3_JSON, None, False,
+                              "<|python_tag|>{\"name\": \"get_weather\", \"parameters\": {\"city\": "
+                              "\"Paris\", \"unit\": \"celsius\"}}; {\"name\": \"get_time\", "
+                              "\"parameters\": {\"tz\": \"UTC\"}}", "", "", [WEATHER, TIME]),
+    "llama3-json-answer": (LLAMA3_JSON, None, False, '{"answer": 42}', "", '{"answer": 42}', []),
+    "mistral-list": (MISTRAL, None, False,
+                     "[TOOL_CALLS][{\"name\": \"get_weather\", \"arguments\": {\"city\": \"Paris\", "
+                     "\"unit\": \"celsius\"}}, {\"name\": \"get_time\", \"arguments\": {\"tz\": "
+                     "\"UTC\"}}]", "", "", [WEATHER, TIME]),
+    "mistral-args": (MISTRAL_ARGS, None, False,
+                     "[TOOL_CALLS]get_weather[ARGS]{\"city\": \"Paris\", \"unit\": \"celsius\"}"
+                     "[TOOL_CALLS]get_time[ARGS]{\"tz\": \"UTC\"}", "", "", [WEATHER, TIME]),
+    "gpt-oss-call": (HARMONY, None, False,
+                     "<|channel|>analysis<|message|>Need the weather tool.<|end|><|start|>assistant"
+                     "<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>"
+                     "{\"city\": \"Paris\", \"unit\": \"celsius\"}", "Need the weather tool.", "",
+                     [WEATHER]),
+    "gpt-oss-answer": (HARMONY, None, False,
+                       "<|channel|>analysis<|message|>Simple.<|end|><|start|>assistant<|channel|>"
+                       "final<|message|>Hi there!", "Simple.", "Hi there!", []),
+    "deepseek-v3": (DEEPSEEK_V3, None, False,
+                    f"Sure.{DS['calls']}{DS['call']}function{DS['sep']}get_weather\n```json\n"
+                    f"{{\"city\": \"Paris\", \"unit\": \"celsius\"}}\n```{DS['call_end']}\n"
+                    f"{DS['call']}function{DS['sep']}get_time\n```json\n{{\"tz\": \"UTC\"}}\n```"
+                    f"{DS['call_end']}{DS['end']}", "", "Sure.", [WEATHER, TIME]),
+    "deepseek-r1-v31": (DEEPSEEK_V31, THINK, True,
+                        f"Let me think.\n</think>\n\n{DS['calls']}{DS['call']}get_time{DS['sep']}"
+                        f"{{\"tz\": \"UTC\"}}{DS['call_end']}{DS['end']}", "Let me think.", "",
+                        [TIME]),
+    "kimi-k2": (KIMI_K2, None, False,
+                "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_time:0"
+                "<|tool_call_argument_begin|>{\"tz\": \"UTC\"}<|tool_call_end|>"
+                "<|tool_calls_section_end|>", "", "", [TIME]),
+    "glm-4.5": ("glm47", None, False,
+                "<tool_call>get_time\n<arg_key>tz</arg_key>\n<arg_value>UTC</arg_value>\n"
+                "</tool_call>", "", "", [("get_time", '{"tz": "UTC"}')]),
+    "qwen3-coder": ("qwen3_coder", None, False,
+                    "<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n"
+                    "</function>\n</tool_call>", "", "", [("get_time", '{"tz": "UTC"}')]),
+    "neutral-json": (NEUTRAL_JSON, None, False,
+                     "[{\"name\": \"get_time\", \"arguments\": {\"tz\": \"UTC\"}}]", "", "",
+                     [TIME]),
+    "hermes-unparsable": (HERMES, None, False, "Hi <tool_call>oops</tool_call>", "",
+                          "Hi<tool_call>oops</tool_call>", []),
+}
+
+
+def _spec(syntax: ToolSyntax | str, reasoning: ReasoningMarkers | None,
+          opened: bool) -> ParseSpec:
+    tools = syntax_named(syntax) if isinstance(syntax, str) else syntax
+    return ParseSpec(ModelSyntax(tools, reasoning), None if tools is HARMONY else tools,
+                     reasoning_open=opened)
+
+
+def _streamed(spec: ParseSpec, text: str) -> AssistantMessage:
+    parser, message = spec.parser(), AssistantMessage()
+    for ch in text:
+        message.add(parser.feed(ch))
+    message.add(parser.finish())
+    return message
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_family_outputs_parse_whole_and_streamed_alike(case: str) -> None:
+    syntax, reasoning, opened, text, want_reasoning, want_content, want_calls = CASES[case]
+    spec = _spec(syntax, reasoning, opened)
+    for message in (parse_whole(spec, text), _streamed(spec, text)):
+        assert message.reasoning == want_reasoning
+        assert message.content == want_content
+        calls = [(c.name, json.loads(c.arguments)) for c in message.tool_calls]
+        assert calls == [(n, json.loads(a)) for n, a in want_calls]
+    assert ([c.arguments for c in parse_whole(spec, text).tool_calls]
+            == [c.arguments for c in _streamed(spec, text).tool_calls])
+
+
+def test_streamed_call_names_come_before_their_arguments() -> None:
+    spec = _spec(HERMES, None, False)
+    parser = spec.parser()
+    events = parser.feed('<tool_call>\n{"name": "get_time", "arguments": {"tz"')
+    assert [type(e).__name__ for e in events] == ["ToolCallStart", "ToolCallDelta"]
+    assert events[1].arguments == '{"tz"'
+    assert parser.made_calls
+
+
+def test_a_cut_call_keeps_the_arguments_written_so_far() -> None:
+    message = parse_whole(_spec(HERMES, None, False),
+                          'Look: <tool_call>\n{"name": "get_time", "arguments": {"tz": "UT')
+    assert message.content == "Look:"
+    assert [(c.name, c.arguments) for c in message.tool_calls] == [("get_time", '{"tz": "UT')]
+
+
+def test_kimi_keeps_the_models_call_id() -> None:
+    syntax, _, _, text, *_ = CASES["kimi-k2"]
+    assert parse_whole(_spec(syntax, None, False), text).tool_calls[0].id == "functions.get_time:0"
+
+
+# --- grammars, walked ---------------------------------------------------------------
+
+SCHEMAS = {"get_weather": {"type": "object", "additionalProperties": False,
+                           "properties": {"city": {"type": "string", "maxLength": 8},
+                                          "unit": {"enum": ["celsius", "fahrenheit"]}},
+                           "required": ["city", "unit"]},
+           "get_time": {"type": "object", "additionalProperties": False,
+                        "properties": {"tz": {"type": "string", "maxLength": 5}},
+                        "required": ["tz"]}}
+TOOLS = tuple(GrammarTool(name, schema) for name, schema in SCHEMAS.items())
+FORCED = [HERMES, LLAMA3_JSON, MISTRAL, MISTRAL_ARGS, KIMI_K2, DEEPSEEK_V3, DEEPSEEK_V31,
+          HARMONY, NEUTRAL_JSON]
+
+
+@pytest.fixture(scope="module")
+def walker(tiny_model_dir: Path) -> "Walker":
+    from transformers import AutoTokenizer
+
+    return Walker(AutoTokenizer.from_pretrained(str(tiny_model_dir)))
+
+
+class Walker:
+    """Random tokens under a grammar until it allows only EOS (or a limit)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from tokenizer_proc.constraints import ll_tokenizer
+        from tokenizer_proc.turn_plan import special_tokens
+
+        self.tokenizer = tokenizer
+        self.ll = ll_tokenizer(tokenizer, [tokenizer.eos_token_id])
+        self.lark = Lark(special_tokens(tokenizer))
+
+    def walk(self, grammar: str, rng: np.random.Generator, limit: int = 400) -> str | None:
+        from llguidance import LLMatcher
+
+        matcher = LLMatcher(self.ll, LLMatcher.grammar_from_lark(grammar))
+        assert not matcher.is_error(), matcher.get_error()
+        out: list[int] = []
+        eos, vocab = self.tokenizer.eos_token_id, len(self.tokenizer)
+        for _ in range(limit):
+            bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8),
+                                 bitorder="little")[:vocab]
+            allowed = np.nonzero(bits)[0]
+            if eos in allowed and (len(allowed) == 1 or rng.random() < 0.05):
+                return self.tokenizer.decode(out, skip_special_tokens=False)
+            token = int(rng.choice(allowed[allowed != eos]))
+            assert matcher.consume_token(token), matcher.get_error()
+            out.append(token)
+        return None  # still inside free text
+
+
+@pytest.mark.parametrize("syntax", FORCED, ids=lambda s: f"{s.name}-{id(s) % 97}")
+@pytest.mark.parametrize("mode", ["required", "function"])
+def test_forced_grammars_write_calls_that_parse_and_validate(walker: Walker, syntax: ToolSyntax,
+                                                             mode: str) -> None:
+    rng = np.random.default_rng(7)
+    reasoning = None if syntax is HARMONY else THINK
+    plan = ToolGrammarPlan(ModelSyntax(syntax, reasoning), syntax, TOOLS, mode)
+    grammar = tool_grammar(plan, walker.lark)
+    done = 0
+    for _ in range(4):
+        text = walker.walk(grammar, rng)
+        if text is None:  # random thinking that never closed
+            continue
+        done += 1
+        message = parse_whole(_spec(syntax, reasoning, False), text)
+        assert message.tool_calls and not message.content, text
+        if mode == "function":
+            assert [c.name for c in message.tool_calls] == ["get_weather"]
+        for call in message.tool_calls:
+            jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    assert done
+
+
+@pytest.mark.parametrize("syntax", [HERMES, MISTRAL, KIMI_K2, DEEPSEEK_V31, LLAMA3_JSON])
+def test_auto_grammar_finishes_a_started_call_under_the_schema(walker: Walker,
+                                                               syntax: ToolSyntax) -> None:
+    from llguidance import LLMatcher
+
+    plan = ToolGrammarPlan(ModelSyntax(syntax, None), syntax, TOOLS, "auto")
+    grammar = LLMatcher.grammar_from_lark(tool_grammar(plan, walker.lark))
+    tokenizer = walker.tokenizer
+    free = tokenizer.encode("Let me see.", add_special_tokens=False)
+    bad = tokenizer.encode(syntax.start + '{"name": "nope"', add_special_tokens=False)
+    if syntax.at_start:
+        free = tokenizer.encode("It is sunny.", add_special_tokens=False)
+        bad = tokenizer.encode('{"name": "nope"', add_special_tokens=False)
+    text_matcher = LLMatcher(walker.ll, grammar)
+    assert text_matcher.consume_tokens(free) and text_matcher.is_accepting()
+    call_matcher = LLMatcher(walker.ll, grammar)
+    assert not all(call_matcher.consume_token(t) for t in bad)  # no such function
