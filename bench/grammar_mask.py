@@ -26,8 +26,9 @@ import numpy as np
 from bench.engine_loop import load_model
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk, SyncSteps
-from tokenizer_proc.constraints import Constraint, GrammarCompiler, ll_tokenizer
-from tokenizer_proc.model_info import load_model_info
+from kiln_common.llguidance_tokenizer import ll_tokenizer
+from kiln_common.model_info import load_model_info
+from tokenizer_proc.constraints import Constraint, GrammarCompiler
 from worker_proc import WorkerLoop
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool

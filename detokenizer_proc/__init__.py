@@ -12,9 +12,9 @@ from ipc.config import ServerConfig
 from ipc.messages.to_detokenizer import BatchTokens, DetokenizerMessage, StatsReply
 from ipc.process import setup_child
 
-from detokenizer_proc.state import DetokenizerManager, DetokenizerState
+from detokenizer_proc.state import DetokenizerManager
 
-__all__ = ["DetokenizerManager", "DetokenizerState", "run_detokenizer"]
+__all__ = ["DetokenizerManager", "run_detokenizer"]
 
 logger = logging.getLogger(__name__)
 

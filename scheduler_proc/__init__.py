@@ -8,7 +8,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from detokenizer_proc.state import TokenizerLike
+from kiln_common.incremental_text import TokenizerLike
 from ipc.channel import Receiver, Sender
 from ipc.config import ServerConfig
 from ipc.messages.to_detokenizer import BatchTokens, StatsReply, TokenOutput

@@ -8,10 +8,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from detokenizer_proc.state import DetokenizerState, TokenizerLike
-from detokenizer_proc.stops import StopStringMatcher
 from ipc.messages.common import SamplingParams, TokenLogprob
 from ipc.messages.to_scheduler import TokenizedRequest
+from kiln_common.incremental_text import DetokenizerState, TokenizerLike
+from kiln_common.stops import StopStringMatcher
 from scheduler_proc.radix_cache import Node
 
 # The detokenizer decodes the first outputs with this much prompt context (see TokenOutput).

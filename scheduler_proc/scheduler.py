@@ -18,7 +18,7 @@ from ipc.messages.common import SamplingParams, SchedulerStats, TokenLogprob, Us
 from ipc.messages.to_detokenizer import PromptTokenLogprobs, TokenOutput
 from ipc.messages.to_scheduler import StepResult, TokenizedRequest
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
-from detokenizer_proc.state import TokenizerLike
+from kiln_common.incremental_text import TokenizerLike
 from scheduler_proc.allocator import ReqToTokenTable, SlotAllocator
 from scheduler_proc.radix_cache import DisabledCache, RadixCache, common_prefix_len
 from scheduler_proc.request import PROMPT_TAIL, FinishReason, Req, StopWatch, WaitingQueue

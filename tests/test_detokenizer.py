@@ -12,10 +12,10 @@ from tokenizers import (AddedToken, Tokenizer, decoders, models, normalizers, pr
                         trainers)
 from transformers import PreTrainedTokenizerFast
 
-from detokenizer_proc.state import (MAX_HELD_IDS, REPLACEMENT_CHAR, DetokenizerManager,
-                                    DetokenizerState)
+from detokenizer_proc.state import DetokenizerManager
 from ipc.messages.common import Usage
 from ipc.messages.to_detokenizer import BatchTokens, TokenOutput
+from kiln_common.incremental_text import MAX_HELD_IDS, REPLACEMENT_CHAR, DetokenizerState
 
 SPECIALS = ("<|bos|>", "<|eos|>", "<|im_end|>")
 PLAIN_ADDED = "<tool>"  # an added token that is not special: never skipped

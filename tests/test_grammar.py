@@ -18,7 +18,7 @@ import pytest
 from ipc.messages.common import SamplingParams
 from tests.engine_driver import InProcessEngine
 from tests.test_structured_output import SCHEMA
-from tokenizer_proc.constraints import ll_tokenizer
+from kiln_common.llguidance_tokenizer import ll_tokenizer
 from tokenizer_proc.errors import RequestError
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, GenerateBody
 from worker_proc.grammar import GrammarMatchers

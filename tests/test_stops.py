@@ -11,10 +11,10 @@ import openai
 import pytest
 
 from detokenizer_proc.state import DetokenizerManager
-from detokenizer_proc.stops import LogprobGate, StopStringMatcher, StopTrimmer, first_stop
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_detokenizer import BatchTokens, TokenOutput
 from ipc.messages.to_scheduler import TokenizedRequest
+from kiln_common.stops import LogprobGate, StopStringMatcher, StopTrimmer, first_stop
 from tests.engine_driver import InProcessEngine
 from tests.server import Server
 

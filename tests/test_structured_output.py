@@ -232,14 +232,15 @@ class GatedValidation:
 def hf_and_info(tiny_model_dir):
     from transformers import AutoTokenizer
 
-    from tokenizer_proc.model_info import load_model_info
+    from kiln_common.model_info import load_model_info
 
     hf = AutoTokenizer.from_pretrained(str(tiny_model_dir))
     return hf, load_model_info(MODEL, str(tiny_model_dir), hf)
 
 
 def _gated_preparer(hf_and_info, gate: GatedValidation, make: Any = None) -> Any:
-    from tokenizer_proc.constraints import GrammarCompiler, ll_tokenizer
+    from tokenizer_proc.constraints import GrammarCompiler
+    from kiln_common.llguidance_tokenizer import ll_tokenizer
     from tokenizer_proc.prepare import RequestPreparer
 
     hf, info = hf_and_info
@@ -373,7 +374,8 @@ def test_prevalidation_leaves_the_order_of_errors_alone(hf_and_info) -> None:
 
 
 def test_the_fronts_llguidance_tokenizer_is_built_once_at_start_up(hf_and_info) -> None:
-    from tokenizer_proc.constraints import Constraint, ll_tokenizer
+    from tokenizer_proc.constraints import Constraint
+    from kiln_common.llguidance_tokenizer import ll_tokenizer
 
     hf, info = hf_and_info
     built: list[str] = []
@@ -390,7 +392,8 @@ def test_the_fronts_llguidance_tokenizer_is_built_once_at_start_up(hf_and_info) 
 
 
 def test_a_tokenizer_llguidance_cannot_use_is_refused_without_retrying(hf_and_info) -> None:
-    from tokenizer_proc.constraints import Constraint, structured_output_supported
+    from tokenizer_proc.constraints import Constraint
+    from kiln_common.llguidance_tokenizer import structured_output_supported
     from tokenizer_proc.errors import RequestError
     from tokenizer_proc.prepare import RequestPreparer
 
@@ -418,7 +421,7 @@ def test_worker_matchers_wait_for_the_start_up_build_instead_of_building(tiny_mo
                                                                          hf_and_info) -> None:
     from llguidance import LLMatcher
 
-    from tokenizer_proc.constraints import ll_tokenizer
+    from kiln_common.llguidance_tokenizer import ll_tokenizer
     from worker_proc.grammar import GrammarMatchers
 
     hf, info = hf_and_info

@@ -12,10 +12,10 @@ import pytest
 from ipc.messages.common import SamplingParams, Usage
 from ipc.messages.to_scheduler import AbortRequest, GetStats, TokenizedRequest
 from ipc.messages.to_tokenizer import BatchText, EngineDead, StatsReply, TextOutput
+from kiln_common.model_info import load_model_info
 from tests.fake_engine import FAKE_STATS
 from tokenizer_proc.errors import EngineUnavailable
 from tokenizer_proc.manager import StatsUnavailable, TokenizerManager
-from tokenizer_proc.model_info import load_model_info
 
 T = TypeVar("T")
 

@@ -166,7 +166,7 @@ class Walker:
     """Random tokens under a grammar until it allows only EOS (or a limit)."""
 
     def __init__(self, tokenizer: Any) -> None:
-        from tokenizer_proc.constraints import ll_tokenizer
+        from kiln_common.llguidance_tokenizer import ll_tokenizer
         from tokenizer_proc.turn_plan import special_tokens
 
         self.tokenizer = tokenizer

@@ -16,9 +16,9 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import Any, Callable, Literal
 
-from tokenizer_proc.background import BackgroundBuild
+from kiln_common.background import BackgroundBuild
 from tokenizer_proc.errors import RequestError
 from tokenizer_proc.json_body import find_problem, parse_text
 from tokenizer_proc.protocol import ResponseFormat
@@ -230,23 +230,6 @@ def grammar_text(constraint: Constraint) -> str:
             raise RequestError(f"Invalid '{constraint.param}' (GBNF): {exc}",
                                param=constraint.param, code="invalid_grammar") from exc
     return LLMatcher.grammar_from_lark(source)
-
-
-def structured_output_supported(hf_tokenizer: Any) -> bool:
-    """Whether llguidance can wrap this tokenizer (fast Hugging Face ones only): start-up
-    builds nothing for one it can't, and a constrained request then gets the 400."""
-    from transformers import PreTrainedTokenizerFast
-
-    return isinstance(hf_tokenizer, PreTrainedTokenizerFast)
-
-
-def ll_tokenizer(hf_tokenizer: Any, eos_token_ids: Sequence[int]) -> Any:
-    """llguidance's view of a Hugging Face fast tokenizer. Its EOS ids are the ones the
-    scheduler stops on, so a finished grammar's mask allows exactly the tokens that end
-    the request."""
-    import llguidance.hf
-
-    return llguidance.hf.from_tokenizer(hf_tokenizer, eos_token=list(eos_token_ids) or None)
 
 
 def _json_schema_grammar(schema: dict[str, Any], param: str) -> str:

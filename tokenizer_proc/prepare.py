@@ -28,13 +28,13 @@ from pydantic import BaseModel
 from ipc.messages.client import GenerateRequest
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import TokenizedRequest
+from kiln_common.llguidance_tokenizer import ll_tokenizer, structured_output_supported
+from kiln_common.model_info import ModelInfo, load_model_info
 from tokenizer_proc.assistant_parser import ParseSpec
-from tokenizer_proc.constraints import (Constraint, GrammarCompiler, ll_tokenizer,
-                                        native_constraint, response_format_constraint,
-                                        structured_output_supported)
+from tokenizer_proc.constraints import (Constraint, GrammarCompiler, native_constraint,
+                                        response_format_constraint)
 from tokenizer_proc.conversation import Conversation, chat_conversation
 from tokenizer_proc.errors import RequestError
-from tokenizer_proc.model_info import ModelInfo, load_model_info
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, GenerateBody
 from tokenizer_proc.tool_syntax import detect_syntax
 from tokenizer_proc.turn_plan import TurnPlanner, special_tokens

@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from tokenizer_proc.model_info import read_json
+from kiln_common.model_info import read_json
 
 
 class UntrustedModelError(Exception):

@@ -20,10 +20,10 @@ from ipc.config import ServerConfig
 from ipc.messages.client import ClientToServer
 from ipc.messages.to_tokenizer import TokenizerMessage
 from ipc.process import STOP_SIGNAL
+from kiln_common.model_info import ModelInfo
 from tokenizer_proc.client_front import ClientFront
 from tokenizer_proc.http_api import create_app
 from tokenizer_proc.manager import StatsUnavailable, TokenizerManager
-from tokenizer_proc.model_info import ModelInfo
 from tokenizer_proc.prepare import RequestPreparer
 from tokenizer_proc.security import ApiKey
 

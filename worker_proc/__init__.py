@@ -46,7 +46,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     import mlx.core as mx
     import mlx_lm
 
-    from tokenizer_proc.constraints import structured_output_supported
+    from kiln_common.llguidance_tokenizer import structured_output_supported
     from worker_proc.layer_kinds import UnsupportedModelError, describe_layers
     from worker_proc.decode_block import speed_up_decode_blocks
     from worker_proc.fused_projections import fuse_projections
@@ -124,8 +124,8 @@ def grammar_matchers(config: ServerConfig, hf: object) -> GrammarMatchers:
     """Structured output's matchers, over the Hugging Face tokenizer with the EOS ids the
     tokenizer process stops on (config, generation config, tokenizer). Nothing is built
     yet (build_runner starts that)."""
-    from tokenizer_proc.constraints import ll_tokenizer
-    from tokenizer_proc.model_info import load_model_info
+    from kiln_common.llguidance_tokenizer import ll_tokenizer
+    from kiln_common.model_info import load_model_info
     from worker_proc.grammar import GrammarMatchers
 
     def make() -> object:

@@ -15,7 +15,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from tokenizer_proc.background import BackgroundBuild
+from kiln_common.background import BackgroundBuild
 
 logger = logging.getLogger(__name__)
 
