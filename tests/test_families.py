@@ -24,6 +24,9 @@ EXPECTED_KINDS = {
 }
 OWN_SCORES = {"gemma2", "deepseek_v3"}  # the model computes attention scores itself
 SINKS = {"gpt_oss"}
+# Their own code mishandles rows of different lengths in one forward (a per-row mask
+# broadcast against grouped heads; a chunk mask from one scalar offset).
+BY_LENGTH = {"gemma2", "llama4_text"}
 
 
 def mlx_lm_tokens(model, prompt: list[int], n: int) -> list[int]:
@@ -51,6 +54,11 @@ def test_layer_kinds_are_read_from_mlx_lm(family):
     assert all(k.span == WINDOW for k in kinds if k.windowed)
     assert all(k.own_attention for k in kinds) == (name in OWN_SCORES)
     assert any(k.sinks for k in kinds) == (name in SINKS)
+
+
+def test_only_models_that_cannot_batch_ragged_rows_run_rows_by_length(family):
+    name, model = family
+    assert InProcessEngine(model).runner.ragged == (name not in BY_LENGTH)
 
 
 def test_batched_chunked_and_cached_equal_mlx_lm(family):

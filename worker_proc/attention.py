@@ -18,7 +18,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from worker_proc.kv_pool import KVPool
+from worker_proc.kv_pool import KVPool, paged_kernel_fits
 from worker_proc.layer_kinds import Kind, LayerKind, ProbeRecorder, UnsupportedModelError
 from worker_proc.paged_attention import (RopeSpec, kernel_available, paged_decode_attention,
                                          paged_decode_qkv_attention,
@@ -479,7 +479,7 @@ def batches_ragged_rows(model: Any, specs: list) -> bool:
 
     def decode(picked: np.ndarray) -> mx.array:
         dense = None
-        if not kernel_available():
+        if not paged_kernel_fits(specs):  # as the runner decides
             dense = DenseDecodeContext(len(specs), 1 << 40, KVPool.bytes_per_slot(specs))
             dense.plan(tuple(int(r) for r in picked), lengths[picked])
         layout = ForwardLayout.decode(table[picked], lengths[picked], dense)
