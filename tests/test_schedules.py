@@ -116,6 +116,36 @@ def test_every_schedule_gives_mlx_lm_tokens(tiny_model, oracle, schedules):
     assert preempted >= 3 and hits >= SCHEDULES // 2, (preempted, hits)
 
 
+# Windowed families (gemma3_text: sliding layers beside full ones; gpt_oss: sliding with
+# sinks; llama4: chunk-local) through fewer schedules each: windows of 16 positions, far
+# shorter than the prompts, so chunks, hits and resumptions cross window edges.
+FAMILY_SCHEDULES = 5
+
+
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "llama4_text"])
+def test_windowed_families_under_random_schedules(family):
+    from tests.families import VOCAB, build
+    from tests.test_families import mlx_lm_tokens
+
+    model = build(family)
+    memo: dict = {}
+    failures, preempted, hits = [], 0, 0
+    for seed in range(100, 100 + FAMILY_SCHEDULES):
+        schedule = draw_schedule(seed, VOCAB)
+        engine, outputs = run_schedule(model, schedule)
+        preempted += engine.scheduler.counters.preemptions > 0
+        hits += engine.scheduler.counters.cache_hit_tokens > 0
+        for i, (prompt, n) in enumerate(zip(schedule.prompts, schedule.max_tokens)):
+            key = (tuple(prompt), n)
+            if key not in memo:
+                memo[key] = mlx_lm_tokens(model, prompt, n)
+            if outputs[f"r{i}"] != memo[key]:
+                failures.append(f"{family} {schedule.describe()}: r{i} (prompt {len(prompt)})")
+        assert_idle_invariant(engine.scheduler)
+    assert not failures, "\n".join(failures)
+    assert preempted >= 1 and hits >= FAMILY_SCHEDULES // 2, (preempted, hits)
+
+
 def _chunk(rid: str, slots: range) -> PrefillChunk:
     return PrefillChunk(rid=rid, start=0, token_ids=[7] * len(slots), slot_ids=list(slots),
                         sample=True)
