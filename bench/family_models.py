@@ -14,7 +14,6 @@ import argparse
 import hashlib
 import importlib
 import json
-import shutil
 import sys
 import time
 from dataclasses import dataclass, field
@@ -25,8 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.h200_compare import (_COMPLETE, _LOGIT_SCALE, _TOKENIZER_FILES,  # noqa: E402
-                                shard_plan, tokenizer_info)
+from bench.h200_compare import _COMPLETE, _LOGIT_SCALE, shard_plan, start_model_dir  # noqa: E402
 
 VOCAB = 8192  # as the Llama-shaped bench model: the demo tokenizer's ids fit, the head is small
 
@@ -108,20 +106,12 @@ def make_family_model(shape: FamilyShape, dtype_name: str, out_dir: Path, seed: 
     """Write the model directory unless an identical one is already complete there."""
     import mlx.core as mx
 
-    from worker_proc.demo_model import ensure_demo_model
-
     mark = fingerprint(shape, dtype_name, seed)
-    marker = out_dir / _COMPLETE
-    if marker.is_file() and marker.read_text().strip() == mark:
-        print(f"reusing model at {out_dir}", flush=True)
-        return out_dir
     start = time.monotonic()
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.mkdir(parents=True)
-    tok_dir = ensure_demo_model(shape.tokenizer_preset)
-    for f in _TOKENIZER_FILES:
-        shutil.copy(tok_dir / f, out_dir / f)
-    tok_vocab, specials, source = tokenizer_info(tok_dir)
+    tokenizer = start_model_dir(out_dir, mark, shape.tokenizer_preset)
+    if tokenizer is None:
+        return out_dir
+    tok_vocab, specials, source = tokenizer
     vocab = max(VOCAB if shape.tokenizer_preset == "demo" else tok_vocab, tok_vocab)
     config = {**shape.config, "vocab_size": vocab, "tie_word_embeddings": shape.tied,
               "bos_token_id": source["bos_token_id"], "eos_token_id": source["eos_token_id"],
@@ -148,7 +138,7 @@ def make_family_model(shape: FamilyShape, dtype_name: str, out_dir: Path, seed: 
         mx.clear_cache()
     (out_dir / "model.safetensors.index.json").write_text(
         json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1) + "\n")
-    marker.write_text(mark + "\n")
+    (out_dir / _COMPLETE).write_text(mark + "\n")
     print(f"made {shape.name} ({dtype_name}) at {out_dir} in {time.monotonic() - start:.1f}s",
           flush=True)
     return out_dir

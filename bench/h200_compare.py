@@ -164,25 +164,36 @@ def model_fingerprint(s: ModelShape, dtype_name: str, seed: int) -> str:
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
+def start_model_dir(out_dir: Path, fingerprint: str,
+                    tokenizer_preset: str) -> tuple[int, list[int], dict[str, Any]] | None:
+    """None when a complete model of this fingerprint is already in out_dir; else out_dir
+    emptied but for the preset's tokenizer files, and that tokenizer's (id count, special
+    ids, source config)."""
+    from worker_proc.demo_model import ensure_demo_model
+
+    marker = out_dir / _COMPLETE
+    if marker.is_file() and marker.read_text().strip() == fingerprint:
+        print(f"reusing model at {out_dir}", flush=True)
+        return None
+    shutil.rmtree(out_dir, ignore_errors=True)
+    out_dir.mkdir(parents=True)
+    tok_dir = ensure_demo_model(tokenizer_preset)
+    for f in _TOKENIZER_FILES:
+        shutil.copy(tok_dir / f, out_dir / f)
+    return tokenizer_info(tok_dir)
+
+
 def make_random_model(s: ModelShape, dtype_name: str, out_dir: Path, seed: int,
                       shard_bytes: int = 4 << 30) -> Path:
     """Write the model directory unless an identical one is already complete there."""
     import mlx.core as mx
 
-    from worker_proc.demo_model import ensure_demo_model
-
     fingerprint = model_fingerprint(s, dtype_name, seed)
-    marker = out_dir / _COMPLETE
-    if marker.is_file() and marker.read_text().strip() == fingerprint:
-        print(f"reusing model at {out_dir}", flush=True)
-        return out_dir
     start = time.monotonic()
-    shutil.rmtree(out_dir, ignore_errors=True)
-    out_dir.mkdir(parents=True)
-    tok_dir = ensure_demo_model(s.tokenizer_preset)
-    for f in _TOKENIZER_FILES:
-        shutil.copy(tok_dir / f, out_dir / f)
-    tok_vocab, specials, source = tokenizer_info(tok_dir)
+    tokenizer = start_model_dir(out_dir, fingerprint, s.tokenizer_preset)
+    if tokenizer is None:
+        return out_dir
+    tok_vocab, specials, source = tokenizer
     if tok_vocab > s.vocab:
         raise ValueError(f"the tokenizer has {tok_vocab} ids, more than the vocab {s.vocab}")
     (out_dir / "config.json").write_text(
@@ -192,7 +203,7 @@ def make_random_model(s: ModelShape, dtype_name: str, out_dir: Path, seed: int,
     keep = mx.concatenate([mx.ones((tok_vocab,)), mx.zeros((s.vocab - tok_vocab,))])
     keep[mx.array(specials)] = 0.0
     _write_shards(tensor_shapes(s), dtype, keep.astype(dtype), out_dir, shard_bytes)
-    marker.write_text(fingerprint + "\n")
+    (out_dir / _COMPLETE).write_text(fingerprint + "\n")
     print(f"made {s.name} ({dtype_name}) at {out_dir} in {time.monotonic() - start:.1f}s",
           flush=True)
     return out_dir

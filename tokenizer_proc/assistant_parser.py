@@ -242,7 +242,24 @@ class _Call:
     value: _JsonValue = field(default_factory=_JsonValue)
 
 
-class ToolCallParser:
+class _Stepped:
+    """A stage that buffers its text and consumes it in steps, each step emitting events
+    and saying whether it moved (False: it waits for more text)."""
+
+    _buffer: str
+
+    def feed(self, text: str) -> list[Event]:
+        self._buffer += text
+        events: list[Event] = []
+        while self._step(events):
+            pass
+        return events
+
+    def _step(self, events: list[Event]) -> bool:
+        raise NotImplementedError
+
+
+class ToolCallParser(_Stepped):
     """Content text in, content and tool-call events out, for one `ToolSyntax`.
 
     Modes: "text" (looking for the region's start marker), "maybe" (a marker-less
@@ -264,12 +281,6 @@ class ToolCallParser:
         self._region_calls = 0
         self.calls = 0
 
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        events: list[Event] = []
-        while self._step(events):
-            pass
-        return events
 
     def finish(self) -> list[Event]:
         events: list[Event] = []
@@ -495,7 +506,7 @@ _H_CHANNEL = regex.compile(r"<\|channel\|>\s*([^\s<]+)")
 _H_RECIPIENT = regex.compile(r"\bto=([^\s<]+)")
 
 
-class HarmonyParser:
+class HarmonyParser(_Stepped):
     """GPT-OSS's harmony messages: `<|channel|>analysis<|message|>...<|end|>` is
     reasoning, `final` (and commentary to no one) is content, a message `to=functions.X`
     is a call of X whose body is its JSON arguments. The text keeps the special tokens
@@ -512,12 +523,6 @@ class HarmonyParser:
         self._call = -1
         self.calls = 0
 
-    def feed(self, text: str) -> list[Event]:
-        self._buffer += text
-        events: list[Event] = []
-        while self._step(events):
-            pass
-        return events
 
     def finish(self) -> list[Event]:
         events: list[Event] = []
