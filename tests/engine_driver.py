@@ -11,15 +11,19 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+import mlx.core as mx
+
 from ipc.messages.common import SamplingParams, TokenLogprob
 from ipc.messages.to_detokenizer import BatchTokens, TokenOutput
 from ipc.messages.to_scheduler import AbortRequest, TokenizedRequest
 from scheduler_proc import SchedulerLoop
-from tests.oracle import divergence_off_a_tie
 from scheduler_proc.scheduler import Scheduler, SchedulerLimits
+from tests.oracle import divergence_off_a_tie
 from worker_proc import WorkerLoop
+from worker_proc.decode_backend import DecodeBackend, KernelDecode
 from worker_proc.kv_pool import KVPool
 from worker_proc.memory import probe_attention_specs
+from worker_proc.paged_attention import reference_decode_attention
 from worker_proc.runner import PREFILL_PADDING, ModelRunner
 
 
@@ -57,13 +61,15 @@ class InProcessEngine:
                  radix_cache: bool = True, schedule_policy: str = "fcfs",
                  overlap: bool | str = True, tokenizer: Any = None,
                  grammars: Any = None, compile_decode: bool = False,
-                 prefill_padding: float = PREFILL_PADDING) -> None:
+                 prefill_padding: float = PREFILL_PADDING,
+                 backend: DecodeBackend | None = None) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False. tokenizer: what the scheduler decodes stop strings with.
         grammars: the worker's GrammarMatchers, for requests with a grammar.
         prefill_padding: how much padding a shared prefill forward may carry (the CPU
-        server's is 0: only chunks of one length share a forward)."""
-        self.pool = KVPool(probe_attention_specs(model), capacity)
+        server's is 0: only chunks of one length share a forward). backend: the decode
+        backend (default: the device's; StandInKernel: the CUDA path on the CPU)."""
+        self.pool = KVPool(probe_attention_specs(model), capacity, backend)
         self.runner = ModelRunner(model, self.pool, max_running, max_context, grammars,
                                   prefill_padding=prefill_padding,
                                   compile_decode=compile_decode)
@@ -152,52 +158,41 @@ def assert_greedy(engine: InProcessEngine, prompts: list[list[int]], max_tokens:
     return results
 
 
-def stand_in_kernel_path(monkeypatch: Any) -> None:
-    """On the CPU, take the CUDA decode kernel's path (no kept dense contexts; compiled
-    decode allowed) with the pool-reading attention of the same meaning in the kernel's
+class StandInKernel(KernelDecode):
+    """On the CPU, the CUDA kernel backend's decode path (no kept dense contexts; compiled
+    decode allowed; a scatter-written pool) with the kernel's plain-MLX meaning in its
     place."""
-    import worker_proc.attention as attention
-    import worker_proc.runner as runner_module
-    from worker_proc.paged_attention import reference_decode_attention
 
-    monkeypatch.setattr(runner_module, "paged_kernel_fits", lambda specs: True)
-    monkeypatch.setattr(attention, "paged_decode_attention", reference_decode_attention)
+    in_place = False
+
+    def _attend(self, q, pool, table, lengths, scale, written, sinks):  # noqa: ANN001, ANN202
+        return reference_decode_attention(q, pool, table, lengths, scale, written, sinks)
 
 
-def stand_in_in_place_kernels(monkeypatch: Any) -> None:
+class StandInInPlaceKernels(StandInKernel):
     """On the CPU, the CUDA path with an in-place pool (eager decode only): the write and
     write-and-attend kernels stood in by plain-MLX scatters into the layer's array object
     (what KVPool.layers holds), returning a zero mark as the kernels do; the fused q/k/v
-    kernel's RoPE by mx.fast.rope."""
-    import mlx.core as mx
+    kernel's RoPE by mx.fast.rope at each row's position."""
 
-    import worker_proc.attention as attention
-    import worker_proc.kv_pool as kv_pool
-    from worker_proc.paged_attention import reference_decode_attention
+    in_place = True
 
-    def write(pool: mx.array, slots: mx.array, keys: mx.array, values: mx.array,
-              after: mx.array | None = None) -> mx.array:
+    def write_rows(self, layer, slots, keys, values, after):  # noqa: ANN001, ANN201
         b, h, s, _ = keys.shape
         rows = mx.concatenate([keys.swapaxes(1, 2), values.swapaxes(1, 2)], axis=-1)
-        pool[slots] = rows.reshape(b * s, h, -1).astype(pool.dtype)
+        layer[slots] = rows.reshape(b * s, h, -1).astype(layer.dtype)
         return mx.zeros((1,), dtype=mx.int32)
 
-    def write_attention(q, keys, values, slots, pool, table, lengths, scale, after=None):  # noqa: ANN001, ANN202
-        mark = write(pool, slots, keys, values)
+    def _write_attend(self, q, keys, values, slots, pool, table, lengths, scale, after):  # noqa: ANN001, ANN202
+        mark = self.write_rows(pool, slots, keys, values, after)
         return reference_decode_attention(q, pool, table, lengths, scale, mark), mark
 
-    def qkv_attention(qkv, n_q, rope, slots, pool, table, lengths, scale, after=None):  # noqa: ANN001, ANN202
+    def _qkv_attend(self, qkv, n_q, rope, slots, pool, table, lengths, scale, after):  # noqa: ANN001, ANN202
         b, n_kv = qkv.shape[0], pool.shape[1]
         dim = qkv.shape[-1] // (n_q + 2 * n_kv)
         heads = qkv.reshape(b, 1, n_q + 2 * n_kv, dim).transpose(0, 2, 1, 3)
         q, keys = (rope.apply(x, lengths - 1)  # the kernel's RoPE, at each row's position
                    for x in (heads[:, :n_q], heads[:, n_q:n_q + n_kv]))
-        out, mark = write_attention(q, keys, heads[:, n_q + n_kv:], slots, pool, table, lengths,
-                                    scale)
+        out, mark = self._write_attend(q, keys, heads[:, n_q + n_kv:], slots, pool, table,
+                                       lengths, scale, after)
         return out.transpose(0, 2, 1, 3).reshape(b, 1, n_q * dim), mark
-
-    stand_in_kernel_path(monkeypatch)
-    monkeypatch.setattr(kv_pool, "paged_kernel_fits", lambda specs: True)
-    monkeypatch.setattr(kv_pool, "pool_write_in_place", write)
-    monkeypatch.setattr(attention, "paged_decode_write_attention", write_attention)
-    monkeypatch.setattr(attention, "paged_decode_qkv_attention", qkv_attention)

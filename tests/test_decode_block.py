@@ -6,7 +6,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
-from tests.engine_driver import InProcessEngine, assert_greedy, stand_in_kernel_path
+from tests.engine_driver import InProcessEngine, StandInInPlaceKernels, StandInKernel, assert_greedy
 from tests.test_worker import _eos, _prompts
 from worker_proc.decode_block import FastDecodeBlock, speed_up_decode_blocks
 from worker_proc.fused_projections import fuse_projections
@@ -36,9 +36,9 @@ def test_fast_blocks_decode_mlx_lm_tokens(tiny_model, oracle, fast_tiny, monkeyp
     through the fast one (on the kernel path, stood in for on the CPU), eager and
     compiled: mlx-lm's greedy tokens."""
     _, tokenizer = tiny_model
-    stand_in_kernel_path(monkeypatch)
     prompts = _prompts(5, [3, 70, 130, 9, 40], fast_tiny.args.vocab_size, seed=31)
     engine = InProcessEngine(fast_tiny, chunk_size=64, compile_decode=compile_decode,
+                             backend=StandInKernel(),
                              overlap="ahead")
     assert_greedy(engine, prompts, 24, _eos(tokenizer), oracle, ties_of=tiny_model[0])
 
@@ -61,9 +61,8 @@ def test_qwen2_blocks_decode_mlx_lm_tokens(tiny_model, monkeypatch):
     mx.eval(theirs.parameters(), ours.parameters())
     fuse_projections(ours)
     assert speed_up_decode_blocks(ours, residual_in_gemm=False) == 2
-    stand_in_kernel_path(monkeypatch)
     prompts = _prompts(3, [33, 8, 70], args.vocab_size, seed=8)
-    engine = InProcessEngine(ours, compile_decode=True, overlap="ahead")
+    engine = InProcessEngine(ours, compile_decode=True, overlap="ahead", backend=StandInKernel())
     assert_greedy(engine, prompts, 20, _eos(tokenizer),
                   lambda p, n: mlx_lm_greedy(theirs, tokenizer, p, n), ties_of=theirs)
 
@@ -77,11 +76,10 @@ def test_residual_adds_inside_the_gemms_compute_the_block(tiny_model_dir, monkey
     from worker_proc.memory import probe_attention_specs
 
     install_attention_hook()
-    stand_in_kernel_path(monkeypatch)
     theirs, ours = _load(tiny_model_dir), _load(tiny_model_dir)
     fuse_projections(ours)
     speed_up_decode_blocks(ours, residual_in_gemm=False)
-    pool = KVPool(probe_attention_specs(theirs), 300, in_place=False)
+    pool = KVPool(probe_attention_specs(theirs), 300, StandInKernel())
     rng = np.random.default_rng(3)
     table = rng.permutation(np.arange(1, 301))[:40].reshape(4, 10).astype(np.int32)
     lengths = np.array([10, 3, 7, 1])
@@ -117,14 +115,10 @@ def test_rope_in_attention_decodes_mlx_lm_tokens(tiny_model, oracle, fast_tiny, 
     """With RoPE left to the write-and-attend kernel (stood in for on the CPU by
     mx.fast.rope at each row's position), the block hands it unrotated q and k: mlx-lm's
     greedy tokens, ragged batches, chunked prompts, steps launched ahead."""
-    import worker_proc.decode_block as decode_block
-    from tests.engine_driver import stand_in_in_place_kernels
-
     _, tokenizer = tiny_model
-    stand_in_in_place_kernels(monkeypatch)
-    monkeypatch.setattr(decode_block, "ROPE_IN_ATTENTION", True)
     prompts = _prompts(5, [3, 70, 130, 9, 40], fast_tiny.args.vocab_size, seed=32)
-    engine = InProcessEngine(fast_tiny, chunk_size=64, overlap="ahead")
+    engine = InProcessEngine(fast_tiny, chunk_size=64, overlap="ahead",
+                             backend=StandInInPlaceKernels(rope_in_kernel=True))
     assert engine.pool.in_place
     assert_greedy(engine, prompts, 24, _eos(tokenizer), oracle, ties_of=tiny_model[0])
     assert all(layer.rope_spec is not None for layer in fast_tiny.layers)
@@ -151,16 +145,25 @@ def test_rope_spec_reproduces_mlx_lm_rope_modules():
                                   short_factor=[1.0] * 8, long_factor=[1.0] * 8)) is None
 
 
-def test_rope_over_part_of_a_head_stays_with_the_block(fast_tiny, monkeypatch):
-    """A RoPE over fewer dims than the head (partial rotary) is not the kernel's to do."""
+def test_rope_over_part_of_a_head_stays_with_the_block(fast_tiny):
+    """A RoPE over fewer dims than the head (partial rotary) is not the kernel's to do,
+    nor is any RoPE where the backend does not take it."""
     import worker_proc.decode_block as decode_block
+    from worker_proc.attention import ForwardLayout, PooledKVCache
+    from worker_proc.kv_pool import KVPool
+    from worker_proc.memory import probe_attention_specs
 
-    monkeypatch.setattr(decode_block, "ROPE_IN_ATTENTION", True)
+    def cache(backend):  # noqa: ANN001, ANN202
+        pool = KVPool(probe_attention_specs(fast_tiny), 8, backend)
+        return PooledKVCache(pool, 0, ForwardLayout.decode(np.array([[1]]), np.array([1])))
+
     block = fast_tiny.layers[0]
     head = block.rope_spec.dims
-    assert block._kernel_rope(head) is block.rope_spec
+    rotating = cache(StandInInPlaceKernels(rope_in_kernel=True))
+    assert block._kernel_rope(rotating, head) is block.rope_spec
+    assert block._kernel_rope(cache(StandInInPlaceKernels()), head) is None
     block.rope_spec = decode_block.rope_spec(nn_rope(head // 2, False, 10000.0, 1.0))
-    assert block._kernel_rope(head) is None
+    assert block._kernel_rope(rotating, head) is None
 
 
 def nn_rope(dims: int, traditional: bool, base: float, scale: float):
@@ -170,15 +173,13 @@ def nn_rope(dims: int, traditional: bool, base: float, scale: float):
 
 
 @pytest.mark.parametrize("rope_in_attention", [False, True])
-def test_fast_blocks_on_the_cuda_kernel_path_match_mlx_lm(tmp_path_factory, monkeypatch,
-                                                          rope_in_attention):
+def test_fast_blocks_on_the_cuda_kernel_path_match_mlx_lm(tmp_path_factory, rope_in_attention):
     """On the CUDA backend (residual adds inside the GEMMs, K/V stored by the attention
     kernel, steps launched ahead, compiled; and with RoPE applied by that kernel):
     mlx-lm's greedy tokens on the (float32) demo model."""
-    import worker_proc.decode_block as decode_block
+    from worker_proc.decode_backend import KernelDecode
     from worker_proc.paged_attention import kernel_available
 
-    monkeypatch.setattr(decode_block, "ROPE_IN_ATTENTION", rope_in_attention)
     if not kernel_available():
         pytest.skip("the CUDA decode kernel needs MLX's CUDA backend")
     import os
@@ -195,7 +196,8 @@ def test_fast_blocks_on_the_cuda_kernel_path_match_mlx_lm(tmp_path_factory, monk
     ours = _load(path)
     fuse_projections(ours)
     assert speed_up_decode_blocks(ours, residual_in_gemm=True) == len(ours.layers)
-    engine = InProcessEngine(ours, capacity=20_000, compile_decode=True, overlap="ahead")
+    engine = InProcessEngine(ours, capacity=20_000, compile_decode=True, overlap="ahead",
+                             backend=KernelDecode(rope_in_kernel=rope_in_attention))
     assert engine.pool.in_place
     prompts = _prompts(4, [40, 9, 25, 130], ours.args.vocab_size, seed=6)
     assert_greedy(engine, prompts, 30, _eos(tokenizer),

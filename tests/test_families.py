@@ -126,16 +126,16 @@ def test_a_recurrent_model_is_refused_naming_its_layer_kinds(config, named):
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss", "llama_sliding"])
-def test_the_kernel_path_reads_each_window(name, monkeypatch):
+def test_the_kernel_path_reads_each_window(name):
     """The CUDA decode path (the kernel stood in for by its plain-MLX meaning) and its
     compiled trace: windowed layers hand it a slot table that starts at each row's
     window, sinks go to MLX's attention; mlx-lm's tokens."""
-    from tests.engine_driver import stand_in_kernel_path
+    from tests.engine_driver import StandInKernel
 
-    stand_in_kernel_path(monkeypatch)
     model = build(name)
     prompts = _prompts(seed=200 + len(name))
-    engine = InProcessEngine(model, chunk_size=16, compile_decode=True, overlap="ahead")
+    engine = InProcessEngine(model, chunk_size=16, compile_decode=True, overlap="ahead",
+                             backend=StandInKernel())
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, 24, [])
     results = engine.run_until_idle()

@@ -7,7 +7,7 @@ import mlx.nn as nn
 import numpy as np
 import pytest
 
-from tests.engine_driver import InProcessEngine, assert_greedy, stand_in_kernel_path
+from tests.engine_driver import InProcessEngine, StandInKernel, assert_greedy
 from tests.test_worker import _eos, _prompts
 from worker_proc.fused_projections import ProjectionPart, fuse_projections
 
@@ -84,9 +84,9 @@ def test_fused_model_through_compiled_decode(tiny_model, oracle, fused_tiny, mon
     """The parts run inside mx.compile's trace too (the CUDA default decode path, stood in
     for on the CPU)."""
     _, tokenizer = tiny_model
-    stand_in_kernel_path(monkeypatch)
     prompts = _prompts(3, [50, 6, 21], fused_tiny.args.vocab_size, seed=22)
-    engine = InProcessEngine(fused_tiny, compile_decode=True, overlap="ahead")
+    engine = InProcessEngine(fused_tiny, compile_decode=True, overlap="ahead",
+                             backend=StandInKernel())
     assert_greedy(engine, prompts, 20, _eos(tokenizer), oracle, ties_of=tiny_model[0])
 
 

@@ -43,24 +43,24 @@ def test_device_wide_free_memory_wins_where_reported(monkeypatch):
     assert memory.available_memory_bytes() == 123
 
 
-def test_in_place_pool_keeps_its_arrays_and_orders_reads_after_writes(monkeypatch):
+def test_in_place_pool_keeps_its_arrays_and_orders_reads_after_writes():
     """An in-place pool (the CUDA path; its kernel stood in for by a recorder here) never
     replaces a layer's array; each write takes the layer's previous mark (so a read of the
     last follows them all), reads take the last mark, and a step takes the marks it must
     evaluate once. A traced forward's view starts without marks and leaves the pool's
     alone until its own are adopted."""
-    import worker_proc.kv_pool as kv_pool
+    from worker_proc.decode_backend import KernelDecode
 
     calls = []
 
-    def record(layer_array, slots, keys, values, after):
-        mark = mx.zeros((1,), dtype=mx.int32)
-        calls.append((layer_array, after, mark))
-        return mark
+    class Recorder(KernelDecode):
+        def write_rows(self, layer_array, slots, keys, values, after):  # noqa: ANN001, ANN202
+            mark = mx.zeros((1,), dtype=mx.int32)
+            calls.append((layer_array, after, mark))
+            return mark
 
-    monkeypatch.setattr(kv_pool, "pool_write_in_place", record)
     specs = [AttentionLayerSpec(2, 4, 4, mx.float32)] * 2
-    pool = KVPool(specs, num_slots=10, in_place=True)
+    pool = KVPool(specs, num_slots=10, backend=Recorder())
     layers = list(pool.layers)
     k = v = mx.ones((1, 2, 1, 4))
     assert pool.landing() == [] and pool.mark(0) is None

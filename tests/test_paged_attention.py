@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tests.attention_cases import ragged_slot_table
+from worker_proc.decode_backend import GatherDecode, KernelDecode
 from worker_proc.paged_attention import (MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, kernel_available,
                                          num_splits, paged_decode_attention,
                                          paged_decode_write_attention, pool_write_in_place,
@@ -65,7 +66,7 @@ def test_in_place_pool_write_matches_a_scatter(pool_dtype, kv_dtype, seq):
     rng = np.random.default_rng(4)
     b, h, d = 3, 4, 64
     spec = [AttentionLayerSpec(h, d, d, pool_dtype)]
-    ours, theirs = KVPool(spec, 200, in_place=True), KVPool(spec, 200, in_place=False)
+    ours, theirs = KVPool(spec, 200, KernelDecode()), KVPool(spec, 200, GatherDecode())
     buffer = ours.layers[0]
     # Values as attention layers make them: [B, S, H, D] projections transposed (strided).
     keys = mx.array(rng.standard_normal((b, h, seq, d)).astype(np.float32)).astype(kv_dtype)
@@ -94,12 +95,9 @@ def test_splits_fill_the_gpu_within_their_bounds():
 
 
 @pytest.fixture(params=[0, 4], ids=["register-prefetch", "staged"])
-def kv_pipeline(request, monkeypatch):
-    """Both ways the kernel brings K/V in (paged_attention.STAGES), the default and the
-    cp.async experiment, give the reference's attention."""
-    from worker_proc import paged_attention
-
-    monkeypatch.setattr(paged_attention, "STAGES", request.param)
+def kv_pipeline(request):
+    """Both ways the kernel brings K/V in (its `stages`: the default register prefetch and
+    the cp.async experiment) give the reference's attention."""
     return request.param
 
 
@@ -108,7 +106,7 @@ def kv_pipeline(request, monkeypatch):
                                      list(range(1, 640, 10))])
 def test_cuda_kernel_every_split_shape(lengths, kv_pipeline):
     q, kv, table, ln = _case(n_q=32, n_kv=8, dim=128, dtype=mx.bfloat16, lengths=lengths)
-    got = paged_decode_attention(q, kv, table, ln, scale=128 ** -0.5)
+    got = paged_decode_attention(q, kv, table, ln, scale=128 ** -0.5, stages=kv_pipeline)
     want = reference_decode_attention(q, kv, table, ln, scale=128 ** -0.5)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
                                rtol=2e-2, atol=2e-2)
@@ -122,7 +120,8 @@ def test_cuda_kernel_attention_sinks(lengths, dtype, kv_pipeline):
     as MLX's attention with sinks, also where one split would do."""
     q, kv, table, ln = _case(n_q=16, n_kv=2, dim=64, dtype=dtype, lengths=lengths, seed=11)
     sinks = mx.array(np.random.default_rng(12).normal(0.0, 3.0, 16).astype(np.float32)).astype(dtype)
-    got = paged_decode_attention(q, kv, table, ln, scale=64 ** -0.5, sinks=sinks)
+    got = paged_decode_attention(q, kv, table, ln, scale=64 ** -0.5, sinks=sinks,
+                                 stages=kv_pipeline)
     want = reference_decode_attention(q, kv, table, ln, scale=64 ** -0.5, sinks=sinks)
     tol = 2e-2 if dtype != mx.float32 else 1e-4
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
@@ -150,9 +149,10 @@ def test_cuda_write_attention_equals_a_write_then_attention(lengths, kv_pipeline
     separate, fused = kv + 0, kv + 0  # two pools of the same rows
     mx.eval(separate, fused)
     mark = pool_write_in_place(separate, slots, keys, values)
-    want = paged_decode_attention(q, separate, table, ln, scale=128 ** -0.5, written=mark)
+    want = paged_decode_attention(q, separate, table, ln, scale=128 ** -0.5, written=mark,
+                                  stages=kv_pipeline)
     got, got_mark = paged_decode_write_attention(q, keys, values, slots, fused, table, ln,
-                                                 scale=128 ** -0.5)
+                                                 scale=128 ** -0.5, stages=kv_pipeline)
     mx.eval(want, got, got_mark)
     assert got_mark.tolist() == [0]
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
@@ -185,8 +185,10 @@ def test_cuda_qkv_attention_rotates_q_and_k_as_mx_fast_rope(traditional, freqs, 
     mx.eval(separate, fused)
     q_rot, keys_rot = (spec.apply(x, ln - 1) for x in (heads[:, :32], heads[:, 32:40]))
     mark = pool_write_in_place(separate, slots, keys_rot, heads[:, 40:])
-    want = paged_decode_attention(q_rot, separate, table, ln, scale=128 ** -0.5, written=mark)
-    got, _ = paged_decode_qkv_attention(qkv, 32, spec, slots, fused, table, ln, scale=128 ** -0.5)
+    want = paged_decode_attention(q_rot, separate, table, ln, scale=128 ** -0.5, written=mark,
+                                  stages=kv_pipeline)
+    got, _ = paged_decode_qkv_attention(qkv, 32, spec, slots, fused, table, ln, scale=128 ** -0.5,
+                                        stages=kv_pipeline)
     mx.eval(want, got)
     assert got.shape == (b, 1, 32 * 128)
     np.testing.assert_array_equal(np.array(fused.astype(mx.float32)),
@@ -318,9 +320,8 @@ def test_pooled_forward_matches_mlx_lm_cache():
     from mlx_lm.models import llama
     from mlx_lm.models.cache import KVCache
 
-    from worker_proc.attention import (DenseDecodeContext, ForwardLayout, build_layer_caches,
-                                       install_attention_hook)
-    from worker_proc.kv_pool import KVPool, paged_kernel_fits
+    from worker_proc.attention import ForwardLayout, build_layer_caches, install_attention_hook
+    from worker_proc.kv_pool import KVPool
     from worker_proc.memory import probe_attention_specs
 
     mx.random.seed(11)
@@ -332,8 +333,7 @@ def test_pooled_forward_matches_mlx_lm_cache():
     install_attention_hook()
     specs = probe_attention_specs(model)
     pool = KVPool(specs, num_slots=400)
-    dense = None if paged_kernel_fits(specs) else DenseDecodeContext(
-        len(specs), budget_bytes=1 << 30, bytes_per_token=KVPool.bytes_per_slot(specs))
+    dense = pool.backend.decode_context(len(specs), 1 << 31, KVPool.bytes_per_slot(specs))
     rng = np.random.default_rng(12)
     prompts = [rng.integers(0, 256, size=n).tolist() for n in (7, 19, 19, 3)]
     table = np.zeros((len(prompts), 64), dtype=np.int32)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.engine_driver import (InProcessEngine, assert_greedy, stand_in_in_place_kernels,
-                                 stand_in_kernel_path)
+from tests.engine_driver import (InProcessEngine, StandInInPlaceKernels, StandInKernel,
+                                 assert_greedy)
 from tests.test_scheduler import assert_idle_invariant
 import worker_proc.runner as runner_module
 from worker_proc.runner import compiled_batch_size, trace_decode_shapes, warm_up
@@ -308,22 +308,21 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
     assert [r.step for r in sent] == [1, 2, 3, 4]
 
 
-def test_compiled_decode_matches_mlx_lm(tiny_model, oracle, monkeypatch):
+def test_compiled_decode_matches_mlx_lm(tiny_model, oracle):
     """Compiled decode (the CUDA default): decode forwards replayed from mx.compile traces
     (one per batch size and table-width bucket, across the 128 bucket) give mlx-lm's
     greedy tokens, on the kernel path stood in for on the CPU."""
     model, tokenizer = tiny_model
     with pytest.raises(ValueError, match="compiled decode"):
         InProcessEngine(model, compile_decode=True)  # the CPU has no paged-attention path
-    stand_in_kernel_path(monkeypatch)
     prompts = _prompts(5, [100, 7, 30], model.args.vocab_size, seed=13)
-    engine = InProcessEngine(model, compile_decode=True, overlap="ahead")
+    engine = InProcessEngine(model, compile_decode=True, overlap="ahead", backend=StandInKernel())
     assert_greedy(engine, prompts, 40, _eos(tokenizer), oracle)
     engine.submit("alone", prompts[1], 12, _eos(tokenizer))  # a batch of one (RoPE offsets [1])
     assert engine.run_until_idle()["alone"].token_ids == oracle(prompts[1], 12)
     # A fresh server's warm-up traces every batch bucket it meets with 12 rows: 1, 2, 4,
     # 8 and 16 (run with 12 rows); then it serves as before.
-    engine = InProcessEngine(model, compile_decode=True, overlap="ahead")
+    engine = InProcessEngine(model, compile_decode=True, overlap="ahead", backend=StandInKernel())
     assert warm_up(engine.runner, max_batch=12) == 2 + 2 * 5
     engine.submit("after", prompts[2], 12, _eos(tokenizer))
     assert engine.run_until_idle()["after"].token_ids == oracle(prompts[2], 12)
@@ -341,10 +340,9 @@ def test_in_place_pool_decode_stores_through_attention(tiny_model, oracle, monke
     import worker_proc.attention as attention
 
     model, tokenizer = tiny_model
-    stand_in_in_place_kernels(monkeypatch)
-    monkeypatch.setattr(attention, "WRITE_IN_ATTENTION", in_attention)
     prompts = _prompts(4, [60, 9, 33], model.args.vocab_size, seed=17)
-    engine = InProcessEngine(model, overlap="ahead")
+    engine = InProcessEngine(model, overlap="ahead",
+                             backend=StandInInPlaceKernels(write_in_attention=in_attention))
     assert engine.pool.in_place
     assert_greedy(engine, prompts, 25, _eos(tokenizer), oracle)
     if in_attention:
@@ -363,8 +361,8 @@ def test_compiled_decode_traced_at_start_up_serves_without_tracing(tiny_model, o
     width up to the longest context), serving traces nothing, also as contexts cross
     width buckets; tokens stay mlx-lm's."""
     model, tokenizer = tiny_model
-    stand_in_kernel_path(monkeypatch)
-    engine = InProcessEngine(model, compile_decode=True, overlap="ahead", max_context=600)
+    engine = InProcessEngine(model, compile_decode=True, overlap="ahead", max_context=600,
+                             backend=StandInKernel())
     runner = engine.runner
     warm_up(runner, max_batch=6)
     assert trace_decode_shapes(runner, max_batch=6) == 4 * 3  # buckets 1, 2, 4, 8; widths 256-1024
@@ -461,25 +459,30 @@ def test_overlap_auto_is_on_with_a_gpu_only_and_the_flags_force_it():
         ServerConfig(disable_overlap=True, overlap="on")
 
 
-def test_experiments_are_named_and_switch_their_decode_paths(monkeypatch):
+def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatch):
     from ipc.config import ServerConfig
-    from worker_proc import apply_experiments, decode_block
+    from worker_proc import decode_backend
+    from worker_proc.decode_backend import GatherDecode, KernelDecode, choose_decode_backend
+    from worker_proc.kv_pool import AttentionLayerSpec
 
-    monkeypatch.setattr(decode_block, "ROPE_IN_ATTENTION", False)
+    import mlx.core as mx
+
+    specs = [AttentionLayerSpec(8, 128, 128, mx.bfloat16)]
     config = ServerConfig(experiments=" rope-in-kernel ")
-    with pytest.raises(ValueError, match="CUDA backend only"):  # no silent no-op elsewhere
-        apply_experiments(config.experiment_set, on_cuda=False)
-    apply_experiments(ServerConfig().experiment_set, on_cuda=False)  # none asked: fine
-    assert not decode_block.ROPE_IN_ATTENTION
-    apply_experiments(config.experiment_set, on_cuda=True)
-    assert decode_block.ROPE_IN_ATTENTION
+    assert choose_decode_backend(specs) == GatherDecode()  # the CPU: plain MLX
+    with pytest.raises(ValueError, match="need the CUDA kernel"):  # no silent no-op elsewhere
+        choose_decode_backend(specs, config.experiment_set)
+    monkeypatch.setattr(decode_backend, "kernel_available", lambda: True)
+    assert choose_decode_backend(specs) == KernelDecode()
+    assert choose_decode_backend(specs, config.experiment_set) == KernelDecode(rope_in_kernel=True)
+    assert choose_decode_backend([AttentionLayerSpec(8, 80, 80, mx.bfloat16)]) == GatherDecode()
     with pytest.raises(ValueError, match="unknown"):
         ServerConfig(experiments="rope-in-kernel,warp-drive")
     with pytest.raises(ValueError, match="fast decode blocks"):
         ServerConfig(experiments="rope-in-kernel", fast_decode_blocks="off")
     from worker_proc import paged_attention
 
-    monkeypatch.setattr(paged_attention, "STAGES", 0)
     staged = ServerConfig(experiments="staged-kv", fast_decode_blocks="off")  # kernel-level only
-    apply_experiments(staged.experiment_set, on_cuda=True)
-    assert paged_attention.STAGES == 4 and paged_attention.staged_tiles(128, 2) == 4
+    backend = choose_decode_backend(specs, staged.experiment_set)
+    assert backend == KernelDecode(stages=4) and paged_attention.staged_tiles(128, 2, backend.stages) == 4
+    assert paged_attention.staged_tiles(128, 2) == 0  # the default: register prefetch

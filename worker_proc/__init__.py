@@ -28,40 +28,25 @@ def _model_context_len(model: object) -> int | None:
     return getattr(args, "max_position_embeddings", None)
 
 
-def apply_experiments(names: frozenset[str], on_cuda: bool) -> None:
-    """Turn on the --experiments decode paths (process-wide switches, set before the
-    model's first forward). They exist on the CUDA kernel path only: elsewhere, refused."""
-    from worker_proc import decode_block, paged_attention
-
-    if names and not on_cuda:
-        raise ValueError("--experiments: these decode paths run on MLX's CUDA backend only")
-    if "rope-in-kernel" in names:
-        decode_block.ROPE_IN_ATTENTION = True
-    if "staged-kv" in names:
-        paged_attention.STAGES = 4
-
-
 def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     """Load the model and size the pool; returns the runner (split out for tests)."""
     import mlx.core as mx
     import mlx_lm
 
     from kiln_common.llguidance_tokenizer import structured_output_supported
-    from worker_proc.layer_kinds import UnsupportedModelError, describe_layers
+    from worker_proc.decode_backend import choose_decode_backend
     from worker_proc.decode_block import speed_up_decode_blocks
     from worker_proc.fused_projections import fuse_projections
-    from worker_proc.kv_pool import KVPool, paged_kernel_fits
+    from worker_proc.kv_pool import KVPool
+    from worker_proc.layer_kinds import UnsupportedModelError, describe_layers
     from worker_proc.memory import (bound_cuda_cache, pool_slots, probe_attention_specs,
                                     raise_cuda_graph_budgets)
     from worker_proc.paged_attention import kernel_available
-    from worker_proc.runner import (CPU_PREFILL_PADDING, DENSE_DECODE_SHARE, PREFILL_PADDING,
-                                    ModelRunner, trace_decode_shapes, warm_up)
+    from worker_proc.runner import (CPU_PREFILL_PADDING, PREFILL_PADDING, ModelRunner,
+                                    trace_decode_shapes, warm_up)
 
     say = reporter.progress if reporter else logger.info
     on_cuda = kernel_available()
-    apply_experiments(config.experiment_set, on_cuda)
-    if config.experiment_set:
-        say("experimental decode paths on: " + ", ".join(sorted(config.experiment_set)))
     budgets = raise_cuda_graph_budgets()  # before the model touches the GPU
     if budgets:
         say("CUDA graph budgets: " + ", ".join(f"{k}={v}" for k, v in budgets.items()))
@@ -86,12 +71,15 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
             "model has no llama or qwen2 block (mlx_lm.models.llama, .qwen2) to speed up")
     specs = probe_attention_specs(model)
     say(f"model loaded in {time.monotonic() - t0:.1f}s")
+    backend = choose_decode_backend(specs, config.experiment_set)  # the one choice
+    say(f"decode attention: {backend.name}" + (
+        f", experiments {', '.join(sorted(config.experiment_set))}" if config.experiment_set else ""))
     context = _model_context_len(model) or 4096
     per_slot = KVPool.bytes_per_slot(specs)
-    kept = 0.0 if paged_kernel_fits(specs) else DENSE_DECODE_SHARE
-    # The fallback decode path keeps up to `kept` of the pool's size again in dense blocks.
+    kept = backend.kept_share
+    # A backend keeping dense decode contexts keeps up to `kept` of the pool's size again.
     slots = pool_slots(config, int(per_slot * (1 + kept)), context)
-    pool = KVPool(specs, slots)
+    pool = KVPool(specs, slots, backend)
     cache_limit = bound_cuda_cache()
     if cache_limit is not None:
         say(f"MLX buffer cache capped at {cache_limit / 2**30:.1f} GiB")
@@ -102,7 +90,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     padding = CPU_PREFILL_PADDING if mx.default_device() == mx.cpu else PREFILL_PADDING
     runner = ModelRunner(model, pool, config.max_running_requests, min(context, slots), grammars,
                          prefill_padding=padding,
-                         compile_decode=not config.eager_decode and paged_kernel_fits(specs))
+                         compile_decode=not config.eager_decode and backend.compiles)
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests)
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0

@@ -18,19 +18,11 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
-from worker_proc.kv_pool import KVPool, paged_kernel_fits
+
+from worker_proc.decode_backend import DecodeBackend
+from worker_proc.kv_pool import KVPool
 from worker_proc.layer_kinds import Kind, LayerKind, ProbeRecorder, UnsupportedModelError
-from worker_proc.paged_attention import (RopeSpec, kernel_available, paged_decode_attention,
-                                         paged_decode_qkv_attention,
-                                         paged_decode_write_attention,
-                                         reference_decode_attention, unfused_prefill_attention,
-                                         unfused_prefill_fits)
-
-# Decode on the CUDA kernel path with an in-place pool: the attention kernel stores the
-# step's K/V itself (paged_decode_write_attention), a launch less per layer than a
-# separate write. False: the separate write (for A/B runs, bench/step_breakdown.py).
-WRITE_IN_ATTENTION = True
-
+from worker_proc.paged_attention import RopeSpec
 
 @dataclass(frozen=True)
 class ForwardLayout:
@@ -162,23 +154,41 @@ class ForwardLayout:
 
 
 class PooledKVCache:
-    """One full-attention layer's view of the pool for one forward pass."""
+    """One attention layer's view of the pool for one forward pass; decode attention and
+    the pool's writes are its pool's backend's (decode_backend)."""
 
     def __init__(self, pool: KVPool, layer: int, layout: ForwardLayout,
                  kind: LayerKind | None = None) -> None:
-        self._pool = pool
-        self._layer = layer
-        self._layout = layout
+        self.pool = pool
+        self.layer = layer
+        self.layout = layout
         self.kind = kind or LayerKind()
-        # This step's K/V, for the attention kernel to store (see WRITE_IN_ATTENTION).
+        # This step's K/V, for the attention kernel to store (writes_in_attention).
         self._unwritten: tuple[mx.array, mx.array] | None = None
 
     @property
+    def backend(self) -> DecodeBackend:
+        return self.pool.backend
+
+    def reads(self) -> tuple[mx.array, mx.array]:
+        """Decode: the slot table and lengths of the positions this layer's queries see
+        (a windowed kind's start at each row's window)."""
+        layout = self.layout
+        if self.kind.windowed:
+            return layout.windowed_reads(self.kind)
+        return layout.read_slots, layout.lengths
+
+    def take_unwritten(self) -> tuple[mx.array, mx.array] | None:
+        """This step's K/V, left for the attention kernel to store; the caller stores them."""
+        unwritten, self._unwritten = self._unwritten, None
+        return unwritten
+
+    @property
     def offset(self) -> int | mx.array:
-        return self._layout.offset
+        return self.layout.offset
 
     def make_mask(self, n: int, return_array: bool = False, window_size: int | None = None) -> Any:
-        layout, kind = self._layout, self.kind
+        layout, kind = self.layout, self.kind
         if window_size is not None and not (kind.kind is Kind.SLIDING and kind.span == window_size):
             kind = LayerKind(Kind.SLIDING, window_size)  # the model's window, not the cache's
         if self.paged:  # decode: the pool's readers mask by each row's length
@@ -193,7 +203,7 @@ class PooledKVCache:
     def _length_mask(self) -> mx.array | None:
         """Decode of a layer that computes its own scores over dense K/V ([B, H, L, D],
         right-padded): which of the L positions each row has, [B, 1, 1, L]."""
-        layout = self._layout
+        layout = self.layout
         width = layout.read_slots.shape[1]
         return (mx.arange(width)[None] < layout.lengths[:, None])[:, None, None, :]
 
@@ -206,7 +216,7 @@ class PooledKVCache:
 
     @property
     def paged(self) -> bool:
-        return self._layout.lengths is not None
+        return self.layout.lengths is not None
 
     @property
     def written(self) -> bool:
@@ -218,23 +228,23 @@ class PooledKVCache:
         """Whether this forward's K/V go to the pool through the attention kernel (paged
         decode on an in-place pool): then attend_qkv may take the place of RoPE,
         update_and_fetch and paged_attention."""
-        return (self.paged and self._layout.dense is None and self._pool.in_place
-                and WRITE_IN_ATTENTION and self.kind == LayerKind())
+        return (self.paged and self.layout.dense is None and self.pool.in_place
+                and self.backend.write_in_attention and self.kind == LayerKind())
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.writes_in_attention:
             self._unwritten = (keys, values)  # paged_attention stores them
-            return self._pool.keys(self._layer), self._pool.values(self._layer)
-        self._pool.write(self._layer, self._layout.write_slots, keys, values)
+            return self.pool.keys(self.layer), self.pool.values(self.layer)
+        self.pool.write(self.layer, self.layout.write_slots, keys, values)
         if self.paged and self.kind.own_attention:  # its own score math needs dense K/V
-            return self._pool.read(self._layer, self._layout.read_slots)
-        if self._layout.dense is not None:
-            self._layout.dense.update(self._layer, self._pool, self._layout.read_slots, keys, values)
+            return self.pool.read(self.layer, self.layout.read_slots)
+        if self.layout.dense is not None:
+            self.layout.dense.update(self.layer, self.pool, self.layout.read_slots, keys, values)
         if self.paged:  # attention reads the pool itself (see paged_attention)
-            return self._pool.keys(self._layer), self._pool.values(self._layer)
-        if self._layout.fresh:
+            return self.pool.keys(self.layer), self.pool.values(self.layer)
+        if self.layout.fresh:
             return keys, values
-        return self._pool.read(self._layer, self._layout.read_slots)
+        return self.pool.read(self.layer, self.layout.read_slots)
 
     def attend_qkv(self, qkv: mx.array, n_q: int, scale: float, rope: RopeSpec) -> mx.array:
         """A decode layer's attention from its fused q/k/v projection's output [B, 1,
@@ -243,36 +253,11 @@ class PooledKVCache:
         writes_in_attention."""
         if not self.writes_in_attention:
             raise RuntimeError("attend_qkv needs the attention kernel to write the pool")
-        layout, pool, layer = self._layout, self._pool, self._layer
-        out, mark = paged_decode_qkv_attention(
-            qkv, n_q, rope, layout.write_slots, pool.layers[layer], layout.read_slots,
-            layout.lengths, scale, pool.mark(layer))
-        pool.record_write(layer, mark)
-        return out
+        return self.backend.attend_qkv(self, qkv, n_q, scale, rope)
 
     def paged_attention(self, queries: mx.array, scale: float,
                         sinks: mx.array | None = None) -> mx.array:
-        layout, layer, kind = self._layout, self._layer, self.kind
-        dense = layout.dense
-        if dense is not None and dense.active:
-            return dense.attention(layer, queries, scale, kind, sinks)
-        pool = self._pool
-        table, lengths = (layout.windowed_reads(kind) if kind.windowed
-                          else (layout.read_slots, layout.lengths))
-        if dense is not None:  # over its budget: gather from the pool for this layer
-            return reference_decode_attention(queries, pool.layers[layer], table, lengths,
-                                              scale, pool.mark(layer), sinks)
-        if self._unwritten is not None:
-            keys, values = self._unwritten
-            out, mark = paged_decode_write_attention(
-                queries, keys, values, layout.write_slots, pool.layers[layer], layout.read_slots,
-                layout.lengths, scale, pool.mark(layer))
-            pool.record_write(layer, mark)
-            self._unwritten = None
-            return out
-        # No kept context: the runner chose the kernel (paged_kernel_fits).
-        return paged_decode_attention(queries, pool.layers[layer], table, lengths, scale,
-                                      pool.mark(layer), sinks=sinks)
+        return self.backend.attend(self, queries, scale, sinks)
 
 
 class DenseDecodeContext:
@@ -448,11 +433,10 @@ def install_attention_hook() -> None:
             if cache.kind.windowed:
                 # Ours, not the model's: a model may skip the mask for one new token, or
                 # build it from one scalar offset; the layout knows every row's window.
-                mask = cache._layout.kind_mask(cache.kind)
-            # CUDA: no cuDNN graph build per prompt shape, while the scores stay small.
-            if (sinks is None and kernel_available()
-                    and unfused_prefill_fits(queries.shape, keys.shape[2])):
-                return unfused_prefill_attention(queries, keys, values, scale, mask)
+                mask = cache.layout.kind_mask(cache.kind)
+            out = cache.backend.prefill_attention(queries, keys, values, scale, mask, sinks)
+            if out is not None:
+                return out
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     attention.__wrapped__ = original
@@ -462,7 +446,7 @@ def install_attention_hook() -> None:
             module.scaled_dot_product_attention = attention
 
 
-def batches_ragged_rows(model: Any, specs: list) -> bool:
+def batches_ragged_rows(model: Any, specs: list, backend: DecodeBackend) -> bool:
     """Whether the model's own code, fed through these adapters, gives every row of a
     decode batch whose rows have different context lengths what that row gets alone.
     Not every mlx-lm model does: Gemma 2 broadcasts a per-row mask against its grouped
@@ -473,14 +457,13 @@ def batches_ragged_rows(model: Any, specs: list) -> bool:
     rows = 2 * max(s.n_kv_heads for s in specs) + 3
     lengths = np.arange(1, rows + 1, dtype=np.int32)
     table = (1 + np.arange(rows)[:, None] * rows + np.arange(rows)[None]).astype(np.int32)
-    pool = KVPool(specs, rows * rows, in_place=False)
+    pool = KVPool(specs, rows * rows, backend)
     pool.layers = [mx.random.normal(a.shape).astype(a.dtype) for a in pool.layers]
     tokens = mx.array(np.arange(rows, dtype=np.int32) + 1)[:, None]
 
     def decode(picked: np.ndarray) -> mx.array:
-        dense = None
-        if not paged_kernel_fits(specs):  # as the runner decides
-            dense = DenseDecodeContext(len(specs), 1 << 40, KVPool.bytes_per_slot(specs))
+        dense = backend.decode_context(len(specs), 1 << 40, KVPool.bytes_per_slot(specs))
+        if dense is not None:  # as the runner decodes
             dense.plan(tuple(int(r) for r in picked), lengths[picked])
         layout = ForwardLayout.decode(table[picked], lengths[picked], dense)
         return model(tokens[mx.array(picked)], cache=build_layer_caches(pool, layout))[:, -1, :]

@@ -34,17 +34,6 @@ from worker_proc.paged_attention import RopeSpec
 
 logger = logging.getLogger(__name__)
 
-# Where the attention kernel stores the step's K/V (an in-place pool on CUDA), it may also
-# take the fused q/k/v projection's output whole and rotate q and k itself: the block then
-# skips RoPE and the copy MLX's CUDA RoPE makes of the strided q/k heads (two launches a
-# layer) and the ~11 view nodes that split the heads and join the output. Off: on the H200
-# it saved host time but added more device time than RoPE's launches cost (session 8 in
-# docs/benchmarks.md; the kernel now computes each block's angles once, unmeasured);
-# `--experiments rope-in-kernel` and bench/step_breakdown.py's "rope in kernel" variant
-# turn it on.
-ROPE_IN_ATTENTION = False
-
-
 def rope_spec(rope: nn.Module) -> RopeSpec | None:
     """The RopeSpec of an mlx-lm RoPE module (nn.RoPE, Llama3RoPE); None for other kinds
     (scaled variants that also scale the input)."""
@@ -70,7 +59,7 @@ class FastDecodeBlock:
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
         qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
         dim = qkv.shape[-1] // (n_q + 2 * n_kv)
-        rope = self._kernel_rope(dim) if cache.writes_in_attention else None
+        rope = self._kernel_rope(cache, dim) if cache.writes_in_attention else None
         if rope is not None:  # one kernel from the projection's output to o's input
             out = cache.attend_qkv(qkv, n_q, attn.scale, rope)
         else:
@@ -85,11 +74,15 @@ class FastDecodeBlock:
         gate, up = mx.split(mlp.gate_up_proj(normed), 2, axis=-1)
         return self._residual(h, mlp.down_proj, swiglu(gate, up))
 
-    def _kernel_rope(self, head_dim: int) -> RopeSpec | None:
-        """The RoPE for the attention kernel to apply (see ROPE_IN_ATTENTION): the block's
-        own, where the kernel can do it (over whole heads)."""
+    def _kernel_rope(self, cache: PooledKVCache, head_dim: int) -> RopeSpec | None:
+        """The RoPE for the attention kernel to apply, where its backend does that (the
+        kernel's rope_in_kernel option): the block's own, where the kernel can do it (over
+        whole heads). The kernel then takes the fused q/k/v output whole: the block skips
+        RoPE and the copy MLX's CUDA RoPE makes of the strided q/k heads (two launches a
+        layer) and ~11 view nodes. Off by default: on the H200 it saved host time but added
+        more device time than RoPE's launches cost (session 8 in docs/benchmarks.md)."""
         spec = self.rope_spec
-        if ROPE_IN_ATTENTION and spec is not None and spec.dims == head_dim:
+        if cache.backend.rope_in_kernel and spec is not None and spec.dims == head_dim:
             return spec
         return None
 

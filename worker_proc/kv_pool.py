@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import mlx.core as mx
 
+from worker_proc.decode_backend import DecodeBackend, choose_decode_backend
 from worker_proc.layer_kinds import LayerKind
-from worker_proc.paged_attention import (after_write, kernel_available, pool_write_in_place,
-                                         split_kv)
+from worker_proc.paged_attention import after_write, split_kv
 
 logger = logging.getLogger(__name__)
 
@@ -34,14 +34,6 @@ class AttentionLayerSpec:
         return (self.n_kv_heads * (self.head_dim + self.v_head_dim)) * self.dtype.size
 
 
-def paged_kernel_fits(specs: list[AttentionLayerSpec]) -> bool:
-    """Whether decode attention runs the CUDA kernel for these layers (it spreads a head
-    over a warp's 32 lanes, keys and values of one size); otherwise the runner keeps a
-    DenseDecodeContext. Pools of such layers are written in place (KVPool)."""
-    return kernel_available() and all(s.head_dim % 32 == 0 and s.v_head_dim == s.head_dim
-                                      for s in specs)
-
-
 class KVPool:
     """One array per attention layer, [num_slots + 1, n_kv_heads, head_dim + v_head_dim]:
     a token's keys and values side by side, so a step stores both with one write (on
@@ -54,8 +46,8 @@ class KVPool:
       write is launched, and a launched read holds its inputs until it completes: a
       write launched while the previous step still reads the layer copies it (the whole
       pool, at a step's scale). So no step may be launched while another runs.
-    - in place (`in_place`, where the CUDA decode kernel serves every layer): a kernel
-      writes the rows into the layer's buffer, which never changes (see
+    - in place (`in_place`, where the decode backend says so: the CUDA kernel's): its
+      kernel writes the rows into the layer's buffer, which never changes (see
       pool_write_in_place). Writes cannot copy, so steps may be launched back to back:
       the device runs them in launch order. Each write leaves a mark that reads of the
       layer take as an input (`mark`), so they follow it; the next write to the layer
@@ -65,11 +57,13 @@ class KVPool:
     """
 
     def __init__(self, specs: list[AttentionLayerSpec], num_slots: int,
-                 in_place: bool | None = None) -> None:
-        """in_place: None picks it wherever the CUDA decode kernel fits the layers."""
+                 backend: DecodeBackend | None = None) -> None:
+        """backend: who reads and writes the pool (default: the one chosen for these
+        layers on this device); it says whether writes go in place."""
         self.specs = specs
         self.num_slots = num_slots
-        self.in_place = paged_kernel_fits(specs) if in_place is None else in_place
+        self.backend = backend or choose_decode_backend(specs)
+        self.in_place = self.backend.in_place
         rows = num_slots + 1
         self.layers = [_zeros(rows, s.n_kv_heads, s.head_dim + s.v_head_dim, s.dtype) for s in specs]
         mx.eval(self.layers)
@@ -95,8 +89,8 @@ class KVPool:
     def write(self, layer: int, slots: mx.array, keys: mx.array, values: mx.array) -> None:
         """Store new K/V ([B, H, S, D], the model's layout) under slots [B * S]."""
         if self.in_place:
-            self.record_write(layer, pool_write_in_place(self.layers[layer], slots, keys, values,
-                                                         self._marks[layer]))
+            self.record_write(layer, self.backend.write_rows(self.layers[layer], slots, keys,
+                                                             values, self._marks[layer]))
             return
         b, h, s, _ = keys.shape
         if s == 1:  # decode: [B, H, 1, D] is token-major already

@@ -41,18 +41,19 @@ _THREADS = 128  # four warps per block
 LANES_PER_TOKEN = 16
 PASSES = 1
 # K/V tiles a block keeps in flight through shared memory (cp.async, sm_80+): 0 keeps the
-# register prefetch that was measured (see _REGISTER_PIPE); unmeasured yet otherwise.
-STAGES = 0
+# register prefetch that was measured (see _REGISTER_PIPE); unmeasured yet otherwise. The
+# decode backend's option (decode_backend.KernelDecode.stages); this is its default.
+DEFAULT_STAGES = 0
 _STAGE_BYTES_MAX = 32 * 1024  # beside the slot ids (4 KiB) and the merge (8 KiB): < 48 KiB
 
 
-def staged_tiles(dim: int, itemsize: int) -> int:
-    """Tiles of the staged pipeline for this head size and pool dtype: STAGES, fewer where
+def staged_tiles(dim: int, itemsize: int, stages: int = DEFAULT_STAGES) -> int:
+    """Tiles of the staged pipeline for this head size and pool dtype: `stages`, fewer where
     they would not fit in _STAGE_BYTES_MAX of shared memory (at least 2), 0 when off."""
-    if STAGES < 2:
+    if stages < 2:
         return 0
     tile = _THREADS // 32 * PASSES * (32 // LANES_PER_TOKEN) * 2 * dim * itemsize
-    return max(2, min(STAGES, _STAGE_BYTES_MAX // tile))
+    return max(2, min(stages, _STAGE_BYTES_MAX // tile))
 
 
 # One block per (split, KV head, row), four warps. A token's dot products take L lanes
@@ -546,7 +547,8 @@ def num_splits(batch: int, n_kv: int, l_max: int) -> int:
 def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
                            lengths: mx.array, scale: float,
                            written: mx.array | None = None,
-                           sinks: mx.array | None = None) -> mx.array:
+                           sinks: mx.array | None = None,
+                           stages: int = DEFAULT_STAGES) -> mx.array:
     """Attention of one new token per row over its pooled context.
 
     q: [B, Hq, 1, D]; kv_pool: [slots, Hkv, 2 * D], keys then values (KVPool's layout);
@@ -559,7 +561,7 @@ def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
     inputs = [q.reshape(batch, n_q, dim), kv_pool, table, lengths, _scale(scale),
               _follow(written)]
     out, _ = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1], write_new=False,
-                     sinks=sinks)
+                     sinks=sinks, stages=stages)
     return out.reshape(batch, n_q, 1, dim)
 
 
@@ -594,7 +596,8 @@ class RopeSpec:
 def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
                                  slots: mx.array, kv_pool: mx.array, table: mx.array,
                                  lengths: mx.array, scale: float,
-                                 after: mx.array | None = None) -> tuple[mx.array, mx.array]:
+                                 after: mx.array | None = None,
+                                 stages: int = DEFAULT_STAGES) -> tuple[mx.array, mx.array]:
     """paged_decode_attention for a pool written in place, storing the step's new keys
     and values ([B, Hkv, 1, D] each, any strides) at slots [B] in the same launch: the
     pool write of pool_write_in_place and the attention in one kernel, a launch less per
@@ -603,15 +606,15 @@ def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
     batch, n_q, _, dim = q.shape
     inputs = [q, keys, values, kv_pool, table, lengths, _scale(scale), _follow(after), slots]
     out, mark = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1],
-                        write_new=True)
+                        write_new=True, stages=stages)
     assert mark is not None
     return out.reshape(batch, n_q, 1, dim), mark
 
 
 def paged_decode_qkv_attention(qkv: mx.array, n_q: int, rope: RopeSpec, slots: mx.array,
                                kv_pool: mx.array, table: mx.array, lengths: mx.array,
-                               scale: float, after: mx.array | None = None
-                               ) -> tuple[mx.array, mx.array]:
+                               scale: float, after: mx.array | None = None,
+                               stages: int = DEFAULT_STAGES) -> tuple[mx.array, mx.array]:
     """paged_decode_write_attention straight from a fused q/k/v projection's output qkv
     [B, 1, (n_q + 2 Hkv) * D] (q heads, then k, then v), unrotated: the kernel applies
     `rope` to q and the new k itself. Returns the attention's output as [B, 1, n_q * D],
@@ -623,15 +626,15 @@ def paged_decode_qkv_attention(qkv: mx.array, n_q: int, rope: RopeSpec, slots: m
     inputs = [qkv, kv_pool, table, lengths, _scale(scale), _follow(after), slots,
               rope.kernel_params]
     out, mark = _attend(inputs, qkv.dtype, batch, n_q, dim, kv_pool, table.shape[1],
-                        write_new=True, rope=rope)
+                        write_new=True, rope=rope, stages=stages)
     assert mark is not None
     return out.reshape(batch, 1, n_q * dim), mark
 
 
 def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: int,
             kv_pool: mx.array, width: int, write_new: bool,
-            rope: RopeSpec | None = None,
-            sinks: mx.array | None = None) -> tuple[mx.array, mx.array | None]:
+            rope: RopeSpec | None = None, sinks: mx.array | None = None,
+            stages: int = DEFAULT_STAGES) -> tuple[mx.array, mx.array | None]:
     """Launch the decode kernel (and the merge, for several splits): [B, Hq, D] in
     `dtype`, and the write's mark when it stores the new K/V. rope: the fused q/k/v
     variant (paged_decode_qkv_attention). sinks: [Hq] sink logits, which the merge adds
@@ -647,7 +650,7 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
     mark_shape, mark_dtype = ([(1,)], [mx.int32]) if write_new else ([], [])
     if rope is not None:
         template += [("ROPE_TRADITIONAL", rope.traditional), ("ROPE_FREQS", rope.freqs is not None)]
-    stages = staged_tiles(dim, kv_pool.dtype.size)
+    stages = staged_tiles(dim, kv_pool.dtype.size, stages)
     if stages:
         template.append(("STAGES", stages))
     grid = (splits * _THREADS, n_kv, batch)

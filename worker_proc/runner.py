@@ -21,10 +21,10 @@ import numpy as np
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import PromptLogprobs, RequestError, StepResult
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
-from worker_proc.attention import (DenseDecodeContext, ForwardLayout, batches_ragged_rows,
-                                   build_layer_caches, check_written, install_attention_hook)
-from worker_proc.kv_pool import KVPool, paged_kernel_fits
+from worker_proc.attention import (ForwardLayout, batches_ragged_rows, build_layer_caches,
+                                   check_written, install_attention_hook)
 from worker_proc.grammar import GrammarMatchers
+from worker_proc.kv_pool import KVPool
 from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, SamplingBatch,
                                   StepLogprobs, sample, step_logprobs, token_logprobs)
 
@@ -32,9 +32,6 @@ logger = logging.getLogger(__name__)
 
 _SERIALS = itertools.count()
 
-# Where decode attention takes the plain-MLX fallback, the kept decode contexts may use
-# this share of the pool's size on top of it (see DenseDecodeContext).
-DENSE_DECODE_SHARE = 0.5
 # Padding a shared prefill forward may carry. On a GPU one forward over many prompts beats
 # many small ones by far; the CPU backend is compute-bound already at one prompt, so there
 # the padding is pure loss (16 prompts of 110-170 tokens: 3.35 s padded, 2.95 s one by one).
@@ -190,17 +187,17 @@ class ModelRunner:
         # whose they are (TokenCounts serials, in order): see _penalties.
         self._stacked_key: tuple[int, ...] = ()
         self._stacked: tuple[mx.array, mx.array] | None = None
-        # The fallback decode path's contexts, kept across steps (see DenseDecodeContext),
-        # in at most DENSE_DECODE_SHARE of the pool's bytes (build_runner leaves room).
-        self._dense_decode = None if paged_kernel_fits(pool.specs) else DenseDecodeContext(
-            len(pool.specs), budget_bytes=int(pool.nbytes * DENSE_DECODE_SHARE),
-            bytes_per_token=KVPool.bytes_per_slot(pool.specs))
-        if compile_decode and self._dense_decode is not None:
-            raise ValueError("compiled decode needs the CUDA paged-attention path (MLX's CUDA "
-                             "backend, head sizes a multiple of 32)")
+        # Decode contexts kept across steps, where the pool's backend keeps them (the
+        # plain-MLX one, within its share of the pool's bytes: build_runner leaves room).
+        backend = pool.backend
+        self._dense_decode = backend.decode_context(len(pool.specs), pool.nbytes,
+                                                    KVPool.bytes_per_slot(pool.specs))
+        if compile_decode and not backend.compiles:
+            raise ValueError(f"compiled decode needs the CUDA kernel's decode path, not "
+                             f"{backend.name}'s (MLX's CUDA backend, head sizes a multiple of 32)")
         # A model whose own code mishandles rows of different lengths in one forward
         # (batches_ragged_rows) runs each step's rows in forwards of one length each.
-        self.ragged = batches_ragged_rows(model, pool.specs)
+        self.ragged = batches_ragged_rows(model, pool.specs, backend)
         if not self.ragged:
             logger.warning("this model's code cannot batch rows of different lengths: "
                            "each forward takes rows of one context length (slower)")

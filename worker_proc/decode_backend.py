@@ -1,0 +1,193 @@
+"""How attention reads and writes the KV pool: one backend object per process.
+
+`choose_decode_backend` picks it once, at start-up, from the device and the layers'
+shapes; every decision that depends on it (is the pool written in place, may decode be
+compiled, are dense decode contexts kept, which kernel attends, which prefill attention
+runs) is a property or method of that object, not a check repeated where it is needed.
+Layer kinds (worker_proc.layer_kinds) are orthogonal: each backend serves every kind,
+given the slot table of the positions a kind's queries see (`PooledKVCache.reads`).
+
+- `KernelDecode` (MLX's CUDA backend, head sizes the kernel takes): the paged kernel
+  reads the pool; the pool is written in place; decode may run through mx.compile.
+  Its options are the `--experiments` A/B paths.
+- `GatherDecode` (CPU, Metal, other head sizes): plain MLX. Decode attends over dense
+  contexts kept across steps (DenseDecodeContext), or a gather from the pool when a batch
+  is over their budget; the pool is a scatter-written MLX array.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import mlx.core as mx
+
+from worker_proc.paged_attention import (DEFAULT_STAGES, RopeSpec, kernel_available,
+                                         paged_decode_attention, paged_decode_qkv_attention,
+                                         paged_decode_write_attention, pool_write_in_place,
+                                         reference_decode_attention, unfused_prefill_attention,
+                                         unfused_prefill_fits)
+
+if TYPE_CHECKING:
+    from worker_proc.attention import DenseDecodeContext, PooledKVCache
+    from worker_proc.kv_pool import AttentionLayerSpec
+
+# Where decode attends over kept dense contexts, they may use this share of the pool's
+# bytes on top of it (build_runner sizes the pool to leave the room).
+DENSE_DECODE_SHARE = 0.5
+
+EXPERIMENTS = frozenset({"rope-in-kernel", "staged-kv"})
+
+
+class DecodeBackend:
+    """The interface both backends give the runner, the pool and the layer caches."""
+
+    name: str = ""
+    in_place: bool = False  # the pool is written in place (steps may launch back to back)
+    compiles: bool = False  # decode may run through mx.compile
+    kept_share: float = 0.0  # dense decode contexts' bytes, as a share of the pool's
+    write_in_attention: bool = False  # decode K/V are stored by the attention kernel
+    rope_in_kernel: bool = False  # ... which may also rotate q and k (fast blocks)
+
+    def decode_context(self, num_layers: int, pool_bytes: int,
+                       bytes_per_token: int) -> DenseDecodeContext | None:
+        """The dense contexts decode keeps across steps, if this backend keeps any."""
+        return None
+
+    def attend(self, cache: PooledKVCache, queries: mx.array, scale: float,
+               sinks: mx.array | None) -> mx.array:
+        raise NotImplementedError
+
+    def attend_qkv(self, cache: PooledKVCache, qkv: mx.array, n_q: int, scale: float,
+                   rope: RopeSpec) -> mx.array:
+        raise RuntimeError(f"{self.name} decode cannot attend from a fused q/k/v output")
+
+    def prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
+                          scale: float, mask: Any, sinks: mx.array | None) -> mx.array | None:
+        """A prefill forward's attention, or None for mlx-lm's own (MLX's fused one)."""
+        return None
+
+    def write_rows(self, layer: mx.array, slots: mx.array, keys: mx.array, values: mx.array,
+                   after: mx.array | None) -> mx.array:
+        """In place: store the rows into the layer's own buffer; returns the write's mark."""
+        raise RuntimeError(f"{self.name} decode does not write the pool in place")
+
+
+@dataclass(frozen=True)
+class KernelDecode(DecodeBackend):
+    """The CUDA paged-attention kernel over an in-place pool.
+
+    write_in_attention: the decode kernel stores the step's K/V itself (a launch less a
+    layer; off only for A/B runs). rope_in_kernel: fast decode blocks hand it the fused
+    q/k/v output unrotated (`--experiments rope-in-kernel`). stages: K/V staged through
+    shared memory with cp.async this many tiles ahead, 0 for register prefetch
+    (`--experiments staged-kv`)."""
+
+    write_in_attention: bool = True
+    rope_in_kernel: bool = False
+    stages: int = DEFAULT_STAGES
+
+    name = "CUDA kernel"
+    in_place = True
+    compiles = True
+
+    def attend(self, cache: PooledKVCache, queries: mx.array, scale: float,
+               sinks: mx.array | None) -> mx.array:
+        pool, layer, layout = cache.pool, cache.layer, cache.layout
+        table, lengths = cache.reads()
+        unwritten = cache.take_unwritten()
+        if unwritten is not None:  # this step's K/V stored by the same launch
+            keys, values = unwritten
+            out, mark = self._write_attend(queries, keys, values, layout.write_slots,
+                                           pool.layers[layer], table, lengths, scale,
+                                           pool.mark(layer))
+            pool.record_write(layer, mark)
+            return out
+        return self._attend(queries, pool.layers[layer], table, lengths, scale,
+                            pool.mark(layer), sinks)
+
+    def attend_qkv(self, cache: PooledKVCache, qkv: mx.array, n_q: int, scale: float,
+                   rope: RopeSpec) -> mx.array:
+        """One launch from the fused q/k/v projection's output, unrotated, to the o
+        projection's input: RoPE, the pool write and attention."""
+        pool, layer, layout = cache.pool, cache.layer, cache.layout
+        out, mark = self._qkv_attend(qkv, n_q, rope, layout.write_slots, pool.layers[layer],
+                                     layout.read_slots, layout.lengths, scale, pool.mark(layer))
+        pool.record_write(layer, mark)
+        return out
+
+    def prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
+                          scale: float, mask: Any, sinks: mx.array | None) -> mx.array | None:
+        # No cuDNN graph build per prompt shape, while the float32 scores stay small.
+        if sinks is None and unfused_prefill_fits(queries.shape, keys.shape[2]):
+            return unfused_prefill_attention(queries, keys, values, scale, mask)
+        return None
+
+    def write_rows(self, layer: mx.array, slots: mx.array, keys: mx.array, values: mx.array,
+                   after: mx.array | None) -> mx.array:
+        return pool_write_in_place(layer, slots, keys, values, after)
+
+    # The kernels themselves: a stand-in (the CPU tests') replaces these three.
+    def _attend(self, q: mx.array, pool: mx.array, table: mx.array, lengths: mx.array,
+                scale: float, written: mx.array | None, sinks: mx.array | None) -> mx.array:
+        return paged_decode_attention(q, pool, table, lengths, scale, written, sinks=sinks,
+                                      stages=self.stages)
+
+    def _write_attend(self, q: mx.array, keys: mx.array, values: mx.array, slots: mx.array,
+                      pool: mx.array, table: mx.array, lengths: mx.array, scale: float,
+                      after: mx.array | None) -> tuple[mx.array, mx.array]:
+        return paged_decode_write_attention(q, keys, values, slots, pool, table, lengths,
+                                            scale, after, stages=self.stages)
+
+    def _qkv_attend(self, qkv: mx.array, n_q: int, rope: RopeSpec, slots: mx.array,
+                    pool: mx.array, table: mx.array, lengths: mx.array, scale: float,
+                    after: mx.array | None) -> tuple[mx.array, mx.array]:
+        return paged_decode_qkv_attention(qkv, n_q, rope, slots, pool, table, lengths, scale,
+                                          after, stages=self.stages)
+
+
+@dataclass(frozen=True)
+class GatherDecode(DecodeBackend):
+    """Plain MLX: dense decode contexts kept across steps, a gather when over budget."""
+
+    name = "plain MLX"
+    kept_share = DENSE_DECODE_SHARE
+
+    def decode_context(self, num_layers: int, pool_bytes: int,
+                       bytes_per_token: int) -> DenseDecodeContext:
+        from worker_proc.attention import DenseDecodeContext
+
+        return DenseDecodeContext(num_layers, budget_bytes=int(pool_bytes * self.kept_share),
+                                  bytes_per_token=bytes_per_token)
+
+    def attend(self, cache: PooledKVCache, queries: mx.array, scale: float,
+               sinks: mx.array | None) -> mx.array:
+        dense = cache.layout.dense
+        if dense is not None and dense.active:
+            return dense.attention(cache.layer, queries, scale, cache.kind, sinks)
+        pool, layer = cache.pool, cache.layer
+        table, lengths = cache.reads()  # over budget: gather from the pool for this layer
+        return reference_decode_attention(queries, pool.layers[layer], table, lengths, scale,
+                                          pool.mark(layer), sinks)
+
+
+def kernel_fits(specs: list[AttentionLayerSpec]) -> bool:
+    """Whether the CUDA kernel can serve these layers: it spreads a head over a warp's 32
+    lanes, keys and values of one size."""
+    return all(s.head_dim % 32 == 0 and s.v_head_dim == s.head_dim for s in specs)
+
+
+def choose_decode_backend(specs: list[AttentionLayerSpec],
+                          experiments: frozenset[str] = frozenset()) -> DecodeBackend:
+    """The kernel where MLX runs on CUDA and the layers fit it, else plain MLX; the
+    `--experiments` names become the kernel's options (refused elsewhere)."""
+    unknown = experiments - EXPERIMENTS
+    if unknown:
+        raise ValueError(f"--experiments: unknown {', '.join(sorted(unknown))}")
+    if not (kernel_available() and kernel_fits(specs)):
+        if experiments:
+            raise ValueError("--experiments: these decode paths need the CUDA kernel (MLX's "
+                             "CUDA backend, head sizes a multiple of 32)")
+        return GatherDecode()
+    return KernelDecode(rope_in_kernel="rope-in-kernel" in experiments,
+                        stages=4 if "staged-kv" in experiments else DEFAULT_STAGES)
