@@ -17,23 +17,29 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-import numpy as np
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # this tree's modules, not an installed copy's
+    sys.path.insert(0, str(ROOT))
 
-from bench.engine_loop import load_model
-from ipc.messages.common import SamplingParams
-from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk, SyncSteps
-from kiln_common.llguidance_tokenizer import ll_tokenizer
-from kiln_common.model_info import load_model_info
-from tokenizer_proc.constraints import Constraint, GrammarCompiler
-from worker_proc import WorkerLoop
-from worker_proc.grammar import GrammarMatchers
-from worker_proc.kv_pool import KVPool
-from worker_proc.memory import probe_attention_specs
-from worker_proc.runner import ModelRunner
+import numpy as np  # noqa: E402
+
+from bench.engine_loop import load_model  # noqa: E402
+from ipc.messages.common import SamplingParams  # noqa: E402
+from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk, SyncSteps  # noqa: E402
+from kiln_common.llguidance_tokenizer import ll_tokenizer  # noqa: E402
+from kiln_common.model_info import load_model_info  # noqa: E402
+from tokenizer_proc.constraints import Constraint, GrammarCompiler  # noqa: E402
+from worker_proc import WorkerLoop  # noqa: E402
+from worker_proc.grammar import GrammarMatchers  # noqa: E402
+from worker_proc.kv_pool import KVPool  # noqa: E402
+from worker_proc.memory import probe_attention_specs  # noqa: E402
+from worker_proc.runner import ModelRunner  # noqa: E402
 
 SCHEMA: dict[str, Any] = {
     "type": "object",

@@ -27,9 +27,8 @@ ATTENTION_ARGS=${ATTENTION_ARGS:-}  # part attention: extra flags, e.g. "--stage
 MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5; see
                                # bench/mlx_lm_server_backlog.py)
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any;
-                                       # also: launch, bench/launch_cost.py; timeline,
-                                       # bench/device_timeline.py (needs cupti-python);
-                                       # attention, bench/attention_kernel.py)
+                                       # also: timeline, bench/device_timeline.py (needs
+                                       # cupti-python); attention, bench/attention_kernel.py)
 BREAKDOWN_VARIANTS=${BREAKDOWN_VARIANTS:-}  # step_breakdown --variants (';'-joined; default all)
 BREAKDOWN_ROUNDS=${BREAKDOWN_ROUNDS:-1}  # step_breakdown --rounds (interleaved repeats; the
                                         # host's speed drifts, so A/B runs want 3 or more)
@@ -63,11 +62,6 @@ timeout $((150 + 90 * BREAKDOWN_ROUNDS)) "$PYTHON" bench/step_breakdown.py --mod
     2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/step_breakdown.txt"
 fi
 
-if has launch; then
-echo "== host time per graph node"
-timeout 120 "$PYTHON" bench/launch_cost.py 2>&1 | tee "$OUT/launch_cost.txt"
-fi
-
 if has attention; then
 echo "== decode attention kernel alone"
 timeout 300 "$PYTHON" bench/attention_kernel.py --batch-sizes 1,64,128 ${ATTENTION_ARGS:-} \
@@ -97,9 +91,9 @@ fi
 
 # At most 8 files come back from a device call: the two short reports travel as one,
 # the logs as one archive.
-cat "$OUT"/kernel_tests.txt "$OUT"/step_breakdown.txt "$OUT"/launch_cost.txt "$OUT"/attention_kernel.txt "$OUT"/device_timeline.txt \
+cat "$OUT"/kernel_tests.txt "$OUT"/step_breakdown.txt "$OUT"/attention_kernel.txt "$OUT"/device_timeline.txt \
     > "$OUT/session.txt" 2>/dev/null
-rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" "$OUT/launch_cost.txt" "$OUT/attention_kernel.txt" "$OUT/device_timeline.txt"
+rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" "$OUT/attention_kernel.txt" "$OUT/device_timeline.txt"
 [ -s "$OUT/session.txt" ] || rm -f "$OUT/session.txt"
 if compgen -G "$OUT/*.log" >/dev/null; then
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)

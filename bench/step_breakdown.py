@@ -36,26 +36,32 @@ import cProfile
 import gc
 import pstats
 import statistics
+import sys
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
-import mlx.core as mx
-from mlx_lm.models import llama
-from mlx_lm.models.cache import KVCache
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:  # this tree's modules, not an installed copy's
+    sys.path.insert(0, str(ROOT))
 
-from ipc.messages.common import SamplingParams
-from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
-from worker_proc import attention, decode_block, paged_attention
-from worker_proc import runner as runner_module
-from worker_proc.attention import PooledKVCache
-from worker_proc.decode_block import speed_up_decode_blocks
-from worker_proc.fused_projections import fuse_projections
-from worker_proc.kv_pool import KVPool, paged_kernel_fits
-from worker_proc.memory import probe_attention_specs, raise_cuda_graph_budgets
-from worker_proc.paged_attention import kernel_available
-from worker_proc.runner import ModelRunner
+import mlx.core as mx  # noqa: E402
+from mlx_lm.models import llama  # noqa: E402
+from mlx_lm.models.cache import KVCache  # noqa: E402
+
+from ipc.messages.common import SamplingParams  # noqa: E402
+from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk  # noqa: E402
+from worker_proc import attention, decode_block, paged_attention  # noqa: E402
+from worker_proc import runner as runner_module  # noqa: E402
+from worker_proc.attention import PooledKVCache  # noqa: E402
+from worker_proc.decode_block import speed_up_decode_blocks  # noqa: E402
+from worker_proc.fused_projections import fuse_projections  # noqa: E402
+from worker_proc.kv_pool import KVPool, paged_kernel_fits  # noqa: E402
+from worker_proc.memory import probe_attention_specs, raise_cuda_graph_budgets  # noqa: E402
+from worker_proc.paged_attention import kernel_available  # noqa: E402
+from worker_proc.runner import ModelRunner  # noqa: E402
 
 
 def served_model(model: Any) -> Any:
@@ -290,7 +296,7 @@ def main() -> None:
             fast.append(served_model(load()))
         return fast[0]
 
-    no_attention = lambda self, queries, scale: queries  # noqa: E731
+    no_attention = lambda self, queries, scale, sinks=None: queries  # noqa: E731
     no_write = lambda self, layer, slots, keys, values: None  # noqa: E731
     n, c = args.steps, args.context
     variants = {

@@ -1,4 +1,4 @@
-"""Slot tables for decode-attention cases, shared by the tests and bench/attention_paths.py."""
+"""Slot tables for decode-attention cases, shared by the attention tests."""
 
 from __future__ import annotations
 

@@ -136,7 +136,8 @@ class WorkerLoop:
     - deferred (scatter-written pools: the CPU, Metal): the worker waits for N, reports
       it, then starts N+1. A scatter launched while the previous step still reads the
       layer copies it (KVPool); a CPU step always runs past the next one's build
-      (bench/pool_update_probe.py: 4x slower steps when started ahead).
+      (2-4x slower steps when started ahead: the pool-update probe, docs/benchmarks.md,
+      "Retired probes").
     A SyncSteps message (the scheduler has nothing to chain) makes the worker report
     what it holds. A step with grammar-constrained rows starts with its forward only: its
     masks need every earlier step's tokens, so its sampling follows once those are

@@ -332,8 +332,9 @@ class ModelRunner:
 
         NOTE: with a scatter-written pool (KVPool), call only once every earlier step has
         finished: a write launched while work that holds the pool is in flight copies the
-        layer instead of updating it in place (on the CPU, 4x slower steps in
-        bench/pool_update_probe.py; on the H200, out of memory).
+        layer instead of updating it in place (on the CPU, 2-4x slower steps: the
+        pool-update probe in docs/benchmarks.md, "Retired probes"; on the H200, out of
+        memory).
         """
         mx.async_eval(*pending.final, *pending.landing)
         if pending.tokens is not None:
