@@ -109,9 +109,10 @@ def _time(step, repeats: int) -> float:
 
 
 def paged_us(batch: int, context: int, layers: int, repeats: int, rng: np.random.Generator,
-             check: bool, order: str = "random") -> tuple[float, float]:
+             check: bool, order: str = "random",
+             stages: int = pa.DEFAULT_STAGES) -> tuple[float, float]:
     """(µs a layer, max abs error against the reference) of the write-and-attend kernel
-    with the module's current shape and split target."""
+    with the module's current shape and split target, K/V staged `stages` tiles ahead."""
     pools, table, lengths, slots = _pools(batch, context, layers, rng, order)
     q0 = mx.random.normal((batch, N_Q, 1, DIM)).astype(mx.bfloat16)
     kv_new = mx.random.normal((batch, N_KV, 1, 2 * DIM)).astype(mx.bfloat16)
@@ -120,7 +121,7 @@ def paged_us(batch: int, context: int, layers: int, repeats: int, rng: np.random
     error = 0.0
     if check:
         out, mark = pa.paged_decode_write_attention(q0, k_new, v_new, slots, pools[0], table,
-                                                    lengths, SCALE)
+                                                    lengths, SCALE, stages=stages)
         mx.eval(out, mark)
         ref = pa.reference_decode_attention(q0, pools[0], table, lengths, SCALE)
         error = float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))))
@@ -129,7 +130,7 @@ def paged_us(batch: int, context: int, layers: int, repeats: int, rng: np.random
         q, mark = q0, None
         for pool in pools:
             q, mark = pa.paged_decode_write_attention(q, k_new, v_new, slots, pool, table,
-                                                      lengths, SCALE, after=mark)
+                                                      lengths, SCALE, after=mark, stages=stages)
         return q
 
     return _time(step, repeats) / layers * 1e6, error
@@ -163,8 +164,8 @@ def main() -> None:
                    help="kernel shapes, lanes a token x passes: 32x4,16x2")
     p.add_argument("--targets", type=int_list, default=[pa.TARGET_BLOCKS],
                    help="TARGET_BLOCKS values")
-    p.add_argument("--stages", type=stage_counts, default=[pa.STAGES],
-                   help="STAGES values: 0 register prefetch, >= 2 cp.async tiles in flight")
+    p.add_argument("--stages", type=stage_counts, default=[pa.DEFAULT_STAGES],
+                   help="the kernel's stages: 0 register prefetch, >= 2 cp.async tiles in flight")
     p.add_argument("--order", choices=("random", "contiguous"), default="random",
                    help="each row's slots: shuffled across the pool, or consecutive")
     p.add_argument("--json", type=Path)
@@ -184,11 +185,11 @@ def main() -> None:
         print(f"batch {batch:4d}  reading the K/V alone            {floor:8.1f}")
         for (lanes, passes), target, stages in itertools.product(args.shapes, args.targets,
                                                                    args.stages):
-            pa.LANES_PER_TOKEN, pa.PASSES, pa.TARGET_BLOCKS, pa.STAGES = lanes, passes, target, stages
+            pa.LANES_PER_TOKEN, pa.PASSES, pa.TARGET_BLOCKS = lanes, passes, target
             splits = pa.num_splits(batch, N_KV, args.context)
             us, err = paged_us(batch, args.context, args.layers, args.repeats, rng, True,
-                               args.order)
-            tiles = pa.staged_tiles(DIM, 2)
+                               args.order, stages)
+            tiles = pa.staged_tiles(DIM, 2, stages)
             label = (f"kiln {lanes}x{passes}{f' staged {tiles}' if tiles else ''}, "
                      f"target {target} ({splits} splits)")
             rows.append({"batch": batch, "kernel": label, "us": us, "max_abs_error": err})

@@ -132,7 +132,7 @@ def kernel_shapes(text: str) -> list[tuple[int, int]]:
 
 
 def stage_counts(text: str) -> list[int]:
-    """argparse type: values of paged_attention.STAGES, comma-separated ("0,4,8")."""
+    """argparse type: the kernel's stages values, comma-separated ("0,4,8")."""
     return [int(x) for x in text.split(",")]
 
 
@@ -147,7 +147,7 @@ def main() -> None:
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--shapes", type=kernel_shapes, default=[(pa.LANES_PER_TOKEN, pa.PASSES)],
                    help="lanes a token x passes, comma-separated: 32x4,16x2")
-    p.add_argument("--stages", type=stage_counts, default=[pa.STAGES],
+    p.add_argument("--stages", type=stage_counts, default=[pa.DEFAULT_STAGES],
                    help="staged-pipeline tiles, comma-separated (0: register prefetch)")
     p.add_argument("--keep", type=Path, help="write the .cu files here too")
     args = p.parse_args()

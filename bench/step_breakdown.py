@@ -17,9 +17,9 @@ fused (worker_proc/fused_projections.py, as `--fuse-projections` serves it); the
 run mlx-lm's modules as loaded. "splits <= 256" caps the decode kernel's stretch of a row
 per block at 256 tokens (the default before 1024: a merge kernel at large batches too);
 "separate write" stores decode K/V with their own kernel, not inside the attention
-kernel (worker_proc.attention.WRITE_IN_ATTENTION). "fast blocks" adds
+kernel (the decode backend's write_in_attention off). "fast blocks" adds
 worker_proc/decode_block.py's call (--fast-decode-blocks) to the fused copy, and "rope in
-kernel" its RoPE applied by the attention kernel (decode_block.ROPE_IN_ATTENTION). The "no ..."
+kernel" its RoPE applied by the attention kernel (the backend's rope_in_kernel). The "no ..."
 variants compute wrong tokens: timing only.
 
 --prefill-batches times one step prefilling that many fresh prompts: kiln's runner on the
@@ -53,12 +53,13 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from ipc.messages.common import SamplingParams  # noqa: E402
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk  # noqa: E402
-from worker_proc import attention, decode_block, paged_attention  # noqa: E402
+from worker_proc import decode_backend, paged_attention  # noqa: E402
 from worker_proc import runner as runner_module  # noqa: E402
 from worker_proc.attention import PooledKVCache  # noqa: E402
 from worker_proc.decode_block import speed_up_decode_blocks  # noqa: E402
 from worker_proc.fused_projections import fuse_projections  # noqa: E402
-from worker_proc.kv_pool import KVPool, paged_kernel_fits  # noqa: E402
+from worker_proc.decode_backend import DecodeBackend, KernelDecode, choose_decode_backend  # noqa: E402
+from worker_proc.kv_pool import KVPool  # noqa: E402
 from worker_proc.memory import probe_attention_specs, raise_cuda_graph_budgets  # noqa: E402
 from worker_proc.paged_attention import kernel_available  # noqa: E402
 from worker_proc.runner import ModelRunner  # noqa: E402
@@ -104,6 +105,8 @@ def _runner(model: Any, batch: int, context: int, steps: int,
 # layer alone is over it (the decode kernel reads the whole layer), so a server commits a
 # graph every layer where a small pool lets several layers share one.
 POOL_SLOTS = 0
+# The decode backend the runners get (None: the device's, as served); A/B variants set it.
+BACKEND: DecodeBackend | None = None
 
 
 def _empty_runner(model: Any, batch: int, context: int, steps: int, compile_decode: bool = False
@@ -112,7 +115,7 @@ def _empty_runner(model: Any, batch: int, context: int, steps: int, compile_deco
     # Three times what the batch needs, as a server's pool is larger than its batch: the
     # kept decode contexts of the fallback path may use half the pool's size.
     slots = max(POOL_SLOTS, 3 * batch * (context + steps + 4) + 1)
-    pool = KVPool(probe_attention_specs(model), slots)
+    pool = KVPool(probe_attention_specs(model), slots, BACKEND)
     runner = ModelRunner(model, pool, max_requests=batch, max_context=context + steps + 4,
                          compile_decode=compile_decode)
     rids = [f"r{i}" for i in range(batch)]
@@ -296,6 +299,11 @@ def main() -> None:
             fast.append(served_model(load()))
         return fast[0]
 
+    this = sys.modules[__name__]
+    served = choose_decode_backend(probe_attention_specs(model))
+    # The kernel without its store-in-attention (the "no ... write" and "separate write"
+    # variants); elsewhere the backend as served.
+    separate_write = KernelDecode(write_in_attention=False) if served.compiles else served
     no_attention = lambda self, queries, scale, sinks=None: queries  # noqa: E731
     no_write = lambda self, layer, slots, keys, values: None  # noqa: E731
     n, c = args.steps, args.context
@@ -304,13 +312,13 @@ def main() -> None:
         "kiln, no attention": lambda b: _with(PooledKVCache, "paged_attention", no_attention,
                                               lambda: kiln_step_ms(model, b, c, n)),
         "kiln, no pool write": lambda b: _with(KVPool, "write", no_write, lambda: _with(
-            attention, "WRITE_IN_ATTENTION", False, lambda: kiln_step_ms(model, b, c, n))),
+            this, "BACKEND", separate_write, lambda: kiln_step_ms(model, b, c, n))),
         "mlx-lm loop": lambda b: mlx_lm_step_ms(model, b, c, n),
         "kiln, pipelined": lambda b: kiln_step_ms(model, b, c, n, pipelined=True),
         "mlx-lm loop, pipelined": lambda b: mlx_lm_step_ms(model, b, c, n, pipelined=True),
         "kiln, fused, pipelined": lambda b: kiln_step_ms(fused_model(), b, c, n, pipelined=True),
     }
-    kernel_path = paged_kernel_fits(probe_attention_specs(model))  # the served decode path
+    kernel_path = served.compiles  # the served decode path is the kernel's
     if kernel_path:  # compiled decode's only path
         def compiled(m: Any, b: int) -> Timings:  # as served there: compiled, pipelined
             return kiln_step_ms(m, b, c, n, pipelined=True, compile_decode=True)
@@ -319,11 +327,11 @@ def main() -> None:
         variants["kiln, compiled, fused, pipelined"] = lambda b: compiled(fused_model(), b)
         variants["kiln, compiled, fused, fast blocks"] = lambda b: compiled(fast_model(), b)
         variants["kiln, compiled, fast blocks, rope in kernel"] = lambda b: _with(
-            decode_block, "ROPE_IN_ATTENTION", True, lambda: compiled(fast_model(), b))
+            this, "BACKEND", KernelDecode(rope_in_kernel=True), lambda: compiled(fast_model(), b))
         variants["kiln, compiled, splits <= 256"] = lambda b: _with(
             paged_attention, "MAX_SPLIT_TOKENS", 256, lambda: compiled(model, b))
         variants["kiln, compiled, separate write"] = lambda b: _with(
-            attention, "WRITE_IN_ATTENTION", False, lambda: compiled(model, b))
+            this, "BACKEND", separate_write, lambda: compiled(model, b))
     if args.variants:
         wanted = [v.strip() for v in args.variants.split(";")]
         unknown = [v for v in wanted if v not in variants]
@@ -371,7 +379,7 @@ def main() -> None:
                     runner_module, "PREFILL_FORWARD_TOKENS", 8192,
                     lambda: prefill_ms(fast_model(), b, n, kiln=True)),
                 "kiln, served, fused attention": lambda b, n: _with(
-                    attention, "unfused_prefill_fits", lambda *_: False,
+                    decode_backend, "unfused_prefill_fits", lambda *_: False,
                     lambda: prefill_ms(fast_model(), b, n, kiln=True)),
                 "kiln, served, no pool write": lambda b, n: _with(
                     KVPool, "write", no_write, lambda: prefill_ms(fast_model(), b, n, kiln=True)),
