@@ -18,7 +18,7 @@ import pytest
 from tests.engine_driver import InProcessEngine
 from tests.test_scheduler import assert_idle_invariant
 from ipc.messages.to_worker import PrefillChunk
-from worker_proc.runner import prefill_waves
+from worker_proc.step_inputs import prefill_waves
 
 SCHEDULES = 24
 SHARED_LENGTHS = (1, 8, 64, 300)

@@ -9,7 +9,8 @@ from tests.engine_driver import (InProcessEngine, StandInInPlaceKernels, StandIn
                                  assert_greedy)
 from tests.test_scheduler import assert_idle_invariant
 import worker_proc.runner as runner_module
-from worker_proc.runner import compiled_batch_size, trace_decode_shapes, warm_up
+from worker_proc.runner import trace_decode_shapes, warm_up
+from worker_proc.step_inputs import compiled_batch_size
 
 
 def _eos(tokenizer) -> list[int]:
@@ -129,8 +130,16 @@ def test_warm_up_leaves_the_runner_clean(tiny_model, oracle):
     assert engine.run_until_idle()["r"].token_ids == oracle(prompt, 20)
 
 
+def test_rows_by_length_groups_a_decode_batch_by_context_length():
+    from worker_proc.step_inputs import rows_by_length
+
+    groups = rows_by_length(np.array([5, 3, 5, 9, 3]))
+    assert [g.tolist() for g in groups] == [[1, 4], [0, 2], [3]]
+    assert [g.tolist() for g in rows_by_length(np.array([7]))] == [[0]]
+
+
 def test_group_by_length_bounds_padding():
-    from worker_proc.runner import group_by_length
+    from worker_proc.step_inputs import group_by_length
 
     assert group_by_length([130, 120, 150, 110, 2000, 30, 31]) == [[4], [2, 0, 1, 3], [6, 5]]
     assert group_by_length([]) == []
@@ -176,7 +185,8 @@ def test_decode_inputs_gather_last_tokens_from_any_steps():
     import mlx.core as mx
 
     from ipc.messages.common import SamplingParams
-    from worker_proc.runner import RequestState, _gather_last_tokens
+    from worker_proc.request_state import RequestState
+    from worker_proc.step_inputs import gather_last_tokens
 
     step_a, step_b = mx.array([10, 11, 12], dtype=mx.int32), mx.array([20, 21], dtype=mx.int32)
 
@@ -185,10 +195,10 @@ def test_decode_inputs_gather_last_tokens_from_any_steps():
                             last_tokens=tokens, last_row=row)
 
     same = [state(step_a, 0), state(step_a, 1), state(step_a, 2)]
-    assert _gather_last_tokens(same) is step_a  # the steady case: no op at all
-    assert _gather_last_tokens([state(step_a, 2), state(step_a, 0)]).tolist() == [12, 10]
+    assert gather_last_tokens(same) is step_a  # the steady case: no op at all
+    assert gather_last_tokens([state(step_a, 2), state(step_a, 0)]).tolist() == [12, 10]
     mixed = [state(step_b, 1), state(step_a, 2), state(step_b, 0), state(step_a, 0)]
-    assert _gather_last_tokens(mixed).tolist() == [21, 12, 20, 10]
+    assert gather_last_tokens(mixed).tolist() == [21, 12, 20, 10]
 
 
 def test_overlap_computes_no_row_past_a_length_bound_requests_last_token(tiny_model):

@@ -8,7 +8,6 @@ the previous one has finished.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 from dataclasses import dataclass, field
@@ -25,12 +24,15 @@ from worker_proc.attention import (ForwardLayout, batches_ragged_rows, build_lay
                                    check_written, install_attention_hook)
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool
+from worker_proc.request_state import (RequestState, TokenCounts, check_ids, check_sampling,
+                                       fold_seed)
 from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, SamplingBatch,
                                   StepLogprobs, sample, step_logprobs, token_logprobs)
+from worker_proc.step_inputs import (COMPILED_MIN_WIDTH, compiled_batch_size,
+                                     compiled_table_width, gather_last_tokens, group_by_length,
+                                     prefill_waves, rows_by_length)
 
 logger = logging.getLogger(__name__)
-
-_SERIALS = itertools.count()
 
 # Padding a shared prefill forward may carry. On a GPU one forward over many prompts beats
 # many small ones by far; the CPU backend is compute-bound already at one prompt, so there
@@ -44,71 +46,10 @@ CPU_PREFILL_PADDING = 0.0
 # beside a 74 GB pool). A chunk longer than this still runs whole (--chunked-prefill-size
 # bounds those). mlx-lm prefills in steps of 2048 too.
 PREFILL_FORWARD_TOKENS = 2048
-# A compiled decode forward is traced once per (batch size, slot-table width); widths are
-# powers of two from this, so a long decode re-traces a handful of times, not every step.
-COMPILED_MIN_WIDTH = 128
 # Start-up traces widths up to this (each trace ~0.1 s of an 8B model's host time on the
 # H200; 20 buckets x 7 widths ~15 s); a context first passing it traces then, once per
 # bucket, a stall of about one trace.
 TRACED_AHEAD_MAX_WIDTH = 16384
-
-
-def compiled_table_width(length: int) -> int:
-    """The slot-table width a compiled decode step over contexts of at most `length`
-    tokens runs at: a power of two, at least COMPILED_MIN_WIDTH."""
-    return max(COMPILED_MIN_WIDTH, 1 << (length - 1).bit_length())
-
-
-def compiled_batch_size(n: int) -> int:
-    """The batch a compiled decode step of n rows runs at: powers of two up to 8, then
-    multiples of 8 (at most 20 traces up to 128 rows, at most 7 pad rows a step)."""
-    return 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
-
-
-@dataclass
-class TokenCounts:
-    """A penalised request's device rows, built at its first sample (the vocab size is
-    known then) from the ids the scheduler sent, then advanced with each lazy token."""
-
-    prompt_ids: list[int]
-    output_ids: list[int]
-    counts: mx.array | None = None  # [V] int32, possibly not evaluated yet
-    in_prompt: mx.array | None = None  # [V] bool
-    # Names this request's rows among stacked ones (an id() could be reused once freed).
-    serial: int = field(default_factory=lambda: next(_SERIALS))
-
-    def rows(self, vocab: int) -> tuple[mx.array, mx.array]:
-        if self.counts is None:
-            self.counts = mx.array(np.bincount(self.output_ids, minlength=vocab).astype(np.int32))
-            in_prompt = np.zeros(vocab, dtype=bool)
-            in_prompt[self.prompt_ids] = True
-            self.in_prompt = mx.array(in_prompt)
-            self.prompt_ids, self.output_ids = [], []  # the rows hold them from now on
-        assert self.in_prompt is not None
-        return self.counts, self.in_prompt
-
-
-@dataclass
-class RequestState:
-    rid: str
-    row: int
-    sampling: SamplingParams
-    seed: int
-    length: int = 0  # tokens whose K/V is in the pool
-    num_sampled: int = 0
-    # The last sampled token: row last_row of a step's tokens array, possibly not
-    # evaluated yet. Kept as (array, row), not a slice, so a decode batch gathers its
-    # inputs in one op instead of concatenating a slice per row (a kernel each on a GPU).
-    last_tokens: mx.array | None = None
-    last_row: int = 0
-    stop_ids: list[int] = field(default_factory=list)  # masked until min_tokens outputs
-    token_counts: TokenCounts | None = None  # only for requests with penalties
-    # Only for requests with a grammar: an llguidance matcher that has consumed every
-    # output the host has seen (advanced in finish, so it may lag the lazy last_tokens).
-    matcher: Any = None
-    # Prompt logprobs: the last position's logits of the previous chunk, which score the
-    # next chunk's first token.
-    prompt_carry: mx.array | None = None
 
 
 class _Sampled(NamedTuple):
@@ -223,7 +164,7 @@ class ModelRunner:
         if new.rid in self.requests:
             raise RuntimeError(f"request {new.rid} is already on the worker")
         seed = new.sampling.seed
-        seed32 = int(self._seed_rng.integers(1 << 32)) if seed is None else _fold_seed(seed)
+        seed32 = int(self._seed_rng.integers(1 << 32)) if seed is None else fold_seed(seed)
         state = RequestState(new.rid, self._free_rows.pop(), new.sampling, seed32,
                              length=len(new.prefix_slot_ids), num_sampled=new.num_sampled,
                              stop_ids=list(new.stop_token_ids))
@@ -243,7 +184,7 @@ class ModelRunner:
         sp = new.sampling
         check_sampling(sp, state.seed, state.num_sampled, state.stop_ids, self.vocab_size)
         if sp.uses_penalties:
-            _check_ids("prompt and output ids", [*new.prompt_ids, *new.output_ids], self.vocab_size)
+            check_ids("prompt and output ids", [*new.prompt_ids, *new.output_ids], self.vocab_size)
             state.token_counts = TokenCounts(list(new.prompt_ids), list(new.output_ids))
         if sp.grammar is not None:
             if self.grammars is None:
@@ -422,7 +363,7 @@ class ModelRunner:
             raise RuntimeError(f"{chunk.rid}: chunk starts at {chunk.start}, context is {state.length}")
         self._check_room(state, n)
         # The front checks prompt ids; an id past the embedding would read outside it.
-        _check_ids(f"{chunk.rid}: prompt token ids", chunk.token_ids, self.vocab_size)
+        check_ids(f"{chunk.rid}: prompt token ids", chunk.token_ids, self.vocab_size)
         self.table[state.row, chunk.start:chunk.start + n] = chunk.slot_ids
         return state
 
@@ -506,10 +447,10 @@ class ModelRunner:
         if self.ragged or (lengths == lengths[0]).all():
             return self._decode_rows(states, slots)
         # Forwards of one length each, the logits put back in the batch's order.
-        order = np.argsort(lengths, kind="stable")
-        bounds = np.flatnonzero(np.diff(lengths[order])) + 1
+        groups = rows_by_length(lengths)
         parts = [self._decode_rows([states[i] for i in group], [slots[i] for i in group])
-                 for group in np.split(order, bounds)]
+                 for group in groups]
+        order = np.concatenate(groups)
         return mx.concatenate(parts)[mx.array(np.argsort(order).astype(np.int32))]
 
     def _decode_rows(self, states: list[RequestState], slots: list[int]) -> mx.array:
@@ -521,7 +462,7 @@ class ModelRunner:
         dense = self._dense_decode
         if dense is not None:
             dense.plan(tuple(int(r) for r in rows), lengths)
-        tokens = _gather_last_tokens(states)
+        tokens = gather_last_tokens(states)
         if self._compiled_decode is not None:
             logits = self._run_compiled(tokens, rows, lengths)
         else:
@@ -710,107 +651,3 @@ def trace_decode_shapes(runner: ModelRunner, max_batch: int) -> int:
     return len(buckets) * len(widths)
 
 
-def _gather_last_tokens(states: list[RequestState]) -> mx.array:
-    """Each state's last sampled token, [B] int32: the previous step's tokens array itself
-    when the batch is that step's rows in order (the steady decode case), else one gather
-    per distinct source step."""
-    first = states[0].last_tokens
-    if (first is not None and first.shape[0] == len(states)
-            and all(s.last_tokens is first and s.last_row == i for i, s in enumerate(states))):
-        return first  # the steady case, without the bookkeeping below
-    sources: dict[int, tuple[mx.array, list[int], list[int]]] = {}
-    for i, s in enumerate(states):
-        assert s.last_tokens is not None, f"{s.rid} has no sampled token to decode from"
-        _, rows, where = sources.setdefault(id(s.last_tokens), (s.last_tokens, [], []))
-        rows.append(s.last_row)
-        where.append(i)
-    if len(sources) == 1:
-        tokens, rows, _ = next(iter(sources.values()))
-        return tokens[mx.array(rows, dtype=mx.int32)]
-    parts = [tokens[mx.array(rows, dtype=mx.int32)] for tokens, rows, _ in sources.values()]
-    order = [i for _, _, where in sources.values() for i in where]
-    inverse = mx.array(sorted(range(len(order)), key=order.__getitem__), dtype=mx.int32)
-    return mx.concatenate(parts)[inverse]
-
-
-def prefill_waves(chunks: list[PrefillChunk],
-                  prefixes: dict[str, list[int]]) -> list[list[PrefillChunk]]:
-    """The step's chunks in waves: a chunk whose request's cached prefix (`prefixes`, by
-    rid: the slot ids of requests new to the worker this step) holds slots that an
-    earlier chunk of the same step writes runs one wave after that chunk, so its reads
-    come after those writes. The scheduler shares a prompt as soon as its last chunk is
-    planned, so a request admitted later in the same plan can hit it; grouping by length
-    alone would run the longer chunk first and read slots not written yet.
-    NOTE: only a request's first chunk on the worker reads another's writes of the same
-    step (later chunks of its own come in later steps), and only from an earlier chunk."""
-    if not any(c.rid in prefixes for c in chunks):
-        return [chunks] if chunks else []
-    written = np.concatenate([np.asarray(c.slot_ids, dtype=np.int64) for c in chunks])
-    writer = np.repeat(np.arange(len(chunks)), [len(c.slot_ids) for c in chunks])
-    order = np.argsort(written, kind="stable")
-    written, writer = written[order], writer[order]
-    levels: list[int] = []
-    for i, chunk in enumerate(chunks):
-        levels.append(_wave_of(i, prefixes.get(chunk.rid), written, writer, levels))
-    waves: list[list[PrefillChunk]] = [[] for _ in range(max(levels) + 1)]
-    for chunk, level in zip(chunks, levels):
-        waves[level].append(chunk)
-    return waves
-
-
-def _wave_of(i: int, prefix: list[int] | None, written: np.ndarray, writer: np.ndarray,
-             levels: list[int]) -> int:
-    """Chunk i's wave: one past the latest wave of the chunks that write its prefix."""
-    if not prefix:
-        return 0
-    slots = np.asarray(prefix, dtype=np.int64)
-    at = np.minimum(np.searchsorted(written, slots), len(written) - 1)
-    writers = set(writer[at[written[at] == slots]].tolist())
-    if any(w >= i for w in writers):
-        raise RuntimeError(f"chunk {i} of a step reads slots a later chunk writes")
-    return 1 + max((levels[w] for w in writers), default=-1)
-
-
-def group_by_length(sizes: list[int], max_padding: float = 0.25,
-                    max_tokens: int | None = None) -> list[list[int]]:
-    """Indices of chunks to run together, longest first: a group grows while its padded
-    size (members x longest) stays within (1 + max_padding) of its real tokens, and
-    within max_tokens (a longer chunk is a group of its own)."""
-    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
-    groups: list[list[int]] = []
-    real = 0
-    for i in order:
-        padded = (len(groups[-1]) + 1) * sizes[groups[-1][0]] if groups else 0
-        if (groups and padded <= (1 + max_padding) * (real + sizes[i])
-                and (max_tokens is None or padded <= max_tokens)):
-            groups[-1].append(i)
-            real += sizes[i]
-        else:
-            groups.append([i])
-            real = sizes[i]
-    return groups
-
-
-def check_sampling(sp: SamplingParams, seed: int, num_sampled: int, stop_ids: list[int],
-                   vocab: int | None) -> None:
-    """Raise if a request's settings cannot go into a step's sampling: the front bounds
-    them, but a value that slipped past it must fail its request, not every request of
-    the step (a top_k past int32 once took the whole worker down)."""
-    SamplingBatch.build([sp], [seed], [num_sampled], [stop_ids])  # the dtype conversions
-    _check_ids("logit_bias ids", list(sp.logit_bias), vocab)
-    _check_ids("stop ids", stop_ids, vocab)
-    for name in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty",
-                 "presence_penalty", *(["logit_bias"] * bool(sp.logit_bias))):
-        values = sp.logit_bias.values() if name == "logit_bias" else [getattr(sp, name)]
-        if not all(np.isfinite(v) for v in values):
-            raise ValueError(f"{name} is not a finite number")
-
-
-def _check_ids(what: str, ids: list[int], vocab: int | None) -> None:
-    if ids and (min(ids) < 0 or (vocab is not None and max(ids) >= vocab)):
-        raise ValueError(f"{what} must be in [0, {vocab})")
-
-
-def _fold_seed(seed: int) -> int:
-    seed &= (1 << 64) - 1
-    return (seed ^ (seed >> 32)) & 0xFFFFFFFF
