@@ -39,7 +39,7 @@ def limits_from(config: ServerConfig, ready: WorkerReady) -> SchedulerLimits:
                            max_running=config.max_running_requests,
                            chunk_size=config.chunk_size,
                            max_prefill_tokens=config.max_prefill_tokens,
-                           radix_cache=not config.disable_radix_cache,
+                           radix_cache=not config.disable_radix_cache and ready.prefix_cache,
                            schedule_policy=config.schedule_policy)
 
 

@@ -69,7 +69,8 @@ class InProcessEngine:
         prefill_padding: how much padding a shared prefill forward may carry (the CPU
         server's is 0: only chunks of one length share a forward). backend: the decode
         backend (default: the device's; StandInKernel: the CUDA path on the CPU)."""
-        self.pool = KVPool(probe_attention_specs(model), capacity, backend)
+        self.pool = KVPool(probe_attention_specs(model), capacity, backend, state_rows=max_running)
+        radix_cache = radix_cache and not self.pool.has_states  # as the worker tells it
         self.runner = ModelRunner(model, self.pool, max_running, max_context, grammars,
                                   prefill_padding=prefill_padding,
                                   compile_decode=compile_decode)

@@ -5,6 +5,7 @@ mlx_lm.generate. Windows are shorter than the test prompts, so windows are cross
 from __future__ import annotations
 
 import importlib
+from pathlib import Path
 from typing import Any
 
 VOCAB = 512
@@ -24,9 +25,9 @@ FAMILIES: dict[str, dict[str, Any]] = {
                       norm_topk_prob=True),
     "mixtral": dict(model_type="mixtral", num_local_experts=4, num_experts_per_tok=2),
     "phi3": dict(model_type="phi3"),
-    "gemma2": dict(model_type="gemma2", head_dim=16, query_pre_attn_scalar=16.0,
+    "gemma2": dict(model_type="gemma2", head_dim=16, query_pre_attn_scalar=16,
                    attn_logit_softcapping=50.0, final_logit_softcapping=30.0),
-    "gemma3_text": dict(model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=16.0,
+    "gemma3_text": dict(model_type="gemma3_text", head_dim=16, query_pre_attn_scalar=16,
                         sliding_window=WINDOW, sliding_window_pattern=2,
                         rope_local_base_freq=10000.0),
     "gpt_oss": dict(model_type="gpt_oss", head_dim=16, num_local_experts=4, num_experts_per_tok=2,
@@ -56,15 +57,71 @@ FAMILIES: dict[str, dict[str, Any]] = {
         use_qk_norm=True, attention_bias=False, rope_scaling=None)),
 }
 
+# Recurrent-state and hybrid families (mlx-lm's ArraysCache layers), tiny.
+RECURRENT_FAMILIES: dict[str, dict[str, Any]] = {
+    "mamba2": dict(model_type="mamba2", num_heads=4, head_dim=16, hidden_size=64, expand=1,
+                   intermediate_size=64, state_size=16, num_hidden_layers=2,
+                   layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=1, use_bias=False,
+                   use_conv_bias=True, tie_word_embeddings=True, time_step_rank=8,
+                   time_step_limit=(0.0, float("inf"))),
+    "qwen3_next": dict(model_type="qwen3_next", head_dim=16, linear_num_value_heads=4,
+                       linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+                       linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+                       decoder_sparse_step=1, shared_expert_intermediate_size=32,
+                       mlp_only_layers=[], moe_intermediate_size=32, partial_rotary_factor=0.5,
+                       full_attention_interval=2),
+    "qwen3_5": dict(model_type="qwen3_5", text_config=dict(
+        model_type="qwen3_5_text", **_COMMON, head_dim=16, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, full_attention_interval=2, partial_rotary_factor=0.5)),
+    "lfm2": dict(model_type="lfm2", norm_eps=1e-5, conv_bias=False, conv_L_cache=3,
+                 block_dim=64, block_multiple_of=32, block_ffn_dim_multiplier=1.0,
+                 block_auto_adjust_ff_dim=False, block_ff_dim=96,
+                 layer_types=["conv", "full_attention", "conv", "full_attention"]),
+    "nemotron_h": dict(model_type="nemotron_h", attention_bias=False, mamba_num_heads=4,
+                       mamba_head_dim=16, mamba_proj_bias=False, ssm_state_size=16,
+                       conv_kernel=4, n_groups=1, mlp_bias=False, layer_norm_epsilon=1e-5,
+                       use_bias=False, use_conv_bias=True, head_dim=16,
+                       hybrid_override_pattern="M*M-", time_step_limit=(0.0, float("inf"))),
+    "granitemoehybrid": dict(model_type="granitemoehybrid", attention_bias=False,
+                             embedding_multiplier=1.0, attention_multiplier=0.25,
+                             logits_scaling=1.0, residual_multiplier=1.0,
+                             layer_types=["mamba", "attention", "mamba", "attention"],
+                             mamba_n_heads=4, mamba_d_head=16, mamba_proj_bias=False,
+                             mamba_d_state=16, mamba_d_conv=4, mamba_n_groups=1,
+                             mamba_conv_bias=True, num_local_experts=4, num_experts_per_tok=2,
+                             shared_intermediate_size=64),
+}
+
 
 def build(family: str, seed: int = 0) -> Any:
     """The family's model with mlx-lm's own random initialisation (seeded), in float32."""
     import mlx.core as mx
 
-    config = {**_COMMON, **FAMILIES[family]}
+    config = {**_COMMON, **{**FAMILIES, **RECURRENT_FAMILIES}[family]}
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
+
+
+def write_model_dir(family: str, tokenizer_dir: Path, out: Path) -> Path:
+    """The family's tiny model as a checkpoint directory mlx_lm.load reads (mlx-format
+    weights, its config, the tokenizer files of `tokenizer_dir`, whose vocabulary must
+    fit VOCAB), for tests through the real server."""
+    import json
+    import shutil
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    out.mkdir(parents=True)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        shutil.copy(tokenizer_dir / name, out / name)
+    model = build(family)
+    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
+    config = {**_COMMON, **{**FAMILIES, **RECURRENT_FAMILIES}[family]}
+    (out / "config.json").write_text(json.dumps(config))
+    return out

@@ -121,23 +121,24 @@ def test_every_client_hears_of_a_killed_child_within_2_s(tiny_model_dir, tmp_pat
 # --- a model the engine cannot serve --------------------------------------------------------
 
 
-def write_recurrent_gemma(demo_dir: Path, out: Path) -> Path:
-    """A tiny random recurrent_gemma (mlx-lm's own classes): recurrent layers beside
-    sliding-window attention, with the demo model's tokenizer."""
+def write_falcon_h1(demo_dir: Path, out: Path) -> Path:
+    """A tiny random Falcon-H1 (mlx-lm's own classes): every layer keeps a recurrent
+    state and K/V in one CacheList, a layer kind the engine does not serve yet; with the
+    demo model's tokenizer."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models import recurrent_gemma
+    from mlx_lm.models import falcon_h1
 
     out.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(demo_dir / name, out / name)
-    config = {"model_type": "recurrent_gemma", "attention_bias": False, "conv1d_width": 4,
-              "hidden_size": 32, "intermediate_size": 64, "logits_soft_cap": 30.0,
-              "num_attention_heads": 2, "num_hidden_layers": 6, "num_key_value_heads": 1,
-              "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "attention_window_size": 16,
-              "vocab_size": json.loads((demo_dir / "config.json").read_text())["vocab_size"],
-              "block_types": ["recurrent", "recurrent", "attention"]}
-    model = recurrent_gemma.Model(recurrent_gemma.ModelArgs.from_dict(config))
+    config = {"model_type": "falcon_h1", "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
+              "intermediate_size": 96, "rms_norm_eps": 1e-5, "mamba_d_ssm": 64,
+              "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_d_conv": 4,
+              "mamba_n_groups": 1,
+              "vocab_size": json.loads((demo_dir / "config.json").read_text())["vocab_size"]}
+    model = falcon_h1.Model(falcon_h1.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config))
@@ -146,11 +147,10 @@ def write_recurrent_gemma(demo_dir: Path, out: Path) -> Path:
 
 def test_a_model_it_cannot_serve_is_refused_in_the_launchers_last_line(tiny_model_dir,
                                                                        tmp_path):
-    """The reason, naming every unsupported layer kind (its sliding-window layers are
-    served), is the launcher's own last line;
+    """The reason, naming every unsupported layer kind, is the launcher's own last line;
     no traceback; every child stops when told (the front too, though health probes were
     waiting on the engine as it failed), and the exit code is 1."""
-    model = write_recurrent_gemma(tiny_model_dir, tmp_path / "recurrent-gemma")
+    model = write_falcon_h1(tiny_model_dir, tmp_path / "falcon-h1")
     srv = Server(model, log_path=tmp_path / "log")
     while srv.proc.poll() is None:  # probes, as a load balancer would send them
         try:
@@ -162,6 +162,6 @@ def test_a_model_it_cannot_serve_is_refused_in_the_launchers_last_line(tiny_mode
     srv.stop()
     assert srv.proc.returncode == 1
     assert log.rstrip().splitlines()[-1].endswith(
-        f"launcher: cannot serve {model}: layers 0-1, 3-4: ArraysCache (recurrent state): "
-        "not supported yet"), log
+        f"launcher: cannot serve {model}: layers 0-1: CacheList(ArraysCache, KVCache) "
+        "(several caches in one layer): not supported yet"), log
     assert "Traceback" not in log and "did not stop" not in log, log

@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from worker_proc.decode_backend import DecodeBackend
-from worker_proc.kv_pool import KVPool
+from worker_proc.kv_pool import KVPool, attention_specs
 from worker_proc.layer_kinds import Kind, LayerKind, ProbeRecorder, UnsupportedModelError
 from worker_proc.paged_attention import RopeSpec
 
@@ -394,8 +394,53 @@ def _causal_array(n_new: int, n_total: int) -> mx.array:
     return q >= mx.arange(n_total)[None]
 
 
-def build_layer_caches(pool: KVPool, layout: ForwardLayout) -> list[PooledKVCache]:
-    return [PooledKVCache(pool, i, layout, spec.kind) for i, spec in enumerate(pool.specs)]
+class PooledStateCache:
+    """One recurrent layer's state for one forward: mlx-lm's ArraysCache protocol over the
+    pool's state rows of the forward's requests. Rows whose prompt starts in this forward
+    read None (the model starts from its own zero state, as under mlx-lm's cache); the
+    layer's new state is written back to the rows. Each row is its own request, never
+    padded (a prefill chunk of such a model runs alone), so lengths and left_padding are
+    None and masks are none."""
+
+    lengths = None
+    left_padding = None
+
+    def __init__(self, pool: KVPool, layer: int, rows: mx.array, fresh: bool) -> None:
+        self.pool = pool
+        self.layer = layer
+        self.rows = rows
+        self.fresh = fresh
+
+    def __getitem__(self, index: int) -> mx.array | None:
+        return None if self.fresh else self.pool.read_state(self.layer, index, self.rows)
+
+    def __setitem__(self, index: int, value: mx.array) -> None:
+        self.pool.write_state(self.layer, index, self.rows, value)
+
+    def empty(self) -> bool:
+        return self.fresh
+
+    def advance(self, n: int) -> None:
+        pass  # no padding to count down
+
+    def make_mask(self, n: int) -> None:
+        return None
+
+
+def build_layer_caches(pool: KVPool, layout: ForwardLayout, state_rows: mx.array | None = None,
+                       fresh_state: bool = False) -> list[PooledKVCache | PooledStateCache]:
+    """The model's cache list: an adapter per layer in mlx-lm's cache order. state_rows:
+    the forward's requests' state rows (needed where the model has recurrent layers);
+    fresh_state: their prompts start in this forward."""
+    caches: list[PooledKVCache | PooledStateCache] = []
+    for part, i in pool.order:
+        if part == "kv":
+            caches.append(PooledKVCache(pool, i, layout, pool.specs[i].kind))
+        else:
+            if state_rows is None:
+                raise RuntimeError("a forward over recurrent layers needs its state rows")
+            caches.append(PooledStateCache(pool, i, state_rows, fresh_state))
+    return caches
 
 
 def check_written(caches: list[PooledKVCache]) -> None:
@@ -403,7 +448,7 @@ def check_written(caches: list[PooledKVCache]) -> None:
     the attention call; a model that attends some other way than through mlx-lm's
     scaled_dot_product_attention would lose them, so it is refused here."""
     for i, cache in enumerate(caches):
-        if not cache.written and not cache.kind.own_attention:
+        if isinstance(cache, PooledKVCache) and not cache.written and not cache.kind.own_attention:
             raise UnsupportedModelError(
                 f"layer {i} attends without mlx-lm's scaled_dot_product_attention, which "
                 f"stores decode K/V on the CUDA kernel path: this model needs support added")
@@ -454,19 +499,25 @@ def batches_ragged_rows(model: Any, specs: list, backend: DecodeBackend) -> bool
     batches such a model's forwards only over rows of one length. A few rows of random
     K/V in a scratch pool, one decode token each; more rows than any head count, so a
     mask broadcast against heads cannot pass by chance."""
-    rows = 2 * max(s.n_kv_heads for s in specs) + 3
+    kv_specs = attention_specs(specs)
+    if not kv_specs:
+        return True  # no attention layer: no mask to get wrong
+    rows = 2 * max(s.n_kv_heads for s in kv_specs) + 3
     lengths = np.arange(1, rows + 1, dtype=np.int32)
     table = (1 + np.arange(rows)[:, None] * rows + np.arange(rows)[None]).astype(np.int32)
-    pool = KVPool(specs, rows * rows, backend)
+    pool = KVPool(specs, rows * rows, backend, state_rows=rows)
     pool.layers = [mx.random.normal(a.shape).astype(a.dtype) for a in pool.layers]
     tokens = mx.array(np.arange(rows, dtype=np.int32) + 1)[:, None]
 
     def decode(picked: np.ndarray) -> mx.array:
-        dense = backend.decode_context(len(specs), 1 << 40, KVPool.bytes_per_slot(specs))
+        # Each run from zero states (a state write updates its array in place).
+        pool.states = [[mx.zeros_like(a) for a in layer] for layer in pool.states]
+        dense = backend.decode_context(len(kv_specs), 1 << 40, KVPool.bytes_per_slot(specs))
         if dense is not None:  # as the runner decodes
             dense.plan(tuple(int(r) for r in picked), lengths[picked])
         layout = ForwardLayout.decode(table[picked], lengths[picked], dense)
-        return model(tokens[mx.array(picked)], cache=build_layer_caches(pool, layout))[:, -1, :]
+        caches = build_layer_caches(pool, layout, mx.array(picked + 1, dtype=mx.int32))
+        return model(tokens[mx.array(picked)], cache=caches)[:, -1, :]
 
     try:
         together = decode(np.arange(rows))

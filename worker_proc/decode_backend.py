@@ -30,7 +30,6 @@ from worker_proc.paged_attention import (DEFAULT_STAGES, RopeSpec, kernel_availa
 
 if TYPE_CHECKING:
     from worker_proc.attention import DenseDecodeContext, PooledKVCache
-    from worker_proc.kv_pool import AttentionLayerSpec
 
 # Where decode attends over kept dense contexts, they may use this share of the pool's
 # bytes on top of it (build_runner sizes the pool to leave the room).
@@ -171,13 +170,16 @@ class GatherDecode(DecodeBackend):
                                           pool.mark(layer), sinks)
 
 
-def kernel_fits(specs: list[AttentionLayerSpec]) -> bool:
-    """Whether the CUDA kernel can serve these layers: it spreads a head over a warp's 32
-    lanes, keys and values of one size."""
-    return all(s.head_dim % 32 == 0 and s.v_head_dim == s.head_dim for s in specs)
+def kernel_fits(specs: list) -> bool:
+    """Whether the CUDA kernel can serve these layers' K/V (recurrent layers keep none):
+    it spreads a head over a warp's 32 lanes, keys and values of one size."""
+    from worker_proc.kv_pool import attention_specs
+
+    return all(s.head_dim % 32 == 0 and s.v_head_dim == s.head_dim
+               for s in attention_specs(specs))
 
 
-def choose_decode_backend(specs: list[AttentionLayerSpec],
+def choose_decode_backend(specs: list,
                           experiments: frozenset[str] = frozenset()) -> DecodeBackend:
     """The kernel where MLX runs on CUDA and the layers fit it, else plain MLX; the
     `--experiments` names become the kernel's options (refused elsewhere)."""

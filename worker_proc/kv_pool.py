@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import copy
 import logging
+import math
 from dataclasses import dataclass
 
 import mlx.core as mx
 
 from worker_proc.decode_backend import DecodeBackend, choose_decode_backend
-from worker_proc.layer_kinds import LayerKind
+from worker_proc.layer_kinds import Kind, LayerKind
 from worker_proc.paged_attention import after_write, split_kv
 
 logger = logging.getLogger(__name__)
@@ -32,6 +33,30 @@ class AttentionLayerSpec:
     @property
     def bytes_per_slot(self) -> int:
         return (self.n_kv_heads * (self.head_dim + self.v_head_dim)) * self.dtype.size
+
+
+@dataclass(frozen=True)
+class StateLayerSpec:
+    """A recurrent layer's state per request (mlx-lm's ArraysCache entries): the shape
+    and dtype of each of its arrays, batch dimension left out."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[mx.Dtype, ...]
+
+    @property
+    def kind(self) -> LayerKind:
+        return LayerKind(Kind.RECURRENT, len(self.shapes))
+
+    @property
+    def bytes_per_request(self) -> int:
+        return sum(math.prod(shape) * dtype.size for shape, dtype in zip(self.shapes, self.dtypes))
+
+
+LayerSpec = AttentionLayerSpec | StateLayerSpec
+
+
+def attention_specs(layers: list[LayerSpec]) -> list[AttentionLayerSpec]:
+    return [s for s in layers if isinstance(s, AttentionLayerSpec)]
 
 
 class KVPool:
@@ -53,31 +78,67 @@ class KVPool:
       layer take as an input (`mark`), so they follow it; the next write to the layer
       takes it too, so a read follows every write before it, evaluated or not.
     `landing()` is what a step evaluates for its writes to land: the layer arrays, or
-    the marks.
+    the marks (and the recurrent states).
+
+    Recurrent layers (StateLayerSpec) keep one state row per running request instead,
+    `states[j][i]`: [state_rows + 1, *shape] for array i of the model's j-th recurrent
+    layer, addressed by the runner's request rows + 1 (row 0 is scratch); a step's new
+    states are scattered in (plain MLX: a few rows a step, copies are small).
+    `order` maps the model's cache list to ("kv", index) or ("state", index).
     """
 
-    def __init__(self, specs: list[AttentionLayerSpec], num_slots: int,
-                 backend: DecodeBackend | None = None) -> None:
-        """backend: who reads and writes the pool (default: the one chosen for these
-        layers on this device); it says whether writes go in place."""
-        self.specs = specs
+    def __init__(self, specs: list[LayerSpec], num_slots: int,
+                 backend: DecodeBackend | None = None, state_rows: int = 0) -> None:
+        """specs: the model's layers in its cache order (probe_attention_specs); backend:
+        who reads and writes the K/V (default: the one chosen for these layers on this
+        device), which says whether writes go in place; state_rows: requests whose
+        recurrent states are kept (the runner's rows)."""
+        self.layer_specs = list(specs)  # every layer, in the model's cache order
+        self.specs = attention_specs(specs)
+        self.state_specs = [s for s in specs if isinstance(s, StateLayerSpec)]
+        counts = {"kv": 0, "state": 0}
+        self.order: list[tuple[str, int]] = []
+        for spec in specs:
+            part = "kv" if isinstance(spec, AttentionLayerSpec) else "state"
+            self.order.append((part, counts[part]))
+            counts[part] += 1
         self.num_slots = num_slots
-        self.backend = backend or choose_decode_backend(specs)
+        self.backend = backend or choose_decode_backend(self.specs)
         self.in_place = self.backend.in_place
         rows = num_slots + 1
-        self.layers = [_zeros(rows, s.n_kv_heads, s.head_dim + s.v_head_dim, s.dtype) for s in specs]
-        mx.eval(self.layers)
+        self.layers = [_zeros(rows, s.n_kv_heads, s.head_dim + s.v_head_dim, s.dtype)
+                       for s in self.specs]
+        if self.state_specs and state_rows < 1:
+            raise ValueError("a model with recurrent layers needs state rows for its requests")
+        self.states = [[mx.zeros((state_rows + 1, *shape), dtype=dtype)
+                        for shape, dtype in zip(s.shapes, s.dtypes)] for s in self.state_specs]
+        mx.eval(self.layers, self.states)
         # In place: each layer's last write's mark, and the marks not yet taken by a step.
-        self._marks: list[mx.array | None] = [None] * len(specs)
+        self._marks: list[mx.array | None] = [None] * len(self.specs)
         self._unlanded: list[mx.array] = []
 
     @staticmethod
-    def bytes_per_slot(specs: list[AttentionLayerSpec]) -> int:
-        return sum(s.bytes_per_slot for s in specs)
+    def bytes_per_slot(specs: list[LayerSpec]) -> int:
+        return sum(s.bytes_per_slot for s in attention_specs(specs))
+
+    @staticmethod
+    def state_bytes_per_request(specs: list[LayerSpec]) -> int:
+        return sum(s.bytes_per_request for s in specs if isinstance(s, StateLayerSpec))
 
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.layers)
+
+    @property
+    def has_states(self) -> bool:
+        return bool(self.state_specs)
+
+    def read_state(self, layer: int, index: int, rows: mx.array) -> mx.array:
+        """Recurrent layer `layer`'s array `index` for the requests at `rows` (+1 applied)."""
+        return self.states[layer][index][rows]
+
+    def write_state(self, layer: int, index: int, rows: mx.array, value: mx.array) -> None:
+        self.states[layer][index][rows] = value.astype(self.states[layer][index].dtype)
 
     def keys(self, layer: int) -> mx.array:
         """The layer's keys, [num_slots + 1, n_kv_heads, head_dim] (a strided view)."""
@@ -115,7 +176,8 @@ class KVPool:
 
     def landing(self) -> list[mx.array]:
         """What to evaluate for every write so far to land (see the class note)."""
-        return list(self._unlanded) if self.in_place else list(self.layers)
+        writes = list(self._unlanded) if self.in_place else list(self.layers)
+        return writes + [a for layer in self.states for a in layer]
 
     def take_landing(self) -> list[mx.array]:
         """landing(), for a step that takes charge of evaluating it: in place, the marks

@@ -30,6 +30,7 @@ class Kind(enum.Enum):
     FULL = "full attention"
     SLIDING = "sliding window"
     CHUNKED = "chunked local attention"
+    RECURRENT = "recurrent state"  # mlx-lm's ArraysCache: conv / SSM / linear-attention state
 
 
 @dataclass(frozen=True)
@@ -37,7 +38,8 @@ class LayerKind:
     """One attention layer's kind and how its model code attends.
 
     span: SLIDING: positions a query sees, itself included (mlx-lm's max_size); CHUNKED:
-    the chunk size (a query sees its own chunk up to itself). own_attention: the model
+    the chunk size (a query sees its own chunk up to itself); RECURRENT: how many state
+    arrays the layer keeps (its ArraysCache's size). own_attention: the model
     computes scores from the cache's K/V itself, so decode hands it dense K/V, not the pool.
     """
 
@@ -48,7 +50,11 @@ class LayerKind:
 
     @property
     def windowed(self) -> bool:
-        return self.kind is not Kind.FULL
+        return self.kind in (Kind.SLIDING, Kind.CHUNKED)
+
+    @property
+    def recurrent(self) -> bool:
+        return self.kind is Kind.RECURRENT
 
     def first_visible(self, lengths: np.ndarray) -> np.ndarray:
         """The first position a query at position lengths - 1 sees."""
@@ -76,7 +82,7 @@ class LayerKind:
 def kinds_from_caches(caches: list[Any]) -> list[LayerKind]:
     """Each layer's kind from mlx-lm's caches for it; refuses, naming every layer kind it
     cannot serve (with the layers that have it), any model with one."""
-    from mlx_lm.models.cache import ChunkedKVCache, KVCache, RotatingKVCache
+    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
 
     kinds: list[LayerKind] = []
     unsupported: dict[str, list[int]] = {}
@@ -87,6 +93,8 @@ def kinds_from_caches(caches: list[Any]) -> list[LayerKind]:
             kinds.append(LayerKind(Kind.SLIDING, int(cache.max_size)))
         elif type(cache) is ChunkedKVCache:
             kinds.append(LayerKind(Kind.CHUNKED, int(cache.chunk_size)))
+        elif type(cache) is ArraysCache:
+            kinds.append(LayerKind(Kind.RECURRENT, len(cache.cache)))
         else:
             unsupported.setdefault(_cache_name(cache), []).append(i)
     if unsupported:
@@ -170,8 +178,9 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any]]:
     caches = make_prompt_cache(model)
     kinds = kinds_from_caches(caches)
     recorder = ProbeRecorder()
-    for cache in caches:
-        _probing(cache, recorder)
+    for cache, kind in zip(caches, kinds):
+        if not kind.recurrent:  # a state is read and set, not fetched
+            _probing(cache, recorder)
     ProbeRecorder.current = recorder
     try:
         model(mx.array([[0]]), cache=caches)
@@ -180,7 +189,8 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any]]:
     finally:
         ProbeRecorder.current = None
     mx.eval([c.state for c in caches])
-    probed = [LayerKind(k.kind, k.span, own_attention=id(c) not in recorder.through_sdpa,
+    probed = [k if k.recurrent else
+              LayerKind(k.kind, k.span, own_attention=id(c) not in recorder.through_sdpa,
                         sinks=id(c) in recorder.sinks) for k, c in zip(kinds, caches)]
     for i, k in enumerate(probed):
         if k.own_attention and k.windowed:

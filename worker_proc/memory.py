@@ -10,20 +10,30 @@ import mlx.core as mx
 import psutil
 
 from ipc.config import ServerConfig
-from worker_proc.kv_pool import AttentionLayerSpec
-from worker_proc.layer_kinds import probe_layers
+from worker_proc.kv_pool import AttentionLayerSpec, LayerSpec, StateLayerSpec
+from worker_proc.layer_kinds import LayerKind, UnsupportedModelError, probe_layers
 from worker_proc.paged_attention import kernel_available
 
 logger = logging.getLogger(__name__)
 
 
-def probe_attention_specs(model: Any) -> list[AttentionLayerSpec]:
-    """Each layer's K/V shape, dtype and kind, from tokens run through mlx-lm's own caches
+def probe_attention_specs(model: Any) -> list[LayerSpec]:
+    """Each layer's K/V shape, dtype and kind (or, for a recurrent layer, its state's
+    arrays), in mlx-lm's cache order, from tokens run through mlx-lm's own caches
     (layer_kinds.probe_layers); refuses a model with a layer kind the pool cannot hold."""
     kinds, caches = probe_layers(model)
-    return [AttentionLayerSpec(n_kv_heads=c.keys.shape[1], head_dim=c.keys.shape[3],
-                               v_head_dim=c.values.shape[3], dtype=c.keys.dtype, kind=kind)
-            for c, kind in zip(caches, kinds)]
+    return [_layer_spec(c, kind) for c, kind in zip(caches, kinds)]
+
+
+def _layer_spec(cache: Any, kind: LayerKind) -> LayerSpec:
+    if kind.recurrent:
+        arrays = [a for a in cache.cache]
+        if any(a is None for a in arrays):
+            raise UnsupportedModelError("a recurrent layer left part of its state unset")
+        return StateLayerSpec(tuple(tuple(a.shape[1:]) for a in arrays),
+                              tuple(a.dtype for a in arrays))
+    return AttentionLayerSpec(n_kv_heads=cache.keys.shape[1], head_dim=cache.keys.shape[3],
+                              v_head_dim=cache.values.shape[3], dtype=cache.keys.dtype, kind=kind)
 
 
 def available_memory_bytes() -> int:
@@ -89,14 +99,18 @@ def raise_cuda_graph_budgets() -> dict[str, str]:
     return {name: os.environ[name] for name in CUDA_GRAPH_BUDGETS if name in os.environ}
 
 
-def pool_slots(config: ServerConfig, bytes_per_slot: int, max_context: int) -> int:
-    """Slots to allocate: --max-total-tokens, else a --mem-fraction share of free memory,
-    never more than every running request at full context could use."""
+def pool_slots(config: ServerConfig, bytes_per_slot: int, max_context: int,
+               reserved_bytes: int = 0) -> int:
+    """Slots to allocate: --max-total-tokens, else a --mem-fraction share of free memory
+    (less `reserved_bytes`: the recurrent states), never more than every running request
+    at full context could use (all of that when no layer keeps K/V)."""
     if config.max_total_tokens:
         return config.max_total_tokens
-    by_memory = int(available_memory_bytes() * config.mem_fraction) // bytes_per_slot
     ceiling = config.max_running_requests * max_context
-    slots = min(by_memory, ceiling)
+    if bytes_per_slot == 0:
+        return ceiling  # slot ids only: the scheduler still tracks positions
+    budget = int(available_memory_bytes() * config.mem_fraction) - reserved_bytes
+    slots = min(max(0, budget) // bytes_per_slot, ceiling)
     if slots < max_context:
         logger.warning("KV pool holds %d tokens, less than one full context (%d)", slots, max_context)
     return slots

@@ -138,11 +138,15 @@ class ModelRunner:
                              f"{backend.name}'s (MLX's CUDA backend, head sizes a multiple of 32)")
         # A model whose own code mishandles rows of different lengths in one forward
         # (batches_ragged_rows) runs each step's rows in forwards of one length each.
-        self.ragged = batches_ragged_rows(model, pool.specs, backend)
+        self.ragged = batches_ragged_rows(model, pool.layer_specs, backend)
         if not self.ragged:
             logger.warning("this model's code cannot batch rows of different lengths: "
                            "each forward takes rows of one context length (slower)")
             compile_decode = False  # a compiled bucket pads with rows of length 1
+        # Recurrent layers: a prefill chunk runs alone (a padded row would carry its state
+        # past its end), and decode is not compiled (the trace takes only the K/V pool).
+        self.shares_prefill = self.ragged and not pool.has_states
+        compile_decode = compile_decode and not pool.has_states
         self._compiled_decode = mx.compile(self._decode_forward) if compile_decode else None
         self.decode_traces = 0  # how many times mx.compile traced the decode forward
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
@@ -168,6 +172,9 @@ class ModelRunner:
         state = RequestState(new.rid, self._free_rows.pop(), new.sampling, seed32,
                              length=len(new.prefix_slot_ids), num_sampled=new.num_sampled,
                              stop_ids=list(new.stop_token_ids))
+        if new.prefix_slot_ids and self.pool.has_states:
+            raise RuntimeError(f"{new.rid}: a prefix hit on a model with recurrent layers "
+                               "(their states at the prefix's end are not kept)")
         # A cached prefix: its K/V is already in the pool, the first chunk starts after it.
         self.table[state.row, :state.length] = new.prefix_slot_ids
         self.requests[new.rid] = state
@@ -290,6 +297,8 @@ class ModelRunner:
         Launching while a step runs is for in-place pools; a scatter pool's layers would
         be copied (correct, only slow). A step whose forwards launched as they were built
         (prefill) launches nothing new."""
+        if not self.pool.layers:
+            return  # no K/V layer marks a half-way point (a purely recurrent model)
         middle = len(self.pool.layers) // 2
         head = self.pool.mark(middle) if self.pool.in_place else self.pool.layers[middle]
         if head is not None:
@@ -341,7 +350,8 @@ class ModelRunner:
         state = self._place(chunk)
         n = len(chunk.token_ids)
         layout = ForwardLayout.single(self.table[state.row], chunk.start, n)
-        tokens, caches = mx.array([chunk.token_ids]), build_layer_caches(self.pool, layout)
+        caches = build_layer_caches(self.pool, layout, _state_rows([state]), chunk.start == 0)
+        tokens = mx.array([chunk.token_ids])
         out: mx.array | None = None  # every position's logits, [n, V], where needed
         if state.sampling.prompt_logprobs >= 0:
             out = self.model(tokens, cache=caches)[0]
@@ -379,7 +389,7 @@ class ModelRunner:
             rest = [c for c in wave if self.requests[c.rid].sampling.prompt_logprobs < 0]
             groups = (group_by_length([len(c.token_ids) for c in rest], self.prefill_padding,
                                       PREFILL_FORWARD_TOKENS)
-                  if self.ragged else [[i] for i in range(len(rest))])
+                  if self.shares_prefill else [[i] for i in range(len(rest))])
             forwards += [[rest[i] for i in g] for g in groups]
         return forwards
 
@@ -393,7 +403,9 @@ class ModelRunner:
         for i, chunk in enumerate(chunks):
             tokens[i, :sizes[i]] = chunk.token_ids
         layout = ForwardLayout.prefill(self.table[[s.row for s in states]], starts, sizes)
-        logits = self._logits_at(mx.array(tokens), build_layer_caches(self.pool, layout),
+        caches = build_layer_caches(self.pool, layout, _state_rows(states),
+                                    bool((starts == 0).all()))
+        logits = self._logits_at(mx.array(tokens), caches,
                                  (mx.arange(len(chunks)), mx.array(sizes - 1)))
         for state, n in zip(states, sizes):
             state.length += int(n)
@@ -467,7 +479,7 @@ class ModelRunner:
             logits = self._run_compiled(tokens, rows, lengths)
         else:
             layout = ForwardLayout.decode(self.table[rows], lengths, dense)
-            caches = build_layer_caches(self.pool, layout)
+            caches = build_layer_caches(self.pool, layout, _state_rows(states))
             logits = self.model(tokens[:, None], cache=caches)[:, -1, :]
             check_written(caches)
         for s in states:
@@ -574,6 +586,11 @@ class ModelRunner:
     def _check_room(self, state: RequestState, n: int) -> None:
         if state.length + n > self.max_context:
             raise RuntimeError(f"{state.rid}: context would exceed {self.max_context} tokens")
+
+
+def _state_rows(states: list[RequestState]) -> mx.array:
+    """The requests' rows in the pool's recurrent states (row 0 is scratch)."""
+    return mx.array([s.row + 1 for s in states], dtype=mx.int32)
 
 
 def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:

@@ -34,11 +34,14 @@ class FlushCache(Message, frozen=True):
 
 class WorkerReady(Message, frozen=True):
     """The worker's handshake: the KV pool it allocated fixes the scheduler's capacity;
-    overlap (resolved for the worker's device) whether to keep two steps in flight."""
+    overlap (resolved for the worker's device) whether to keep two steps in flight;
+    prefix_cache False when a prefix's cached K/V cannot serve a hit (the model has
+    recurrent layers, whose states at a prefix's end are not kept)."""
 
     num_slots: int
     max_context_len: int
     overlap: bool
+    prefix_cache: bool = True
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
