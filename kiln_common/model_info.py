@@ -32,7 +32,7 @@ def load_model_info(name: str, model_path: str, tokenizer: Any) -> ModelInfo:
         name=name,
         path=model_path,
         context_len=_context_len(config, tokenizer),
-        vocab_size=len(tokenizer),
+        vocab_size=_vocab_size(config, tokenizer),
         eos_token_ids=_eos_ids(config, generation, tokenizer),
     )
 
@@ -44,6 +44,17 @@ def read_json(path: Path) -> dict[str, Any]:
     except FileNotFoundError:
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _vocab_size(config: dict[str, Any], tokenizer: Any) -> int:
+    """Ids a request may hold: those the tokenizer knows and the model embeds (its
+    embedding may be padded past the tokenizer, or, rarely, be smaller: an id past it
+    would read outside the embedding)."""
+    for section in (config, config.get("text_config") or {}):
+        value = section.get("vocab_size")
+        if isinstance(value, int) and value > 0:
+            return min(value, len(tokenizer))
+    return len(tokenizer)
 
 
 def _context_len(config: dict[str, Any], tokenizer: Any) -> int:

@@ -327,3 +327,12 @@ def test_front_refuses_a_reused_id_and_new_work_when_stopping() -> None:
         await front.wait_replies()
 
     run(body)
+
+
+def test_request_ids_are_those_the_tokenizer_knows_and_the_model_embeds(tmp_path: Path) -> None:
+    """An embedding padded past the tokenizer (the demo bench models: 8,192 rows for 4,096
+    ids) or, rarely, smaller than it: ids past either are refused at the front."""
+    _write(tmp_path, "config.json", {"vocab_size": 80})
+    assert load_model_info("m", str(tmp_path), _Tok(None)).vocab_size == 80
+    _write(tmp_path, "config.json", {"text_config": {"vocab_size": 4096}})
+    assert load_model_info("m", str(tmp_path), _Tok(None)).vocab_size == 100
