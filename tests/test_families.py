@@ -35,6 +35,23 @@ def mlx_lm_tokens(model, prompt: list[int], n: int) -> list[int]:
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
+def assert_mlx_lm_tokens(model, name: str, results, cases, n: int) -> None:
+    """Each (rid, prompt)'s tokens in `results` are mlx-lm's n greedy tokens."""
+    for rid, p in cases:
+        assert results[rid].token_ids == mlx_lm_tokens(model, p, n), f"{name} {rid}"
+
+
+def assert_exact_under_preemption(model, name: str, prompts: list[list[int]]) -> None:
+    """Three requests in a pool that holds about one: preempted, resumed, mlx-lm's tokens."""
+    tight = InProcessEngine(model, capacity=130, chunk_size=16, max_running=4)
+    for i, p in enumerate(prompts):
+        tight.submit(f"r{i}", p, 30, [])
+    results = tight.run_until_idle()
+    assert tight.scheduler.counters.preemptions > 0
+    assert_mlx_lm_tokens(model, name, results, [(f"r{i}", p) for i, p in enumerate(prompts)], 30)
+    assert_idle_invariant(tight.scheduler)
+
+
 def _prompts(seed: int) -> list[list[int]]:
     rng = np.random.default_rng(seed)
     lengths = [3, 40, 70, 17, 1, 33]
@@ -75,9 +92,8 @@ def test_batched_chunked_and_cached_equal_mlx_lm(family):
     engine.submit("again", prompts[1], 20, [])
     results = engine.run_until_idle()
     assert engine.scheduler.counters.cache_hit_tokens >= 24 + len(prompts[1]) - 1
-    for rid, p in [*((f"r{i}", p) for i, p in enumerate(prompts[:5])),
-                   ("hit", prompts[5]), ("again", prompts[1])]:
-        assert results[rid].token_ids == mlx_lm_tokens(model, p, 20), f"{name} {rid}"
+    assert_mlx_lm_tokens(model, name, results, [*((f"r{i}", p) for i, p in enumerate(prompts[:5])),
+                                                ("hit", prompts[5]), ("again", prompts[1])], 20)
     assert_idle_invariant(engine.scheduler)
 
 
@@ -87,14 +103,7 @@ def test_alone_and_under_preemption_equal_mlx_lm(family):
     alone = InProcessEngine(model, chunk_size=16)
     alone.submit("x", prompts[2], 30, [])
     assert alone.run_until_idle()["x"].token_ids == mlx_lm_tokens(model, prompts[2], 30)
-    tight = InProcessEngine(model, capacity=130, chunk_size=16, max_running=4)
-    for i, p in enumerate(prompts[1:4]):
-        tight.submit(f"r{i}", p, 30, [])
-    results = tight.run_until_idle()
-    assert tight.scheduler.counters.preemptions > 0
-    for i, p in enumerate(prompts[1:4]):
-        assert results[f"r{i}"].token_ids == mlx_lm_tokens(model, p, 30), f"{name} r{i}"
-    assert_idle_invariant(tight.scheduler)
+    assert_exact_under_preemption(model, name, prompts[1:4])
 
 
 def test_a_4_bit_quantized_model_equals_mlx_lm():
@@ -175,23 +184,14 @@ def test_recurrent_models_batched_and_chunked_equal_mlx_lm(recurrent_family, ove
     engine.submit("again", prompts[1], 20, [])  # the same prompt: recomputed, not hit
     results = engine.run_until_idle()
     assert engine.scheduler.counters.cache_hit_tokens == 0 and engine.runner.ragged
-    for rid, p in [*((f"r{i}", p) for i, p in enumerate(prompts[:5])),
-                   ("late", prompts[5]), ("again", prompts[1])]:
-        assert results[rid].token_ids == mlx_lm_tokens(model, p, 20), f"{name} {rid}"
+    assert_mlx_lm_tokens(model, name, results, [*((f"r{i}", p) for i, p in enumerate(prompts[:5])),
+                                                ("late", prompts[5]), ("again", prompts[1])], 20)
     assert_idle_invariant(engine.scheduler)
 
 
 def test_recurrent_models_under_preemption_equal_mlx_lm(recurrent_family):
     name, model = recurrent_family
-    prompts = _prompts(seed=400 + len(name))
-    tight = InProcessEngine(model, capacity=130, chunk_size=16, max_running=4)
-    for i, p in enumerate(prompts[1:4]):
-        tight.submit(f"r{i}", p, 30, [])
-    results = tight.run_until_idle()
-    assert tight.scheduler.counters.preemptions > 0
-    for i, p in enumerate(prompts[1:4]):
-        assert results[f"r{i}"].token_ids == mlx_lm_tokens(model, p, 30), f"{name} r{i}"
-    assert_idle_invariant(tight.scheduler)
+    assert_exact_under_preemption(model, name, _prompts(seed=400 + len(name))[1:4])
 
 
 @pytest.mark.timeout(300)
