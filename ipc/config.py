@@ -61,6 +61,10 @@ class ServerConfig:
                                      "memory-based size when > 0."})
     disable_radix_cache: bool = dataclasses.field(
         default=False, metadata={"help": "Do not cache and share prompt prefixes."})
+    state_snapshots: int = dataclasses.field(
+        default=64, metadata={"help": "Models with recurrent layers: how many prompt-end "
+                                      "state snapshots the prefix cache may keep (each one "
+                                      "request's recurrent state); 0: no prefix cache for them."})
     schedule_policy: str = dataclasses.field(
         default="fcfs", metadata={"choices": ("fcfs", "lpm"),
                                   "help": "Order of admission: first come first served, or "

@@ -40,7 +40,8 @@ def limits_from(config: ServerConfig, ready: WorkerReady) -> SchedulerLimits:
                            chunk_size=config.chunk_size,
                            max_prefill_tokens=config.max_prefill_tokens,
                            radix_cache=not config.disable_radix_cache and ready.prefix_cache,
-                           schedule_policy=config.schedule_policy)
+                           schedule_policy=config.schedule_policy,
+                           state_snapshots=ready.state_snapshots)
 
 
 @dataclass(frozen=True)

@@ -23,6 +23,16 @@ class Node:
     children: dict[int, "Node"] = field(default_factory=dict)
     lock_ref: int = 0
     last_access: int = 0
+    snapshot: int = 0  # SnapshotCache: the recurrent-state snapshot at this node's end
+
+    @property
+    def depth(self) -> int:
+        """Tokens from the root to this node's end."""
+        node, n = self, 0
+        while node.parent is not None:
+            n += len(node.key)
+            node = node.parent
+        return n
 
     def __lt__(self, other: "Node") -> bool:  # heap order for LRU eviction
         return self.last_access < other.last_access
@@ -147,6 +157,7 @@ class RadixCache:
         while heap and count < n:
             leaf = heapq.heappop(heap)
             parent = leaf.parent
+            self._dropped(leaf)
             del parent.children[int(leaf.key[0])]
             self.total_size -= len(leaf.key)
             freed.append(leaf.value)
@@ -154,6 +165,9 @@ class RadixCache:
             if parent is not self.root and not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, parent)
         return np.concatenate(freed) if freed else _EMPTY
+
+    def _dropped(self, node: Node) -> None:
+        """A node is leaving the tree (evicted)."""
 
     def flush(self) -> np.ndarray:
         """Drop every unlocked cached prefix; returns the freed slots."""
@@ -184,3 +198,73 @@ class DisabledCache(RadixCache):
 
     def insert(self, tokens: np.ndarray, slots: np.ndarray) -> tuple[int, Node]:
         return len(tokens), self.root  # adopts nothing: the caller keeps (and frees) its slots
+
+
+class SnapshotCache(RadixCache):
+    """The cache of a model with recurrent layers: a prefix serves a hit only where the
+    worker kept a snapshot of the recurrent state at its end (at prompt ends), so a match
+    is cut back to the deepest such node on its path. Snapshot ids are handed out here,
+    at most `capacity` (1..capacity), and come back when their node is evicted."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__()
+        self._free_snapshots = list(range(capacity, 0, -1))
+        self._freed_slots: list[np.ndarray] = []  # by snapshot_at's evictions
+
+    @property
+    def free_snapshots(self) -> int:
+        return len(self._free_snapshots)
+
+    def match_prefix(self, tokens: np.ndarray) -> PrefixMatch:
+        match = super().match_prefix(tokens)
+        node = match.node
+        while node is not self.root and not node.snapshot:
+            node = node.parent
+        return PrefixMatch(match.slots[:node.depth] if node is not self.root else _EMPTY, node)
+
+    def match_len(self, tokens: np.ndarray) -> int:
+        node, pos, best = self.root, 0, 0
+        while pos < len(tokens):
+            child = node.children.get(int(tokens[pos]))
+            if child is None:
+                break
+            common = common_prefix_len(child.key, tokens[pos:])
+            if common < len(child.key):
+                break
+            node, pos = child, pos + common
+            best = pos if node.snapshot else best
+        return best
+
+    def snapshot_at(self, node: Node) -> int:
+        """A snapshot id for the prefix ending at node (0: it has one already, or none is
+        free even after evicting unlocked prefixes)."""
+        if node.snapshot or node is self.root:
+            return 0
+        if not self._free_snapshots:
+            self.evict_snapshot()
+        if not self._free_snapshots:
+            return 0
+        node.snapshot = self._free_snapshots.pop()
+        return node.snapshot
+
+    def evict_snapshot(self) -> np.ndarray:
+        """Evict unlocked leaves, least recently used first, until a snapshot id is free;
+        returns the slots that freed."""
+        freed = []
+        while not self._free_snapshots and self.evictable_size:
+            slots = self.evict(1)
+            if not len(slots):
+                break
+            freed.append(slots)
+        self._freed_slots.extend(freed)
+        return np.concatenate(freed) if freed else _EMPTY
+
+    def take_freed_slots(self) -> np.ndarray:
+        """Slots freed by snapshot_at's evictions, for the allocator to take back."""
+        freed, self._freed_slots = self._freed_slots, []
+        return np.concatenate(freed) if freed else _EMPTY
+
+    def _dropped(self, node: Node) -> None:
+        if node.snapshot:
+            self._free_snapshots.append(node.snapshot)
+            node.snapshot = 0

@@ -20,7 +20,7 @@ from ipc.messages.to_scheduler import StepResult, TokenizedRequest
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from kiln_common.incremental_text import TokenizerLike
 from scheduler_proc.allocator import ReqToTokenTable, SlotAllocator
-from scheduler_proc.radix_cache import DisabledCache, RadixCache, common_prefix_len
+from scheduler_proc.radix_cache import DisabledCache, RadixCache, SnapshotCache, common_prefix_len
 from scheduler_proc.request import PROMPT_TAIL, FinishReason, Req, StopWatch, WaitingQueue
 
 logger = logging.getLogger(__name__)
@@ -39,6 +39,9 @@ class SchedulerLimits:
     max_prefill_tokens: int
     radix_cache: bool = True
     schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
+    # A model with recurrent layers: snapshot slots of their state at cached prompt ends
+    # (hits only there, SnapshotCache); 0 for models without them.
+    state_snapshots: int = 0
 
 
 class PrefillBudget:
@@ -121,7 +124,7 @@ class Scheduler:
         self._tokenizer: TokenizerLike | None = None
         self.allocator = SlotAllocator(limits.capacity)
         self.table = ReqToTokenTable(limits.max_running, limits.max_context)
-        self.cache: RadixCache = RadixCache() if limits.radix_cache else DisabledCache()
+        self.cache: RadixCache = _prefix_cache(limits)
         self.waiting = WaitingQueue()
         self.running: dict[str, Req] = {}  # admission order: the newest is preempted first
         self.ratio = DecodeRatio()
@@ -315,8 +318,8 @@ class Scheduler:
     def _wait_for_in_flight_prefix(self, req: Req) -> bool:
         """True when req's prompt shares a long prefix with one still being prefilled:
         admitting it later lets it read that prefix from the cache."""
-        if isinstance(self.cache, DisabledCache) or req.wants_prompt_logprobs:
-            return False
+        if isinstance(self.cache, (DisabledCache, SnapshotCache)) or req.wants_prompt_logprobs:
+            return False  # (a snapshot cache hits only at another prompt's whole end)
         ids = req.all_ids(req.prompt_len)
         cached = self.cache.match_len(ids)
         for other in self.running.values():
@@ -342,23 +345,33 @@ class Scheduler:
         if not req.on_worker:
             req.on_worker = True
             new_reqs.append(self._new_request(req, start))
-        if not req.prefilling:
-            self._cache_prompt(req)
+        # Shared at the prompt's last chunk; a model whose hits need state snapshots at
+        # every chunk's end, so that prompts sharing a long head hit at its last chunk edge.
+        shared = not req.prefilling or isinstance(self.cache, SnapshotCache)
+        snapshot = self._cache_prompt(req, req.num_computed) if shared else 0
         return PrefillChunk(rid=req.rid, start=start,
                             token_ids=req.all_ids(start + n)[start:].tolist(),
-                            slot_ids=slots.tolist(), sample=not req.prefilling)
+                            slot_ids=slots.tolist(), sample=not req.prefilling,
+                            snapshot_id=snapshot)
 
-    def _cache_prompt(self, req: Req) -> None:
-        """Share a prompt as soon as its last chunk is planned: later steps (and later
-        chunks of this one) run after its K/V is written."""
-        ids = req.all_ids(req.fill_len)
-        slots = self.table.slots(req.row, req.fill_len).copy()
+    def _cache_prompt(self, req: Req, end: int) -> int:
+        """Share a prompt's first `end` tokens as soon as the chunk ending there is planned:
+        later steps (and later chunks of this one) run after its K/V is written. Returns
+        the snapshot id the worker keeps the recurrent state in after that chunk (0:
+        none)."""
+        ids = req.all_ids(end)
+        slots = self.table.slots(req.row, end).copy()
         adopted_from, node = self.cache.insert(ids, slots)
         if adopted_from > req.prefix_len:
             req.dup_slots.append(slots[req.prefix_len:adopted_from])
         self.cache.lock(node)
         self.cache.unlock(req.last_node)
-        req.last_node, req.prefix_len = node, req.fill_len
+        req.last_node, req.prefix_len = node, end
+        if not isinstance(self.cache, SnapshotCache):
+            return 0
+        snapshot = self.cache.snapshot_at(node)
+        self.allocator.free(self.cache.take_freed_slots())
+        return snapshot
 
     # -- preemption, finishing ---------------------------------------------------------------
 
@@ -459,9 +472,11 @@ class Scheduler:
         """What the worker needs to (re)start sampling for req; its cached prefix ends at start."""
         sp = req.sampling
         penalised = sp.uses_penalties
+        node = req.last_node
         return NewRequest(
             rid=req.rid, sampling=_worker_sampling(req),
             prefix_slot_ids=self.table.slots(req.row, start).tolist(),
+            state_snapshot=node.snapshot if start and node is not None else 0,
             num_sampled=len(req.output_ids),
             stop_token_ids=sorted(req.stop_token_ids) if sp.min_tokens > 0 else [],
             prompt_ids=req.input_ids if penalised and sp.repetition_penalty != 1.0 else [],
@@ -533,7 +548,16 @@ class Scheduler:
             generated_tokens_total=c.generated_tokens, finished_requests_total=c.finished,
             aborted_requests_total=c.aborted, cached_slots=self.cache.total_size,
             evictable_slots=self.cache.evictable_size, preemptions_total=c.preemptions,
-            cache_hit_tokens_total=c.cache_hit_tokens, slots_consistent=self.slots_consistent())
+            cache_hit_tokens_total=c.cache_hit_tokens, slots_consistent=self.slots_consistent(),
+            state_snapshots=self.limits.state_snapshots,
+            state_snapshots_used=(self.limits.state_snapshots - self.cache.free_snapshots
+                                  if isinstance(self.cache, SnapshotCache) else 0))
+
+
+def _prefix_cache(limits: SchedulerLimits) -> RadixCache:
+    if not limits.radix_cache:
+        return DisabledCache()
+    return SnapshotCache(limits.state_snapshots) if limits.state_snapshots else RadixCache()
 
 
 def _worker_sampling(req: Req) -> SamplingParams:

@@ -62,20 +62,24 @@ class InProcessEngine:
                  overlap: bool | str = True, tokenizer: Any = None,
                  grammars: Any = None, compile_decode: bool = False,
                  prefill_padding: float = PREFILL_PADDING,
-                 backend: DecodeBackend | None = None) -> None:
+                 backend: DecodeBackend | None = None, state_snapshots: int = 64) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False. tokenizer: what the scheduler decodes stop strings with.
         grammars: the worker's GrammarMatchers, for requests with a grammar.
         prefill_padding: how much padding a shared prefill forward may carry (the CPU
         server's is 0: only chunks of one length share a forward). backend: the decode
         backend (default: the device's; StandInKernel: the CUDA path on the CPU)."""
-        self.pool = KVPool(probe_attention_specs(model), capacity, backend, state_rows=max_running)
-        radix_cache = radix_cache and not self.pool.has_states  # as the worker tells it
+        self.pool = KVPool(probe_attention_specs(model), capacity, backend, state_rows=max_running,
+                           snapshots=state_snapshots if radix_cache else 0)
         self.runner = ModelRunner(model, self.pool, max_running, max_context, grammars,
                                   prefill_padding=prefill_padding,
                                   compile_decode=compile_decode)
+        # As the worker tells the scheduler (WorkerReady): a model with recurrent layers
+        # caches prefixes only where it keeps state snapshots.
+        radix_cache = radix_cache and (not self.pool.has_states or self.pool.num_snapshots > 0)
         self.scheduler = Scheduler(SchedulerLimits(capacity, max_context, max_running, chunk_size,
-                                                   max_prefill_tokens, radix_cache, schedule_policy),
+                                                   max_prefill_tokens, radix_cache, schedule_policy,
+                                                   self.pool.num_snapshots),
                                    (lambda: tokenizer) if tokenizer is not None else None)
         self.to_scheduler, self.to_worker, self.to_detokenizer = Pipe(), Pipe(), Pipe()
         self.loop = SchedulerLoop(self.scheduler, self.to_scheduler, self.to_worker,

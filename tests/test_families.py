@@ -181,9 +181,9 @@ def test_recurrent_models_batched_and_chunked_equal_mlx_lm(recurrent_family, ove
         engine.submit(f"r{i}", p, 20, [])
     engine.step()
     engine.submit("late", prompts[5], 20, [])  # joins while the others decode
-    engine.submit("again", prompts[1], 20, [])  # the same prompt: recomputed, not hit
+    engine.submit("again", prompts[1], 20, [])  # the same prompt, maybe still prefilled
     results = engine.run_until_idle()
-    assert engine.scheduler.counters.cache_hit_tokens == 0 and engine.runner.ragged
+    assert engine.runner.ragged
     assert_mlx_lm_tokens(model, name, results, [*((f"r{i}", p) for i, p in enumerate(prompts[:5])),
                                                 ("late", prompts[5]), ("again", prompts[1])], 20)
     assert_idle_invariant(engine.scheduler)
@@ -197,10 +197,11 @@ def test_recurrent_models_under_preemption_equal_mlx_lm(recurrent_family):
 @pytest.mark.timeout(300)
 def test_a_hybrid_model_through_every_process(tiny_model_dir, tmp_path):
     """LFM2 (short convolutions beside attention) served by the real server: concurrent
-    requests equal mlx-lm's, and a repeated prompt is recomputed (no prefix hit: the
-    worker said its states at a prefix's end are not kept)."""
+    requests equal mlx-lm's, and a prompt repeated later hits the cache at a state
+    snapshot (its last chunk edge before the final token)."""
     import asyncio
 
+    import httpx
     import mlx_lm
 
     from ipc.client import AsyncKilnClient
@@ -223,6 +224,59 @@ def test_a_hybrid_model_through_every_process(tiny_model_dir, tmp_path):
 
         for p, r in zip(prompts, asyncio.run(all_of_them())):
             assert r.token_ids == mlx_lm_tokens(model, p, 16)
-        assert srv.stats()["cache_hit_tokens_total"] == 0
+
+        async def again():
+            async with AsyncKilnClient(srv.zmq) as client:
+                return await client.generate(input_ids=prompts[2], max_tokens=16,
+                                             temperature=0.0, ignore_eos=True)
+
+        before = srv.stats()["cache_hit_tokens_total"]
+        assert asyncio.run(again()).token_ids == mlx_lm_tokens(model, prompts[2], 16)
+        stats = srv.stats()
+        assert stats["cache_hit_tokens_total"] - before == 128  # 150 tokens, chunks of 32
+        assert stats["state_snapshots"] == 64 and 0 < stats["state_snapshots_used"] <= 64
+        metrics = httpx.get(srv.url + "/metrics", timeout=10).text
+        assert "kiln_state_snapshots_capacity 64.0" in metrics
     finally:
         assert srv.stop() == 0, srv.log_tail()
+
+
+def test_recurrent_models_hit_at_state_snapshots(recurrent_family):
+    """Prefix hits on a model with recurrent layers start from a snapshot of their state,
+    kept at every prompt chunk's end: an extended prompt hits at the old prompt's end, a
+    multi-turn chat at the last turn's prompt, a shared head at its last chunk edge, a
+    repeated prompt at its last chunk edge before the final token; all exact."""
+    name, model = recurrent_family
+    rng = np.random.default_rng(600 + len(name))
+    first = rng.integers(5, VOCAB, size=70).tolist()
+    engine = InProcessEngine(model, chunk_size=16)
+    engine.submit("first", first, 8, [])
+    answer = engine.run_until_idle()["first"].token_ids
+    cases = {"extended": (first + rng.integers(5, VOCAB, size=30).tolist(), 70),
+             "next turn": (first + answer + rng.integers(5, VOCAB, size=10).tolist(), 70),
+             "shared head": (first[:40] + rng.integers(5, VOCAB, size=30).tolist(), 32),
+             "repeated": (list(first), 64)}
+    for rid, (prompt, hit) in cases.items():
+        before = engine.scheduler.counters.cache_hit_tokens
+        engine.submit(rid, prompt, 12, [])
+        result = engine.run_until_idle()[rid]
+        assert engine.scheduler.counters.cache_hit_tokens - before == hit, rid
+        assert result.token_ids == mlx_lm_tokens(model, prompt, 12), f"{name} {rid}"
+    assert_idle_invariant(engine.scheduler)
+
+
+def test_a_snapshot_cache_cuts_matches_back_to_its_snapshots():
+    from scheduler_proc.radix_cache import SnapshotCache
+
+    cache = SnapshotCache(capacity=2)
+    ids = np.arange(10, 30, dtype=np.int32)
+    _, mid = cache.insert(ids[:8], np.arange(1, 9, dtype=np.int32))
+    assert cache.snapshot_at(mid) == 1 and cache.snapshot_at(mid) == 0  # once a node
+    _, end = cache.insert(ids, np.arange(1, 21, dtype=np.int32))
+    assert len(cache.match_prefix(ids[:15])) == 8 and cache.match_len(ids[:15]) == 8
+    assert cache.snapshot_at(end) == 2 and len(cache.match_prefix(ids)) == 20
+    assert len(cache.match_prefix(ids[:5])) == 0  # no snapshot at or before 5
+    other = np.arange(50, 60, dtype=np.int32)
+    _, third = cache.insert(other, np.arange(21, 31, dtype=np.int32))
+    assert cache.free_snapshots == 0 and cache.snapshot_at(third) in (1, 2)  # evicted one
+    assert len(cache.take_freed_slots()) > 0

@@ -79,6 +79,10 @@ class SchedulerCollector(Collector):
                      s.capacity_slots if s else 0)
         yield _gauge("kiln_cache_hit_rate", "Share of prompt tokens served from the prefix "
                      "cache instead of computed (since start).", cache_hit_rate(s))
+        yield _gauge("kiln_state_snapshots_used", "Recurrent-state snapshots the prefix cache "
+                     "holds (models with recurrent layers).", s.state_snapshots_used if s else 0)
+        yield _gauge("kiln_state_snapshots_capacity", "Recurrent-state snapshots it may hold.",
+                     s.state_snapshots if s else 0)
         # NOTE: getattr because SchedulerStats gained preemptions_total after this was written.
         yield CounterMetricFamily("kiln_preemptions", "Running requests sent back to the "
                                   "queue for lack of KV slots.",

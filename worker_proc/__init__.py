@@ -77,16 +77,19 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     context = _model_context_len(model) or 4096
     per_slot = KVPool.bytes_per_slot(specs)
     kept = backend.kept_share
-    states = KVPool.state_bytes_per_request(specs) * config.max_running_requests
+    per_state = KVPool.state_bytes_per_request(specs)
+    snapshots = config.state_snapshots if per_state and not config.disable_radix_cache else 0
+    states = per_state * (config.max_running_requests + snapshots)
     # A backend keeping dense decode contexts keeps up to `kept` of the pool's size again.
     slots = pool_slots(config, int(per_slot * (1 + kept)), context, reserved_bytes=states)
-    pool = KVPool(specs, slots, backend, state_rows=config.max_running_requests)
+    pool = KVPool(specs, slots, backend, state_rows=config.max_running_requests,
+                  snapshots=snapshots)
     cache_limit = bound_cuda_cache()
     if cache_limit is not None:
         say(f"MLX buffer cache capped at {cache_limit / 2**30:.1f} GiB")
     if states:
         say(f"recurrent states: {states / 2**20:.1f} MiB for {config.max_running_requests} "
-            "requests (no prefix cache: states at a prefix's end are not kept)")
+            f"requests and {snapshots} prompt-end snapshots")
     say(f"KV pool: {slots} slots, {pool.nbytes / 2**20:.1f} MiB"
         + (f" (+ up to {pool.nbytes * kept / 2**20:.1f} MiB of kept decode contexts)" if kept else ""))
     hf = _hf_tokenizer(tokenizer)
@@ -291,7 +294,8 @@ def run_worker(config: ServerConfig) -> None:
     plans: Receiver[WorkerMessage] = Receiver(config.worker_endpoint, WorkerMessage)
     results = Sender(config.scheduler_endpoint)
     results.send(WorkerReady(num_slots=runner.pool.num_slots, max_context_len=runner.max_context,
-                             prefix_cache=not runner.pool.has_states,
+                             prefix_cache=not runner.pool.has_states or runner.pool.num_snapshots > 0,
+                             state_snapshots=runner.pool.num_snapshots,
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
     loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place)

@@ -85,14 +85,18 @@ class KVPool:
     layer, addressed by the runner's request rows + 1 (row 0 is scratch); a step's new
     states are scattered in (plain MLX: a few rows a step, copies are small).
     `order` maps the model's cache list to ("kv", index) or ("state", index).
+    `snapshots[j][i]` ([num_snapshots + 1, *shape]) keep states at cached prompt ends,
+    addressed by the scheduler's snapshot ids: a request hitting one starts from a copy.
     """
 
     def __init__(self, specs: list[LayerSpec], num_slots: int,
-                 backend: DecodeBackend | None = None, state_rows: int = 0) -> None:
+                 backend: DecodeBackend | None = None, state_rows: int = 0,
+                 snapshots: int = 0) -> None:
         """specs: the model's layers in its cache order (probe_attention_specs); backend:
         who reads and writes the K/V (default: the one chosen for these layers on this
         device), which says whether writes go in place; state_rows: requests whose
-        recurrent states are kept (the runner's rows)."""
+        recurrent states are kept (the runner's rows); snapshots: how many prompt-end
+        states the prefix cache may keep."""
         self.layer_specs = list(specs)  # every layer, in the model's cache order
         self.specs = attention_specs(specs)
         self.state_specs = [s for s in specs if isinstance(s, StateLayerSpec)]
@@ -112,7 +116,11 @@ class KVPool:
             raise ValueError("a model with recurrent layers needs state rows for its requests")
         self.states = [[mx.zeros((state_rows + 1, *shape), dtype=dtype)
                         for shape, dtype in zip(s.shapes, s.dtypes)] for s in self.state_specs]
-        mx.eval(self.layers, self.states)
+        self.num_snapshots = snapshots if self.state_specs else 0
+        self.snapshots = [[mx.zeros((self.num_snapshots + 1, *shape), dtype=dtype)
+                           for shape, dtype in zip(s.shapes, s.dtypes)]
+                          for s in self.state_specs] if self.num_snapshots else []
+        mx.eval(self.layers, self.states, self.snapshots)
         # In place: each layer's last write's mark, and the marks not yet taken by a step.
         self._marks: list[mx.array | None] = [None] * len(self.specs)
         self._unlanded: list[mx.array] = []
@@ -139,6 +147,18 @@ class KVPool:
 
     def write_state(self, layer: int, index: int, rows: mx.array, value: mx.array) -> None:
         self.states[layer][index][rows] = value.astype(self.states[layer][index].dtype)
+
+    def save_snapshot(self, row: int, snapshot: int) -> None:
+        """Keep the recurrent states of request row `row` (+1 applied) as `snapshot`."""
+        for states, kept in zip(self.states, self.snapshots):
+            for state, copy_ in zip(states, kept):
+                copy_[snapshot] = state[row]
+
+    def load_snapshot(self, snapshot: int, row: int) -> None:
+        """Start request row `row`'s recurrent states from `snapshot`."""
+        for states, kept in zip(self.states, self.snapshots):
+            for state, copy_ in zip(states, kept):
+                state[row] = copy_[snapshot]
 
     def keys(self, layer: int) -> mx.array:
         """The layer's keys, [num_slots + 1, n_kv_heads, head_dim] (a strided view)."""
@@ -177,7 +197,7 @@ class KVPool:
     def landing(self) -> list[mx.array]:
         """What to evaluate for every write so far to land (see the class note)."""
         writes = list(self._unlanded) if self.in_place else list(self.layers)
-        return writes + [a for layer in self.states for a in layer]
+        return writes + [a for layer in (*self.states, *self.snapshots) for a in layer]
 
     def take_landing(self) -> list[mx.array]:
         """landing(), for a step that takes charge of evaluating it: in place, the marks

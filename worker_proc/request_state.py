@@ -61,6 +61,8 @@ class RequestState:
     # Prompt logprobs: the last position's logits of the previous chunk, which score the
     # next chunk's first token.
     prompt_carry: mx.array | None = None
+    # Recurrent layers: the snapshot its first chunk starts from (then 0).
+    start_snapshot: int = 0
 
 
 def check_sampling(sp: SamplingParams, seed: int, num_sampled: int, stop_ids: list[int],

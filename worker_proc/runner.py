@@ -172,9 +172,10 @@ class ModelRunner:
         state = RequestState(new.rid, self._free_rows.pop(), new.sampling, seed32,
                              length=len(new.prefix_slot_ids), num_sampled=new.num_sampled,
                              stop_ids=list(new.stop_token_ids))
-        if new.prefix_slot_ids and self.pool.has_states:
+        if new.prefix_slot_ids and self.pool.has_states and not new.state_snapshot:
             raise RuntimeError(f"{new.rid}: a prefix hit on a model with recurrent layers "
-                               "(their states at the prefix's end are not kept)")
+                               "without the snapshot of their state at its end")
+        state.start_snapshot = new.state_snapshot
         # A cached prefix: its K/V is already in the pool, the first chunk starts after it.
         self.table[state.row, :state.length] = new.prefix_slot_ids
         self.requests[new.rid] = state
@@ -348,6 +349,9 @@ class ModelRunner:
         """Run one chunk's forward; its last position's logits. A request that asked for
         prompt logprobs gets this chunk's appended to `prompt`."""
         state = self._place(chunk)
+        if state.start_snapshot:  # here, not at _add: the snapshot's chunk may run first
+            self.pool.load_snapshot(state.start_snapshot, state.row + 1)
+            state.start_snapshot = 0
         n = len(chunk.token_ids)
         layout = ForwardLayout.single(self.table[state.row], chunk.start, n)
         caches = build_layer_caches(self.pool, layout, _state_rows([state]), chunk.start == 0)
@@ -359,6 +363,8 @@ class ModelRunner:
         else:
             logits = self._logits_at(tokens, caches, (slice(None), -1))
         state.length += n
+        if chunk.snapshot_id:  # the state after the prompt, for later requests to start from
+            self.pool.save_snapshot(state.row + 1, chunk.snapshot_id)
         scored = self._prompt_logprobs_of(state, chunk, out, logits)
         if scored is not None:
             prompt.append(scored)

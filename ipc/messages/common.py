@@ -91,3 +91,7 @@ class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
     preemptions_total: int = 0
     cache_hit_tokens_total: int = 0
     slots_consistent: bool = True
+    # Models with recurrent layers: the prefix cache's state snapshots (--state-snapshots),
+    # in all and in use (each one request's recurrent state, in the worker's memory).
+    state_snapshots: int = 0
+    state_snapshots_used: int = 0

@@ -36,12 +36,15 @@ class WorkerReady(Message, frozen=True):
     """The worker's handshake: the KV pool it allocated fixes the scheduler's capacity;
     overlap (resolved for the worker's device) whether to keep two steps in flight;
     prefix_cache False when a prefix's cached K/V cannot serve a hit (the model has
-    recurrent layers, whose states at a prefix's end are not kept)."""
+    recurrent layers and no state snapshots are kept)."""
 
     num_slots: int
     max_context_len: int
     overlap: bool
     prefix_cache: bool = True
+    # Recurrent layers with a prefix cache: the snapshot slots the worker keeps (a hit is
+    # then taken only where a snapshot exists); 0 for models without recurrent layers.
+    state_snapshots: int = 0
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):

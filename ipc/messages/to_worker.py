@@ -26,6 +26,9 @@ class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     rid: str
     sampling: SamplingParams
     prefix_slot_ids: list[int] = []
+    # Recurrent layers: the snapshot of their state at the cached prefix's end, which the
+    # request's first chunk starts from (0: none; the prefix is then empty).
+    state_snapshot: int = 0
     num_sampled: int = 0
     stop_token_ids: list[int] = []
     prompt_ids: list[int] = []
@@ -44,6 +47,9 @@ class PrefillChunk(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: list[int]
     slot_ids: list[int]
     sample: bool
+    # Recurrent layers: keep the state after this chunk as this snapshot (0: none), the
+    # one a later request hitting this prompt's end starts from.
+    snapshot_id: int = 0
 
 
 class ForwardBatch(Message, frozen=True):
