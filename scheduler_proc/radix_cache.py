@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import heapq
 from dataclasses import dataclass, field
+from typing import Iterator
 
 import numpy as np
 
@@ -90,17 +91,26 @@ class RadixCache:
 
     def match_len(self, tokens: np.ndarray) -> int:
         """Length of the cached prefix, without touching the tree (for queue ordering)."""
+        pos = 0
+        for _, pos in self._walk(tokens):
+            pass
+        return pos
+
+    def _walk(self, tokens: np.ndarray) -> Iterator[tuple[Node | None, int]]:
+        """The nodes tokens match whole, each with the match's length at its end; last,
+        (None, length) when the match ends inside an edge."""
         node, pos = self.root, 0
         while pos < len(tokens):
             child = node.children.get(int(tokens[pos]))
             if child is None:
-                break
+                return
             common = common_prefix_len(child.key, tokens[pos:])
             pos += common
             if common < len(child.key):
-                break
+                yield None, pos
+                return
             node = child
-        return pos
+            yield node, pos
 
     # -- updates ---------------------------------------------------------------------------
 
@@ -223,17 +233,8 @@ class SnapshotCache(RadixCache):
         return PrefixMatch(match.slots[:node.depth] if node is not self.root else _EMPTY, node)
 
     def match_len(self, tokens: np.ndarray) -> int:
-        node, pos, best = self.root, 0, 0
-        while pos < len(tokens):
-            child = node.children.get(int(tokens[pos]))
-            if child is None:
-                break
-            common = common_prefix_len(child.key, tokens[pos:])
-            if common < len(child.key):
-                break
-            node, pos = child, pos + common
-            best = pos if node.snapshot else best
-        return best
+        return max((pos for node, pos in self._walk(tokens) if node is not None and node.snapshot),
+                   default=0)
 
     def snapshot_at(self, node: Node) -> int:
         """A snapshot id for the prefix ending at node (0: it has one already, or none is
