@@ -13,7 +13,7 @@ from tests.engine_driver import InProcessEngine
 from tests.families import FAMILIES, RECURRENT_FAMILIES, VOCAB, WINDOW, build
 from tests.test_scheduler import assert_idle_invariant
 from worker_proc.layer_kinds import Kind, UnsupportedModelError
-from worker_proc.kv_pool import StateLayerSpec
+from worker_proc.kv_pool import StateLayerSpec, flat_specs
 from worker_proc.memory import probe_attention_specs
 
 # What each family's layers must come out as (so a probe that loses a kind fails here).
@@ -121,20 +121,17 @@ def test_a_4_bit_quantized_model_equals_mlx_lm():
 
 
 def test_a_model_with_a_layer_kind_not_served_is_refused_naming_it():
-    """Falcon-H1 keeps a recurrent state and K/V in one layer (a CacheList)."""
+    """DeepSeek-V4.1 keeps a cache of its own kind (LayerCache) in every layer."""
     import importlib
 
-    config = dict(model_type="falcon_h1", hidden_size=64, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                  intermediate_size=96, vocab_size=VOCAB, rms_norm_eps=1e-5,
-                  mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
-                  mamba_d_conv=4, mamba_n_groups=1)
-    module = importlib.import_module("mlx_lm.models.falcon_h1")
-    try:
-        model = module.Model(module.ModelArgs.from_dict(config))
-    except TypeError as exc:  # a config field this mlx-lm version names otherwise
-        pytest.skip(f"falcon_h1's config in this mlx-lm: {exc}")
-    with pytest.raises(UnsupportedModelError, match=r"layers 0-1: CacheList\(ArraysCache, KVCache\)"):
+    config = dict(model_type="deepseek_v41", vocab_size=VOCAB, hidden_size=64,
+                  num_hidden_layers=2, num_attention_heads=4, head_dim=32, q_lora_rank=16,
+                  qk_rope_head_dim=8, o_groups=2, o_lora_rank=16, moe_intermediate_size=32,
+                  n_routed_experts=4, num_experts_per_tok=2, sliding_window=16,
+                  index_n_heads=2, index_head_dim=16, index_topk=8, hc_mult=2)
+    module = importlib.import_module("mlx_lm.models.deepseek_v41")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    with pytest.raises(UnsupportedModelError, match=r"layers 0-1: LayerCache: not supported yet"):
         probe_attention_specs(model)
 
 
@@ -166,10 +163,10 @@ def recurrent_family(request):
 
 def test_recurrent_layers_are_read_from_mlx_lm(recurrent_family):
     name, model = recurrent_family
-    specs = probe_attention_specs(model)
-    states = [s for s in specs if isinstance(s, StateLayerSpec)]
+    parts = flat_specs(probe_attention_specs(model))  # Falcon-H1: state + K/V in each layer
+    states = [s for s in parts if isinstance(s, StateLayerSpec)]
     assert states and all(s.bytes_per_request > 0 for s in states)
-    assert (len(states) == len(specs)) == (name == "mamba2")  # the others are hybrids
+    assert (len(states) == len(parts)) == (name == "mamba2")  # the others are hybrids
 
 
 @pytest.mark.parametrize("overlap", [True, "ahead"])

@@ -121,24 +121,25 @@ def test_every_client_hears_of_a_killed_child_within_2_s(tiny_model_dir, tmp_pat
 # --- a model the engine cannot serve --------------------------------------------------------
 
 
-def write_falcon_h1(demo_dir: Path, out: Path) -> Path:
-    """A tiny random Falcon-H1 (mlx-lm's own classes): every layer keeps a recurrent
-    state and K/V in one CacheList, a layer kind the engine does not serve yet; with the
-    demo model's tokenizer."""
+def write_deepseek_v41(demo_dir: Path, out: Path) -> Path:
+    """A tiny random DeepSeek-V4.1 (mlx-lm's own classes), whose layers keep a cache of
+    the model's own kind (LayerCache), which the engine does not serve; with the demo
+    model's tokenizer."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models import falcon_h1
+    from mlx_lm.models import deepseek_v41
 
     out.mkdir()
     for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
         shutil.copy(demo_dir / name, out / name)
-    config = {"model_type": "falcon_h1", "hidden_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-              "intermediate_size": 96, "rms_norm_eps": 1e-5, "mamba_d_ssm": 64,
-              "mamba_n_heads": 4, "mamba_d_head": 16, "mamba_d_state": 16, "mamba_d_conv": 4,
-              "mamba_n_groups": 1,
+    config = {"model_type": "deepseek_v41", "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "head_dim": 32, "q_lora_rank": 16,
+              "qk_rope_head_dim": 8, "o_groups": 2, "o_lora_rank": 16,
+              "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
+              "sliding_window": 16, "index_n_heads": 2, "index_head_dim": 16,
+              "index_topk": 8, "hc_mult": 2,
               "vocab_size": json.loads((demo_dir / "config.json").read_text())["vocab_size"]}
-    model = falcon_h1.Model(falcon_h1.ModelArgs.from_dict(config))
+    model = deepseek_v41.Model(deepseek_v41.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
     (out / "config.json").write_text(json.dumps(config))
@@ -150,7 +151,7 @@ def test_a_model_it_cannot_serve_is_refused_in_the_launchers_last_line(tiny_mode
     """The reason, naming every unsupported layer kind, is the launcher's own last line;
     no traceback; every child stops when told (the front too, though health probes were
     waiting on the engine as it failed), and the exit code is 1."""
-    model = write_falcon_h1(tiny_model_dir, tmp_path / "falcon-h1")
+    model = write_deepseek_v41(tiny_model_dir, tmp_path / "deepseek-v41")
     srv = Server(model, log_path=tmp_path / "log")
     while srv.proc.poll() is None:  # probes, as a load balancer would send them
         try:
@@ -162,6 +163,5 @@ def test_a_model_it_cannot_serve_is_refused_in_the_launchers_last_line(tiny_mode
     srv.stop()
     assert srv.proc.returncode == 1
     assert log.rstrip().splitlines()[-1].endswith(
-        f"launcher: cannot serve {model}: layers 0-1: CacheList(ArraysCache, KVCache) "
-        "(several caches in one layer): not supported yet"), log
+        f"launcher: cannot serve {model}: layers 0-1: LayerCache: not supported yet"), log
     assert "Traceback" not in log and "did not stop" not in log, log

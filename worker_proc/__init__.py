@@ -37,7 +37,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from worker_proc.decode_backend import choose_decode_backend
     from worker_proc.decode_block import speed_up_decode_blocks
     from worker_proc.fused_projections import fuse_projections
-    from worker_proc.kv_pool import KVPool
+    from worker_proc.kv_pool import CompositeSpec, KVPool
     from worker_proc.layer_kinds import UnsupportedModelError, describe_layers
     from worker_proc.memory import (bound_cuda_cache, pool_slots, probe_attention_specs,
                                     raise_cuda_graph_budgets)
@@ -55,7 +55,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     model, tokenizer = mlx_lm.load(config.model_path, trust_remote_code=config.trust_remote_code,
                                    tokenizer_config={"trust_remote_code": config.trust_remote_code})
     specs = probe_attention_specs(model)  # refuses layer kinds the pool cannot hold
-    say("layers: " + describe_layers([s.kind for s in specs]))
+    say("layers: " + describe_layers([s.describe() if isinstance(s, CompositeSpec)
+                                      else s.kind.describe() for s in specs]))
     fuse = switch_on(config.fuse_projections, auto=on_cuda)
     fast_blocks = switch_on(config.fast_decode_blocks, auto=fuse and on_cuda)
     if fuse or fast_blocks:

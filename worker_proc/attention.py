@@ -432,22 +432,38 @@ def build_layer_caches(pool: KVPool, layout: ForwardLayout, state_rows: mx.array
     """The model's cache list: an adapter per layer in mlx-lm's cache order. state_rows:
     the forward's requests' state rows (needed where the model has recurrent layers);
     fresh_state: their prompts start in this forward."""
-    caches: list[PooledKVCache | PooledStateCache] = []
+    parts: list[PooledKVCache | PooledStateCache] = []
     for part, i in pool.order:
         if part == "kv":
-            caches.append(PooledKVCache(pool, i, layout, pool.specs[i].kind))
+            parts.append(PooledKVCache(pool, i, layout, pool.specs[i].kind))
         else:
             if state_rows is None:
                 raise RuntimeError("a forward over recurrent layers needs its state rows")
-            caches.append(PooledStateCache(pool, i, state_rows, fresh_state))
+            parts.append(PooledStateCache(pool, i, state_rows, fresh_state))
+    caches: list[Any] = []
+    for size in pool.groups:
+        caches.append(parts[0] if size == 1 else PooledCacheList(parts[:size]))
+        parts = parts[size:]
     return caches
+
+
+class PooledCacheList:
+    """A layer of several caches (mlx-lm's CacheList protocol): the model indexes them."""
+
+    def __init__(self, caches: list[PooledKVCache | PooledStateCache]) -> None:
+        self.caches = caches
+
+    def __getitem__(self, index: int) -> PooledKVCache | PooledStateCache:
+        return self.caches[index]
 
 
 def check_written(caches: list[PooledKVCache]) -> None:
     """After a forward: every layer stored its K/V. A decode forward leaves the store to
     the attention call; a model that attends some other way than through mlx-lm's
     scaled_dot_product_attention would lose them, so it is refused here."""
-    for i, cache in enumerate(caches):
+    parts = [c for cache in caches
+             for c in (cache.caches if isinstance(cache, PooledCacheList) else [cache])]
+    for i, cache in enumerate(parts):
         if isinstance(cache, PooledKVCache) and not cache.written and not cache.kind.own_attention:
             raise UnsupportedModelError(
                 f"layer {i} attends without mlx-lm's scaled_dot_product_attention, which "

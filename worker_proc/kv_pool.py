@@ -52,11 +52,26 @@ class StateLayerSpec:
         return sum(math.prod(shape) * dtype.size for shape, dtype in zip(self.shapes, self.dtypes))
 
 
-LayerSpec = AttentionLayerSpec | StateLayerSpec
+@dataclass(frozen=True)
+class CompositeSpec:
+    """A layer of several caches (mlx-lm's CacheList), in the order the model indexes them."""
+
+    parts: tuple[AttentionLayerSpec | StateLayerSpec, ...]
+
+    def describe(self) -> str:
+        return " + ".join(p.kind.describe() for p in self.parts)
+
+
+LayerSpec = AttentionLayerSpec | StateLayerSpec | CompositeSpec
+
+
+def flat_specs(layers: list[LayerSpec]) -> list[AttentionLayerSpec | StateLayerSpec]:
+    """Every cache part, a composite layer's in order."""
+    return [p for s in layers for p in (s.parts if isinstance(s, CompositeSpec) else (s,))]
 
 
 def attention_specs(layers: list[LayerSpec]) -> list[AttentionLayerSpec]:
-    return [s for s in layers if isinstance(s, AttentionLayerSpec)]
+    return [s for s in flat_specs(layers) if isinstance(s, AttentionLayerSpec)]
 
 
 class KVPool:
@@ -99,10 +114,12 @@ class KVPool:
         states the prefix cache may keep."""
         self.layer_specs = list(specs)  # every layer, in the model's cache order
         self.specs = attention_specs(specs)
-        self.state_specs = [s for s in specs if isinstance(s, StateLayerSpec)]
+        self.state_specs = [s for s in flat_specs(specs) if isinstance(s, StateLayerSpec)]
+        # Cache parts a layer has (1, or a CacheList's members), in order.
+        self.groups = [len(s.parts) if isinstance(s, CompositeSpec) else 1 for s in specs]
         counts = {"kv": 0, "state": 0}
         self.order: list[tuple[str, int]] = []
-        for spec in specs:
+        for spec in flat_specs(specs):
             part = "kv" if isinstance(spec, AttentionLayerSpec) else "state"
             self.order.append((part, counts[part]))
             counts[part] += 1
@@ -131,7 +148,7 @@ class KVPool:
 
     @staticmethod
     def state_bytes_per_request(specs: list[LayerSpec]) -> int:
-        return sum(s.bytes_per_request for s in specs if isinstance(s, StateLayerSpec))
+        return sum(s.bytes_per_request for s in flat_specs(specs) if isinstance(s, StateLayerSpec))
 
     @property
     def nbytes(self) -> int:

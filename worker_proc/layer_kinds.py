@@ -79,28 +79,44 @@ class LayerKind:
             ", its own score math" if self.own_attention else "")
 
 
-def kinds_from_caches(caches: list[Any]) -> list[LayerKind]:
-    """Each layer's kind from mlx-lm's caches for it; refuses, naming every layer kind it
-    cannot serve (with the layers that have it), any model with one."""
-    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
+def cache_parts(caches: list[Any]) -> list[list[Any]]:
+    """Each layer's caches: its one cache, or a CacheList's members (Falcon-H1 keeps a
+    recurrent state and K/V in one layer; DeepSeek-V3.2 two K/V caches)."""
+    from mlx_lm.models.cache import CacheList
 
+    return [list(c.caches) if type(c) is CacheList else [c] for c in caches]
+
+
+def kinds_from_caches(caches: list[Any]) -> list[LayerKind]:
+    """The kind of every cache part (cache_parts, flattened in order) from mlx-lm's caches;
+    refuses, naming every layer kind it cannot serve (with the layers that have it), any
+    model with one."""
     kinds: list[LayerKind] = []
     unsupported: dict[str, list[int]] = {}
-    for i, cache in enumerate(caches):
-        if type(cache) is KVCache:
-            kinds.append(LayerKind())
-        elif type(cache) is RotatingKVCache and cache.keep == 0:
-            kinds.append(LayerKind(Kind.SLIDING, int(cache.max_size)))
-        elif type(cache) is ChunkedKVCache:
-            kinds.append(LayerKind(Kind.CHUNKED, int(cache.chunk_size)))
-        elif type(cache) is ArraysCache:
-            kinds.append(LayerKind(Kind.RECURRENT, len(cache.cache)))
+    for i, parts in enumerate(cache_parts(caches)):
+        found = [_part_kind(c) for c in parts]
+        if all(k is not None for k in found):
+            kinds += found
         else:
-            unsupported.setdefault(_cache_name(cache), []).append(i)
+            unsupported.setdefault(_cache_name(caches[i]), []).append(i)
     if unsupported:
         found = "; ".join(f"{_layers(ids)}: {name}" for name, ids in unsupported.items())
         raise UnsupportedModelError(f"{found}: not supported yet")
     return kinds
+
+
+def _part_kind(cache: Any) -> LayerKind | None:
+    from mlx_lm.models.cache import ArraysCache, ChunkedKVCache, KVCache, RotatingKVCache
+
+    if type(cache) is KVCache:
+        return LayerKind()
+    if type(cache) is RotatingKVCache and cache.keep == 0:
+        return LayerKind(Kind.SLIDING, int(cache.max_size))
+    if type(cache) is ChunkedKVCache:
+        return LayerKind(Kind.CHUNKED, int(cache.chunk_size))
+    if type(cache) is ArraysCache:
+        return LayerKind(Kind.RECURRENT, len(cache.cache))
+    return None
 
 
 def _cache_name(cache: Any) -> str:
@@ -165,10 +181,10 @@ def _probing(cache: Any, recorder: ProbeRecorder) -> Any:
     return cache
 
 
-def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any]]:
-    """Each layer's LayerKind, and mlx-lm's caches after one decode token (their K/V give
-    each layer's shapes): a one-token prompt, then one decode token, through mlx-lm's
-    own caches, watched."""
+def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int]]:
+    """Each cache part's LayerKind, the parts themselves after one decode token (their K/V
+    give each one's shapes), and how many parts each layer has: a one-token prompt, then
+    one decode token, through mlx-lm's own caches, watched."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -177,8 +193,10 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any]]:
     install_attention_hook()
     caches = make_prompt_cache(model)
     kinds = kinds_from_caches(caches)
+    grouped = cache_parts(caches)
+    parts = [c for group in grouped for c in group]
     recorder = ProbeRecorder()
-    for cache, kind in zip(caches, kinds):
+    for cache, kind in zip(parts, kinds):
         if not kind.recurrent:  # a state is read and set, not fetched
             _probing(cache, recorder)
     ProbeRecorder.current = recorder
@@ -188,20 +206,21 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any]]:
         model(mx.array([[0]]), cache=caches)
     finally:
         ProbeRecorder.current = None
-    mx.eval([c.state for c in caches])
+    mx.eval([c.state for c in parts])
     probed = [k if k.recurrent else
               LayerKind(k.kind, k.span, own_attention=id(c) not in recorder.through_sdpa,
-                        sinks=id(c) in recorder.sinks) for k, c in zip(kinds, caches)]
+                        sinks=id(c) in recorder.sinks) for k, c in zip(kinds, parts)]
     for i, k in enumerate(probed):
         if k.own_attention and k.windowed:
             raise UnsupportedModelError(
                 f"layer {i}: {k.kind.value} whose scores the model computes itself")
-    return probed, caches
+    return probed, parts, [len(group) for group in grouped]
 
 
-def describe_layers(kinds: list[LayerKind]) -> str:
-    """'layers 0-4, 6-10: sliding window 512; layers 5, 11: full attention'."""
+def describe_layers(descriptions: list[str]) -> str:
+    """'layers 0-4, 6-10: sliding window 512; layers 5, 11: full attention', from each
+    layer's description (LayerKind.describe, joined with ' + ' for a layer of several)."""
     groups: dict[str, list[int]] = {}
-    for i, k in enumerate(kinds):
-        groups.setdefault(k.describe(), []).append(i)
+    for i, what in enumerate(descriptions):
+        groups.setdefault(what, []).append(i)
     return "; ".join(f"{_layers(v)}: {name}" for name, v in groups.items())

@@ -10,7 +10,7 @@ import mlx.core as mx
 import psutil
 
 from ipc.config import ServerConfig
-from worker_proc.kv_pool import AttentionLayerSpec, LayerSpec, StateLayerSpec
+from worker_proc.kv_pool import AttentionLayerSpec, CompositeSpec, LayerSpec, StateLayerSpec
 from worker_proc.layer_kinds import LayerKind, UnsupportedModelError, probe_layers
 from worker_proc.paged_attention import kernel_available
 
@@ -21,8 +21,13 @@ def probe_attention_specs(model: Any) -> list[LayerSpec]:
     """Each layer's K/V shape, dtype and kind (or, for a recurrent layer, its state's
     arrays), in mlx-lm's cache order, from tokens run through mlx-lm's own caches
     (layer_kinds.probe_layers); refuses a model with a layer kind the pool cannot hold."""
-    kinds, caches = probe_layers(model)
-    return [_layer_spec(c, kind) for c, kind in zip(caches, kinds)]
+    kinds, parts, groups = probe_layers(model)
+    specs = [_layer_spec(c, kind) for c, kind in zip(parts, kinds)]
+    out: list[LayerSpec] = []
+    for size in groups:  # a layer of several caches (a CacheList): one CompositeSpec
+        out.append(specs[0] if size == 1 else CompositeSpec(tuple(specs[:size])))
+        specs = specs[size:]
+    return out
 
 
 def _layer_spec(cache: Any, kind: LayerKind) -> LayerSpec:
