@@ -65,6 +65,11 @@ class ServerConfig:
         default=64, metadata={"help": "Models with recurrent layers: how many prompt-end "
                                       "state snapshots the prefix cache may keep (each one "
                                       "request's recurrent state); 0: no prefix cache for them."})
+    snapshot_stride: int = dataclasses.field(
+        default=0, metadata={"help": "Models with recurrent layers: inside a long prompt, keep "
+                                     "a state snapshot at a chunk's end only once this many "
+                                     "tokens have passed since the last (0: at every chunk's "
+                                     "end); the prompt's end always gets one."})
     schedule_policy: str = dataclasses.field(
         default="fcfs", metadata={"choices": ("fcfs", "lpm"),
                                   "help": "Order of admission: first come first served, or "

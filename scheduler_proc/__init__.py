@@ -41,7 +41,8 @@ def limits_from(config: ServerConfig, ready: WorkerReady) -> SchedulerLimits:
                            max_prefill_tokens=config.max_prefill_tokens,
                            radix_cache=not config.disable_radix_cache and ready.prefix_cache,
                            schedule_policy=config.schedule_policy,
-                           state_snapshots=ready.state_snapshots)
+                           state_snapshots=ready.state_snapshots,
+                           snapshot_stride=config.snapshot_stride)
 
 
 @dataclass(frozen=True)

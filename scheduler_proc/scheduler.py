@@ -40,8 +40,10 @@ class SchedulerLimits:
     radix_cache: bool = True
     schedule_policy: str = "fcfs"  # or "lpm": longest cached prefix first
     # A model with recurrent layers: snapshot slots of their state at cached prompt ends
-    # (hits only there, SnapshotCache); 0 for models without them.
+    # (hits only there, SnapshotCache); 0 for models without them. snapshot_stride: inside
+    # a prompt, tokens between snapshots at chunk ends (0: every chunk's end).
     state_snapshots: int = 0
+    snapshot_stride: int = 0
 
 
 class PrefillBudget:
@@ -347,7 +349,9 @@ class Scheduler:
             new_reqs.append(self._new_request(req, start))
         # Shared at the prompt's last chunk; a model whose hits need state snapshots at
         # every chunk's end, so that prompts sharing a long head hit at its last chunk edge.
-        shared = not req.prefilling or isinstance(self.cache, SnapshotCache)
+        shared = not req.prefilling or (
+            isinstance(self.cache, SnapshotCache)
+            and req.num_computed - req.prefix_len >= self.limits.snapshot_stride)
         snapshot = self._cache_prompt(req, req.num_computed) if shared else 0
         return PrefillChunk(rid=req.rid, start=start,
                             token_ids=req.all_ids(start + n)[start:].tolist(),

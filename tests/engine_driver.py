@@ -62,7 +62,8 @@ class InProcessEngine:
                  overlap: bool | str = True, tokenizer: Any = None,
                  grammars: Any = None, compile_decode: bool = False,
                  prefill_padding: float = PREFILL_PADDING,
-                 backend: DecodeBackend | None = None, state_snapshots: int = 64) -> None:
+                 backend: DecodeBackend | None = None, state_snapshots: int = 64,
+                 snapshot_stride: int = 0) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False. tokenizer: what the scheduler decodes stop strings with.
         grammars: the worker's GrammarMatchers, for requests with a grammar.
@@ -79,7 +80,7 @@ class InProcessEngine:
         radix_cache = radix_cache and (not self.pool.has_states or self.pool.num_snapshots > 0)
         self.scheduler = Scheduler(SchedulerLimits(capacity, max_context, max_running, chunk_size,
                                                    max_prefill_tokens, radix_cache, schedule_policy,
-                                                   self.pool.num_snapshots),
+                                                   self.pool.num_snapshots, snapshot_stride),
                                    (lambda: tokenizer) if tokenizer is not None else None)
         self.to_scheduler, self.to_worker, self.to_detokenizer = Pipe(), Pipe(), Pipe()
         self.loop = SchedulerLoop(self.scheduler, self.to_scheduler, self.to_worker,

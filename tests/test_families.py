@@ -277,3 +277,22 @@ def test_a_snapshot_cache_cuts_matches_back_to_its_snapshots():
     _, third = cache.insert(other, np.arange(21, 31, dtype=np.int32))
     assert cache.free_snapshots == 0 and cache.snapshot_at(third) in (1, 2)  # evicted one
     assert len(cache.take_freed_slots()) > 0
+
+
+def test_a_snapshot_stride_spaces_the_snapshots_inside_a_prompt():
+    """With --snapshot-stride 40 and chunks of 16, a 70-token prompt keeps snapshots at 48
+    (the first chunk end 40 past the start) and 70 (its end), not at 16 or 32: a prompt
+    sharing its first 40 tokens then hits nothing, one sharing 60 hits 48."""
+    model = build("qwen3_next")
+    rng = np.random.default_rng(700)
+    first = rng.integers(5, VOCAB, size=70).tolist()
+    engine = InProcessEngine(model, chunk_size=16, snapshot_stride=40)
+    engine.submit("first", first, 4, [])
+    engine.run_until_idle()
+    for rid, shared, hit in (("forty", 40, 0), ("sixty", 60, 48)):
+        prompt = first[:shared] + rng.integers(5, VOCAB, size=20).tolist()
+        before = engine.scheduler.counters.cache_hit_tokens
+        engine.submit(rid, prompt, 8, [])
+        result = engine.run_until_idle()[rid]
+        assert engine.scheduler.counters.cache_hit_tokens - before == hit, rid
+        assert result.token_ids == mlx_lm_tokens(model, prompt, 8)
