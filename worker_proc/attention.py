@@ -24,6 +24,7 @@ from worker_proc.kv_pool import KVPool, attention_specs
 from worker_proc.layer_kinds import Kind, LayerKind, ProbeRecorder, UnsupportedModelError
 from worker_proc.paged_attention import RopeSpec
 
+
 @dataclass(frozen=True)
 class ForwardLayout:
     """Where one forward pass writes and reads K/V.
@@ -77,10 +78,7 @@ class ForwardLayout:
         if key not in self._memo:
             assert self.lengths is not None
             lengths = self.lengths
-            if kind.kind is Kind.SLIDING:
-                first = mx.maximum(lengths - kind.span, 0)
-            else:
-                first = (lengths - 1) // kind.span * kind.span
+            first = kind.first_visible(lengths)
             width = self.read_slots.shape[1]
             cols = min(kind.span, width)
             at = mx.minimum(first[:, None] + mx.arange(cols, dtype=first.dtype)[None], width - 1)

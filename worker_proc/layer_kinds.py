@@ -56,13 +56,14 @@ class LayerKind:
     def recurrent(self) -> bool:
         return self.kind is Kind.RECURRENT
 
-    def first_visible(self, lengths: np.ndarray) -> np.ndarray:
-        """The first position a query at position lengths - 1 sees."""
+    def first_visible(self, lengths: Any) -> Any:
+        """The first position a query at position lengths - 1 sees, for a numpy or an MLX
+        array of lengths (operators only, so the MLX one stays in the graph)."""
         if self.kind is Kind.SLIDING:
-            return np.maximum(lengths - self.span, 0)
+            return (lengths - self.span) * (lengths > self.span)
         if self.kind is Kind.CHUNKED:
             return (lengths - 1) // self.span * self.span
-        return np.zeros_like(lengths)
+        return lengths * 0
 
     def visible(self, q: np.ndarray, k: np.ndarray) -> np.ndarray:
         """Whether a query at position q sees the key at position k (broadcast)."""
