@@ -77,7 +77,7 @@ class InProcessEngine:
                                   compile_decode=compile_decode)
         # As the worker tells the scheduler (WorkerReady): a model with recurrent layers
         # caches prefixes only where it keeps state snapshots.
-        radix_cache = radix_cache and (not self.pool.has_states or self.pool.num_snapshots > 0)
+        radix_cache = radix_cache and self.pool.serves_prefix_hits
         self.scheduler = Scheduler(SchedulerLimits(capacity, max_context, max_running, chunk_size,
                                                    max_prefill_tokens, radix_cache, schedule_policy,
                                                    self.pool.num_snapshots, snapshot_stride),

@@ -37,7 +37,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from worker_proc.decode_backend import choose_decode_backend
     from worker_proc.decode_block import speed_up_decode_blocks
     from worker_proc.fused_projections import fuse_projections
-    from worker_proc.kv_pool import CompositeSpec, KVPool
+    from worker_proc.kv_pool import KVPool
     from worker_proc.layer_kinds import UnsupportedModelError, describe_layers
     from worker_proc.memory import (bound_cuda_cache, pool_slots, probe_attention_specs,
                                     raise_cuda_graph_budgets)
@@ -55,8 +55,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     model, tokenizer = mlx_lm.load(config.model_path, trust_remote_code=config.trust_remote_code,
                                    tokenizer_config={"trust_remote_code": config.trust_remote_code})
     specs = probe_attention_specs(model)  # refuses layer kinds the pool cannot hold
-    say("layers: " + describe_layers([s.describe() if isinstance(s, CompositeSpec)
-                                      else s.kind.describe() for s in specs]))
+    say("layers: " + describe_layers([s.describe() for s in specs]))
     fuse = switch_on(config.fuse_projections, auto=on_cuda)
     fast_blocks = switch_on(config.fast_decode_blocks, auto=fuse and on_cuda)
     if fuse or fast_blocks:
@@ -70,7 +69,6 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         raise UnsupportedModelError(
             f"{'--experiments' if config.experiment_set else '--fast-decode-blocks on'}: the "
             "model has no llama or qwen2 block (mlx_lm.models.llama, .qwen2) to speed up")
-    specs = probe_attention_specs(model)
     say(f"model loaded in {time.monotonic() - t0:.1f}s")
     backend = choose_decode_backend(specs, config.experiment_set)  # the one choice
     say(f"decode attention: {backend.name}" + (
@@ -295,7 +293,7 @@ def run_worker(config: ServerConfig) -> None:
     plans: Receiver[WorkerMessage] = Receiver(config.worker_endpoint, WorkerMessage)
     results = Sender(config.scheduler_endpoint)
     results.send(WorkerReady(num_slots=runner.pool.num_slots, max_context_len=runner.max_context,
-                             prefix_cache=not runner.pool.has_states or runner.pool.num_snapshots > 0,
+                             prefix_cache=runner.pool.serves_prefix_hits,
                              state_snapshots=runner.pool.num_snapshots,
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")

@@ -34,6 +34,9 @@ class AttentionLayerSpec:
     def bytes_per_slot(self) -> int:
         return (self.n_kv_heads * (self.head_dim + self.v_head_dim)) * self.dtype.size
 
+    def describe(self) -> str:
+        return self.kind.describe()
+
 
 @dataclass(frozen=True)
 class StateLayerSpec:
@@ -42,6 +45,9 @@ class StateLayerSpec:
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[mx.Dtype, ...]
+
+    def describe(self) -> str:
+        return self.kind.describe()
 
     @property
     def kind(self) -> LayerKind:
@@ -157,6 +163,12 @@ class KVPool:
     @property
     def has_states(self) -> bool:
         return bool(self.state_specs)
+
+    @property
+    def serves_prefix_hits(self) -> bool:
+        """Whether cached K/V can serve a prefix hit: a model with recurrent layers needs
+        a snapshot of their state at the prefix's end, so only where snapshots are kept."""
+        return not self.has_states or self.num_snapshots > 0
 
     def read_state(self, layer: int, index: int, rows: mx.array) -> mx.array:
         """Recurrent layer `layer`'s array `index` for the requests at `rows` (+1 applied)."""
