@@ -212,14 +212,13 @@ class DisabledCache(RadixCache):
 
 class SnapshotCache(RadixCache):
     """The cache of a model with recurrent layers: a prefix serves a hit only where the
-    worker kept a snapshot of the recurrent state at its end (at prompt ends), so a match
-    is cut back to the deepest such node on its path. Snapshot ids are handed out here,
+    worker kept a snapshot of the recurrent state at its end (at prompt chunk ends), so a
+    match is cut back to the deepest such node on its path. Snapshot ids are handed out here,
     at most `capacity` (1..capacity), and come back when their node is evicted."""
 
     def __init__(self, capacity: int) -> None:
         super().__init__()
         self._free_snapshots = list(range(capacity, 0, -1))
-        self._freed_slots: list[np.ndarray] = []  # by snapshot_at's evictions
 
     @property
     def free_snapshots(self) -> int:
@@ -238,31 +237,21 @@ class SnapshotCache(RadixCache):
 
     def snapshot_at(self, node: Node) -> int:
         """A snapshot id for the prefix ending at node (0: it has one already, or none is
-        free even after evicting unlocked prefixes)."""
-        if node.snapshot or node is self.root:
-            return 0
-        if not self._free_snapshots:
-            self.evict_snapshot()
-        if not self._free_snapshots:
+        free: see evict_for_snapshot)."""
+        if node.snapshot or node is self.root or not self._free_snapshots:
             return 0
         node.snapshot = self._free_snapshots.pop()
         return node.snapshot
 
-    def evict_snapshot(self) -> np.ndarray:
-        """Evict unlocked leaves, least recently used first, until a snapshot id is free;
-        returns the slots that freed."""
+    def evict_for_snapshot(self) -> np.ndarray:
+        """Evict unlocked leaves, least recently used first, until a snapshot id is free
+        (or nothing is evictable); returns the slots that freed."""
         freed = []
         while not self._free_snapshots and self.evictable_size:
             slots = self.evict(1)
             if not len(slots):
                 break
             freed.append(slots)
-        self._freed_slots.extend(freed)
-        return np.concatenate(freed) if freed else _EMPTY
-
-    def take_freed_slots(self) -> np.ndarray:
-        """Slots freed by snapshot_at's evictions, for the allocator to take back."""
-        freed, self._freed_slots = self._freed_slots, []
         return np.concatenate(freed) if freed else _EMPTY
 
     def _dropped(self, node: Node) -> None:

@@ -373,9 +373,9 @@ class Scheduler:
         req.last_node, req.prefix_len = node, end
         if not isinstance(self.cache, SnapshotCache):
             return 0
-        snapshot = self.cache.snapshot_at(node)
-        self.allocator.free(self.cache.take_freed_slots())
-        return snapshot
+        if not node.snapshot and not self.cache.free_snapshots:
+            self.allocator.free(self.cache.evict_for_snapshot())
+        return self.cache.snapshot_at(node)
 
     # -- preemption, finishing ---------------------------------------------------------------
 

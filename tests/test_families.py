@@ -275,8 +275,8 @@ def test_a_snapshot_cache_cuts_matches_back_to_its_snapshots():
     assert len(cache.match_prefix(ids[:5])) == 0  # no snapshot at or before 5
     other = np.arange(50, 60, dtype=np.int32)
     _, third = cache.insert(other, np.arange(21, 31, dtype=np.int32))
-    assert cache.free_snapshots == 0 and cache.snapshot_at(third) in (1, 2)  # evicted one
-    assert len(cache.take_freed_slots()) > 0
+    assert cache.free_snapshots == 0 and cache.snapshot_at(third) == 0  # none free
+    assert len(cache.evict_for_snapshot()) > 0 and cache.snapshot_at(third) in (1, 2)
 
 
 def test_a_snapshot_stride_spaces_the_snapshots_inside_a_prompt():
