@@ -24,7 +24,7 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.h200_compare import _COMPLETE, _LOGIT_SCALE, shard_plan, start_model_dir  # noqa: E402
+from bench.h200_compare import _COMPLETE, _LOGIT_SCALE, start_model_dir, write_shards  # noqa: E402
 
 VOCAB = 8192  # as the Llama-shaped bench model: the demo tokenizer's ids fit, the head is small
 
@@ -125,19 +125,10 @@ def make_family_model(shape: FamilyShape, dtype_name: str, out_dir: Path, seed: 
     if shape.tied:  # as the real checkpoint: no lm_head, mlx-lm then ties the embedding
         shapes.pop("lm_head.weight", None)
     head_name = "lm_head.weight" if "lm_head.weight" in shapes else "model.embed_tokens.weight"
-    weight_map: dict[str, str] = {}
-    plan = shard_plan({n: s for n, (s, _) in shapes.items()}, dtype.size, shard_bytes)
-    for i, names in enumerate(plan):
-        file = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
-        arrays = {n: draw(n, shapes[n][0], dtype if shapes[n][1] != mx.uint32 else mx.uint32,
-                          keep.astype(dtype), n == head_name) for n in names}
-        mx.eval(arrays)
-        mx.save_safetensors(str(out_dir / file), arrays, metadata={"format": "mlx"})
-        weight_map |= {n: file for n in names}
-        del arrays
-        mx.clear_cache()
-    (out_dir / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {}, "weight_map": weight_map}, indent=1) + "\n")
+    keep_rows = keep.astype(dtype)
+    write_shards({n: s for n, (s, _) in shapes.items()}, dtype.size,
+                 lambda n: draw(n, shapes[n][0], dtype if shapes[n][1] != mx.uint32 else mx.uint32,
+                                keep_rows, n == head_name), out_dir, shard_bytes)
     (out_dir / _COMPLETE).write_text(mark + "\n")
     print(f"made {shape.name} ({dtype_name}) at {out_dir} in {time.monotonic() - start:.1f}s",
           flush=True)

@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import httpx
 
@@ -202,22 +202,26 @@ def make_random_model(s: ModelShape, dtype_name: str, out_dir: Path, seed: int,
     mx.random.seed(seed)
     keep = mx.concatenate([mx.ones((tok_vocab,)), mx.zeros((s.vocab - tok_vocab,))])
     keep[mx.array(specials)] = 0.0
-    _write_shards(tensor_shapes(s), dtype, keep.astype(dtype), out_dir, shard_bytes)
+    shapes, keep_rows = tensor_shapes(s), keep.astype(dtype)
+    write_shards(shapes, dtype.size, lambda n: draw_tensor(n, shapes[n], dtype, keep_rows),
+                 out_dir, shard_bytes)
     (out_dir / _COMPLETE).write_text(fingerprint + "\n")
     print(f"made {s.name} ({dtype_name}) at {out_dir} in {time.monotonic() - start:.1f}s",
           flush=True)
     return out_dir
 
 
-def _write_shards(shapes: dict[str, tuple[int, ...]], dtype: Any, keep_rows: Any,
-                  out_dir: Path, shard_bytes: int) -> None:
+def write_shards(shapes: dict[str, tuple[int, ...]], itemsize: int, draw: Callable[[str], Any],
+                 out_dir: Path, shard_bytes: int) -> None:
+    """Safetensors shards of at most shard_bytes (and their index), each tensor drawn by
+    draw(name) as its shard is written, so only one shard is ever in memory."""
     import mlx.core as mx
 
-    plan = shard_plan(shapes, dtype.size, shard_bytes)
+    plan = shard_plan(shapes, itemsize, shard_bytes)
     weight_map: dict[str, str] = {}
     for i, names in enumerate(plan):
         file = f"model-{i + 1:05d}-of-{len(plan):05d}.safetensors"
-        arrays = {n: draw_tensor(n, shapes[n], dtype, keep_rows) for n in names}
+        arrays = {n: draw(n) for n in names}
         mx.eval(arrays)
         mx.save_safetensors(str(out_dir / file), arrays, metadata={"format": "mlx"})
         weight_map |= {n: file for n in names}
