@@ -68,8 +68,7 @@ class AgentRoutes:
         async def events(stream: RequestStream, first: TextOutput) -> AsyncIterator[str]:
             for event in builder.opening():
                 yield _named_sse(event)
-            output = first
-            while True:
+            async for output in _outputs_to_end(stream, first):
                 if output.error is not None:
                     yield _named_sse({"type": "error", "code": "server_error",
                                       "message": output.error, "param": None})
@@ -81,8 +80,6 @@ class AgentRoutes:
                     keep(closing[-1]["response"])
                     for event in closing:
                         yield _named_sse(event)
-                    return
-                output = await stream.next()
 
         result = await self._run(request, turn, body.stream, events)
         if isinstance(result, Response):
@@ -117,8 +114,7 @@ class AgentRoutes:
         async def events(stream: RequestStream, first: TextOutput) -> AsyncIterator[str]:
             for name, data in builder.opening(prompt_tokens):
                 yield messages_api.anthropic_sse(name, data)
-            output = first
-            while True:
+            async for output in _outputs_to_end(stream, first):
                 if output.error is not None:
                     yield messages_api.anthropic_sse("error", anthropic_error_body(
                         output.error, 500))
@@ -129,8 +125,6 @@ class AgentRoutes:
                     for name, data in builder.finish(output.finish_reason, output.stop_str,
                                                      stream.usage(output)):
                         yield messages_api.anthropic_sse(name, data)
-                    return
-                output = await stream.next()
 
         result = await self._run(request, turn, body.stream, events)
         if isinstance(result, Response):
@@ -166,6 +160,16 @@ class AgentRoutes:
             raise
         _raise_engine_error(result)
         return result
+
+
+async def _outputs_to_end(stream: RequestStream, first: TextOutput) -> AsyncIterator[TextOutput]:
+    """A request's outputs from `first` on, ending with the finished or failed one."""
+    output = first
+    while True:
+        yield output
+        if output.finished or output.error is not None:
+            return
+        output = await stream.next()
 
 
 def _named_sse(event: dict[str, Any]) -> str:
