@@ -61,6 +61,12 @@ class ServerConfig:
                                      "memory-based size when > 0."})
     disable_radix_cache: bool = dataclasses.field(
         default=False, metadata={"help": "Do not cache and share prompt prefixes."})
+    window_ratio: float = dataclasses.field(
+        default=0.5, metadata={"help": "Models with sliding-window or chunked-attention "
+                                       "layers: slots of those layers' own pool per slot of "
+                                       "the full-attention layers' (they keep only positions "
+                                       "inside a window, plus cached prefix tails); 0 keeps "
+                                       "every position for them, as for full layers."})
     state_snapshots: int = dataclasses.field(
         default=64, metadata={"help": "Models with recurrent layers: how many prompt-end "
                                       "state snapshots the prefix cache may keep (each one "
@@ -148,6 +154,8 @@ class ServerConfig:
             raise ValueError("--max-running-requests must be >= 1")
         if self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
             raise ValueError("--chunked-prefill-size and --max-prefill-tokens must be >= 1")
+        if not 0.0 <= self.window_ratio <= 1.0:
+            raise ValueError("--window-ratio must be in [0, 1]")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError("--mem-fraction must be in (0, 1]")
         if self.max_total_tokens < 0:

@@ -42,7 +42,11 @@ def limits_from(config: ServerConfig, ready: WorkerReady) -> SchedulerLimits:
                            radix_cache=not config.disable_radix_cache and ready.prefix_cache,
                            schedule_policy=config.schedule_policy,
                            state_snapshots=ready.state_snapshots,
-                           snapshot_stride=config.snapshot_stride)
+                           snapshot_stride=config.snapshot_stride,
+                           window_slots=ready.window_slots,
+                           windows=tuple((kind, span) for kind, span in ready.windows),
+                           bytes_per_slot=ready.bytes_per_slot,
+                           window_bytes_per_slot=ready.window_bytes_per_slot)
 
 
 @dataclass(frozen=True)

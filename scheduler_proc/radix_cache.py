@@ -183,6 +183,10 @@ class RadixCache:
         """Drop every unlocked cached prefix; returns the freed slots."""
         return self.evict(self.evictable_size)
 
+    def nodes(self) -> list[Node]:
+        """Every node but the root."""
+        return self._nodes()
+
     def _nodes(self) -> list[Node]:
         out, stack = [], [self.root]
         while stack:

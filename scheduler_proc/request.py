@@ -66,6 +66,11 @@ class Req:
     prefix_len: int = 0
     last_node: Node | None = None
     dup_slots: list[np.ndarray] = field(default_factory=list)
+    # Windowed layers (WindowSlots): the first position its latest planned queries see
+    # (what window eviction must leave alone), and how far its own positions behind
+    # every window have given their window slots back.
+    sees_from: int = 0
+    window_from: int = 0
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     admissions: int = 0
     # Steps sent that sample this request and whose results are not in yet.

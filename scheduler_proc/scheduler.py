@@ -13,15 +13,18 @@ from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
+import numpy as np
 
 from ipc.messages.common import SamplingParams, SchedulerStats, TokenLogprob, Usage
 from ipc.messages.to_detokenizer import PromptTokenLogprobs, TokenOutput
 from ipc.messages.to_scheduler import StepResult, TokenizedRequest
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from kiln_common.incremental_text import TokenizerLike
+from kiln_common.windows import WindowRule
 from scheduler_proc.allocator import ReqToTokenTable, SlotAllocator
 from scheduler_proc.radix_cache import DisabledCache, RadixCache, SnapshotCache, common_prefix_len
 from scheduler_proc.request import PROMPT_TAIL, FinishReason, Req, StopWatch, WaitingQueue
+from scheduler_proc.window_slots import WindowSlots
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,13 @@ class SchedulerLimits:
     # a prompt, tokens between snapshots at chunk ends (0: every chunk's end).
     state_snapshots: int = 0
     snapshot_stride: int = 0
+    # A model with windowed layers in a slot space of their own (WindowSlots): its size
+    # and the layers' windows, each (kind, span); 0 and () when they share the full one.
+    window_slots: int = 0
+    windows: tuple[tuple[str, int], ...] = ()
+    # What one position's K/V take in each space (for the stats).
+    bytes_per_slot: int = 0
+    window_bytes_per_slot: int = 0
 
 
 class PrefillBudget:
@@ -90,20 +100,32 @@ class DecodeRatio:
 
 class KVReservation:
     """Admission control: the new request's uncached prompt plus its expected decode must
-    fit in free + evictable slots, beyond what the running requests are expected to claim."""
+    fit in free + evictable slots, beyond what the running requests are expected to claim;
+    with windowed layers in their own space, the most window slots each running request
+    may hold at once (WindowSlots.need) must also fit in it."""
 
-    def __init__(self, running: list[Req], ratio: DecodeRatio) -> None:
+    def __init__(self, running: list[Req], ratio: DecodeRatio,
+                 windows: WindowSlots | None = None) -> None:
         self.ratio = ratio
+        self.windows = windows
         self.claimed = sum(r.remaining_fill + ratio.expected(r) for r in running)
+        self.window_claimed = sum(self.window_need(r) for r in running)
 
     def need(self, req: Req, cached: int) -> int:
         return req.fill_len - cached + self.ratio.expected(req)
 
-    def fits(self, room: int, need: int) -> bool:
-        return room - self.claimed >= need
+    def window_need(self, req: Req) -> int:
+        if self.windows is None:
+            return 0
+        return self.windows.need(req.fill_len + self.ratio.expected(req), req.fill_len)
 
-    def claim(self, need: int) -> None:
+    def fits(self, room: int, need: int, window_need: int = 0) -> bool:
+        return room - self.claimed >= need and (
+            self.windows is None or self.window_claimed + window_need <= self.windows.capacity)
+
+    def claim(self, need: int, window_need: int = 0) -> None:
         self.claimed += need
+        self.window_claimed += window_need
 
 
 @dataclass
@@ -127,6 +149,9 @@ class Scheduler:
         self.allocator = SlotAllocator(limits.capacity)
         self.table = ReqToTokenTable(limits.max_running, limits.max_context)
         self.cache: RadixCache = _prefix_cache(limits)
+        self.windows = (WindowSlots(limits.window_slots, limits.capacity,
+                                    WindowRule(limits.windows), limits.chunk_size)
+                        if limits.window_slots else None)
         self.waiting = WaitingQueue()
         self.running: dict[str, Req] = {}  # admission order: the newest is preempted first
         self.ratio = DecodeRatio()
@@ -184,6 +209,12 @@ class Scheduler:
         if need > self.limits.capacity:
             return (f"the request needs {need} KV slots but the server has only "
                     f"{self.limits.capacity}; lower max_tokens or raise --max-total-tokens")
+        if self.windows is not None:
+            window_need = self.windows.need(need, req.prompt_len)
+            if window_need > self.windows.capacity:
+                return (f"the request needs {window_need} slots of the windowed layers but "
+                        f"the server has only {self.windows.capacity}; lower max_tokens or "
+                        f"raise --window-ratio")
         return None
 
     def _watch_stops(self, req: Req) -> str | None:
@@ -212,8 +243,14 @@ class Scheduler:
     def flush_cache(self) -> int:
         """Drop every cached prefix no running request uses; returns the slots freed."""
         freed = self.cache.flush()
-        self.allocator.free(freed)
+        self._free(freed)
         return len(freed)
+
+    def _free(self, slots: np.ndarray) -> None:
+        """Slots back to the allocator, with their positions' window slots."""
+        self.allocator.free(slots)
+        if self.windows is not None:
+            self.windows.drop(slots)
 
     # -- planning a step ------------------------------------------------------------------
 
@@ -227,7 +264,7 @@ class Scheduler:
         3. waiting requests admitted while budget, batch size and KV room allow.
         """
         new_reqs: list[NewRequest] = []
-        decode_rids, decode_slots = self._plan_decode()
+        decode_rids, decode_slots, decode_window = self._plan_decode()
         budget = PrefillBudget(self.limits.max_prefill_tokens, self.limits.chunk_size)
         prefill = [self._plan_chunk(r, budget, new_reqs)
                    for r in list(self.running.values()) if r.prefilling and not budget.exhausted]
@@ -247,41 +284,91 @@ class Scheduler:
             self.running[rid].samples_in_flight += 1
         released, self._released = self._released, []
         return ForwardBatch(step=self._step, new_requests=new_reqs, prefill=prefill,
-                            decode_rids=decode_rids, decode_slots=decode_slots, released=released)
+                            decode_rids=decode_rids, decode_slots=decode_slots,
+                            decode_window_slots=decode_window, released=released)
 
     def _make_room(self, n: int) -> bool:
-        """Ensure n free slots, evicting unlocked cached prefixes if needed."""
+        """Ensure n free slots (and n window slots), evicting unlocked cached prefixes,
+        least recently used first, if needed."""
         short = n - self.allocator.num_free
         if short > 0:
-            self.allocator.free(self.cache.evict(short))
+            self._free(self.cache.evict(short))
+        if self.windows is not None and self.windows.num_free < n:
+            self._evict_windows(n - self.windows.num_free)
+            if self.windows.num_free < n:
+                return False
         return self.allocator.num_free >= n
 
-    def _plan_decode(self) -> tuple[list[str], list[int]]:
+    def _alloc(self, req: Req, start: int, n: int) -> tuple[np.ndarray, list[int]]:
+        """n slots (and window slots) for req's positions start.. (room was made)."""
+        slots = self.allocator.alloc(n)
+        self.table.assign(req.row, start, slots)
+        window = self.windows.attach(slots) if self.windows is not None else None
+        return slots, [] if window is None else window.tolist()
+
+    def _trim_windows(self, req: Req, query: int) -> None:
+        """Give back the window slots of req's own positions that its queries from
+        `query` on no longer see. Cached positions (before prefix_len) keep theirs for
+        later hits, until window eviction takes them."""
+        if self.windows is None:
+            return
+        sees_from = int(self.windows.rule.first_needed(query))
+        req.sees_from = sees_from
+        lo = max(req.window_from, req.prefix_len)
+        if sees_from > lo:
+            self.windows.drop(self.table.slots(req.row, sees_from)[lo:])
+            req.window_from = sees_from
+
+    def _evict_windows(self, n: int) -> int:
+        """Free at least n window slots (if that many can be) from cached positions that no
+        running request's queries see, least recently used prefixes first; their full
+        K/V stay cached (a hit is then cut back, WindowSlots.usable). Returns how many."""
+        assert self.windows is not None
+        seen = [self.table.slots(r.row, r.num_computed)[r.sees_from:]
+                for r in self.running.values() if r.row is not None]
+        protected = np.concatenate(seen) if seen else np.zeros(0, dtype=np.int32)
+        freed = 0
+        for node in sorted(self.cache.nodes(), key=lambda x: x.last_access):
+            held = node.value[self.windows.of(node.value) > 0]
+            held = held[~np.isin(held, protected)]
+            self.windows.drop(held)
+            freed += len(held)
+            if freed >= n:
+                break
+        return freed
+
+    def _plan_decode(self) -> tuple[list[str], list[int], list[int]]:
+        """The decoding requests, their new slots and (windowed layers) window slots."""
         finishing = self._finishing()
         decoding = [r for r in self.running.values() if not r.prefilling and r not in finishing]
+        for req in decoding:  # first: what falls out of the windows makes room
+            self._trim_windows(req, req.num_computed)
         # Preemption never takes a finishing request, so their slots stay what they hold.
         held = sum(r.num_computed for r in finishing)
         while decoding and not self._make_room(len(decoding)):
             if held >= len(decoding) - self.allocator.num_free:
                 # Requests whose last tokens are in flight give back enough slots with
                 # the next result: one step's wait costs less than a preemption's prefill.
-                return [], []
+                return [], [], []
             victim = next(r for r in reversed(self.running.values()) if r not in finishing)
             self._preempt(victim)
             decoding = [r for r in decoding if r is not victim]
         if not decoding:
-            return [], []
-        slots = self.allocator.alloc(len(decoding))
-        for req, slot in zip(decoding, slots):
-            self.table.assign(req.row, req.num_computed, slot[None])
+            return [], [], []
+        slots: list[int] = []
+        window: list[int] = []
+        for req in decoding:
+            new, new_window = self._alloc(req, req.num_computed, 1)
+            slots.append(int(new[0]))
+            window += new_window
             req.num_computed += 1
-        return [r.rid for r in decoding], slots.tolist()
+        return [r.rid for r in decoding], slots, window
 
     def _admit(self, budget: PrefillBudget, new_reqs: list[NewRequest]) -> list[PrefillChunk | None]:
         if self.limits.schedule_policy == "lpm":
             self.waiting.reorder(lambda r: -self.cache.match_len(r.all_ids(max(0, r.prompt_len - 1))))
         chunks: list[PrefillChunk | None] = []
-        reservation = KVReservation(list(self.running.values()), self.ratio)
+        reservation = KVReservation(list(self.running.values()), self.ratio, self.windows)
         while (self.waiting and not budget.exhausted
                and len(self.running) < self.limits.max_running):
             req = self.waiting.peek()
@@ -297,18 +384,24 @@ class Scheduler:
         fill_len = req.prompt_len + len(req.output_ids)
         # At least the last token is computed: its logits give the next token. A request
         # scoring its prompt computes all of it (it still caches it for others).
-        match = self.cache.match_prefix(req.all_ids(0 if req.wants_prompt_logprobs
-                                                    else fill_len - 1))
+        ids = req.all_ids(0 if req.wants_prompt_logprobs else fill_len - 1)
+        match = self.cache.match_prefix(ids)
+        if self.windows is not None and self.windows.usable(match.slots) < len(match):
+            # Cut back to where every windowed layer still holds what it sees.
+            match = self.cache.match_prefix(ids[:self.windows.usable(match.slots)])
         self.cache.lock(match.node)
         req.fill_len = fill_len
-        need = reservation.need(req, len(match))
+        need, window_need = reservation.need(req, len(match)), reservation.window_need(req)
         room = self.allocator.num_free + self.cache.evictable_size
-        if not reservation.fits(room, need):
+        if not reservation.fits(room, need, window_need):
             self.cache.unlock(match.node)
             return False
-        reservation.claim(need)
+        reservation.claim(need, window_need)
         req.row = self.table.alloc_row()
         req.last_node, req.prefix_len, req.num_computed = match.node, len(match), len(match)
+        req.window_from = len(match)
+        if self.windows is not None:
+            req.sees_from = int(self.windows.rule.first_needed(len(match)))
         self.table.assign(req.row, 0, match.slots)
         if req.admissions == 0:
             req.cached_tokens = len(match)
@@ -336,12 +429,12 @@ class Scheduler:
         n = budget.take(req.remaining_fill)
         if n == 0:
             return None
+        start = req.num_computed
+        self._trim_windows(req, start)
         if not self._make_room(n):
             budget.give_back(n)
             return None  # waits for slots; plan_step preempts if nothing can move
-        start = req.num_computed
-        slots = self.allocator.alloc(n)
-        self.table.assign(req.row, start, slots)
+        slots, window = self._alloc(req, start, n)
         req.num_computed += n
         self.counters.computed_prompt_tokens += n
         if not req.on_worker:
@@ -355,8 +448,8 @@ class Scheduler:
         snapshot = self._cache_prompt(req, req.num_computed) if shared else 0
         return PrefillChunk(rid=req.rid, start=start,
                             token_ids=req.all_ids(start + n)[start:].tolist(),
-                            slot_ids=slots.tolist(), sample=not req.prefilling,
-                            snapshot_id=snapshot)
+                            slot_ids=slots.tolist(), window_slot_ids=window,
+                            sample=not req.prefilling, snapshot_id=snapshot)
 
     def _cache_prompt(self, req: Req, end: int) -> int:
         """Share a prompt's first `end` tokens as soon as the chunk ending there is planned:
@@ -374,7 +467,7 @@ class Scheduler:
         if not isinstance(self.cache, SnapshotCache):
             return 0
         if not node.snapshot and not self.cache.free_snapshots:
-            self.allocator.free(self.cache.evict_for_snapshot())
+            self._free(self.cache.evict_for_snapshot())
         return self.cache.snapshot_at(node)
 
     # -- preemption, finishing ---------------------------------------------------------------
@@ -402,10 +495,10 @@ class Scheduler:
         if not keep:
             known = req.prefix_len
         adopted_from, _ = self.cache.insert(req.all_ids(known), slots[:known])
-        self.allocator.free(slots[req.prefix_len:max(req.prefix_len, adopted_from)])
-        self.allocator.free(slots[known:])
+        self._free(slots[req.prefix_len:max(req.prefix_len, adopted_from)])
+        self._free(slots[known:])
         for dup in req.dup_slots:
-            self.allocator.free(dup)
+            self._free(dup)
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
         self.table.free_row(req.row)
@@ -414,6 +507,7 @@ class Scheduler:
             self._released.append(req.rid)
         req.row, req.last_node, req.dup_slots = None, None, []
         req.num_computed = req.prefix_len = req.samples_in_flight = 0
+        req.sees_from = req.window_from = 0
         req.on_worker = False
 
     def _finish(self, req: Req, reason: FinishReason, keep_kv: bool = True) -> None:
@@ -480,6 +574,8 @@ class Scheduler:
         return NewRequest(
             rid=req.rid, sampling=_worker_sampling(req),
             prefix_slot_ids=self.table.slots(req.row, start).tolist(),
+            prefix_window_slot_ids=(self.windows.of(self.table.slots(req.row, start)).tolist()
+                                    if self.windows is not None and start else []),
             state_snapshot=node.snapshot if start and node is not None else 0,
             num_sampled=len(req.output_ids),
             stop_token_ids=sorted(req.stop_token_ids) if sp.min_tokens > 0 else [],
@@ -540,7 +636,8 @@ class Scheduler:
     def slots_consistent(self) -> bool:
         """Every slot is free, cached, or held by exactly one running request (counts)."""
         held = sum(r.owned_slots for r in self.running.values())
-        return self.allocator.num_free + self.cache.total_size + held == self.allocator.capacity
+        return (self.allocator.num_free + self.cache.total_size + held == self.allocator.capacity
+                and (self.windows is None or self.windows.consistent()))
 
     def stats(self) -> SchedulerStats:
         c = self.counters
@@ -553,6 +650,10 @@ class Scheduler:
             aborted_requests_total=c.aborted, cached_slots=self.cache.total_size,
             evictable_slots=self.cache.evictable_size, preemptions_total=c.preemptions,
             cache_hit_tokens_total=c.cache_hit_tokens, slots_consistent=self.slots_consistent(),
+            window_capacity_slots=self.windows.capacity if self.windows is not None else 0,
+            window_used_slots=self.windows.num_used if self.windows is not None else 0,
+            kv_bytes_per_slot=self.limits.bytes_per_slot,
+            window_kv_bytes_per_slot=self.limits.window_bytes_per_slot,
             state_snapshots=self.limits.state_snapshots,
             state_snapshots_used=(self.limits.state_snapshots - self.cache.free_snapshots
                                   if isinstance(self.cache, SnapshotCache) else 0))

@@ -63,15 +63,22 @@ class InProcessEngine:
                  grammars: Any = None, compile_decode: bool = False,
                  prefill_padding: float = PREFILL_PADDING,
                  backend: DecodeBackend | None = None, state_snapshots: int = 64,
-                 snapshot_stride: int = 0) -> None:
+                 snapshot_stride: int = 0, window_slots: int | None = None) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False. tokenizer: what the scheduler decodes stop strings with.
         grammars: the worker's GrammarMatchers, for requests with a grammar.
         prefill_padding: how much padding a shared prefill forward may carry (the CPU
         server's is 0: only chunks of one length share a forward). backend: the decode
-        backend (default: the device's; StandInKernel: the CUDA path on the CPU)."""
-        self.pool = KVPool(probe_attention_specs(model), capacity, backend, state_rows=max_running,
-                           snapshots=state_snapshots if radix_cache else 0)
+        backend (default: the device's; StandInKernel: the CUDA path on the CPU).
+        window_slots: the windowed layers' own slot space (default: half the capacity,
+        as --window-ratio's default, where the worker would keep one; 0: none)."""
+        specs = probe_attention_specs(model)
+        if window_slots is None:
+            recurrent = KVPool.state_bytes_per_request(specs) > 0
+            window_slots = capacity // 2 if KVPool.windows(specs) and not recurrent else 0
+        self.pool = KVPool(specs, capacity, backend, state_rows=max_running,
+                           snapshots=state_snapshots if radix_cache else 0,
+                           window_slots=window_slots)
         self.runner = ModelRunner(model, self.pool, max_running, max_context, grammars,
                                   prefill_padding=prefill_padding,
                                   compile_decode=compile_decode)
@@ -80,7 +87,9 @@ class InProcessEngine:
         radix_cache = radix_cache and self.pool.serves_prefix_hits
         self.scheduler = Scheduler(SchedulerLimits(capacity, max_context, max_running, chunk_size,
                                                    max_prefill_tokens, radix_cache, schedule_policy,
-                                                   self.pool.num_snapshots, snapshot_stride),
+                                                   self.pool.num_snapshots, snapshot_stride,
+                                                   self.pool.window_slots,
+                                                   tuple(self.pool.window_kinds)),
                                    (lambda: tokenizer) if tokenizer is not None else None)
         self.to_scheduler, self.to_worker, self.to_detokenizer = Pipe(), Pipe(), Pipe()
         self.loop = SchedulerLoop(self.scheduler, self.to_scheduler, self.to_worker,

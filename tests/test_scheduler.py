@@ -30,6 +30,8 @@ def assert_idle_invariant(s: Scheduler) -> None:
     assert s.allocator.num_free + s.cache.total_size == s.allocator.capacity
     s.flush_cache()
     assert s.allocator.num_free == s.allocator.capacity and s.cache.total_size == 0
+    # The windowed layers' slots went back with the positions that held them.
+    assert s.windows is None or s.windows.num_free == s.windows.capacity
 
 
 def _sched(capacity=1000, max_context=512, max_running=8, chunk=64, budget=128) -> Scheduler:

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from ipc.config import ServerConfig
-from ipc.messages.common import Usage
+from ipc.messages.common import SchedulerStats, Usage
 from ipc.messages.to_scheduler import TokenizedRequest
 from ipc.messages.to_tokenizer import TextOutput
 from tokenizer_proc.errors import (EngineUnavailable, RequestError, error_body, error_body_for,
@@ -505,4 +505,7 @@ class InternalErrors:
 
 
 def _fields(stats: Any) -> dict[str, Any]:
-    return {name: getattr(stats, name) for name in stats.__struct_fields__}
+    fields = {name: getattr(stats, name) for name in stats.__struct_fields__}
+    if isinstance(stats, SchedulerStats):
+        fields["kv_bytes_used"] = stats.kv_bytes_used
+    return fields

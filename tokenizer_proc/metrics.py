@@ -77,6 +77,13 @@ class SchedulerCollector(Collector):
         yield _gauge("kiln_kv_slots_used", "KV pool slots in use.", s.used_slots if s else 0)
         yield _gauge("kiln_kv_slots_capacity", "KV pool slots in all.",
                      s.capacity_slots if s else 0)
+        yield _gauge("kiln_window_slots_used", "Slots of the windowed layers' own pool in "
+                     "use (models with sliding-window or chunked layers).",
+                     s.window_used_slots if s else 0)
+        yield _gauge("kiln_window_slots_capacity", "Slots of the windowed layers' own pool.",
+                     s.window_capacity_slots if s else 0)
+        yield _gauge("kiln_kv_bytes_used", "Bytes of K/V held by positions in use (full "
+                     "and windowed layers).", s.kv_bytes_used if s else 0)
         yield _gauge("kiln_cache_hit_rate", "Share of prompt tokens served from the prefix "
                      "cache instead of computed (since start).", cache_hit_rate(s))
         yield _gauge("kiln_state_snapshots_used", "Recurrent-state snapshots the prefix cache "

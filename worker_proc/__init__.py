@@ -34,12 +34,13 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     import mlx_lm
 
     from kiln_common.llguidance_tokenizer import structured_output_supported
+    from kiln_common.windows import WindowRule
     from worker_proc.decode_backend import choose_decode_backend
     from worker_proc.decode_block import speed_up_decode_blocks
     from worker_proc.fused_projections import fuse_projections
     from worker_proc.kv_pool import KVPool
     from worker_proc.layer_kinds import UnsupportedModelError, describe_layers
-    from worker_proc.memory import (bound_cuda_cache, pool_slots, probe_attention_specs,
+    from worker_proc.memory import (bound_cuda_cache, pool_spaces, probe_attention_specs,
                                     raise_cuda_graph_budgets)
     from worker_proc.paged_attention import kernel_available
     from worker_proc.runner import (CPU_PREFILL_PADDING, PREFILL_PADDING, ModelRunner,
@@ -79,16 +80,29 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     per_state = KVPool.state_bytes_per_request(specs)
     snapshots = config.state_snapshots if per_state and not config.disable_radix_cache else 0
     states = per_state * (config.max_running_requests + snapshots)
+    # Windowed layers get a space of their own (positions behind every window give their
+    # slots back), except beside recurrent layers, whose prefix hits need state snapshots
+    # (a window tail is not kept with them).
+    windows = [] if per_state else KVPool.windows(specs)
+    per_window = KVPool.window_bytes_per_slot(specs) if windows else 0
+    floor = (WindowRule(tuple(windows)).most_held(context, context, config.chunk_size)
+             if windows else 0)
     # A backend keeping dense decode contexts keeps up to `kept` of the pool's size again.
-    slots = pool_slots(config, int(per_slot * (1 + kept)), context, reserved_bytes=states)
+    slots, window_slots = pool_spaces(config, int(per_slot * (1 + kept)),
+                                      int(per_window * (1 + kept)), context,
+                                      reserved_bytes=states, window_floor=floor)
     pool = KVPool(specs, slots, backend, state_rows=config.max_running_requests,
-                  snapshots=snapshots)
+                  snapshots=snapshots, window_slots=window_slots)
     cache_limit = bound_cuda_cache()
     if cache_limit is not None:
         say(f"MLX buffer cache capped at {cache_limit / 2**30:.1f} GiB")
     if states:
         say(f"recurrent states: {states / 2**20:.1f} MiB for {config.max_running_requests} "
             f"requests and {snapshots} prompt-end snapshots")
+    if pool.window_slots:
+        say(f"windowed layers ({', '.join(f'{k} {n}' for k, n in windows)}): their own "
+            f"{pool.window_slots} slots ({per_window} bytes each, full layers "
+            f"{per_slot - per_window})")
     say(f"KV pool: {slots} slots, {pool.nbytes / 2**20:.1f} MiB"
         + (f" (+ up to {pool.nbytes * kept / 2**20:.1f} MiB of kept decode contexts)" if kept else ""))
     hf = _hf_tokenizer(tokenizer)
@@ -295,6 +309,10 @@ def run_worker(config: ServerConfig) -> None:
     results.send(WorkerReady(num_slots=runner.pool.num_slots, max_context_len=runner.max_context,
                              prefix_cache=runner.pool.serves_prefix_hits,
                              state_snapshots=runner.pool.num_snapshots,
+                             window_slots=runner.pool.window_slots,
+                             windows=runner.pool.window_kinds,
+                             bytes_per_slot=runner.pool.slot_bytes[0],
+                             window_bytes_per_slot=runner.pool.slot_bytes[1],
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
     loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place)

@@ -43,6 +43,10 @@ class ForwardLayout:
                  back from the pool (the same values).
     positions:   prefill: [B, S] position of each new token (row 0 stands for every row
                  when all start together), for the masks of windowed layers.
+    window_write_slots, window_read_slots: the same in the windowed layers' own slot
+                 space (KVPool.window_slots; None where they share the full one). A
+                 position behind every window may read slot 0 or a reused slot there:
+                 the windowed masks and tables never let a query see it.
     """
 
     write_slots: mx.array
@@ -53,6 +57,8 @@ class ForwardLayout:
     dense: "DenseDecodeContext | None" = None
     fresh: bool = False
     positions: np.ndarray | None = None
+    window_write_slots: mx.array | None = None
+    window_read_slots: mx.array | None = None
     # Per layer kind, made once a forward: its prefill mask, or its decode window's
     # slot table and lengths (see windowed_reads).
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
@@ -69,30 +75,35 @@ class ForwardLayout:
             self._memo[key] = mx.array(visible[0] if len(visible) == 1 else visible[:, None])
         return self._memo[key]
 
-    def windowed_reads(self, kind: LayerKind) -> tuple[mx.array, mx.array]:
+    def windowed_reads(self, kind: LayerKind, read_slots: mx.array) -> tuple[mx.array, mx.array]:
         """Decode: each row's slots from the first position its query sees, and how many,
         for a windowed layer kind ([B, W] table, W the window or chunk, capped by the
-        widest row; [B] lengths). Built in the graph from read_slots and lengths, so a
-        compiled decode traces it too."""
+        widest row; [B] lengths), out of read_slots (the layer's space's). Built in the
+        graph from them and the lengths, so a compiled decode traces it too."""
         key = ("window", kind)
         if key not in self._memo:
             assert self.lengths is not None
             lengths = self.lengths
             first = kind.first_visible(lengths)
-            width = self.read_slots.shape[1]
+            width = read_slots.shape[1]
             cols = min(kind.span, width)
             at = mx.minimum(first[:, None] + mx.arange(cols, dtype=first.dtype)[None], width - 1)
-            table = mx.take_along_axis(self.read_slots, at.astype(mx.int32), axis=1)
+            table = mx.take_along_axis(read_slots, at.astype(mx.int32), axis=1)
             self._memo[key] = (table, (lengths - first).astype(mx.int32))
         return self._memo[key]
 
     @classmethod
-    def single(cls, context_slots: np.ndarray, start: int, n_new: int) -> "ForwardLayout":
-        """One request: n_new tokens at positions start.., context = its first start + n_new slots."""
+    def single(cls, context_slots: np.ndarray, start: int, n_new: int,
+               window_slots: np.ndarray | None = None) -> "ForwardLayout":
+        """One request: n_new tokens at positions start.., context = its first start + n_new
+        slots (and window slots, where windowed layers have their own)."""
         end = start + n_new
+        windowed = window_slots is not None
         return cls(
             write_slots=mx.array(context_slots[start:end]),
             read_slots=mx.array(context_slots[None, :end]),
+            window_write_slots=mx.array(window_slots[start:end]) if windowed else None,
+            window_read_slots=mx.array(window_slots[None, :end]) if windowed else None,
             offset=start,
             # Same mask mlx-lm's own KVCache gives, so the fused kernel path is the same.
             mask="causal" if n_new > 1 else None,
@@ -101,17 +112,27 @@ class ForwardLayout:
         )
 
     @classmethod
-    def prefill(cls, table_rows: np.ndarray, starts: np.ndarray, sizes: np.ndarray) -> "ForwardLayout":
+    def prefill(cls, table_rows: np.ndarray, starts: np.ndarray, sizes: np.ndarray,
+                window_rows: np.ndarray | None = None) -> "ForwardLayout":
         """Chunks of several requests in one forward, right-padded to the longest: row b
         computes positions starts[b] .. starts[b] + sizes[b] - 1. Padded positions write
-        to slot 0 and no real query attends to them (causal from each row's start)."""
+        to slot 0 and no real query attends to them (causal from each row's start).
+        window_rows: the rows' window slots, where windowed layers have their own."""
         width = int(sizes.max())
         ends = starts + sizes
         cols = np.arange(int(ends.max()))
-        read = np.where(cols[None, :] < ends[:, None], table_rows[:, :len(cols)], 0)
         pos = starts[:, None] + np.arange(width)[None, :]
         real = np.arange(width)[None, :] < sizes[:, None]
-        write = np.where(real, np.take_along_axis(read, np.minimum(pos, len(cols) - 1), 1), 0)
+
+        def read_write(rows: np.ndarray) -> tuple[mx.array, mx.array]:
+            read = np.where(cols[None, :] < ends[:, None], rows[:, :len(cols)], 0)
+            write = np.where(real, np.take_along_axis(read, np.minimum(pos, len(cols) - 1), 1), 0)
+            return (mx.array(write.reshape(-1).astype(np.int32)),
+                    mx.array(read.astype(np.int32)))
+
+        write, read = read_write(table_rows)
+        window_write, window_read = (read_write(window_rows) if window_rows is not None
+                                     else (None, None))
         if (starts == starts[0]).all():
             # One start for every row (fresh prompts, or one shared cached prefix): the
             # causal mask aligned to the keys' end is then exact for every real query,
@@ -122,8 +143,10 @@ class ForwardLayout:
             offset = mx.array(starts.astype(np.int32))
             mask = mx.array((cols[None, None, :] <= pos[:, :, None])[:, None])  # [B, 1, width, L]
         return cls(
-            write_slots=mx.array(write.reshape(-1).astype(np.int32)),
-            read_slots=mx.array(read.astype(np.int32)),
+            write_slots=write,
+            read_slots=read,
+            window_write_slots=window_write,
+            window_read_slots=window_read,
             offset=offset,
             mask=mask,
             # Padded positions sit after each row's real ones, which the causal mask
@@ -134,15 +157,20 @@ class ForwardLayout:
 
     @classmethod
     def decode(cls, table_rows: np.ndarray, lengths: np.ndarray,
-               dense: "DenseDecodeContext | None" = None) -> "ForwardLayout":
+               dense: "DenseDecodeContext | None" = None,
+               window_rows: np.ndarray | None = None) -> "ForwardLayout":
         """One new token per row; lengths count the new token. table_rows: [B, >= max(lengths)].
-        dense: the fallback's kept context, already planned for this step."""
+        dense: the fallback's kept context, already planned for this step. window_rows:
+        the rows' window slots, where windowed layers have their own."""
         max_len = int(lengths.max())
+        last = (np.arange(len(lengths)), lengths - 1)
         read = table_rows[:, :max_len]
-        write = read[np.arange(len(lengths)), lengths - 1]
+        window_read = window_rows[:, :max_len] if window_rows is not None else None
         return cls(
-            write_slots=mx.array(write),
+            write_slots=mx.array(read[last]),
             read_slots=mx.array(read),
+            window_write_slots=mx.array(window_read[last]) if window_read is not None else None,
+            window_read_slots=mx.array(window_read) if window_read is not None else None,
             # One position for every row: a scalar, as some models' own mask code needs.
             offset=int(lengths[0] - 1) if (lengths == lengths[0]).all() else mx.array(lengths - 1),
             mask=None,
@@ -168,13 +196,28 @@ class PooledKVCache:
     def backend(self) -> DecodeBackend:
         return self.pool.backend
 
+    @property
+    def write_slots(self) -> mx.array:
+        """Where this forward's new K/V go, in this layer's slot space."""
+        if self.pool.windowed(self.layer):
+            assert self.layout.window_write_slots is not None, "the layout has window slots"
+            return self.layout.window_write_slots
+        return self.layout.write_slots
+
+    @property
+    def read_slots(self) -> mx.array:
+        """Each row's context, in this layer's slot space ([B, L])."""
+        if self.pool.windowed(self.layer):
+            assert self.layout.window_read_slots is not None, "the layout has window slots"
+            return self.layout.window_read_slots
+        return self.layout.read_slots
+
     def reads(self) -> tuple[mx.array, mx.array]:
         """Decode: the slot table and lengths of the positions this layer's queries see
         (a windowed kind's start at each row's window)."""
-        layout = self.layout
         if self.kind.windowed:
-            return layout.windowed_reads(self.kind)
-        return layout.read_slots, layout.lengths
+            return self.layout.windowed_reads(self.kind, self.read_slots)
+        return self.layout.read_slots, self.layout.lengths
 
     def take_unwritten(self) -> tuple[mx.array, mx.array] | None:
         """This step's K/V, left for the attention kernel to store; the caller stores them."""
@@ -200,10 +243,9 @@ class PooledKVCache:
 
     def _length_mask(self) -> mx.array | None:
         """Decode of a layer that computes its own scores over dense K/V ([B, H, L, D],
-        right-padded): which of the L positions each row has, [B, 1, 1, L]."""
-        layout = self.layout
-        width = layout.read_slots.shape[1]
-        return (mx.arange(width)[None] < layout.lengths[:, None])[:, None, None, :]
+        right-padded): which of the L positions each row's query sees, [B, 1, 1, L]."""
+        table, lengths = self.reads()
+        return (mx.arange(table.shape[1])[None] < lengths[:, None])[:, None, None, :]
 
     # mlx-lm's ChunkedKVCache protocol (llama4's model reads it): the pool keeps every
     # position, so nothing is trimmed and keys start at position 0.
@@ -233,16 +275,16 @@ class PooledKVCache:
         if self.writes_in_attention:
             self._unwritten = (keys, values)  # paged_attention stores them
             return self.pool.keys(self.layer), self.pool.values(self.layer)
-        self.pool.write(self.layer, self.layout.write_slots, keys, values)
+        self.pool.write(self.layer, self.write_slots, keys, values)
         if self.paged and self.kind.own_attention:  # its own score math needs dense K/V
-            return self.pool.read(self.layer, self.layout.read_slots)
+            return self.pool.read(self.layer, self.reads()[0])
         if self.layout.dense is not None:
-            self.layout.dense.update(self.layer, self.pool, self.layout.read_slots, keys, values)
+            self.layout.dense.update(self.layer, self.pool, self.read_slots, keys, values)
         if self.paged:  # attention reads the pool itself (see paged_attention)
             return self.pool.keys(self.layer), self.pool.values(self.layer)
         if self.layout.fresh:
             return keys, values
-        return self.pool.read(self.layer, self.layout.read_slots)
+        return self.pool.read(self.layer, self.read_slots)
 
     def attend_qkv(self, qkv: mx.array, n_q: int, scale: float, rope: RopeSpec) -> mx.array:
         """A decode layer's attention from its fused q/k/v projection's output [B, 1,
@@ -298,7 +340,8 @@ class DenseDecodeContext:
         self._rebuild = True
         self._extend_by = 0  # zero columns to append this step (the rows outgrew the blocks)
         self._columns = mx.zeros((0,), dtype=mx.int32)  # a rebuild's gather: [B, capacity]
-        self._gather: mx.array | None = None  # this step's rebuild slots, made once
+        # This step's rebuild slots, made once per slot table (full; windowed layers').
+        self._gather: dict[int, mx.array] = {}
         self._mask: mx.array | None = None
         self._kind_masks: dict[LayerKind, mx.array] = {}  # this step's, per windowed kind
 
@@ -326,7 +369,7 @@ class DenseDecodeContext:
             # Column c of row i holds its context position c - first[i]; outside the
             # context, position 0's slot (masked anyway, and always a valid index).
             self._columns = mx.array(np.clip(columns - first, 0, None).astype(np.int32))
-        self._gather = None
+        self._gather = {}
         self._kind_masks = {}
 
     def reset(self) -> None:
@@ -346,11 +389,13 @@ class DenseDecodeContext:
         if not self.active:
             return
         if self._rebuild:
-            if self._gather is None:  # [B, capacity] slots, right-aligned; once a step
+            gather = self._gather.get(id(read_slots))
+            if gather is None:  # [B, capacity] slots, right-aligned; once a step and table
                 width = read_slots.shape[1]
-                self._gather = mx.take_along_axis(
-                    read_slots, mx.minimum(self._columns, width - 1), axis=1)
-            self._keys[layer], self._values[layer] = pool.read(layer, self._gather)
+                gather = mx.take_along_axis(read_slots, mx.minimum(self._columns, width - 1),
+                                            axis=1)
+                self._gather[id(read_slots)] = gather
+            self._keys[layer], self._values[layer] = pool.read(layer, gather)
             return
         if self._extend_by:
             self._keys[layer] = _extended(self._keys[layer], self._extend_by)

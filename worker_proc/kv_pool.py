@@ -112,12 +112,13 @@ class KVPool:
 
     def __init__(self, specs: list[LayerSpec], num_slots: int,
                  backend: DecodeBackend | None = None, state_rows: int = 0,
-                 snapshots: int = 0) -> None:
+                 snapshots: int = 0, window_slots: int = 0) -> None:
         """specs: the model's layers in its cache order (probe_attention_specs); backend:
         who reads and writes the K/V (default: the one chosen for these layers on this
         device), which says whether writes go in place; state_rows: requests whose
         recurrent states are kept (the runner's rows); snapshots: how many prompt-end
-        states the prefix cache may keep."""
+        states the prefix cache may keep; window_slots: the size of the windowed layers'
+        own slot space (0: they are addressed by the full slots, as full layers)."""
         self.layer_specs = list(specs)  # every layer, in the model's cache order
         self.specs = attention_specs(specs)
         self.state_specs = [s for s in flat_specs(specs) if isinstance(s, StateLayerSpec)]
@@ -132,9 +133,10 @@ class KVPool:
         self.num_slots = num_slots
         self.backend = backend or choose_decode_backend(self.specs)
         self.in_place = self.backend.in_place
-        rows = num_slots + 1
-        self.layers = [_zeros(rows, s.n_kv_heads, s.head_dim + s.v_head_dim, s.dtype)
-                       for s in self.specs]
+        self.window_slots = window_slots if any(s.kind.windowed for s in self.specs) else 0
+        self.layers = [_zeros((self.window_slots if self.windowed(i) else num_slots) + 1,
+                              s.n_kv_heads, s.head_dim + s.v_head_dim, s.dtype)
+                       for i, s in enumerate(self.specs)]
         if self.state_specs and state_rows < 1:
             raise ValueError("a model with recurrent layers needs state rows for its requests")
         self.states = [[mx.zeros((state_rows + 1, *shape), dtype=dtype)
@@ -151,6 +153,32 @@ class KVPool:
     @staticmethod
     def bytes_per_slot(specs: list[LayerSpec]) -> int:
         return sum(s.bytes_per_slot for s in attention_specs(specs))
+
+    @staticmethod
+    def window_bytes_per_slot(specs: list[LayerSpec]) -> int:
+        """Of bytes_per_slot, the windowed layers' (sliding, chunked)."""
+        return sum(s.bytes_per_slot for s in attention_specs(specs) if s.kind.windowed)
+
+    @staticmethod
+    def windows(specs: list[LayerSpec]) -> list[tuple[str, int]]:
+        """The windowed layers' windows, each (kind, span), once each."""
+        return sorted({s.kind.window for s in attention_specs(specs) if s.kind.windowed})
+
+    @property
+    def window_kinds(self) -> list[tuple[str, int]]:
+        """The windows of the layers in the windowed space (none where it is not kept)."""
+        return self.windows(self.specs) if self.window_slots else []
+
+    @property
+    def slot_bytes(self) -> tuple[int, int]:
+        """One position's K/V bytes in the full space and in the windowed layers' own (0
+        where they share the full one)."""
+        window = self.window_bytes_per_slot(self.specs) if self.window_slots else 0
+        return self.bytes_per_slot(self.specs) - window, window
+
+    def windowed(self, layer: int) -> bool:
+        """Whether attention layer `layer` is addressed by window slots (its own space)."""
+        return self.window_slots > 0 and self.specs[layer].kind.windowed
 
     @staticmethod
     def state_bytes_per_request(specs: list[LayerSpec]) -> int:

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from ipc.process import CannotServe
+from kiln_common import windows
 
 
 class UnsupportedModelError(CannotServe, RuntimeError):
@@ -56,23 +57,22 @@ class LayerKind:
     def recurrent(self) -> bool:
         return self.kind is Kind.RECURRENT
 
+    @property
+    def window(self) -> tuple[str, int]:
+        """A windowed kind as kiln_common.windows names it: (kind, span)."""
+        assert self.windowed
+        return (windows.SLIDING if self.kind is Kind.SLIDING else windows.CHUNKED, self.span)
+
     def first_visible(self, lengths: Any) -> Any:
         """The first position a query at position lengths - 1 sees, for a numpy or an MLX
         array of lengths (operators only, so the MLX one stays in the graph)."""
-        if self.kind is Kind.SLIDING:
-            return (lengths - self.span) * (lengths > self.span)
-        if self.kind is Kind.CHUNKED:
-            return (lengths - 1) // self.span * self.span
-        return lengths * 0
+        if not self.windowed:
+            return lengths * 0
+        return windows.first_visible(*self.window, lengths)
 
     def visible(self, q: np.ndarray, k: np.ndarray) -> np.ndarray:
         """Whether a query at position q sees the key at position k (broadcast)."""
-        causal = k <= q
-        if self.kind is Kind.SLIDING:
-            return causal & (q - k < self.span)
-        if self.kind is Kind.CHUNKED:
-            return causal & (k // self.span == q // self.span)
-        return causal
+        return (k <= q) & (k >= self.first_visible(q + 1))
 
     def describe(self) -> str:
         what = self.kind.value + (f" {self.span}" if self.windowed else "")

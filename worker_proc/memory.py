@@ -119,3 +119,26 @@ def pool_slots(config: ServerConfig, bytes_per_slot: int, max_context: int,
     if slots < max_context:
         logger.warning("KV pool holds %d tokens, less than one full context (%d)", slots, max_context)
     return slots
+
+
+def pool_spaces(config: ServerConfig, bytes_per_slot: int, window_bytes_per_slot: int,
+                max_context: int, reserved_bytes: int = 0, window_floor: int = 0) -> tuple[int, int]:
+    """(full slots, window slots): the windowed layers' own space takes --window-ratio
+    window slots per full slot out of the same budget (bytes_per_slot counts every layer,
+    window_bytes_per_slot the windowed ones), and at least `window_floor` (one longest
+    request's window). (slots, 0) where they share the full space: no windowed layers,
+    --window-ratio 0, or a window space as large as the full one (nothing to save)."""
+    ratio = config.window_ratio
+    if not window_bytes_per_slot or ratio == 0:
+        return pool_slots(config, bytes_per_slot, max_context, reserved_bytes), 0
+    full_bytes = bytes_per_slot - window_bytes_per_slot
+    per_full_slot = full_bytes + ratio * window_bytes_per_slot
+    full = pool_slots(config, max(1, int(per_full_slot)), max_context, reserved_bytes)
+    window = max(int(ratio * full), window_floor)
+    if not config.max_total_tokens and full_bytes:
+        # The floor's bytes come out of the full space.
+        budget = full * per_full_slot
+        full = min(full, int((budget - window * window_bytes_per_slot) // full_bytes))
+    if window >= full:
+        return pool_slots(config, bytes_per_slot, max_context, reserved_bytes), 0
+    return full, window

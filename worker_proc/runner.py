@@ -122,6 +122,8 @@ class ModelRunner:
         # NOTE: a mirror of the scheduler's req-to-token rows for the requests it sent us;
         # it is filled only from the slot ids in step plans.
         self.table = np.zeros((max_requests, max_context), dtype=np.int32)
+        # The same rows' window slots, where windowed layers have a slot space of their own.
+        self.window_table = (np.zeros_like(self.table) if pool.window_slots else None)
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self.requests: dict[str, RequestState] = {}
         # The last step's penalised rows, stacked ([P, V] counts and prompt presence), and
@@ -178,6 +180,9 @@ class ModelRunner:
         state.start_snapshot = new.state_snapshot
         # A cached prefix: its K/V is already in the pool, the first chunk starts after it.
         self.table[state.row, :state.length] = new.prefix_slot_ids
+        if self.window_table is not None:
+            self.window_table[state.row, :state.length] = _window_ids(
+                new.rid, new.prefix_window_slot_ids, state.length)
         self.requests[new.rid] = state
         try:
             self._take_settings(state, new)
@@ -244,7 +249,8 @@ class ModelRunner:
         if prompt:
             self._prompt_logprobs[batch.step] = prompt
         if batch.decode_rids:
-            logits.append(self._decode(batch.decode_rids, batch.decode_slots))
+            logits.append(self._decode(batch.decode_rids, batch.decode_slots,
+                                       batch.decode_window_slots))
             sampled.extend(self.requests[rid] for rid in batch.decode_rids)
         if any(s.matcher is not None for s in sampled):
             # The masks need the tokens of the steps still in flight: sampled later.
@@ -353,7 +359,8 @@ class ModelRunner:
             self.pool.load_snapshot(state.start_snapshot, state.row + 1)
             state.start_snapshot = 0
         n = len(chunk.token_ids)
-        layout = ForwardLayout.single(self.table[state.row], chunk.start, n)
+        layout = ForwardLayout.single(self.table[state.row], chunk.start, n,
+                                      self._window_row(state.row))
         caches = build_layer_caches(self.pool, layout, _state_rows([state]), chunk.start == 0)
         tokens = mx.array([chunk.token_ids])
         out: mx.array | None = None  # every position's logits, [n, V], where needed
@@ -381,7 +388,14 @@ class ModelRunner:
         # The front checks prompt ids; an id past the embedding would read outside it.
         check_ids(f"{chunk.rid}: prompt token ids", chunk.token_ids, self.vocab_size)
         self.table[state.row, chunk.start:chunk.start + n] = chunk.slot_ids
+        if self.window_table is not None:
+            self.window_table[state.row, chunk.start:chunk.start + n] = _window_ids(
+                chunk.rid, chunk.window_slot_ids, n)
         return state
+
+    def _window_row(self, row: int | list[int] | np.ndarray) -> np.ndarray | None:
+        """Rows of the window table (None where windowed layers share the full slots)."""
+        return None if self.window_table is None else self.window_table[row]
 
     def _prefill_groups(self, chunks: list[PrefillChunk],
                         prefixes: dict[str, list[int]]) -> list[list[PrefillChunk]]:
@@ -408,7 +422,8 @@ class ModelRunner:
         tokens = np.zeros((len(chunks), int(sizes.max())), dtype=np.int32)
         for i, chunk in enumerate(chunks):
             tokens[i, :sizes[i]] = chunk.token_ids
-        layout = ForwardLayout.prefill(self.table[[s.row for s in states]], starts, sizes)
+        rows = [s.row for s in states]
+        layout = ForwardLayout.prefill(self.table[rows], starts, sizes, self._window_row(rows))
         caches = build_layer_caches(self.pool, layout, _state_rows(states),
                                     bool((starts == 0).all()))
         logits = self._logits_at(mx.array(tokens), caches,
@@ -459,24 +474,30 @@ class ModelRunner:
         picked = token_logprobs(rows, mx.array(targets, dtype=mx.int32), k)
         return PendingPromptLogprobs(chunk.rid, start, k, picked)
 
-    def _decode(self, rids: list[str], slots: list[int]) -> mx.array:
+    def _decode(self, rids: list[str], slots: list[int], window_slots: list[int]) -> mx.array:
         states = [self.requests[rid] for rid in rids]
+        if self.window_table is not None:
+            window_slots = _window_ids("a decode step", window_slots, len(states))
         lengths = np.array([s.length for s in states]) + 1
         if self.ragged or (lengths == lengths[0]).all():
-            return self._decode_rows(states, slots)
+            return self._decode_rows(states, slots, window_slots)
         # Forwards of one length each, the logits put back in the batch's order.
         groups = rows_by_length(lengths)
-        parts = [self._decode_rows([states[i] for i in group], [slots[i] for i in group])
+        parts = [self._decode_rows([states[i] for i in group], [slots[i] for i in group],
+                                   [window_slots[i] for i in group] if window_slots else [])
                  for group in groups]
         order = np.concatenate(groups)
         return mx.concatenate(parts)[mx.array(np.argsort(order).astype(np.int32))]
 
-    def _decode_rows(self, states: list[RequestState], slots: list[int]) -> mx.array:
+    def _decode_rows(self, states: list[RequestState], slots: list[int],
+                     window_slots: list[int]) -> mx.array:
         rows = np.array([s.row for s in states])
         lengths = np.array([s.length for s in states]) + 1
         for s in states:
             self._check_room(s, 1)
         self.table[rows, lengths - 1] = slots
+        if self.window_table is not None:
+            self.window_table[rows, lengths - 1] = window_slots
         dense = self._dense_decode
         if dense is not None:
             dense.plan(tuple(int(r) for r in rows), lengths)
@@ -484,7 +505,7 @@ class ModelRunner:
         if self._compiled_decode is not None:
             logits = self._run_compiled(tokens, rows, lengths)
         else:
-            layout = ForwardLayout.decode(self.table[rows], lengths, dense)
+            layout = ForwardLayout.decode(self.table[rows], lengths, dense, self._window_row(rows))
             caches = build_layer_caches(self.pool, layout, _state_rows(states))
             logits = self.model(tokens[:, None], cache=caches)[:, -1, :]
             check_written(caches)
@@ -508,12 +529,18 @@ class ModelRunner:
         table[:n, :min(width, self.max_context)] = self.table[rows, :width]
         padded = np.ones(size, dtype=np.int32)
         padded[:n] = lengths
-        write = table[np.arange(size), padded - 1]
+        last = (np.arange(size), padded - 1)
+        write, table_mx = mx.array(table[last]), mx.array(table)
+        window_write, window_table = write, table_mx  # unread where no window space
+        if self.window_table is not None:
+            windows = np.zeros((size, width), dtype=np.int32)
+            windows[:n, :min(width, self.max_context)] = self.window_table[rows, :width]
+            window_write, window_table = mx.array(windows[last]), mx.array(windows)
         if size > n:
             tokens = mx.concatenate([tokens, mx.zeros((size - n,), dtype=tokens.dtype)])
         logits, *rest = self._compiled_decode(
-            tokens, mx.array(padded - 1), mx.array(write), mx.array(table), mx.array(padded),
-            *self.pool.layers)
+            tokens, mx.array(padded - 1), write, table_mx, mx.array(padded), window_write,
+            window_table, *self.pool.layers)
         if self.pool.in_place:
             self.pool.adopt_marks(rest)
         else:
@@ -526,18 +553,24 @@ class ModelRunner:
         mid-serving, as a step (about a forward's host time, tens of ms on an 8B model)."""
         assert self._compiled_decode is not None
         rows = mx.zeros((size,), dtype=mx.int32)
-        self._compiled_decode(rows, rows, rows, mx.zeros((size, width), dtype=mx.int32),
-                              rows + 1, *self.pool.layers)  # outputs dropped unevaluated
+        table = mx.zeros((size, width), dtype=mx.int32)
+        self._compiled_decode(rows, rows, rows, table, rows + 1, rows, table,
+                              *self.pool.layers)  # outputs dropped unevaluated
 
     def _decode_forward(self, tokens: mx.array, offsets: mx.array, write_slots: mx.array,
-                        table: mx.array, lengths: mx.array, *layers: mx.array) -> tuple[mx.array, ...]:
+                        table: mx.array, lengths: mx.array, window_write: mx.array,
+                        window_table: mx.array, *layers: mx.array) -> tuple[mx.array, ...]:
         """What _run_compiled traces: the model over the pool arrays it is given (through a
         view of the pool, so the trace leaves the runner's alone); returns the logits, then
-        the writes' marks (in place) or the pool arrays after the writes (scatter)."""
+        the writes' marks (in place) or the pool arrays after the writes (scatter). The
+        window slots are read only where windowed layers have their own space."""
         self.decode_traces += 1
         pool = self.pool.with_layers(layers)
+        windowed = self.window_table is not None
         layout = ForwardLayout(write_slots=write_slots, read_slots=table, offset=offsets,
-                               mask=None, lengths=lengths)
+                               mask=None, lengths=lengths,
+                               window_write_slots=window_write if windowed else None,
+                               window_read_slots=window_table if windowed else None)
         caches = build_layer_caches(pool, layout)
         out = self.model(tokens[:, None], cache=caches)
         check_written(caches)
@@ -594,6 +627,14 @@ class ModelRunner:
             raise RuntimeError(f"{state.rid}: context would exceed {self.max_context} tokens")
 
 
+def _window_ids(what: str, ids: list[int], n: int) -> list[int]:
+    """A plan's window slots for n positions (the scheduler sends them where windowed
+    layers have their own space)."""
+    if len(ids) != n:
+        raise RuntimeError(f"{what}: {len(ids)} window slots for {n} positions")
+    return ids
+
+
 def _state_rows(states: list[RequestState]) -> mx.array:
     """The requests' rows in the pool's recurrent states (row 0 is scratch)."""
     return mx.array([s.row + 1 for s in states], dtype=mx.int32)
@@ -614,7 +655,9 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
     else:
         sizes = [b for b in (1 << i for i in range(16)) if b <= max_batch] or [1]
     per_request = prompt_len + len(sizes) * steps_per_size
-    n_req = min(sizes[-1], max(1, runner.pool.num_slots // per_request))
+    # The same ids serve the windowed layers' slot space, where it is smaller.
+    space = min(runner.pool.num_slots, runner.pool.window_slots or runner.pool.num_slots)
+    n_req = min(sizes[-1], max(1, space // per_request))
     sizes = [b for b in sizes if b <= n_req]
     greedy = SamplingParams(temperature=0.0, max_new_tokens=per_request)
     rids = [f"warmup-{i}" for i in range(n_req)]
@@ -622,9 +665,12 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
     # The last request's first chunk is shorter, so its second starts elsewhere.
     splits = [prompt_len // 2] * (n_req - 1) + [prompt_len // 4]
 
+    windowed = runner.window_table is not None
+
     def chunk(i: int, start: int, end: int, sample: bool) -> PrefillChunk:
+        ids = [next(slots[i]) for _ in range(end - start)]
         return PrefillChunk(rid=rids[i], start=start, token_ids=[1] * (end - start), sample=sample,
-                            slot_ids=[next(slots[i]) for _ in range(end - start)])
+                            slot_ids=ids, window_slot_ids=ids if windowed else [])
 
     step = 0
     runner.run(ForwardBatch(step=step, new_requests=[NewRequest(rid=r, sampling=greedy) for r in rids],
@@ -635,8 +681,9 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
     for size in sizes:
         for _ in range(steps_per_size):
             step += 1
-            runner.run(ForwardBatch(step=step, decode_rids=rids[:size],
-                                    decode_slots=[next(slots[i]) for i in range(size)]))
+            ids = [next(slots[i]) for i in range(size)]
+            runner.run(ForwardBatch(step=step, decode_rids=rids[:size], decode_slots=ids,
+                                    decode_window_slots=ids if windowed else []))
     runner.run(ForwardBatch(step=step + 1, released=rids))
     return step + 1
 

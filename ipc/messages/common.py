@@ -95,3 +95,17 @@ class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
     # in all and in use (each one request's recurrent state, in the worker's memory).
     state_snapshots: int = 0
     state_snapshots_used: int = 0
+    # Models with windowed layers (sliding, chunked) in a slot space of their own: its
+    # slots in all and in use (positions still inside some window, or cached prefix
+    # tails). kv_bytes_per_slot: one position's K/V in the full layers' pool;
+    # window_kv_bytes_per_slot: in the windowed layers' (0: they share the full pool).
+    window_capacity_slots: int = 0
+    window_used_slots: int = 0
+    kv_bytes_per_slot: int = 0
+    window_kv_bytes_per_slot: int = 0
+
+    @property
+    def kv_bytes_used(self) -> int:
+        """Bytes of K/V the positions in use hold, both spaces together."""
+        return (self.used_slots * self.kv_bytes_per_slot
+                + self.window_used_slots * self.window_kv_bytes_per_slot)

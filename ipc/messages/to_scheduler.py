@@ -45,6 +45,14 @@ class WorkerReady(Message, frozen=True):
     # Recurrent layers with a prefix cache: the snapshot slots the worker keeps (a hit is
     # then taken only where a snapshot exists); 0 for models without recurrent layers.
     state_snapshots: int = 0
+    # Windowed layers in a slot space of their own: its size and the layers' windows,
+    # each (kind, span) as kiln_common.windows names them; 0 and [] when they share the
+    # full layers' slots.
+    window_slots: int = 0
+    windows: list[tuple[str, int]] = []
+    # Bytes one position's K/V take: in the full layers' pool and in the windowed ones'.
+    bytes_per_slot: int = 0
+    window_bytes_per_slot: int = 0
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):

@@ -26,6 +26,9 @@ class NewRequest(msgspec.Struct, frozen=True, kw_only=True):
     rid: str
     sampling: SamplingParams
     prefix_slot_ids: list[int] = []
+    # Windowed layers in their own slot space: the window slot of each prefix position
+    # (0 where it has none: behind every window of the first chunk's queries).
+    prefix_window_slot_ids: list[int] = []
     # Recurrent layers: the snapshot of their state at the cached prefix's end, which the
     # request's first chunk starts from (0: none; the prefix is then empty).
     state_snapshot: int = 0
@@ -47,6 +50,7 @@ class PrefillChunk(msgspec.Struct, frozen=True, kw_only=True):
     token_ids: list[int]
     slot_ids: list[int]
     sample: bool
+    window_slot_ids: list[int] = []  # windowed layers' slots, where they have their own
     # Recurrent layers: keep the state after this chunk as this snapshot (0: none), the
     # one a later request hitting this prompt's end starts from.
     snapshot_id: int = 0
@@ -59,6 +63,7 @@ class ForwardBatch(Message, frozen=True):
     # Decode: each request feeds its last sampled token, whose K/V goes to the given slot.
     decode_rids: list[str] = []
     decode_slots: list[int] = []
+    decode_window_slots: list[int] = []  # windowed layers' slots, where they have their own
     # Requests the worker can forget (finished, aborted); sent before any reuse of their rid.
     released: list[str] = []
 
