@@ -441,10 +441,14 @@ class Scheduler:
             req.on_worker = True
             new_reqs.append(self._new_request(req, start))
         # Shared at the prompt's last chunk; a model whose hits need state snapshots at
-        # every chunk's end, so that prompts sharing a long head hit at its last chunk edge.
+        # every chunk's end, so that prompts sharing a long head hit at its last chunk
+        # edge; one with windowed layers in their own space at every chunk's end too, so
+        # the chunks behind its window keep their window slots in the cache (evictable)
+        # instead of giving them back, and a prompt sharing its head still hits.
         shared = not req.prefilling or (
             isinstance(self.cache, SnapshotCache)
-            and req.num_computed - req.prefix_len >= self.limits.snapshot_stride)
+            and req.num_computed - req.prefix_len >= self.limits.snapshot_stride) or (
+            self.windows is not None and not isinstance(self.cache, DisabledCache))
         snapshot = self._cache_prompt(req, req.num_computed) if shared else 0
         return PrefillChunk(rid=req.rid, start=start,
                             token_ids=req.all_ids(start + n)[start:].tolist(),

@@ -89,20 +89,23 @@ def test_positions_behind_the_window_give_their_slots_back(name):
     model = build(name)
     rng = np.random.default_rng(7)
     prompt = rng.integers(5, VOCAB, size=120).tolist()
-    engine = InProcessEngine(model, chunk_size=16, max_prefill_tokens=16, window_slots=200)
+    # Without a prefix cache to keep them, positions behind the window go at once.
+    engine = InProcessEngine(model, chunk_size=16, max_prefill_tokens=16, window_slots=200,
+                             radix_cache=False)
     engine.submit("r", prompt, 60, [])
     most = _run_tracking_windows(engine)
     assert engine.results["r"].token_ids == mlx_lm_tokens(model, prompt, 60)
-    # Held at once: the window and a chunk, and the cached prompt's last chunk; never
+    # Held at once: the window and a chunk (the last one, in the cache's place), never
     # the request's 180 positions.
-    assert most <= 2 * WINDOW + 2 * 16
+    assert most <= WINDOW + 2 * 16
     assert_idle_invariant(engine.scheduler)
 
 
-def test_a_chat_turn_hits_at_the_last_answer_and_a_short_prompt_hits_whole():
-    """The next turn (prompt + answer + more) hits where the last request ended; a prompt
-    sharing the head of a one-chunk prompt hits there; one sharing the head of a long
-    prompt (behind its windows by now) is computed again. Every answer is mlx-lm's."""
+def test_cached_prefixes_keep_their_windows_while_room_allows():
+    """The next turn (prompt + answer + more) hits where the last request ended; prompts
+    sharing the head of a cached prompt hit there, also of a long chunked one; once
+    running requests need the window slots, a head whose windows were taken is computed
+    again. Every answer is mlx-lm's."""
     model = build("gemma3_text")
     rng = np.random.default_rng(8)
     engine = InProcessEngine(model, chunk_size=64, max_prefill_tokens=64, window_slots=400)
@@ -128,7 +131,11 @@ def test_a_chat_turn_hits_at_the_last_answer_and_a_short_prompt_hits_whole():
     run("long", long)
     head = long[:40] + rng.integers(5, VOCAB, size=12).tolist()
     _, hit = run("head", head)
-    assert hit == 0  # positions 0-39 fell behind the long prompt's later chunks
+    assert hit == 40  # its chunks kept their windows in the cache
+    # A request that needs most of the window space takes the cached windows.
+    run("big", rng.integers(5, VOCAB, size=500).tolist(), n=50)
+    _, hit = run("head again", long[:40] + rng.integers(5, VOCAB, size=12).tolist())
+    assert hit == 0
     assert_idle_invariant(engine.scheduler)
 
 
