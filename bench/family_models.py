@@ -53,6 +53,34 @@ FAMILY_SHAPES = {s.name: s for s in (
         rope_scaling={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
                       "truncate": False, "original_max_position_embeddings": 4096},
         max_position_embeddings=131072)),
+    # Hybrids: Gated DeltaNet (recurrent state) layers, full attention every 4th. The flat
+    # text config (mlx-lm reads one without "text_config" as the text model's own), so
+    # the maker's vocab_size and tie_word_embeddings reach the model. Qwen3.5-9B's text
+    # part: ~7.0B parameters here, bf16 ~14 GB (the real 9B counts a 248k vocabulary and a
+    # vision tower).
+    FamilyShape("qwen3_5-9b", dict(
+        model_type="qwen3_5", hidden_size=4096, num_hidden_layers=32, intermediate_size=12288,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=256, rms_norm_eps=1e-6,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        max_position_embeddings=262144, rope_parameters={
+            "type": "default", "rope_theta": 10_000_000, "partial_rotary_factor": 0.25,
+            "mrope_section": [11, 11, 10]})),
+    # Qwen3-Next-80B-A3B with 64 of its 512 experts (top 10 and the shared expert kept):
+    # 11.4B parameters, bf16 ~23 GB. The full model (160 GB in bf16) fits neither the
+    # H200's 141 GB nor the device machine's 64 GB disk, and a few minutes of a
+    # 10-minute call go to writing weights. Experts rather than layers are cut so the 48
+    # layers' mix (12 full attention, 36 DeltaNet), hence KV and state bytes per request
+    # and the per-step launch count, stay the real model's. The MoE reads less a step: at
+    # 32 rows all 64 experts here, ~240 of the real 512.
+    FamilyShape("qwen3_next-64e", dict(
+        model_type="qwen3_next", hidden_size=2048, num_hidden_layers=48, intermediate_size=5120,
+        num_attention_heads=16, num_key_value_heads=2, head_dim=256, rms_norm_eps=1e-6,
+        linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        num_experts=64, num_experts_per_tok=10, decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True,
+        rope_theta=10_000_000, partial_rotary_factor=0.25, max_position_embeddings=262144)),
     # CPU smoke tests of the maker and the serving path.
     FamilyShape("gemma3-tiny", dict(
         model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
@@ -66,6 +94,23 @@ FAMILY_SHAPES = {s.name: s for s in (
         num_experts_per_tok=2, rms_norm_eps=1e-5, rope_theta=10000, sliding_window=16,
         layer_types=["sliding_attention", "full_attention"] * 2, max_position_embeddings=4096),
                 tokenizer_preset="demo-tiny"),
+    FamilyShape("qwen3_5-tiny", dict(
+        model_type="qwen3_5", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=4,
+        max_position_embeddings=4096, rope_parameters={
+            "type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+                tokenizer_preset="demo-tiny"),
+    FamilyShape("qwen3_next-tiny", dict(
+        model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=4,
+        num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[],
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, norm_topk_prob=True,
+        rope_theta=10000.0, partial_rotary_factor=0.5, max_position_embeddings=4096),
+                tokenizer_preset="demo-tiny"),
 )}
 
 
@@ -77,6 +122,17 @@ def parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...],
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     model = module.Model(module.ModelArgs.from_dict(config))
     return {name: (tuple(a.shape), a.dtype) for name, a in tree_flatten(model.parameters())}
+
+
+def output_head(names: list[str]) -> str:
+    """The parameter that makes the logits: the lm_head, else the tied embedding. Matched
+    by suffix: a multimodal family's text model sits under a prefix
+    (language_model.lm_head.weight in Qwen3.5)."""
+    for suffix in ("lm_head.weight", "embed_tokens.weight"):
+        found = [n for n in names if n.endswith(suffix)]
+        if found:
+            return found[0]
+    raise ValueError("no lm_head or embed_tokens weight among the parameters")
 
 
 def draw(name: str, shape: tuple[int, ...], dtype: Any, keep_rows: Any, head: bool) -> Any:
@@ -123,8 +179,8 @@ def make_family_model(shape: FamilyShape, dtype_name: str, out_dir: Path, seed: 
     keep[mx.array(specials)] = 0.0
     shapes = parameter_shapes(config)
     if shape.tied:  # as the real checkpoint: no lm_head, mlx-lm then ties the embedding
-        shapes.pop("lm_head.weight", None)
-    head_name = "lm_head.weight" if "lm_head.weight" in shapes else "model.embed_tokens.weight"
+        shapes = {n: s for n, s in shapes.items() if not n.endswith("lm_head.weight")}
+    head_name = output_head(list(shapes))
     keep_rows = keep.astype(dtype)
     write_shards({n: s for n, (s, _) in shapes.items()}, dtype.size,
                  lambda n: draw(n, shapes[n][0], dtype if shapes[n][1] != mx.uint32 else mx.uint32,

@@ -24,11 +24,14 @@ import asyncio
 import hashlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -342,22 +345,104 @@ def sweep_args(url: str, label: str, model_dir: Path, args: argparse.Namespace,
 
 def bench_server(name: str, model_dir: Path, args: argparse.Namespace,
                  sweep_seconds: float) -> dict[str, Any]:
-    """Start one server, wait for it, sweep it, stop it; returns the sweep document."""
+    """Start one server, wait for it, sweep it, stop it; returns the sweep document (with
+    --kv-probe, a kiln's KV memory per request under "kv")."""
     port = free_port_pair()
     cmd = server_command(name, model_dir, port, args)
     print(f"starting {name}: {' '.join(cmd)}", flush=True)
     env = dict(kv.split("=", 1) for kv in args.kiln_b_env.split()) if name == "kiln_b" else None
     server = start_server(name, cmd, port, args.out / f"{name}.log", env)
+    probe = KVProbe(server.url) if args.kv_probe and name.startswith("kiln") else None
     try:
         ready_s = wait_ready(server, str(model_dir), args.ready_timeout)
         print(f"{name} answered after {ready_s:.1f}s", flush=True)
         sargs = sweep_args(server.url, _LABELS[name], model_dir, args, sweep_seconds)
-        doc = serving.sweep_document(asyncio.run(serving.run_sweep(sargs)), sargs)
+        with probe or nullcontext():
+            doc = serving.sweep_document(asyncio.run(serving.run_sweep(sargs)), sargs)
         doc["ready_s"] = round(ready_s, 1)
+        if probe is not None:
+            doc["kv"] = probe.report(KVFootprint.from_log(server.log))
     finally:
         stop_server(server)
     (args.out / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
     return doc
+
+
+# -- KV memory per request (kiln) -----------------------------------------------------------
+
+_POOL_LINE = re.compile(r"KV pool: (\d+) slots, ([\d.]+) MiB")
+_STATES_LINE = re.compile(r"recurrent states: ([\d.]+) MiB for (\d+) requests and (\d+) prompt-end")
+
+
+@dataclass(frozen=True)
+class KVFootprint:
+    """What one token and one request take, from the worker's start-up lines
+    (/get_server_info counts slots, not bytes): K and V of every attention layer per slot,
+    and one request's recurrent state (0 without recurrent layers). The lines give MiB to
+    0.1, so small pools read inexactly."""
+
+    bytes_per_slot: float
+    state_bytes_per_request: float
+
+    @classmethod
+    def from_log(cls, log: Path) -> KVFootprint | None:
+        text = log.read_text(errors="replace")
+        pool = _POOL_LINE.search(text)
+        if pool is None:
+            return None
+        states = _STATES_LINE.search(text)
+        # The state memory is one row per running request and one per prompt-end snapshot.
+        per_state = (float(states[1]) * 2**20 / (int(states[2]) + int(states[3]))
+                     if states else 0.0)
+        return cls(float(pool[2]) * 2**20 / int(pool[1]), per_state)
+
+
+class KVProbe:
+    """Polls a kiln server's /get_server_info in a thread while a sweep runs and keeps the
+    sample with the most running requests (of those, the most slots held). Held slots are
+    used less evictable ones: slots the running requests read or wrote, not cached
+    prefixes no request reads."""
+
+    def __init__(self, url: str, interval: float = 0.5) -> None:
+        self.url = url
+        self.interval = interval
+        self.running = 0
+        self.held_slots = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, name="kv-probe", daemon=True)
+
+    def __enter__(self) -> KVProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10)
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=5) as http:
+            while not self._stop.wait(self.interval):
+                try:
+                    stats = http.get(self.url + "/get_server_info").json()["scheduler"]
+                except (httpx.HTTPError, ValueError, KeyError):
+                    continue  # a busy server may miss one poll; the next counts
+                sample = (stats["running_requests"],
+                          stats["used_slots"] - stats["evictable_slots"])
+                if sample > (self.running, self.held_slots):
+                    self.running, self.held_slots = sample
+
+    def report(self, footprint: KVFootprint | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"at_running_requests": self.running,
+                               "held_slots": self.held_slots}
+        if not self.running:
+            return out
+        out["slots_per_request"] = round(self.held_slots / self.running, 1)
+        if footprint is not None:
+            kv = out["slots_per_request"] * footprint.bytes_per_slot
+            out |= {"bytes_per_slot": round(footprint.bytes_per_slot),
+                    "state_bytes_per_request": round(footprint.state_bytes_per_request),
+                    "kv_bytes_per_request": round(kv + footprint.state_bytes_per_request)}
+        return out
 
 
 def sweep_budget(deadline: float, servers_left: int, cap: float) -> float:
@@ -380,8 +465,20 @@ def summary_table(sweeps: dict[str, dict[str, Any]]) -> str:
                          f"{r['itl_ms']['p50']:>8.1f}ms{r['tpot_ms']['p50']:>8.1f}ms"
                          f"{r['e2e_ms']['p50'] / 1e3:>9.1f}s"
                          f"{r['failed']:>8}{r.get('retries', 0):>9}")
-    lines += _ratios(sweeps)
+    lines += _ratios(sweeps) + _kv_lines(sweeps)
     return "\n".join(lines)
+
+
+def _kv_lines(sweeps: dict[str, dict[str, Any]]) -> list[str]:
+    out = []
+    for name, doc in sweeps.items():
+        kv = doc.get("kv", {})
+        if "kv_bytes_per_request" in kv:
+            out.append(f"{_LABELS[name]} KV per request at {kv['at_running_requests']} running: "
+                       f"{kv['kv_bytes_per_request'] / 2**20:.1f} MiB ({kv['slots_per_request']} "
+                       f"slots x {kv['bytes_per_slot']} B + state "
+                       f"{kv['state_bytes_per_request'] / 2**20:.2f} MiB)")
+    return out
 
 
 def _ratios(sweeps: dict[str, dict[str, Any]]) -> list[str]:
@@ -452,6 +549,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="load the model with mlx_lm and generate a few tokens first")
     p.add_argument("--kiln-args", default="", help="extra launch.py flags")
     p.add_argument("--mlx-args", default="", help="extra mlx_lm.server flags")
+    p.add_argument("--kv-probe", action="store_true",
+                   help="poll kiln's /get_server_info during the sweep (every 0.5 s) for its "
+                        "KV memory per request at the busiest moment")
     p.add_argument("--mlx-backlog", type=int, default=1024,
                    help="start mlx_lm.server with this listen backlog instead of its 5 "
                         "(bench/mlx_lm_server_backlog.py); 0: as shipped")
@@ -480,14 +580,14 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
     return args
 
 
-def _exit_on_sigterm(signum: int, _frame: object) -> None:
-    # A timeout's SIGTERM must still run bench_server's `finally`: servers live in their
+def exit_on_sigterm(signum: int, _frame: object) -> None:
+    # A timeout's SIGTERM must still run the `finally` that stops the servers: they live in their
     # own session and would otherwise keep the GPU's memory (seen: 89 GB left held).
     raise SystemExit(128 + signum)
 
 
 def main(argv: list[str] | None = None) -> int:
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)
+    signal.signal(signal.SIGTERM, exit_on_sigterm)
     args = parse_args(argv)
     import mlx.core as mx
 

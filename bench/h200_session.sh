@@ -7,6 +7,20 @@
 #   OUT=$OUT bash bench/h200_session.sh
 #   PARTS=tests,breakdown OUT=$OUT bash bench/h200_session.sh    # then, in a second call:
 #   PARTS=sweep SERVERS=kiln,kiln_eager,mlx_lm SWEEP_SECONDS=480 OUT=$OUT bash bench/h200_session.sh
+#   FAMILY=qwen3_5-9b PARTS=prefix OUT=$OUT bash bench/h200_session.sh    # one call each:
+#   FAMILY=qwen3_5-9b PARTS=longctx OUT=$OUT bash bench/h200_session.sh
+#
+# prefix: bench/prefix_cache.py, kiln alone: TTFT of a PREFIX_TOKENS prompt cold and of a
+# follow-up extending it (a hybrid model hits only at a previous prompt's end), the cached
+# tokens each read, and a shared system prompt with the radix cache on and off.
+# longctx: LONGCTX_STREAMS streams of LONGCTX_WORDS-word prompts (~1.06 tokens a word with
+# the demo tokenizer: 7,400 words ~7,800 tokens, which with 256 output tokens fits the
+# Llama shape's 8,192 context), kiln and mlx_lm.server side by side, kiln's KV memory per
+# request polled from /get_server_info (bench/h200_compare.py --kv-probe); in $OUT/longctx.
+# mlx-lm's Gated DeltaNet kernel is Metal-only: on CUDA both servers prefill those layers
+# through its ops fallback, one recurrent step per token, so hybrids' 8k prompts are slow.
+# CPU smoke test of a part: FAMILY=qwen3_5-tiny (DTYPE=float32 for MoE shapes), the sizes
+# below made small.
 #
 # Needs PYTHONPATH with MLX's CUDA build and the repo (../shared/gpu/README.md's two
 # install calls, then export PYTHONPATH=~/site:$PWD).
@@ -14,8 +28,10 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 PYTHON=${PYTHON:-python3}
-FAMILY=${FAMILY:-}  # a bench/family_models.py shape (gemma3-12b, gpt-oss-20b); empty: Llama-3-8B
-MODEL=${MODEL:-$HOME/.cache/kiln/bench/${FAMILY:-llama3-8b-shape}-bfloat16}
+FAMILY=${FAMILY:-}  # a bench/family_models.py shape (gemma3-12b, gpt-oss-20b, qwen3_5-9b,
+                    # qwen3_next-64e); empty: Llama-3-8B
+DTYPE=${DTYPE:-bfloat16}  # float32 for CPU smoke tests of MoE shapes (MLX's CPU gather_mm)
+MODEL=${MODEL:-$HOME/.cache/kiln/bench/${FAMILY:-llama3-8b-shape}-$DTYPE}
 LENGTH_SPREAD=${LENGTH_SPREAD:-0.2}  # prompt lengths uniform in 100 words * (1 +- this)
 KILN_ARGS=${KILN_ARGS:-}  # extra launch.py flags, e.g. "--log-level debug"
 SERVERS=${SERVERS:-kiln,mlx_lm}  # or kiln,kiln_b,mlx_lm (then raise SWEEP_SECONDS)
@@ -28,10 +44,20 @@ MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5
                                # bench/mlx_lm_server_backlog.py)
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any;
                                        # also: timeline, bench/device_timeline.py (needs
-                                       # cupti-python); attention, bench/attention_kernel.py)
+                                       # cupti-python); attention, bench/attention_kernel.py;
+                                       # prefix; longctx)
 BREAKDOWN_VARIANTS=${BREAKDOWN_VARIANTS:-}  # step_breakdown --variants (';'-joined; default all)
 BREAKDOWN_ROUNDS=${BREAKDOWN_ROUNDS:-1}  # step_breakdown --rounds (interleaved repeats; the
                                         # host's speed drifts, so A/B runs want 3 or more)
+PREFIX_TOKENS=${PREFIX_TOKENS:-4000}  # part prefix: the cold prompt's tokens
+PREFIX_ARGS=${PREFIX_ARGS:-}  # ... more bench/prefix_cache.py flags, e.g. "--num-requests 16"
+LONGCTX_WORDS=${LONGCTX_WORDS:-7400}
+LONGCTX_STREAMS=${LONGCTX_STREAMS:-32}
+LONGCTX_REQUESTS=${LONGCTX_REQUESTS:-32}  # one wave (after an unmeasured warm-up wave); a
+                                         # hybrid's prefill is slow on CUDA (above)
+LONGCTX_OUTPUT=${LONGCTX_OUTPUT:-256}
+LONGCTX_SECONDS=${LONGCTX_SECONDS:-360}  # the part stops at this + 60 s (the prefix part at 420)
+LONGCTX_SERVERS=${LONGCTX_SERVERS:-kiln,mlx_lm}
 mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
@@ -44,13 +70,13 @@ fi
 
 echo "== model"
 if [ -n "$FAMILY" ]; then
-timeout 240 "$PYTHON" bench/family_models.py "$FAMILY" "$MODEL" 2>&1 | grep -v "RANDOM WEIGHTS"
+timeout 240 "$PYTHON" bench/family_models.py "$FAMILY" "$MODEL" --dtype "$DTYPE" 2>&1 | grep -v "RANDOM WEIGHTS"
 else
-timeout 90 "$PYTHON" - "$MODEL" <<'PY' 2>&1 | grep -v "RANDOM WEIGHTS"
+timeout 90 "$PYTHON" - "$MODEL" "$DTYPE" <<'PY' 2>&1 | grep -v "RANDOM WEIGHTS"
 import sys
 from pathlib import Path
 from bench.h200_compare import LLAMA3_8B, make_random_model
-make_random_model(LLAMA3_8B, "bfloat16", Path(sys.argv[1]), 0)
+make_random_model(LLAMA3_8B, sys.argv[2], Path(sys.argv[1]), 0)
 PY
 fi
 
@@ -81,12 +107,29 @@ echo "== serving, side by side"
 OUT=$OUT timeout $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MODEL" \
     --total-seconds "$SWEEP_SECONDS" --servers "$SERVERS" \
     --concurrency 1,64,128 --num-requests "$NUM_REQUESTS" --kiln-args="$KILN_ARGS" \
-    ${FAMILY:+--family "$FAMILY"} --length-spread "$LENGTH_SPREAD" \
+    ${FAMILY:+--family "$FAMILY"} --dtype "$DTYPE" --length-spread "$LENGTH_SPREAD" \
     --kiln-b-args="$KILN_B_ARGS" --kiln-b-env="$KILN_B_ENV" --mlx-backlog "$MLX_BACKLOG" \
     2>&1 | tail -18
 for log in "$OUT"/kiln*.log; do
     echo "-- $(basename "$log")"; grep "steps/s" "$log" | tail -4
 done
+fi
+
+if has prefix; then
+echo "== prefix cache: a cached prompt's follow-up against cold (kiln)"
+timeout 420 "$PYTHON" bench/prefix_cache.py --model "$MODEL" --prefix-tokens "$PREFIX_TOKENS" \
+    --kiln-args="$KILN_ARGS" --out "$OUT" --json "$OUT/prefix_cache.json" $PREFIX_ARGS \
+    2>&1 | grep -v "RANDOM WEIGHTS" | tail -4
+fi
+
+if has longctx; then
+echo "== long context, side by side: $LONGCTX_STREAMS streams, $LONGCTX_WORDS-word prompts"
+OUT=$OUT/longctx timeout $((LONGCTX_SECONDS + 60)) bash bench/h200_run.sh --model-dir "$MODEL" \
+    ${FAMILY:+--family "$FAMILY"} --dtype "$DTYPE" --servers "$LONGCTX_SERVERS" \
+    --no-check --kv-probe --concurrency "$LONGCTX_STREAMS" --num-requests "$LONGCTX_REQUESTS" \
+    --input-words "$LONGCTX_WORDS" --length-spread 0 --output-tokens "$LONGCTX_OUTPUT" \
+    --total-seconds "$LONGCTX_SECONDS" --sweep-seconds "$LONGCTX_SECONDS" --request-timeout 400 \
+    --kiln-args="$KILN_ARGS" --mlx-backlog "$MLX_BACKLOG" 2>&1 | tail -8
 fi
 
 # At most 8 files come back from a device call: the two short reports travel as one,
@@ -97,4 +140,7 @@ rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" "$OUT/attention_kernel.t
 [ -s "$OUT/session.txt" ] || rm -f "$OUT/session.txt"
 if compgen -G "$OUT/*.log" >/dev/null; then
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)
+fi
+if [ -d "$OUT/longctx" ]; then
+    (cd "$OUT" && tar -czf longctx.tar.gz longctx && rm -rf longctx)
 fi

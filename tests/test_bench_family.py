@@ -1,0 +1,47 @@
+"""The benchmarks' random-weight family models (bench/family_models.py) and the KV figures
+bench/h200_compare.py reads from kiln's log: CPU smoke tests of what the H200 runs use."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from bench.family_models import FAMILY_SHAPES, make_family_model, output_head
+from bench.h200_compare import KVFootprint, check_model, tokenizer_info
+
+
+def _weights(model_dir: Path) -> dict:
+    import mlx.core as mx
+
+    out: dict = {}
+    for shard in sorted(model_dir.glob("*.safetensors")):
+        out |= mx.load(str(shard))
+    return out
+
+
+@pytest.mark.parametrize("shape", ["qwen3_5-tiny", "qwen3_next-tiny"])
+def test_hybrid_model_loads_and_its_head_never_picks_a_special_id(shape: str,
+                                                                   tmp_path: Path) -> None:
+    import mlx.core as mx
+
+    from worker_proc.demo_model import ensure_demo_model
+
+    model_dir = make_family_model(FAMILY_SHAPES[shape], "float32", tmp_path / shape)
+    weights = _weights(model_dir)
+    head = weights[output_head(list(weights))]  # Qwen3.5's sits under language_model.
+    _, specials, _ = tokenizer_info(ensure_demo_model(FAMILY_SHAPES[shape].tokenizer_preset))
+    assert specials and mx.all(head[mx.array(specials)] == 0).item()
+    check_model(model_dir)  # mlx_lm.load and a greedy generate of ids the tokenizer knows
+
+
+def test_kv_footprint_reads_the_worker_start_up_lines(tmp_path: Path) -> None:
+    log = tmp_path / "kiln.log"
+    log.write_text(
+        "02:14:35    launcher INFO    launcher: worker: recurrent states: 3.0 MiB for 128 "
+        "requests and 64 prompt-end snapshots\n"
+        "02:14:35    launcher INFO    launcher: worker: KV pool: 2048 slots, 1.0 MiB (+ up to "
+        "0.5 MiB of kept decode contexts)\n")
+    assert KVFootprint.from_log(log) == KVFootprint(512.0, 3 * 2**20 / 192)
+    log.write_text("worker: KV pool: 2048 slots, 1.0 MiB\n")  # no recurrent layers
+    assert KVFootprint.from_log(log) == KVFootprint(512.0, 0.0)
