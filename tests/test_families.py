@@ -296,3 +296,22 @@ def test_a_snapshot_stride_spaces_the_snapshots_inside_a_prompt():
         result = engine.run_until_idle()[rid]
         assert engine.scheduler.counters.cache_hit_tokens - before == hit, rid
         assert result.token_ids == mlx_lm_tokens(model, prompt, 8)
+
+
+def test_recurrent_prefill_shares_forwards_where_the_model_masks_padding(recurrent_family):
+    """Prompts of different lengths prefilled in one right-padded forward (mlx-lm's
+    ArraysCache lengths keep the padding out of the state) equal mlx-lm's tokens; a model
+    whose code does not (Nemotron-H's) prefills each chunk alone."""
+    name, model = recurrent_family
+    shared: list[int] = []
+    engine = InProcessEngine(model, chunk_size=16, max_prefill_tokens=64)
+    many = engine.runner._prefill_many
+    engine.runner._prefill_many = lambda chunks: shared.append(len(chunks)) or many(chunks)
+    assert engine.runner.shares_prefill == (name != "nemotron_h")
+    rng = np.random.default_rng(11)
+    prompts = [rng.integers(5, VOCAB, size=n).tolist() for n in (10, 11, 12, 30, 33)]
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 8, [])
+    results = engine.run_until_idle()
+    assert_mlx_lm_tokens(model, name, results, [(f"r{i}", p) for i, p in enumerate(prompts)], 8)
+    assert (max(shared, default=0) > 1) == engine.runner.shares_prefill

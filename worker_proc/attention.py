@@ -20,7 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from worker_proc.decode_backend import DecodeBackend
-from worker_proc.kv_pool import KVPool, attention_specs
+from worker_proc.kv_pool import KVPool, StateLayerSpec, attention_specs, flat_specs
 from worker_proc.layer_kinds import Kind, LayerKind, ProbeRecorder, UnsupportedModelError
 from worker_proc.paged_attention import RopeSpec
 
@@ -441,18 +441,20 @@ class PooledStateCache:
     """One recurrent layer's state for one forward: mlx-lm's ArraysCache protocol over the
     pool's state rows of the forward's requests. Rows whose prompt starts in this forward
     read None (the model starts from its own zero state, as under mlx-lm's cache); the
-    layer's new state is written back to the rows. Each row is its own request, never
-    padded (a prefill chunk of such a model runs alone), so lengths and left_padding are
-    None and masks are none."""
+    layer's new state is written back to the rows. A prefill forward over right-padded
+    rows gives `lengths` (each row's real tokens), as mlx-lm's batch prefill does: the
+    model masks the padding out of its state (models that do are found at start-up,
+    pads_state_rows); left_padding is never used."""
 
-    lengths = None
     left_padding = None
 
-    def __init__(self, pool: KVPool, layer: int, rows: mx.array, fresh: bool) -> None:
+    def __init__(self, pool: KVPool, layer: int, rows: mx.array, fresh: bool,
+                 lengths: mx.array | None = None) -> None:
         self.pool = pool
         self.layer = layer
         self.rows = rows
         self.fresh = fresh
+        self.lengths = lengths
 
     def __getitem__(self, index: int) -> mx.array | None:
         return None if self.fresh else self.pool.read_state(self.layer, index, self.rows)
@@ -464,17 +466,22 @@ class PooledStateCache:
         return self.fresh
 
     def advance(self, n: int) -> None:
-        pass  # no padding to count down
+        if self.lengths is not None:  # as mlx-lm's: what is left of each row's tokens
+            self.lengths = self.lengths - n
 
-    def make_mask(self, n: int) -> None:
-        return None
+    def make_mask(self, n: int) -> mx.array | None:
+        if self.lengths is None:
+            return None
+        return mx.arange(n)[None] < self.lengths[:, None]
 
 
 def build_layer_caches(pool: KVPool, layout: ForwardLayout, state_rows: mx.array | None = None,
-                       fresh_state: bool = False) -> list[PooledKVCache | PooledStateCache]:
+                       fresh_state: bool = False,
+                       state_lengths: mx.array | None = None) -> list[PooledKVCache | PooledStateCache]:
     """The model's cache list: an adapter per layer in mlx-lm's cache order. state_rows:
     the forward's requests' state rows (needed where the model has recurrent layers);
-    fresh_state: their prompts start in this forward."""
+    fresh_state: their prompts start in this forward; state_lengths: a prefill forward's
+    real tokens per row, where rows are right-padded."""
     parts: list[PooledKVCache | PooledStateCache] = []
     for part, i in pool.order:
         if part == "kv":
@@ -482,7 +489,7 @@ def build_layer_caches(pool: KVPool, layout: ForwardLayout, state_rows: mx.array
         else:
             if state_rows is None:
                 raise RuntimeError("a forward over recurrent layers needs its state rows")
-            parts.append(PooledStateCache(pool, i, state_rows, fresh_state))
+            parts.append(PooledStateCache(pool, i, state_rows, fresh_state, state_lengths))
     caches: list[Any] = []
     for size in pool.groups:
         caches.append(parts[0] if size == 1 else PooledCacheList(parts[:size]))
@@ -562,13 +569,12 @@ def batches_ragged_rows(model: Any, specs: list, backend: DecodeBackend) -> bool
     if not kv_specs:
         return True  # no attention layer: no mask to get wrong
     rows = 2 * max(s.n_kv_heads for s in kv_specs) + 3
-    lengths = np.arange(1, rows + 1, dtype=np.int32)
     table = (1 + np.arange(rows)[:, None] * rows + np.arange(rows)[None]).astype(np.int32)
     pool = KVPool(specs, rows * rows, backend, state_rows=rows)
     pool.layers = [mx.random.normal(a.shape).astype(a.dtype) for a in pool.layers]
     tokens = mx.array(np.arange(rows, dtype=np.int32) + 1)[:, None]
 
-    def decode(picked: np.ndarray) -> mx.array:
+    def decode(picked: np.ndarray, lengths: np.ndarray) -> mx.array:
         # Each run from zero states (a state write updates its array in place).
         pool.states = [[mx.zeros_like(a) for a in layer] for layer in pool.states]
         dense = backend.decode_context(len(kv_specs), 1 << 40, KVPool.bytes_per_slot(specs))
@@ -576,14 +582,78 @@ def batches_ragged_rows(model: Any, specs: list, backend: DecodeBackend) -> bool
             dense.plan(tuple(int(r) for r in picked), lengths[picked])
         layout = ForwardLayout.decode(table[picked], lengths[picked], dense)
         caches = build_layer_caches(pool, layout, mx.array(picked + 1, dtype=mx.int32))
-        return model(tokens[mx.array(picked)], cache=caches)[:, -1, :]
+        return model(tokens[mx.array(picked)], cache=caches)[:, -1, :].astype(mx.float32)
+
+    def batching_error(lengths: np.ndarray) -> tuple[float, float]:
+        """The batch's logits against each row's alone: the largest difference, and the
+        largest logit."""
+        together = decode(np.arange(rows), lengths)
+        alone = mx.concatenate([decode(np.array([r]), lengths) for r in range(rows)])
+        return mx.abs(together - alone).max().item(), mx.abs(alone).max().item()
 
     try:
-        together = decode(np.arange(rows))
-        alone = mx.concatenate([decode(np.array([r])) for r in range(rows)])
-        # Rounding apart (half-precision models batch their matmuls differently), a row
-        # that read another's mask or padding is off by about the logits' own size.
-        tol = 1e-4 if together.dtype == mx.float32 else 3e-2
-        return bool((mx.abs(together - alone).max() <= tol * mx.abs(alone).max()).item())
+        ragged, scale = batching_error(np.arange(1, rows + 1, dtype=np.int32))
+        # Rounding apart: a batch of one length has no per-row masks or offsets to get
+        # wrong, so its difference from the rows alone is the batched matmuls' rounding
+        # (bf16 on the H200: ~10% of the largest logit for a random 9B hybrid, where a
+        # fixed 3% refused it). A row that read another's mask or padding is off by
+        # about the logits' own size.
+        rounding, _ = batching_error(np.full(rows, rows, dtype=np.int32))
+        tol = 1e-4 if model_dtype(model) == mx.float32 else 3e-2
+        return ragged <= max(tol * scale, 1.5 * rounding)
     except Exception:  # noqa: BLE001 - a model that cannot take such a batch at all
         return False
+
+
+def pads_state_rows(model: Any, specs: list, backend: DecodeBackend) -> bool:
+    """Whether a prefill forward over prompts of different lengths, right-padded, leaves
+    every row's recurrent state as that prompt alone does (the model keeps padded
+    positions out of its state through ArraysCache's `lengths`, as mlx-lm's batch prefill
+    relies on); judged by a decode step after it, against each prompt alone, with the
+    rounding of a batch of equal lengths as the yardstick. Then prefill chunks of such a
+    model may share forwards."""
+    if not any(isinstance(s, StateLayerSpec) for s in flat_specs(specs)):
+        return True
+    rows, longest = 3, 12
+    width = longest + 2
+    table = (1 + np.arange(rows)[:, None] * width + np.arange(width)[None]).astype(np.int32)
+    pool = KVPool(specs, rows * width, backend, state_rows=rows)
+    prompts = np.random.default_rng(0).integers(1, 64, size=(rows, longest)).astype(np.int32)
+
+    def decoded(picked: np.ndarray, sizes: np.ndarray) -> mx.array:
+        pool.states = [[mx.zeros_like(a) for a in layer] for layer in pool.states]
+        state_rows = mx.array(picked + 1, dtype=mx.int32)
+        layout = ForwardLayout.prefill(table[picked], np.zeros(len(picked), dtype=np.int64),
+                                       sizes[picked])
+        tokens = np.where(np.arange(longest)[None] < sizes[picked][:, None], prompts[picked], 0)
+        lengths = mx.array(sizes[picked].astype(np.int32)) if len(picked) > 1 else None
+        caches = build_layer_caches(pool, layout, state_rows, True, lengths)
+        mx.eval(model(mx.array(tokens[:, :int(sizes[picked].max())]), cache=caches),
+                pool.landing())
+        step = ForwardLayout.decode(table[picked], sizes[picked] + 1)
+        caches = build_layer_caches(pool, step, state_rows)
+        last = mx.array(prompts[picked, 0])[:, None]
+        return model(last, cache=caches)[:, -1, :].astype(mx.float32)
+
+    def sharing_error(sizes: np.ndarray) -> tuple[float, float]:
+        together = decoded(np.arange(rows), sizes)
+        alone = mx.concatenate([decoded(np.array([r]), sizes) for r in range(rows)])
+        return mx.abs(together - alone).max().item(), mx.abs(alone).max().item()
+
+    try:
+        padded, scale = sharing_error(np.array([4, 8, longest]))
+        rounding, _ = sharing_error(np.full(rows, longest))
+        tol = 1e-4 if model_dtype(model) == mx.float32 else 3e-2
+        return padded <= max(tol * scale, 1.5 * rounding)
+    except Exception:  # noqa: BLE001 - a model whose code cannot take padded rows
+        return False
+
+
+def model_dtype(model: Any) -> mx.Dtype:
+    """The dtype of the model's first floating-point parameter."""
+    from mlx.utils import tree_flatten
+
+    for _, p in tree_flatten(model.parameters()):
+        if mx.issubdtype(p.dtype, mx.floating):
+            return p.dtype
+    return mx.float32

@@ -205,6 +205,12 @@ class KVPool:
     def write_state(self, layer: int, index: int, rows: mx.array, value: mx.array) -> None:
         self.states[layer][index][rows] = value.astype(self.states[layer][index].dtype)
 
+    def clear_states(self, row: int) -> None:
+        """Zero request row `row`'s recurrent states (+1 applied): a prompt starting."""
+        for states in self.states:
+            for state in states:
+                state[row] = 0
+
     def save_snapshot(self, row: int, snapshot: int) -> None:
         """Keep the recurrent states of request row `row` (+1 applied) as `snapshot`."""
         for states, kept in zip(self.states, self.snapshots):

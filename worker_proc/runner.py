@@ -21,7 +21,7 @@ from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import PromptLogprobs, RequestError, StepResult
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from worker_proc.attention import (ForwardLayout, batches_ragged_rows, build_layer_caches,
-                                   check_written, install_attention_hook)
+                                   check_written, install_attention_hook, pads_state_rows)
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool
 from worker_proc.request_state import (RequestState, TokenCounts, check_ids, check_sampling,
@@ -145,9 +145,15 @@ class ModelRunner:
             logger.warning("this model's code cannot batch rows of different lengths: "
                            "each forward takes rows of one context length (slower)")
             compile_decode = False  # a compiled bucket pads with rows of length 1
-        # Recurrent layers: a prefill chunk runs alone (a padded row would carry its state
-        # past its end), and decode is not compiled (the trace takes only the K/V pool).
-        self.shares_prefill = self.ragged and not pool.has_states
+        # Recurrent layers: prefill chunks share forwards only where the model keeps
+        # padding out of its state (pads_state_rows; else a padded row would carry its
+        # state past its end), and decode is not compiled (the trace takes only the K/V
+        # pool).
+        self.shares_prefill = self.ragged and (
+            not pool.has_states or pads_state_rows(model, pool.layer_specs, backend))
+        if pool.has_states and not self.shares_prefill:
+            logger.warning("this model's recurrent layers cannot skip padding: each prefill "
+                           "chunk runs in a forward of its own (slower)")
         compile_decode = compile_decode and not pool.has_states
         self._compiled_decode = mx.compile(self._decode_forward) if compile_decode else None
         self.decode_traces = 0  # how many times mx.compile traced the decode forward
@@ -355,9 +361,7 @@ class ModelRunner:
         """Run one chunk's forward; its last position's logits. A request that asked for
         prompt logprobs gets this chunk's appended to `prompt`."""
         state = self._place(chunk)
-        if state.start_snapshot:  # here, not at _add: the snapshot's chunk may run first
-            self.pool.load_snapshot(state.start_snapshot, state.row + 1)
-            state.start_snapshot = 0
+        self._load_snapshot(state)
         n = len(chunk.token_ids)
         layout = ForwardLayout.single(self.table[state.row], chunk.start, n,
                                       self._window_row(state.row))
@@ -370,13 +374,24 @@ class ModelRunner:
         else:
             logits = self._logits_at(tokens, caches, (slice(None), -1))
         state.length += n
-        if chunk.snapshot_id:  # the state after the prompt, for later requests to start from
-            self.pool.save_snapshot(state.row + 1, chunk.snapshot_id)
+        self._save_snapshot(state, chunk)
         scored = self._prompt_logprobs_of(state, chunk, out, logits)
         if scored is not None:
             prompt.append(scored)
         self._launch_prefill(logits, *(scored.picked if scored else ()))
         return logits
+
+    def _load_snapshot(self, state: RequestState) -> None:
+        """A hit's recurrent states, at its first chunk (not at _add: the snapshot's own
+        chunk may run earlier in the same step)."""
+        if state.start_snapshot:
+            self.pool.load_snapshot(state.start_snapshot, state.row + 1)
+            state.start_snapshot = 0
+
+    def _save_snapshot(self, state: RequestState, chunk: PrefillChunk) -> None:
+        """The state after the chunk, for later requests hitting its end to start from."""
+        if chunk.snapshot_id:
+            self.pool.save_snapshot(state.row + 1, chunk.snapshot_id)
 
     def _place(self, chunk: PrefillChunk) -> RequestState:
         """Check a chunk continues its request's context and record its slots."""
@@ -424,12 +439,20 @@ class ModelRunner:
             tokens[i, :sizes[i]] = chunk.token_ids
         rows = [s.row for s in states]
         layout = ForwardLayout.prefill(self.table[rows], starts, sizes, self._window_row(rows))
-        caches = build_layer_caches(self.pool, layout, _state_rows(states),
-                                    bool((starts == 0).all()))
+        fresh = bool((starts == 0).all())
+        lengths = None
+        if self.pool.has_states:
+            for state, start in zip(states, starts):
+                self._load_snapshot(state)
+                if start == 0 and not fresh:  # beside rows that carry theirs: zeros
+                    self.pool.clear_states(state.row + 1)
+            lengths = mx.array(sizes.astype(np.int32))
+        caches = build_layer_caches(self.pool, layout, _state_rows(states), fresh, lengths)
         logits = self._logits_at(mx.array(tokens), caches,
                                  (mx.arange(len(chunks)), mx.array(sizes - 1)))
-        for state, n in zip(states, sizes):
+        for state, chunk, n in zip(states, chunks, sizes):
             state.length += int(n)
+            self._save_snapshot(state, chunk)
         self._launch_prefill(logits)
         return [logits[i:i + 1] for i in range(len(chunks))]
 
