@@ -38,6 +38,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from worker_proc.decode_backend import choose_decode_backend
     from worker_proc.decode_block import speed_up_decode_blocks
     from worker_proc.fused_projections import fuse_projections
+    from worker_proc.gated_delta_cuda import install_gated_delta_kernel, uses_gated_delta
     from worker_proc.kv_pool import KVPool
     from worker_proc.layer_kinds import UnsupportedModelError, describe_layers
     from worker_proc.memory import (bound_cuda_cache, pool_spaces, probe_attention_specs,
@@ -71,6 +72,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
             f"{'--experiments' if config.experiment_set else '--fast-decode-blocks on'}: the "
             "model has no llama or qwen2 block (mlx_lm.models.llama, .qwen2) to speed up")
     say(f"model loaded in {time.monotonic() - t0:.1f}s")
+    if uses_gated_delta(model) and install_gated_delta_kernel():
+        say("gated delta rule (linear attention): kiln's CUDA kernel")
     backend = choose_decode_backend(specs, config.experiment_set)  # the one choice
     say(f"decode attention: {backend.name}" + (
         f", experiments {', '.join(sorted(config.experiment_set))}" if config.experiment_set else ""))
