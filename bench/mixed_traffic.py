@@ -231,15 +231,15 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     model_dir = Path(resolve_model(args.model))
     args.out.mkdir(parents=True, exist_ok=True)
     workload = make_workload(model_dir, args, args.seed)
-    results = [run_arm(arm, model_dir, workload, args) for arm in args.arms.split(",")]
-    doc = {"model": args.model, "settings": {k: v for k, v in vars(args).items()
-                                             if k not in ("out", "json")},
-           "results": results}
-    text = json.dumps(doc, indent=2)
-    if args.json:
-        Path(args.json).write_text(text + "\n")
-    else:
-        print(text)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "json")}
+    results: list[dict[str, Any]] = []
+    for arm in args.arms.split(","):
+        results.append(run_arm(arm, model_dir, workload, args))
+        doc = {"model": args.model, "settings": settings, "results": results}
+        if args.json:  # after every arm: a run stopped by a time limit keeps the arms done
+            Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    if not args.json:
+        print(json.dumps(doc, indent=2))
     print(report(results), flush=True)
     return results
 
