@@ -55,8 +55,8 @@ class ServerConfig:
                                         "(summed over all requests in the step)."})
     # Decode first; 512 trades a burst's time to first token for the decoding streams' gaps.
     # An 8B model prefills ~38k tokens/s on the H200 (64 x 130 in ~220 ms, docs/benchmarks.md):
-    # 512 tokens add ~13 ms to a step, about one 32-64-row decode step (7-12 ms), where 8192
-    # added ~200 ms; a 512-row GEMM is still compute-bound there (past ~200 rows: 989 TFLOP/s
+    # 512 tokens should add ~13 ms to a step, about one 32-64-row decode step (7-12 ms), and
+    # 8192 ~200 ms; a 512-row GEMM is still compute-bound there (past ~200 rows: 989 TFLOP/s
     # over 4.8 TB/s), so prefill loses little per token, but a burst takes 16x more steps.
     # vLLM also schedules decodes first under one step budget (max_num_batched_tokens),
     # first defaulted to 512 for the best ITL on an A100.
