@@ -41,8 +41,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import serving  # noqa: E402
-from bench.h200_compare import _exit_on_sigterm, start_server, stop_server, wait_ready  # noqa: E402
-from tests.server import free_port_pair  # noqa: E402
+from bench.h200_compare import exit_on_sigterm, stop_server  # noqa: E402
+from bench.prefix_cache import start_kiln  # noqa: E402
 
 DEFAULT_ARM = "default"
 
@@ -163,13 +163,9 @@ def arm_flags(arm: str) -> list[str]:
 
 
 def run_arm(arm: str, model_dir: Path, workload: Workload, args: argparse.Namespace) -> dict:
-    port = free_port_pair()
-    cmd = [sys.executable, "launch.py", "--model", str(model_dir), "--host", "127.0.0.1",
-           "--port", str(port), *args.kiln_args.split(), *arm_flags(arm)]
-    print(f"starting arm {arm}: {' '.join(cmd)}", file=sys.stderr, flush=True)
-    server = start_server(f"kiln_{arm}", cmd, port, args.out / f"mixed_{arm}.log")
+    server = start_kiln(str(model_dir), [*args.kiln_args.split(), *arm_flags(arm)],
+                        args.out / f"mixed_{arm}.log", args.ready_timeout)
     try:
-        wait_ready(server, str(model_dir), args.ready_timeout)
         asyncio.run(warm_up(server.url, model_dir, args))
         result = {"arm": arm, "flags": arm_flags(arm),
                   **summarize(asyncio.run(run_mixed(server.url, workload, args.timeout)))}
@@ -226,7 +222,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
-    signal.signal(signal.SIGTERM, _exit_on_sigterm)  # a timeout still stops the server
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # a timeout still stops the server
     args = parse_args(argv)
     from launch import resolve_model
 
