@@ -7,6 +7,7 @@
 #   OUT=$OUT bash bench/h200_session.sh
 #   PARTS=tests,breakdown OUT=$OUT bash bench/h200_session.sh    # then, in a second call:
 #   PARTS=sweep SERVERS=kiln,kiln_eager,mlx_lm SWEEP_SECONDS=480 OUT=$OUT bash bench/h200_session.sh
+#   PARTS=mixed OUT=$OUT bash bench/h200_session.sh    # decode first against one budget, ~6 min
 #   FAMILY=qwen3_5-9b PARTS=prefix OUT=$OUT bash bench/h200_session.sh    # one call each:
 #   FAMILY=qwen3_5-9b PARTS=longctx OUT=$OUT bash bench/h200_session.sh
 #
@@ -45,7 +46,7 @@ MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any;
                                        # also: timeline, bench/device_timeline.py (needs
                                        # cupti-python); attention, bench/attention_kernel.py;
-                                       # prefix; longctx)
+                                       # prefix; longctx; mixed, bench/mixed_traffic.py)
 BREAKDOWN_VARIANTS=${BREAKDOWN_VARIANTS:-}  # step_breakdown --variants (';'-joined; default all)
 BREAKDOWN_ROUNDS=${BREAKDOWN_ROUNDS:-1}  # step_breakdown --rounds (interleaved repeats; the
                                         # host's speed drifts, so A/B runs want 3 or more)
@@ -58,6 +59,9 @@ LONGCTX_REQUESTS=${LONGCTX_REQUESTS:-32}  # one wave (after an unmeasured warm-u
 LONGCTX_OUTPUT=${LONGCTX_OUTPUT:-256}
 LONGCTX_SECONDS=${LONGCTX_SECONDS:-360}  # the part stops at this + 60 s (the prefix part at 420)
 LONGCTX_SERVERS=${LONGCTX_SERVERS:-kiln,mlx_lm}
+# part mixed (bench/mixed_traffic.py): one server per arm, a --max-prefill-tokens-while-decoding
+# value each ("default": the server's own; 8192 = --max-prefill-tokens, one budget as before)
+MIXED_ARMS=${MIXED_ARMS:-default,8192}
 mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
@@ -102,6 +106,18 @@ PYTHONPATH=${PYTHONPATH:-}:$HOME/site_c LD_LIBRARY_PATH=$HOME/site_c/nvidia/cu13
     --json "$OUT/device_timeline.json" 2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/device_timeline.txt"
 fi
 
+if has mixed; then
+echo "== mixed traffic: 32 streams decoding, 64 x 4096-token prompts arrive"
+# Each arm (start, warm-up, ~30 s of traffic, stop) should take ~2 minutes, 4 at most; the
+# part stops after 520 s (a device call has 600), keeping the arms done in mixed.json.
+arms=$(tr ',' '\n' <<<"$MIXED_ARMS" | wc -l)
+timeout $((arms * 240 < 520 ? arms * 240 : 520)) "$PYTHON" bench/mixed_traffic.py \
+    --model "$MODEL" --arms "$MIXED_ARMS" --kiln-args="$KILN_ARGS" --out "$OUT" \
+    --steady-streams 32 --steady-prompt-tokens 128 --steady-output-tokens 2000 \
+    --steady-seconds 5 --burst-requests 64 --burst-prompt-tokens 4096 --burst-output-tokens 64 \
+    --json "$OUT/mixed.json" 2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/mixed.txt"
+fi
+
 if has sweep; then
 echo "== serving, side by side"
 OUT=$OUT timeout $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MODEL" \
@@ -135,8 +151,9 @@ fi
 # At most 8 files come back from a device call: the two short reports travel as one,
 # the logs as one archive.
 cat "$OUT"/kernel_tests.txt "$OUT"/step_breakdown.txt "$OUT"/attention_kernel.txt "$OUT"/device_timeline.txt \
-    > "$OUT/session.txt" 2>/dev/null
-rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" "$OUT/attention_kernel.txt" "$OUT/device_timeline.txt"
+    "$OUT"/mixed.txt > "$OUT/session.txt" 2>/dev/null
+rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" "$OUT/attention_kernel.txt" "$OUT/device_timeline.txt" \
+    "$OUT/mixed.txt"
 [ -s "$OUT/session.txt" ] || rm -f "$OUT/session.txt"
 if compgen -G "$OUT/*.log" >/dev/null; then
     (cd "$OUT" && tar -czf logs.tar.gz ./*.log && rm -f ./*.log)

@@ -74,7 +74,7 @@ class RequestSpec:
     temperature: float = 0.0
     ignore_eos: bool = False
 
-    def body(self, prompt: str) -> dict[str, Any]:
+    def body(self, prompt: str | list[int]) -> dict[str, Any]:
         body: dict[str, Any] = {
             "model": self.model, "prompt": prompt, "max_tokens": self.max_tokens,
             "temperature": self.temperature, "stream": True,
@@ -90,6 +90,10 @@ class RequestRecord:
     latency: float = 0.0
     output_tokens: int = 0
     itls: list[float] = field(default_factory=list)
+    # perf_counter() when it was sent and of each text chunk, to place the gaps in time
+    # (bench/mixed_traffic.py splits them before and during a burst).
+    sent_at: float = 0.0
+    chunk_at: list[float] = field(default_factory=list)
     error: str | None = None
     retries: int = 0  # re-sends after the connection failed before any response
 
@@ -98,13 +102,14 @@ class _NoResponse(Exception):
     """The connection broke before the server sent a status line: safe to send again."""
 
 
-async def one_request(http: aiohttp.ClientSession, spec: RequestSpec, prompt: str,
-                      retries: int = 0) -> RequestRecord:
+async def one_request(http: aiohttp.ClientSession, spec: RequestSpec, prompt: str | list[int],
+                      retries: int = 0, rec: RequestRecord | None = None) -> RequestRecord:
     """Stream one completion. A request the server never answered (mlx_lm.server's listen
     backlog of 5 resets connections when many arrive at once) is sent again, up to
-    `retries` times; its TTFT and latency still count from the first attempt."""
-    rec = RequestRecord()
-    start = time.perf_counter()
+    `retries` times; its TTFT and latency still count from the first attempt. `rec`: a
+    record to fill in, for a caller that watches the stream while it comes."""
+    rec = rec if rec is not None else RequestRecord()
+    start = rec.sent_at = time.perf_counter()
     for attempt in range(retries + 1):
         try:
             await _stream_once(http, spec, prompt, rec, start)
@@ -118,7 +123,7 @@ async def one_request(http: aiohttp.ClientSession, spec: RequestSpec, prompt: st
     return rec
 
 
-async def _stream_once(http: aiohttp.ClientSession, spec: RequestSpec, prompt: str,
+async def _stream_once(http: aiohttp.ClientSession, spec: RequestSpec, prompt: str | list[int],
                        rec: RequestRecord, start: float) -> None:
     rec.error, answered = None, False
     try:
@@ -153,12 +158,13 @@ async def _read_events(resp: aiohttp.ClientResponse, rec: RequestRecord, start: 
             rec.ttft = now - start
         else:
             rec.itls.append(now - last)
+        rec.chunk_at.append(now)
         last = now
         chunks += 1
     rec.output_tokens = rec.output_tokens or chunks
 
 
-def _pcts(values: list[float]) -> dict[str, float]:
+def percentiles(values: list[float]) -> dict[str, float]:
     if not values:
         return {"p50": 0.0, "p90": 0.0, "p99": 0.0}
     a = np.array(values) * 1000.0
@@ -208,9 +214,10 @@ def summarize(records: list[RequestRecord], elapsed: float, level: Level,
         "output_tokens_per_request": args.output_tokens,
         "duration_s": round(elapsed, 3), "output_tokens": out_tokens,
         "output_tok_s": round(out_tokens / elapsed, 2), "requests_s": round(len(ok) / elapsed, 3),
-        "ttft_ms": _pcts([r.ttft for r in ok]), "itl_ms": _pcts([x for r in ok for x in r.itls]),
-        "tpot_ms": _pcts([_tpot(r) for r in ok if r.output_tokens > 1]),
-        "e2e_ms": _pcts([r.latency for r in ok]),
+        "ttft_ms": percentiles([r.ttft for r in ok]),
+        "itl_ms": percentiles([x for r in ok for x in r.itls]),
+        "tpot_ms": percentiles([_tpot(r) for r in ok if r.output_tokens > 1]),
+        "e2e_ms": percentiles([r.latency for r in ok]),
     }
 
 

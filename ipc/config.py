@@ -53,6 +53,20 @@ class ServerConfig:
     max_prefill_tokens: int = dataclasses.field(
         default=8192, metadata={"help": "Most prompt tokens computed in one scheduler step "
                                         "(summed over all requests in the step)."})
+    # Decode first; 512 trades a burst's time to first token for the decoding streams' gaps.
+    # An 8B model prefills ~38k tokens/s on the H200 (64 x 130 in ~220 ms, docs/benchmarks.md):
+    # 512 tokens should add ~13 ms to a step, about one 32-64-row decode step (7-12 ms), and
+    # 8192 ~200 ms; a 512-row GEMM is still compute-bound there (past ~200 rows: 989 TFLOP/s
+    # over 4.8 TB/s), so prefill loses little per token, but a burst takes 16x more steps.
+    # vLLM also schedules decodes first under one step budget (max_num_batched_tokens),
+    # first defaulted to 512 for the best ITL on an A100.
+    max_prefill_tokens_while_decoding: int = dataclasses.field(
+        default=512, metadata={"help": "Most prompt tokens computed in a step that also "
+                                       "decodes (decode first: long prompts arriving slow "
+                                       "the decoding streams' tokens by this much prefill a "
+                                       "step); a step with nothing decoding takes up to "
+                                       "--max-prefill-tokens. Set it to --max-prefill-tokens "
+                                       "for one budget for every step."})
     mem_fraction: float = dataclasses.field(
         default=0.6, metadata={"help": "Fraction of the device memory left free after "
                                        "loading the weights that the KV pool may take."})
@@ -152,8 +166,10 @@ class ServerConfig:
     def __post_init__(self) -> None:
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
-        if self.chunked_prefill_size < 1 or self.max_prefill_tokens < 1:
-            raise ValueError("--chunked-prefill-size and --max-prefill-tokens must be >= 1")
+        if min(self.chunked_prefill_size, self.max_prefill_tokens,
+               self.max_prefill_tokens_while_decoding) < 1:
+            raise ValueError("--chunked-prefill-size, --max-prefill-tokens and "
+                             "--max-prefill-tokens-while-decoding must be >= 1")
         if not 0.0 <= self.window_ratio <= 1.0:
             raise ValueError("--window-ratio must be in [0, 1]")
         if not 0.0 < self.mem_fraction <= 1.0:

@@ -39,6 +39,8 @@ def limits_from(config: ServerConfig, ready: WorkerReady) -> SchedulerLimits:
                            max_running=config.max_running_requests,
                            chunk_size=config.chunk_size,
                            max_prefill_tokens=config.max_prefill_tokens,
+                           max_prefill_tokens_while_decoding=(
+                               config.max_prefill_tokens_while_decoding),
                            radix_cache=not config.disable_radix_cache and ready.prefix_cache,
                            schedule_policy=config.schedule_policy,
                            state_snapshots=ready.state_snapshots,

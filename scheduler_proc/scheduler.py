@@ -54,6 +54,16 @@ class SchedulerLimits:
     # What one position's K/V take in each space (for the stats).
     bytes_per_slot: int = 0
     window_bytes_per_slot: int = 0
+    # Decode first: a step that carries decoding requests computes at most this many prompt
+    # tokens (None: max_prefill_tokens), so a burst of long prompts stretches each of their
+    # inter-token gaps by one bounded prefill, not by a whole --max-prefill-tokens of it.
+    max_prefill_tokens_while_decoding: int | None = None
+
+    def prefill_tokens(self, decoding: bool) -> int:
+        """The prompt tokens a step may compute; `decoding`: it has decoding requests."""
+        if decoding and self.max_prefill_tokens_while_decoding is not None:
+            return min(self.max_prefill_tokens, self.max_prefill_tokens_while_decoding)
+        return self.max_prefill_tokens
 
 
 class PrefillBudget:
@@ -260,12 +270,15 @@ class Scheduler:
            short: evicting cached prefixes, then waiting a step if requests whose last
            tokens are in flight will give back enough, else preempting the newest
            requests that are not finishing);
-        2. the prefill budget for unfinished prompts, oldest first, in chunks;
+        2. the prefill budget for unfinished prompts, oldest first, in chunks: the smaller
+           one while step 1 decodes anyone (`SchedulerLimits.prefill_tokens`); it is never
+           0, so the oldest prompt advances every step however long decoding goes on;
         3. waiting requests admitted while budget, batch size and KV room allow.
         """
         new_reqs: list[NewRequest] = []
         decode_rids, decode_slots, decode_window = self._plan_decode()
-        budget = PrefillBudget(self.limits.max_prefill_tokens, self.limits.chunk_size)
+        budget = PrefillBudget(self.limits.prefill_tokens(decoding=bool(decode_rids)),
+                               self.limits.chunk_size)
         prefill = [self._plan_chunk(r, budget, new_reqs)
                    for r in list(self.running.values()) if r.prefilling and not budget.exhausted]
         prefill += self._admit(budget, new_reqs)

@@ -63,7 +63,8 @@ class InProcessEngine:
                  grammars: Any = None, compile_decode: bool = False,
                  prefill_padding: float = PREFILL_PADDING,
                  backend: DecodeBackend | None = None, state_snapshots: int = 64,
-                 snapshot_stride: int = 0, window_slots: int | None = None) -> None:
+                 snapshot_stride: int = 0, window_slots: int | None = None,
+                 max_prefill_tokens_while_decoding: int | None = None) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False. tokenizer: what the scheduler decodes stop strings with.
         grammars: the worker's GrammarMatchers, for requests with a grammar.
@@ -71,7 +72,8 @@ class InProcessEngine:
         server's is 0: only chunks of one length share a forward). backend: the decode
         backend (default: the device's; StandInKernel: the CUDA path on the CPU).
         window_slots: the windowed layers' own slot space (default: half the capacity,
-        as --window-ratio's default, where the worker would keep one; 0: none)."""
+        as --window-ratio's default, where the worker would keep one; 0: none).
+        max_prefill_tokens_while_decoding: the decode-first budget (None: one budget)."""
         specs = probe_attention_specs(model)
         if window_slots is None:
             recurrent = KVPool.state_bytes_per_request(specs) > 0
@@ -89,7 +91,9 @@ class InProcessEngine:
                                                    max_prefill_tokens, radix_cache, schedule_policy,
                                                    self.pool.num_snapshots, snapshot_stride,
                                                    self.pool.window_slots,
-                                                   tuple(self.pool.window_kinds)),
+                                                   tuple(self.pool.window_kinds),
+                                                   max_prefill_tokens_while_decoding=(
+                                                       max_prefill_tokens_while_decoding)),
                                    (lambda: tokenizer) if tokenizer is not None else None)
         self.to_scheduler, self.to_worker, self.to_detokenizer = Pipe(), Pipe(), Pipe()
         self.loop = SchedulerLoop(self.scheduler, self.to_scheduler, self.to_worker,

@@ -285,7 +285,8 @@ def test_help_describes_every_flag():
     out = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--help"], capture_output=True,
                          text=True, timeout=60).stdout
     for flag in ["--model", "--host", "--port", "--max-running-requests", "--chunked-prefill-size",
-                 "--max-prefill-tokens", "--mem-fraction", "--max-total-tokens", "--log-level"]:
+                 "--max-prefill-tokens", "--max-prefill-tokens-while-decoding", "--mem-fraction",
+                 "--max-total-tokens", "--log-level"]:
         assert flag in out
 
 

@@ -34,8 +34,10 @@ def assert_idle_invariant(s: Scheduler) -> None:
     assert s.windows is None or s.windows.num_free == s.windows.capacity
 
 
-def _sched(capacity=1000, max_context=512, max_running=8, chunk=64, budget=128) -> Scheduler:
-    return Scheduler(SchedulerLimits(capacity, max_context, max_running, chunk, budget))
+def _sched(capacity=1000, max_context=512, max_running=8, chunk=64, budget=128,
+           while_decoding=None) -> Scheduler:
+    return Scheduler(SchedulerLimits(capacity, max_context, max_running, chunk, budget,
+                                     max_prefill_tokens_while_decoding=while_decoding))
 
 
 def _answer(batch, token: int = 7) -> StepResult:
@@ -123,6 +125,67 @@ def test_long_prompt_is_chunked_and_decode_shares_steps():
     b4 = s.plan_step()
     assert [(c.start, len(c.token_ids), c.sample) for c in b4.prefill] == [(128, 22, True)]
     assert b4.new_requests == [] and "short" in b4.decode_rids
+
+
+def _prefilled(batch) -> dict[str, int]:
+    """Prompt tokens the step computes, by request."""
+    return {c.rid: len(c.token_ids) for c in batch.prefill}
+
+
+def test_a_step_that_decodes_computes_only_the_decoding_budget_of_prompts():
+    """Decode first: while "short" decodes, the long prompts share the smaller budget,
+    oldest first, so each of its tokens waits for 64 prompt tokens, not 256; once nothing
+    decodes, a step takes the full budget again."""
+    s = _sched(chunk=128, budget=256, while_decoding=64)
+    s.add_request(_req("short", 10, 3))
+    s.add_request(_req("b", 300, 5))
+    s.add_request(_req("c", 300, 5))
+    b1 = s.plan_step()  # nothing decodes yet
+    assert _prefilled(b1) == {"short": 10, "b": 128, "c": 118}
+    s.apply_result(_answer(b1))
+    b2 = s.plan_step()
+    assert b2.decode_rids == ["short"] and _prefilled(b2) == {"b": 64}
+    s.apply_result(_answer(b2))
+    b3 = s.plan_step()  # short's last token: b's chunk is cut where the budget ends
+    assert b3.decode_rids == ["short"] and _prefilled(b3) == {"b": 64}
+    s.apply_result(_answer(b3))
+    assert "short" not in s.running
+    b4 = s.plan_step()
+    assert b4.decode_rids == [] and _prefilled(b4) == {"b": 44, "c": 128}
+
+
+def test_a_long_prompt_advances_every_step_however_long_others_decode():
+    """No starvation: a prompt arriving beside a stream of decode steps gets the budget
+    (here 7 tokens) every step and samples its first token after ceil(100 / 7) steps."""
+    s = _sched(chunk=64, budget=256, while_decoding=7)
+    for rid in "wxyz":
+        s.add_request(_req(rid, 4, 200))
+    s.apply_result(_answer(s.plan_step()))
+    s.add_request(_req("long", 100, 3))
+    chunks = []
+    while not chunks or not chunks[-1].sample:
+        batch = s.plan_step()
+        assert batch.decode_rids == list("wxyz")
+        chunks += batch.prefill
+        s.apply_result(_answer(batch))
+    assert [len(c.token_ids) for c in chunks] == [7] * 14 + [2]
+    assert [c.start for c in chunks] == list(range(0, 100, 7))
+
+
+def test_the_decoding_budget_never_raises_a_steps_budget_and_reaches_the_scheduler():
+    from ipc.config import ServerConfig
+    from ipc.messages.to_scheduler import WorkerReady
+    from scheduler_proc import limits_from
+
+    limits = SchedulerLimits(1000, 512, 8, 64, 128, max_prefill_tokens_while_decoding=1000)
+    assert limits.prefill_tokens(decoding=True) == limits.prefill_tokens(decoding=False) == 128
+    assert SchedulerLimits(1000, 512, 8, 64, 128).prefill_tokens(decoding=True) == 128
+    ready = WorkerReady(num_slots=1000, max_context_len=512, overlap=False)
+    config = ServerConfig(max_prefill_tokens_while_decoding=300)
+    assert limits_from(config, ready).prefill_tokens(decoding=True) == 300
+    assert limits_from(ServerConfig(), ready).prefill_tokens(decoding=False) == 8192
+    with pytest.raises(ValueError, match="while-decoding"):
+        ServerConfig(max_prefill_tokens_while_decoding=0)
 
 
 def test_slot_ids_are_consistent_between_plan_and_table():

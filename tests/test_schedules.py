@@ -3,8 +3,9 @@ preemption and overlap, every request's greedy tokens are mlx-lm's for its promp
 
 Each schedule draws prompts that share first tokens, long prefixes, whole prompts, or are a
 prefix of another; engine limits that put chunk edges inside and across the shared parts
-and, in some schedules, a pool small enough to preempt; and arrival times from "all in the
-same step" to "while the others decode". A failure names the seed, which replays it.
+(a smaller prefill budget in steps that decode, too) and, in some schedules, a pool small
+enough to preempt; and arrival times from "all in the same step" to "while the others
+decode". A failure names the seed, which replays it.
 """
 
 from __future__ import annotations
@@ -76,6 +77,8 @@ def draw_schedule(seed: int, vocab: int) -> Schedule:
                   schedule_policy=rng.choice(["fcfs", "lpm"]),
                   prefill_padding=rng.choice([0.0, 0.25, 1.0]))
     arrivals = [0 if rng.random() < 0.5 else rng.randrange(0, 12) for _ in prompts]
+    # Drawn last, so the draws above (and what each seed replays) stay as they were.
+    engine["max_prefill_tokens_while_decoding"] = rng.choice([None, 9, 100])
     return Schedule(seed, prompts, max_tokens, arrivals, engine)
 
 

@@ -1,0 +1,246 @@
+"""Mixed traffic: steady decoding streams, and a burst of long prompts arriving mid-run.
+
+    LD_PRELOAD=$VENV/lib/libmkl_rt.so.3 python bench/mixed_traffic.py --model demo \
+        --arms 32,default,8192 --kiln-args="--max-total-tokens 40000"    # CPU, small sizes
+    PARTS=mixed OUT=$OUT bash bench/h200_session.sh    # the H200: 32 streams, 64 x 4096 tokens
+
+For each arm (a `--max-prefill-tokens-while-decoding` value; `default`: the server's own)
+it starts kiln on 127.0.0.1, warms it up, then
+1. opens the steady streams: short prompts, long outputs;
+2. once every stream has its first token, waits --steady-seconds and sends the burst's
+   long prompts at once;
+3. waits for every request to end (ignore_eos: each makes its max_tokens, so every arm
+   does the same work), and stops the server.
+
+Per arm it reports the steady streams' inter-token gaps (between text chunks, ms) before
+the burst, during it (gaps ending between the burst's sending and its last prompt's first
+token, i.e. while its prompts are prefilled) and after; the burst's TTFT; and output
+tokens/s over the whole run. The target of issue 20 reads off as `p99_ratio` (ITL p99
+during / before) <= 2 with `output_tok_s` not below the one-budget arm's. On a CPU a
+step's fair share of prefill is far smaller than a GPU's (the demo model prefills ~1.5k
+tokens/s there: 512 tokens are ~300 ms beside a 10-15 ms decode step), hence an arm of 32.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from bench import serving  # noqa: E402
+from bench.h200_compare import exit_on_sigterm, stop_server  # noqa: E402
+from bench.prefix_cache import start_kiln  # noqa: E402
+
+DEFAULT_ARM = "default"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What one arm serves; every arm serves the same prompts."""
+
+    steady: list[list[int]]
+    burst: list[list[int]]
+    steady_output: int
+    burst_output: int
+    steady_seconds: float
+
+
+def prompt_ids(model_dir: Path, n: int, length: int, seed: int) -> list[list[int]]:
+    """n distinct random prompts of `length` ids, none a special token (so neither the
+    prefix cache nor an early EOS changes the work)."""
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
+    special = set(tok.get_added_tokens_decoder())
+    allowed = np.array([i for i in range(tok.get_vocab_size()) if i not in special])
+    rng = np.random.default_rng(seed)
+    return [rng.choice(allowed, size=length).tolist() for _ in range(n)]
+
+
+def make_workload(model_dir: Path, args: argparse.Namespace, seed: int) -> Workload:
+    return Workload(prompt_ids(model_dir, args.steady_streams, args.steady_prompt_tokens, seed),
+                    prompt_ids(model_dir, args.burst_requests, args.burst_prompt_tokens, seed + 1),
+                    args.steady_output_tokens, args.burst_output_tokens, args.steady_seconds)
+
+
+@dataclass
+class Timeline:
+    """Records of one measured run, and when the burst was sent."""
+
+    steady: list[serving.RequestRecord]
+    burst: list[serving.RequestRecord]
+    started: float
+    burst_sent: float
+    ended: float
+
+    @property
+    def burst_prefilled(self) -> float:
+        """When the last burst prompt got its first token: its prompts are all computed."""
+        return max(r.sent_at + r.ttft for r in self.burst)
+
+
+async def _all_streaming(records: list[serving.RequestRecord], tasks: list[asyncio.Task]) -> None:
+    """Until every stream has its first token (or has ended: a failure, or a short one)."""
+    while not all(r.chunk_at or t.done() for r, t in zip(records, tasks)):
+        await asyncio.sleep(0.01)
+
+
+async def run_mixed(url: str, workload: Workload, timeout: float) -> Timeline:
+    """The steady streams, then the burst mid-run; returns once every request ended."""
+    n = len(workload.steady) + len(workload.burst)
+    connector = aiohttp.TCPConnector(limit=n + 8, limit_per_host=n + 8)
+    steady_spec = serving.RequestSpec(url, "default", workload.steady_output, ignore_eos=True)
+    burst_spec = serving.RequestSpec(url, "default", workload.burst_output, ignore_eos=True)
+    async with aiohttp.ClientSession(connector=connector,
+                                     timeout=aiohttp.ClientTimeout(total=timeout)) as http:
+        started = time.perf_counter()
+        steady = [serving.RequestRecord() for _ in workload.steady]
+        tasks = [asyncio.create_task(serving.one_request(http, steady_spec, p, rec=r))
+                 for p, r in zip(workload.steady, steady)]
+        await _all_streaming(steady, tasks)
+        await asyncio.sleep(workload.steady_seconds)
+        burst_sent = time.perf_counter()
+        tasks += [asyncio.create_task(serving.one_request(http, burst_spec, p))
+                  for p in workload.burst]
+        records = await asyncio.gather(*tasks)
+    return Timeline(steady, list(records[len(steady):]), started, burst_sent, time.perf_counter())
+
+
+def gaps_between(records: list[serving.RequestRecord], start: float, end: float) -> list[float]:
+    """The inter-chunk gaps (s) of these streams that end inside (start, end]."""
+    return [b - a for r in records for a, b in zip(r.chunk_at, r.chunk_at[1:])
+            if start < b <= end]
+
+
+def summarize(t: Timeline) -> dict[str, Any]:
+    records = t.steady + t.burst
+    failed = [r.error for r in records if r.error is not None]
+    first_all = max((r.chunk_at[0] for r in t.steady if r.chunk_at), default=t.burst_sent)
+    before = serving.percentiles(gaps_between(t.steady, first_all, t.burst_sent))
+    during_gaps = gaps_between(t.steady, t.burst_sent, t.burst_prefilled)
+    during = serving.percentiles(during_gaps)
+    out_tokens = sum(r.output_tokens for r in records if r.error is None)
+    return {
+        "failed": len(failed), "errors": sorted(set(failed))[:3],
+        "itl_before_ms": before, "itl_during_ms": during,
+        "itl_after_ms": serving.percentiles(gaps_between(t.steady, t.burst_prefilled, t.ended)),
+        "p99_ratio": round(during["p99"] / before["p99"], 2) if before["p99"] else None,
+        "p50_ratio": round(during["p50"] / before["p50"], 2) if before["p50"] else None,
+        "gaps_during": len(during_gaps),
+        # Streams that ended before the burst was prefilled leave the "during" window.
+        "steady_ended_during_burst": sum(not r.chunk_at or r.chunk_at[-1] < t.burst_prefilled
+                                         for r in t.steady),
+        "burst_ttft_ms": serving.percentiles([r.ttft for r in t.burst]),
+        "burst_prefill_s": round(t.burst_prefilled - t.burst_sent, 3),
+        "duration_s": round(t.ended - t.started, 3), "output_tokens": out_tokens,
+        "output_tok_s": round(out_tokens / (t.ended - t.started), 2),
+    }
+
+
+async def warm_up(url: str, model_dir: Path, args: argparse.Namespace) -> None:
+    """The run's shapes at a few tokens each, so first-use compiles are not timed; other
+    prompts than the run's, so the prefix cache holds none of the run's."""
+    warm = Workload(prompt_ids(model_dir, args.steady_streams, args.steady_prompt_tokens, 99),
+                    prompt_ids(model_dir, 2, args.burst_prompt_tokens, 98), 8, 2, 0.0)
+    await run_mixed(url, warm, args.timeout)
+
+
+def arm_flags(arm: str) -> list[str]:
+    return [] if arm == DEFAULT_ARM else ["--max-prefill-tokens-while-decoding", arm]
+
+
+def run_arm(arm: str, model_dir: Path, workload: Workload, args: argparse.Namespace) -> dict:
+    server = start_kiln(str(model_dir), [*args.kiln_args.split(), *arm_flags(arm)],
+                        args.out / f"mixed_{arm}.log", args.ready_timeout)
+    try:
+        asyncio.run(warm_up(server.url, model_dir, args))
+        result = {"arm": arm, "flags": arm_flags(arm),
+                  **summarize(asyncio.run(run_mixed(server.url, workload, args.timeout)))}
+    finally:
+        stop_server(server)
+    print(f"[{arm}] {table_row(result)}", file=sys.stderr, flush=True)
+    return result
+
+
+def table_row(r: dict[str, Any]) -> str:
+    b, d, ttft = r["itl_before_ms"], r["itl_during_ms"], r["burst_ttft_ms"]
+    return (f"{r['arm']:>8} | {b['p50']:7.1f} {b['p99']:7.1f} | {d['p50']:7.1f} {d['p99']:7.1f}"
+            f" | {r['p99_ratio']!s:>5} | {ttft['p50']:8.0f} {ttft['p99']:8.0f} |"
+            f" {r['output_tok_s']:9.1f} | {r['failed']}")
+
+
+def report(results: list[dict[str, Any]]) -> str:
+    head = ("     arm | ITL before p50 p99 | ITL during p50 p99 | p99 x | burst TTFT p50 p99 |"
+            " out tok/s | failed")
+    lines = [head, *map(table_row, results)]
+    base = results[-1]["output_tok_s"]
+    if len(results) > 1 and base:
+        lines += [f"out tok/s, {r['arm']} / {results[-1]['arm']}: {r['output_tok_s'] / base:.3f}"
+                  for r in results[:-1]]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--model", default="demo", help="a demo preset or a model directory")
+    p.add_argument("--arms", default=f"{DEFAULT_ARM},8192",
+                   help="comma list of --max-prefill-tokens-while-decoding values, each served "
+                        f"by its own server ({DEFAULT_ARM}: no flag); the last is the baseline "
+                        "of the throughput ratios (8192 = --max-prefill-tokens: one budget)")
+    p.add_argument("--steady-streams", type=int, default=8)
+    p.add_argument("--steady-prompt-tokens", type=int, default=32)
+    p.add_argument("--steady-output-tokens", type=int, default=800,
+                   help="enough to outlast the burst's prefill in every arm (see "
+                        "steady_ended_during_burst)")
+    p.add_argument("--steady-seconds", type=float, default=3.0,
+                   help="steady decoding measured before the burst is sent")
+    p.add_argument("--burst-requests", type=int, default=8)
+    p.add_argument("--burst-prompt-tokens", type=int, default=1024)
+    p.add_argument("--burst-output-tokens", type=int, default=16)
+    p.add_argument("--kiln-args", default="", help="extra launch.py flags for every arm")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
+    p.add_argument("--ready-timeout", type=float, default=300.0)
+    p.add_argument("--out", type=Path, default=ROOT / "bench" / "results",
+                   help="where the server logs go")
+    p.add_argument("--json", default="", help="also write the results here")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
+    signal.signal(signal.SIGTERM, exit_on_sigterm)  # a timeout still stops the server
+    args = parse_args(argv)
+    from launch import resolve_model
+
+    model_dir = Path(resolve_model(args.model))
+    args.out.mkdir(parents=True, exist_ok=True)
+    workload = make_workload(model_dir, args, args.seed)
+    settings = {k: v for k, v in vars(args).items() if k not in ("out", "json")}
+    results: list[dict[str, Any]] = []
+    for arm in args.arms.split(","):
+        results.append(run_arm(arm, model_dir, workload, args))
+        doc = {"model": args.model, "settings": settings, "results": results}
+        if args.json:  # after every arm: a run stopped by a time limit keeps the arms done
+            Path(args.json).write_text(json.dumps(doc, indent=2) + "\n")
+    if not args.json:
+        print(json.dumps(doc, indent=2))
+    print(report(results), flush=True)
+    return results
+
+
+if __name__ == "__main__":
+    main()

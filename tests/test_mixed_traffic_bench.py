@@ -1,0 +1,27 @@
+"""bench/mixed_traffic.py's report on a made-up timeline: which gaps count as before and
+during the burst, and the ratio the issue's target reads off."""
+
+from __future__ import annotations
+
+from bench.mixed_traffic import Timeline, summarize
+from bench.serving import RequestRecord
+
+
+def _stream(times: list[float], sent_at: float = 0.0) -> RequestRecord:
+    return RequestRecord(ttft=times[0] - sent_at, output_tokens=len(times), sent_at=sent_at,
+                         chunk_at=times)
+
+
+def test_gaps_are_split_at_the_burst_and_its_last_first_token():
+    # Steady: a token every 10 ms until the burst is sent at 1.0 s, every 30 ms while the
+    # burst's prompts are computed (its last first token at 1.3 s), every 10 ms after.
+    ticks = ([i * 0.01 for i in range(1, 101)] + [1.0 + i * 0.03 for i in range(1, 11)]
+             + [1.3 + i * 0.01 for i in range(1, 21)])
+    steady = [_stream(ticks), _stream(ticks)]
+    burst = [_stream([1.2, 1.31], sent_at=1.0), _stream([1.3, 1.32], sent_at=1.0)]
+    r = summarize(Timeline(steady, burst, started=0.0, burst_sent=1.0, ended=1.5))
+    assert r["itl_before_ms"]["p99"] == 10.0 and r["itl_during_ms"]["p50"] == 30.0
+    assert r["gaps_during"] == 20 and r["p99_ratio"] == 3.0
+    assert r["burst_ttft_ms"]["p50"] == 250.0 and r["burst_prefill_s"] == 0.3
+    assert r["steady_ended_during_burst"] == 0 and r["failed"] == 0
+    assert r["output_tokens"] == 2 * 130 + 4 and r["output_tok_s"] == round(264 / 1.5, 2)
