@@ -370,44 +370,40 @@ def bench_server(name: str, model_dir: Path, args: argparse.Namespace,
 
 # -- KV memory per request (kiln) -----------------------------------------------------------
 
-_POOL_LINE = re.compile(r"KV pool: (\d+) slots, ([\d.]+) MiB")
 _STATES_LINE = re.compile(r"recurrent states: ([\d.]+) MiB for (\d+) requests and (\d+) prompt-end")
 
 
 @dataclass(frozen=True)
 class KVFootprint:
-    """What one token and one request take, from the worker's start-up lines
-    (/get_server_info counts slots, not bytes): K and V of every attention layer per slot,
-    and one request's recurrent state (0 without recurrent layers). The lines give MiB to
-    0.1, so small pools read inexactly."""
+    """One request's recurrent state (0 without recurrent layers), from the worker's
+    start-up line (/get_server_info gives K/V bytes per slot, not state bytes); the line
+    gives MiB to 0.1, so small pools read inexactly."""
 
-    bytes_per_slot: float
     state_bytes_per_request: float
 
     @classmethod
-    def from_log(cls, log: Path) -> KVFootprint | None:
-        text = log.read_text(errors="replace")
-        pool = _POOL_LINE.search(text)
-        if pool is None:
-            return None
-        states = _STATES_LINE.search(text)
+    def from_log(cls, log: Path) -> KVFootprint:
+        states = _STATES_LINE.search(log.read_text(errors="replace"))
         # The state memory is one row per running request and one per prompt-end snapshot.
-        per_state = (float(states[1]) * 2**20 / (int(states[2]) + int(states[3]))
-                     if states else 0.0)
-        return cls(float(pool[2]) * 2**20 / int(pool[1]), per_state)
+        return cls(float(states[1]) * 2**20 / (int(states[2]) + int(states[3]))
+                   if states else 0.0)
 
 
 class KVProbe:
     """Polls a kiln server's /get_server_info in a thread while a sweep runs and keeps the
     sample with the most running requests (of those, the most slots held). Held slots are
     used less evictable ones: slots the running requests read or wrote, not cached
-    prefixes no request reads."""
+    prefixes no request reads; likewise window slots (sliding and chunked layers' own space,
+    where the model has one) held are those the running requests' queries see."""
 
     def __init__(self, url: str, interval: float = 0.5) -> None:
         self.url = url
         self.interval = interval
         self.running = 0
         self.held_slots = 0
+        self.window_slots = 0
+        self.bytes_per_slot = 0
+        self.window_bytes_per_slot = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._poll, name="kv-probe", daemon=True)
 
@@ -430,19 +426,23 @@ class KVProbe:
                           stats["used_slots"] - stats["evictable_slots"])
                 if sample > (self.running, self.held_slots):
                     self.running, self.held_slots = sample
+                    self.window_slots = stats.get("window_held_slots", 0)
+                    self.bytes_per_slot = stats.get("kv_bytes_per_slot", 0)
+                    self.window_bytes_per_slot = stats.get("window_kv_bytes_per_slot", 0)
 
-    def report(self, footprint: KVFootprint | None) -> dict[str, Any]:
+    def report(self, footprint: KVFootprint) -> dict[str, Any]:
         out: dict[str, Any] = {"at_running_requests": self.running,
-                               "held_slots": self.held_slots}
+                               "held_slots": self.held_slots, "window_slots": self.window_slots}
         if not self.running:
             return out
         out["slots_per_request"] = round(self.held_slots / self.running, 1)
-        if footprint is not None:
-            kv = out["slots_per_request"] * footprint.bytes_per_slot
-            out |= {"bytes_per_slot": round(footprint.bytes_per_slot),
-                    "state_bytes_per_request": round(footprint.state_bytes_per_request),
-                    "kv_bytes_per_request": round(kv + footprint.state_bytes_per_request)}
-        return out
+        out["window_slots_per_request"] = round(self.window_slots / self.running, 1)
+        kv = (self.held_slots * self.bytes_per_slot
+              + self.window_slots * self.window_bytes_per_slot) / self.running
+        return out | {"bytes_per_slot": self.bytes_per_slot,
+                      "window_bytes_per_slot": self.window_bytes_per_slot,
+                      "state_bytes_per_request": round(footprint.state_bytes_per_request),
+                      "kv_bytes_per_request": round(kv + footprint.state_bytes_per_request)}
 
 
 def sweep_budget(deadline: float, servers_left: int, cap: float) -> float:
@@ -476,7 +476,8 @@ def _kv_lines(sweeps: dict[str, dict[str, Any]]) -> list[str]:
         if "kv_bytes_per_request" in kv:
             out.append(f"{_LABELS[name]} KV per request at {kv['at_running_requests']} running: "
                        f"{kv['kv_bytes_per_request'] / 2**20:.1f} MiB ({kv['slots_per_request']} "
-                       f"slots x {kv['bytes_per_slot']} B + state "
+                       f"slots x {kv['bytes_per_slot']} B + {kv['window_slots_per_request']} "
+                       f"window slots x {kv['window_bytes_per_slot']} B + state "
                        f"{kv['state_bytes_per_request'] / 2**20:.2f} MiB)")
     return out
 

@@ -18,8 +18,9 @@
 # the demo tokenizer: 7,400 words ~7,800 tokens, which with 256 output tokens fits the
 # Llama shape's 8,192 context), kiln and mlx_lm.server side by side, kiln's KV memory per
 # request polled from /get_server_info (bench/h200_compare.py --kv-probe); in $OUT/longctx.
-# mlx-lm's Gated DeltaNet kernel is Metal-only: on CUDA both servers prefill those layers
-# through its ops fallback, one recurrent step per token, so hybrids' 8k prompts are slow.
+# mlx-lm's Gated DeltaNet kernel is Metal-only: on CUDA mlx_lm.server prefills those layers
+# through its ops fallback, one recurrent step per token (kiln runs its own CUDA kernel,
+# worker_proc/gated_delta_cuda.py), so hybrids' 8k prompts are slow there.
 # CPU smoke test of a part: FAMILY=qwen3_5-tiny (DTYPE=float32 for MoE shapes), the sizes
 # below made small.
 #

@@ -669,6 +669,8 @@ class Scheduler:
             cache_hit_tokens_total=c.cache_hit_tokens, slots_consistent=self.slots_consistent(),
             window_capacity_slots=self.windows.capacity if self.windows is not None else 0,
             window_used_slots=self.windows.num_used if self.windows is not None else 0,
+            window_held_slots=(sum(r.num_computed - r.sees_from for r in self.running.values())
+                               if self.windows is not None else 0),
             kv_bytes_per_slot=self.limits.bytes_per_slot,
             window_kv_bytes_per_slot=self.limits.window_bytes_per_slot,
             state_snapshots=self.limits.state_snapshots,

@@ -35,13 +35,13 @@ def test_hybrid_model_loads_and_its_head_never_picks_a_special_id(shape: str,
     check_model(model_dir)  # mlx_lm.load and a greedy generate of ids the tokenizer knows
 
 
-def test_kv_footprint_reads_the_worker_start_up_lines(tmp_path: Path) -> None:
+def test_kv_footprint_reads_the_recurrent_state_from_the_start_up_lines(tmp_path: Path) -> None:
     log = tmp_path / "kiln.log"
     log.write_text(
         "02:14:35    launcher INFO    launcher: worker: recurrent states: 3.0 MiB for 128 "
         "requests and 64 prompt-end snapshots\n"
         "02:14:35    launcher INFO    launcher: worker: KV pool: 2048 slots, 1.0 MiB (+ up to "
         "0.5 MiB of kept decode contexts)\n")
-    assert KVFootprint.from_log(log) == KVFootprint(512.0, 3 * 2**20 / 192)
+    assert KVFootprint.from_log(log) == KVFootprint(3 * 2**20 / 192)
     log.write_text("worker: KV pool: 2048 slots, 1.0 MiB\n")  # no recurrent layers
-    assert KVFootprint.from_log(log) == KVFootprint(512.0, 0.0)
+    assert KVFootprint.from_log(log) == KVFootprint(0.0)

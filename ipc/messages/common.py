@@ -101,6 +101,7 @@ class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
     # window_kv_bytes_per_slot: in the windowed layers' (0: they share the full pool).
     window_capacity_slots: int = 0
     window_used_slots: int = 0
+    window_held_slots: int = 0  # of those, what running requests' queries see (the rest: cache)
     kv_bytes_per_slot: int = 0
     window_kv_bytes_per_slot: int = 0
 
