@@ -273,6 +273,7 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
     from ipc.messages.to_scheduler import StepResult
     from ipc.messages.to_worker import ForwardBatch, PrefillChunk, SyncSteps
     from worker_proc import WorkerLoop
+    from worker_proc.step_stats import ForwardClock
 
     calls: list[tuple] = []
 
@@ -282,6 +283,8 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
         needs_sampling: bool = False
 
     class Runner:
+        clock = ForwardClock()  # no prefill forwards started in build
+
         def build(self, batch):
             calls.append(("build", batch.step))
             return Pending(batch.step)

@@ -226,8 +226,12 @@ class WorkerLoop:
 
     def _build(self, batch: ForwardBatch) -> PendingStep:
         pending = self.runner.build(batch)
-        spent = self._timer.mark("build")
-        logger.debug("step %d built in %.2f ms", batch.step, spent * 1e3)
+        # The prefill forwards it started and waited for are not graph building.
+        clock = self.runner.clock
+        spent = self._timer.mark("build", clock.phases())
+        logger.debug("step %d built in %.2f ms (and %.2f ms starting prefill forwards, "
+                     "%.2f ms waiting for them)", batch.step, spent * 1e3, clock.start * 1e3,
+                     clock.wait * 1e3)
         return pending
 
     def _start(self, pending: PendingStep) -> None:

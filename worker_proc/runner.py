@@ -31,6 +31,7 @@ from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, Sampli
 from worker_proc.step_inputs import (COMPILED_MIN_WIDTH, compiled_batch_size,
                                      compiled_table_width, gather_last_tokens, group_by_length,
                                      prefill_waves, rows_by_length)
+from worker_proc.step_stats import ForwardClock
 
 logger = logging.getLogger(__name__)
 
@@ -157,6 +158,8 @@ class ModelRunner:
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._last_prefill: mx.array | None = None  # see _launch_prefill
         self._head = output_head(model)
+        # This build's time starting prefill forwards and waiting for earlier ones.
+        self.clock = ForwardClock()
 
     # -- request bookkeeping -------------------------------------------------------------
 
@@ -223,6 +226,7 @@ class ModelRunner:
         """Build the step's lazy graph. A decode-only step is host work only; a step with
         prefill chunks already runs those forwards (with a scatter-written pool, see
         start's NOTE: no earlier step may still be running when this is called for one)."""
+        self.clock = ForwardClock()
         for rid in batch.released:
             self._release(rid)
         refused: list[RequestError] = []
@@ -435,10 +439,12 @@ class ModelRunner:
         # A view of its first logit, evaluated with it: reading it waits for this
         # forward alone (mx.eval would wait for everything launched since).
         probe = logits[:1, :1]
-        mx.async_eval(logits, probe, *more, *self.pool.landing())
+        with self.clock.timing("start"):
+            mx.async_eval(logits, probe, *more, *self.pool.landing())
         previous, self._last_prefill = self._last_prefill, probe
         if previous is not None:
-            previous.item()
+            with self.clock.timing("wait"):
+                previous.item()
 
     def _prompt_logprobs_of(self, state: RequestState, chunk: PrefillChunk,
                             out: mx.array | None, last: mx.array) -> PendingPromptLogprobs | None:
