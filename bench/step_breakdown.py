@@ -326,23 +326,28 @@ def _scenario_plans(steps: tuple[tuple[Chunk, ...], ...]) -> tuple[list[ForwardB
     return plans, n_req, context
 
 
-def kiln_prefill_runs(model: Any, steps: tuple[tuple[Chunk, ...], ...], runs: int,
-                      build_only: bool, **runner_args: Any) -> list[StepPhases]:
-    """The scenario's steps `runs` times on one runner (its traces and caches kept).
-    build_only: nothing is evaluated (each forward's launch is skipped, the pool put back
-    after each run)."""
+PrefillRun = Callable[[], StepPhases]  # one run of a scenario's steps, on kept state
+
+
+def kiln_prefill(model: Any, steps: tuple[tuple[Chunk, ...], ...], build_only: bool,
+                 **runner_args: Any) -> PrefillRun:
+    """A runner for the scenario; each call runs its steps once on it (its traces and
+    caches kept from run to run). build_only: nothing is evaluated (each forward's
+    launch is skipped, the pool put back after each run)."""
     plans, n_req, context = _scenario_plans(steps)
     pool = KVPool(probe_attention_specs(model), n_req * context + 1, BACKEND)
     runner = ModelRunner(model, pool, max_requests=n_req, max_context=context, **runner_args)
     evaluated = list(pool.layers)
-    out = []
-    with patched(ModelRunner, "_launch_prefill", lambda self, *_: None) if build_only else _nothing():
-        for _ in range(runs):
-            out.append(_kiln_prefill_run(runner, plans, build_only))
-            runner.reset()
-            if build_only:
-                pool.layers = list(evaluated)
-    return out
+
+    def run() -> StepPhases:
+        with patched(ModelRunner, "_launch_prefill", lambda self, *_: None) if build_only else _nothing():
+            phases = _kiln_prefill_run(runner, plans, build_only)
+        runner.reset()
+        if build_only:
+            pool.layers = list(evaluated)
+        return phases
+
+    return run
 
 
 def _kiln_prefill_run(runner: ModelRunner, plans: list[ForwardBatch], build_only: bool) -> StepPhases:
@@ -365,15 +370,14 @@ def _kiln_prefill_run(runner: ModelRunner, plans: list[ForwardBatch], build_only
     return phases
 
 
-def mlx_lm_prefill_runs(model: Any, steps: tuple[tuple[Chunk, ...], ...], runs: int,
-                        build_only: bool) -> list[StepPhases]:
+def mlx_lm_prefill(model: Any, steps: tuple[tuple[Chunk, ...], ...], build_only: bool) -> PrefillRun:
     """The same chunks through mlx-lm's model call over its KVCache (a cached prefix
     filled beforehand, untimed), each step's chunks built, then evaluated together."""
     args = model.args
     n_kv = args.num_key_value_heads
     head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
-    out = []
-    for _ in range(runs):
+
+    def run() -> StepPhases:
         caches: dict[int, list[KVCache]] = {}
         phases = StepPhases()
         for step in steps:
@@ -392,8 +396,9 @@ def mlx_lm_prefill_runs(model: Any, steps: tuple[tuple[Chunk, ...], ...], runs: 
                 [t.tolist() for t in tokens]
             phases.add(t1 - t0, t2 - t1, time.perf_counter() - t2, time.perf_counter() - t0)
             del logits, tokens  # untimed, as kiln's (_kiln_prefill_run)
-        out.append(phases)
-    return out
+        return phases
+
+    return run
 
 
 def _prefilled(model: Any, tokens: int, n_kv: int, head_dim: int, build_only: bool) -> list[KVCache]:
@@ -412,9 +417,10 @@ def _nothing() -> Iterator[None]:
     yield
 
 
-def print_prefill_steps(variants: dict[str, Callable[[tuple], list[StepPhases]]],
-                        names: list[str], build_only: bool) -> None:
-    """For each scenario and variant: the graph build of the first run (cold shapes), of
+def print_prefill_steps(variants: dict[str, Callable[[tuple], PrefillRun]], names: list[str],
+                        runs: int, build_only: bool) -> None:
+    """For each scenario, its variants' runs interleaved (A B A B ...: the host's speed
+    drifts), then for each variant the graph build of its first run (cold shapes), of
     the second, and the median and least of the rest; with evaluation, the launch, wait
     and whole steps' medians over the rest."""
     print(f"\nprefill steps, ms a run of the scenario's steps (cold: the first run, then the "
@@ -423,18 +429,49 @@ def print_prefill_steps(variants: dict[str, Callable[[tuple], list[StepPhases]]]
           + ("" if build_only else f"{'launch':>10}{'wait':>10}{'step':>10}"))
     for name in names:
         label, steps = PREFILL_STEPS[name]
-        for variant, run in variants.items():
-            runs = _attempt(f"{label:<34}{variant:<34}", lambda: run(steps))
-            if runs is None:
-                continue
-            rest = runs[2:] or runs[-1:]
-            median = lambda key: statistics.median(getattr(r, key) for r in rest) * 1e3  # noqa: E731
-            line = (f"{label:<34}{variant:<34}{runs[0].build * 1e3:>8.2f}"
-                    f"{runs[min(1, len(runs) - 1)].build * 1e3:>8.2f}{median('build'):>8.2f}"
-                    f"{min(r.build for r in rest) * 1e3:>8.2f}")
-            if not build_only:
-                line += f"{median('launch'):>10.2f}{median('wait'):>10.2f}{median('step'):>10.2f}"
-            print(line, flush=True)
+        made = {v: _attempt(f"{label:<34}{v:<34}", lambda: make(steps)) for v, make in variants.items()}
+        results: dict[str, list[StepPhases]] = {v: [] for v, run in made.items() if run is not None}
+        for _ in range(runs):
+            for variant in list(results):
+                try:
+                    results[variant].append(made[variant]())
+                except Exception as exc:  # noqa: BLE001 - reported, the others go on
+                    print(f"{label:<34}{variant:<34}failed: {type(exc).__name__}: {exc}", flush=True)
+                    del results[variant]
+        for variant, phases in results.items():
+            print(_prefill_line(f"{label:<34}{variant:<34}", phases, build_only), flush=True)
+        del made, results
+        gc.collect()
+        mx.clear_cache()
+
+
+def _prefill_line(label: str, runs: list[StepPhases], build_only: bool) -> str:
+    rest = runs[2:] or runs[-1:]
+
+    def median(key: str) -> float:
+        return statistics.median(getattr(r, key) for r in rest) * 1e3
+
+    line = (f"{label}{runs[0].build * 1e3:>8.2f}{runs[min(1, len(runs) - 1)].build * 1e3:>8.2f}"
+            f"{median('build'):>8.2f}{min(r.build for r in rest) * 1e3:>8.2f}")
+    if not build_only:
+        line += f"{median('launch'):>10.2f}{median('wait'):>10.2f}{median('step'):>10.2f}"
+    return line
+
+
+def _patching(obj: Any, name: str, value: Any,
+              make: Callable[[tuple], PrefillRun]) -> Callable[[tuple], PrefillRun]:
+    """A prefill variant made, and each of its runs run, with obj.name patched to value."""
+    def made(steps: tuple) -> PrefillRun:
+        with patched(obj, name, value):
+            run = make(steps)
+
+        def patched_run() -> StepPhases:
+            with patched(obj, name, value):
+                return run()
+
+        return patched_run
+
+    return made
 
 
 def main() -> None:
@@ -598,25 +635,33 @@ def main() -> None:
         unknown = [n for n in names if n not in PREFILL_STEPS]
         if unknown:
             p.error(f"unknown prefill steps {unknown}; known: {list(PREFILL_STEPS)}")
-        runs, only = args.prefill_runs, args.build_only
+        only = args.build_only
 
-        def kiln(m: Any, **runner_args: Any) -> Callable[[tuple], list[StepPhases]]:
-            return lambda steps: kiln_prefill_runs(m, steps, runs, only, **runner_args)
+        def kiln(m: Callable[[], Any], **runner_args: Any) -> Callable[[tuple], PrefillRun]:
+            return lambda steps: kiln_prefill(m(), steps, only, **runner_args)
 
-        step_variants: dict[str, Callable[[tuple], list[StepPhases]]] = {
-            "kiln": kiln(model),
-            "mlx-lm": lambda steps: mlx_lm_prefill_runs(model, steps, runs, only),
+        # As served: prefill forwards replay traces of recurring shapes with a GPU.
+        served_compiles = mx.default_device() != mx.cpu
+        step_variants: dict[str, Callable[[tuple], PrefillRun]] = {
+            "kiln": kiln(lambda: model, compile_prefill=served_compiles),
+            f"kiln, {'eager' if served_compiles else 'compiled'} prefill": kiln(
+                lambda: model, compile_prefill=not served_compiles),
+            "mlx-lm": lambda steps: mlx_lm_prefill(model, steps, only),
         }
         if kernel_path:  # as served: fused projections and fast blocks; attention unfused
-            step_variants["kiln, served model"] = kiln(fast_model())
-            step_variants["kiln, served, fused attention"] = lambda steps: _with(
-                decode_backend, "unfused_prefill_fits", lambda *_: False, lambda: kiln(fast_model())(steps))
+            step_variants["kiln, served model"] = kiln(fast_model, compile_prefill=True)
+            step_variants["kiln, served, eager prefill"] = kiln(fast_model)
+            step_variants["kiln, served, fused attention"] = _patching(
+                decode_backend, "unfused_prefill_fits", lambda *_: False,
+                kiln(fast_model, compile_prefill=True))
         else:  # CUDA's prefill attention (unfused), stood in for on this device
-            step_variants["kiln, CUDA's prefill attention"] = lambda steps: _with(
-                this, "BACKEND", StandInKernel(), lambda: kiln(model)(steps))
+            for compiles in (False, True):
+                step_variants["kiln, CUDA's prefill attention" + (", compiled" if compiles else "")] = (
+                    _patching(this, "BACKEND", StandInKernel(),
+                              kiln(lambda: model, compile_prefill=compiles)))
         if args.prefill_variants:
             step_variants = _chosen(p, step_variants, args.prefill_variants)
-        print_prefill_steps(step_variants, names, only)
+        print_prefill_steps(step_variants, names, args.prefill_runs, only)
 
 
 def _chosen(p: argparse.ArgumentParser, variants: dict[str, Any], names: str) -> dict[str, Any]:

@@ -24,6 +24,7 @@ from worker_proc.attention import (ForwardLayout, batches_ragged_rows, build_lay
                                    check_written, install_attention_hook)
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool
+from worker_proc.prefill_forward import PrefillForwards
 from worker_proc.request_state import (RequestState, TokenCounts, check_ids, check_sampling,
                                        fold_seed)
 from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, SamplingBatch,
@@ -108,12 +109,15 @@ class _Unsampled(NamedTuple):
 class ModelRunner:
     def __init__(self, model: Any, pool: KVPool, max_requests: int, max_context: int,
                  grammars: GrammarMatchers | None = None,
-                 prefill_padding: float = PREFILL_PADDING, compile_decode: bool = False) -> None:
+                 prefill_padding: float = PREFILL_PADDING, compile_decode: bool = False,
+                 compile_prefill: bool = False) -> None:
         """grammars: matchers for structured output (None: requests with a grammar are
         refused, as the worker has no tokenizer). prefill_padding: how much padding a
         shared prefill forward may carry, as a share of its real tokens (0: only chunks
         of one length share a forward). compile_decode: decode forwards through
-        mx.compile (only where attention reads the pool: the CUDA kernel path)."""
+        mx.compile (only where attention reads the pool: the CUDA kernel path).
+        compile_prefill: prefill forwards of a shape met before through mx.compile
+        (PrefillForwards; models with an output head and full-attention layers only)."""
         install_attention_hook()  # decode attention reads the pool (idempotent)
         self.prefill_padding = prefill_padding
         self.model = model
@@ -157,7 +161,7 @@ class ModelRunner:
         self.vocab_size: int | None = getattr(getattr(model, "args", None), "vocab_size", None)
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._last_prefill: mx.array | None = None  # see _launch_prefill
-        self._head = output_head(model)
+        self._forwards = PrefillForwards(model, output_head(model), pool, compile_prefill)
         # This build's time starting prefill forwards and waiting for earlier ones.
         self.clock = ForwardClock()
 
@@ -358,14 +362,15 @@ class ModelRunner:
             state.start_snapshot = 0
         n = len(chunk.token_ids)
         layout = ForwardLayout.single(self.table[state.row], chunk.start, n)
-        caches = build_layer_caches(self.pool, layout, _state_rows([state]), chunk.start == 0)
         tokens = mx.array([chunk.token_ids])
         out: mx.array | None = None  # every position's logits, [n, V], where needed
         if state.sampling.prompt_logprobs >= 0:
+            caches = build_layer_caches(self.pool, layout, _state_rows([state]), chunk.start == 0)
             out = self.model(tokens, cache=caches)[0]
             logits = out[-1:]
         else:
-            logits = self._logits_at(tokens, caches, (slice(None), -1))
+            logits = self._forwards.last_logits(tokens, layout, None, _state_rows([state]),
+                                                chunk.start == 0)
         state.length += n
         if chunk.snapshot_id:  # the state after the prompt, for later requests to start from
             self.pool.save_snapshot(state.row + 1, chunk.snapshot_id)
@@ -413,22 +418,12 @@ class ModelRunner:
         for i, chunk in enumerate(chunks):
             tokens[i, :sizes[i]] = chunk.token_ids
         layout = ForwardLayout.prefill(self.table[[s.row for s in states]], starts, sizes)
-        caches = build_layer_caches(self.pool, layout, _state_rows(states),
-                                    bool((starts == 0).all()))
-        logits = self._logits_at(mx.array(tokens), caches,
-                                 (mx.arange(len(chunks)), mx.array(sizes - 1)))
+        logits = self._forwards.last_logits(mx.array(tokens), layout, mx.array(sizes - 1),
+                                            _state_rows(states), bool((starts == 0).all()))
         for state, n in zip(states, sizes):
             state.length += int(n)
         self._launch_prefill(logits)
         return [logits[i:i + 1] for i in range(len(chunks))]
-
-    def _logits_at(self, tokens: mx.array, caches: list, positions: tuple) -> mx.array:
-        """A prefill forward's logits at `positions` (an index into [B, L]) only: the
-        output head over those hidden states where the model has one (output_head), else
-        the model's own call, every position's logits, indexed."""
-        if self._head is None:
-            return self.model(tokens, cache=caches)[positions]
-        return self._head(self.model.model(tokens, cache=caches)[positions])
 
     def _launch_prefill(self, logits: mx.array, *more: mx.array) -> None:
         """Put a prefill forward on the device as it is built, then wait for the one put
@@ -501,6 +496,10 @@ class ModelRunner:
     @property
     def compiles_decode(self) -> bool:
         return self._compiled_decode is not None
+
+    @property
+    def prefill_forwards(self) -> PrefillForwards:
+        return self._forwards
 
     def _run_compiled(self, tokens: mx.array, rows: np.ndarray, lengths: np.ndarray) -> mx.array:
         """The decode forward through its compiled trace; every input is an array (a
