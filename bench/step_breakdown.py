@@ -433,6 +433,7 @@ def print_prefill_steps(variants: dict[str, Callable[[tuple], PrefillRun]], name
         results: dict[str, list[StepPhases]] = {v: [] for v, run in made.items() if run is not None}
         for _ in range(runs):
             for variant in list(results):
+                gc.collect()  # untimed: not the garbage of the variant run before it
                 try:
                     results[variant].append(made[variant]())
                 except Exception as exc:  # noqa: BLE001 - reported, the others go on
