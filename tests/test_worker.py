@@ -249,7 +249,9 @@ def test_overlap_computes_no_row_past_a_length_bound_requests_last_token(tiny_mo
 
 
 def test_step_stats_account_the_loop_and_summarise_by_interval(tiny_model):
-    from worker_proc.step_stats import StepStats
+    import time
+
+    from worker_proc.step_stats import ForwardClock, StepStats, Timer
 
     model, tokenizer = tiny_model
     engine = InProcessEngine(model, overlap=False)  # overlap adds discarded steps
@@ -260,6 +262,15 @@ def test_step_stats_account_the_loop_and_summarise_by_interval(tiny_model):
     # 3 prompts of 20/9/20 tokens, then every request's 5 more tokens one step each.
     assert stats.prefill_tokens == 49 and stats.decode_tokens == 15
     assert stats.steps >= 6 and stats.total("build") > 0 and stats.total("start") > 0
+
+    # A prefill step's build started its forwards and waited for earlier ones: those
+    # parts count as start and wait, the rest as build.
+    split = StepStats()
+    timer = Timer(split)
+    time.sleep(0.02)
+    build = timer.mark("build", ForwardClock(start=0.005, wait=0.01).phases())
+    assert split.samples["start"] == [0.005] and split.samples["wait"] == [0.01]
+    assert split.samples["build"] == [build] and 0.004 < build < 0.5
 
     clock = StepStats(interval_s=10.0, _since=100.0)
     assert clock.summary(now=105.0) is None  # the interval is not over
