@@ -47,7 +47,8 @@ MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any;
                                        # also: timeline, bench/device_timeline.py (needs
                                        # cupti-python); attention, bench/attention_kernel.py;
-                                       # prefix; longctx; mixed, bench/mixed_traffic.py)
+                                       # prefix; longctx; mixed, bench/mixed_traffic.py;
+                                       # prefill, step_breakdown.py --prefill-steps)
 BREAKDOWN_VARIANTS=${BREAKDOWN_VARIANTS:-}  # step_breakdown --variants (';'-joined; default all)
 BREAKDOWN_ROUNDS=${BREAKDOWN_ROUNDS:-1}  # step_breakdown --rounds (interleaved repeats; the
                                         # host's speed drifts, so A/B runs want 3 or more)
@@ -91,6 +92,13 @@ timeout $((150 + 90 * BREAKDOWN_ROUNDS)) "$PYTHON" bench/step_breakdown.py --mod
     --prefill-batches 1,64 --profile-batch 128 --rounds "$BREAKDOWN_ROUNDS" \
     ${BREAKDOWN_VARIANTS:+--variants "$BREAKDOWN_VARIANTS"} \
     2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/step_breakdown.txt"
+fi
+
+if has prefill; then
+echo "== prefill steps: host graph build, launch, wait (long prompts, 2048-token forwards)"
+timeout 400 "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes "" \
+    --prefill-steps all --prefill-runs 6 \
+    2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/prefill_steps.txt"
 fi
 
 if has attention; then

@@ -27,6 +27,17 @@ model as loaded and mlx-lm's call over its KVCache; on the CUDA kernel path also
 served model (fused, fast blocks) and, on it, forwards of up to 8,192 tokens instead of
 PREFILL_FORWARD_TOKENS, MLX's fused (cuDNN) attention instead of the unfused prefill
 attention, and no pool write.
+
+--prefill-steps times prefill steps as a long-prompt server meets them (fresh 4,096
+tokens; four 2,048-token chunks of different requests; a 2,048 chunk after a cached 2,048
+prefix; eight 256-token chunks after prefixes of different lengths; a 4,096-token prompt
+in two 2,048 chunks, the cold prompt's TTFT): the host's graph building apart from the
+launch (`mx.async_eval`, which starts each prefill forward as it is built) and the waits,
+by the runner's own clock (as the worker logs them), against mlx-lm's model call over its
+KVCache for the same chunks. Each scenario runs --prefill-runs times on one runner: the
+first run meets its shapes cold. --build-only times the graph building alone, evaluating
+nothing: what a CPU can measure of a GPU-sized step (the graph does not depend on the
+weights' widths: `--heads 32,8,128` gives the narrow llama an 8B's head layout).
 """
 
 from __future__ import annotations
@@ -63,6 +74,7 @@ from worker_proc.kv_pool import KVPool  # noqa: E402
 from worker_proc.memory import probe_attention_specs, raise_cuda_graph_budgets  # noqa: E402
 from worker_proc.paged_attention import kernel_available  # noqa: E402
 from worker_proc.runner import ModelRunner  # noqa: E402
+from tests.engine_driver import StandInKernel  # noqa: E402
 
 
 def served_model(model: Any) -> Any:
@@ -73,10 +85,14 @@ def served_model(model: Any) -> Any:
     return model
 
 
-def narrow_llama(layers: int) -> Any:
+def narrow_llama(layers: int, heads: tuple[int, int, int] = (16, 4, 32)) -> Any:
+    """A random llama of narrow widths: hidden 512, MLP 1024, vocabulary 1024; heads:
+    query heads, KV heads, head size."""
+    n_q, n_kv, head_dim = heads
     args = llama.ModelArgs(model_type="llama", hidden_size=512, num_hidden_layers=layers,
-                           intermediate_size=1024, num_attention_heads=16, num_key_value_heads=4,
-                           rms_norm_eps=1e-5, vocab_size=1024, head_dim=32)
+                           intermediate_size=1024, num_attention_heads=n_q,
+                           num_key_value_heads=n_kv, rms_norm_eps=1e-5, vocab_size=1024,
+                           head_dim=head_dim)
     model = llama.Model(args)
     mx.eval(model.parameters())
     return model
@@ -246,16 +262,240 @@ class Timings:
         return [statistics.median(x[2:]) * 1e3 for x in (self.build, self.launch, self.wait, self.step)]
 
 
+@dataclass(frozen=True)
+class Chunk:
+    """A prefill chunk of a scenario's step: request index, first position, tokens. A
+    request's first chunk at start > 0 follows a cached prefix of that many tokens."""
+
+    request: int
+    start: int
+    size: int
+
+
+# Steps of Chunks; the label says what a server meets them as.
+PREFILL_STEPS: dict[str, tuple[str, tuple[tuple[Chunk, ...], ...]]] = {
+    "fresh4096": ("1 x 4096, fresh", ((Chunk(0, 0, 4096),),)),
+    "4x2048": ("4 x 2048 of 4 requests, fresh", (tuple(Chunk(i, 0, 2048) for i in range(4)),)),
+    "2048after2048": ("2048 after a cached 2048", ((Chunk(0, 2048, 2048),),)),
+    "8x256mixed": ("8 x 256 after prefixes 256..2048",
+                   (tuple(Chunk(i, 256 * (i + 1), 256) for i in range(8)),)),
+    "4096chunked": ("4096 in 2 steps of 2048 (TTFT)", ((Chunk(0, 0, 2048),), (Chunk(0, 2048, 2048),))),
+}
+
+
+@dataclass
+class StepPhases:
+    """One run of a scenario's steps, each phase summed over them (seconds)."""
+
+    build: float = 0.0  # graph building alone
+    launch: float = 0.0  # mx.async_eval: the prefill forwards', then the step's
+    wait: float = 0.0  # for earlier forwards, then for the step's tokens
+    step: float = 0.0
+
+    def add(self, build: float, launch: float, wait: float, step: float) -> None:
+        self.build += build
+        self.launch += launch
+        self.wait += wait
+        self.step += step
+
+
+def _scenario_plans(steps: tuple[tuple[Chunk, ...], ...]) -> tuple[list[ForwardBatch], int, int]:
+    """The scenario's step plans; how many requests and the longest context. Request i
+    holds slots 1 + i * context ..; each samples after its last chunk."""
+    chunks = [c for step in steps for c in step]
+    n_req = 1 + max(c.request for c in chunks)
+    context = max(c.start + c.size for c in chunks)
+    last = {c.request: c for c in chunks}
+    seen: set[int] = set()
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
+    plans = []
+    for number, step in enumerate(steps, start=1):
+        new = [c for c in step if c.request not in seen]
+        seen.update(c.request for c in new)
+        base = {c.request: 1 + c.request * context for c in step}
+        plans.append(ForwardBatch(
+            step=number,
+            new_requests=[NewRequest(rid=f"p{c.request}", sampling=greedy,
+                                     prefix_slot_ids=list(range(base[c.request], base[c.request] + c.start)))
+                          for c in new],
+            prefill=[PrefillChunk(rid=f"p{c.request}", start=c.start, token_ids=[1] * c.size,
+                                  sample=c is last[c.request],
+                                  slot_ids=list(range(base[c.request] + c.start,
+                                                      base[c.request] + c.start + c.size)))
+                     for c in step]))
+    return plans, n_req, context
+
+
+PrefillRun = Callable[[], StepPhases]  # one run of a scenario's steps, on kept state
+
+
+def kiln_prefill(model: Any, steps: tuple[tuple[Chunk, ...], ...], build_only: bool,
+                 **runner_args: Any) -> PrefillRun:
+    """A runner for the scenario; each call runs its steps once on it (its traces and
+    caches kept from run to run). build_only: nothing is evaluated (each forward's
+    launch is skipped, the pool put back after each run)."""
+    plans, n_req, context = _scenario_plans(steps)
+    pool = KVPool(probe_attention_specs(model), n_req * context + 1, BACKEND)
+    runner = ModelRunner(model, pool, max_requests=n_req, max_context=context, **runner_args)
+    evaluated = list(pool.layers)
+
+    def run() -> StepPhases:
+        with patched(ModelRunner, "_launch_prefill", lambda self, *_: None) if build_only else _nothing():
+            phases = _kiln_prefill_run(runner, plans, build_only)
+        runner.reset()
+        if build_only:
+            pool.layers = list(evaluated)
+        return phases
+
+    return run
+
+
+def _kiln_prefill_run(runner: ModelRunner, plans: list[ForwardBatch], build_only: bool) -> StepPhases:
+    phases = StepPhases()
+    for plan in plans:
+        t0 = time.perf_counter()
+        pending = runner.build(plan)
+        t1 = time.perf_counter()
+        clock = runner.clock
+        if not build_only:
+            runner.start(pending)
+        t2 = time.perf_counter()
+        if not build_only:
+            runner.finish(pending)
+        t3 = time.perf_counter()
+        phases.add(t1 - t0 - clock.start - clock.wait, clock.start + t2 - t1,
+                   clock.wait + t3 - t2, t3 - t0)
+        # Untimed: freeing a graph never evaluated (--build-only) takes time of its own.
+        del pending
+    return phases
+
+
+def mlx_lm_prefill(model: Any, steps: tuple[tuple[Chunk, ...], ...], build_only: bool) -> PrefillRun:
+    """The same chunks through mlx-lm's model call over its KVCache (a cached prefix
+    filled beforehand, untimed), each step's chunks built, then evaluated together."""
+    args = model.args
+    n_kv = args.num_key_value_heads
+    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+
+    def run() -> StepPhases:
+        caches: dict[int, list[KVCache]] = {}
+        phases = StepPhases()
+        for step in steps:
+            for c in step:
+                if c.request not in caches:
+                    caches[c.request] = _prefilled(model, c.start, n_kv, head_dim, build_only)
+            t0 = time.perf_counter()
+            logits = [model(mx.ones((1, c.size), dtype=mx.int32), cache=caches[c.request])[:, -1]
+                      for c in step]
+            tokens = [mx.argmax(x, axis=-1) for x in logits]
+            t1 = time.perf_counter()
+            if not build_only:
+                mx.async_eval(tokens)
+            t2 = time.perf_counter()
+            if not build_only:
+                [t.tolist() for t in tokens]
+            phases.add(t1 - t0, t2 - t1, time.perf_counter() - t2, time.perf_counter() - t0)
+            del logits, tokens  # untimed, as kiln's (_kiln_prefill_run)
+        return phases
+
+    return run
+
+
+def _prefilled(model: Any, tokens: int, n_kv: int, head_dim: int, build_only: bool) -> list[KVCache]:
+    caches = [KVCache() for _ in model.layers]
+    if tokens:
+        zeros = mx.zeros((1, n_kv, tokens, head_dim), dtype=model.layers[0].input_layernorm.weight.dtype)
+        for cache in caches:
+            cache.update_and_fetch(zeros, zeros)
+        if not build_only:
+            mx.eval([c.state for c in caches])
+    return caches
+
+
+@contextmanager
+def _nothing() -> Iterator[None]:
+    yield
+
+
+def print_prefill_steps(variants: dict[str, Callable[[tuple], PrefillRun]], names: list[str],
+                        runs: int, build_only: bool) -> None:
+    """For each scenario, its variants' runs interleaved (A B A B ...: the host's speed
+    drifts), then for each variant the graph build of its first run (cold shapes), of
+    the second, and the median and least of the rest; with evaluation, the launch, wait
+    and whole steps' medians over the rest."""
+    print(f"\nprefill steps, ms a run of the scenario's steps (cold: the first run, then the "
+          f"second; median and min over the rest){', graph build only' if build_only else ''}")
+    print(f"{'scenario':<34}{'variant':<34}{'cold':>8}{'2nd':>8}{'build':>8}{'min':>8}"
+          + ("" if build_only else f"{'launch':>10}{'wait':>10}{'step':>10}"))
+    for name in names:
+        label, steps = PREFILL_STEPS[name]
+        made = {v: _attempt(f"{label:<34}{v:<34}", lambda: make(steps)) for v, make in variants.items()}
+        results: dict[str, list[StepPhases]] = {v: [] for v, run in made.items() if run is not None}
+        for _ in range(runs):
+            for variant in list(results):
+                gc.collect()  # untimed: not the garbage of the variant run before it
+                try:
+                    results[variant].append(made[variant]())
+                except Exception as exc:  # noqa: BLE001 - reported, the others go on
+                    print(f"{label:<34}{variant:<34}failed: {type(exc).__name__}: {exc}", flush=True)
+                    del results[variant]
+        for variant, phases in results.items():
+            print(_prefill_line(f"{label:<34}{variant:<34}", phases, build_only), flush=True)
+        del made, results
+        gc.collect()
+        mx.clear_cache()
+
+
+def _prefill_line(label: str, runs: list[StepPhases], build_only: bool) -> str:
+    rest = runs[2:] or runs[-1:]
+
+    def median(key: str) -> float:
+        return statistics.median(getattr(r, key) for r in rest) * 1e3
+
+    line = (f"{label}{runs[0].build * 1e3:>8.2f}{runs[min(1, len(runs) - 1)].build * 1e3:>8.2f}"
+            f"{median('build'):>8.2f}{min(r.build for r in rest) * 1e3:>8.2f}")
+    if not build_only:
+        line += f"{median('launch'):>10.2f}{median('wait'):>10.2f}{median('step'):>10.2f}"
+    return line
+
+
+def _patching(obj: Any, name: str, value: Any,
+              make: Callable[[tuple], PrefillRun]) -> Callable[[tuple], PrefillRun]:
+    """A prefill variant made, and each of its runs run, with obj.name patched to value."""
+    def made(steps: tuple) -> PrefillRun:
+        with patched(obj, name, value):
+            run = make(steps)
+
+        def patched_run() -> StepPhases:
+            with patched(obj, name, value):
+                return run()
+
+        return patched_run
+
+    return made
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="", help="model directory (default: a narrow random llama)")
     p.add_argument("--layers", type=int, default=32, help="narrow llama's layer count")
+    p.add_argument("--heads", default="16,4,32",
+                   help="narrow llama's query heads, KV heads and head size (an 8B's: 32,8,128)")
     p.add_argument("--batch-sizes", default="1,64")
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--prefill-batches", default="",
                    help="also time one prefill step of this many prompts (e.g. 1,16,64)")
     p.add_argument("--prompt", type=int, default=130, help="prompt length for --prefill-batches")
+    p.add_argument("--prefill-steps", default="",
+                   help=f"also time these prefill step scenarios, ','-joined, or 'all' "
+                        f"({', '.join(PREFILL_STEPS)})")
+    p.add_argument("--prefill-runs", type=int, default=6,
+                   help="runs of each prefill scenario on one runner (the first meets its shapes cold)")
+    p.add_argument("--prefill-variants", default="",
+                   help="prefill-step variant names to time, joined by ';' (default: all)")
+    p.add_argument("--build-only", action="store_true",
+                   help="prefill steps: time the graph building alone, evaluate nothing")
     p.add_argument("--profile-batch", type=int, default=0,
                    help="then profile the builds of kiln's pipelined steps at this batch size "
                         "(cProfile, top functions by own time)")
@@ -282,7 +522,8 @@ def main() -> None:
 
             return mlx_lm.load(args.model)[0]
         mx.random.seed(0)
-        return narrow_llama(args.layers)
+        q, kv, dim = (int(x) for x in args.heads.split(","))
+        return narrow_llama(args.layers, (q, kv, dim))
 
     model = load()
     fused: list[Any] = []  # a second copy, fused at first use (the "fused" variants)
@@ -333,15 +574,11 @@ def main() -> None:
         variants["kiln, compiled, separate write"] = lambda b: _with(
             this, "BACKEND", separate_write, lambda: compiled(model, b))
     if args.variants:
-        wanted = [v.strip() for v in args.variants.split(";")]
-        unknown = [v for v in wanted if v not in variants]
-        if unknown:
-            p.error(f"unknown variants {unknown}; known: {list(variants)}")
-        variants = {v: variants[v] for v in wanted}
+        variants = _chosen(p, variants, args.variants)
     spread = args.rounds > 1
     print(f"{'batch':>6}  {'variant':<44}{'build ms':>10}{'launch ms':>11}{'wait ms':>9}{'step ms':>9}"
           + (f"{'step min-max':>15}" if spread else "") + f"{'pool MB':>9}{'peak+ MB':>10}")
-    for b in (int(x) for x in args.batch_sizes.split(",")):
+    for b in (int(x) for x in args.batch_sizes.split(",") if x):
         rounds: dict[str, list[Timings]] = {name: [] for name in variants}
         for _ in range(args.rounds):
             for name, run in variants.items():
@@ -394,6 +631,47 @@ def main() -> None:
                 times = _attempt(label, lambda: run(b, prompt))
                 if times is not None:
                     print(f"{label}{times[0]:>9.1f}{times[1]:>9.1f}", flush=True)
+    if args.prefill_steps:
+        names = list(PREFILL_STEPS) if args.prefill_steps == "all" else args.prefill_steps.split(",")
+        unknown = [n for n in names if n not in PREFILL_STEPS]
+        if unknown:
+            p.error(f"unknown prefill steps {unknown}; known: {list(PREFILL_STEPS)}")
+        only = args.build_only
+
+        def kiln(m: Callable[[], Any], **runner_args: Any) -> Callable[[tuple], PrefillRun]:
+            return lambda steps: kiln_prefill(m(), steps, only, **runner_args)
+
+        # As served: prefill forwards replay traces of recurring shapes with a GPU.
+        served_compiles = mx.default_device() != mx.cpu
+        step_variants: dict[str, Callable[[tuple], PrefillRun]] = {
+            "kiln": kiln(lambda: model, compile_prefill=served_compiles),
+            f"kiln, {'eager' if served_compiles else 'compiled'} prefill": kiln(
+                lambda: model, compile_prefill=not served_compiles),
+            "mlx-lm": lambda steps: mlx_lm_prefill(model, steps, only),
+        }
+        if kernel_path:  # as served: fused projections and fast blocks; attention unfused
+            step_variants["kiln, served model"] = kiln(fast_model, compile_prefill=True)
+            step_variants["kiln, served, eager prefill"] = kiln(fast_model)
+            step_variants["kiln, served, fused attention"] = _patching(
+                decode_backend, "unfused_prefill_fits", lambda *_: False,
+                kiln(fast_model, compile_prefill=True))
+        else:  # CUDA's prefill attention (unfused), stood in for on this device
+            for compiles in (False, True):
+                step_variants["kiln, CUDA's prefill attention" + (", compiled" if compiles else "")] = (
+                    _patching(this, "BACKEND", StandInKernel(),
+                              kiln(lambda: model, compile_prefill=compiles)))
+        if args.prefill_variants:
+            step_variants = _chosen(p, step_variants, args.prefill_variants)
+        print_prefill_steps(step_variants, names, args.prefill_runs, only)
+
+
+def _chosen(p: argparse.ArgumentParser, variants: dict[str, Any], names: str) -> dict[str, Any]:
+    """The variants named (';'-joined), in that order."""
+    wanted = [v.strip() for v in names.split(";")]
+    unknown = [v for v in wanted if v not in variants]
+    if unknown:
+        p.error(f"unknown variants {unknown}; known: {list(variants)}")
+    return {v: variants[v] for v in wanted}
 
 
 def _attempt(label: str, run: Callable[[], Any]) -> Any:

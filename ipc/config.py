@@ -126,6 +126,11 @@ class ServerConfig:
                                          "every step instead of replaying mx.compile traces "
                                          "(the default where decode attention runs the CUDA "
                                          "kernel; the only way elsewhere)."})
+    eager_prefill: bool = dataclasses.field(
+        default=False, metadata={"help": "Build every prefill forward through the model's "
+                                         "Python code instead of replaying an mx.compile trace "
+                                         "once a forward's shape recurs (the default with a "
+                                         "GPU; the CPU always builds them)."})
     log_level: str = dataclasses.field(
         default="info", metadata={"choices": ("debug", "info", "warning", "error"),
                                   "help": "Logging level of every process."})

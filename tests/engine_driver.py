@@ -61,7 +61,7 @@ class InProcessEngine:
                  radix_cache: bool = True, schedule_policy: str = "fcfs",
                  overlap: bool | str = True, tokenizer: Any = None,
                  grammars: Any = None, compile_decode: bool = False,
-                 prefill_padding: float = PREFILL_PADDING,
+                 compile_prefill: bool = False, prefill_padding: float = PREFILL_PADDING,
                  backend: DecodeBackend | None = None, state_snapshots: int = 64,
                  snapshot_stride: int = 0, window_slots: int | None = None,
                  max_prefill_tokens_while_decoding: int | None = None) -> None:
@@ -83,7 +83,8 @@ class InProcessEngine:
                            window_slots=window_slots)
         self.runner = ModelRunner(model, self.pool, max_running, max_context, grammars,
                                   prefill_padding=prefill_padding,
-                                  compile_decode=compile_decode)
+                                  compile_decode=compile_decode,
+                                  compile_prefill=compile_prefill)
         # As the worker tells the scheduler (WorkerReady): a model with recurrent layers
         # caches prefixes only where it keeps state snapshots.
         radix_cache = radix_cache and self.pool.serves_prefix_hits

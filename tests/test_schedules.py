@@ -79,6 +79,9 @@ def draw_schedule(seed: int, vocab: int) -> Schedule:
     arrivals = [0 if rng.random() < 0.5 else rng.randrange(0, 12) for _ in prompts]
     # Drawn last, so the draws above (and what each seed replays) stay as they were.
     engine["max_prefill_tokens_while_decoding"] = rng.choice([None, 9, 100])
+    # Half the schedules replay prefill forwards of recurring shapes from traces, as a
+    # GPU server does.
+    engine["compile_prefill"] = rng.random() < 0.5
     return Schedule(seed, prompts, max_tokens, arrivals, engine)
 
 
@@ -104,11 +107,12 @@ def schedules(tiny_model):
 
 def test_every_schedule_gives_mlx_lm_tokens(tiny_model, oracle, schedules):
     model, _ = tiny_model
-    failures, preempted, hits = [], 0, 0
+    failures, preempted, hits, replayed = [], 0, 0, 0
     for schedule in schedules:
         engine, outputs = run_schedule(model, schedule)
         preempted += engine.scheduler.counters.preemptions > 0
         hits += engine.scheduler.counters.cache_hit_tokens > 0
+        replayed += engine.runner.prefill_forwards.replays > 0
         for i, (prompt, n) in enumerate(zip(schedule.prompts, schedule.max_tokens)):
             if outputs[f"r{i}"] != oracle(prompt, n):
                 failures.append(f"{schedule.describe()}: r{i} (prompt {len(prompt)}) "
@@ -116,7 +120,7 @@ def test_every_schedule_gives_mlx_lm_tokens(tiny_model, oracle, schedules):
         assert_idle_invariant(engine.scheduler)
     assert not failures, "\n".join(failures)
     # The schedules exercised what they are for (a change to draw_schedule could lose it).
-    assert preempted >= 3 and hits >= SCHEDULES // 2, (preempted, hits)
+    assert preempted >= 3 and hits >= SCHEDULES // 2 and replayed >= 3, (preempted, hits, replayed)
 
 
 # Windowed and hybrid families (gemma3_text: sliding layers beside full ones; gpt_oss:

@@ -181,6 +181,39 @@ def test_prompts_prefilled_together_match_mlx_lm(tiny_model, oracle, monkeypatch
         assert results[f"r{i}"].token_ids == oracle(p, 12), f"r{i}"
 
 
+@pytest.mark.parametrize("backend", [None, StandInKernel()], ids=["plain", "cuda-path"])
+def test_compiled_prefill_replays_recurring_shapes_with_mlx_lm_tokens(tiny_model, oracle, backend):
+    """Prefill forwards of a shape met before run through an mx.compile trace (exact
+    shapes, nothing padded): fresh chunks, chunks continuing their prompt or a cached
+    prefix, several prompts in one forward; greedy tokens stay mlx-lm's, on the plain
+    path and on the CUDA path's (unfused prefill attention, steps launched ahead) stood
+    in for. (The in-place stand-ins write through the array objects a trace replaces: the
+    CUDA kernels' in-place writes are tested on the GPU, below.)"""
+    model, tokenizer = tiny_model
+    engine = InProcessEngine(model, chunk_size=32, max_prefill_tokens=96, compile_prefill=True,
+                             backend=backend, overlap="ahead" if backend else True)
+    forwards = engine.runner.prefill_forwards
+    assert forwards.compiles
+    vocab = model.args.vocab_size
+    prefix = _prompts(1, [64], vocab, seed=31)[0]
+    # Prompts of 96 tokens: chunks of 32 at starts 0, 32, 64 recur from the second on;
+    # then prompts sharing a cached 64-token prefix, whose 32-token tails continue it.
+    prompts = {f"r{i}": p for i, p in enumerate(
+        _prompts(3, [96], vocab, seed=32) + [prefix + t for t in _prompts(4, [32, 32, 21, 32], vocab, seed=33)])}
+    for rid, p in prompts.items():
+        engine.submit(rid, p, 6, _eos(tokenizer))
+        engine.run_until_idle()  # one at a time: each chunk its own forward
+    for wave in range(2):  # three 32-token prompts at once: a forward of three rows, twice
+        batch = {f"w{wave}-{i}": p for i, p in enumerate(_prompts(3, [32], vocab, seed=40 + wave))}
+        for rid, p in batch.items():
+            engine.submit(rid, p, 6, _eos(tokenizer))
+        engine.run_until_idle()
+        prompts.update(batch)
+    assert forwards.traces >= 3 and forwards.replays > forwards.traces
+    for rid, p in prompts.items():
+        assert engine.results[rid].token_ids == oracle(p, 6), rid
+
+
 def test_decode_inputs_gather_last_tokens_from_any_steps():
     import mlx.core as mx
 
@@ -216,7 +249,9 @@ def test_overlap_computes_no_row_past_a_length_bound_requests_last_token(tiny_mo
 
 
 def test_step_stats_account_the_loop_and_summarise_by_interval(tiny_model):
-    from worker_proc.step_stats import StepStats
+    import time
+
+    from worker_proc.step_stats import ForwardClock, StepStats, Timer
 
     model, tokenizer = tiny_model
     engine = InProcessEngine(model, overlap=False)  # overlap adds discarded steps
@@ -227,6 +262,15 @@ def test_step_stats_account_the_loop_and_summarise_by_interval(tiny_model):
     # 3 prompts of 20/9/20 tokens, then every request's 5 more tokens one step each.
     assert stats.prefill_tokens == 49 and stats.decode_tokens == 15
     assert stats.steps >= 6 and stats.total("build") > 0 and stats.total("start") > 0
+
+    # A prefill step's build started its forwards and waited for earlier ones: those
+    # parts count as start and wait, the rest as build.
+    split = StepStats()
+    timer = Timer(split)
+    time.sleep(0.02)
+    build = timer.mark("build", ForwardClock(start=0.005, wait=0.01).phases())
+    assert split.samples["start"] == [0.005] and split.samples["wait"] == [0.01]
+    assert split.samples["build"] == [build] and 0.004 < build < 0.5
 
     clock = StepStats(interval_s=10.0, _since=100.0)
     assert clock.summary(now=105.0) is None  # the interval is not over
@@ -273,6 +317,7 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
     from ipc.messages.to_scheduler import StepResult
     from ipc.messages.to_worker import ForwardBatch, PrefillChunk, SyncSteps
     from worker_proc import WorkerLoop
+    from worker_proc.step_stats import ForwardClock
 
     calls: list[tuple] = []
 
@@ -282,6 +327,8 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
         needs_sampling: bool = False
 
     class Runner:
+        clock = ForwardClock()  # no prefill forwards started in build
+
         def build(self, batch):
             calls.append(("build", batch.step))
             return Pending(batch.step)
@@ -416,12 +463,13 @@ def test_in_place_pool_steps_launched_ahead_match_mlx_lm_without_copies(kernel_m
     """Pipelined as the CUDA worker runs them (step N+1 launched before N is waited for,
     prefill steps too), pool writes land in place: peak memory stays far below the pool's
     size (a write that copied would add a layer each, the whole pool at a step's scale),
-    and greedy tokens are mlx-lm's."""
+    and greedy tokens are mlx-lm's. Compiled decode comes with compiled prefill, as served
+    (the second 9-token prompt's forward replays the first's trace)."""
     import mlx.core as mx
 
     model, tokenizer, oracle = kernel_model
     engine = InProcessEngine(model, capacity=200_000, compile_decode=compile_decode,
-                             overlap="ahead")
+                             compile_prefill=compile_decode, overlap="ahead")
     assert engine.pool.in_place
     pool_bytes = engine.pool.nbytes
     prompts = _prompts(6, [40, 9, 25, 130], model.args.vocab_size, seed=5)
@@ -436,6 +484,7 @@ def test_in_place_pool_steps_launched_ahead_match_mlx_lm_without_copies(kernel_m
         engine.submit(f"r{i}", p, 20, _eos(tokenizer))
     results = engine.run_until_idle()
     assert engine.worker.steps_built_ahead > 0
+    assert engine.runner.prefill_forwards.replays > 0 or not compile_decode
     over = mx.get_peak_memory() - before
     assert over < pool_bytes // 8, f"peak {over / 2**20:.0f} MiB over a {pool_bytes / 2**20:.0f} MiB pool"
     for i, p in enumerate(prompts):

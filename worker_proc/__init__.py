@@ -110,13 +110,18 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         + (f" (+ up to {pool.nbytes * kept / 2**20:.1f} MiB of kept decode contexts)" if kept else ""))
     hf = _hf_tokenizer(tokenizer)
     grammars = grammar_matchers(config, hf)
-    padding = CPU_PREFILL_PADDING if mx.default_device() == mx.cpu else PREFILL_PADDING
+    on_cpu = mx.default_device() == mx.cpu
+    padding = CPU_PREFILL_PADDING if on_cpu else PREFILL_PADDING
+    # The CPU's prefill is compute-bound (graph building is well under 1% of a forward).
     runner = ModelRunner(model, pool, config.max_running_requests, min(context, slots), grammars,
                          prefill_padding=padding,
-                         compile_decode=not config.eager_decode and backend.compiles)
+                         compile_decode=not config.eager_decode and backend.compiles,
+                         compile_prefill=not config.eager_prefill and not on_cpu)
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests)
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
+    if runner.prefill_forwards.compiles:
+        say("prefill forwards of a shape met before replay mx.compile traces")
     say(f"warmed up ({steps} steps{f', {traces} more decode traces' if traces else ''}, "
         f"{time.monotonic() - t0:.1f}s)")
     # Not before the warm-up: building holds the GIL (about half a second on a 150k
@@ -243,8 +248,12 @@ class WorkerLoop:
 
     def _build(self, batch: ForwardBatch) -> PendingStep:
         pending = self.runner.build(batch)
-        spent = self._timer.mark("build")
-        logger.debug("step %d built in %.2f ms", batch.step, spent * 1e3)
+        # The prefill forwards it started and waited for are not graph building.
+        clock = self.runner.clock
+        spent = self._timer.mark("build", clock.phases())
+        logger.debug("step %d built in %.2f ms (and %.2f ms starting prefill forwards, "
+                     "%.2f ms waiting for them)", batch.step, spent * 1e3, clock.start * 1e3,
+                     clock.wait * 1e3)
         return pending
 
     def _start(self, pending: PendingStep) -> None:

@@ -141,7 +141,7 @@ class ForwardLayout:
             mask: Any = "causal"
         else:
             offset = mx.array(starts.astype(np.int32))
-            mask = mx.array((cols[None, None, :] <= pos[:, :, None])[:, None])  # [B, 1, width, L]
+            mask = _rows_causal(offset, width, len(cols))
         return cls(
             write_slots=write,
             read_slots=read,
@@ -430,6 +430,13 @@ def _extended(block: mx.array | None, columns: int) -> mx.array:
     assert block is not None
     b, h, _, d = block.shape
     return mx.concatenate([block, mx.zeros((b, h, columns, d), dtype=block.dtype)], axis=2)
+
+
+def _rows_causal(starts: mx.array, n_new: int, n_keys: int) -> mx.array:
+    """[B, 1, n_new, n_keys]: row b's query i sees key k when k <= starts[b] + i. Built in
+    the graph: on the host, B x n_new x n_keys booleans were milliseconds a forward."""
+    queries = starts[:, None] + mx.arange(n_new, dtype=starts.dtype)[None]
+    return (mx.arange(n_keys, dtype=starts.dtype)[None, None] <= queries[:, :, None])[:, None]
 
 
 def _causal_array(n_new: int, n_total: int) -> mx.array:

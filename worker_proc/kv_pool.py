@@ -269,13 +269,14 @@ class KVPool:
         self._unlanded.clear()
         return landing
 
-    def with_layers(self, layers: "list[mx.array] | tuple[mx.array, ...]") -> "KVPool":
+    def with_layers(self, layers: "list[mx.array] | tuple[mx.array, ...]",
+                    marks: "list[mx.array] | tuple[mx.array, ...] | None" = None) -> "KVPool":
         """A pool of this layout over the given layer arrays, with no writes yet: what a
         traced (mx.compile) forward writes, so the trace's placeholders stay out of this
-        pool."""
+        pool. marks: in place, one a layer, what its writes and reads are to follow."""
         view = copy.copy(self)
         view.layers = list(layers)
-        view._marks = [None] * len(self.specs)
+        view._marks = list(marks) if marks is not None else [None] * len(self.specs)
         view._unlanded = []
         return view
 

@@ -24,6 +24,7 @@ from worker_proc.attention import (ForwardLayout, batches_ragged_rows, build_lay
                                    check_written, install_attention_hook, pads_state_rows)
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool
+from worker_proc.prefill_forward import PrefillForwards
 from worker_proc.request_state import (RequestState, TokenCounts, check_ids, check_sampling,
                                        fold_seed)
 from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, SamplingBatch,
@@ -31,6 +32,7 @@ from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, Sampli
 from worker_proc.step_inputs import (COMPILED_MIN_WIDTH, compiled_batch_size,
                                      compiled_table_width, gather_last_tokens, group_by_length,
                                      prefill_waves, rows_by_length)
+from worker_proc.step_stats import ForwardClock
 
 logger = logging.getLogger(__name__)
 
@@ -107,12 +109,15 @@ class _Unsampled(NamedTuple):
 class ModelRunner:
     def __init__(self, model: Any, pool: KVPool, max_requests: int, max_context: int,
                  grammars: GrammarMatchers | None = None,
-                 prefill_padding: float = PREFILL_PADDING, compile_decode: bool = False) -> None:
+                 prefill_padding: float = PREFILL_PADDING, compile_decode: bool = False,
+                 compile_prefill: bool = False) -> None:
         """grammars: matchers for structured output (None: requests with a grammar are
         refused, as the worker has no tokenizer). prefill_padding: how much padding a
         shared prefill forward may carry, as a share of its real tokens (0: only chunks
         of one length share a forward). compile_decode: decode forwards through
-        mx.compile (only where attention reads the pool: the CUDA kernel path)."""
+        mx.compile (only where attention reads the pool: the CUDA kernel path).
+        compile_prefill: prefill forwards of a shape met before through mx.compile
+        (PrefillForwards; models with an output head and full-attention layers only)."""
         install_attention_hook()  # decode attention reads the pool (idempotent)
         self.prefill_padding = prefill_padding
         self.model = model
@@ -164,7 +169,9 @@ class ModelRunner:
         self.vocab_size: int | None = getattr(getattr(model, "args", None), "vocab_size", None)
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._last_prefill: mx.array | None = None  # see _launch_prefill
-        self._head = output_head(model)
+        self._forwards = PrefillForwards(model, output_head(model), pool, compile_prefill)
+        # This build's time starting prefill forwards and waiting for earlier ones.
+        self.clock = ForwardClock()
 
     # -- request bookkeeping -------------------------------------------------------------
 
@@ -234,6 +241,7 @@ class ModelRunner:
         """Build the step's lazy graph. A decode-only step is host work only; a step with
         prefill chunks already runs those forwards (with a scatter-written pool, see
         start's NOTE: no earlier step may still be running when this is called for one)."""
+        self.clock = ForwardClock()
         for rid in batch.released:
             self._release(rid)
         refused: list[RequestError] = []
@@ -365,14 +373,15 @@ class ModelRunner:
         n = len(chunk.token_ids)
         layout = ForwardLayout.single(self.table[state.row], chunk.start, n,
                                       self._window_row(state.row))
-        caches = build_layer_caches(self.pool, layout, _state_rows([state]), chunk.start == 0)
         tokens = mx.array([chunk.token_ids])
         out: mx.array | None = None  # every position's logits, [n, V], where needed
         if state.sampling.prompt_logprobs >= 0:
+            caches = build_layer_caches(self.pool, layout, _state_rows([state]), chunk.start == 0)
             out = self.model(tokens, cache=caches)[0]
             logits = out[-1:]
         else:
-            logits = self._logits_at(tokens, caches, (slice(None), -1))
+            logits = self._forwards.last_logits(tokens, layout, None, _state_rows([state]),
+                                                chunk.start == 0)
         state.length += n
         self._save_snapshot(state, chunk)
         scored = self._prompt_logprobs_of(state, chunk, out, logits)
@@ -447,22 +456,13 @@ class ModelRunner:
                 if start == 0 and not fresh:  # beside rows that carry theirs: zeros
                     self.pool.clear_states(state.row + 1)
             lengths = mx.array(sizes.astype(np.int32))
-        caches = build_layer_caches(self.pool, layout, _state_rows(states), fresh, lengths)
-        logits = self._logits_at(mx.array(tokens), caches,
-                                 (mx.arange(len(chunks)), mx.array(sizes - 1)))
+        logits = self._forwards.last_logits(mx.array(tokens), layout, mx.array(sizes - 1),
+                                            _state_rows(states), fresh, lengths)
         for state, chunk, n in zip(states, chunks, sizes):
             state.length += int(n)
             self._save_snapshot(state, chunk)
         self._launch_prefill(logits)
         return [logits[i:i + 1] for i in range(len(chunks))]
-
-    def _logits_at(self, tokens: mx.array, caches: list, positions: tuple) -> mx.array:
-        """A prefill forward's logits at `positions` (an index into [B, L]) only: the
-        output head over those hidden states where the model has one (output_head), else
-        the model's own call, every position's logits, indexed."""
-        if self._head is None:
-            return self.model(tokens, cache=caches)[positions]
-        return self._head(self.model.model(tokens, cache=caches)[positions])
 
     def _launch_prefill(self, logits: mx.array, *more: mx.array) -> None:
         """Put a prefill forward on the device as it is built, then wait for the one put
@@ -473,10 +473,12 @@ class ModelRunner:
         # A view of its first logit, evaluated with it: reading it waits for this
         # forward alone (mx.eval would wait for everything launched since).
         probe = logits[:1, :1]
-        mx.async_eval(logits, probe, *more, *self.pool.landing())
+        with self.clock.timing("start"):
+            mx.async_eval(logits, probe, *more, *self.pool.landing())
         previous, self._last_prefill = self._last_prefill, probe
         if previous is not None:
-            previous.item()
+            with self.clock.timing("wait"):
+                previous.item()
 
     def _prompt_logprobs_of(self, state: RequestState, chunk: PrefillChunk,
                             out: mx.array | None, last: mx.array) -> PendingPromptLogprobs | None:
@@ -539,6 +541,10 @@ class ModelRunner:
     @property
     def compiles_decode(self) -> bool:
         return self._compiled_decode is not None
+
+    @property
+    def prefill_forwards(self) -> PrefillForwards:
+        return self._forwards
 
     def _run_compiled(self, tokens: mx.array, rows: np.ndarray, lengths: np.ndarray) -> mx.array:
         """The decode forward through its compiled trace; every input is an array (a

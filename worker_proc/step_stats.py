@@ -3,10 +3,12 @@ device or the host holds the step back.
 
 Phases of the worker's loop, as it spends them:
 - idle:   blocked on the scheduler's next message (the plan round trip, or no work);
-- build:  building a step's lazy graph on the host (a step with prefill chunks also
-          starts their forwards here);
-- start:  `mx.async_eval` of the step (on MLX's CUDA backend, launching its kernels);
-- wait:   blocked on a step's tokens (the device is behind the host);
+- build:  building a step's lazy graph on the host;
+- start:  `mx.async_eval` of the step (on MLX's CUDA backend, launching its kernels); a
+          step with prefill chunks starts their forwards as it builds them, which counts
+          here too (ForwardClock);
+- wait:   blocked on a step's tokens (the device is behind the host), or, building a
+          prefill step, on the forward before the one just started;
 - report: turning tokens into a result message and sending it.
 
 With two steps in flight a healthy loop waits (device-bound); a loop that idles or
@@ -18,7 +20,9 @@ from __future__ import annotations
 
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Iterator
 
 PHASES = ("idle", "build", "start", "wait", "report")
 
@@ -74,6 +78,28 @@ class StepStats:
                 f"ms, median/per step: {phases}")
 
 
+@dataclass
+class ForwardClock:
+    """What a step's build spent outside graph building: starting its prefill forwards
+    (they are started as they are built) and waiting for the forward before each (see
+    ModelRunner._launch_prefill), in seconds. Charged to start and wait, so the build
+    phase is the host's graph building alone."""
+
+    start: float = 0.0
+    wait: float = 0.0
+
+    @contextmanager
+    def timing(self, phase: str) -> Iterator[None]:
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            setattr(self, phase, getattr(self, phase) + time.perf_counter() - t0)
+
+    def phases(self) -> dict[str, float]:
+        return {p: s for p, s in (("start", self.start), ("wait", self.wait)) if s}
+
+
 class Timer:
     """Charges the time between marks to phases."""
 
@@ -81,10 +107,15 @@ class Timer:
         self.stats = stats
         self._last = time.perf_counter()
 
-    def mark(self, phase: str) -> float:
-        """Charge the time since the last mark to `phase`; returns it in seconds."""
+    def mark(self, phase: str, within: dict[str, float] | None = None) -> float:
+        """Charge the time since the last mark to `phase`, less the parts of it `within`
+        names for other phases (each charged to its own); returns `phase`'s share in
+        seconds."""
         now = time.perf_counter()
         spent = now - self._last
         self._last = now
+        for other, seconds in (within or {}).items():
+            self.stats.add(other, seconds)
+            spent -= seconds
         self.stats.add(phase, spent)
         return spent

@@ -1,0 +1,144 @@
+"""Prefill forwards to each row's last logits: built eagerly, or replayed from a trace.
+
+Most of a prefill forward's host time is mlx-lm's Python model code building the graph,
+some 40 nodes a layer, whatever the forward's length; `mx.compile` replays a traced
+forward's graph from C++ instead, a few times faster (docs/benchmarks.md, "Prefill host
+build"). A trace serves only the shapes it was made for, and nothing is padded to make
+shapes meet: padding a forward's keys changes float32 reductions (softmax and the value
+matmul over a longer row), so the CPU's tokens could leave mlx-lm's. So a shape's first
+forward is built eagerly and remembered; when it recurs (a long prompt's full chunks,
+prompts of one length) its forwards are traced once, then replayed.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import mlx.core as mx
+
+from worker_proc.attention import ForwardLayout, build_layer_caches
+from worker_proc.kv_pool import KVPool
+from worker_proc.layer_kinds import LayerKind
+
+# Most forward shapes traced (each trace holds its graph's tape, ~1,500 nodes for 32
+# layers, and cost ~10x an eager build to make); later new shapes stay eager.
+MAX_TRACED_SHAPES = 64
+# Shapes met once that are remembered, waiting to recur; forgotten all at once past this.
+MAX_REMEMBERED_SHAPES = 4096
+
+ShapeKey = tuple
+
+
+class PrefillForwards:
+    """A model's prefill forwards to the logits at one position a row.
+
+    head: the model's output head where its call is `model.model` then that head
+    (runner.output_head), which then runs over those positions alone; None: the model's
+    own call, every position's logits, indexed. compiles: replay recurring shapes from
+    traces; taken only with a head, where every layer is full attention through the
+    attention hook and nothing is recurrent (the traced forward takes the K/V pool alone,
+    and windowed masks are built from host positions)."""
+
+    def __init__(self, model: Any, head: Any | None, pool: KVPool, compiles: bool) -> None:
+        self.model = model
+        self.head = head
+        self.pool = pool
+        self.compiles = compiles and head is not None and traceable(pool)
+        self._compiled = mx.compile(self._traced) if self.compiles else None
+        self._met: set[ShapeKey] = set()
+        self._traced_keys: set[ShapeKey] = set()
+        self.traces = 0  # how many times mx.compile traced a forward
+        self.replays = 0  # forwards that ran through a trace (its first included)
+
+    def last_logits(self, tokens: mx.array, layout: ForwardLayout, last: mx.array | None,
+                    state_rows: mx.array, fresh_state: bool,
+                    state_lengths: mx.array | None = None) -> mx.array:
+        """The logits at each row's last real position, [B, V]: at column `last[b]` of row
+        b, or at the last column when `last` is None. state_rows, fresh_state,
+        state_lengths: as build_layer_caches takes them (an eager forward over recurrent
+        layers)."""
+        if self._replays(_key(tokens, layout, last)):
+            return self._replay(tokens, layout, last)
+        caches = build_layer_caches(self.pool, layout, state_rows, fresh_state, state_lengths)
+        if self.head is None:
+            return _rows_at(self.model(tokens, cache=caches), last)
+        return self.head(_rows_at(self.model.model(tokens, cache=caches), last))
+
+    def _replays(self, key: ShapeKey) -> bool:
+        """Whether a forward of this shape goes through a trace: it was met before and
+        there is room for its trace (or it has one)."""
+        if not self.compiles:
+            return False
+        if key in self._traced_keys:
+            return True
+        if key in self._met and len(self._traced_keys) < MAX_TRACED_SHAPES:
+            self._traced_keys.add(key)
+            return True
+        if len(self._met) >= MAX_REMEMBERED_SHAPES:
+            self._met.clear()
+        self._met.add(key)
+        return False
+
+    def _replay(self, tokens: mx.array, layout: ForwardLayout, last: mx.array | None) -> mx.array:
+        """The forward through its trace: every array the graph depends on is an input;
+        the layout's plain values (its RoPE offset when one for all rows, the "causal"
+        mask, whether it is fresh) are part of the trace's key, as mx.compile keys
+        non-array arguments."""
+        pool = self.pool
+        marks = [_mark_or_none(pool.mark(i)) for i in range(len(pool.layers))] if pool.in_place else []
+        logits, *rest = self._compiled(tokens, layout.write_slots, layout.read_slots,
+                                       layout.offset, layout.mask, layout.fresh, last,
+                                       *pool.layers, *marks)
+        self.replays += 1
+        if pool.in_place:
+            pool.adopt_marks(rest)
+        else:
+            pool.layers = rest
+        return logits
+
+    def _traced(self, tokens: mx.array, write_slots: mx.array, read_slots: mx.array,
+                offset: int | mx.array, mask: Any, fresh: bool, last: mx.array | None,
+                *arrays: mx.array) -> tuple[mx.array, ...]:
+        """What _replay traces: the forward over a view of the pool made of the arrays it
+        is given (the layers, then in place the marks their writes follow); returns the
+        logits, then the writes' marks (in place) or the layers after the writes."""
+        self.traces += 1
+        n = len(self.pool.layers)
+        pool = self.pool.with_layers(arrays[:n], arrays[n:] if self.pool.in_place else None)
+        layout = ForwardLayout(write_slots=write_slots, read_slots=read_slots, offset=offset,
+                               mask=mask, fresh=fresh)
+        hidden = self.model.model(tokens, cache=build_layer_caches(pool, layout))
+        return (self.head(_rows_at(hidden, last)), *pool.take_landing())
+
+
+def traceable(pool: KVPool) -> bool:
+    """Whether a prefill forward over this pool's layers can be traced: K/V layers only,
+    each full attention through the attention hook."""
+    return not pool.has_states and all(s.kind == LayerKind() for s in pool.specs)
+
+
+def _key(tokens: mx.array, layout: ForwardLayout, last: mx.array | None) -> ShapeKey:
+    """What tells one traced forward from another: the arrays' shapes and the layout's
+    plain values (mx.compile's own key, for these inputs)."""
+    mask = layout.mask if layout.mask is None or isinstance(layout.mask, str) else layout.mask.shape
+    offset = layout.offset if isinstance(layout.offset, int) else layout.offset.shape
+    return (tokens.shape, layout.read_slots.shape, layout.write_slots.shape, offset, mask,
+            layout.fresh, last is None)
+
+
+def _rows_at(hidden: mx.array, last: mx.array | None) -> mx.array:
+    """Each row's hidden state (or logits) at its last real position, [B, D]."""
+    if last is None:
+        return hidden[:, -1]
+    return hidden[mx.arange(hidden.shape[0]), last]
+
+
+def _mark_or_none(mark: mx.array | None) -> mx.array:
+    # A layer not written yet has no mark: a zero stands in, so every trace takes arrays.
+    return _no_mark() if mark is None else mark
+
+
+@functools.cache
+def _no_mark() -> mx.array:
+    return mx.zeros((1,), dtype=mx.int32)
