@@ -2,8 +2,8 @@
 
 Most of a prefill forward's host time is mlx-lm's Python model code building the graph,
 some 40 nodes a layer, whatever the forward's length; `mx.compile` replays a traced
-forward's graph from C++ instead, a few times faster (docs/benchmarks.md, "Prefill host
-build"). A trace serves only the shapes it was made for, and nothing is padded to make
+forward's graph from C++ instead, a few times faster (measured on the CPU with
+`bench/step_breakdown.py --prefill-steps --build-only`; the H200 run is owed). A trace serves only the shapes it was made for, and nothing is padded to make
 shapes meet: padding a forward's keys changes float32 reductions (softmax and the value
 matmul over a longer row), so the CPU's tokens could leave mlx-lm's. So a shape's first
 forward is built eagerly and remembered; when it recurs (a long prompt's full chunks,
