@@ -1,13 +1,14 @@
 """Prefill forwards to each row's last logits: built eagerly, or replayed from a trace.
 
 Most of a prefill forward's host time is mlx-lm's Python model code building the graph,
-some 40 nodes a layer, whatever the forward's length; `mx.compile` replays a traced
-forward's graph from C++ instead, a few times faster (measured on the CPU with
-`bench/step_breakdown.py --prefill-steps --build-only`; the H200 run is owed). A trace serves only the shapes it was made for, and nothing is padded to make
-shapes meet: padding a forward's keys changes float32 reductions (softmax and the value
-matmul over a longer row), so the CPU's tokens could leave mlx-lm's. So a shape's first
-forward is built eagerly and remembered; when it recurs (a long prompt's full chunks,
-prompts of one length) its forwards are traced once, then replayed.
+tens of nodes a layer whatever the forward's length; `mx.compile` replays a traced
+forward's graph from C++ instead, a few times faster (docs/benchmarks.md, 2026-12-02,
+"host build of long-prompt prefill steps"). A trace serves only the shapes it was made
+for, and nothing is padded to make shapes meet: padding a forward's keys changes float32
+reductions (softmax and the value matmul over a longer row), so the CPU's tokens could
+leave mlx-lm's. So a shape's first forward is built eagerly and remembered; when it
+recurs (a long prompt's full chunks, prompts of one length) its forwards are traced
+once, then replayed.
 """
 
 from __future__ import annotations
@@ -21,8 +22,8 @@ from worker_proc.attention import ForwardLayout, build_layer_caches
 from worker_proc.kv_pool import KVPool
 from worker_proc.layer_kinds import LayerKind
 
-# Most forward shapes traced (each trace holds its graph's tape, ~1,500 nodes for 32
-# layers, and cost ~10x an eager build to make); later new shapes stay eager.
+# Most forward shapes traced (each trace holds its graph's tape, thousands of nodes for
+# 32 layers, and costs ~10x an eager build to make); later new shapes stay eager.
 MAX_TRACED_SHAPES = 64
 # Shapes met once that are remembered, waiting to recur; forgotten all at once past this.
 MAX_REMEMBERED_SHAPES = 4096
@@ -66,8 +67,8 @@ class PrefillForwards:
         return self.head(_rows_at(self.model.model(tokens, cache=caches), last))
 
     def _replays(self, key: ShapeKey) -> bool:
-        """Whether a forward of this shape goes through a trace: it was met before and
-        there is room for its trace (or it has one)."""
+        """Whether a forward of this shape goes through a trace: it has one, or it was met
+        before and there is room for one. A shape met for the first time is remembered."""
         if not self.compiles:
             return False
         if key in self._traced_keys:
@@ -86,7 +87,8 @@ class PrefillForwards:
         mask, whether it is fresh) are part of the trace's key, as mx.compile keys
         non-array arguments."""
         pool = self.pool
-        marks = [_mark_or_none(pool.mark(i)) for i in range(len(pool.layers))] if pool.in_place else []
+        marks = ([_mark_or_zero(pool.mark(i)) for i in range(len(pool.layers))]
+                 if pool.in_place else [])
         logits, *rest = self._compiled(tokens, layout.write_slots, layout.read_slots,
                                        layout.offset, layout.mask, layout.fresh, last,
                                        *pool.layers, *marks)
@@ -134,7 +136,7 @@ def _rows_at(hidden: mx.array, last: mx.array | None) -> mx.array:
     return hidden[mx.arange(hidden.shape[0]), last]
 
 
-def _mark_or_none(mark: mx.array | None) -> mx.array:
+def _mark_or_zero(mark: mx.array | None) -> mx.array:
     # A layer not written yet has no mark: a zero stands in, so every trace takes arrays.
     return _no_mark() if mark is None else mark
 
