@@ -399,9 +399,10 @@ class Scheduler:
         # scoring its prompt computes all of it (it still caches it for others).
         ids = req.all_ids(0 if req.wants_prompt_logprobs else fill_len - 1)
         match = self.cache.match_prefix(ids)
-        if self.windows is not None and self.windows.usable(match.slots) < len(match):
+        usable = self.windows.usable(match.slots) if self.windows is not None else len(match)
+        if usable < len(match):
             # Cut back to where every windowed layer still holds what it sees.
-            match = self.cache.match_prefix(ids[:self.windows.usable(match.slots)])
+            match = self.cache.match_prefix(ids[:usable])
         self.cache.lock(match.node)
         req.fill_len = fill_len
         need, window_need = reservation.need(req, len(match)), reservation.window_need(req)

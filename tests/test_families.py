@@ -35,6 +35,21 @@ def mlx_lm_tokens(model, prompt: list[int], n: int) -> list[int]:
     return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
+def served_greedy(srv, prompts: list[list[int]], n: int) -> list[list[int]]:
+    """Each prompt's n greedy tokens from a running server, all requests at once."""
+    import asyncio
+
+    from ipc.client import AsyncKilnClient
+
+    async def all_of_them():
+        async with AsyncKilnClient(srv.zmq) as client:
+            return await asyncio.gather(*(
+                client.generate(input_ids=p, max_tokens=n, temperature=0.0, ignore_eos=True)
+                for p in prompts))
+
+    return [r.token_ids for r in asyncio.run(all_of_them())]
+
+
 def assert_mlx_lm_tokens(model, name: str, results, cases, n: int) -> None:
     """Each (rid, prompt)'s tokens in `results` are mlx-lm's n greedy tokens."""
     for rid, p in cases:
@@ -196,12 +211,9 @@ def test_a_hybrid_model_through_every_process(tiny_model_dir, tmp_path):
     """LFM2 (short convolutions beside attention) served by the real server: concurrent
     requests equal mlx-lm's, and a prompt repeated later hits the cache at a state
     snapshot (its last chunk edge before the final token)."""
-    import asyncio
-
     import httpx
     import mlx_lm
 
-    from ipc.client import AsyncKilnClient
     from tests.families import write_model_dir
     from tests.server import Server
 
@@ -213,22 +225,11 @@ def test_a_hybrid_model_through_every_process(tiny_model_dir, tmp_path):
     srv = Server(model_dir, "--chunked-prefill-size", "32", "--max-total-tokens", "4000",
                  "--overlap", "on", log_path=tmp_path / "log").wait_ready()
     try:
-        async def all_of_them():
-            async with AsyncKilnClient(srv.zmq) as client:
-                return await asyncio.gather(*(
-                    client.generate(input_ids=p, max_tokens=16, temperature=0.0, ignore_eos=True)
-                    for p in prompts))
-
-        for p, r in zip(prompts, asyncio.run(all_of_them())):
-            assert r.token_ids == mlx_lm_tokens(model, p, 16)
-
-        async def again():
-            async with AsyncKilnClient(srv.zmq) as client:
-                return await client.generate(input_ids=prompts[2], max_tokens=16,
-                                             temperature=0.0, ignore_eos=True)
+        for p, tokens in zip(prompts, served_greedy(srv, prompts, 16)):
+            assert tokens == mlx_lm_tokens(model, p, 16)
 
         before = srv.stats()["cache_hit_tokens_total"]
-        assert asyncio.run(again()).token_ids == mlx_lm_tokens(model, prompts[2], 16)
+        assert served_greedy(srv, [prompts[2]], 16)[0] == mlx_lm_tokens(model, prompts[2], 16)
         stats = srv.stats()
         assert stats["cache_hit_tokens_total"] - before == 128  # 150 tokens, chunks of 32
         assert stats["state_snapshots"] == 64 and 0 < stats["state_snapshots_used"] <= 64

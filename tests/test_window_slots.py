@@ -4,8 +4,6 @@ greedy tokens stay mlx-lm's."""
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 
@@ -14,7 +12,7 @@ from kiln_common.windows import CHUNKED, SLIDING, WindowRule
 from scheduler_proc.window_slots import WindowSlots
 from tests.engine_driver import InProcessEngine
 from tests.families import VOCAB, WINDOW, build
-from tests.test_families import mlx_lm_tokens
+from tests.test_families import mlx_lm_tokens, served_greedy
 from tests.test_scheduler import assert_idle_invariant
 from worker_proc import memory
 from worker_proc.kv_pool import KVPool
@@ -166,7 +164,6 @@ def test_a_sliding_model_served_reports_both_spaces(tiny_model_dir, tmp_path):
     import httpx
     import mlx_lm
 
-    from ipc.client import AsyncKilnClient
     from tests.families import write_model_dir
     from tests.server import Server
 
@@ -177,14 +174,8 @@ def test_a_sliding_model_served_reports_both_spaces(tiny_model_dir, tmp_path):
     srv = Server(model_dir, "--chunked-prefill-size", "32", "--max-total-tokens", "4000",
                  log_path=tmp_path / "log").wait_ready()
     try:
-        async def all_of_them():
-            async with AsyncKilnClient(srv.zmq) as client:
-                return await asyncio.gather(*(
-                    client.generate(input_ids=p, max_tokens=16, temperature=0.0, ignore_eos=True)
-                    for p in prompts))
-
-        for p, r in zip(prompts, asyncio.run(all_of_them())):
-            assert r.token_ids == mlx_lm_tokens(model, p, 16)
+        for p, tokens in zip(prompts, served_greedy(srv, prompts, 16)):
+            assert tokens == mlx_lm_tokens(model, p, 16)
         stats = srv.stats()
         assert stats["capacity_slots"] == 4000 and stats["window_capacity_slots"] == 2000
         assert 0 < stats["window_kv_bytes_per_slot"] and 0 < stats["kv_bytes_per_slot"]

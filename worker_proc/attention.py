@@ -199,18 +199,20 @@ class PooledKVCache:
     @property
     def write_slots(self) -> mx.array:
         """Where this forward's new K/V go, in this layer's slot space."""
-        if self.pool.windowed(self.layer):
-            assert self.layout.window_write_slots is not None, "the layout has window slots"
-            return self.layout.window_write_slots
-        return self.layout.write_slots
+        return self._in_space(self.layout.write_slots, self.layout.window_write_slots)
 
     @property
     def read_slots(self) -> mx.array:
         """Each row's context, in this layer's slot space ([B, L])."""
-        if self.pool.windowed(self.layer):
-            assert self.layout.window_read_slots is not None, "the layout has window slots"
-            return self.layout.window_read_slots
-        return self.layout.read_slots
+        return self._in_space(self.layout.read_slots, self.layout.window_read_slots)
+
+    def _in_space(self, full: mx.array, window: mx.array | None) -> mx.array:
+        """The layout's full-space slots, or its window slots for a layer in the windowed
+        layers' own space."""
+        if not self.pool.windowed(self.layer):
+            return full
+        assert window is not None, "the layout has window slots"
+        return window
 
     def reads(self) -> tuple[mx.array, mx.array]:
         """Decode: the slot table and lengths of the positions this layer's queries see

@@ -554,17 +554,20 @@ class ModelRunner:
         n = len(rows)
         size = compiled_batch_size(n)
         width = compiled_table_width(int(lengths.max()))
-        table = np.zeros((size, width), dtype=np.int32)
-        table[:n, :min(width, self.max_context)] = self.table[rows, :width]
         padded = np.ones(size, dtype=np.int32)
         padded[:n] = lengths
         last = (np.arange(size), padded - 1)
-        write, table_mx = mx.array(table[last]), mx.array(table)
-        window_write, window_table = write, table_mx  # unread where no window space
-        if self.window_table is not None:
-            windows = np.zeros((size, width), dtype=np.int32)
-            windows[:n, :min(width, self.max_context)] = self.window_table[rows, :width]
-            window_write, window_table = mx.array(windows[last]), mx.array(windows)
+
+        def bucketed(source: np.ndarray) -> tuple[mx.array, mx.array]:
+            """The rows' write slots and slot table from `source`, padded to the bucket."""
+            table = np.zeros((size, width), dtype=np.int32)
+            table[:n, :min(width, self.max_context)] = source[rows, :width]
+            return mx.array(table[last]), mx.array(table)
+
+        write, table_mx = bucketed(self.table)
+        # Unread where windowed layers share the full slots.
+        window_write, window_table = ((write, table_mx) if self.window_table is None
+                                      else bucketed(self.window_table))
         if size > n:
             tokens = mx.concatenate([tokens, mx.zeros((size - n,), dtype=tokens.dtype)])
         logits, *rest = self._compiled_decode(
