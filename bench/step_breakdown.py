@@ -65,7 +65,9 @@ from mlx_lm.models.cache import KVCache  # noqa: E402
 
 from ipc.messages.common import SamplingParams  # noqa: E402
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk  # noqa: E402
+from mlx_lm.models import gated_delta as gated_delta_module  # noqa: E402
 from worker_proc import decode_backend, paged_attention  # noqa: E402
+from worker_proc.gated_delta_cuda import install_gated_delta_kernel, uses_gated_delta  # noqa: E402
 from worker_proc import runner as runner_module  # noqa: E402
 from worker_proc.attention import PooledKVCache  # noqa: E402
 from worker_proc.decode_block import speed_up_decode_blocks  # noqa: E402
@@ -122,6 +124,9 @@ def _runner(model: Any, batch: int, context: int, steps: int,
 # layer alone is over it (the decode kernel reads the whole layer), so a server commits a
 # graph every layer where a small pool lets several layers share one.
 POOL_SLOTS = 0
+# Recurrent state rows of a hybrid's pool (--state-rows; at least the batch): a served
+# pool's (--max-running-requests) makes each layer's state array that many rows.
+STATE_ROWS = 0
 # The decode backend the runners get (None: the device's, as served); A/B variants set it.
 BACKEND: DecodeBackend | None = None
 
@@ -132,7 +137,11 @@ def _empty_runner(model: Any, batch: int, context: int, steps: int, compile_deco
     # Three times what the batch needs, as a server's pool is larger than its batch: the
     # kept decode contexts of the fallback path may use half the pool's size.
     slots = max(POOL_SLOTS, 3 * batch * (context + steps + 4) + 1)
-    pool = KVPool(probe_attention_specs(model), slots, BACKEND)
+    specs = probe_attention_specs(model)
+    # A hybrid's recurrent layers keep a state row per request; a server has more rows
+    # than its batch (--max-running-requests), the pool's state arrays as large.
+    rows = max(STATE_ROWS, batch) if KVPool.state_bytes_per_request(specs) else 0
+    pool = KVPool(specs, slots, BACKEND, state_rows=rows)
     runner = ModelRunner(model, pool, max_requests=batch, max_context=context + steps + 4,
                          compile_decode=compile_decode)
     rids = [f"r{i}" for i in range(batch)]
@@ -200,7 +209,8 @@ def mlx_lm_step_ms(model: Any, batch: int, context: int, steps: int,
                    pipelined: bool = False) -> Timings:
     """mlx-lm's model over its KVCache, greedy; pipelined as mlx-lm's generate loop (the
     next step queued with async_eval before the last one's tokens are read)."""
-    cache = [KVCache() for _ in model.layers]
+    # A hybrid's own cache kinds (ArraysCache beside KVCache), as mlx-lm serves it.
+    cache = model.make_cache() if hasattr(model, "make_cache") else [KVCache() for _ in model.layers]
     mx.eval(model(mx.ones((batch, context), dtype=mx.int32), cache=cache))
     y = mx.ones((batch, 1), dtype=mx.int32)
     t = Timings()
@@ -516,12 +526,15 @@ def main() -> None:
                         "print medians over the rounds with the step's spread: the H200 "
                         "host's speed drifts +-25%% within minutes, so a single pass "
                         "compares variants run at different speeds")
+    p.add_argument("--state-rows", type=int, default=0,
+                   help="a hybrid's recurrent state rows (a server's --max-running-requests); "
+                        "default the batch")
     p.add_argument("--pool-slots", type=int, default=0,
                    help="KV pool size in slots, e.g. a server's (its log's 'KV pool: N "
                         "slots'); default three times what the batch needs")
     args = p.parse_args()
-    global POOL_SLOTS
-    POOL_SLOTS = args.pool_slots
+    global POOL_SLOTS, STATE_ROWS
+    POOL_SLOTS, STATE_ROWS = args.pool_slots, args.state_rows
     # As the worker serves (before any GPU work); for every variant, the mlx-lm loop too.
     # MLX's own budgets: set MLX_MAX_MB_PER_BUFFER / MLX_MAX_OPS_PER_BUFFER to its defaults.
     print("CUDA graph budgets:", raise_cuda_graph_budgets() or "not on CUDA")
@@ -536,6 +549,8 @@ def main() -> None:
         return narrow_llama(args.layers, (q, kv, dim))
 
     model = load()
+    if uses_gated_delta(model) and install_gated_delta_kernel():  # as the worker serves it
+        print("gated delta rule: kiln's CUDA kernel")
     fused: list[Any] = []  # a second copy, fused at first use (the "fused" variants)
     fast: list[Any] = []  # a third, fused with fast decode blocks ("fast blocks")
 
@@ -569,6 +584,20 @@ def main() -> None:
         "mlx-lm loop, pipelined": lambda b: mlx_lm_step_ms(model, b, c, n, pipelined=True),
         "kiln, fused, pipelined": lambda b: kiln_step_ms(fused_model(), b, c, n, pipelined=True),
     }
+    if KVPool.state_bytes_per_request(probe_attention_specs(model)):  # a hybrid's recurrent layers
+        no_state_write = lambda self, layer, index, rows, value: None  # noqa: E731
+
+        def no_recurrence(q, k, v, g, beta, state=None, mask=None):  # noqa: ANN001, ANN202
+            b, _, _, dk = q.shape
+            hv, dv = v.shape[-2:]
+            kept = mx.zeros((b, hv, dv, dk), dtype=mx.float32) if state is None else state
+            return v.astype(q.dtype), kept
+
+        variants["kiln, no state write"] = lambda b: _with(
+            KVPool, "write_state", no_state_write, lambda: kiln_step_ms(model, b, c, n, pipelined=True))
+        variants["kiln, no recurrence"] = lambda b: _with(
+            gated_delta_module, "gated_delta_ops", no_recurrence,
+            lambda: kiln_step_ms(model, b, c, n, pipelined=True))
     kernel_path = served.compiles  # the served decode path is the kernel's
     if kernel_path:  # compiled decode's only path
         def compiled(m: Any, b: int) -> Timings:  # as served there: compiled, pipelined
