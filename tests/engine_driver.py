@@ -191,8 +191,9 @@ class StandInKernel(KernelDecode):
 
 class StandInInPlaceKernels(StandInKernel):
     """On the CPU, the CUDA path with an in-place pool (eager decode only): the write and
-    write-and-attend kernels stood in by plain-MLX scatters into the layer's array object
-    (what KVPool.layers holds), returning a zero mark as the kernels do; the fused q/k/v
+    write-and-attend kernels (and the state rows' write) stood in by plain-MLX scatters
+    into the array object (what KVPool.layers / .states hold), returning a zero mark as
+    the kernels do; the fused q/k/v
     kernel's RoPE by mx.fast.rope at each row's position."""
 
     in_place = True
@@ -201,6 +202,10 @@ class StandInInPlaceKernels(StandInKernel):
         b, h, s, _ = keys.shape
         rows = mx.concatenate([keys.swapaxes(1, 2), values.swapaxes(1, 2)], axis=-1)
         layer[slots] = rows.reshape(b * s, h, -1).astype(layer.dtype)
+        return mx.zeros((1,), dtype=mx.int32)
+
+    def write_state_rows(self, state, rows, value, after):  # noqa: ANN001, ANN201
+        state[rows] = value.astype(state.dtype)
         return mx.zeros((1,), dtype=mx.int32)
 
     def _write_attend(self, q, keys, values, slots, pool, table, lengths, scale, after):  # noqa: ANN001, ANN202

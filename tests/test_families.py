@@ -263,6 +263,32 @@ def test_recurrent_models_hit_at_state_snapshots(recurrent_family):
     assert_idle_invariant(engine.scheduler)
 
 
+@pytest.mark.parametrize("path", ["compiled", "in place"])
+def test_recurrent_models_on_the_kernel_path_equal_mlx_lm(recurrent_family, path):
+    """The CUDA decode path on the CPU (kernels stood in for by their plain-MLX meaning):
+    compiled decode carries the states through its trace (scatter-written), the in-place
+    pool writes state rows through the backend's row writer and reads them after its
+    marks; batched, overlapped, with a snapshot hit; mlx-lm's tokens."""
+    from tests.engine_driver import StandInInPlaceKernels, StandInKernel
+
+    name, model = recurrent_family
+    prompts = _prompts(seed=800 + len(name))[:4]
+    compiled = path == "compiled"
+    engine = InProcessEngine(model, chunk_size=16, compile_decode=compiled, overlap="ahead",
+                             backend=StandInKernel() if compiled else StandInInPlaceKernels())
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 16, [])
+    results = engine.run_until_idle()
+    assert (engine.runner.decode_traces > 0) == compiled
+    before = engine.scheduler.counters.cache_hit_tokens
+    engine.submit("again", list(prompts[2]), 16, [])
+    results.update(engine.run_until_idle())
+    assert engine.scheduler.counters.cache_hit_tokens > before
+    assert_mlx_lm_tokens(model, name, results, [*((f"r{i}", p) for i, p in enumerate(prompts)),
+                                                ("again", prompts[2])], 16)
+    assert_idle_invariant(engine.scheduler)
+
+
 def test_a_snapshot_cache_cuts_matches_back_to_its_snapshots():
     from scheduler_proc.radix_cache import SnapshotCache
 

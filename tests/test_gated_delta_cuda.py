@@ -40,3 +40,63 @@ def test_the_kernel_equals_mlx_lm_ops(dtype, masked):
     real = mask[..., None, None] if masked else mx.array(True)
     diff = mx.where(real, mx.abs(got_y.astype(mx.float32) - want_y.astype(mx.float32)), 0)
     assert diff.max().item() <= tol * max(1.0, mx.abs(want_y).max().item())
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the in-place pool needs MLX's CUDA backend")
+def test_state_rows_are_written_in_place_after_their_marks():
+    from worker_proc.paged_attention import after_write, rows_write_in_place
+
+    pool = mx.zeros((6, 3, 4))
+    mx.eval(pool)
+    value = mx.arange(2 * 12, dtype=mx.float32).reshape(2, 3, 4)
+    rows = mx.array([4, 1], dtype=mx.int32)
+    mark = rows_write_in_place(pool, rows, value)
+    got = pool[after_write(rows, mark)]
+    again = rows_write_in_place(pool, rows[:1], value[1:] * 2, after=mark)
+    assert mx.array_equal(got, value).item()
+    assert mx.array_equal(pool[after_write(mx.array([4, 0]), again)][0], value[1] * 2).item()
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the in-place pool needs MLX's CUDA backend")
+@pytest.mark.parametrize("compile_decode", [False, True])
+def test_a_hybrid_served_in_place_keeps_its_states_without_copies(compile_decode):
+    """A qwen3_5 hybrid on the CUDA path, pipelined as served: its state rows are written
+    in place (peak memory far below the state arrays' size: a scatter copies a layer's
+    whole array), compiled decode traced, and greedy tokens equal mlx-lm's."""
+    import numpy as np
+    from mlx_lm.generate import generate_step
+    from mlx_lm.models import qwen3_5
+
+    from tests.engine_driver import InProcessEngine
+    from tests.families import _COMMON, RECURRENT_FAMILIES, VOCAB
+
+    # tests.families' qwen3_5 with heads the kernels take (a multiple of 32 wide).
+    config = {**_COMMON, **RECURRENT_FAMILIES["qwen3_5"]}
+    config["text_config"] = {**config["text_config"], "head_dim": 32, "linear_key_head_dim": 32,
+                             "linear_value_head_dim": 32}
+    mx.random.seed(0)
+    model = qwen3_5.Model(qwen3_5.ModelArgs.from_dict(config))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    install_gated_delta_kernel()
+
+    def mlx_lm_tokens(prompt: list[int], n: int) -> list[int]:
+        return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+
+    engine = InProcessEngine(model, max_running=64, compile_decode=compile_decode,
+                             overlap="ahead")
+    assert engine.pool.in_place
+    state_bytes = sum(a.nbytes for a in engine.pool.flat_states())
+    rng = np.random.default_rng(9)
+    prompts = [rng.integers(5, VOCAB, size=n).tolist() for n in (30, 7, 52, 19)]
+    mx.synchronize()
+    mx.reset_peak_memory()
+    before = mx.get_active_memory()
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 20, [])
+    results = engine.run_until_idle()
+    over = mx.get_peak_memory() - before
+    assert over < state_bytes // 4, f"peak {over / 2**20:.1f} MiB over {state_bytes / 2**20:.1f} MiB of states"
+    assert (engine.runner.decode_traces > 0) == compile_decode
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == mlx_lm_tokens(p, 20), f"r{i}"

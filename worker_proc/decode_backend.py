@@ -25,6 +25,7 @@ import mlx.core as mx
 from worker_proc.paged_attention import (DEFAULT_STAGES, RopeSpec, kernel_available,
                                          paged_decode_attention, paged_decode_qkv_attention,
                                          paged_decode_write_attention, pool_write_in_place,
+                                         rows_write_in_place,
                                          reference_decode_attention, unfused_prefill_attention,
                                          unfused_prefill_fits)
 
@@ -69,6 +70,12 @@ class DecodeBackend:
     def write_rows(self, layer: mx.array, slots: mx.array, keys: mx.array, values: mx.array,
                    after: mx.array | None) -> mx.array:
         """In place: store the rows into the layer's own buffer; returns the write's mark."""
+        raise RuntimeError(f"{self.name} decode does not write the pool in place")
+
+    def write_state_rows(self, state: mx.array, rows: mx.array, value: mx.array,
+                         after: mx.array | None) -> mx.array:
+        """In place: store value's rows as rows `rows` of a recurrent layer's state array;
+        returns the write's mark."""
         raise RuntimeError(f"{self.name} decode does not write the pool in place")
 
 
@@ -125,6 +132,10 @@ class KernelDecode(DecodeBackend):
     def write_rows(self, layer: mx.array, slots: mx.array, keys: mx.array, values: mx.array,
                    after: mx.array | None) -> mx.array:
         return pool_write_in_place(layer, slots, keys, values, after)
+
+    def write_state_rows(self, state: mx.array, rows: mx.array, value: mx.array,
+                         after: mx.array | None) -> mx.array:
+        return rows_write_in_place(state, rows, value, after)
 
     # The kernels themselves: a stand-in (the CPU tests') replaces these three.
     def _attend(self, q: mx.array, pool: mx.array, table: mx.array, lengths: mx.array,

@@ -7,6 +7,7 @@ attention masks hide what they read.
 from __future__ import annotations
 
 import copy
+import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -103,8 +104,10 @@ class KVPool:
 
     Recurrent layers (StateLayerSpec) keep one state row per running request instead,
     `states[j][i]`: [state_rows + 1, *shape] for array i of the model's j-th recurrent
-    layer, addressed by the runner's request rows + 1 (row 0 is scratch); a step's new
-    states are scattered in (plain MLX: a few rows a step, copies are small).
+    layer, addressed by the runner's request rows + 1 (row 0 is scratch). In place, a
+    kernel writes a step's new states into their rows (a scatter would copy each layer's
+    whole array while a step holds it: ~4.7 GB a step at 64 rows of a Qwen3.5-9B shape
+    on the H200), with marks as the K/V layers'; else they are scattered in (plain MLX).
     `order` maps the model's cache list to ("kv", index) or ("state", index).
     `snapshots[j][i]` ([num_snapshots + 1, *shape]) keep states at cached prompt ends,
     addressed by the scheduler's snapshot ids: a request hitting one starts from a copy.
@@ -146,9 +149,12 @@ class KVPool:
                            for shape, dtype in zip(s.shapes, s.dtypes)]
                           for s in self.state_specs] if self.num_snapshots else []
         mx.eval(self.layers, self.states, self.snapshots)
-        # In place: each layer's last write's mark, and the marks not yet taken by a step.
+        # In place: each layer's last write's mark, and the marks not yet taken by a step;
+        # the same for each state and snapshot array.
         self._marks: list[mx.array | None] = [None] * len(self.specs)
         self._unlanded: list[mx.array] = []
+        self._state_marks: list[list[mx.array | None]] = [[None] * len(a) for a in self.states]
+        self._snapshot_marks: list[list[mx.array | None]] = [[None] * len(a) for a in self.snapshots]
 
     @staticmethod
     def bytes_per_slot(specs: list[LayerSpec]) -> int:
@@ -200,28 +206,43 @@ class KVPool:
 
     def read_state(self, layer: int, index: int, rows: mx.array) -> mx.array:
         """Recurrent layer `layer`'s array `index` for the requests at `rows` (+1 applied)."""
-        return self.states[layer][index][rows]
+        return self.states[layer][index][after_write(rows, self._state_marks[layer][index])]
 
     def write_state(self, layer: int, index: int, rows: mx.array, value: mx.array) -> None:
-        self.states[layer][index][rows] = value.astype(self.states[layer][index].dtype)
+        self._store(self.states, self._state_marks, layer, index, rows, value)
+
+    def _store(self, arrays: list[list[mx.array]], marks: list[list[mx.array | None]],
+               layer: int, index: int, rows: mx.array, value: mx.array) -> None:
+        """rows of arrays[layer][index] = value: in place after its last write, or scattered."""
+        target = arrays[layer][index]
+        if not self.in_place:
+            target[rows] = value.astype(target.dtype)
+            return
+        mark = self.backend.write_state_rows(target, rows, value, marks[layer][index])
+        marks[layer][index] = mark
+        self._unlanded.append(mark)
 
     def clear_states(self, row: int) -> None:
         """Zero request row `row`'s recurrent states (+1 applied): a prompt starting."""
-        for states in self.states:
-            for state in states:
-                state[row] = 0
+        rows = mx.array([row], dtype=mx.int32)
+        for j, states in enumerate(self.states):
+            for i, state in enumerate(states):
+                self.write_state(j, i, rows, mx.zeros((1, *state.shape[1:]), dtype=state.dtype))
 
     def save_snapshot(self, row: int, snapshot: int) -> None:
         """Keep the recurrent states of request row `row` (+1 applied) as `snapshot`."""
-        for states, kept in zip(self.states, self.snapshots):
-            for state, copy_ in zip(states, kept):
-                copy_[snapshot] = state[row]
+        rows, to = mx.array([row], dtype=mx.int32), mx.array([snapshot], dtype=mx.int32)
+        for j, states in enumerate(self.states):
+            for i in range(len(states)):
+                self._store(self.snapshots, self._snapshot_marks, j, i, to,
+                            self.read_state(j, i, rows))
 
     def load_snapshot(self, snapshot: int, row: int) -> None:
         """Start request row `row`'s recurrent states from `snapshot`."""
-        for states, kept in zip(self.states, self.snapshots):
-            for state, copy_ in zip(states, kept):
-                state[row] = copy_[snapshot]
+        rows, at = mx.array([row], dtype=mx.int32), mx.array([snapshot], dtype=mx.int32)
+        for j, kept in enumerate(self.snapshots):
+            for i, copy_ in enumerate(kept):
+                self.write_state(j, i, rows, copy_[after_write(at, self._snapshot_marks[j][i])])
 
     def keys(self, layer: int) -> mx.array:
         """The layer's keys, [num_slots + 1, n_kv_heads, head_dim] (a strided view)."""
@@ -270,15 +291,53 @@ class KVPool:
         return landing
 
     def with_layers(self, layers: "list[mx.array] | tuple[mx.array, ...]",
-                    marks: "list[mx.array] | tuple[mx.array, ...] | None" = None) -> "KVPool":
+                    marks: "list[mx.array] | tuple[mx.array, ...] | None" = None,
+                    states: "list[mx.array] | tuple[mx.array, ...] | None" = None) -> "KVPool":
         """A pool of this layout over the given layer arrays, with no writes yet: what a
         traced (mx.compile) forward writes, so the trace's placeholders stay out of this
-        pool. marks: in place, one a layer, what its writes and reads are to follow."""
+        pool. marks: in place, one a layer, what its writes and reads are to follow.
+        states: the recurrent state arrays, flat (flat_states' order); default this
+        pool's. Snapshots stay this pool's: no traced forward touches them."""
         view = copy.copy(self)
         view.layers = list(layers)
         view._marks = list(marks) if marks is not None else [None] * len(self.specs)
         view._unlanded = []
+        if states is not None:
+            view.states = self._unflatten(list(states))
+        view._state_marks = [[None] * len(a) for a in view.states]
         return view
+
+    def flat_states(self) -> list[mx.array]:
+        """The recurrent state arrays, layer by layer."""
+        return [a for layer in self.states for a in layer]
+
+    def _unflatten(self, flat: list) -> list[list]:
+        out, at = [], 0
+        for layer in self.states:
+            out.append(flat[at:at + len(layer)])
+            at += len(layer)
+        return out
+
+    def traced_writes(self) -> list[mx.array]:
+        """What a traced forward over a view (with_layers) returns for its writes, for
+        adopt_traced: in place, each layer's and state array's last mark (a zero where
+        none); else the arrays after the writes."""
+        if not self.in_place:
+            return list(self.layers) + self.flat_states()
+        marks = self._marks + [m for layer in self._state_marks for m in layer]
+        return [zero_mark() if m is None else m for m in marks]
+
+    def adopt_traced(self, outputs: "list[mx.array] | tuple[mx.array, ...]") -> None:
+        """The writes a compiled forward returned (its view's traced_writes) become this
+        pool's."""
+        n = len(self.layers)
+        layers, states = list(outputs[:n]), list(outputs[n:])
+        if not self.in_place:
+            self.layers, self.states = layers, self._unflatten(states)
+            return
+        self.adopt_marks(layers)
+        self._state_marks = self._unflatten(states)
+        self._unlanded.extend(states)
 
     def adopt_marks(self, marks: list[mx.array]) -> None:
         """In place: the marks a compiled forward returned (one per layer, in order) stand
@@ -286,6 +345,12 @@ class KVPool:
         assert self.in_place and len(marks) == len(self.layers)
         self._marks = list(marks)
         self._unlanded.extend(marks)
+
+
+@functools.cache
+def zero_mark() -> mx.array:
+    """A mark standing for no write (a layer not written yet), so traces take arrays."""
+    return mx.zeros((1,), dtype=mx.int32)
 
 
 def _zeros(rows: int, heads: int, dim: int, dtype: mx.Dtype) -> mx.array:

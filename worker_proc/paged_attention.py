@@ -755,6 +755,41 @@ def pool_write_in_place(kv_pool: mx.array, slots: mx.array, keys: mx.array,
     return written
 
 
+# Copies whole rows into an array in place (a recurrent layer's state rows: KVPool.states),
+# through a cast pointer as the pool write above; one thread per element.
+_ROWS_WRITE_SOURCE = r"""
+    const size_t i = (size_t)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i == 0) written[0] = 0;
+    const size_t n = value_shape[1];
+    if (i >= (size_t)value_shape[0] * n) return;
+    T* out = const_cast<T*>(dst);
+    out[(size_t)rows[i / n] * n + i % n] = static_cast<T>(value[i]);
+"""
+
+
+@functools.cache
+def _rows_write_kernel():
+    # dst must reach the kernel as itself (see _write_kernel); value comes row-contiguous.
+    return mx.fast.cuda_kernel(name="kiln_rows_write", input_names=["dst", "rows", "value", "after"],
+                               output_names=["written"], source=_ROWS_WRITE_SOURCE,
+                               ensure_row_contiguous=False)
+
+
+def rows_write_in_place(dst: mx.array, rows: mx.array, value: mx.array,
+                        after: mx.array | None = None) -> mx.array:
+    """Store value [B, *row] as rows `rows` [B] of dst [R, *row] (contiguous, as
+    allocated), in place, after the write whose mark is `after`; returns this write's
+    mark (see pool_write_in_place). Two writes to one row in a call leave one of them."""
+    b = value.shape[0]
+    flat = mx.contiguous(value).reshape(b, -1)
+    (written,) = _rows_write_kernel()(
+        inputs=[dst, rows.astype(mx.int32), flat, _follow(after)],
+        template=[("T", dst.dtype)],
+        grid=(-(-flat.size // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
+        output_shapes=[(1,)], output_dtypes=[mx.int32])
+    return written
+
+
 # Largest float32 score matrix (all heads and rows of one forward) the matmul prefill path
 # may materialise; a bigger one (a long chunk deep into a long context) takes MLX's fused
 # attention, whose memory does not grow with the context, and pays its per-shape build.

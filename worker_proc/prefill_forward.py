@@ -13,13 +13,12 @@ once, then replayed.
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import mlx.core as mx
 
 from worker_proc.attention import ForwardLayout, build_layer_caches
-from worker_proc.kv_pool import KVPool
+from worker_proc.kv_pool import KVPool, zero_mark
 from worker_proc.layer_kinds import LayerKind
 
 # Most forward shapes traced (each trace holds its graph's tape, thousands of nodes for
@@ -137,10 +136,4 @@ def _rows_at(hidden: mx.array, last: mx.array | None) -> mx.array:
 
 
 def _mark_or_zero(mark: mx.array | None) -> mx.array:
-    # A layer not written yet has no mark: a zero stands in, so every trace takes arrays.
-    return _no_mark() if mark is None else mark
-
-
-@functools.cache
-def _no_mark() -> mx.array:
-    return mx.zeros((1,), dtype=mx.int32)
+    return zero_mark() if mark is None else mark

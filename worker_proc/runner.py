@@ -152,14 +152,12 @@ class ModelRunner:
             compile_decode = False  # a compiled bucket pads with rows of length 1
         # Recurrent layers: prefill chunks share forwards only where the model keeps
         # padding out of its state (pads_state_rows; else a padded row would carry its
-        # state past its end), and decode is not compiled (the trace takes only the K/V
-        # pool).
+        # state past its end).
         self.shares_prefill = self.ragged and (
             not pool.has_states or pads_state_rows(model, pool.layer_specs, backend))
         if pool.has_states and not self.shares_prefill:
             logger.warning("this model's recurrent layers cannot skip padding: each prefill "
                            "chunk runs in a forward of its own (slower)")
-        compile_decode = compile_decode and not pool.has_states
         self._compiled_decode = mx.compile(self._decode_forward) if compile_decode else None
         self.decode_traces = 0  # how many times mx.compile traced the decode forward
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
@@ -570,13 +568,13 @@ class ModelRunner:
                                       else bucketed(self.window_table))
         if size > n:
             tokens = mx.concatenate([tokens, mx.zeros((size - n,), dtype=tokens.dtype)])
+        # A pad row's recurrent states are the scratch row's (0).
+        state_rows = np.zeros(size, dtype=np.int32)
+        state_rows[:n] = rows + 1
         logits, *rest = self._compiled_decode(
             tokens, mx.array(padded - 1), write, table_mx, mx.array(padded), window_write,
-            window_table, *self.pool.layers)
-        if self.pool.in_place:
-            self.pool.adopt_marks(rest)
-        else:
-            self.pool.layers = rest
+            window_table, mx.array(state_rows), *self.pool.layers, *self.pool.flat_states())
+        self.pool.adopt_traced(rest)
         return logits[:n] if size > n else logits
 
     def trace_decode(self, size: int, width: int) -> None:
@@ -586,27 +584,32 @@ class ModelRunner:
         assert self._compiled_decode is not None
         rows = mx.zeros((size,), dtype=mx.int32)
         table = mx.zeros((size, width), dtype=mx.int32)
-        self._compiled_decode(rows, rows, rows, table, rows + 1, rows, table,
-                              *self.pool.layers)  # outputs dropped unevaluated
+        self._compiled_decode(rows, rows, rows, table, rows + 1, rows, table, rows,
+                              *self.pool.layers, *self.pool.flat_states())  # outputs dropped
 
     def _decode_forward(self, tokens: mx.array, offsets: mx.array, write_slots: mx.array,
                         table: mx.array, lengths: mx.array, window_write: mx.array,
-                        window_table: mx.array, *layers: mx.array) -> tuple[mx.array, ...]:
-        """What _run_compiled traces: the model over the pool arrays it is given (through a
-        view of the pool, so the trace leaves the runner's alone); returns the logits, then
-        the writes' marks (in place) or the pool arrays after the writes (scatter). The
-        window slots are read only where windowed layers have their own space."""
+                        window_table: mx.array, state_rows: mx.array,
+                        *arrays: mx.array) -> tuple[mx.array, ...]:
+        """What _run_compiled traces: the model over the pool arrays it is given (the K/V
+        layers, then the recurrent states; through a view of the pool, so the trace leaves
+        the runner's alone); returns the logits, then the writes' marks (in place) or the
+        arrays after the writes (scatter): KVPool.traced_writes. The window slots are read
+        only where windowed layers have their own space, state_rows only by recurrent
+        layers. Steps follow each other's in-place writes by launch order (one stream), as
+        the K/V layers' do."""
         self.decode_traces += 1
-        pool = self.pool.with_layers(layers)
+        n = len(self.pool.layers)
+        pool = self.pool.with_layers(arrays[:n], states=arrays[n:])
         windowed = self.window_table is not None
         layout = ForwardLayout(write_slots=write_slots, read_slots=table, offset=offsets,
                                mask=None, lengths=lengths,
                                window_write_slots=window_write if windowed else None,
                                window_read_slots=window_table if windowed else None)
-        caches = build_layer_caches(pool, layout)
+        caches = build_layer_caches(pool, layout, state_rows)
         out = self.model(tokens[:, None], cache=caches)
         check_written(caches)
-        return (out[:, -1, :], *pool.take_landing())
+        return (out[:, -1, :], *pool.traced_writes())
 
     def _sample(self, logits: list[mx.array], states: list[RequestState],
                 grammar: GrammarMask | None = None) -> _Sampled:
