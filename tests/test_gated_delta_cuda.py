@@ -61,8 +61,8 @@ def test_state_rows_are_written_in_place_after_their_marks():
 @pytest.mark.parametrize("compile_decode", [False, True])
 def test_a_hybrid_served_in_place_keeps_its_states_without_copies(compile_decode):
     """A qwen3_5 hybrid on the CUDA path, pipelined as served: its state rows are written
-    in place (peak memory far below the state arrays' size: a scatter copies a layer's
-    whole array), compiled decode traced, and greedy tokens equal mlx-lm's."""
+    in place (peak memory below half of one state array: a scatter copies its whole
+    array), compiled decode traced, and greedy tokens equal mlx-lm's."""
     import numpy as np
     from mlx_lm.generate import generate_step
     from mlx_lm.models import qwen3_5
@@ -83,10 +83,12 @@ def test_a_hybrid_served_in_place_keeps_its_states_without_copies(compile_decode
     def mlx_lm_tokens(prompt: list[int], n: int) -> list[int]:
         return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
-    engine = InProcessEngine(model, max_running=64, compile_decode=compile_decode,
+    # State rows for 1,024 requests: one state array alone is several times what a step
+    # of four requests allocates, so a copy of any shows.
+    engine = InProcessEngine(model, max_running=1024, compile_decode=compile_decode,
                              overlap="ahead")
     assert engine.pool.in_place
-    state_bytes = sum(a.nbytes for a in engine.pool.flat_states())
+    largest = max(a.nbytes for a in engine.pool.flat_states())
     rng = np.random.default_rng(9)
     prompts = [rng.integers(5, VOCAB, size=n).tolist() for n in (30, 7, 52, 19)]
     mx.synchronize()
@@ -96,7 +98,7 @@ def test_a_hybrid_served_in_place_keeps_its_states_without_copies(compile_decode
         engine.submit(f"r{i}", p, 20, [])
     results = engine.run_until_idle()
     over = mx.get_peak_memory() - before
-    assert over < state_bytes // 4, f"peak {over / 2**20:.1f} MiB over {state_bytes / 2**20:.1f} MiB of states"
+    assert over < largest // 2, f"peak {over / 2**20:.1f} MiB over a {largest / 2**20:.1f} MiB state array"
     assert (engine.runner.decode_traces > 0) == compile_decode
     for i, p in enumerate(prompts):
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(p, 20), f"r{i}"

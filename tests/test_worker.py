@@ -545,3 +545,23 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     backend = choose_decode_backend(specs, staged.experiment_set)
     assert backend == KernelDecode(stages=4) and paged_attention.staged_tiles(128, 2, backend.stages) == 4
     assert paged_attention.staged_tiles(128, 2) == 0  # the default: register prefetch
+
+def test_host_staging_reuses_its_buffers_and_keeps_the_last_steps_inputs():
+    """Compiled decode's host-written inputs: no allocation a step once its buffers are
+    made, every part read back with its shape, and a buffer rewritten only `depth`
+    steps later (the steps still in flight read their own)."""
+    import mlx.core as mx
+
+    from worker_proc.staging import HostStaging
+
+    staging = HostStaging(depth=3)
+    staged = []
+    for step in range(8):
+        parts = (np.full(5, step, dtype=np.int32), np.arange(6, dtype=np.int32).reshape(2, 3) + step)
+        staged.append((parts, staging.stage(*parts)))
+        for want, got in staged[-3:]:  # this step's and the two before it
+            assert all(g.shape == w.shape and g.tolist() == w.tolist() for w, g in zip(want, got))
+    assert staging.grown == 3
+    big = np.arange(10_000, dtype=np.int32)
+    assert staging.stage(big)[0].tolist() == big.tolist() and staging.grown == 4
+    assert mx.array_equal(staging.stage(big[:3], big[3:5])[1], mx.array([3, 4])).item()

@@ -29,6 +29,7 @@ from worker_proc.request_state import (RequestState, TokenCounts, check_ids, che
                                        fold_seed)
 from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, SamplingBatch,
                                   StepLogprobs, sample, step_logprobs, token_logprobs)
+from worker_proc.staging import HostStaging
 from worker_proc.step_inputs import (COMPILED_MIN_WIDTH, compiled_batch_size,
                                      compiled_table_width, gather_last_tokens, group_by_length,
                                      prefill_waves, rows_by_length)
@@ -159,6 +160,8 @@ class ModelRunner:
             logger.warning("this model's recurrent layers cannot skip padding: each prefill "
                            "chunk runs in a forward of its own (slower)")
         self._compiled_decode = mx.compile(self._decode_forward) if compile_decode else None
+        # Host-written inputs, one buffer a step from each: compiled decode's, sampling's.
+        self._staging, self._sampling_staging = HostStaging(), HostStaging()
         self.decode_traces = 0  # how many times mx.compile traced the decode forward
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
         self._prompt_logprobs: dict[int, list[PendingPromptLogprobs]] = {}
@@ -556,24 +559,26 @@ class ModelRunner:
         padded[:n] = lengths
         last = (np.arange(size), padded - 1)
 
-        def bucketed(source: np.ndarray) -> tuple[mx.array, mx.array]:
+        def bucketed(source: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
             """The rows' write slots and slot table from `source`, padded to the bucket."""
             table = np.zeros((size, width), dtype=np.int32)
             table[:n, :min(width, self.max_context)] = source[rows, :width]
-            return mx.array(table[last]), mx.array(table)
+            return table[last], table
 
-        write, table_mx = bucketed(self.table)
-        # Unread where windowed layers share the full slots.
-        window_write, window_table = ((write, table_mx) if self.window_table is None
-                                      else bucketed(self.window_table))
-        if size > n:
-            tokens = mx.concatenate([tokens, mx.zeros((size - n,), dtype=tokens.dtype)])
         # A pad row's recurrent states are the scratch row's (0).
         state_rows = np.zeros(size, dtype=np.int32)
         state_rows[:n] = rows + 1
+        parts = [padded - 1, padded, state_rows, *bucketed(self.table)]
+        if self.window_table is not None:
+            parts.extend(bucketed(self.window_table))
+        offsets, lengths, state_rows_mx, write, table_mx, *windows = self._staging.stage(*parts)
+        # Unread where windowed layers share the full slots.
+        window_write, window_table = windows or (write, table_mx)
+        if size > n:
+            tokens = mx.concatenate([tokens, mx.zeros((size - n,), dtype=tokens.dtype)])
         logits, *rest = self._compiled_decode(
-            tokens, mx.array(padded - 1), write, table_mx, mx.array(padded), window_write,
-            window_table, mx.array(state_rows), *self.pool.layers, *self.pool.flat_states())
+            tokens, offsets, write, table_mx, lengths, window_write, window_table,
+            state_rows_mx, *self.pool.layers, *self.pool.flat_states())
         self.pool.adopt_traced(rest)
         return logits[:n] if size > n else logits
 
@@ -619,7 +624,8 @@ class ModelRunner:
         penalties = self._penalties(states, stacked.shape[-1])
         params = SamplingBatch.build([s.sampling for s in states], [s.seed for s in states],
                                      [s.num_sampled for s in states],
-                                     [s.stop_ids for s in states], penalties, grammar)
+                                     [s.stop_ids for s in states], penalties, grammar,
+                                     stage=self._sampling_staging.stage)
         tokens = sample(stacked, params)
         # From the raw logits: see StepLogprobs for which distribution.
         logprobs = step_logprobs(stacked, tokens, [s.sampling for s in states])

@@ -10,7 +10,7 @@ the whole batch still samples in one vectorised graph (Gumbel-max trick).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import mlx.core as mx
 import numpy as np
@@ -156,9 +156,12 @@ class SamplingBatch:
     def build(cls, params: list[SamplingParams], seeds: list[int], steps: list[int],
               stop_ids: list[list[int]] | None = None,
               penalties: Penalties | None = None,
-              grammar: GrammarMask | None = None) -> "SamplingBatch":
+              grammar: GrammarMask | None = None,
+              stage: Callable[..., list[mx.array]] | None = None) -> "SamplingBatch":
         """steps: tokens each row sampled before; stop_ids: each row's ids that min_tokens
-        masks (default none); grammar: the constrained rows' masks (default none)."""
+        masks (default none); grammar: the constrained rows' masks (default none); stage:
+        makes the per-row settings' arrays from numpy ones (worker_proc.staging; default
+        mx.array each)."""
         temps = np.array([p.temperature for p in params], dtype=np.float32)
         sampled = temps > 0
         draws = None
@@ -166,16 +169,20 @@ class SamplingBatch:
             top_p = np.array([p.top_p for p in params], dtype=np.float32)
             top_k = np.array([p.top_k for p in params], dtype=np.int32)
             min_p = np.array([p.min_p for p in params], dtype=np.float32)
-            draws = RowDraws(temperature=mx.array(temps), top_p=mx.array(top_p),
-                             top_k=mx.array(top_k), seed=mx.array(np.array(seeds, dtype=np.uint32)),
-                             step=mx.array(np.array(steps, dtype=np.uint32)), min_p=mx.array(min_p),
-                             needs_filter=bool(((top_p < 1.0) | (top_k > 0) | (min_p > 0))[sampled].any()))
+            made = (stage or _arrays)(temps, top_p, top_k, np.array(seeds, dtype=np.uint32),
+                                      np.array(steps, dtype=np.uint32), min_p)
+            draws = RowDraws(*made, needs_filter=bool(
+                ((top_p < 1.0) | (top_k > 0) | (min_p > 0))[sampled].any()))
         return cls(
             draws=draws,
             edits=LogitEdits.build(params, steps, stop_ids or [[] for _ in params]),
             penalties=penalties,
             grammar=grammar,
         )
+
+
+def _arrays(*parts: np.ndarray) -> list[mx.array]:
+    return [mx.array(p) for p in parts]
 
 
 def process_logits(logits: mx.array, batch: SamplingBatch) -> mx.array:

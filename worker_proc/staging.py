@@ -1,0 +1,67 @@
+"""Host-written step inputs in memory of their own, reused step after step.
+
+On MLX's CUDA backend an array made from host data (`mx.array(numpy)`) takes a buffer
+from MLX's buffer cache, which also holds device buffers that kernels left behind; when
+it gets one, MLX moves it to managed memory first (cudaMallocManaged and a blocking
+cudaMemcpy), which can wait for the work in flight. A decode step made a handful of
+such arrays (slot table, lengths, state rows, ...): with two steps in flight, that wait
+is the previous step's whole run, so the host's graph building stopped overlapping the
+device (measured on a hybrid's compiled decode: docs/benchmarks.md, session 12).
+
+`HostStaging` keeps a few managed buffers of its own and writes each step's inputs (slot
+tables, lengths, sampling settings) into one of them through a numpy view, handing out
+slices of it: nothing is allocated a step. A buffer is written again only `depth` steps later; with at most two steps in
+flight, the steps that read it have finished by then.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import mlx.core as mx
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {np.dtype(np.uint32): mx.uint32, np.dtype(np.float32): mx.float32}
+# Steps between two writes of one buffer: two in flight, one being built, one to spare.
+DEPTH = 4
+MIN_ELEMENTS = 1 << 12
+
+
+class HostStaging:
+    """A ring of host-writable 4-byte-word buffers for a step's small inputs."""
+
+    def __init__(self, depth: int = DEPTH) -> None:
+        self._buffers: list[tuple[mx.array, np.ndarray] | None] = [None] * depth
+        self._next = 0
+        self.grown = 0  # buffers made or remade (each an allocation)
+
+    def stage(self, *parts: np.ndarray) -> list[mx.array]:
+        """The parts (numpy arrays of 4-byte int32, uint32 or float32) as MLX arrays of
+        their shapes and dtypes, read from this step's buffer."""
+        total = sum(p.size for p in parts)
+        k = self._next
+        self._next = (k + 1) % len(self._buffers)
+        held = self._buffers[k]
+        if held is None or held[1].size < total:
+            held = self._buffers[k] = self._buffer(max(total, 2 * (held[1].size if held else 0),
+                                                       MIN_ELEMENTS))
+        array, view = held
+        out, at = [], 0
+        for part in parts:
+            n = part.size
+            view[at:at + n] = np.ascontiguousarray(part).reshape(-1).view(np.int32)
+            staged = array[at:at + n].reshape(part.shape)
+            out.append(staged if part.dtype == np.int32 else staged.view(_DTYPES[part.dtype]))
+            at += n
+        return out
+
+    def _buffer(self, size: int) -> tuple[mx.array, np.ndarray]:
+        self.grown += 1
+        array = mx.array(np.zeros(size, dtype=np.int32))
+        mx.eval(array)
+        view = np.asarray(array)  # on CUDA: the buffer moved to managed memory, once
+        if not view.flags.writeable:
+            raise RuntimeError("MLX hands out its arrays' host memory read-only here")
+        return array, view
