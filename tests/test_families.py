@@ -289,6 +289,40 @@ def test_recurrent_models_on_the_kernel_path_equal_mlx_lm(recurrent_family, path
     assert_idle_invariant(engine.scheduler)
 
 
+@pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])
+def test_the_gated_delta_rule_updates_its_states_in_the_pool(name, monkeypatch):
+    """On the in-place pool (CUDA's, stood in for), a gated delta layer's state read from
+    the pool is run where it lies (the kernel reads and writes the request rows of the
+    state array, none gathered and scattered); mlx-lm's tokens, chunked and batched."""
+    from mlx_lm.models import gated_delta as module
+
+    from tests.engine_driver import StandInInPlaceKernels
+    from worker_proc import gated_delta_cuda
+    from worker_proc.gated_delta_cuda import route_gated_delta
+
+    model = build(name)
+    # The kernels' head-size rule is theirs; the stand-ins take the tiny models' 16.
+    monkeypatch.setattr(gated_delta_cuda, "fits", lambda q, v, g: g.ndim == 3)
+    original = getattr(module.gated_delta_ops, "__wrapped__", module.gated_delta_ops)
+    monkeypatch.setattr(module, "gated_delta_ops", module.gated_delta_ops)  # restored after
+    in_pool_calls = []
+
+    def in_pool(q, k, v, g, beta, pool, rows, after, mask=None):
+        y, state = original(q, k, v, g, beta, pool[rows], mask)
+        pool[rows] = state
+        in_pool_calls.append(q.shape[1])
+        return y, mx.zeros((1,), dtype=mx.int32)
+
+    route_gated_delta(original, in_pool)
+    prompts = _prompts(seed=900 + len(name))[:4]
+    engine = InProcessEngine(model, chunk_size=16, overlap="ahead", backend=StandInInPlaceKernels())
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 16, [])
+    results = engine.run_until_idle()
+    assert 1 in in_pool_calls and any(t > 1 for t in in_pool_calls)  # decode and later chunks
+    assert_mlx_lm_tokens(model, name, results, [(f"r{i}", p) for i, p in enumerate(prompts)], 16)
+
+
 def test_a_snapshot_cache_cuts_matches_back_to_its_snapshots():
     from scheduler_proc.radix_cache import SnapshotCache
 

@@ -42,6 +42,37 @@ def test_the_kernel_equals_mlx_lm_ops(dtype, masked):
     assert diff.max().item() <= tol * max(1.0, mx.abs(want_y).max().item())
 
 
+@pytest.mark.skipif(not kernel_available(), reason="the kernel needs MLX's CUDA backend")
+@pytest.mark.parametrize("masked", [False, True])
+def test_the_kernel_in_the_pool_equals_it_apart(masked):
+    """The recurrence run on rows of the state array itself: the same outputs as over
+    gathered rows, those rows updated in place, the others untouched."""
+    from worker_proc.gated_delta_cuda import gated_delta_in_pool
+    from worker_proc.paged_attention import after_write
+
+    b, t, hk, hv, dk, dv = 3, 5, 2, 4, 64, 32
+    mx.random.seed(1)
+    q, k = (mx.random.normal((b, t, hk, dk)).astype(mx.bfloat16) * 0.3 for _ in range(2))
+    v = mx.random.normal((b, t, hv, dv)).astype(mx.bfloat16)
+    # Strided as the model's split conv output is: the kernel must not read it raw.
+    v = mx.concatenate([v, v], axis=-1)[..., :dv]
+    g = mx.random.uniform(0.5, 1.0, (b, t, hv))
+    beta = mx.random.uniform(0.0, 1.0, (b, t, hv))
+    pool = mx.random.normal((7, hv, dv, dk)) * 0.1
+    before = pool * 1  # a copy, made before the pool is written
+    rows = mx.array([5, 2, 6], dtype=mx.int32)
+    mask = (mx.arange(t)[None] < mx.array([5, 3, 1])[:, None]) if masked else None
+    want_y, want_state = gated_delta(q, k, v, g, beta, before[rows], mask)
+    mx.eval(pool, before, want_y, want_state)
+    got_y, mark = gated_delta_in_pool(q, k, v, g, beta, pool, rows, None, mask)
+    after = pool[after_write(mx.arange(7), mark)]
+    real = mask[..., None, None] if masked else mx.array(True)
+    assert mx.array_equal(mx.where(real, got_y, 0), mx.where(real, want_y, 0)).item()
+    assert mx.allclose(after[rows], want_state, atol=1e-6).item()
+    others = mx.array([0, 1, 3, 4])
+    assert mx.array_equal(after[others], before[others]).item()
+
+
 @pytest.mark.skipif(not kernel_available(), reason="the in-place pool needs MLX's CUDA backend")
 def test_state_rows_are_written_in_place_after_their_marks():
     from worker_proc.paged_attention import after_write, rows_write_in_place

@@ -20,6 +20,7 @@ import mlx.core as mx
 import numpy as np
 
 from worker_proc.decode_backend import DecodeBackend
+from worker_proc.gated_delta_cuda import PoolRead, forget_pool_reads, offer_pool_read
 from worker_proc.kv_pool import KVPool, StateLayerSpec, attention_specs, flat_specs
 from worker_proc.layer_kinds import Kind, LayerKind, ProbeRecorder, UnsupportedModelError
 from worker_proc.paged_attention import RopeSpec
@@ -464,11 +465,27 @@ class PooledStateCache:
         self.rows = rows
         self.fresh = fresh
         self.lengths = lengths
+        # In place: states a kernel updated in the pool itself, as handed back to the model.
+        self._in_pool: dict[int, mx.array] = {}
 
     def __getitem__(self, index: int) -> mx.array | None:
-        return None if self.fresh else self.pool.read_state(self.layer, index, self.rows)
+        if self.fresh:
+            return None
+        value = self.pool.read_state(self.layer, index, self.rows)
+        if self.pool.in_place:  # a kernel may update the rows where they are instead
+            offer_pool_read(PoolRead(value, self.pool.states[self.layer][index], self.rows,
+                                     self.pool.state_mark(self.layer, index),
+                                     lambda mark: self._written_in_pool(index, mark)))
+        return value
+
+    def _written_in_pool(self, index: int, mark: mx.array) -> mx.array:
+        self.pool.record_state_write(self.layer, index, mark)
+        self._in_pool[index] = self.pool.read_state(self.layer, index, self.rows)
+        return self._in_pool[index]
 
     def __setitem__(self, index: int, value: mx.array) -> None:
+        if self._in_pool.get(index) is value:  # already there
+            return
         self.pool.write_state(self.layer, index, self.rows, value)
 
     def empty(self) -> bool:
@@ -491,6 +508,7 @@ def build_layer_caches(pool: KVPool, layout: ForwardLayout, state_rows: mx.array
     the forward's requests' state rows (needed where the model has recurrent layers);
     fresh_state: their prompts start in this forward; state_lengths: a prefill forward's
     real tokens per row, where rows are right-padded."""
+    forget_pool_reads()  # a forward's state reads are offered to its own kernels only
     parts: list[PooledKVCache | PooledStateCache] = []
     for part, i in pool.order:
         if part == "kv":

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import mlx.core as mx
 
-from worker_proc.paged_attention import kernel_available
+from worker_proc.paged_attention import follow_mark, kernel_available
 
 logger = logging.getLogger(__name__)
 
@@ -31,12 +32,13 @@ _SOURCE = """
     const long line = (long(blockIdx.x) * blockDim.x + threadIdx.x) >> 5;
     const int B = q_shape[0];
     const int T = q_shape[1];
+    @START@
     if (line >= long(B) * HV * DV) return;
     const int dv = line % DV;
     const int hv = (line / DV) % HV;
     const long b = line / (long(DV) * HV);
     const int hk = hv / (HV / HK);
-    const long s_at = ((b * HV + hv) * DV + dv) * DK + lane * NPL;
+    const long s_at = ((@ROW@ * HV + hv) * DV + dv) * DK + lane * NPL;
     float s[NPL];
     for (int i = 0; i < NPL; ++i) s[i] = state[s_at + i];
     for (int t = 0; t < T; ++t) {
@@ -64,7 +66,7 @@ _SOURCE = """
         if (lane == 0) y[hv_at * DV + dv] = static_cast<InT>(out);
         @MASKED@
     }
-    for (int i = 0; i < NPL; ++i) state_out[s_at + i] = s[i];
+    @STORE@
 """
 
 # A padded position leaves the state as it was before the token.
@@ -72,16 +74,37 @@ _MASKED = "if (!mask[bt]) { for (int i = 0; i < NPL; ++i) s[i] = kept[i]; }"
 _WARPS_PER_BLOCK = 4
 
 
-def source(masked: bool) -> str:
-    return _SOURCE.replace("@MASKED@", _MASKED if masked else "")
+# In the pool: the state is a recurrent layer's whole state array (KVPool.states), each
+# batch row's line read at its request's row and written back there, in place (as the
+# K/V pool's writes: a cast pointer, a one-element mark for readers to follow).
+_IN_POOL = {
+    "@START@": "if (blockIdx.x == 0 && threadIdx.x == 0) written[0] = 0;",
+    "@ROW@": "long(rows[b])",
+    "@STORE@": "float* pool_out = const_cast<float*>(state);\n"
+               "    for (int i = 0; i < NPL; ++i) pool_out[s_at + i] = s[i];",
+}
+_APART = {"@START@": "", "@ROW@": "b",
+          "@STORE@": "for (int i = 0; i < NPL; ++i) state_out[s_at + i] = s[i];"}
+
+
+def source(masked: bool, in_pool: bool = False) -> str:
+    text = _SOURCE.replace("@MASKED@", _MASKED if masked else "")
+    for key, value in (_IN_POOL if in_pool else _APART).items():
+        text = text.replace(key, value)
+    return text
 
 
 @functools.cache
-def _kernel(masked: bool) -> Any:
+def _kernel(masked: bool, in_pool: bool = False) -> Any:
+    inputs = ["q", "k", "v", "g", "beta", "state", *(["rows", "after"] if in_pool else []),
+              *(["mask"] if masked else [])]
     return mx.fast.cuda_kernel(
-        name=f"kiln_gated_delta{'_masked' if masked else ''}",
-        input_names=["q", "k", "v", "g", "beta", "state", *(["mask"] if masked else [])],
-        output_names=["y", "state_out"], source=source(masked))
+        name=f"kiln_gated_delta{'_in_pool' if in_pool else ''}{'_masked' if masked else ''}",
+        input_names=inputs, output_names=["y", "written" if in_pool else "state_out"],
+        source=source(masked, in_pool),
+        # In the pool the state array must reach the kernel as itself, never a copy; the
+        # other inputs are made contiguous by the caller.
+        ensure_row_contiguous=not in_pool)
 
 
 def fits(q: mx.array, v: mx.array, g: mx.array) -> bool:
@@ -115,6 +138,64 @@ def gated_delta(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arr
     return y, new_state
 
 
+def gated_delta_in_pool(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
+                        pool: mx.array, rows: mx.array, after: mx.array | None,
+                        mask: mx.array | None = None) -> tuple[mx.array, mx.array]:
+    """gated_delta's recurrence over rows `rows` [B] of a state array pool [R, Hv, Dv,
+    Dk] (float32, contiguous), which it updates in place after the write whose mark is
+    `after`. Returns y and the write's mark."""
+    b, t, hk, dk = q.shape
+    hv, dv = v.shape[-2:]
+    inputs = [mx.contiguous(x) for x in (q, k, v, g.astype(mx.float32), beta.astype(mx.float32))]
+    inputs += [pool, rows.astype(mx.int32), follow_mark(after)]
+    if mask is not None:
+        inputs.append(mx.contiguous(mask.astype(mx.int32)))
+    lines = b * hv * dv
+    block = 32 * _WARPS_PER_BLOCK
+    y, written = _kernel(mask is not None, True)(
+        inputs=inputs,
+        template=[("InT", q.dtype), ("HK", hk), ("HV", hv), ("DK", dk), ("DV", dv)],
+        grid=(-(-lines * 32 // block) * block, 1, 1), threadgroup=(block, 1, 1),
+        output_shapes=[(b, t, hv, dv), (1,)], output_dtypes=[q.dtype, mx.int32])
+    return y, written
+
+
+@dataclass
+class PoolRead:
+    """A recurrent state a layer cache handed the model as a gather of its requests'
+    rows (`value`): where the gated delta rule meets it, it runs in the state array
+    itself instead, and `written` (given the write's mark) records the write and returns
+    the new state, a lazy gather the cache recognises when the model stores it back."""
+
+    value: mx.array
+    pool: mx.array
+    rows: mx.array
+    after: mx.array | None
+    written: Callable[[mx.array], mx.array]
+
+
+# The current forward's pool reads, by id of the array handed out (the model's code passes
+# it on untouched); PooledStateCache adds them, build_layer_caches clears them a forward.
+_POOL_READS: dict[int, PoolRead] = {}
+
+
+def offer_pool_read(read: PoolRead) -> None:
+    _POOL_READS[id(read.value)] = read
+
+
+def forget_pool_reads() -> None:
+    _POOL_READS.clear()
+
+
+def _pool_read(state: mx.array | None, v: mx.array) -> PoolRead | None:
+    read = _POOL_READS.get(id(state)) if state is not None else None
+    if read is None or read.value is not state:
+        return None
+    fits_pool = (read.pool.dtype == mx.float32 and read.pool.ndim == 4
+                 and read.pool.shape[1:3] == v.shape[-2:])
+    return read if fits_pool else None
+
+
 def uses_gated_delta(model: Any) -> bool:
     """Whether the model's mlx-lm module runs the gated delta rule."""
     import sys
@@ -128,15 +209,27 @@ def install_gated_delta_kernel() -> bool:
     shapes keep mlx-lm's ops. Returns whether it is installed (idempotent)."""
     if not kernel_available():
         return False
+    route_gated_delta(gated_delta, gated_delta_in_pool)
+    return True
+
+
+def route_gated_delta(apart: Callable[..., tuple[mx.array, mx.array]],
+                      in_pool: Callable[..., tuple[mx.array, mx.array]]) -> None:
+    """Route mlx-lm's gated_delta_ops to `apart` (gated_delta's signature) or, for a
+    state read from the pool (offer_pool_read), to `in_pool` (gated_delta_in_pool's),
+    where the shapes fit; tests on the CPU pass plain-MLX stand-ins."""
     from mlx_lm.models import gated_delta as module
 
     original = getattr(module.gated_delta_ops, "__wrapped__", module.gated_delta_ops)
 
     def routed(q, k, v, g, beta, state=None, mask=None):  # noqa: ANN001, ANN202
-        if fits(q, v, g):
-            return gated_delta(q, k, v, g, beta, state, mask)
-        return original(q, k, v, g, beta, state, mask)
+        if not fits(q, v, g):
+            return original(q, k, v, g, beta, state, mask)
+        read = _pool_read(state, v)
+        if read is None:
+            return apart(q, k, v, g, beta, state, mask)
+        y, mark = in_pool(q, k, v, g, beta, read.pool, read.rows, read.after, mask)
+        return y, read.written(mark)
 
     routed.__wrapped__ = original
     module.gated_delta_ops = routed
-    return True

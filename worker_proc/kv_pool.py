@@ -211,6 +211,15 @@ class KVPool:
     def write_state(self, layer: int, index: int, rows: mx.array, value: mx.array) -> None:
         self._store(self.states, self._state_marks, layer, index, rows, value)
 
+    def state_mark(self, layer: int, index: int) -> mx.array | None:
+        """In place: the mark of the state array's last write (None: not written yet)."""
+        return self._state_marks[layer][index]
+
+    def record_state_write(self, layer: int, index: int, mark: mx.array) -> None:
+        """In place: a kernel wrote the state array (after its previous write); its mark."""
+        self._state_marks[layer][index] = mark
+        self._unlanded.append(mark)
+
     def _store(self, arrays: list[list[mx.array]], marks: list[list[mx.array | None]],
                layer: int, index: int, rows: mx.array, value: mx.array) -> None:
         """rows of arrays[layer][index] = value: in place after its last write, or scattered."""
@@ -220,7 +229,7 @@ class KVPool:
             return
         mark = self.backend.write_state_rows(target, rows, value, marks[layer][index])
         marks[layer][index] = mark
-        self._unlanded.append(mark)
+        self._unlanded.append(mark)  # (record_state_write, for either array kind)
 
     def clear_states(self, row: int) -> None:
         """Zero request row `row`'s recurrent states (+1 applied): a prompt starting."""

@@ -559,7 +559,7 @@ def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
     """
     batch, n_q, _, dim = q.shape
     inputs = [q.reshape(batch, n_q, dim), kv_pool, table, lengths, _scale(scale),
-              _follow(written)]
+              follow_mark(written)]
     out, _ = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1], write_new=False,
                      sinks=sinks, stages=stages)
     return out.reshape(batch, n_q, 1, dim)
@@ -604,7 +604,7 @@ def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
     layer and step. Follows the write whose mark is `after`; returns the attention's
     output and this write's mark (see pool_write_in_place)."""
     batch, n_q, _, dim = q.shape
-    inputs = [q, keys, values, kv_pool, table, lengths, _scale(scale), _follow(after), slots]
+    inputs = [q, keys, values, kv_pool, table, lengths, _scale(scale), follow_mark(after), slots]
     out, mark = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1],
                         write_new=True, stages=stages)
     assert mark is not None
@@ -623,7 +623,7 @@ def paged_decode_qkv_attention(qkv: mx.array, n_q: int, rope: RopeSpec, slots: m
     batch = qkv.shape[0]
     n_kv = kv_pool.shape[1]
     dim = qkv.shape[-1] // (n_q + 2 * n_kv)
-    inputs = [qkv, kv_pool, table, lengths, _scale(scale), _follow(after), slots,
+    inputs = [qkv, kv_pool, table, lengths, _scale(scale), follow_mark(after), slots,
               rope.kernel_params]
     out, mark = _attend(inputs, qkv.dtype, batch, n_q, dim, kv_pool, table.shape[1],
                         write_new=True, rope=rope, stages=stages)
@@ -683,7 +683,7 @@ def _no_write() -> mx.array:
     return mx.zeros((1,), dtype=mx.int32)
 
 
-def _follow(mark: mx.array | None) -> mx.array:
+def follow_mark(mark: mx.array | None) -> mx.array:
     """A kernel's input that orders it after the in-place write whose mark is given (a
     constant zero where there is none to follow)."""
     return _no_write() if mark is None else mark
@@ -747,7 +747,7 @@ def pool_write_in_place(kv_pool: mx.array, slots: mx.array, keys: mx.array,
     b, h, s, dk = keys.shape
     total = b * s * h * (dk + values.shape[-1])
     (written,) = _write_kernel()(
-        inputs=[kv_pool, keys, values, slots.astype(mx.int32), _follow(after)],
+        inputs=[kv_pool, keys, values, slots.astype(mx.int32), follow_mark(after)],
         template=[("T", kv_pool.dtype), ("TK", keys.dtype), ("HKV", h), ("DK", dk),
                   ("DV", values.shape[-1])],
         grid=(-(-total // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
@@ -783,7 +783,7 @@ def rows_write_in_place(dst: mx.array, rows: mx.array, value: mx.array,
     b = value.shape[0]
     flat = mx.contiguous(value).reshape(b, -1)
     (written,) = _rows_write_kernel()(
-        inputs=[dst, rows.astype(mx.int32), flat, _follow(after)],
+        inputs=[dst, rows.astype(mx.int32), flat, follow_mark(after)],
         template=[("T", dst.dtype)],
         grid=(-(-flat.size // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[(1,)], output_dtypes=[mx.int32])

@@ -35,18 +35,23 @@ class HostStaging:
     def __init__(self, depth: int = DEPTH) -> None:
         self._buffers: list[tuple[mx.array, np.ndarray] | None] = [None] * depth
         self._next = 0
+        self._unwritable = False
         self.grown = 0  # buffers made or remade (each an allocation)
 
     def stage(self, *parts: np.ndarray) -> list[mx.array]:
         """The parts (numpy arrays of 4-byte int32, uint32 or float32) as MLX arrays of
         their shapes and dtypes, read from this step's buffer."""
+        if self._unwritable:
+            return [mx.array(p) for p in parts]
         total = sum(p.size for p in parts)
         k = self._next
         self._next = (k + 1) % len(self._buffers)
         held = self._buffers[k]
         if held is None or held[1].size < total:
-            held = self._buffers[k] = self._buffer(max(total, 2 * (held[1].size if held else 0),
-                                                       MIN_ELEMENTS))
+            made = self._buffer(max(total, 2 * (held[1].size if held else 0), MIN_ELEMENTS))
+            if made is None:
+                return self.stage(*parts)
+            held = self._buffers[k] = made
         array, view = held
         out, at = [], 0
         for part in parts:
@@ -57,11 +62,16 @@ class HostStaging:
             at += n
         return out
 
-    def _buffer(self, size: int) -> tuple[mx.array, np.ndarray]:
+    def _buffer(self, size: int) -> tuple[mx.array, np.ndarray] | None:
+        """A new buffer and its host view; None (and plain arrays from now on) where MLX
+        hands out its arrays' memory read-only."""
         self.grown += 1
         array = mx.array(np.zeros(size, dtype=np.int32))
         mx.eval(array)
         view = np.asarray(array)  # on CUDA: the buffer moved to managed memory, once
         if not view.flags.writeable:
-            raise RuntimeError("MLX hands out its arrays' host memory read-only here")
+            logger.warning("MLX's arrays are read-only from the host here: step inputs are "
+                           "made as new arrays")
+            self._unwritable = True
+            return None
         return array, view
