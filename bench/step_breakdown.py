@@ -71,6 +71,7 @@ from worker_proc.gated_delta_cuda import install_gated_delta_kernel, uses_gated_
 from worker_proc import runner as runner_module  # noqa: E402
 from worker_proc.attention import PooledKVCache  # noqa: E402
 from worker_proc.decode_block import speed_up_decode_blocks  # noqa: E402
+from worker_proc.depthwise_conv import replace_depthwise_convs  # noqa: E402
 from worker_proc.fused_projections import fuse_projections  # noqa: E402
 from worker_proc.decode_backend import DecodeBackend, KernelDecode, choose_decode_backend  # noqa: E402
 from worker_proc.kv_pool import KVPool  # noqa: E402
@@ -551,6 +552,8 @@ def main() -> None:
     model = load()
     if uses_gated_delta(model) and install_gated_delta_kernel():  # as the worker serves it
         print("gated delta rule: kiln's CUDA kernel")
+    if kernel_available() and replace_depthwise_convs(model):  # as the worker serves it
+        print("short convolutions: shifted multiply-adds")
     fused: list[Any] = []  # a second copy, fused at first use (the "fused" variants)
     fast: list[Any] = []  # a third, fused with fast decode blocks ("fast blocks")
 

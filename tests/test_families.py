@@ -323,6 +323,41 @@ def test_the_gated_delta_rule_updates_its_states_in_the_pool(name, monkeypatch):
     assert_mlx_lm_tokens(model, name, results, [(f"r{i}", p) for i, p in enumerate(prompts)], 16)
 
 
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_a_shifted_conv_equals_the_depthwise_conv1d(dtype):
+    import mlx.nn as nn
+
+    from worker_proc.depthwise_conv import ShiftedConv1d, is_depthwise
+
+    mx.random.seed(3)
+    for bias in (False, True):
+        conv = nn.Conv1d(48, 48, 4, groups=48, bias=bias)
+        conv.set_dtype(dtype)
+        x = mx.random.normal((3, 11, 48)).astype(dtype)
+        want, got = conv(x).astype(mx.float32), ShiftedConv1d(conv)(x).astype(mx.float32)
+        tol = 1e-5 if dtype == mx.float32 else 2e-2
+        assert got.shape == want.shape and mx.allclose(got, want, atol=tol, rtol=tol).item()
+    assert not is_depthwise(nn.Conv1d(8, 8, 3, padding=1, groups=8))
+    assert not is_depthwise(nn.Conv1d(8, 16, 3))
+
+
+def test_short_convolutions_as_shifted_sums_keep_mlx_lm_tokens(recurrent_family):
+    """The worker's CUDA path swaps recurrent layers' depthwise convolutions for shifted
+    multiply-adds (no cuDNN graph per prefill shape): the same model so served, chunked
+    and batched, gives mlx-lm's tokens from the original."""
+    from worker_proc.depthwise_conv import replace_depthwise_convs
+
+    name, model = recurrent_family
+    served = build(name)  # the same seed: the same weights
+    assert replace_depthwise_convs(served) > 0
+    prompts = _prompts(seed=1000 + len(name))[:4]
+    engine = InProcessEngine(served, chunk_size=12, max_prefill_tokens=48)
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 16, [])
+    results = engine.run_until_idle()
+    assert_mlx_lm_tokens(model, name, results, [(f"r{i}", p) for i, p in enumerate(prompts)], 16)
+
+
 def test_a_snapshot_cache_cuts_matches_back_to_its_snapshots():
     from scheduler_proc.radix_cache import SnapshotCache
 

@@ -37,6 +37,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from kiln_common.windows import WindowRule
     from worker_proc.decode_backend import choose_decode_backend
     from worker_proc.decode_block import speed_up_decode_blocks
+    from worker_proc.depthwise_conv import replace_depthwise_convs
     from worker_proc.fused_projections import fuse_projections
     from worker_proc.gated_delta_cuda import install_gated_delta_kernel, uses_gated_delta
     from worker_proc.kv_pool import KVPool
@@ -74,6 +75,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     say(f"model loaded in {time.monotonic() - t0:.1f}s")
     if uses_gated_delta(model) and install_gated_delta_kernel():
         say("gated delta rule (linear attention): kiln's CUDA kernel")
+    if on_cuda and (convs := replace_depthwise_convs(model)):
+        say(f"{convs} short convolutions as shifted multiply-adds (no cuDNN graph per shape)")
     backend = choose_decode_backend(specs, config.experiment_set)  # the one choice
     say(f"decode attention: {backend.name}" + (
         f", experiments {', '.join(sorted(config.experiment_set))}" if config.experiment_set else ""))
