@@ -22,7 +22,8 @@ from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from kiln_common.incremental_text import TokenizerLike
 from kiln_common.windows import WindowRule
 from scheduler_proc.allocator import ReqToTokenTable, SlotAllocator
-from scheduler_proc.radix_cache import DisabledCache, RadixCache, SnapshotCache, common_prefix_len
+from scheduler_proc.radix_cache import (DisabledCache, Node, RadixCache, SnapshotCache,
+                                        common_prefix_len)
 from scheduler_proc.request import PROMPT_TAIL, FinishReason, Req, StopWatch, WaitingQueue
 from scheduler_proc.window_slots import WindowSlots
 
@@ -167,6 +168,7 @@ class Scheduler:
         self.ratio = DecodeRatio()
         self.counters = Counters()
         self._released: list[str] = []
+        self._released_snapshots: list[int] = []  # beside _released (ForwardBatch's)
         self._step = 0
         # Per step in flight: which admission of each sampled request it samples for. A
         # request preempted and re-admitted meanwhile must not take its old token.
@@ -296,9 +298,11 @@ class Scheduler:
         for rid in sampled:
             self.running[rid].samples_in_flight += 1
         released, self._released = self._released, []
+        snapshots, self._released_snapshots = self._released_snapshots, []
         return ForwardBatch(step=self._step, new_requests=new_reqs, prefill=prefill,
                             decode_rids=decode_rids, decode_slots=decode_slots,
-                            decode_window_slots=decode_window, released=released)
+                            decode_window_slots=decode_window, released=released,
+                            released_snapshots=snapshots if any(snapshots) else [])
 
     def _make_room(self, n: int) -> bool:
         """Ensure n free slots (and n window slots), evicting unlocked cached prefixes,
@@ -497,12 +501,14 @@ class Scheduler:
                     req.num_computed, len(req.output_ids))
         self.counters.preemptions += 1
         self.ratio.on_preempt()
-        self._release_kv(req)
+        self._release_kv(req, snapshot=True)
         self.waiting.push_front(req)
 
-    def _release_kv(self, req: Req, keep: bool = True) -> None:
+    def _release_kv(self, req: Req, keep: bool = True, snapshot: bool = False) -> None:
         """Give the request's slots to the cache (or back to the allocator) and drop its
-        row. keep=False caches nothing more of it (its K/V is not to be trusted)."""
+        row. keep=False caches nothing more of it (its K/V is not to be trusted);
+        snapshot: the worker ran it as planned (a finish or a preemption), so where the
+        model has recurrent layers its state may be kept for the sequence cached."""
         if req.row is None:
             return
         slots = self.table.slots(req.row, req.num_computed).copy()
@@ -512,7 +518,8 @@ class Scheduler:
         known = min(req.num_computed, len(req.input_ids) + len(req.output_ids))
         if not keep:
             known = req.prefix_len
-        adopted_from, _ = self.cache.insert(req.all_ids(known), slots[:known])
+        adopted_from, node = self.cache.insert(req.all_ids(known), slots[:known])
+        kept = self._release_snapshot(req, node, known) if keep and snapshot else 0
         self._free(slots[req.prefix_len:max(req.prefix_len, adopted_from)])
         self._free(slots[known:])
         for dup in req.dup_slots:
@@ -523,14 +530,30 @@ class Scheduler:
         self.running.pop(req.rid, None)
         if req.on_worker:
             self._released.append(req.rid)
+            self._released_snapshots.append(kept)
         req.row, req.last_node, req.dup_slots = None, None, []
         req.num_computed = req.prefix_len = req.samples_in_flight = 0
         req.sees_from = req.window_from = 0
         req.on_worker = False
 
+    def _release_snapshot(self, req: Req, node: Node, known: int) -> int:
+        """A snapshot id for the worker to keep a released request's recurrent state in,
+        at the cached node of its first `known` tokens (0: none). Valid only when the
+        worker fed exactly those: nothing planned past the tokens learnt (with steps in
+        flight a position may hold a token not learnt yet)."""
+        if (not isinstance(self.cache, SnapshotCache) or not req.on_worker or not known
+                or known != req.num_computed or node.snapshot):
+            return 0
+        self.cache.lock(node)  # not the leaf to evict for its own snapshot id
+        if not self.cache.free_snapshots:
+            self._free(self.cache.evict_for_snapshot())
+        self.cache.unlock(node)
+        return self.cache.snapshot_at(node)
+
     def _finish(self, req: Req, reason: FinishReason, keep_kv: bool = True) -> None:
         req.finish_reason = reason
-        self._release_kv(req, keep_kv)
+        # An abort or an error may come before (or instead of) the worker's run as planned.
+        self._release_kv(req, keep_kv, snapshot=reason in (FinishReason.STOP, FinishReason.LENGTH))
         if reason is not FinishReason.ABORT:
             self.counters.finished += 1
 

@@ -241,8 +241,9 @@ def test_a_hybrid_model_through_every_process(tiny_model_dir, tmp_path):
 
 def test_recurrent_models_hit_at_state_snapshots(recurrent_family):
     """Prefix hits on a model with recurrent layers start from a snapshot of their state,
-    kept at every prompt chunk's end: an extended prompt hits at the old prompt's end, a
-    multi-turn chat at the last turn's prompt, a shared head at its last chunk edge, a
+    kept at every prompt chunk's end and where a request finished: an extended prompt
+    hits at the old prompt's end, a multi-turn chat's next turn at the end of the last
+    answer's fed tokens (all but its last), a shared head at its last chunk edge, a
     repeated prompt at its last chunk edge before the final token; all exact."""
     name, model = recurrent_family
     rng = np.random.default_rng(600 + len(name))
@@ -251,7 +252,8 @@ def test_recurrent_models_hit_at_state_snapshots(recurrent_family):
     engine.submit("first", first, 8, [])
     answer = engine.run_until_idle()["first"].token_ids
     cases = {"extended": (first + rng.integers(5, VOCAB, size=30).tolist(), 70),
-             "next turn": (first + answer + rng.integers(5, VOCAB, size=10).tolist(), 70),
+             "next turn": (first + answer + rng.integers(5, VOCAB, size=10).tolist(),
+                           70 + len(answer) - 1),
              "shared head": (first[:40] + rng.integers(5, VOCAB, size=30).tolist(), 32),
              "repeated": (list(first), 64)}
     for rid, (prompt, hit) in cases.items():
@@ -356,6 +358,36 @@ def test_short_convolutions_as_shifted_sums_keep_mlx_lm_tokens(recurrent_family)
         engine.submit(f"r{i}", p, 16, [])
     results = engine.run_until_idle()
     assert_mlx_lm_tokens(model, name, results, [(f"r{i}", p) for i, p in enumerate(prompts)], 16)
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "lfm2"])
+def test_a_chats_next_turn_hits_the_last_answer_under_overlap(name):
+    """Steps in flight (launched ahead, the in-place pool stood in for): a finished
+    request's state is kept at the end of what the worker fed, so the next turn (prompt,
+    answer, new message) hits past the answer; an aborted one keeps no snapshot; exact."""
+    from tests.engine_driver import StandInInPlaceKernels
+
+    model = build(name)
+    rng = np.random.default_rng(1100 + len(name))
+    first = rng.integers(5, VOCAB, size=45).tolist()
+    engine = InProcessEngine(model, chunk_size=16, overlap="ahead", backend=StandInInPlaceKernels())
+    engine.submit("first", first, 10, [])
+    engine.submit("other", rng.integers(5, VOCAB, size=30).tolist(), 24, [])
+    answer = engine.run_until_idle()["first"].token_ids
+    used = engine.scheduler.cache.free_snapshots
+    engine.submit("gone", rng.integers(5, VOCAB, size=20).tolist(), 50, [])
+    engine.step()
+    engine.step()
+    engine.abort("gone")
+    engine.run_until_idle()
+    assert engine.scheduler.cache.free_snapshots == used - 2  # its chunk ends (16, 20) only
+    turn = first + answer + rng.integers(5, VOCAB, size=12).tolist()
+    before = engine.scheduler.counters.cache_hit_tokens
+    engine.submit("turn", turn, 12, [])
+    result = engine.run_until_idle()["turn"]
+    assert engine.scheduler.counters.cache_hit_tokens - before >= len(first) + len(answer) - 1
+    assert result.token_ids == mlx_lm_tokens(model, turn, 12)
+    assert_idle_invariant(engine.scheduler)
 
 
 def test_a_snapshot_cache_cuts_matches_back_to_its_snapshots():

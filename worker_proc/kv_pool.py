@@ -239,12 +239,17 @@ class KVPool:
                 self.write_state(j, i, rows, mx.zeros((1, *state.shape[1:]), dtype=state.dtype))
 
     def save_snapshot(self, row: int, snapshot: int) -> None:
-        """Keep the recurrent states of request row `row` (+1 applied) as `snapshot`."""
+        """Keep the recurrent states of request row `row` (+1 applied) as `snapshot`. In
+        place, the row's next write follows the copy (its mark joins the state's), so a
+        request given the row in the same step cannot overwrite it first."""
         rows, to = mx.array([row], dtype=mx.int32), mx.array([snapshot], dtype=mx.int32)
         for j, states in enumerate(self.states):
             for i in range(len(states)):
                 self._store(self.snapshots, self._snapshot_marks, j, i, to,
                             self.read_state(j, i, rows))
+                if self.in_place:
+                    state_mark, copied = self._state_marks[j][i], self._snapshot_marks[j][i]
+                    self._state_marks[j][i] = copied if state_mark is None else state_mark + copied
 
     def load_snapshot(self, snapshot: int, row: int) -> None:
         """Start request row `row`'s recurrent states from `snapshot`."""

@@ -229,9 +229,12 @@ class ModelRunner:
         self._last_prefill = None
         self.pool.take_landing()
 
-    def _release(self, rid: str) -> None:
+    def _release(self, rid: str, snapshot: int = 0) -> None:
+        """Forget a request, keeping its recurrent states as `snapshot` first (if given)."""
         state = self.requests.pop(rid, None)
         if state is not None:
+            if snapshot:
+                self.pool.save_snapshot(state.row + 1, snapshot)
             self._free_rows.append(state.row)
         if not self.requests and self._dense_decode is not None:
             self._dense_decode.reset()
@@ -243,8 +246,9 @@ class ModelRunner:
         prefill chunks already runs those forwards (with a scatter-written pool, see
         start's NOTE: no earlier step may still be running when this is called for one)."""
         self.clock = ForwardClock()
-        for rid in batch.released:
-            self._release(rid)
+        for i, rid in enumerate(batch.released):
+            snapshot = batch.released_snapshots[i] if batch.released_snapshots else 0
+            self._release(rid, snapshot)
         refused: list[RequestError] = []
         for new in batch.new_requests:
             self._add(new, refused)

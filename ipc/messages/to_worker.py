@@ -66,6 +66,10 @@ class ForwardBatch(Message, frozen=True):
     decode_window_slots: list[int] = []  # windowed layers' slots, where they have their own
     # Requests the worker can forget (finished, aborted); sent before any reuse of their rid.
     released: list[str] = []
+    # Per released request (empty: none), the snapshot id to keep its recurrent state in
+    # before its row goes (0: none): a finished or preempted hybrid request's whole
+    # sequence so far is cached, so a chat's next turn hits its answer too.
+    released_snapshots: list[int] = []
 
     @property
     def is_empty(self) -> bool:
