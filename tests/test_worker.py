@@ -565,3 +565,13 @@ def test_host_staging_reuses_its_buffers_and_keeps_the_last_steps_inputs():
     big = np.arange(10_000, dtype=np.int32)
     assert staging.stage(big)[0].tolist() == big.tolist() and staging.grown == 4
     assert mx.array_equal(staging.stage(big[:3], big[3:5])[1], mx.array([3, 4])).item()
+
+
+def test_host_staging_falls_back_to_new_arrays_where_the_device_misses_host_writes(monkeypatch):
+    from worker_proc import staging
+
+    monkeypatch.setattr(staging, "_device_reads", lambda array, view, first: False)
+    ring = staging.HostStaging()
+    part = np.arange(6, dtype=np.float32).reshape(2, 3)
+    assert ring.stage(part)[0].tolist() == part.tolist()
+    assert ring.stage(part + 1)[0].tolist() == (part + 1).tolist() and ring.grown == 1

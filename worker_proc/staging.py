@@ -64,14 +64,24 @@ class HostStaging:
 
     def _buffer(self, size: int) -> tuple[mx.array, np.ndarray] | None:
         """A new buffer and its host view; None (and plain arrays from now on) where MLX
-        hands out its arrays' memory read-only."""
+        hands out its arrays' memory read-only, or the device does not read what the host
+        writes there (checked twice: the second write comes after the device read it)."""
         self.grown += 1
         array = mx.array(np.zeros(size, dtype=np.int32))
         mx.eval(array)
         view = np.asarray(array)  # on CUDA: the buffer moved to managed memory, once
-        if not view.flags.writeable:
-            logger.warning("MLX's arrays are read-only from the host here: step inputs are "
-                           "made as new arrays")
-            self._unwritable = True
-            return None
-        return array, view
+        if view.flags.writeable and all(_device_reads(array, view, first) for first in (7, 11)):
+            return array, view
+        logger.warning("the device does not read host writes into MLX's arrays here: step "
+                       "inputs are made as new arrays")
+        self._unwritable = True
+        return None
+
+
+def _device_reads(array: mx.array, view: np.ndarray, first: int) -> bool:
+    """Whether a computation on the default device sees values just written to view."""
+    want = np.arange(first, first + 4, dtype=np.int32)
+    view[:4] = want
+    seen = (array[:4] + 0).tolist()
+    view[:4] = 0
+    return seen == want.tolist()
