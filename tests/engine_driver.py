@@ -189,6 +189,12 @@ class StandInKernel(KernelDecode):
         return reference_decode_attention(q, pool, table, lengths, scale, written, sinks)
 
 
+def _mark_of(written: mx.array) -> mx.array:
+    """A zero mark that, as a kernel's, is only computed with the write: a step's landing
+    then does the write (step inputs it read may be rewritten later, see HostStaging)."""
+    return mx.depends(mx.zeros((1,), dtype=mx.int32), written)
+
+
 class StandInInPlaceKernels(StandInKernel):
     """On the CPU, the CUDA path with an in-place pool (eager decode only): the write and
     write-and-attend kernels (and the state rows' write) stood in by plain-MLX scatters
@@ -202,11 +208,11 @@ class StandInInPlaceKernels(StandInKernel):
         b, h, s, _ = keys.shape
         rows = mx.concatenate([keys.swapaxes(1, 2), values.swapaxes(1, 2)], axis=-1)
         layer[slots] = rows.reshape(b * s, h, -1).astype(layer.dtype)
-        return mx.zeros((1,), dtype=mx.int32)
+        return _mark_of(layer)
 
     def write_state_rows(self, state, rows, value, after):  # noqa: ANN001, ANN201
         state[rows] = value.astype(state.dtype)
-        return mx.zeros((1,), dtype=mx.int32)
+        return _mark_of(state)
 
     def _write_attend(self, q, keys, values, slots, pool, table, lengths, scale, after):  # noqa: ANN001, ANN202
         mark = self.write_rows(pool, slots, keys, values, after)

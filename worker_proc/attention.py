@@ -14,7 +14,7 @@ place that maps a model's layers to adapters.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -24,6 +24,10 @@ from worker_proc.gated_delta_cuda import PoolRead, forget_pool_reads, offer_pool
 from worker_proc.kv_pool import KVPool, StateLayerSpec, attention_specs, flat_specs
 from worker_proc.layer_kinds import Kind, LayerKind, ProbeRecorder, UnsupportedModelError
 from worker_proc.paged_attention import RopeSpec
+from worker_proc.staging import new_arrays
+
+
+Stage = Callable[..., "list[mx.array]"]  # numpy arrays in, MLX arrays out (worker_proc.staging)
 
 
 @dataclass(frozen=True)
@@ -95,16 +99,22 @@ class ForwardLayout:
 
     @classmethod
     def single(cls, context_slots: np.ndarray, start: int, n_new: int,
-               window_slots: np.ndarray | None = None) -> "ForwardLayout":
+               window_slots: np.ndarray | None = None,
+               stage: Stage | None = None) -> "ForwardLayout":
         """One request: n_new tokens at positions start.., context = its first start + n_new
-        slots (and window slots, where windowed layers have their own)."""
+        slots (and window slots, where windowed layers have their own). stage: makes the
+        slot arrays from numpy ones (worker_proc.staging; default mx.array each)."""
         end = start + n_new
         windowed = window_slots is not None
+        parts = [context_slots[start:end], context_slots[None, :end]]
+        if windowed:
+            parts += [window_slots[start:end], window_slots[None, :end]]
+        write, read, *window = (stage or new_arrays)(*(p.astype(np.int32) for p in parts))
         return cls(
-            write_slots=mx.array(context_slots[start:end]),
-            read_slots=mx.array(context_slots[None, :end]),
-            window_write_slots=mx.array(window_slots[start:end]) if windowed else None,
-            window_read_slots=mx.array(window_slots[None, :end]) if windowed else None,
+            write_slots=write,
+            read_slots=read,
+            window_write_slots=window[0] if windowed else None,
+            window_read_slots=window[1] if windowed else None,
             offset=start,
             # Same mask mlx-lm's own KVCache gives, so the fused kernel path is the same.
             mask="causal" if n_new > 1 else None,
@@ -114,34 +124,41 @@ class ForwardLayout:
 
     @classmethod
     def prefill(cls, table_rows: np.ndarray, starts: np.ndarray, sizes: np.ndarray,
-                window_rows: np.ndarray | None = None) -> "ForwardLayout":
+                window_rows: np.ndarray | None = None,
+                stage: Stage | None = None) -> "ForwardLayout":
         """Chunks of several requests in one forward, right-padded to the longest: row b
         computes positions starts[b] .. starts[b] + sizes[b] - 1. Padded positions write
         to slot 0 and no real query attends to them (causal from each row's start).
-        window_rows: the rows' window slots, where windowed layers have their own."""
+        window_rows: the rows' window slots, where windowed layers have their own; stage:
+        as single's."""
         width = int(sizes.max())
         ends = starts + sizes
         cols = np.arange(int(ends.max()))
         pos = starts[:, None] + np.arange(width)[None, :]
         real = np.arange(width)[None, :] < sizes[:, None]
 
-        def read_write(rows: np.ndarray) -> tuple[mx.array, mx.array]:
+        def read_write(rows: np.ndarray) -> list[np.ndarray]:
             read = np.where(cols[None, :] < ends[:, None], rows[:, :len(cols)], 0)
             write = np.where(real, np.take_along_axis(read, np.minimum(pos, len(cols) - 1), 1), 0)
-            return (mx.array(write.reshape(-1).astype(np.int32)),
-                    mx.array(read.astype(np.int32)))
+            return [write.reshape(-1).astype(np.int32), read.astype(np.int32)]
 
-        write, read = read_write(table_rows)
-        window_write, window_read = (read_write(window_rows) if window_rows is not None
-                                     else (None, None))
-        if (starts == starts[0]).all():
+        parts = read_write(table_rows)
+        if window_rows is not None:
+            parts += read_write(window_rows)
+        one_start = bool((starts == starts[0]).all())
+        if not one_start:
+            parts.append(starts.astype(np.int32))
+        made = (stage or new_arrays)(*parts)
+        write, read = made[:2]
+        window_write, window_read = (made[2], made[3]) if window_rows is not None else (None, None)
+        if one_start:
             # One start for every row (fresh prompts, or one shared cached prefix): the
             # causal mask aligned to the keys' end is then exact for every real query,
             # whatever each row's length, and keeps attention on the fused path.
             offset: int | mx.array = int(starts[0])
             mask: Any = "causal"
         else:
-            offset = mx.array(starts.astype(np.int32))
+            offset = made[-1]
             mask = _rows_causal(offset, width, len(cols))
         return cls(
             write_slots=write,

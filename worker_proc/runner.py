@@ -160,8 +160,10 @@ class ModelRunner:
             logger.warning("this model's recurrent layers cannot skip padding: each prefill "
                            "chunk runs in a forward of its own (slower)")
         self._compiled_decode = mx.compile(self._decode_forward) if compile_decode else None
-        # Host-written inputs, one buffer a step from each: compiled decode's, sampling's.
+        # Host-written inputs, one buffer a use from each: a compiled decode step's, a
+        # step's sampling settings', a prefill forward's.
         self._staging, self._sampling_staging = HostStaging(), HostStaging()
+        self._forward_staging = HostStaging()
         self.decode_traces = 0  # how many times mx.compile traced the decode forward
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
         self._prompt_logprobs: dict[int, list[PendingPromptLogprobs]] = {}
@@ -376,17 +378,19 @@ class ModelRunner:
         state = self._place(chunk)
         self._load_snapshot(state)
         n = len(chunk.token_ids)
+        staging = self._forward_staging
+        staging.begin()
         layout = ForwardLayout.single(self.table[state.row], chunk.start, n,
-                                      self._window_row(state.row))
-        tokens = mx.array([chunk.token_ids])
+                                      self._window_row(state.row), staging.add)
+        tokens, state_rows = staging.add(np.array([chunk.token_ids], dtype=np.int32),
+                                         np.array([state.row + 1], dtype=np.int32))
         out: mx.array | None = None  # every position's logits, [n, V], where needed
         if state.sampling.prompt_logprobs >= 0:
-            caches = build_layer_caches(self.pool, layout, _state_rows([state]), chunk.start == 0)
+            caches = build_layer_caches(self.pool, layout, state_rows, chunk.start == 0)
             out = self.model(tokens, cache=caches)[0]
             logits = out[-1:]
         else:
-            logits = self._forwards.last_logits(tokens, layout, None, _state_rows([state]),
-                                                chunk.start == 0)
+            logits = self._forwards.last_logits(tokens, layout, None, state_rows, chunk.start == 0)
         state.length += n
         self._save_snapshot(state, chunk)
         scored = self._prompt_logprobs_of(state, chunk, out, logits)
@@ -452,17 +456,21 @@ class ModelRunner:
         for i, chunk in enumerate(chunks):
             tokens[i, :sizes[i]] = chunk.token_ids
         rows = [s.row for s in states]
-        layout = ForwardLayout.prefill(self.table[rows], starts, sizes, self._window_row(rows))
+        staging = self._forward_staging
+        staging.begin()
+        layout = ForwardLayout.prefill(self.table[rows], starts, sizes, self._window_row(rows),
+                                       staging.add)
         fresh = bool((starts == 0).all())
-        lengths = None
+        tokens_mx, last, lengths, state_rows = staging.add(
+            tokens, (sizes - 1).astype(np.int32), sizes.astype(np.int32),
+            np.array(rows, dtype=np.int32) + 1)
         if self.pool.has_states:
             for state, start in zip(states, starts):
                 self._load_snapshot(state)
                 if start == 0 and not fresh:  # beside rows that carry theirs: zeros
                     self.pool.clear_states(state.row + 1)
-            lengths = mx.array(sizes.astype(np.int32))
-        logits = self._forwards.last_logits(mx.array(tokens), layout, mx.array(sizes - 1),
-                                            _state_rows(states), fresh, lengths)
+        logits = self._forwards.last_logits(tokens_mx, layout, last, state_rows, fresh,
+                                            lengths if self.pool.has_states else None)
         for state, chunk, n in zip(states, chunks, sizes):
             state.length += int(n)
             self._save_snapshot(state, chunk)

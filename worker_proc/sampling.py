@@ -16,6 +16,7 @@ import mlx.core as mx
 import numpy as np
 
 from ipc.messages.common import SamplingParams
+from worker_proc.staging import new_arrays
 
 _U32 = mx.uint32
 _BELOW_ONE = float(np.nextafter(np.float32(1.0), np.float32(0.0)))
@@ -169,7 +170,7 @@ class SamplingBatch:
             top_p = np.array([p.top_p for p in params], dtype=np.float32)
             top_k = np.array([p.top_k for p in params], dtype=np.int32)
             min_p = np.array([p.min_p for p in params], dtype=np.float32)
-            made = (stage or _arrays)(temps, top_p, top_k, np.array(seeds, dtype=np.uint32),
+            made = (stage or new_arrays)(temps, top_p, top_k, np.array(seeds, dtype=np.uint32),
                                       np.array(steps, dtype=np.uint32), min_p)
             draws = RowDraws(*made, needs_filter=bool(
                 ((top_p < 1.0) | (top_k > 0) | (min_p > 0))[sampled].any()))
@@ -179,10 +180,6 @@ class SamplingBatch:
             penalties=penalties,
             grammar=grammar,
         )
-
-
-def _arrays(*parts: np.ndarray) -> list[mx.array]:
-    return [mx.array(p) for p in parts]
 
 
 def process_logits(logits: mx.array, batch: SamplingBatch) -> mx.array:

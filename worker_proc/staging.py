@@ -29,37 +29,56 @@ DEPTH = 4
 MIN_ELEMENTS = 1 << 12
 
 
+def new_arrays(*parts: np.ndarray) -> list[mx.array]:
+    """The parts as new MLX arrays (what HostStaging stands in for)."""
+    return [mx.array(p) for p in parts]
+
+
 class HostStaging:
-    """A ring of host-writable 4-byte-word buffers for a step's small inputs."""
+    """A ring of host-writable 4-byte-word buffers for the small inputs of a use (a decode
+    step, a prefill forward, a step's sampling settings): `begin` starts a use, `add`
+    writes parts into its buffer; `stage` is both for a use of one call."""
 
     def __init__(self, depth: int = DEPTH) -> None:
         self._buffers: list[tuple[mx.array, np.ndarray] | None] = [None] * depth
-        self._next = 0
+        self._k = 0
+        self._at = 0  # where the current use's next part goes in its buffer
         self._unwritable = False
         self.grown = 0  # buffers made or remade (each an allocation)
 
+    def begin(self) -> None:
+        """A new use: the next buffer of the ring, last written `depth` uses ago."""
+        self._k = (self._k + 1) % len(self._buffers)
+        self._at = 0
+
     def stage(self, *parts: np.ndarray) -> list[mx.array]:
+        """begin, then add."""
+        self.begin()
+        return self.add(*parts)
+
+    def add(self, *parts: np.ndarray) -> list[mx.array]:
         """The parts (numpy arrays of 4-byte int32, uint32 or float32) as MLX arrays of
-        their shapes and dtypes, read from this step's buffer."""
+        their shapes and dtypes, read from the current use's buffer."""
         if self._unwritable:
-            return [mx.array(p) for p in parts]
+            return new_arrays(*parts)
         total = sum(p.size for p in parts)
-        k = self._next
-        self._next = (k + 1) % len(self._buffers)
-        held = self._buffers[k]
-        if held is None or held[1].size < total:
-            made = self._buffer(max(total, 2 * (held[1].size if held else 0), MIN_ELEMENTS))
+        held = self._buffers[self._k]
+        if held is None or held[1].size < self._at + total:
+            # This use's earlier parts keep the old buffer alive through their slices.
+            made = self._buffer(max(self._at + total, 2 * (held[1].size if held else 0),
+                                    MIN_ELEMENTS))
             if made is None:
-                return self.stage(*parts)
-            held = self._buffers[k] = made
+                return self.add(*parts)
+            held = self._buffers[self._k] = made
+            self._at = 0
         array, view = held
-        out, at = [], 0
+        out = []
         for part in parts:
-            n = part.size
+            n, at = part.size, self._at
             view[at:at + n] = np.ascontiguousarray(part).reshape(-1).view(np.int32)
             staged = array[at:at + n].reshape(part.shape)
             out.append(staged if part.dtype == np.int32 else staged.view(_DTYPES[part.dtype]))
-            at += n
+            self._at += n
         return out
 
     def _buffer(self, size: int) -> tuple[mx.array, np.ndarray] | None:
