@@ -229,7 +229,7 @@ class KVPool:
             return
         mark = self.backend.write_state_rows(target, rows, value, marks[layer][index])
         marks[layer][index] = mark
-        self._unlanded.append(mark)  # (record_state_write, for either array kind)
+        self._unlanded.append(mark)
 
     def clear_states(self, row: int) -> None:
         """Zero request row `row`'s recurrent states (+1 applied): a prompt starting."""
