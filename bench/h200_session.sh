@@ -45,7 +45,8 @@ ATTENTION_ARGS=${ATTENTION_ARGS:-}  # part attention: extra flags, e.g. "--stage
 MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5; see
                                # bench/mlx_lm_server_backlog.py)
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any;
-                                       # also: timeline, bench/device_timeline.py (needs
+                                       # also: families, tests/test_gpu_families.py;
+                                       # timeline, bench/device_timeline.py (needs
                                        # cupti-python); attention, bench/attention_kernel.py;
                                        # prefix; longctx; mixed, bench/mixed_traffic.py;
                                        # prefill, step_breakdown.py --prefill-steps)
@@ -76,6 +77,13 @@ timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_
     tests/test_decode_block.py tests/test_gated_delta_cuda.py tests/test_worker.py \
     -k "kernel or in_place or staging or state or attention or block" > "$OUT/kernel_tests.txt" 2>&1
 tail -12 "$OUT/kernel_tests.txt"
+fi
+
+if has families; then
+echo "== every architecture family on the CUDA path, against mlx-lm's forward"
+timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_gpu_families.py \
+    > "$OUT/family_tests.txt" 2>&1
+tail -12 "$OUT/family_tests.txt"
 fi
 
 echo "== model"
@@ -163,9 +171,9 @@ fi
 
 # At most 8 files come back from a device call: the two short reports travel as one,
 # the logs as one archive.
-cat "$OUT"/kernel_tests.txt "$OUT"/step_breakdown.txt "$OUT"/attention_kernel.txt "$OUT"/device_timeline.txt \
+cat "$OUT"/kernel_tests.txt "$OUT"/family_tests.txt "$OUT"/step_breakdown.txt "$OUT"/attention_kernel.txt "$OUT"/device_timeline.txt \
     "$OUT"/mixed.txt > "$OUT/session.txt" 2>/dev/null
-rm -f "$OUT/kernel_tests.txt" "$OUT/step_breakdown.txt" "$OUT/attention_kernel.txt" "$OUT/device_timeline.txt" \
+rm -f "$OUT/kernel_tests.txt" "$OUT/family_tests.txt" "$OUT/step_breakdown.txt" "$OUT/attention_kernel.txt" "$OUT/device_timeline.txt" \
     "$OUT/mixed.txt"
 [ -s "$OUT/session.txt" ] || rm -f "$OUT/session.txt"
 if compgen -G "$OUT/*.log" >/dev/null; then

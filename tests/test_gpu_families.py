@@ -1,0 +1,93 @@
+"""Every architecture family through the device's served path (on MLX's CUDA backend: the
+paged kernel, compiled decode, in-place pool, the gated delta kernel, shifted
+convolutions), against mlx-lm's own forward.
+
+On a GPU, float32 kernels other than mlx-lm's sum in other orders, so a greedy token may
+differ from mlx-lm's at a near tie and the sequences part. The check is therefore
+teacher-forced: mlx-lm's model (unmodified, no cache) runs once over the prompt and the
+tokens kiln chose, and each chosen token must be one mlx-lm's logits rank best within a
+small tolerance. A wrong window, state or slot moves logits far more than that.
+
+The families are tests.families' with every width doubled, so heads are 32 wide (what
+the CUDA kernels take). On the CPU the same test runs the plain-MLX path (where tokens
+equal mlx-lm's anyway), which keeps the check itself honest.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.engine_driver import InProcessEngine
+from tests.families import _COMMON, FAMILIES, RECURRENT_FAMILIES, VOCAB
+from worker_proc.decode_backend import choose_decode_backend
+from worker_proc.depthwise_conv import replace_depthwise_convs
+from worker_proc.gated_delta_cuda import install_gated_delta_kernel, uses_gated_delta
+from worker_proc.memory import probe_attention_specs
+from worker_proc.paged_attention import kernel_available
+
+# Widths doubled (head sizes 16 -> 32, hidden 64 -> 128, ...); kernel sizes, counts and
+# state sizes kept.
+WIDE_KEYS = {"hidden_size", "intermediate_size", "head_dim", "linear_key_head_dim",
+             "linear_value_head_dim", "query_pre_attn_scalar", "v_head_dim", "qk_nope_head_dim",
+             "qk_rope_head_dim", "kv_lora_rank", "moe_intermediate_size",
+             "shared_expert_intermediate_size", "shared_intermediate_size",
+             "intermediate_size_mlp", "mamba_head_dim", "mamba_d_head", "mamba_d_ssm",
+             "block_dim", "block_ff_dim"}
+ALL = sorted({**FAMILIES, **RECURRENT_FAMILIES})
+# A chosen token's logit may trail mlx-lm's best by this share of the row's largest.
+TOLERANCE = 1e-3
+
+
+def wide_config(name: str) -> dict[str, Any]:
+    def widen(config: dict[str, Any]) -> dict[str, Any]:
+        return {k: (widen(v) if isinstance(v, dict) else 2 * v if k in WIDE_KEYS and v else v)
+                for k, v in config.items()}
+
+    return widen({**_COMMON, **{**FAMILIES, **RECURRENT_FAMILIES}[name]})
+
+
+def build_wide(name: str) -> Any:
+    config = wide_config(name)
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.default_rng(1200)
+    return [rng.integers(5, VOCAB, size=n).tolist() for n in (3, 40, 70, 17)]
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_every_family_served_picks_tokens_mlx_lm_ranks_best(name):
+    oracle, served = build_wide(name), build_wide(name)  # one seed: the same weights
+    if uses_gated_delta(served):
+        install_gated_delta_kernel()
+    if kernel_available():
+        replace_depthwise_convs(served)
+    compiles = choose_decode_backend(probe_attention_specs(served)).compiles
+    engine = InProcessEngine(served, chunk_size=16, compile_decode=compiles, overlap="ahead")
+    prompts = _prompts()
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 16, [])
+    results = engine.run_until_idle()
+    for i, prompt in enumerate(prompts):
+        chosen = results[f"r{i}"].token_ids
+        assert len(chosen) == 16, f"{name} r{i}"
+        logits = oracle(mx.array([prompt + chosen]))[0].astype(mx.float32)
+        rows = logits[len(prompt) - 1:len(prompt) - 1 + len(chosen)]
+        picked = mx.take_along_axis(rows, mx.array(chosen)[:, None], axis=1)[:, 0]
+        best = rows.max(axis=1)
+        slack = TOLERANCE * mx.maximum(mx.abs(rows).max(axis=1), 1.0)
+        trailing = (best - picked) > slack
+        assert not trailing.any().item(), (
+            f"{name} r{i}: tokens at {np.flatnonzero(np.array(trailing)).tolist()} trail mlx-lm's "
+            f"best by {np.array(best - picked)[np.array(trailing)].tolist()}")
