@@ -86,6 +86,8 @@ timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_
 tail -12 "$OUT/family_tests.txt"
 fi
 
+# The parts that serve or run the model (tests, families and attention need none).
+if has breakdown || has prefill || has timeline || has mixed || has sweep || has prefix || has longctx; then
 echo "== model"
 if [ -n "$FAMILY" ]; then
 timeout 240 "$PYTHON" bench/family_models.py "$FAMILY" "$MODEL" --dtype "$DTYPE" 2>&1 | grep -v "RANDOM WEIGHTS"
@@ -96,6 +98,7 @@ from pathlib import Path
 from bench.h200_compare import LLAMA3_8B, make_random_model
 make_random_model(LLAMA3_8B, sys.argv[2], Path(sys.argv[1]), 0)
 PY
+fi
 fi
 
 if has breakdown; then
