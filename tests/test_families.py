@@ -267,21 +267,32 @@ def test_recurrent_models_hit_at_state_snapshots(recurrent_family):
 
 @pytest.mark.parametrize("path", ["compiled", "in place"])
 def test_recurrent_models_on_the_kernel_path_equal_mlx_lm(recurrent_family, path):
-    """The CUDA decode path on the CPU (kernels stood in for by their plain-MLX meaning):
-    compiled decode carries the states through its trace (scatter-written), the in-place
-    pool writes state rows through the backend's row writer and reads them after its
-    marks; batched, overlapped, with a snapshot hit; mlx-lm's tokens."""
+    """The CUDA path on the CPU (kernels stood in for by their plain-MLX meaning):
+    compiled decode and prefill carry the states through their traces (scatter-written:
+    the in-place stand-ins write Python objects, which a trace cannot), the in-place pool
+    writes state rows through the backend's row writer and reads them after its marks;
+    batched, overlapped, with a snapshot hit and prompts of one length (compiled: a
+    prefill shape met twice replays); mlx-lm's tokens."""
     from tests.engine_driver import StandInInPlaceKernels, StandInKernel
 
     name, model = recurrent_family
     prompts = _prompts(seed=800 + len(name))[:4]
     compiled = path == "compiled"
     engine = InProcessEngine(model, chunk_size=16, compile_decode=compiled, overlap="ahead",
+                             compile_prefill=compiled,
                              backend=StandInKernel() if compiled else StandInInPlaceKernels())
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, 16, [])
     results = engine.run_until_idle()
+    # Alone, one after the other, prompts of one length meet the same forward shapes:
+    # the second's chunks replay traces (states carried from chunk to chunk through them).
+    same_length = [list(reversed(prompts[1])), prompts[1][1:] + prompts[1][:1]]
+    for i, p in enumerate(same_length, start=len(prompts)):
+        prompts.append(p)
+        engine.submit(f"r{i}", p, 16, [])
+        results.update(engine.run_until_idle())
     assert (engine.runner.decode_traces > 0) == compiled
+    assert (engine.runner.prefill_forwards.replays > 0) == compiled
     before = engine.scheduler.counters.cache_hit_tokens
     engine.submit("again", list(prompts[2]), 16, [])
     results.update(engine.run_until_idle())
@@ -289,6 +300,30 @@ def test_recurrent_models_on_the_kernel_path_equal_mlx_lm(recurrent_family, path
     assert_mlx_lm_tokens(model, name, results, [*((f"r{i}", p) for i, p in enumerate(prompts)),
                                                 ("again", prompts[2])], 16)
     assert_idle_invariant(engine.scheduler)
+
+
+def test_a_model_that_fails_to_trace_prefills_eagerly_from_then_on():
+    from tests.engine_driver import StandInKernel
+
+    model = build("qwen3_5")
+    engine = InProcessEngine(model, chunk_size=16, compile_decode=True, compile_prefill=True,
+                             backend=StandInKernel())
+    forwards = engine.runner.prefill_forwards
+    assert forwards.compiles
+
+    def failing_trace(*args):  # noqa: ANN002, ANN202 - as mx.compile over code it cannot trace
+        forwards.traces += 1
+        raise ValueError("[compile] cannot trace this")
+
+    forwards._compiled = failing_trace
+    rng = np.random.default_rng(1300)
+    prompts = [rng.integers(5, VOCAB, size=40).tolist() for _ in range(3)]
+    results = {}
+    for i, p in enumerate(prompts):  # alone, one after the other: shapes recur
+        engine.submit(f"r{i}", p, 8, [])
+        results.update(engine.run_until_idle())
+    assert forwards.traces == 1 and not forwards.compiles and forwards.replays == 0
+    assert_mlx_lm_tokens(model, "qwen3_5", results, [(f"r{i}", p) for i, p in enumerate(prompts)], 8)
 
 
 @pytest.mark.parametrize("name", ["qwen3_next", "qwen3_5"])

@@ -93,7 +93,8 @@ def test_state_rows_are_written_in_place_after_their_marks():
 def test_a_hybrid_served_in_place_keeps_its_states_without_copies(compile_decode):
     """A qwen3_5 hybrid on the CUDA path, pipelined as served: its state rows are written
     in place (peak memory below half of one state array: a scatter copies its whole
-    array), compiled decode traced, and greedy tokens equal mlx-lm's."""
+    array), compiled decode traced and prefill forwards replayed (compiled case), and
+    greedy tokens equal mlx-lm's."""
     import numpy as np
     from mlx_lm.generate import generate_step
     from mlx_lm.models import qwen3_5
@@ -117,7 +118,7 @@ def test_a_hybrid_served_in_place_keeps_its_states_without_copies(compile_decode
     # State rows for 1,024 requests: one state array alone is several times what a step
     # of four requests allocates, so a copy of any shows.
     engine = InProcessEngine(model, max_running=1024, compile_decode=compile_decode,
-                             overlap="ahead")
+                             compile_prefill=compile_decode, overlap="ahead")
     assert engine.pool.in_place
     largest = max(a.nbytes for a in engine.pool.flat_states())
     rng = np.random.default_rng(9)
@@ -128,6 +129,12 @@ def test_a_hybrid_served_in_place_keeps_its_states_without_copies(compile_decode
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, 20, [])
     results = engine.run_until_idle()
+    # Alone, one after the other: the second's prefill forwards replay the first's shapes.
+    for i, p in enumerate([prompts[2][::-1], prompts[2][1:] + prompts[2][:1]], start=len(prompts)):
+        prompts.append(p)
+        engine.submit(f"r{i}", p, 20, [])
+        results.update(engine.run_until_idle())
+    assert (engine.runner.prefill_forwards.replays > 0) == compile_decode
     over = mx.get_peak_memory() - before
     assert over < largest // 2, f"peak {over / 2**20:.1f} MiB over a {largest / 2**20:.1f} MiB state array"
     assert (engine.runner.decode_traces > 0) == compile_decode

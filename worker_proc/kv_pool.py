@@ -306,20 +306,29 @@ class KVPool:
 
     def with_layers(self, layers: "list[mx.array] | tuple[mx.array, ...]",
                     marks: "list[mx.array] | tuple[mx.array, ...] | None" = None,
-                    states: "list[mx.array] | tuple[mx.array, ...] | None" = None) -> "KVPool":
+                    states: "list[mx.array] | tuple[mx.array, ...] | None" = None,
+                    state_marks: "list[mx.array] | tuple[mx.array, ...] | None" = None) -> "KVPool":
         """A pool of this layout over the given layer arrays, with no writes yet: what a
         traced (mx.compile) forward writes, so the trace's placeholders stay out of this
         pool. marks: in place, one a layer, what its writes and reads are to follow.
-        states: the recurrent state arrays, flat (flat_states' order); default this
-        pool's. Snapshots stay this pool's: no traced forward touches them."""
+        states: the recurrent state arrays, flat (flat_states' order), and state_marks
+        theirs; default this pool's arrays, no marks. Snapshots stay this pool's: no traced
+        forward touches them."""
         view = copy.copy(self)
         view.layers = list(layers)
         view._marks = list(marks) if marks is not None else [None] * len(self.specs)
         view._unlanded = []
         if states is not None:
             view.states = self._unflatten(list(states))
-        view._state_marks = [[None] * len(a) for a in view.states]
+        view._state_marks = (self._unflatten(list(state_marks)) if state_marks is not None
+                             else [[None] * len(a) for a in view.states])
         return view
+
+    def marks_to_follow(self) -> list[mx.array]:
+        """In place: each layer's and state array's last mark (a zero where none), for a
+        traced forward to take as inputs (with_layers' marks and state_marks)."""
+        marks = self._marks + [m for layer in self._state_marks for m in layer]
+        return [zero_mark() if m is None else m for m in marks]
 
     def flat_states(self) -> list[mx.array]:
         """The recurrent state arrays, layer by layer."""
@@ -338,8 +347,7 @@ class KVPool:
         none); else the arrays after the writes."""
         if not self.in_place:
             return list(self.layers) + self.flat_states()
-        marks = self._marks + [m for layer in self._state_marks for m in layer]
-        return [zero_mark() if m is None else m for m in marks]
+        return self.marks_to_follow()
 
     def adopt_traced(self, outputs: "list[mx.array] | tuple[mx.array, ...]") -> None:
         """The writes a compiled forward returned (its view's traced_writes) become this

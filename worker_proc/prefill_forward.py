@@ -13,13 +13,16 @@ once, then replayed.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import mlx.core as mx
 
 from worker_proc.attention import ForwardLayout, build_layer_caches
-from worker_proc.kv_pool import KVPool, zero_mark
+from worker_proc.kv_pool import KVPool
 from worker_proc.layer_kinds import LayerKind
+
+logger = logging.getLogger(__name__)
 
 # Most forward shapes traced (each trace holds its graph's tape, thousands of nodes for
 # 32 layers, and costs ~10x an eager build to make); later new shapes stay eager.
@@ -36,15 +39,17 @@ class PrefillForwards:
     head: the model's output head where its call is `model.model` then that head
     (runner.output_head), which then runs over those positions alone; None: the model's
     own call, every position's logits, indexed. compiles: replay recurring shapes from
-    traces; taken only with a head, where every layer is full attention through the
-    attention hook and nothing is recurrent (the traced forward takes the K/V pool alone,
-    and windowed masks are built from host positions)."""
+    traces; taken where every attention layer is full attention through the attention
+    hook (windowed masks are built from host positions), and the model has a head or
+    recurrent layers (whose eager build is the longest: ~40 graph nodes a layer). Their
+    state arrays, rows and lengths are among a trace's inputs. A model whose code cannot
+    be traced builds eagerly from its first failed trace on."""
 
     def __init__(self, model: Any, head: Any | None, pool: KVPool, compiles: bool) -> None:
         self.model = model
         self.head = head
         self.pool = pool
-        self.compiles = compiles and head is not None and traceable(pool)
+        self.compiles = compiles and traceable(pool) and (head is not None or pool.has_states)
         self._compiled = mx.compile(self._traced) if self.compiles else None
         self._met: set[ShapeKey] = set()
         self._traced_keys: set[ShapeKey] = set()
@@ -58,8 +63,16 @@ class PrefillForwards:
         b, or at the last column when `last` is None. state_rows, fresh_state,
         state_lengths: as build_layer_caches takes them (an eager forward over recurrent
         layers)."""
-        if self._replays(_key(tokens, layout, last)):
-            return self._replay(tokens, layout, last)
+        if self._replays(_key(tokens, layout, last, state_rows, fresh_state, state_lengths)):
+            traces = self.traces
+            try:
+                return self._replay(tokens, layout, last, state_rows, fresh_state, state_lengths)
+            except Exception:  # noqa: BLE001 - the model's code under mx.compile, any failure
+                if self.traces == traces:  # not the trace's: a replay failing is a real error
+                    raise
+                logger.exception("prefill forwards of this model cannot be traced; built "
+                                 "eagerly from now on")
+                self.compiles = False
         caches = build_layer_caches(self.pool, layout, state_rows, fresh_state, state_lengths)
         if self.head is None:
             return _rows_at(self.model(tokens, cache=caches), last)
@@ -80,52 +93,60 @@ class PrefillForwards:
         self._met.add(key)
         return False
 
-    def _replay(self, tokens: mx.array, layout: ForwardLayout, last: mx.array | None) -> mx.array:
+    def _replay(self, tokens: mx.array, layout: ForwardLayout, last: mx.array | None,
+                state_rows: mx.array, fresh_state: bool,
+                state_lengths: mx.array | None) -> mx.array:
         """The forward through its trace: every array the graph depends on is an input;
         the layout's plain values (its RoPE offset when one for all rows, the "causal"
-        mask, whether it is fresh) are part of the trace's key, as mx.compile keys
-        non-array arguments."""
+        mask, whether it is fresh, whether the states start fresh) are part of the
+        trace's key, as mx.compile keys non-array arguments."""
         pool = self.pool
-        marks = ([_mark_or_zero(pool.mark(i)) for i in range(len(pool.layers))]
-                 if pool.in_place else [])
+        marks = pool.marks_to_follow() if pool.in_place else []
         logits, *rest = self._compiled(tokens, layout.write_slots, layout.read_slots,
                                        layout.offset, layout.mask, layout.fresh, last,
-                                       *pool.layers, *marks)
+                                       state_rows, fresh_state, state_lengths,
+                                       *pool.layers, *pool.flat_states(), *marks)
         self.replays += 1
-        if pool.in_place:
-            pool.adopt_marks(rest)
-        else:
-            pool.layers = rest
+        pool.adopt_traced(rest)
         return logits
 
     def _traced(self, tokens: mx.array, write_slots: mx.array, read_slots: mx.array,
                 offset: int | mx.array, mask: Any, fresh: bool, last: mx.array | None,
+                state_rows: mx.array, fresh_state: bool, state_lengths: mx.array | None,
                 *arrays: mx.array) -> tuple[mx.array, ...]:
         """What _replay traces: the forward over a view of the pool made of the arrays it
-        is given (the layers, then in place the marks their writes follow); returns the
-        logits, then the writes' marks (in place) or the layers after the writes."""
+        is given (the K/V layers, the recurrent state arrays, then in place the marks
+        their writes follow); returns the logits, then KVPool.traced_writes."""
         self.traces += 1
-        n = len(self.pool.layers)
-        pool = self.pool.with_layers(arrays[:n], arrays[n:] if self.pool.in_place else None)
+        n, m = len(self.pool.layers), len(self.pool.flat_states())
+        marks = arrays[n + m:] if self.pool.in_place else None
+        pool = self.pool.with_layers(arrays[:n], marks[:n] if marks else None,
+                                     states=arrays[n:n + m],
+                                     state_marks=marks[n:] if marks else None)
         layout = ForwardLayout(write_slots=write_slots, read_slots=read_slots, offset=offset,
                                mask=mask, fresh=fresh)
-        hidden = self.model.model(tokens, cache=build_layer_caches(pool, layout))
-        return (self.head(_rows_at(hidden, last)), *pool.take_landing())
+        caches = build_layer_caches(pool, layout, state_rows, fresh_state, state_lengths)
+        if self.head is None:
+            logits = _rows_at(self.model(tokens, cache=caches), last)
+        else:
+            logits = self.head(_rows_at(self.model.model(tokens, cache=caches), last))
+        return (logits, *pool.traced_writes())
 
 
 def traceable(pool: KVPool) -> bool:
-    """Whether a prefill forward over this pool's layers can be traced: K/V layers only,
-    each full attention through the attention hook."""
-    return not pool.has_states and all(s.kind == LayerKind() for s in pool.specs)
+    """Whether a prefill forward over this pool's layers can be traced: every attention
+    layer full attention through the attention hook (recurrent layers may be beside)."""
+    return all(s.kind == LayerKind() for s in pool.specs)
 
 
-def _key(tokens: mx.array, layout: ForwardLayout, last: mx.array | None) -> ShapeKey:
+def _key(tokens: mx.array, layout: ForwardLayout, last: mx.array | None,
+         state_rows: mx.array, fresh_state: bool, state_lengths: mx.array | None) -> ShapeKey:
     """What tells one traced forward from another: the arrays' shapes and the layout's
     plain values (mx.compile's own key, for these inputs)."""
     mask = layout.mask if layout.mask is None or isinstance(layout.mask, str) else layout.mask.shape
     offset = layout.offset if isinstance(layout.offset, int) else layout.offset.shape
     return (tokens.shape, layout.read_slots.shape, layout.write_slots.shape, offset, mask,
-            layout.fresh, last is None)
+            layout.fresh, last is None, state_rows.shape, fresh_state, state_lengths is None)
 
 
 def _rows_at(hidden: mx.array, last: mx.array | None) -> mx.array:
@@ -135,5 +156,3 @@ def _rows_at(hidden: mx.array, last: mx.array | None) -> mx.array:
     return hidden[mx.arange(hidden.shape[0]), last]
 
 
-def _mark_or_zero(mark: mx.array | None) -> mx.array:
-    return zero_mark() if mark is None else mark
