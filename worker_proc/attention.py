@@ -14,7 +14,7 @@ place that maps a model's layers to adapters.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -24,10 +24,7 @@ from worker_proc.gated_delta_cuda import PoolRead, forget_pool_reads, offer_pool
 from worker_proc.kv_pool import KVPool, StateLayerSpec, attention_specs, flat_specs
 from worker_proc.layer_kinds import Kind, LayerKind, ProbeRecorder, UnsupportedModelError
 from worker_proc.paged_attention import RopeSpec
-from worker_proc.staging import new_arrays
-
-
-Stage = Callable[..., "list[mx.array]"]  # numpy arrays in, MLX arrays out (worker_proc.staging)
+from worker_proc.staging import Stage, new_arrays
 
 
 @dataclass(frozen=True)

@@ -121,21 +121,14 @@ def gated_delta(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.arr
     """gated_delta_ops' contract: q, k [B, T, Hk, Dk]; v [B, T, Hv, Dv]; g, beta [B, T, Hv];
     state [B, Hv, Dv, Dk] (float32; None: zeros); mask [B, T] (False: padding). Returns
     y [B, T, Hv, Dv] in q's dtype and the new state, float32."""
-    b, t, hk, dk = q.shape
+    b, _, _, dk = q.shape
     hv, dv = v.shape[-2:]
     if state is None:
         state = mx.zeros((b, hv, dv, dk), dtype=mx.float32)
     inputs = [q, k, v, g.astype(mx.float32), beta.astype(mx.float32), state.astype(mx.float32)]
     if mask is not None:
         inputs.append(mask.astype(mx.int32))
-    lines = b * hv * dv
-    block = 32 * _WARPS_PER_BLOCK
-    y, new_state = _kernel(mask is not None)(
-        inputs=inputs,
-        template=[("InT", q.dtype), ("HK", hk), ("HV", hv), ("DK", dk), ("DV", dv)],
-        grid=(-(-lines * 32 // block) * block, 1, 1), threadgroup=(block, 1, 1),
-        output_shapes=[(b, t, hv, dv), (b, hv, dv, dk)], output_dtypes=[q.dtype, mx.float32])
-    return y, new_state
+    return _launch(q, v, inputs, mask is not None, False, (b, hv, dv, dk), mx.float32)
 
 
 def gated_delta_in_pool(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta: mx.array,
@@ -144,20 +137,26 @@ def gated_delta_in_pool(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta
     """gated_delta's recurrence over rows `rows` [B] of a state array pool [R, Hv, Dv,
     Dk] (float32, contiguous), which it updates in place after the write whose mark is
     `after`. Returns y and the write's mark."""
-    b, t, hk, dk = q.shape
-    hv, dv = v.shape[-2:]
     inputs = [mx.contiguous(x) for x in (q, k, v, g.astype(mx.float32), beta.astype(mx.float32))]
     inputs += [pool, rows.astype(mx.int32), follow_mark(after)]
     if mask is not None:
         inputs.append(mx.contiguous(mask.astype(mx.int32)))
-    lines = b * hv * dv
+    return _launch(q, v, inputs, mask is not None, True, (1,), mx.int32)
+
+
+def _launch(q: mx.array, v: mx.array, inputs: list[mx.array], masked: bool, in_pool: bool,
+            second_shape: tuple[int, ...], second_dtype: mx.Dtype) -> tuple[mx.array, mx.array]:
+    """One warp a (row, value head, value channel) line; outputs y [B, T, Hv, Dv] in q's
+    dtype and the new state (apart) or the write's mark (in the pool)."""
+    b, t, hk, dk = q.shape
+    hv, dv = v.shape[-2:]
     block = 32 * _WARPS_PER_BLOCK
-    y, written = _kernel(mask is not None, True)(
+    y, second = _kernel(masked, in_pool)(
         inputs=inputs,
         template=[("InT", q.dtype), ("HK", hk), ("HV", hv), ("DK", dk), ("DV", dv)],
-        grid=(-(-lines * 32 // block) * block, 1, 1), threadgroup=(block, 1, 1),
-        output_shapes=[(b, t, hv, dv), (1,)], output_dtypes=[q.dtype, mx.int32])
-    return y, written
+        grid=(-(-b * hv * dv * 32 // block) * block, 1, 1), threadgroup=(block, 1, 1),
+        output_shapes=[(b, t, hv, dv), second_shape], output_dtypes=[q.dtype, second_dtype])
+    return y, second
 
 
 @dataclass

@@ -7,7 +7,6 @@ attention masks hide what they read.
 from __future__ import annotations
 
 import copy
-import functools
 import logging
 import math
 from dataclasses import dataclass
@@ -16,7 +15,7 @@ import mlx.core as mx
 
 from worker_proc.decode_backend import DecodeBackend, choose_decode_backend
 from worker_proc.layer_kinds import Kind, LayerKind
-from worker_proc.paged_attention import after_write, split_kv
+from worker_proc.paged_attention import after_write, follow_mark, split_kv
 
 logger = logging.getLogger(__name__)
 
@@ -328,7 +327,7 @@ class KVPool:
         """In place: each layer's and state array's last mark (a zero where none), for a
         traced forward to take as inputs (with_layers' marks and state_marks)."""
         marks = self._marks + [m for layer in self._state_marks for m in layer]
-        return [zero_mark() if m is None else m for m in marks]
+        return [follow_mark(m) for m in marks]
 
     def flat_states(self) -> list[mx.array]:
         """The recurrent state arrays, layer by layer."""
@@ -367,12 +366,6 @@ class KVPool:
         assert self.in_place and len(marks) == len(self.layers)
         self._marks = list(marks)
         self._unlanded.extend(marks)
-
-
-@functools.cache
-def zero_mark() -> mx.array:
-    """A mark standing for no write (a layer not written yet), so traces take arrays."""
-    return mx.zeros((1,), dtype=mx.int32)
 
 
 def _zeros(rows: int, heads: int, dim: int, dtype: mx.Dtype) -> mx.array:

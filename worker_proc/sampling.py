@@ -10,13 +10,13 @@ the whole batch still samples in one vectorised graph (Gumbel-max trick).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 import mlx.core as mx
 import numpy as np
 
 from ipc.messages.common import SamplingParams
-from worker_proc.staging import new_arrays
+from worker_proc.staging import Stage, new_arrays
 
 _U32 = mx.uint32
 _BELOW_ONE = float(np.nextafter(np.float32(1.0), np.float32(0.0)))
@@ -158,7 +158,7 @@ class SamplingBatch:
               stop_ids: list[list[int]] | None = None,
               penalties: Penalties | None = None,
               grammar: GrammarMask | None = None,
-              stage: Callable[..., list[mx.array]] | None = None) -> "SamplingBatch":
+              stage: Stage | None = None) -> "SamplingBatch":
         """steps: tokens each row sampled before; stop_ids: each row's ids that min_tokens
         masks (default none); grammar: the constrained rows' masks (default none); stage:
         makes the per-row settings' arrays from numpy ones (worker_proc.staging; default

@@ -17,6 +17,7 @@ flight, the steps that read it have finished by then.
 from __future__ import annotations
 
 import logging
+from typing import Callable
 
 import mlx.core as mx
 import numpy as np
@@ -27,6 +28,10 @@ _DTYPES = {np.dtype(np.uint32): mx.uint32, np.dtype(np.float32): mx.float32}
 # Steps between two writes of one buffer: two in flight, one being built, one to spare.
 DEPTH = 4
 MIN_ELEMENTS = 1 << 12
+
+
+# What makes a use's MLX arrays from numpy ones: HostStaging.add / .stage, or new_arrays.
+Stage = Callable[..., "list[mx.array]"]
 
 
 def new_arrays(*parts: np.ndarray) -> list[mx.array]:
