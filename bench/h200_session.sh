@@ -73,7 +73,7 @@ if has tests; then
 echo "== kernel tests"
 # The CUDA paths' tests (the GPU-only ones and the worker's in-place, compiled and staging
 # ones); failures are listed one a line, so a cut-off run still says what failed.
-timeout 240 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_paged_attention.py \
+timeout 330 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_paged_attention.py \
     tests/test_decode_block.py tests/test_gated_delta_cuda.py tests/test_worker.py \
     -k "kernel or in_place or staging or state or attention or block" > "$OUT/kernel_tests.txt" 2>&1
 tail -12 "$OUT/kernel_tests.txt"

@@ -61,7 +61,7 @@ if str(ROOT) not in sys.path:  # this tree's modules, not an installed copy's
 import mlx.core as mx  # noqa: E402
 import numpy as np  # noqa: E402
 from mlx_lm.models import llama  # noqa: E402
-from mlx_lm.models.cache import KVCache  # noqa: E402
+from mlx_lm.models.cache import KVCache, make_prompt_cache  # noqa: E402
 
 from ipc.messages.common import SamplingParams  # noqa: E402
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk  # noqa: E402
@@ -292,6 +292,11 @@ PREFILL_STEPS: dict[str, tuple[str, tuple[tuple[Chunk, ...], ...]]] = {
     "8x256mixed": ("8 x 256 after prefixes 256..2048",
                    (tuple(Chunk(i, 256 * (i + 1), 256) for i in range(8)),)),
     "4096chunked": ("4096 in 2 steps of 2048 (TTFT)", ((Chunk(0, 0, 2048),), (Chunk(0, 2048, 2048),))),
+    # A wave of 100-word prompts varied +-50%, as the serving sweep sends them: fresh
+    # shapes nearly every step.
+    "16x50to150": ("16 x 50..150 fresh, 2 steps", (
+        tuple(Chunk(i, 0, 50 + (i * 37) % 101) for i in range(8)),
+        tuple(Chunk(i, 0, 50 + (i * 53) % 101) for i in range(8, 16)))),
 }
 
 
@@ -311,9 +316,11 @@ class StepPhases:
         self.step += step
 
 
-def _scenario_plans(steps: tuple[tuple[Chunk, ...], ...]) -> tuple[list[ForwardBatch], int, int]:
+def _scenario_plans(steps: tuple[tuple[Chunk, ...], ...], snapshots: bool = False
+                    ) -> tuple[list[ForwardBatch], int, int]:
     """The scenario's step plans; how many requests and the longest context. Request i
-    holds slots 1 + i * context ..; each samples after its last chunk."""
+    holds slots 1 + i * context ..; each samples after its last chunk. snapshots: a
+    cached prefix starts from state snapshot i + 1 (a hybrid's recurrent layers)."""
     chunks = [c for step in steps for c in step]
     n_req = 1 + max(c.request for c in chunks)
     context = max(c.start + c.size for c in chunks)
@@ -328,7 +335,8 @@ def _scenario_plans(steps: tuple[tuple[Chunk, ...], ...]) -> tuple[list[ForwardB
         plans.append(ForwardBatch(
             step=number,
             new_requests=[NewRequest(rid=f"p{c.request}", sampling=greedy,
-                                     prefix_slot_ids=list(range(base[c.request], base[c.request] + c.start)))
+                                     prefix_slot_ids=list(range(base[c.request], base[c.request] + c.start)),
+                                     state_snapshot=c.request + 1 if snapshots and c.start else 0)
                           for c in new],
             prefill=[PrefillChunk(rid=f"p{c.request}", start=c.start, token_ids=[1] * c.size,
                                   sample=c is last[c.request],
@@ -346,8 +354,13 @@ def kiln_prefill(model: Any, steps: tuple[tuple[Chunk, ...], ...], build_only: b
     """A runner for the scenario; each call runs its steps once on it (its traces and
     caches kept from run to run). build_only: nothing is evaluated (each forward's
     launch is skipped, the pool put back after each run)."""
-    plans, n_req, context = _scenario_plans(steps)
-    pool = KVPool(probe_attention_specs(model), n_req * context + 1, BACKEND)
+    specs = probe_attention_specs(model)
+    # A hybrid's requests need state rows, and a cached prefix the snapshot of its state
+    # (its contents do not matter to the timing).
+    states = KVPool.state_bytes_per_request(specs) > 0
+    plans, n_req, context = _scenario_plans(steps, snapshots=states)
+    pool = KVPool(specs, n_req * context + 1, BACKEND, state_rows=n_req if states else 0,
+                  snapshots=n_req if states else 0)
     runner = ModelRunner(model, pool, max_requests=n_req, max_context=context, **runner_args)
     evaluated = list(pool.layers)
 
@@ -383,19 +396,17 @@ def _kiln_prefill_run(runner: ModelRunner, plans: list[ForwardBatch], build_only
 
 
 def mlx_lm_prefill(model: Any, steps: tuple[tuple[Chunk, ...], ...], build_only: bool) -> PrefillRun:
-    """The same chunks through mlx-lm's model call over its KVCache (a cached prefix
-    filled beforehand, untimed), each step's chunks built, then evaluated together."""
-    args = model.args
-    n_kv = args.num_key_value_heads
-    head_dim = getattr(args, "head_dim", None) or args.hidden_size // args.num_attention_heads
+    """The same chunks through mlx-lm's model call over its own caches (make_prompt_cache:
+    each layer's kind; a cached prefix run through the model beforehand, untimed), each
+    step's chunks built, then evaluated together."""
 
     def run() -> StepPhases:
-        caches: dict[int, list[KVCache]] = {}
+        caches: dict[int, list[Any]] = {}
         phases = StepPhases()
         for step in steps:
             for c in step:
                 if c.request not in caches:
-                    caches[c.request] = _prefilled(model, c.start, n_kv, head_dim, build_only)
+                    caches[c.request] = _prefilled(model, c.start, build_only)
             t0 = time.perf_counter()
             logits = [model(mx.ones((1, c.size), dtype=mx.int32), cache=caches[c.request])[:, -1]
                       for c in step]
@@ -413,12 +424,12 @@ def mlx_lm_prefill(model: Any, steps: tuple[tuple[Chunk, ...], ...], build_only:
     return run
 
 
-def _prefilled(model: Any, tokens: int, n_kv: int, head_dim: int, build_only: bool) -> list[KVCache]:
-    caches = [KVCache() for _ in model.layers]
-    if tokens:
-        zeros = mx.zeros((1, n_kv, tokens, head_dim), dtype=model.layers[0].input_layernorm.weight.dtype)
-        for cache in caches:
-            cache.update_and_fetch(zeros, zeros)
+def _prefilled(model: Any, tokens: int, build_only: bool) -> list[Any]:
+    """mlx-lm's caches for the model after `tokens` prefix tokens (with --build-only the
+    prefix's graph is built, not evaluated)."""
+    caches = make_prompt_cache(model)
+    for start in range(0, tokens, 2048):
+        model(mx.ones((1, min(2048, tokens - start)), dtype=mx.int32), cache=caches)
         if not build_only:
             mx.eval([c.state for c in caches])
     return caches
@@ -437,7 +448,7 @@ def print_prefill_steps(variants: dict[str, Callable[[tuple], PrefillRun]], name
     and whole steps' medians over the rest."""
     print(f"\nprefill steps, ms a run of the scenario's steps (cold: the first run, then the "
           f"second; median and min over the rest){', graph build only' if build_only else ''}")
-    print(f"{'scenario':<34}{'variant':<34}{'cold':>8}{'2nd':>8}{'build':>8}{'min':>8}"
+    print(f"{'scenario':<34}{'variant':<34}{'cold':>8}{'2nd':>9}{'build':>8}{'min':>8}"
           + ("" if build_only else f"{'launch':>10}{'wait':>10}{'step':>10}"))
     for name in names:
         label, steps = PREFILL_STEPS[name]
@@ -473,7 +484,7 @@ def _prefill_line(label: str, runs: list[StepPhases], build_only: bool) -> str:
     def median(key: str) -> float:
         return statistics.median(getattr(r, key) for r in rest) * 1e3
 
-    line = (f"{label}{runs[0].build * 1e3:>8.2f}{runs[min(1, len(runs) - 1)].build * 1e3:>8.2f}"
+    line = (f"{label}{runs[0].build * 1e3:>8.1f} {runs[min(1, len(runs) - 1)].build * 1e3:>8.1f}"
             f"{median('build'):>8.2f}{min(r.build for r in rest) * 1e3:>8.2f}")
     if not build_only:
         line += f"{median('launch'):>10.2f}{median('wait'):>10.2f}{median('step'):>10.2f}"
@@ -683,20 +694,17 @@ def main() -> None:
         def kiln(m: Callable[[], Any], **runner_args: Any) -> Callable[[tuple], PrefillRun]:
             return lambda steps: kiln_prefill(m(), steps, only, **runner_args)
 
-        # As served: prefill forwards replay traces of recurring shapes with a GPU.
-        served_compiles = mx.default_device() != mx.cpu
+        # As served, prefill forwards are built eagerly (--compile-prefill replays traces).
         step_variants: dict[str, Callable[[tuple], PrefillRun]] = {
-            "kiln": kiln(lambda: model, compile_prefill=served_compiles),
-            f"kiln, {'eager' if served_compiles else 'compiled'} prefill": kiln(
-                lambda: model, compile_prefill=not served_compiles),
+            "kiln": kiln(lambda: model),
+            "kiln, compiled prefill": kiln(lambda: model, compile_prefill=True),
             "mlx-lm": lambda steps: mlx_lm_prefill(model, steps, only),
         }
         if kernel_path:  # as served: fused projections and fast blocks; attention unfused
-            step_variants["kiln, served model"] = kiln(fast_model, compile_prefill=True)
-            step_variants["kiln, served, eager prefill"] = kiln(fast_model)
+            step_variants["kiln, served model"] = kiln(fast_model)
+            step_variants["kiln, served, compiled prefill"] = kiln(fast_model, compile_prefill=True)
             step_variants["kiln, served, fused attention"] = _patching(
-                decode_backend, "unfused_prefill_fits", lambda *_: False,
-                kiln(fast_model, compile_prefill=True))
+                decode_backend, "unfused_prefill_fits", lambda *_: False, kiln(fast_model))
         else:  # CUDA's prefill attention (unfused), stood in for on this device
             for compiles in (False, True):
                 step_variants["kiln, CUDA's prefill attention" + (", compiled" if compiles else "")] = (

@@ -126,11 +126,13 @@ class ServerConfig:
                                          "every step instead of replaying mx.compile traces "
                                          "(the default where decode attention runs the CUDA "
                                          "kernel; the only way elsewhere)."})
-    eager_prefill: bool = dataclasses.field(
-        default=False, metadata={"help": "Build every prefill forward through the model's "
-                                         "Python code instead of replaying an mx.compile trace "
-                                         "once a forward's shape recurs (the default with a "
-                                         "GPU; the CPU always builds them)."})
+    compile_prefill: bool = dataclasses.field(
+        default=False, metadata={"help": "Replay a prefill forward from an mx.compile trace once "
+                                         "its shape recurs, instead of building every one through "
+                                         "the model's Python code (GPU only; experimental: served "
+                                         "on the H200 with varied prompt lengths it cut a hybrid "
+                                         "model's tokens/s at 64 streams 2.5x, docs/benchmarks.md; "
+                                         "dense models unmeasured there)."})
     log_level: str = dataclasses.field(
         default="info", metadata={"choices": ("debug", "info", "warning", "error"),
                                   "help": "Logging level of every process."})
