@@ -45,6 +45,12 @@ class ServerConfig:
     zmq_port: int = dataclasses.field(
         default=0, metadata={"help": "TCP port of the ZMQ endpoint for programmatic clients "
                                      "(0: --port + 1)."})
+    context_length: int = dataclasses.field(
+        default=0, metadata={"help": "Most tokens a request may hold, prompt and output together "
+                                     "(0: the model's, config.json's max_position_embeddings, "
+                                     "text_config's in multimodal checkpoints). Above the "
+                                     "model's only where its RoPE scaling allows it. The KV "
+                                     "pool's size caps it too."})
     max_running_requests: int = dataclasses.field(
         default=128, metadata={"help": "Most requests decoding at once (the batch size cap)."})
     chunked_prefill_size: int = dataclasses.field(
@@ -171,6 +177,8 @@ class ServerConfig:
                                          "still choose either)."})
 
     def __post_init__(self) -> None:
+        if self.context_length < 0:
+            raise ValueError("--context-length must be >= 0 (0: the model's)")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
         if min(self.chunked_prefill_size, self.max_prefill_tokens,

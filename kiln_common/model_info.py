@@ -24,14 +24,16 @@ class ModelInfo:
     eos_token_ids: tuple[int, ...]
 
 
-def load_model_info(name: str, model_path: str, tokenizer: Any) -> ModelInfo:
-    """Read the context length and EOS ids from the model directory and its tokenizer."""
+def load_model_info(name: str, model_path: str, tokenizer: Any,
+                    context_length: int = 0) -> ModelInfo:
+    """Read the context length and EOS ids from the model directory and its tokenizer.
+    context_length: the server's own limit (--context-length; 0: the model's)."""
     config = read_json(Path(model_path) / "config.json")
     generation = read_json(Path(model_path) / "generation_config.json")
     return ModelInfo(
         name=name,
         path=model_path,
-        context_len=_context_len(config, tokenizer),
+        context_len=served_context_len(config, tokenizer, context_length),
         vocab_size=_vocab_size(config, tokenizer),
         eos_token_ids=_eos_ids(config, generation, tokenizer),
     )
@@ -55,6 +57,17 @@ def _vocab_size(config: dict[str, Any], tokenizer: Any) -> int:
         if isinstance(value, int) and value > 0:
             return min(value, len(tokenizer))
     return len(tokenizer)
+
+
+def served_context_len(config: dict[str, Any], tokenizer: Any, context_length: int = 0) -> int:
+    """The most tokens a request may hold: context_length (--context-length) where set,
+    else the model's (config.json, then the tokenizer)."""
+    context = _context_len(config, tokenizer)
+    if context_length > context:
+        logger.warning("--context-length %d is above the model's %d: positions past it are "
+                       "sound only where the model's RoPE scaling covers them",
+                       context_length, context)
+    return context_length or context
 
 
 def _context_len(config: dict[str, Any], tokenizer: Any) -> int:

@@ -263,6 +263,14 @@ def test_model_info_context_fallbacks(tmp_path: Path) -> None:
     assert info.context_len == 2048 and info.eos_token_ids == (9,)
 
 
+def test_model_info_takes_the_servers_context_length(tmp_path: Path, caplog) -> None:
+    _write(tmp_path, "config.json", {"max_position_embeddings": 512})
+    assert load_model_info("m", str(tmp_path), _Tok(None), context_length=100).context_len == 100
+    with caplog.at_level("WARNING"):
+        assert load_model_info("m", str(tmp_path), _Tok(None), context_length=900).context_len == 900
+    assert "above the model's 512" in caplog.text
+
+
 # --- the ZMQ front's logic --------------------------------------------------------------
 
 

@@ -34,7 +34,8 @@ def run_tokenizer(config: ServerConfig) -> None:
     model_path = config.model_path or config.model
     reporter.progress(f"loading tokenizer from {model_path}")
     preparer = RequestPreparer.load(config.model_name, model_path, config.trust_remote_code,
-                                    config.tool_parser, config.reasoning_inline)
+                                    config.tool_parser, config.reasoning_inline,
+                                    config.context_length)
     preparer.start_grammar_build()  # in the background, while the worker loads the model
     info = preparer.info
     logger.info("model %s: context %d tokens, vocab %d, eos ids %s", info.name,

@@ -204,13 +204,15 @@ class RequestPreparer:
 
     @classmethod
     def load(cls, name: str, model_path: str, trust_remote_code: bool = False,
-             tool_parser: str = "auto", reasoning_inline: bool = False) -> "RequestPreparer":
-        """Load the model's tokenizer and facts from its directory."""
+             tool_parser: str = "auto", reasoning_inline: bool = False,
+             context_length: int = 0) -> "RequestPreparer":
+        """Load the model's tokenizer and facts from its directory (context_length: the
+        server's limit, 0 for the model's)."""
         from transformers import AutoTokenizer  # slow import, only where needed
 
         tokenizer = AutoTokenizer.from_pretrained(model_path,
                                                   trust_remote_code=trust_remote_code)
-        return cls(tokenizer, load_model_info(name, model_path, tokenizer),
+        return cls(tokenizer, load_model_info(name, model_path, tokenizer, context_length),
                    tool_parser=tool_parser, reasoning_inline=reasoning_inline)
 
     # --- entry points -------------------------------------------------------------

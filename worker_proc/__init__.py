@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ipc.channel import Receiver, Sender
@@ -23,17 +24,13 @@ logger = logging.getLogger(__name__)
 _SUMMARY_POLL_MS = 1000
 
 
-def _model_context_len(model: object) -> int | None:
-    args = getattr(model, "args", None)
-    return getattr(args, "max_position_embeddings", None)
-
-
 def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     """Load the model and size the pool; returns the runner (split out for tests)."""
     import mlx.core as mx
     import mlx_lm
 
     from kiln_common.llguidance_tokenizer import structured_output_supported
+    from kiln_common.model_info import read_json, served_context_len
     from kiln_common.windows import WindowRule
     from worker_proc.decode_backend import choose_decode_backend
     from worker_proc.decode_block import speed_up_decode_blocks
@@ -80,7 +77,10 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     backend = choose_decode_backend(specs, config.experiment_set)  # the one choice
     say(f"decode attention: {backend.name}" + (
         f", experiments {', '.join(sorted(config.experiment_set))}" if config.experiment_set else ""))
-    context = _model_context_len(model) or 4096
+    # The front's limit too (the same reading of config.json): a model whose mlx-lm args
+    # nest it (text_config) would otherwise get a limit of its own here.
+    context = served_context_len(read_json(Path(config.model_path) / "config.json"),
+                                 _hf_tokenizer(tokenizer), config.context_length)
     per_slot = KVPool.bytes_per_slot(specs)
     kept = backend.kept_share
     per_state = KVPool.state_bytes_per_request(specs)
