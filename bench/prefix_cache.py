@@ -70,7 +70,8 @@ def first_token(url: str, prompt: list[int]) -> FirstToken:
     t0 = time.perf_counter()
     seconds, cached = None, None
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=600) as resp:
-        resp.raise_for_status()
+        if resp.status_code != 200:
+            raise RuntimeError(f"HTTP {resp.status_code}: {resp.read().decode()[:500]}")
         for line in resp.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
@@ -116,8 +117,7 @@ def shared_prompt_workload(url: str, model_dir: str, args: argparse.Namespace) -
                          "--input-words", "20", "--output-tokens", str(args.output_tokens)])
 
 
-def run_server(cache_on: bool, model_dir: str, vocab: int,
-               args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def run_server(cache_on: bool, model_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """One kiln, radix cache on or off: the shared-prompt workload with the scheduler's
     prompt and cache counters after it, and (cache on) the TTFT pairs before it."""
     extra = ["--max-total-tokens", str(args.max_total_tokens), *args.kiln_args.split()]
@@ -126,6 +126,9 @@ def run_server(cache_on: bool, model_dir: str, vocab: int,
     log = args.out / f"prefix_cache_{'on' if cache_on else 'off'}.log"
     server = start_kiln(model_dir, extra, log, args.ready_timeout)
     try:
+        # The ids the server takes: its tokenizer's, which a bench model's embedding (cut
+        # to config.json's vocab_size) may outnumber.
+        vocab = httpx.get(server.url + "/get_server_info", timeout=10).json()["vocab_size"]
         ttft = measure_ttft(server.url, args.prefix_tokens, vocab, args.reps) if cache_on else None
         run = shared_prompt_workload(server.url, model_dir, args)
         stats = httpx.get(server.url + "/get_server_info", timeout=10).json()["scheduler"]
@@ -180,11 +183,10 @@ def main(argv: list[str] | None = None) -> None:
     from launch import resolve_model
 
     model_dir = resolve_model(args.model)
-    vocab = json.loads((Path(model_dir) / "config.json").read_text())["vocab_size"]
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"model": args.model}
     for cache_on in (True, False):
-        workload, ttft = run_server(cache_on, model_dir, vocab, args)
+        workload, ttft = run_server(cache_on, model_dir, args)
         result["cache_on" if cache_on else "cache_off"] = workload
         if ttft is not None:
             result["ttft"] = ttft
