@@ -27,14 +27,16 @@ class ShiftedConv1d(nn.Module):
 
     def __init__(self, conv: nn.Conv1d) -> None:
         super().__init__()
-        # [C, K, 1] -> [K, C]: tap k of every channel as one row.
-        self.taps = conv.weight[:, :, 0].T.astype(mx.float32)
+        # [C, K, 1] -> K arrays [C]: tap k of every channel. Apart, not rows of one array:
+        # indexing a row in the forward is a gather kernel per tap and step.
+        weight = conv.weight[:, :, 0].astype(mx.float32)
+        self.taps = [mx.contiguous(weight[:, i]) for i in range(weight.shape[1])]
         self.has_bias = "bias" in conv
         if self.has_bias:
             self.bias = conv.bias
 
     def __call__(self, x: mx.array) -> mx.array:
-        k = self.taps.shape[0]
+        k = len(self.taps)
         n = x.shape[1] - k + 1
         out = x[:, :n].astype(mx.float32) * self.taps[0]
         for i in range(1, k):
