@@ -81,6 +81,14 @@ class ServerConfig:
                                      "memory-based size when > 0."})
     disable_radix_cache: bool = dataclasses.field(
         default=False, metadata={"help": "Do not cache and share prompt prefixes."})
+    prefill_padding: str = dataclasses.field(
+        default="auto", metadata={"help": "Padding a shared prefill forward may carry, as a share "
+                                          "of its real tokens (prompts of different lengths "
+                                          "right-padded to the longest): more gives fewer, larger "
+                                          "forwards a step, less host time and more device time. "
+                                          "auto: 0.25 with a GPU; 0 on the CPU, whose prefill is "
+                                          "compute-bound (a forward then shares only chunks of "
+                                          "one length)."})
     window_ratio: float = dataclasses.field(
         default=0.5, metadata={"help": "Models with sliding-window or chunked-attention "
                                        "layers: slots of those layers' own pool per slot of "
@@ -185,6 +193,13 @@ class ServerConfig:
                self.max_prefill_tokens_while_decoding) < 1:
             raise ValueError("--chunked-prefill-size, --max-prefill-tokens and "
                              "--max-prefill-tokens-while-decoding must be >= 1")
+        if self.prefill_padding != "auto":
+            try:
+                share = float(self.prefill_padding)
+            except ValueError:
+                share = -1.0
+            if not share >= 0:
+                raise ValueError("--prefill-padding must be auto or a number >= 0")
         if not 0.0 <= self.window_ratio <= 1.0:
             raise ValueError("--window-ratio must be in [0, 1]")
         if not 0.0 < self.mem_fraction <= 1.0:

@@ -461,24 +461,3 @@ def test_build_runner_builds_llguidance_tokenizer_only_when_it_can(tiny_model_di
     monkeypatch.setattr(mlx_lm, "load", lambda *a, **k: (load(*a, **k)[0], object()))
     assert not build_runner(config).grammars.building_started
 
-
-def test_build_runner_reads_the_context_as_the_front_does(tiny_model_dir, tmp_path) -> None:
-    """The worker's context limit is config.json's, text_config's where mlx-lm's args nest
-    it (Qwen3.5), or --context-length, as the tokenizer process validates against."""
-    import json
-    import shutil
-
-    from ipc.config import ServerConfig
-    from worker_proc import build_runner
-
-    assert build_runner(ServerConfig(model_path=str(tiny_model_dir), max_running_requests=2,
-                                     context_length=300)).max_context == 300
-    nested = tmp_path / "nested"
-    shutil.copytree(tiny_model_dir, nested)
-    config = json.loads((nested / "config.json").read_text())
-    # Where mlx-lm's args do not see it (as Qwen3.5's, under text_config).
-    config["text_config"] = {"max_position_embeddings": 1000}
-    del config["max_position_embeddings"]
-    (nested / "config.json").write_text(json.dumps(config))
-    assert build_runner(ServerConfig(model_path=str(nested),
-                                     max_running_requests=2)).max_context == 1000

@@ -575,3 +575,41 @@ def test_host_staging_falls_back_to_new_arrays_where_the_device_misses_host_writ
     part = np.arange(6, dtype=np.float32).reshape(2, 3)
     assert ring.stage(part)[0].tolist() == part.tolist()
     assert ring.stage(part + 1)[0].tolist() == (part + 1).tolist() and ring.grown == 1
+
+
+def test_build_runner_reads_the_context_as_the_front_does(tiny_model_dir, tmp_path) -> None:
+    """The worker's context limit is config.json's, text_config's where mlx-lm's args nest
+    it (Qwen3.5), or --context-length, as the tokenizer process validates against."""
+    import json
+    import shutil
+
+    from ipc.config import ServerConfig
+    from worker_proc import build_runner
+
+    assert build_runner(ServerConfig(model_path=str(tiny_model_dir), max_running_requests=2,
+                                     context_length=300)).max_context == 300
+    nested = tmp_path / "nested"
+    shutil.copytree(tiny_model_dir, nested)
+    config = json.loads((nested / "config.json").read_text())
+    # Where mlx-lm's args do not see it (as Qwen3.5's, under text_config).
+    config["text_config"] = {"max_position_embeddings": 1000}
+    del config["max_position_embeddings"]
+    (nested / "config.json").write_text(json.dumps(config))
+    assert build_runner(ServerConfig(model_path=str(nested),
+                                     max_running_requests=2)).max_context == 1000
+
+
+def test_prefill_padding_flag_reaches_the_runner(tiny_model_dir) -> None:
+    from ipc.config import ServerConfig
+    from worker_proc import build_runner
+    from worker_proc.runner import CPU_PREFILL_PADDING
+
+    def runner(padding: str):
+        return build_runner(ServerConfig(model_path=str(tiny_model_dir), max_running_requests=2,
+                                         prefill_padding=padding))
+
+    assert runner("auto").prefill_padding == CPU_PREFILL_PADDING  # this CPU's default
+    assert runner("0.5").prefill_padding == 0.5
+    for bad in ("-1", "many", "nan"):
+        with pytest.raises(ValueError, match="--prefill-padding"):
+            ServerConfig(model_path=str(tiny_model_dir), prefill_padding=bad)

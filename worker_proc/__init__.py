@@ -114,7 +114,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     hf = _hf_tokenizer(tokenizer)
     grammars = grammar_matchers(config, hf)
     on_cpu = mx.default_device() == mx.cpu
-    padding = CPU_PREFILL_PADDING if on_cpu else PREFILL_PADDING
+    padding = ((CPU_PREFILL_PADDING if on_cpu else PREFILL_PADDING)
+               if config.prefill_padding == "auto" else float(config.prefill_padding))
     # The CPU's prefill is compute-bound (graph building is well under 1% of a forward).
     runner = ModelRunner(model, pool, config.max_running_requests, min(context, slots), grammars,
                          prefill_padding=padding,

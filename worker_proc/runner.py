@@ -37,9 +37,10 @@ from worker_proc.step_stats import ForwardClock
 
 logger = logging.getLogger(__name__)
 
-# Padding a shared prefill forward may carry. On a GPU one forward over many prompts beats
-# many small ones by far; the CPU backend is compute-bound already at one prompt, so there
-# the padding is pure loss (16 prompts of 110-170 tokens: 3.35 s padded, 2.95 s one by one).
+# Padding a shared prefill forward may carry (the server's --prefill-padding default). On a
+# GPU one forward over many prompts beats many small ones by far; the CPU backend is
+# compute-bound already at one prompt, so there the padding is pure loss (16 prompts of
+# 110-170 tokens: 3.35 s padded, 2.95 s one by one).
 PREFILL_PADDING = 0.25
 CPU_PREFILL_PADDING = 0.0
 # Most tokens (padding included) one prefill forward computes. MLX allocates a launched
