@@ -31,10 +31,12 @@ attention, and no pool write.
 --prefill-steps times prefill steps as a long-prompt server meets them (fresh 4,096
 tokens; four 2,048-token chunks of different requests; a 2,048 chunk after a cached 2,048
 prefix; eight 256-token chunks after prefixes of different lengths; a 4,096-token prompt
-in two 2,048 chunks, the cold prompt's TTFT): the host's graph building apart from the
+in two 2,048 chunks, the cold prompt's TTFT; sixteen fresh prompts of 50-150 tokens in
+two steps, as a serving wave meets them): the host's graph building apart from the
 launch (`mx.async_eval`, which starts each prefill forward as it is built) and the waits,
 by the runner's own clock (as the worker logs them), against mlx-lm's model call over its
-KVCache for the same chunks. Each scenario runs --prefill-runs times on one runner: the
+own caches for the same chunks. A hybrid's requests get state rows, its cached prefixes
+state snapshots (of no particular contents: timing only). Each scenario runs --prefill-runs times on one runner: the
 first run meets its shapes cold. --build-only times the graph building alone, evaluating
 nothing: what a CPU can measure of a GPU-sized step (the graph does not depend on the
 weights' widths: `--heads 32,8,128` gives the narrow llama an 8B's head layout).
