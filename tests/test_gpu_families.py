@@ -39,8 +39,11 @@ WIDE_KEYS = {"hidden_size", "intermediate_size", "head_dim", "linear_key_head_di
              "intermediate_size_mlp", "mamba_head_dim", "mamba_d_head", "mamba_d_ssm",
              "block_dim", "block_ff_dim"}
 ALL = sorted({**FAMILIES, **RECURRENT_FAMILIES})
-# A chosen token's logit may trail mlx-lm's best by this share of the row's largest.
-TOLERANCE = 1e-3
+# A chosen token's logit may trail mlx-lm's best by this share of the row's largest. On
+# the H200, gpt_oss took the runner-up of a 0.0087 near-tie (row max ~2: 0.4%; the CPU
+# replay of mlx-lm's logits shows the tie, docs/benchmarks.md session 13), while a wrong
+# window, state or slot trails by 0.4-1.5: 1% keeps a 20x margin below the bugs.
+TOLERANCE = 1e-2
 
 
 def wide_config(name: str) -> dict[str, Any]:
