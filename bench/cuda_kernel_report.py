@@ -20,6 +20,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,9 +105,9 @@ def compile_kernels(cuda: Path, kernels: list[tuple[str, str]], arch: str = "sm_
     # CCCL's headers (nv/target, which cuda_fp16.h includes) sit in include/cccl in
     # the toolkit, in include/ itself in the pip wheels.
     includes = [f"-I{d}" for d in (cuda / "include", cuda / "include" / "cccl") if d.is_dir()]
-    out = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, source in kernels:
+        def compile_one(kernel: tuple[str, str]) -> Compiled:
+            name, source = kernel
             cu = Path(tmp) / f"{name}.cu"
             cu.write_text(source)
             run = subprocess.run([str(nvcc), f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v",
@@ -114,9 +115,12 @@ def compile_kernels(cuda: Path, kernels: list[tuple[str, str]], arch: str = "sm_
                                  capture_output=True, text=True)
             report = "; ".join(ln.split(":", 1)[-1].strip() for ln in run.stderr.splitlines()
                                if "Used" in ln or "stack frame" in ln)
-            out.append(Compiled(name, run.returncode == 0,
-                                report if run.returncode == 0 else run.stderr[-3000:], source))
-    return out
+            return Compiled(name, run.returncode == 0,
+                            report if run.returncode == 0 else run.stderr[-3000:], source)
+
+        # One nvcc per core: each is a single-threaded process.
+        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+            return list(pool.map(compile_one, kernels))
 
 
 def find_cuda() -> Path | None:
