@@ -117,7 +117,8 @@ def shared_prompt_workload(url: str, model_dir: str, args: argparse.Namespace) -
                          "--input-words", "20", "--output-tokens", str(args.output_tokens)])
 
 
-def run_server(cache_on: bool, model_dir: str, args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any] | None]:
+def run_server(cache_on: bool, model_dir: str,
+               args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any] | None]:
     """One kiln, radix cache on or off: the shared-prompt workload with the scheduler's
     prompt and cache counters after it, and (cache on) the TTFT pairs before it."""
     extra = ["--max-total-tokens", str(args.max_total_tokens), *args.kiln_args.split()]

@@ -36,8 +36,8 @@ two steps, as a serving wave meets them): the host's graph building apart from t
 launch (`mx.async_eval`, which starts each prefill forward as it is built) and the waits,
 by the runner's own clock (as the worker logs them), against mlx-lm's model call over its
 own caches for the same chunks. A hybrid's requests get state rows, its cached prefixes
-state snapshots (of no particular contents: timing only). Each scenario runs --prefill-runs times on one runner: the
-first run meets its shapes cold. --build-only times the graph building alone, evaluating
+state snapshots (of no particular contents: timing only). Each scenario runs
+--prefill-runs times on one runner: the first run meets its shapes cold. --build-only times the graph building alone, evaluating
 nothing: what a CPU can measure of a GPU-sized step (the graph does not depend on the
 weights' widths: `--heads 32,8,128` gives the narrow llama an 8B's head layout).
 """

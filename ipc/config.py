@@ -193,13 +193,7 @@ class ServerConfig:
                self.max_prefill_tokens_while_decoding) < 1:
             raise ValueError("--chunked-prefill-size, --max-prefill-tokens and "
                              "--max-prefill-tokens-while-decoding must be >= 1")
-        if self.prefill_padding != "auto":
-            try:
-                share = float(self.prefill_padding)
-            except ValueError:
-                share = -1.0
-            if not share >= 0:
-                raise ValueError("--prefill-padding must be auto or a number >= 0")
+        self.prefill_padding_share  # refuses a value that is neither auto nor a share
         if not 0.0 <= self.window_ratio <= 1.0:
             raise ValueError("--window-ratio must be in [0, 1]")
         if not 0.0 < self.mem_fraction <= 1.0:
@@ -223,6 +217,19 @@ class ServerConfig:
         if self.fast_decode_blocks == "on" and self.fuse_projections == "off":
             raise ValueError("--fast-decode-blocks needs fused projections "
                              "(drop --fuse-projections off)")
+
+    @property
+    def prefill_padding_share(self) -> float | None:
+        """--prefill-padding as a number; None for auto (the backend's own)."""
+        if self.prefill_padding == "auto":
+            return None
+        try:
+            share = float(self.prefill_padding)
+        except ValueError:
+            share = -1.0
+        if not share >= 0:  # NaN too
+            raise ValueError("--prefill-padding must be auto or a number >= 0")
+        return share
 
     @property
     def experiment_set(self) -> frozenset[str]:

@@ -460,4 +460,3 @@ def test_build_runner_builds_llguidance_tokenizer_only_when_it_can(tiny_model_di
     load = mlx_lm.load
     monkeypatch.setattr(mlx_lm, "load", lambda *a, **k: (load(*a, **k)[0], object()))
     assert not build_runner(config).grammars.building_started
-

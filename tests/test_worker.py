@@ -613,3 +613,12 @@ def test_prefill_padding_flag_reaches_the_runner(tiny_model_dir) -> None:
     for bad in ("-1", "many", "nan"):
         with pytest.raises(ValueError, match="--prefill-padding"):
             ServerConfig(model_path=str(tiny_model_dir), prefill_padding=bad)
+
+
+def test_compile_prefill_is_refused_on_the_cpu(tiny_model_dir) -> None:
+    from ipc.config import ServerConfig
+    from worker_proc import build_runner
+    from worker_proc.layer_kinds import UnsupportedModelError
+
+    with pytest.raises(UnsupportedModelError, match="--compile-prefill"):
+        build_runner(ServerConfig(model_path=str(tiny_model_dir), compile_prefill=True))

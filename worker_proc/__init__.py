@@ -47,6 +47,11 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
 
     say = reporter.progress if reporter else logger.info
     on_cuda = kernel_available()
+    on_cpu = mx.default_device() == mx.cpu
+    if config.compile_prefill and on_cpu:
+        # Graph building is well under 1% of a CPU prefill forward: nothing to save.
+        raise UnsupportedModelError("--compile-prefill: the CPU builds every prefill forward "
+                                    "(its prefill is compute-bound); drop the flag")
     budgets = raise_cuda_graph_budgets()  # before the model touches the GPU
     if budgets:
         say("CUDA graph budgets: " + ", ".join(f"{k}={v}" for k, v in budgets.items()))
@@ -113,14 +118,13 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         + (f" (+ up to {pool.nbytes * kept / 2**20:.1f} MiB of kept decode contexts)" if kept else ""))
     hf = _hf_tokenizer(tokenizer)
     grammars = grammar_matchers(config, hf)
-    on_cpu = mx.default_device() == mx.cpu
-    padding = ((CPU_PREFILL_PADDING if on_cpu else PREFILL_PADDING)
-               if config.prefill_padding == "auto" else float(config.prefill_padding))
-    # The CPU's prefill is compute-bound (graph building is well under 1% of a forward).
+    padding = config.prefill_padding_share
+    if padding is None:
+        padding = CPU_PREFILL_PADDING if on_cpu else PREFILL_PADDING
     runner = ModelRunner(model, pool, config.max_running_requests, min(context, slots), grammars,
                          prefill_padding=padding,
                          compile_decode=not config.eager_decode and backend.compiles,
-                         compile_prefill=config.compile_prefill and not on_cpu)
+                         compile_prefill=config.compile_prefill)
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests)
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
