@@ -53,6 +53,9 @@ PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made f
 BREAKDOWN_VARIANTS=${BREAKDOWN_VARIANTS:-}  # step_breakdown --variants (';'-joined; default all)
 BREAKDOWN_ROUNDS=${BREAKDOWN_ROUNDS:-1}  # step_breakdown --rounds (interleaved repeats; the
                                         # host's speed drifts, so A/B runs want 3 or more)
+PREFILL_SCENARIOS=${PREFILL_SCENARIOS:-all}  # part prefill: step_breakdown.py's PREFILL_STEPS names
+PREFILL_VARIANTS=${PREFILL_VARIANTS:-}  # ... and its variants (';'-joined; default all)
+PREFILL_RUNS=${PREFILL_RUNS:-6}
 PREFIX_TOKENS=${PREFIX_TOKENS:-4000}  # part prefix: the cold prompt's tokens
 PREFIX_ARGS=${PREFIX_ARGS:-}  # ... more bench/prefix_cache.py flags, e.g. "--num-requests 16"
 LONGCTX_WORDS=${LONGCTX_WORDS:-7400}
@@ -112,7 +115,8 @@ fi
 if has prefill; then
 echo "== prefill steps: host graph build, launch, wait (long prompts, 2048-token forwards)"
 timeout 400 "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes "" \
-    --prefill-steps all --prefill-runs 6 \
+    --prefill-steps "$PREFILL_SCENARIOS" --prefill-runs "$PREFILL_RUNS" \
+    ${PREFILL_VARIANTS:+--prefill-variants "$PREFILL_VARIANTS"} \
     2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/prefill_steps.txt"
 fi
 

@@ -382,6 +382,18 @@ def test_unfused_prefill_is_bounded_in_memory():
     assert 1 * 32 * 2048 * 4096 * 4 <= UNFUSED_SCORES_MAX_BYTES
 
 
+def test_unfused_prefill_only_where_cudnn_would_build_per_shape():
+    """Only heads that MLX's fused attention hands to cuDNN (bf16/fp16, at most 128 wide)
+    take the matmul path; 256-wide heads (Qwen3.5) and float32 keep MLX's fused call."""
+    from worker_proc.paged_attention import fused_builds_per_shape
+
+    assert fused_builds_per_shape(mx.bfloat16, 128, 128)
+    assert fused_builds_per_shape(mx.float16, 64, 64)
+    assert not fused_builds_per_shape(mx.bfloat16, 256, 256)
+    assert not fused_builds_per_shape(mx.bfloat16, 192, 128)  # MLA's q/k heads
+    assert not fused_builds_per_shape(mx.float32, 128, 128)
+
+
 @pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("direct", [True, False])
 @pytest.mark.parametrize("write_new, fused", [(False, False), (True, False), (True, True)])

@@ -22,11 +22,11 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from worker_proc.paged_attention import (DEFAULT_STAGES, RopeSpec, kernel_available,
-                                         paged_decode_attention, paged_decode_qkv_attention,
-                                         paged_decode_write_attention, pool_write_in_place,
-                                         rows_write_in_place,
-                                         reference_decode_attention, unfused_prefill_attention,
+from worker_proc.paged_attention import (DEFAULT_STAGES, RopeSpec, fused_builds_per_shape,
+                                         kernel_available, paged_decode_attention,
+                                         paged_decode_qkv_attention, paged_decode_write_attention,
+                                         pool_write_in_place, reference_decode_attention,
+                                         rows_write_in_place, unfused_prefill_attention,
                                          unfused_prefill_fits)
 
 if TYPE_CHECKING:
@@ -125,9 +125,13 @@ class KernelDecode(DecodeBackend):
     def prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
                           scale: float, mask: Any, sinks: mx.array | None) -> mx.array | None:
         # No cuDNN graph build per prompt shape, while the float32 scores stay small.
-        if sinks is None and unfused_prefill_fits(queries.shape, keys.shape[2]):
+        if (sinks is None and self._fused_builds_per_shape(queries, values)
+                and unfused_prefill_fits(queries.shape, keys.shape[2])):
             return unfused_prefill_attention(queries, keys, values, scale, mask)
         return None
+
+    def _fused_builds_per_shape(self, queries: mx.array, values: mx.array) -> bool:
+        return fused_builds_per_shape(queries.dtype, queries.shape[-1], values.shape[-1])
 
     def write_rows(self, layer: mx.array, slots: mx.array, keys: mx.array, values: mx.array,
                    after: mx.array | None) -> mx.array:

@@ -803,6 +803,17 @@ def unfused_prefill_fits(q_shape: tuple[int, ...], key_len: int) -> bool:
     return b * n_q * s * key_len * 4 <= UNFUSED_SCORES_MAX_BYTES
 
 
+def fused_builds_per_shape(dtype: mx.Dtype, head_dim: int, value_dim: int) -> bool:
+    """Whether MLX's fused attention runs prefill heads of this dtype and size through
+    cuDNN on CUDA, whose per-shape graph builds unfused_prefill_attention avoids: cuDNN
+    takes float16/bfloat16 heads of at most 128 (multiples of 8). Other heads (the 256
+    of Qwen3.5/Qwen3-Next, float32) take MLX's own matmul fallback, which builds nothing
+    per shape and measured as fast as the unfused path on fresh prompts and 1.7x faster
+    over cached prefixes (docs/benchmarks.md, session 14)."""
+    return (dtype in (mx.float16, mx.bfloat16) and head_dim % 8 == 0 and value_dim % 8 == 0
+            and head_dim <= 128 and value_dim <= 128)
+
+
 def unfused_prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
                               mask: mx.array | str | None) -> mx.array:
     """Attention of a prefill forward as plain matmuls and a softmax, for the CUDA backend.
