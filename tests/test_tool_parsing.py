@@ -192,7 +192,8 @@ class Walker:
         return None  # still inside free text
 
 
-@pytest.mark.parametrize("syntax", FORCED, ids=lambda s: f"{s.name}-{id(s) % 97}")
+# Ids by position (two syntaxes may share a name): the same in every pytest process.
+@pytest.mark.parametrize("syntax", FORCED, ids=[f"{s.name}-{i}" for i, s in enumerate(FORCED)])
 @pytest.mark.parametrize("mode", ["required", "function"])
 def test_forced_grammars_write_calls_that_parse_and_validate(walker: Walker, syntax: ToolSyntax,
                                                              mode: str) -> None:

@@ -160,6 +160,14 @@ class KVPool:
         return sum(s.bytes_per_slot for s in attention_specs(specs))
 
     @staticmethod
+    def most_slots(specs: list[LayerSpec]) -> int:
+        """The most slots a layer array can hold: MLX sizes an array's dimensions (and
+        the kernels index a layer) with 32-bit ints, so rows x heads x width must stay
+        under 2**31 (a 9B hybrid's 8 attention layers on a 141 GB card asked for 4.3e9)."""
+        widths = [s.n_kv_heads * (s.head_dim + s.v_head_dim) for s in attention_specs(specs)]
+        return (2**31 - 1) // max(widths) - 1 if widths else 2**31 - 2
+
+    @staticmethod
     def window_bytes_per_slot(specs: list[LayerSpec]) -> int:
         """Of bytes_per_slot, the windowed layers' (sliding, chunked)."""
         return sum(s.bytes_per_slot for s in attention_specs(specs) if s.kind.windowed)
