@@ -110,3 +110,14 @@ def test_cuda_graph_budgets_are_raised_on_cuda_only_and_yield_to_the_environment
     free["free_memory"] = memory.LARGE_DEVICE_BYTES - 1  # a smaller device: MLX's op budget
     assert memory.raise_cuda_graph_budgets() == {"MLX_MAX_MB_PER_BUFFER": "100000"}
     assert "MLX_MAX_OPS_PER_BUFFER" not in os.environ
+
+
+def test_the_pool_never_asks_mlx_for_a_layer_past_32_bit_sizes():
+    """MLX sizes dimensions (and the kernels index a layer) with 32-bit ints: the worker
+    caps the slots at the most one layer array can hold (a 9B hybrid's 4 x (256 + 256)
+    rows on an H200 asked for 2.1M slots and crashed at start-up)."""
+    wide = [AttentionLayerSpec(4, 256, 256, mx.bfloat16), AttentionLayerSpec(2, 16, 16, mx.float32)]
+    most = KVPool.most_slots(wide)
+    assert most == 1_048_574  # what the H200's start-up logged for that model
+    assert (most + 1) * 4 * 512 < 2**31 <= (most + 2) * 4 * 512  # the slot 0 row included
+    assert KVPool.most_slots([]) >= 2**30  # a model without attention layers is not capped
