@@ -118,7 +118,7 @@ def shared_prompt_workload(url: str, model_dir: str, args: argparse.Namespace) -
 
 
 def run_server(cache_on: bool, model_dir: str,
-               args: argparse.Namespace) -> tuple[dict[str, Any], dict[str, Any] | None]:
+               args: argparse.Namespace) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """One kiln, radix cache on or off: the shared-prompt workload with the scheduler's
     prompt and cache counters after it, and (cache on) the TTFT pairs before it."""
     extra = ["--max-total-tokens", str(args.max_total_tokens), *args.kiln_args.split()]
@@ -131,6 +131,8 @@ def run_server(cache_on: bool, model_dir: str,
         # to config.json's vocab_size) may outnumber.
         vocab = httpx.get(server.url + "/get_server_info", timeout=10).json()["vocab_size"]
         ttft = measure_ttft(server.url, args.prefix_tokens, vocab, args.reps) if cache_on else None
+        if args.ttft_only:
+            return None, ttft
         run = shared_prompt_workload(server.url, model_dir, args)
         stats = httpx.get(server.url + "/get_server_info", timeout=10).json()["scheduler"]
     finally:
@@ -151,6 +153,8 @@ def report(result: dict[str, Any]) -> str:
              f"cached tokens read {t['warm_cached_tokens']}"
              + ("" if t["hit"] else "  NOT A FULL HIT")]
     for label in ("cache_on", "cache_off"):
+        if label not in result:  # --ttft-only
+            continue
         r = result[label]
         lines.append(f"shared prompt, {label:<9}: {r['output_tok_s']:>8} out tok/s, TTFT p50 "
                      f"{r['ttft_p50_ms']} ms, computed {r['computed_prompt_tokens']} of "
@@ -175,6 +179,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=ROOT / "bench" / "results",
                    help="where the server logs go")
     p.add_argument("--json", default="")
+    p.add_argument("--ttft-only", action="store_true",
+                   help="only the cold / follow-up TTFT pairs (one server, no shared-prompt "
+                        "workload, no cache-off server)")
     return p.parse_args(argv)
 
 
@@ -186,9 +193,10 @@ def main(argv: list[str] | None = None) -> None:
     model_dir = resolve_model(args.model)
     args.out.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"model": args.model}
-    for cache_on in (True, False):
+    for cache_on in (True,) if args.ttft_only else (True, False):
         workload, ttft = run_server(cache_on, model_dir, args)
-        result["cache_on" if cache_on else "cache_off"] = workload
+        if workload is not None:
+            result["cache_on" if cache_on else "cache_off"] = workload
         if ttft is not None:
             result["ttft"] = ttft
     text = json.dumps(result, indent=2)

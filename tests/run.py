@@ -4,6 +4,10 @@ On Linux x86-64 with the `mkl` wheel installed (a test dependency), MLX's CPU ba
 given MKL's BLAS through LD_PRELOAD, which makes the float32 model tests many times faster
 than MLX's bundled reference BLAS. LD_PRELOAD only works from process start, hence this
 wrapper re-executing pytest.
+
+The tests spread over up to two processes (pytest-xdist), unless the arguments choose
+(`-n 0` runs them in this one): half the suite's time is servers starting and waiting on
+their children, which overlaps well with another process's model tests.
 """
 
 from __future__ import annotations
@@ -28,7 +32,10 @@ def main() -> None:
         env["LD_PRELOAD"] = ":".join(p for p in (mkl, env.get("LD_PRELOAD")) if p)
     root = Path(__file__).resolve().parent.parent
     os.chdir(root)
-    args = [sys.executable, "-m", "pytest", *sys.argv[1:]]
+    given = sys.argv[1:]
+    spread = [] if any(a == "-n" or a.startswith(("-n", "--numprocesses")) for a in given) else [
+        "-n", str(min(2, os.cpu_count() or 1))]
+    args = [sys.executable, "-m", "pytest", *spread, *given]
     os.execve(sys.executable, args, env)
 
 
