@@ -402,3 +402,15 @@ def test_memory_pressure_through_all_processes_stays_exact(tiny_model_dir, tiny_
         assert stats["preemptions_total"] > 0
     finally:
         assert srv.stop() == 0, srv.log_tail()
+
+
+def test_the_prefix_bench_sees_a_follow_up_hit_where_the_cold_prompt_missed(server):
+    """bench/prefix_cache.py's TTFT pairs, as the H200 runs them: after a flush the prompt
+    reads nothing cached, the same prompt plus 16 tokens reads all of it (the usage's
+    cached_tokens), over one client."""
+    from bench.prefix_cache import measure_ttft
+
+    vocab = httpx.get(server.url + "/get_server_info", timeout=10).json()["vocab_size"]
+    t = measure_ttft(server.url, 300, vocab, reps=1)
+    assert t["cold_cached_tokens"] == [0] and t["hit"], t
+    assert 0 < t["cached_ttft_ms"] and 0 < t["cold_ttft_ms"]
