@@ -124,7 +124,8 @@ def shared_prompt_workload(url: str, model_dir: str, args: argparse.Namespace) -
 def run_server(cache_on: bool, model_dir: str,
                args: argparse.Namespace) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     """One kiln, radix cache on or off: the shared-prompt workload with the scheduler's
-    prompt and cache counters after it, and (cache on) the TTFT pairs before it."""
+    prompt and cache counters after it, and (cache on) the TTFT pairs before it; with
+    --ttft-only the pairs alone (no workload: None)."""
     extra = ["--max-total-tokens", str(args.max_total_tokens), *args.kiln_args.split()]
     if not cache_on:
         extra.append("--disable-radix-cache")

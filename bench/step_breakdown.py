@@ -37,9 +37,10 @@ launch (`mx.async_eval`, which starts each prefill forward as it is built) and t
 by the runner's own clock (as the worker logs them), against mlx-lm's model call over its
 own caches for the same chunks. A hybrid's requests get state rows, its cached prefixes
 state snapshots (of no particular contents: timing only). Each scenario runs
---prefill-runs times on one runner: the first run meets its shapes cold. --build-only times the graph building alone, evaluating
-nothing: what a CPU can measure of a GPU-sized step (the graph does not depend on the
-weights' widths: `--heads 32,8,128` gives the narrow llama an 8B's head layout).
+--prefill-runs times on one runner: the first run meets its shapes cold. --build-only
+times the graph building alone, evaluating nothing: what a CPU can measure of a GPU-sized
+step (the graph does not depend on the weights' widths: `--heads 32,8,128` gives the
+narrow llama an 8B's head layout).
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ def main() -> None:
     root = Path(__file__).resolve().parent.parent
     os.chdir(root)
     given = sys.argv[1:]
-    spread = [] if any(a == "-n" or a.startswith(("-n", "--numprocesses")) for a in given) else [
+    spread = [] if any(a.startswith(("-n", "--numprocesses")) for a in given) else [
         "-n", str(min(2, os.cpu_count() or 1))]
     args = [sys.executable, "-m", "pytest", *spread, *given]
     os.execve(sys.executable, args, env)

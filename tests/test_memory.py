@@ -121,3 +121,8 @@ def test_the_pool_never_asks_mlx_for_a_layer_past_32_bit_sizes():
     assert most == 1_048_574  # what the H200's start-up logged for that model
     assert (most + 1) * 4 * 512 < 2**31 <= (most + 2) * 4 * 512  # the slot 0 row included
     assert KVPool.most_slots([]) >= 2**30  # a model without attention layers is not capped
+    # The sizing takes the cap whatever the budget says, the memory's or the flag's.
+    assert memory.pool_slots(ServerConfig(max_total_tokens=3_000_000), 1024, 100,
+                             most_slots=most) == most
+    assert memory.pool_spaces(ServerConfig(max_total_tokens=3_000_000), 1024, 0, 100,
+                              most_slots=most) == (most, 0)

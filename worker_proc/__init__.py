@@ -101,12 +101,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     # A backend keeping dense decode contexts keeps up to `kept` of the pool's size again.
     slots, window_slots = pool_spaces(config, int(per_slot * (1 + kept)),
                                       int(per_window * (1 + kept)), context,
-                                      reserved_bytes=states, window_floor=floor)
-    most = KVPool.most_slots(specs)
-    if slots > most or window_slots > most:
-        say(f"KV pool: {max(slots, window_slots)} slots fit the memory budget; a layer array "
-            f"holds at most {most} (32-bit sizes)")
-        slots, window_slots = min(slots, most), min(window_slots, most)
+                                      reserved_bytes=states, window_floor=floor,
+                                      most_slots=KVPool.most_slots(specs))
     pool = KVPool(specs, slots, backend, state_rows=config.max_running_requests,
                   snapshots=snapshots, window_slots=window_slots)
     cache_limit = bound_cuda_cache()

@@ -105,10 +105,21 @@ def raise_cuda_graph_budgets() -> dict[str, str]:
 
 
 def pool_slots(config: ServerConfig, bytes_per_slot: int, max_context: int,
-               reserved_bytes: int = 0) -> int:
+               reserved_bytes: int = 0, most_slots: int | None = None) -> int:
     """Slots to allocate: --max-total-tokens, else a --mem-fraction share of free memory
     (less `reserved_bytes`: the recurrent states), never more than every running request
-    at full context could use (all of that when no layer keeps K/V)."""
+    at full context could use (all of that when no layer keeps K/V), nor than
+    `most_slots` (what one layer array can hold: KVPool.most_slots)."""
+    slots = _budget_slots(config, bytes_per_slot, max_context, reserved_bytes)
+    if most_slots is not None and slots > most_slots:
+        logger.warning("KV pool: %d slots fit the budget; a layer array holds at most %d "
+                       "(32-bit sizes)", slots, most_slots)
+        return most_slots
+    return slots
+
+
+def _budget_slots(config: ServerConfig, bytes_per_slot: int, max_context: int,
+                  reserved_bytes: int) -> int:
     if config.max_total_tokens:
         return config.max_total_tokens
     ceiling = config.max_running_requests * max_context
@@ -122,23 +133,26 @@ def pool_slots(config: ServerConfig, bytes_per_slot: int, max_context: int,
 
 
 def pool_spaces(config: ServerConfig, bytes_per_slot: int, window_bytes_per_slot: int,
-                max_context: int, reserved_bytes: int = 0, window_floor: int = 0) -> tuple[int, int]:
+                max_context: int, reserved_bytes: int = 0, window_floor: int = 0,
+                most_slots: int | None = None) -> tuple[int, int]:
     """(full slots, window slots): the windowed layers' own space takes --window-ratio
     window slots per full slot out of the same budget (bytes_per_slot counts every layer,
     window_bytes_per_slot the windowed ones), and at least `window_floor` (one longest
     request's window). (slots, 0) where they share the full space: no windowed layers,
-    --window-ratio 0, or a window space as large as the full one (nothing to save)."""
+    --window-ratio 0, or a window space as large as the full one (nothing to save).
+    most_slots: as pool_slots takes it (the window space is at most the full one)."""
     ratio = config.window_ratio
     if not window_bytes_per_slot or ratio == 0:
-        return pool_slots(config, bytes_per_slot, max_context, reserved_bytes), 0
+        return pool_slots(config, bytes_per_slot, max_context, reserved_bytes, most_slots), 0
     full_bytes = bytes_per_slot - window_bytes_per_slot
     per_full_slot = full_bytes + ratio * window_bytes_per_slot
-    full = pool_slots(config, max(1, int(per_full_slot)), max_context, reserved_bytes)
+    full = pool_slots(config, max(1, int(per_full_slot)), max_context, reserved_bytes,
+                      most_slots)
     window = max(int(ratio * full), window_floor)
     if not config.max_total_tokens and full_bytes:
         # The floor's bytes come out of the full space.
         budget = full * per_full_slot
         full = min(full, int((budget - window * window_bytes_per_slot) // full_bytes))
     if window >= full:
-        return pool_slots(config, bytes_per_slot, max_context, reserved_bytes), 0
+        return pool_slots(config, bytes_per_slot, max_context, reserved_bytes, most_slots), 0
     return full, window
