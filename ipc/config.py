@@ -73,6 +73,14 @@ class ServerConfig:
                                        "step); a step with nothing decoding takes up to "
                                        "--max-prefill-tokens. Set it to --max-prefill-tokens "
                                        "for one budget for every step."})
+    fixed_decode_first_budget: bool = dataclasses.field(
+        default=False, metadata={"help": "Keep --max-prefill-tokens-while-decoding as it is. By "
+                                         "default a step decoding R requests while W > R more "
+                                         "wait for their first token may compute floor(W / R) "
+                                         "times it (at most --max-prefill-tokens): a burst "
+                                         "arriving at a nearly idle server is prefilled in a "
+                                         "few large steps, not dozens of small ones that each "
+                                         "also decode the burst's first requests."})
     mem_fraction: float = dataclasses.field(
         default=0.6, metadata={"help": "Fraction of the device memory left free after "
                                        "loading the weights that the KV pool may take."})

@@ -59,12 +59,17 @@ class SchedulerLimits:
     # tokens (None: max_prefill_tokens), so a burst of long prompts stretches each of their
     # inter-token gaps by one bounded prefill, not by a whole --max-prefill-tokens of it.
     max_prefill_tokens_while_decoding: int | None = None
+    # ... times floor(waiting / decoding) where more requests wait for their first token
+    # than decode: the stall then costs fewer streams than the wait it saves.
+    scale_with_backlog: bool = True
 
-    def prefill_tokens(self, decoding: bool) -> int:
-        """The prompt tokens a step may compute; `decoding`: it has decoding requests."""
-        if decoding and self.max_prefill_tokens_while_decoding is not None:
-            return min(self.max_prefill_tokens, self.max_prefill_tokens_while_decoding)
-        return self.max_prefill_tokens
+    def prefill_tokens(self, decoding: int, waiting: int = 0) -> int:
+        """The prompt tokens a step may compute while it decodes `decoding` requests and
+        `waiting` more (queued or mid-prompt) wait for their first token."""
+        if not decoding or self.max_prefill_tokens_while_decoding is None:
+            return self.max_prefill_tokens
+        scale = max(1, waiting // decoding) if self.scale_with_backlog else 1
+        return min(self.max_prefill_tokens, self.max_prefill_tokens_while_decoding * scale)
 
 
 class PrefillBudget:
@@ -273,13 +278,15 @@ class Scheduler:
            tokens are in flight will give back enough, else preempting the newest
            requests that are not finishing);
         2. the prefill budget for unfinished prompts, oldest first, in chunks: the smaller
-           one while step 1 decodes anyone (`SchedulerLimits.prefill_tokens`); it is never
-           0, so the oldest prompt advances every step however long decoding goes on;
+           one while step 1 decodes anyone, unless many more wait than decode
+           (`SchedulerLimits.prefill_tokens`); it is never 0, so the oldest prompt
+           advances every step however long decoding goes on;
         3. waiting requests admitted while budget, batch size and KV room allow.
         """
         new_reqs: list[NewRequest] = []
         decode_rids, decode_slots, decode_window = self._plan_decode()
-        budget = PrefillBudget(self.limits.prefill_tokens(decoding=bool(decode_rids)),
+        waiting = len(self.waiting) + sum(r.prefilling for r in self.running.values())
+        budget = PrefillBudget(self.limits.prefill_tokens(len(decode_rids), waiting),
                                self.limits.chunk_size)
         prefill = [self._plan_chunk(r, budget, new_reqs)
                    for r in list(self.running.values()) if r.prefilling and not budget.exhausted]

@@ -35,9 +35,10 @@ def assert_idle_invariant(s: Scheduler) -> None:
 
 
 def _sched(capacity=1000, max_context=512, max_running=8, chunk=64, budget=128,
-           while_decoding=None) -> Scheduler:
+           while_decoding=None, scale_with_backlog=True) -> Scheduler:
     return Scheduler(SchedulerLimits(capacity, max_context, max_running, chunk, budget,
-                                     max_prefill_tokens_while_decoding=while_decoding))
+                                     max_prefill_tokens_while_decoding=while_decoding,
+                                     scale_with_backlog=scale_with_backlog))
 
 
 def _answer(batch, token: int = 7) -> StepResult:
@@ -135,8 +136,9 @@ def _prefilled(batch) -> dict[str, int]:
 def test_a_step_that_decodes_computes_only_the_decoding_budget_of_prompts():
     """Decode first: while "short" decodes, the long prompts share the smaller budget,
     oldest first, so each of its tokens waits for 64 prompt tokens, not 256; once nothing
-    decodes, a step takes the full budget again."""
-    s = _sched(chunk=128, budget=256, while_decoding=64)
+    decodes, a step takes the full budget again. (Two prompts waiting for one stream would
+    double its budget: fixed here.)"""
+    s = _sched(chunk=128, budget=256, while_decoding=64, scale_with_backlog=False)
     s.add_request(_req("short", 10, 3))
     s.add_request(_req("b", 300, 5))
     s.add_request(_req("c", 300, 5))
@@ -172,6 +174,40 @@ def test_a_long_prompt_advances_every_step_however_long_others_decode():
     assert [c.start for c in chunks] == list(range(0, 100, 7))
 
 
+@pytest.mark.parametrize("scale_with_backlog", [True, False])
+def test_a_burst_at_a_nearly_idle_server_is_prefilled_in_few_steps(scale_with_backlog):
+    """A wave of 12 prompts whose first arrives alone: once it decodes, 11 wait for one
+    decoding stream, so the next step may compute 11 times the decoding budget (up to the
+    step's), not 16 tokens; as the wave starts decoding the budget falls back. With the
+    budget fixed, the wave trickles in 16 tokens a step."""
+    s = _sched(chunk=64, budget=256, max_running=16, while_decoding=16,
+               scale_with_backlog=scale_with_backlog)
+    s.add_request(_req("first", 20, 50))
+    s.apply_result(_answer(s.plan_step()))
+    for i in range(11):
+        s.add_request(_req(f"r{i}", 20, 50))
+    b = s.plan_step()
+    assert b.decode_rids == ["first"]
+    if scale_with_backlog:
+        assert sum(_prefilled(b).values()) == 176 and len(b.prefill) == 9
+        s.apply_result(_answer(b))
+        b = s.plan_step()  # 9 decode, 3 wait: the decoding budget alone
+        assert len(b.decode_rids) == 9 and sum(_prefilled(b).values()) == 16
+    else:
+        assert _prefilled(b) == {"r0": 16}
+
+
+def test_the_backlog_scales_the_decoding_budget_up_to_a_steps_budget():
+    limits = SchedulerLimits(1000, 512, 8, 64, 1000, max_prefill_tokens_while_decoding=100)
+    assert limits.prefill_tokens(decoding=4, waiting=3) == 100
+    assert limits.prefill_tokens(decoding=4, waiting=9) == 200
+    assert limits.prefill_tokens(decoding=1, waiting=63) == 1000
+    assert limits.prefill_tokens(decoding=0, waiting=63) == 1000
+    fixed = SchedulerLimits(1000, 512, 8, 64, 1000, max_prefill_tokens_while_decoding=100,
+                            scale_with_backlog=False)
+    assert fixed.prefill_tokens(decoding=1, waiting=63) == 100
+
+
 def test_the_decoding_budget_never_raises_a_steps_budget_and_reaches_the_scheduler():
     from ipc.config import ServerConfig
     from ipc.messages.to_scheduler import WorkerReady
@@ -184,6 +220,9 @@ def test_the_decoding_budget_never_raises_a_steps_budget_and_reaches_the_schedul
     config = ServerConfig(max_prefill_tokens_while_decoding=300)
     assert limits_from(config, ready).prefill_tokens(decoding=True) == 300
     assert limits_from(ServerConfig(), ready).prefill_tokens(decoding=False) == 8192
+    assert limits_from(ServerConfig(), ready).prefill_tokens(decoding=1, waiting=63) == 8192
+    fixed = limits_from(ServerConfig(fixed_decode_first_budget=True), ready)
+    assert fixed.prefill_tokens(decoding=1, waiting=63) == 512
     with pytest.raises(ValueError, match="while-decoding"):
         ServerConfig(max_prefill_tokens_while_decoding=0)
 
