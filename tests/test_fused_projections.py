@@ -102,3 +102,22 @@ def test_only_a_near_tie_excuses_different_tokens(tiny_model, oracle):
     wrong = want[:3] + [(want[3] + 1) % model.args.vocab_size] + want[4:]
     assert "at token 3" in divergence_off_a_tie(model, prompt, wrong, want, _eos(tokenizer))
     assert "at token 5" in divergence_off_a_tie(model, prompt, want[:5], want, _eos(tokenizer))
+
+
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_gated_deltanet_input_projections_fuse_and_keep_mlx_lm_tokens(name):
+    """A Gated DeltaNet layer's input projections (Qwen3.5's qkv/z/b/a, Qwen3-Next's qkvz/ba)
+    become one matmul, as served on the CUDA path (compiled decode, the kernels stood
+    in for); batched and chunked, mlx-lm's greedy tokens from the unfused model."""
+    from tests.families import build
+    from tests.test_families import mlx_lm_tokens
+
+    oracle_model, served = build(name), build(name)  # one seed: the same weights
+    assert fuse_projections(served) == 8  # per layer: its input group and gate/up
+    linear = next(layer.linear_attn for layer in served.layers if hasattr(layer, "linear_attn"))
+    assert {"in_proj_all", "in_proj_qkvzba"} & set(linear.children())
+    prompts = _prompts(4, [33, 5, 60, 17], 512, seed=23)
+    engine = InProcessEngine(served, chunk_size=16, compile_decode=True, overlap="ahead",
+                             backend=StandInKernel())
+    assert_greedy(engine, prompts, 16, [], lambda p, n: mlx_lm_tokens(oracle_model, p, n),
+                  ties_of=oracle_model)

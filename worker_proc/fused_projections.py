@@ -1,5 +1,6 @@
-"""One matmul for the projections that read the same activations: attention's q/k/v and
-the MLP's gate/up.
+"""One matmul for the projections that read the same activations: attention's q/k/v, the
+MLP's gate/up, and a Gated DeltaNet layer's input projections (Qwen3.5's four, Qwen3-Next's
+two).
 
 mlx-lm's model code calls each projection on the same input in turn. On MLX's CUDA
 backend every call is a kernel launch of ~15-20 us of host time, and host launch time is
@@ -30,6 +31,10 @@ logger = logging.getLogger(__name__)
 GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("qkv_proj", ("q_proj", "k_proj", "v_proj")),
     ("gate_up_proj", ("gate_proj", "up_proj")),
+    # Gated DeltaNet: two of its four (Qwen3.5) are a column per value head, GEMMs that
+    # cost a launch each and nearly nothing else.
+    ("in_proj_all", ("in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a")),
+    ("in_proj_qkvzba", ("in_proj_qkvz", "in_proj_ba")),
 )
 
 
@@ -98,7 +103,7 @@ def _fused_module(parts: list[nn.Module]) -> nn.Module | None:
 
 
 def fuse_projections(model: nn.Module) -> int:
-    """Fuse every q/k/v and gate/up group of the model's modules in place (see the module
+    """Fuse every group of GROUPS among the model's modules in place (see the module
     note); returns how many groups were fused. Each group's weights are concatenated and
     evaluated before the next, and the originals dropped, so memory grows by one group's
     weights at most."""
@@ -118,5 +123,6 @@ def fuse_projections(model: nn.Module) -> int:
                 setattr(module, name, ProjectionPart(shared, i))
             fused_groups += 1
     if fused_groups:
-        logger.info("fused %d projection groups (q/k/v, gate/up) into one matmul each", fused_groups)
+        logger.info("fused %d projection groups (q/k/v, gate/up, recurrent inputs) into one "
+                    "matmul each", fused_groups)
     return fused_groups
