@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 
 import mlx.core as mx
@@ -126,3 +127,30 @@ def test_the_pool_never_asks_mlx_for_a_layer_past_32_bit_sizes():
                              most_slots=most) == most
     assert memory.pool_spaces(ServerConfig(max_total_tokens=3_000_000), 1024, 0, 100,
                               most_slots=most) == (most, 0)
+
+
+def test_state_rows_snapshots_and_clears_move_many_rows_at_once():
+    """A forward's snapshots, hits and fresh rows are one batched copy per state array:
+    rows saved as snapshots come back into other rows, clearing zeroes only its rows;
+    alike on the scatter pool and the in-place one (its row writer stood in for)."""
+    from tests.engine_driver import StandInInPlaceKernels
+    from worker_proc.kv_pool import StateLayerSpec
+
+    spec = StateLayerSpec(((3, 4), (2,)), (mx.float32, mx.float32))
+    for backend in (None, StandInInPlaceKernels()):
+        pool = KVPool([spec], num_slots=4, backend=backend, state_rows=5, snapshots=4)
+        rows = mx.array([1, 3, 4], dtype=mx.int32)
+        for i, shape in enumerate(spec.shapes):
+            pool.write_state(0, i, rows, mx.arange(3 * math.prod(shape), dtype=mx.float32)
+                             .reshape(3, *shape) + 1)
+        want = [pool.read_state(0, i, rows) for i in range(2)]
+        pool.save_snapshots(rows, mx.array([4, 1, 2], dtype=mx.int32))
+        pool.clear_states(mx.array([1, 4], dtype=mx.int32))
+        assert all(float(mx.abs(pool.read_state(0, i, mx.array([1, 4]))).sum()) == 0
+                   for i in range(2))
+        assert all(mx.array_equal(pool.read_state(0, i, mx.array([3])), want[i][1:2])
+                   for i in range(2))
+        into = mx.array([2, 5, 1], dtype=mx.int32)
+        pool.load_snapshots(mx.array([4, 1, 2], dtype=mx.int32), into)
+        for i in range(2):
+            assert mx.array_equal(pool.read_state(0, i, into), want[i]), backend

@@ -238,32 +238,37 @@ class KVPool:
         marks[layer][index] = mark
         self._unlanded.append(mark)
 
-    def clear_states(self, row: int) -> None:
-        """Zero request row `row`'s recurrent states (+1 applied): a prompt starting."""
-        rows = mx.array([row], dtype=mx.int32)
+    # Each of the three below is one gather and one write a state array for all the rows
+    # given: per request it was that many launches, and two small host arrays, which on
+    # CUDA can each wait for the work in flight (see staging.py); a wave of 60 prompts'
+    # snapshots was ~9,000 launches.
+    def clear_states(self, rows: mx.array) -> None:
+        """Zero the recurrent states of request rows `rows` (int32 [n], +1 applied):
+        their prompts start."""
         for j, states in enumerate(self.states):
             for i, state in enumerate(states):
-                self.write_state(j, i, rows, mx.zeros((1, *state.shape[1:]), dtype=state.dtype))
+                self.write_state(j, i, rows, mx.zeros((rows.shape[0], *state.shape[1:]),
+                                                      dtype=state.dtype))
 
-    def save_snapshot(self, row: int, snapshot: int) -> None:
-        """Keep the recurrent states of request row `row` (+1 applied) as `snapshot`. In
-        place, the row's next write follows the copy (its mark joins the state's), so a
-        request given the row in the same step cannot overwrite it first."""
-        rows, to = mx.array([row], dtype=mx.int32), mx.array([snapshot], dtype=mx.int32)
+    def save_snapshots(self, rows: mx.array, snapshots: mx.array) -> None:
+        """Keep the recurrent states of request rows `rows` (int32 [n], +1 applied) as
+        `snapshots` (int32 [n], distinct). In place, each row's next write follows the
+        copy (its mark joins the state's), so a request given the row in the same step
+        cannot overwrite it first."""
         for j, states in enumerate(self.states):
             for i in range(len(states)):
-                self._store(self.snapshots, self._snapshot_marks, j, i, to,
+                self._store(self.snapshots, self._snapshot_marks, j, i, snapshots,
                             self.read_state(j, i, rows))
                 if self.in_place:
                     state_mark, copied = self._state_marks[j][i], self._snapshot_marks[j][i]
                     self._state_marks[j][i] = copied if state_mark is None else state_mark + copied
 
-    def load_snapshot(self, snapshot: int, row: int) -> None:
-        """Start request row `row`'s recurrent states from `snapshot`."""
-        rows, at = mx.array([row], dtype=mx.int32), mx.array([snapshot], dtype=mx.int32)
+    def load_snapshots(self, snapshots: mx.array, rows: mx.array) -> None:
+        """Start request rows `rows` (int32 [n], +1 applied) from `snapshots` ([n])."""
         for j, kept in enumerate(self.snapshots):
             for i, copy_ in enumerate(kept):
-                self.write_state(j, i, rows, copy_[after_write(at, self._snapshot_marks[j][i])])
+                at = after_write(snapshots, self._snapshot_marks[j][i])
+                self.write_state(j, i, rows, copy_[at])
 
     def keys(self, layer: int) -> mx.array:
         """The layer's keys, [num_slots + 1, n_kv_heads, head_dim] (a strided view)."""

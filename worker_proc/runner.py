@@ -29,7 +29,7 @@ from worker_proc.request_state import (RequestState, TokenCounts, check_ids, che
                                        fold_seed)
 from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, SamplingBatch,
                                   StepLogprobs, sample, step_logprobs, token_logprobs)
-from worker_proc.staging import HostStaging
+from worker_proc.staging import HostStaging, Stage, new_arrays
 from worker_proc.step_inputs import (COMPILED_MIN_WIDTH, compiled_batch_size,
                                      compiled_table_width, gather_last_tokens, group_by_length,
                                      prefill_waves, rows_by_length)
@@ -237,7 +237,8 @@ class ModelRunner:
         state = self.requests.pop(rid, None)
         if state is not None:
             if snapshot:
-                self.pool.save_snapshot(state.row + 1, snapshot)
+                self.pool.save_snapshots(*new_arrays(np.array([state.row + 1], dtype=np.int32),
+                                                     np.array([snapshot], dtype=np.int32)))
             self._free_rows.append(state.row)
         if not self.requests and self._dense_decode is not None:
             self._dense_decode.reset()
@@ -377,10 +378,10 @@ class ModelRunner:
         """Run one chunk's forward; its last position's logits. A request that asked for
         prompt logprobs gets this chunk's appended to `prompt`."""
         state = self._place(chunk)
-        self._load_snapshot(state)
         n = len(chunk.token_ids)
         staging = self._forward_staging
         staging.begin()
+        self._load_snapshots([state], staging.add)
         layout = ForwardLayout.single(self.table[state.row], chunk.start, n,
                                       self._window_row(state.row), staging.add)
         tokens, state_rows = staging.add(np.array([chunk.token_ids], dtype=np.int32),
@@ -393,24 +394,32 @@ class ModelRunner:
         else:
             logits = self._forwards.last_logits(tokens, layout, None, state_rows, chunk.start == 0)
         state.length += n
-        self._save_snapshot(state, chunk)
+        self._save_snapshots([state], [chunk], staging.add)
         scored = self._prompt_logprobs_of(state, chunk, out, logits)
         if scored is not None:
             prompt.append(scored)
         self._launch_prefill(logits, *(scored.picked if scored else ()))
         return logits
 
-    def _load_snapshot(self, state: RequestState) -> None:
-        """A hit's recurrent states, at its first chunk (not at _add: the snapshot's own
+    def _load_snapshots(self, states: list[RequestState], stage: Stage) -> None:
+        """Hits' recurrent states, at their first chunks (not at _add: a snapshot's own
         chunk may run earlier in the same step)."""
-        if state.start_snapshot:
-            self.pool.load_snapshot(state.start_snapshot, state.row + 1)
-            state.start_snapshot = 0
+        hits = [s for s in states if s.start_snapshot]
+        if hits:
+            ids = np.array([s.start_snapshot for s in hits], dtype=np.int32)
+            self.pool.load_snapshots(*stage(ids, np.array([s.row + 1 for s in hits],
+                                                          dtype=np.int32)))
+            for s in hits:
+                s.start_snapshot = 0
 
-    def _save_snapshot(self, state: RequestState, chunk: PrefillChunk) -> None:
-        """The state after the chunk, for later requests hitting its end to start from."""
-        if chunk.snapshot_id:
-            self.pool.save_snapshot(state.row + 1, chunk.snapshot_id)
+    def _save_snapshots(self, states: list[RequestState], chunks: list[PrefillChunk],
+                        stage: Stage) -> None:
+        """The states after the chunks, for later requests hitting their ends to start from."""
+        kept = [(s.row + 1, c.snapshot_id) for s, c in zip(states, chunks) if c.snapshot_id]
+        if kept:
+            rows, ids = zip(*kept)
+            self.pool.save_snapshots(*stage(np.array(rows, dtype=np.int32),
+                                            np.array(ids, dtype=np.int32)))
 
     def _place(self, chunk: PrefillChunk) -> RequestState:
         """Check a chunk continues its request's context and record its slots."""
@@ -466,15 +475,16 @@ class ModelRunner:
             tokens, (sizes - 1).astype(np.int32), sizes.astype(np.int32),
             np.array(rows, dtype=np.int32) + 1)
         if self.pool.has_states:
-            for state, start in zip(states, starts):
-                self._load_snapshot(state)
-                if start == 0 and not fresh:  # beside rows that carry theirs: zeros
-                    self.pool.clear_states(state.row + 1)
+            self._load_snapshots(states, staging.add)
+            starting = [s.row + 1 for s, start in zip(states, starts) if start == 0]
+            if starting and not fresh:  # beside rows that carry theirs: zeros
+                self.pool.clear_states(*staging.add(np.array(starting, dtype=np.int32)))
         logits = self._forwards.last_logits(tokens_mx, layout, last, state_rows, fresh,
                                             lengths if self.pool.has_states else None)
-        for state, chunk, n in zip(states, chunks, sizes):
+        for state, n in zip(states, sizes):
             state.length += int(n)
-            self._save_snapshot(state, chunk)
+        if self.pool.has_states:
+            self._save_snapshots(states, chunks, staging.add)
         self._launch_prefill(logits)
         return [logits[i:i + 1] for i in range(len(chunks))]
 
