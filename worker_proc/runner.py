@@ -224,22 +224,28 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request and every step's pending reports (after a step failed
         as a whole: nothing it held can be trusted)."""
-        for rid in list(self.requests):
-            self._release(rid)
+        self._release(list(self.requests))
         self._prompt_logprobs.clear()
         self._refused.clear()
         self._stacked_key, self._stacked = (), None
         self._last_prefill = None
         self.pool.take_landing()
 
-    def _release(self, rid: str, snapshot: int = 0) -> None:
-        """Forget a request, keeping its recurrent states as `snapshot` first (if given)."""
-        state = self.requests.pop(rid, None)
-        if state is not None:
-            if snapshot:
-                self.pool.save_snapshots(*new_arrays(np.array([state.row + 1], dtype=np.int32),
-                                                     np.array([snapshot], dtype=np.int32)))
+    def _release(self, rids: list[str], snapshots: list[int] | None = None) -> None:
+        """Forget requests, keeping each one's recurrent states as its snapshot first
+        (where `snapshots` gives one, 0: none), in one copy per state array."""
+        kept: list[tuple[int, int]] = []
+        for i, rid in enumerate(rids):
+            state = self.requests.pop(rid, None)
+            if state is None:
+                continue
+            if snapshots and snapshots[i]:
+                kept.append((state.row + 1, snapshots[i]))
             self._free_rows.append(state.row)
+        if kept:  # before a request new this step takes a freed row (its writes follow)
+            rows, ids = zip(*kept)
+            self.pool.save_snapshots(*new_arrays(np.array(rows, dtype=np.int32),
+                                                 np.array(ids, dtype=np.int32)))
         if not self.requests and self._dense_decode is not None:
             self._dense_decode.reset()
 
@@ -250,9 +256,7 @@ class ModelRunner:
         prefill chunks already runs those forwards (with a scatter-written pool, see
         start's NOTE: no earlier step may still be running when this is called for one)."""
         self.clock = ForwardClock()
-        for i, rid in enumerate(batch.released):
-            snapshot = batch.released_snapshots[i] if batch.released_snapshots else 0
-            self._release(rid, snapshot)
+        self._release(batch.released, batch.released_snapshots)
         refused: list[RequestError] = []
         for new in batch.new_requests:
             self._add(new, refused)
