@@ -239,9 +239,9 @@ class KVPool:
         self._unlanded.append(mark)
 
     # Each of the three below is one gather and one write a state array for all the rows
-    # given: per request it was that many launches, and two small host arrays, which on
-    # CUDA can each wait for the work in flight (see staging.py); a wave of 60 prompts'
-    # snapshots was ~9,000 launches.
+    # given (a forward's): per request, a wave of prompts paid that many launches per
+    # request, and small host arrays that on CUDA can wait for the work in flight
+    # (staging.py). The caller stages the indices.
     def clear_states(self, rows: mx.array) -> None:
         """Zero the recurrent states of request rows `rows` (int32 [n], +1 applied):
         their prompts start."""
