@@ -239,8 +239,8 @@ class KVPool:
         self._unlanded.append(mark)
 
     # Each of the three below is one gather and one write a state array for all the rows
-    # given (a forward's): per request, a wave of prompts paid that many launches per
-    # request, and small host arrays that on CUDA can wait for the work in flight
+    # given (a forward's): done per request, a wave of prompts paid that many launches
+    # each, and small host arrays that on CUDA can wait for the work in flight
     # (staging.py). The caller stages the indices.
     def clear_states(self, rows: mx.array) -> None:
         """Zero the recurrent states of request rows `rows` (int32 [n], +1 applied):

@@ -242,10 +242,8 @@ class ModelRunner:
             if snapshots and snapshots[i]:
                 kept.append((state.row + 1, snapshots[i]))
             self._free_rows.append(state.row)
-        if kept:  # before a request new this step takes a freed row (its writes follow)
-            rows, ids = zip(*kept)
-            self.pool.save_snapshots(*new_arrays(np.array(rows, dtype=np.int32),
-                                                 np.array(ids, dtype=np.int32)))
+        # Before a request new this step takes a freed row (its writes follow the copy).
+        self._keep_snapshots(kept, new_arrays)
         if not self.requests and self._dense_decode is not None:
             self._dense_decode.reset()
 
@@ -419,7 +417,11 @@ class ModelRunner:
     def _save_snapshots(self, states: list[RequestState], chunks: list[PrefillChunk],
                         stage: Stage) -> None:
         """The states after the chunks, for later requests hitting their ends to start from."""
-        kept = [(s.row + 1, c.snapshot_id) for s, c in zip(states, chunks) if c.snapshot_id]
+        self._keep_snapshots([(s.row + 1, c.snapshot_id)
+                              for s, c in zip(states, chunks) if c.snapshot_id], stage)
+
+    def _keep_snapshots(self, kept: list[tuple[int, int]], stage: Stage) -> None:
+        """Copy the states of pool rows into snapshots, (row, snapshot id) pairs, at once."""
         if kept:
             rows, ids = zip(*kept)
             self.pool.save_snapshots(*stage(np.array(rows, dtype=np.int32),
@@ -487,8 +489,7 @@ class ModelRunner:
                                             lengths if self.pool.has_states else None)
         for state, n in zip(states, sizes):
             state.length += int(n)
-        if self.pool.has_states:
-            self._save_snapshots(states, chunks, staging.add)
+        self._save_snapshots(states, chunks, staging.add)
         self._launch_prefill(logits)
         return [logits[i:i + 1] for i in range(len(chunks))]
 
