@@ -169,6 +169,29 @@ def test_the_kernel_path_reads_each_window(name):
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(model, p, 24), f"{name} r{i}"
 
 
+@pytest.mark.parametrize("name", sorted(OWN_SCORES))
+@pytest.mark.parametrize("path", ["compiled", "in place"])
+def test_models_with_their_own_score_math_take_the_kernel_path(name, path):
+    """Gemma 2's soft-capped scores and MLA's latent + RoPE parts (keys 512 wide, values
+    64: no shape the attention kernel reads) still get the CUDA backend: the in-place
+    pool, compiled decode where the model batches ragged rows, steps launched back to
+    back; their layers read dense K/V gathered after the pool's writes. mlx-lm's tokens."""
+    from tests.engine_driver import StandInInPlaceKernels, StandInKernel
+    from worker_proc.decode_backend import kernel_fits
+
+    model = build(name)
+    assert kernel_fits(probe_attention_specs(model))
+    compiled = path == "compiled"
+    prompts = _prompts(seed=300 + len(name))
+    engine = InProcessEngine(model, chunk_size=16, compile_decode=compiled, overlap="ahead",
+                             backend=StandInKernel() if compiled else StandInInPlaceKernels())
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 16, [])
+    results = engine.run_until_idle()
+    assert (engine.runner.decode_traces > 0) == (compiled and name not in BY_LENGTH)
+    assert_mlx_lm_tokens(model, name, results, [(f"r{i}", p) for i, p in enumerate(prompts)], 16)
+
+
 # -- recurrent-state layers (issue 18's first part: no prefix cache for these models) -----
 
 @pytest.fixture(scope="module", params=sorted(RECURRENT_FAMILIES))

@@ -187,10 +187,13 @@ class GatherDecode(DecodeBackend):
 
 def kernel_fits(specs: list) -> bool:
     """Whether the CUDA kernel can serve these layers' K/V (recurrent layers keep none):
-    it spreads a head over a warp's 32 lanes, keys and values of one size."""
+    it spreads a head over a warp's 32 lanes, keys and values of one size. A layer that
+    computes its own scores never meets the attention kernel (it reads dense K/V
+    gathered from the pool), so MLA's 512-wide latent beside its 64-wide RoPE part still
+    gets the in-place pool, compiled decode and steps launched back to back."""
     from worker_proc.kv_pool import attention_specs
 
-    return all(s.head_dim % 32 == 0 and s.v_head_dim == s.head_dim
+    return all(s.kind.own_attention or (s.head_dim % 32 == 0 and s.v_head_dim == s.head_dim)
                for s in attention_specs(specs))
 
 
