@@ -192,6 +192,33 @@ def test_models_with_their_own_score_math_take_the_kernel_path(name, path):
     assert_mlx_lm_tokens(model, name, results, [(f"r{i}", p) for i, p in enumerate(prompts)], 16)
 
 
+@pytest.mark.parametrize("name", ["gemma2", "gemma3_text"])
+def test_offset_norms_summed_once_keep_mlx_lm_tokens(name):
+    """Gemma's RMSNorms scale by 1 + weight; the worker makes that sum once at load
+    (every layer's four norms and its q/k norms, and the final one), and decode's
+    compiled trace reads it: mlx-lm's tokens, and the parameters untouched."""
+    from mlx.utils import tree_flatten
+
+    from tests.engine_driver import StandInKernel
+    from worker_proc.offset_norms import sum_offset_norms
+
+    model = build(name)
+    params = dict(tree_flatten(model.parameters()))
+    per_layer = 6 if name == "gemma3_text" else 4  # gemma2 has no q/k norms
+    assert sum_offset_norms(model) == per_layer * len(model.layers) + 1
+    assert sum_offset_norms(model) == 0  # once only
+    after = dict(tree_flatten(model.parameters()))
+    assert after.keys() == params.keys() and all(after[k] is params[k] for k in params)
+    oracle = build(name)  # mlx-lm's modules as they are
+    prompts = _prompts(seed=400 + len(name))
+    engine = InProcessEngine(model, chunk_size=16, compile_decode=True, overlap="ahead",
+                             backend=StandInKernel())
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 16, [])
+    results = engine.run_until_idle()
+    assert_mlx_lm_tokens(oracle, name, results, [(f"r{i}", p) for i, p in enumerate(prompts)], 16)
+
+
 # -- recurrent-state layers (issue 18's first part: no prefix cache for these models) -----
 
 @pytest.fixture(scope="module", params=sorted(RECURRENT_FAMILIES))

@@ -28,6 +28,7 @@ from worker_proc.decode_backend import choose_decode_backend
 from worker_proc.depthwise_conv import replace_depthwise_convs
 from worker_proc.gated_delta_cuda import install_gated_delta_kernel, uses_gated_delta
 from worker_proc.memory import probe_attention_specs
+from worker_proc.offset_norms import sum_offset_norms
 from worker_proc.paged_attention import kernel_available
 
 # Widths doubled (head sizes 16 -> 32, hidden 64 -> 128, ...); kernel sizes, counts and
@@ -76,6 +77,7 @@ def test_every_family_served_picks_tokens_mlx_lm_ranks_best(name):
         install_gated_delta_kernel()
     if kernel_available():
         replace_depthwise_convs(served)
+    sum_offset_norms(served)  # as the worker loads it
     compiles = choose_decode_backend(probe_attention_specs(served)).compiles
     engine = InProcessEngine(served, chunk_size=16, compile_decode=compiles, overlap="ahead")
     prompts = _prompts()

@@ -41,6 +41,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from worker_proc.layer_kinds import UnsupportedModelError, describe_layers
     from worker_proc.memory import (bound_cuda_cache, pool_spaces, probe_attention_specs,
                                     raise_cuda_graph_budgets)
+    from worker_proc.offset_norms import sum_offset_norms
     from worker_proc.paged_attention import kernel_available
     from worker_proc.runner import (CPU_PREFILL_PADDING, PREFILL_PADDING, ModelRunner,
                                     trace_decode_shapes, warm_up)
@@ -74,6 +75,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         raise UnsupportedModelError(
             f"{'--experiments' if config.experiment_set else '--fast-decode-blocks on'}: the "
             "model has no llama or qwen2 block (mlx_lm.models.llama, .qwen2) to speed up")
+    if norms := sum_offset_norms(model):
+        say(f"{norms} RMSNorms scale by 1 + weight: the sum made once, not every call")
     say(f"model loaded in {time.monotonic() - t0:.1f}s")
     if uses_gated_delta(model) and install_gated_delta_kernel():
         say("gated delta rule (linear attention): kiln's CUDA kernel")
