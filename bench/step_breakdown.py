@@ -19,7 +19,9 @@ per block at 256 tokens (the default before 1024: a merge kernel at large batche
 "separate write" stores decode K/V with their own kernel, not inside the attention
 kernel (the decode backend's write_in_attention off). "fast blocks" adds
 worker_proc/decode_block.py's call (--fast-decode-blocks) to the fused copy, and "rope in
-kernel" its RoPE applied by the attention kernel (the backend's rope_in_kernel). The "no ..."
+kernel" its RoPE applied by the attention kernel (the backend's rope_in_kernel); "1 + weight
+every call" is the served copy with Gemma-style norms as mlx-lm runs them (no
+worker_proc/offset_norms.py). The "no ..."
 variants compute wrong tokens: timing only.
 
 --prefill-batches times one step prefilling that many fresh prompts: kiln's runner on the
@@ -79,16 +81,20 @@ from worker_proc.fused_projections import fuse_projections  # noqa: E402
 from worker_proc.decode_backend import DecodeBackend, KernelDecode, choose_decode_backend  # noqa: E402
 from worker_proc.kv_pool import KVPool  # noqa: E402
 from worker_proc.memory import probe_attention_specs, raise_cuda_graph_budgets  # noqa: E402
+from worker_proc.offset_norms import sum_offset_norms  # noqa: E402
 from worker_proc.paged_attention import kernel_available  # noqa: E402
 from worker_proc.runner import ModelRunner  # noqa: E402
 from tests.engine_driver import StandInKernel  # noqa: E402
 
 
-def served_model(model: Any) -> Any:
+def served_model(model: Any, summed_norms: bool = True) -> Any:
     """The model as the server decodes with it on this backend: projections fused, fast
-    decode blocks (residual adds in GEMMs where the CUDA kernel runs). In place."""
+    decode blocks (residual adds in GEMMs where the CUDA kernel runs), offset norms'
+    1 + weight made once (summed_norms). In place."""
     fuse_projections(model)
     speed_up_decode_blocks(model, residual_in_gemm=kernel_available())
+    if summed_norms:
+        sum_offset_norms(model)
     return model
 
 
@@ -582,6 +588,13 @@ def main() -> None:
             fast.append(served_model(load()))
         return fast[0]
 
+    unsummed: list[Any] = []  # a fourth, as served but adding 1 + weight every call
+
+    def unsummed_model() -> Any:
+        if not unsummed:
+            unsummed.append(served_model(load(), summed_norms=False))
+        return unsummed[0]
+
     this = sys.modules[__name__]
     served = choose_decode_backend(probe_attention_specs(model))
     # The kernel without its store-in-attention (the "no ... write" and "separate write"
@@ -623,6 +636,8 @@ def main() -> None:
         variants["kiln, compiled, pipelined"] = lambda b: compiled(model, b)
         variants["kiln, compiled, fused, pipelined"] = lambda b: compiled(fused_model(), b)
         variants["kiln, compiled, fused, fast blocks"] = lambda b: compiled(fast_model(), b)
+        variants["kiln, compiled, served, 1 + weight every call"] = lambda b: compiled(
+            unsummed_model(), b)
         variants["kiln, compiled, fast blocks, rope in kernel"] = lambda b: _with(
             this, "BACKEND", KernelDecode(rope_in_kernel=True), lambda: compiled(fast_model(), b))
         variants["kiln, compiled, splits <= 256"] = lambda b: _with(
