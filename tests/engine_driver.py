@@ -218,9 +218,10 @@ class StandInInPlaceKernels(StandInKernel):
         state[rows] = value.astype(state.dtype)
         return _mark_of(state)
 
-    def _write_attend(self, q, keys, values, slots, pool, table, lengths, scale, after):  # noqa: ANN001, ANN202
+    def _write_attend(self, q, keys, values, slots, pool, table, lengths, scale, after,  # noqa: ANN001, ANN202
+                      sinks=None):  # noqa: ANN001
         mark = self.write_rows(pool, slots, keys, values, after)
-        return reference_decode_attention(q, pool, table, lengths, scale, mark), mark
+        return reference_decode_attention(q, pool, table, lengths, scale, mark, sinks), mark
 
     def _qkv_attend(self, qkv, n_q, rope, slots, pool, table, lengths, scale, after):  # noqa: ANN001, ANN202
         b, n_kv = qkv.shape[0], pool.shape[1]

@@ -151,20 +151,36 @@ def test_a_model_with_a_layer_kind_not_served_is_refused_naming_it():
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss", "llama_sliding"])
-def test_the_kernel_path_reads_each_window(name):
-    """The CUDA decode path (the kernel stood in for by its plain-MLX meaning) and its
+@pytest.mark.parametrize("path", ["compiled", "in place"])
+def test_the_kernel_path_reads_each_window(name, path):
+    """The CUDA decode path (the kernels stood in for by their plain-MLX meaning) and its
     compiled trace: windowed layers hand it a slot table that starts at each row's
-    window, sinks go to MLX's attention; mlx-lm's tokens."""
-    from tests.engine_driver import StandInKernel
+    window, sinks go to the kernel's merge; on the in-place pool the attention call
+    stores every layer's new K/V, windowed and with sinks too (in the windowed layers'
+    own slot space); mlx-lm's tokens."""
+    from tests.engine_driver import StandInInPlaceKernels, StandInKernel
 
     model = build(name)
     prompts = _prompts(seed=200 + len(name))
-    engine = InProcessEngine(model, chunk_size=16, compile_decode=True, overlap="ahead",
-                             backend=StandInKernel())
+    compiled = path == "compiled"
+    backend = StandInKernel() if compiled else StandInInPlaceKernels()
+    stored_by_attention = []
+    attend = backend._write_attend
+
+    def write_attend(q, keys, values, slots, pool, *rest):  # noqa: ANN001, ANN202
+        stored_by_attention.append(pool.shape[0])
+        return attend(q, keys, values, slots, pool, *rest)
+
+    object.__setattr__(backend, "_write_attend", write_attend)
+    engine = InProcessEngine(model, chunk_size=16, compile_decode=compiled, overlap="ahead",
+                             backend=backend)
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, 24, [])
     results = engine.run_until_idle()
-    assert engine.runner.decode_traces > 0
+    assert (engine.runner.decode_traces > 0) == compiled
+    if not compiled:  # full layers and windowed ones (their own space) alike
+        assert {a.shape[0] for a in engine.pool.layers} <= set(stored_by_attention)
+        assert engine.pool.window_slots + 1 in stored_by_attention
     for i, p in enumerate(prompts):
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(model, p, 24), f"{name} r{i}"
 

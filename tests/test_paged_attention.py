@@ -133,10 +133,12 @@ def test_cuda_kernel_attention_sinks(lengths, dtype, kv_pipeline):
 
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
 @pytest.mark.parametrize("lengths", [[1], [300], [1, 4096, 33, 257], list(range(1, 640, 10))])
-def test_cuda_write_attention_equals_a_write_then_attention(lengths, kv_pipeline):
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_cuda_write_attention_equals_a_write_then_attention(lengths, with_sinks, kv_pipeline):
     """The kernel that stores the step's K/V and attends in one launch leaves the pool as
     the separate in-place write does, bit for bit, and returns its attention's output, with
-    the new values strided as a model's transposed projections are (one split and several).
+    the new values strided as a model's transposed projections are (one split and several;
+    with GPT-OSS's sinks, which the write-and-attend launch serves too).
     The outputs may differ in the last bit: the compiler contracts multiply-adds into FMAs
     differently in the two kernels (seen: one bf16 ulp in a few elements)."""
     q, kv, table, ln = _case(n_q=32, n_kv=8, dim=128, dtype=mx.bfloat16, lengths=lengths, seed=7)
@@ -146,13 +148,16 @@ def test_cuda_write_attention_equals_a_write_then_attention(lengths, kv_pipeline
     values = mx.array(rng.standard_normal((b, 1, 8, 128)).astype(np.float32)).astype(
         mx.bfloat16).transpose(0, 2, 1, 3)
     slots = table[mx.arange(b), ln - 1]
+    sinks = (mx.array(rng.normal(0.0, 3.0, 32).astype(np.float32)).astype(mx.bfloat16)
+             if with_sinks else None)
     separate, fused = kv + 0, kv + 0  # two pools of the same rows
     mx.eval(separate, fused)
     mark = pool_write_in_place(separate, slots, keys, values)
     want = paged_decode_attention(q, separate, table, ln, scale=128 ** -0.5, written=mark,
-                                  stages=kv_pipeline)
+                                  sinks=sinks, stages=kv_pipeline)
     got, got_mark = paged_decode_write_attention(q, keys, values, slots, fused, table, ln,
-                                                 scale=128 ** -0.5, stages=kv_pipeline)
+                                                 scale=128 ** -0.5, sinks=sinks,
+                                                 stages=kv_pipeline)
     mx.eval(want, got, got_mark)
     assert got_mark.tolist() == [0]
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),

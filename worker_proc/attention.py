@@ -283,10 +283,17 @@ class PooledKVCache:
     @property
     def writes_in_attention(self) -> bool:
         """Whether this forward's K/V go to the pool through the attention kernel (paged
-        decode on an in-place pool): then attend_qkv may take the place of RoPE,
-        update_and_fetch and paged_attention."""
+        decode on an in-place pool; windowed layers and sinks too: the kernel takes the
+        new token as the last of the rows' window tables)."""
         return (self.paged and self.layout.dense is None and self.pool.in_place
-                and self.backend.write_in_attention and self.kind == LayerKind())
+                and self.backend.write_in_attention and not self.kind.own_attention)
+
+    @property
+    def attends_from_qkv(self) -> bool:
+        """Whether attend_qkv may take the place of RoPE, update_and_fetch and
+        paged_attention: full attention without sinks (the kernel rotates at the row's
+        length - 1, a position only a full layer's table gives)."""
+        return self.writes_in_attention and self.kind == LayerKind()
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.writes_in_attention:
@@ -307,8 +314,8 @@ class PooledKVCache:
         """A decode layer's attention from its fused q/k/v projection's output [B, 1,
         (n_q + 2 Hkv) * D], unrotated: one kernel rotates q and k, stores the new K/V and
         attends (paged_decode_qkv_attention); [B, 1, n_q * D]. Only where
-        writes_in_attention."""
-        if not self.writes_in_attention:
+        attends_from_qkv."""
+        if not self.attends_from_qkv:
             raise RuntimeError("attend_qkv needs the attention kernel to write the pool")
         return self.backend.attend_qkv(self, qkv, n_q, scale, rope)
 

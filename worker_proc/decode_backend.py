@@ -104,9 +104,9 @@ class KernelDecode(DecodeBackend):
         unwritten = cache.take_unwritten()
         if unwritten is not None:  # this step's K/V stored by the same launch
             keys, values = unwritten
-            out, mark = self._write_attend(queries, keys, values, layout.write_slots,
+            out, mark = self._write_attend(queries, keys, values, cache.write_slots,
                                            pool.layers[layer], table, lengths, scale,
-                                           pool.mark(layer))
+                                           pool.mark(layer), sinks)
             pool.record_write(layer, mark)
             return out
         return self._attend(queries, pool.layers[layer], table, lengths, scale,
@@ -149,9 +149,10 @@ class KernelDecode(DecodeBackend):
 
     def _write_attend(self, q: mx.array, keys: mx.array, values: mx.array, slots: mx.array,
                       pool: mx.array, table: mx.array, lengths: mx.array, scale: float,
-                      after: mx.array | None) -> tuple[mx.array, mx.array]:
+                      after: mx.array | None,
+                      sinks: mx.array | None = None) -> tuple[mx.array, mx.array]:
         return paged_decode_write_attention(q, keys, values, slots, pool, table, lengths,
-                                            scale, after, stages=self.stages)
+                                            scale, after, sinks=sinks, stages=self.stages)
 
     def _qkv_attend(self, qkv: mx.array, n_q: int, rope: RopeSpec, slots: mx.array,
                     pool: mx.array, table: mx.array, lengths: mx.array, scale: float,

@@ -59,7 +59,7 @@ class FastDecodeBlock:
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
         qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
         dim = qkv.shape[-1] // (n_q + 2 * n_kv)
-        rope = self._kernel_rope(cache, dim) if cache.writes_in_attention else None
+        rope = self._kernel_rope(cache, dim) if cache.attends_from_qkv else None
         if rope is not None:  # one kernel from the projection's output to o's input
             out = cache.attend_qkv(qkv, n_q, attn.scale, rope)
         else:

@@ -597,16 +597,18 @@ def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
                                  slots: mx.array, kv_pool: mx.array, table: mx.array,
                                  lengths: mx.array, scale: float,
                                  after: mx.array | None = None,
+                                 sinks: mx.array | None = None,
                                  stages: int = DEFAULT_STAGES) -> tuple[mx.array, mx.array]:
     """paged_decode_attention for a pool written in place, storing the step's new keys
     and values ([B, Hkv, 1, D] each, any strides) at slots [B] in the same launch: the
     pool write of pool_write_in_place and the attention in one kernel, a launch less per
-    layer and step. Follows the write whose mark is `after`; returns the attention's
-    output and this write's mark (see pool_write_in_place)."""
+    layer and step. The new token is each row's last in `table` (a windowed layer's
+    table starts at its window). Follows the write whose mark is `after`; returns the
+    attention's output and this write's mark (see pool_write_in_place)."""
     batch, n_q, _, dim = q.shape
     inputs = [q, keys, values, kv_pool, table, lengths, _scale(scale), follow_mark(after), slots]
     out, mark = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1],
-                        write_new=True, stages=stages)
+                        write_new=True, sinks=sinks, stages=stages)
     assert mark is not None
     return out.reshape(batch, n_q, 1, dim), mark
 
