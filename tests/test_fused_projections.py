@@ -113,11 +113,46 @@ def test_gated_deltanet_input_projections_fuse_and_keep_mlx_lm_tokens(name):
     from tests.test_families import mlx_lm_tokens
 
     oracle_model, served = build(name), build(name)  # one seed: the same weights
-    assert fuse_projections(served) == 8  # per layer: its input group and gate/up
+    # Per layer: its input group and gate/up; Qwen3-Next's MoE layers also their experts'.
+    assert fuse_projections(served) == (12 if name == "qwen3_next" else 8)
     linear = next(layer.linear_attn for layer in served.layers if hasattr(layer, "linear_attn"))
     assert {"in_proj_all", "in_proj_qkvzba"} & set(linear.children())
     prompts = _prompts(4, [33, 5, 60, 17], 512, seed=23)
     engine = InProcessEngine(served, chunk_size=16, compile_decode=True, overlap="ahead",
                              backend=StandInKernel())
     assert_greedy(engine, prompts, 16, [], lambda p, n: mlx_lm_tokens(oracle_model, p, n),
+                  ties_of=oracle_model)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "llama4_text"])
+@pytest.mark.parametrize("quantized", [False, True])
+def test_experts_gate_and_up_fuse_and_keep_mlx_lm_tokens(name, quantized):
+    """A mixture of experts' gate and up projections (mlx-lm's SwitchGLU: SwitchLinear
+    or QuantizedSwitchLinear, GPT-OSS's with biases) become one gather matmul, sorted
+    tokens (prefill chunks of 32+ tokens) and unsorted (decode) alike; as served on the
+    CUDA path (compiled decode, the kernels stood in for), batched and chunked, mlx-lm's
+    greedy tokens from the unfused model."""
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+
+    from tests.families import build
+    from tests.test_families import mlx_lm_tokens
+
+    def make():
+        model = build(name)
+        if quantized:
+            nn.quantize(model, group_size=32, bits=4,
+                        class_predicate=lambda _, m: isinstance(m, SwitchLinear))
+        return model
+
+    oracle_model, served = make(), make()  # one seed: the same weights
+    fuse_projections(served)
+    experts = [m for _, m in served.named_modules() if isinstance(m, SwitchGLU)]
+    assert experts and all("gate_up_proj" in m for m in experts)
+    kind = QuantizedSwitchLinear if quantized else SwitchLinear
+    assert all(type(m.gate_up_proj) is kind for m in experts)
+    prompts = _prompts(4, [33, 5, 60, 17], 512, seed=29)
+    engine = InProcessEngine(served, chunk_size=48, compile_decode=True, overlap="ahead",
+                             backend=StandInKernel())
+    assert_greedy(engine, prompts, 12, [], lambda p, n: mlx_lm_tokens(oracle_model, p, n),
                   ties_of=oracle_model)

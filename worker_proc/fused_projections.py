@@ -1,6 +1,6 @@
 """One matmul for the projections that read the same activations: attention's q/k/v, the
-MLP's gate/up, and a Gated DeltaNet layer's input projections (Qwen3.5's four, Qwen3-Next's
-two).
+MLP's gate/up (a mixture of experts' too), and a Gated DeltaNet layer's input projections
+(Qwen3.5's four, Qwen3-Next's two).
 
 mlx-lm's model code calls each projection on the same input in turn. On MLX's CUDA
 backend every call is a kernel launch of ~15-20 us of host time, and host launch time is
@@ -10,7 +10,10 @@ each such group of Linear (or QuantizedLinear) modules for parts of one shared m
 the first part called computes the concatenated matmul, every part returns its columns
 (views, no copy), and the group lets go of the input once each part has been taken. The
 model code runs unchanged; a model whose projections do not match (other input sizes,
-quantization, or bias) keeps them separate.
+quantization, or bias) keeps them separate. Experts' projections (mlx-lm's SwitchLinear and
+QuantizedSwitchLinear, [experts, out, in]) fuse along their outputs the same way: the
+parts of a SwitchGLU are called with the same (sorted) tokens and expert indices, and one
+gather_mm serves both.
 
 On the CPU the parts equal the separate matmuls bit for bit (tests compare greedy tokens
 with mlx-lm's), as BLAS computes each output column from the same row and column alone.
@@ -23,6 +26,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 logger = logging.getLogger(__name__)
 
@@ -45,14 +49,23 @@ class _SharedProjection:
         self.fused = fused
         self._bounds = [sum(sizes[:i + 1]) for i in range(len(sizes) - 1)]
         self._count = len(sizes)
-        self._input: mx.array | None = None
+        self._input: tuple | None = None
         self._parts: list[mx.array] = []
         self._taken = 0
 
-    def part(self, index: int, x: mx.array) -> mx.array:
-        if x is not self._input:  # a new input (identity: the same array object)
-            self._parts = mx.split(self.fused(x), self._bounds, axis=-1)
-            self._input, self._taken = x, 0
+    def _same_input(self, x: mx.array, args: tuple, kwargs: dict) -> bool:
+        if self._input is None:
+            return False
+        last_x, last_args, last_kwargs = self._input
+        return (x is last_x and len(args) == len(last_args)
+                and all(a is b for a, b in zip(args, last_args)) and kwargs == last_kwargs)
+
+    def part(self, index: int, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        # A new input: not the same array objects (experts' parts also take the expert
+        # indices, and whether they come sorted).
+        if not self._same_input(x, args, kwargs):
+            self._parts = mx.split(self.fused(x, *args, **kwargs), self._bounds, axis=-1)
+            self._input, self._taken = (x, args, kwargs), 0
         out = self._parts[index]
         self._taken += 1
         if self._taken == self._count:  # every part taken: hold nothing across forwards
@@ -69,8 +82,16 @@ class ProjectionPart(nn.Module):
         self._shared = shared
         self._index = index
 
-    def __call__(self, x: mx.array) -> mx.array:
-        return self._shared.part(self._index, x)
+    def __call__(self, x: mx.array, *args: Any, **kwargs: Any) -> mx.array:
+        return self._shared.part(self._index, x, *args, **kwargs)
+
+
+_EXPERTS = (SwitchLinear, QuantizedSwitchLinear)  # weights [experts, out, in]
+
+
+def _out_axis(part: nn.Module) -> int:
+    """The axis of a part's parameters along which its outputs run."""
+    return 1 if isinstance(part, _EXPERTS) else 0
 
 
 def _fused_module(parts: list[nn.Module]) -> nn.Module | None:
@@ -78,28 +99,47 @@ def _fused_module(parts: list[nn.Module]) -> nn.Module | None:
     input size, dtype, quantization or bias."""
     first = parts[0]
     kind = type(first)
-    if kind not in (nn.Linear, nn.QuantizedLinear) or any(type(p) is not kind for p in parts):
+    if (kind not in (nn.Linear, nn.QuantizedLinear, *_EXPERTS)
+            or any(type(p) is not kind for p in parts)):
         return None
-    keys = sorted(k for k in ("weight", "scales", "biases", "bias") if k in first)
+    if kind is QuantizedSwitchLinear and any(p.global_scale is not None for p in parts):
+        return None  # nvfp4 experts with a scale of their own each
+    keys = sorted(k for k in ("weight", "scales", "biases", "bias") if _has(first, k))
+    axis = _out_axis(first)
     for p in parts:
-        if sorted(k for k in ("weight", "scales", "biases", "bias") if k in p) != keys:
+        if sorted(k for k in ("weight", "scales", "biases", "bias") if _has(p, k)) != keys:
             return None
-        if p.weight.shape[1] != first.weight.shape[1] or p.weight.dtype != first.weight.dtype:
+        in_shape = lambda w: w.shape[:axis] + w.shape[axis + 1:]  # noqa: E731
+        if in_shape(p.weight) != in_shape(first.weight) or p.weight.dtype != first.weight.dtype:
             return None
-        if kind is nn.QuantizedLinear and (p.group_size, p.bits, p.mode) != (
-                first.group_size, first.bits, first.mode):
+        if kind in (nn.QuantizedLinear, QuantizedSwitchLinear) and (
+                p.group_size, p.bits, p.mode) != (first.group_size, first.bits, first.mode):
             return None
-    out_dims = sum(p.weight.shape[0] for p in parts)
+    out_dims = sum(p.weight.shape[axis] for p in parts)
     # The constructors draw (lazy) initial weights, replaced before anything evaluates them.
     if kind is nn.Linear:
         fused: nn.Module = nn.Linear(first.weight.shape[1], out_dims, bias="bias" in first)
-    else:
+    elif kind is nn.QuantizedLinear:
         in_dims = first.weight.shape[1] * 32 // first.bits
         fused = nn.QuantizedLinear(in_dims, out_dims, "bias" in first, first.group_size,
                                    first.bits, mode=first.mode)
+    elif kind is SwitchLinear:
+        fused = SwitchLinear(first.input_dims, out_dims, first.num_experts, bias="bias" in first)
+    else:
+        fused = QuantizedSwitchLinear(first.input_dims, out_dims, first.num_experts,
+                                      "bias" in first, first.group_size, first.bits,
+                                      mode=first.mode)
+        if "biases" not in keys:
+            fused.biases = None
     for key in keys:
-        fused[key] = mx.concatenate([p[key] for p in parts], axis=0)
+        fused[key] = mx.concatenate([p[key] for p in parts], axis=axis)
     return fused
+
+
+def _has(part: nn.Module, key: str) -> bool:
+    """Whether the part holds this parameter (QuantizedSwitchLinear keeps `biases` as
+    None where its mode has none)."""
+    return key in part and part[key] is not None
 
 
 def fuse_projections(model: nn.Module) -> int:
@@ -117,12 +157,13 @@ def fuse_projections(model: nn.Module) -> int:
             if fused is None:
                 continue
             mx.eval(fused.parameters())
-            shared = _SharedProjection(fused, [p.weight.shape[0] for p in parts])
+            shared = _SharedProjection(fused, [p.weight.shape[_out_axis(p)] for p in parts])
             setattr(module, fused_name, fused)
             for i, name in enumerate(names):
                 setattr(module, name, ProjectionPart(shared, i))
             fused_groups += 1
     if fused_groups:
-        logger.info("fused %d projection groups (q/k/v, gate/up, recurrent inputs) into one "
+        logger.info("fused %d projection groups (q/k/v, gate/up, experts' gate/up, recurrent "
+                    "inputs) into one "
                     "matmul each", fused_groups)
     return fused_groups
