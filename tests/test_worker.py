@@ -118,12 +118,13 @@ def test_steps_update_the_pool_in_place(tiny_model):
 
 
 def test_warm_up_leaves_the_runner_clean(tiny_model, oracle):
-    """Warm-up runs prompts in two chunks and every decode batch size on throwaway
-    requests and forgets them; the engine then serves exactly as before."""
+    """Warm-up runs a lone prompt, prompts in two chunks and every decode batch size on
+    throwaway requests and forgets them; the engine then serves exactly as before."""
 
     model, tokenizer = tiny_model
     engine = InProcessEngine(model, capacity=2000, max_running=16)
-    assert warm_up(engine.runner, max_batch=16) == 2 + 2 * 5  # sizes 1, 2, 4, 8, 16
+    # a lone prompt and its release, two chunks, then sizes 1, 2, 4, 8, 16
+    assert warm_up(engine.runner, max_batch=16) == 2 + 2 + 2 * 5
     assert engine.runner.requests == {}
     prompt = _prompts(1, [30], model.args.vocab_size, seed=9)[0]
     engine.submit("r", prompt, 20, _eos(tokenizer))
@@ -380,7 +381,7 @@ def test_compiled_decode_matches_mlx_lm(tiny_model, oracle):
     # A fresh server's warm-up traces every batch bucket it meets with 12 rows: 1, 2, 4,
     # 8 and 16 (run with 12 rows); then it serves as before.
     engine = InProcessEngine(model, compile_decode=True, overlap="ahead", backend=StandInKernel())
-    assert warm_up(engine.runner, max_batch=12) == 2 + 2 * 5
+    assert warm_up(engine.runner, max_batch=12) == 2 + 2 + 2 * 5
     engine.submit("after", prompts[2], 12, _eos(tokenizer))
     assert engine.run_until_idle()["after"].token_ids == oracle(prompts[2], 12)
 

@@ -711,12 +711,13 @@ def _state_rows(states: list[RequestState]) -> mx.array:
 
 def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
     """Run throwaway requests through the paths the server will meet first, so kernel
-    compilation happens before the first user request, not during it: prompts in two
-    chunks (the first fresh, the second read back from the pool, with one start and with
-    mixed starts), then decode batch sizes up to max_batch: powers of two, or with
-    compiled decode every batch bucket (each is a trace of its own). Uses slots
-    from 1 up: the scheduler has handed none out yet, and every slot is written before it
-    is read. Returns the number of steps run."""
+    compilation happens before the first user request, not during it: a lone prompt in
+    one fresh chunk (a forward of one row, as a quiet server's first request meets it),
+    then prompts in two chunks (the first fresh, the second read back from the pool, with
+    one start and with mixed starts), then decode batch sizes up to max_batch: powers of
+    two, or with compiled decode every batch bucket (each is a trace of its own). Uses
+    slots from 1 up: the scheduler has handed none out yet, and every slot is written
+    before it is read. Returns the number of steps run."""
     steps_per_size = 2
     if runner.compiles_decode:
         # Row counts whose buckets are every bucket (the last may hold fewer rows).
@@ -741,7 +742,14 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
         return PrefillChunk(rid=rids[i], start=start, token_ids=[1] * (end - start), sample=sample,
                             slot_ids=ids, window_slot_ids=ids if windowed else [])
 
-    step = 0
+    # The lone prompt takes request 0's slots (released before that request writes them).
+    runner.run(ForwardBatch(step=0, new_requests=[NewRequest(rid="warmup-solo", sampling=greedy)],
+                            prefill=[PrefillChunk(rid="warmup-solo", start=0, token_ids=[1] * prompt_len,
+                                                  sample=True, slot_ids=list(range(1, prompt_len + 1)),
+                                                  window_slot_ids=list(range(1, prompt_len + 1))
+                                                  if windowed else [])]))
+    runner.run(ForwardBatch(step=1, released=["warmup-solo"]))
+    step = 2
     runner.run(ForwardBatch(step=step, new_requests=[NewRequest(rid=r, sampling=greedy) for r in rids],
                             prefill=[chunk(i, 0, splits[i], False) for i in range(n_req)]))
     step += 1
