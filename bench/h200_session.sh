@@ -75,8 +75,9 @@ export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 if has tests; then
 echo "== kernel tests"
 # The CUDA paths' tests (the GPU-only ones and the worker's in-place, compiled and staging
-# ones); failures are listed one a line, so a cut-off run still says what failed.
-timeout 330 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_paged_attention.py \
+# ones); failures are listed one a line, and a run at its time limit gets SIGINT first
+# (pytest then prints what passed and failed so far: a plain kill loses its piped output).
+timeout -s INT -k 15 330 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_paged_attention.py \
     tests/test_decode_block.py tests/test_gated_delta_cuda.py tests/test_worker.py \
     -k "kernel or in_place or staging or state or attention or block" > "$OUT/kernel_tests.txt" 2>&1
 tail -12 "$OUT/kernel_tests.txt"
@@ -84,7 +85,7 @@ fi
 
 if has families; then
 echo "== every architecture family on the CUDA path, against mlx-lm's forward"
-timeout 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_gpu_families.py \
+timeout -s INT -k 15 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_gpu_families.py \
     > "$OUT/family_tests.txt" 2>&1
 tail -12 "$OUT/family_tests.txt"
 fi
