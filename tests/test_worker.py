@@ -366,6 +366,49 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
     assert [r.step for r in sent] == [1, 2, 3, 4]
 
 
+def test_a_slow_step_is_logged_with_its_make_up(monkeypatch, caplog):
+    """A step the worker spends longer on than SLOW_STEP_S is logged at INFO: its phases
+    and what it carried, so a stall shows in any server log."""
+    import logging
+    from dataclasses import dataclass
+
+    import worker_proc
+    from ipc.messages.to_scheduler import StepResult
+    from ipc.messages.to_worker import ForwardBatch, PrefillChunk
+    from worker_proc.step_stats import ForwardClock
+
+    @dataclass
+    class Pending:
+        step: int
+        needs_sampling: bool = False
+
+    class Runner:
+        clock = ForwardClock()
+
+        def build(self, batch):
+            return Pending(batch.step)
+
+        def start(self, pending):
+            pass
+
+        def finish(self, pending):
+            return StepResult(step=pending.step, rids=[], token_ids=[])
+
+    class Results:
+        def send(self, result):
+            pass
+
+    loop = worker_proc.WorkerLoop(Runner(), Results(), overlap=False)
+    chunk = PrefillChunk(rid="b", start=0, token_ids=[1] * 7, sample=True, slot_ids=list(range(7)))
+    with caplog.at_level(logging.INFO, logger="worker_proc"):
+        loop.handle(ForwardBatch(step=1, decode_rids=["a"], decode_slots=[1], prefill=[chunk]))
+        assert "step 1 took" not in caplog.text  # well under the bound
+        monkeypatch.setattr(worker_proc, "SLOW_STEP_S", 0.0)
+        loop.handle(ForwardBatch(step=2, decode_rids=["a"], decode_slots=[2], prefill=[chunk]))
+    assert "step 2 took" in caplog.text
+    assert "1 prefill chunks (7 tokens, longest 7), 1 decode rows" in caplog.text
+
+
 def test_compiled_decode_matches_mlx_lm(tiny_model, oracle):
     """Compiled decode (the CUDA default): decode forwards replayed from mx.compile traces
     (one per batch size and table-width bucket, across the 128 bucket) give mlx-lm's

@@ -13,7 +13,7 @@ from ipc.config import ServerConfig, switch_on
 from ipc.messages.to_scheduler import StepResult, WorkerReady
 from ipc.messages.to_worker import ForwardBatch, Shutdown, SyncSteps, WorkerMessage
 from ipc.process import StartupReporter, setup_child
-from worker_proc.step_stats import StepStats, Timer
+from worker_proc.step_stats import PHASES, StepStats, Timer
 
 if TYPE_CHECKING:
     from worker_proc.grammar import GrammarMatchers
@@ -163,6 +163,11 @@ def grammar_matchers(config: ServerConfig, hf: object) -> GrammarMatchers:
     return GrammarMatchers(make)
 
 
+# A step message the loop spends longer on than this is logged at INFO with its make-up
+# and phases: first-sight stalls (a kernel compiled, a shape traced) show in any log.
+SLOW_STEP_S = 0.5
+
+
 class WorkerLoop:
     """Runs step plans, keeping the next step's host work off the device's critical path.
 
@@ -217,12 +222,25 @@ class WorkerLoop:
             self.owed.append(message.step)
             self.stats.on_step(sum(len(c.token_ids) for c in message.prefill),
                                len(message.decode_rids))
+            before = {p: self.stats.total(p) for p in PHASES}
+            t0 = time.perf_counter()
             if self.start_ahead:
                 self._run_ahead(message)
             else:
                 self._run_deferred(message)
+            spent = time.perf_counter() - t0
+            if spent > SLOW_STEP_S:
+                self._log_slow(message, spent, before)
         elif isinstance(message, SyncSteps):
             self._report_all()
+
+    def _log_slow(self, batch: ForwardBatch, spent: float, before: dict[str, float]) -> None:
+        phases = ", ".join(f"{p} {(self.stats.total(p) - before[p]) * 1e3:.0f}"
+                           for p in PHASES if self.stats.total(p) > before[p])
+        lengths = [len(c.token_ids) for c in batch.prefill]
+        logger.info("step %d took %.0f ms in the worker (ms: %s): %d prefill chunks (%d "
+                    "tokens, longest %d), %d decode rows", batch.step, spent * 1e3, phases,
+                    len(lengths), sum(lengths), max(lengths, default=0), len(batch.decode_rids))
 
     def _fail_owed(self, reason: str) -> None:
         """A step failed with an error no request's checks caught (a bug, a device

@@ -13,7 +13,8 @@ Phases of the worker's loop, as it spends them:
 
 With two steps in flight a healthy loop waits (device-bound); a loop that idles or
 builds most of the time is host- or scheduler-bound. The periodic summary is logged at
-INFO, the per-step record at DEBUG.
+INFO, the per-step record at DEBUG, and a step slower than the worker's SLOW_STEP_S at
+INFO with its phases and make-up.
 """
 
 from __future__ import annotations
