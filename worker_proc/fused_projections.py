@@ -109,8 +109,8 @@ def _fused_module(parts: list[nn.Module]) -> nn.Module | None:
     for p in parts:
         if sorted(k for k in ("weight", "scales", "biases", "bias") if _has(p, k)) != keys:
             return None
-        in_shape = lambda w: w.shape[:axis] + w.shape[axis + 1:]  # noqa: E731
-        if in_shape(p.weight) != in_shape(first.weight) or p.weight.dtype != first.weight.dtype:
+        if (_other_dims(p.weight, axis) != _other_dims(first.weight, axis)
+                or p.weight.dtype != first.weight.dtype):
             return None
         if kind in (nn.QuantizedLinear, QuantizedSwitchLinear) and (
                 p.group_size, p.bits, p.mode) != (first.group_size, first.bits, first.mode):
@@ -134,6 +134,11 @@ def _fused_module(parts: list[nn.Module]) -> nn.Module | None:
     for key in keys:
         fused[key] = mx.concatenate([p[key] for p in parts], axis=axis)
     return fused
+
+
+def _other_dims(weight: mx.array, axis: int) -> tuple[int, ...]:
+    """A weight's shape without its output axis (input size, experts)."""
+    return tuple(weight.shape[:axis] + weight.shape[axis + 1:])
 
 
 def _has(part: nn.Module, key: str) -> bool:
