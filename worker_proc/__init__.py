@@ -163,11 +163,6 @@ def grammar_matchers(config: ServerConfig, hf: object) -> GrammarMatchers:
     return GrammarMatchers(make)
 
 
-# A step message the loop spends longer on than this is logged at INFO with its make-up
-# and phases: first-sight stalls (a kernel compiled, a shape traced) show in any log.
-SLOW_STEP_S = 0.5
-
-
 class WorkerLoop:
     """Runs step plans, keeping the next step's host work off the device's critical path.
 
@@ -228,19 +223,18 @@ class WorkerLoop:
                 self._run_ahead(message)
             else:
                 self._run_deferred(message)
-            spent = time.perf_counter() - t0
-            if spent > SLOW_STEP_S:
-                self._log_slow(message, spent, before)
+            self.stats.step_took(time.perf_counter() - t0,
+                                 lambda: self._make_up(message, before))
         elif isinstance(message, SyncSteps):
             self._report_all()
 
-    def _log_slow(self, batch: ForwardBatch, spent: float, before: dict[str, float]) -> None:
-        phases = ", ".join(f"{p} {(self.stats.total(p) - before[p]) * 1e3:.0f}"
-                           for p in PHASES if self.stats.total(p) > before[p])
+    def _make_up(self, batch: ForwardBatch, before: dict[str, float]) -> str:
+        """What a step carried and where its time went (phases since `before`, ms)."""
+        phases = " ".join(f"{p} {(self.stats.total(p) - before[p]) * 1e3:.1f}"
+                          for p in PHASES if self.stats.total(p) > before[p])
         lengths = [len(c.token_ids) for c in batch.prefill]
-        logger.info("step %d took %.0f ms in the worker (ms: %s): %d prefill chunks (%d "
-                    "tokens, longest %d), %d decode rows", batch.step, spent * 1e3, phases,
-                    len(lengths), sum(lengths), max(lengths, default=0), len(batch.decode_rids))
+        return (f"step {batch.step} ({phases}): {len(lengths)} prefill chunks ({sum(lengths)} "
+                f"tokens, longest {max(lengths, default=0)}), {len(batch.decode_rids)} decode rows")
 
     def _fail_owed(self, reason: str) -> None:
         """A step failed with an error no request's checks caught (a bug, a device

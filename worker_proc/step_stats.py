@@ -13,8 +13,9 @@ Phases of the worker's loop, as it spends them:
 
 With two steps in flight a healthy loop waits (device-bound); a loop that idles or
 builds most of the time is host- or scheduler-bound. The periodic summary is logged at
-INFO, the per-step record at DEBUG, and a step slower than the worker's SLOW_STEP_S at
-INFO with its phases and make-up.
+INFO, with the interval's slowest step (its time, phases and make-up: a first-sight
+stall, a kernel compiled or a shape traced, shows in any log); the per-step record at
+DEBUG.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import statistics
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Iterator
+from typing import Callable, Iterator
 
 PHASES = ("idle", "build", "start", "wait", "report")
 
@@ -40,21 +41,31 @@ class StepStats:
 
     interval_s: float = 10.0
     samples: dict[str, list[float]] = field(default_factory=lambda: {p: [] for p in PHASES})
+    # Running sums of samples (total() is read twice a step, see WorkerLoop).
+    _totals: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     steps: int = 0
     decode_tokens: int = 0
     prefill_tokens: int = 0
+    slowest: tuple[float, str] | None = None  # the interval's slowest step: seconds, what
     _since: float = field(default_factory=time.perf_counter)
 
     def add(self, phase: str, seconds: float) -> None:
         self.samples[phase].append(seconds)
+        self._totals[phase] += seconds
 
     def total(self, phase: str) -> float:
-        return sum(self.samples[phase])
+        return self._totals[phase]
 
     def on_step(self, prefill_tokens: int, decode_tokens: int) -> None:
         self.steps += 1
         self.prefill_tokens += prefill_tokens
         self.decode_tokens += decode_tokens
+
+    def step_took(self, seconds: float, describe: Callable[[], str]) -> None:
+        """A step's whole time in the loop; `describe` (called only for a new slowest)
+        says what it was."""
+        if self.slowest is None or seconds > self.slowest[0]:
+            self.slowest = (seconds, describe())
 
     def summary(self, now: float | None = None) -> str | None:
         """The interval's line once interval_s has passed with steps in it (then a new
@@ -65,7 +76,9 @@ class StepStats:
             return None
         line = self._line(elapsed) if self.steps else None
         self.samples = {p: [] for p in PHASES}
+        self._totals = dict.fromkeys(PHASES, 0.0)
         self.steps = self.decode_tokens = self.prefill_tokens = 0
+        self.slowest = None
         self._since = now
         return line
 
@@ -74,9 +87,11 @@ class StepStats:
                            f"/{self.total(p) / self.steps * 1e3:.2f}"
                            for p in PHASES if self.samples[p])
         busy = 1.0 - min(1.0, self.total("idle") / elapsed)
+        slowest = (f"; slowest step {self.slowest[0] * 1e3:.1f} ms, {self.slowest[1]}"
+                   if self.slowest else "")
         return (f"{self.steps / elapsed:.1f} steps/s, {self.decode_tokens / elapsed:.1f} decode tok/s, "
                 f"{self.prefill_tokens / elapsed:.1f} prefill tok/s, busy {busy:.0%}; "
-                f"ms, median/per step: {phases}")
+                f"ms, median/per step: {phases}{slowest}")
 
 
 @dataclass
