@@ -737,18 +737,18 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
 
     windowed = runner.window_table is not None
 
-    def chunk(i: int, start: int, end: int, sample: bool) -> PrefillChunk:
-        ids = [next(slots[i]) for _ in range(end - start)]
-        return PrefillChunk(rid=rids[i], start=start, token_ids=[1] * (end - start), sample=sample,
+    def prompt_chunk(rid: str, start: int, ids: list[int], sample: bool) -> PrefillChunk:
+        return PrefillChunk(rid=rid, start=start, token_ids=[1] * len(ids), sample=sample,
                             slot_ids=ids, window_slot_ids=ids if windowed else [])
 
+    def chunk(i: int, start: int, end: int, sample: bool) -> PrefillChunk:
+        return prompt_chunk(rids[i], start, [next(slots[i]) for _ in range(end - start)], sample)
+
     # The lone prompt takes request 0's slots (released before that request writes them).
-    runner.run(ForwardBatch(step=0, new_requests=[NewRequest(rid="warmup-solo", sampling=greedy)],
-                            prefill=[PrefillChunk(rid="warmup-solo", start=0, token_ids=[1] * prompt_len,
-                                                  sample=True, slot_ids=list(range(1, prompt_len + 1)),
-                                                  window_slot_ids=list(range(1, prompt_len + 1))
-                                                  if windowed else [])]))
-    runner.run(ForwardBatch(step=1, released=["warmup-solo"]))
+    solo = "warmup-solo"
+    runner.run(ForwardBatch(step=0, new_requests=[NewRequest(rid=solo, sampling=greedy)],
+                            prefill=[prompt_chunk(solo, 0, list(range(1, prompt_len + 1)), True)]))
+    runner.run(ForwardBatch(step=1, released=[solo]))
     step = 2
     runner.run(ForwardBatch(step=step, new_requests=[NewRequest(rid=r, sampling=greedy) for r in rids],
                             prefill=[chunk(i, 0, splits[i], False) for i in range(n_req)]))
