@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import gc
 import pstats
 import statistics
@@ -574,26 +575,20 @@ def main() -> None:
         print("gated delta rule: kiln's CUDA kernel")
     if kernel_available() and replace_depthwise_convs(model):  # as the worker serves it
         print("short convolutions: shifted multiply-adds")
-    fused: list[Any] = []  # a second copy, fused at first use (the "fused" variants)
-    fast: list[Any] = []  # a third, fused with fast decode blocks ("fast blocks")
+    # Further copies of the model, each made at its first use.
+    @functools.cache
+    def fused_model() -> Any:  # q/k/v and gate/up fused (the "fused" variants)
+        copy = load()
+        fuse_projections(copy)
+        return copy
 
-    def fused_model() -> Any:
-        if not fused:
-            fused.append(load())
-            fuse_projections(fused[0])
-        return fused[0]
+    @functools.cache
+    def fast_model() -> Any:  # as served: fused, fast decode blocks ("fast blocks")
+        return served_model(load())
 
-    def fast_model() -> Any:
-        if not fast:
-            fast.append(served_model(load()))
-        return fast[0]
-
-    unsummed: list[Any] = []  # a fourth, as served but adding 1 + weight every call
-
-    def unsummed_model() -> Any:
-        if not unsummed:
-            unsummed.append(served_model(load(), summed_norms=False))
-        return unsummed[0]
+    @functools.cache
+    def unsummed_model() -> Any:  # as served, but adding 1 + weight every call
+        return served_model(load(), summed_norms=False)
 
     this = sys.modules[__name__]
     served = choose_decode_backend(probe_attention_specs(model))
