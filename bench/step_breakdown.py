@@ -718,6 +718,8 @@ def main() -> None:
             step_variants["kiln, served, compiled prefill"] = kiln(fast_model, compile_prefill=True)
             step_variants["kiln, served, fused attention"] = _patching(
                 decode_backend, "unfused_prefill_fits", lambda *_: False, kiln(fast_model))
+            step_variants["kiln, served, bucketed fused attention"] = _patching(
+                this, "BACKEND", KernelDecode(bucketed_prefill=True), kiln(fast_model))
         else:  # CUDA's prefill attention (unfused), stood in for on this device
             for compiles in (False, True):
                 step_variants["kiln, CUDA's prefill attention" + (", compiled" if compiles else "")] = (

@@ -13,8 +13,9 @@ from pathlib import Path
 from typing import Any
 
 PROJECT_NAME = "kiln"
-# Decode paths built but not the default (not measured ahead), for --experiments (A/B runs).
-DECODE_EXPERIMENTS = ("rope-in-kernel", "staged-kv")
+# CUDA attention paths built but not the default (not measured ahead), for --experiments
+# (A/B runs).
+DECODE_EXPERIMENTS = ("rope-in-kernel", "staged-kv", "bucketed-prefill")
 
 
 def _auto_on_off(help_text: str) -> Any:
@@ -142,7 +143,11 @@ class ServerConfig:
                                       "output itself: less host time a step, more device "
                                       "time; see docs/benchmarks.md), staged-kv (the "
                                       "attention kernel brings K/V through shared memory with "
-                                      "cp.async, several tiles in flight; sm_80+; unmeasured)."})
+                                      "cp.async, several tiles in flight; sm_80+; unmeasured), "
+                                      "bucketed-prefill (causal prefill attention of chunks "
+                                      "of 512+ tokens through MLX's fused cuDNN kernel, "
+                                      "padded to multiples of 512 so its per-shape graphs "
+                                      "recur)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

@@ -317,6 +317,56 @@ def test_unfused_prefill_attention_matches_fused(mask_kind, dtype):
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=tol, atol=tol)
 
 
+def test_unfused_prefill_attention_honours_sinks():
+    """GPT-OSS's sinks on the matmul prefill path: each head's sink logit in its softmax's
+    denominator, as MLX's fused attention takes them, causal and with a window mask."""
+    from worker_proc.paged_attention import unfused_prefill_attention
+
+    rng = np.random.default_rng(11)
+    b, n_q, n_kv, s, length, d = 2, 8, 2, 6, 14, 16
+    q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32))
+               for shape in ((b, n_q, s, d), (b, n_kv, length, d), (b, n_kv, length, d)))
+    sinks = mx.array(rng.standard_normal(n_q).astype(np.float32) * 3)
+    window = mx.array(np.tril(np.ones((s, length), bool), k=length - s)
+                      & ~np.tril(np.ones((s, length), bool), k=length - s - 4))
+    for mask in ("causal", window):
+        got = unfused_prefill_attention(q, k, v, 0.3, mask, sinks)
+        want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask, sinks=sinks)
+        np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("n_new,prefix", [(512, 0), (700, 1024), (2048, 2048), (1500, 0)])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_bucketed_fused_attention_is_the_unpadded_attention(n_new, prefix, with_sinks):
+    """Padding queries and keys at the end to a bucket changes no real query's output:
+    causal from the keys' end keeps every padded key after it."""
+    from worker_proc.paged_attention import bucketed_fused_attention, fused_bucket_padding
+
+    rng = np.random.default_rng(n_new + prefix)
+    n_q, n_kv, d = 4, 2, 32
+    length = prefix + n_new
+    q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32))
+               for shape in ((1, n_q, n_new, d), (1, n_kv, length, d), (1, n_kv, length, d)))
+    sinks = mx.array(rng.standard_normal(n_q).astype(np.float32)) if with_sinks else None
+    pad = fused_bucket_padding(n_new, length, "causal", bucket=512)
+    assert pad == -n_new % 512
+    got = bucketed_fused_attention(q, k, v, 0.2, pad, sinks)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.2, mask="causal", sinks=sinks)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+def test_fused_bucket_padding_takes_long_causal_chunks_at_bucket_offsets():
+    from worker_proc.paged_attention import fused_bucket_padding
+
+    assert fused_bucket_padding(2048, 4096, "causal") == 0
+    assert fused_bucket_padding(1900, 2048 + 1900, "causal") == 148
+    assert fused_bucket_padding(300, 300, "causal") is None  # short: unfused
+    assert fused_bucket_padding(1024, 1024 + 700, "causal") is None  # a prefix hit's length
+    assert fused_bucket_padding(2048, 2048, mx.ones((2048, 2048), dtype=mx.bool_)) is None
+    assert fused_bucket_padding(2048, 2048, None) is None
+
+
 def test_pooled_forward_matches_mlx_lm_cache():
     """The model over the pool, as the runner drives it (prompts prefilled alone and
     together, then ragged decode steps), gives mlx-lm's own KVCache forward's logits.

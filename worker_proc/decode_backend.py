@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
-from worker_proc.paged_attention import (DEFAULT_STAGES, RopeSpec, fused_builds_per_shape,
+from worker_proc.paged_attention import (DEFAULT_STAGES, RopeSpec, bucketed_fused_attention,
+                                         fused_bucket_padding, fused_builds_per_shape,
                                          kernel_available, paged_decode_attention,
                                          paged_decode_qkv_attention, paged_decode_write_attention,
                                          pool_write_in_place, reference_decode_attention,
@@ -36,7 +37,7 @@ if TYPE_CHECKING:
 # bytes on top of it (build_runner sizes the pool to leave the room).
 DENSE_DECODE_SHARE = 0.5
 
-EXPERIMENTS = frozenset({"rope-in-kernel", "staged-kv"})
+EXPERIMENTS = frozenset({"rope-in-kernel", "staged-kv", "bucketed-prefill"})
 
 
 class DecodeBackend:
@@ -87,11 +88,14 @@ class KernelDecode(DecodeBackend):
     layer; off only for A/B runs). rope_in_kernel: fast decode blocks hand it the fused
     q/k/v output unrotated (`--experiments rope-in-kernel`). stages: K/V staged through
     shared memory with cp.async this many tiles ahead, 0 for register prefetch
-    (`--experiments staged-kv`)."""
+    (`--experiments staged-kv`). bucketed_prefill: causal prefill attention of long
+    chunks through MLX's fused kernel at padded shapes (bucketed_fused_attention), the
+    rest unfused (`--experiments bucketed-prefill`)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
     stages: int = DEFAULT_STAGES
+    bucketed_prefill: bool = False
 
     name = "CUDA kernel"
     in_place = True
@@ -124,10 +128,15 @@ class KernelDecode(DecodeBackend):
 
     def prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
                           scale: float, mask: Any, sinks: mx.array | None) -> mx.array | None:
+        if not self._fused_builds_per_shape(queries, values):
+            return None  # MLX's matmul fallback, which builds nothing per shape
+        if self.bucketed_prefill:
+            pad = fused_bucket_padding(queries.shape[2], keys.shape[2], mask)
+            if pad is not None:
+                return bucketed_fused_attention(queries, keys, values, scale, pad, sinks)
         # No cuDNN graph build per prompt shape, while the float32 scores stay small.
-        if (sinks is None and self._fused_builds_per_shape(queries, values)
-                and unfused_prefill_fits(queries.shape, keys.shape[2])):
-            return unfused_prefill_attention(queries, keys, values, scale, mask)
+        if unfused_prefill_fits(queries.shape, keys.shape[2]):
+            return unfused_prefill_attention(queries, keys, values, scale, mask, sinks)
         return None
 
     def _fused_builds_per_shape(self, queries: mx.array, values: mx.array) -> bool:
@@ -211,4 +220,5 @@ def choose_decode_backend(specs: list,
                              "CUDA backend, head sizes a multiple of 32)")
         return GatherDecode()
     return KernelDecode(rope_in_kernel="rope-in-kernel" in experiments,
-                        stages=4 if "staged-kv" in experiments else DEFAULT_STAGES)
+                        stages=4 if "staged-kv" in experiments else DEFAULT_STAGES,
+                        bucketed_prefill="bucketed-prefill" in experiments)

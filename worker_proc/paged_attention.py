@@ -805,6 +805,45 @@ def unfused_prefill_fits(q_shape: tuple[int, ...], key_len: int) -> bool:
     return b * n_q * s * key_len * 4 <= UNFUSED_SCORES_MAX_BYTES
 
 
+# Prefill attention through MLX's fused (cuDNN) kernel with shapes made to recur: queries
+# padded at the end to a multiple of this, keys by as many (see bucketed_fused_attention).
+FUSED_PREFILL_BUCKET = 512
+
+
+def fused_bucket_padding(n_new: int, n_keys: int, mask: mx.array | str | None,
+                         bucket: int = FUSED_PREFILL_BUCKET) -> int | None:
+    """How many positions bucketed_fused_attention pads a forward of n_new queries over
+    n_keys keys with, or None where it does not apply: masks other than "causal" (rows at
+    different positions, windows), forwards shorter than a bucket (their unfused scores
+    are small, and their many shapes would each build a graph), and cached prefixes that
+    are not a multiple of the bucket (a prefix hit's arbitrary length)."""
+    causal = isinstance(mask, str) and mask == "causal"
+    if not causal or n_new < bucket or (n_keys - n_new) % bucket:
+        return None
+    return -n_new % bucket
+
+
+def bucketed_fused_attention(q: mx.array, k: mx.array, v: mx.array, scale: float, pad: int,
+                             sinks: mx.array | None = None) -> mx.array:
+    """Causal prefill attention through MLX's fused kernel, queries and keys both padded
+    at the end by `pad` positions (fused_bucket_padding), the padded queries' rows
+    dropped from the result.
+
+    cuDNN builds a graph for every new shape (50 ms to over a second), so called with a
+    forward's own shapes it stalls on nearly every prompt; padded, a long prompt's chunks
+    meet a few shapes: queries a multiple of the bucket up to the chunk size, keys the
+    chunk's start (a multiple of the bucket) plus those. Causal from the keys' end keeps
+    the padding out of every real query's view: query i of S sits at key position
+    L - S + i, before every padded key. In exchange the scores never exist in memory,
+    and the matmuls run on tensor cores in the heads' dtype."""
+    s = q.shape[2]
+    if pad:
+        widths = [(0, 0), (0, 0), (0, pad), (0, 0)]
+        q, k, v = (mx.pad(x, widths) for x in (q, k, v))
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal", sinks=sinks)
+    return out[:, :, :s] if pad else out
+
+
 def fused_builds_per_shape(dtype: mx.Dtype, head_dim: int, value_dim: int) -> bool:
     """Whether MLX's fused attention runs prefill heads of this dtype and size through
     cuDNN on CUDA, whose per-shape graph builds unfused_prefill_attention avoids: cuDNN
@@ -817,7 +856,8 @@ def fused_builds_per_shape(dtype: mx.Dtype, head_dim: int, value_dim: int) -> bo
 
 
 def unfused_prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
-                              mask: mx.array | str | None) -> mx.array:
+                              mask: mx.array | str | None,
+                              sinks: mx.array | None = None) -> mx.array:
     """Attention of a prefill forward as plain matmuls and a softmax, for the CUDA backend.
 
     MLX's fused attention there is cuDNN's, which builds (and caches) a graph for every
@@ -829,7 +869,8 @@ def unfused_prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: floa
     2 GiB for a 32-head layer, transient).
 
     q: [B, Hq, S, D]; k, v: [B, Hkv, L, D]; mask: None, "causal" (queries aligned to the
-    keys' end) or a boolean [B, 1, S, L] or [S, L] array (True: may attend).
+    keys' end) or a boolean [B, 1, S, L] or [S, L] array (True: may attend); sinks: [Hq]
+    attention sink logits (GPT-OSS), each a key with no value in its head's softmax.
     """
     b, n_q, s, d = q.shape
     n_kv, length = k.shape[1], k.shape[2]
@@ -846,7 +887,14 @@ def unfused_prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: floa
     elif mask is not None:  # [S, L] (one for every row) or [B, 1, S, L]
         mask = mask if mask.ndim == 4 else mask.reshape(1, 1, *mask.shape[-2:])
         scores = mx.where(mask[:, :, None], scores, -mx.inf)
-    weights = mx.softmax(scores, axis=-1).astype(v.dtype)
+    if sinks is None:
+        weights = mx.softmax(scores, axis=-1).astype(v.dtype)
+    else:  # the sink joins each query's denominator (and its max, for range)
+        sink = sinks.astype(mx.float32).reshape(1, n_kv, group, 1, 1)
+        top = mx.maximum(mx.max(scores, axis=-1, keepdims=True), sink)
+        exps = mx.exp(scores - top)
+        den = mx.sum(exps, axis=-1, keepdims=True) + mx.exp(sink - top)
+        weights = (exps / den).astype(v.dtype)
     out = weights.reshape(b, n_kv, group * s, length) @ v
     return out.reshape(b, n_q, s, v.shape[-1])
 
