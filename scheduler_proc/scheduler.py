@@ -318,7 +318,9 @@ class Scheduler:
         if short > 0:
             self._free(self.cache.evict(short))
         if self.windows is not None and self.windows.num_free < n:
-            self._evict_windows(n - self.windows.num_free)
+            # A chunk's worth at least: else a full window space evicts a few slots every
+            # decode step, each time over every running context.
+            self._evict_windows(max(n - self.windows.num_free, self.limits.chunk_size))
             if self.windows.num_free < n:
                 return False
         return self.allocator.num_free >= n
@@ -348,13 +350,16 @@ class Scheduler:
         running request's queries see, least recently used prefixes first; their full
         K/V stay cached (a hit is then cut back, WindowSlots.usable). Returns how many."""
         assert self.windows is not None
-        seen = [self.table.slots(r.row, r.num_computed)[r.sees_from:]
-                for r in self.running.values() if r.row is not None]
-        protected = np.concatenate(seen) if seen else np.zeros(0, dtype=np.int32)
+        # A flag per full slot, not a set operation: running contexts of long prompts are
+        # hundreds of thousands of slots, and np.isin sorted them all (~0.2 s) each time.
+        protected = np.zeros(self.allocator.capacity + 1, dtype=bool)
+        for r in self.running.values():
+            if r.row is not None:
+                protected[self.table.slots(r.row, r.num_computed)[r.sees_from:]] = True
         freed = 0
         for node in sorted(self.cache.nodes(), key=lambda x: x.last_access):
             held = node.value[self.windows.of(node.value) > 0]
-            held = held[~np.isin(held, protected)]
+            held = held[~protected[held]]
             self.windows.drop(held)
             freed += len(held)
             if freed >= n:
