@@ -65,17 +65,28 @@ class ForwardLayout:
     # slot table and lengths (see windowed_reads).
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
 
-    def kind_mask(self, kind: LayerKind) -> mx.array:
-        """A prefill mask for a windowed layer kind: [S, L], or [B, 1, S, L] when rows
-        start at different positions (keys at positions 0..L-1 of each row)."""
-        key = ("mask", kind)
+    def kind_mask(self, kind: LayerKind, start: int = 0) -> mx.array:
+        """A prefill mask for a windowed layer kind: [S, L - start], or [B, 1, S,
+        L - start] when rows start at different positions (keys at positions start..L-1
+        of each row)."""
+        key = ("mask", kind, start)
         if key not in self._memo:
             assert self.positions is not None, "a prefill layout has its positions"
             n_keys = self.positions.shape[1] if self.fresh else self.read_slots.shape[1]
             q = self.positions[:, :, None]
-            visible = kind.visible(q, np.arange(n_keys)[None, None, :])
+            visible = kind.visible(q, np.arange(start, n_keys)[None, None, :])
             self._memo[key] = mx.array(visible[0] if len(visible) == 1 else visible[:, None])
         return self._memo[key]
+
+    def key_start(self, kind: LayerKind) -> int:
+        """Prefill over a computed context: the first position any of this forward's
+        queries sees in a windowed layer kind. Keys before it are behind every window,
+        so such a layer reads and scores only positions from here on (a chunk deep into
+        a long prompt: its window and itself, not the whole context)."""
+        if self.fresh:
+            return 0
+        assert self.positions is not None, "a prefill layout has its positions"
+        return int(np.min(kind.first_visible(self.positions[:, 0] + 1)))
 
     def windowed_reads(self, kind: LayerKind, read_slots: mx.array) -> tuple[mx.array, mx.array]:
         """Decode: each row's slots from the first position its query sees, and how many,
@@ -252,7 +263,7 @@ class PooledKVCache:
         if self.paged:  # decode: the pool's readers mask by each row's length
             return self._length_mask() if self.kind.own_attention else None
         if kind.windowed:  # one new token too: the context read back is not windowed
-            return layout.kind_mask(kind)
+            return layout.kind_mask(kind, self.key_start if kind == self.kind else 0)
         mask = layout.mask
         if return_array and isinstance(mask, str):
             return _causal_array(n, n if layout.fresh else layout.read_slots.shape[1])
@@ -274,6 +285,16 @@ class PooledKVCache:
     @property
     def paged(self) -> bool:
         return self.layout.lengths is not None
+
+    @property
+    def key_start(self) -> int:
+        """The first context position this prefill layer reads back (ForwardLayout.
+        key_start): a windowed layer attending through the hook, whose mask is always
+        ours; 0 for the rest (a model's own score code may build masks of its own)."""
+        kind = self.kind
+        if self.paged or not kind.windowed or kind.own_attention:
+            return 0
+        return self.layout.key_start(kind)
 
     @property
     def written(self) -> bool:
@@ -308,7 +329,8 @@ class PooledKVCache:
             return self.pool.keys(self.layer), self.pool.values(self.layer)
         if self.layout.fresh:
             return keys, values
-        return self.pool.read(self.layer, self.read_slots)
+        start = self.key_start
+        return self.pool.read(self.layer, self.read_slots[:, start:] if start else self.read_slots)
 
     def attend_qkv(self, qkv: mx.array, n_q: int, scale: float, rope: RopeSpec) -> mx.array:
         """A decode layer's attention from its fused q/k/v projection's output [B, 1,
@@ -592,7 +614,7 @@ def install_attention_hook() -> None:
             if cache.kind.windowed:
                 # Ours, not the model's: a model may skip the mask for one new token, or
                 # build it from one scalar offset; the layout knows every row's window.
-                mask = cache.layout.kind_mask(cache.kind)
+                mask = cache.layout.kind_mask(cache.kind, cache.key_start)
             out = cache.backend.prefill_attention(queries, keys, values, scale, mask, sinks)
             if out is not None:
                 return out
