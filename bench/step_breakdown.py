@@ -27,8 +27,9 @@ variants compute wrong tokens: timing only.
 --prefill-batches times one step prefilling that many fresh prompts: kiln's runner on the
 model as loaded and mlx-lm's call over its KVCache; on the CUDA kernel path also the
 served model (fused, fast blocks) and, on it, forwards of up to 8,192 tokens instead of
-PREFILL_FORWARD_TOKENS, MLX's fused (cuDNN) attention instead of the unfused prefill
-attention, and no pool write.
+PREFILL_FORWARD_TOKENS, MLX's fused (cuDNN) attention at every forward's own shapes, and
+no pool write; the prefill steps add the served model with every prefill attention
+unfused (before long causal chunks went bucketed to cuDNN).
 
 --prefill-steps times prefill steps as a long-prompt server meets them (fresh 4,096
 tokens; four 2,048-token chunks of different requests; a 2,048 chunk after a cached 2,048
@@ -675,7 +676,7 @@ def main() -> None:
             "kiln": lambda b, n: prefill_ms(model, b, n, kiln=True),
             "mlx-lm": lambda b, n: prefill_ms(model, b, n, kiln=False),
         }
-        if kernel_path:  # served: fused projections and fast blocks; attention unfused
+        if kernel_path:  # served: fused projections and fast blocks
             prefill_variants.update({
                 "kiln, served model": lambda b, n: prefill_ms(fast_model(), b, n, kiln=True),
                 "kiln, served, forwards <= 8192": lambda b, n: _with(
@@ -713,13 +714,13 @@ def main() -> None:
             "kiln, compiled prefill": kiln(lambda: model, compile_prefill=True),
             "mlx-lm": lambda steps: mlx_lm_prefill(model, steps, only),
         }
-        if kernel_path:  # as served: fused projections and fast blocks; attention unfused
+        if kernel_path:  # as served: fused projections and fast blocks
             step_variants["kiln, served model"] = kiln(fast_model)
             step_variants["kiln, served, compiled prefill"] = kiln(fast_model, compile_prefill=True)
             step_variants["kiln, served, fused attention"] = _patching(
                 decode_backend, "unfused_prefill_fits", lambda *_: False, kiln(fast_model))
-            step_variants["kiln, served, bucketed fused attention"] = _patching(
-                this, "BACKEND", KernelDecode(bucketed_prefill=True), kiln(fast_model))
+            step_variants["kiln, served, unfused attention"] = _patching(
+                this, "BACKEND", KernelDecode(bucketed_prefill=False), kiln(fast_model))
         else:  # CUDA's prefill attention (unfused), stood in for on this device
             for compiles in (False, True):
                 step_variants["kiln, CUDA's prefill attention" + (", compiled" if compiles else "")] = (

@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 PROJECT_NAME = "kiln"
-# CUDA attention paths built but not the default (not measured ahead), for --experiments
-# (A/B runs).
-DECODE_EXPERIMENTS = ("rope-in-kernel", "staged-kv", "bucketed-prefill")
+# CUDA attention paths other than the default, for --experiments (A/B runs).
+DECODE_EXPERIMENTS = ("rope-in-kernel", "staged-kv", "unfused-prefill")
 
 
 def _auto_on_off(help_text: str) -> Any:
@@ -144,10 +143,10 @@ class ServerConfig:
                                       "time; see docs/benchmarks.md), staged-kv (the "
                                       "attention kernel brings K/V through shared memory with "
                                       "cp.async, several tiles in flight; sm_80+; unmeasured), "
-                                      "bucketed-prefill (causal prefill attention of chunks "
-                                      "of 512+ tokens through MLX's fused cuDNN kernel, "
-                                      "padded to multiples of 512 so its per-shape graphs "
-                                      "recur)."})
+                                      "unfused-prefill (every prefill attention as plain "
+                                      "matmuls, as before long causal chunks went through "
+                                      "MLX's fused cuDNN kernel at shapes padded to "
+                                      "multiples of 512)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

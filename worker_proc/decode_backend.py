@@ -37,7 +37,7 @@ if TYPE_CHECKING:
 # bytes on top of it (build_runner sizes the pool to leave the room).
 DENSE_DECODE_SHARE = 0.5
 
-EXPERIMENTS = frozenset({"rope-in-kernel", "staged-kv", "bucketed-prefill"})
+EXPERIMENTS = frozenset({"rope-in-kernel", "staged-kv", "unfused-prefill"})
 
 
 class DecodeBackend:
@@ -90,12 +90,13 @@ class KernelDecode(DecodeBackend):
     shared memory with cp.async this many tiles ahead, 0 for register prefetch
     (`--experiments staged-kv`). bucketed_prefill: causal prefill attention of long
     chunks through MLX's fused kernel at padded shapes (bucketed_fused_attention), the
-    rest unfused (`--experiments bucketed-prefill`)."""
+    rest unfused; off, every prefill attention that fits is unfused (`--experiments
+    unfused-prefill`, the A/B arm)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
     stages: int = DEFAULT_STAGES
-    bucketed_prefill: bool = False
+    bucketed_prefill: bool = True
 
     name = "CUDA kernel"
     in_place = True
@@ -221,4 +222,4 @@ def choose_decode_backend(specs: list,
         return GatherDecode()
     return KernelDecode(rope_in_kernel="rope-in-kernel" in experiments,
                         stages=4 if "staged-kv" in experiments else DEFAULT_STAGES,
-                        bucketed_prefill="bucketed-prefill" in experiments)
+                        bucketed_prefill="unfused-prefill" not in experiments)
