@@ -592,6 +592,32 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     backend = choose_decode_backend(specs, staged.experiment_set)
     assert backend == KernelDecode(stages=4) and paged_attention.staged_tiles(128, 2, backend.stages) == 4
     assert paged_attention.staged_tiles(128, 2) == 0  # the default: register prefetch
+    unfused = choose_decode_backend(specs, ServerConfig(experiments="unfused-prefill").experiment_set)
+    assert KernelDecode().bucketed_prefill and unfused == KernelDecode(bucketed_prefill=False)
+
+
+def test_long_chunks_through_bucketed_fused_attention_match_mlx_lm(tiny_model, oracle, monkeypatch):
+    """The CUDA backend's prefill attention in a served model: chunks of 512+ tokens at a
+    bucket-aligned start go padded through the fused call, shorter ones (and the last,
+    ragged chunk) unfused, beside requests decoding; greedy tokens stay mlx-lm's."""
+    from worker_proc import decode_backend
+
+    model, tokenizer = tiny_model
+    padded = []
+    bucketed = decode_backend.bucketed_fused_attention
+
+    def spy(q, k, v, scale, pad, sinks=None):  # noqa: ANN001, ANN202
+        padded.append(pad)
+        return bucketed(q, k, v, scale, pad, sinks)
+
+    monkeypatch.setattr(decode_backend, "bucketed_fused_attention", spy)
+    # 1,300 in chunks of 768: 768 fresh (padded by 256), 532 after 768 (not a bucket
+    # multiple: unfused); 1,100: 768, then 332 (short: unfused); 40: unfused.
+    prompts = _prompts(3, [1300, 1100, 40], model.args.vocab_size, seed=21)
+    engine = InProcessEngine(model, chunk_size=768, max_prefill_tokens=1536, max_context=2048,
+                             backend=StandInKernel())
+    assert_greedy(engine, prompts, 12, _eos(tokenizer), oracle)
+    assert padded and set(padded) == {256}
 
 def test_host_staging_reuses_its_buffers_and_keeps_the_last_steps_inputs():
     """Compiled decode's host-written inputs: no allocation a step once its buffers are
