@@ -68,6 +68,8 @@ LONGCTX_SERVERS=${LONGCTX_SERVERS:-kiln,mlx_lm}
 # part mixed (bench/mixed_traffic.py): one server per arm, a --max-prefill-tokens-while-decoding
 # value each ("default": the server's own; 8192 = --max-prefill-tokens, one budget as before)
 MIXED_ARMS=${MIXED_ARMS:-default,8192}
+MIXED_STEADY=${MIXED_STEADY:-32}  # streams decoding through the burst; 0: the burst alone,
+                                  # whose "prefill t/s" is a wave's prefill rate (issue 20)
 mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
@@ -136,13 +138,13 @@ PYTHONPATH=${PYTHONPATH:-}:$HOME/site_c LD_LIBRARY_PATH=$HOME/site_c/nvidia/cu13
 fi
 
 if has mixed; then
-echo "== mixed traffic: 32 streams decoding, 64 x 4096-token prompts arrive"
+echo "== mixed traffic: $MIXED_STEADY streams decoding, 64 x 4096-token prompts arrive"
 # Each arm (start, warm-up, ~30 s of traffic, stop) should take ~2 minutes, 4 at most; the
 # part stops after 520 s (a device call has 600), keeping the arms done in mixed.json.
 arms=$(tr ',' '\n' <<<"$MIXED_ARMS" | wc -l)
 timeout $((arms * 240 < 520 ? arms * 240 : 520)) "$PYTHON" bench/mixed_traffic.py \
     --model "$MODEL" --arms "$MIXED_ARMS" --kiln-args="$KILN_ARGS" --out "$OUT" \
-    --steady-streams 32 --steady-prompt-tokens 128 --steady-output-tokens 2000 \
+    --steady-streams "$MIXED_STEADY" --steady-prompt-tokens 128 --steady-output-tokens 2000 \
     --steady-seconds 5 --burst-requests 64 --burst-prompt-tokens 4096 --burst-output-tokens 64 \
     --json "$OUT/mixed.json" 2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/mixed.txt"
 fi

@@ -85,6 +85,7 @@ class Timeline:
     started: float
     burst_sent: float
     ended: float
+    burst_prompt_tokens: int = 0  # the burst's prompts' tokens, all of them
 
     @property
     def burst_prefilled(self) -> float:
@@ -116,7 +117,8 @@ async def run_mixed(url: str, workload: Workload, timeout: float) -> Timeline:
         tasks += [asyncio.create_task(serving.one_request(http, burst_spec, p))
                   for p in workload.burst]
         records = await asyncio.gather(*tasks)
-    return Timeline(steady, list(records[len(steady):]), started, burst_sent, time.perf_counter())
+    return Timeline(steady, list(records[len(steady):]), started, burst_sent, time.perf_counter(),
+                    sum(map(len, workload.burst)))
 
 
 def gaps_between(records: list[serving.RequestRecord], start: float, end: float) -> list[float]:
@@ -145,6 +147,9 @@ def summarize(t: Timeline) -> dict[str, Any]:
                                          for r in t.steady),
         "burst_ttft_ms": serving.percentiles([r.ttft for r in t.burst]),
         "burst_prefill_s": round(t.burst_prefilled - t.burst_sent, 3),
+        # Prompt tokens computed per second from the burst's sending to its last first
+        # token (with no steady streams: the server's prefill rate for a wave of prompts).
+        "burst_prefill_tok_s": round(t.burst_prompt_tokens / (t.burst_prefilled - t.burst_sent)),
         "duration_s": round(t.ended - t.started, 3), "output_tokens": out_tokens,
         "output_tok_s": round(out_tokens / (t.ended - t.started), 2),
     }
@@ -179,12 +184,12 @@ def table_row(r: dict[str, Any]) -> str:
     b, d, ttft = r["itl_before_ms"], r["itl_during_ms"], r["burst_ttft_ms"]
     return (f"{r['arm']:>8} | {b['p50']:7.1f} {b['p99']:7.1f} | {d['p50']:7.1f} {d['p99']:7.1f}"
             f" | {r['p99_ratio']!s:>5} | {ttft['p50']:8.0f} {ttft['p99']:8.0f} |"
-            f" {r['output_tok_s']:9.1f} | {r['failed']}")
+            f" {r['burst_prefill_tok_s']:>11} | {r['output_tok_s']:9.1f} | {r['failed']}")
 
 
 def report(results: list[dict[str, Any]]) -> str:
     head = ("     arm | ITL before p50 p99 | ITL during p50 p99 | p99 x | burst TTFT p50 p99 |"
-            " out tok/s | failed")
+            " prefill t/s | out tok/s | failed")
     lines = [head, *map(table_row, results)]
     base = results[-1]["output_tok_s"]
     if len(results) > 1 and base:

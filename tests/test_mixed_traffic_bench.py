@@ -19,9 +19,11 @@ def test_gaps_are_split_at_the_burst_and_its_last_first_token():
              + [1.3 + i * 0.01 for i in range(1, 21)])
     steady = [_stream(ticks), _stream(ticks)]
     burst = [_stream([1.2, 1.31], sent_at=1.0), _stream([1.3, 1.32], sent_at=1.0)]
-    r = summarize(Timeline(steady, burst, started=0.0, burst_sent=1.0, ended=1.5))
+    r = summarize(Timeline(steady, burst, started=0.0, burst_sent=1.0, ended=1.5,
+                           burst_prompt_tokens=600))
     assert r["itl_before_ms"]["p99"] == 10.0 and r["itl_during_ms"]["p50"] == 30.0
     assert r["gaps_during"] == 20 and r["p99_ratio"] == 3.0
     assert r["burst_ttft_ms"]["p50"] == 250.0 and r["burst_prefill_s"] == 0.3
+    assert r["burst_prefill_tok_s"] == 2000  # 600 prompt tokens in 0.3 s
     assert r["steady_ended_during_burst"] == 0 and r["failed"] == 0
     assert r["output_tokens"] == 2 * 130 + 4 and r["output_tok_s"] == round(264 / 1.5, 2)
