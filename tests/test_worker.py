@@ -618,6 +618,15 @@ def test_long_chunks_through_bucketed_fused_attention_match_mlx_lm(tiny_model, o
                              backend=StandInKernel())
     assert_greedy(engine, prompts, 12, _eos(tokenizer), oracle)
     assert padded and set(padded) == {256}
+    # A fresh server with this backend warms up a lone prompt of two long chunks too (its
+    # fused shapes built before a user's long prompt meets them), then serves as before.
+    padded.clear()
+    engine = InProcessEngine(model, chunk_size=512, max_context=2048, backend=StandInKernel())
+    assert warm_up(engine.runner, max_batch=4, long_chunk=512) == 2 + 3 + 2 + 2 * 3
+    assert padded == [0] * 2 * model.args.num_hidden_layers  # both chunks, every layer
+    assert engine.runner.requests == {}
+    engine.submit("after", prompts[1], 12, _eos(tokenizer))
+    assert engine.run_until_idle()["after"].token_ids == oracle(prompts[1], 12)
 
 def test_host_staging_reuses_its_buffers_and_keeps_the_last_steps_inputs():
     """Compiled decode's host-written inputs: no allocation a step once its buffers are

@@ -130,7 +130,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                          compile_decode=not config.eager_decode and backend.compiles,
                          compile_prefill=config.compile_prefill)
     t0 = time.monotonic()
-    steps = warm_up(runner, config.max_running_requests)
+    steps = warm_up(runner, config.max_running_requests, long_chunk=config.chunk_size)
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")

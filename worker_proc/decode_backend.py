@@ -49,6 +49,7 @@ class DecodeBackend:
     kept_share: float = 0.0  # dense decode contexts' bytes, as a share of the pool's
     write_in_attention: bool = False  # decode K/V are stored by the attention kernel
     rope_in_kernel: bool = False  # ... which may also rotate q and k (fast blocks)
+    bucketed_prefill: bool = False  # long causal prefill chunks padded to recurring shapes
 
     def decode_context(self, num_layers: int, pool_bytes: int,
                        bytes_per_token: int) -> DenseDecodeContext | None:

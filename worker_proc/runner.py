@@ -24,6 +24,7 @@ from worker_proc.attention import (ForwardLayout, batches_ragged_rows, build_lay
                                    check_written, install_attention_hook, pads_state_rows)
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool
+from worker_proc.paged_attention import FUSED_PREFILL_BUCKET
 from worker_proc.prefill_forward import PrefillForwards
 from worker_proc.request_state import (RequestState, TokenCounts, check_ids, check_sampling,
                                        fold_seed)
@@ -709,11 +710,13 @@ def _state_rows(states: list[RequestState]) -> mx.array:
     return mx.array([s.row + 1 for s in states], dtype=mx.int32)
 
 
-def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
+def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chunk: int = 0) -> int:
     """Run throwaway requests through the paths the server will meet first, so kernel
     compilation happens before the first user request, not during it: a lone prompt in
     one fresh chunk (a forward of one row, as a quiet server's first request meets it),
-    then prompts in two chunks (the first fresh, the second read back from the pool, with
+    where the backend pads long prefill chunks to recurring shapes (bucketed_prefill) a
+    lone prompt of two `long_chunk` chunks (the graphs a long prompt's first two chunks
+    need, built now: up to a second each on the H200), then prompts in two chunks (the first fresh, the second read back from the pool, with
     one start and with mixed starts), then decode batch sizes up to max_batch: powers of
     two, or with compiled decode every batch bucket (each is a trace of its own). Uses
     slots from 1 up: the scheduler has handed none out yet, and every slot is written
@@ -750,6 +753,16 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16) -> int:
                             prefill=[prompt_chunk(solo, 0, list(range(1, prompt_len + 1)), True)]))
     runner.run(ForwardBatch(step=1, released=[solo]))
     step = 2
+    if (runner.pool.backend.bucketed_prefill and long_chunk >= FUSED_PREFILL_BUCKET
+            and 2 * long_chunk <= min(space, runner.max_context)):
+        long = "warmup-long"
+        ids = list(range(1, 2 * long_chunk + 1))
+        runner.run(ForwardBatch(step=step, new_requests=[NewRequest(rid=long, sampling=greedy)],
+                                prefill=[prompt_chunk(long, 0, ids[:long_chunk], False)]))
+        runner.run(ForwardBatch(step=step + 1,
+                                prefill=[prompt_chunk(long, long_chunk, ids[long_chunk:], True)]))
+        runner.run(ForwardBatch(step=step + 2, released=[long]))
+        step += 3
     runner.run(ForwardBatch(step=step, new_requests=[NewRequest(rid=r, sampling=greedy) for r in rids],
                             prefill=[chunk(i, 0, splits[i], False) for i in range(n_req)]))
     step += 1
