@@ -8,6 +8,7 @@
 #   PARTS=tests,breakdown OUT=$OUT bash bench/h200_session.sh    # then, in a second call:
 #   PARTS=sweep SERVERS=kiln,kiln_eager,mlx_lm SWEEP_SECONDS=480 OUT=$OUT bash bench/h200_session.sh
 #   PARTS=mixed OUT=$OUT bash bench/h200_session.sh    # decode first against one budget, ~6 min
+#   MIXED_STEADY=0 MIXED_ARMS=default PARTS=mixed OUT=$OUT bash bench/h200_session.sh  # a wave's prefill rate
 #   FAMILY=qwen3_5-9b PARTS=prefix OUT=$OUT bash bench/h200_session.sh    # one call each:
 #   FAMILY=qwen3_5-9b PARTS=longctx OUT=$OUT bash bench/h200_session.sh
 #
