@@ -14,7 +14,8 @@ from typing import Any
 
 PROJECT_NAME = "kiln"
 # CUDA attention paths other than the default, for --experiments (A/B runs).
-DECODE_EXPERIMENTS = ("rope-in-kernel", "staged-kv", "unfused-prefill")
+DECODE_EXPERIMENTS = ("rope-in-kernel", "staged-kv", "unfused-prefill",
+                      "bucketed-masked-prefill")
 
 
 def _auto_on_off(help_text: str) -> Any:
@@ -146,7 +147,10 @@ class ServerConfig:
                                       "unfused-prefill (every prefill attention as plain "
                                       "matmuls, as before long causal chunks went through "
                                       "MLX's fused cuDNN kernel at shapes padded to "
-                                      "multiples of 512)."})
+                                      "multiples of 512), bucketed-masked-prefill (masked "
+                                      "prefill forwards of 256+ queries, rows at different "
+                                      "starts or windows, through cuDNN too, padded, the "
+                                      "mask as a bias; unmeasured)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "
@@ -220,6 +224,9 @@ class ServerConfig:
         if unknown:
             raise ValueError(f"--experiments: unknown {sorted(unknown)}; known: "
                              f"{', '.join(DECODE_EXPERIMENTS)}")
+        if {"unfused-prefill", "bucketed-masked-prefill"} <= self.experiment_set:
+            raise ValueError("--experiments: unfused-prefill and bucketed-masked-prefill "
+                             "exclude each other")
         if "rope-in-kernel" in self.experiment_set and "off" in (self.fast_decode_blocks,
                                                                  self.fuse_projections):
             raise ValueError("--experiments rope-in-kernel runs inside the fast decode blocks: "

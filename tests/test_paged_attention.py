@@ -356,6 +356,28 @@ def test_bucketed_fused_attention_is_the_unpadded_attention(n_new, prefix, with_
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("n_new,length,rows", [(300, 700, 3), (512, 1024, 1), (260, 260, 2)])
+@pytest.mark.parametrize("with_sinks", [False, True])
+def test_bucketed_masked_attention_is_the_unpadded_attention(n_new, length, rows, with_sinks):
+    """Under a boolean mask (rows causal from their own starts, a window), padding queries
+    and keys to a bucket changes no real query's output."""
+    from worker_proc.paged_attention import bucketed_masked_attention
+
+    rng = np.random.default_rng(n_new + length + rows)
+    n_q, n_kv, d = 4, 2, 16
+    q, k, v = (mx.array(rng.standard_normal(shape).astype(np.float32))
+               for shape in ((rows, n_q, n_new, d), (rows, n_kv, length, d), (rows, n_kv, length, d)))
+    sinks = mx.array(rng.standard_normal(n_q).astype(np.float32)) if with_sinks else None
+    starts = rng.integers(0, length - n_new + 1, size=rows)
+    pos = starts[:, None] + np.arange(n_new)[None]  # each row's query positions
+    keys = np.arange(length)[None, None]
+    mask = mx.array(((keys <= pos[:, :, None]) & (keys > pos[:, :, None] - 100))[:, None])
+    got = bucketed_masked_attention(q, k, v, 0.3, mask, sinks, bucket=256)
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask, sinks=sinks)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
+
+
 def test_fused_bucket_padding_takes_long_causal_chunks_at_bucket_offsets():
     from worker_proc.paged_attention import fused_bucket_padding
 

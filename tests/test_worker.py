@@ -594,6 +594,42 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert paged_attention.staged_tiles(128, 2) == 0  # the default: register prefetch
     unfused = choose_decode_backend(specs, ServerConfig(experiments="unfused-prefill").experiment_set)
     assert KernelDecode().bucketed_prefill and unfused == KernelDecode(bucketed_prefill=False)
+    masked = choose_decode_backend(specs, ServerConfig(experiments="bucketed-masked-prefill").experiment_set)
+    assert masked == KernelDecode(bucketed_masked=True)
+    with pytest.raises(ValueError, match="exclude each other"):
+        ServerConfig(experiments="unfused-prefill,bucketed-masked-prefill")
+
+
+def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_lm(
+        tiny_model, oracle, monkeypatch):
+    """--experiments bucketed-masked-prefill on the CPU stand-in: one forward of chunks of
+    requests at different starts (a mask per row) goes padded through the fused call;
+    greedy tokens stay mlx-lm's."""
+    from worker_proc import decode_backend
+
+    model, tokenizer = tiny_model
+    calls = []
+    masked = decode_backend.bucketed_masked_attention
+
+    def spy(q, k, v, scale, mask, sinks=None):  # noqa: ANN001, ANN202
+        calls.append(q.shape[0])
+        return masked(q, k, v, scale, mask, sinks)
+
+    monkeypatch.setattr(decode_backend, "bucketed_masked_attention", spy)
+    # Chunks of 300: the first prompt's first chunk runs alone, then its later chunks
+    # share forwards with the others' first ones (rows at different starts).
+    prompts = _prompts(3, [900, 600, 350], model.args.vocab_size, seed=23)
+    engine = InProcessEngine(model, chunk_size=300, max_prefill_tokens=900, max_context=2048,
+                             backend=StandInKernel(bucketed_masked=True))
+    eos = _eos(tokenizer)
+    engine.submit("r0", prompts[0], 10, eos)
+    engine.step()
+    for i, p in enumerate(prompts[1:], 1):
+        engine.submit(f"r{i}", p, 10, eos)
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == oracle(p, 10), f"r{i}"
+    assert any(b > 1 for b in calls)
 
 
 def test_long_chunks_through_bucketed_fused_attention_match_mlx_lm(tiny_model, oracle, monkeypatch):

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from worker_proc.paged_attention import (DEFAULT_STAGES, RopeSpec, bucketed_fused_attention,
-                                         fused_bucket_padding, fused_builds_per_shape,
+                                         bucketed_masked_attention, fused_bucket_padding, fused_builds_per_shape,
                                          kernel_available, paged_decode_attention,
                                          paged_decode_qkv_attention, paged_decode_write_attention,
                                          pool_write_in_place, reference_decode_attention,
@@ -37,7 +37,12 @@ if TYPE_CHECKING:
 # bytes on top of it (build_runner sizes the pool to leave the room).
 DENSE_DECODE_SHARE = 0.5
 
-EXPERIMENTS = frozenset({"rope-in-kernel", "staged-kv", "unfused-prefill"})
+# Masked prefill forwards shorter than this stay unfused (bucketed_masked): their scores
+# are small, and padding them to a bucket would mostly compute padding.
+MASKED_MIN_QUERIES = 256
+
+EXPERIMENTS = frozenset({"rope-in-kernel", "staged-kv", "unfused-prefill",
+                         "bucketed-masked-prefill"})
 
 
 class DecodeBackend:
@@ -92,12 +97,16 @@ class KernelDecode(DecodeBackend):
     (`--experiments staged-kv`). bucketed_prefill: causal prefill attention of long
     chunks through MLX's fused kernel at padded shapes (bucketed_fused_attention), the
     rest unfused; off, every prefill attention that fits is unfused (`--experiments
-    unfused-prefill`, the A/B arm)."""
+    unfused-prefill`, the A/B arm). bucketed_masked: masked prefill forwards of
+    MASKED_MIN_QUERIES+ queries (rows at different starts, windows) through the fused
+    kernel too, padded and with the mask as a bias (bucketed_masked_attention;
+    `--experiments bucketed-masked-prefill`, unmeasured)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
     stages: int = DEFAULT_STAGES
     bucketed_prefill: bool = True
+    bucketed_masked: bool = False
 
     name = "CUDA kernel"
     in_place = True
@@ -136,6 +145,9 @@ class KernelDecode(DecodeBackend):
             pad = fused_bucket_padding(queries.shape[2], keys.shape[2], mask)
             if pad is not None:
                 return bucketed_fused_attention(queries, keys, values, scale, pad, sinks)
+            if (self.bucketed_masked and isinstance(mask, mx.array)
+                    and queries.shape[2] >= MASKED_MIN_QUERIES):
+                return bucketed_masked_attention(queries, keys, values, scale, mask, sinks)
         # No cuDNN graph build per prompt shape, while the float32 scores stay small.
         if unfused_prefill_fits(queries.shape, keys.shape[2]):
             return unfused_prefill_attention(queries, keys, values, scale, mask, sinks)
@@ -223,4 +235,5 @@ def choose_decode_backend(specs: list,
         return GatherDecode()
     return KernelDecode(rope_in_kernel="rope-in-kernel" in experiments,
                         stages=4 if "staged-kv" in experiments else DEFAULT_STAGES,
-                        bucketed_prefill="unfused-prefill" not in experiments)
+                        bucketed_prefill="unfused-prefill" not in experiments,
+                        bucketed_masked="bucketed-masked-prefill" in experiments)

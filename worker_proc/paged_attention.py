@@ -844,6 +844,27 @@ def bucketed_fused_attention(q: mx.array, k: mx.array, v: mx.array, scale: float
     return out[:, :, :s] if pad else out
 
 
+def bucketed_masked_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
+                              mask: mx.array, sinks: mx.array | None = None,
+                              bucket: int = FUSED_PREFILL_BUCKET) -> mx.array:
+    """Prefill attention under a boolean mask ([S, L] or [B, 1, S, L]: rows at different
+    starts, windows) through MLX's fused kernel, queries and keys padded at the end to
+    multiples of `bucket` so cuDNN's per-shape graphs recur. The mask goes in as an
+    additive bias: padded keys hidden from every query, padded queries (dropped from the
+    result) shown every key so their rows stay finite."""
+    s, length = q.shape[2], k.shape[2]
+    pad_q, pad_k = -s % bucket, -length % bucket
+    if pad_q or pad_k:
+        q = mx.pad(q, [(0, 0), (0, 0), (0, pad_q), (0, 0)])
+        k, v = (mx.pad(x, [(0, 0), (0, 0), (0, pad_k), (0, 0)]) for x in (k, v))
+    m = mask if mask.ndim == 4 else mask.reshape(1, 1, *mask.shape[-2:])
+    m = mx.pad(mx.pad(m, [(0, 0), (0, 0), (0, 0), (0, pad_k)], constant_values=False),
+               [(0, 0), (0, 0), (0, pad_q), (0, 0)], constant_values=True)
+    bias = mx.where(m, mx.array(0, q.dtype), mx.array(-mx.inf, q.dtype))
+    out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=bias, sinks=sinks)
+    return out[:, :, :s] if pad_q else out
+
+
 def fused_builds_per_shape(dtype: mx.Dtype, head_dim: int, value_dim: int) -> bool:
     """Whether MLX's fused attention runs prefill heads of this dtype and size through
     cuDNN on CUDA, whose per-shape graph builds unfused_prefill_attention avoids: cuDNN
