@@ -57,8 +57,11 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
     out = []
     for direct in (True, False):
         outputs = ["out"] if direct else ["out", "out_ml"]
-        kinds = (("read", False, False), ("write", True, False), ("write_qkv_rope", True, True))
-        for label, write_new, fused in kinds:
+        kinds = [("read", False, False, False), ("write", True, False, False),
+                 ("write_qkv_rope", True, True, False)]
+        if direct:  # with GPT-OSS's sinks, one split (several take them in the merge)
+            kinds += [("read_sinks", False, False, True), ("write_sinks", True, False, True)]
+        for label, write_new, fused, sinks in kinds:
             new = (["qkv"] if fused else ["q", "k_new", "v_new"]) if write_new else ["q"]
             inputs = [*new, "kv_pool", "table", "lengths", "scale", "written"]
             params = {"T": dtype, "D": str(dim), "G": str(group), "HKV": str(n_kv), "P": dtype,
@@ -73,9 +76,11 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
             if fused:
                 inputs.append("rope")
                 params |= {"ROPE_TRADITIONAL": "false", "ROPE_FREQS": "true"}
+            if sinks:
+                inputs.append("sinks")
             name = (f"kiln_{label}_{'direct' if direct else 'split'}_l{lanes}_u{passes}"
                     + (f"_s{stages}" if stages else ""))
-            out.append((name, wrap(name, inputs, outs, pa._source(direct, write_new, fused, stages > 0),
+            out.append((name, wrap(name, inputs, outs, pa._source(direct, write_new, fused, stages > 0, sinks),
                                    pa._HEADER + (pa._ROPE_HEADER if fused else ""),
                                    params)))
     return out

@@ -472,16 +472,17 @@ def test_unfused_prefill_only_where_cudnn_would_build_per_shape():
 
 
 @pytest.mark.parametrize("staged", [False, True])
-@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("direct, sinks", [(True, False), (True, True), (False, False)])
 @pytest.mark.parametrize("write_new, fused", [(False, False), (True, False), (True, True)])
-def test_every_kernel_source_has_its_parts_filled_in(direct, write_new, fused, staged):
+def test_every_kernel_source_has_its_parts_filled_in(direct, sinks, write_new, fused, staged):
     """The CUDA sources are assembled from named parts on any machine; one left unfilled
     would only fail at NVRTC compile time on a GPU."""
     import re
 
     from worker_proc import paged_attention as pa
 
-    source = pa._source(direct, write_new, fused, staged)
+    source = pa._source(direct, write_new, fused, staged, sinks)
+    assert ("sinks[" in source) == sinks
     left = set(re.findall(r"\b(PROLOGUE|LENGTH|ROW_SLOTS|SLOT_AT|Q_LOAD|NEW_TOKEN|SKIP_NEW"
                           r"|PIPE_SETUP|PIPE_FETCH|PIPE_NEXT|WRITE)\b", source))
     assert not left

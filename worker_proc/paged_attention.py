@@ -238,6 +238,13 @@ __device__ inline void kiln_cp_wait() { asm volatile("cp.async.wait_group %0;\n"
 """
 
 _DIRECT_WRITE = "out[(((size_t)b * HKV + kvh) * G + g) * D + d] = static_cast<T>(aa / ll);"
+# With attention sinks, one split: the head's sink logit (log2 units, as the maxima) joins
+# the denominator here, as the merge adds it after several splits.
+_DIRECT_SINK_WRITE = """const float sink = static_cast<float>(sinks[kvh * G + g]) * 1.4426950408889634f;
+        const float top = fmaxf(mm, sink);
+        const float f = exp2f(mm - top);
+        out[(((size_t)b * HKV + kvh) * G + g) * D + d] =
+            static_cast<T>(aa * f / (ll * f + exp2f(sink - top)));"""
 _SPLIT_WRITE = """out[(part_at * G + g) * D + d] = aa;
         if (d == 0) {
             out_ml[(part_at * G + g) * 2] = mm;
@@ -476,8 +483,10 @@ __device__ float kiln_rope(const X* x, size_t at, int64_t step, int d, const flo
 """
 
 
-def _source(direct: bool, write_new: bool, fused: bool = False, staged: bool = False) -> str:
-    source = _BODY.replace("WRITE", _DIRECT_WRITE if direct else _SPLIT_WRITE)
+def _source(direct: bool, write_new: bool, fused: bool = False, staged: bool = False,
+            sinks: bool = False) -> str:
+    source = _BODY.replace("WRITE", (_DIRECT_SINK_WRITE if sinks else _DIRECT_WRITE)
+                           if direct else _SPLIT_WRITE)
     # The pipeline first: its parts hold names (NEW_TOKEN, SKIP_NEW) that the kernel
     # kind's parts fill in.
     for name, text in (_STAGED_PIPE if staged else _REGISTER_PIPE).items():
@@ -488,10 +497,15 @@ def _source(direct: bool, write_new: bool, fused: bool = False, staged: bool = F
 
 
 @functools.cache
-def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: bool = False):
+def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: bool = False,
+            sinks: bool = False):
+    """The decode kernel of a kind; sinks (one split only): `sinks` is its last input."""
+    assert direct or not sinks, "several splits take the sinks in the merge"
     outputs = ["out"] if direct else ["out", "out_ml"]
     # MLX caches a compiled kernel by name and template arguments: one name a source.
-    kind = f"{'_staged' if staged else ''}_decode_{'direct' if direct else 'split'}"
+    kind = (f"{'_staged' if staged else ''}_decode_{'direct' if direct else 'split'}"
+            f"{'_sinks' if sinks else ''}")
+    extra = ["sinks"] if sinks else []
     if write_new:
         new = ["qkv"] if fused else ["q", "k_new", "v_new"]
         return mx.fast.cuda_kernel(
@@ -499,15 +513,16 @@ def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: 
             # `written`: the mark of the layer's previous in-place write, which this
             # launch follows; `mark` (out): this launch's, as pool_write_in_place's.
             input_names=[*new, "kv_pool", "table", "lengths", "scale", "written", "slots",
-                         *(["rope"] if fused else [])],
-            output_names=[*outputs, "mark"], source=_source(direct, True, fused, staged),
+                         *(["rope"] if fused else []), *extra],
+            output_names=[*outputs, "mark"], source=_source(direct, True, fused, staged, sinks),
             header=_HEADER + (_ROPE_HEADER if fused else ""), ensure_row_contiguous=False)
     return mx.fast.cuda_kernel(
         name=f"kiln_paged{kind}",
         # `written`: the mark of this layer's in-place pool write (pool_write_in_place),
         # an input only so that the kernel runs after it.
-        input_names=["q", "kv_pool", "table", "lengths", "scale", "written"],
-        output_names=outputs, source=_source(direct, False, staged=staged), header=_HEADER)
+        input_names=["q", "kv_pool", "table", "lengths", "scale", "written", *extra],
+        output_names=outputs, source=_source(direct, False, staged=staged, sinks=sinks),
+        header=_HEADER)
 
 
 _SINK_MAX = "const float sink = static_cast<float>(sinks[kvh * G + g]) * 1.4426950408889634f;\n        mm = sink;"
@@ -639,13 +654,11 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
             stages: int = DEFAULT_STAGES) -> tuple[mx.array, mx.array | None]:
     """Launch the decode kernel (and the merge, for several splits): [B, Hq, D] in
     `dtype`, and the write's mark when it stores the new K/V. rope: the fused q/k/v
-    variant (paged_decode_qkv_attention). sinks: [Hq] sink logits, which the merge adds
-    (so such a launch always has it: two splits at least, the second maybe empty)."""
+    variant (paged_decode_qkv_attention). sinks: [Hq] sink logits, which the kernel adds
+    with one split, the merge with several."""
     n_kv = kv_pool.shape[1]
     group = n_q // n_kv
     splits = num_splits(batch, n_kv, width)
-    if sinks is not None:
-        splits = max(splits, 2)
     template = [("T", dtype), ("D", dim), ("G", group), ("HKV", n_kv), ("P", kv_pool.dtype),
                 ("LANES", LANES_PER_TOKEN), ("PASSES", PASSES),
                 ("CHUNK_MAX", MAX_SPLIT_TOKENS)]
@@ -657,8 +670,9 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
         template.append(("STAGES", stages))
     grid = (splits * _THREADS, n_kv, batch)
     if splits == 1:
-        out, *mark = _kernel(True, write_new, rope is not None, stages > 0)(
-            inputs=inputs, template=template, grid=grid, threadgroup=(_THREADS, 1, 1),
+        with_sinks = sinks is not None
+        out, *mark = _kernel(True, write_new, rope is not None, stages > 0, with_sinks)(
+            inputs=[*inputs, *([sinks] if with_sinks else [])], template=template, grid=grid, threadgroup=(_THREADS, 1, 1),
             output_shapes=[(batch, n_q, dim), *mark_shape], output_dtypes=[dtype, *mark_dtype])
         return out, (mark[0] if mark else None)
     acc, ml, *mark = _kernel(False, write_new, rope is not None, stages > 0)(
