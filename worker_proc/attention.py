@@ -87,8 +87,11 @@ class ForwardLayout:
         a long prompt: its window and itself, not the whole context)."""
         if self.fresh:
             return 0
-        assert self.positions is not None, "a prefill layout has its positions"
-        return int(np.min(kind.first_visible(self.positions[:, 0] + 1)))
+        key = ("start", kind)  # asked per layer (read, mask): once a forward
+        if key not in self._memo:
+            assert self.positions is not None, "a prefill layout has its positions"
+            self._memo[key] = int(np.min(kind.first_visible(self.positions[:, 0] + 1)))
+        return self._memo[key]
 
     def windowed_reads(self, kind: LayerKind, read_slots: mx.array) -> tuple[mx.array, mx.array]:
         """Decode: each row's slots from the first position its query sees, and how many,

@@ -23,9 +23,10 @@ from typing import TYPE_CHECKING, Any
 import mlx.core as mx
 
 from worker_proc.paged_attention import (DEFAULT_STAGES, RopeSpec, bucketed_fused_attention,
-                                         bucketed_masked_attention, fused_bucket_padding, fused_builds_per_shape,
-                                         kernel_available, paged_decode_attention,
-                                         paged_decode_qkv_attention, paged_decode_write_attention,
+                                         bucketed_masked_attention, fused_bucket_padding,
+                                         fused_builds_per_shape, kernel_available,
+                                         paged_decode_attention, paged_decode_qkv_attention,
+                                         paged_decode_write_attention,
                                          pool_write_in_place, reference_decode_attention,
                                          rows_write_in_place, unfused_prefill_attention,
                                          unfused_prefill_fits)

@@ -104,10 +104,10 @@ def _fused_module(parts: list[nn.Module]) -> nn.Module | None:
         return None
     if kind is QuantizedSwitchLinear and any(p.global_scale is not None for p in parts):
         return None  # nvfp4 experts with a scale of their own each
-    keys = sorted(k for k in ("weight", "scales", "biases", "bias") if _has(first, k))
+    keys = _parameter_keys(first)
     axis = _out_axis(first)
     for p in parts:
-        if sorted(k for k in ("weight", "scales", "biases", "bias") if _has(p, k)) != keys:
+        if _parameter_keys(p) != keys:
             return None
         if (_other_dims(p.weight, axis) != _other_dims(first.weight, axis)
                 or p.weight.dtype != first.weight.dtype):
@@ -141,10 +141,11 @@ def _other_dims(weight: mx.array, axis: int) -> tuple[int, ...]:
     return tuple(weight.shape[:axis] + weight.shape[axis + 1:])
 
 
-def _has(part: nn.Module, key: str) -> bool:
-    """Whether the part holds this parameter (QuantizedSwitchLinear keeps `biases` as
-    None where its mode has none)."""
-    return key in part and part[key] is not None
+def _parameter_keys(part: nn.Module) -> list[str]:
+    """The parameters a part holds, sorted (QuantizedSwitchLinear keeps `biases` as None
+    where its mode has none)."""
+    return sorted(k for k in ("weight", "scales", "biases", "bias")
+                  if k in part and part[k] is not None)
 
 
 def fuse_projections(model: nn.Module) -> int:

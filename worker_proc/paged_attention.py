@@ -852,8 +852,7 @@ def bucketed_fused_attention(q: mx.array, k: mx.array, v: mx.array, scale: float
     and the matmuls run on tensor cores in the heads' dtype."""
     s = q.shape[2]
     if pad:
-        widths = [(0, 0), (0, 0), (0, pad), (0, 0)]
-        q, k, v = (mx.pad(x, widths) for x in (q, k, v))
+        q, k, v = (_pad_positions(x, pad) for x in (q, k, v))
     out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal", sinks=sinks)
     return out[:, :, :s] if pad else out
 
@@ -868,15 +867,23 @@ def bucketed_masked_attention(q: mx.array, k: mx.array, v: mx.array, scale: floa
     result) shown every key so their rows stay finite."""
     s, length = q.shape[2], k.shape[2]
     pad_q, pad_k = -s % bucket, -length % bucket
-    if pad_q or pad_k:
-        q = mx.pad(q, [(0, 0), (0, 0), (0, pad_q), (0, 0)])
-        k, v = (mx.pad(x, [(0, 0), (0, 0), (0, pad_k), (0, 0)]) for x in (k, v))
+    q = _pad_positions(q, pad_q)
+    k, v = (_pad_positions(x, pad_k) for x in (k, v))
     m = mask if mask.ndim == 4 else mask.reshape(1, 1, *mask.shape[-2:])
-    m = mx.pad(mx.pad(m, [(0, 0), (0, 0), (0, 0), (0, pad_k)], constant_values=False),
-               [(0, 0), (0, 0), (0, pad_q), (0, 0)], constant_values=True)
+    m = mx.pad(m, [(0, 0), (0, 0), (0, 0), (0, pad_k)], constant_values=False)
+    m = _pad_positions(m, pad_q, True)
     bias = mx.where(m, mx.array(0, q.dtype), mx.array(-mx.inf, q.dtype))
     out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=bias, sinks=sinks)
     return out[:, :, :s] if pad_q else out
+
+
+def _pad_positions(x: mx.array, n: int, value: bool | float = 0) -> mx.array:
+    """[B, H, S, ...] with n more positions (axis 2) of `value` at the end."""
+    if not n:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[2] = (0, n)
+    return mx.pad(x, widths, constant_values=value)
 
 
 def fused_builds_per_shape(dtype: mx.Dtype, head_dim: int, value_dim: int) -> bool:

@@ -716,11 +716,12 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
     one fresh chunk (a forward of one row, as a quiet server's first request meets it),
     where the backend pads long prefill chunks to recurring shapes (bucketed_prefill) a
     lone prompt of two `long_chunk` chunks (the graphs a long prompt's first two chunks
-    need, built now: up to a second each on the H200), then prompts in two chunks (the first fresh, the second read back from the pool, with
-    one start and with mixed starts), then decode batch sizes up to max_batch: powers of
-    two, or with compiled decode every batch bucket (each is a trace of its own). Uses
-    slots from 1 up: the scheduler has handed none out yet, and every slot is written
-    before it is read. Returns the number of steps run."""
+    need, built now: up to a second each on the H200), then prompts in two chunks (the
+    first fresh, the second read back from the pool, with one start and with mixed
+    starts), then decode batch sizes up to max_batch: powers of two, or with compiled
+    decode every batch bucket (each is a trace of its own). Uses slots from 1 up: the
+    scheduler has handed none out yet, and every slot is written before it is read.
+    Returns the number of steps run."""
     steps_per_size = 2
     if runner.compiles_decode:
         # Row counts whose buckets are every bucket (the last may hold fewer rows).
