@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import mlx.core as mx
 
+from ipc.config import DECODE_EXPERIMENTS
 from worker_proc.paged_attention import (DEFAULT_STAGES, RopeSpec, bucketed_fused_attention,
                                          bucketed_masked_attention, fused_bucket_padding,
                                          fused_builds_per_shape, kernel_available,
@@ -42,8 +43,7 @@ DENSE_DECODE_SHARE = 0.5
 # are small, and padding them to a bucket would mostly compute padding.
 MASKED_MIN_QUERIES = 256
 
-EXPERIMENTS = frozenset({"rope-in-kernel", "staged-kv", "unfused-prefill",
-                         "bucketed-masked-prefill"})
+EXPERIMENTS = frozenset(DECODE_EXPERIMENTS)  # the names --experiments takes
 
 
 class DecodeBackend:
