@@ -575,7 +575,8 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
 
     specs = [AttentionLayerSpec(8, 128, 128, mx.bfloat16)]
     config = ServerConfig(experiments=" rope-in-kernel ")
-    assert choose_decode_backend(specs) == GatherDecode()  # the CPU: plain MLX
+    monkeypatch.setattr(decode_backend, "kernel_available", lambda: False)  # as on the CPU
+    assert choose_decode_backend(specs) == GatherDecode()  # plain MLX
     with pytest.raises(ValueError, match="need the CUDA kernel"):  # no silent no-op elsewhere
         choose_decode_backend(specs, config.experiment_set)
     monkeypatch.setattr(decode_backend, "kernel_available", lambda: True)
