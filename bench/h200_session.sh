@@ -9,6 +9,7 @@
 #   PARTS=sweep SERVERS=kiln,kiln_eager,mlx_lm SWEEP_SECONDS=480 OUT=$OUT bash bench/h200_session.sh
 #   PARTS=mixed OUT=$OUT bash bench/h200_session.sh    # decode first against one budget, ~6 min
 #   MIXED_STEADY=0 MIXED_ARMS=default PARTS=mixed OUT=$OUT bash bench/h200_session.sh  # a wave's prefill rate
+#   (MIXED_BURST_OUTPUT=1: the prefill rate with no decode-first bound in play)
 #   FAMILY=qwen3_5-9b PARTS=prefix OUT=$OUT bash bench/h200_session.sh    # one call each:
 #   FAMILY=qwen3_5-9b PARTS=longctx OUT=$OUT bash bench/h200_session.sh
 #
@@ -71,6 +72,8 @@ LONGCTX_SERVERS=${LONGCTX_SERVERS:-kiln,mlx_lm}
 MIXED_ARMS=${MIXED_ARMS:-default,8192}
 MIXED_STEADY=${MIXED_STEADY:-32}  # streams decoding through the burst; 0: the burst alone,
                                   # whose "prefill t/s" is a wave's prefill rate (issue 20)
+MIXED_BURST_OUTPUT=${MIXED_BURST_OUTPUT:-64}  # the burst's output tokens; 1: no burst
+                                  # request decodes, so no decode-first bound slows its prefill
 mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
@@ -146,7 +149,7 @@ arms=$(tr ',' '\n' <<<"$MIXED_ARMS" | wc -l)
 timeout $((arms * 240 < 520 ? arms * 240 : 520)) "$PYTHON" bench/mixed_traffic.py \
     --model "$MODEL" --arms "$MIXED_ARMS" --kiln-args="$KILN_ARGS" --out "$OUT" \
     --steady-streams "$MIXED_STEADY" --steady-prompt-tokens 128 --steady-output-tokens 2000 \
-    --steady-seconds 5 --burst-requests 64 --burst-prompt-tokens 4096 --burst-output-tokens 64 \
+    --steady-seconds 5 --burst-requests 64 --burst-prompt-tokens 4096 --burst-output-tokens "$MIXED_BURST_OUTPUT" \
     --json "$OUT/mixed.json" 2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/mixed.txt"
 fi
 

@@ -30,7 +30,7 @@ served model (fused, fast blocks) and, on it, forwards of up to 8,192 tokens ins
 PREFILL_FORWARD_TOKENS, MLX's fused (cuDNN) attention at every forward's own shapes, and
 no pool write; the prefill steps add the served model with every prefill attention
 unfused (before long causal chunks went bucketed to cuDNN), and with masked forwards
-bucketed to cuDNN too (--experiments bucketed-masked-prefill).
+unfused (--experiments unfused-masked-prefill; before they went bucketed to cuDNN too).
 
 --prefill-steps times prefill steps as a long-prompt server meets them (fresh 4,096
 tokens; four 2,048-token chunks of different requests; a 2,048 chunk after a cached 2,048
@@ -722,8 +722,8 @@ def main() -> None:
                 decode_backend, "unfused_prefill_fits", lambda *_: False, kiln(fast_model))
             step_variants["kiln, served, unfused attention"] = _patching(
                 this, "BACKEND", KernelDecode(bucketed_prefill=False), kiln(fast_model))
-            step_variants["kiln, served, bucketed masked attention"] = _patching(
-                this, "BACKEND", KernelDecode(bucketed_masked=True), kiln(fast_model))
+            step_variants["kiln, served, unfused masked attention"] = _patching(
+                this, "BACKEND", KernelDecode(bucketed_masked=False), kiln(fast_model))
         else:  # CUDA's prefill attention (unfused), stood in for on this device
             for compiles in (False, True):
                 step_variants["kiln, CUDA's prefill attention" + (", compiled" if compiles else "")] = (

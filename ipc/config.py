@@ -15,7 +15,7 @@ from typing import Any
 PROJECT_NAME = "kiln"
 # CUDA attention paths other than the default, for --experiments (A/B runs).
 DECODE_EXPERIMENTS = ("rope-in-kernel", "staged-kv", "unfused-prefill",
-                      "bucketed-masked-prefill")
+                      "unfused-masked-prefill")
 
 
 def _auto_on_off(help_text: str) -> Any:
@@ -145,12 +145,12 @@ class ServerConfig:
                                       "attention kernel brings K/V through shared memory with "
                                       "cp.async, several tiles in flight; sm_80+; unmeasured), "
                                       "unfused-prefill (every prefill attention as plain "
-                                      "matmuls, as before long causal chunks went through "
+                                      "matmuls, as before prefill forwards went through "
                                       "MLX's fused cuDNN kernel at shapes padded to "
-                                      "multiples of 512), bucketed-masked-prefill (masked "
-                                      "prefill forwards of 256+ queries, rows at different "
-                                      "starts or windows, through cuDNN too, padded, the "
-                                      "mask as a bias; unmeasured)."})
+                                      "multiples of 512), unfused-masked-prefill (only "
+                                      "causal forwards from a bucket-aligned start padded "
+                                      "to cuDNN; masked ones of 256+ queries, rows at "
+                                      "different starts or windows, as plain matmuls)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "
@@ -224,9 +224,6 @@ class ServerConfig:
         if unknown:
             raise ValueError(f"--experiments: unknown {sorted(unknown)}; known: "
                              f"{', '.join(DECODE_EXPERIMENTS)}")
-        if {"unfused-prefill", "bucketed-masked-prefill"} <= self.experiment_set:
-            raise ValueError("--experiments: unfused-prefill and bucketed-masked-prefill "
-                             "exclude each other")
         if "rope-in-kernel" in self.experiment_set and "off" in (self.fast_decode_blocks,
                                                                  self.fuse_projections):
             raise ValueError("--experiments rope-in-kernel runs inside the fast decode blocks: "

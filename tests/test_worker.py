@@ -595,17 +595,15 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert paged_attention.staged_tiles(128, 2) == 0  # the default: register prefetch
     unfused = choose_decode_backend(specs, ServerConfig(experiments="unfused-prefill").experiment_set)
     assert KernelDecode().bucketed_prefill and unfused == KernelDecode(bucketed_prefill=False)
-    masked = choose_decode_backend(specs, ServerConfig(experiments="bucketed-masked-prefill").experiment_set)
-    assert masked == KernelDecode(bucketed_masked=True)
-    with pytest.raises(ValueError, match="exclude each other"):
-        ServerConfig(experiments="unfused-prefill,bucketed-masked-prefill")
+    masked = choose_decode_backend(specs, ServerConfig(experiments="unfused-masked-prefill").experiment_set)
+    assert KernelDecode().bucketed_masked and masked == KernelDecode(bucketed_masked=False)
 
 
 def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_lm(
         tiny_model, oracle, monkeypatch):
-    """--experiments bucketed-masked-prefill on the CPU stand-in: one forward of chunks of
-    requests at different starts (a mask per row) goes padded through the fused call;
-    greedy tokens stay mlx-lm's."""
+    """CUDA's default masked prefill on the CPU stand-in: one forward of chunks of
+    requests at different starts (a mask per row), and a lone causal chunk under a
+    bucket long, go padded through the fused call; greedy tokens stay mlx-lm's."""
     from worker_proc import decode_backend
 
     model, tokenizer = tiny_model
@@ -621,7 +619,7 @@ def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_
     # share forwards with the others' first ones (rows at different starts).
     prompts = _prompts(3, [900, 600, 350], model.args.vocab_size, seed=23)
     engine = InProcessEngine(model, chunk_size=300, max_prefill_tokens=900, max_context=2048,
-                             backend=StandInKernel(bucketed_masked=True))
+                             backend=StandInKernel())
     eos = _eos(tokenizer)
     engine.submit("r0", prompts[0], 10, eos)
     engine.step()
@@ -630,13 +628,14 @@ def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_
     results = engine.run_until_idle()
     for i, p in enumerate(prompts):
         assert results[f"r{i}"].token_ids == oracle(p, 10), f"r{i}"
-    assert any(b > 1 for b in calls)
+    assert any(b > 1 for b in calls) and 1 in calls
 
 
 def test_long_chunks_through_bucketed_fused_attention_match_mlx_lm(tiny_model, oracle, monkeypatch):
     """The CUDA backend's prefill attention in a served model: chunks of 512+ tokens at a
-    bucket-aligned start go padded through the fused call, shorter ones (and the last,
-    ragged chunk) unfused, beside requests decoding; greedy tokens stay mlx-lm's."""
+    bucket-aligned start go padded through the fused call (the rest of 256+ tokens
+    with a causal mask, bucketed_masked_attention; shorter ones unfused), beside
+    requests decoding; greedy tokens stay mlx-lm's."""
     from worker_proc import decode_backend
 
     model, tokenizer = tiny_model
@@ -649,7 +648,7 @@ def test_long_chunks_through_bucketed_fused_attention_match_mlx_lm(tiny_model, o
 
     monkeypatch.setattr(decode_backend, "bucketed_fused_attention", spy)
     # 1,300 in chunks of 768: 768 fresh (padded by 256), 532 after 768 (not a bucket
-    # multiple: unfused); 1,100: 768, then 332 (short: unfused); 40: unfused.
+    # multiple: masked); 1,100: 768, then 332 (under a bucket: masked); 40: unfused.
     prompts = _prompts(3, [1300, 1100, 40], model.args.vocab_size, seed=21)
     engine = InProcessEngine(model, chunk_size=768, max_prefill_tokens=1536, max_context=2048,
                              backend=StandInKernel())

@@ -24,8 +24,9 @@ import mlx.core as mx
 
 from ipc.config import DECODE_EXPERIMENTS
 from worker_proc.paged_attention import (DEFAULT_STAGES, RopeSpec, bucketed_fused_attention,
-                                         bucketed_masked_attention, fused_bucket_padding,
-                                         fused_builds_per_shape, kernel_available,
+                                         bucketed_masked_attention, causal_mask,
+                                         fused_bucket_padding, fused_builds_per_shape,
+                                         kernel_available,
                                          paged_decode_attention, paged_decode_qkv_attention,
                                          paged_decode_write_attention,
                                          pool_write_in_place, reference_decode_attention,
@@ -100,14 +101,14 @@ class KernelDecode(DecodeBackend):
     rest unfused; off, every prefill attention that fits is unfused (`--experiments
     unfused-prefill`, the A/B arm). bucketed_masked: masked prefill forwards of
     MASKED_MIN_QUERIES+ queries (rows at different starts, windows) through the fused
-    kernel too, padded and with the mask as a bias (bucketed_masked_attention;
-    `--experiments bucketed-masked-prefill`, unmeasured)."""
+    kernel too, padded and with the mask as a bias (bucketed_masked_attention); off,
+    those stay unfused (`--experiments unfused-masked-prefill`, the A/B arm)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
     stages: int = DEFAULT_STAGES
     bucketed_prefill: bool = True
-    bucketed_masked: bool = False
+    bucketed_masked: bool = True
 
     name = "CUDA kernel"
     in_place = True
@@ -146,9 +147,14 @@ class KernelDecode(DecodeBackend):
             pad = fused_bucket_padding(queries.shape[2], keys.shape[2], mask)
             if pad is not None:
                 return bucketed_fused_attention(queries, keys, values, scale, pad, sinks)
-            if (self.bucketed_masked and isinstance(mask, mx.array)
-                    and queries.shape[2] >= MASKED_MIN_QUERIES):
-                return bucketed_masked_attention(queries, keys, values, scale, mask, sinks)
+            if self.bucketed_masked and queries.shape[2] >= MASKED_MIN_QUERIES:
+                if isinstance(mask, str):
+                    # Causal after a prefix that is not a bucket's multiple (mixed traffic's
+                    # chunks, cut wherever a step's budget ends): an explicit mask lets
+                    # both sides pad to buckets.
+                    mask = causal_mask(queries.shape[2], keys.shape[2])
+                if isinstance(mask, mx.array):
+                    return bucketed_masked_attention(queries, keys, values, scale, mask, sinks)
         # No cuDNN graph build per prompt shape, while the float32 scores stay small.
         if unfused_prefill_fits(queries.shape, keys.shape[2]):
             return unfused_prefill_attention(queries, keys, values, scale, mask, sinks)
@@ -237,4 +243,4 @@ def choose_decode_backend(specs: list,
     return KernelDecode(rope_in_kernel="rope-in-kernel" in experiments,
                         stages=4 if "staged-kv" in experiments else DEFAULT_STAGES,
                         bucketed_prefill="unfused-prefill" not in experiments,
-                        bucketed_masked="bucketed-masked-prefill" in experiments)
+                        bucketed_masked="unfused-masked-prefill" not in experiments)

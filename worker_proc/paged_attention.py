@@ -941,6 +941,13 @@ def unfused_prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: floa
     return out.reshape(b, n_q, s, v.shape[-1])
 
 
+def causal_mask(n_new: int, n_keys: int) -> mx.array:
+    """[n_new, n_keys] booleans: the last n_new of n_keys positions each see the keys up
+    to their own."""
+    rows, cols = _causal_positions(n_new, n_keys)
+    return rows >= cols
+
+
 @functools.lru_cache(maxsize=64)
 def _causal_positions(n_new: int, n_keys: int) -> tuple[mx.array, mx.array]:
     """The positions of the last n_new of n_keys queries, [n_new, 1], and of the keys,
