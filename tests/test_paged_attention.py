@@ -378,6 +378,16 @@ def test_bucketed_masked_attention_is_the_unpadded_attention(n_new, length, rows
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
+def test_masked_keys_pad_to_few_sizes_and_at_most_a_bucket_or_a_quarter_more():
+    from worker_proc.paged_attention import key_bucket
+
+    assert [key_bucket(n) for n in (1, 512, 513, 4096, 4097, 5121, 8192, 8193)] == [
+        512, 512, 1024, 4096, 5120, 6144, 8192, 10240]
+    sizes = {key_bucket(n) for n in range(1, 131073, 37)}
+    assert len(sizes) <= 30 and all(s % 512 == 0 for s in sizes)
+    assert all(n <= key_bucket(n) < n + max(512, n / 4) for n in range(1, 131073, 37))
+
+
 def test_fused_bucket_padding_takes_long_causal_chunks_at_bucket_offsets():
     from worker_proc.paged_attention import fused_bucket_padding
 

@@ -864,9 +864,11 @@ def bucketed_masked_attention(q: mx.array, k: mx.array, v: mx.array, scale: floa
     starts, windows) through MLX's fused kernel, queries and keys padded at the end to
     multiples of `bucket` so cuDNN's per-shape graphs recur. The mask goes in as an
     additive bias: padded keys hidden from every query, padded queries (dropped from the
-    result) shown every key so their rows stay finite."""
+    result) shown every key so their rows stay finite. Keys pad to key_bucket's sizes, so
+    chunks anywhere in a long context meet a few dozen shapes, not one per 512 keys (MLX
+    keeps 256 cuDNN graphs, MLX_CUDA_SDPA_CACHE_SIZE)."""
     s, length = q.shape[2], k.shape[2]
-    pad_q, pad_k = -s % bucket, -length % bucket
+    pad_q, pad_k = -s % bucket, key_bucket(length, bucket) - length
     q = _pad_positions(q, pad_q)
     k, v = (_pad_positions(x, pad_k) for x in (k, v))
     m = mask if mask.ndim == 4 else mask.reshape(1, 1, *mask.shape[-2:])
@@ -875,6 +877,14 @@ def bucketed_masked_attention(q: mx.array, k: mx.array, v: mx.array, scale: floa
     bias = mx.where(m, mx.array(0, q.dtype), mx.array(-mx.inf, q.dtype))
     out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=bias, sinks=sinks)
     return out[:, :, :s] if pad_q else out
+
+
+def key_bucket(n: int, bucket: int = FUSED_PREFILL_BUCKET) -> int:
+    """The padded key count for n keys under a mask: a multiple of `bucket`, and past 8
+    buckets of an eighth of the next power of two (4 sizes an octave: less than a bucket
+    or a quarter more keys, ~30 sizes to a 128k context)."""
+    step = max(bucket, (1 << max(n - 1, 1).bit_length()) // 8)
+    return -(-n // step) * step
 
 
 def _pad_positions(x: mx.array, n: int, value: bool | float = 0) -> mx.array:
