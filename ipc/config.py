@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 PROJECT_NAME = "kiln"
+PREFILL_CHUNK = 2048  # --chunked-prefill-size 0's value by device: mlx-lm's prefill step,
+LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerConfig.chunk_size)
 # CUDA attention paths other than the default, for --experiments (A/B runs).
 DECODE_EXPERIMENTS = ("rope-in-kernel", "staged-kv", "unfused-prefill",
                       "unfused-masked-prefill")
@@ -55,8 +57,10 @@ class ServerConfig:
     max_running_requests: int = dataclasses.field(
         default=128, metadata={"help": "Most requests decoding at once (the batch size cap)."})
     chunked_prefill_size: int = dataclasses.field(
-        default=2048, metadata={"help": "Prompts longer than this are prefilled in chunks of "
-                                        "this many tokens, interleaved with decode steps."})
+        default=0, metadata={"help": "Prompts longer than this are prefilled in chunks of this "
+                                     "many tokens, interleaved with decode steps (0: 4096 where "
+                                     "long prefill attention runs through fused kernels at "
+                                     "bucketed shapes, CUDA; 2048 elsewhere)."})
     max_prefill_tokens: int = dataclasses.field(
         default=8192, metadata={"help": "Most prompt tokens computed in one scheduler step "
                                         "(summed over all requests in the step)."})
@@ -205,10 +209,11 @@ class ServerConfig:
             raise ValueError("--context-length must be >= 0 (0: the model's)")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be >= 1")
-        if min(self.chunked_prefill_size, self.max_prefill_tokens,
-               self.max_prefill_tokens_while_decoding) < 1:
-            raise ValueError("--chunked-prefill-size, --max-prefill-tokens and "
-                             "--max-prefill-tokens-while-decoding must be >= 1")
+        if self.chunked_prefill_size < 0:
+            raise ValueError("--chunked-prefill-size must be >= 0 (0: by device)")
+        if min(self.max_prefill_tokens, self.max_prefill_tokens_while_decoding) < 1:
+            raise ValueError("--max-prefill-tokens and --max-prefill-tokens-while-decoding "
+                             "must be >= 1")
         self.prefill_padding_share  # refuses a value that is neither auto nor a share
         if not 0.0 <= self.window_ratio <= 1.0:
             raise ValueError("--window-ratio must be in [0, 1]")
@@ -290,10 +295,14 @@ class ServerConfig:
     def model_name(self) -> str:
         return self.served_model_name or self.model
 
-    @property
-    def chunk_size(self) -> int:
-        """Largest prefill chunk: a chunk never exceeds the per-step prefill budget."""
-        return min(self.chunked_prefill_size, self.max_prefill_tokens)
+    def chunk_size(self, fused_long_prefill: bool = False) -> int:
+        """Largest prefill chunk, never above the per-step prefill budget. By default
+        (--chunked-prefill-size 0) twice mlx-lm's 2,048 where the worker's long prefill
+        attention is fused at bucketed shapes: its scores never exist in memory, and one
+        4,096 forward beat two of 2,048 on the H200 by ~11% (docs/benchmarks.md, session
+        18); the worker decides (WorkerReady.chunk_size)."""
+        default = LONG_PREFILL_CHUNK if fused_long_prefill else PREFILL_CHUNK
+        return min(self.chunked_prefill_size or default, self.max_prefill_tokens)
 
     def process_title(self, role: str) -> str:
         return f"{PROJECT_NAME}:{role}"

@@ -709,6 +709,7 @@ class Scheduler:
                                if self.windows is not None else 0),
             kv_bytes_per_slot=self.limits.bytes_per_slot,
             window_kv_bytes_per_slot=self.limits.window_bytes_per_slot,
+            prefill_chunk_tokens=self.limits.chunk_size,
             state_snapshots=self.limits.state_snapshots,
             state_snapshots_used=(self.limits.state_snapshots - self.cache.free_snapshots
                                   if isinstance(self.cache, SnapshotCache) else 0))

@@ -213,6 +213,7 @@ def test_malformed_json_is_400(server):
 
 def test_models_and_health(server):
     assert httpx.get(server.url + "/health", timeout=10).status_code == 200
+    assert server.stats()["prefill_chunk_tokens"] == 128  # --chunked-prefill-size
     models = httpx.get(server.url + "/v1/models", timeout=10).json()
     assert [m["id"] for m in models["data"]] == [MODEL]
 

@@ -565,6 +565,20 @@ def test_overlap_auto_is_on_with_a_gpu_only_and_the_flags_force_it():
         ServerConfig(disable_overlap=True, overlap="on")
 
 
+def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
+    from ipc.config import ServerConfig
+    from worker_proc.decode_backend import GatherDecode, KernelDecode
+
+    auto = ServerConfig()
+    assert auto.chunk_size(GatherDecode().bucketed_prefill) == 2048  # mlx-lm's prefill step
+    assert auto.chunk_size(KernelDecode().bucketed_prefill) == 4096
+    assert auto.chunk_size(KernelDecode(bucketed_prefill=False).bucketed_prefill) == 2048
+    assert ServerConfig(chunked_prefill_size=512).chunk_size(True) == 512
+    assert ServerConfig(max_prefill_tokens=1024).chunk_size(True) == 1024  # within a step's budget
+    with pytest.raises(ValueError, match="chunked-prefill-size"):
+        ServerConfig(chunked_prefill_size=-1)
+
+
 def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatch):
     from ipc.config import ServerConfig
     from worker_proc import decode_backend
@@ -663,6 +677,10 @@ def test_long_chunks_through_bucketed_fused_attention_match_mlx_lm(tiny_model, o
     assert engine.runner.requests == {}
     engine.submit("after", prompts[1], 12, _eos(tokenizer))
     assert engine.run_until_idle()["after"].token_ids == oracle(prompts[1], 12)
+    padded.clear()  # a context that holds one long chunk: that one alone
+    short = InProcessEngine(model, chunk_size=512, max_context=768, backend=StandInKernel())
+    assert warm_up(short.runner, max_batch=4, long_chunk=512) == 2 + 2 + 2 + 2 * 3
+    assert padded == [0] * model.args.num_hidden_layers
 
 def test_host_staging_reuses_its_buffers_and_keeps_the_last_steps_inputs():
     """Compiled decode's host-written inputs: no allocation a step once its buffers are

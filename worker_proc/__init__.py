@@ -99,7 +99,9 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     # (a window tail is not kept with them).
     windows = [] if per_state else KVPool.windows(specs)
     per_window = KVPool.window_bytes_per_slot(specs) if windows else 0
-    floor = (WindowRule(tuple(windows)).most_held(context, context, config.chunk_size)
+    chunk = config.chunk_size(fused_long_prefill=backend.bucketed_prefill)
+    say(f"prefill chunks of up to {chunk} tokens")
+    floor = (WindowRule(tuple(windows)).most_held(context, context, chunk)
              if windows else 0)
     # A backend keeping dense decode contexts keeps up to `kept` of the pool's size again.
     slots, window_slots = pool_spaces(config, int(per_slot * (1 + kept)),
@@ -130,7 +132,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                          compile_decode=not config.eager_decode and backend.compiles,
                          compile_prefill=config.compile_prefill)
     t0 = time.monotonic()
-    steps = warm_up(runner, config.max_running_requests, long_chunk=config.chunk_size)
+    steps = warm_up(runner, config.max_running_requests, long_chunk=chunk)
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")
@@ -349,6 +351,7 @@ def run_worker(config: ServerConfig) -> None:
                              windows=runner.pool.window_kinds,
                              bytes_per_slot=runner.pool.slot_bytes[0],
                              window_bytes_per_slot=runner.pool.slot_bytes[1],
+                             chunk_size=config.chunk_size(runner.pool.backend.bucketed_prefill),
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
     loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place)

@@ -715,8 +715,9 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
     compilation happens before the first user request, not during it: a lone prompt in
     one fresh chunk (a forward of one row, as a quiet server's first request meets it),
     where the backend pads long prefill chunks to recurring shapes (bucketed_prefill) a
-    lone prompt of two `long_chunk` chunks (the graphs a long prompt's first two chunks
-    need, built now: up to a second each on the H200), then prompts in two chunks (the
+    lone prompt of two `long_chunk` chunks, or one where the context holds no more (the
+    graphs a long prompt's first chunks need, built now: up to a second each on the
+    H200), then prompts in two chunks (the
     first fresh, the second read back from the pool, with one start and with mixed
     starts), then decode batch sizes up to max_batch: powers of two, or with compiled
     decode every batch bucket (each is a trace of its own). Uses slots from 1 up: the
@@ -754,16 +755,17 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
                             prefill=[prompt_chunk(solo, 0, list(range(1, prompt_len + 1)), True)]))
     runner.run(ForwardBatch(step=1, released=[solo]))
     step = 2
-    if (runner.pool.backend.bucketed_prefill and long_chunk >= FUSED_PREFILL_BUCKET
-            and 2 * long_chunk <= min(space, runner.max_context)):
+    n_long = min(2, min(space, runner.max_context) // max(long_chunk, 1))
+    if runner.pool.backend.bucketed_prefill and long_chunk >= FUSED_PREFILL_BUCKET and n_long:
         long = "warmup-long"
-        ids = list(range(1, 2 * long_chunk + 1))
-        runner.run(ForwardBatch(step=step, new_requests=[NewRequest(rid=long, sampling=greedy)],
-                                prefill=[prompt_chunk(long, 0, ids[:long_chunk], False)]))
-        runner.run(ForwardBatch(step=step + 1,
-                                prefill=[prompt_chunk(long, long_chunk, ids[long_chunk:], True)]))
-        runner.run(ForwardBatch(step=step + 2, released=[long]))
-        step += 3
+        for i in range(n_long):  # the second chunk only where the context holds it
+            ids = list(range(1 + i * long_chunk, 1 + (i + 1) * long_chunk))
+            new = [NewRequest(rid=long, sampling=greedy)] if i == 0 else []
+            runner.run(ForwardBatch(step=step, new_requests=new, prefill=[
+                prompt_chunk(long, i * long_chunk, ids, i == n_long - 1)]))
+            step += 1
+        runner.run(ForwardBatch(step=step, released=[long]))
+        step += 1
     runner.run(ForwardBatch(step=step, new_requests=[NewRequest(rid=r, sampling=greedy) for r in rids],
                             prefill=[chunk(i, 0, splits[i], False) for i in range(n_req)]))
     step += 1

@@ -104,6 +104,7 @@ class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
     window_held_slots: int = 0  # of those, what running requests' queries see (the rest: cache)
     kv_bytes_per_slot: int = 0
     window_kv_bytes_per_slot: int = 0
+    prefill_chunk_tokens: int = 0  # the largest prefill chunk (--chunked-prefill-size resolved)
 
     @property
     def kv_bytes_used(self) -> int:

@@ -53,6 +53,8 @@ class WorkerReady(Message, frozen=True):
     # Bytes one position's K/V take: in the full layers' pool and in the windowed ones'.
     bytes_per_slot: int = 0
     window_bytes_per_slot: int = 0
+    # The largest prefill chunk (ServerConfig.chunk_size for the worker's attention).
+    chunk_size: int = 2048
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
