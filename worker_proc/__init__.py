@@ -351,7 +351,8 @@ def run_worker(config: ServerConfig) -> None:
                              windows=runner.pool.window_kinds,
                              bytes_per_slot=runner.pool.slot_bytes[0],
                              window_bytes_per_slot=runner.pool.slot_bytes[1],
-                             chunk_size=config.chunk_size(runner.pool.backend.bucketed_prefill),
+                             chunk_size=config.chunk_size(
+                                 fused_long_prefill=runner.pool.backend.bucketed_prefill),
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
     loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place)

@@ -149,9 +149,9 @@ class KernelDecode(DecodeBackend):
                 return bucketed_fused_attention(queries, keys, values, scale, pad, sinks)
             if self.bucketed_masked and queries.shape[2] >= MASKED_MIN_QUERIES:
                 if isinstance(mask, str):
-                    # Causal after a prefix that is not a bucket's multiple (mixed traffic's
-                    # chunks, cut wherever a step's budget ends): an explicit mask lets
-                    # both sides pad to buckets.
+                    # Causal, but under a bucket long or after a prefix that is not a
+                    # bucket's multiple (mixed traffic's chunks, cut wherever a step's
+                    # budget ends): an explicit mask lets both sides pad to buckets.
                     mask = causal_mask(queries.shape[2], keys.shape[2])
                 if isinstance(mask, mx.array):
                     return bucketed_masked_attention(queries, keys, values, scale, mask, sinks)
