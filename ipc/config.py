@@ -59,8 +59,9 @@ class ServerConfig:
     chunked_prefill_size: int = dataclasses.field(
         default=0, metadata={"help": "Prompts longer than this are prefilled in chunks of this "
                                      "many tokens, interleaved with decode steps (0: 4096 where "
-                                     "long prefill attention runs through fused kernels at "
-                                     "bucketed shapes, CUDA; 2048 elsewhere)."})
+                                     "long prefill attention runs through cuDNN at bucketed "
+                                     "shapes, CUDA with heads of at most 128; 2048 "
+                                     "elsewhere)."})
     max_prefill_tokens: int = dataclasses.field(
         default=8192, metadata={"help": "Most prompt tokens computed in one scheduler step "
                                         "(summed over all requests in the step)."})

@@ -566,13 +566,21 @@ def test_overlap_auto_is_on_with_a_gpu_only_and_the_flags_force_it():
 
 
 def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
+    import mlx.core as mx
+
     from ipc.config import ServerConfig
+    from worker_proc import prefill_chunk
     from worker_proc.decode_backend import GatherDecode, KernelDecode
+    from worker_proc.kv_pool import AttentionLayerSpec
 
     auto = ServerConfig()
-    assert auto.chunk_size(GatherDecode().bucketed_prefill) == 2048  # mlx-lm's prefill step
-    assert auto.chunk_size(KernelDecode().bucketed_prefill) == 4096
-    assert auto.chunk_size(KernelDecode(bucketed_prefill=False).bucketed_prefill) == 2048
+    llama = [AttentionLayerSpec(8, 128, 128, mx.bfloat16)] * 2
+    assert prefill_chunk(auto, GatherDecode(), llama) == 2048  # mlx-lm's prefill step
+    assert prefill_chunk(auto, KernelDecode(), llama) == 4096  # cuDNN, bucketed
+    assert prefill_chunk(auto, KernelDecode(bucketed_prefill=False), llama) == 2048
+    # Heads cuDNN does not take: MLX's matmul fallback, whose scores exist in memory.
+    gemma = [AttentionLayerSpec(8, 256, 256, mx.bfloat16)]
+    assert prefill_chunk(auto, KernelDecode(), llama + gemma) == 2048
     assert ServerConfig(chunked_prefill_size=512).chunk_size(True) == 512
     assert ServerConfig(max_prefill_tokens=1024).chunk_size(True) == 1024  # within a step's budget
     with pytest.raises(ValueError, match="chunked-prefill-size"):

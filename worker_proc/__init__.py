@@ -16,6 +16,7 @@ from ipc.process import StartupReporter, setup_child
 from worker_proc.step_stats import PHASES, StepStats, Timer
 
 if TYPE_CHECKING:
+    from worker_proc.decode_backend import DecodeBackend
     from worker_proc.grammar import GrammarMatchers
     from worker_proc.runner import PendingStep
 
@@ -99,7 +100,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     # (a window tail is not kept with them).
     windows = [] if per_state else KVPool.windows(specs)
     per_window = KVPool.window_bytes_per_slot(specs) if windows else 0
-    chunk = config.chunk_size(fused_long_prefill=backend.bucketed_prefill)
+    chunk = prefill_chunk(config, backend, specs)
     say(f"prefill chunks of up to {chunk} tokens")
     floor = (WindowRule(tuple(windows)).most_held(context, context, chunk)
              if windows else 0)
@@ -336,6 +337,13 @@ def overlap_enabled(config: ServerConfig, on_gpu: bool) -> bool:
     return not config.disable_overlap and switch_on(config.overlap, auto=on_gpu)
 
 
+def prefill_chunk(config: ServerConfig, backend: DecodeBackend, specs: list) -> int:
+    """The largest prefill chunk for this model on this backend (see ServerConfig.chunk_size)."""
+    from worker_proc.kv_pool import attention_specs
+
+    return config.chunk_size(fused_long_prefill=backend.fuses_long_prefill(attention_specs(specs)))
+
+
 def run_worker(config: ServerConfig) -> None:
     import mlx.core as mx
 
@@ -351,8 +359,8 @@ def run_worker(config: ServerConfig) -> None:
                              windows=runner.pool.window_kinds,
                              bytes_per_slot=runner.pool.slot_bytes[0],
                              window_bytes_per_slot=runner.pool.slot_bytes[1],
-                             chunk_size=config.chunk_size(
-                                 fused_long_prefill=runner.pool.backend.bucketed_prefill),
+                             chunk_size=prefill_chunk(config, runner.pool.backend,
+                                                      runner.pool.specs),
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
     loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place)

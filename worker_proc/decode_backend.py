@@ -76,6 +76,12 @@ class DecodeBackend:
         """A prefill forward's attention, or None for mlx-lm's own (MLX's fused one)."""
         return None
 
+    def fuses_long_prefill(self, specs: list) -> bool:
+        """Whether long causal prefill chunks over these attention layers run fused at
+        recurring shapes, their scores never in memory: chunks may then be longer
+        (ServerConfig.chunk_size)."""
+        return False
+
     def write_rows(self, layer: mx.array, slots: mx.array, keys: mx.array, values: mx.array,
                    after: mx.array | None) -> mx.array:
         """In place: store the rows into the layer's own buffer; returns the write's mark."""
@@ -159,6 +165,12 @@ class KernelDecode(DecodeBackend):
         if unfused_prefill_fits(queries.shape, keys.shape[2]):
             return unfused_prefill_attention(queries, keys, values, scale, mask, sinks)
         return None
+
+    def fuses_long_prefill(self, specs: list) -> bool:
+        # Heads cuDNN does not take (Gemma's 256, MLA's latent) go to MLX's matmul
+        # fallback, whose scores do exist: those keep mlx-lm's chunk.
+        return self.bucketed_prefill and all(
+            fused_builds_per_shape(s.dtype, s.head_dim, s.v_head_dim) for s in specs)
 
     def _fused_builds_per_shape(self, queries: mx.array, values: mx.array) -> bool:
         return fused_builds_per_shape(queries.dtype, queries.shape[-1], values.shape[-1])
