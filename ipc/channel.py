@@ -176,8 +176,9 @@ class Connections:
 
     NOTE: a message names its connection only by fd, and once a connection closes its
     fd may be the next connection's; so the socket monitor's events are applied before
-    every message read. libzmq reports a disconnect before it closes the fd, hence
-    before any new connection can reuse it.
+    each message is looked up. libzmq reports a disconnect before it closes the fd, hence
+    before any new connection can reuse it, and a connection's acceptance before its
+    first message.
     """
 
     def __init__(self) -> None:
@@ -246,11 +247,11 @@ class AsyncRouter(Generic[T]):
         self._sock.close(linger=0)
 
     def _read_ready(self) -> None:
-        """Everything waiting, without blocking: the monitor's news before each message
-        (see Connections)."""
+        """Everything waiting, without blocking: each message, then the monitor's news up
+        to it, then the message's sender looked up (see Connections)."""
         while True:
-            self._read_monitor()
             frames = _try_recv(self._sock)
+            self._read_monitor()
             if frames is None:
                 return
             event = self._classify(frames)
@@ -258,6 +259,12 @@ class AsyncRouter(Generic[T]):
                 self._events.append(event)
 
     def _read_monitor(self) -> None:
+        # Read after the message: every event libzmq emitted before it is then queued.
+        # ZMQ_EVENTS makes the monitor socket take its pending commands now; a
+        # non-blocking receive may skip them (libzmq throttles that), leaving an event
+        # written before the message unseen (a reused fd's new connection taken for the
+        # closed one's).
+        self._monitor.getsockopt(zmq.EVENTS)
         while (frames := _try_recv(self._monitor)) is not None:
             event = parse_monitor_message([f.bytes for f in frames])
             fd = int(event["value"])
