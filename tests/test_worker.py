@@ -759,6 +759,23 @@ def test_prefill_padding_flag_reaches_the_runner(tiny_model_dir) -> None:
             ServerConfig(model_path=str(tiny_model_dir), prefill_padding=bad)
 
 
+def test_prefill_experiments_are_refused_for_the_device_not_the_model(tiny_model_dir,
+                                                                     tmp_path) -> None:
+    """Only rope-in-kernel runs inside the llama/qwen2 fast decode blocks; the prefill
+    experiments take any model (here Gemma 3's), and on the CPU are refused as needing the
+    CUDA kernel."""
+    from ipc.config import ServerConfig
+    from tests.families import write_model_dir
+    from worker_proc import build_runner
+    from worker_proc.layer_kinds import UnsupportedModelError
+
+    gemma = write_model_dir("gemma3_text", tiny_model_dir, tmp_path / "gemma")
+    with pytest.raises(ValueError, match="need the CUDA kernel"):
+        build_runner(ServerConfig(model_path=str(gemma), experiments="unfused-masked-prefill"))
+    with pytest.raises(UnsupportedModelError, match="no llama or qwen2 block"):
+        build_runner(ServerConfig(model_path=str(gemma), experiments="rope-in-kernel"))
+
+
 def test_compile_prefill_is_refused_on_the_cpu(tiny_model_dir) -> None:
     from ipc.config import ServerConfig
     from worker_proc import build_runner

@@ -72,10 +72,12 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         # an 8B model, which shrank the H200's pool by 5 GiB).
         mx.clear_cache()
     sped_up = fast_blocks and speed_up_decode_blocks(model, on_cuda)
-    if not sped_up and (config.fast_decode_blocks == "on" or config.experiment_set):
+    # The other experiments are the attention kernel's and its prefill's: any model.
+    in_blocks = "rope-in-kernel" in config.experiment_set
+    if not sped_up and (config.fast_decode_blocks == "on" or in_blocks):
         raise UnsupportedModelError(
-            f"{'--experiments' if config.experiment_set else '--fast-decode-blocks on'}: the "
-            "model has no llama or qwen2 block (mlx_lm.models.llama, .qwen2) to speed up")
+            f"{'--experiments rope-in-kernel' if in_blocks else '--fast-decode-blocks on'}: "
+            "the model has no llama or qwen2 block (mlx_lm.models.llama, .qwen2) to speed up")
     if norms := sum_offset_norms(model):
         say(f"{norms} RMSNorms scale by 1 + weight: the sum made once, not every call")
     say(f"model loaded in {time.monotonic() - t0:.1f}s")
