@@ -17,7 +17,7 @@ PREFILL_CHUNK = 2048  # --chunked-prefill-size 0's value by device: mlx-lm's pre
 LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerConfig.chunk_size)
 # CUDA attention paths other than the default, for --experiments (A/B runs).
 DECODE_EXPERIMENTS = ("rope-in-kernel", "staged-kv", "unfused-prefill",
-                      "unfused-masked-prefill")
+                      "unfused-masked-prefill", "warm-masked-prefill")
 
 
 def _auto_on_off(help_text: str) -> Any:
@@ -155,7 +155,10 @@ class ServerConfig:
                                       "multiples of 512), unfused-masked-prefill (only "
                                       "causal forwards from a bucket-aligned start padded "
                                       "to cuDNN; masked ones of 256+ queries, rows at "
-                                      "different starts or windows, as plain matmuls)."})
+                                      "different starts or windows, as plain matmuls), "
+                                      "warm-masked-prefill (the warm-up builds the masked "
+                                      "prefill cuDNN graphs of one request's 512-query "
+                                      "chunks over every key bucket up to 8k; unmeasured)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

@@ -619,6 +619,8 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert KernelDecode().bucketed_prefill and unfused == KernelDecode(bucketed_prefill=False)
     masked = choose_decode_backend(specs, ServerConfig(experiments="unfused-masked-prefill").experiment_set)
     assert KernelDecode().bucketed_masked and masked == KernelDecode(bucketed_masked=False)
+    warmed = choose_decode_backend(specs, ServerConfig(experiments="warm-masked-prefill").experiment_set)
+    assert not KernelDecode().warm_masked_shapes and warmed == KernelDecode(warm_masked_shapes=True)
 
 
 def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_lm(
@@ -653,12 +655,25 @@ def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_
     assert any(b > 1 for b in calls) and 1 in calls
 
 
+def test_masked_walk_meets_every_key_bucket():
+    from worker_proc.paged_attention import key_bucket
+    from worker_proc.runner import masked_walk
+
+    for keys in (512, 3000, 8192):
+        ends = masked_walk(keys)
+        assert ends[0] == 64 and ends[-1] <= keys and all(b - a == 448 for a, b in zip(ends[1:], ends[2:]))
+        assert {key_bucket(e) for e in ends[1:]} == {key_bucket(n) for n in range(512, keys + 1)}
+
+
 def test_long_chunks_through_bucketed_fused_attention_match_mlx_lm(tiny_model, oracle, monkeypatch):
     """The CUDA backend's prefill attention in a served model: chunks of 512+ tokens at a
     bucket-aligned start go padded through the fused call (the rest of 256+ tokens
     with a causal mask, bucketed_masked_attention; shorter ones unfused), beside
-    requests decoding; greedy tokens stay mlx-lm's."""
+    requests decoding; greedy tokens stay mlx-lm's. The warm-up builds a long prompt's
+    first shapes, and with warm_masked_shapes the masked ones of every key bucket."""
     from worker_proc import decode_backend
+    from worker_proc.paged_attention import key_bucket
+    from worker_proc.runner import masked_walk
 
     model, tokenizer = tiny_model
     padded = []
@@ -685,6 +700,22 @@ def test_long_chunks_through_bucketed_fused_attention_match_mlx_lm(tiny_model, o
     assert engine.runner.requests == {}
     engine.submit("after", prompts[1], 12, _eos(tokenizer))
     assert engine.run_until_idle()["after"].token_ids == oracle(prompts[1], 12)
+    masked_keys = []
+    masked = decode_backend.bucketed_masked_attention
+
+    def masked_spy(q, k, v, scale, mask, sinks=None):  # noqa: ANN001, ANN202
+        masked_keys.append(key_bucket(k.shape[2]))
+        return masked(q, k, v, scale, mask, sinks)
+
+    monkeypatch.setattr(decode_backend, "bucketed_masked_attention", masked_spy)
+    warmed = InProcessEngine(model, chunk_size=512, max_context=2048,
+                             backend=StandInKernel(warm_masked_shapes=True))
+    steps = warm_up(warmed.runner, max_batch=4, long_chunk=512)
+    assert steps == 2 + 3 + 2 + 2 * 3 + len(masked_walk(2048)) + 1
+    # Every key bucket to the context, met once a layer or more, then served as before.
+    assert set(masked_keys) == {512, 1024, 1536, 2048}
+    warmed.submit("after", prompts[1], 12, _eos(tokenizer))
+    assert warmed.run_until_idle()["after"].token_ids == oracle(prompts[1], 12)
     padded.clear()  # a context that holds one long chunk: that one alone
     short = InProcessEngine(model, chunk_size=512, max_context=768, backend=StandInKernel())
     assert warm_up(short.runner, max_batch=4, long_chunk=512) == 2 + 2 + 2 + 2 * 3

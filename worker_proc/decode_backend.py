@@ -57,6 +57,8 @@ class DecodeBackend:
     write_in_attention: bool = False  # decode K/V are stored by the attention kernel
     rope_in_kernel: bool = False  # ... which may also rotate q and k (fast blocks)
     bucketed_prefill: bool = False  # long causal prefill chunks padded to recurring shapes
+    bucketed_masked: bool = False  # ... and masked ones
+    warm_masked_shapes: bool = False  # the warm-up builds the masked shapes (runner.warm_up)
 
     def decode_context(self, num_layers: int, pool_bytes: int,
                        bytes_per_token: int) -> DenseDecodeContext | None:
@@ -108,13 +110,18 @@ class KernelDecode(DecodeBackend):
     unfused-prefill`, the A/B arm). bucketed_masked: masked prefill forwards of
     MASKED_MIN_QUERIES+ queries (rows at different starts, windows) through the fused
     kernel too, padded and with the mask as a bias (bucketed_masked_attention); off,
-    those stay unfused (`--experiments unfused-masked-prefill`, the A/B arm)."""
+    those stay unfused (`--experiments unfused-masked-prefill`, the A/B arm).
+    warm_masked_shapes: the warm-up builds the cuDNN graphs of one request's chunks of a
+    bucket's queries over every key bucket up to 8k (`--experiments warm-masked-prefill`,
+    unmeasured: start-up seconds against first-sight builds, up to ~0.9 s each, in a
+    burst's first steps)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
     stages: int = DEFAULT_STAGES
     bucketed_prefill: bool = True
     bucketed_masked: bool = True
+    warm_masked_shapes: bool = False
 
     name = "CUDA kernel"
     in_place = True
@@ -255,4 +262,5 @@ def choose_decode_backend(specs: list,
     return KernelDecode(rope_in_kernel="rope-in-kernel" in experiments,
                         stages=4 if "staged-kv" in experiments else DEFAULT_STAGES,
                         bucketed_prefill="unfused-prefill" not in experiments,
-                        bucketed_masked="unfused-masked-prefill" not in experiments)
+                        bucketed_masked="unfused-masked-prefill" not in experiments,
+                        warm_masked_shapes="warm-masked-prefill" in experiments)

@@ -710,6 +710,18 @@ def _state_rows(states: list[RequestState]) -> mx.array:
     return mx.array([s.row + 1 for s in states], dtype=mx.int32)
 
 
+# Masked prefill shapes warmed at start-up (backend.warm_masked_shapes): every key bucket
+# up to this many keys, for chunks of one request of a bucket's queries.
+MASKED_WARM_KEYS = 8192
+
+
+def masked_walk(keys: int, first: int = 64, chunk: int = FUSED_PREFILL_BUCKET - 64) -> list[int]:
+    """Chunk ends of a lone prompt whose chunks after the first are masked prefill forwards
+    of one bucket's queries (padded; a start that is no bucket's multiple) over every key
+    bucket up to `keys`: steps shorter than the narrowest bucket miss none."""
+    return [first] + list(range(first + chunk, keys + 1, chunk))
+
+
 def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chunk: int = 0) -> int:
     """Run throwaway requests through the paths the server will meet first, so kernel
     compilation happens before the first user request, not during it: a lone prompt in
@@ -720,7 +732,8 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
     H200), then prompts in two chunks (the
     first fresh, the second read back from the pool, with one start and with mixed
     starts), then decode batch sizes up to max_batch: powers of two, or with compiled
-    decode every batch bucket (each is a trace of its own). Uses slots from 1 up: the
+    decode every batch bucket (each is a trace of its own); where the backend warms its
+    masked shapes, a lone prompt walking them (masked_walk). Uses slots from 1 up: the
     scheduler has handed none out yet, and every slot is written before it is read.
     Returns the number of steps run."""
     steps_per_size = 2
@@ -749,23 +762,27 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
     def chunk(i: int, start: int, end: int, sample: bool) -> PrefillChunk:
         return prompt_chunk(rids[i], start, [next(slots[i]) for _ in range(end - start)], sample)
 
-    # The lone prompt takes request 0's slots (released before that request writes them).
-    solo = "warmup-solo"
-    runner.run(ForwardBatch(step=0, new_requests=[NewRequest(rid=solo, sampling=greedy)],
-                            prefill=[prompt_chunk(solo, 0, list(range(1, prompt_len + 1)), True)]))
-    runner.run(ForwardBatch(step=1, released=[solo]))
-    step = 2
-    n_long = min(2, min(space, runner.max_context) // max(long_chunk, 1))
-    if runner.pool.backend.bucketed_prefill and long_chunk >= FUSED_PREFILL_BUCKET and n_long:
-        long = "warmup-long"
-        for i in range(n_long):  # the second chunk only where the context holds it
-            ids = list(range(1 + i * long_chunk, 1 + (i + 1) * long_chunk))
-            new = [NewRequest(rid=long, sampling=greedy)] if i == 0 else []
-            runner.run(ForwardBatch(step=step, new_requests=new, prefill=[
-                prompt_chunk(long, i * long_chunk, ids, i == n_long - 1)]))
-            step += 1
-        runner.run(ForwardBatch(step=step, released=[long]))
-        step += 1
+    def lone_prompt(rid: str, step: int, ends: list[int]) -> int:
+        """A request alone, prefilled in chunks ending at `ends`, then released; it takes
+        slots 1.. (released before any other warm-up request writes them). Returns the
+        next step's number."""
+        for i, (start, end) in enumerate(zip([0] + ends, ends)):
+            new = [NewRequest(rid=rid, sampling=greedy)] if i == 0 else []
+            runner.run(ForwardBatch(step=step + i, new_requests=new, prefill=[prompt_chunk(
+                rid, start, list(range(1 + start, 1 + end)), end == ends[-1])]))
+        runner.run(ForwardBatch(step=step + len(ends), released=[rid]))
+        return step + len(ends) + 1
+
+    backend = runner.pool.backend
+    room = min(space, runner.max_context)
+    step = lone_prompt("warmup-solo", 0, [prompt_len])
+    n_long = min(2, room // max(long_chunk, 1))
+    if backend.bucketed_prefill and long_chunk >= FUSED_PREFILL_BUCKET and n_long:
+        # The second chunk only where the context holds it.
+        step = lone_prompt("warmup-long", step, [long_chunk * (i + 1) for i in range(n_long)])
+    if (backend.bucketed_prefill and backend.bucketed_masked and backend.warm_masked_shapes
+            and room >= FUSED_PREFILL_BUCKET):
+        step = lone_prompt("warmup-masked", step, masked_walk(min(room, MASKED_WARM_KEYS)))
     runner.run(ForwardBatch(step=step, new_requests=[NewRequest(rid=r, sampling=greedy) for r in rids],
                             prefill=[chunk(i, 0, splits[i], False) for i in range(n_req)]))
     step += 1
