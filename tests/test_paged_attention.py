@@ -388,6 +388,14 @@ def test_masked_keys_pad_to_few_sizes_and_at_most_a_bucket_or_a_quarter_more():
     assert all(n <= key_bucket(n) < n + max(512, n / 4) for n in range(1, 131073, 37))
 
 
+def test_masked_bias_is_bounded():
+    from worker_proc.paged_attention import masked_bias_fits
+
+    assert masked_bias_fits(1, 512, 131072)  # mixed traffic's chunk deep in 128k: 128 MiB
+    assert not masked_bias_fits(1, 4096, 131072)  # a long chunk there: 1 GiB a layer
+    assert masked_bias_fits(8, 300, 8000) and not masked_bias_fits(8, 2048, 16384)
+
+
 def test_fused_bucket_padding_takes_long_causal_chunks_at_bucket_offsets():
     from worker_proc.paged_attention import fused_bucket_padding
 

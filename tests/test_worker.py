@@ -655,6 +655,26 @@ def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_
     assert any(b > 1 for b in calls) and 1 in calls
 
 
+def test_prefill_attention_buckets_masks_of_bounded_bias_only(monkeypatch):
+    """A masked (or unaligned causal) forward whose bias would pass the cap keeps the
+    unfused path, as before masks were bucketed."""
+    import mlx.core as mx
+
+    from worker_proc import decode_backend, paged_attention
+
+    taken = []
+    monkeypatch.setattr(decode_backend, "bucketed_masked_attention",
+                        lambda *args: taken.append("masked") or args[0])
+    monkeypatch.setattr(decode_backend, "unfused_prefill_attention",
+                        lambda *args: taken.append("unfused") or args[0])
+    q = mx.zeros((1, 4, 300, 16))
+    kv = mx.zeros((1, 2, 1300, 16))
+    for cap in (1 << 30, 300 * 1536):  # the bias: 512 x 1536 x 2 bytes
+        monkeypatch.setattr(paged_attention, "MASKED_BIAS_MAX_BYTES", cap)
+        StandInKernel().prefill_attention(q, kv, kv, 0.25, "causal", None)
+    assert taken == ["masked", "unfused"]
+
+
 def test_masked_walk_meets_every_key_bucket():
     from worker_proc.paged_attention import key_bucket
     from worker_proc.runner import masked_walk

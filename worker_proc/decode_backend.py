@@ -26,7 +26,7 @@ from ipc.config import DECODE_EXPERIMENTS
 from worker_proc.paged_attention import (DEFAULT_STAGES, RopeSpec, bucketed_fused_attention,
                                          bucketed_masked_attention, causal_mask,
                                          fused_bucket_padding, fused_builds_per_shape,
-                                         kernel_available,
+                                         kernel_available, masked_bias_fits,
                                          paged_decode_attention, paged_decode_qkv_attention,
                                          paged_decode_write_attention,
                                          pool_write_in_place, reference_decode_attention,
@@ -160,18 +160,27 @@ class KernelDecode(DecodeBackend):
             pad = fused_bucket_padding(queries.shape[2], keys.shape[2], mask)
             if pad is not None:
                 return bucketed_fused_attention(queries, keys, values, scale, pad, sinks)
-            if self.bucketed_masked and queries.shape[2] >= MASKED_MIN_QUERIES:
+            if self._masked_bucketing(queries.shape[2], keys.shape[2], mask):
                 if isinstance(mask, str):
                     # Causal, but under a bucket long or after a prefix that is not a
                     # bucket's multiple (mixed traffic's chunks, cut wherever a step's
                     # budget ends): an explicit mask lets both sides pad to buckets.
                     mask = causal_mask(queries.shape[2], keys.shape[2])
-                if isinstance(mask, mx.array):
-                    return bucketed_masked_attention(queries, keys, values, scale, mask, sinks)
+                return bucketed_masked_attention(queries, keys, values, scale, mask, sinks)
         # No cuDNN graph build per prompt shape, while the float32 scores stay small.
         if unfused_prefill_fits(queries.shape, keys.shape[2]):
             return unfused_prefill_attention(queries, keys, values, scale, mask, sinks)
         return None
+
+    def _masked_bucketing(self, n_new: int, n_keys: int, mask: Any) -> bool:
+        """Whether a forward goes to bucketed_masked_attention: a mask (or "causal") and
+        enough queries, and a bias of bounded size."""
+        if not (self.bucketed_masked and n_new >= MASKED_MIN_QUERIES):
+            return False
+        if isinstance(mask, str):
+            return masked_bias_fits(1, n_new, n_keys)
+        return isinstance(mask, mx.array) and masked_bias_fits(
+            mask.shape[0] if mask.ndim == 4 else 1, n_new, n_keys)
 
     def fuses_long_prefill(self, specs: list) -> bool:
         # Heads cuDNN does not take (Gemma's 256, MLA's latent) go to MLX's matmul

@@ -857,6 +857,19 @@ def bucketed_fused_attention(q: mx.array, k: mx.array, v: mx.array, scale: float
     return out[:, :, :s] if pad else out
 
 
+# Largest additive bias (all its rows, padded, in the heads' dtype) bucketed_masked_attention
+# may build; a bigger one (a long chunk deep into a long context) is not worth its memory
+# (at 4,096 queries over 128k keys, 1 GiB a layer): such forwards keep their own paths.
+MASKED_BIAS_MAX_BYTES = 256 << 20
+
+
+def masked_bias_fits(rows: int, n_new: int, n_keys: int,
+                     bucket: int = FUSED_PREFILL_BUCKET) -> bool:
+    """Whether bucketed_masked_attention's bias for a mask of `rows` rows ([S, L] is one)
+    stays within MASKED_BIAS_MAX_BYTES."""
+    return rows * -(-n_new // bucket) * bucket * key_bucket(n_keys, bucket) * 2 <= MASKED_BIAS_MAX_BYTES
+
+
 def bucketed_masked_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
                               mask: mx.array, sinks: mx.array | None = None,
                               bucket: int = FUSED_PREFILL_BUCKET) -> mx.array:
