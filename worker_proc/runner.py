@@ -730,11 +730,11 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
     lone prompt of two `long_chunk` chunks, or one where the context holds no more (the
     graphs a long prompt's first chunks need, built now: up to a second each on the
     H200), then prompts in two chunks (the first fresh, the second read back from the
-    pool, with one start and with mixed starts), then decode batch sizes up to max_batch: powers of two, or with compiled
-    decode every batch bucket (each is a trace of its own); where the backend warms its
-    masked shapes, a lone prompt walking them (masked_walk). Uses slots from 1 up: the
-    scheduler has handed none out yet, and every slot is written before it is read.
-    Returns the number of steps run."""
+    pool, with one start and with mixed starts), then decode batch sizes up to
+    max_batch: powers of two, or with compiled decode every batch bucket (each is a trace
+    of its own); where the backend warms its masked shapes, a lone prompt walking them
+    (masked_walk). Uses slots from 1 up: the scheduler has handed none out yet, and every
+    slot is written before it is read. Returns the number of steps run."""
     steps_per_size = 2
     if runner.compiles_decode:
         # Row counts whose buckets are every bucket (the last may hold fewer rows).
