@@ -361,7 +361,7 @@ def test_bucketed_fused_attention_is_the_unpadded_attention(n_new, prefix, with_
 def test_bucketed_masked_attention_is_the_unpadded_attention(n_new, length, rows, with_sinks):
     """Under a boolean mask (rows causal from their own starts, a window), padding queries
     and keys to a bucket changes no real query's output."""
-    from worker_proc.paged_attention import bucketed_masked_attention
+    from worker_proc.paged_attention import bucketed_masked_attention, masked_bias
 
     rng = np.random.default_rng(n_new + length + rows)
     n_q, n_kv, d = 4, 2, 16
@@ -372,7 +372,7 @@ def test_bucketed_masked_attention_is_the_unpadded_attention(n_new, length, rows
     pos = starts[:, None] + np.arange(n_new)[None]  # each row's query positions
     keys = np.arange(length)[None, None]
     mask = mx.array(((keys <= pos[:, :, None]) & (keys > pos[:, :, None] - 100))[:, None])
-    got = bucketed_masked_attention(q, k, v, 0.3, mask, sinks, bucket=256)
+    got = bucketed_masked_attention(q, k, v, 0.3, masked_bias(mask, q.dtype, bucket=256), sinks)
     want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask=mask, sinks=sinks)
     assert got.shape == want.shape
     np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)

@@ -639,6 +639,10 @@ def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_
         return masked(q, k, v, scale, mask, sinks)
 
     monkeypatch.setattr(decode_backend, "bucketed_masked_attention", spy)
+    biases = []
+    make_bias = decode_backend.masked_bias
+    monkeypatch.setattr(decode_backend, "masked_bias",
+                        lambda mask, dtype: biases.append(mask.shape) or make_bias(mask, dtype))
     # Chunks of 300: the first prompt's first chunk runs alone, then its later chunks
     # share forwards with the others' first ones (rows at different starts).
     prompts = _prompts(3, [900, 600, 350], model.args.vocab_size, seed=23)
@@ -653,6 +657,8 @@ def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_
     for i, p in enumerate(prompts):
         assert results[f"r{i}"].token_ids == oracle(p, 10), f"r{i}"
     assert any(b > 1 for b in calls) and 1 in calls
+    # One bias a forward, shared by its layers.
+    assert len(calls) == len(biases) * model.args.num_hidden_layers
 
 
 def test_prefill_attention_buckets_masks_of_bounded_bias_only(monkeypatch):

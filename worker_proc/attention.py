@@ -14,7 +14,7 @@ place that maps a model's layers to adapters.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import mlx.core as mx
 import numpy as np
@@ -25,6 +25,8 @@ from worker_proc.kv_pool import KVPool, StateLayerSpec, attention_specs, flat_sp
 from worker_proc.layer_kinds import Kind, LayerKind, ProbeRecorder, UnsupportedModelError
 from worker_proc.paged_attention import RopeSpec
 from worker_proc.staging import Stage, new_arrays
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -61,24 +63,33 @@ class ForwardLayout:
     positions: np.ndarray | None = None
     window_write_slots: mx.array | None = None
     window_read_slots: mx.array | None = None
-    # Per layer kind, made once a forward: its prefill mask, or its decode window's
-    # slot table and lengths (see windowed_reads).
+    # What every layer (of a kind) of this forward shares, made once (see once).
     _memo: dict = field(default_factory=dict, compare=False, repr=False)
+
+    def once(self, key: tuple, make: Callable[[], T]) -> T:
+        """make() the first time this forward asks for `key`, the same value after: what
+        each layer would otherwise build again (a kind's prefill mask and key start, its
+        decode window's table, a masked attention's bias)."""
+        if key not in self._memo:
+            self._memo[key] = make()
+        return self._memo[key]
 
     def kind_mask(self, kind: LayerKind, start: int = 0) -> mx.array:
         """A prefill mask for a windowed layer kind: [S, L - start], or [B, 1, S,
         L - start] when rows start at different positions (keys at positions start..L-1
         of each row)."""
-        key = ("mask", kind, start)
-        if key not in self._memo:
-            assert self.positions is not None, "a prefill layout has its positions"
-            n_keys = self.positions.shape[1] if self.fresh else self.read_slots.shape[1]
+        assert self.positions is not None, "a prefill layout has its positions"
+        positions = self.positions
+
+        def make() -> mx.array:
+            n_keys = positions.shape[1] if self.fresh else self.read_slots.shape[1]
             # Built in the graph from the positions: on the host, a 2,048-token chunk over
             # 8k keys was 16M booleans, ~60 ms of numpy and a copy a forward.
-            q = mx.array(self.positions.astype(np.int32))[:, :, None]
+            q = mx.array(positions.astype(np.int32))[:, :, None]
             visible = kind.visible(q, mx.arange(start, n_keys, dtype=mx.int32)[None, None, :])
-            self._memo[key] = visible[0] if visible.shape[0] == 1 else visible[:, None]
-        return self._memo[key]
+            return visible[0] if visible.shape[0] == 1 else visible[:, None]
+
+        return self.once(("mask", kind, start), make)
 
     def key_start(self, kind: LayerKind) -> int:
         """Prefill over a computed context: the first position any of this forward's
@@ -87,28 +98,28 @@ class ForwardLayout:
         a long prompt: its window and itself, not the whole context)."""
         if self.fresh:
             return 0
-        key = ("start", kind)  # asked per layer (read, mask): once a forward
-        if key not in self._memo:
-            assert self.positions is not None, "a prefill layout has its positions"
-            self._memo[key] = int(np.min(kind.first_visible(self.positions[:, 0] + 1)))
-        return self._memo[key]
+        assert self.positions is not None, "a prefill layout has its positions"
+        positions = self.positions
+        return self.once(("start", kind),  # asked per layer (read, mask)
+                         lambda: int(np.min(kind.first_visible(positions[:, 0] + 1))))
 
     def windowed_reads(self, kind: LayerKind, read_slots: mx.array) -> tuple[mx.array, mx.array]:
         """Decode: each row's slots from the first position its query sees, and how many,
         for a windowed layer kind ([B, W] table, W the window or chunk, capped by the
         widest row; [B] lengths), out of read_slots (the layer's space's). Built in the
         graph from them and the lengths, so a compiled decode traces it too."""
-        key = ("window", kind)
-        if key not in self._memo:
-            assert self.lengths is not None
-            lengths = self.lengths
+        assert self.lengths is not None
+        lengths = self.lengths
+
+        def make() -> tuple[mx.array, mx.array]:
             first = kind.first_visible(lengths)
             width = read_slots.shape[1]
             cols = min(kind.span, width)
             at = mx.minimum(first[:, None] + mx.arange(cols, dtype=first.dtype)[None], width - 1)
             table = mx.take_along_axis(read_slots, at.astype(mx.int32), axis=1)
-            self._memo[key] = (table, (lengths - first).astype(mx.int32))
-        return self._memo[key]
+            return table, (lengths - first).astype(mx.int32)
+
+        return self.once(("window", kind), make)
 
     @classmethod
     def single(cls, context_slots: np.ndarray, start: int, n_new: int,
@@ -620,7 +631,8 @@ def install_attention_hook() -> None:
                 # Ours, not the model's: a model may skip the mask for one new token, or
                 # build it from one scalar offset; the layout knows every row's window.
                 mask = cache.layout.kind_mask(cache.kind, cache.key_start)
-            out = cache.backend.prefill_attention(queries, keys, values, scale, mask, sinks)
+            out = cache.backend.prefill_attention(queries, keys, values, scale, mask, sinks,
+                                                  cache.layout.once)
             if out is not None:
                 return out
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

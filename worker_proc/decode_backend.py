@@ -18,7 +18,7 @@ given the slot table of the positions a kind's queries see (`PooledKVCache.reads
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import mlx.core as mx
 
@@ -26,7 +26,7 @@ from ipc.config import DECODE_EXPERIMENTS
 from worker_proc.paged_attention import (DEFAULT_STAGES, RopeSpec, bucketed_fused_attention,
                                          bucketed_masked_attention, causal_mask,
                                          fused_bucket_padding, fused_builds_per_shape,
-                                         kernel_available, masked_bias_fits,
+                                         kernel_available, masked_bias, masked_bias_fits,
                                          paged_decode_attention, paged_decode_qkv_attention,
                                          paged_decode_write_attention,
                                          pool_write_in_place, reference_decode_attention,
@@ -45,6 +45,13 @@ DENSE_DECODE_SHARE = 0.5
 MASKED_MIN_QUERIES = 256
 
 EXPERIMENTS = frozenset(DECODE_EXPERIMENTS)  # the names --experiments takes
+
+Once = Callable[[tuple, Callable[[], Any]], Any]  # ForwardLayout.once's shape
+
+
+def _every_time(key: tuple, make: Callable[[], Any]) -> Any:
+    """A `once` that shares nothing (a caller without a forward's layout)."""
+    return make()
 
 
 class DecodeBackend:
@@ -74,8 +81,10 @@ class DecodeBackend:
         raise RuntimeError(f"{self.name} decode cannot attend from a fused q/k/v output")
 
     def prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
-                          scale: float, mask: Any, sinks: mx.array | None) -> mx.array | None:
-        """A prefill forward's attention, or None for mlx-lm's own (MLX's fused one)."""
+                          scale: float, mask: Any, sinks: mx.array | None,
+                          once: Once = _every_time) -> mx.array | None:
+        """A prefill forward's attention, or None for mlx-lm's own (MLX's fused one).
+        once: what the forward's layers share is made by it (ForwardLayout.once)."""
         return None
 
     def fuses_long_prefill(self, specs: list) -> bool:
@@ -153,7 +162,8 @@ class KernelDecode(DecodeBackend):
         return out
 
     def prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
-                          scale: float, mask: Any, sinks: mx.array | None) -> mx.array | None:
+                          scale: float, mask: Any, sinks: mx.array | None,
+                          once: Once = _every_time) -> mx.array | None:
         if not self._fused_builds_per_shape(queries, values):
             return None  # MLX's matmul fallback, which builds nothing per shape
         if self.bucketed_prefill:
@@ -161,12 +171,8 @@ class KernelDecode(DecodeBackend):
             if pad is not None:
                 return bucketed_fused_attention(queries, keys, values, scale, pad, sinks)
             if self._masked_bucketing(queries.shape[2], keys.shape[2], mask):
-                if isinstance(mask, str):
-                    # Causal, but under a bucket long or after a prefix that is not a
-                    # bucket's multiple (mixed traffic's chunks, cut wherever a step's
-                    # budget ends): an explicit mask lets both sides pad to buckets.
-                    mask = causal_mask(queries.shape[2], keys.shape[2])
-                return bucketed_masked_attention(queries, keys, values, scale, mask, sinks)
+                bias = _shared_bias(mask, queries.shape[2], keys.shape[2], queries.dtype, once)
+                return bucketed_masked_attention(queries, keys, values, scale, bias, sinks)
         # No cuDNN graph build per prompt shape, while the float32 scores stay small.
         if unfused_prefill_fits(queries.shape, keys.shape[2]):
             return unfused_prefill_attention(queries, keys, values, scale, mask, sinks)
@@ -242,6 +248,22 @@ class GatherDecode(DecodeBackend):
         table, lengths = cache.reads()  # over budget: gather from the pool for this layer
         return reference_decode_attention(queries, pool.layers[layer], table, lengths, scale,
                                           pool.mark(layer), sinks)
+
+
+def _shared_bias(mask: Any, n_new: int, n_keys: int, dtype: mx.Dtype, once: Once) -> mx.array:
+    """masked_bias of a forward's mask, made once for all its layers. "causal": causal,
+    but under a bucket long or after a prefix that is not a bucket's multiple (mixed
+    traffic's chunks, cut wherever a step's budget ends), where an explicit mask lets both
+    sides pad to buckets. A mask array is shared by the forward's layers (the layout's or
+    the model's) and told apart by id: the memo holds it, so no other array takes that id
+    meanwhile."""
+    causal = isinstance(mask, str)
+
+    def make() -> tuple[Any, mx.array]:
+        return mask, masked_bias(causal_mask(n_new, n_keys) if causal else mask, dtype)
+
+    _, bias = once(("masked bias", (mask, n_new, n_keys) if causal else id(mask), dtype), make)
+    return bias
 
 
 def kernel_fits(specs: list) -> bool:

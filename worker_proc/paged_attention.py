@@ -672,7 +672,8 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
     if splits == 1:
         with_sinks = sinks is not None
         out, *mark = _kernel(True, write_new, rope is not None, stages > 0, with_sinks)(
-            inputs=[*inputs, *([sinks] if with_sinks else [])], template=template, grid=grid, threadgroup=(_THREADS, 1, 1),
+            inputs=[*inputs, *([sinks] if with_sinks else [])], template=template, grid=grid,
+            threadgroup=(_THREADS, 1, 1),
             output_shapes=[(batch, n_q, dim), *mark_shape], output_dtypes=[dtype, *mark_dtype])
         return out, (mark[0] if mark else None)
     acc, ml, *mark = _kernel(False, write_new, rope is not None, stages > 0)(
@@ -867,29 +868,35 @@ def masked_bias_fits(rows: int, n_new: int, n_keys: int,
                      bucket: int = FUSED_PREFILL_BUCKET) -> bool:
     """Whether bucketed_masked_attention's bias for a mask of `rows` rows ([S, L] is one)
     stays within MASKED_BIAS_MAX_BYTES."""
-    return rows * -(-n_new // bucket) * bucket * key_bucket(n_keys, bucket) * 2 <= MASKED_BIAS_MAX_BYTES
+    padded_queries = n_new + -n_new % bucket
+    return rows * padded_queries * key_bucket(n_keys, bucket) * 2 <= MASKED_BIAS_MAX_BYTES
+
+
+def masked_bias(mask: mx.array, dtype: mx.Dtype, bucket: int = FUSED_PREFILL_BUCKET) -> mx.array:
+    """A boolean mask ([S, L] or [B, 1, S, L]: rows at different starts, windows) as the
+    additive bias bucketed_masked_attention takes, [B or 1, 1, S', L']: queries padded to
+    a multiple of `bucket`, keys to key_bucket's sizes (so chunks anywhere in a long
+    context meet a few dozen shapes, not one per 512 keys: MLX keeps 256 cuDNN graphs,
+    MLX_CUDA_SDPA_CACHE_SIZE). Padded keys are hidden from every query, padded queries
+    (dropped from the result) shown every key so their rows stay finite. The same for
+    every layer of a forward: made once (ForwardLayout.once)."""
+    s, length = mask.shape[-2:]
+    m = mask if mask.ndim == 4 else mask.reshape(1, 1, s, length)
+    m = mx.pad(m, [(0, 0), (0, 0), (0, 0), (0, key_bucket(length, bucket) - length)],
+               constant_values=False)
+    m = _pad_positions(m, -s % bucket, True)
+    return mx.where(m, mx.array(0, dtype), mx.array(-mx.inf, dtype))
 
 
 def bucketed_masked_attention(q: mx.array, k: mx.array, v: mx.array, scale: float,
-                              mask: mx.array, sinks: mx.array | None = None,
-                              bucket: int = FUSED_PREFILL_BUCKET) -> mx.array:
-    """Prefill attention under a boolean mask ([S, L] or [B, 1, S, L]: rows at different
-    starts, windows) through MLX's fused kernel, queries and keys padded at the end to
-    multiples of `bucket` so cuDNN's per-shape graphs recur. The mask goes in as an
-    additive bias: padded keys hidden from every query, padded queries (dropped from the
-    result) shown every key so their rows stay finite. Keys pad to key_bucket's sizes, so
-    chunks anywhere in a long context meet a few dozen shapes, not one per 512 keys (MLX
-    keeps 256 cuDNN graphs, MLX_CUDA_SDPA_CACHE_SIZE)."""
+                              bias: mx.array, sinks: mx.array | None = None) -> mx.array:
+    """Masked prefill attention through MLX's fused kernel, queries and keys padded at the
+    end to the bias's shape (masked_bias) so cuDNN's per-shape graphs recur."""
     s, length = q.shape[2], k.shape[2]
-    pad_q, pad_k = -s % bucket, key_bucket(length, bucket) - length
-    q = _pad_positions(q, pad_q)
-    k, v = (_pad_positions(x, pad_k) for x in (k, v))
-    m = mask if mask.ndim == 4 else mask.reshape(1, 1, *mask.shape[-2:])
-    m = mx.pad(m, [(0, 0), (0, 0), (0, 0), (0, pad_k)], constant_values=False)
-    m = _pad_positions(m, pad_q, True)
-    bias = mx.where(m, mx.array(0, q.dtype), mx.array(-mx.inf, q.dtype))
+    q = _pad_positions(q, bias.shape[2] - s)
+    k, v = (_pad_positions(x, bias.shape[3] - length) for x in (k, v))
     out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=bias, sinks=sinks)
-    return out[:, :, :s] if pad_q else out
+    return out[:, :, :s] if out.shape[2] > s else out
 
 
 def key_bucket(n: int, bucket: int = FUSED_PREFILL_BUCKET) -> int:
