@@ -37,7 +37,7 @@ def _wait_for_worker(inbox: Receiver[SchedulerMessage],
 def limits_from(config: ServerConfig, ready: WorkerReady) -> SchedulerLimits:
     return SchedulerLimits(capacity=ready.num_slots, max_context=ready.max_context_len,
                            max_running=config.max_running_requests,
-                           chunk_size=ready.chunk_size,
+                           chunk_size=ready.chunk_size, chunk_align=ready.chunk_align,
                            max_prefill_tokens=config.max_prefill_tokens,
                            max_prefill_tokens_while_decoding=(
                                config.max_prefill_tokens_while_decoding),

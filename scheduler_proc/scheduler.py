@@ -62,6 +62,10 @@ class SchedulerLimits:
     # ... times floor(waiting / decoding) where more requests wait for their first token
     # than decode: the stall then costs fewer streams than the wait it saves.
     scale_with_backlog: bool = True
+    # A chunk that leaves its prompt unfinished ends at a multiple of this position (the
+    # worker's prefill bucket, WorkerReady.chunk_align; 1: anywhere), so a long prompt's
+    # chunks start on the worker's bucket edges (see PrefillBudget).
+    chunk_align: int = 1
 
     def prefill_tokens(self, decoding: int, waiting: int = 0) -> int:
         """The prompt tokens a step may compute while it decodes `decoding` requests and
@@ -73,14 +77,32 @@ class SchedulerLimits:
 
 
 class PrefillBudget:
-    """Prompt tokens one step may still compute, cut into chunks of at most `chunk`."""
+    """Prompt tokens one step may still compute, cut into chunks of at most `chunk`.
 
-    def __init__(self, tokens: int, chunk: int) -> None:
-        self.left = tokens
+    align (> 1): a chunk that leaves its prompt unfinished is cut back to end at a
+    multiple of it. On the CUDA backend a chunk starting on such an edge runs causal
+    attention through cuDNN at a recurring shape; one starting anywhere else needs an
+    explicit mask (slower, and a cuDNN graph per new shape), and so does every later chunk
+    of its prompt. What a budget has left after another prompt's last chunk (less than an
+    edge's worth) is then not spent starting a long prompt off its edges: it waits a step.
+    A budget that has given nothing yet still gives its whole (the oldest prompt advances
+    every step, whatever the alignment)."""
+
+    def __init__(self, tokens: int, chunk: int, align: int = 1) -> None:
+        self.total = self.left = tokens
         self.chunk = chunk
+        self.align = align if align > 1 and chunk % align == 0 else 1
 
-    def take(self, wanted: int) -> int:
+    def take(self, start: int, wanted: int) -> int:
+        """Tokens for a prompt whose next chunk starts at `start` with `wanted` to go."""
         n = min(wanted, self.chunk, self.left)
+        if n < wanted and self.align > 1:
+            aligned = (start + n) // self.align * self.align - start
+            if aligned > 0:
+                n = aligned
+            elif self.left < self.total:
+                self.left = 0  # scraps: later prompts wait for the next step too (FCFS)
+                return 0
         self.left -= n
         return n
 
@@ -287,7 +309,7 @@ class Scheduler:
         decode_rids, decode_slots, decode_window = self._plan_decode()
         waiting = len(self.waiting) + sum(r.prefilling for r in self.running.values())
         budget = PrefillBudget(self.limits.prefill_tokens(len(decode_rids), waiting),
-                               self.limits.chunk_size)
+                               self.limits.chunk_size, self.limits.chunk_align)
         prefill = [self._plan_chunk(r, budget, new_reqs)
                    for r in list(self.running.values()) if r.prefilling and not budget.exhausted]
         prefill += self._admit(budget, new_reqs)
@@ -456,7 +478,7 @@ class Scheduler:
 
     def _plan_chunk(self, req: Req, budget: PrefillBudget,
                     new_reqs: list[NewRequest]) -> PrefillChunk | None:
-        n = budget.take(req.remaining_fill)
+        n = budget.take(req.num_computed, req.remaining_fill)
         if n == 0:
             return None
         start = req.num_computed

@@ -64,7 +64,8 @@ class InProcessEngine:
                  compile_prefill: bool = False, prefill_padding: float = PREFILL_PADDING,
                  backend: DecodeBackend | None = None, state_snapshots: int = 64,
                  snapshot_stride: int = 0, window_slots: int | None = None,
-                 max_prefill_tokens_while_decoding: int | None = None) -> None:
+                 max_prefill_tokens_while_decoding: int | None = None,
+                 chunk_align: int = 1) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False. tokenizer: what the scheduler decodes stop strings with.
         grammars: the worker's GrammarMatchers, for requests with a grammar.
@@ -73,7 +74,8 @@ class InProcessEngine:
         backend (default: the device's; StandInKernel: the CUDA path on the CPU).
         window_slots: the windowed layers' own slot space (default: half the capacity,
         as --window-ratio's default, where the worker would keep one; 0: none).
-        max_prefill_tokens_while_decoding: the decode-first budget (None: one budget)."""
+        max_prefill_tokens_while_decoding: the decode-first budget (None: one budget).
+        chunk_align: where unfinished chunks end (SchedulerLimits.chunk_align)."""
         specs = probe_attention_specs(model)
         if window_slots is None:
             recurrent = KVPool.state_bytes_per_request(specs) > 0
@@ -94,7 +96,8 @@ class InProcessEngine:
                                                    self.pool.window_slots,
                                                    tuple(self.pool.window_kinds),
                                                    max_prefill_tokens_while_decoding=(
-                                                       max_prefill_tokens_while_decoding)),
+                                                       max_prefill_tokens_while_decoding),
+                                                   chunk_align=chunk_align),
                                    (lambda: tokenizer) if tokenizer is not None else None)
         self.to_scheduler, self.to_worker, self.to_detokenizer = Pipe(), Pipe(), Pipe()
         self.loop = SchedulerLoop(self.scheduler, self.to_scheduler, self.to_worker,

@@ -88,8 +88,45 @@ def test_waiting_queue_is_fifo_with_removal():
 
 def test_prefill_budget_chunks():
     budget = PrefillBudget(tokens=100, chunk=64)
-    assert [budget.take(200), budget.take(200), budget.take(5)] == [64, 36, 0]
+    assert [budget.take(0, 200), budget.take(0, 200), budget.take(0, 5)] == [64, 36, 0]
     assert budget.exhausted
+
+
+def test_an_aligned_budget_ends_unfinished_chunks_on_its_edges():
+    budget = PrefillBudget(tokens=100, chunk=64, align=16)
+    assert budget.take(0, 200) == 64
+    assert budget.take(64, 200) == 32  # to 96, not 100: the prompt goes on from an edge
+    assert budget.take(0, 3) == 3  # a prompt's last chunk ends where it ends
+    assert budget.take(0, 200) == 0 and budget.exhausted  # 1 token's scraps: next step
+    assert PrefillBudget(100, 64, 16).take(40, 200) == 56  # a prefix hit's chunk to the edge
+    # A budget that gave nothing yet gives what it has, aligned or not: no starvation.
+    assert PrefillBudget(10, 64, 16).take(5, 200) == 10
+    # Edges a chunk cannot end on: ignored.
+    assert PrefillBudget(100, 60, 16).take(0, 200) == 60
+
+
+def test_while_decoding_long_prompts_are_chunked_on_the_bucket_edges():
+    """A burst of long prompts of odd lengths beside decoding streams: every chunk that
+    does not finish its prompt ends on a multiple of the alignment, so no prompt's chunks
+    start off the edges, and no step starts a long prompt with another's scraps."""
+    s = Scheduler(SchedulerLimits(4000, 512, 8, 64, 256, max_prefill_tokens_while_decoding=32,
+                                  scale_with_backlog=False, chunk_align=32))
+    for rid in "wx":
+        s.add_request(_req(rid, 4, 200))
+    s.apply_result(_answer(s.plan_step()))
+    for rid, n in (("a", 70), ("b", 41), ("c", 100)):
+        s.add_request(_req(rid, n, 3))
+    chunks: list = []
+    for _ in range(40):
+        batch = s.plan_step()
+        chunks.append([(c.rid, c.start, len(c.token_ids), c.sample) for c in batch.prefill])
+        s.apply_result(_answer(batch))
+    flat = [c for step in chunks for c in step]
+    assert all((start + n) % 32 == 0 for _, start, n, sample in flat if not sample)
+    assert {rid: sum(n for r, _, n, _ in flat if r == rid) for rid in "abc"} == {
+        "a": 70, "b": 41, "c": 100}
+    assert chunks[2] == [("a", 64, 6, True)]  # a's last 6 tokens; b waits, not 26 of b
+    assert all(len(step) <= 1 for step in chunks)
 
 
 def test_kv_reservation_counts_expected_decode_of_running_requests():
@@ -223,6 +260,9 @@ def test_the_decoding_budget_never_raises_a_steps_budget_and_reaches_the_schedul
     assert limits_from(ServerConfig(), ready).prefill_tokens(decoding=1, waiting=63) == 8192
     fixed = limits_from(ServerConfig(fixed_decode_first_budget=True), ready)
     assert fixed.prefill_tokens(decoding=1, waiting=63) == 512
+    assert limits_from(config, ready).chunk_align == 1
+    aligned = WorkerReady(num_slots=1000, max_context_len=512, overlap=False, chunk_align=512)
+    assert limits_from(config, aligned).chunk_align == 512
     with pytest.raises(ValueError, match="while-decoding"):
         ServerConfig(max_prefill_tokens_while_decoding=0)
 

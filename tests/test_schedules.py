@@ -82,6 +82,8 @@ def draw_schedule(seed: int, vocab: int) -> Schedule:
     # Half the schedules replay prefill forwards of recurring shapes from traces, as a
     # GPU server does.
     engine["compile_prefill"] = rng.random() < 0.5
+    # A third end unfinished chunks on edges, as the CUDA server's scheduler does.
+    engine["chunk_align"] = rng.choice([1, 1, 16])
     return Schedule(seed, prompts, max_tokens, arrivals, engine)
 
 

@@ -569,7 +569,7 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     import mlx.core as mx
 
     from ipc.config import ServerConfig
-    from worker_proc import prefill_chunk
+    from worker_proc import prefill_align, prefill_chunk
     from worker_proc.decode_backend import GatherDecode, KernelDecode
     from worker_proc.kv_pool import AttentionLayerSpec
 
@@ -581,6 +581,10 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     # Heads cuDNN does not take: MLX's matmul fallback, whose scores exist in memory.
     gemma = [AttentionLayerSpec(8, 256, 256, mx.bfloat16)]
     assert prefill_chunk(auto, KernelDecode(), llama + gemma) == 2048
+    # Chunks end on the bucket's edges exactly where long chunks are bucketed.
+    assert prefill_align(KernelDecode(), llama) == 512
+    assert prefill_align(GatherDecode(), llama) == prefill_align(KernelDecode(), llama + gemma) == 1
+    assert prefill_align(KernelDecode(bucketed_prefill=False), llama) == 1
     assert ServerConfig(chunked_prefill_size=512).chunk_size(True) == 512
     assert ServerConfig(max_prefill_tokens=1024).chunk_size(True) == 1024  # within a step's budget
     with pytest.raises(ValueError, match="chunked-prefill-size"):

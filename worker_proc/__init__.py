@@ -346,6 +346,16 @@ def prefill_chunk(config: ServerConfig, backend: DecodeBackend, specs: list) -> 
     return config.chunk_size(fused_long_prefill=backend.fuses_long_prefill(attention_specs(specs)))
 
 
+def prefill_align(backend: DecodeBackend, specs: list) -> int:
+    """Where the scheduler ends a prompt's unfinished chunks (WorkerReady.chunk_align): on
+    the fused prefill bucket's edges where long causal chunks take that path (a chunk off
+    them would need a masked forward), anywhere elsewhere."""
+    from worker_proc.kv_pool import attention_specs
+    from worker_proc.paged_attention import FUSED_PREFILL_BUCKET
+
+    return FUSED_PREFILL_BUCKET if backend.fuses_long_prefill(attention_specs(specs)) else 1
+
+
 def run_worker(config: ServerConfig) -> None:
     import mlx.core as mx
 
@@ -363,6 +373,7 @@ def run_worker(config: ServerConfig) -> None:
                              window_bytes_per_slot=runner.pool.slot_bytes[1],
                              chunk_size=prefill_chunk(config, runner.pool.backend,
                                                       runner.pool.specs),
+                             chunk_align=prefill_align(runner.pool.backend, runner.pool.specs),
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
     loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place)

@@ -53,8 +53,10 @@ class WorkerReady(Message, frozen=True):
     # Bytes one position's K/V take: in the full layers' pool and in the windowed ones'.
     bytes_per_slot: int = 0
     window_bytes_per_slot: int = 0
-    # The largest prefill chunk (ServerConfig.chunk_size for the worker's attention).
+    # The largest prefill chunk (ServerConfig.chunk_size for the worker's attention), and
+    # where a prompt's unfinished chunks should end (multiples of it; 1: anywhere).
     chunk_size: int = 2048
+    chunk_align: int = 1
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):
