@@ -533,7 +533,10 @@ def test_in_place_pool_steps_launched_ahead_match_mlx_lm_without_copies(kernel_m
     assert engine.worker.steps_built_ahead > 0
     assert engine.runner.prefill_forwards.replays > 0 or not compile_decode
     over = mx.get_peak_memory() - before
-    assert over < pool_bytes // 8, f"peak {over / 2**20:.0f} MiB over a {pool_bytes / 2**20:.0f} MiB pool"
+    # A copying write adds at least a layer (the demo model's 2 make each 390 MiB); the
+    # steps' own buffers measured 104 MiB on the H200 (session 19).
+    layer_bytes = pool_bytes // len(engine.pool.layers)
+    assert over < layer_bytes // 2, f"peak {over / 2**20:.0f} MiB over a {pool_bytes / 2**20:.0f} MiB pool"
     for i, p in enumerate(prompts):
         want = oracle(p, 30 if i < 3 else 20)
         assert results[f"r{i}"].token_ids == want, f"r{i}: {results[f'r{i}'].token_ids} != {want}"
