@@ -709,11 +709,12 @@ def test_long_chunks_through_bucketed_fused_attention_match_mlx_lm(tiny_model, o
     from worker_proc.runner import masked_walk
 
     model, tokenizer = tiny_model
-    padded = []
+    padded, fused_keys = [], []
     bucketed = decode_backend.bucketed_fused_attention
 
     def spy(q, k, v, scale, pad, sinks=None):  # noqa: ANN001, ANN202
         padded.append(pad)
+        fused_keys.append(k.shape[2] + pad)
         return bucketed(q, k, v, scale, pad, sinks)
 
     monkeypatch.setattr(decode_backend, "bucketed_fused_attention", spy)
@@ -753,6 +754,16 @@ def test_long_chunks_through_bucketed_fused_attention_match_mlx_lm(tiny_model, o
     short = InProcessEngine(model, chunk_size=512, max_context=768, backend=StandInKernel())
     assert warm_up(short.runner, max_batch=4, long_chunk=512) == 2 + 2 + 2 + 2 * 3
     assert padded == [0] * model.args.num_hidden_layers
+    # Decode first's chunks walked over every key length of the context: 4 of 512.
+    fused_keys.clear()
+    walked = InProcessEngine(model, chunk_size=1024, max_context=2048, backend=StandInKernel())
+    assert warm_up(walked.runner, max_batch=4, long_chunk=1024, walk_chunk=512) == (
+        2 + 3 + 5 + 2 + 2 * 3)
+    layers = model.args.num_hidden_layers
+    assert fused_keys == [1024] * layers + [2048] * layers + [
+        n for n in (512, 1024, 1536, 2048) for _ in range(layers)]
+    walked.submit("after", prompts[1], 12, _eos(tokenizer))
+    assert walked.run_until_idle()["after"].token_ids == oracle(prompts[1], 12)
 
 def test_host_staging_reuses_its_buffers_and_keeps_the_last_steps_inputs():
     """Compiled decode's host-written inputs: no allocation a step once its buffers are

@@ -135,7 +135,10 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                          compile_decode=not config.eager_decode and backend.compiles,
                          compile_prefill=config.compile_prefill)
     t0 = time.monotonic()
-    steps = warm_up(runner, config.max_running_requests, long_chunk=chunk)
+    align = prefill_align(backend, specs)
+    walk = config.max_prefill_tokens_while_decoding
+    steps = warm_up(runner, config.max_running_requests, long_chunk=chunk,
+                    walk_chunk=walk if align > 1 and walk % align == 0 else 0)
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")

@@ -710,9 +710,10 @@ def _state_rows(states: list[RequestState]) -> mx.array:
     return mx.array([s.row + 1 for s in states], dtype=mx.int32)
 
 
-# Masked prefill shapes warmed at start-up (backend.warm_masked_shapes): every key bucket
-# up to this many keys, for chunks of one request of a bucket's queries.
-MASKED_WARM_KEYS = 8192
+# Prefill shapes warmed at start-up over every key length (bucket) up to this many keys:
+# decode first's chunks of a long prompt (warm_up's walk_chunk) and, where the backend
+# warms them, masked chunks (warm_masked_shapes).
+PREFILL_WARM_KEYS = 8192
 
 
 def masked_walk(keys: int, first: int = 64, chunk: int = FUSED_PREFILL_BUCKET - 64) -> list[int]:
@@ -722,14 +723,18 @@ def masked_walk(keys: int, first: int = 64, chunk: int = FUSED_PREFILL_BUCKET - 
     return [first] + list(range(first + chunk, keys + 1, chunk))
 
 
-def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chunk: int = 0) -> int:
+def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chunk: int = 0,
+            walk_chunk: int = 0) -> int:
     """Run throwaway requests through the paths the server will meet first, so kernel
     compilation happens before the first user request, not during it: a lone prompt in
     one fresh chunk (a forward of one row, as a quiet server's first request meets it),
     where the backend pads long prefill chunks to recurring shapes (bucketed_prefill) a
     lone prompt of two `long_chunk` chunks, or one where the context holds no more (the
     graphs a long prompt's first chunks need, built now: up to a second each on the
-    H200), then prompts in two chunks (the first fresh, the second read back from the
+    H200), and one in `walk_chunk` chunks to PREFILL_WARM_KEYS (decode first's chunks
+    of a long prompt, on the bucket's edges: a cuDNN graph for every key length, which
+    the first prompt of a burst otherwise built one a step, 50-110 ms each on the H200);
+    then prompts in two chunks (the first fresh, the second read back from the
     pool, with one start and with mixed starts), then decode batch sizes up to
     max_batch: powers of two, or with compiled decode every batch bucket (each is a trace
     of its own); where the backend warms its masked shapes, a lone prompt walking them
@@ -779,9 +784,12 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
     if backend.bucketed_prefill and long_chunk >= FUSED_PREFILL_BUCKET and n_long:
         # The second chunk only where the context holds it.
         step = lone_prompt("warmup-long", step, [long_chunk * (i + 1) for i in range(n_long)])
+    if backend.bucketed_prefill and walk_chunk >= FUSED_PREFILL_BUCKET and room >= walk_chunk:
+        walk = list(range(walk_chunk, min(room, PREFILL_WARM_KEYS) + 1, walk_chunk))
+        step = lone_prompt("warmup-walk", step, walk)
     if (backend.bucketed_prefill and backend.bucketed_masked and backend.warm_masked_shapes
             and room >= FUSED_PREFILL_BUCKET):
-        step = lone_prompt("warmup-masked", step, masked_walk(min(room, MASKED_WARM_KEYS)))
+        step = lone_prompt("warmup-masked", step, masked_walk(min(room, PREFILL_WARM_KEYS)))
     runner.run(ForwardBatch(step=step, new_requests=[NewRequest(rid=r, sampling=greedy) for r in rids],
                             prefill=[chunk(i, 0, splits[i], False) for i in range(n_req)]))
     step += 1
