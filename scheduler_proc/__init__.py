@@ -127,9 +127,13 @@ class SchedulerLoop:
             self.worker.send(batch)
             self.in_flight.append(InFlight(batch.step, time.perf_counter()))
             self._synced = self.max_in_flight == 1
-            logger.debug("step %d: %d prefill chunks (%d tokens), %d decodes", batch.step,
-                         len(batch.prefill), sum(len(c.token_ids) for c in batch.prefill),
-                         len(batch.decode_rids))
+            if logger.isEnabledFor(logging.DEBUG):
+                # Each chunk as tokens@start: where chunks start says which attention
+                # path the worker takes (bucket edges or not, PrefillBudget).
+                logger.debug("step %d: %d prefill chunks (%d tokens%s), %d decodes", batch.step,
+                             len(batch.prefill), sum(len(c.token_ids) for c in batch.prefill),
+                             "".join(f", {len(c.token_ids)}@{c.start}" for c in batch.prefill[:8]),
+                             len(batch.decode_rids))
         if self.in_flight and not self._synced and len(self.in_flight) < self.max_in_flight:
             # Nothing to chain behind the last step: the worker must not wait for one.
             self.worker.send(SyncSteps())
