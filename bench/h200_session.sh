@@ -153,6 +153,12 @@ timeout $((arms * 240 < 520 ? arms * 240 : 520)) "$PYTHON" bench/mixed_traffic.p
     --steady-streams "$MIXED_STEADY" --steady-prompt-tokens 128 --steady-output-tokens 2000 \
     --steady-seconds 5 --burst-requests 64 --burst-prompt-tokens 4096 --burst-output-tokens "$MIXED_BURST_OUTPUT" \
     --json "$OUT/mixed.json" 2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/mixed.txt"
+# With KILN_ARGS="--log-level debug": each arm's steps, and its slow ones (step_log.py).
+for log in "$OUT"/mixed_*.log; do
+    grep -q "prefill chunks (" "$log" 2>/dev/null || continue
+    echo "-- $(basename "$log")"
+    "$PYTHON" bench/step_log.py "$log" --table "${log%.log}_steps.txt" | head -24
+done
 fi
 
 if has sweep; then

@@ -1,0 +1,109 @@
+"""A served run's steps, read back from a kiln log at `--log-level debug`.
+
+    python bench/step_log.py bench/results/mixed_default.log --slow-ms 30 --table steps.txt
+
+Joins, per step, the scheduler's plan line (each prefill chunk as tokens@start, decode
+rows), the worker's build line (graph building, starting the prefill forwards, waiting for
+earlier ones) and the scheduler's "tokens back" line (plan sent to tokens back, with the
+steps in flight). Prints how many steps held several chunks or chunks starting off the
+`--align` edges, and every step whose build plus prefill start took `--slow-ms` or more:
+where mixed traffic's slow steps come from (docs/benchmarks.md, session 19).
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+
+_PLAN = re.compile(r"scheduler_proc: step (\d+): (\d+) prefill chunks \((\d+) tokens((?:, \d+@\d+)*)\), "
+                   r"(\d+) decodes")
+_BUILD = re.compile(r"worker_proc: step (\d+) built in ([\d.]+) ms \(and ([\d.]+) ms starting "
+                    r"prefill forwards, ([\d.]+) ms waiting")
+_BACK = re.compile(r"scheduler_proc: step (\d+): \d+ tokens back after ([\d.]+) ms")
+
+
+@dataclass
+class Step:
+    step: int
+    chunks: list[tuple[int, int]] = field(default_factory=list)  # (tokens, start)
+    n_chunks: int = 0
+    tokens: int = 0
+    decodes: int = 0
+    build_ms: float | None = None
+    start_ms: float | None = None
+    wait_ms: float | None = None
+    back_ms: float | None = None
+
+    @property
+    def host_ms(self) -> float:
+        return (self.build_ms or 0.0) + (self.start_ms or 0.0)
+
+    def describe(self) -> str:
+        chunks = " ".join(f"{n}@{s}" for n, s in self.chunks) or f"{self.tokens} tokens"
+        return (f"step {self.step}: {self.n_chunks} chunks [{chunks}], {self.decodes} decodes; "
+                f"build {self.build_ms} start {self.start_ms} wait {self.wait_ms} ms, "
+                f"tokens back after {self.back_ms} ms")
+
+
+def read_steps(lines: list[str]) -> list[Step]:
+    """Every step a plan line names, with what the other lines add, in step order."""
+    steps: dict[int, Step] = {}
+
+    def at(n: str) -> Step:
+        return steps.setdefault(int(n), Step(int(n)))
+
+    for line in lines:
+        if m := _PLAN.search(line):
+            s = at(m[1])
+            s.n_chunks, s.tokens, s.decodes = int(m[2]), int(m[3]), int(m[5])
+            s.chunks = [(int(n), int(start)) for n, start in re.findall(r"(\d+)@(\d+)", m[4])]
+        elif m := _BUILD.search(line):
+            s = at(m[1])
+            s.build_ms, s.start_ms, s.wait_ms = float(m[2]), float(m[3]), float(m[4])
+        elif m := _BACK.search(line):
+            at(m[1]).back_ms = float(m[2])
+    return [steps[k] for k in sorted(steps)]
+
+
+def summary(steps: list[Step], slow_ms: float, align: int) -> str:
+    prefill = [s for s in steps if s.n_chunks and s.build_ms is not None]
+    off_edge = [s for s in prefill if any(start % align for _, start in s.chunks)]
+    slow = [s for s in prefill if s.host_ms >= slow_ms]
+    lines = [f"{len(steps)} steps, {len(prefill)} with prefill: {sum(s.n_chunks > 1 for s in prefill)} "
+             f"with several chunks, {len(off_edge)} with a chunk starting off the {align} edges"]
+    if prefill:
+        def med(key: str) -> float:
+            return statistics.median(getattr(s, key) for s in prefill)
+        lines.append(f"prefill steps, median ms: build {med('build_ms'):.2f}, prefill start "
+                     f"{med('start_ms'):.2f}, wait {med('wait_ms'):.2f}")
+    lines.append(f"{len(slow)} with build + prefill start >= {slow_ms:g} ms:")
+    lines += ["  " + s.describe() for s in slow]
+    return "\n".join(lines)
+
+
+def table(steps: list[Step]) -> str:
+    rows = ["# step chunks tokens decodes build_ms prefill_start_ms prefill_wait_ms "
+            "tokens_back_ms chunks(tokens@start)"]
+    rows += [f"{s.step} {s.n_chunks} {s.tokens} {s.decodes} {s.build_ms} {s.start_ms} {s.wait_ms} "
+             f"{s.back_ms} {' '.join(f'{n}@{st}' for n, st in s.chunks)}".rstrip() for s in steps]
+    return "\n".join(rows) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("log", type=Path)
+    p.add_argument("--slow-ms", type=float, default=30.0)
+    p.add_argument("--align", type=int, default=512, help="the prefill bucket's edge")
+    p.add_argument("--table", type=Path, help="also write every step, one a line, here")
+    args = p.parse_args(argv)
+    steps = read_steps(args.log.read_text(errors="replace").splitlines())
+    if args.table:
+        args.table.write_text(table(steps))
+    print(summary(steps, args.slow_ms, args.align))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,29 @@
+"""bench/step_log.py on log lines as the scheduler and worker write them at debug level."""
+
+from __future__ import annotations
+
+from bench.step_log import read_steps, summary, table
+
+LOG = """\
+18:10:31   scheduler DEBUG   scheduler_proc: step 7: 1 prefill chunks (512 tokens, 512@1024), 32 decodes
+18:10:31      worker DEBUG   worker_proc: step 7 built in 4.63 ms (and 6.37 ms starting prefill forwards, 8.98 ms waiting for them)
+18:10:31   scheduler DEBUG   scheduler_proc: step 8: 2 prefill chunks (512 tokens, 1@4096, 511@0), 31 decodes
+18:10:31   scheduler DEBUG   scheduler_proc: step 7: 32 tokens back after 47.6 ms
+18:10:31      worker DEBUG   worker_proc: step 8 built in 26.12 ms (and 112.06 ms starting prefill forwards, 0.17 ms waiting for them)
+18:10:31   scheduler DEBUG   scheduler_proc: step 9: 1 prefill chunks (511 tokens, 511@511), 32 decodes
+18:10:31      worker DEBUG   worker_proc: step 9 built in 9.00 ms (and 12.00 ms starting prefill forwards, 1.00 ms waiting for them)
+18:10:31   scheduler DEBUG   scheduler_proc: step 10: 0 prefill chunks (0 tokens), 33 decodes
+18:10:31      worker INFO    worker_proc: 27.0 steps/s, 1078.5 decode tok/s
+"""
+
+
+def test_steps_are_joined_and_the_slow_ones_named():
+    steps = read_steps(LOG.splitlines())
+    assert [s.step for s in steps] == [7, 8, 9, 10]
+    s7, s8 = steps[0], steps[1]
+    assert s7.chunks == [(512, 1024)] and s7.decodes == 32 and s7.back_ms == 47.6
+    assert s8.chunks == [(1, 4096), (511, 0)] and s8.host_ms == 26.12 + 112.06
+    text = summary(steps, slow_ms=30, align=512)
+    assert "3 with prefill: 1 with several chunks, 1 with a chunk starting off the 512 edges" in text
+    assert "1 with build + prefill start >= 30 ms" in text and "step 8: 2 chunks [1@4096 511@0]" in text
+    assert table(steps).splitlines()[2] == "8 2 512 31 26.12 112.06 0.17 None 1@4096 511@0"
