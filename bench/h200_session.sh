@@ -155,7 +155,7 @@ timeout $((arms * 240 < 520 ? arms * 240 : 520)) "$PYTHON" bench/mixed_traffic.p
     --json "$OUT/mixed.json" 2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/mixed.txt"
 # With KILN_ARGS="--log-level debug": each arm's steps, and its slow ones (step_log.py).
 for log in "$OUT"/mixed_*.log; do
-    grep -q "prefill chunks (" "$log" 2>/dev/null || continue
+    grep -q "DEBUG.*scheduler_proc: step" "$log" 2>/dev/null || continue
     echo "-- $(basename "$log")"
     "$PYTHON" bench/step_log.py "$log" --table "${log%.log}_steps.txt" | head -24
 done
