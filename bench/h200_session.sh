@@ -73,6 +73,7 @@ MIXED_ARMS=${MIXED_ARMS:-default,8192}
 MIXED_STEADY=${MIXED_STEADY:-32}  # streams decoding through the burst; 0: the burst alone,
                                   # whose "prefill t/s" is a wave's prefill rate (issue 20)
 MIXED_BURST_OUTPUT=${MIXED_BURST_OUTPUT:-64}  # the burst's output tokens; 1: no burst
+MIXED_BURST_REQUESTS=${MIXED_BURST_REQUESTS:-64}  # the burst's prompts (of 4,096 tokens)
                                   # request decodes, so no decode-first bound slows its prefill
 mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -144,14 +145,14 @@ PYTHONPATH=${PYTHONPATH:-}:$HOME/site_c LD_LIBRARY_PATH=$HOME/site_c/nvidia/cu13
 fi
 
 if has mixed; then
-echo "== mixed traffic: $MIXED_STEADY streams decoding, 64 x 4096-token prompts arrive"
+echo "== mixed traffic: $MIXED_STEADY streams decoding, $MIXED_BURST_REQUESTS x 4096-token prompts arrive"
 # Each arm (start, warm-up, ~30 s of traffic, stop) should take ~2 minutes, 4 at most; the
 # part stops after 520 s (a device call has 600), keeping the arms done in mixed.json.
 arms=$(tr ',' '\n' <<<"$MIXED_ARMS" | wc -l)
 timeout $((arms * 240 < 520 ? arms * 240 : 520)) "$PYTHON" bench/mixed_traffic.py \
     --model "$MODEL" --arms "$MIXED_ARMS" --kiln-args="$KILN_ARGS" --out "$OUT" \
     --steady-streams "$MIXED_STEADY" --steady-prompt-tokens 128 --steady-output-tokens 2000 \
-    --steady-seconds 5 --burst-requests 64 --burst-prompt-tokens 4096 --burst-output-tokens "$MIXED_BURST_OUTPUT" \
+    --steady-seconds 5 --burst-requests "$MIXED_BURST_REQUESTS" --burst-prompt-tokens 4096 --burst-output-tokens "$MIXED_BURST_OUTPUT" \
     --json "$OUT/mixed.json" 2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/mixed.txt"
 # With KILN_ARGS="--log-level debug": each arm's steps, and its slow ones (step_log.py).
 for log in "$OUT"/mixed_*.log; do
