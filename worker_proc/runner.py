@@ -733,7 +733,8 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
     graphs a long prompt's first chunks need, built now: up to a second each on the
     H200), and one in `walk_chunk` chunks to PREFILL_WARM_KEYS (decode first's chunks
     of a long prompt, on the bucket's edges: a cuDNN graph for every key length, which
-    the first prompt of a burst otherwise built one a step, 50-110 ms each on the H200);
+    the first prompt of a burst otherwise built one a step, 50-110 ms each on the H200;
+    walked twice where prefill forwards are traced, to trace them);
     then prompts in two chunks (the first fresh, the second read back from the
     pool, with one start and with mixed starts), then decode batch sizes up to
     max_batch: powers of two, or with compiled decode every batch bucket (each is a trace
@@ -786,7 +787,10 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
         step = lone_prompt("warmup-long", step, [long_chunk * (i + 1) for i in range(n_long)])
     if backend.bucketed_prefill and walk_chunk >= FUSED_PREFILL_BUCKET and room >= walk_chunk:
         walk = list(range(walk_chunk, min(room, PREFILL_WARM_KEYS) + 1, walk_chunk))
-        step = lone_prompt("warmup-walk", step, walk)
+        # Twice where prefill forwards replay traces: a shape is traced when it recurs (an
+        # eager build's ~10x), which the walk's second pass does now, not a burst's prompt.
+        for _ in range(2 if runner.prefill_forwards.compiles else 1):
+            step = lone_prompt("warmup-walk", step, walk)
     if (backend.bucketed_prefill and backend.bucketed_masked and backend.warm_masked_shapes
             and room >= FUSED_PREFILL_BUCKET):
         step = lone_prompt("warmup-masked", step, masked_walk(min(room, PREFILL_WARM_KEYS)))
