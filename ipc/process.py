@@ -4,6 +4,7 @@ and the report of a failure."""
 from __future__ import annotations
 
 import ctypes
+import gc
 import logging
 import os
 import shutil
@@ -121,3 +122,14 @@ class StartupReporter:
     def ready(self, detail: str = "") -> None:
         self._sender.send(ProcessReady(name=self._role, detail=detail))
         self._sender.close(linger_ms=2000)
+        freeze_startup_objects()
+
+
+def freeze_startup_objects() -> None:
+    """Move everything start-up made (imported modules, the model's and tokenizer's
+    objects: ~90k on the demo model) out of the garbage collector's reach. A full
+    collection scans them all, 31-35 ms on the CPU machine, and runs whenever enough
+    objects outlive their step, so it stalled a serving loop's step now and then (an
+    inter-token latency outlier); frozen, collections scan what serving made alone."""
+    gc.collect()
+    gc.freeze()
