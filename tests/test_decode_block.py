@@ -202,3 +202,34 @@ def test_fast_blocks_on_the_cuda_kernel_path_match_mlx_lm(tmp_path_factory, rope
     prompts = _prompts(4, [40, 9, 25, 130], ours.args.vocab_size, seed=6)
     assert_greedy(engine, prompts, 30, _eos(tokenizer),
                   lambda p, n: mlx_lm_greedy(theirs, tokenizer, p, n), ties_of=theirs)
+
+
+@pytest.mark.parametrize("path", ["compiled", "in place"])
+def test_gemma3_blocks_decode_mlx_lm_tokens(path):
+    """Gemma 3's block normalises and rotates q and k together in decode, across sliding
+    windows shorter than the prompts, beside norms summed once (as served): mlx-lm's
+    greedy tokens on the kernel path (stood in for on the CPU), compiled and in place.
+    The q and k norms' weights are drawn apart (mlx-lm starts both at the same ones), so a
+    scale on the wrong heads changes the tokens."""
+    from tests.families import build
+    from tests.test_families import _prompts, mlx_lm_tokens
+    from worker_proc.offset_norms import sum_offset_norms
+
+    theirs, ours = build("gemma3_text"), build("gemma3_text")
+    for i, (a, b) in enumerate(zip(theirs.layers, ours.layers)):
+        for name in ("q_norm", "k_norm"):
+            w = mx.random.normal((16,), key=mx.random.key(7 * i + len(name) + (name == "k_norm")))
+            getattr(a.self_attn, name).weight = w
+            getattr(b.self_attn, name).weight = mx.array(w)
+    fuse_projections(ours)
+    assert speed_up_decode_blocks(ours, residual_in_gemm=False) == len(ours.layers)
+    assert sum_offset_norms(ours) > 0
+    compiled = path == "compiled"
+    engine = InProcessEngine(ours, chunk_size=16, compile_decode=compiled, overlap="ahead",
+                             backend=StandInKernel() if compiled else StandInInPlaceKernels())
+    prompts = _prompts(seed=77)
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 20, [])
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == mlx_lm_tokens(theirs, p, 20), f"r{i}"

@@ -857,6 +857,10 @@ def test_prefill_experiments_are_refused_for_the_device_not_the_model(tiny_model
         build_runner(ServerConfig(model_path=str(gemma), experiments="unfused-masked-prefill"))
     with pytest.raises(UnsupportedModelError, match="no llama or qwen2 block"):
         build_runner(ServerConfig(model_path=str(gemma), experiments="rope-in-kernel"))
+    # Gemma 3's own fast blocks do not carry the kernel's RoPE either.
+    with pytest.raises(UnsupportedModelError, match="no llama or qwen2 block"):
+        build_runner(ServerConfig(model_path=str(gemma), experiments="rope-in-kernel",
+                                  fast_decode_blocks="on"))
 
 
 def test_compile_prefill_is_refused_on_the_cpu(tiny_model_dir) -> None:

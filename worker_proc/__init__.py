@@ -34,7 +34,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from kiln_common.model_info import read_json, served_context_len
     from kiln_common.windows import WindowRule
     from worker_proc.decode_backend import choose_decode_backend
-    from worker_proc.decode_block import speed_up_decode_blocks
+    from worker_proc.decode_block import FastDecodeBlock, speed_up_decode_blocks
     from worker_proc.depthwise_conv import replace_depthwise_convs
     from worker_proc.fused_projections import fuse_projections
     from worker_proc.gated_delta_cuda import install_gated_delta_kernel, uses_gated_delta
@@ -72,12 +72,15 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         # an 8B model, which shrank the H200's pool by 5 GiB).
         mx.clear_cache()
     sped_up = fast_blocks and speed_up_decode_blocks(model, on_cuda)
+    if not sped_up and config.fast_decode_blocks == "on":
+        raise UnsupportedModelError("--fast-decode-blocks on: the model has no llama, qwen2 or "
+                                    "Gemma 3 block (mlx_lm.models.llama, .qwen2, .gemma3_text) "
+                                    "to speed up")
     # The other experiments are the attention kernel's and its prefill's: any model.
-    in_blocks = "rope-in-kernel" in config.experiment_set
-    if not sped_up and (config.fast_decode_blocks == "on" or in_blocks):
-        raise UnsupportedModelError(
-            f"{'--experiments rope-in-kernel' if in_blocks else '--fast-decode-blocks on'}: "
-            "the model has no llama or qwen2 block (mlx_lm.models.llama, .qwen2) to speed up")
+    if "rope-in-kernel" in config.experiment_set and not any(
+            isinstance(m, FastDecodeBlock) for _, m in model.named_modules()):
+        raise UnsupportedModelError("--experiments rope-in-kernel: the model has no llama or "
+                                    "qwen2 block (mlx_lm.models.llama, .qwen2) to speed up")
     if norms := sum_offset_norms(model):
         say(f"{norms} RMSNorms scale by 1 + weight: the sum made once, not every call")
     say(f"model loaded in {time.monotonic() - t0:.1f}s")

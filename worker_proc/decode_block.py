@@ -1,4 +1,5 @@
-"""A llama-style block's decode step in fewer kernel launches (`--fast-decode-blocks`).
+"""A llama-style (or Gemma 3) block's decode step in fewer kernel launches
+(`--fast-decode-blocks`).
 
 On MLX's CUDA backend a decode step at 64 rows is bound by the host's time per launched
 kernel. mlx-lm's llama block, with fused projections (worker_proc/fused_projections.py),
@@ -21,11 +22,12 @@ fused projections alone, so `auto` turns it on with the CUDA decode kernel.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import llama, qwen2
+from mlx_lm.models import gemma3_text, llama, qwen2
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import Llama3RoPE
 
@@ -95,6 +97,63 @@ class FastDecodeBlock:
         return x + proj(a)
 
 
+@dataclass(frozen=True)
+class QKNorms:
+    """A Gemma 3 layer's q and k norms as one: each head's scale ([n_q + n_kv, D]: q's
+    heads, then k's) and their eps. (Held in a plain object: an array attribute of an
+    mlx Module would become one of the model's parameters.)"""
+
+    scale: mx.array
+    eps: float
+
+
+class FastGemma3Block:
+    """Gemma 3's block (mlx-lm's gemma3_text) for paged decode: the q and k norms and RoPE
+    over q and k together. mlx-lm normalises then rotates q and k apart: two norms and two
+    RoPEs a layer, each of the strided q or k view of the fused projection's output (MLX's
+    CUDA kernels copy such an input first). Here the heads of q and k go through one
+    unscaled norm, one multiply by both norms' scales ([heads, D], made at load) and one
+    RoPE (RoPE works head by head with one offset per row). That multiply is the scale
+    step of MLX's CPU rms_norm, so on the CPU the tokens are mlx-lm's bit for bit (the
+    tests compare them); CUDA's norm kernel scales before rounding, so there they may
+    differ at near-ties. Attention, the MLP and the residuals are mlx-lm's calls."""
+
+    qk_norms: QKNorms | None = None  # set per block by speed_up_decode_blocks
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if not (isinstance(cache, PooledKVCache) and cache.paged) or cache.kind.own_attention:
+            return super().__call__(x, mask, cache)  # type: ignore[misc]
+        attn = self.self_attn  # type: ignore[attr-defined]
+        b, length, _ = x.shape
+        n_q, n_kv, dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
+        qk = qkv[..., :(n_q + n_kv) * dim].reshape(b, length, n_q + n_kv, dim)
+        norms = self.qk_norms
+        qk = mx.fast.rms_norm(qk, None, norms.eps) * norms.scale
+        qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
+        values = qkv[..., (n_q + n_kv) * dim:].reshape(b, length, n_kv, dim).transpose(0, 2, 1, 3)
+        cache.update_and_fetch(qk[:, n_q:], values)
+        out = cache.paged_attention(qk[:, :n_q], attn.scale)
+        out = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+        h = gemma3_text.clip_residual(x, self.post_attention_layernorm(out))  # type: ignore[attr-defined]
+        r = self.mlp(self.pre_feedforward_layernorm(h))  # type: ignore[attr-defined]
+        return gemma3_text.clip_residual(h, self.post_feedforward_layernorm(r))  # type: ignore[attr-defined]
+
+
+def _qk_norms(attn: nn.Module) -> QKNorms | None:
+    """Gemma 3's q and k norms as one, where they are mlx-lm's (offset) RMSNorms of one
+    eps; None otherwise."""
+    q_norm, k_norm = attn.q_norm, attn.k_norm
+    if not all(isinstance(getattr(n, "eps", None), float) and "weight" in n for n in (q_norm, k_norm)):
+        return None
+    if q_norm.eps != k_norm.eps:
+        return None
+    # The arrays mlx-lm's norm multiplies by (its 1 + weight, rounded in the weight's dtype).
+    scale = mx.concatenate([mx.broadcast_to(1.0 + q_norm.weight, (attn.n_heads, attn.head_dim)),
+                            mx.broadcast_to(1.0 + k_norm.weight, (attn.n_kv_heads, attn.head_dim))])
+    return QKNorms(scale, q_norm.eps)
+
+
 # mlx-lm block classes whose call, attention and MLP are the math FastDecodeBlock does
 # (pre-norm residual block; q/k/v projections, with or without bias, RoPE on q and k with
 # the cache's offset, attention, o projection; SwiGLU MLP), read from their source. Other
@@ -105,6 +164,9 @@ _FAMILIES: dict[type, tuple[type, type]] = {
 }
 _FAST_CLASSES = {base: type(f"Fast{base.__module__.rsplit('.', 1)[-1].title()}Block",
                             (FastDecodeBlock, base), {}) for base in _FAMILIES}
+
+
+_GEMMA3 = type("FastGemma3TextBlock", (FastGemma3Block, gemma3_text.TransformerBlock), {})
 
 
 def _eligible(block: nn.Module) -> bool:
@@ -118,10 +180,17 @@ def _eligible(block: nn.Module) -> bool:
     return "qkv_proj" in attn and "gate_up_proj" in mlp
 
 
+def _eligible_gemma3(block: nn.Module) -> bool:
+    """mlx-lm's Gemma 3 block as it builds it, its q/k/v fused."""
+    return (type(block) is gemma3_text.TransformerBlock
+            and type(block.self_attn) is gemma3_text.Attention and "qkv_proj" in block.self_attn)
+
+
 def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
-    """Give every eligible block (mlx-lm's llama or qwen2 block, projections fused) the
-    decode call of FastDecodeBlock; returns how many. residual_in_gemm: residual adds
-    inside the o and down GEMMs (CUDA)."""
+    """Give every eligible block the decode call of FastDecodeBlock (mlx-lm's llama or
+    qwen2 block, projections fused) or FastGemma3Block (Gemma 3's, q/k/v fused); returns
+    how many. residual_in_gemm: residual adds inside the o and down GEMMs (CUDA; llama
+    and qwen2: Gemma 3 normalises before its adds)."""
     count = 0
     for _, module in model.named_modules():
         if _eligible(module):
@@ -130,6 +199,11 @@ def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
             module.rope_spec = rope_spec(module.self_attn.rope)
             if module.rope_spec is not None:  # evaluated here, never inside a compiled trace
                 mx.eval(module.rope_spec.kernel_params)
+            count += 1
+        elif _eligible_gemma3(module) and (norms := _qk_norms(module.self_attn)) is not None:
+            module.__class__ = _GEMMA3
+            module.qk_norms = norms
+            mx.eval(norms.scale)
             count += 1
     if count:
         logger.info("%d blocks take the fast decode call (residual adds in GEMMs: %s)",
