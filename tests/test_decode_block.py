@@ -233,3 +233,28 @@ def test_gemma3_blocks_decode_mlx_lm_tokens(path):
     results = engine.run_until_idle()
     for i, p in enumerate(prompts):
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(theirs, p, 20), f"r{i}"
+
+
+@pytest.mark.parametrize("path", ["compiled", "in place"])
+def test_gpt_oss_blocks_decode_mlx_lm_tokens(path):
+    """GPT-OSS's block rotates q and k together in decode, with its sinks and sliding
+    windows shorter than the prompts: mlx-lm's greedy tokens on the kernel path (stood in
+    for on the CPU), compiled and in place. The sinks are drawn (mlx-lm starts them at 0)."""
+    from tests.families import build
+    from tests.test_families import _prompts, mlx_lm_tokens
+
+    theirs, ours = build("gpt_oss"), build("gpt_oss")
+    for i, (a, b) in enumerate(zip(theirs.layers, ours.layers)):
+        sinks = mx.random.normal(a.self_attn.sinks.shape, key=mx.random.key(i))
+        a.self_attn.sinks, b.self_attn.sinks = sinks, mx.array(sinks)
+    fuse_projections(ours)
+    assert speed_up_decode_blocks(ours, residual_in_gemm=True) == len(ours.layers)
+    compiled = path == "compiled"
+    engine = InProcessEngine(ours, chunk_size=16, compile_decode=compiled, overlap="ahead",
+                             backend=StandInKernel() if compiled else StandInInPlaceKernels())
+    prompts = _prompts(seed=78)
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 20, [])
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == mlx_lm_tokens(theirs, p, 20), f"r{i}"

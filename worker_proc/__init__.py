@@ -73,9 +73,9 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         mx.clear_cache()
     sped_up = fast_blocks and speed_up_decode_blocks(model, on_cuda)
     if not sped_up and config.fast_decode_blocks == "on":
-        raise UnsupportedModelError("--fast-decode-blocks on: the model has no llama, qwen2 or "
-                                    "Gemma 3 block (mlx_lm.models.llama, .qwen2, .gemma3_text) "
-                                    "to speed up")
+        raise UnsupportedModelError("--fast-decode-blocks on: the model has no llama, qwen2, "
+                                    "Gemma 3 or GPT-OSS block (mlx_lm.models.llama, .qwen2, "
+                                    ".gemma3_text, .gpt_oss) to speed up")
     # The other experiments are the attention kernel's and its prefill's: any model.
     if "rope-in-kernel" in config.experiment_set and not any(
             isinstance(m, FastDecodeBlock) for _, m in model.named_modules()):

@@ -1,4 +1,4 @@
-"""A llama-style (or Gemma 3) block's decode step in fewer kernel launches
+"""A llama-style (or Gemma 3, GPT-OSS) block's decode step in fewer kernel launches
 (`--fast-decode-blocks`).
 
 On MLX's CUDA backend a decode step at 64 rows is bound by the host's time per launched
@@ -27,7 +27,7 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models import gemma3_text, llama, qwen2
+from mlx_lm.models import gemma3_text, gpt_oss, llama, qwen2
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import Llama3RoPE
 
@@ -140,6 +140,28 @@ class FastGemma3Block:
         return gemma3_text.clip_residual(h, self.post_feedforward_layernorm(r))  # type: ignore[attr-defined]
 
 
+class FastGptOssBlock:
+    """GPT-OSS's block (mlx-lm's gpt_oss) for paged decode: one RoPE over the adjacent q
+    and k heads of the fused q/k/v output (mlx-lm rotates each apart, each a copy of its
+    strided view first on CUDA), then mlx-lm's attention with sinks, o projection, MoE and
+    residuals. RoPE works head by head, so the tokens are mlx-lm's on the CPU (tests)."""
+
+    def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if not (isinstance(cache, PooledKVCache) and cache.paged) or cache.kind.own_attention:
+            return super().__call__(x, mask, cache)  # type: ignore[misc]
+        attn = self.self_attn  # type: ignore[attr-defined]
+        b, length, _ = x.shape
+        n_q, n_kv, dim = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
+        qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
+        qk = qkv[..., :(n_q + n_kv) * dim].reshape(b, length, n_q + n_kv, dim).transpose(0, 2, 1, 3)
+        qk = attn.rope(qk, offset=cache.offset)
+        values = qkv[..., (n_q + n_kv) * dim:].reshape(b, length, n_kv, dim).transpose(0, 2, 1, 3)
+        cache.update_and_fetch(qk[:, n_q:], values)
+        out = cache.paged_attention(qk[:, :n_q], attn.sm_scale, attn.sinks)
+        h = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+        return h + self.mlp(self.post_attention_layernorm(h))  # type: ignore[attr-defined]
+
+
 def _qk_norms(attn: nn.Module) -> QKNorms | None:
     """Gemma 3's q and k norms as one, where they are mlx-lm's (offset) RMSNorms of one
     eps; None otherwise."""
@@ -167,6 +189,7 @@ _FAST_CLASSES = {base: type(f"Fast{base.__module__.rsplit('.', 1)[-1].title()}Bl
 
 
 _GEMMA3 = type("FastGemma3TextBlock", (FastGemma3Block, gemma3_text.TransformerBlock), {})
+_GPT_OSS = type("FastGptOssTransformerBlock", (FastGptOssBlock, gpt_oss.TransformerBlock), {})
 
 
 def _eligible(block: nn.Module) -> bool:
@@ -186,11 +209,17 @@ def _eligible_gemma3(block: nn.Module) -> bool:
             and type(block.self_attn) is gemma3_text.Attention and "qkv_proj" in block.self_attn)
 
 
+def _eligible_gpt_oss(block: nn.Module) -> bool:
+    """mlx-lm's GPT-OSS block as it builds it, its q/k/v fused."""
+    return (type(block) is gpt_oss.TransformerBlock
+            and type(block.self_attn) is gpt_oss.AttentionBlock and "qkv_proj" in block.self_attn)
+
+
 def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
     """Give every eligible block the decode call of FastDecodeBlock (mlx-lm's llama or
-    qwen2 block, projections fused) or FastGemma3Block (Gemma 3's, q/k/v fused); returns
-    how many. residual_in_gemm: residual adds inside the o and down GEMMs (CUDA; llama
-    and qwen2: Gemma 3 normalises before its adds)."""
+    qwen2 block, projections fused), FastGemma3Block or FastGptOssBlock (q/k/v fused);
+    returns how many. residual_in_gemm: residual adds inside the o and down GEMMs (CUDA;
+    llama and qwen2 only: Gemma 3 normalises before its adds, GPT-OSS's MLP is experts)."""
     count = 0
     for _, module in model.named_modules():
         if _eligible(module):
@@ -204,6 +233,9 @@ def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
             module.__class__ = _GEMMA3
             module.qk_norms = norms
             mx.eval(norms.scale)
+            count += 1
+        elif _eligible_gpt_oss(module):
+            module.__class__ = _GPT_OSS
             count += 1
     if count:
         logger.info("%d blocks take the fast decode call (residual adds in GEMMs: %s)",
