@@ -18,8 +18,8 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
-_PLAN = re.compile(r"scheduler_proc: step (\d+): (\d+) prefill chunks \((\d+) tokens((?:, \d+@\d+)*)\), "
-                   r"(\d+) decodes")
+_PLAN = re.compile(r"scheduler_proc: step (\d+): (\d+) prefill chunks "
+                   r"\((\d+) tokens((?:, \d+@\d+)*)\), (\d+) decodes")
 _BUILD = re.compile(r"worker_proc: step (\d+) built in ([\d.]+) ms \(and ([\d.]+) ms starting "
                     r"prefill forwards, ([\d.]+) ms waiting")
 _BACK = re.compile(r"scheduler_proc: step (\d+): \d+ tokens back after ([\d.]+) ms")
@@ -72,8 +72,9 @@ def summary(steps: list[Step], slow_ms: float, align: int) -> str:
     prefill = [s for s in steps if s.n_chunks and s.build_ms is not None]
     off_edge = [s for s in prefill if any(start % align for _, start in s.chunks)]
     slow = [s for s in prefill if s.host_ms >= slow_ms]
-    lines = [f"{len(steps)} steps, {len(prefill)} with prefill: {sum(s.n_chunks > 1 for s in prefill)} "
-             f"with several chunks, {len(off_edge)} with a chunk starting off the {align} edges"]
+    several = sum(s.n_chunks > 1 for s in prefill)
+    lines = [f"{len(steps)} steps, {len(prefill)} with prefill: {several} with several chunks, "
+             f"{len(off_edge)} with a chunk starting off the {align} edges"]
     if prefill:
         def med(key: str) -> float:
             return statistics.median(getattr(s, key) for s in prefill)

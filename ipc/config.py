@@ -136,12 +136,12 @@ class ServerConfig:
         "backend (a decode step at 64 rows ~20%% faster on the H200), off elsewhere (no gain "
         "on the CPU).")
     fast_decode_blocks: str = _auto_on_off(
-        "Decode steps of llama/qwen2, Gemma 3 and GPT-OSS blocks in fewer kernel launches: one RoPE "
-        "for q and k (Gemma 3: one norm too), and on CUDA llama/qwen2's residual adds inside "
-        "the o and down GEMMs (tokens may then differ from mlx-lm's at near-ties). Needs "
-        "fused projections. auto: on where projections are fused and decode attention runs "
-        "the CUDA kernel (llama, 64 streams: ~6%% more tokens/s on the H200), for the models "
-        "that have such blocks.")
+        "Decode steps of llama/qwen2, Gemma 3 and GPT-OSS blocks in fewer kernel launches: "
+        "one RoPE for q and k (Gemma 3: one norm too), and on CUDA llama/qwen2's residual "
+        "adds inside the o and down GEMMs (tokens may then differ from mlx-lm's at "
+        "near-ties). Needs fused projections. auto: on where projections are fused and decode "
+        "attention runs the CUDA kernel (llama, 64 streams: ~6%% more tokens/s on the H200), "
+        "for the models that have such blocks.")
     experiments: str = dataclasses.field(
         default="", metadata={"help": "Comma-separated experimental CUDA decode paths to turn "
                                       "on, for A/B runs (may change or go): rope-in-kernel (the "
