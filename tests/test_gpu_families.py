@@ -1,6 +1,6 @@
 """Every architecture family through the device's served path (on MLX's CUDA backend: the
 paged kernel, compiled decode, in-place pool, the gated delta kernel, shifted
-convolutions, fused projections), against mlx-lm's own forward.
+convolutions, fused projections, fast decode blocks), against mlx-lm's own forward.
 
 On a GPU, float32 kernels other than mlx-lm's sum in other orders, so a greedy token may
 differ from mlx-lm's at a near tie and the sequences part. The check is therefore
@@ -25,6 +25,7 @@ import pytest
 from tests.engine_driver import InProcessEngine
 from tests.families import _COMMON, FAMILIES, RECURRENT_FAMILIES, VOCAB
 from worker_proc.decode_backend import choose_decode_backend
+from worker_proc.decode_block import speed_up_decode_blocks
 from worker_proc.depthwise_conv import replace_depthwise_convs
 from worker_proc.fused_projections import fuse_projections
 from worker_proc.gated_delta_cuda import install_gated_delta_kernel, uses_gated_delta
@@ -79,6 +80,7 @@ def test_every_family_served_picks_tokens_mlx_lm_ranks_best(name):
     if kernel_available():  # as the worker loads it there
         replace_depthwise_convs(served)
         fuse_projections(served)
+        speed_up_decode_blocks(served, residual_in_gemm=True)
     sum_offset_norms(served)
     compiles = choose_decode_backend(probe_attention_specs(served)).compiles
     engine = InProcessEngine(served, chunk_size=16, compile_decode=compiles, overlap="ahead")
