@@ -74,6 +74,7 @@ MIXED_STEADY=${MIXED_STEADY:-32}  # streams decoding through the burst; 0: the b
                                   # whose "prefill t/s" is a wave's prefill rate (issue 20)
 MIXED_BURST_OUTPUT=${MIXED_BURST_OUTPUT:-64}  # the burst's output tokens; 1: no burst
 MIXED_BURST_REQUESTS=${MIXED_BURST_REQUESTS:-64}  # the burst's prompts (of 4,096 tokens)
+MIXED_BURST_SPREAD=${MIXED_BURST_SPREAD:-0}  # ... each 4,096 * (1 +- this) tokens
                                   # request decodes, so no decode-first bound slows its prefill
 mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
@@ -153,6 +154,7 @@ timeout $((arms * 240 < 520 ? arms * 240 : 520)) "$PYTHON" bench/mixed_traffic.p
     --model "$MODEL" --arms "$MIXED_ARMS" --kiln-args="$KILN_ARGS" --out "$OUT" \
     --steady-streams "$MIXED_STEADY" --steady-prompt-tokens 128 --steady-output-tokens 2000 \
     --steady-seconds 5 --burst-requests "$MIXED_BURST_REQUESTS" --burst-prompt-tokens 4096 --burst-output-tokens "$MIXED_BURST_OUTPUT" \
+    --burst-length-spread "$MIXED_BURST_SPREAD" \
     --json "$OUT/mixed.json" 2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/mixed.txt"
 # With KILN_ARGS="--log-level debug": each arm's steps, and its slow ones (step_log.py).
 for log in "$OUT"/mixed_*.log; do

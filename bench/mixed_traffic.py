@@ -58,21 +58,25 @@ class Workload:
     steady_seconds: float
 
 
-def prompt_ids(model_dir: Path, n: int, length: int, seed: int) -> list[list[int]]:
-    """n distinct random prompts of `length` ids, none a special token (so neither the
-    prefix cache nor an early EOS changes the work)."""
+def prompt_ids(model_dir: Path, n: int, length: int, seed: int,
+               spread: float = 0.0) -> list[list[int]]:
+    """n distinct random prompts of `length` ids (each length * (1 +- spread), uniform),
+    none a special token (so neither the prefix cache nor an early EOS changes the work)."""
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(model_dir / "tokenizer.json"))
     special = set(tok.get_added_tokens_decoder())
     allowed = np.array([i for i in range(tok.get_vocab_size()) if i not in special])
     rng = np.random.default_rng(seed)
-    return [rng.choice(allowed, size=length).tolist() for _ in range(n)]
+    sizes = [max(1, int(length * rng.uniform(1 - spread, 1 + spread))) if spread else length
+             for _ in range(n)]
+    return [rng.choice(allowed, size=size).tolist() for size in sizes]
 
 
 def make_workload(model_dir: Path, args: argparse.Namespace, seed: int) -> Workload:
     return Workload(prompt_ids(model_dir, args.steady_streams, args.steady_prompt_tokens, seed),
-                    prompt_ids(model_dir, args.burst_requests, args.burst_prompt_tokens, seed + 1),
+                    prompt_ids(model_dir, args.burst_requests, args.burst_prompt_tokens, seed + 1,
+                               args.burst_length_spread),
                     args.steady_output_tokens, args.burst_output_tokens, args.steady_seconds)
 
 
@@ -216,6 +220,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--burst-requests", type=int, default=8)
     p.add_argument("--burst-prompt-tokens", type=int, default=1024)
     p.add_argument("--burst-output-tokens", type=int, default=16)
+    p.add_argument("--burst-length-spread", type=float, default=0.0,
+                   help="burst prompts of --burst-prompt-tokens * (1 +- this) tokens: their "
+                        "last chunks then end anywhere, as real prompts' do")
     p.add_argument("--kiln-args", default="", help="extra launch.py flags for every arm")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")

@@ -27,3 +27,12 @@ def test_gaps_are_split_at_the_burst_and_its_last_first_token():
     assert r["burst_prefill_tok_s"] == 2000  # 600 prompt tokens in 0.3 s
     assert r["steady_ended_during_burst"] == 0 and r["failed"] == 0
     assert r["output_tokens"] == 2 * 130 + 4 and r["output_tok_s"] == round(264 / 1.5, 2)
+
+
+def test_burst_prompts_vary_by_the_spread(tiny_model_dir):
+    from bench.mixed_traffic import prompt_ids
+
+    fixed = prompt_ids(tiny_model_dir, 8, 100, seed=3)
+    assert {len(p) for p in fixed} == {100}
+    varied = prompt_ids(tiny_model_dir, 40, 100, seed=3, spread=0.5)
+    assert all(50 <= len(p) <= 150 for p in varied) and len({len(p) for p in varied}) > 10
