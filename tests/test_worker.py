@@ -588,6 +588,7 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     assert prefill_align(KernelDecode(), llama) == 512
     assert prefill_align(GatherDecode(), llama) == prefill_align(KernelDecode(), llama + gemma) == 1
     assert prefill_align(KernelDecode(bucketed_prefill=False), llama) == 1
+    assert prefill_align(KernelDecode(align_chunks=False), llama) == 1  # the A/B arm
     assert ServerConfig(chunked_prefill_size=512).chunk_size(True) == 512
     assert ServerConfig(max_prefill_tokens=1024).chunk_size(True) == 1024  # within a step's budget
     with pytest.raises(ValueError, match="chunked-prefill-size"):
@@ -628,6 +629,8 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert KernelDecode().bucketed_masked and masked == KernelDecode(bucketed_masked=False)
     warmed = choose_decode_backend(specs, ServerConfig(experiments="warm-masked-prefill").experiment_set)
     assert not KernelDecode().warm_masked_shapes and warmed == KernelDecode(warm_masked_shapes=True)
+    unaligned = choose_decode_backend(specs, ServerConfig(experiments="unaligned-chunks").experiment_set)
+    assert KernelDecode().align_chunks and unaligned == KernelDecode(align_chunks=False)
 
 
 def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_lm(

@@ -38,12 +38,12 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from worker_proc.depthwise_conv import replace_depthwise_convs
     from worker_proc.fused_projections import fuse_projections
     from worker_proc.gated_delta_cuda import install_gated_delta_kernel, uses_gated_delta
-    from worker_proc.kv_pool import KVPool
+    from worker_proc.kv_pool import KVPool, attention_specs
     from worker_proc.layer_kinds import UnsupportedModelError, describe_layers
     from worker_proc.memory import (bound_cuda_cache, pool_spaces, probe_attention_specs,
                                     raise_cuda_graph_budgets)
     from worker_proc.offset_norms import sum_offset_norms
-    from worker_proc.paged_attention import kernel_available
+    from worker_proc.paged_attention import FUSED_PREFILL_BUCKET, kernel_available
     from worker_proc.runner import (CPU_PREFILL_PADDING, PREFILL_PADDING, ModelRunner,
                                     trace_decode_shapes, warm_up)
 
@@ -138,10 +138,13 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                          compile_decode=not config.eager_decode and backend.compiles,
                          compile_prefill=config.compile_prefill)
     t0 = time.monotonic()
-    align = prefill_align(backend, specs)
+    # Decode first's chunks walked where they are bucketed (aligned or not, their first
+    # chunks are): their cuDNN graphs built now.
     walk = config.max_prefill_tokens_while_decoding
+    bucketed = (backend.fuses_long_prefill(attention_specs(specs))
+                and walk % FUSED_PREFILL_BUCKET == 0)
     steps = warm_up(runner, config.max_running_requests, long_chunk=chunk,
-                    walk_chunk=walk if align > 1 and walk % align == 0 else 0)
+                    walk_chunk=walk if bucketed else 0)
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")
@@ -359,7 +362,8 @@ def prefill_align(backend: DecodeBackend, specs: list) -> int:
     from worker_proc.kv_pool import attention_specs
     from worker_proc.paged_attention import FUSED_PREFILL_BUCKET
 
-    return FUSED_PREFILL_BUCKET if backend.fuses_long_prefill(attention_specs(specs)) else 1
+    fused = backend.fuses_long_prefill(attention_specs(specs))
+    return FUSED_PREFILL_BUCKET if backend.align_chunks and fused else 1
 
 
 def run_worker(config: ServerConfig) -> None:

@@ -66,6 +66,7 @@ class DecodeBackend:
     bucketed_prefill: bool = False  # long causal prefill chunks padded to recurring shapes
     bucketed_masked: bool = False  # ... and masked ones
     warm_masked_shapes: bool = False  # the warm-up builds the masked shapes (runner.warm_up)
+    align_chunks: bool = False  # prompt chunks end on the fused prefill bucket's edges
 
     def decode_context(self, num_layers: int, pool_bytes: int,
                        bytes_per_token: int) -> DenseDecodeContext | None:
@@ -123,7 +124,9 @@ class KernelDecode(DecodeBackend):
     warm_masked_shapes: the warm-up builds the cuDNN graphs of one request's chunks of a
     bucket's queries over every key bucket up to 8k (`--experiments warm-masked-prefill`,
     unmeasured: start-up seconds against first-sight builds, up to ~0.9 s each, in a
-    burst's first steps)."""
+    burst's first steps). align_chunks: the scheduler ends a prompt's unfinished chunks
+    on the bucket's edges (worker_proc.prefill_align; `--experiments unaligned-chunks`
+    is the A/B arm)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
@@ -131,6 +134,7 @@ class KernelDecode(DecodeBackend):
     bucketed_prefill: bool = True
     bucketed_masked: bool = True
     warm_masked_shapes: bool = False
+    align_chunks: bool = True
 
     name = "CUDA kernel"
     in_place = True
@@ -294,4 +298,5 @@ def choose_decode_backend(specs: list,
                         stages=4 if "staged-kv" in experiments else DEFAULT_STAGES,
                         bucketed_prefill="unfused-prefill" not in experiments,
                         bucketed_masked="unfused-masked-prefill" not in experiments,
-                        warm_masked_shapes="warm-masked-prefill" in experiments)
+                        warm_masked_shapes="warm-masked-prefill" in experiments,
+                        align_chunks="unaligned-chunks" not in experiments)
