@@ -204,30 +204,15 @@ def test_fast_blocks_on_the_cuda_kernel_path_match_mlx_lm(tmp_path_factory, rope
                   lambda p, n: mlx_lm_greedy(theirs, tokenizer, p, n), ties_of=theirs)
 
 
-@pytest.mark.parametrize("path", ["compiled", "in place"])
-def test_gemma3_blocks_decode_mlx_lm_tokens(path):
-    """Gemma 3's block normalises and rotates q and k together in decode, across sliding
-    windows shorter than the prompts, beside norms summed once (as served): mlx-lm's
-    greedy tokens on the kernel path (stood in for on the CPU), compiled and in place.
-    The q and k norms' weights are drawn apart (mlx-lm starts both at the same ones), so a
-    scale on the wrong heads changes the tokens."""
-    from tests.families import build
+def _family_pair_decodes_as_mlx_lm(theirs, ours, path: str, seed: int) -> None:
+    """ours (fused, fast blocks) serves the families' window-crossing prompts on the
+    kernel path (stood in for on the CPU), compiled or in place: theirs' greedy tokens."""
     from tests.test_families import _prompts, mlx_lm_tokens
-    from worker_proc.offset_norms import sum_offset_norms
 
-    theirs, ours = build("gemma3_text"), build("gemma3_text")
-    for i, (a, b) in enumerate(zip(theirs.layers, ours.layers)):
-        for name in ("q_norm", "k_norm"):
-            w = mx.random.normal((16,), key=mx.random.key(7 * i + len(name) + (name == "k_norm")))
-            getattr(a.self_attn, name).weight = w
-            getattr(b.self_attn, name).weight = mx.array(w)
-    fuse_projections(ours)
-    assert speed_up_decode_blocks(ours, residual_in_gemm=False) == len(ours.layers)
-    assert sum_offset_norms(ours) > 0
     compiled = path == "compiled"
     engine = InProcessEngine(ours, chunk_size=16, compile_decode=compiled, overlap="ahead",
                              backend=StandInKernel() if compiled else StandInInPlaceKernels())
-    prompts = _prompts(seed=77)
+    prompts = _prompts(seed=seed)
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, 20, [])
     results = engine.run_until_idle()
@@ -236,12 +221,31 @@ def test_gemma3_blocks_decode_mlx_lm_tokens(path):
 
 
 @pytest.mark.parametrize("path", ["compiled", "in place"])
+def test_gemma3_blocks_decode_mlx_lm_tokens(path):
+    """Gemma 3's block normalises and rotates q and k together in decode, across sliding
+    windows shorter than the prompts, beside norms summed once (as served). The q and k
+    norms' weights are drawn apart (mlx-lm starts both at the same ones), so a scale on
+    the wrong heads changes the tokens."""
+    from tests.families import build
+    from worker_proc.offset_norms import sum_offset_norms
+
+    theirs, ours = build("gemma3_text"), build("gemma3_text")
+    for i, (a, b) in enumerate(zip(theirs.layers, ours.layers)):
+        for j, name in enumerate(("q_norm", "k_norm")):
+            w = mx.random.normal((16,), key=mx.random.key(2 * i + j))
+            getattr(a.self_attn, name).weight = w
+            getattr(b.self_attn, name).weight = mx.array(w)
+    fuse_projections(ours)
+    assert speed_up_decode_blocks(ours, residual_in_gemm=False) == len(ours.layers)
+    assert sum_offset_norms(ours) > 0
+    _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=77)
+
+
+@pytest.mark.parametrize("path", ["compiled", "in place"])
 def test_gpt_oss_blocks_decode_mlx_lm_tokens(path):
     """GPT-OSS's block rotates q and k together in decode, with its sinks and sliding
-    windows shorter than the prompts: mlx-lm's greedy tokens on the kernel path (stood in
-    for on the CPU), compiled and in place. The sinks are drawn (mlx-lm starts them at 0)."""
+    windows shorter than the prompts. The sinks are drawn (mlx-lm starts them at 0)."""
     from tests.families import build
-    from tests.test_families import _prompts, mlx_lm_tokens
 
     theirs, ours = build("gpt_oss"), build("gpt_oss")
     for i, (a, b) in enumerate(zip(theirs.layers, ours.layers)):
@@ -249,12 +253,4 @@ def test_gpt_oss_blocks_decode_mlx_lm_tokens(path):
         a.self_attn.sinks, b.self_attn.sinks = sinks, mx.array(sinks)
     fuse_projections(ours)
     assert speed_up_decode_blocks(ours, residual_in_gemm=True) == len(ours.layers)
-    compiled = path == "compiled"
-    engine = InProcessEngine(ours, chunk_size=16, compile_decode=compiled, overlap="ahead",
-                             backend=StandInKernel() if compiled else StandInInPlaceKernels())
-    prompts = _prompts(seed=78)
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, 20, [])
-    results = engine.run_until_idle()
-    for i, p in enumerate(prompts):
-        assert results[f"r{i}"].token_ids == mlx_lm_tokens(theirs, p, 20), f"r{i}"
+    _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=78)

@@ -46,6 +46,32 @@ def rope_spec(rope: nn.Module) -> RopeSpec | None:
     return None
 
 
+def _paged_decode(cache: Any) -> bool:
+    """Whether a block's call is a paged decode step attending through the pool (every
+    other forward takes mlx-lm's call)."""
+    return isinstance(cache, PooledKVCache) and cache.paged and not cache.kind.own_attention
+
+
+def _split_qkv(qkv: mx.array, n_q: int, n_kv: int, dim: int) -> tuple[mx.array, mx.array]:
+    """A fused q/k/v projection's output [B, L, (n_q + 2 n_kv) * D] as the q and k heads
+    together, [B, L, n_q + n_kv, D] (adjacent: one RoPE or norm serves both), and the
+    values in attention's layout, [B, n_kv, L, D]."""
+    b, length, _ = qkv.shape
+    qk = qkv[..., :(n_q + n_kv) * dim].reshape(b, length, n_q + n_kv, dim)
+    values = qkv[..., (n_q + n_kv) * dim:].reshape(b, length, n_kv, dim).transpose(0, 2, 1, 3)
+    return qk, values
+
+
+def _store_and_attend(cache: PooledKVCache, qk: mx.array, values: mx.array, n_q: int,
+                      scale: float, sinks: mx.array | None = None) -> mx.array:
+    """Store the step's keys (qk's heads past n_q, [B, H, L, D]) and values, attend with
+    its queries: the o projection's input, [B, L, n_q * D]."""
+    cache.update_and_fetch(qk[:, n_q:], values)
+    out = cache.paged_attention(qk[:, :n_q], scale, sinks)
+    b, _, length, _ = out.shape
+    return out.transpose(0, 2, 1, 3).reshape(b, length, -1)
+
+
 class FastDecodeBlock:
     """Mixed into a block's class (see speed_up_decode_blocks): its parameters and
     submodules stay where mlx-lm put them; only the call differs, for paged decode."""
@@ -54,10 +80,9 @@ class FastDecodeBlock:
     rope_spec: RopeSpec | None = None  # its attention's RoPE, ditto
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        if not (isinstance(cache, PooledKVCache) and cache.paged):
+        if not _paged_decode(cache):
             return super().__call__(x, mask, cache)  # type: ignore[misc]
         attn, mlp = self.self_attn, self.mlp  # type: ignore[attr-defined]
-        b, length, _ = x.shape
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
         qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
         dim = qkv.shape[-1] // (n_q + 2 * n_kv)
@@ -65,12 +90,9 @@ class FastDecodeBlock:
         if rope is not None:  # one kernel from the projection's output to o's input
             out = cache.attend_qkv(qkv, n_q, attn.scale, rope)
         else:
-            qk = qkv[..., :(n_q + n_kv) * dim].reshape(b, length, n_q + n_kv, dim).transpose(0, 2, 1, 3)
-            qk = attn.rope(qk, offset=cache.offset)
-            values = qkv[..., (n_q + n_kv) * dim:].reshape(b, length, n_kv, dim).transpose(0, 2, 1, 3)
-            cache.update_and_fetch(qk[:, n_q:], values)
-            out = cache.paged_attention(qk[:, :n_q], attn.scale)
-            out = out.transpose(0, 2, 1, 3).reshape(b, length, -1)
+            qk, values = _split_qkv(qkv, n_q, n_kv, dim)
+            qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
+            out = _store_and_attend(cache, qk, values, n_q, attn.scale)
         h = self._residual(x, attn.o_proj, out)
         normed = self.post_attention_layernorm(h)  # type: ignore[attr-defined]
         gate, up = mx.split(mlp.gate_up_proj(normed), 2, axis=-1)
@@ -121,20 +143,16 @@ class FastGemma3Block:
     qk_norms: QKNorms | None = None  # set per block by speed_up_decode_blocks
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        if not (isinstance(cache, PooledKVCache) and cache.paged) or cache.kind.own_attention:
+        if not _paged_decode(cache):
             return super().__call__(x, mask, cache)  # type: ignore[misc]
         attn = self.self_attn  # type: ignore[attr-defined]
-        b, length, _ = x.shape
-        n_q, n_kv, dim = attn.n_heads, attn.n_kv_heads, attn.head_dim
+        n_q = attn.n_heads
         qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
-        qk = qkv[..., :(n_q + n_kv) * dim].reshape(b, length, n_q + n_kv, dim)
+        qk, values = _split_qkv(qkv, n_q, attn.n_kv_heads, attn.head_dim)
         norms = self.qk_norms
         qk = mx.fast.rms_norm(qk, None, norms.eps) * norms.scale
         qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
-        values = qkv[..., (n_q + n_kv) * dim:].reshape(b, length, n_kv, dim).transpose(0, 2, 1, 3)
-        cache.update_and_fetch(qk[:, n_q:], values)
-        out = cache.paged_attention(qk[:, :n_q], attn.scale)
-        out = attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+        out = attn.o_proj(_store_and_attend(cache, qk, values, n_q, attn.scale))
         h = gemma3_text.clip_residual(x, self.post_attention_layernorm(out))  # type: ignore[attr-defined]
         r = self.mlp(self.pre_feedforward_layernorm(h))  # type: ignore[attr-defined]
         return gemma3_text.clip_residual(h, self.post_feedforward_layernorm(r))  # type: ignore[attr-defined]
@@ -147,18 +165,14 @@ class FastGptOssBlock:
     residuals. RoPE works head by head, so the tokens are mlx-lm's on the CPU (tests)."""
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        if not (isinstance(cache, PooledKVCache) and cache.paged) or cache.kind.own_attention:
+        if not _paged_decode(cache):
             return super().__call__(x, mask, cache)  # type: ignore[misc]
         attn = self.self_attn  # type: ignore[attr-defined]
-        b, length, _ = x.shape
-        n_q, n_kv, dim = attn.num_attention_heads, attn.num_key_value_heads, attn.head_dim
+        n_q = attn.num_attention_heads
         qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
-        qk = qkv[..., :(n_q + n_kv) * dim].reshape(b, length, n_q + n_kv, dim).transpose(0, 2, 1, 3)
-        qk = attn.rope(qk, offset=cache.offset)
-        values = qkv[..., (n_q + n_kv) * dim:].reshape(b, length, n_kv, dim).transpose(0, 2, 1, 3)
-        cache.update_and_fetch(qk[:, n_q:], values)
-        out = cache.paged_attention(qk[:, :n_q], attn.sm_scale, attn.sinks)
-        h = x + attn.o_proj(out.transpose(0, 2, 1, 3).reshape(b, length, -1))
+        qk, values = _split_qkv(qkv, n_q, attn.num_key_value_heads, attn.head_dim)
+        qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
+        h = x + attn.o_proj(_store_and_attend(cache, qk, values, n_q, attn.sm_scale, attn.sinks))
         return h + self.mlp(self.post_attention_layernorm(h))  # type: ignore[attr-defined]
 
 
