@@ -159,7 +159,8 @@ class ServerConfig:
                                       "different starts or windows, as plain matmuls), "
                                       "warm-masked-prefill (the warm-up builds the masked "
                                       "prefill cuDNN graphs of one request's 512-query "
-                                      "chunks over every key bucket up to 8k; unmeasured), "
+                                      "chunks over every key bucket up to 8k: no gain "
+                                      "measured), "
                                       "unaligned-chunks (prompt chunks end wherever the "
                                       "step's budget does, as before they were cut back to "
                                       "the 512 edges of the bucketed prefill)."})

@@ -122,9 +122,9 @@ class KernelDecode(DecodeBackend):
     kernel too, padded and with the mask as a bias (bucketed_masked_attention); off,
     those stay unfused (`--experiments unfused-masked-prefill`, the A/B arm).
     warm_masked_shapes: the warm-up builds the cuDNN graphs of one request's chunks of a
-    bucket's queries over every key bucket up to 8k (`--experiments warm-masked-prefill`,
-    unmeasured: start-up seconds against first-sight builds, up to ~0.9 s each, in a
-    burst's first steps). align_chunks: the scheduler ends a prompt's unfinished chunks
+    bucket's queries over every key bucket up to 8k (`--experiments warm-masked-prefill`:
+    on the H200 it added 1.1 s to start-up and left mixed traffic's p99 as it was,
+    docs/benchmarks.md session 19). align_chunks: the scheduler ends a prompt's unfinished chunks
     on the bucket's edges (worker_proc.prefill_align; `--experiments unaligned-chunks`
     is the A/B arm)."""
 
