@@ -95,7 +95,7 @@ fi
 
 if has families; then
 echo "== every architecture family on the CUDA path, against mlx-lm's forward"
-timeout -s INT -k 15 300 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_gpu_families.py \
+timeout -s INT -k 15 540 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_gpu_families.py \
     > "$OUT/family_tests.txt" 2>&1
 tail -12 "$OUT/family_tests.txt"
 fi
