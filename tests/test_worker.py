@@ -572,23 +572,31 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     import mlx.core as mx
 
     from ipc.config import ServerConfig
-    from worker_proc import prefill_align, prefill_chunk
+    from worker_proc import prefill_chunking
     from worker_proc.decode_backend import GatherDecode, KernelDecode
     from worker_proc.kv_pool import AttentionLayerSpec
 
     auto = ServerConfig()
     llama = [AttentionLayerSpec(8, 128, 128, mx.bfloat16)] * 2
-    assert prefill_chunk(auto, GatherDecode(), llama) == 2048  # mlx-lm's prefill step
-    assert prefill_chunk(auto, KernelDecode(), llama) == 4096  # cuDNN, bucketed
-    assert prefill_chunk(auto, KernelDecode(bucketed_prefill=False), llama) == 2048
+
+    def chunking(backend, specs=llama):  # noqa: ANN001, ANN202
+        return prefill_chunking(auto, backend, specs)
+
+    assert chunking(GatherDecode()).size == 2048  # mlx-lm's prefill step
+    assert chunking(KernelDecode()).size == 4096  # cuDNN, bucketed
+    assert chunking(KernelDecode(bucketed_prefill=False)).size == 2048
     # Heads cuDNN does not take: MLX's matmul fallback, whose scores exist in memory.
     gemma = [AttentionLayerSpec(8, 256, 256, mx.bfloat16)]
-    assert prefill_chunk(auto, KernelDecode(), llama + gemma) == 2048
+    assert chunking(KernelDecode(), llama + gemma).size == 2048
     # Chunks end on the bucket's edges exactly where long chunks are bucketed.
-    assert prefill_align(KernelDecode(), llama) == 512
-    assert prefill_align(GatherDecode(), llama) == prefill_align(KernelDecode(), llama + gemma) == 1
-    assert prefill_align(KernelDecode(bucketed_prefill=False), llama) == 1
-    assert prefill_align(KernelDecode(align_chunks=False), llama) == 1  # the A/B arm
+    assert chunking(KernelDecode()).align == 512
+    assert chunking(GatherDecode()).align == chunking(KernelDecode(), llama + gemma).align == 1
+    assert chunking(KernelDecode(bucketed_prefill=False)).align == 1
+    assert chunking(KernelDecode(align_chunks=False)).align == 1  # the A/B arm
+    # The warm-up walks decode first's chunks where they are bucketed, aligned or not.
+    unaligned = KernelDecode(align_chunks=False)
+    assert chunking(KernelDecode()).warm_walk == chunking(unaligned).warm_walk == 512
+    assert chunking(GatherDecode()).warm_walk == chunking(KernelDecode(), llama + gemma).warm_walk == 0
     assert ServerConfig(chunked_prefill_size=512).chunk_size(True) == 512
     assert ServerConfig(max_prefill_tokens=1024).chunk_size(True) == 1024  # within a step's budget
     with pytest.raises(ValueError, match="chunked-prefill-size"):

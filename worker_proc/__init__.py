@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -38,12 +39,12 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from worker_proc.depthwise_conv import replace_depthwise_convs
     from worker_proc.fused_projections import fuse_projections
     from worker_proc.gated_delta_cuda import install_gated_delta_kernel, uses_gated_delta
-    from worker_proc.kv_pool import KVPool, attention_specs
+    from worker_proc.kv_pool import KVPool
     from worker_proc.layer_kinds import UnsupportedModelError, describe_layers
     from worker_proc.memory import (bound_cuda_cache, pool_spaces, probe_attention_specs,
                                     raise_cuda_graph_budgets)
     from worker_proc.offset_norms import sum_offset_norms
-    from worker_proc.paged_attention import FUSED_PREFILL_BUCKET, kernel_available
+    from worker_proc.paged_attention import kernel_available
     from worker_proc.runner import (CPU_PREFILL_PADDING, PREFILL_PADDING, ModelRunner,
                                     trace_decode_shapes, warm_up)
 
@@ -105,9 +106,9 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     # (a window tail is not kept with them).
     windows = [] if per_state else KVPool.windows(specs)
     per_window = KVPool.window_bytes_per_slot(specs) if windows else 0
-    chunk = prefill_chunk(config, backend, specs)
-    say(f"prefill chunks of up to {chunk} tokens")
-    floor = (WindowRule(tuple(windows)).most_held(context, context, chunk)
+    chunking = prefill_chunking(config, backend, specs)
+    say(f"prefill chunks of up to {chunking.size} tokens")
+    floor = (WindowRule(tuple(windows)).most_held(context, context, chunking.size)
              if windows else 0)
     # A backend keeping dense decode contexts keeps up to `kept` of the pool's size again.
     slots, window_slots = pool_spaces(config, int(per_slot * (1 + kept)),
@@ -138,13 +139,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                          compile_decode=not config.eager_decode and backend.compiles,
                          compile_prefill=config.compile_prefill)
     t0 = time.monotonic()
-    # Decode first's chunks walked where they are bucketed (aligned or not, their first
-    # chunks are): their cuDNN graphs built now.
-    walk = config.max_prefill_tokens_while_decoding
-    bucketed = (backend.fuses_long_prefill(attention_specs(specs))
-                and walk % FUSED_PREFILL_BUCKET == 0)
-    steps = warm_up(runner, config.max_running_requests, long_chunk=chunk,
-                    walk_chunk=walk if bucketed else 0)
+    steps = warm_up(runner, config.max_running_requests, long_chunk=chunking.size,
+                    walk_chunk=chunking.warm_walk)
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")
@@ -348,22 +344,32 @@ def overlap_enabled(config: ServerConfig, on_gpu: bool) -> bool:
     return not config.disable_overlap and switch_on(config.overlap, auto=on_gpu)
 
 
-def prefill_chunk(config: ServerConfig, backend: DecodeBackend, specs: list) -> int:
-    """The largest prefill chunk for this model on this backend (see ServerConfig.chunk_size)."""
-    from worker_proc.kv_pool import attention_specs
+@dataclass(frozen=True)
+class PrefillChunking:
+    """How this model's prompts are cut into chunks on this backend.
 
-    return config.chunk_size(fused_long_prefill=backend.fuses_long_prefill(attention_specs(specs)))
+    size: the largest chunk (ServerConfig.chunk_size; WorkerReady.chunk_size). align:
+    where the scheduler ends a prompt's unfinished chunks (WorkerReady.chunk_align): on the
+    fused prefill bucket's edges where long causal chunks take that path (a chunk off them
+    would need a masked forward), anywhere (1) elsewhere. warm_walk: decode first's chunk,
+    walked over every key length at start-up where it is bucketed (aligned or not, a
+    prompt's first chunks are: their cuDNN graphs built then); 0: none."""
+
+    size: int
+    align: int
+    warm_walk: int
 
 
-def prefill_align(backend: DecodeBackend, specs: list) -> int:
-    """Where the scheduler ends a prompt's unfinished chunks (WorkerReady.chunk_align): on
-    the fused prefill bucket's edges where long causal chunks take that path (a chunk off
-    them would need a masked forward), anywhere elsewhere."""
+def prefill_chunking(config: ServerConfig, backend: DecodeBackend, specs: list) -> PrefillChunking:
     from worker_proc.kv_pool import attention_specs
     from worker_proc.paged_attention import FUSED_PREFILL_BUCKET
 
     fused = backend.fuses_long_prefill(attention_specs(specs))
-    return FUSED_PREFILL_BUCKET if backend.align_chunks and fused else 1
+    walk = config.max_prefill_tokens_while_decoding
+    return PrefillChunking(
+        size=config.chunk_size(fused_long_prefill=fused),
+        align=FUSED_PREFILL_BUCKET if fused and backend.align_chunks else 1,
+        warm_walk=walk if fused and walk % FUSED_PREFILL_BUCKET == 0 else 0)
 
 
 def run_worker(config: ServerConfig) -> None:
@@ -371,6 +377,7 @@ def run_worker(config: ServerConfig) -> None:
 
     reporter = setup_child(config, "worker")
     runner = build_runner(config, reporter)
+    chunking = prefill_chunking(config, runner.pool.backend, runner.pool.specs)
     overlap = overlap_enabled(config, on_gpu=mx.default_device() == mx.gpu)
     plans: Receiver[WorkerMessage] = Receiver(config.worker_endpoint, WorkerMessage)
     results = Sender(config.scheduler_endpoint)
@@ -381,9 +388,7 @@ def run_worker(config: ServerConfig) -> None:
                              windows=runner.pool.window_kinds,
                              bytes_per_slot=runner.pool.slot_bytes[0],
                              window_bytes_per_slot=runner.pool.slot_bytes[1],
-                             chunk_size=prefill_chunk(config, runner.pool.backend,
-                                                      runner.pool.specs),
-                             chunk_align=prefill_align(runner.pool.backend, runner.pool.specs),
+                             chunk_size=chunking.size, chunk_align=chunking.align,
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
     loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place)

@@ -125,7 +125,7 @@ class KernelDecode(DecodeBackend):
     bucket's queries over every key bucket up to 8k (`--experiments warm-masked-prefill`:
     on the H200 it added 1.1 s to start-up and left mixed traffic's p99 as it was,
     docs/benchmarks.md session 19). align_chunks: the scheduler ends a prompt's unfinished chunks
-    on the bucket's edges (worker_proc.prefill_align; `--experiments unaligned-chunks`
+    on the bucket's edges (worker_proc.prefill_chunking; `--experiments unaligned-chunks`
     is the A/B arm)."""
 
     write_in_attention: bool = True
