@@ -478,10 +478,10 @@ class Scheduler:
 
     def _plan_chunk(self, req: Req, budget: PrefillBudget,
                     new_reqs: list[NewRequest]) -> PrefillChunk | None:
-        n = budget.take(req.num_computed, req.remaining_fill)
+        start = req.num_computed
+        n = budget.take(start, req.remaining_fill)
         if n == 0:
             return None
-        start = req.num_computed
         self._trim_windows(req, start)
         if not self._make_room(n):
             budget.give_back(n)
