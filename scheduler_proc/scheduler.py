@@ -437,9 +437,8 @@ class Scheduler:
         # scoring its prompt computes all of it (it still caches it for others).
         ids = req.all_ids(0 if req.wants_prompt_logprobs else fill_len - 1)
         match = self.cache.match_prefix(ids)
-        usable = self.windows.usable(match.slots) if self.windows is not None else len(match)
+        usable = self._usable_hit(match.slots, fill_len)
         if usable < len(match):
-            # Cut back to where every windowed layer still holds what it sees.
             match = self.cache.match_prefix(ids[:usable])
         self.cache.lock(match.node)
         req.fill_len = fill_len
@@ -461,6 +460,22 @@ class Scheduler:
         self.counters.cache_hit_tokens += len(match)
         self.running[req.rid] = req
         return True
+
+    def _usable_hit(self, slots: np.ndarray, fill_len: int) -> int:
+        """How much of a cached prefix (its slots) a request of fill_len positions reuses:
+        cut back to where every windowed layer still holds what it sees, and, where the
+        worker wants chunks on bucket edges (chunk_align), to an edge when half a bucket
+        or more of the prompt is left to compute. Recomputing less than a bucket then
+        keeps the prompt's chunks on the worker's recurring causal shapes; a hit at any
+        length (one shared BOS token, say) would send its chunks through an explicit
+        mask, at shapes the worker has not built."""
+        def usable(slots: np.ndarray) -> int:
+            return self.windows.usable(slots) if self.windows is not None else len(slots)
+
+        n, align = usable(slots), self.limits.chunk_align
+        while align > 1 and n % align and fill_len - n >= align // 2:
+            n = usable(slots[:n - n % align])
+        return n
 
     def _wait_for_in_flight_prefix(self, req: Req) -> bool:
         """True when req's prompt shares a long prefix with one still being prefilled:

@@ -335,7 +335,8 @@ def test_unfused_prefill_attention_honours_sinks():
         np.testing.assert_allclose(np.array(got), np.array(want), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("n_new,prefix", [(512, 0), (700, 1024), (2048, 2048), (1500, 0)])
+@pytest.mark.parametrize("n_new,prefix", [(512, 0), (700, 1024), (2048, 2048), (1500, 0),
+                                            (37, 1024)])
 @pytest.mark.parametrize("with_sinks", [False, True])
 def test_bucketed_fused_attention_is_the_unpadded_attention(n_new, prefix, with_sinks):
     """Padding queries and keys at the end to a bucket changes no real query's output:
@@ -401,7 +402,8 @@ def test_fused_bucket_padding_takes_long_causal_chunks_at_bucket_offsets():
 
     assert fused_bucket_padding(2048, 4096, "causal") == 0
     assert fused_bucket_padding(1900, 2048 + 1900, "causal") == 148
-    assert fused_bucket_padding(300, 300, "causal") is None  # short: unfused
+    assert fused_bucket_padding(300, 300, "causal") is None  # short and fresh: unfused
+    assert fused_bucket_padding(300, 4096 + 300, "causal") == 212  # a long prompt's tail
     assert fused_bucket_padding(1024, 1024 + 700, "causal") is None  # a prefix hit's length
     assert fused_bucket_padding(2048, 2048, mx.ones((2048, 2048), dtype=mx.bool_)) is None
     assert fused_bucket_padding(2048, 2048, None) is None

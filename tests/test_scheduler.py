@@ -129,6 +129,31 @@ def test_while_decoding_long_prompts_are_chunked_on_the_bucket_edges():
     assert all(len(step) <= 1 for step in chunks)
 
 
+def test_a_prefix_hit_is_cut_back_to_an_edge_when_much_of_the_prompt_is_left():
+    """Where the worker wants chunks on edges, a cached prefix ending off one is reused
+    only up to the edge before it when half an edge or more is still to compute (its
+    chunks then start on edges); a hit that leaves less is reused whole."""
+    s = Scheduler(SchedulerLimits(4000, 512, 8, 64, 256, chunk_align=32))
+    s.add_request(_req("a", 100, 1, first=10))
+    while s.running or s.waiting:
+        s.apply_result(_answer(s.plan_step()))
+
+    def sharing(rid: str, shared: int) -> TokenizedRequest:
+        ids = list(range(10, 10 + shared)) + list(range(5000, 5100 - shared))
+        return TokenizedRequest(rid=rid, input_ids=ids, stop_token_ids=[0],
+                                sampling=SamplingParams(temperature=0.0, max_new_tokens=1))
+
+    for rid, shared, reused in (("b", 40, 32), ("c", 90, 90), ("d", 64, 64)):
+        s.add_request(sharing(rid, shared))
+        batch = s.plan_step()
+        assert [(c.rid, c.start) for c in batch.prefill] == [(rid, reused)]
+        assert s.running[rid].cached_tokens == reused
+        s.apply_result(_answer(batch))
+        while s.running:
+            s.apply_result(_answer(s.plan_step()))
+    assert_idle_invariant(s)
+
+
 def test_kv_reservation_counts_expected_decode_of_running_requests():
     ratio = DecodeRatio()
     running = Req.from_message(_req("r", 10, 21))

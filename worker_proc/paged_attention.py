@@ -829,11 +829,14 @@ def fused_bucket_padding(n_new: int, n_keys: int, mask: mx.array | str | None,
                          bucket: int = FUSED_PREFILL_BUCKET) -> int | None:
     """How many positions bucketed_fused_attention pads a forward of n_new queries over
     n_keys keys with, or None where it does not apply: masks other than "causal" (rows at
-    different positions, windows), forwards shorter than a bucket (their unfused scores
-    are small, and their many shapes would each build a graph), and cached prefixes that
-    are not a multiple of the bucket (a prefix hit's arbitrary length)."""
+    different positions, windows), cached prefixes that are not a multiple of the bucket
+    (a prefix hit's arbitrary length), and fresh prompts shorter than a bucket (their
+    unfused scores are small, and their many lengths would each build a graph). A short
+    forward after a bucket-edge prefix (a long prompt's last chunk) is padded to a whole
+    bucket: the shape of that prompt's earlier chunks, whose graph is already built."""
     causal = isinstance(mask, str) and mask == "causal"
-    if not causal or n_new < bucket or (n_keys - n_new) % bucket:
+    prefix = n_keys - n_new
+    if not causal or prefix % bucket or (n_new < bucket and not prefix):
         return None
     return -n_new % bucket
 
