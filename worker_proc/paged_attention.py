@@ -855,8 +855,7 @@ def bucketed_fused_attention(q: mx.array, k: mx.array, v: mx.array, scale: float
     L - S + i, before every padded key. In exchange the scores never exist in memory,
     and the matmuls run on tensor cores in the heads' dtype."""
     s = q.shape[2]
-    if pad:
-        q, k, v = (_pad_positions(x, pad) for x in (q, k, v))
+    q, k, v = (_pad_positions(x, pad) for x in (q, k, v))
     out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask="causal", sinks=sinks)
     return out[:, :, :s] if pad else out
 
@@ -911,9 +910,12 @@ def key_bucket(n: int, bucket: int = FUSED_PREFILL_BUCKET) -> int:
 
 
 def _pad_positions(x: mx.array, n: int, value: bool | float = 0) -> mx.array:
-    """[B, H, S, ...] with n more positions (axis 2) of `value` at the end."""
+    """[B, H, S, ...] with n more positions (axis 2) of `value` at the end; row-major
+    either way. cuDNN's graphs are keyed by strides too: a chunk's queries come as a
+    transposed view of its projections, a padded copy is row-major, and a prompt's
+    padded last chunk would miss the graph its unpadded chunks built."""
     if not n:
-        return x
+        return mx.contiguous(x)
     widths = [(0, 0)] * x.ndim
     widths[2] = (0, n)
     return mx.pad(x, widths, constant_values=value)
