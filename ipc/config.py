@@ -17,7 +17,8 @@ PREFILL_CHUNK = 2048  # --chunked-prefill-size 0's value by device: mlx-lm's pre
 LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerConfig.chunk_size)
 # CUDA attention paths other than the default, for --experiments (A/B runs).
 DECODE_EXPERIMENTS = ("rope-in-kernel", "staged-kv", "unfused-prefill",
-                      "unfused-masked-prefill", "warm-masked-prefill", "unaligned-chunks")
+                      "unfused-masked-prefill", "unaligned-chunks",
+                      "unpadded-tails")
 
 
 def _auto_on_off(help_text: str) -> Any:
@@ -157,13 +158,12 @@ class ServerConfig:
                                       "causal forwards from a bucket-aligned start padded "
                                       "to cuDNN; masked ones of 256+ queries, rows at "
                                       "different starts or windows, as plain matmuls), "
-                                      "warm-masked-prefill (the warm-up builds the masked "
-                                      "prefill cuDNN graphs of one request's 512-query "
-                                      "chunks over every key bucket up to 8k: no gain "
-                                      "measured), "
                                       "unaligned-chunks (prompt chunks end wherever the "
                                       "step's budget does, as before they were cut back to "
-                                      "the 512 edges of the bucketed prefill)."})
+                                      "the 512 edges of the bucketed prefill), "
+                                      "unpadded-tails (a long prompt's last chunk runs at "
+                                      "its own length, as before it was padded to a whole "
+                                      "512 bucket)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

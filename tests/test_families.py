@@ -535,7 +535,7 @@ def test_recurrent_prefill_shares_forwards_where_the_model_masks_padding(recurre
     shared: list[int] = []
     engine = InProcessEngine(model, chunk_size=16, max_prefill_tokens=64)
     many = engine.runner._prefill_many
-    engine.runner._prefill_many = lambda chunks: shared.append(len(chunks)) or many(chunks)
+    engine.runner._prefill_many = lambda chunks, width=0: shared.append(len(chunks)) or many(chunks, width)
     assert engine.runner.shares_prefill == (name != "nemotron_h")
     rng = np.random.default_rng(11)
     prompts = [rng.integers(5, VOCAB, size=n).tolist() for n in (10, 11, 12, 30, 33)]

@@ -166,7 +166,8 @@ def test_prompts_prefilled_together_match_mlx_lm(tiny_model, oracle, monkeypatch
     shared = []
     original = ModelRunner._prefill_many
     monkeypatch.setattr(ModelRunner, "_prefill_many",
-                        lambda self, chunks: shared.append(len(chunks)) or original(self, chunks))
+                        lambda self, chunks, width=0: (shared.append(len(chunks))
+                                                       or original(self, chunks, width)))
     model, tokenizer = tiny_model
     prefix = _prompts(1, [40], model.args.vocab_size, seed=5)[0]
     tails = _prompts(6, [9, 11, 12, 10, 8, 13], model.args.vocab_size, seed=6)
@@ -593,6 +594,11 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     assert chunking(GatherDecode()).align == chunking(KernelDecode(), llama + gemma).align == 1
     assert chunking(KernelDecode(bucketed_prefill=False)).align == 1
     assert chunking(KernelDecode(align_chunks=False)).align == 1  # the A/B arm
+    # Last chunks padded to the bucket exactly where chunks are aligned to it.
+    assert chunking(KernelDecode()).tail_bucket == 512
+    assert chunking(KernelDecode(pad_tails=False)).tail_bucket == 0
+    assert chunking(KernelDecode(align_chunks=False)).tail_bucket == 0
+    assert chunking(GatherDecode()).tail_bucket == 0
     # The warm-up walks decode first's chunks where they are bucketed, aligned or not.
     unaligned = KernelDecode(align_chunks=False)
     assert chunking(KernelDecode()).warm_walk == chunking(unaligned).warm_walk == 512
@@ -635,10 +641,10 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert KernelDecode().bucketed_prefill and unfused == KernelDecode(bucketed_prefill=False)
     masked = choose_decode_backend(specs, ServerConfig(experiments="unfused-masked-prefill").experiment_set)
     assert KernelDecode().bucketed_masked and masked == KernelDecode(bucketed_masked=False)
-    warmed = choose_decode_backend(specs, ServerConfig(experiments="warm-masked-prefill").experiment_set)
-    assert not KernelDecode().warm_masked_shapes and warmed == KernelDecode(warm_masked_shapes=True)
     unaligned = choose_decode_backend(specs, ServerConfig(experiments="unaligned-chunks").experiment_set)
     assert KernelDecode().align_chunks and unaligned == KernelDecode(align_chunks=False)
+    unpadded = choose_decode_backend(specs, ServerConfig(experiments="unpadded-tails").experiment_set)
+    assert KernelDecode().pad_tails and unpadded == KernelDecode(pad_tails=False)
 
 
 def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_lm(
@@ -699,26 +705,13 @@ def test_prefill_attention_buckets_masks_of_bounded_bias_only(monkeypatch):
     assert taken == ["masked", "unfused"]
 
 
-def test_masked_walk_meets_every_key_bucket():
-    from worker_proc.paged_attention import key_bucket
-    from worker_proc.runner import masked_walk
-
-    for keys in (512, 3000, 8192):
-        ends = masked_walk(keys)
-        assert ends[0] == 64 and ends[-1] <= keys and all(b - a == 448 for a, b in zip(ends[1:], ends[2:]))
-        assert {key_bucket(e) for e in ends[1:]} == {key_bucket(n) for n in range(512, keys + 1)}
-
-
 def test_long_chunks_through_bucketed_fused_attention_match_mlx_lm(tiny_model, oracle, monkeypatch):
     """The CUDA backend's prefill attention in a served model: chunks of 512+ tokens at a
     bucket-aligned start go padded through the fused call (the rest of 256+ tokens
     with a causal mask, bucketed_masked_attention; shorter ones unfused), beside
     requests decoding; greedy tokens stay mlx-lm's. The warm-up builds a long prompt's
-    first shapes, and with warm_masked_shapes the masked ones of every key bucket."""
+    first shapes."""
     from worker_proc import decode_backend
-    from worker_proc.paged_attention import key_bucket
-    from worker_proc.runner import masked_walk
-
     model, tokenizer = tiny_model
     padded, fused_keys = [], []
     bucketed = decode_backend.bucketed_fused_attention
@@ -745,22 +738,6 @@ def test_long_chunks_through_bucketed_fused_attention_match_mlx_lm(tiny_model, o
     assert engine.runner.requests == {}
     engine.submit("after", prompts[1], 12, _eos(tokenizer))
     assert engine.run_until_idle()["after"].token_ids == oracle(prompts[1], 12)
-    masked_keys = []
-    masked = decode_backend.bucketed_masked_attention
-
-    def masked_spy(q, k, v, scale, mask, sinks=None):  # noqa: ANN001, ANN202
-        masked_keys.append(key_bucket(k.shape[2]))
-        return masked(q, k, v, scale, mask, sinks)
-
-    monkeypatch.setattr(decode_backend, "bucketed_masked_attention", masked_spy)
-    warmed = InProcessEngine(model, chunk_size=512, max_context=2048,
-                             backend=StandInKernel(warm_masked_shapes=True))
-    steps = warm_up(warmed.runner, max_batch=4, long_chunk=512)
-    assert steps == 2 + 3 + 2 + 2 * 3 + len(masked_walk(2048)) + 1
-    # Every key bucket to the context, met once a layer or more, then served as before.
-    assert set(masked_keys) == {512, 1024, 1536, 2048}
-    warmed.submit("after", prompts[1], 12, _eos(tokenizer))
-    assert warmed.run_until_idle()["after"].token_ids == oracle(prompts[1], 12)
     padded.clear()  # a context that holds one long chunk: that one alone
     short = InProcessEngine(model, chunk_size=512, max_context=768, backend=StandInKernel())
     assert warm_up(short.runner, max_batch=4, long_chunk=512) == 2 + 2 + 2 + 2 * 3
@@ -783,6 +760,57 @@ def test_long_chunks_through_bucketed_fused_attention_match_mlx_lm(tiny_model, o
     assert traced.runner.prefill_forwards.traces >= 4
     traced.submit("after", prompts[0], 12, _eos(tokenizer))
     assert traced.run_until_idle()["after"].token_ids == oracle(prompts[0], 12)
+
+def test_a_long_prompts_last_chunk_runs_padded_to_a_bucket_with_mlx_lm_tokens(
+        tiny_model, oracle, monkeypatch):
+    """Where chunks end on a bucket's edges, a prompt's last chunk shorter than a bucket
+    runs right-padded to a whole one (the padding written to slot 0, its queries
+    dropped): greedy tokens stay mlx-lm's, beside requests decoding and with a prefix
+    hit. On the CUDA stand-in the padded tail is the warm causal shape: 512 queries over
+    its start plus 512 keys, through the fused call unpadded."""
+    from worker_proc import decode_backend
+
+    model, tokenizer = tiny_model
+    widths = []
+    many = runner_module.ModelRunner._prefill_many
+
+    def spy(self, chunks, width=0):  # noqa: ANN001, ANN202
+        widths.append((len(chunks), width))
+        return many(self, chunks, width)
+
+    monkeypatch.setattr(runner_module.ModelRunner, "_prefill_many", spy)
+    # 70: 64, then 6 padded to 32; 100: 64, then 36 (not under a bucket); 45: one chunk.
+    prompts = _prompts(3, [70, 100, 45], model.args.vocab_size, seed=5)
+    engine = InProcessEngine(model, chunk_size=64, max_prefill_tokens=64, chunk_align=32,
+                             tail_bucket=32)
+    assert_greedy(engine, prompts, 10, _eos(tokenizer), oracle)
+    assert (1, 32) in widths and all(w in (0, 32) for _, w in widths)
+    # A prefix hit of 64 (a bucket edge): the new 20 tokens run padded too.
+    widths.clear()
+    shared = prompts[1][:64] + prompts[2][:20]
+    engine.submit("hit", shared, 10, _eos(tokenizer))
+    assert engine.run_until_idle()["hit"].token_ids == oracle(shared, 10)
+    assert widths == [(1, 32)]
+    # Off (tail_bucket 0, as for models with recurrent or windowed layers): never padded.
+    widths.clear()
+    assert_greedy(InProcessEngine(model, chunk_size=64, max_prefill_tokens=64, chunk_align=32),
+                  prompts[:1], 4, _eos(tokenizer), oracle)
+    assert all(w == 0 for _, w in widths)
+    # The CUDA stand-in: 700 = 512, then 188 padded to 512 (the walk's shape: no padding).
+    padded = []
+    bucketed = decode_backend.bucketed_fused_attention
+
+    def fused_spy(q, k, v, scale, pad, sinks=None):  # noqa: ANN001, ANN202
+        padded.append((q.shape[2], k.shape[2], pad))
+        return bucketed(q, k, v, scale, pad, sinks)
+
+    monkeypatch.setattr(decode_backend, "bucketed_fused_attention", fused_spy)
+    long_prompt = _prompts(1, [700], model.args.vocab_size, seed=6)
+    engine = InProcessEngine(model, chunk_size=512, max_prefill_tokens=512, max_context=2048,
+                             chunk_align=512, tail_bucket=512, backend=StandInKernel())
+    assert_greedy(engine, long_prompt, 8, _eos(tokenizer), oracle)
+    assert set(padded) == {(512, 512, 0), (512, 1024, 0)}
+
 
 def test_host_staging_reuses_its_buffers_and_keeps_the_last_steps_inputs():
     """Compiled decode's host-written inputs: no allocation a step once its buffers are

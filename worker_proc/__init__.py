@@ -137,7 +137,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     runner = ModelRunner(model, pool, config.max_running_requests, min(context, slots), grammars,
                          prefill_padding=padding,
                          compile_decode=not config.eager_decode and backend.compiles,
-                         compile_prefill=config.compile_prefill)
+                         compile_prefill=config.compile_prefill,
+                         tail_bucket=chunking.tail_bucket)
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests, long_chunk=chunking.size,
                     walk_chunk=chunking.warm_walk)
@@ -353,11 +354,14 @@ class PrefillChunking:
     fused prefill bucket's edges where long causal chunks take that path (a chunk off them
     would need a masked forward), anywhere (1) elsewhere. warm_walk: decode first's chunk,
     walked over every key length at start-up where it is bucketed (aligned or not, a
-    prompt's first chunks are: their cuDNN graphs built then); 0: none."""
+    prompt's first chunks are: their cuDNN graphs built then); 0: none. tail_bucket: a
+    prompt's last chunk after aligned ones runs padded to this (ModelRunner.tail_bucket);
+    0: as it is."""
 
     size: int
     align: int
     warm_walk: int
+    tail_bucket: int = 0
 
 
 def prefill_chunking(config: ServerConfig, backend: DecodeBackend, specs: list) -> PrefillChunking:
@@ -366,10 +370,12 @@ def prefill_chunking(config: ServerConfig, backend: DecodeBackend, specs: list) 
 
     fused = backend.fuses_long_prefill(attention_specs(specs))
     walk = config.max_prefill_tokens_while_decoding
+    align = FUSED_PREFILL_BUCKET if fused and backend.align_chunks else 1
     return PrefillChunking(
         size=config.chunk_size(fused_long_prefill=fused),
-        align=FUSED_PREFILL_BUCKET if fused and backend.align_chunks else 1,
-        warm_walk=walk if fused and walk % FUSED_PREFILL_BUCKET == 0 else 0)
+        align=align,
+        warm_walk=walk if fused and walk % FUSED_PREFILL_BUCKET == 0 else 0,
+        tail_bucket=align if align > 1 and backend.pad_tails else 0)
 
 
 def run_worker(config: ServerConfig) -> None:

@@ -149,15 +149,19 @@ class ForwardLayout:
     @classmethod
     def prefill(cls, table_rows: np.ndarray, starts: np.ndarray, sizes: np.ndarray,
                 window_rows: np.ndarray | None = None,
-                stage: Stage | None = None) -> "ForwardLayout":
-        """Chunks of several requests in one forward, right-padded to the longest: row b
-        computes positions starts[b] .. starts[b] + sizes[b] - 1. Padded positions write
-        to slot 0 and no real query attends to them (causal from each row's start).
-        window_rows: the rows' window slots, where windowed layers have their own; stage:
-        as single's."""
-        width = int(sizes.max())
+                stage: Stage | None = None, width: int = 0) -> "ForwardLayout":
+        """Chunks of several requests in one forward, right-padded to the longest (or to
+        `width`, rows of one start only): row b computes positions starts[b] .. starts[b] +
+        sizes[b] - 1. Padded positions write to slot 0 and no real query attends to them
+        (causal from each row's start). window_rows: the rows' window slots, where
+        windowed layers have their own; stage: as single's."""
         ends = starts + sizes
-        cols = np.arange(int(ends.max()))
+        if width > sizes.max():
+            assert (starts == starts[0]).all(), "a set width needs rows of one start"
+            cols = np.arange(int(starts[0]) + width)
+        else:
+            width = int(sizes.max())
+            cols = np.arange(int(ends.max()))
         pos = starts[:, None] + np.arange(width)[None, :]
         real = np.arange(width)[None, :] < sizes[:, None]
 

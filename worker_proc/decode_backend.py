@@ -65,8 +65,8 @@ class DecodeBackend:
     rope_in_kernel: bool = False  # ... which may also rotate q and k (fast blocks)
     bucketed_prefill: bool = False  # long causal prefill chunks padded to recurring shapes
     bucketed_masked: bool = False  # ... and masked ones
-    warm_masked_shapes: bool = False  # the warm-up builds the masked shapes (runner.warm_up)
     align_chunks: bool = False  # prompt chunks end on the fused prefill bucket's edges
+    pad_tails: bool = False  # ... and their last chunks run padded to a whole bucket
 
     def decode_context(self, num_layers: int, pool_bytes: int,
                        bytes_per_token: int) -> DenseDecodeContext | None:
@@ -121,20 +121,19 @@ class KernelDecode(DecodeBackend):
     MASKED_MIN_QUERIES+ queries (rows at different starts, windows) through the fused
     kernel too, padded and with the mask as a bias (bucketed_masked_attention); off,
     those stay unfused (`--experiments unfused-masked-prefill`, the A/B arm).
-    warm_masked_shapes: the warm-up builds the cuDNN graphs of one request's chunks of a
-    bucket's queries over every key bucket up to 8k (`--experiments warm-masked-prefill`:
-    on the H200 it added 1.1 s to start-up and left mixed traffic's p99 as it was,
-    docs/benchmarks.md session 19). align_chunks: the scheduler ends a prompt's unfinished chunks
+    align_chunks: the scheduler ends a prompt's unfinished chunks
     on the bucket's edges (worker_proc.prefill_chunking; `--experiments unaligned-chunks`
-    is the A/B arm)."""
+    is the A/B arm). pad_tails: a prompt's last chunk after aligned ones runs padded to
+    a whole bucket, the shape of its earlier chunks (ModelRunner.tail_bucket;
+    `--experiments unpadded-tails` is the A/B arm)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
     stages: int = DEFAULT_STAGES
     bucketed_prefill: bool = True
     bucketed_masked: bool = True
-    warm_masked_shapes: bool = False
     align_chunks: bool = True
+    pad_tails: bool = True
 
     name = "CUDA kernel"
     in_place = True
@@ -298,5 +297,5 @@ def choose_decode_backend(specs: list,
                         stages=4 if "staged-kv" in experiments else DEFAULT_STAGES,
                         bucketed_prefill="unfused-prefill" not in experiments,
                         bucketed_masked="unfused-masked-prefill" not in experiments,
-                        warm_masked_shapes="warm-masked-prefill" in experiments,
-                        align_chunks="unaligned-chunks" not in experiments)
+                        align_chunks="unaligned-chunks" not in experiments,
+                        pad_tails="unpadded-tails" not in experiments)

@@ -25,7 +25,7 @@ from worker_proc.attention import (ForwardLayout, batches_ragged_rows, build_lay
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool
 from worker_proc.paged_attention import FUSED_PREFILL_BUCKET
-from worker_proc.prefill_forward import PrefillForwards
+from worker_proc.prefill_forward import PrefillForwards, traceable
 from worker_proc.request_state import (RequestState, TokenCounts, check_ids, check_sampling,
                                        fold_seed)
 from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, SamplingBatch,
@@ -113,14 +113,20 @@ class ModelRunner:
     def __init__(self, model: Any, pool: KVPool, max_requests: int, max_context: int,
                  grammars: GrammarMatchers | None = None,
                  prefill_padding: float = PREFILL_PADDING, compile_decode: bool = False,
-                 compile_prefill: bool = False) -> None:
+                 compile_prefill: bool = False, tail_bucket: int = 0) -> None:
         """grammars: matchers for structured output (None: requests with a grammar are
         refused, as the worker has no tokenizer). prefill_padding: how much padding a
         shared prefill forward may carry, as a share of its real tokens (0: only chunks
         of one length share a forward). compile_decode: decode forwards through
         mx.compile (only where attention reads the pool: the CUDA kernel path).
         compile_prefill: prefill forwards of a shape met before through mx.compile
-        (PrefillForwards; models with an output head and full-attention layers only)."""
+        (PrefillForwards; models with an output head and full-attention layers only).
+        tail_bucket: a prompt's last chunk shorter than this, after a prefix of whole
+        ones (the chunks before it aligned to it: PrefillChunking), runs right-padded to
+        a whole one, in the forward shape of that prompt's earlier chunks, whose per-shape
+        work (cuDNN graphs, GEMM plans, traces) is then done; 0: never (models with
+        recurrent or windowed layers never: padding would run through their state or
+        need the window's own mask)."""
         install_attention_hook()  # decode attention reads the pool (idempotent)
         self.prefill_padding = prefill_padding
         self.model = model
@@ -175,6 +181,7 @@ class ModelRunner:
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._last_prefill: mx.array | None = None  # see _launch_prefill
         self._forwards = PrefillForwards(model, output_head(model), pool, compile_prefill)
+        self.tail_bucket = tail_bucket if traceable(pool) and not pool.has_states else 0
         # This build's time starting prefill forwards and waiting for earlier ones.
         self.clock = ForwardClock()
 
@@ -266,7 +273,8 @@ class ModelRunner:
         prompt: list[PendingPromptLogprobs] = []
         prefixes = {n.rid: n.prefix_slot_ids for n in batch.new_requests if n.prefix_slot_ids}
         for group in self._prefill_groups(batch.prefill, prefixes):
-            outs = (self._prefill_many(group) if len(group) > 1
+            width = self._tail_width(group)
+            outs = (self._prefill_many(group, width) if len(group) > 1 or width
                     else [self._prefill(group[0], prompt)])
             for chunk, out in zip(group, outs):
                 if chunk.sample:
@@ -463,20 +471,33 @@ class ModelRunner:
             forwards += [[rest[i] for i in g] for g in groups]
         return forwards
 
-    def _prefill_many(self, chunks: list[PrefillChunk]) -> list[mx.array]:
-        """One forward over chunks of several requests (right-padded to the longest);
-        each chunk's last position's logits, [1, V] each."""
+    def _tail_width(self, group: list[PrefillChunk]) -> int:
+        """The width a lone prompt's last chunk is padded to (tail_bucket), or 0."""
+        bucket = self.tail_bucket
+        if len(group) > 1 or not bucket:
+            return 0
+        chunk = group[0]
+        n = len(chunk.token_ids)
+        if (1 < n < bucket and chunk.start and not chunk.start % bucket
+                and chunk.start + bucket <= self.table.shape[1]
+                and self.requests[chunk.rid].sampling.prompt_logprobs < 0):
+            return bucket
+        return 0
+
+    def _prefill_many(self, chunks: list[PrefillChunk], width: int = 0) -> list[mx.array]:
+        """One forward over chunks of several requests, right-padded to the longest (or to
+        `width`); each chunk's last position's logits, [1, V] each."""
         states = [self._place(c) for c in chunks]
         sizes = np.array([len(c.token_ids) for c in chunks])
         starts = np.array([c.start for c in chunks])
-        tokens = np.zeros((len(chunks), int(sizes.max())), dtype=np.int32)
+        tokens = np.zeros((len(chunks), max(int(sizes.max()), width)), dtype=np.int32)
         for i, chunk in enumerate(chunks):
             tokens[i, :sizes[i]] = chunk.token_ids
         rows = [s.row for s in states]
         staging = self._forward_staging
         staging.begin()
         layout = ForwardLayout.prefill(self.table[rows], starts, sizes, self._window_row(rows),
-                                       staging.add)
+                                       staging.add, width)
         fresh = bool((starts == 0).all())
         tokens_mx, last, lengths, state_rows = staging.add(
             tokens, (sizes - 1).astype(np.int32), sizes.astype(np.int32),
@@ -710,17 +731,9 @@ def _state_rows(states: list[RequestState]) -> mx.array:
     return mx.array([s.row + 1 for s in states], dtype=mx.int32)
 
 
-# Prefill shapes warmed at start-up over every key length (bucket) up to this many keys:
-# decode first's chunks of a long prompt (warm_up's walk_chunk) and, where the backend
-# warms them, masked chunks (warm_masked_shapes).
+# Prefill shapes warmed at start-up over every key length up to this many keys: decode
+# first's chunks of a long prompt (warm_up's walk_chunk).
 PREFILL_WARM_KEYS = 8192
-
-
-def masked_walk(keys: int, first: int = 64, chunk: int = FUSED_PREFILL_BUCKET - 64) -> list[int]:
-    """Chunk ends of a lone prompt whose chunks after the first are masked prefill forwards
-    of one bucket's queries (padded; a start that is no bucket's multiple) over every key
-    bucket up to `keys`: steps shorter than the narrowest bucket miss none."""
-    return [first] + list(range(first + chunk, keys + 1, chunk))
 
 
 def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chunk: int = 0,
@@ -738,8 +751,7 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
     then prompts in two chunks (the first fresh, the second read back from the
     pool, with one start and with mixed starts), then decode batch sizes up to
     max_batch: powers of two, or with compiled decode every batch bucket (each is a trace
-    of its own); where the backend warms its masked shapes, a lone prompt walking them
-    (masked_walk). Uses slots from 1 up: the scheduler has handed none out yet, and every
+    of its own). Uses slots from 1 up: the scheduler has handed none out yet, and every
     slot is written before it is read. Returns the number of steps run."""
     steps_per_size = 2
     if runner.compiles_decode:
@@ -791,9 +803,6 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
         # eager build's ~10x), which the walk's second pass does now, not a burst's prompt.
         for _ in range(2 if runner.prefill_forwards.compiles else 1):
             step = lone_prompt("warmup-walk", step, walk)
-    if (backend.bucketed_prefill and backend.bucketed_masked and backend.warm_masked_shapes
-            and room >= FUSED_PREFILL_BUCKET):
-        step = lone_prompt("warmup-masked", step, masked_walk(min(room, PREFILL_WARM_KEYS)))
     runner.run(ForwardBatch(step=step, new_requests=[NewRequest(rid=r, sampling=greedy) for r in rids],
                             prefill=[chunk(i, 0, splits[i], False) for i in range(n_req)]))
     step += 1
