@@ -86,16 +86,28 @@ class PrefillBudget:
     of its prompt. What a budget has left after another prompt's last chunk (less than an
     edge's worth) is then not spent starting a long prompt off its edges: it waits a step.
     A budget that has given nothing yet still gives its whole (the oldest prompt advances
-    every step, whatever the alignment)."""
+    every step, whatever the alignment).
 
-    def __init__(self, tokens: int, chunk: int, align: int = 1) -> None:
+    pieces (aligned budgets only): of the tokens, the most that pieces of prompts may take
+    (chunks that leave their prompt unfinished or continue one); the rest goes to fresh
+    prompts whole. A budget scaled up by a backlog (SchedulerLimits.prefill_tokens) then
+    admits more whole prompts, as it is meant to, but cuts a long prompt in the unscaled
+    budget's chunks still: a longer one stretches every decoding stream's gap as much
+    and meets forward shapes no warm-up built (on the H200, 90 ms each to start)."""
+
+    def __init__(self, tokens: int, chunk: int, align: int = 1,
+                 pieces: int | None = None) -> None:
         self.total = self.left = tokens
         self.chunk = chunk
         self.align = align if align > 1 and chunk % align == 0 else 1
+        self.pieces_left = tokens if pieces is None or self.align == 1 else min(pieces, tokens)
 
     def take(self, start: int, wanted: int) -> int:
         """Tokens for a prompt whose next chunk starts at `start` with `wanted` to go."""
         n = min(wanted, self.chunk, self.left)
+        piece = start > 0 or n < wanted
+        if piece:
+            n = min(n, self.pieces_left)
         if n < wanted and self.align > 1:
             aligned = (start + n) // self.align * self.align - start
             if aligned > 0:
@@ -104,6 +116,8 @@ class PrefillBudget:
                 self.left = 0  # scraps: later prompts wait for the next step too (FCFS)
                 return 0
         self.left -= n
+        if piece:
+            self.pieces_left -= n
         return n
 
     def give_back(self, n: int) -> None:
@@ -309,7 +323,8 @@ class Scheduler:
         decode_rids, decode_slots, decode_window = self._plan_decode()
         waiting = len(self.waiting) + sum(r.prefilling for r in self.running.values())
         budget = PrefillBudget(self.limits.prefill_tokens(len(decode_rids), waiting),
-                               self.limits.chunk_size, self.limits.chunk_align)
+                               self.limits.chunk_size, self.limits.chunk_align,
+                               pieces=self.limits.prefill_tokens(len(decode_rids)))
         prefill = [self._plan_chunk(r, budget, new_reqs)
                    for r in list(self.running.values()) if r.prefilling and not budget.exhausted]
         prefill += self._admit(budget, new_reqs)

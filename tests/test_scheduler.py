@@ -129,6 +129,30 @@ def test_while_decoding_long_prompts_are_chunked_on_the_bucket_edges():
     assert all(len(step) <= 1 for step in chunks)
 
 
+def test_an_aligned_backlog_budget_admits_whole_prompts_not_longer_pieces():
+    """Aligned chunks and a backlog (7 waiting, 2 decoding: 3 times the decoding budget of
+    32): a long prompt still advances 32 tokens a step, and the rest of the scaled budget
+    goes to short prompts whole; unaligned, the long prompt takes the longer piece."""
+    def first_step(align: int) -> dict[str, int]:
+        s = Scheduler(SchedulerLimits(4000, 512, 16, 64, 256, max_prefill_tokens_while_decoding=32,
+                                      chunk_align=align))
+        for rid in "wx":
+            s.add_request(_req(rid, 4, 50))
+        s.apply_result(_answer(s.plan_step()))
+        s.add_request(_req("long", 100, 3))
+        for i in range(6):
+            s.add_request(_req(f"s{i}", 10, 3))
+        batch = s.plan_step()
+        assert batch.decode_rids == ["w", "x"]
+        return _prefilled(batch)
+
+    assert first_step(32) == {"long": 32, **{f"s{i}": 10 for i in range(6)}}
+    assert first_step(1) == {"long": 64, "s0": 10, "s1": 10, "s2": 10, "s3": 2}
+    budget = PrefillBudget(96, 64, 32, pieces=32)
+    assert budget.take(64, 100) == 32 and budget.take(0, 10) == 10
+    assert budget.take(0, 100) == 0 and budget.exhausted  # FCFS: the next piece waits
+
+
 def test_a_prefix_hit_is_cut_back_to_an_edge_when_much_of_the_prompt_is_left():
     """Where the worker wants chunks on edges, a cached prefix ending off one is reused
     only up to the edge before it when half an edge or more is still to compute (its
