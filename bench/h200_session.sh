@@ -76,6 +76,8 @@ MIXED_BURST_OUTPUT=${MIXED_BURST_OUTPUT:-64}  # the burst's output tokens; 1: no
                                   # request decodes, so no decode-first bound slows its prefill
 MIXED_BURST_REQUESTS=${MIXED_BURST_REQUESTS:-64}  # the burst's prompts (of 4,096 tokens)
 MIXED_BURST_SPREAD=${MIXED_BURST_SPREAD:-0}  # ... each 4,096 * (1 +- this) tokens
+MIXED_VARIANTS=${MIXED_VARIANTS:-}  # ';'-joined launch flags, each arm run under each
+                                    # (A/B on one machine: ";--experiments unpadded-tails")
 mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
@@ -149,18 +151,18 @@ if has mixed; then
 echo "== mixed traffic: $MIXED_STEADY streams decoding, $MIXED_BURST_REQUESTS x 4096-token prompts arrive"
 # Each arm (start, warm-up, ~30 s of traffic, stop) should take ~2 minutes, 4 at most; the
 # part stops after 520 s (a device call has 600), keeping the arms done in mixed.json.
-arms=$(tr ',' '\n' <<<"$MIXED_ARMS" | wc -l)
+arms=$(( $(tr ',' '\n' <<<"$MIXED_ARMS" | wc -l) * $(tr ';' '\n' <<<"${MIXED_VARIANTS:-x}" | wc -l) ))
 timeout $((arms * 240 < 520 ? arms * 240 : 520)) "$PYTHON" bench/mixed_traffic.py \
     --model "$MODEL" --arms "$MIXED_ARMS" --kiln-args="$KILN_ARGS" --out "$OUT" \
     --steady-streams "$MIXED_STEADY" --steady-prompt-tokens 128 --steady-output-tokens 2000 \
     --steady-seconds 5 --burst-requests "$MIXED_BURST_REQUESTS" --burst-prompt-tokens 4096 --burst-output-tokens "$MIXED_BURST_OUTPUT" \
-    --burst-length-spread "$MIXED_BURST_SPREAD" \
+    --burst-length-spread "$MIXED_BURST_SPREAD" --variants "$MIXED_VARIANTS" \
     --json "$OUT/mixed.json" 2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/mixed.txt"
 # With KILN_ARGS="--log-level debug": each arm's steps, and its slow ones (step_log.py).
 for log in "$OUT"/mixed_*.log; do
     grep -q "DEBUG.*scheduler_proc: step" "$log" 2>/dev/null || continue
     echo "-- $(basename "$log")"
-    "$PYTHON" bench/step_log.py "$log" --table "${log%.log}_steps.txt" | head -24
+    "$PYTHON" bench/step_log.py "$log" --table "${log%.log}_steps.txt" | head -14
 done
 fi
 

@@ -4,7 +4,8 @@
         --arms 32,default,8192 --kiln-args="--max-total-tokens 40000"    # CPU, small sizes
     PARTS=mixed OUT=$OUT bash bench/h200_session.sh    # the H200: 32 streams, 64 x 4096 tokens
 
-For each arm (a `--max-prefill-tokens-while-decoding` value; `default`: the server's own)
+For each arm (a `--max-prefill-tokens-while-decoding` value; `default`: the server's own),
+and for each of `--variants` (more launch flags: A/B runs on one machine, in one call),
 it starts kiln on 127.0.0.1, warms it up, then
 1. opens the steady streams: short prompts, long outputs;
 2. once every stream has its first token, waits --steady-seconds and sends the burst's
@@ -171,16 +172,45 @@ def arm_flags(arm: str) -> list[str]:
     return [] if arm == DEFAULT_ARM else ["--max-prefill-tokens-while-decoding", arm]
 
 
-def run_arm(arm: str, model_dir: Path, workload: Workload, args: argparse.Namespace) -> dict:
-    server = start_kiln(str(model_dir), [*args.kiln_args.split(), *arm_flags(arm)],
-                        args.out / f"mixed_{arm}.log", args.ready_timeout)
+@dataclass(frozen=True)
+class Arm:
+    """One server of the run: a decoding budget (`arm`), and the variant's flags."""
+
+    budget: str
+    variant: str = ""
+    index: int = 0  # the variant's place in --variants (names its log)
+
+    @property
+    def label(self) -> str:
+        return f"{self.budget} {self.variant}".strip()
+
+    @property
+    def flags(self) -> list[str]:
+        return [*arm_flags(self.budget), *self.variant.split()]
+
+    @property
+    def log_name(self) -> str:
+        return f"mixed_{self.budget}" + (f"_v{self.index}" if self.variant else "") + ".log"
+
+
+def arms_of(arms: str, variants: str) -> list[Arm]:
+    """Every budget under every variant (';'-joined flag strings; empty: none), variant
+    by variant, so a variant's arms run back to back."""
+    flags = [v.strip() for v in variants.split(";")] if variants.strip() else [""]
+    return [Arm(budget, variant, i) for i, variant in enumerate(flags)
+            for budget in arms.split(",")]
+
+
+def run_arm(arm: Arm, model_dir: Path, workload: Workload, args: argparse.Namespace) -> dict:
+    server = start_kiln(str(model_dir), [*args.kiln_args.split(), *arm.flags],
+                        args.out / arm.log_name, args.ready_timeout)
     try:
         asyncio.run(warm_up(server.url, model_dir, args))
-        result = {"arm": arm, "flags": arm_flags(arm),
+        result = {"arm": arm.label, "flags": arm.flags,
                   **summarize(asyncio.run(run_mixed(server.url, workload, args.timeout)))}
     finally:
         stop_server(server)
-    print(f"[{arm}] {table_row(result)}", file=sys.stderr, flush=True)
+    print(f"[{arm.label}] {table_row(result)}", file=sys.stderr, flush=True)
     return result
 
 
@@ -224,6 +254,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="burst prompts of --burst-prompt-tokens * (1 +- this) tokens: their "
                         "last chunks then end anywhere, as real prompts' do")
     p.add_argument("--kiln-args", default="", help="extra launch.py flags for every arm")
+    p.add_argument("--variants", default="",
+                   help="';'-joined launch.py flags, each a variant every arm runs under "
+                        "(e.g. ';--experiments unpadded-tails': as is, then with that flag)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per request")
     p.add_argument("--ready-timeout", type=float, default=300.0)
@@ -243,7 +276,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     workload = make_workload(model_dir, args, args.seed)
     settings = {k: v for k, v in vars(args).items() if k not in ("out", "json")}
     results: list[dict[str, Any]] = []
-    for arm in args.arms.split(","):
+    for arm in arms_of(args.arms, args.variants):
         results.append(run_arm(arm, model_dir, workload, args))
         doc = {"model": args.model, "settings": settings, "results": results}
         if args.json:  # after every arm: a run stopped by a time limit keeps the arms done

@@ -36,3 +36,18 @@ def test_burst_prompts_vary_by_the_spread(tiny_model_dir):
     assert {len(p) for p in fixed} == {100}
     varied = prompt_ids(tiny_model_dir, 40, 100, seed=3, spread=0.5)
     assert all(50 <= len(p) <= 150 for p in varied) and len({len(p) for p in varied}) > 10
+
+
+def test_every_budget_runs_under_every_variant_with_its_own_log():
+    from bench.mixed_traffic import arms_of
+
+    plain = arms_of("default,8192", "")
+    assert [(a.label, a.flags, a.log_name) for a in plain] == [
+        ("default", [], "mixed_default.log"),
+        ("8192", ["--max-prefill-tokens-while-decoding", "8192"], "mixed_8192.log")]
+    ab = arms_of("default", "; --experiments unpadded-tails ;--compile-prefill")
+    assert [(a.label, a.flags, a.log_name) for a in ab] == [
+        ("default", [], "mixed_default.log"),
+        ("default --experiments unpadded-tails", ["--experiments", "unpadded-tails"],
+         "mixed_default_v1.log"),
+        ("default --compile-prefill", ["--compile-prefill"], "mixed_default_v2.log")]
