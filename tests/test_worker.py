@@ -810,6 +810,16 @@ def test_a_long_prompts_last_chunk_runs_padded_to_a_bucket_with_mlx_lm_tokens(
                              chunk_align=512, tail_bucket=512, backend=StandInKernel())
     assert_greedy(engine, long_prompt, 8, _eos(tokenizer), oracle)
     assert set(padded) == {(512, 512, 0), (512, 1024, 0)}
+    # Traced prefill: the padded tail replays the trace the warm-up's walk made of its
+    # prompt's earlier chunk shape; serving the prompt traces nothing new.
+    traced = InProcessEngine(model, chunk_size=512, max_prefill_tokens=512, max_context=2048,
+                             chunk_align=512, tail_bucket=512, backend=StandInKernel(),
+                             compile_prefill=True)
+    warm_up(traced.runner, max_batch=4, long_chunk=512, walk_chunk=512)
+    forwards = traced.runner.prefill_forwards
+    traces, replays = forwards.traces, forwards.replays
+    assert_greedy(traced, long_prompt, 8, _eos(tokenizer), oracle)
+    assert forwards.traces == traces and forwards.replays == replays + 2
 
 
 def test_host_staging_reuses_its_buffers_and_keeps_the_last_steps_inputs():

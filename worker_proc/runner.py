@@ -395,15 +395,18 @@ class ModelRunner:
         self._load_snapshots([state], staging.add)
         layout = ForwardLayout.single(self.table[state.row], chunk.start, n,
                                       self._window_row(state.row), staging.add)
-        tokens, state_rows = staging.add(np.array([chunk.token_ids], dtype=np.int32),
-                                         np.array([state.row + 1], dtype=np.int32))
+        # The last position as an index, not the last column: a traced forward of this
+        # shape then also serves a prompt's last chunk padded to it (_tail_width).
+        tokens, state_rows, last = staging.add(np.array([chunk.token_ids], dtype=np.int32),
+                                               np.array([state.row + 1], dtype=np.int32),
+                                               np.array([n - 1], dtype=np.int32))
         out: mx.array | None = None  # every position's logits, [n, V], where needed
         if state.sampling.prompt_logprobs >= 0:
             caches = build_layer_caches(self.pool, layout, state_rows, chunk.start == 0)
             out = self.model(tokens, cache=caches)[0]
             logits = out[-1:]
         else:
-            logits = self._forwards.last_logits(tokens, layout, None, state_rows, chunk.start == 0)
+            logits = self._forwards.last_logits(tokens, layout, last, state_rows, chunk.start == 0)
         state.length += n
         self._save_snapshots([state], [chunk], staging.add)
         scored = self._prompt_logprobs_of(state, chunk, out, logits)
