@@ -174,7 +174,7 @@ def arm_flags(arm: str) -> list[str]:
 
 @dataclass(frozen=True)
 class Arm:
-    """One server of the run: a decoding budget (`arm`), and the variant's flags."""
+    """One server of the run: a decoding budget (an --arms value) and a variant's flags."""
 
     budget: str
     variant: str = ""
