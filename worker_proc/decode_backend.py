@@ -255,9 +255,9 @@ class GatherDecode(DecodeBackend):
 
 def _shared_bias(mask: Any, n_new: int, n_keys: int, dtype: mx.Dtype, once: Once) -> mx.array:
     """masked_bias of a forward's mask, made once for all its layers. "causal": causal,
-    but under a bucket long or after a prefix that is not a bucket's multiple (mixed
-    traffic's chunks, cut wherever a step's budget ends), where an explicit mask lets both
-    sides pad to buckets. A mask array is shared by the forward's layers (the layout's or
+    but a fresh forward under a bucket long or one after a prefix that is not a bucket's
+    multiple (a prefix hit's arbitrary length, chunks cut off the edges), where an
+    explicit mask lets both sides pad to buckets (fused_bucket_padding takes the rest). A mask array is shared by the forward's layers (the layout's or
     the model's) and told apart by id: the memo holds it, so no other array takes that id
     meanwhile."""
     causal = isinstance(mask, str)
