@@ -544,3 +544,52 @@ def test_recurrent_prefill_shares_forwards_where_the_model_masks_padding(recurre
     results = engine.run_until_idle()
     assert_mlx_lm_tokens(model, name, results, [(f"r{i}", p) for i, p in enumerate(prompts)], 8)
     assert (max(shared, default=0) > 1) == engine.runner.shares_prefill
+
+
+def serve_after_warm_up_compiling_nothing(name: str) -> None:
+    """Run in a fresh process (the JIT's in-memory cache would hide a compile another
+    test's serving already made): the start-up warm-up and traces, then a wave whose
+    contexts cross slot-table widths; asserts mlx-lm's tokens and that serving made no
+    fused kernel library the start-up had not (each is a compiler run: on CUDA seconds
+    of NVRTC in the middle of a step)."""
+    import tempfile
+    from pathlib import Path
+
+    from tests.engine_driver import StandInKernel
+    from worker_proc.runner import trace_decode_shapes, warm_up
+
+    def libraries() -> set[str]:
+        return {p.name for p in Path(tempfile.gettempdir(), "mlx").rglob("*.so")}
+
+    model = build(name)
+    engine = InProcessEngine(model, compile_decode=True, overlap="ahead", max_context=600,
+                             backend=StandInKernel())
+    warm_up(engine.runner, max_batch=6)
+    trace_decode_shapes(engine.runner, max_batch=6)
+    made = libraries()
+    assert made, "no fused kernel compiled at start-up: nothing to compare against"
+    prompts = [np.random.default_rng(5).integers(5, VOCAB, size=n).tolist() for n in (200, 7, 120)]
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 70, [])  # r0 crosses width 256, r2 128 and 256
+    results = engine.run_until_idle()
+    assert_mlx_lm_tokens(model, name, results, [(f"r{i}", p) for i, p in enumerate(prompts)], 70)
+    assert libraries() == made, sorted(libraries() - made)
+
+
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss"])
+def test_compiled_windowed_decode_compiles_no_kernel_while_serving(name, tmp_path):
+    """A windowed layer's decode table is built in the compiled trace; a table width there
+    must not become a constant of a fused kernel (one kernel per width, compiled the
+    first time a context crosses into it: 3-5 s stalls on the H200)."""
+    import os
+    import shutil
+    import subprocess
+    import sys
+
+    if shutil.which("g++") is None and shutil.which("clang++") is None:
+        pytest.skip("MLX's CPU backend fuses kernels only with a C++ compiler")
+    script = ("from tests.test_families import serve_after_warm_up_compiling_nothing as f; "
+              f"f({name!r})")
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
+    assert run.returncode == 0, run.stderr[-3000:]

@@ -115,7 +115,12 @@ class ForwardLayout:
             first = kind.first_visible(lengths)
             width = read_slots.shape[1]
             cols = min(kind.span, width)
-            at = mx.minimum(first[:, None] + mx.arange(cols, dtype=first.dtype)[None], width - 1)
+            # Columns past a row's last position (a chunked kind's) repeat it: unread, a
+            # valid index. Capped by the lengths, not width - 1: a number in a compiled
+            # trace is a constant of the fused kernel, one compile per table width
+            # (seconds mid-serving on CUDA).
+            at = mx.minimum(first[:, None] + mx.arange(cols, dtype=first.dtype)[None],
+                            lengths[:, None] - 1)
             table = mx.take_along_axis(read_slots, at.astype(mx.int32), axis=1)
             return table, (lengths - first).astype(mx.int32)
 
