@@ -18,7 +18,7 @@ LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerCo
 # CUDA attention paths other than the default, for --experiments (A/B runs).
 DECODE_EXPERIMENTS = ("rope-in-kernel", "staged-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
-                      "unpadded-tails")
+                      "bucketed-fresh")
 
 
 def _auto_on_off(help_text: str) -> Any:
@@ -161,9 +161,8 @@ class ServerConfig:
                                       "unaligned-chunks (prompt chunks end wherever the "
                                       "step's budget does, as before they were cut back to "
                                       "the 512 edges of the bucketed prefill), "
-                                      "unpadded-tails (a long prompt's last chunk runs at "
-                                      "its own length, as before it was padded to a whole "
-                                      "512 bucket)."})
+                                      "bucketed-fresh (forwards of fresh prompts padded to "
+                                      "recurring row counts and widths)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

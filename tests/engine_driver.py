@@ -65,7 +65,8 @@ class InProcessEngine:
                  backend: DecodeBackend | None = None, state_snapshots: int = 64,
                  snapshot_stride: int = 0, window_slots: int | None = None,
                  max_prefill_tokens_while_decoding: int | None = None,
-                 chunk_align: int = 1, tail_bucket: int = 0) -> None:
+                 chunk_align: int = 1, tail_bucket: int = 0,
+                 fresh_buckets: bool = False) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False. tokenizer: what the scheduler decodes stop strings with.
         grammars: the worker's GrammarMatchers, for requests with a grammar.
@@ -77,7 +78,7 @@ class InProcessEngine:
         max_prefill_tokens_while_decoding: the decode-first budget (None: one budget).
         chunk_align: where unfinished chunks end (SchedulerLimits.chunk_align);
         tail_bucket: what a prompt's last chunk after them is padded to
-        (ModelRunner.tail_bucket)."""
+        (ModelRunner.tail_bucket); fresh_buckets: ModelRunner's."""
         specs = probe_attention_specs(model)
         if window_slots is None:
             recurrent = KVPool.state_bytes_per_request(specs) > 0
@@ -89,7 +90,7 @@ class InProcessEngine:
                                   prefill_padding=prefill_padding,
                                   compile_decode=compile_decode,
                                   compile_prefill=compile_prefill,
-                                  tail_bucket=tail_bucket)
+                                  tail_bucket=tail_bucket, fresh_buckets=fresh_buckets)
         # As the worker tells the scheduler (WorkerReady): a model with recurrent layers
         # caches prefixes only where it keeps state snapshots.
         radix_cache = radix_cache and self.pool.serves_prefix_hits

@@ -66,7 +66,7 @@ class DecodeBackend:
     bucketed_prefill: bool = False  # long causal prefill chunks padded to recurring shapes
     bucketed_masked: bool = False  # ... and masked ones
     align_chunks: bool = False  # prompt chunks end on the fused prefill bucket's edges
-    pad_tails: bool = False  # ... and their last chunks run padded to a whole bucket
+    bucket_fresh: bool = False  # forwards of fresh prompts padded to recurring shapes
 
     def decode_context(self, num_layers: int, pool_bytes: int,
                        bytes_per_token: int) -> DenseDecodeContext | None:
@@ -123,9 +123,11 @@ class KernelDecode(DecodeBackend):
     those stay unfused (`--experiments unfused-masked-prefill`, the A/B arm).
     align_chunks: the scheduler ends a prompt's unfinished chunks
     on the bucket's edges (worker_proc.prefill_chunking; `--experiments unaligned-chunks`
-    is the A/B arm). pad_tails: a prompt's last chunk after aligned ones runs padded to
-    a whole bucket, the shape of its earlier chunks (ModelRunner.tail_bucket;
-    `--experiments unpadded-tails` is the A/B arm)."""
+    is the A/B arm); a prompt's last chunk after aligned ones then runs padded to a whole
+    bucket, the shape of its earlier chunks (ModelRunner.tail_bucket). bucket_fresh:
+    forwards of fresh prompts run padded to recurring rows and widths
+    (ModelRunner.fresh_buckets; `--experiments bucketed-fresh` turns it on: unmeasured,
+    it trades padded compute for shapes whose GEMM plans are made already)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
@@ -133,7 +135,7 @@ class KernelDecode(DecodeBackend):
     bucketed_prefill: bool = True
     bucketed_masked: bool = True
     align_chunks: bool = True
-    pad_tails: bool = True
+    bucket_fresh: bool = False
 
     name = "CUDA kernel"
     in_place = True
@@ -298,4 +300,4 @@ def choose_decode_backend(specs: list,
                         bucketed_prefill="unfused-prefill" not in experiments,
                         bucketed_masked="unfused-masked-prefill" not in experiments,
                         align_chunks="unaligned-chunks" not in experiments,
-                        pad_tails="unpadded-tails" not in experiments)
+                        bucket_fresh="bucketed-fresh" in experiments)

@@ -32,7 +32,8 @@ from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, Sampli
                                   StepLogprobs, sample, step_logprobs, token_logprobs)
 from worker_proc.staging import HostStaging, Stage, new_arrays
 from worker_proc.step_inputs import (COMPILED_MIN_WIDTH, compiled_batch_size,
-                                     compiled_table_width, gather_last_tokens, group_by_length,
+                                     compiled_table_width, fresh_forward_shape,
+                                     gather_last_tokens, group_by_length,
                                      prefill_waves, rows_by_length)
 from worker_proc.step_stats import ForwardClock
 
@@ -113,7 +114,8 @@ class ModelRunner:
     def __init__(self, model: Any, pool: KVPool, max_requests: int, max_context: int,
                  grammars: GrammarMatchers | None = None,
                  prefill_padding: float = PREFILL_PADDING, compile_decode: bool = False,
-                 compile_prefill: bool = False, tail_bucket: int = 0) -> None:
+                 compile_prefill: bool = False, tail_bucket: int = 0,
+                 fresh_buckets: bool = False) -> None:
         """grammars: matchers for structured output (None: requests with a grammar are
         refused, as the worker has no tokenizer). prefill_padding: how much padding a
         shared prefill forward may carry, as a share of its real tokens (0: only chunks
@@ -126,7 +128,9 @@ class ModelRunner:
         a whole one, in the forward shape of that prompt's earlier chunks, whose per-shape
         work (cuDNN graphs, GEMM plans, traces) is then done; 0: never (models with
         recurrent or windowed layers never: padding would run through their state or
-        need the window's own mask)."""
+        need the window's own mask). fresh_buckets: forwards of fresh prompts (every
+        chunk at position 0) run padded to fresh_forward_shape's rows and width, so a
+        wave's shapes recur (where chunks share forwards and no layer keeps a state)."""
         install_attention_hook()  # decode attention reads the pool (idempotent)
         self.prefill_padding = prefill_padding
         self.model = model
@@ -182,6 +186,7 @@ class ModelRunner:
         self._last_prefill: mx.array | None = None  # see _launch_prefill
         self._forwards = PrefillForwards(model, output_head(model), pool, compile_prefill)
         self.tail_bucket = tail_bucket if traceable(pool) and not pool.has_states else 0
+        self.fresh_buckets = fresh_buckets and self.shares_prefill and not pool.has_states
         # This build's time starting prefill forwards and waiting for earlier ones.
         self.clock = ForwardClock()
 
@@ -273,8 +278,8 @@ class ModelRunner:
         prompt: list[PendingPromptLogprobs] = []
         prefixes = {n.rid: n.prefix_slot_ids for n in batch.new_requests if n.prefix_slot_ids}
         for group in self._prefill_groups(batch.prefill, prefixes):
-            width = self._tail_width(group)
-            outs = (self._prefill_many(group, width) if len(group) > 1 or width
+            rows, width = self._padded_shape(group)
+            outs = (self._prefill_many(group, width, rows) if len(group) > 1 or width
                     else [self._prefill(group[0], prompt)])
             for chunk, out in zip(group, outs):
                 if chunk.sample:
@@ -474,37 +479,46 @@ class ModelRunner:
             forwards += [[rest[i] for i in g] for g in groups]
         return forwards
 
-    def _tail_width(self, group: list[PrefillChunk]) -> int:
-        """The width a lone prompt's last chunk is padded to (tail_bucket), or 0."""
-        bucket = self.tail_bucket
-        if len(group) > 1 or not bucket:
-            return 0
-        chunk = group[0]
-        n = len(chunk.token_ids)
-        if (1 < n < bucket and chunk.start and not chunk.start % bucket
-                and chunk.start + bucket <= self.table.shape[1]
-                and self.requests[chunk.rid].sampling.prompt_logprobs < 0):
-            return bucket
-        return 0
+    def _padded_shape(self, group: list[PrefillChunk]) -> tuple[int, int]:
+        """The (rows, width) a forward of these chunks is padded to, 0 each for as it
+        is: a lone prompt's last chunk to tail_bucket, fresh prompts to
+        fresh_forward_shape (fresh_buckets)."""
+        if any(self.requests[c.rid].sampling.prompt_logprobs >= 0 for c in group):
+            return 0, 0  # scored over every position: alone and unpadded
+        longest = max(len(c.token_ids) for c in group)
+        if self.fresh_buckets and all(c.start == 0 for c in group):
+            rows, width = fresh_forward_shape(len(group), longest)
+            return rows, min(width, self.table.shape[1])
+        chunk, bucket = group[0], self.tail_bucket
+        if (len(group) == 1 and 1 < longest < bucket and chunk.start
+                and not chunk.start % bucket and chunk.start + bucket <= self.table.shape[1]):
+            return 0, bucket
+        return 0, 0
 
-    def _prefill_many(self, chunks: list[PrefillChunk], width: int = 0) -> list[mx.array]:
+    def _prefill_many(self, chunks: list[PrefillChunk], width: int = 0,
+                      padded_rows: int = 0) -> list[mx.array]:
         """One forward over chunks of several requests, right-padded to the longest (or to
-        `width`); each chunk's last position's logits, [1, V] each."""
+        `width`), with rows added up to `padded_rows` (fresh chunks only: a pad row is
+        one token at position 0 in slot 0, the pool's scratch); each chunk's last
+        position's logits, [1, V] each."""
         states = [self._place(c) for c in chunks]
-        sizes = np.array([len(c.token_ids) for c in chunks])
-        starts = np.array([c.start for c in chunks])
-        tokens = np.zeros((len(chunks), max(int(sizes.max()), width)), dtype=np.int32)
+        pad = max(padded_rows - len(chunks), 0)
+        sizes = np.array([len(c.token_ids) for c in chunks] + [1] * pad)
+        starts = np.array([c.start for c in chunks] + [0] * pad)
+        tokens = np.zeros((len(sizes), max(int(sizes.max()), width)), dtype=np.int32)
         for i, chunk in enumerate(chunks):
             tokens[i, :sizes[i]] = chunk.token_ids
         rows = [s.row for s in states]
         staging = self._forward_staging
         staging.begin()
-        layout = ForwardLayout.prefill(self.table[rows], starts, sizes, self._window_row(rows),
-                                       staging.add, width)
+        window_rows = self._window_row(rows)
+        layout = ForwardLayout.prefill(
+            _zero_rows(self.table[rows], pad), starts, sizes,
+            None if window_rows is None else _zero_rows(window_rows, pad), staging.add, width)
         fresh = bool((starts == 0).all())
         tokens_mx, last, lengths, state_rows = staging.add(
             tokens, (sizes - 1).astype(np.int32), sizes.astype(np.int32),
-            np.array(rows, dtype=np.int32) + 1)
+            np.array(rows + [-1] * pad, dtype=np.int32) + 1)
         if self.pool.has_states:
             self._load_snapshots(states, staging.add)
             starting = [s.row + 1 for s, start in zip(states, starts) if start == 0]
@@ -727,6 +741,13 @@ def _window_ids(what: str, ids: list[int], n: int) -> list[int]:
     if len(ids) != n:
         raise RuntimeError(f"{what}: {len(ids)} window slots for {n} positions")
     return ids
+
+
+def _zero_rows(table_rows: np.ndarray, n: int) -> np.ndarray:
+    """table_rows with n rows of slot 0 (the pool's scratch) below."""
+    if not n:
+        return table_rows
+    return np.concatenate([table_rows, np.zeros((n, table_rows.shape[1]), table_rows.dtype)])
 
 
 def _state_rows(states: list[RequestState]) -> mx.array:
