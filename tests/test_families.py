@@ -548,10 +548,11 @@ def test_recurrent_prefill_shares_forwards_where_the_model_masks_padding(recurre
 
 def serve_after_warm_up_compiling_nothing(name: str) -> None:
     """Run in a fresh process (the JIT's in-memory cache would hide a compile another
-    test's serving already made): the start-up warm-up and traces, then a wave whose
-    contexts cross slot-table widths; asserts mlx-lm's tokens and that serving made no
-    fused kernel library the start-up had not (each is a compiler run: on CUDA seconds
-    of NVRTC in the middle of a step)."""
+    test's serving already made): the start-up warm-up and traces, then two waves of
+    prompts whose contexts cross slot-table widths (prefill forwards traced too, where
+    the model allows: the second wave's shapes recur); asserts mlx-lm's tokens and that
+    serving made no fused kernel library the start-up had not (each is a compiler run:
+    on CUDA seconds of NVRTC in the middle of a step)."""
     import tempfile
     from pathlib import Path
 
@@ -562,17 +563,22 @@ def serve_after_warm_up_compiling_nothing(name: str) -> None:
         return {p.name for p in Path(tempfile.gettempdir(), "mlx").rglob("*.so")}
 
     model = build(name)
-    engine = InProcessEngine(model, compile_decode=True, overlap="ahead", max_context=600,
-                             backend=StandInKernel())
+    engine = InProcessEngine(model, compile_decode=True, compile_prefill=True,
+                             overlap="ahead", max_context=600, backend=StandInKernel())
     warm_up(engine.runner, max_batch=6)
     trace_decode_shapes(engine.runner, max_batch=6)
     made = libraries()
+    forwards = engine.runner.prefill_forwards
+    traces = forwards.traces
     assert made, "no fused kernel compiled at start-up: nothing to compare against"
-    prompts = [np.random.default_rng(5).integers(5, VOCAB, size=n).tolist() for n in (200, 7, 120)]
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, 70, [])  # r0 crosses width 256, r2 128 and 256
-    results = engine.run_until_idle()
-    assert_mlx_lm_tokens(model, name, results, [(f"r{i}", p) for i, p in enumerate(prompts)], 70)
+    rng = np.random.default_rng(5)
+    for wave in range(2):
+        cases = [(f"w{wave}r{i}", rng.integers(5, VOCAB, size=n).tolist())
+                 for i, n in enumerate((200, 7, 120))]
+        for rid, p in cases:
+            engine.submit(rid, p, 70, [])  # r0 crosses width 256, r2 128 and 256
+        assert_mlx_lm_tokens(model, name, engine.run_until_idle(), cases, 70)
+    assert (forwards.traces > traces) == forwards.compiles  # llama's yes, windowed ones' no
     assert libraries() == made, sorted(libraries() - made)
 
 

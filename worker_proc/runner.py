@@ -773,7 +773,8 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
     the first prompt of a burst otherwise built one a step, 50-110 ms each on the H200;
     walked twice where prefill forwards are traced, to trace them);
     then prompts in two chunks (the first fresh, the second read back from the
-    pool, with one start and with mixed starts), then decode batch sizes up to
+    pool, with one start and with mixed starts; two sets where prefill forwards are
+    traced), then decode batch sizes up to
     max_batch: powers of two, or with compiled decode every batch bucket (each is a trace
     of its own). Uses slots from 1 up: the scheduler has handed none out yet, and every
     slot is written before it is read. Returns the number of steps run."""
@@ -783,7 +784,12 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
         sizes = sorted({min(compiled_batch_size(n), max_batch) for n in range(1, max_batch + 1)})
     else:
         sizes = [b for b in (1 << i for i in range(16)) if b <= max_batch] or [1]
-    per_request = prompt_len + len(sizes) * steps_per_size
+    # Where prefill forwards are traced, the two-chunk prompts run twice (a first set,
+    # released, then the one that decodes): a shape is traced when it recurs, and a
+    # trace's first run compiles its fused kernels (mask, RoPE), ~13 s on the H200 the
+    # first time a burst met them mid-serving.
+    prompt_sets = 2 if runner.prefill_forwards.compiles else 1
+    per_request = prompt_len * prompt_sets + len(sizes) * steps_per_size
     # The same ids serve the windowed layers' slot space, where it is smaller.
     space = min(runner.pool.num_slots, runner.pool.window_slots or runner.pool.num_slots)
     n_req = min(sizes[-1], max(1, space // per_request))
@@ -827,11 +833,16 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
         # eager build's ~10x), which the walk's second pass does now, not a burst's prompt.
         for _ in range(2 if runner.prefill_forwards.compiles else 1):
             step = lone_prompt("warmup-walk", step, walk)
-    runner.run(ForwardBatch(step=step, new_requests=[NewRequest(rid=r, sampling=greedy) for r in rids],
-                            prefill=[chunk(i, 0, splits[i], False) for i in range(n_req)]))
-    step += 1
-    runner.run(ForwardBatch(step=step, prefill=[chunk(i, splits[i], prompt_len, True)
-                                                for i in range(n_req)]))
+    for again in range(prompt_sets):
+        if again:  # the first set goes; the second decodes
+            runner.run(ForwardBatch(step=step + 1, released=rids))
+            step += 2
+        runner.run(ForwardBatch(step=step, new_requests=[NewRequest(rid=r, sampling=greedy)
+                                                         for r in rids],
+                                prefill=[chunk(i, 0, splits[i], False) for i in range(n_req)]))
+        step += 1
+        runner.run(ForwardBatch(step=step, prefill=[chunk(i, splits[i], prompt_len, True)
+                                                    for i in range(n_req)]))
     for size in sizes:
         for _ in range(steps_per_size):
             step += 1
