@@ -755,11 +755,12 @@ def test_long_chunks_through_bucketed_fused_attention_match_mlx_lm(tiny_model, o
         n for n in (512, 1024, 1536, 2048) for _ in range(layers)]
     walked.submit("after", prompts[1], 12, _eos(tokenizer))
     assert walked.run_until_idle()["after"].token_ids == oracle(prompts[1], 12)
-    # Traced prefill: walked twice, so each of the walk's shapes is traced at start-up.
+    # Traced prefill: walked twice, and the two-chunk prompts run twice (a release
+    # between), so each of those shapes is traced at start-up.
     traced = InProcessEngine(model, chunk_size=1024, max_context=2048, backend=StandInKernel(),
                              compile_prefill=True)
     assert warm_up(traced.runner, max_batch=4, long_chunk=1024, walk_chunk=512) == (
-        2 + 3 + 2 * 5 + 2 + 2 * 3)
+        2 + 3 + 2 * 5 + 2 + 1 + 2 + 2 * 3)
     assert traced.runner.prefill_forwards.traces >= 4
     traced.submit("after", prompts[0], 12, _eos(tokenizer))
     assert traced.run_until_idle()["after"].token_ids == oracle(prompts[0], 12)
