@@ -162,7 +162,7 @@ class ServerConfig:
                                       "step's budget does, as before they were cut back to "
                                       "the 512 edges of the bucketed prefill), "
                                       "bucketed-fresh (forwards of fresh prompts padded to "
-                                      "recurring row counts and widths)."})
+                                      "recurring row counts and widths; unmeasured)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "
