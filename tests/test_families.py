@@ -584,10 +584,12 @@ def serve_after_warm_up_compiling_nothing(name: str) -> None:
 
 @pytest.mark.parametrize("name", ["gemma3_text", "llama"])
 def test_compiled_decode_compiles_no_kernel_while_serving(name, tmp_path):
-    """Nothing in the compiled decode trace may depend on the slot table's width as a
-    number (a windowed layer's table was capped by width - 1): a constant of a fused
-    kernel, so one kernel per width, compiled the first time a context crosses into it:
-    3-5 s stalls on the H200 (seconds per wave on Gemma 3)."""
+    """Serving after the warm-up compiles no fused kernel. Nothing in the compiled decode
+    trace may depend on the slot table's width as a number (a windowed layer's table was
+    capped by width - 1): a constant of a fused kernel, so one kernel per width, compiled
+    the first time a context crosses into it: 3-5 s stalls on the H200 (seconds per wave
+    on Gemma 3). And a traced multi-row prefill's kernels are made by the warm-up, not
+    by a burst's first recurring shape (a 13 s step)."""
     import os
     import shutil
     import subprocess
