@@ -259,9 +259,9 @@ def _shared_bias(mask: Any, n_new: int, n_keys: int, dtype: mx.Dtype, once: Once
     """masked_bias of a forward's mask, made once for all its layers. "causal": causal,
     but a fresh forward under a bucket long or one after a prefix that is not a bucket's
     multiple (a prefix hit's arbitrary length, chunks cut off the edges), where an
-    explicit mask lets both sides pad to buckets (fused_bucket_padding takes the rest). A mask array is shared by the forward's layers (the layout's or
-    the model's) and told apart by id: the memo holds it, so no other array takes that id
-    meanwhile."""
+    explicit mask lets both sides pad to buckets (fused_bucket_padding takes the rest). A
+    mask array is shared by the forward's layers (the layout's or the model's) and told
+    apart by id: the memo holds it, so no other array takes that id meanwhile."""
     causal = isinstance(mask, str)
 
     def make() -> tuple[Any, mx.array]:

@@ -401,7 +401,7 @@ class ModelRunner:
         layout = ForwardLayout.single(self.table[state.row], chunk.start, n,
                                       self._window_row(state.row), staging.add)
         # The last position as an index, not the last column: a traced forward of this
-        # shape then also serves a prompt's last chunk padded to it (_tail_width).
+        # shape then also serves a prompt's last chunk padded to it (_padded_shape).
         tokens, state_rows, last = staging.add(np.array([chunk.token_ids], dtype=np.int32),
                                                np.array([state.row + 1], dtype=np.int32),
                                                np.array([n - 1], dtype=np.int32))
