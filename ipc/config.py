@@ -131,6 +131,14 @@ class ServerConfig:
     disable_overlap: bool = dataclasses.field(
         default=False, metadata={"help": "Run one step at a time: --overlap off (for A/B "
                                          "runs)."})
+    steps_in_flight: int = dataclasses.field(
+        default=2, metadata={"help": "With overlap, how many planned steps the scheduler keeps "
+                                     "at the worker. 2: step N+1 is planned while N computes "
+                                     "(the worker then waits for the scheduler's round trip "
+                                     "once a step); 3: the plan after next is already queued "
+                                     "when the worker finishes launching one, at the cost of "
+                                     "one more discarded row when a request stops on a token "
+                                     "and a step more before a new request's first forward."})
     fuse_projections: str = _auto_on_off(
         "Compute each attention's q/k/v and each MLP's gate/up projections as one matmul per "
         "group: three kernel launches fewer a layer, same tokens. auto: on with MLX's CUDA "
@@ -241,6 +249,8 @@ class ServerConfig:
                                                                  self.fuse_projections):
             raise ValueError("--experiments rope-in-kernel runs inside the fast decode blocks: "
                              "drop --fast-decode-blocks off / --fuse-projections off")
+        if not 1 <= self.steps_in_flight <= 4:
+            raise ValueError("--steps-in-flight must be in [1, 4]")
         if self.disable_overlap and self.overlap == "on":
             raise ValueError("--disable-overlap contradicts --overlap on")
         if self.fast_decode_blocks == "on" and self.fuse_projections == "off":

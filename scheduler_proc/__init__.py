@@ -63,9 +63,10 @@ class SchedulerLoop:
 
     1. wait for news unless a step can be planned now, then drain every message;
     2. apply step results and requests (stop checks, admission input, aborts);
-    3. keep `max_in_flight` steps at the worker: with overlap (2) step N+1 is planned and
-       sent before step N's result is processed, so this bookkeeping runs while the device
-       computes; when nothing more can be planned, ask the worker to report what it holds;
+    3. keep `max_in_flight` steps at the worker: with overlap (2 or more) step N+1 is
+       planned and sent before step N's result is processed, so this bookkeeping runs while
+       the device computes; when nothing more can be planned, ask the worker to report what
+       it holds;
     4. forward new tokens to the detokenizer.
     """
 
@@ -158,7 +159,7 @@ def run_scheduler(config: ServerConfig) -> None:
     ready = _wait_for_worker(inbox, early)
     scheduler = Scheduler(limits_from(config, ready), functools.partial(_load_tokenizer, config))
     loop = SchedulerLoop(scheduler, inbox, worker, detokenizer,
-                         max_in_flight=2 if ready.overlap else 1)
+                         max_in_flight=config.steps_in_flight if ready.overlap else 1)
     outputs: list[TokenOutput] = []
     for message in early:
         loop.handle(message, outputs)

@@ -66,9 +66,10 @@ class InProcessEngine:
                  snapshot_stride: int = 0, window_slots: int | None = None,
                  max_prefill_tokens_while_decoding: int | None = None,
                  chunk_align: int = 1, tail_bucket: int = 0,
-                 fresh_buckets: bool = False) -> None:
+                 fresh_buckets: bool = False, steps_in_flight: int = 2) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
-        as on CUDA) or False. tokenizer: what the scheduler decodes stop strings with.
+        as on CUDA) or False; steps_in_flight: how many steps the scheduler keeps at the
+        worker with overlap (ServerConfig.steps_in_flight). tokenizer: what the scheduler decodes stop strings with.
         grammars: the worker's GrammarMatchers, for requests with a grammar.
         prefill_padding: how much padding a shared prefill forward may carry (the CPU
         server's is 0: only chunks of one length share a forward). backend: the decode
@@ -105,7 +106,8 @@ class InProcessEngine:
                                    (lambda: tokenizer) if tokenizer is not None else None)
         self.to_scheduler, self.to_worker, self.to_detokenizer = Pipe(), Pipe(), Pipe()
         self.loop = SchedulerLoop(self.scheduler, self.to_scheduler, self.to_worker,
-                                  self.to_detokenizer, max_in_flight=2 if overlap else 1)
+                                  self.to_detokenizer,
+                                  max_in_flight=steps_in_flight if overlap else 1)
         self.worker = WorkerLoop(self.runner, self.to_scheduler, overlap=bool(overlap),
                                  start_ahead=overlap == "ahead")
         self.results: dict[str, Finished] = {}

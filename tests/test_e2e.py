@@ -375,14 +375,14 @@ def test_flush_cache_through_the_zmq_client(server):
 def test_memory_pressure_through_all_processes_stays_exact(tiny_model_dir, tiny_model, oracle,
                                                           tmp_path):
     """A pool far below the working set: requests are preempted and resumed across the real
-    step pipeline (sockets, overlap), and every output still equals mlx-lm's, with the
-    model's projections fused (--fuse-projections) and its blocks' fast decode call
-    (--fast-decode-blocks) against mlx-lm's own modules."""
+    step pipeline (sockets, overlap three steps deep), and every output still equals
+    mlx-lm's, with the model's projections fused (--fuse-projections) and its blocks' fast
+    decode call (--fast-decode-blocks) against mlx-lm's own modules."""
     from ipc.client import AsyncKilnClient
 
     srv = Server(tiny_model_dir, "--max-total-tokens", "1200", "--max-running-requests", "24",
                  "--chunked-prefill-size", "128", "--fuse-projections", "on",
-                 "--fast-decode-blocks", "on", "--overlap", "on",
+                 "--fast-decode-blocks", "on", "--overlap", "on", "--steps-in-flight", "3",
                  log_path=tmp_path / "log").wait_ready()
     try:
         rng = np.random.default_rng(31)

@@ -84,6 +84,8 @@ def draw_schedule(seed: int, vocab: int) -> Schedule:
     engine["compile_prefill"] = rng.random() < 0.5
     # A third end unfinished chunks on edges, as the CUDA server's scheduler does.
     engine["chunk_align"] = rng.choice([1, 1, 16])
+    # Half of the overlapped ones keep a third step queued at the worker.
+    engine["steps_in_flight"] = rng.choice([2, 3])
     return Schedule(seed, prompts, max_tokens, arrivals, engine)
 
 

@@ -95,13 +95,15 @@ def _spanning_stop(tokenizer, ids: list[int]) -> tuple[str, int]:
     raise AssertionError("no stop candidate in the oracle's output")
 
 
-@pytest.mark.parametrize("include", [False, True])
-def test_engine_stops_at_the_token_completing_a_stop(tiny_model, hf_tokenizer, oracle, include):
+@pytest.mark.parametrize(("include", "depth"), [(False, 2), (True, 2), (False, 3)])
+def test_engine_stops_at_the_token_completing_a_stop(tiny_model, hf_tokenizer, oracle, include,
+                                                     depth):
+    """depth: steps in flight; rows planned past the stop are computed, then discarded."""
     model, _ = tiny_model
     prompt = hf_tokenizer.encode(PROMPT)
     expected = oracle(prompt, 40)
     stop, n_tokens = _spanning_stop(hf_tokenizer, expected)
-    engine = InProcessEngine(model, tokenizer=hf_tokenizer)
+    engine = InProcessEngine(model, tokenizer=hf_tokenizer, steps_in_flight=depth)
     engine.submit_message(TokenizedRequest(
         rid="s", input_ids=prompt, stop_token_ids=[],
         sampling=SamplingParams(temperature=0.0, max_new_tokens=40), stop=[stop],

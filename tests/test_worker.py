@@ -8,6 +8,7 @@ import pytest
 from tests.engine_driver import (InProcessEngine, StandInInPlaceKernels, StandInKernel,
                                  assert_greedy)
 from tests.test_scheduler import assert_idle_invariant
+from ipc.messages.to_worker import ForwardBatch
 import worker_proc.runner as runner_module
 from worker_proc.runner import trace_decode_shapes, warm_up
 from worker_proc.step_inputs import compiled_batch_size, fresh_forward_shape
@@ -23,16 +24,27 @@ def _prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list
     return [rng.integers(5, vocab, size=lengths[i % len(lengths)]).tolist() for i in range(n)]
 
 
-@pytest.mark.parametrize("overlap", [True, "ahead", False])
-def test_batched_chunked_greedy_matches_mlx_lm(tiny_model, oracle, overlap):
+@pytest.mark.parametrize(("overlap", "depth"), [(True, 2), ("ahead", 2), ("ahead", 3), (False, 1)])
+def test_batched_chunked_greedy_matches_mlx_lm(tiny_model, oracle, overlap, depth):
     model, tokenizer = tiny_model
     lengths = [1, 7, 64, 300, 600, 33, 128, 257]
     prompts = _prompts(8, lengths, model.args.vocab_size)
     max_tokens = [40, 1, 25, 60, 10, 33, 5, 48]
-    engine = InProcessEngine(model, chunk_size=128, max_prefill_tokens=256, overlap=overlap)
+    engine = InProcessEngine(model, chunk_size=128, max_prefill_tokens=256, overlap=overlap,
+                             steps_in_flight=depth)
+    deepest = 0
+    send = engine.to_worker.send
+
+    def counting_send(message):  # noqa: ANN001, ANN202
+        nonlocal deepest
+        deepest = max(deepest, len(engine.loop.in_flight) + isinstance(message, ForwardBatch))
+        send(message)
+
+    engine.to_worker.send = counting_send
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         engine.submit(f"r{i}", p, m, _eos(tokenizer))
     results = engine.run_until_idle()
+    assert deepest == depth
     for i, (p, m) in enumerate(zip(prompts, max_tokens)):
         assert results[f"r{i}"].token_ids == oracle(p, m), f"request r{i} (prompt {len(p)})"
     assert (engine.worker.steps_built_ahead > 0) == bool(overlap)

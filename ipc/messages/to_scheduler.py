@@ -34,7 +34,8 @@ class FlushCache(Message, frozen=True):
 
 class WorkerReady(Message, frozen=True):
     """The worker's handshake: the KV pool it allocated fixes the scheduler's capacity;
-    overlap (resolved for the worker's device) whether to keep two steps in flight;
+    overlap (resolved for the worker's device) whether to keep several steps in flight
+    (ServerConfig.steps_in_flight);
     prefix_cache False when a prefix's cached K/V cannot serve a hit (the model has
     recurrent layers and no state snapshots are kept)."""
 
