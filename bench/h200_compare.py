@@ -50,7 +50,7 @@ _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_m
 _COMPLETE = ".kiln-bench-complete"
 # Short names (file names, --servers) and the labels their sweeps carry.
 _LABELS = {"kiln": "kiln", "kiln_eager": "kiln --eager-decode", "kiln_b": "kiln B",
-           "mlx_lm": "mlx_lm.server"}
+           "kiln_c": "kiln C", "mlx_lm": "mlx_lm.server"}
 # Output projection scale: logits get a standard deviation of about this many units.
 _LOGIT_SCALE = 4.0
 
@@ -320,9 +320,9 @@ def _group_alive(group: int) -> bool:
 
 def server_command(name: str, model_dir: Path, port: int, args: argparse.Namespace) -> list[str]:
     common = ["--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port)]
-    if name in ("kiln", "kiln_eager", "kiln_b"):
+    if name in ("kiln", "kiln_eager", "kiln_b", "kiln_c"):
         extra = {"kiln": [], "kiln_eager": ["--eager-decode"],
-                 "kiln_b": args.kiln_b_args.split()}[name]
+                 "kiln_b": args.kiln_b_args.split(), "kiln_c": args.kiln_c_args.split()}[name]
         return [sys.executable, "launch.py", *common, *extra, *args.kiln_args.split()]
     launch = ([sys.executable, "bench/mlx_lm_server_backlog.py", str(args.mlx_backlog)]
               if args.mlx_backlog else [sys.executable, "-m", "mlx_lm", "server"])
@@ -523,11 +523,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dtype", default=None, help="bfloat16 (default) or float32 (--smoke)")
     p.add_argument("--seed", type=int, default=0, help="weights seed")
     p.add_argument("--servers", default="kiln,mlx_lm",
-                   help="which to run, in this order (kiln, kiln_eager, kiln_b, mlx_lm)")
+                   help="which to run, in this order (kiln, kiln_eager, kiln_b, kiln_c, mlx_lm)")
     p.add_argument("--kiln-b-args", default="",
                    help="kiln_b, an A/B variant of kiln: launch.py flags added to --kiln-args")
     p.add_argument("--kiln-b-env", default="",
                    help="kiln_b's extra environment, K=V separated by spaces")
+    p.add_argument("--kiln-c-args", default="",
+                   help="kiln_c, a second variant: launch.py flags added to --kiln-args")
     p.add_argument("--concurrency", default=None, help="levels (default 1,16,64,128)")
     p.add_argument("--num-requests", default=None,
                    help="requests per level, one or one per level (default 4,16,64,128)")
@@ -576,6 +578,7 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
     if args.model_dir is None:
         args.model_dir = Path.home() / ".cache/kiln/bench" / f"{args.shape.name}-{args.dtype}"
     _LABELS["kiln_b"] = " ".join(["kiln B", args.kiln_b_args, args.kiln_b_env]).strip()
+    _LABELS["kiln_c"] = " ".join(["kiln C", args.kiln_c_args]).strip()
     if args.mlx_backlog:
         _LABELS["mlx_lm"] = f"mlx_lm.server (backlog {args.mlx_backlog})"
     return args
