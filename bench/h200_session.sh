@@ -36,7 +36,8 @@ FAMILY=${FAMILY:-}  # a bench/family_models.py shape (gemma3-12b, gpt-oss-20b, q
                     # qwen3_next-64e); empty: Llama-3-8B
 DTYPE=${DTYPE:-bfloat16}  # float32 for CPU smoke tests of MoE shapes (MLX's CPU gather_mm)
 MODEL=${MODEL:-$HOME/.cache/kiln/bench/${FAMILY:-llama3-8b-shape}-$DTYPE}
-LENGTH_SPREAD=${LENGTH_SPREAD:-0.2}  # prompt lengths uniform in 100 words * (1 +- this)
+LENGTH_SPREAD=${LENGTH_SPREAD:-0.5}  # prompt lengths uniform in 100 words * (1 +- this): the
+                                    # issues' +-50% (sessions 15-21 ran 0.2)
 KILN_ARGS=${KILN_ARGS:-}  # extra launch.py flags, e.g. "--log-level debug"
 SERVERS=${SERVERS:-kiln,mlx_lm}  # or kiln,kiln_b,mlx_lm (then raise SWEEP_SECONDS)
 SWEEP_SECONDS=${SWEEP_SECONDS:-270}
