@@ -241,11 +241,20 @@ def test_decode_inputs_gather_last_tokens_from_any_steps():
         return RequestState(rid=f"r{row}", row=0, sampling=SamplingParams(), seed=0,
                             last_tokens=tokens, last_row=row)
 
+    staged: list[int] = []
+
+    def stage(*parts):
+        # Every index the gathers take comes through one call (the runner's HostStaging).
+        staged.append(len(parts))
+        return [mx.array(p) for p in parts]
+
     same = [state(step_a, 0), state(step_a, 1), state(step_a, 2)]
-    assert gather_last_tokens(same) is step_a  # the steady case: no op at all
-    assert gather_last_tokens([state(step_a, 2), state(step_a, 0)]).tolist() == [12, 10]
+    assert gather_last_tokens(same, stage) is step_a  # the steady case: no op at all
+    assert staged == []
+    assert gather_last_tokens([state(step_a, 2), state(step_a, 0)], stage).tolist() == [12, 10]
     mixed = [state(step_b, 1), state(step_a, 2), state(step_b, 0), state(step_a, 0)]
-    assert gather_last_tokens(mixed).tolist() == [21, 12, 20, 10]
+    assert gather_last_tokens(mixed, stage).tolist() == [21, 12, 20, 10]
+    assert staged == [1, 3]  # one call a gather: its source's rows; two sources' and the order
 
 
 def test_overlap_computes_no_row_past_a_length_bound_requests_last_token(tiny_model):

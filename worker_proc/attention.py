@@ -79,13 +79,17 @@ class ForwardLayout:
         L - start] when rows start at different positions (keys at positions start..L-1
         of each row)."""
         assert self.positions is not None, "a prefill layout has its positions"
-        positions = self.positions
+        rows, width = self.positions.shape
 
         def make() -> mx.array:
-            n_keys = positions.shape[1] if self.fresh else self.read_slots.shape[1]
-            # Built in the graph from the positions: on the host, a 2,048-token chunk over
-            # 8k keys was 16M booleans, ~60 ms of numpy and a copy a forward.
-            q = mx.array(positions.astype(np.int32))[:, :, None]
+            n_keys = width if self.fresh else self.read_slots.shape[1]
+            # Built in the graph: on the host, a 2,048-token chunk over 8k keys was 16M
+            # booleans, ~60 ms of numpy and a copy a forward. The positions too, from the
+            # offset (the rows' starts, already on the device): an array made from host
+            # data may wait for the device's work in flight (worker_proc.staging).
+            first = self.offset if isinstance(self.offset, int) else self.offset[:, None]
+            q = (first + mx.arange(width, dtype=mx.int32)[None, :])[:, :, None]
+            assert q.shape[0] == rows, "one start, or one a row"
             visible = kind.visible(q, mx.arange(start, n_keys, dtype=mx.int32)[None, None, :])
             return visible[0] if visible.shape[0] == 1 else visible[:, None]
 

@@ -173,9 +173,12 @@ class ModelRunner:
                            "chunk runs in a forward of its own (slower)")
         self._compiled_decode = mx.compile(self._decode_forward) if compile_decode else None
         # Host-written inputs, one buffer a use from each: a compiled decode step's, a
-        # step's sampling settings', a prefill forward's.
+        # step's sampling settings', a prefill forward's, a changed decode batch's gathers
+        # of its previous tokens, a step's sampling extras (logit edits, penalties,
+        # logprob rows: one use, each an add), a constrained step's grammar masks.
         self._staging, self._sampling_staging = HostStaging(), HostStaging()
-        self._forward_staging = HostStaging()
+        self._forward_staging, self._gather_staging = HostStaging(), HostStaging()
+        self._extras_staging, self._grammar_staging = HostStaging(), HostStaging()
         self.decode_traces = 0  # how many times mx.compile traced the decode forward
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
         self._prompt_logprobs: dict[int, list[PendingPromptLogprobs]] = {}
@@ -306,7 +309,8 @@ class ModelRunner:
         logits, states = pending.unsampled
         rows = [i for i, s in enumerate(states) if s.matcher is not None]
         masks = self.grammars.fill([states[i].matcher for i in rows])
-        out = self._sample(logits, states, GrammarMask.build(rows, masks))
+        out = self._sample(logits, states,
+                           GrammarMask.build(rows, masks, self._grammar_staging.stage))
         return self._with_tokens(pending.step, states, out,
                                  [(i, states[i].matcher) for i in rows])
 
@@ -573,17 +577,19 @@ class ModelRunner:
             window_slots = _window_ids("a decode step", window_slots, len(states))
         lengths = np.array([s.length for s in states]) + 1
         if self.ragged or (lengths == lengths[0]).all():
-            return self._decode_rows(states, slots, window_slots)
-        # Forwards of one length each, the logits put back in the batch's order.
+            return self._decode_rows(states, slots, window_slots, self._gather_staging.stage)
+        # Forwards of one length each, the logits put back in the batch's order (their
+        # gathers' indices as new arrays: a staging ring serves one use a step).
         groups = rows_by_length(lengths)
         parts = [self._decode_rows([states[i] for i in group], [slots[i] for i in group],
-                                   [window_slots[i] for i in group] if window_slots else [])
+                                   [window_slots[i] for i in group] if window_slots else [],
+                                   new_arrays)
                  for group in groups]
         order = np.concatenate(groups)
         return mx.concatenate(parts)[mx.array(np.argsort(order).astype(np.int32))]
 
     def _decode_rows(self, states: list[RequestState], slots: list[int],
-                     window_slots: list[int]) -> mx.array:
+                     window_slots: list[int], stage: Stage) -> mx.array:
         rows = np.array([s.row for s in states])
         lengths = np.array([s.length for s in states]) + 1
         for s in states:
@@ -594,7 +600,7 @@ class ModelRunner:
         dense = self._dense_decode
         if dense is not None:
             dense.plan(tuple(int(r) for r in rows), lengths)
-        tokens = gather_last_tokens(states)
+        tokens = gather_last_tokens(states, stage)
         if self._compiled_decode is not None:
             logits = self._run_compiled(tokens, rows, lengths)
         else:
@@ -688,20 +694,23 @@ class ModelRunner:
         """The step's tokens, the penalised requests' new (lazy) token counts, and the
         logprobs of the rows that asked."""
         stacked = mx.concatenate(logits, axis=0)
-        penalties = self._penalties(states, stacked.shape[-1])
+        self._extras_staging.begin()
+        extras = self._extras_staging.add
+        penalties = self._penalties(states, stacked.shape[-1], extras)
         params = SamplingBatch.build([s.sampling for s in states], [s.seed for s in states],
                                      [s.num_sampled for s in states],
                                      [s.stop_ids for s in states], penalties, grammar,
-                                     stage=self._sampling_staging.stage)
+                                     stage=self._sampling_staging.stage, extras=extras)
         tokens = sample(stacked, params)
         # From the raw logits: see StepLogprobs for which distribution.
-        logprobs = step_logprobs(stacked, tokens, [s.sampling for s in states])
+        logprobs = step_logprobs(stacked, tokens, [s.sampling for s in states], extras)
         for i, s in enumerate(states):
             s.last_tokens, s.last_row = tokens, i
             s.num_sampled += 1
         return _Sampled(tokens, self._count(states, penalties, tokens), logprobs)
 
-    def _penalties(self, states: list[RequestState], vocab: int) -> Penalties | None:
+    def _penalties(self, states: list[RequestState], vocab: int,
+                   stage: Stage) -> Penalties | None:
         rows = [i for i, s in enumerate(states) if s.token_counts is not None]
         if not rows:
             return None
@@ -712,9 +721,10 @@ class ModelRunner:
             # The same penalised requests as last step, in order: last step's stacked
             # arrays, not a restack of every row ([P, V] copies) each step.
             counts, in_prompt = self._stacked
-            return Penalties.of(rows, params, counts, in_prompt)
+            return Penalties.of(rows, params, counts, in_prompt, stage)
         counted = [c.rows(vocab) for c in counters]  # type: ignore[union-attr]
-        return Penalties.build(rows, params, [c for c, _ in counted], [p for _, p in counted])
+        return Penalties.build(rows, params, [c for c, _ in counted], [p for _, p in counted],
+                               stage)
 
     def _count(self, states: list[RequestState], penalties: Penalties | None,
                tokens: mx.array) -> list[mx.array]:

@@ -34,8 +34,9 @@ class LogitEdits:
 
     @classmethod
     def build(cls, params: list[SamplingParams], steps: list[int],
-              stop_ids: list[list[int]]) -> "LogitEdits | None":
-        """None when no row edits anything, so such batches pay nothing."""
+              stop_ids: list[list[int]], stage: Stage = new_arrays) -> "LogitEdits | None":
+        """None when no row edits anything, so such batches pay nothing. stage: makes the
+        entries' arrays from numpy ones (worker_proc.staging)."""
         # Only rows with a bias or an unmet min_tokens get their entries built: in the
         # usual batch none, found without a list per row (measured on a 128-row step).
         edited = [i for i, (p, n, stops) in enumerate(zip(params, steps, stop_ids))
@@ -52,8 +53,8 @@ class LogitEdits:
             rows += [i] * len(entries)
             tokens += [t for t, _ in entries]
             values += [v for _, v in entries]
-        return cls(mx.array(rows, dtype=mx.int32), mx.array(tokens, dtype=mx.int32),
-                   mx.array(np.array(values, dtype=np.float32)))
+        return cls(*stage(np.array(rows, dtype=np.int32), np.array(tokens, dtype=np.int32),
+                          np.array(values, dtype=np.float32)))
 
 
 @dataclass(frozen=True)
@@ -69,19 +70,24 @@ class Penalties:
 
     @classmethod
     def build(cls, rows: list[int], params: list[SamplingParams], counts: list[mx.array],
-              in_prompt: list[mx.array]) -> "Penalties | None":
+              in_prompt: list[mx.array], stage: Stage = new_arrays) -> "Penalties | None":
         if not rows:
             return None
-        return cls.of(rows, params, mx.stack(counts), mx.stack(in_prompt))
+        return cls.of(rows, params, mx.stack(counts), mx.stack(in_prompt), stage)
 
     @classmethod
     def of(cls, rows: list[int], params: list[SamplingParams], counts: mx.array,
-           in_prompt: mx.array) -> "Penalties":
-        """From rows already stacked: counts and in_prompt [P, V]."""
-        return cls(rows=mx.array(rows, dtype=mx.int32), counts=counts, in_prompt=in_prompt,
-                   repetition=_f32([p.repetition_penalty for p in params]),
-                   frequency=_f32([p.frequency_penalty for p in params]),
-                   presence=_f32([p.presence_penalty for p in params]))
+           in_prompt: mx.array, stage: Stage = new_arrays) -> "Penalties":
+        """From rows already stacked: counts and in_prompt [P, V]. stage: as
+        LogitEdits.build takes it."""
+        def f32(name: str) -> np.ndarray:
+            return np.array([getattr(p, name) for p in params], dtype=np.float32)
+
+        index, repetition, frequency, presence = stage(
+            np.array(rows, dtype=np.int32), f32("repetition_penalty"),
+            f32("frequency_penalty"), f32("presence_penalty"))
+        return cls(rows=index, counts=counts, in_prompt=in_prompt, repetition=repetition,
+                   frequency=frequency, presence=presence)
 
     def counted(self, tokens: mx.array) -> mx.array:
         """counts [P, V] after the batch's sampled tokens (lazy, like the tokens)."""
@@ -99,13 +105,14 @@ class GrammarMask:
     words: mx.array  # [G, W] uint32
 
     @classmethod
-    def build(cls, rows: list[int], masks: np.ndarray) -> "GrammarMask | None":
+    def build(cls, rows: list[int], masks: np.ndarray,
+              stage: Stage = new_arrays) -> "GrammarMask | None":
         """rows: distinct, ascending; masks: [G, W] int32 as llguidance fills them; None
-        when no row is constrained."""
+        when no row is constrained. stage: as LogitEdits.build takes it."""
         assert rows == sorted(set(rows)), rows
         if not rows:
             return None
-        return cls(mx.array(rows, dtype=mx.int32), mx.array(masks.view(np.uint32)))
+        return cls(*stage(np.array(rows, dtype=np.int32), masks.view(np.uint32)))
 
     def allowed(self, vocab: int) -> mx.array:
         """[G, vocab] bool."""
@@ -158,11 +165,12 @@ class SamplingBatch:
               stop_ids: list[list[int]] | None = None,
               penalties: Penalties | None = None,
               grammar: GrammarMask | None = None,
-              stage: Stage | None = None) -> "SamplingBatch":
+              stage: Stage | None = None, extras: Stage = new_arrays) -> "SamplingBatch":
         """steps: tokens each row sampled before; stop_ids: each row's ids that min_tokens
         masks (default none); grammar: the constrained rows' masks (default none); stage:
         makes the per-row settings' arrays from numpy ones (worker_proc.staging; default
-        mx.array each)."""
+        mx.array each), in one call; extras: the logit edits' (HostStaging.add of a use
+        begun for the step's extras)."""
         temps = np.array([p.temperature for p in params], dtype=np.float32)
         sampled = temps > 0
         draws = None
@@ -176,7 +184,7 @@ class SamplingBatch:
                 ((top_p < 1.0) | (top_k > 0) | (min_p > 0))[sampled].any()))
         return cls(
             draws=draws,
-            edits=LogitEdits.build(params, steps, stop_ids or [[] for _ in params]),
+            edits=LogitEdits.build(params, steps, stop_ids or [[] for _ in params], extras),
             penalties=penalties,
             grammar=grammar,
         )
@@ -268,15 +276,15 @@ class StepLogprobs:
         return [self.chosen, self.top_ids, self.top_logprobs]
 
 
-def step_logprobs(logits: mx.array, tokens: mx.array,
-                  params: list[SamplingParams]) -> StepLogprobs | None:
+def step_logprobs(logits: mx.array, tokens: mx.array, params: list[SamplingParams],
+                  stage: Stage = new_arrays) -> StepLogprobs | None:
     """Logprobs of the sampled tokens and the top-k, only for rows with logprobs >= 0;
-    None (nothing in the graph) when no row asked."""
+    None (nothing in the graph) when no row asked. stage: as LogitEdits.build takes it."""
     rows = [i for i, p in enumerate(params) if p.logprobs >= 0]
     if not rows:
         return None
     counts = [params[i].logprobs for i in rows]
-    index = mx.array(rows, dtype=mx.int32)
+    index, = stage(np.array(rows, dtype=np.int32))
     picked = token_logprobs(logits[index], tokens[index], max(counts))
     return StepLogprobs(rows, counts, *picked)
 
@@ -323,10 +331,6 @@ def gumbel_from_bits(bits: mx.array) -> mx.array:
     u = (bits.astype(mx.float32) + 0.5) * (1.0 / (1 << 24))
     u = mx.minimum(u, _BELOW_ONE)
     return -mx.log(-mx.log(u))
-
-
-def _f32(values: list[float]) -> mx.array:
-    return mx.array(np.array(values, dtype=np.float32))
 
 
 def _c(v: int) -> mx.array:

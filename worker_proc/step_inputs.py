@@ -11,6 +11,7 @@ import mlx.core as mx
 import numpy as np
 
 from ipc.messages.to_worker import PrefillChunk
+from worker_proc.staging import Stage, new_arrays
 
 if TYPE_CHECKING:
     from worker_proc.request_state import RequestState
@@ -113,10 +114,12 @@ def group_by_length(sizes: list[int], max_padding: float = 0.25,
     return groups
 
 
-def gather_last_tokens(states: list[RequestState]) -> mx.array:
+def gather_last_tokens(states: list[RequestState], stage: Stage = new_arrays) -> mx.array:
     """Each state's last sampled token, [B] int32: the previous step's tokens array itself
-    when the batch is that step's rows in order (the steady decode case), else one gather
-    per distinct source step."""
+    when the batch is that step's rows in order (the steady case), else one gather per
+    distinct source step. stage: makes the gathers' index arrays from numpy ones, all in
+    one call (the runner's HostStaging: a batch that changed, a request joining or
+    leaving, then allocates nothing; see worker_proc.staging)."""
     first = states[0].last_tokens
     if (first is not None and first.shape[0] == len(states)
             and all(s.last_tokens is first and s.last_row == i for i, s in enumerate(states))):
@@ -127,10 +130,10 @@ def gather_last_tokens(states: list[RequestState]) -> mx.array:
         _, rows, where = sources.setdefault(id(s.last_tokens), (s.last_tokens, [], []))
         rows.append(s.last_row)
         where.append(i)
-    if len(sources) == 1:
-        tokens, rows, _ = next(iter(sources.values()))
-        return tokens[mx.array(rows, dtype=mx.int32)]
-    parts = [tokens[mx.array(rows, dtype=mx.int32)] for tokens, rows, _ in sources.values()]
-    order = [i for _, _, where in sources.values() for i in where]
-    inverse = mx.array(sorted(range(len(order)), key=order.__getitem__), dtype=mx.int32)
-    return mx.concatenate(parts)[inverse]
+    parts = [np.array(rows, dtype=np.int32) for _, rows, _ in sources.values()]
+    if len(sources) > 1:  # the batch's order of the concatenated gathers
+        order = [i for _, _, where in sources.values() for i in where]
+        parts.append(np.argsort(np.array(order)).astype(np.int32))
+    made = stage(*parts)
+    gathered = [tokens[index] for (tokens, _, _), index in zip(sources.values(), made)]
+    return gathered[0] if len(sources) == 1 else mx.concatenate(gathered)[made[-1]]
