@@ -555,6 +555,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-probe", action="store_true",
                    help="poll kiln's /get_server_info during the sweep (every 0.5 s) for its "
                         "KV memory per request at the busiest moment")
+    p.add_argument("--prime", action="store_true",
+                   help="first start, use and stop a kiln server that is not measured "
+                        "(see prime())")
     p.add_argument("--mlx-backlog", type=int, default=1024,
                    help="start mlx_lm.server with this listen backlog instead of its 5 "
                         "(bench/mlx_lm_server_backlog.py); 0: as shipped")
@@ -590,6 +593,26 @@ def exit_on_sigterm(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)
 
 
+def prime(model_dir: Path, args: argparse.Namespace) -> None:
+    """Start kiln once, serve a few requests and stop it, measuring nothing: on a fresh
+    machine the first kiln server warmed up 2.5x slower (NVRTC filling an empty kernel
+    cache) and ran its host phases ~30% slower through its whole sweep (session 22 in
+    docs/benchmarks.md), which every later server, mlx_lm.server too, was spared."""
+    port = free_port_pair()
+    cmd = server_command("kiln", model_dir, port, args)
+    t0 = time.monotonic()
+    server = start_server("prime", cmd, port, args.out / "prime.log")
+    try:
+        wait_ready(server, str(model_dir), args.ready_timeout)
+        body = {"model": str(model_dir), "prompt": "the model " * 60, "max_tokens": 64,
+                "temperature": 0.0, "ignore_eos": True}
+        for _ in range(4):
+            httpx.post(server.url + "/v1/completions", json=body, timeout=120)
+    finally:
+        stop_server(server)
+    print(f"primed the machine with a kiln server in {time.monotonic() - t0:.1f}s", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     args = parse_args(argv)
@@ -608,6 +631,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mlx_lm check: {check_model(model_dir)}", flush=True)
     sweeps = {}
     names = args.servers.split(",")
+    if args.prime:
+        prime(model_dir, args)
     for i, name in enumerate(names):
         budget = sweep_budget(deadline, len(names) - i, args.sweep_seconds)
         sweeps[name] = bench_server(name, model_dir, args, budget)

@@ -45,6 +45,8 @@ NUM_REQUESTS=${NUM_REQUESTS:-4,64,128}  # per concurrency level 1,64,128 (2x: tw
 KILN_B_ARGS=${KILN_B_ARGS:-}  # server kiln_b (in SERVERS): kiln with these flags added
 KILN_B_ENV=${KILN_B_ENV:-}    # ... and this environment (K=V ...), for A/B runs
 KILN_C_ARGS=${KILN_C_ARGS:-}  # server kiln_c (in SERVERS): a second variant's flags
+PRIME=${PRIME:-1}  # sweep: a kiln server started, used and stopped first, unmeasured (the
+                   # first on a fresh machine runs slower; bench/h200_compare.py prime)
 ATTENTION_ARGS=${ATTENTION_ARGS:-}  # part attention: extra flags, e.g. "--stages 0,4,8"
 MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5; see
                                # bench/mlx_lm_server_backlog.py)
@@ -175,7 +177,7 @@ OUT=$OUT timeout $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MO
     --concurrency 1,64,128 --num-requests "$NUM_REQUESTS" --kiln-args="$KILN_ARGS" \
     ${FAMILY:+--family "$FAMILY"} --dtype "$DTYPE" --length-spread "$LENGTH_SPREAD" \
     --kiln-b-args="$KILN_B_ARGS" --kiln-b-env="$KILN_B_ENV" --kiln-c-args="$KILN_C_ARGS" \
-    --mlx-backlog "$MLX_BACKLOG" 2>&1 | tail -24
+    --mlx-backlog "$MLX_BACKLOG" $( [ "$PRIME" = 1 ] && echo --prime ) 2>&1 | tail -24
 for log in "$OUT"/kiln*.log; do
     echo "-- $(basename "$log")"; grep "steps/s" "$log" | tail -4
 done

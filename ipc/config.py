@@ -138,7 +138,9 @@ class ServerConfig:
                                      "once a step); 3: the plan after next is already queued "
                                      "when the worker finishes launching one, at the cost of "
                                      "one more discarded row when a request stops on a token "
-                                     "and a step more before a new request's first forward."})
+                                     "and a step more before a new request's first forward "
+                                     "(on the H200, Llama-3-8B shape: level with 2 at 1, 64 "
+                                     "and 128 streams; docs/benchmarks.md, session 22)."})
     fuse_projections: str = _auto_on_off(
         "Compute each attention's q/k/v and each MLP's gate/up projections as one matmul per "
         "group: three kernel launches fewer a layer, same tokens. auto: on with MLX's CUDA "
@@ -170,7 +172,8 @@ class ServerConfig:
                                       "step's budget does, as before they were cut back to "
                                       "the 512 edges of the bucketed prefill), "
                                       "bucketed-fresh (forwards of fresh prompts padded to "
-                                      "recurring row counts and widths; unmeasured)."})
+                                      "recurring row counts and widths; no gain measured "
+                                      "on a wave of 64 short prompts, session 22)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

@@ -126,8 +126,9 @@ class KernelDecode(DecodeBackend):
     is the A/B arm); a prompt's last chunk after aligned ones then runs padded to a whole
     bucket, the shape of its earlier chunks (ModelRunner.tail_bucket). bucket_fresh:
     forwards of fresh prompts run padded to recurring rows and widths
-    (ModelRunner.fresh_buckets; `--experiments bucketed-fresh` turns it on: unmeasured,
-    it trades padded compute for shapes whose GEMM plans are made already)."""
+    (ModelRunner.fresh_buckets; `--experiments bucketed-fresh` turns it on: it trades
+    padded compute for shapes whose GEMM plans are made already, and served a wave of 64
+    short prompts no faster on the H200, docs/benchmarks.md session 22)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
