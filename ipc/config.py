@@ -254,6 +254,9 @@ class ServerConfig:
                              "drop --fast-decode-blocks off / --fuse-projections off")
         if not 1 <= self.steps_in_flight <= 4:
             raise ValueError("--steps-in-flight must be in [1, 4]")
+        if self.steps_in_flight != 2 and (self.disable_overlap or self.overlap == "off"):
+            raise ValueError("--steps-in-flight applies with overlap only: drop it, or "
+                             "--overlap off / --disable-overlap")
         if self.disable_overlap and self.overlap == "on":
             raise ValueError("--disable-overlap contradicts --overlap on")
         if self.fast_decode_blocks == "on" and self.fuse_projections == "off":

@@ -158,6 +158,9 @@ def run_scheduler(config: ServerConfig) -> None:
     early: list[SchedulerMessage] = []
     ready = _wait_for_worker(inbox, early)
     scheduler = Scheduler(limits_from(config, ready), functools.partial(_load_tokenizer, config))
+    if not ready.overlap and config.steps_in_flight != 2:
+        logger.warning("--steps-in-flight %d unused: overlap is off on this device (--overlap "
+                       "auto); one step at a time", config.steps_in_flight)
     loop = SchedulerLoop(scheduler, inbox, worker, detokenizer,
                          max_in_flight=config.steps_in_flight if ready.overlap else 1)
     outputs: list[TokenOutput] = []

@@ -588,6 +588,13 @@ def test_overlap_auto_is_on_with_a_gpu_only_and_the_flags_force_it():
         assert not overlap_enabled(off, on_gpu=True)
     with pytest.raises(ValueError, match="contradicts"):
         ServerConfig(disable_overlap=True, overlap="on")
+    # A deeper pipeline without one is refused, not ignored; so is a depth out of range.
+    for flags in ({"overlap": "off"}, {"disable_overlap": True}):
+        with pytest.raises(ValueError, match="with overlap only"):
+            ServerConfig(steps_in_flight=3, **flags)
+    with pytest.raises(ValueError, match=r"\[1, 4\]"):
+        ServerConfig(steps_in_flight=5)
+    assert ServerConfig(steps_in_flight=3, overlap="on").steps_in_flight == 3
 
 
 def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
