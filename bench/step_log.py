@@ -6,8 +6,10 @@ Joins, per step, the scheduler's plan line (each prefill chunk as tokens@start, 
 rows), the worker's build line (graph building, starting the prefill forwards, waiting for
 earlier ones) and the scheduler's "tokens back" line (plan sent to tokens back, with the
 steps in flight). Prints how many steps held several chunks or chunks starting off the
-`--align` edges, and every step whose build plus prefill start took `--slow-ms` or more:
-where mixed traffic's slow steps come from (docs/benchmarks.md, session 19).
+`--align` edges, how many prefill steps' building alone took `--slow-build-ms` and how
+many of those followed a change in the decode batch's size, and every step whose build
+plus prefill start took `--slow-ms` or more: where mixed traffic's slow steps come from
+(docs/benchmarks.md, sessions 19 and 22).
 """
 
 from __future__ import annotations
@@ -68,7 +70,7 @@ def read_steps(lines: list[str]) -> list[Step]:
     return [steps[k] for k in sorted(steps)]
 
 
-def summary(steps: list[Step], slow_ms: float, align: int) -> str:
+def summary(steps: list[Step], slow_ms: float, align: int, slow_build_ms: float = 20.0) -> str:
     prefill = [s for s in steps if s.n_chunks and s.build_ms is not None]
     off_edge = [s for s in prefill if any(start % align for _, start in s.chunks)]
     slow = [s for s in prefill if s.host_ms >= slow_ms]
@@ -80,6 +82,14 @@ def summary(steps: list[Step], slow_ms: float, align: int) -> str:
             return statistics.median(getattr(s, key) for s in prefill)
         lines.append(f"prefill steps, median ms: build {med('build_ms'):.2f}, prefill start "
                      f"{med('start_ms'):.2f}, wait {med('wait_ms'):.2f}")
+    # A decode batch that changed size (a prompt's first token joining, a stream ending)
+    # makes the worker gather the rows' previous tokens anew: on CUDA that once made
+    # arrays from host data, which can wait for the work in flight (session 22).
+    decodes_before = {s.step: p.decodes for p, s in zip(steps, steps[1:])}
+    slow_builds = [s for s in prefill if (s.build_ms or 0.0) >= slow_build_ms]
+    changed = sum(decodes_before.get(s.step, s.decodes) != s.decodes for s in slow_builds)
+    lines.append(f"{len(slow_builds)} prefill steps built in >= {slow_build_ms:g} ms, {changed} "
+                 f"of them where the decode batch changed size")
     lines.append(f"{len(slow)} with build + prefill start >= {slow_ms:g} ms:")
     lines += ["  " + s.describe() for s in slow]
     return "\n".join(lines)
@@ -98,12 +108,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("log", type=Path)
     p.add_argument("--slow-ms", type=float, default=30.0)
     p.add_argument("--align", type=int, default=512, help="the prefill bucket's edge")
+    p.add_argument("--slow-build-ms", type=float, default=20.0,
+                   help="count prefill steps whose graph building alone took this long")
     p.add_argument("--table", type=Path, help="also write every step, one a line, here")
     args = p.parse_args(argv)
     steps = read_steps(args.log.read_text(errors="replace").splitlines())
     if args.table:
         args.table.write_text(table(steps))
-    print(summary(steps, args.slow_ms, args.align))
+    print(summary(steps, args.slow_ms, args.align, args.slow_build_ms))
 
 
 if __name__ == "__main__":

@@ -26,4 +26,6 @@ def test_steps_are_joined_and_the_slow_ones_named():
     text = summary(steps, slow_ms=30, align=512)
     assert "3 with prefill: 1 with several chunks, 1 with a chunk starting off the 512 edges" in text
     assert "1 with build + prefill start >= 30 ms" in text and "step 8: 2 chunks [1@4096 511@0]" in text
+    # Step 8's 26 ms build followed step 7's 32 decode rows with 31.
+    assert "1 prefill steps built in >= 20 ms, 1 of them where the decode batch changed size" in text
     assert table(steps).splitlines()[2] == "8 2 512 31 26.12 112.06 0.17 None 1@4096 511@0"
