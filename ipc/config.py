@@ -79,7 +79,10 @@ class ServerConfig:
                                        "the decoding streams' tokens by this much prefill a "
                                        "step); a step with nothing decoding takes up to "
                                        "--max-prefill-tokens. Set it to --max-prefill-tokens "
-                                       "for one budget for every step."})
+                                       "for one budget for every step. On CUDA a power of "
+                                       "two from 128 below 512 also becomes the padded "
+                                       "prefill shapes' bucket, so its chunks keep to "
+                                       "shapes built at start-up."})
     fixed_decode_first_budget: bool = dataclasses.field(
         default=False, metadata={"help": "Keep --max-prefill-tokens-while-decoding as it is. By "
                                          "default a step decoding R requests while W > R more "

@@ -630,6 +630,14 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     assert chunking(KernelDecode(bucket_fresh=True)).fresh_buckets
     assert not chunking(KernelDecode()).fresh_buckets
     assert not chunking(GatherDecode()).fresh_buckets
+    # A smaller decode-first budget, a power of two from 128, sets the bucket and so the
+    # edges, the tails and the walk (prefill_bucket_for); others keep 512.
+    from worker_proc.paged_attention import prefill_bucket_for
+    assert [prefill_bucket_for(n) for n in (64, 128, 256, 384, 512, 1024)] == [
+        512, 128, 256, 512, 512, 512]
+    small = prefill_chunking(ServerConfig(max_prefill_tokens_while_decoding=256),
+                             KernelDecode(prefill_bucket=256), llama)
+    assert (small.align, small.tail_bucket, small.warm_walk) == (256, 256, 256)
     # The warm-up walks decode first's chunks where they are bucketed, aligned or not.
     unaligned = KernelDecode(align_chunks=False)
     assert chunking(KernelDecode()).warm_walk == chunking(unaligned).warm_walk == 512
@@ -697,7 +705,8 @@ def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_
     biases = []
     make_bias = decode_backend.masked_bias
     monkeypatch.setattr(decode_backend, "masked_bias",
-                        lambda mask, dtype: biases.append(mask.shape) or make_bias(mask, dtype))
+                        lambda mask, dtype, bucket: biases.append(mask.shape)
+                        or make_bias(mask, dtype, bucket))
     # Chunks of 300: the first prompt's first chunk runs alone, then its later chunks
     # share forwards with the others' first ones (rows at different starts).
     prompts = _prompts(3, [900, 600, 350], model.args.vocab_size, seed=23)
@@ -852,6 +861,44 @@ def test_a_long_prompts_last_chunk_runs_padded_to_a_bucket_with_mlx_lm_tokens(
     traces, replays = forwards.traces, forwards.replays
     assert_greedy(traced, long_prompt, 8, _eos(tokenizer), oracle)
     assert forwards.traces == traces and forwards.replays == replays + 2
+
+
+def test_a_smaller_bucket_keeps_decode_firsts_chunks_on_its_edges(tiny_model, oracle,
+                                                                   monkeypatch):
+    """A decode-first budget of 256 with the bucket at 256 (prefill_bucket_for): a long
+    prompt arriving beside a decoding request is prefilled in 256-token chunks on the
+    256 edges, each through the fused causal call at a 256-query shape, its tail padded
+    to one, none through a mask; greedy tokens stay mlx-lm's (the CUDA stand-in)."""
+    from worker_proc import decode_backend
+
+    model, tokenizer = tiny_model
+    fused, masked = [], []
+    bucketed, bucketed_masked = (decode_backend.bucketed_fused_attention,
+                                 decode_backend.bucketed_masked_attention)
+
+    def fused_spy(q, k, v, scale, pad, sinks=None):  # noqa: ANN001, ANN202
+        fused.append((q.shape[2], k.shape[2], pad))
+        return bucketed(q, k, v, scale, pad, sinks)
+
+    def masked_spy(q, k, v, scale, bias, sinks=None):  # noqa: ANN001, ANN202
+        masked.append(q.shape[2])
+        return bucketed_masked(q, k, v, scale, bias, sinks)
+
+    monkeypatch.setattr(decode_backend, "bucketed_fused_attention", fused_spy)
+    monkeypatch.setattr(decode_backend, "bucketed_masked_attention", masked_spy)
+    engine = InProcessEngine(model, chunk_size=512, max_prefill_tokens=512, max_context=2048,
+                             max_prefill_tokens_while_decoding=256, chunk_align=256,
+                             tail_bucket=256, backend=StandInKernel(prefill_bucket=256))
+    short, long_prompt = _prompts(2, [20, 700], model.args.vocab_size, seed=8)
+    engine.submit("short", short, 40, _eos(tokenizer))
+    for _ in range(3):  # the short one decodes before the long one arrives
+        engine.step()
+    engine.submit("long", long_prompt, 8, _eos(tokenizer))
+    results = engine.run_until_idle()
+    assert results["short"].token_ids == oracle(short, 40)
+    assert results["long"].token_ids == oracle(long_prompt, 8)
+    # 700 = 256 + 256 + 188, the tail padded: 256 queries over 256, 512 and 768 keys.
+    assert set(fused) == {(256, 256, 0), (256, 512, 0), (256, 768, 0)} and not masked
 
 
 def test_fresh_prompts_run_in_bucketed_forwards(tiny_model, oracle, monkeypatch):

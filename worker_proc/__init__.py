@@ -35,6 +35,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from kiln_common.model_info import read_json, served_context_len
     from kiln_common.windows import WindowRule
     from worker_proc.decode_backend import choose_decode_backend
+    from worker_proc.paged_attention import prefill_bucket_for
     from worker_proc.decode_block import FastDecodeBlock, speed_up_decode_blocks
     from worker_proc.depthwise_conv import replace_depthwise_convs
     from worker_proc.fused_projections import fuse_projections
@@ -89,7 +90,9 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         say("gated delta rule (linear attention): kiln's CUDA kernel")
     if on_cuda and (convs := replace_depthwise_convs(model)):
         say(f"{convs} short convolutions as shifted multiply-adds (no cuDNN graph per shape)")
-    backend = choose_decode_backend(specs, config.experiment_set)  # the one choice
+    backend = choose_decode_backend(  # the one choice
+        specs, config.experiment_set,
+        prefill_bucket_for(config.max_prefill_tokens_while_decoding))
     say(f"decode attention: {backend.name}" + (
         f", experiments {', '.join(sorted(config.experiment_set))}" if config.experiment_set else ""))
     # The front's limit too (the same reading of config.json): a model whose mlx-lm args
@@ -369,15 +372,15 @@ class PrefillChunking:
 
 def prefill_chunking(config: ServerConfig, backend: DecodeBackend, specs: list) -> PrefillChunking:
     from worker_proc.kv_pool import attention_specs
-    from worker_proc.paged_attention import FUSED_PREFILL_BUCKET
 
     fused = backend.fuses_long_prefill(attention_specs(specs))
     walk = config.max_prefill_tokens_while_decoding
-    align = FUSED_PREFILL_BUCKET if fused and backend.align_chunks else 1
+    bucket = backend.prefill_bucket
+    align = bucket if fused and backend.align_chunks else 1
     return PrefillChunking(
         size=config.chunk_size(fused_long_prefill=fused),
         align=align,
-        warm_walk=walk if fused and walk % FUSED_PREFILL_BUCKET == 0 else 0,
+        warm_walk=walk if fused and walk % bucket == 0 else 0,
         tail_bucket=align if align > 1 else 0,
         fresh_buckets=backend.bucket_fresh)
 

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any, Callable
 import mlx.core as mx
 
 from ipc.config import DECODE_EXPERIMENTS
-from worker_proc.paged_attention import (DEFAULT_STAGES, RopeSpec, bucketed_fused_attention,
+from worker_proc.paged_attention import (DEFAULT_STAGES, FUSED_PREFILL_BUCKET, RopeSpec,
+                                         bucketed_fused_attention,
                                          bucketed_masked_attention, causal_mask,
                                          fused_bucket_padding, fused_builds_per_shape,
                                          kernel_available, masked_bias, masked_bias_fits,
@@ -67,6 +68,7 @@ class DecodeBackend:
     bucketed_masked: bool = False  # ... and masked ones
     align_chunks: bool = False  # prompt chunks end on the fused prefill bucket's edges
     bucket_fresh: bool = False  # forwards of fresh prompts padded to recurring shapes
+    prefill_bucket: int = FUSED_PREFILL_BUCKET  # the padded prefill shapes' multiple
 
     def decode_context(self, num_layers: int, pool_bytes: int,
                        bytes_per_token: int) -> DenseDecodeContext | None:
@@ -137,6 +139,7 @@ class KernelDecode(DecodeBackend):
     bucketed_masked: bool = True
     align_chunks: bool = True
     bucket_fresh: bool = False
+    prefill_bucket: int = FUSED_PREFILL_BUCKET
 
     name = "CUDA kernel"
     in_place = True
@@ -173,11 +176,13 @@ class KernelDecode(DecodeBackend):
         if not self._fused_builds_per_shape(queries, values):
             return None  # MLX's matmul fallback, which builds nothing per shape
         if self.bucketed_prefill:
-            pad = fused_bucket_padding(queries.shape[2], keys.shape[2], mask)
+            pad = fused_bucket_padding(queries.shape[2], keys.shape[2], mask,
+                                       self.prefill_bucket)
             if pad is not None:
                 return bucketed_fused_attention(queries, keys, values, scale, pad, sinks)
             if self._masked_bucketing(queries.shape[2], keys.shape[2], mask):
-                bias = _shared_bias(mask, queries.shape[2], keys.shape[2], queries.dtype, once)
+                bias = _shared_bias(mask, queries.shape[2], keys.shape[2], queries.dtype, once,
+                                    self.prefill_bucket)
                 return bucketed_masked_attention(queries, keys, values, scale, bias, sinks)
         # No cuDNN graph build per prompt shape, while the float32 scores stay small.
         if unfused_prefill_fits(queries.shape, keys.shape[2]):
@@ -189,10 +194,11 @@ class KernelDecode(DecodeBackend):
         enough queries, and a bias of bounded size."""
         if not (self.bucketed_masked and n_new >= MASKED_MIN_QUERIES):
             return False
+        bucket = self.prefill_bucket
         if isinstance(mask, str):
-            return masked_bias_fits(1, n_new, n_keys)
+            return masked_bias_fits(1, n_new, n_keys, bucket)
         return isinstance(mask, mx.array) and masked_bias_fits(
-            mask.shape[0] if mask.ndim == 4 else 1, n_new, n_keys)
+            mask.shape[0] if mask.ndim == 4 else 1, n_new, n_keys, bucket)
 
     def fuses_long_prefill(self, specs: list) -> bool:
         # Heads cuDNN does not take (Gemma's 256, MLA's latent) go to MLX's matmul
@@ -256,7 +262,8 @@ class GatherDecode(DecodeBackend):
                                           pool.mark(layer), sinks)
 
 
-def _shared_bias(mask: Any, n_new: int, n_keys: int, dtype: mx.Dtype, once: Once) -> mx.array:
+def _shared_bias(mask: Any, n_new: int, n_keys: int, dtype: mx.Dtype, once: Once,
+                 bucket: int) -> mx.array:
     """masked_bias of a forward's mask, made once for all its layers. "causal": causal,
     but a fresh forward under a bucket long or one after a prefix that is not a bucket's
     multiple (a prefix hit's arbitrary length, chunks cut off the edges), where an
@@ -266,7 +273,7 @@ def _shared_bias(mask: Any, n_new: int, n_keys: int, dtype: mx.Dtype, once: Once
     causal = isinstance(mask, str)
 
     def make() -> tuple[Any, mx.array]:
-        return mask, masked_bias(causal_mask(n_new, n_keys) if causal else mask, dtype)
+        return mask, masked_bias(causal_mask(n_new, n_keys) if causal else mask, dtype, bucket)
 
     _, bias = once(("masked bias", (mask, n_new, n_keys) if causal else id(mask), dtype), make)
     return bias
@@ -284,10 +291,11 @@ def kernel_fits(specs: list) -> bool:
                for s in attention_specs(specs))
 
 
-def choose_decode_backend(specs: list,
-                          experiments: frozenset[str] = frozenset()) -> DecodeBackend:
+def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset(),
+                          prefill_bucket: int = FUSED_PREFILL_BUCKET) -> DecodeBackend:
     """The kernel where MLX runs on CUDA and the layers fit it, else plain MLX; the
-    `--experiments` names become the kernel's options (refused elsewhere)."""
+    `--experiments` names become the kernel's options (refused elsewhere), prefill_bucket
+    its padded prefill shapes' multiple (paged_attention.prefill_bucket_for)."""
     unknown = experiments - EXPERIMENTS
     if unknown:
         raise ValueError(f"--experiments: unknown {', '.join(sorted(unknown))}")
@@ -301,4 +309,5 @@ def choose_decode_backend(specs: list,
                         bucketed_prefill="unfused-prefill" not in experiments,
                         bucketed_masked="unfused-masked-prefill" not in experiments,
                         align_chunks="unaligned-chunks" not in experiments,
-                        bucket_fresh="bucketed-fresh" in experiments)
+                        bucket_fresh="bucketed-fresh" in experiments,
+                        prefill_bucket=prefill_bucket)

@@ -823,6 +823,20 @@ def unfused_prefill_fits(q_shape: tuple[int, ...], key_len: int) -> bool:
 # Prefill attention through MLX's fused (cuDNN) kernel with shapes made to recur: queries
 # padded at the end to a multiple of this, keys by as many (see bucketed_fused_attention).
 FUSED_PREFILL_BUCKET = 512
+# The smallest bucket a smaller decode-first budget may set (prefill_bucket_for).
+MIN_PREFILL_BUCKET = 128
+
+
+def prefill_bucket_for(decode_first_tokens: int) -> int:
+    """The bucket for a server whose steps that decode prefill at most this many prompt
+    tokens: FUSED_PREFILL_BUCKET, or that budget where it is a smaller power of two of at
+    least MIN_PREFILL_BUCKET. A long prompt's chunks beside decoding then end on edges
+    (ServerConfig.chunk_align) and meet the shapes the warm-up walk built, at the cost of
+    more shapes (cuDNN graphs) over a long context."""
+    n = decode_first_tokens
+    if MIN_PREFILL_BUCKET <= n < FUSED_PREFILL_BUCKET and n & (n - 1) == 0:
+        return n
+    return FUSED_PREFILL_BUCKET
 
 
 def fused_bucket_padding(n_new: int, n_keys: int, mask: mx.array | str | None,

@@ -24,7 +24,6 @@ from worker_proc.attention import (ForwardLayout, batches_ragged_rows, build_lay
                                    check_written, install_attention_hook, pads_state_rows)
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool
-from worker_proc.paged_attention import FUSED_PREFILL_BUCKET
 from worker_proc.prefill_forward import PrefillForwards, traceable
 from worker_proc.request_state import (RequestState, TokenCounts, check_ids, check_sampling,
                                        fold_seed)
@@ -834,10 +833,10 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
     room = min(space, runner.max_context)
     step = lone_prompt("warmup-solo", 0, [prompt_len])
     n_long = min(2, room // max(long_chunk, 1))
-    if backend.bucketed_prefill and long_chunk >= FUSED_PREFILL_BUCKET and n_long:
+    if backend.bucketed_prefill and long_chunk >= backend.prefill_bucket and n_long:
         # The second chunk only where the context holds it.
         step = lone_prompt("warmup-long", step, [long_chunk * (i + 1) for i in range(n_long)])
-    if backend.bucketed_prefill and walk_chunk >= FUSED_PREFILL_BUCKET and room >= walk_chunk:
+    if backend.bucketed_prefill and walk_chunk >= backend.prefill_bucket and room >= walk_chunk:
         walk = list(range(walk_chunk, min(room, PREFILL_WARM_KEYS) + 1, walk_chunk))
         # Twice where prefill forwards replay traces: a shape is traced when it recurs (an
         # eager build's ~10x), which the walk's second pass does now, not a burst's prompt.
