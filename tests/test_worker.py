@@ -901,6 +901,23 @@ def test_a_smaller_bucket_keeps_decode_firsts_chunks_on_its_edges(tiny_model, or
     assert set(fused) == {(256, 256, 0), (256, 512, 0), (256, 768, 0)} and not masked
 
 
+def test_a_forwards_layers_share_one_causal_mask(tiny_model, oracle, monkeypatch):
+    """The unfused prefill path's causal mask is built once a forward (in the graph, not
+    from host data), however many layers attend through it."""
+    from worker_proc import decode_backend
+
+    model, tokenizer = tiny_model
+    assert len(model.layers) > 1
+    made = []
+    real = decode_backend.causal_mask
+    monkeypatch.setattr(decode_backend, "causal_mask",
+                        lambda n_new, n_keys: made.append((n_new, n_keys)) or real(n_new, n_keys))
+    engine = InProcessEngine(model, backend=StandInKernel())
+    assert_greedy(engine, _prompts(1, [40], model.args.vocab_size, seed=9), 4, _eos(tokenizer),
+                  oracle)
+    assert made == [(40, 40)]
+
+
 def test_fresh_prompts_run_in_bucketed_forwards(tiny_model, oracle, monkeypatch):
     """fresh_buckets: a forward of fresh prompts runs padded to compiled decode's row
     buckets and a width rounded up within its octave (pad rows: one token in slot 0),

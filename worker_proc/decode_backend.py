@@ -186,6 +186,10 @@ class KernelDecode(DecodeBackend):
                 return bucketed_masked_attention(queries, keys, values, scale, bias, sinks)
         # No cuDNN graph build per prompt shape, while the float32 scores stay small.
         if unfused_prefill_fits(queries.shape, keys.shape[2]):
+            if isinstance(mask, str):  # one causal mask for the forward's layers
+                n_new, n_keys = queries.shape[2], keys.shape[2]
+                mask = once(("causal mask", n_new, n_keys),
+                            lambda: causal_mask(n_new, n_keys))
             return unfused_prefill_attention(queries, keys, values, scale, mask, sinks)
         return None
 

@@ -973,9 +973,8 @@ def unfused_prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: floa
     qf = (q.astype(mx.float32) * scale).reshape(b, n_kv, group * s, d)
     scores = (qf @ k.astype(mx.float32).swapaxes(-1, -2)).reshape(b, n_kv, group, s, length)
     if isinstance(mask, str):
-        rows, cols = _causal_positions(s, length)
-        scores = mx.where(rows >= cols, scores, -mx.inf)
-    elif mask is not None:  # [S, L] (one for every row) or [B, 1, S, L]
+        mask = causal_mask(s, length)
+    if mask is not None:  # [S, L] (one for every row) or [B, 1, S, L]
         mask = mask if mask.ndim == 4 else mask.reshape(1, 1, *mask.shape[-2:])
         scores = mx.where(mask[:, :, None], scores, -mx.inf)
     if sinks is None:
@@ -992,19 +991,11 @@ def unfused_prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: floa
 
 def causal_mask(n_new: int, n_keys: int) -> mx.array:
     """[n_new, n_keys] booleans: the last n_new of n_keys positions each see the keys up
-    to their own."""
-    rows, cols = _causal_positions(n_new, n_keys)
-    return rows >= cols
-
-
-@functools.lru_cache(maxsize=64)
-def _causal_positions(n_new: int, n_keys: int) -> tuple[mx.array, mx.array]:
-    """The positions of the last n_new of n_keys queries, [n_new, 1], and of the keys,
-    [1, n_keys], as arrays holding their values: made per layer, their two aranges were
-    two more launches a layer; holding data (never a graph), they can serve eager
-    forwards and mx.compile traces alike."""
-    rows = np.arange(n_keys - n_new, n_keys, dtype=np.int32)[:, None]
-    return mx.array(rows), mx.array(np.arange(n_keys, dtype=np.int32)[None])
+    to their own. Built in the graph, never from host data (which on CUDA may wait for
+    the work in flight, worker_proc.staging); a forward's layers share one
+    (KernelDecode.prefill_attention, ForwardLayout.once)."""
+    rows = mx.arange(n_keys - n_new, n_keys, dtype=mx.int32)[:, None]
+    return rows >= mx.arange(n_keys, dtype=mx.int32)[None]
 
 
 def split_kv(gathered: mx.array, head_dim: int) -> tuple[mx.array, mx.array]:
