@@ -174,10 +174,12 @@ class ModelRunner:
         # Host-written inputs, one buffer a use from each: a compiled decode step's, a
         # step's sampling settings', a prefill forward's, a changed decode batch's gathers
         # of its previous tokens, a step's sampling extras (logit edits, penalties,
-        # logprob rows: one use, each an add), a constrained step's grammar masks.
+        # logprob rows: one use, each an add), a constrained step's grammar masks, a
+        # step's released requests' snapshot copies.
         self._staging, self._sampling_staging = HostStaging(), HostStaging()
         self._forward_staging, self._gather_staging = HostStaging(), HostStaging()
         self._extras_staging, self._grammar_staging = HostStaging(), HostStaging()
+        self._release_staging = HostStaging()
         self.decode_traces = 0  # how many times mx.compile traced the decode forward
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
         self._prompt_logprobs: dict[int, list[PendingPromptLogprobs]] = {}
@@ -258,7 +260,7 @@ class ModelRunner:
                 kept.append((state.row + 1, snapshots[i]))
             self._free_rows.append(state.row)
         # Before a request new this step takes a freed row (its writes follow the copy).
-        self._keep_snapshots(kept, new_arrays)
+        self._keep_snapshots(kept, self._release_staging.stage)
         if not self.requests and self._dense_decode is not None:
             self._dense_decode.reset()
 
