@@ -45,8 +45,9 @@ NUM_REQUESTS=${NUM_REQUESTS:-4,64,128}  # per concurrency level 1,64,128 (2x: tw
 KILN_B_ARGS=${KILN_B_ARGS:-}  # server kiln_b (in SERVERS): kiln with these flags added
 KILN_B_ENV=${KILN_B_ENV:-}    # ... and this environment (K=V ...), for A/B runs
 KILN_C_ARGS=${KILN_C_ARGS:-}  # server kiln_c (in SERVERS): a second variant's flags
-PRIME=${PRIME:-1}  # sweep: a kiln server started, used and stopped first, unmeasured (the
-                   # first on a fresh machine runs slower; bench/h200_compare.py prime)
+PRIME=${PRIME:-1}  # sweep and mixed: a kiln server started (and used) and stopped first,
+                   # unmeasured (the first on a fresh machine runs slower;
+                   # bench/h200_compare.py prime)
 ATTENTION_ARGS=${ATTENTION_ARGS:-}  # part attention: extra flags, e.g. "--stages 0,4,8"
 MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5; see
                                # bench/mlx_lm_server_backlog.py)
@@ -161,7 +162,8 @@ timeout $((arms * 240 < 520 ? arms * 240 : 520)) "$PYTHON" bench/mixed_traffic.p
     --steady-streams "$MIXED_STEADY" --steady-prompt-tokens 128 --steady-output-tokens 2000 \
     --steady-seconds 5 --burst-requests "$MIXED_BURST_REQUESTS" --burst-prompt-tokens 4096 --burst-output-tokens "$MIXED_BURST_OUTPUT" \
     --burst-length-spread "$MIXED_BURST_SPREAD" --variants "$MIXED_VARIANTS" \
-    --json "$OUT/mixed.json" 2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/mixed.txt"
+    --json "$OUT/mixed.json" $( [ "$PRIME" = 1 ] && echo --prime ) 2>&1 \
+    | grep -v "RANDOM WEIGHTS" | tee "$OUT/mixed.txt"
 # With KILN_ARGS="--log-level debug": each arm's steps, and its slow ones (step_log.py).
 for log in "$OUT"/mixed_*.log; do
     grep -q "DEBUG.*scheduler_proc: step" "$log" 2>/dev/null || continue
