@@ -23,7 +23,7 @@ from worker_proc.decode_backend import DecodeBackend
 from worker_proc.gated_delta_cuda import PoolRead, forget_pool_reads, offer_pool_read
 from worker_proc.kv_pool import KVPool, StateLayerSpec, attention_specs, flat_specs
 from worker_proc.layer_kinds import Kind, LayerKind, ProbeRecorder, UnsupportedModelError
-from worker_proc.paged_attention import RopeSpec
+from worker_proc.paged_attention import RopeSpec, causal_mask
 from worker_proc.staging import Stage, new_arrays
 
 T = TypeVar("T")
@@ -295,7 +295,7 @@ class PooledKVCache:
             return layout.kind_mask(kind, self.key_start if kind == self.kind else 0)
         mask = layout.mask
         if return_array and isinstance(mask, str):
-            return _causal_array(n, n if layout.fresh else layout.read_slots.shape[1])
+            return causal_mask(n, n if layout.fresh else layout.read_slots.shape[1])
         return mask
 
     def _length_mask(self) -> mx.array | None:
@@ -512,11 +512,6 @@ def _rows_causal(starts: mx.array, n_new: int, n_keys: int) -> mx.array:
     the graph: on the host, B x n_new x n_keys booleans were milliseconds a forward."""
     queries = starts[:, None] + mx.arange(n_new, dtype=starts.dtype)[None]
     return (mx.arange(n_keys, dtype=starts.dtype)[None, None] <= queries[:, :, None])[:, None]
-
-
-def _causal_array(n_new: int, n_total: int) -> mx.array:
-    q = mx.arange(n_total - n_new, n_total)[:, None]
-    return q >= mx.arange(n_total)[None]
 
 
 class PooledStateCache:
