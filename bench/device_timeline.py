@@ -8,7 +8,8 @@ registry: download the wheels here (next to MLX's, see ../shared/gpu/README.md),
 them in a call of their own right after the install call, and install them:
 
     python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
-        --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 --platform any \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_25_x86_64 \
+        --platform manylinux2014_x86_64 --platform any \
         --no-deps -d .dev/gpu_c cupti-python==13.0.1 nvidia-cuda-cupti==13.0.85 \
         cuda-bindings cuda-pathfinder
     # on the device, into a folder of their own (into ~/site, nvidia-cuda-cupti's
@@ -47,6 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 # name; MLX's own kernels their op's name; kiln's custom ones a kiln_ prefix).
 KINDS = (
     ("attention (kiln)", re.compile(r"kiln_paged")),
+    ("attention (cuDNN, MLX sdpa)", re.compile(r"cudnn|sdpa|fmha|flash", re.I)),
     ("gemm (cuBLAS)", re.compile(r"gemm|gemv|cutlass|xmma|cublas|nvjet|sm\d\d_", re.I)),
     ("rms_norm", re.compile(r"rms", re.I)),
     ("rope", re.compile(r"rope", re.I)),
@@ -138,8 +140,17 @@ def readable(names: list[str]) -> list[str]:
     return lines if out.returncode == 0 and len(lines) == len(names) else names
 
 
-def print_report(r: TimelineReport, host_step_ms: float | None = None) -> None:
-    host = f"; host loop's step {host_step_ms:.2f} ms" if host_step_ms is not None else ""
+def print_report(r: TimelineReport, host_step_ms: float | None = None,
+                 host: Any = None) -> None:
+    """host: the loop's bench.step_breakdown.Timings, for its phases' medians."""
+    if host is not None:
+        build, launch, wait, _ = (statistics.median(x[-r.steps:]) * 1e3
+                                  for x in (host.build, host.launch, host.wait, host.step))
+        phases = f" (build {build:.2f}, launch {launch:.2f}, wait {wait:.2f})"
+    else:
+        phases = ""
+    host = (f"; host loop's step {host_step_ms:.2f} ms{phases}"
+            if host_step_ms is not None else "")
     print(f"\nbatch {r.batch}: {r.steps} steps traced{host}\n"
           f"  device span {r.span_ms:.2f} ms a step, busy {r.busy_ms:.2f} ms "
           f"({100 * r.busy_ms / r.span_ms:.0f}%), {r.kernels_per_step:.0f} kernels a step")
@@ -216,6 +227,10 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--warmup", type=int, default=12, help="steps before tracing starts")
     p.add_argument("--steps", type=int, default=16, help="steps traced")
+    p.add_argument("--chunks", default="0", help="comma-separated prefill chunk sizes: "
+                   "each step also prefills that many tokens of --prompt-token prompts "
+                   "(a burst's prompts beside the decode rows; 0: decode only)")
+    p.add_argument("--prompt", type=int, default=4096)
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--json", default="", help="also write the reports here")
     p.add_argument("--check", action="store_true", help="only check the report's arithmetic")
@@ -237,23 +252,27 @@ def main() -> None:
     trace = KernelTrace()
     model = served_model(mlx_lm.load(args.model)[0])
     reports: list[dict[str, Any]] = []
-    for batch in (int(b) for b in args.batch_sizes.split(",")):
+    runs = [(int(b), int(c)) for b in args.batch_sizes.split(",") for c in args.chunks.split(",")]
+    for batch, chunk in runs:
         def before_step(step: int) -> None:
             if step == args.warmup + 1:
                 mx.synchronize()  # the warm-up's kernels stay out of the record
                 trace.restart()
 
         timings = kiln_step_ms(model, batch, args.context, args.warmup + args.steps,
-                               pipelined=True, compile_decode=True, before_step=before_step)
+                               pipelined=True, compile_decode=True, before_step=before_step,
+                               chunk=chunk, prompt=args.prompt)
         mx.synchronize()
         records = trace.take()
         if not records:
-            print(f"\nbatch {batch}: CUPTI recorded no kernels")
+            print(f"\nbatch {batch}, chunk {chunk}: CUPTI recorded no kernels")
             continue
         host_ms = statistics.median(timings.step[args.warmup:]) * 1e3
         report = analyse(records, batch, args.steps, args.top)
-        print_report(report, host_ms)
-        reports.append({**asdict(report), "host_step_ms": host_ms})
+        if chunk:
+            print(f"\nprefilling {chunk} tokens a step beside the decode rows")
+        print_report(report, host_ms, timings)
+        reports.append({**asdict(report), "chunk": chunk, "host_step_ms": host_ms})
     if args.json:
         Path(args.json).write_text(json.dumps(reports, indent=1))
 

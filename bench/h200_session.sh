@@ -49,6 +49,8 @@ PRIME=${PRIME:-1}  # sweep and mixed: a kiln server started (and used) and stopp
                    # unmeasured (the first on a fresh machine runs slower;
                    # bench/h200_compare.py prime)
 ATTENTION_ARGS=${ATTENTION_ARGS:-}  # part attention: extra flags, e.g. "--stages 0,4,8"
+TIMELINE_ARGS=${TIMELINE_ARGS:-}  # part timeline: its flags (default --batch-sizes 1,64,128);
+                                  # mixed steps: "--batch-sizes 36 --context 2048 --chunks 0,256,512"
 MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5; see
                                # bench/mlx_lm_server_backlog.py)
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any;
@@ -148,7 +150,7 @@ fi
 if has timeline; then
 echo "== device timeline of the served decode step (CUPTI)"
 PYTHONPATH=${PYTHONPATH:-}:$HOME/site_c LD_LIBRARY_PATH=$HOME/site_c/nvidia/cu13/lib:${LD_LIBRARY_PATH:-} \
-    timeout 300 "$PYTHON" bench/device_timeline.py --model "$MODEL" --batch-sizes 1,64,128 \
+    timeout 300 "$PYTHON" bench/device_timeline.py --model "$MODEL" ${TIMELINE_ARGS:---batch-sizes 1,64,128} \
     --json "$OUT/device_timeline.json" 2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/device_timeline.txt"
 fi
 

@@ -124,10 +124,11 @@ def patched(obj: Any, name: str, value: Any) -> Iterator[None]:
         setattr(obj, name, original)
 
 
-def _runner(model: Any, batch: int, context: int, steps: int,
-            compile_decode: bool = False) -> tuple[ModelRunner, list[str], Iterator[int]]:
-    """A runner whose `batch` requests have prefilled `context` tokens each."""
-    runner, rids, slot, prefill = _empty_runner(model, batch, context, steps, compile_decode)
+def _runner(model: Any, batch: int, context: int, steps: int, compile_decode: bool = False,
+            prompt: int = 0) -> tuple[ModelRunner, list[str], Iterator[int]]:
+    """A runner whose `batch` requests have prefilled `context` tokens each (and room for
+    two more of `prompt` tokens: _Prompts)."""
+    runner, rids, slot, prefill = _empty_runner(model, batch, context, steps, compile_decode, prompt)
     runner.run(prefill)
     return runner, rids, slot
 
@@ -144,19 +145,20 @@ STATE_ROWS = 0
 BACKEND: DecodeBackend | None = None
 
 
-def _empty_runner(model: Any, batch: int, context: int, steps: int, compile_decode: bool = False
-                  ) -> tuple[ModelRunner, list[str], Iterator[int], ForwardBatch]:
-    """A runner with room for `batch` requests, and the step that prefills them."""
+def _empty_runner(model: Any, batch: int, context: int, steps: int, compile_decode: bool = False,
+                  prompt: int = 0) -> tuple[ModelRunner, list[str], Iterator[int], ForwardBatch]:
+    """A runner with room for `batch` requests (and two of `prompt` tokens), and the step
+    that prefills the `batch`."""
     # Three times what the batch needs, as a server's pool is larger than its batch: the
     # kept decode contexts of the fallback path may use half the pool's size.
-    slots = max(POOL_SLOTS, 3 * batch * (context + steps + 4) + 1)
+    slots = max(POOL_SLOTS, 3 * batch * (context + steps + 4) + 1) + 2 * prompt
     specs = probe_attention_specs(model)
     # A hybrid's recurrent layers keep a state row per request; a server has more rows
     # than its batch (--max-running-requests), the pool's state arrays as large.
     rows = max(STATE_ROWS, batch) if KVPool.state_bytes_per_request(specs) else 0
     pool = KVPool(specs, slots, BACKEND, state_rows=rows)
-    runner = ModelRunner(model, pool, max_requests=batch, max_context=context + steps + 4,
-                         compile_decode=compile_decode)
+    runner = ModelRunner(model, pool, max_requests=batch + (2 if prompt else 0),
+                         max_context=max(context + steps + 4, prompt), compile_decode=compile_decode)
     rids = [f"r{i}" for i in range(batch)]
     slot = iter(range(1, pool.num_slots + 1))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=steps + 2)
@@ -167,16 +169,49 @@ def _empty_runner(model: Any, batch: int, context: int, steps: int, compile_deco
     return runner, rids, slot, prefill
 
 
+class _Prompts:
+    """Long prompts prefilled `chunk` tokens a step beside the decode rows, as a burst of
+    prompts meets a decoding batch (the mixed-traffic bench's steps): each prompt `length`
+    tokens, the next one started when one ends, their slots two ranges from `first_slot`
+    on, taken in turn."""
+
+    def __init__(self, chunk: int, length: int, first_slot: int) -> None:
+        self.chunk, self.length, self.first_slot = chunk, length, first_slot
+        self.number, self.start = 0, 0
+
+    def step_plan(self, step: int, rids: list[str], slots: list[int]) -> ForwardBatch:
+        """Step `step`: the decode rows and the current prompt's next chunk."""
+        rid = f"prompt{self.number}"
+        new = [NewRequest(rid=rid, sampling=SamplingParams(temperature=0.0, max_new_tokens=1))
+               ] if self.start == 0 else []
+        released = [f"prompt{self.number - 1}"] if self.start == 0 and self.number else []
+        size = min(self.chunk, self.length - self.start)
+        base = self.first_slot + (self.number % 2) * self.length + self.start
+        chunk = PrefillChunk(rid=rid, start=self.start, token_ids=[1] * size,
+                             sample=self.start + size == self.length,
+                             slot_ids=list(range(base, base + size)))
+        self.start += size
+        if self.start == self.length:
+            self.number, self.start = self.number + 1, 0
+        return ForwardBatch(step=step, new_requests=new, prefill=[chunk], released=released,
+                            decode_rids=rids, decode_slots=slots)
+
+
 def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
                  pipelined: bool = False, compile_decode: bool = False,
                  profile: cProfile.Profile | None = None,
-                 before_step: Callable[[int], None] | None = None) -> Timings:
+                 before_step: Callable[[int], None] | None = None,
+                 chunk: int = 0, prompt: int = 4096) -> Timings:
     """Decode steps: build, start (async_eval), wait. Alone, each step is waited for before
     the next; pipelined, as the worker's start-ahead loop (no scheduler or sockets), step
     N+1 is built and half started before N is waited for, so step ms is the steady state
     (the wait for N counts as "wait"). profile: a profiler to run around each step's
-    build; before_step: called with each step's number (1, 2, ...) before its build."""
-    runner, rids, slot = _runner(model, batch, context, steps, compile_decode)
+    build; before_step: called with each step's number (1, 2, ...) before its build.
+    chunk > 0: each step also prefills that many tokens of `prompt`-token prompts."""
+    runner, rids, slot = _runner(model, batch, context, steps, compile_decode,
+                                 prompt if chunk else 0)
+    prompts = (_Prompts(chunk, prompt, runner.pool.num_slots + 1 - 2 * prompt)
+               if chunk else None)
     t = Timings(pool_mb=runner.pool.nbytes / 1e6)
     mx.synchronize()
     mx.reset_peak_memory()
@@ -185,7 +220,9 @@ def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
     for step in range(1, steps + 1):
         if before_step is not None:
             before_step(step)
-        plan = ForwardBatch(step=step, decode_rids=rids, decode_slots=[next(slot) for _ in rids])
+        slots = [next(slot) for _ in rids]
+        plan = (prompts.step_plan(step, rids, slots) if prompts is not None
+                else ForwardBatch(step=step, decode_rids=rids, decode_slots=slots))
         t0 = time.perf_counter()
         if profile is not None:
             profile.enable()
@@ -211,6 +248,7 @@ def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
             runner.finish(pending)
             t3 = time.perf_counter()
         t.add(t0, t1, t2, t3)
+        t.charge_clock(runner.clock)
     if in_flight is not None:
         runner.finish(in_flight)
     # A step whose pool writes copy the pool instead of updating it in place shows here.
@@ -280,6 +318,13 @@ class Timings:
         self.launch.append(t2 - t1)
         self.wait.append(t3 - t2)
         self.step.append(t3 - t0)
+
+    def charge_clock(self, clock: Any) -> None:
+        """Move the last step's prefill launches and waits (a ForwardClock: prefill
+        forwards start as they are built) from its build to its launch and wait."""
+        self.build[-1] -= clock.start + clock.wait
+        self.launch[-1] += clock.start
+        self.wait[-1] += clock.wait
 
     def medians_ms(self) -> list[float]:
         # The first steps pay one-off costs (kernel compilation, allocations).
