@@ -18,7 +18,7 @@ LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerCo
 # CUDA attention paths other than the default, for --experiments (A/B runs).
 DECODE_EXPERIMENTS = ("rope-in-kernel", "staged-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
-                      "bucketed-fresh")
+                      "bucketed-fresh", "mixed-forward")
 
 
 def _auto_on_off(help_text: str) -> Any:
@@ -176,7 +176,10 @@ class ServerConfig:
                                       "the 512 edges of the bucketed prefill), "
                                       "bucketed-fresh (forwards of fresh prompts padded to "
                                       "recurring row counts and widths; no gain measured "
-                                      "on a wave of 64 short prompts, session 22)."})
+                                      "on a wave of 64 short prompts, session 22), "
+                                      "mixed-forward (a step's lone prompt chunk runs in "
+                                      "its decode rows' forward, one weight read for both; "
+                                      "llama and qwen2 blocks; unmeasured)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

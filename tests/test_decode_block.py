@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from tests.engine_driver import InProcessEngine, StandInInPlaceKernels, StandInKernel, assert_greedy
+from tests.oracle import divergence_off_a_tie
 from tests.test_worker import _eos, _prompts
 from worker_proc.decode_block import FastDecodeBlock, speed_up_decode_blocks
 from worker_proc.fused_projections import fuse_projections
@@ -254,3 +255,51 @@ def test_gpt_oss_blocks_decode_mlx_lm_tokens(path):
     fuse_projections(ours)
     assert speed_up_decode_blocks(ours, residual_in_gemm=True) == len(ours.layers)
     _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=78)
+
+
+@pytest.mark.parametrize("backend", ["scatter", "in place", "rope in kernel"])
+def test_a_chunk_riding_in_the_decode_forward_keeps_mlx_lm_tokens(tiny_model, oracle, fast_tiny,
+                                                                 backend):
+    """--experiments mixed-forward: prompts arrive while others decode, and each step's
+    lone chunk (a 16-token decode-first budget, prompts over several steps, one starting
+    after a cached prefix) runs in one forward with the decode rows (the steps between
+    them compiled, on the scatter pool). Every request gets mlx-lm's greedy tokens, and
+    the steps did run mixed."""
+    _, tokenizer = tiny_model
+    eos = _eos(tokenizer)
+    made = {"scatter": lambda: StandInKernel(mixed_forward=True),
+            "in place": lambda: StandInInPlaceKernels(mixed_forward=True),
+            "rope in kernel": lambda: StandInInPlaceKernels(mixed_forward=True,
+                                                            rope_in_kernel=True)}[backend]
+    engine = InProcessEngine(fast_tiny, chunk_size=16, overlap="ahead", backend=made(),
+                             compile_decode=backend == "scatter",  # decode steps between
+                             max_prefill_tokens_while_decoding=16)
+    assert engine.runner.mixes_rows
+    vocab = fast_tiny.args.vocab_size
+    early = _prompts(2, [5, 12], vocab, seed=41)
+    late = _prompts(3, [70, 33, 50], vocab, seed=42)
+    late.append(late[0][:40] + _prompts(1, [9], vocab, seed=43)[0])  # a prefix hit on late[0]
+    for i, p in enumerate(early):
+        engine.submit(f"e{i}", p, 40, eos)
+    for _ in range(3):
+        engine.step()
+    for i, p in enumerate(late):
+        engine.submit(f"l{i}", p, 12, eos)
+        engine.step()
+    results = engine.run_until_idle()
+    assert engine.runner.mixed_forwards >= 4
+    for rid, p, n in [*((f"e{i}", p, 40) for i, p in enumerate(early)),
+                      *((f"l{i}", p, 12) for i, p in enumerate(late))]:
+        problem = divergence_off_a_tie(tiny_model[0], p, results[rid].token_ids, oracle(p, n), eos)
+        assert problem is None, f"{rid}: {problem}"
+
+
+def test_mixed_forward_is_off_where_blocks_cannot_run_it(tiny_model_dir):
+    """Without the fast blocks (mlx-lm's own call) the runner keeps the chunk and the
+    rows apart, also when the backend asks to mix them; the option is an --experiments
+    name."""
+    from ipc.config import ServerConfig
+
+    engine = InProcessEngine(_load(tiny_model_dir), backend=StandInKernel(mixed_forward=True))
+    assert not engine.runner.mixes_rows
+    assert "mixed-forward" in ServerConfig(experiments="mixed-forward").experiment_set

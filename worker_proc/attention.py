@@ -213,23 +213,33 @@ class ForwardLayout:
     @classmethod
     def decode(cls, table_rows: np.ndarray, lengths: np.ndarray,
                dense: "DenseDecodeContext | None" = None,
-               window_rows: np.ndarray | None = None) -> "ForwardLayout":
+               window_rows: np.ndarray | None = None,
+               stage: Stage | None = None) -> "ForwardLayout":
         """One new token per row; lengths count the new token. table_rows: [B, >= max(lengths)].
         dense: the fallback's kept context, already planned for this step. window_rows:
-        the rows' window slots, where windowed layers have their own."""
+        the rows' window slots, where windowed layers have their own. stage: as single's."""
         max_len = int(lengths.max())
         last = (np.arange(len(lengths)), lengths - 1)
         read = table_rows[:, :max_len]
-        window_read = window_rows[:, :max_len] if window_rows is not None else None
+        parts = [read[last], read, lengths]
+        if window_rows is not None:
+            window_read = window_rows[:, :max_len]
+            parts += [window_read[last], window_read]
+        one_length = bool((lengths == lengths[0]).all())
+        if not one_length:
+            parts.append(lengths - 1)
+        write, read_mx, lengths_mx, *rest = (stage or new_arrays)(
+            *(p.astype(np.int32) for p in parts))
+        windowed = window_rows is not None
         return cls(
-            write_slots=mx.array(read[last]),
-            read_slots=mx.array(read),
-            window_write_slots=mx.array(window_read[last]) if window_read is not None else None,
-            window_read_slots=mx.array(window_read) if window_read is not None else None,
+            write_slots=write,
+            read_slots=read_mx,
+            window_write_slots=rest[0] if windowed else None,
+            window_read_slots=rest[1] if windowed else None,
             # One position for every row: a scalar, as some models' own mask code needs.
-            offset=int(lengths[0] - 1) if (lengths == lengths[0]).all() else mx.array(lengths - 1),
+            offset=int(lengths[0] - 1) if one_length else rest[-1],
             mask=None,
-            lengths=mx.array(lengths.astype(np.int32)),
+            lengths=lengths_mx,
             dense=dense,
         )
 
@@ -591,6 +601,36 @@ def build_layer_caches(pool: KVPool, layout: ForwardLayout, state_rows: mx.array
     return caches
 
 
+@dataclass(frozen=True)
+class MixedLayerCache:
+    """One layer's caches for a forward that carries a prompt's chunk and decode rows
+    together (the runner's mixed forward): its hidden states are [1, n_chunk + B, D],
+    the chunk's positions first, then one token of each decode row. A block that knows
+    it (decode_block.FastDecodeBlock) runs the projections and the MLP once over all of
+    them and attention apart: the chunk through `chunk` (a prefill layout), the rows
+    through `rows` (a paged decode layout)."""
+
+    chunk: PooledKVCache
+    rows: PooledKVCache
+    n_chunk: int
+
+    def make_mask(self, n: int, return_array: bool = False,
+                  window_size: int | None = None) -> Any:
+        """The chunk's mask (the model asks with the whole forward's length)."""
+        return self.chunk.make_mask(self.n_chunk, return_array, window_size)
+
+
+def build_mixed_caches(pool: KVPool, chunk: ForwardLayout, rows: ForwardLayout,
+                       n_chunk: int) -> list[MixedLayerCache]:
+    """A mixed forward's cache list: a MixedLayerCache a layer (attention layers alone,
+    one cache each: see ModelRunner's mixes_rows)."""
+    forget_pool_reads()
+    assert all(part == "kv" for part, _ in pool.order) and all(g == 1 for g in pool.groups)
+    return [MixedLayerCache(PooledKVCache(pool, i, chunk, pool.specs[i].kind),
+                            PooledKVCache(pool, i, rows, pool.specs[i].kind), n_chunk)
+            for _, i in pool.order]
+
+
 class PooledCacheList:
     """A layer of several caches (mlx-lm's CacheList protocol): the model indexes them."""
 
@@ -606,7 +646,9 @@ def check_written(caches: list[PooledKVCache]) -> None:
     the attention call; a model that attends some other way than through mlx-lm's
     scaled_dot_product_attention would lose them, so it is refused here."""
     parts = [c for cache in caches
-             for c in (cache.caches if isinstance(cache, PooledCacheList) else [cache])]
+             for c in (cache.caches if isinstance(cache, PooledCacheList)
+                       else [cache.chunk, cache.rows] if isinstance(cache, MixedLayerCache)
+                       else [cache])]
     for i, cache in enumerate(parts):
         if isinstance(cache, PooledKVCache) and not cache.written and not cache.kind.own_attention:
             raise UnsupportedModelError(

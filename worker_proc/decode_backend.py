@@ -69,6 +69,7 @@ class DecodeBackend:
     align_chunks: bool = False  # prompt chunks end on the fused prefill bucket's edges
     bucket_fresh: bool = False  # forwards of fresh prompts padded to recurring shapes
     prefill_bucket: int = FUSED_PREFILL_BUCKET  # the padded prefill shapes' multiple
+    mixed_forward: bool = False  # a step's lone prompt chunk rides in its decode forward
 
     def decode_context(self, num_layers: int, pool_bytes: int,
                        bytes_per_token: int) -> DenseDecodeContext | None:
@@ -130,7 +131,10 @@ class KernelDecode(DecodeBackend):
     forwards of fresh prompts run padded to recurring rows and widths
     (ModelRunner.fresh_buckets; `--experiments bucketed-fresh` turns it on: it trades
     padded compute for shapes whose GEMM plans are made already, and served a wave of 64
-    short prompts no faster on the H200, docs/benchmarks.md session 22)."""
+    short prompts no faster on the H200, docs/benchmarks.md session 22). mixed_forward:
+    a step's lone prompt chunk and its decode rows run as one forward, their GEMMs
+    reading the weights once (ModelRunner._mixed, decode_block.MixedLayerCache's
+    blocks; `--experiments mixed-forward` turns it on)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
@@ -140,6 +144,7 @@ class KernelDecode(DecodeBackend):
     align_chunks: bool = True
     bucket_fresh: bool = False
     prefill_bucket: int = FUSED_PREFILL_BUCKET
+    mixed_forward: bool = False
 
     name = "CUDA kernel"
     in_place = True
@@ -314,4 +319,5 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         bucketed_masked="unfused-masked-prefill" not in experiments,
                         align_chunks="unaligned-chunks" not in experiments,
                         bucket_fresh="bucketed-fresh" in experiments,
+                        mixed_forward="mixed-forward" in experiments,
                         prefill_bucket=prefill_bucket)

@@ -27,11 +27,12 @@ from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import base as models_base
 from mlx_lm.models import gemma3_text, gpt_oss, llama, qwen2
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import Llama3RoPE
 
-from worker_proc.attention import PooledKVCache
+from worker_proc.attention import MixedLayerCache, PooledKVCache
 from worker_proc.paged_attention import RopeSpec
 
 logger = logging.getLogger(__name__)
@@ -80,19 +81,47 @@ class FastDecodeBlock:
     rope_spec: RopeSpec | None = None  # its attention's RoPE, ditto
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
+        if isinstance(cache, MixedLayerCache):
+            return self._mixed(x, mask, cache)
         if not _paged_decode(cache):
             return super().__call__(x, mask, cache)  # type: ignore[misc]
-        attn, mlp = self.self_attn, self.mlp  # type: ignore[attr-defined]
+        qkv = self.self_attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
+        return self._after_attention(x, self._decode_attention(qkv, cache))
+
+    def _decode_attention(self, qkv: mx.array, cache: PooledKVCache) -> mx.array:
+        """Decode rows' attention from their fused q/k/v output [B, 1, F]: the o
+        projection's input, [B, 1, n_q * D]."""
+        attn = self.self_attn  # type: ignore[attr-defined]
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
-        qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
         dim = qkv.shape[-1] // (n_q + 2 * n_kv)
         rope = self._kernel_rope(cache, dim) if cache.attends_from_qkv else None
         if rope is not None:  # one kernel from the projection's output to o's input
-            out = cache.attend_qkv(qkv, n_q, attn.scale, rope)
-        else:
-            qk, values = _split_qkv(qkv, n_q, n_kv, dim)
-            qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
-            out = _store_and_attend(cache, qk, values, n_q, attn.scale)
+            return cache.attend_qkv(qkv, n_q, attn.scale, rope)
+        qk, values = _split_qkv(qkv, n_q, n_kv, dim)
+        qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
+        return _store_and_attend(cache, qk, values, n_q, attn.scale)
+
+    def _mixed(self, x: mx.array, mask: Any, cache: MixedLayerCache) -> mx.array:
+        """A prompt's chunk and decode rows in one forward ([1, n + B, D]): the q/k/v, o
+        and MLP GEMMs read the weights once for all of them; attention runs apart, the
+        chunk's as mlx-lm's call does it (RoPE from the chunk's start, the pool write and
+        read-back, the attention hook), each row's as the decode call."""
+        attn = self.self_attn  # type: ignore[attr-defined]
+        n_q, n_kv, n = attn.n_heads, attn.n_kv_heads, cache.n_chunk
+        qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
+        qk, values = _split_qkv(qkv[:, :n], n_q, n_kv, qkv.shape[-1] // (n_q + 2 * n_kv))
+        qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.chunk.offset)
+        keys, values = cache.chunk.update_and_fetch(qk[:, n_q:], values)
+        chunk_out = models_base.scaled_dot_product_attention(
+            qk[:, :n_q], keys, values, cache=cache.chunk, scale=attn.scale, mask=mask)
+        rows_out = self._decode_attention(qkv[0, n:, None], cache.rows)
+        out = mx.concatenate([chunk_out.transpose(0, 2, 1, 3).reshape(1, n, -1),
+                              rows_out.reshape(1, -1, rows_out.shape[-1])], axis=1)
+        return self._after_attention(x, out)
+
+    def _after_attention(self, x: mx.array, out: mx.array) -> mx.array:
+        """The o projection and residual, then the MLP and its residual."""
+        attn, mlp = self.self_attn, self.mlp  # type: ignore[attr-defined]
         h = self._residual(x, attn.o_proj, out)
         normed = self.post_attention_layernorm(h)  # type: ignore[attr-defined]
         gate, up = mx.split(mlp.gate_up_proj(normed), 2, axis=-1)
@@ -227,6 +256,13 @@ def _eligible_gpt_oss(block: nn.Module) -> bool:
     """mlx-lm's GPT-OSS block as it builds it, its q/k/v fused."""
     return (type(block) is gpt_oss.TransformerBlock
             and type(block.self_attn) is gpt_oss.AttentionBlock and "qkv_proj" in block.self_attn)
+
+
+def mixes_rows(model: nn.Module) -> bool:
+    """Whether every block of the model takes FastDecodeBlock's call, which also runs
+    mixed forwards (MixedLayerCache): a prompt's chunk beside decode rows."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return bool(layers) and all(isinstance(b, FastDecodeBlock) for b in layers)
 
 
 def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:

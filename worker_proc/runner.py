@@ -21,7 +21,9 @@ from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import PromptLogprobs, RequestError, StepResult
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from worker_proc.attention import (ForwardLayout, batches_ragged_rows, build_layer_caches,
+                                   build_mixed_caches,
                                    check_written, install_attention_hook, pads_state_rows)
+from worker_proc.decode_block import mixes_rows
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool
 from worker_proc.prefill_forward import PrefillForwards, traceable
@@ -181,6 +183,7 @@ class ModelRunner:
         self._extras_staging, self._grammar_staging = HostStaging(), HostStaging()
         self._release_staging = HostStaging()
         self.decode_traces = 0  # how many times mx.compile traced the decode forward
+        self.mixed_forwards = 0  # forwards that carried a chunk and decode rows (_mixed)
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
         self._prompt_logprobs: dict[int, list[PendingPromptLogprobs]] = {}
         # Requests refused by the checks of their step's _add, reported by its finish.
@@ -191,6 +194,11 @@ class ModelRunner:
         self._forwards = PrefillForwards(model, output_head(model), pool, compile_prefill)
         self.tail_bucket = tail_bucket if traceable(pool) and not pool.has_states else 0
         self.fresh_buckets = fresh_buckets and self.shares_prefill and not pool.has_states
+        # A step's lone prompt chunk rides in its decode rows' forward (the backend's
+        # mixed_forward; blocks that run it, full attention alone, an output head).
+        self.mixes_rows = (backend.mixed_forward and mixes_rows(model) and self.ragged
+                           and self._forwards.head is not None and traceable(pool)
+                           and not pool.has_states and self.window_table is None)
         # This build's time starting prefill forwards and waiting for earlier ones.
         self.clock = ForwardClock()
 
@@ -281,7 +289,15 @@ class ModelRunner:
         sampled: list[RequestState] = []
         prompt: list[PendingPromptLogprobs] = []
         prefixes = {n.rid: n.prefix_slot_ids for n in batch.new_requests if n.prefix_slot_ids}
-        for group in self._prefill_groups(batch.prefill, prefixes):
+        groups = self._prefill_groups(batch.prefill, prefixes)
+        mixed = self._mixed_chunk(groups, batch)
+        if mixed is not None:  # the chunk and the decode rows in one forward
+            chunk_logits, row_logits = self._mixed(mixed, batch.decode_rids, batch.decode_slots)
+            if chunk_logits is not None:
+                logits.append(chunk_logits)
+                sampled.append(self.requests[mixed.rid])
+            groups = []
+        for group in groups:
             rows, width = self._padded_shape(group)
             outs = (self._prefill_many(group, width, rows) if len(group) > 1 or width
                     else [self._prefill(group[0], prompt)])
@@ -292,7 +308,8 @@ class ModelRunner:
         if prompt:
             self._prompt_logprobs[batch.step] = prompt
         if batch.decode_rids:
-            logits.append(self._decode(batch.decode_rids, batch.decode_slots,
+            logits.append(row_logits if mixed is not None else
+                          self._decode(batch.decode_rids, batch.decode_slots,
                                        batch.decode_window_slots))
             sampled.extend(self.requests[rid] for rid in batch.decode_rids)
         if any(s.matcher is not None for s in sampled):
@@ -424,6 +441,48 @@ class ModelRunner:
             prompt.append(scored)
         self._launch_prefill(logits, *(scored.picked if scored else ()))
         return logits
+
+    def _mixed_chunk(self, groups: list[list[PrefillChunk]],
+                     batch: ForwardBatch) -> PrefillChunk | None:
+        """The step's one prefill chunk where it rides in the decode rows' forward
+        (mixes_rows): a lone chunk, unpadded, not scored over every position."""
+        if not (self.mixes_rows and batch.decode_rids and len(groups) == 1
+                and len(groups[0]) == 1):
+            return None
+        chunk = groups[0][0]
+        if self.requests[chunk.rid].sampling.prompt_logprobs >= 0:
+            return None
+        return chunk if self._padded_shape(groups[0]) == (0, 0) else None
+
+    def _mixed(self, chunk: PrefillChunk, rids: list[str],
+               slots: list[int]) -> tuple[mx.array | None, mx.array]:
+        """A prompt's chunk and the decode rows in one forward (MixedLayerCache): the
+        chunk's last logits (None where it does not sample) and the rows'."""
+        state = self._place(chunk)
+        n = len(chunk.token_ids)
+        states = [self.requests[rid] for rid in rids]
+        rows = np.array([s.row for s in states])
+        lengths = np.array([s.length for s in states]) + 1
+        for s in states:
+            self._check_room(s, 1)
+        self.table[rows, lengths - 1] = slots
+        row_tokens = gather_last_tokens(states, self._gather_staging.stage)
+        staging = self._forward_staging
+        staging.begin()
+        chunk_layout = ForwardLayout.single(self.table[state.row], chunk.start, n, None,
+                                            staging.add)
+        rows_layout = ForwardLayout.decode(self.table[rows], lengths, stage=staging.add)
+        chunk_tokens, = staging.add(np.array(chunk.token_ids, dtype=np.int32))
+        caches = build_mixed_caches(self.pool, chunk_layout, rows_layout, n)
+        self.mixed_forwards += 1
+        hidden = self.model.model(mx.concatenate([chunk_tokens, row_tokens])[None],
+                                  cache=caches)[0]
+        check_written(caches)
+        state.length += n
+        for s in states:
+            s.length += 1
+        logits = self._forwards.head(hidden[n - 1:] if chunk.sample else hidden[n:])
+        return (logits[:1], logits[1:]) if chunk.sample else (None, logits)
 
     def _load_snapshots(self, states: list[RequestState], stage: Stage) -> None:
         """Hits' recurrent states, at their first chunks (not at _add: a snapshot's own
