@@ -231,6 +231,10 @@ def main() -> None:
                    "each step also prefills that many tokens of --prompt-token prompts "
                    "(a burst's prompts beside the decode rows; 0: decode only)")
     p.add_argument("--prompt", type=int, default=4096)
+    p.add_argument("--experiments", default="", help="the decode backend's --experiments "
+                   "names (e.g. mixed-forward: each step's chunk rides in the decode forward)")
+    p.add_argument("--prefill-bucket", type=int, default=0, help="the backend's prefill "
+                   "bucket (0: its default; a served decode-first budget under 512 sets it)")
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--json", default="", help="also write the reports here")
     p.add_argument("--check", action="store_true", help="only check the report's arithmetic")
@@ -242,7 +246,10 @@ def main() -> None:
     import mlx.core as mx
     import mlx_lm
 
+    import bench.step_breakdown as step_breakdown
     from bench.step_breakdown import kiln_step_ms, served_model
+    from worker_proc.decode_backend import choose_decode_backend
+    from worker_proc.memory import probe_attention_specs
     from worker_proc.memory import raise_cuda_graph_budgets
     from worker_proc.paged_attention import kernel_available
 
@@ -251,6 +258,12 @@ def main() -> None:
     print("CUDA graph budgets:", raise_cuda_graph_budgets())
     trace = KernelTrace()
     model = served_model(mlx_lm.load(args.model)[0])
+    if args.experiments or args.prefill_bucket:
+        step_breakdown.BACKEND = choose_decode_backend(
+            probe_attention_specs(model),
+            frozenset(n for n in args.experiments.split(",") if n),
+            **({"prefill_bucket": args.prefill_bucket} if args.prefill_bucket else {}))
+        print("decode backend:", step_breakdown.BACKEND)
     reports: list[dict[str, Any]] = []
     runs = [(int(b), int(c)) for b in args.batch_sizes.split(",") for c in args.chunks.split(",")]
     for batch, chunk in runs:

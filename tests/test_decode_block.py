@@ -257,6 +257,47 @@ def test_gpt_oss_blocks_decode_mlx_lm_tokens(path):
     _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=78)
 
 
+@pytest.mark.parametrize("path", ["compiled", "in place"])
+def test_llama_blocks_with_sliding_layers_prefill_and_decode_mlx_lm_tokens(path):
+    """A llama with sliding `layer_types` (windows shorter than the prompts, 16-token
+    chunks across their edges) through the fast blocks, whose calls also run its prefill
+    forwards (q and k rotated together, the hook's windowed masks): mlx-lm's tokens."""
+    from tests.families import build
+
+    theirs, ours = build("llama_sliding"), build("llama_sliding")
+    fuse_projections(ours)
+    assert speed_up_decode_blocks(ours, residual_in_gemm=False) == len(ours.layers)
+    _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=79)
+
+
+def test_the_fast_prefill_call_computes_mlx_lm_blocks(tiny_model_dir):
+    """One block's prefill forward over the pool (two rows at different starts after
+    cached contexts, ragged): the fast call's output is mlx-lm's block's, up to the
+    fused projections' float32 rounding."""
+    from worker_proc.attention import (ForwardLayout, build_layer_caches,
+                                       install_attention_hook)
+    from worker_proc.kv_pool import KVPool
+    from worker_proc.memory import probe_attention_specs
+
+    install_attention_hook()
+    theirs, ours = _load(tiny_model_dir), _load(tiny_model_dir)
+    fuse_projections(ours)
+    speed_up_decode_blocks(ours, residual_in_gemm=False)
+    pool = KVPool(probe_attention_specs(theirs), 300, StandInKernel())
+    rng = np.random.default_rng(4)
+    table = rng.permutation(np.arange(1, 301))[:60].reshape(2, 30).astype(np.int32)
+    x = mx.array(rng.standard_normal((2, 9, theirs.args.hidden_size)).astype(np.float32))
+
+    def block_out(block):
+        layout = ForwardLayout.prefill(table, np.array([12, 5]), np.array([9, 7]))
+        cache = build_layer_caches(pool, layout)[0]
+        return block(x, mask=cache.make_mask(9), cache=cache)
+
+    want = block_out(theirs.layers[0])
+    np.testing.assert_allclose(np.array(block_out(ours.layers[0])), np.array(want),
+                               rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("backend", ["scatter", "in place", "rope in kernel"])
 def test_a_chunk_riding_in_the_decode_forward_keeps_mlx_lm_tokens(tiny_model, oracle, fast_tiny,
                                                                  backend):

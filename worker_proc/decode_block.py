@@ -9,8 +9,12 @@ MLX's CUDA RoPE first copies an input that is not row-contiguous and more than 3
 the fused q and k views are (their rows are the q/k/v output's): 14. For a paged decode
 forward `FastDecodeBlock` computes the same thing in 10: one RoPE (and one copy) over q
 and k together (adjacent heads of the fused output; RoPE works head by head with one
-offset per row), and on CUDA each residual add inside its GEMM (`mx.addmm`). Every other
-forward (prefill, the dense fallback) runs mlx-lm's code unchanged.
+offset per row), and on CUDA each residual add inside its GEMM (`mx.addmm`). Its prefill
+forwards over the pool take the same RoPE and residual adds (two launches a layer fewer
+than mlx-lm's call, four with the adds), and under `--experiments mixed-forward` a
+forward may carry a prompt's chunk and decode rows together (MixedLayerCache). Every
+other forward (the dense fallback; Gemma 3 and GPT-OSS prefill) runs mlx-lm's code
+unchanged.
 
 addmm rounds the product and the residual once where a matmul then an add round twice, so
 with it the tokens may differ from mlx-lm's at near-ties (as the decode kernel's already
@@ -53,6 +57,12 @@ def _paged_decode(cache: Any) -> bool:
     return isinstance(cache, PooledKVCache) and cache.paged and not cache.kind.own_attention
 
 
+def _pooled_prefill(cache: Any) -> bool:
+    """Whether a block's call is a prefill forward over the pool through the attention
+    hook (FastDecodeBlock runs those too: its RoPE and residual adds are the fewer)."""
+    return isinstance(cache, PooledKVCache) and not cache.paged and not cache.kind.own_attention
+
+
 def _split_qkv(qkv: mx.array, n_q: int, n_kv: int, dim: int) -> tuple[mx.array, mx.array]:
     """A fused q/k/v projection's output [B, L, (n_q + 2 n_kv) * D] as the q and k heads
     together, [B, L, n_q + n_kv, D] (adjacent: one RoPE or norm serves both), and the
@@ -83,10 +93,13 @@ class FastDecodeBlock:
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if isinstance(cache, MixedLayerCache):
             return self._mixed(x, mask, cache)
-        if not _paged_decode(cache):
-            return super().__call__(x, mask, cache)  # type: ignore[misc]
-        qkv = self.self_attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
-        return self._after_attention(x, self._decode_attention(qkv, cache))
+        if _paged_decode(cache):
+            qkv = self.self_attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
+            return self._after_attention(x, self._decode_attention(qkv, cache))
+        if _pooled_prefill(cache):
+            qkv = self.self_attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
+            return self._after_attention(x, self._prefill_attention(qkv, mask, cache))
+        return super().__call__(x, mask, cache)  # type: ignore[misc]
 
     def _decode_attention(self, qkv: mx.array, cache: PooledKVCache) -> mx.array:
         """Decode rows' attention from their fused q/k/v output [B, 1, F]: the o
@@ -106,18 +119,27 @@ class FastDecodeBlock:
         and MLP GEMMs read the weights once for all of them; attention runs apart, the
         chunk's as mlx-lm's call does it (RoPE from the chunk's start, the pool write and
         read-back, the attention hook), each row's as the decode call."""
-        attn = self.self_attn  # type: ignore[attr-defined]
-        n_q, n_kv, n = attn.n_heads, attn.n_kv_heads, cache.n_chunk
-        qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
-        qk, values = _split_qkv(qkv[:, :n], n_q, n_kv, qkv.shape[-1] // (n_q + 2 * n_kv))
-        qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.chunk.offset)
-        keys, values = cache.chunk.update_and_fetch(qk[:, n_q:], values)
-        chunk_out = models_base.scaled_dot_product_attention(
-            qk[:, :n_q], keys, values, cache=cache.chunk, scale=attn.scale, mask=mask)
+        n = cache.n_chunk
+        qkv = self.self_attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
+        chunk_out = self._prefill_attention(qkv[:, :n], mask, cache.chunk)
         rows_out = self._decode_attention(qkv[0, n:, None], cache.rows)
-        out = mx.concatenate([chunk_out.transpose(0, 2, 1, 3).reshape(1, n, -1),
-                              rows_out.reshape(1, -1, rows_out.shape[-1])], axis=1)
+        out = mx.concatenate([chunk_out, rows_out.reshape(1, -1, rows_out.shape[-1])], axis=1)
         return self._after_attention(x, out)
+
+    def _prefill_attention(self, qkv: mx.array, mask: Any, cache: PooledKVCache) -> mx.array:
+        """A prefill forward's attention from its fused q/k/v output [B, L, F], as mlx-lm's
+        call computes it (RoPE from the cache's offset, the pool write and read-back, the
+        attention hook) but with one RoPE (and one copy of its strided input, on CUDA)
+        over q and k together: the o projection's input, [B, L, n_q * D]."""
+        attn = self.self_attn  # type: ignore[attr-defined]
+        n_q, n_kv = attn.n_heads, attn.n_kv_heads
+        b, length, _ = qkv.shape
+        qk, values = _split_qkv(qkv, n_q, n_kv, qkv.shape[-1] // (n_q + 2 * n_kv))
+        qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
+        keys, values = cache.update_and_fetch(qk[:, n_q:], values)
+        out = models_base.scaled_dot_product_attention(
+            qk[:, :n_q], keys, values, cache=cache, scale=attn.scale, mask=mask)
+        return out.transpose(0, 2, 1, 3).reshape(b, length, -1)
 
     def _after_attention(self, x: mx.array, out: mx.array) -> mx.array:
         """The o projection and residual, then the MLP and its residual."""
