@@ -11,10 +11,10 @@ forward `FastDecodeBlock` computes the same thing in 10: one RoPE (and one copy)
 and k together (adjacent heads of the fused output; RoPE works head by head with one
 offset per row), and on CUDA each residual add inside its GEMM (`mx.addmm`). Its prefill
 forwards over the pool take the same RoPE and residual adds (two launches a layer fewer
-than mlx-lm's call, four with the adds), and under `--experiments mixed-forward` a
+than mlx-lm's call, four with the adds; Gemma 3's and GPT-OSS's blocks too, their q and
+k norms and RoPE as in decode), and under `--experiments mixed-forward` a
 forward may carry a prompt's chunk and decode rows together (MixedLayerCache). Every
-other forward (the dense fallback; Gemma 3 and GPT-OSS prefill) runs mlx-lm's code
-unchanged.
+other forward (the dense fallback) runs mlx-lm's code unchanged.
 
 addmm rounds the product and the residual once where a matmul then an add round twice, so
 with it the tokens may differ from mlx-lm's at near-ties (as the decode kernel's already
@@ -83,6 +83,26 @@ def _store_and_attend(cache: PooledKVCache, qk: mx.array, values: mx.array, n_q:
     return out.transpose(0, 2, 1, 3).reshape(b, length, -1)
 
 
+def _prefill_attend(cache: PooledKVCache, qk: mx.array, values: mx.array, n_q: int,
+                    scale: float, mask: Any, sinks: mx.array | None = None) -> mx.array:
+    """A prefill forward's attention over the pool from its rotated q and k heads
+    together ([B, H, L, D]) and values, as mlx-lm's call does it after RoPE (the pool
+    write and read-back, then the attention hook): [B, L, n_q * D]."""
+    keys, values = cache.update_and_fetch(qk[:, n_q:], values)
+    out = models_base.scaled_dot_product_attention(qk[:, :n_q], keys, values, cache=cache,
+                                                   scale=scale, mask=mask, sinks=sinks)
+    b, _, length, _ = out.shape
+    return out.transpose(0, 2, 1, 3).reshape(b, length, -1)
+
+
+def _attend(cache: PooledKVCache, qk: mx.array, values: mx.array, n_q: int, scale: float,
+            mask: Any, sinks: mx.array | None = None) -> mx.array:
+    """Decode or prefill attention over the pool, as the cache's layout is."""
+    if cache.paged:
+        return _store_and_attend(cache, qk, values, n_q, scale, sinks)
+    return _prefill_attend(cache, qk, values, n_q, scale, mask, sinks)
+
+
 class FastDecodeBlock:
     """Mixed into a block's class (see speed_up_decode_blocks): its parameters and
     submodules stay where mlx-lm put them; only the call differs, for paged decode."""
@@ -133,13 +153,9 @@ class FastDecodeBlock:
         over q and k together: the o projection's input, [B, L, n_q * D]."""
         attn = self.self_attn  # type: ignore[attr-defined]
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
-        b, length, _ = qkv.shape
         qk, values = _split_qkv(qkv, n_q, n_kv, qkv.shape[-1] // (n_q + 2 * n_kv))
         qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
-        keys, values = cache.update_and_fetch(qk[:, n_q:], values)
-        out = models_base.scaled_dot_product_attention(
-            qk[:, :n_q], keys, values, cache=cache, scale=attn.scale, mask=mask)
-        return out.transpose(0, 2, 1, 3).reshape(b, length, -1)
+        return _prefill_attend(cache, qk, values, n_q, attn.scale, mask)
 
     def _after_attention(self, x: mx.array, out: mx.array) -> mx.array:
         """The o projection and residual, then the MLP and its residual."""
@@ -181,8 +197,8 @@ class QKNorms:
 
 
 class FastGemma3Block:
-    """Gemma 3's block (mlx-lm's gemma3_text) for paged decode: the q and k norms and RoPE
-    over q and k together. mlx-lm normalises then rotates q and k apart: two norms and two
+    """Gemma 3's block (mlx-lm's gemma3_text) for paged decode and prefill over the pool:
+    the q and k norms and RoPE over q and k together. mlx-lm normalises then rotates q and k apart: two norms and two
     RoPEs a layer, each of the strided q or k view of the fused projection's output (MLX's
     CUDA kernels copy such an input first). Here the heads of q and k go through one
     unscaled norm, one multiply by both norms' scales ([heads, D], made at load) and one
@@ -194,7 +210,7 @@ class FastGemma3Block:
     qk_norms: QKNorms | None = None  # set per block by speed_up_decode_blocks
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        if not _paged_decode(cache):
+        if not (_paged_decode(cache) or _pooled_prefill(cache)):
             return super().__call__(x, mask, cache)  # type: ignore[misc]
         attn = self.self_attn  # type: ignore[attr-defined]
         n_q = attn.n_heads
@@ -203,27 +219,28 @@ class FastGemma3Block:
         norms = self.qk_norms
         qk = mx.fast.rms_norm(qk, None, norms.eps) * norms.scale
         qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
-        out = attn.o_proj(_store_and_attend(cache, qk, values, n_q, attn.scale))
+        out = attn.o_proj(_attend(cache, qk, values, n_q, attn.scale, mask))
         h = gemma3_text.clip_residual(x, self.post_attention_layernorm(out))  # type: ignore[attr-defined]
         r = self.mlp(self.pre_feedforward_layernorm(h))  # type: ignore[attr-defined]
         return gemma3_text.clip_residual(h, self.post_feedforward_layernorm(r))  # type: ignore[attr-defined]
 
 
 class FastGptOssBlock:
-    """GPT-OSS's block (mlx-lm's gpt_oss) for paged decode: one RoPE over the adjacent q
-    and k heads of the fused q/k/v output (mlx-lm rotates each apart, each a copy of its
-    strided view first on CUDA), then mlx-lm's attention with sinks, o projection, MoE and
-    residuals. RoPE works head by head, so the tokens are mlx-lm's on the CPU (tests)."""
+    """GPT-OSS's block (mlx-lm's gpt_oss) for paged decode and prefill over the pool: one
+    RoPE over the adjacent q and k heads of the fused q/k/v output (mlx-lm rotates each
+    apart, each a copy of its strided view first on CUDA), then mlx-lm's attention with
+    sinks, o projection, MoE and residuals. RoPE works head by head, so the tokens are
+    mlx-lm's on the CPU (tests)."""
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
-        if not _paged_decode(cache):
+        if not (_paged_decode(cache) or _pooled_prefill(cache)):
             return super().__call__(x, mask, cache)  # type: ignore[misc]
         attn = self.self_attn  # type: ignore[attr-defined]
         n_q = attn.num_attention_heads
         qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
         qk, values = _split_qkv(qkv, n_q, attn.num_key_value_heads, attn.head_dim)
         qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
-        h = x + attn.o_proj(_store_and_attend(cache, qk, values, n_q, attn.sm_scale, attn.sinks))
+        h = x + attn.o_proj(_attend(cache, qk, values, n_q, attn.sm_scale, mask, attn.sinks))
         return h + self.mlp(self.post_attention_layernorm(h))  # type: ignore[attr-defined]
 
 
