@@ -68,10 +68,13 @@ def test_qwen2_blocks_decode_mlx_lm_tokens(tiny_model, monkeypatch):
                   lambda p, n: mlx_lm_greedy(theirs, tokenizer, p, n), ties_of=theirs)
 
 
-def test_residual_adds_inside_the_gemms_compute_the_block(tiny_model_dir, monkeypatch):
-    """Both variants (residual adds after the GEMMs, or inside them by addmm, as on CUDA)
-    compute what mlx-lm's block does, up to float32 rounding: their projections are
-    fused matmuls, which a BLAS need not round as the separate ones."""
+@pytest.mark.parametrize("forward", ["decode", "prefill"])
+def test_the_fast_calls_compute_mlx_lm_blocks(tiny_model_dir, forward):
+    """A decode step (ragged rows) and a prefill forward over the pool (two rows at
+    different starts after cached contexts, ragged) through one block: both variants
+    (residual adds after the GEMMs, or inside them by addmm, as on CUDA) compute what
+    mlx-lm's block does, up to float32 rounding: their projections are fused matmuls,
+    which a BLAS need not round as the separate ones."""
     from worker_proc.attention import ForwardLayout, build_layer_caches, install_attention_hook
     from worker_proc.kv_pool import KVPool
     from worker_proc.memory import probe_attention_specs
@@ -82,13 +85,15 @@ def test_residual_adds_inside_the_gemms_compute_the_block(tiny_model_dir, monkey
     speed_up_decode_blocks(ours, residual_in_gemm=False)
     pool = KVPool(probe_attention_specs(theirs), 300, StandInKernel())
     rng = np.random.default_rng(3)
-    table = rng.permutation(np.arange(1, 301))[:40].reshape(4, 10).astype(np.int32)
-    lengths = np.array([10, 3, 7, 1])
-    x = mx.array(rng.standard_normal((4, 1, theirs.args.hidden_size)).astype(np.float32))
+    table = rng.permutation(np.arange(1, 301))[:60].reshape(4, 15).astype(np.int32)
+    rows, length = (4, 1) if forward == "decode" else (2, 9)
+    x = mx.array(rng.standard_normal((rows, length, theirs.args.hidden_size)).astype(np.float32))
 
     def block_out(block):
-        layout = ForwardLayout.decode(table, lengths)
-        return block(x, cache=build_layer_caches(pool, layout)[0])
+        layout = (ForwardLayout.decode(table, np.array([10, 3, 7, 1])) if forward == "decode"
+                  else ForwardLayout.prefill(table[:2], np.array([5, 2]), np.array([9, 7])))
+        cache = build_layer_caches(pool, layout)[0]
+        return block(x, mask=cache.make_mask(length), cache=cache)
 
     want = block_out(theirs.layers[0])
     for residual_in_gemm in (False, True):
@@ -268,34 +273,6 @@ def test_llama_blocks_with_sliding_layers_prefill_and_decode_mlx_lm_tokens(path)
     fuse_projections(ours)
     assert speed_up_decode_blocks(ours, residual_in_gemm=False) == len(ours.layers)
     _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=79)
-
-
-def test_the_fast_prefill_call_computes_mlx_lm_blocks(tiny_model_dir):
-    """One block's prefill forward over the pool (two rows at different starts after
-    cached contexts, ragged): the fast call's output is mlx-lm's block's, up to the
-    fused projections' float32 rounding."""
-    from worker_proc.attention import (ForwardLayout, build_layer_caches,
-                                       install_attention_hook)
-    from worker_proc.kv_pool import KVPool
-    from worker_proc.memory import probe_attention_specs
-
-    install_attention_hook()
-    theirs, ours = _load(tiny_model_dir), _load(tiny_model_dir)
-    fuse_projections(ours)
-    speed_up_decode_blocks(ours, residual_in_gemm=False)
-    pool = KVPool(probe_attention_specs(theirs), 300, StandInKernel())
-    rng = np.random.default_rng(4)
-    table = rng.permutation(np.arange(1, 301))[:60].reshape(2, 30).astype(np.int32)
-    x = mx.array(rng.standard_normal((2, 9, theirs.args.hidden_size)).astype(np.float32))
-
-    def block_out(block):
-        layout = ForwardLayout.prefill(table, np.array([12, 5]), np.array([9, 7]))
-        cache = build_layer_caches(pool, layout)[0]
-        return block(x, mask=cache.make_mask(9), cache=cache)
-
-    want = block_out(theirs.layers[0])
-    np.testing.assert_allclose(np.array(block_out(ours.layers[0])), np.array(want),
-                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("backend", ["scatter", "in place", "rope in kernel"])
