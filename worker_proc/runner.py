@@ -292,10 +292,10 @@ class ModelRunner:
         groups = self._prefill_groups(batch.prefill, prefixes)
         mixed = self._mixed_chunk(groups, batch)
         if mixed is not None:  # the chunk and the decode rows in one forward
-            chunk_logits, row_logits = self._mixed(mixed, batch.decode_rids, batch.decode_slots)
+            chunk_logits, row_logits = self._mixed(*mixed, batch.decode_rids, batch.decode_slots)
             if chunk_logits is not None:
                 logits.append(chunk_logits)
-                sampled.append(self.requests[mixed.rid])
+                sampled.append(self.requests[mixed[0].rid])
             groups = []
         for group in groups:
             rows, width = self._padded_shape(group)
@@ -443,23 +443,27 @@ class ModelRunner:
         return logits
 
     def _mixed_chunk(self, groups: list[list[PrefillChunk]],
-                     batch: ForwardBatch) -> PrefillChunk | None:
+                     batch: ForwardBatch) -> tuple[PrefillChunk, int] | None:
         """The step's one prefill chunk where it rides in the decode rows' forward
-        (mixes_rows): a lone chunk, unpadded, not scored over every position."""
+        (mixes_rows), and the width it is padded to (_padded_shape; 0: none): a lone
+        chunk, not scored over every position."""
         if not (self.mixes_rows and batch.decode_rids and len(groups) == 1
                 and len(groups[0]) == 1):
             return None
         chunk = groups[0][0]
         if self.requests[chunk.rid].sampling.prompt_logprobs >= 0:
             return None
-        return chunk if self._padded_shape(groups[0]) == (0, 0) else None
+        rows, width = self._padded_shape(groups[0])
+        return (chunk, width) if rows == 0 else None
 
-    def _mixed(self, chunk: PrefillChunk, rids: list[str],
+    def _mixed(self, chunk: PrefillChunk, width: int, rids: list[str],
                slots: list[int]) -> tuple[mx.array | None, mx.array]:
-        """A prompt's chunk and the decode rows in one forward (MixedLayerCache): the
-        chunk's last logits (None where it does not sample) and the rows'."""
+        """A prompt's chunk (right-padded to `width`, as _prefill_many pads a lone one)
+        and the decode rows in one forward (MixedLayerCache): the chunk's last logits
+        (None where it does not sample) and the rows'."""
         state = self._place(chunk)
         n = len(chunk.token_ids)
+        padded = max(n, width)
         states = [self.requests[rid] for rid in rids]
         rows = np.array([s.row for s in states])
         lengths = np.array([s.length for s in states]) + 1
@@ -469,11 +473,13 @@ class ModelRunner:
         row_tokens = gather_last_tokens(states, self._gather_staging.stage)
         staging = self._forward_staging
         staging.begin()
-        chunk_layout = ForwardLayout.single(self.table[state.row], chunk.start, n, None,
-                                            staging.add)
+        chunk_layout = ForwardLayout.prefill(self.table[[state.row]], np.array([chunk.start]),
+                                             np.array([n]), None, staging.add, width)
         rows_layout = ForwardLayout.decode(self.table[rows], lengths, stage=staging.add)
-        chunk_tokens, = staging.add(np.array(chunk.token_ids, dtype=np.int32))
-        caches = build_mixed_caches(self.pool, chunk_layout, rows_layout, n)
+        tokens = np.zeros(padded, dtype=np.int32)
+        tokens[:n] = chunk.token_ids
+        chunk_tokens, = staging.add(tokens)
+        caches = build_mixed_caches(self.pool, chunk_layout, rows_layout, padded)
         self.mixed_forwards += 1
         hidden = self.model.model(mx.concatenate([chunk_tokens, row_tokens])[None],
                                   cache=caches)[0]
@@ -481,8 +487,12 @@ class ModelRunner:
         state.length += n
         for s in states:
             s.length += 1
-        logits = self._forwards.head(hidden[n - 1:] if chunk.sample else hidden[n:])
-        return (logits[:1], logits[1:]) if chunk.sample else (None, logits)
+        if not chunk.sample:
+            return None, self._forwards.head(hidden[padded:])
+        last = (hidden[n - 1:] if padded == n
+                else mx.concatenate([hidden[n - 1:n], hidden[padded:]]))
+        logits = self._forwards.head(last)
+        return logits[:1], logits[1:]
 
     def _load_snapshots(self, states: list[RequestState], stage: Stage) -> None:
         """Hits' recurrent states, at their first chunks (not at _add: a snapshot's own
