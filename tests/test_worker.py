@@ -1039,8 +1039,9 @@ def test_prefill_experiments_are_refused_for_the_device_not_the_model(tiny_model
     from worker_proc.layer_kinds import UnsupportedModelError
 
     gemma = write_model_dir("gemma3_text", tiny_model_dir, tmp_path / "gemma")
-    with pytest.raises(ValueError, match="need the CUDA kernel"):
-        build_runner(ServerConfig(model_path=str(gemma), experiments="unfused-masked-prefill"))
+    for name in ("unfused-masked-prefill", "mixed-forward"):
+        with pytest.raises(ValueError, match="need the CUDA kernel"):
+            build_runner(ServerConfig(model_path=str(gemma), experiments=name))
     with pytest.raises(UnsupportedModelError, match="no llama or qwen2 block"):
         build_runner(ServerConfig(model_path=str(gemma), experiments="rope-in-kernel"))
     # Gemma 3's own fast blocks do not carry the kernel's RoPE either.

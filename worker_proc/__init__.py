@@ -143,6 +143,13 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                          compile_prefill=config.compile_prefill,
                          tail_bucket=chunking.tail_bucket,
                          fresh_buckets=chunking.fresh_buckets)
+    if backend.mixed_forward:
+        if not runner.mixes_rows:
+            raise UnsupportedModelError(
+                "--experiments mixed-forward: needs every block a llama or qwen2 block with "
+                "fused projections and the fast decode call (mlx_lm.models.llama, .qwen2), "
+                "every layer full attention, and an output head")
+        say("a step's lone prompt chunk rides in its decode rows' forward (mixed-forward)")
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests, long_chunk=chunking.size,
                     walk_chunk=chunking.warm_walk)
