@@ -10,7 +10,8 @@ from tests.engine_driver import (InProcessEngine, StandInInPlaceKernels, StandIn
 from tests.test_scheduler import assert_idle_invariant
 from ipc.messages.to_worker import ForwardBatch
 import worker_proc.runner as runner_module
-from worker_proc.runner import trace_decode_shapes, warm_up
+import worker_proc.warm_up as warm_up_module
+from worker_proc.warm_up import trace_decode_shapes, warm_up
 from worker_proc.step_inputs import compiled_batch_size, fresh_forward_shape
 
 
@@ -492,7 +493,7 @@ def test_compiled_decode_traced_at_start_up_serves_without_tracing(tiny_model, o
     runner = engine.runner
     warm_up(runner, max_batch=6)
     assert trace_decode_shapes(runner, max_batch=6) == 4 * 3  # buckets 1, 2, 4, 8; widths 256-1024
-    monkeypatch.setattr(runner_module, "TRACED_AHEAD_MAX_WIDTH", 512)
+    monkeypatch.setattr(warm_up_module, "TRACED_AHEAD_MAX_WIDTH", 512)
     assert trace_decode_shapes(runner, max_batch=6) == 4 * 2  # a bound on start-up time
     traces = runner.decode_traces
     prompts = _prompts(5, [200, 7, 120], model.args.vocab_size, seed=21)

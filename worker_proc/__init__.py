@@ -46,8 +46,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                                     raise_cuda_graph_budgets)
     from worker_proc.offset_norms import sum_offset_norms
     from worker_proc.paged_attention import kernel_available
-    from worker_proc.runner import (CPU_PREFILL_PADDING, PREFILL_PADDING, ModelRunner,
-                                    trace_decode_shapes, warm_up)
+    from worker_proc.runner import CPU_PREFILL_PADDING, PREFILL_PADDING, ModelRunner
+    from worker_proc.warm_up import trace_decode_shapes, warm_up
 
     say = reporter.progress if reporter else logger.info
     on_cuda = kernel_available()
