@@ -38,6 +38,7 @@ class Step:
     start_ms: float | None = None
     wait_ms: float | None = None
     back_ms: float | None = None
+    mixed: bool = False  # its chunk rode in the decode forward (--experiments mixed-forward)
 
     @property
     def host_ms(self) -> float:
@@ -65,6 +66,7 @@ def read_steps(lines: list[str]) -> list[Step]:
         elif m := _BUILD.search(line):
             s = at(m[1])
             s.build_ms, s.start_ms, s.wait_ms = float(m[2]), float(m[3]), float(m[4])
+            s.mixed = "rode in the decode forward" in line
         elif m := _BACK.search(line):
             at(m[1]).back_ms = float(m[2])
     return [steps[k] for k in sorted(steps)]
@@ -75,8 +77,10 @@ def summary(steps: list[Step], slow_ms: float, align: int, slow_build_ms: float 
     off_edge = [s for s in prefill if any(start % align for _, start in s.chunks)]
     slow = [s for s in prefill if s.host_ms >= slow_ms]
     several = sum(s.n_chunks > 1 for s in prefill)
+    mixed = sum(s.mixed for s in prefill)
     lines = [f"{len(steps)} steps, {len(prefill)} with prefill: {several} with several chunks, "
-             f"{len(off_edge)} with a chunk starting off the {align} edges"]
+             f"{len(off_edge)} with a chunk starting off the {align} edges, {mixed} mixed "
+             "forwards"]
     if prefill:
         def med(key: str) -> float:
             return statistics.median(getattr(s, key) for s in prefill)

@@ -277,7 +277,7 @@ def test_llama_blocks_with_sliding_layers_prefill_and_decode_mlx_lm_tokens(path)
 
 @pytest.mark.parametrize("backend", ["scatter", "in place", "rope in kernel"])
 def test_a_chunk_riding_in_the_decode_forward_keeps_mlx_lm_tokens(tiny_model, oracle, fast_tiny,
-                                                                 backend):
+                                                                 backend, caplog):
     """--experiments mixed-forward: prompts arrive while others decode, and each step's
     lone chunk (a 16-token decode-first budget, prompts over several steps, one starting
     after a cached prefix, a prompt's last chunk padded to the 16-token bucket) runs in
@@ -305,8 +305,11 @@ def test_a_chunk_riding_in_the_decode_forward_keeps_mlx_lm_tokens(tiny_model, or
     for i, p in enumerate(late):
         engine.submit(f"l{i}", p, 12, eos)
         engine.step()
-    results = engine.run_until_idle()
+    with caplog.at_level("DEBUG", logger="worker_proc"):
+        results = engine.run_until_idle()
     assert engine.runner.mixed_forwards >= 10
+    # The worker's step lines say so (bench/step_log.py counts them).
+    assert "its chunk rode in the decode forward" in caplog.text
     for rid, p, n in [*((f"e{i}", p, 40) for i, p in enumerate(early)),
                       *((f"l{i}", p, 12) for i, p in enumerate(late))]:
         problem = divergence_off_a_tie(tiny_model[0], p, results[rid].token_ids, oracle(p, n), eos)

@@ -6,7 +6,7 @@ from bench.step_log import read_steps, summary, table
 
 LOG = """\
 18:10:31   scheduler DEBUG   scheduler_proc: step 7: 1 prefill chunks (512 tokens, 512@1024), 32 decodes
-18:10:31      worker DEBUG   worker_proc: step 7 built in 4.63 ms (and 6.37 ms starting prefill forwards, 8.98 ms waiting for them)
+18:10:31      worker DEBUG   worker_proc: step 7 built in 4.63 ms (and 6.37 ms starting prefill forwards, 8.98 ms waiting for them); its chunk rode in the decode forward
 18:10:31   scheduler DEBUG   scheduler_proc: step 8: 2 prefill chunks (512 tokens, 1@4096, 511@0), 31 decodes
 18:10:31   scheduler DEBUG   scheduler_proc: step 7: 32 tokens back after 47.6 ms
 18:10:31      worker DEBUG   worker_proc: step 8 built in 26.12 ms (and 112.06 ms starting prefill forwards, 0.17 ms waiting for them)
@@ -24,7 +24,9 @@ def test_steps_are_joined_and_the_slow_ones_named():
     assert s7.chunks == [(512, 1024)] and s7.decodes == 32 and s7.back_ms == 47.6
     assert s8.chunks == [(1, 4096), (511, 0)] and s8.host_ms == 26.12 + 112.06
     text = summary(steps, slow_ms=30, align=512)
-    assert "3 with prefill: 1 with several chunks, 1 with a chunk starting off the 512 edges" in text
+    assert ("3 with prefill: 1 with several chunks, 1 with a chunk starting off the 512 edges, "
+            "1 mixed forwards") in text
+    assert s7.mixed and not s8.mixed
     assert "1 with build + prefill start >= 30 ms" in text and "step 8: 2 chunks [1@4096 511@0]" in text
     # Step 8's 26 ms build followed step 7's 32 decode rows with 31.
     assert "1 prefill steps built in >= 20 ms, 1 of them where the decode batch changed size" in text

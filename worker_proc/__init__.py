@@ -293,13 +293,16 @@ class WorkerLoop:
             self._report_oldest()
 
     def _build(self, batch: ForwardBatch) -> PendingStep:
+        mixed = self.runner.mixed_forwards
         pending = self.runner.build(batch)
         # The prefill forwards it started and waited for are not graph building.
         clock = self.runner.clock
         spent = self._timer.mark("build", clock.phases())
         logger.debug("step %d built in %.2f ms (and %.2f ms starting prefill forwards, "
-                     "%.2f ms waiting for them)", batch.step, spent * 1e3, clock.start * 1e3,
-                     clock.wait * 1e3)
+                     "%.2f ms waiting for them)%s", batch.step, spent * 1e3, clock.start * 1e3,
+                     clock.wait * 1e3,
+                     "; its chunk rode in the decode forward"
+                     if self.runner.mixed_forwards > mixed else "")
         return pending
 
     def _start(self, pending: PendingStep) -> None:
