@@ -105,7 +105,8 @@ def _attend(cache: PooledKVCache, qk: mx.array, values: mx.array, n_q: int, scal
 
 class FastDecodeBlock:
     """Mixed into a block's class (see speed_up_decode_blocks): its parameters and
-    submodules stay where mlx-lm put them; only the call differs, for paged decode."""
+    submodules stay where mlx-lm put them; only the call differs, for forwards over the
+    pool (paged decode, prefill, a chunk and decode rows together)."""
 
     residual_in_gemm: bool = False  # set per block by speed_up_decode_blocks
     rope_spec: RopeSpec | None = None  # its attention's RoPE, ditto
@@ -198,14 +199,15 @@ class QKNorms:
 
 class FastGemma3Block:
     """Gemma 3's block (mlx-lm's gemma3_text) for paged decode and prefill over the pool:
-    the q and k norms and RoPE over q and k together. mlx-lm normalises then rotates q and k apart: two norms and two
-    RoPEs a layer, each of the strided q or k view of the fused projection's output (MLX's
-    CUDA kernels copy such an input first). Here the heads of q and k go through one
-    unscaled norm, one multiply by both norms' scales ([heads, D], made at load) and one
-    RoPE (RoPE works head by head with one offset per row). That multiply is the scale
-    step of MLX's CPU rms_norm, so on the CPU the tokens are mlx-lm's bit for bit (the
-    tests compare them); CUDA's norm kernel scales before rounding, so there they may
-    differ at near-ties. Attention, the MLP and the residuals are mlx-lm's calls."""
+    the q and k norms and RoPE over q and k together. mlx-lm normalises then rotates q and
+    k apart: two norms and two RoPEs a layer, each of the strided q or k view of the fused
+    projection's output (MLX's CUDA kernels copy such an input first). Here the heads of q
+    and k go through one unscaled norm, one multiply by both norms' scales ([heads, D],
+    made at load) and one RoPE (RoPE works head by head with one offset per row). That
+    multiply is the scale step of MLX's CPU rms_norm, so on the CPU the tokens are
+    mlx-lm's bit for bit (the tests compare them); CUDA's norm kernel scales before
+    rounding, so there they may differ at near-ties. Attention, the MLP and the residuals
+    are mlx-lm's calls."""
 
     qk_norms: QKNorms | None = None  # set per block by speed_up_decode_blocks
 

@@ -286,6 +286,7 @@ class ModelRunner:
         prefixes = {n.rid: n.prefix_slot_ids for n in batch.new_requests if n.prefix_slot_ids}
         groups = self._prefill_groups(batch.prefill, prefixes)
         mixed = self._mixed_chunk(groups, batch)
+        row_logits: mx.array | None = None  # the decode rows', where they rode with a chunk
         if mixed is not None:  # the chunk and the decode rows in one forward
             chunk_logits, row_logits = self._mixed(*mixed, batch.decode_rids, batch.decode_slots)
             if chunk_logits is not None:
@@ -303,7 +304,7 @@ class ModelRunner:
         if prompt:
             self._prompt_logprobs[batch.step] = prompt
         if batch.decode_rids:
-            logits.append(row_logits if mixed is not None else
+            logits.append(row_logits if row_logits is not None else
                           self._decode(batch.decode_rids, batch.decode_slots,
                                        batch.decode_window_slots))
             sampled.extend(self.requests[rid] for rid in batch.decode_rids)
