@@ -557,7 +557,7 @@ def serve_after_warm_up_compiling_nothing(name: str) -> None:
     from pathlib import Path
 
     from tests.engine_driver import StandInKernel
-    from worker_proc.runner import trace_decode_shapes, warm_up
+    from worker_proc.warm_up import trace_decode_shapes, warm_up
 
     def libraries() -> set[str]:
         return {p.name for p in Path(tempfile.gettempdir(), "mlx").rglob("*.so")}

@@ -352,6 +352,7 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
 
     class Runner:
         clock = ForwardClock()  # no prefill forwards started in build
+        mixed_forwards = 0
 
         def build(self, batch):
             calls.append(("build", batch.step))
@@ -407,6 +408,7 @@ def test_the_summary_names_the_intervals_slowest_step(monkeypatch):
 
     class Runner:
         clock = ForwardClock()
+        mixed_forwards = 0
 
         def build(self, batch):
             if batch.prefill:
