@@ -670,8 +670,16 @@ class ModelRunner:
         if self._compiled_decode is not None:
             logits = self._run_compiled(tokens, rows, lengths)
         else:
-            layout = ForwardLayout.decode(self.table[rows], lengths, dense, self._window_row(rows))
-            caches = build_layer_caches(self.pool, layout, _state_rows(states))
+            # Its inputs in the compiled path's staging (unused when decode is eager), one
+            # use a step; a step of several forwards (rows by length) makes new arrays.
+            staging = self._staging if stage is not new_arrays else None
+            if staging is not None:
+                staging.begin()
+            add = staging.add if staging is not None else new_arrays
+            layout = ForwardLayout.decode(self.table[rows], lengths, dense,
+                                          self._window_row(rows), add)
+            state_rows, = add(rows.astype(np.int32) + 1)  # row 0 of the states is scratch
+            caches = build_layer_caches(self.pool, layout, state_rows)
             logits = self.model(tokens[:, None], cache=caches)[:, -1, :]
             check_written(caches)
         for s in states:
@@ -824,11 +832,6 @@ def _zero_rows(table_rows: np.ndarray, n: int) -> np.ndarray:
     if not n:
         return table_rows
     return np.concatenate([table_rows, np.zeros((n, table_rows.shape[1]), table_rows.dtype)])
-
-
-def _state_rows(states: list[RequestState]) -> mx.array:
-    """The requests' rows in the pool's recurrent states (row 0 is scratch)."""
-    return mx.array([s.row + 1 for s in states], dtype=mx.int32)
 
 
 def output_head(model: Any) -> Any:
