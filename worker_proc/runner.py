@@ -23,6 +23,7 @@ from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from worker_proc.attention import (ForwardLayout, batches_ragged_rows, build_layer_caches,
                                    build_mixed_caches,
                                    check_written, install_attention_hook, pads_state_rows)
+from worker_proc.compiled_decode import CompiledDecode
 from worker_proc.decode_block import mixes_rows
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool
@@ -32,8 +33,7 @@ from worker_proc.request_state import (RequestState, TokenCounts, check_ids, che
 from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, SamplingBatch,
                                   StepLogprobs, sample, step_logprobs, token_logprobs)
 from worker_proc.staging import HostStaging, Stage, new_arrays
-from worker_proc.step_inputs import (compiled_batch_size, compiled_table_width, fresh_forward_shape,
-                                     gather_last_tokens, group_by_length,
+from worker_proc.step_inputs import (fresh_forward_shape, gather_last_tokens, group_by_length,
                                      prefill_waves, rows_by_length)
 from worker_proc.step_stats import ForwardClock
 
@@ -167,17 +167,18 @@ class ModelRunner:
         if pool.has_states and not self.shares_prefill:
             logger.warning("this model's recurrent layers cannot skip padding: each prefill "
                            "chunk runs in a forward of its own (slower)")
-        self._compiled_decode = mx.compile(self._decode_forward) if compile_decode else None
-        # Host-written inputs, one buffer a use from each: a compiled decode step's, a
-        # step's sampling settings', a prefill forward's, a changed decode batch's gathers
+        # Host-written inputs, one buffer a use from each: a decode step's (compiled or
+        # eager), a step's sampling settings', a prefill forward's, a changed decode batch's gathers
         # of its previous tokens, a step's sampling extras (logit edits, penalties,
         # logprob rows: one use, each an add), a constrained step's grammar masks, a
         # step's released requests' snapshot copies.
-        self._staging, self._sampling_staging = HostStaging(), HostStaging()
+        self._decode_staging, self._sampling_staging = HostStaging(), HostStaging()
         self._forward_staging, self._gather_staging = HostStaging(), HostStaging()
         self._extras_staging, self._grammar_staging = HostStaging(), HostStaging()
         self._release_staging = HostStaging()
-        self.decode_traces = 0  # how many times mx.compile traced the decode forward
+        self._compiled_decode = (CompiledDecode(model, pool, self.window_table is not None,
+                                                self._decode_staging)
+                                 if compile_decode else None)
         self.mixed_forwards = 0  # forwards that carried a chunk and decode rows (_mixed)
         # Prompt logprobs computed by each built step's chunks, reported by its finish.
         self._prompt_logprobs: dict[int, list[PendingPromptLogprobs]] = {}
@@ -668,11 +669,12 @@ class ModelRunner:
             dense.plan(tuple(int(r) for r in rows), lengths)
         tokens = gather_last_tokens(states, stage)
         if self._compiled_decode is not None:
-            logits = self._run_compiled(tokens, rows, lengths)
+            logits = self._compiled_decode.run(tokens, rows, lengths, self.table,
+                                               self.window_table, self.max_context)
         else:
-            # Its inputs in the compiled path's staging (unused when decode is eager), one
-            # use a step; a step of several forwards (rows by length) makes new arrays.
-            staging = self._staging if stage is not new_arrays else None
+            # Its inputs in the decode steps' staging, one use a step; a step of several
+            # forwards (rows by length) makes new arrays.
+            staging = self._decode_staging if stage is not new_arrays else None
             if staging is not None:
                 staging.begin()
             add = staging.add if staging is not None else new_arrays
@@ -694,74 +696,16 @@ class ModelRunner:
     def prefill_forwards(self) -> PrefillForwards:
         return self._forwards
 
-    def _run_compiled(self, tokens: mx.array, rows: np.ndarray, lengths: np.ndarray) -> mx.array:
-        """The decode forward through its compiled trace; every input is an array (a
-        Python value would be frozen into the trace). The batch is padded to a bucket and
-        the slot table's width bucketed, so a few traces serve every step: a pad row reads
-        and writes only slot 0 (the pool's scratch row) and its logits are dropped."""
-        n = len(rows)
-        size = compiled_batch_size(n)
-        width = compiled_table_width(int(lengths.max()))
-        padded = np.ones(size, dtype=np.int32)
-        padded[:n] = lengths
-        last = (np.arange(size), padded - 1)
-
-        def bucketed(source: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-            """The rows' write slots and slot table from `source`, padded to the bucket."""
-            table = np.zeros((size, width), dtype=np.int32)
-            table[:n, :min(width, self.max_context)] = source[rows, :width]
-            return table[last], table
-
-        # A pad row's recurrent states are the scratch row's (0).
-        state_rows = np.zeros(size, dtype=np.int32)
-        state_rows[:n] = rows + 1
-        parts = [padded - 1, padded, state_rows, *bucketed(self.table)]
-        if self.window_table is not None:
-            parts.extend(bucketed(self.window_table))
-        offsets, lengths, state_rows_mx, write, table_mx, *windows = self._staging.stage(*parts)
-        # Unread where windowed layers share the full slots.
-        window_write, window_table = windows or (write, table_mx)
-        if size > n:
-            tokens = mx.concatenate([tokens, mx.zeros((size - n,), dtype=tokens.dtype)])
-        logits, *rest = self._compiled_decode(
-            tokens, offsets, write, table_mx, lengths, window_write, window_table,
-            state_rows_mx, *self.pool.layers, *self.pool.flat_states())
-        self.pool.adopt_traced(rest)
-        return logits[:n] if size > n else logits
-
     def trace_decode(self, size: int, width: int) -> None:
-        """Trace the compiled decode forward for `size` rows (a batch bucket) over a
-        `width`-column slot table, running nothing: a trace made at start-up is not made
-        mid-serving, as a step (about a forward's host time, tens of ms on an 8B model)."""
+        """Trace the compiled decode forward for `size` rows over a `width`-column slot
+        table, running nothing (CompiledDecode.trace)."""
         assert self._compiled_decode is not None
-        rows = mx.zeros((size,), dtype=mx.int32)
-        table = mx.zeros((size, width), dtype=mx.int32)
-        self._compiled_decode(rows, rows, rows, table, rows + 1, rows, table, rows,
-                              *self.pool.layers, *self.pool.flat_states())  # outputs dropped
+        self._compiled_decode.trace(size, width)
 
-    def _decode_forward(self, tokens: mx.array, offsets: mx.array, write_slots: mx.array,
-                        table: mx.array, lengths: mx.array, window_write: mx.array,
-                        window_table: mx.array, state_rows: mx.array,
-                        *arrays: mx.array) -> tuple[mx.array, ...]:
-        """What _run_compiled traces: the model over the pool arrays it is given (the K/V
-        layers, then the recurrent states; through a view of the pool, so the trace leaves
-        the runner's alone); returns the logits, then the writes' marks (in place) or the
-        arrays after the writes (scatter): KVPool.traced_writes. The window slots are read
-        only where windowed layers have their own space, state_rows only by recurrent
-        layers. Steps follow each other's in-place writes by launch order (one stream), as
-        the K/V layers' do."""
-        self.decode_traces += 1
-        n = len(self.pool.layers)
-        pool = self.pool.with_layers(arrays[:n], states=arrays[n:])
-        windowed = self.window_table is not None
-        layout = ForwardLayout(write_slots=write_slots, read_slots=table, offset=offsets,
-                               mask=None, lengths=lengths,
-                               window_write_slots=window_write if windowed else None,
-                               window_read_slots=window_table if windowed else None)
-        caches = build_layer_caches(pool, layout, state_rows)
-        out = self.model(tokens[:, None], cache=caches)
-        check_written(caches)
-        return (out[:, -1, :], *pool.traced_writes())
+    @property
+    def decode_traces(self) -> int:
+        """How many times mx.compile traced the decode forward."""
+        return self._compiled_decode.traces if self._compiled_decode is not None else 0
 
     def _sample(self, logits: list[mx.array], states: list[RequestState],
                 grammar: GrammarMask | None = None) -> _Sampled:
