@@ -30,11 +30,11 @@ from worker_proc.kv_pool import KVPool
 from worker_proc.prefill_forward import PrefillForwards, traceable
 from worker_proc.request_state import (RequestState, TokenCounts, check_ids, check_sampling,
                                        fold_seed)
-from worker_proc.sampling import (GrammarMask, Penalties, PickedLogprobs, SamplingBatch,
-                                  StepLogprobs, sample, step_logprobs, token_logprobs)
+from worker_proc.sampling import GrammarMask, PickedLogprobs, StepLogprobs, token_logprobs
 from worker_proc.staging import HostStaging, Stage, new_arrays
 from worker_proc.step_inputs import (fresh_forward_shape, gather_last_tokens, group_by_length,
                                      prefill_waves, rows_by_length)
+from worker_proc.step_sampler import NOTHING_SAMPLED, Sampled, StepSampler
 from worker_proc.step_stats import ForwardClock
 
 logger = logging.getLogger(__name__)
@@ -52,12 +52,6 @@ CPU_PREFILL_PADDING = 0.0
 # beside a 74 GB pool). A chunk longer than this still runs whole (--chunked-prefill-size
 # bounds those). mlx-lm prefills in steps of 2048 too.
 PREFILL_FORWARD_TOKENS = 2048
-
-
-class _Sampled(NamedTuple):
-    tokens: mx.array | None
-    counts: list[mx.array]  # penalised requests' new token counts
-    logprobs: StepLogprobs | None
 
 
 @dataclass(frozen=True)
@@ -140,10 +134,7 @@ class ModelRunner:
         self.window_table = (np.zeros_like(self.table) if pool.window_slots else None)
         self._free_rows = list(range(max_requests - 1, -1, -1))
         self.requests: dict[str, RequestState] = {}
-        # The last step's penalised rows, stacked ([P, V] counts and prompt presence), and
-        # whose they are (TokenCounts serials, in order): see _penalties.
-        self._stacked_key: tuple[int, ...] = ()
-        self._stacked: tuple[mx.array, mx.array] | None = None
+        self._sampler = StepSampler()
         # Decode contexts kept across steps, where the pool's backend keeps them (the
         # plain-MLX one, within its share of the pool's bytes: build_runner leaves room).
         backend = pool.backend
@@ -167,14 +158,12 @@ class ModelRunner:
         if pool.has_states and not self.shares_prefill:
             logger.warning("this model's recurrent layers cannot skip padding: each prefill "
                            "chunk runs in a forward of its own (slower)")
-        # Host-written inputs, one buffer a use from each: a decode step's (compiled or
-        # eager), a step's sampling settings', a prefill forward's, a changed decode batch's gathers
-        # of its previous tokens, a step's sampling extras (logit edits, penalties,
-        # logprob rows: one use, each an add), a constrained step's grammar masks, a
+        # Host-written inputs, one buffer a use from each (the sampler has its own): a
+        # decode step's (compiled or eager), a prefill forward's, a changed decode
+        # batch's gathers of its previous tokens, a constrained step's grammar masks, a
         # step's released requests' snapshot copies.
-        self._decode_staging, self._sampling_staging = HostStaging(), HostStaging()
-        self._forward_staging, self._gather_staging = HostStaging(), HostStaging()
-        self._extras_staging, self._grammar_staging = HostStaging(), HostStaging()
+        self._decode_staging, self._forward_staging = HostStaging(), HostStaging()
+        self._gather_staging, self._grammar_staging = HostStaging(), HostStaging()
         self._release_staging = HostStaging()
         self._compiled_decode = (CompiledDecode(model, pool, self.window_table is not None,
                                                 self._decode_staging)
@@ -248,7 +237,7 @@ class ModelRunner:
         self._release(list(self.requests))
         self._prompt_logprobs.clear()
         self._refused.clear()
-        self._stacked_key, self._stacked = (), None
+        self._sampler.reset()
         self._last_prefill = None
         self.pool.take_landing()
 
@@ -313,7 +302,7 @@ class ModelRunner:
             # The masks need the tokens of the steps still in flight: sampled later.
             return PendingStep(batch.step, [s.rid for s in sampled], None, logits,
                                self.pool.take_landing(), unsampled=_Unsampled(logits, sampled))
-        out = self._sample(logits, sampled) if sampled else _Sampled(None, [], None)
+        out = self._sampler.sample(logits, sampled) if sampled else NOTHING_SAMPLED
         return self._with_tokens(batch.step, sampled, out)
 
     def sample_constrained(self, pending: PendingStep) -> PendingStep:
@@ -324,12 +313,12 @@ class ModelRunner:
         logits, states = pending.unsampled
         rows = [i for i, s in enumerate(states) if s.matcher is not None]
         masks = self.grammars.fill([states[i].matcher for i in rows])
-        out = self._sample(logits, states,
-                           GrammarMask.build(rows, masks, self._grammar_staging.stage))
+        out = self._sampler.sample(logits, states,
+                                   GrammarMask.build(rows, masks, self._grammar_staging.stage))
         return self._with_tokens(pending.step, states, out,
                                  [(i, states[i].matcher) for i in rows])
 
-    def _with_tokens(self, step: int, sampled: list[RequestState], out: _Sampled,
+    def _with_tokens(self, step: int, sampled: list[RequestState], out: Sampled,
                      matchers: list[tuple[int, Any]] | None = None) -> PendingStep:
         tokens, logprobs = out.tokens, out.logprobs
         # The pool writes (and new token counts) are computed with the tokens: a step that
@@ -706,57 +695,6 @@ class ModelRunner:
     def decode_traces(self) -> int:
         """How many times mx.compile traced the decode forward."""
         return self._compiled_decode.traces if self._compiled_decode is not None else 0
-
-    def _sample(self, logits: list[mx.array], states: list[RequestState],
-                grammar: GrammarMask | None = None) -> _Sampled:
-        """The step's tokens, the penalised requests' new (lazy) token counts, and the
-        logprobs of the rows that asked."""
-        stacked = mx.concatenate(logits, axis=0)
-        self._extras_staging.begin()
-        extras = self._extras_staging.add
-        penalties = self._penalties(states, stacked.shape[-1], extras)
-        params = SamplingBatch.build([s.sampling for s in states], [s.seed for s in states],
-                                     [s.num_sampled for s in states],
-                                     [s.stop_ids for s in states], penalties, grammar,
-                                     stage=self._sampling_staging.stage, extras=extras)
-        tokens = sample(stacked, params)
-        # From the raw logits: see StepLogprobs for which distribution.
-        logprobs = step_logprobs(stacked, tokens, [s.sampling for s in states], extras)
-        for i, s in enumerate(states):
-            s.last_tokens, s.last_row = tokens, i
-            s.num_sampled += 1
-        return _Sampled(tokens, self._count(states, penalties, tokens), logprobs)
-
-    def _penalties(self, states: list[RequestState], vocab: int,
-                   stage: Stage) -> Penalties | None:
-        rows = [i for i, s in enumerate(states) if s.token_counts is not None]
-        if not rows:
-            return None
-        counters = [states[i].token_counts for i in rows]
-        key = tuple(c.serial for c in counters)  # type: ignore[union-attr]
-        params = [states[i].sampling for i in rows]
-        if key == self._stacked_key:
-            # The same penalised requests as last step, in order: last step's stacked
-            # arrays, not a restack of every row ([P, V] copies) each step.
-            counts, in_prompt = self._stacked
-            return Penalties.of(rows, params, counts, in_prompt, stage)
-        counted = [c.rows(vocab) for c in counters]  # type: ignore[union-attr]
-        return Penalties.build(rows, params, [c for c, _ in counted], [p for _, p in counted],
-                               stage)
-
-    def _count(self, states: list[RequestState], penalties: Penalties | None,
-               tokens: mx.array) -> list[mx.array]:
-        # NOTE: from the lazy tokens, never host values: the next step may be built
-        # before this one's tokens exist.
-        if penalties is None:
-            return []
-        counts = penalties.counted(tokens)
-        rows = [s for s in states if s.token_counts is not None]
-        for j, s in enumerate(rows):
-            s.token_counts.counts = counts[j]  # type: ignore[union-attr]
-        self._stacked_key = tuple(s.token_counts.serial for s in rows)  # type: ignore[union-attr]
-        self._stacked = (counts, penalties.in_prompt)
-        return [counts]
 
     def _check_room(self, state: RequestState, n: int) -> None:
         if state.length + n > self.max_context:
