@@ -89,6 +89,25 @@ def test_layer_kinds_are_read_from_mlx_lm(family):
     assert any(k.sinks for k in kinds) == (name in SINKS)
 
 
+# Families whose model call is its backbone then one output layer (runner.output_head).
+HEADED = {"llama", "llama_sliding", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma3_text",
+          "gpt_oss", "ministral3", "olmo3", "deepseek_v3"}
+
+
+def test_an_output_head_is_the_model_calls_last_layer(family):
+    """Where runner.output_head names one, the backbone then it is the model's own call (so
+    a prefill forward may run the head over the positions it samples alone); the other
+    families have none and are prefilled through their own call."""
+    from worker_proc.runner import output_head
+
+    name, model = family
+    head = output_head(model)
+    assert (head is not None) == (name in HEADED)
+    if head is not None:
+        tokens = mx.array([[5, 9, 13, 21]])
+        np.testing.assert_array_equal(np.array(head(model.model(tokens))), np.array(model(tokens)))
+
+
 def test_only_models_that_cannot_batch_ragged_rows_run_rows_by_length(family):
     name, model = family
     assert InProcessEngine(model).runner.ragged == (name not in BY_LENGTH)

@@ -575,7 +575,7 @@ def test_prefill_without_a_known_output_head_takes_every_positions_logits(tiny_m
     model, tokenizer = tiny_model
     assert output_head(model) is not None  # the demo model is mlx-lm's llama
     engine = InProcessEngine(model)
-    engine.runner._head = None
+    engine.runner.prefill_forwards.head = None
     prompts = _prompts(3, [40, 9, 25], model.args.vocab_size, seed=41)
     assert_greedy(engine, prompts, 10, _eos(tokenizer), oracle)
 

@@ -716,17 +716,34 @@ def _zero_rows(table_rows: np.ndarray, n: int) -> np.ndarray:
     return np.concatenate([table_rows, np.zeros((n, table_rows.shape[1]), table_rows.dtype)])
 
 
+# mlx-lm model modules whose Model call is its backbone (`self.model`) then one output
+# layer and nothing else (read from their source), and where that layer's tying is read:
+# "args" (args.tie_word_embeddings: the embedding's as_linear, else lm_head), "attr"
+# (the model's tie_word_embeddings attribute), "never" (lm_head always).
+_OUTPUT_HEADS = {
+    "llama": "args", "qwen2": "args", "qwen3": "args", "qwen3_moe": "args",
+    "qwen3_next": "args", "mixtral": "args", "phi3": "args", "olmo3": "args",
+    "ministral3": "args", "gemma3_text": "attr", "gpt_oss": "never", "deepseek_v3": "never",
+}
+
+
 def output_head(model: Any) -> Any:
     """The model's last layer (hidden states -> logits) where its call is its backbone
-    (`model.model`) then that layer and nothing else, as for mlx-lm's llama and qwen2
-    (read from their source); None for other models. A prefill forward then computes the
-    logits of the positions it samples from, not of every prompt token (an LM head over
-    all of them was ~7% of a prompt's compute on the demo models, and its output, at a
-    128k vocabulary, 0.5 GB for a 2k-token forward)."""
-    from mlx_lm.models import llama, qwen2
+    (`model.model`, which takes `cache`) then that layer and nothing else (_OUTPUT_HEADS);
+    None for other models. A prefill forward then computes the logits of the positions it
+    samples from, not of every prompt token (an LM head over all of them was ~7% of a
+    prompt's compute on the demo models, ~8% on a Gemma-3-12B with its 262k vocabulary,
+    and its output, at a 128k vocabulary, 0.5 GB for a 2k-token forward)."""
+    import inspect
 
-    if type(model) not in (llama.Model, qwen2.Model):
+    kind = type(model)
+    package, _, name = kind.__module__.rpartition(".")
+    rule = _OUTPUT_HEADS.get(name) if package == "mlx_lm.models" and kind.__name__ == "Model" else None
+    backbone = getattr(model, "model", None)
+    if rule is None or backbone is None:
         return None
-    if model.args.tie_word_embeddings:
-        return model.model.embed_tokens.as_linear
-    return model.lm_head
+    if "cache" not in inspect.signature(type(backbone).__call__).parameters:
+        return None
+    tied = {"args": lambda: model.args.tie_word_embeddings,
+            "attr": lambda: model.tie_word_embeddings, "never": lambda: False}[rule]()
+    return backbone.embed_tokens.as_linear if tied else model.lm_head
