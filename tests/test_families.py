@@ -89,23 +89,28 @@ def test_layer_kinds_are_read_from_mlx_lm(family):
     assert any(k.sinks for k in kinds) == (name in SINKS)
 
 
-# Families whose model call is its backbone then one output layer (runner.output_head).
+# Families whose model call is its backbone then one output layer (runner.split_model).
 HEADED = {"llama", "llama_sliding", "qwen3", "qwen3_moe", "mixtral", "phi3", "gemma3_text",
-          "gpt_oss", "ministral3", "olmo3", "deepseek_v3"}
+          "gpt_oss", "ministral3", "olmo3", "exaone4", "deepseek_v3", "qwen3_next", "qwen3_5",
+          "lfm2", "nemotron_h", "mamba2"}
+
+
+def _split_is_the_model_call(name: str, model) -> None:
+    """Where runner.split_model splits the model, its head over its backbone is the
+    model's own call (so a prefill forward may run the head over the positions it samples
+    alone); the other families have none and are prefilled through their own call."""
+    from worker_proc.runner import split_model
+
+    split = split_model(model)
+    assert (split is not None) == (name in HEADED)
+    if split is not None:
+        tokens = mx.array([[5, 9, 13, 21]])
+        np.testing.assert_array_equal(np.array(split.head(split.backbone(tokens))),
+                                      np.array(model(tokens)))
 
 
 def test_an_output_head_is_the_model_calls_last_layer(family):
-    """Where runner.output_head names one, the backbone then it is the model's own call (so
-    a prefill forward may run the head over the positions it samples alone); the other
-    families have none and are prefilled through their own call."""
-    from worker_proc.runner import output_head
-
-    name, model = family
-    head = output_head(model)
-    assert (head is not None) == (name in HEADED)
-    if head is not None:
-        tokens = mx.array([[5, 9, 13, 21]])
-        np.testing.assert_array_equal(np.array(head(model.model(tokens))), np.array(model(tokens)))
+    _split_is_the_model_call(*family)
 
 
 def test_only_models_that_cannot_batch_ragged_rows_run_rows_by_length(family):
@@ -259,6 +264,10 @@ def test_offset_norms_summed_once_keep_mlx_lm_tokens(name):
 @pytest.fixture(scope="module", params=sorted(RECURRENT_FAMILIES))
 def recurrent_family(request):
     return request.param, build(request.param)
+
+
+def test_a_hybrids_output_head_is_the_model_calls_last_layer(recurrent_family):
+    _split_is_the_model_call(*recurrent_family)
 
 
 def test_recurrent_layers_are_read_from_mlx_lm(recurrent_family):

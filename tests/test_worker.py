@@ -568,14 +568,14 @@ def test_in_place_pool_steps_launched_ahead_match_mlx_lm_without_copies(kernel_m
 
 
 def test_prefill_without_a_known_output_head_takes_every_positions_logits(tiny_model, oracle):
-    """A model whose call is not backbone-then-head (no output_head) is prefilled through
+    """A model whose call is not backbone-then-head (no split_model) is prefilled through
     its own call, every position's logits computed: the same tokens."""
-    from worker_proc.runner import output_head
+    from worker_proc.runner import split_model
 
     model, tokenizer = tiny_model
-    assert output_head(model) is not None  # the demo model is mlx-lm's llama
+    assert split_model(model) is not None  # the demo model is mlx-lm's llama
     engine = InProcessEngine(model)
-    engine.runner.prefill_forwards.head = None
+    engine.runner.prefill_forwards.split = None
     prompts = _prompts(3, [40, 9, 25], model.args.vocab_size, seed=41)
     assert_greedy(engine, prompts, 10, _eos(tokenizer), oracle)
 

@@ -36,8 +36,8 @@ ShapeKey = tuple
 class PrefillForwards:
     """A model's prefill forwards to the logits at one position a row.
 
-    head: the model's output head where its call is `model.model` then that head
-    (runner.output_head), which then runs over those positions alone; None: the model's
+    split: the model's backbone and output head where its call is just those
+    (runner.split_model), the head then run over those positions alone; None: the model's
     own call, every position's logits, indexed. compiles: replay recurring shapes from
     traces; taken where every attention layer is full attention through the attention
     hook (windowed masks are built from host positions), and the model has a head or
@@ -45,11 +45,11 @@ class PrefillForwards:
     state arrays, rows and lengths are among a trace's inputs. A model whose code cannot
     be traced builds eagerly from its first failed trace on."""
 
-    def __init__(self, model: Any, head: Any | None, pool: KVPool, compiles: bool) -> None:
+    def __init__(self, model: Any, split: Any | None, pool: KVPool, compiles: bool) -> None:
         self.model = model
-        self.head = head
+        self.split = split  # runner.ModelSplit
         self.pool = pool
-        self.compiles = compiles and traceable(pool) and (head is not None or pool.has_states)
+        self.compiles = compiles and traceable(pool) and (split is not None or pool.has_states)
         self._compiled = mx.compile(self._traced) if self.compiles else None
         self._met: set[ShapeKey] = set()
         self._traced_keys: set[ShapeKey] = set()
@@ -74,9 +74,9 @@ class PrefillForwards:
                                  "eagerly from now on")
                 self.compiles = False
         caches = build_layer_caches(self.pool, layout, state_rows, fresh_state, state_lengths)
-        if self.head is None:
+        if self.split is None:
             return _rows_at(self.model(tokens, cache=caches), last)
-        return self.head(_rows_at(self.model.model(tokens, cache=caches), last))
+        return self.split.head(_rows_at(self.split.backbone(tokens, cache=caches), last))
 
     def _replays(self, key: ShapeKey) -> bool:
         """Whether a forward of this shape goes through a trace: it has one, or it was met
@@ -126,10 +126,10 @@ class PrefillForwards:
         layout = ForwardLayout(write_slots=write_slots, read_slots=read_slots, offset=offset,
                                mask=mask, fresh=fresh)
         caches = build_layer_caches(pool, layout, state_rows, fresh_state, state_lengths)
-        if self.head is None:
+        if self.split is None:
             logits = _rows_at(self.model(tokens, cache=caches), last)
         else:
-            logits = self.head(_rows_at(self.model.model(tokens, cache=caches), last))
+            logits = self.split.head(_rows_at(self.split.backbone(tokens, cache=caches), last))
         return (logits, *pool.traced_writes())
 
 

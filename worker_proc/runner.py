@@ -176,13 +176,13 @@ class ModelRunner:
         self.vocab_size: int | None = getattr(getattr(model, "args", None), "vocab_size", None)
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._last_prefill: mx.array | None = None  # see _launch_prefill
-        self._forwards = PrefillForwards(model, output_head(model), pool, compile_prefill)
+        self._forwards = PrefillForwards(model, split_model(model), pool, compile_prefill)
         self.tail_bucket = tail_bucket if traceable(pool) and not pool.has_states else 0
         self.fresh_buckets = fresh_buckets and self.shares_prefill and not pool.has_states
         # A step's lone prompt chunk rides in its decode rows' forward (the backend's
         # mixed_forward; blocks that run it, full attention alone, an output head).
         self.mixes_rows = (backend.mixed_forward and mixes_rows(model) and self.ragged
-                           and self._forwards.head is not None and traceable(pool)
+                           and self._forwards.split is not None and traceable(pool)
                            and not pool.has_states and self.window_table is None)
         # This build's time starting prefill forwards and waiting for earlier ones.
         self.clock = ForwardClock()
@@ -467,17 +467,18 @@ class ModelRunner:
         chunk_tokens, = staging.add(tokens)
         caches = build_mixed_caches(self.pool, chunk_layout, rows_layout, padded)
         self.mixed_forwards += 1
-        hidden = self.model.model(mx.concatenate([chunk_tokens, row_tokens])[None],
-                                  cache=caches)[0]
+        split = self._forwards.split
+        hidden = split.backbone(mx.concatenate([chunk_tokens, row_tokens])[None],
+                                cache=caches)[0]
         check_written(caches)
         state.length += n
         for s in states:
             s.length += 1
         if not chunk.sample:
-            return None, self._forwards.head(hidden[padded:])
+            return None, split.head(hidden[padded:])
         last = (hidden[n - 1:] if padded == n
                 else mx.concatenate([hidden[n - 1:n], hidden[padded:]]))
-        logits = self._forwards.head(last)
+        logits = split.head(last)
         return logits[:1], logits[1:]
 
     def _load_snapshots(self, states: list[RequestState], stage: Stage) -> None:
@@ -716,34 +717,59 @@ def _zero_rows(table_rows: np.ndarray, n: int) -> np.ndarray:
     return np.concatenate([table_rows, np.zeros((n, table_rows.shape[1]), table_rows.dtype)])
 
 
-# mlx-lm model modules whose Model call is its backbone (`self.model`) then one output
-# layer and nothing else (read from their source), and where that layer's tying is read:
-# "args" (args.tie_word_embeddings: the embedding's as_linear, else lm_head), "attr"
-# (the model's tie_word_embeddings attribute), "never" (lm_head always).
+@dataclass(frozen=True)
+class ModelSplit:
+    """A model whose call is its backbone (hidden states, taking `cache`) then one output
+    layer and nothing else: `head(backbone(tokens, cache=...))` is the model's call."""
+
+    backbone: Any
+    head: Any
+
+
+# mlx-lm model modules whose Model call is a backbone then one output layer and nothing
+# else (read from their source): the backbone's attribute, and where the layer's tying
+# is read: "args" (args.tie_word_embeddings: the embedding's as_linear, else lm_head),
+# "attr" (the model's tie_word_embeddings), "never" (lm_head), "always" (the embedding).
 _OUTPUT_HEADS = {
-    "llama": "args", "qwen2": "args", "qwen3": "args", "qwen3_moe": "args",
-    "qwen3_next": "args", "mixtral": "args", "phi3": "args", "olmo3": "args",
-    "ministral3": "args", "gemma3_text": "attr", "gpt_oss": "never", "deepseek_v3": "never",
+    "llama": ("model", "args"), "qwen2": ("model", "args"), "qwen3": ("model", "args"),
+    "qwen3_moe": ("model", "args"), "qwen3_next": ("model", "args"),
+    "mixtral": ("model", "args"), "phi3": ("model", "args"), "olmo3": ("model", "args"),
+    "ministral3": ("model", "args"), "exaone4": ("model", "args"),
+    "gemma3_text": ("model", "attr"), "gpt_oss": ("model", "never"),
+    "deepseek_v3": ("model", "never"), "nemotron_h": ("backbone", "never"),
+    "mamba2": ("backbone", "args"), "lfm2": ("model", "always"),
 }
 
 
-def output_head(model: Any) -> Any:
-    """The model's last layer (hidden states -> logits) where its call is its backbone
-    (`model.model`, which takes `cache`) then that layer and nothing else (_OUTPUT_HEADS);
-    None for other models. A prefill forward then computes the logits of the positions it
-    samples from, not of every prompt token (an LM head over all of them was ~7% of a
-    prompt's compute on the demo models, ~8% on a Gemma-3-12B with its 262k vocabulary,
-    and its output, at a 128k vocabulary, 0.5 GB for a 2k-token forward)."""
-    import inspect
-
+def split_model(model: Any) -> ModelSplit | None:
+    """The model as backbone and output head where its call is just that (_OUTPUT_HEADS;
+    Qwen 3.5's wraps its text model, which is); None for other models. A prefill forward
+    then computes the logits of the positions it samples from, not of every prompt token
+    (an LM head over all of them was ~7% of a prompt's compute on the demo models, ~8% on
+    a Gemma-3-12B with its 262k vocabulary, and its output, at a 128k vocabulary, 0.5 GB
+    for a 2k-token forward)."""
     kind = type(model)
     package, _, name = kind.__module__.rpartition(".")
-    rule = _OUTPUT_HEADS.get(name) if package == "mlx_lm.models" and kind.__name__ == "Model" else None
-    backbone = getattr(model, "model", None)
-    if rule is None or backbone is None:
+    if package != "mlx_lm.models" or kind.__name__ != "Model":
         return None
-    if "cache" not in inspect.signature(type(backbone).__call__).parameters:
+    if name == "qwen3_5":  # its text model, unsharded, is backbone then head
+        text = getattr(model, "language_model", None)
+        if type(text).__name__ != "TextModel" or getattr(text, "sharding_group", 0) is not None:
+            return None
+        return _split(text, "model", "args")
+    rule = _OUTPUT_HEADS.get(name)
+    return _split(model, *rule) if rule is not None else None
+
+
+def _split(model: Any, backbone_name: str, tying: str) -> ModelSplit | None:
+    import inspect
+
+    backbone = getattr(model, backbone_name, None)
+    if backbone is None or "cache" not in inspect.signature(type(backbone).__call__).parameters:
         return None
-    tied = {"args": lambda: model.args.tie_word_embeddings,
-            "attr": lambda: model.tie_word_embeddings, "never": lambda: False}[rule]()
-    return backbone.embed_tokens.as_linear if tied else model.lm_head
+    tied = {"args": lambda: model.args.tie_word_embeddings, "never": lambda: False,
+            "attr": lambda: model.tie_word_embeddings, "always": lambda: True}[tying]()
+    if not tied:
+        return ModelSplit(backbone, model.lm_head)
+    embedding = getattr(backbone, "embed_tokens", None) or getattr(backbone, "embeddings")
+    return ModelSplit(backbone, embedding.as_linear)
