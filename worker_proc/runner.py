@@ -771,5 +771,8 @@ def _split(model: Any, backbone_name: str, tying: str) -> ModelSplit | None:
             "attr": lambda: model.tie_word_embeddings, "always": lambda: True}[tying]()
     if not tied:
         return ModelSplit(backbone, model.lm_head)
-    embedding = getattr(backbone, "embed_tokens", None) or getattr(backbone, "embeddings")
+    # (An mlx Module is a dict: tested for None, not for truth.)
+    embedding = getattr(backbone, "embed_tokens", None)
+    if embedding is None:
+        embedding = backbone.embeddings  # mamba2's name
     return ModelSplit(backbone, embedding.as_linear)
