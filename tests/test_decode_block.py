@@ -95,11 +95,15 @@ def test_the_fast_calls_compute_mlx_lm_blocks(tiny_model_dir, forward):
         cache = build_layer_caches(pool, layout)[0]
         return block(x, mask=cache.make_mask(length), cache=cache)
 
-    want = block_out(theirs.layers[0])
+    # Only the rows' own positions are promised: a padded query's output is never read
+    # (on CUDA it differed between the two calls while the CPU happened to agree).
+    valid = [(0, 1), (1, 1), (2, 1), (3, 1)] if forward == "decode" else [(0, 9), (1, 7)]
+    want = np.array(block_out(theirs.layers[0]))
     for residual_in_gemm in (False, True):
         ours.layers[0].residual_in_gemm = residual_in_gemm
-        np.testing.assert_allclose(np.array(block_out(ours.layers[0])), np.array(want),
-                                   rtol=1e-5, atol=1e-5)
+        got = np.array(block_out(ours.layers[0]))
+        for row, n in valid:
+            np.testing.assert_allclose(got[row, :n], want[row, :n], rtol=1e-5, atol=1e-5)
 
 
 def test_the_flag_needs_fused_projections():
