@@ -16,7 +16,7 @@ PROJECT_NAME = "kiln"
 PREFILL_CHUNK = 2048  # --chunked-prefill-size 0's value by device: mlx-lm's prefill step,
 LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerConfig.chunk_size)
 # CUDA attention paths other than the default, for --experiments (A/B runs).
-DECODE_EXPERIMENTS = ("rope-in-kernel", "staged-kv", "unfused-prefill",
+DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
                       "bucketed-fresh", "mixed-forward")
 
@@ -161,9 +161,10 @@ class ServerConfig:
                                       "on, for A/B runs (may change or go): rope-in-kernel (the "
                                       "attention kernel rotates the fused q/k/v projection's "
                                       "output itself: less host time a step, more device "
-                                      "time; see docs/benchmarks.md), staged-kv (the "
-                                      "attention kernel brings K/V through shared memory with "
-                                      "cp.async, several tiles in flight; sm_80+; unmeasured), "
+                                      "time; see docs/benchmarks.md), register-kv (the "
+                                      "attention kernel prefetches K/V into registers, as "
+                                      "before it staged tiles through shared memory with "
+                                      "cp.async), "
                                       "unfused-prefill (every prefill attention as plain "
                                       "matmuls, as before prefill forwards went through "
                                       "MLX's fused cuDNN kernel at shapes padded to "

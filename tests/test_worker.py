@@ -675,10 +675,11 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
         ServerConfig(experiments="rope-in-kernel", fast_decode_blocks="off")
     from worker_proc import paged_attention
 
-    staged = ServerConfig(experiments="staged-kv", fast_decode_blocks="off")  # kernel-level only
-    backend = choose_decode_backend(specs, staged.experiment_set)
-    assert backend == KernelDecode(stages=4) and paged_attention.staged_tiles(128, 2, backend.stages) == 4
-    assert paged_attention.staged_tiles(128, 2) == 0  # the default: register prefetch
+    register = ServerConfig(experiments="register-kv", fast_decode_blocks="off")  # kernel-level only
+    backend = choose_decode_backend(specs, register.experiment_set)
+    assert backend == KernelDecode(stages=0) and paged_attention.staged_tiles(128, 2, backend.stages) == 0
+    # The default stages K/V through shared memory, as many tiles as fit in its budget.
+    assert paged_attention.staged_tiles(128, 2) == 8 and paged_attention.staged_tiles(256, 4) == 2
     unfused = choose_decode_backend(specs, ServerConfig(experiments="unfused-prefill").experiment_set)
     assert KernelDecode().bucketed_prefill and unfused == KernelDecode(bucketed_prefill=False)
     masked = choose_decode_backend(specs, ServerConfig(experiments="unfused-masked-prefill").experiment_set)

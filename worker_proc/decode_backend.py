@@ -116,8 +116,8 @@ class KernelDecode(DecodeBackend):
     write_in_attention: the decode kernel stores the step's K/V itself (a launch less a
     layer; off only for A/B runs). rope_in_kernel: fast decode blocks hand it the fused
     q/k/v output unrotated (`--experiments rope-in-kernel`). stages: K/V staged through
-    shared memory with cp.async this many tiles ahead, 0 for register prefetch
-    (`--experiments staged-kv`). bucketed_prefill: causal prefill attention of long
+    shared memory with cp.async this many tiles ahead (the default), 0 for register
+    prefetch (`--experiments register-kv`). bucketed_prefill: causal prefill attention of long
     chunks through MLX's fused kernel at padded shapes (bucketed_fused_attention), the
     rest unfused; off, every prefill attention that fits is unfused (`--experiments
     unfused-prefill`, the A/B arm). bucketed_masked: masked prefill forwards of
@@ -314,7 +314,7 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                              "CUDA backend, head sizes a multiple of 32)")
         return GatherDecode()
     return KernelDecode(rope_in_kernel="rope-in-kernel" in experiments,
-                        stages=4 if "staged-kv" in experiments else DEFAULT_STAGES,
+                        stages=0 if "register-kv" in experiments else DEFAULT_STAGES,
                         bucketed_prefill="unfused-prefill" not in experiments,
                         bucketed_masked="unfused-masked-prefill" not in experiments,
                         align_chunks="unaligned-chunks" not in experiments,

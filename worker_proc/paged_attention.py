@@ -40,10 +40,12 @@ _THREADS = 128  # four warps per block
 # the softmax math on every lane, more passes or fewer lanes cost registers (occupancy).
 LANES_PER_TOKEN = 16
 PASSES = 1
-# K/V tiles a block keeps in flight through shared memory (cp.async, sm_80+): 0 keeps the
-# register prefetch that was measured (see _REGISTER_PIPE); unmeasured yet otherwise. The
-# decode backend's option (decode_backend.KernelDecode.stages); this is its default.
-DEFAULT_STAGES = 0
+# K/V tiles a block keeps in flight through shared memory (cp.async, sm_80+), fewer where
+# they would not fit (staged_tiles); 0: the register prefetch (_REGISTER_PIPE). On the
+# H200 eight tiles (of 16 x 1 lanes, 512-block target) tied or beat the register prefetch
+# at 1-128 rows of 256-2,048 tokens, by 5-14% at 64-128 rows of 1,024+ (session 24 in
+# docs/benchmarks.md). The decode backend's option (decode_backend.KernelDecode.stages).
+DEFAULT_STAGES = 8
 _STAGE_BYTES_MAX = 32 * 1024  # beside the slot ids (4 KiB) and the merge (8 KiB): < 48 KiB
 
 
@@ -298,7 +300,7 @@ def _pool_load(slot: str) -> str:
 # of registers (and so of blocks an SM). Staged (STAGES >= 2, sm_80+): the block copies
 # whole tiles of STEP tokens into shared memory with cp.async, STAGES - 1 tiles ahead,
 # which keeps more bytes in flight without registers; lanes then read their rows from the
-# tile. An experiment until measured on the GPU (bench/attention_kernel.py --stages).
+# tile. The default (DEFAULT_STAGES); bench/attention_kernel.py --stages compares them.
 _REGISTER_PIPE = {
     "PIPE_SETUP": """auto load = [&](int at, V* kk, V* vv) {
 #pragma unroll
