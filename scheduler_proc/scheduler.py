@@ -88,6 +88,13 @@ class PrefillBudget:
     A budget that has given nothing yet still gives its whole (the oldest prompt advances
     every step, whatever the alignment).
 
+    Unaligned, a budget does not start a prompt it cannot finish with a head shorter than
+    half the longest chunk it gave: the step's forward pads its rows to that chunk, so
+    such a head adds more padding than tokens (and on CUDA, for heads cuDNN does not
+    take, a masked forward at a new shape: Gemma 3's steps joining one prompt's tail and
+    the next one's head took 60-120 ms to start against 16-25 for one chunk; session 24
+    in docs/benchmarks.md).
+
     pieces (aligned budgets only): of the tokens, the most that pieces of prompts may take
     (chunks that leave their prompt unfinished or continue one); the rest goes to fresh
     prompts whole. A budget scaled up by a backlog (SchedulerLimits.prefill_tokens) then
@@ -101,6 +108,7 @@ class PrefillBudget:
         self.chunk = chunk
         self.align = align if align > 1 and chunk % align == 0 else 1
         self.pieces_left = tokens if pieces is None or self.align == 1 else min(pieces, tokens)
+        self.longest = 0  # the longest chunk given: a step's forward pads its rows to it
 
     def take(self, start: int, wanted: int) -> int:
         """Tokens for a prompt whose next chunk starts at `start` with `wanted` to go."""
@@ -113,12 +121,18 @@ class PrefillBudget:
             if aligned > 0:
                 n = aligned
             elif self.left < self.total:
-                self.left = 0  # scraps: later prompts wait for the next step too (FCFS)
-                return 0
+                return self._scraps()
+        elif n < wanted and start == 0 and 2 * n < self.longest:
+            return self._scraps()
         self.left -= n
+        self.longest = max(self.longest, n)
         if piece:
             self.pieces_left -= n
         return n
+
+    def _scraps(self) -> int:
+        self.left = 0  # later prompts wait for the next step too (FCFS)
+        return 0
 
     def give_back(self, n: int) -> None:
         self.left += n

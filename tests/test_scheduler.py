@@ -88,8 +88,16 @@ def test_waiting_queue_is_fifo_with_removal():
 
 def test_prefill_budget_chunks():
     budget = PrefillBudget(tokens=100, chunk=64)
-    assert [budget.take(0, 200), budget.take(0, 200), budget.take(0, 5)] == [64, 36, 0]
+    assert [budget.take(0, 200), budget.take(64, 200), budget.take(0, 5)] == [64, 36, 0]
     assert budget.exhausted
+    # A prompt is started only with a head of at least half the longest chunk given (the
+    # step's forward pads its rows to that one); whole prompts fit in whatever is left.
+    budget = PrefillBudget(tokens=100, chunk=100)
+    assert [budget.take(30, 70), budget.take(0, 5), budget.take(0, 200)] == [70, 5, 0]
+    assert budget.exhausted and budget.take(0, 1) == 0  # FCFS: later prompts wait too
+    budget = PrefillBudget(tokens=100, chunk=100)
+    assert [budget.take(60, 40), budget.take(0, 200)] == [40, 60]
+    assert PrefillBudget(100, 64).take(0, 200) == 64  # a budget that gave nothing: its whole
 
 
 def test_an_aligned_budget_ends_unfinished_chunks_on_its_edges():
@@ -147,7 +155,8 @@ def test_an_aligned_backlog_budget_admits_whole_prompts_not_longer_pieces():
         return _prefilled(batch)
 
     assert first_step(32) == {"long": 32, **{f"s{i}": 10 for i in range(6)}}
-    assert first_step(1) == {"long": 64, "s0": 10, "s1": 10, "s2": 10, "s3": 2}
+    # (s3's 2 tokens of 10 would be a head under half the longest chunk: it waits)
+    assert first_step(1) == {"long": 64, "s0": 10, "s1": 10, "s2": 10}
     budget = PrefillBudget(96, 64, 32, pieces=32)
     assert budget.take(64, 100) == 32 and budget.take(0, 10) == 10
     assert budget.take(0, 100) == 0 and budget.exhausted  # FCFS: the next piece waits
