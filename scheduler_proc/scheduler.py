@@ -89,11 +89,11 @@ class PrefillBudget:
     every step, whatever the alignment).
 
     Unaligned, a budget does not start a prompt it cannot finish with a head shorter than
-    half the longest chunk it gave: the step's forward pads its rows to that chunk, so
-    such a head adds more padding than tokens (and on CUDA, for heads cuDNN does not
-    take, a masked forward at a new shape: Gemma 3's steps joining one prompt's tail and
-    the next one's head took 60-120 ms to start against 16-25 for one chunk; session 24
-    in docs/benchmarks.md).
+    half the longest chunk it gave: the worker shares a forward only between chunks of
+    near one length (runner.PREFILL_PADDING), so such a head runs as a forward of its own,
+    every layer's launches and weight reads again for few tokens (Gemma 3's steps joining
+    one prompt's tail and the next one's head took 60-120 ms to start on the H200 against
+    16-25 for one chunk; session 24 in docs/benchmarks.md).
 
     pieces (aligned budgets only): of the tokens, the most that pieces of prompts may take
     (chunks that leave their prompt unfinished or continue one); the rest goes to fresh
@@ -108,7 +108,7 @@ class PrefillBudget:
         self.chunk = chunk
         self.align = align if align > 1 and chunk % align == 0 else 1
         self.pieces_left = tokens if pieces is None or self.align == 1 else min(pieces, tokens)
-        self.longest = 0  # the longest chunk given: a step's forward pads its rows to it
+        self.longest = 0  # the longest chunk given (see the unaligned rule above)
 
     def take(self, start: int, wanted: int) -> int:
         """Tokens for a prompt whose next chunk starts at `start` with `wanted` to go."""

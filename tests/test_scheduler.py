@@ -90,8 +90,9 @@ def test_prefill_budget_chunks():
     budget = PrefillBudget(tokens=100, chunk=64)
     assert [budget.take(0, 200), budget.take(64, 200), budget.take(0, 5)] == [64, 36, 0]
     assert budget.exhausted
-    # A prompt is started only with a head of at least half the longest chunk given (the
-    # step's forward pads its rows to that one); whole prompts fit in whatever is left.
+    # A prompt is started only with a head of at least half the longest chunk given (a
+    # shorter one would be a forward of its own for few tokens); whole prompts fit in
+    # whatever is left.
     budget = PrefillBudget(tokens=100, chunk=100)
     assert [budget.take(30, 70), budget.take(0, 5), budget.take(0, 200)] == [70, 5, 0]
     assert budget.exhausted and budget.take(0, 1) == 0  # FCFS: later prompts wait too
