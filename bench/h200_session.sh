@@ -84,7 +84,7 @@ MIXED_BURST_OUTPUT=${MIXED_BURST_OUTPUT:-64}  # the burst's output tokens; 1: no
 MIXED_BURST_REQUESTS=${MIXED_BURST_REQUESTS:-64}  # the burst's prompts (of 4,096 tokens)
 MIXED_BURST_SPREAD=${MIXED_BURST_SPREAD:-0}  # ... each 4,096 * (1 +- this) tokens
 MIXED_VARIANTS=${MIXED_VARIANTS:-}  # ';'-joined launch flags, each arm run under each
-                                    # (A/B on one machine: ";--experiments bucketed-fresh")
+                                    # (A/B on one machine: ";--experiments mixed-forward")
 mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1

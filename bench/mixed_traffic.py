@@ -256,7 +256,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kiln-args", default="", help="extra launch.py flags for every arm")
     p.add_argument("--variants", default="",
                    help="';'-joined launch.py flags, each a variant every arm runs under "
-                        "(e.g. ';--experiments bucketed-fresh': as is, then with that flag)")
+                        "(e.g. ';--experiments mixed-forward': as is, then with that flag)")
     p.add_argument("--prime", action="store_true",
                    help="first start and stop a kiln server that is not measured (prime())")
     p.add_argument("--seed", type=int, default=0)

@@ -18,7 +18,7 @@ LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerCo
 # CUDA attention paths other than the default, for --experiments (A/B runs).
 DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
-                      "bucketed-fresh", "mixed-forward")
+                      "mixed-forward")
 
 
 def _auto_on_off(help_text: str) -> Any:
@@ -175,9 +175,6 @@ class ServerConfig:
                                       "unaligned-chunks (prompt chunks end wherever the "
                                       "step's budget does, as before they were cut back to "
                                       "the 512 edges of the bucketed prefill), "
-                                      "bucketed-fresh (forwards of fresh prompts padded to "
-                                      "recurring row counts and widths; no gain measured "
-                                      "on a wave of 64 short prompts, session 22), "
                                       "mixed-forward (a step's lone prompt chunk runs in "
                                       "its decode rows' forward, one weight read for both; "
                                       "llama and qwen2 blocks; unmeasured)."})

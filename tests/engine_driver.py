@@ -66,7 +66,7 @@ class InProcessEngine:
                  snapshot_stride: int = 0, window_slots: int | None = None,
                  max_prefill_tokens_while_decoding: int | None = None,
                  chunk_align: int = 1, tail_bucket: int = 0,
-                 fresh_buckets: bool = False, steps_in_flight: int = 2) -> None:
+                 steps_in_flight: int = 2) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False; steps_in_flight: how many steps the scheduler keeps at the
         worker with overlap (ServerConfig.steps_in_flight). tokenizer: what the scheduler decodes stop strings with.
@@ -79,7 +79,7 @@ class InProcessEngine:
         max_prefill_tokens_while_decoding: the decode-first budget (None: one budget).
         chunk_align: where unfinished chunks end (SchedulerLimits.chunk_align);
         tail_bucket: what a prompt's last chunk after them is padded to
-        (ModelRunner.tail_bucket); fresh_buckets: ModelRunner's."""
+        (ModelRunner.tail_bucket)."""
         specs = probe_attention_specs(model)
         if window_slots is None:
             recurrent = KVPool.state_bytes_per_request(specs) > 0
@@ -91,7 +91,7 @@ class InProcessEngine:
                                   prefill_padding=prefill_padding,
                                   compile_decode=compile_decode,
                                   compile_prefill=compile_prefill,
-                                  tail_bucket=tail_bucket, fresh_buckets=fresh_buckets)
+                                  tail_bucket=tail_bucket)
         # As the worker tells the scheduler (WorkerReady): a model with recurrent layers
         # caches prefixes only where it keeps state snapshots.
         radix_cache = radix_cache and self.pool.serves_prefix_hits

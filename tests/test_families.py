@@ -563,7 +563,7 @@ def test_recurrent_prefill_shares_forwards_where_the_model_masks_padding(recurre
     shared: list[int] = []
     engine = InProcessEngine(model, chunk_size=16, max_prefill_tokens=64)
     many = engine.runner._prefill_many
-    engine.runner._prefill_many = lambda chunks, *pad: shared.append(len(chunks)) or many(chunks, *pad)
+    engine.runner._prefill_many = lambda chunks, *width: shared.append(len(chunks)) or many(chunks, *width)
     assert engine.runner.shares_prefill == (name != "nemotron_h")
     rng = np.random.default_rng(11)
     prompts = [rng.integers(5, VOCAB, size=n).tolist() for n in (10, 11, 12, 30, 33)]
@@ -630,18 +630,3 @@ def test_compiled_decode_compiles_no_kernel_while_serving(name, tmp_path):
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert run.returncode == 0, run.stderr[-3000:]
-
-
-@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss", "deepseek_v3"])
-def test_fresh_prompts_in_bucketed_forwards_keep_mlx_lm_tokens(name):
-    """ModelRunner.fresh_buckets on windowed, sink and own-score layers: fresh prompts'
-    forwards padded in rows and width (the padding after every real query, in slot 0),
-    prompts longer than the window among them; mlx-lm's tokens."""
-    model = build(name)
-    prompts = _prompts(seed=400 + len(name))
-    engine = InProcessEngine(model, chunk_size=64, fresh_buckets=True)
-    assert engine.runner.fresh_buckets
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, 12, [])
-    results = engine.run_until_idle()
-    assert_mlx_lm_tokens(model, name, results, [(f"r{i}", p) for i, p in enumerate(prompts)], 12)

@@ -45,9 +45,9 @@ def test_every_budget_runs_under_every_variant_with_its_own_log():
     assert [(a.label, a.flags, a.log_name) for a in plain] == [
         ("default", [], "mixed_default.log"),
         ("8192", ["--max-prefill-tokens-while-decoding", "8192"], "mixed_8192.log")]
-    ab = arms_of("default", "; --experiments bucketed-fresh ;--compile-prefill")
+    ab = arms_of("default", "; --experiments mixed-forward ;--compile-prefill")
     assert [(a.label, a.flags, a.log_name) for a in ab] == [
         ("default", [], "mixed_default.log"),
-        ("default --experiments bucketed-fresh", ["--experiments", "bucketed-fresh"],
+        ("default --experiments mixed-forward", ["--experiments", "mixed-forward"],
          "mixed_default_v1.log"),
         ("default --compile-prefill", ["--compile-prefill"], "mixed_default_v2.log")]

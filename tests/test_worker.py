@@ -12,7 +12,7 @@ from ipc.messages.to_worker import ForwardBatch
 import worker_proc.runner as runner_module
 import worker_proc.warm_up as warm_up_module
 from worker_proc.warm_up import trace_decode_shapes, warm_up
-from worker_proc.step_inputs import compiled_batch_size, fresh_forward_shape
+from worker_proc.step_inputs import compiled_batch_size
 
 
 def _eos(tokenizer) -> list[int]:
@@ -179,8 +179,8 @@ def test_prompts_prefilled_together_match_mlx_lm(tiny_model, oracle, monkeypatch
     shared = []
     original = ModelRunner._prefill_many
     monkeypatch.setattr(ModelRunner, "_prefill_many",
-                        lambda self, chunks, *pad: (shared.append(len(chunks))
-                                                    or original(self, chunks, *pad)))
+                        lambda self, chunks, *width: (shared.append(len(chunks))
+                                                    or original(self, chunks, *width)))
     model, tokenizer = tiny_model
     prefix = _prompts(1, [40], model.args.vocab_size, seed=5)[0]
     tails = _prompts(6, [9, 11, 12, 10, 8, 13], model.args.vocab_size, seed=6)
@@ -629,10 +629,6 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     assert chunking(KernelDecode()).tail_bucket == 512
     assert chunking(KernelDecode(align_chunks=False)).tail_bucket == 0
     assert chunking(GatherDecode()).tail_bucket == 0
-    # Fresh prompts' forwards bucketed where the CUDA backend is asked to (the A/B arm).
-    assert chunking(KernelDecode(bucket_fresh=True)).fresh_buckets
-    assert not chunking(KernelDecode()).fresh_buckets
-    assert not chunking(GatherDecode()).fresh_buckets
     # A smaller decode-first budget, a power of two from 128, sets the bucket and so the
     # edges, the tails and the walk (prefill_bucket_for); others keep 512.
     from worker_proc.paged_attention import prefill_bucket_for
@@ -686,8 +682,6 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert KernelDecode().bucketed_masked and masked == KernelDecode(bucketed_masked=False)
     unaligned = choose_decode_backend(specs, ServerConfig(experiments="unaligned-chunks").experiment_set)
     assert KernelDecode().align_chunks and unaligned == KernelDecode(align_chunks=False)
-    fresh = choose_decode_backend(specs, ServerConfig(experiments="bucketed-fresh").experiment_set)
-    assert not KernelDecode().bucket_fresh and fresh == KernelDecode(bucket_fresh=True)
 
 
 def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_lm(
@@ -819,9 +813,9 @@ def test_a_long_prompts_last_chunk_runs_padded_to_a_bucket_with_mlx_lm_tokens(
     widths = []
     many = runner_module.ModelRunner._prefill_many
 
-    def spy(self, chunks, width=0, padded_rows=0):  # noqa: ANN001, ANN202
+    def spy(self, chunks, width=0):  # noqa: ANN001, ANN202
         widths.append((len(chunks), width))
-        return many(self, chunks, width, padded_rows)
+        return many(self, chunks, width)
 
     monkeypatch.setattr(runner_module.ModelRunner, "_prefill_many", spy)
     # 70: 64, then 6 padded to 32; 100: 64, then 36 (not under a bucket); 45: one chunk.
@@ -920,47 +914,6 @@ def test_a_forwards_layers_share_one_causal_mask(tiny_model, oracle, monkeypatch
     assert_greedy(engine, _prompts(1, [40], model.args.vocab_size, seed=9), 4, _eos(tokenizer),
                   oracle)
     assert made == [(40, 40)]
-
-
-def test_fresh_prompts_run_in_bucketed_forwards(tiny_model, oracle, monkeypatch):
-    """fresh_buckets: a forward of fresh prompts runs padded to compiled decode's row
-    buckets and a width rounded up within its octave (pad rows: one token in slot 0),
-    so a later wave of other lengths meets the same shapes; greedy tokens stay mlx-lm's,
-    alone, several at once, beside decoding rows and after a prefix hit (not fresh:
-    unpadded)."""
-    model, tokenizer = tiny_model
-    shapes = []
-    forward = runner_module.PrefillForwards.last_logits
-
-    def spy(self, tokens, *rest):  # noqa: ANN001, ANN202
-        shapes.append(tuple(tokens.shape))
-        return forward(self, tokens, *rest)
-
-    monkeypatch.setattr(runner_module.PrefillForwards, "last_logits", spy)
-    engine = InProcessEngine(model, chunk_size=256, max_prefill_tokens=1024,
-                             fresh_buckets=True)
-    # One wave: 3 prompts of 33-40 tokens share a forward (1 pad row), then 5 more.
-    prompts = _prompts(3, [40, 35, 33], model.args.vocab_size, seed=8)
-    assert_greedy(engine, prompts, 12, _eos(tokenizer), oracle)
-    assert shapes[0] == (4, 64)
-    shapes.clear()
-    later = _prompts(5, [60, 57, 50, 9, 70], model.args.vocab_size, seed=9)
-    assert_greedy(engine, later, 12, _eos(tokenizer), oracle)
-    assert shapes and all(b in (1, 2, 4, 8) and w % 32 == 0 for b, w in shapes), shapes
-    shapes.clear()
-    hit = later[4][:64] + [7, 8, 9]
-    engine.submit("hit", hit, 6, _eos(tokenizer))
-    assert engine.run_until_idle()["hit"].token_ids == oracle(hit, 6)
-    assert shapes == [(1, 3)]
-
-
-def test_fresh_forward_shape():
-    assert fresh_forward_shape(3, 33) == (4, 64)
-    assert fresh_forward_shape(1, 7) == (1, 32)
-    assert fresh_forward_shape(20, 130) == (24, 160)   # an eighth of 256
-    assert fresh_forward_shape(64, 600) == (64, 640)   # of 1,024
-    assert fresh_forward_shape(2, 3500) == (2, 3584)   # of 4,096: 512s
-    assert fresh_forward_shape(1, 4096) == (1, 4096)
 
 
 def test_host_staging_reuses_its_buffers_and_keeps_the_last_steps_inputs():

@@ -141,8 +141,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                          prefill_padding=padding,
                          compile_decode=not config.eager_decode and backend.compiles,
                          compile_prefill=config.compile_prefill,
-                         tail_bucket=chunking.tail_bucket,
-                         fresh_buckets=chunking.fresh_buckets)
+                         tail_bucket=chunking.tail_bucket)
     if backend.mixed_forward:
         if not runner.mixes_rows:
             raise UnsupportedModelError(
@@ -370,14 +369,12 @@ class PrefillChunking:
     walked over every key length at start-up where it is bucketed (aligned or not, a
     prompt's first chunks are: their cuDNN graphs built then); 0: none. tail_bucket: a
     prompt's last chunk after aligned ones runs padded to this (ModelRunner.tail_bucket);
-    0: as it is. fresh_buckets: forwards of fresh prompts run padded to recurring shapes
-    (ModelRunner.fresh_buckets)."""
+    0: as it is."""
 
     size: int
     align: int
     warm_walk: int
     tail_bucket: int = 0
-    fresh_buckets: bool = False
 
 
 def prefill_chunking(config: ServerConfig, backend: DecodeBackend, specs: list) -> PrefillChunking:
@@ -391,8 +388,7 @@ def prefill_chunking(config: ServerConfig, backend: DecodeBackend, specs: list) 
         size=config.chunk_size(fused_long_prefill=fused),
         align=align,
         warm_walk=walk if fused and walk % bucket == 0 else 0,
-        tail_bucket=align if align > 1 else 0,
-        fresh_buckets=backend.bucket_fresh)
+        tail_bucket=align if align > 1 else 0)
 
 
 def run_worker(config: ServerConfig) -> None:

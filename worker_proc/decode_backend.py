@@ -67,7 +67,6 @@ class DecodeBackend:
     bucketed_prefill: bool = False  # long causal prefill chunks padded to recurring shapes
     bucketed_masked: bool = False  # ... and masked ones
     align_chunks: bool = False  # prompt chunks end on the fused prefill bucket's edges
-    bucket_fresh: bool = False  # forwards of fresh prompts padded to recurring shapes
     prefill_bucket: int = FUSED_PREFILL_BUCKET  # the padded prefill shapes' multiple
     mixed_forward: bool = False  # a step's lone prompt chunk rides in its decode forward
 
@@ -127,11 +126,7 @@ class KernelDecode(DecodeBackend):
     align_chunks: the scheduler ends a prompt's unfinished chunks
     on the bucket's edges (worker_proc.prefill_chunking; `--experiments unaligned-chunks`
     is the A/B arm); a prompt's last chunk after aligned ones then runs padded to a whole
-    bucket, the shape of its earlier chunks (ModelRunner.tail_bucket). bucket_fresh:
-    forwards of fresh prompts run padded to recurring rows and widths
-    (ModelRunner.fresh_buckets; `--experiments bucketed-fresh` turns it on: it trades
-    padded compute for shapes whose GEMM plans are made already, and served a wave of 64
-    short prompts no faster on the H200, docs/benchmarks.md session 22). mixed_forward:
+    bucket, the shape of its earlier chunks (ModelRunner.tail_bucket). mixed_forward:
     a step's lone prompt chunk and its decode rows run as one forward, their GEMMs
     reading the weights once (ModelRunner._mixed, decode_block.MixedLayerCache's
     blocks; `--experiments mixed-forward` turns it on)."""
@@ -142,7 +137,6 @@ class KernelDecode(DecodeBackend):
     bucketed_prefill: bool = True
     bucketed_masked: bool = True
     align_chunks: bool = True
-    bucket_fresh: bool = False
     prefill_bucket: int = FUSED_PREFILL_BUCKET
     mixed_forward: bool = False
 
@@ -318,6 +312,5 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         bucketed_prefill="unfused-prefill" not in experiments,
                         bucketed_masked="unfused-masked-prefill" not in experiments,
                         align_chunks="unaligned-chunks" not in experiments,
-                        bucket_fresh="bucketed-fresh" in experiments,
                         mixed_forward="mixed-forward" in experiments,
                         prefill_bucket=prefill_bucket)

@@ -32,7 +32,7 @@ from worker_proc.request_state import (RequestState, TokenCounts, check_ids, che
                                        fold_seed)
 from worker_proc.sampling import GrammarMask, PickedLogprobs, StepLogprobs, token_logprobs
 from worker_proc.staging import HostStaging, Stage, new_arrays
-from worker_proc.step_inputs import (fresh_forward_shape, gather_last_tokens, group_by_length,
+from worker_proc.step_inputs import (gather_last_tokens, group_by_length,
                                      prefill_waves, rows_by_length)
 from worker_proc.step_sampler import NOTHING_SAMPLED, Sampled, StepSampler
 from worker_proc.step_stats import ForwardClock
@@ -104,8 +104,7 @@ class ModelRunner:
     def __init__(self, model: Any, pool: KVPool, max_requests: int, max_context: int,
                  grammars: GrammarMatchers | None = None,
                  prefill_padding: float = PREFILL_PADDING, compile_decode: bool = False,
-                 compile_prefill: bool = False, tail_bucket: int = 0,
-                 fresh_buckets: bool = False) -> None:
+                 compile_prefill: bool = False, tail_bucket: int = 0) -> None:
         """grammars: matchers for structured output (None: requests with a grammar are
         refused, as the worker has no tokenizer). prefill_padding: how much padding a
         shared prefill forward may carry, as a share of its real tokens (0: only chunks
@@ -118,9 +117,7 @@ class ModelRunner:
         a whole one, in the forward shape of that prompt's earlier chunks, whose per-shape
         work (cuDNN graphs, GEMM plans, traces) is then done; 0: never (models with
         recurrent or windowed layers never: padding would run through their state or
-        need the window's own mask). fresh_buckets: forwards of fresh prompts (every
-        chunk at position 0) run padded to fresh_forward_shape's rows and width, so a
-        wave's shapes recur (where chunks share forwards and no layer keeps a state)."""
+        need the window's own mask)."""
         install_attention_hook()  # decode attention reads the pool (idempotent)
         self.prefill_padding = prefill_padding
         self.model = model
@@ -178,7 +175,6 @@ class ModelRunner:
         self._last_prefill: mx.array | None = None  # see _launch_prefill
         self._forwards = PrefillForwards(model, split_model(model), pool, compile_prefill)
         self.tail_bucket = tail_bucket if traceable(pool) and not pool.has_states else 0
-        self.fresh_buckets = fresh_buckets and self.shares_prefill and not pool.has_states
         # A step's lone prompt chunk rides in its decode rows' forward (the backend's
         # mixed_forward; blocks that run it, full attention alone, an output head).
         self.mixes_rows = (backend.mixed_forward and mixes_rows(model) and self.ragged
@@ -284,8 +280,8 @@ class ModelRunner:
                 sampled.append(self.requests[mixed[0].rid])
             groups = []
         for group in groups:
-            rows, width = self._padded_shape(group)
-            outs = (self._prefill_many(group, width, rows) if len(group) > 1 or width
+            width = self._padded_width(group)
+            outs = (self._prefill_many(group, width) if len(group) > 1 or width
                     else [self._prefill(group[0], prompt)])
             for chunk, out in zip(group, outs):
                 if chunk.sample:
@@ -409,7 +405,7 @@ class ModelRunner:
         layout = ForwardLayout.single(self.table[state.row], chunk.start, n,
                                       self._window_row(state.row), staging.add)
         # The last position as an index, not the last column: a traced forward of this
-        # shape then also serves a prompt's last chunk padded to it (_padded_shape).
+        # shape then also serves a prompt's last chunk padded to it (_padded_width).
         tokens, state_rows, last = staging.add(np.array([chunk.token_ids], dtype=np.int32),
                                                np.array([state.row + 1], dtype=np.int32),
                                                np.array([n - 1], dtype=np.int32))
@@ -431,7 +427,7 @@ class ModelRunner:
     def _mixed_chunk(self, groups: list[list[PrefillChunk]],
                      batch: ForwardBatch) -> tuple[PrefillChunk, int] | None:
         """The step's one prefill chunk where it rides in the decode rows' forward
-        (mixes_rows), and the width it is padded to (_padded_shape; 0: none): a lone
+        (mixes_rows), and the width it is padded to (_padded_width; 0: none): a lone
         chunk, not scored over every position."""
         if not (self.mixes_rows and batch.decode_rids and len(groups) == 1
                 and len(groups[0]) == 1):
@@ -439,8 +435,7 @@ class ModelRunner:
         chunk = groups[0][0]
         if self.requests[chunk.rid].sampling.prompt_logprobs >= 0:
             return None
-        rows, width = self._padded_shape(groups[0])
-        return (chunk, width) if rows == 0 else None
+        return chunk, self._padded_width(groups[0])
 
     def _mixed(self, chunk: PrefillChunk, width: int, rids: list[str],
                slots: list[int]) -> tuple[mx.array | None, mx.array]:
@@ -540,32 +535,24 @@ class ModelRunner:
             forwards += [[rest[i] for i in g] for g in groups]
         return forwards
 
-    def _padded_shape(self, group: list[PrefillChunk]) -> tuple[int, int]:
-        """The (rows, width) a forward of these chunks is padded to, 0 each for as it
-        is: a lone prompt's last chunk to tail_bucket, fresh prompts to
-        fresh_forward_shape (fresh_buckets)."""
+    def _padded_width(self, group: list[PrefillChunk]) -> int:
+        """The width a forward of these chunks is padded to, 0 for as it is: a lone
+        prompt's last chunk to tail_bucket."""
         if any(self.requests[c.rid].sampling.prompt_logprobs >= 0 for c in group):
-            return 0, 0  # scored over every position: alone and unpadded
+            return 0  # scored over every position: alone and unpadded
         longest = max(len(c.token_ids) for c in group)
-        if self.fresh_buckets and all(c.start == 0 for c in group):
-            rows, width = fresh_forward_shape(len(group), longest)
-            return rows, min(width, self.table.shape[1])
         chunk, bucket = group[0], self.tail_bucket
         if (len(group) == 1 and 1 < longest < bucket and chunk.start
                 and not chunk.start % bucket and chunk.start + bucket <= self.table.shape[1]):
-            return 0, bucket
-        return 0, 0
+            return bucket
+        return 0
 
-    def _prefill_many(self, chunks: list[PrefillChunk], width: int = 0,
-                      padded_rows: int = 0) -> list[mx.array]:
+    def _prefill_many(self, chunks: list[PrefillChunk], width: int = 0) -> list[mx.array]:
         """One forward over chunks of several requests, right-padded to the longest (or to
-        `width`), with rows added up to `padded_rows` (fresh chunks only: a pad row is
-        one token at position 0 in slot 0, the pool's scratch); each chunk's last
-        position's logits, [1, V] each."""
+        `width`); each chunk's last position's logits, [1, V] each."""
         states = [self._place(c) for c in chunks]
-        pad = max(padded_rows - len(chunks), 0)
-        sizes = np.array([len(c.token_ids) for c in chunks] + [1] * pad)
-        starts = np.array([c.start for c in chunks] + [0] * pad)
+        sizes = np.array([len(c.token_ids) for c in chunks])
+        starts = np.array([c.start for c in chunks])
         tokens = np.zeros((len(sizes), max(int(sizes.max()), width)), dtype=np.int32)
         for i, chunk in enumerate(chunks):
             tokens[i, :sizes[i]] = chunk.token_ids
@@ -573,13 +560,12 @@ class ModelRunner:
         staging = self._forward_staging
         staging.begin()
         window_rows = self._window_row(rows)
-        layout = ForwardLayout.prefill(
-            _zero_rows(self.table[rows], pad), starts, sizes,
-            None if window_rows is None else _zero_rows(window_rows, pad), staging.add, width)
+        layout = ForwardLayout.prefill(self.table[rows], starts, sizes, window_rows,
+                                       staging.add, width)
         fresh = bool((starts == 0).all())
         tokens_mx, last, lengths, state_rows = staging.add(
             tokens, (sizes - 1).astype(np.int32), sizes.astype(np.int32),
-            np.array(rows + [-1] * pad, dtype=np.int32) + 1)
+            np.array(rows, dtype=np.int32) + 1)
         if self.pool.has_states:
             self._load_snapshots(states, staging.add)
             starting = [s.row + 1 for s, start in zip(states, starts) if start == 0]
@@ -708,13 +694,6 @@ def _window_ids(what: str, ids: list[int], n: int) -> list[int]:
     if len(ids) != n:
         raise RuntimeError(f"{what}: {len(ids)} window slots for {n} positions")
     return ids
-
-
-def _zero_rows(table_rows: np.ndarray, n: int) -> np.ndarray:
-    """table_rows with n rows of slot 0 (the pool's scratch) below."""
-    if not n:
-        return table_rows
-    return np.concatenate([table_rows, np.zeros((n, table_rows.shape[1]), table_rows.dtype)])
 
 
 @dataclass(frozen=True)

@@ -33,22 +33,6 @@ def compiled_batch_size(n: int) -> int:
     return 1 << (n - 1).bit_length() if n <= 8 else -(-n // 8) * 8
 
 
-# A forward of fresh prompts pads its width to a multiple of an eighth of its octave,
-# at least this: ~8 shapes an octave, at most ~12% of padding past the first.
-FRESH_MIN_WIDTH_STEP = 32
-
-
-def fresh_forward_shape(rows: int, longest: int) -> tuple[int, int]:
-    """The (rows, width) a prefill forward of `rows` fresh prompts, the longest
-    `longest` tokens, pads to: compiled decode's batch buckets and a width rounded up to
-    FRESH_MIN_WIDTH_STEP or an eighth of its octave. On CUDA a forward at a new shape
-    makes its GEMM plans (and graphs) at first sight (20-25 ms of matmuls on an 8B
-    model); a wave of short prompts at exact shapes meets new ones nearly every forward,
-    bucketed shapes recur from wave to wave."""
-    step = max(FRESH_MIN_WIDTH_STEP, (1 << (longest - 1).bit_length()) // 8)
-    return compiled_batch_size(rows), -(-longest // step) * step
-
-
 def rows_by_length(lengths: np.ndarray) -> list[np.ndarray]:
     """Indices of decode rows with one context length each (in batch order within a
     group), for a model that cannot batch rows of different lengths."""
