@@ -11,7 +11,8 @@ them in a call of their own right after the install call, and install them:
         --platform manylinux_2_28_x86_64 --platform manylinux_2_25_x86_64 \
         --platform manylinux2014_x86_64 --platform any \
         --no-deps -d .dev/gpu_c cupti-python==13.0.1 nvidia-cuda-cupti==13.0.85 \
-        cuda-bindings cuda-pathfinder
+        cuda-bindings cuda-pathfinder pyelftools
+    # (newer cupti-python, 13.4, imports pyelftools; leaving it out failed a whole call)
     # on the device, into a folder of their own (into ~/site, nvidia-cuda-cupti's
     # nvidia/cu13 replaces the one holding the CUDA headers MLX compiles kernels with):
     #   python3 -m pip install -q --no-index --no-deps --target ~/site_c .dev/gpu_c/*.whl
