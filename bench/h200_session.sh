@@ -27,7 +27,11 @@
 # below made small.
 #
 # Needs PYTHONPATH with MLX's CUDA build and the repo (../shared/gpu/README.md's two
-# install calls, then export PYTHONPATH=~/site:$PWD).
+# install calls, then export PYTHONPATH=~/site:$PWD). The wheels kiln needs there:
+#   bash ../shared/gpu/prepare.sh msgspec fastapi uvicorn setproctitle prometheus-client \
+#       regex pytest-xdist execnet    # (+ llguidance: pip download --platform manylinux_2_31_x86_64)
+# With pytest-xdist the tests parts run in TEST_WORKERS processes: on a fresh machine most
+# of their time is the kernels' first compiles (NVRTC), which then run side by side.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
@@ -53,6 +57,7 @@ TIMELINE_ARGS=${TIMELINE_ARGS:-}  # part timeline: its flags (default --batch-si
                                   # mixed steps: "--batch-sizes 36 --context 2048 --chunks 0,256,512"
 MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5; see
                                # bench/mlx_lm_server_backlog.py)
+TEST_WORKERS=${TEST_WORKERS:-4}  # tests and families parts: processes (pytest-xdist, if there)
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any;
                                        # also: families, tests/test_gpu_families.py;
                                        # timeline, bench/device_timeline.py (needs
@@ -89,6 +94,12 @@ mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 
+# pytest-xdist's workers where it is installed (the tests compile kernels in parallel).
+XDIST=()
+if "$PYTHON" -c "import xdist" 2>/dev/null && [ "$TEST_WORKERS" -gt 1 ]; then
+    XDIST=(-n "$TEST_WORKERS")
+fi
+
 if has tests; then
 echo "== kernel tests"
 # The CUDA paths' tests (the GPU-only ones and the worker's in-place, compiled and staging
@@ -96,7 +107,7 @@ echo "== kernel tests"
 # (pytest then prints what passed and failed so far: a plain kill loses its piped output).
 # On a fresh machine the kernels' first compiles make this ~4x its warm 105 s (session 19:
 # 330 s were not enough), so run it first in a call of its own.
-timeout -s INT -k 15 540 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line --durations=8 tests/test_paged_attention.py \
+timeout -s INT -k 15 540 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line --durations=8 "${XDIST[@]}" tests/test_paged_attention.py \
     tests/test_decode_block.py tests/test_gated_delta_cuda.py tests/test_worker.py \
     -k "kernel or in_place or staging or state or attention or block" > "$OUT/kernel_tests.txt" 2>&1
 tail -22 "$OUT/kernel_tests.txt"
@@ -104,7 +115,7 @@ fi
 
 if has families; then
 echo "== every architecture family on the CUDA path, against mlx-lm's forward"
-timeout -s INT -k 15 540 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line tests/test_gpu_families.py \
+timeout -s INT -k 15 540 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line "${XDIST[@]}" tests/test_gpu_families.py \
     > "$OUT/family_tests.txt" 2>&1
 tail -12 "$OUT/family_tests.txt"
 fi
