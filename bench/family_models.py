@@ -6,6 +6,11 @@ benchmarked at a real model's shape. The tokenizer is a demo preset's; output ro
 it lacks (and of its special tokens) are zero, so greedy decoding never picks them.
 
     python bench/family_models.py gemma3-12b ~/.cache/kiln/bench/gemma3-12b   # then serve it
+    python bench/family_models.py gpt-oss-20b DIR --quantize mxfp4   # as the real one ships
+
+--quantize writes the model as mlx-lm's quantize_model leaves it (its config's
+"quantization", the model's own quant_predicate: GPT-OSS keeps its router at 8 bits):
+each weight drawn as above, then packed with mx.quantize.
 """
 
 from __future__ import annotations
@@ -27,6 +32,68 @@ if str(ROOT) not in sys.path:
 from bench.h200_compare import _COMPLETE, _LOGIT_SCALE, start_model_dir, write_shards  # noqa: E402
 
 VOCAB = 8192  # as the Llama-shaped bench model: the demo tokenizer's ids fit, the head is small
+
+
+@dataclass(frozen=True)
+class Quantization:
+    """mlx-lm's quantization of a model: a mode (affine, mxfp4, nvfp4, mxfp8) and its bits
+    and group size (None: the mode's defaults, as mlx_lm.convert takes them)."""
+
+    mode: str = "affine"
+    bits: int | None = None
+    group_size: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Quantization:
+        """MODE[:BITS[:GROUP_SIZE]], e.g. affine:4:64 or mxfp4."""
+        mode, *rest = text.split(":")
+        if len(rest) > 2:
+            raise ValueError(f"--quantize {text!r}: MODE[:BITS[:GROUP_SIZE]]")
+        numbers = [int(x) for x in rest] + [None] * (2 - len(rest))
+        return cls(mode, numbers[0], numbers[1])
+
+    @property
+    def label(self) -> str:
+        return ":".join(str(x) for x in (self.mode, self.bits, self.group_size) if x is not None)
+
+
+_PACKED = ("weight", "scales", "biases")  # mx.quantize's outputs, in its order
+
+
+@dataclass(frozen=True)
+class QuantizedLayout:
+    """A quantized model's parameters: names to (shape, dtype), the config mlx-lm's
+    quantize_model wrote, and for each quantized module path its float weight's shape
+    and (group size, bits, mode)."""
+
+    shapes: dict[str, tuple[tuple[int, ...], Any]]
+    config: dict[str, Any]
+    modules: dict[str, tuple[tuple[int, ...], int, int, str]]
+
+
+def quantized_layout(config: dict[str, Any], q: Quantization) -> QuantizedLayout:
+    """The parameters and config of mlx-lm's model for `config` after quantize_model (on
+    a lazy model: shapes only, nothing drawn)."""
+    from mlx.utils import tree_flatten
+    from mlx_lm.utils import quantize_model
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    float_shapes = {n: tuple(a.shape) for n, a in tree_flatten(model.parameters())}
+    model, qconfig = quantize_model(model, config, q.group_size, q.bits, mode=q.mode)
+    shapes = {n: (tuple(a.shape), a.dtype) for n, a in tree_flatten(model.parameters())}
+    defaults = qconfig["quantization"]
+    modules = {}
+    for name in shapes:
+        if name.endswith(".scales"):
+            path = name[:-len(".scales")]
+            own = defaults.get(path)
+            if isinstance(own, dict):  # as nn.quantize takes it: its mode, else affine
+                params = (own["group_size"], own["bits"], own.get("mode", "affine"))
+            else:
+                params = (defaults["group_size"], defaults["bits"], defaults["mode"])
+            modules[path] = (float_shapes[path + ".weight"], *params)
+    return QuantizedLayout(shapes, qconfig, modules)
 
 
 @dataclass(frozen=True)
@@ -151,18 +218,20 @@ def draw(name: str, shape: tuple[int, ...], dtype: Any, keep_rows: Any, head: bo
     return w.astype(dtype)
 
 
-def fingerprint(shape: FamilyShape, dtype_name: str, seed: int) -> str:
-    payload = json.dumps({"config": shape.config, "dtype": dtype_name, "seed": seed, "v": 2},
+def fingerprint(shape: FamilyShape, dtype_name: str, seed: int,
+                quantize: Quantization | None = None) -> str:
+    payload = json.dumps({"config": shape.config, "dtype": dtype_name, "seed": seed, "v": 2,
+                          **({"quantize": quantize.label} if quantize else {})},
                          sort_keys=True)
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
 def make_family_model(shape: FamilyShape, dtype_name: str, out_dir: Path, seed: int = 0,
-                      shard_bytes: int = 4 << 30) -> Path:
+                      shard_bytes: int = 4 << 30, quantize: Quantization | None = None) -> Path:
     """Write the model directory unless an identical one is already complete there."""
     import mlx.core as mx
 
-    mark = fingerprint(shape, dtype_name, seed)
+    mark = fingerprint(shape, dtype_name, seed, quantize)
     start = time.monotonic()
     tokenizer = start_model_dir(out_dir, mark, shape.tokenizer_preset)
     if tokenizer is None:
@@ -172,21 +241,40 @@ def make_family_model(shape: FamilyShape, dtype_name: str, out_dir: Path, seed: 
     config = {**shape.config, "vocab_size": vocab, "tie_word_embeddings": shape.tied,
               "bos_token_id": source["bos_token_id"], "eos_token_id": source["eos_token_id"],
               "torch_dtype": dtype_name, "kiln_bench": {"shape": shape.name, "random_weights": True}}
+    layout = quantized_layout(config, quantize) if quantize else None
+    if layout is not None:
+        config = layout.config
     (out_dir / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     dtype = getattr(mx, dtype_name)
     mx.random.seed(seed)
     keep = mx.concatenate([mx.ones((tok_vocab,)), mx.zeros((vocab - tok_vocab,))])
     keep[mx.array(specials)] = 0.0
-    shapes = parameter_shapes(config)
+    shapes = layout.shapes if layout is not None else parameter_shapes(config)
     if shape.tied:  # as the real checkpoint: no lm_head, mlx-lm then ties the embedding
-        shapes = {n: s for n, s in shapes.items() if not n.endswith("lm_head.weight")}
+        shapes = {n: s for n, s in shapes.items() if not n.rpartition(".")[0].endswith("lm_head")}
     head_name = output_head(list(shapes))
     keep_rows = keep.astype(dtype)
-    write_shards({n: s for n, (s, _) in shapes.items()}, dtype.size,
-                 lambda n: draw(n, shapes[n][0], dtype if shapes[n][1] != mx.uint32 else mx.uint32,
-                                keep_rows, n == head_name), out_dir, shard_bytes)
+    packed: dict[str, Any] = {}  # the quantized module last drawn: its parts by name
+
+    def value(name: str) -> Any:
+        path, _, part = name.rpartition(".")
+        if layout is None or path not in layout.modules or part not in _PACKED:
+            return draw(name, shapes[name][0],
+                        dtype if shapes[name][1] != mx.uint32 else mx.uint32,
+                        keep_rows, name == head_name)
+        if packed.get("path") != path:  # a module's parts are written one after another
+            float_shape, group_size, bits, mode = layout.modules[path]
+            weight = draw(path + ".weight", float_shape, dtype, keep_rows,
+                          path + ".weight" == head_name)
+            parts = mx.quantize(weight, group_size=group_size, bits=bits, mode=mode)
+            packed.clear()
+            packed.update(zip(_PACKED, parts), path=path)
+        return packed[part]
+
+    write_shards({n: s for n, (s, _) in shapes.items()}, dtype.size, value, out_dir, shard_bytes)
     (out_dir / _COMPLETE).write_text(mark + "\n")
-    print(f"made {shape.name} ({dtype_name}) at {out_dir} in {time.monotonic() - start:.1f}s",
+    what = dtype_name + (f", {quantize.label}" if quantize else "")
+    print(f"made {shape.name} ({what}) at {out_dir} in {time.monotonic() - start:.1f}s",
           flush=True)
     return out_dir
 
@@ -197,8 +285,12 @@ def main() -> None:
     p.add_argument("out_dir", type=Path)
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--quantize", type=Quantization.parse, default=None,
+                   help="MODE[:BITS[:GROUP_SIZE]] (affine, mxfp4, nvfp4, mxfp8), as "
+                        "mlx_lm.convert -q writes it: e.g. affine:4:64, mxfp4")
     args = p.parse_args()
-    make_family_model(FAMILY_SHAPES[args.shape], args.dtype, args.out_dir, args.seed)
+    make_family_model(FAMILY_SHAPES[args.shape], args.dtype, args.out_dir, args.seed,
+                      quantize=args.quantize)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,9 @@ PYTHON=${PYTHON:-python3}
 FAMILY=${FAMILY:-}  # a bench/family_models.py shape (gemma3-12b, gpt-oss-20b, qwen3_5-9b,
                     # qwen3_next-64e); empty: Llama-3-8B
 DTYPE=${DTYPE:-bfloat16}  # float32 for CPU smoke tests of MoE shapes (MLX's CPU gather_mm)
-MODEL=${MODEL:-$HOME/.cache/kiln/bench/${FAMILY:-llama3-8b-shape}-$DTYPE}
+QUANTIZE=${QUANTIZE:-}  # a family model quantized as mlx_lm.convert -q would: MODE[:BITS[:GROUP]],
+                        # e.g. mxfp4 (GPT-OSS as it ships) or affine:4:64
+MODEL=${MODEL:-$HOME/.cache/kiln/bench/${FAMILY:-llama3-8b-shape}-$DTYPE${QUANTIZE:+-${QUANTIZE//:/-}}}
 LENGTH_SPREAD=${LENGTH_SPREAD:-0.5}  # prompt lengths uniform in 100 words * (1 +- this): the
                                     # issues' +-50% (sessions 15-21 ran 0.2)
 KILN_ARGS=${KILN_ARGS:-}  # extra launch.py flags, e.g. "--log-level debug"
@@ -90,6 +92,10 @@ MIXED_BURST_REQUESTS=${MIXED_BURST_REQUESTS:-64}  # the burst's prompts (of 4,09
 MIXED_BURST_SPREAD=${MIXED_BURST_SPREAD:-0}  # ... each 4,096 * (1 +- this) tokens
 MIXED_VARIANTS=${MIXED_VARIANTS:-}  # ';'-joined launch flags, each arm run under each
                                     # (A/B on one machine: ";--experiments mixed-forward")
+if [ -n "$QUANTIZE" ] && [ -z "$FAMILY" ]; then
+    echo "QUANTIZE needs FAMILY (bench/family_models.py makes quantized models)" >&2
+    exit 2
+fi
 mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
@@ -124,7 +130,8 @@ fi
 if has breakdown || has prefill || has timeline || has mixed || has sweep || has prefix || has longctx; then
 echo "== model"
 if [ -n "$FAMILY" ]; then
-timeout 240 "$PYTHON" bench/family_models.py "$FAMILY" "$MODEL" --dtype "$DTYPE" 2>&1 | grep -v "RANDOM WEIGHTS"
+timeout 240 "$PYTHON" bench/family_models.py "$FAMILY" "$MODEL" --dtype "$DTYPE" \
+    ${QUANTIZE:+--quantize "$QUANTIZE"} 2>&1 | grep -v "RANDOM WEIGHTS"
 else
 timeout 90 "$PYTHON" - "$MODEL" "$DTYPE" <<'PY' 2>&1 | grep -v "RANDOM WEIGHTS"
 import sys

@@ -45,3 +45,33 @@ def test_kv_footprint_reads_the_recurrent_state_from_the_start_up_lines(tmp_path
     assert KVFootprint.from_log(log) == KVFootprint(3 * 2**20 / 192)
     log.write_text("worker: KV pool: 2048 slots, 1.0 MiB\n")  # no recurrent layers
     assert KVFootprint.from_log(log) == KVFootprint(0.0)
+
+
+@pytest.mark.parametrize("shape,quantize", [("gpt-oss-tiny", "affine:4:32"),
+                                            ("gpt-oss-tiny", "mxfp4"),
+                                            ("gemma3-tiny", "mxfp4")])
+def test_a_quantized_family_model_is_what_mlx_lm_quantize_model_makes(shape: str, quantize: str,
+                                                                      tmp_path: Path) -> None:
+    """--quantize: the parameters (packed weights, scales, biases; GPT-OSS's router at its
+    own 8 bits) and config mlx-lm's quantize_model gives, loaded by mlx_lm.load, generating
+    ids the tokenizer knows."""
+    import mlx.core as mx
+    import mlx_lm
+    from mlx.utils import tree_flatten
+
+    from bench.family_models import Quantization
+
+    q = Quantization.parse(quantize)
+    model_dir = make_family_model(FAMILY_SHAPES[shape], "float32", tmp_path / shape, quantize=q)
+    weights = _weights(model_dir)
+    model, _ = mlx_lm.load(str(model_dir))
+    params = dict(tree_flatten(model.parameters()))
+    assert set(weights) == set(params)
+    assert all(weights[n].shape == params[n].shape and weights[n].dtype == params[n].dtype
+               for n in weights)
+    packed = [n for n in weights if n.endswith(".scales")]
+    assert packed and all(weights[n[:-len("scales")] + "weight"].dtype == mx.uint32 for n in packed)
+    if shape.startswith("gpt-oss"):
+        router = next(n for n in packed if "router" in n)
+        assert model_dir.joinpath("config.json").read_text().count('"bits": 8') >= 1, router
+    check_model(model_dir)

@@ -145,11 +145,14 @@ def test_alone_and_under_preemption_equal_mlx_lm(family):
     assert_exact_under_preemption(model, name, prompts[1:4])
 
 
-def test_a_4_bit_quantized_model_equals_mlx_lm():
-    import mlx.nn as nn
+@pytest.mark.parametrize("name,mode", [("qwen3", "affine"), ("gpt_oss", "mxfp4")])
+def test_a_4_bit_quantized_model_equals_mlx_lm(name, mode):
+    """Quantized as mlx_lm.convert -q does (the model's own predicate: GPT-OSS keeps its
+    router at 8 bits); affine 4-bit and MXFP4 (GPT-OSS's experts as it ships)."""
+    from mlx_lm.utils import quantize_model
 
-    model = build("qwen3")
-    nn.quantize(model, group_size=32, bits=4)
+    model = build(name)
+    quantize_model(model, {}, 32, 4, mode=mode)
     prompts = _prompts(seed=7)
     engine = InProcessEngine(model, chunk_size=16)
     for i, p in enumerate(prompts):
