@@ -125,10 +125,11 @@ def test_gated_deltanet_input_projections_fuse_and_keep_mlx_lm_tokens(name):
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "llama4_text"])
-@pytest.mark.parametrize("quantized", [False, True])
+@pytest.mark.parametrize("quantized", [None, "affine", "mxfp4"])
 def test_experts_gate_and_up_fuse_and_keep_mlx_lm_tokens(name, quantized):
     """A mixture of experts' gate and up projections (mlx-lm's SwitchGLU: SwitchLinear
-    or QuantizedSwitchLinear, GPT-OSS's with biases) become one gather matmul, sorted
+    or QuantizedSwitchLinear, affine or MXFP4 (no biases), GPT-OSS's with biases) become
+    one gather matmul, sorted
     tokens (prefill chunks of 32+ tokens) and unsorted (decode) alike; as served on the
     CUDA path (compiled decode, the kernels stood in for), batched and chunked, mlx-lm's
     greedy tokens from the unfused model."""
@@ -141,7 +142,7 @@ def test_experts_gate_and_up_fuse_and_keep_mlx_lm_tokens(name, quantized):
     def make():
         model = build(name)
         if quantized:
-            nn.quantize(model, group_size=32, bits=4,
+            nn.quantize(model, group_size=32, bits=4, mode=quantized,
                         class_predicate=lambda _, m: isinstance(m, SwitchLinear))
         return model
 
