@@ -177,7 +177,8 @@ class ServerConfig:
                                       "the 512 edges of the bucketed prefill), "
                                       "mixed-forward (a step's lone prompt chunk runs in "
                                       "its decode rows' forward, one weight read for both; "
-                                      "llama and qwen2 blocks; unmeasured)."})
+                                      "llama and qwen2 blocks; slower than two forwards on "
+                                      "the H200, session 24)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "
