@@ -189,7 +189,7 @@ def main() -> None:
             splits = pa.num_splits(batch, N_KV, args.context)
             us, err = paged_us(batch, args.context, args.layers, args.repeats, rng, True,
                                args.order, stages)
-            tiles = pa.staged_tiles(DIM, 2, stages)
+            tiles = pa.staged_tiles(DIM, 2, N_Q // N_KV, stages)
             label = (f"kiln {lanes}x{passes}{f' staged {tiles}' if tiles else ''}, "
                      f"target {target} ({splits} splits)")
             rows.append({"batch": batch, "kernel": label, "us": us, "max_abs_error": err})

@@ -16,6 +16,7 @@ or a register count that caps occupancy shows here before a GPU call is spent on
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import subprocess
 import sys
@@ -162,9 +163,14 @@ def main() -> None:
     args = p.parse_args()
     if args.cuda is None:
         sys.exit("no CUDA toolkit found: pass --cuda")
-    kernels = [k for lanes, passes in args.shapes for stages in args.stages
-               for k in variants(args.dtype, args.head_dim, args.group, args.kv_heads, lanes,
-                                 passes, stages)]
+    itemsize = 4 if args.dtype == "float" else 2
+    kernels = []
+    for (lanes, passes), stages in itertools.product(args.shapes, args.stages):
+        # As served: the tiles that fit beside the rest of the block's shared memory.
+        pa.LANES_PER_TOKEN, pa.PASSES = lanes, passes
+        tiles = pa.staged_tiles(args.head_dim, itemsize, args.group, stages)
+        kernels += variants(args.dtype, args.head_dim, args.group, args.kv_heads, lanes,
+                            passes, tiles)
     kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads))
     kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads, sinks=True))
     results = compile_kernels(args.cuda, kernels, args.arch)

@@ -673,9 +673,14 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
 
     register = ServerConfig(experiments="register-kv", fast_decode_blocks="off")  # kernel-level only
     backend = choose_decode_backend(specs, register.experiment_set)
-    assert backend == KernelDecode(stages=0) and paged_attention.staged_tiles(128, 2, backend.stages) == 0
-    # The default stages K/V through shared memory, as many tiles as fit in its budget.
-    assert paged_attention.staged_tiles(128, 2) == 8 and paged_attention.staged_tiles(256, 4) == 2
+    assert backend == KernelDecode(stages=0)
+    assert paged_attention.staged_tiles(128, 2, 4, backend.stages) == 0
+    # The default stages K/V through shared memory, as many tiles as fit beside the rest
+    # of a block's 48 KiB: Llama-3-8B's heads 8, Llama-3-70B's (8 queries a KV head) 6,
+    # Gemma 3's 256-wide float32 ones 2; none where two do not fit.
+    tiles = paged_attention.staged_tiles
+    assert [tiles(128, 2, 4), tiles(128, 2, 8), tiles(256, 4, 2)] == [8, 6, 2]
+    assert tiles(128, 2, 16) == 2 and tiles(256, 2, 8) == 0
     unfused = choose_decode_backend(specs, ServerConfig(experiments="unfused-prefill").experiment_set)
     assert KernelDecode().bucketed_prefill and unfused == KernelDecode(bucketed_prefill=False)
     masked = choose_decode_backend(specs, ServerConfig(experiments="unfused-masked-prefill").experiment_set)

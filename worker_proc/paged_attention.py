@@ -46,16 +46,29 @@ PASSES = 1
 # at 1-128 rows of 256-2,048 tokens, by 5-14% at 64-128 rows of 1,024+ (session 24 in
 # docs/benchmarks.md). The decode backend's option (decode_backend.KernelDecode.stages).
 DEFAULT_STAGES = 8
-_STAGE_BYTES_MAX = 32 * 1024  # beside the slot ids (4 KiB) and the merge (8 KiB): < 48 KiB
+_STAGE_BYTES_MAX = 32 * 1024  # the most the tiles take (the measured 8 x 4 KiB)
+# A block's shared memory is static (declared in the source): at most 48 KiB. Beside the
+# tiles it holds the split's slot ids, the warps' partials for the merge (G heads of D)
+# and, in the fused q/k/v variant, RoPE's D floats (as ptxas reports them).
+_STATIC_SHARED_MAX = 48 * 1024
 
 
-def staged_tiles(dim: int, itemsize: int, stages: int = DEFAULT_STAGES) -> int:
-    """Tiles of the staged pipeline for this head size and pool dtype: `stages`, fewer where
-    they would not fit in _STAGE_BYTES_MAX of shared memory (at least 2), 0 when off."""
+def _shared_bytes(dim: int, group: int) -> int:
+    """A block's shared memory besides the staged tiles, every variant's most."""
+    return 4 * MAX_SPLIT_TOKENS + _THREADS // 32 * group * (dim + 2) * 4 + 4 * dim
+
+
+def staged_tiles(dim: int, itemsize: int, group: int, stages: int = DEFAULT_STAGES) -> int:
+    """Tiles of the staged pipeline for this head size, pool dtype and query heads per KV
+    head: `stages`, fewer where they would not fit beside the rest of the block's shared
+    memory (Llama-3-70B's 8 query heads a KV head leave room for 6), 0 when fewer than two
+    fit (the register prefetch then) or when off."""
     if stages < 2:
         return 0
     tile = _THREADS // 32 * PASSES * (32 // LANES_PER_TOKEN) * 2 * dim * itemsize
-    return max(2, min(stages, _STAGE_BYTES_MAX // tile))
+    room = min(_STAGE_BYTES_MAX, _STATIC_SHARED_MAX - _shared_bytes(dim, group))
+    tiles = min(stages, room // tile)
+    return tiles if tiles >= 2 else 0
 
 
 # One block per (split, KV head, row), four warps. A token's dot products take L lanes
@@ -667,7 +680,7 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
     mark_shape, mark_dtype = ([(1,)], [mx.int32]) if write_new else ([], [])
     if rope is not None:
         template += [("ROPE_TRADITIONAL", rope.traditional), ("ROPE_FREQS", rope.freqs is not None)]
-    stages = staged_tiles(dim, kv_pool.dtype.size, stages)
+    stages = staged_tiles(dim, kv_pool.dtype.size, group, stages)
     if stages:
         template.append(("STAGES", stages))
     grid = (splits * _THREADS, n_kv, batch)
