@@ -243,6 +243,8 @@ struct alignas(kiln_vec_align<P, E>::value) kiln_vec {
 };
 // cp.async (sm_80+): a 16-byte copy global -> shared that the thread does not wait for;
 // copies are committed in groups, and wait_group<N> waits until at most N are pending.
+// Older GPUs copy at once (same results, nothing in flight; the barriers still order it).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
 __device__ inline void kiln_cp_async16(void* dst, const void* src) {
     const unsigned to = static_cast<unsigned>(__cvta_generic_to_shared(dst));
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(to), "l"(src));
@@ -250,6 +252,14 @@ __device__ inline void kiln_cp_async16(void* dst, const void* src) {
 __device__ inline void kiln_cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
 template <int N>
 __device__ inline void kiln_cp_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N)); }
+#else
+__device__ inline void kiln_cp_async16(void* dst, const void* src) {
+    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(src);
+}
+__device__ inline void kiln_cp_commit() {}
+template <int N>
+__device__ inline void kiln_cp_wait() {}
+#endif
 """
 
 _DIRECT_WRITE = "out[(((size_t)b * HKV + kvh) * G + g) * D + d] = static_cast<T>(aa / ll);"
