@@ -8,8 +8,8 @@ import pytest
 
 from tests.attention_cases import ragged_slot_table
 from worker_proc.decode_backend import GatherDecode, KernelDecode
-from worker_proc.paged_attention import (MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, kernel_available,
-                                         num_splits, paged_decode_attention,
+from worker_proc.paged_attention import (DEFAULT_STAGES, MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS,
+                                         kernel_available, num_splits, paged_decode_attention,
                                          paged_decode_write_attention, pool_write_in_place,
                                          reference_decode_attention)
 
@@ -94,10 +94,10 @@ def test_splits_fill_the_gpu_within_their_bounds():
     assert num_splits(batch=128, n_kv=8, l_max=100) == 1
 
 
-@pytest.fixture(params=[0, 4], ids=["register-prefetch", "staged"])
+@pytest.fixture(params=[0, 4, DEFAULT_STAGES], ids=["register-prefetch", "staged-4", "staged"])
 def kv_pipeline(request):
-    """Both ways the kernel brings K/V in (its `stages`: the default register prefetch and
-    the cp.async experiment) give the reference's attention."""
+    """Every way the kernel brings K/V in (its `stages`: register prefetch, cp.async tiles
+    four and the default number ahead, as many as fit) gives the reference's attention."""
     return request.param
 
 
