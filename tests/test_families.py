@@ -13,7 +13,7 @@ from tests.engine_driver import InProcessEngine
 from tests.families import FAMILIES, RECURRENT_FAMILIES, VOCAB, WINDOW, build
 from tests.test_scheduler import assert_idle_invariant
 from worker_proc.layer_kinds import Kind, UnsupportedModelError
-from worker_proc.kv_pool import StateLayerSpec, flat_specs
+from worker_proc.kv_pool import StateLayerSpec, attention_specs, flat_specs
 from worker_proc.memory import probe_attention_specs
 
 # What each family's layers must come out as (so a probe that loses a kind fails here).
@@ -87,6 +87,14 @@ def test_layer_kinds_are_read_from_mlx_lm(family):
     assert all(k.span == WINDOW for k in kinds if k.windowed)
     assert all(k.own_attention for k in kinds) == (name in OWN_SCORES)
     assert any(k.sinks for k in kinds) == (name in SINKS)
+    # The query heads each layer attends with, where the attention hook sees them (the
+    # kernel's block holds a KV head's queries: kernel_fits weighs them).
+    heads = getattr(getattr(model, "args", None), "num_attention_heads", None)
+    for spec in attention_specs(probe_attention_specs(model)):
+        if spec.kind.own_attention:
+            assert spec.query_heads == 0
+        else:
+            assert spec.query_heads == heads if heads else spec.query_heads > 0
 
 
 # Families whose model call is its backbone then one output layer (runner.split_model).

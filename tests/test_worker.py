@@ -665,6 +665,12 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert choose_decode_backend(specs) == KernelDecode()
     assert choose_decode_backend(specs, config.experiment_set) == KernelDecode(rope_in_kernel=True)
     assert choose_decode_backend([AttentionLayerSpec(8, 80, 80, mx.bfloat16)]) == GatherDecode()
+    # A block holds one KV head's queries in shared memory: multi-query models with many
+    # query heads a KV head (Falcon-7B: 71 of 64 wide) take the gather path instead.
+    from worker_proc.decode_backend import kernel_fits
+    assert kernel_fits([AttentionLayerSpec(8, 128, 128, mx.bfloat16, query_heads=64)])
+    assert not kernel_fits([AttentionLayerSpec(1, 64, 64, mx.bfloat16, query_heads=71)])
+    assert not kernel_fits([AttentionLayerSpec(2, 256, 256, mx.bfloat16, query_heads=32)])
     with pytest.raises(ValueError, match="unknown"):
         ServerConfig(experiments="rope-in-kernel,warp-drive")
     with pytest.raises(ValueError, match="fast decode blocks"):

@@ -673,7 +673,7 @@ def install_attention_hook() -> None:
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001, ANN202
         if ProbeRecorder.current is not None:
-            ProbeRecorder.current.saw_attention(cache, keys, values, sinks)
+            ProbeRecorder.current.saw_attention(cache, queries, keys, values, sinks)
         if isinstance(cache, PooledKVCache) and not cache.kind.own_attention:
             if cache.paged:
                 return cache.paged_attention(queries, scale, sinks)

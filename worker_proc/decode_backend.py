@@ -26,7 +26,8 @@ from ipc.config import DECODE_EXPERIMENTS
 from worker_proc.paged_attention import (DEFAULT_STAGES, FUSED_PREFILL_BUCKET, RopeSpec,
                                          bucketed_fused_attention,
                                          bucketed_masked_attention, causal_mask,
-                                         fused_bucket_padding, fused_builds_per_shape,
+                                         fits_shared_memory, fused_bucket_padding,
+                                         fused_builds_per_shape,
                                          kernel_available, masked_bias, masked_bias_fits,
                                          paged_decode_attention, paged_decode_qkv_attention,
                                          paged_decode_write_attention,
@@ -284,14 +285,19 @@ def _shared_bias(mask: Any, n_new: int, n_keys: int, dtype: mx.Dtype, once: Once
 
 def kernel_fits(specs: list) -> bool:
     """Whether the CUDA kernel can serve these layers' K/V (recurrent layers keep none):
-    it spreads a head over a warp's 32 lanes, keys and values of one size. A layer that
-    computes its own scores never meets the attention kernel (it reads dense K/V
-    gathered from the pool), so MLA's 512-wide latent beside its 64-wide RoPE part still
-    gets the in-place pool, compiled decode and steps launched back to back."""
+    it spreads a head over a warp's 32 lanes, keys and values of one size, and a block's
+    query heads (those of one KV head) fit its shared memory. A layer that computes its
+    own scores never meets the attention kernel (it reads dense K/V gathered from the
+    pool), so MLA's 512-wide latent beside its 64-wide RoPE part still gets the in-place
+    pool, compiled decode and steps launched back to back."""
     from worker_proc.kv_pool import attention_specs
 
-    return all(s.kind.own_attention or (s.head_dim % 32 == 0 and s.v_head_dim == s.head_dim)
-               for s in attention_specs(specs))
+    def fits(s: Any) -> bool:
+        group = max(1, s.query_heads // s.n_kv_heads)
+        return (s.head_dim % 32 == 0 and s.v_head_dim == s.head_dim
+                and fits_shared_memory(s.head_dim, group))
+
+    return all(s.kind.own_attention or fits(s) for s in attention_specs(specs))
 
 
 def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset(),

@@ -29,6 +29,7 @@ class AttentionLayerSpec:
     v_head_dim: int
     dtype: mx.Dtype
     kind: LayerKind = LayerKind()
+    query_heads: int = 0  # the queries' heads at the attention hook (0: not seen there)
 
     @property
     def bytes_per_slot(self) -> int:

@@ -160,11 +160,14 @@ class ProbeRecorder:
         self.fetched: dict[int, tuple[Any, Any]] = {}  # id(cache) -> K/V it returned
         self.through_sdpa: set[int] = set()
         self.sinks: set[int] = set()
+        self.query_heads: dict[int, int] = {}  # id(cache) -> the queries' heads there
 
-    def saw_attention(self, cache: Any, keys: Any, values: Any, sinks: Any) -> None:
+    def saw_attention(self, cache: Any, queries: Any, keys: Any, values: Any,
+                      sinks: Any) -> None:
         fetched = self.fetched.get(id(cache))
         if fetched is not None and fetched[0] is keys and fetched[1] is values:
             self.through_sdpa.add(id(cache))
+            self.query_heads[id(cache)] = queries.shape[1]
         if sinks is not None:
             self.sinks.add(id(cache))
 
@@ -182,10 +185,11 @@ def _probing(cache: Any, recorder: ProbeRecorder) -> Any:
     return cache
 
 
-def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int]]:
+def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], list[int]]:
     """Each cache part's LayerKind, the parts themselves after one decode token (their K/V
-    give each one's shapes), and how many parts each layer has: a one-token prompt, then
-    one decode token, through mlx-lm's own caches, watched."""
+    give each one's shapes), how many parts each layer has, and each part's query heads at
+    the attention hook (0 where its model computes scores itself): a one-token prompt,
+    then one decode token, through mlx-lm's own caches, watched."""
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
@@ -215,7 +219,9 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int]]:
         if k.own_attention and k.windowed:
             raise UnsupportedModelError(
                 f"layer {i}: {k.kind.value} whose scores the model computes itself")
-    return probed, parts, [len(group) for group in grouped]
+    heads = [0 if k.recurrent or k.own_attention else recorder.query_heads.get(id(c), 0)
+             for k, c in zip(probed, parts)]
+    return probed, parts, [len(group) for group in grouped], heads
 
 
 def describe_layers(descriptions: list[str]) -> str:

@@ -21,8 +21,8 @@ def probe_attention_specs(model: Any) -> list[LayerSpec]:
     """Each layer's K/V shape, dtype and kind (or, for a recurrent layer, its state's
     arrays), in mlx-lm's cache order, from tokens run through mlx-lm's own caches
     (layer_kinds.probe_layers); refuses a model with a layer kind the pool cannot hold."""
-    kinds, parts, groups = probe_layers(model)
-    specs = [_layer_spec(c, kind) for c, kind in zip(parts, kinds)]
+    kinds, parts, groups, heads = probe_layers(model)
+    specs = [_layer_spec(c, kind, n) for c, kind, n in zip(parts, kinds, heads)]
     out: list[LayerSpec] = []
     for size in groups:  # a layer of several caches (a CacheList): one CompositeSpec
         out.append(specs[0] if size == 1 else CompositeSpec(tuple(specs[:size])))
@@ -30,7 +30,7 @@ def probe_attention_specs(model: Any) -> list[LayerSpec]:
     return out
 
 
-def _layer_spec(cache: Any, kind: LayerKind) -> LayerSpec:
+def _layer_spec(cache: Any, kind: LayerKind, query_heads: int) -> LayerSpec:
     if kind.recurrent:
         arrays = [a for a in cache.cache]
         if any(a is None for a in arrays):
@@ -38,7 +38,8 @@ def _layer_spec(cache: Any, kind: LayerKind) -> LayerSpec:
         return StateLayerSpec(tuple(tuple(a.shape[1:]) for a in arrays),
                               tuple(a.dtype for a in arrays))
     return AttentionLayerSpec(n_kv_heads=cache.keys.shape[1], head_dim=cache.keys.shape[3],
-                              v_head_dim=cache.values.shape[3], dtype=cache.keys.dtype, kind=kind)
+                              v_head_dim=cache.values.shape[3], dtype=cache.keys.dtype, kind=kind,
+                              query_heads=query_heads)
 
 
 def available_memory_bytes() -> int:

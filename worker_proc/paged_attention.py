@@ -58,6 +58,13 @@ def _shared_bytes(dim: int, group: int) -> int:
     return 4 * MAX_SPLIT_TOKENS + _THREADS // 32 * group * (dim + 2) * 4 + 4 * dim
 
 
+def fits_shared_memory(dim: int, group: int) -> bool:
+    """Whether a block serving `group` query heads of `dim` fits in its static shared
+    memory with no staged tiles (many query heads a KV head, as multi-query models have,
+    do not)."""
+    return _shared_bytes(dim, group) <= _STATIC_SHARED_MAX
+
+
 def staged_tiles(dim: int, itemsize: int, group: int, stages: int = DEFAULT_STAGES) -> int:
     """Tiles of the staged pipeline for this head size, pool dtype and query heads per KV
     head: `stages`, fewer where they would not fit beside the rest of the block's shared
