@@ -41,8 +41,9 @@ SCALE = DIM ** -0.5
 
 
 # Reading the bytes alone: each warp streams a row's tokens for one KV head, four tokens
-# an iteration, a 16-byte load a lane (a token's 512-byte K/V row per warp load), slot
-# ids through the table as the kernel reads them; a sum keeps the loads alive.
+# an iteration, 16-byte loads a lane (a token's K/V row, 2 x D bf16, in 512-byte warp
+# loads), slot ids through the table as the kernel reads them; a sum keeps the loads
+# alive.
 _STREAM_SOURCE = r"""
     const int kvh = blockIdx.y;
     const int b = blockIdx.z;
@@ -53,14 +54,16 @@ _STREAM_SOURCE = r"""
     const int* row = table + (size_t)b * lmax;
     float acc = 0.f;
     for (int t0 = warp * 4; t0 < len; t0 += 16) {
-        uint4 x[4];
+        for (int c = lane * 8; c < 2 * D; c += 256) {
+            uint4 x[4];
 #pragma unroll
-        for (int u = 0; u < 4; ++u) {
-            const int t = min(t0 + u, len - 1);
-            x[u] = *reinterpret_cast<const uint4*>(kv_pool + ((size_t)row[t] * HKV + kvh) * 2 * D + lane * 8);
+            for (int u = 0; u < 4; ++u) {
+                const int t = min(t0 + u, len - 1);
+                x[u] = *reinterpret_cast<const uint4*>(kv_pool + ((size_t)row[t] * HKV + kvh) * 2 * D + c);
+            }
+#pragma unroll
+            for (int u = 0; u < 4; ++u) acc += __int_as_float((x[u].x ^ x[u].y) & 0x3f800000) + __int_as_float((x[u].z ^ x[u].w) & 0x3f800000);
         }
-#pragma unroll
-        for (int u = 0; u < 4; ++u) acc += __int_as_float((x[u].x ^ x[u].y) & 0x3f800000) + __int_as_float((x[u].z ^ x[u].w) & 0x3f800000);
     }
     out[((size_t)b * HKV + kvh) * 128 + threadIdx.x] = acc;
 """
@@ -154,6 +157,15 @@ def sdpa_us(batch: int, context: int, layers: int, repeats: int) -> float:
     return _time(step, repeats) / layers * 1e6
 
 
+def _set_heads(n_q: int, n_kv: int, dim: int) -> None:
+    """The attention shape every measurement uses (module constants)."""
+    global N_Q, N_KV, DIM, SCALE
+    if n_q % n_kv or dim % 32:
+        sys.exit(f"--heads {n_q},{n_kv},{dim}: query heads a multiple of the KV heads, "
+                 "a head size a multiple of 32")
+    N_Q, N_KV, DIM, SCALE = n_q, n_kv, dim, dim ** -0.5
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--batch-sizes", type=int_list, default=[1, 64, 128])
@@ -168,13 +180,20 @@ def main() -> None:
                    help="the kernel's stages: 0 register prefetch, >= 2 cp.async tiles in flight")
     p.add_argument("--order", choices=("random", "contiguous"), default="random",
                    help="each row's slots: shuffled across the pool, or consecutive")
+    p.add_argument("--heads", type=int_list, default=[N_Q, N_KV, DIM],
+                   help="query heads, KV heads, head size (default Llama-3-8B's: 32,8,128; "
+                        "e.g. 64,8,128 for 8 query heads a KV head)")
     p.add_argument("--json", type=Path)
     args = p.parse_args()
+    if len(args.heads) != 3:
+        p.error("--heads: query heads, KV heads, head size (three numbers)")
+    _set_heads(*args.heads)
     if not pa.kernel_available():
         sys.exit("needs MLX's CUDA backend")
     rng = np.random.default_rng(0)
     rows = []
-    print(f"context {args.context}, {args.layers} layers, slots in {args.order} order; "
+    print(f"heads {N_Q}/{N_KV} of {DIM}, context {args.context}, {args.layers} layers, "
+          f"slots in {args.order} order; "
           "µs a layer (max abs error vs reference)")
     for batch in args.batch_sizes:
         ref = sdpa_us(batch, args.context, args.layers, args.repeats)
