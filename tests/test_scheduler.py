@@ -101,6 +101,35 @@ def test_prefill_budget_chunks():
     assert PrefillBudget(100, 64).take(0, 200) == 64  # a budget that gave nothing: its whole
 
 
+def test_beside_decoding_a_prompts_tail_is_not_joined_by_a_short_head_of_the_next():
+    """Unaligned chunks (Gemma 3's on CUDA, every model's on the CPU) beside a decoding
+    stream: a long prompt's 50-token tail leaves 14 of the step's 64, which would start the
+    next long prompt as a forward of its own (under half the tail); that prompt starts the
+    next step, in whole chunks. A head of half the tail or more still joins it."""
+    s = _sched(capacity=4000, max_context=1024, chunk=64, budget=256, while_decoding=64,
+               scale_with_backlog=False)
+    s.add_request(_req("w", 4, 100))
+    s.apply_result(_answer(s.plan_step()))
+    s.add_request(_req("a", 114, 3))  # 64 + 50
+    s.add_request(_req("b", 300, 3))
+    steps = []
+    for _ in range(8):
+        batch = s.plan_step()
+        assert batch.decode_rids[:1] == ["w"]
+        steps.append([(c.rid, c.start, len(c.token_ids)) for c in batch.prefill])
+        s.apply_result(_answer(batch))
+    assert steps[:3] == [[("a", 0, 64)], [("a", 64, 50)], [("b", 0, 64)]]
+    assert [n for step in steps[2:] for rid, _, n in step] == [64, 64, 64, 64, 44]  # b alone
+    s = _sched(capacity=4000, max_context=1024, chunk=64, budget=256, while_decoding=64,
+               scale_with_backlog=False)
+    s.add_request(_req("w", 4, 100))
+    s.apply_result(_answer(s.plan_step()))
+    s.add_request(_req("a", 104, 3))  # a 40-token tail leaves 24: b starts beside it
+    s.add_request(_req("b", 300, 3))
+    s.apply_result(_answer(s.plan_step()))
+    assert _prefilled(s.plan_step()) == {"a": 40, "b": 24}
+
+
 def test_an_aligned_budget_ends_unfinished_chunks_on_its_edges():
     budget = PrefillBudget(tokens=100, chunk=64, align=16)
     assert budget.take(0, 200) == 64
