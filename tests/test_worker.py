@@ -667,10 +667,15 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert choose_decode_backend([AttentionLayerSpec(8, 80, 80, mx.bfloat16)]) == GatherDecode()
     # A block holds one KV head's queries in shared memory: multi-query models with many
     # query heads a KV head (Falcon-7B: 71 of 64 wide) take the gather path instead.
-    from worker_proc.decode_backend import kernel_fits
+    from worker_proc.decode_backend import kernel_fits, kernel_misfit
     assert kernel_fits([AttentionLayerSpec(8, 128, 128, mx.bfloat16, query_heads=64)])
-    assert not kernel_fits([AttentionLayerSpec(1, 64, 64, mx.bfloat16, query_heads=71)])
     assert not kernel_fits([AttentionLayerSpec(2, 256, 256, mx.bfloat16, query_heads=32)])
+    # ... and start-up says why (the worker's "decode attention" line on CUDA).
+    assert kernel_misfit([AttentionLayerSpec(8, 128, 128, mx.bfloat16, query_heads=32),
+                          AttentionLayerSpec(1, 64, 64, mx.bfloat16, query_heads=71)]) == (
+        "attention layer 1: 71 query heads a KV head of 64 (more than a thread block's "
+        "shared memory holds)")
+    assert "keys 80 and values 80 wide" in kernel_misfit([AttentionLayerSpec(8, 80, 80, mx.bfloat16)])
     with pytest.raises(ValueError, match="unknown"):
         ServerConfig(experiments="rope-in-kernel,warp-drive")
     with pytest.raises(ValueError, match="fast decode blocks"):

@@ -34,7 +34,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from kiln_common.llguidance_tokenizer import structured_output_supported
     from kiln_common.model_info import read_json, served_context_len
     from kiln_common.windows import WindowRule
-    from worker_proc.decode_backend import choose_decode_backend
+    from worker_proc.decode_backend import choose_decode_backend, kernel_misfit
     from worker_proc.paged_attention import prefill_bucket_for
     from worker_proc.decode_block import FastDecodeBlock, speed_up_decode_blocks
     from worker_proc.depthwise_conv import replace_depthwise_convs
@@ -93,8 +93,10 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     backend = choose_decode_backend(  # the one choice
         specs, config.experiment_set,
         prefill_bucket_for(config.max_prefill_tokens_while_decoding))
+    misfit = kernel_misfit(specs) if on_cuda else None
     say(f"decode attention: {backend.name}" + (
-        f", experiments {', '.join(sorted(config.experiment_set))}" if config.experiment_set else ""))
+        f", experiments {', '.join(sorted(config.experiment_set))}" if config.experiment_set else "")
+        + (f" (not the CUDA kernel: {misfit})" if misfit else ""))
     # The front's limit too (the same reading of config.json): a model whose mlx-lm args
     # nest it (text_config) would otherwise get a limit of its own here.
     context = served_context_len(read_json(Path(config.model_path) / "config.json"),

@@ -283,21 +283,31 @@ def _shared_bias(mask: Any, n_new: int, n_keys: int, dtype: mx.Dtype, once: Once
     return bias
 
 
-def kernel_fits(specs: list) -> bool:
-    """Whether the CUDA kernel can serve these layers' K/V (recurrent layers keep none):
-    it spreads a head over a warp's 32 lanes, keys and values of one size, and a block's
-    query heads (those of one KV head) fit its shared memory. A layer that computes its
-    own scores never meets the attention kernel (it reads dense K/V gathered from the
-    pool), so MLA's 512-wide latent beside its 64-wide RoPE part still gets the in-place
-    pool, compiled decode and steps launched back to back."""
+def kernel_misfit(specs: list) -> str | None:
+    """Why the CUDA kernel cannot serve these layers' K/V (recurrent layers keep none), or
+    None where it can: it spreads a head over a warp's 32 lanes, keys and values of one
+    size, and a block's query heads (those of one KV head) fit its shared memory. A layer
+    that computes its own scores never meets the attention kernel (it reads dense K/V
+    gathered from the pool), so MLA's 512-wide latent beside its 64-wide RoPE part still
+    gets the in-place pool, compiled decode and steps launched back to back."""
     from worker_proc.kv_pool import attention_specs
 
-    def fits(s: Any) -> bool:
+    for i, s in enumerate(attention_specs(specs)):
+        if s.kind.own_attention:
+            continue
+        if s.head_dim % 32 or s.v_head_dim != s.head_dim:
+            return (f"attention layer {i}: keys {s.head_dim} and values {s.v_head_dim} wide "
+                    "(the kernel takes one size, a multiple of 32)")
         group = max(1, s.query_heads // s.n_kv_heads)
-        return (s.head_dim % 32 == 0 and s.v_head_dim == s.head_dim
-                and fits_shared_memory(s.head_dim, group))
+        if not fits_shared_memory(s.head_dim, group):
+            return (f"attention layer {i}: {group} query heads a KV head of {s.head_dim} "
+                    "(more than a thread block's shared memory holds)")
+    return None
 
-    return all(s.kind.own_attention or fits(s) for s in attention_specs(specs))
+
+def kernel_fits(specs: list) -> bool:
+    """Whether the CUDA kernel can serve these layers (kernel_misfit)."""
+    return kernel_misfit(specs) is None
 
 
 def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset(),
