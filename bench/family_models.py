@@ -74,14 +74,12 @@ class QuantizedLayout:
 def quantized_layout(config: dict[str, Any], q: Quantization) -> QuantizedLayout:
     """The parameters and config of mlx-lm's model for `config` after quantize_model (on
     a lazy model: shapes only, nothing drawn)."""
-    from mlx.utils import tree_flatten
     from mlx_lm.utils import quantize_model
 
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    model = module.Model(module.ModelArgs.from_dict(config))
-    float_shapes = {n: tuple(a.shape) for n, a in tree_flatten(model.parameters())}
+    model = lazy_model(config)
+    float_shapes = {n: shape for n, (shape, _) in model_shapes(model).items()}
     model, qconfig = quantize_model(model, config, q.group_size, q.bits, mode=q.mode)
-    shapes = {n: (tuple(a.shape), a.dtype) for n, a in tree_flatten(model.parameters())}
+    shapes = model_shapes(model)
     defaults = qconfig["quantization"]
     modules = {}
     for name in shapes:
@@ -181,14 +179,22 @@ FAMILY_SHAPES = {s.name: s for s in (
 )}
 
 
-def parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], Any]]:
-    """mlx-lm's parameter names, shapes and dtypes for the config (a lazy model: its
-    initialisers are never evaluated)."""
+def lazy_model(config: dict[str, Any]) -> Any:
+    """mlx-lm's model for the config, its initialisers never evaluated."""
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    return module.Model(module.ModelArgs.from_dict(config))
+
+
+def model_shapes(model: Any) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """A model's parameter names, shapes and dtypes."""
     from mlx.utils import tree_flatten
 
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    model = module.Model(module.ModelArgs.from_dict(config))
     return {name: (tuple(a.shape), a.dtype) for name, a in tree_flatten(model.parameters())}
+
+
+def parameter_shapes(config: dict[str, Any]) -> dict[str, tuple[tuple[int, ...], Any]]:
+    """mlx-lm's parameter names, shapes and dtypes for the config (a lazy model)."""
+    return model_shapes(lazy_model(config))
 
 
 def output_head(names: list[str]) -> str:
@@ -254,7 +260,7 @@ def make_family_model(shape: FamilyShape, dtype_name: str, out_dir: Path, seed: 
         shapes = {n: s for n, s in shapes.items() if not n.rpartition(".")[0].endswith("lm_head")}
     head_name = output_head(list(shapes))
     keep_rows = keep.astype(dtype)
-    packed: dict[str, Any] = {}  # the quantized module last drawn: its parts by name
+    packed: dict[str, dict[str, Any]] = {}  # the quantized module last drawn: its parts
 
     def value(name: str) -> Any:
         path, _, part = name.rpartition(".")
@@ -262,14 +268,14 @@ def make_family_model(shape: FamilyShape, dtype_name: str, out_dir: Path, seed: 
             return draw(name, shapes[name][0],
                         dtype if shapes[name][1] != mx.uint32 else mx.uint32,
                         keep_rows, name == head_name)
-        if packed.get("path") != path:  # a module's parts are written one after another
+        if path not in packed:  # a module's parts are written one after another
             float_shape, group_size, bits, mode = layout.modules[path]
             weight = draw(path + ".weight", float_shape, dtype, keep_rows,
                           path + ".weight" == head_name)
-            parts = mx.quantize(weight, group_size=group_size, bits=bits, mode=mode)
             packed.clear()
-            packed.update(zip(_PACKED, parts), path=path)
-        return packed[part]
+            packed[path] = dict(zip(_PACKED, mx.quantize(weight, group_size=group_size,
+                                                         bits=bits, mode=mode)))
+        return packed[path][part]
 
     write_shards({n: s for n, (s, _) in shapes.items()}, dtype.size, value, out_dir, shard_bytes)
     (out_dir / _COMPLETE).write_text(mark + "\n")
