@@ -113,9 +113,10 @@ def _time(step, repeats: int) -> float:
 
 def paged_us(batch: int, context: int, layers: int, repeats: int, rng: np.random.Generator,
              check: bool, order: str = "random",
-             stages: int = pa.DEFAULT_STAGES) -> tuple[float, float]:
+             stages: int = pa.DEFAULT_STAGES, mma: bool = False) -> tuple[float, float]:
     """(µs a layer, max abs error against the reference) of the write-and-attend kernel
-    with the module's current shape and split target, K/V staged `stages` tiles ahead."""
+    with the module's current shape and split target, K/V staged `stages` tiles ahead
+    (mma: the tensor-core kernel instead)."""
     pools, table, lengths, slots = _pools(batch, context, layers, rng, order)
     q0 = mx.random.normal((batch, N_Q, 1, DIM)).astype(mx.bfloat16)
     kv_new = mx.random.normal((batch, N_KV, 1, 2 * DIM)).astype(mx.bfloat16)
@@ -124,7 +125,7 @@ def paged_us(batch: int, context: int, layers: int, repeats: int, rng: np.random
     error = 0.0
     if check:
         out, mark = pa.paged_decode_write_attention(q0, k_new, v_new, slots, pools[0], table,
-                                                    lengths, SCALE, stages=stages)
+                                                    lengths, SCALE, stages=stages, mma=mma)
         mx.eval(out, mark)
         ref = pa.reference_decode_attention(q0, pools[0], table, lengths, SCALE)
         error = float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))))
@@ -133,7 +134,8 @@ def paged_us(batch: int, context: int, layers: int, repeats: int, rng: np.random
         q, mark = q0, None
         for pool in pools:
             q, mark = pa.paged_decode_write_attention(q, k_new, v_new, slots, pool, table,
-                                                      lengths, SCALE, after=mark, stages=stages)
+                                                      lengths, SCALE, after=mark, stages=stages,
+                                                      mma=mma)
         return q
 
     return _time(step, repeats) / layers * 1e6, error
@@ -178,6 +180,8 @@ def main() -> None:
                    help="TARGET_BLOCKS values")
     p.add_argument("--stages", type=stage_counts, default=[pa.DEFAULT_STAGES],
                    help="the kernel's stages: 0 register prefetch, >= 2 cp.async tiles in flight")
+    p.add_argument("--mma", action="store_true",
+                   help="the tensor-core kernel too, at each split target")
     p.add_argument("--order", choices=("random", "contiguous"), default="random",
                    help="each row's slots: shuffled across the pool, or consecutive")
     p.add_argument("--heads", type=int_list, default=[N_Q, N_KV, DIM],
@@ -211,6 +215,14 @@ def main() -> None:
             tiles = pa.staged_tiles(DIM, 2, N_Q // N_KV, stages)
             label = (f"kiln {lanes}x{passes}{f' staged {tiles}' if tiles else ''}, "
                      f"target {target} ({splits} splits)")
+            rows.append({"batch": batch, "kernel": label, "us": us, "max_abs_error": err})
+            print(f"batch {batch:4d}  {label:40s} {us:8.1f}   ({err:.4f})")
+        for target in args.targets if args.mma else []:
+            pa.TARGET_BLOCKS = target
+            splits = pa.num_splits(batch, N_KV, args.context)
+            us, err = paged_us(batch, args.context, args.layers, args.repeats, rng, True,
+                               args.order, mma=True)
+            label = f"kiln mma, target {target} ({splits} splits)"
             rows.append({"batch": batch, "kernel": label, "us": us, "max_abs_error": err})
             print(f"batch {batch:4d}  {label:40s} {us:8.1f}   ({err:.4f})")
     if args.json:

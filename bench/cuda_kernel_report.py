@@ -46,15 +46,16 @@ def wrap(name: str, inputs: list[str], outputs: list[str], body: str, header: st
         args += [f"const {_TYPES[x]}* {x}", f"const int32_t* {x}_shape",
                  f"const int64_t* {x}_strides", f"int {x}_ndim"]
     args += [f"{_TYPES[x]}* {x}" for x in outputs]
-    consts = "".join(f"using {k} = {v};\n" if v.startswith("__nv") or v == "float"
+    consts = "".join(f"using {k} = {v};\n" if v.startswith("__") or v == "float"
                      else f"constexpr auto {k} = {v};\n" for k, v in params.items())
     return (f"#include <cuda_bf16.h>\n#include <cstdint>\n{consts}{header}\n"
             f"__global__ void {name}({', '.join(args)}) {{\n{body}\n}}\n")
 
 
 def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
-             passes: int, stages: int = 0) -> list[tuple[str, str]]:
-    """(label, .cu source) of every decode kernel as the served model launches it."""
+             passes: int, stages: int = 0, mma: bool = False) -> list[tuple[str, str]]:
+    """(label, .cu source) of every decode kernel as the served model launches it (mma:
+    the tensor-core kernels, whose lanes, passes and stages are their own)."""
     out = []
     for direct in (True, False):
         outputs = ["out"] if direct else ["out", "out_ml"]
@@ -66,9 +67,12 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
             new = (["qkv"] if fused else ["q", "k_new", "v_new"]) if write_new else ["q"]
             inputs = [*new, "kv_pool", "table", "lengths", "scale", "written"]
             params = {"T": dtype, "D": str(dim), "G": str(group), "HKV": str(n_kv), "P": dtype,
-                      "LANES": str(lanes), "PASSES": str(passes),
                       "CHUNK_MAX": str(pa.MAX_SPLIT_TOKENS)}
-            if stages:
+            if mma:
+                params |= {"WARPS": str(pa.mma_warps(dim, 2)), "STAGES": str(pa.MMA_STAGES)}
+            else:
+                params |= {"LANES": str(lanes), "PASSES": str(passes)}
+            if stages and not mma:
                 params["STAGES"] = str(stages)
             outs = list(outputs)
             if write_new:
@@ -79,11 +83,17 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
                 params |= {"ROPE_TRADITIONAL": "false", "ROPE_FREQS": "true"}
             if sinks:
                 inputs.append("sinks")
-            name = (f"kiln_{label}_{'direct' if direct else 'split'}_l{lanes}_u{passes}"
-                    + (f"_s{stages}" if stages else ""))
-            out.append((name, wrap(name, inputs, outs, pa._source(direct, write_new, fused, stages > 0, sinks),
-                                   pa._HEADER + (pa._ROPE_HEADER if fused else ""),
-                                   params)))
+            if mma:
+                name = f"kiln_{label}_{'direct' if direct else 'split'}_mma"
+                source = pa._mma_source(direct, write_new, fused, sinks)
+                header = pa._HEADER + pa._MMA_HEADER
+            else:
+                name = (f"kiln_{label}_{'direct' if direct else 'split'}_l{lanes}_u{passes}"
+                        + (f"_s{stages}" if stages else ""))
+                source = pa._source(direct, write_new, fused, stages > 0, sinks)
+                header = pa._HEADER
+            out.append((name, wrap(name, inputs, outs, source,
+                                   header + (pa._ROPE_HEADER if fused else ""), params)))
     return out
 
 
@@ -159,6 +169,7 @@ def main() -> None:
                    help="lanes a token x passes, comma-separated: 32x4,16x2")
     p.add_argument("--stages", type=stage_counts, default=[pa.DEFAULT_STAGES],
                    help="staged-pipeline tiles, comma-separated (0: register prefetch)")
+    p.add_argument("--mma", action="store_true", help="the tensor-core kernels too")
     p.add_argument("--keep", type=Path, help="write the .cu files here too")
     args = p.parse_args()
     if args.cuda is None:
@@ -171,6 +182,8 @@ def main() -> None:
         tiles = pa.staged_tiles(args.head_dim, itemsize, args.group, stages)
         kernels += variants(args.dtype, args.head_dim, args.group, args.kv_heads, lanes,
                             passes, tiles)
+    if args.mma:
+        kernels += variants(args.dtype, args.head_dim, args.group, args.kv_heads, 0, 0, mma=True)
     kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads))
     kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads, sinks=True))
     results = compile_kernels(args.cuda, kernels, args.arch)

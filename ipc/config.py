@@ -18,7 +18,7 @@ LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerCo
 # CUDA attention paths other than the default, for --experiments (A/B runs).
 DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
-                      "mixed-forward")
+                      "mixed-forward", "mma-attention")
 
 
 def _auto_on_off(help_text: str) -> Any:

@@ -94,10 +94,12 @@ def test_splits_fill_the_gpu_within_their_bounds():
     assert num_splits(batch=128, n_kv=8, l_max=100) == 1
 
 
-@pytest.fixture(params=[0, 4, DEFAULT_STAGES], ids=["register-prefetch", "staged-4", "staged"])
+@pytest.fixture(params=[{"stages": 0}, {"stages": 4}, {"stages": DEFAULT_STAGES}, {"mma": True}],
+                ids=["register-prefetch", "staged-4", "staged", "mma"])
 def kv_pipeline(request):
     """Every way the kernel brings K/V in (its `stages`: register prefetch, cp.async tiles
-    four and the default number ahead, as many as fit) gives the reference's attention."""
+    four and the default number ahead, as many as fit) and the tensor-core kernel (where
+    it serves the heads: 16-bit pools) give the reference's attention."""
     return request.param
 
 
@@ -106,7 +108,7 @@ def kv_pipeline(request):
                                      list(range(1, 640, 10))])
 def test_cuda_kernel_every_split_shape(lengths, kv_pipeline):
     q, kv, table, ln = _case(n_q=32, n_kv=8, dim=128, dtype=mx.bfloat16, lengths=lengths)
-    got = paged_decode_attention(q, kv, table, ln, scale=128 ** -0.5, stages=kv_pipeline)
+    got = paged_decode_attention(q, kv, table, ln, scale=128 ** -0.5, **kv_pipeline)
     want = reference_decode_attention(q, kv, table, ln, scale=128 ** -0.5)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
                                rtol=2e-2, atol=2e-2)
@@ -121,7 +123,7 @@ def test_cuda_kernel_attention_sinks(lengths, dtype, kv_pipeline):
     q, kv, table, ln = _case(n_q=16, n_kv=2, dim=64, dtype=dtype, lengths=lengths, seed=11)
     sinks = mx.array(np.random.default_rng(12).normal(0.0, 3.0, 16).astype(np.float32)).astype(dtype)
     got = paged_decode_attention(q, kv, table, ln, scale=64 ** -0.5, sinks=sinks,
-                                 stages=kv_pipeline)
+                                 **kv_pipeline)
     want = reference_decode_attention(q, kv, table, ln, scale=64 ** -0.5, sinks=sinks)
     tol = 2e-2 if dtype != mx.float32 else 1e-4
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
@@ -154,10 +156,10 @@ def test_cuda_write_attention_equals_a_write_then_attention(lengths, with_sinks,
     mx.eval(separate, fused)
     mark = pool_write_in_place(separate, slots, keys, values)
     want = paged_decode_attention(q, separate, table, ln, scale=128 ** -0.5, written=mark,
-                                  sinks=sinks, stages=kv_pipeline)
+                                  sinks=sinks, **kv_pipeline)
     got, got_mark = paged_decode_write_attention(q, keys, values, slots, fused, table, ln,
                                                  scale=128 ** -0.5, sinks=sinks,
-                                                 stages=kv_pipeline)
+                                                 **kv_pipeline)
     mx.eval(want, got, got_mark)
     assert got_mark.tolist() == [0]
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
@@ -191,9 +193,9 @@ def test_cuda_qkv_attention_rotates_q_and_k_as_mx_fast_rope(traditional, freqs, 
     q_rot, keys_rot = (spec.apply(x, ln - 1) for x in (heads[:, :32], heads[:, 32:40]))
     mark = pool_write_in_place(separate, slots, keys_rot, heads[:, 40:])
     want = paged_decode_attention(q_rot, separate, table, ln, scale=128 ** -0.5, written=mark,
-                                  stages=kv_pipeline)
+                                  **kv_pipeline)
     got, _ = paged_decode_qkv_attention(qkv, 32, spec, slots, fused, table, ln, scale=128 ** -0.5,
-                                        stages=kv_pipeline)
+                                        **kv_pipeline)
     mx.eval(want, got)
     assert got.shape == (b, 1, 32 * 128)
     np.testing.assert_array_equal(np.array(fused.astype(mx.float32)),
@@ -514,6 +516,60 @@ def test_every_kernel_source_has_its_parts_filled_in(direct, sinks, write_new, f
     assert ("kiln_cp_async16" in source) == staged and ("STAGES" in source) == staged
 
 
+@pytest.mark.parametrize("direct, sinks", [(True, False), (True, True), (False, False)])
+@pytest.mark.parametrize("write_new, fused", [(False, False), (True, False), (True, True)])
+def test_every_tensor_core_kernel_source_has_its_parts_filled_in(direct, sinks, write_new, fused):
+    import re
+
+    from worker_proc import paged_attention as pa
+
+    source = pa._mma_source(direct, write_new, fused, sinks)
+    assert ("sinks[" in source) == sinks
+    left = set(re.findall(r"\b(PROLOGUE|LENGTH|ROW_SLOTS|SLOT_AT|Q_LOAD|NEW_COPY|WRITE)\b", source))
+    assert not left
+    for name in ("WARPS", "STAGES", "CHUNK_MAX", "D", "G", "HKV"):
+        assert re.search(rf"\b{name}\b", source), name
+    assert ("kiln_rope<" in source) == fused
+    assert ("sm_new" in source) == write_new  # the step's token never read from the pool
+    assert ("out_ml" in source) == (not direct)
+
+
+def test_tensor_core_kernel_takes_16_bit_heads_a_fragment_holds():
+    from worker_proc.paged_attention import mma_fits, mma_warps
+
+    assert [mma_warps(d, 2) for d in (64, 128, 256, 512)] == [4, 2, 1, 0]
+    for dim, group in [(128, 4), (128, 8), (128, 16), (64, 8), (256, 2), (96, 12), (128, 1)]:
+        assert mma_fits(mx.bfloat16, mx.bfloat16, dim, group), (dim, group)
+    assert mma_fits(mx.float16, mx.float16, 128, 4)
+    assert not mma_fits(mx.float32, mx.float32, 128, 4)  # fp32 pools: the CUDA-core kernel
+    assert not mma_fits(mx.float32, mx.bfloat16, 128, 4)  # q must be the pool's dtype
+    assert not mma_fits(mx.bfloat16, mx.bfloat16, 80, 4)  # head sizes: multiples of 32
+    assert not mma_fits(mx.bfloat16, mx.bfloat16, 128, 32)  # more rows than a fragment's
+    assert not mma_fits(mx.bfloat16, mx.bfloat16, 512, 16)  # MLA's latent: no room
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
+@pytest.mark.parametrize("n_q, n_kv, dim, dtype", [
+    (32, 8, 128, mx.bfloat16), (16, 1, 128, mx.bfloat16), (64, 8, 128, mx.bfloat16),
+    (16, 8, 256, mx.bfloat16), (64, 8, 64, mx.bfloat16), (12, 12, 64, mx.bfloat16),
+    (24, 2, 96, mx.float16), (32, 8, 128, mx.float16)])
+def test_cuda_tensor_core_kernel_head_shapes(n_q, n_kv, dim, dtype):
+    """The tensor-core kernel at every query-head group a fragment holds (1 to 16: the
+    upper rows too), head sizes 64 to 256, bf16 and fp16, one split and several."""
+    from worker_proc.paged_attention import mma_fits
+
+    assert mma_fits(dtype, dtype, dim, n_q // n_kv)
+    q, kv, table, ln = _case(n_q=n_q, n_kv=n_kv, dim=dim, dtype=dtype, seed=dim + n_q,
+                             lengths=[1, 4096, 33, 257, 16, 17, 700])
+    got = paged_decode_attention(q, kv, table, ln, scale=dim ** -0.5, mma=True)
+    want = reference_decode_attention(q, kv, table, ln, scale=dim ** -0.5)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               rtol=2e-2, atol=2e-2)
+    one = paged_decode_attention(q[:1], kv, table[:1], ln[:1], scale=dim ** -0.5, mma=True)
+    np.testing.assert_allclose(np.array(one.astype(mx.float32)),
+                               np.array(want[:1].astype(mx.float32)), rtol=2e-2, atol=2e-2)
+
+
 def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     """Where a CUDA toolkit is installed (no GPU needed), every decode kernel variant (both
     K/V pipelines, the float32 pool of the CUDA tests too) and the merge kernel compile as
@@ -557,3 +613,13 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     assert all(r.ok for r in compile_kernels(cuda, staged(128, 16)))
     # GPUs before sm_80 have no cp.async: the staged default copies at once there.
     assert all(r.ok for r in compile_kernels(cuda, staged(128, 4)[:2], arch="sm_75"))
+    # The tensor-core kernels (~140 registers at Llama's heads: two-warp blocks, five an
+    # SM by their shared memory), also at 16 query heads a KV head (the fragments' upper
+    # rows), Gemma's 256-wide heads (~240 registers: one warp a block) and in fp16.
+    mma = (variants("__nv_bfloat16", 128, 4, 8, 0, 0, mma=True)
+           + variants("__nv_bfloat16", 128, 16, 8, 0, 0, mma=True)[:2]
+           + variants("__nv_bfloat16", 256, 2, 8, 0, 0, mma=True)[:2]
+           + variants("__half", 96, 12, 2, 0, 0, mma=True)[:2])
+    results = compile_kernels(cuda, mma)
+    assert all(r.ok and "0 bytes spill stores" in r.report for r in results), [
+        r.name + ":\n" + r.report for r in results if not (r.ok and "0 bytes spill" in r.report)]

@@ -130,7 +130,9 @@ class KernelDecode(DecodeBackend):
     bucket, the shape of its earlier chunks (ModelRunner.tail_bucket). mixed_forward:
     a step's lone prompt chunk and its decode rows run as one forward, their GEMMs
     reading the weights once (ModelRunner._mixed, decode_block.MixedLayerCache's
-    blocks; `--experiments mixed-forward` turns it on)."""
+    blocks; `--experiments mixed-forward` turns it on). mma: decode attention through
+    the tensor-core kernel where it serves the heads (paged_attention.mma_fits: 16-bit
+    pools), the CUDA-core one elsewhere (`--experiments mma-attention`)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
@@ -140,6 +142,7 @@ class KernelDecode(DecodeBackend):
     align_chunks: bool = True
     prefill_bucket: int = FUSED_PREFILL_BUCKET
     mixed_forward: bool = False
+    mma: bool = False
 
     name = "CUDA kernel"
     in_place = True
@@ -225,20 +228,21 @@ class KernelDecode(DecodeBackend):
     def _attend(self, q: mx.array, pool: mx.array, table: mx.array, lengths: mx.array,
                 scale: float, written: mx.array | None, sinks: mx.array | None) -> mx.array:
         return paged_decode_attention(q, pool, table, lengths, scale, written, sinks=sinks,
-                                      stages=self.stages)
+                                      stages=self.stages, mma=self.mma)
 
     def _write_attend(self, q: mx.array, keys: mx.array, values: mx.array, slots: mx.array,
                       pool: mx.array, table: mx.array, lengths: mx.array, scale: float,
                       after: mx.array | None,
                       sinks: mx.array | None = None) -> tuple[mx.array, mx.array]:
         return paged_decode_write_attention(q, keys, values, slots, pool, table, lengths,
-                                            scale, after, sinks=sinks, stages=self.stages)
+                                            scale, after, sinks=sinks, stages=self.stages,
+                                            mma=self.mma)
 
     def _qkv_attend(self, qkv: mx.array, n_q: int, rope: RopeSpec, slots: mx.array,
                     pool: mx.array, table: mx.array, lengths: mx.array, scale: float,
                     after: mx.array | None) -> tuple[mx.array, mx.array]:
         return paged_decode_qkv_attention(qkv, n_q, rope, slots, pool, table, lengths, scale,
-                                          after, stages=self.stages)
+                                          after, stages=self.stages, mma=self.mma)
 
 
 @dataclass(frozen=True)
@@ -329,4 +333,5 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         bucketed_masked="unfused-masked-prefill" not in experiments,
                         align_chunks="unaligned-chunks" not in experiments,
                         mixed_forward="mixed-forward" in experiments,
+                        mma="mma-attention" in experiments,
                         prefill_bucket=prefill_bucket)

@@ -116,7 +116,10 @@ _BODY = r"""
 #pragma unroll
     for (int g = 0; g < G; ++g) {
 #pragma unroll
-        for (int e = 0; e < E; ++e) qv[g][e] = Q_LOAD * sc;
+        for (int e = 0; e < E; ++e) {
+            const int qd = part * E + e;
+            qv[g][e] = Q_LOAD * sc;
+        }
     }
     float m[G], l[G], acc[G][E];
 #pragma unroll
@@ -399,12 +402,13 @@ _READ_ONLY = {
     "LENGTH": "lengths[b]",
     "ROW_SLOTS": "table + (size_t)b * lmax",
     "SLOT_AT": "row_slots[start + i]",
-    "Q_LOAD": "static_cast<float>(q[((size_t)b * HKV * G + kvh * G + g) * D + part * E + e])",
+    "Q_LOAD": "static_cast<float>(q[((size_t)b * HKV * G + kvh * G + g) * D + qd])",
+    "NEW_COPY": "",
 }
 
 
-def _write_new(fused: bool) -> dict[str, str]:
-    """The parts of the write-and-attend kernel. q, k_new and v_new come as three strided
+def _write_new(fused: bool, mma: bool = False) -> dict[str, str]:
+    """The parts of the write-and-attend kernel (of the tensor-core body: mma). q, k_new and v_new come as three strided
     [B, H, 1, D] inputs; fused: as one `qkv` input, a fused projection's [B, 1, (Hq + 2 Hkv)
     * D] output (no view nodes to make them), and the kernel rotates q and the new k itself
     (kiln_rope in _ROPE_HEADER) at each row's new position."""
@@ -443,8 +447,7 @@ def _write_new(fused: bool) -> dict[str, str]:
         def v_elem(d: str) -> str:
             return f"static_cast<float>(v_new[v_at + (size_t)({d}) * v_new_strides[3]])"
 
-    return {
-        "PROLOGUE": offsets + """if (split == 0) {  // one block per (row, head) stores the head's new K/V
+    store = offsets + """if (split == 0) {  // one block per (row, head) stores the head's new K/V
         P* pool = const_cast<P*>(kv_pool);
         const size_t dst = ((size_t)slots[b * slots_strides[0]] * HKV + kvh) * 2 * D;
         for (int i = threadIdx.x; i < 2 * D; i += blockDim.x) {
@@ -454,7 +457,29 @@ def _write_new(fused: bool) -> dict[str, str]:
         }
         if (b == 0 && kvh == 0 && threadIdx.x == 0) mark[0] = 0;
     }
-    // This step's token, as the pool rounds it (this lane's slice), read once here: in
+    """
+    common = {
+        "LENGTH": "lengths[b * lengths_strides[0]]",
+        "ROW_SLOTS": "table + (size_t)b * table_strides[0]",
+        "SLOT_AT": "row_slots[(size_t)(start + i) * table_strides[1]]",
+        "Q_LOAD": q_elem("g", "qd"),
+    }
+    if mma:
+        return common | {
+            # This step's token's row, as the pool rounds it, once a block in shared
+            # memory: the tiles take it from there (NEW_COPY), never from the pool that
+            # this launch writes.
+            "PROLOGUE": store + """__shared__ __align__(16) P sm_new[2 * D];
+    if (start <= len - 1 && len - 1 < end) {
+        for (int i = threadIdx.x; i < 2 * D; i += blockDim.x)
+            sm_new[i] = static_cast<P>(i < D ? """ + k_elem("i") + """ : """ + v_elem("i - D") + """);
+    }""",
+            "NEW_COPY": """if (t == len - 1) {
+                    *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(&sm_new[piece * 8]);
+                } else""",
+        }
+    return common | {
+        "PROLOGUE": store + """// This step's token, as the pool rounds it (this lane's slice), read once here: in
     // the token loop its loads (and, fused, its rotation) cost every iteration registers.
     V k_mine, v_mine;
     if (start <= len - 1 && len - 1 < end) {
@@ -470,10 +495,6 @@ def _write_new(fused: bool) -> dict[str, str]:
                 kk[u] = k_mine;
                 vv[u] = v_mine;
             } else""",
-        "LENGTH": "lengths[b * lengths_strides[0]]",
-        "ROW_SLOTS": "table + (size_t)b * table_strides[0]",
-        "SLOT_AT": "row_slots[(size_t)(start + i) * table_strides[1]]",
-        "Q_LOAD": q_elem("g", "part * E + e"),
     }
 
 
@@ -528,6 +549,268 @@ def _source(direct: bool, write_new: bool, fused: bool = False, staged: bool = F
     return source
 
 
+
+# The tensor-core kernel (mma): the same blocks (split, KV head, row) and the same
+# outputs as _BODY, but the dot products run as bf16/fp16 mma.sync tiles (m16n8k16, fp32
+# accumulators): a KV head's G query heads are the tile's rows (up to 16, the rest
+# zero), a warp takes 16 tokens an iteration: S = Q K^T in two 8-token tiles, an online
+# softmax on S's fragments (a row's four lanes agree by two shuffles a tile, not four a
+# token), then O += P V with P straight from S's registers (as flash attention does, P
+# rounds to the values' dtype). _BODY spends ~50 warp instructions a token and KV head
+# on CUDA cores; this ~3 of mma and loads.
+#
+# K/V come through shared memory as in _STAGED_PIPE: whole rows (a head's 2D elements)
+# by cp.async, STAGES tiles of 16 tokens a warp. Rows are stored with their 16-byte
+# chunks permuted (chunk ^ kiln_swz(row), within each 128 bytes) so that both reads
+# below hit 32 distinct banks: K as 16-byte loads (a lane reads 8 consecutive elements
+# of one key: QK's k dimension is summed over, so Q's fragments take the same order of
+# head elements and every k-step's two mma share one load) and V by ldmatrix.trans
+# (8 rows of one chunk). Tokens past the split's end are zeros, so p = 0 times them
+# stays 0.
+_MMA_BODY = r"""
+    constexpr int NW = WARPS;
+    constexpr int TILE = 16 * NW;   // tokens a block takes an iteration
+    constexpr int ROW = 2 * D;      // a token's K/V row of one head, in elements
+    constexpr int CPR = ROW / 8;    // its 16-byte chunks
+    constexpr int KS = D / 32;      // QK's k-steps of 32 elements (two mma each)
+    constexpr int NT = D / 8;       // PV's output tiles of 8 columns
+    constexpr bool HI = G > 8;      // query heads in the fragments' upper 8 rows too
+    const int split = blockIdx.x;
+    const int kvh = blockIdx.y;
+    const int b = blockIdx.z;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int gid = lane >> 2;  // fragment row (query head); K's token in an 8-token tile
+    const int tid = lane & 3;   // fragment column pair
+    const int n_splits = gridDim.x;
+    const int len = LENGTH;
+    const int lmax = table_shape[1];
+    const int chunk = (lmax + n_splits - 1) / n_splits;
+    const int start = split * chunk;
+    const int end = min(start + chunk, len);
+    const float sc = scale[0] * 1.4426950408889634f;  // scores in log2 units, as _BODY
+    PROLOGUE
+    __shared__ int sm_slots[CHUNK_MAX];
+    __shared__ __align__(16) P sm_q[G][D];
+    {
+        const int* row_slots = ROW_SLOTS;
+        for (int i = threadIdx.x; i < end - start; i += blockDim.x) sm_slots[i] = SLOT_AT;
+        for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+            const int g = i / D;
+            const int qd = i % D;
+            sm_q[g][qd] = static_cast<P>(Q_LOAD);
+        }
+    }
+    __shared__ __align__(16) P stage[STAGES][TILE][ROW];
+    // Tile `at` into stage `into`: one commit group a tile; rows past the end zeroed.
+    auto issue = [&](int at, int into) {
+        for (int c = threadIdx.x; c < TILE * CPR; c += blockDim.x) {
+            const int j = c / CPR;
+            const int piece = c % CPR;
+            const int t = at + j;
+            P* dst = &stage[into][j][(piece ^ kiln_swz(j)) * 8];
+            if (t < end) {
+                NEW_COPY {
+                    const P* row = kv_pool + ((size_t)sm_slots[t - start] * HKV + kvh) * ROW;
+                    kiln_cp_async16(dst, row + piece * 8);
+                }
+            } else if (at < end) {
+                *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+            }
+        }
+        kiln_cp_commit();
+    };
+    __syncthreads();  // the slots and q are in place
+    uint32_t qlo[KS][4], qhi[KS][4];  // Q's A fragments: rows gid, gid + 8
+#pragma unroll
+    for (int c = 0; c < KS; ++c) {
+        const uint4 zero = make_uint4(0, 0, 0, 0);
+        const uint4 lo = gid < G ? *reinterpret_cast<const uint4*>(&sm_q[gid][c * 32 + tid * 8]) : zero;
+        qlo[c][0] = lo.x; qlo[c][1] = lo.y; qlo[c][2] = lo.z; qlo[c][3] = lo.w;
+        uint4 hi = zero;
+        if (HI && gid + 8 < G) hi = *reinterpret_cast<const uint4*>(&sm_q[HI ? gid + 8 : 0][c * 32 + tid * 8]);
+        qhi[c][0] = hi.x; qhi[c][1] = hi.y; qhi[c][2] = hi.z; qhi[c][3] = hi.w;
+    }
+#pragma unroll
+    for (int k = 0; k < STAGES - 1; ++k) issue(start + k * TILE, k);
+    float o[NT][4];  // O's fragments: rows gid (0, 1) and gid + 8 (2, 3)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m_lo = kiln_lowest, m_hi = kiln_lowest, l_lo = 0.f, l_hi = 0.f;
+    int tile = 0;
+    for (int at = start; at < end; at += TILE, ++tile) {
+        kiln_cp_wait<STAGES - 2>();
+        __syncthreads();
+        issue(at + (STAGES - 1) * TILE, (tile + STAGES - 1) % STAGES);
+        const int t0 = at + warp * 16;  // the warp's first token
+        if (t0 >= end) continue;        // warp-uniform: the split's last, partial tile
+        const P* rows = &stage[tile % STAGES][warp * 16][0];
+        float s[2][4];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            s[h][0] = s[h][1] = s[h][2] = s[h][3] = 0.f;
+            const int r = h * 8 + gid;
+            const P* key = rows + r * ROW;
+#pragma unroll
+            for (int c = 0; c < KS; ++c) {
+                const uint4 k = *reinterpret_cast<const uint4*>(key + ((c * 4 + tid) ^ kiln_swz(r)) * 8);
+                kiln_mma<P>(s[h], qlo[c][0], qhi[c][0], qlo[c][1], qhi[c][1], k.x, k.y);
+                kiln_mma<P>(s[h], qlo[c][2], qhi[c][2], qlo[c][3], qhi[c][3], k.z, k.w);
+            }
+        }
+        // s[h][j]: token t0 + h * 8 + tid * 2 + (j & 1), row gid (j < 2) or gid + 8.
+        float top_lo = kiln_lowest, top_hi = kiln_lowest;
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const bool ok = t0 + h * 8 + tid * 2 + j < end;
+                s[h][j] = ok ? s[h][j] * sc : kiln_lowest;
+                s[h][j + 2] = ok ? s[h][j + 2] * sc : kiln_lowest;
+                top_lo = fmaxf(top_lo, s[h][j]);
+                top_hi = fmaxf(top_hi, s[h][j + 2]);
+            }
+        }
+        top_lo = fmaxf(top_lo, __shfl_xor_sync(0xffffffff, top_lo, 1));
+        top_lo = fmaxf(top_lo, __shfl_xor_sync(0xffffffff, top_lo, 2));
+        const float new_lo = fmaxf(m_lo, top_lo);
+        const float a_lo = exp2f(m_lo - new_lo);
+        m_lo = new_lo;
+        float new_hi = m_hi, a_hi = 1.f;
+        if (HI) {
+            top_hi = fmaxf(top_hi, __shfl_xor_sync(0xffffffff, top_hi, 1));
+            top_hi = fmaxf(top_hi, __shfl_xor_sync(0xffffffff, top_hi, 2));
+            new_hi = fmaxf(m_hi, top_hi);
+            a_hi = exp2f(m_hi - new_hi);
+            m_hi = new_hi;
+        }
+        uint32_t pa[4];  // P's A fragment over the warp's 16 tokens
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const float p0 = s[h][0] > kiln_lowest ? exp2f(s[h][0] - new_lo) : 0.f;
+            const float p1 = s[h][1] > kiln_lowest ? exp2f(s[h][1] - new_lo) : 0.f;
+            l_lo = l_lo * (h == 0 ? a_lo : 1.f) + p0 + p1;
+            pa[2 * h] = kiln_pack<P>(p0, p1);
+            if (HI) {
+                const float p2 = s[h][2] > kiln_lowest ? exp2f(s[h][2] - new_hi) : 0.f;
+                const float p3 = s[h][3] > kiln_lowest ? exp2f(s[h][3] - new_hi) : 0.f;
+                l_hi = l_hi * (h == 0 ? a_hi : 1.f) + p2 + p3;
+                pa[2 * h + 1] = kiln_pack<P>(p2, p3);
+            } else {
+                pa[2 * h + 1] = 0u;
+            }
+        }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            o[n][0] *= a_lo; o[n][1] *= a_lo;
+            if (HI) { o[n][2] *= a_hi; o[n][3] *= a_hi; }
+        }
+        // V's B fragments by ldmatrix.trans: lane = matrix (lane / 8: tokens 0-7 or
+        // 8-15, this or the next 8 columns) x row (lane % 8); four matrices, two n-tiles.
+        const int vr = (lane >> 3 & 1) * 8 + (lane & 7);
+        const P* vrow = rows + vr * ROW;
+#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            uint32_t v[4];
+            kiln_ldmatrix_t4(v, vrow + ((D / 8 + n + (lane >> 4)) ^ kiln_swz(vr)) * 8);
+            kiln_mma<P>(o[n], pa[0], pa[1], pa[2], pa[3], v[0], v[1]);
+            kiln_mma<P>(o[n + 1], pa[0], pa[1], pa[2], pa[3], v[2], v[3]);
+        }
+    }
+    kiln_cp_wait<0>();
+    // A row's sum over its four lanes (its max already agrees).
+    l_lo += __shfl_xor_sync(0xffffffff, l_lo, 1);
+    l_lo += __shfl_xor_sync(0xffffffff, l_lo, 2);
+    if (HI) {
+        l_hi += __shfl_xor_sync(0xffffffff, l_hi, 1);
+        l_hi += __shfl_xor_sync(0xffffffff, l_hi, 2);
+    }
+    __syncthreads();  // the stages are free: the warps' partials go there
+    float* sm_m = reinterpret_cast<float*>(&stage[0][0][0]);
+    float* sm_l = sm_m + NW * G;
+    float* sm_acc = sm_l + NW * G;  // [NW][G][D]
+    if (gid < G) {
+        if (tid == 0) { sm_m[warp * G + gid] = m_lo; sm_l[warp * G + gid] = l_lo; }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            sm_acc[(warp * G + gid) * D + n * 8 + tid * 2] = o[n][0];
+            sm_acc[(warp * G + gid) * D + n * 8 + tid * 2 + 1] = o[n][1];
+        }
+    }
+    if (HI && gid + 8 < G) {
+        const int g8 = HI ? gid + 8 : 0;
+        if (tid == 0) { sm_m[warp * G + g8] = m_hi; sm_l[warp * G + g8] = l_hi; }
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            sm_acc[(warp * G + g8) * D + n * 8 + tid * 2] = o[n][2];
+            sm_acc[(warp * G + g8) * D + n * 8 + tid * 2 + 1] = o[n][3];
+        }
+    }
+    __syncthreads();
+    const size_t part_at = ((size_t)b * HKV + kvh) * n_splits + split;
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        const int g = i / D;
+        const int d = i % D;
+        float mm = kiln_lowest;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) mm = fmaxf(mm, sm_m[w * G + g]);
+        float ll = 0.f, aa = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) {
+            const float f = exp2f(sm_m[w * G + g] - mm);
+            ll += sm_l[w * G + g] * f;
+            aa += sm_acc[(w * G + g) * D + d] * f;
+        }
+        WRITE
+    }
+"""
+
+# The tensor-core kernel's helpers (sm_80+: bf16 mma and cp.async).
+_MMA_HEADER = r"""
+// A stored row's chunk permutation: rows 0..7 to distinct values in 0..7, and rows 2i and
+// 2i + 1 to opposite halves (see _MMA_BODY).
+__device__ inline int kiln_swz(int row) { return ((row & 1) << 2) | ((row >> 1) & 3); }
+template <typename P> struct kiln_mma_op;
+template <> struct kiln_mma_op<__nv_bfloat16> {
+    static __device__ inline void run(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
+                                      uint32_t a3, uint32_t b0, uint32_t b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+};
+template <> struct kiln_mma_op<__half> {
+    static __device__ inline void run(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
+                                      uint32_t a3, uint32_t b0, uint32_t b1) {
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
+                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+    }
+};
+// c (16 x 8, fp32) += a (16 x 16) b (16 x 8): the PTX fragment layouts.
+template <typename P>
+__device__ inline void kiln_mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                uint32_t b0, uint32_t b1) {
+    kiln_mma_op<P>::run(c, a0, a1, a2, a3, b0, b1);
+}
+__device__ inline uint32_t kiln_bits(__nv_bfloat16 x) { return __bfloat16_as_ushort(x); }
+__device__ inline uint32_t kiln_bits(__half x) { return __half_as_ushort(x); }
+// Two floats as P, the first in the low half (a fragment register's element order).
+template <typename P>
+__device__ inline uint32_t kiln_pack(float x, float y) {
+    return kiln_bits(static_cast<P>(x)) | (kiln_bits(static_cast<P>(y)) << 16);
+}
+// Four 8 x 8 matrices of 16-bit elements from shared memory, transposed: lane i gives
+// the address of row i % 8 of matrix i / 8.
+__device__ inline void kiln_ldmatrix_t4(uint32_t* r, const void* p) {
+    const unsigned at = static_cast<unsigned>(__cvta_generic_to_shared(p));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+                 : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3]) : "r"(at) : "memory");
+}
+"""
+
 @functools.cache
 def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: bool = False,
             sinks: bool = False):
@@ -556,6 +839,67 @@ def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: 
         output_names=outputs, source=_source(direct, False, staged=staged, sinks=sinks),
         header=_HEADER)
 
+
+
+def _mma_source(direct: bool, write_new: bool, fused: bool = False, sinks: bool = False) -> str:
+    source = _MMA_BODY.replace("WRITE", (_DIRECT_SINK_WRITE if sinks else _DIRECT_WRITE)
+                               if direct else _SPLIT_WRITE)
+    for name, text in (_write_new(fused, mma=True) if write_new else _READ_ONLY).items():
+        source = source.replace(name, text)
+    return source
+
+
+@functools.cache
+def _mma_kernel(direct: bool, write_new: bool = False, fused: bool = False, sinks: bool = False):
+    """The tensor-core decode kernel of a kind (as _kernel's)."""
+    assert direct or not sinks, "several splits take the sinks in the merge"
+    outputs = ["out"] if direct else ["out", "out_ml"]
+    kind = f"_mma_decode_{'direct' if direct else 'split'}{'_sinks' if sinks else ''}"
+    extra = ["sinks"] if sinks else []
+    header = _HEADER + _MMA_HEADER
+    if write_new:
+        new = ["qkv"] if fused else ["q", "k_new", "v_new"]
+        return mx.fast.cuda_kernel(
+            name=f"kiln_paged_write{'_qkv_rope' if fused else ''}{kind}",
+            input_names=[*new, "kv_pool", "table", "lengths", "scale", "written", "slots",
+                         *(["rope"] if fused else []), *extra],
+            output_names=[*outputs, "mark"], source=_mma_source(direct, True, fused, sinks),
+            header=header + (_ROPE_HEADER if fused else ""), ensure_row_contiguous=False)
+    return mx.fast.cuda_kernel(
+        name=f"kiln_paged{kind}",
+        input_names=["q", "kv_pool", "table", "lengths", "scale", "written", *extra],
+        output_names=outputs, source=_mma_source(direct, False, sinks=sinks), header=header)
+
+
+MMA_STAGES = 2  # tiles a block keeps: one in flight while the other is read
+_MMA_STAGE_BYTES = 32 * 1024
+
+
+def mma_warps(dim: int, itemsize: int) -> int:
+    """Warps a block of the tensor-core kernel (16 tokens each an iteration): as many as
+    MMA_STAGES tiles of their rows fit in 32 KiB (4 for 64-wide heads, 2 for 128, 1 for
+    256), 0 where not even one warp's do."""
+    for warps in (4, 2, 1):
+        if MMA_STAGES * 16 * warps * 2 * dim * itemsize <= _MMA_STAGE_BYTES:
+            return warps
+    return 0
+
+
+def mma_fits(dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int, group: int) -> bool:
+    """Whether the tensor-core kernel serves these heads: 16-bit floats (q as the pool
+    stores them: the mma's operands), heads a multiple of 32 wide, up to 16 query heads
+    a KV head (one fragment's rows), its shared memory within a block's static 48 KiB
+    (the warps' partials reuse the tiles)."""
+    if dtype != pool_dtype or dtype not in (mx.bfloat16, mx.float16):
+        return False
+    if dim % 32 or not 1 <= group <= 16:
+        return False
+    warps = mma_warps(dim, 2)
+    if not warps:
+        return False
+    tiles = MMA_STAGES * 16 * warps * 2 * dim * 2
+    rest = 4 * MAX_SPLIT_TOKENS + group * dim * 2 + 2 * dim * 2 + 4 * dim
+    return tiles + rest <= _STATIC_SHARED_MAX and warps * group * (dim + 2) * 4 <= tiles
 
 _SINK_MAX = "const float sink = static_cast<float>(sinks[kvh * G + g]) * 1.4426950408889634f;\n        mm = sink;"
 _SINK_SUM = "den = exp2f(sink - mm);"
@@ -595,7 +939,7 @@ def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
                            lengths: mx.array, scale: float,
                            written: mx.array | None = None,
                            sinks: mx.array | None = None,
-                           stages: int = DEFAULT_STAGES) -> mx.array:
+                           stages: int = DEFAULT_STAGES, mma: bool = False) -> mx.array:
     """Attention of one new token per row over its pooled context.
 
     q: [B, Hq, 1, D]; kv_pool: [slots, Hkv, 2 * D], keys then values (KVPool's layout);
@@ -608,7 +952,7 @@ def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
     inputs = [q.reshape(batch, n_q, dim), kv_pool, table, lengths, _scale(scale),
               follow_mark(written)]
     out, _ = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1], write_new=False,
-                     sinks=sinks, stages=stages)
+                     sinks=sinks, stages=stages, mma=mma)
     return out.reshape(batch, n_q, 1, dim)
 
 
@@ -645,7 +989,8 @@ def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
                                  lengths: mx.array, scale: float,
                                  after: mx.array | None = None,
                                  sinks: mx.array | None = None,
-                                 stages: int = DEFAULT_STAGES) -> tuple[mx.array, mx.array]:
+                                 stages: int = DEFAULT_STAGES,
+                                 mma: bool = False) -> tuple[mx.array, mx.array]:
     """paged_decode_attention for a pool written in place, storing the step's new keys
     and values ([B, Hkv, 1, D] each, any strides) at slots [B] in the same launch: the
     pool write of pool_write_in_place and the attention in one kernel, a launch less per
@@ -655,7 +1000,7 @@ def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
     batch, n_q, _, dim = q.shape
     inputs = [q, keys, values, kv_pool, table, lengths, _scale(scale), follow_mark(after), slots]
     out, mark = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1],
-                        write_new=True, sinks=sinks, stages=stages)
+                        write_new=True, sinks=sinks, stages=stages, mma=mma)
     assert mark is not None
     return out.reshape(batch, n_q, 1, dim), mark
 
@@ -663,7 +1008,8 @@ def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
 def paged_decode_qkv_attention(qkv: mx.array, n_q: int, rope: RopeSpec, slots: mx.array,
                                kv_pool: mx.array, table: mx.array, lengths: mx.array,
                                scale: float, after: mx.array | None = None,
-                               stages: int = DEFAULT_STAGES) -> tuple[mx.array, mx.array]:
+                               stages: int = DEFAULT_STAGES,
+                               mma: bool = False) -> tuple[mx.array, mx.array]:
     """paged_decode_write_attention straight from a fused q/k/v projection's output qkv
     [B, 1, (n_q + 2 Hkv) * D] (q heads, then k, then v), unrotated: the kernel applies
     `rope` to q and the new k itself. Returns the attention's output as [B, 1, n_q * D],
@@ -675,7 +1021,7 @@ def paged_decode_qkv_attention(qkv: mx.array, n_q: int, rope: RopeSpec, slots: m
     inputs = [qkv, kv_pool, table, lengths, _scale(scale), follow_mark(after), slots,
               rope.kernel_params]
     out, mark = _attend(inputs, qkv.dtype, batch, n_q, dim, kv_pool, table.shape[1],
-                        write_new=True, rope=rope, stages=stages)
+                        write_new=True, rope=rope, stages=stages, mma=mma)
     assert mark is not None
     return out.reshape(batch, 1, n_q * dim), mark
 
@@ -683,33 +1029,45 @@ def paged_decode_qkv_attention(qkv: mx.array, n_q: int, rope: RopeSpec, slots: m
 def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: int,
             kv_pool: mx.array, width: int, write_new: bool,
             rope: RopeSpec | None = None, sinks: mx.array | None = None,
-            stages: int = DEFAULT_STAGES) -> tuple[mx.array, mx.array | None]:
+            stages: int = DEFAULT_STAGES, mma: bool = False) -> tuple[mx.array, mx.array | None]:
     """Launch the decode kernel (and the merge, for several splits): [B, Hq, D] in
     `dtype`, and the write's mark when it stores the new K/V. rope: the fused q/k/v
     variant (paged_decode_qkv_attention). sinks: [Hq] sink logits, which the kernel adds
-    with one split, the merge with several."""
+    with one split, the merge with several. mma: the tensor-core kernel where it serves
+    these heads (mma_fits), else the CUDA-core one with `stages`."""
     n_kv = kv_pool.shape[1]
     group = n_q // n_kv
     splits = num_splits(batch, n_kv, width)
-    template = [("T", dtype), ("D", dim), ("G", group), ("HKV", n_kv), ("P", kv_pool.dtype),
-                ("LANES", LANES_PER_TOKEN), ("PASSES", PASSES),
-                ("CHUNK_MAX", MAX_SPLIT_TOKENS)]
     mark_shape, mark_dtype = ([(1,)], [mx.int32]) if write_new else ([], [])
+    template = [("T", dtype), ("D", dim), ("G", group), ("HKV", n_kv), ("P", kv_pool.dtype),
+                ("CHUNK_MAX", MAX_SPLIT_TOKENS)]
     if rope is not None:
         template += [("ROPE_TRADITIONAL", rope.traditional), ("ROPE_FREQS", rope.freqs is not None)]
-    stages = staged_tiles(dim, kv_pool.dtype.size, group, stages)
-    if stages:
-        template.append(("STAGES", stages))
-    grid = (splits * _THREADS, n_kv, batch)
+    if mma and mma_fits(dtype, kv_pool.dtype, dim, group):
+        threads = 32 * mma_warps(dim, kv_pool.dtype.size)
+        template += [("WARPS", threads // 32), ("STAGES", MMA_STAGES)]
+
+        def kernel(direct: bool, with_sinks: bool = False):
+            return _mma_kernel(direct, write_new, rope is not None, with_sinks)
+    else:
+        threads = _THREADS
+        template += [("LANES", LANES_PER_TOKEN), ("PASSES", PASSES)]
+        stages = staged_tiles(dim, kv_pool.dtype.size, group, stages)
+        if stages:
+            template.append(("STAGES", stages))
+
+        def kernel(direct: bool, with_sinks: bool = False):
+            return _kernel(direct, write_new, rope is not None, stages > 0, with_sinks)
+    grid = (splits * threads, n_kv, batch)
     if splits == 1:
         with_sinks = sinks is not None
-        out, *mark = _kernel(True, write_new, rope is not None, stages > 0, with_sinks)(
+        out, *mark = kernel(True, with_sinks)(
             inputs=[*inputs, *([sinks] if with_sinks else [])], template=template, grid=grid,
-            threadgroup=(_THREADS, 1, 1),
+            threadgroup=(threads, 1, 1),
             output_shapes=[(batch, n_q, dim), *mark_shape], output_dtypes=[dtype, *mark_dtype])
         return out, (mark[0] if mark else None)
-    acc, ml, *mark = _kernel(False, write_new, rope is not None, stages > 0)(
-        inputs=inputs, template=template, grid=grid, threadgroup=(_THREADS, 1, 1),
+    acc, ml, *mark = kernel(False)(
+        inputs=inputs, template=template, grid=grid, threadgroup=(threads, 1, 1),
         output_shapes=[(batch, n_kv, splits, group, dim), (batch, n_kv, splits, group, 2),
                        *mark_shape],
         output_dtypes=[mx.float32, mx.float32, *mark_dtype])
