@@ -182,6 +182,8 @@ def main() -> None:
                    help="the kernel's stages: 0 register prefetch, >= 2 cp.async tiles in flight")
     p.add_argument("--mma", action="store_true",
                    help="the tensor-core kernel too, at each split target")
+    p.add_argument("--mma-warps", type=int_list, default=[pa.MMA_WARPS],
+                   help="with --mma: MMA_WARPS values (a block's warps; see MmaLayout)")
     p.add_argument("--order", choices=("random", "contiguous"), default="random",
                    help="each row's slots: shuffled across the pool, or consecutive")
     p.add_argument("--heads", type=int_list, default=[N_Q, N_KV, DIM],
@@ -217,12 +219,14 @@ def main() -> None:
                      f"target {target} ({splits} splits)")
             rows.append({"batch": batch, "kernel": label, "us": us, "max_abs_error": err})
             print(f"batch {batch:4d}  {label:40s} {us:8.1f}   ({err:.4f})")
-        for target in args.targets if args.mma else []:
-            pa.TARGET_BLOCKS = target
+        for target, warps in itertools.product(args.targets if args.mma else [], args.mma_warps):
+            pa.TARGET_BLOCKS, pa.MMA_WARPS = target, warps
             splits = pa.num_splits(batch, N_KV, args.context)
             us, err = paged_us(batch, args.context, args.layers, args.repeats, rng, True,
                                args.order, mma=True)
-            label = f"kiln mma, target {target} ({splits} splits)"
+            layout = pa.mma_layout(DIM)
+            label = (f"kiln mma {layout.token_warps}x{layout.column_warps} warps, "
+                     f"target {target} ({splits} splits)")
             rows.append({"batch": batch, "kernel": label, "us": us, "max_abs_error": err})
             print(f"batch {batch:4d}  {label:40s} {us:8.1f}   ({err:.4f})")
     if args.json:

@@ -69,7 +69,9 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
             params = {"T": dtype, "D": str(dim), "G": str(group), "HKV": str(n_kv), "P": dtype,
                       "CHUNK_MAX": str(pa.MAX_SPLIT_TOKENS)}
             if mma:
-                params |= {"WARPS": str(pa.mma_warps(dim, 2)), "STAGES": str(pa.MMA_STAGES)}
+                layout = pa.mma_layout(dim)
+                params |= {"TOKEN_WARPS": str(layout.token_warps),
+                           "COLUMN_WARPS": str(layout.column_warps), "STAGES": str(pa.MMA_STAGES)}
             else:
                 params |= {"LANES": str(lanes), "PASSES": str(passes)}
             if stages and not mma:

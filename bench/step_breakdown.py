@@ -58,7 +58,7 @@ import statistics
 import sys
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -641,7 +641,7 @@ def main() -> None:
     served = choose_decode_backend(probe_attention_specs(model))
     # The kernel without its store-in-attention (the "no ... write" and "separate write"
     # variants); elsewhere the backend as served.
-    separate_write = KernelDecode(write_in_attention=False) if served.compiles else served
+    separate_write = replace(served, write_in_attention=False) if served.compiles else served
     def no_attention(self, queries, scale, sinks=None):  # noqa: ANN001, ANN202
         # The step's K/V dropped too (the kernel would have stored them), so the
         # forward's check that every layer stored its K/V holds.
@@ -685,7 +685,7 @@ def main() -> None:
         variants["kiln, compiled, served, 1 + weight every call"] = lambda b: compiled(
             unsummed_model(), b)
         variants["kiln, compiled, fast blocks, rope in kernel"] = lambda b: _with(
-            this, "BACKEND", KernelDecode(rope_in_kernel=True), lambda: compiled(fast_model(), b))
+            this, "BACKEND", replace(served, rope_in_kernel=True), lambda: compiled(fast_model(), b))
         variants["kiln, compiled, splits <= 256"] = lambda b: _with(
             paged_attention, "MAX_SPLIT_TOKENS", 256, lambda: compiled(model, b))
         variants["kiln, compiled, separate write"] = lambda b: _with(
@@ -770,9 +770,9 @@ def main() -> None:
             step_variants["kiln, served, fused attention"] = _patching(
                 decode_backend, "unfused_prefill_fits", lambda *_: False, kiln(fast_model))
             step_variants["kiln, served, unfused attention"] = _patching(
-                this, "BACKEND", KernelDecode(bucketed_prefill=False), kiln(fast_model))
+                this, "BACKEND", replace(served, bucketed_prefill=False), kiln(fast_model))
             step_variants["kiln, served, unfused masked attention"] = _patching(
-                this, "BACKEND", KernelDecode(bucketed_masked=False), kiln(fast_model))
+                this, "BACKEND", replace(served, bucketed_masked=False), kiln(fast_model))
         else:  # CUDA's prefill attention (unfused), stood in for on this device
             for compiles in (False, True):
                 step_variants["kiln, CUDA's prefill attention" + (", compiled" if compiles else "")] = (

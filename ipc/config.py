@@ -18,7 +18,7 @@ LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerCo
 # CUDA attention paths other than the default, for --experiments (A/B runs).
 DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
-                      "mixed-forward", "mma-attention")
+                      "mixed-forward", "mma-attention", "cuda-core-attention")
 
 
 def _auto_on_off(help_text: str) -> Any:
@@ -178,7 +178,12 @@ class ServerConfig:
                                       "mixed-forward (a step's lone prompt chunk runs in "
                                       "its decode rows' forward, one weight read for both; "
                                       "llama and qwen2 blocks; slower than two forwards on "
-                                      "the H200, session 24)."})
+                                      "the H200, session 24), cuda-core-attention (decode "
+                                      "attention through the CUDA-core kernel, as before the "
+                                      "tensor-core one became the default for heads up to "
+                                      "128 wide on sm_80+), mma-attention (the tensor-core "
+                                      "kernel for wider heads too: Gemma's 256, slower "
+                                      "there)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

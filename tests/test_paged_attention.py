@@ -527,7 +527,7 @@ def test_every_tensor_core_kernel_source_has_its_parts_filled_in(direct, sinks, 
     assert ("sinks[" in source) == sinks
     left = set(re.findall(r"\b(PROLOGUE|LENGTH|ROW_SLOTS|SLOT_AT|Q_LOAD|NEW_COPY|WRITE)\b", source))
     assert not left
-    for name in ("WARPS", "STAGES", "CHUNK_MAX", "D", "G", "HKV"):
+    for name in ("TOKEN_WARPS", "COLUMN_WARPS", "STAGES", "CHUNK_MAX", "D", "G", "HKV"):
         assert re.search(rf"\b{name}\b", source), name
     assert ("kiln_rope<" in source) == fused
     assert ("sm_new" in source) == write_new  # the step's token never read from the pool
@@ -535,9 +535,12 @@ def test_every_tensor_core_kernel_source_has_its_parts_filled_in(direct, sinks, 
 
 
 def test_tensor_core_kernel_takes_16_bit_heads_a_fragment_holds():
-    from worker_proc.paged_attention import mma_fits, mma_warps
+    from worker_proc.paged_attention import MmaLayout, mma_fits, mma_layout
 
-    assert [mma_warps(d, 2) for d in (64, 128, 256, 512)] == [4, 2, 1, 0]
+    # Warps over tokens as their tiles fit, over columns to four (whole ldmatrix pairs).
+    assert [mma_layout(d) for d in (64, 96, 128, 256, 512)] == [
+        MmaLayout(4, 1), MmaLayout(2, 2), MmaLayout(2, 2), MmaLayout(1, 4), None]
+    assert mma_layout(32) == MmaLayout(4, 1)
     for dim, group in [(128, 4), (128, 8), (128, 16), (64, 8), (256, 2), (96, 12), (128, 1)]:
         assert mma_fits(mx.bfloat16, mx.bfloat16, dim, group), (dim, group)
     assert mma_fits(mx.float16, mx.float16, 128, 4)

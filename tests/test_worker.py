@@ -698,6 +698,17 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert KernelDecode().bucketed_masked and masked == KernelDecode(bucketed_masked=False)
     unaligned = choose_decode_backend(specs, ServerConfig(experiments="unaligned-chunks").experiment_set)
     assert KernelDecode().align_chunks and unaligned == KernelDecode(align_chunks=False)
+    # The tensor-core kernel: the default where the device has them (sm_80+) and every
+    # layer's heads are 128 wide or less; Gemma's 256 keep the CUDA-core one unless asked.
+    assert not choose_decode_backend(specs).mma  # this machine's: no tensor cores
+    monkeypatch.setattr(decode_backend, "tensor_cores_available", lambda: True)
+    assert choose_decode_backend(specs) == KernelDecode(mma=True)
+    assert choose_decode_backend(specs).name == "CUDA kernel (tensor cores)"
+    gemma = specs + [AttentionLayerSpec(8, 256, 256, mx.bfloat16, query_heads=16)]
+    assert not choose_decode_backend(gemma).mma
+    assert choose_decode_backend(gemma, frozenset({"mma-attention"})).mma
+    off = ServerConfig(experiments="cuda-core-attention").experiment_set
+    assert choose_decode_backend(specs, off) == KernelDecode()
 
 
 def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_lm(

@@ -29,6 +29,7 @@ from worker_proc.paged_attention import (DEFAULT_STAGES, FUSED_PREFILL_BUCKET, R
                                          fits_shared_memory, fused_bucket_padding,
                                          fused_builds_per_shape,
                                          kernel_available, masked_bias, masked_bias_fits,
+                                         mma_preferred, tensor_cores_available,
                                          paged_decode_attention, paged_decode_qkv_attention,
                                          paged_decode_write_attention,
                                          pool_write_in_place, reference_decode_attention,
@@ -132,7 +133,9 @@ class KernelDecode(DecodeBackend):
     reading the weights once (ModelRunner._mixed, decode_block.MixedLayerCache's
     blocks; `--experiments mixed-forward` turns it on). mma: decode attention through
     the tensor-core kernel where it serves the heads (paged_attention.mma_fits: 16-bit
-    pools), the CUDA-core one elsewhere (`--experiments mma-attention`)."""
+    pools), the CUDA-core one elsewhere; on by default on sm_80+ for heads up to 128 wide
+    (mma_preferred; `--experiments cuda-core-attention` is the A/B arm, `mma-attention`
+    forces it for wider heads)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
@@ -144,7 +147,9 @@ class KernelDecode(DecodeBackend):
     mixed_forward: bool = False
     mma: bool = False
 
-    name = "CUDA kernel"
+    @property
+    def name(self) -> str:
+        return "CUDA kernel (tensor cores)" if self.mma else "CUDA kernel"
     in_place = True
     compiles = True
 
@@ -314,6 +319,20 @@ def kernel_fits(specs: list) -> bool:
     return kernel_misfit(specs) is None
 
 
+def _tensor_cores(specs: list, experiments: frozenset[str]) -> bool:
+    """Whether decode attention takes the tensor-core kernel: where the device has them,
+    by default where every kernel-served layer's heads are ones it is faster for
+    (mma_preferred), always with `--experiments mma-attention`, never with
+    `cuda-core-attention` (each layer's dtype and shape still decide at launch:
+    paged_attention.mma_fits)."""
+    from worker_proc.kv_pool import attention_specs
+
+    if "cuda-core-attention" in experiments or not tensor_cores_available():
+        return False
+    return "mma-attention" in experiments or all(
+        mma_preferred(s.head_dim) for s in attention_specs(specs) if not s.kind.own_attention)
+
+
 def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset(),
                           prefill_bucket: int = FUSED_PREFILL_BUCKET) -> DecodeBackend:
     """The kernel where MLX runs on CUDA and the layers fit it, else plain MLX; the
@@ -333,5 +352,5 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         bucketed_masked="unfused-masked-prefill" not in experiments,
                         align_chunks="unaligned-chunks" not in experiments,
                         mixed_forward="mixed-forward" in experiments,
-                        mma="mma-attention" in experiments,
+                        mma=_tensor_cores(specs, experiments),
                         prefill_bucket=prefill_bucket)

@@ -557,7 +557,8 @@ def _source(direct: bool, write_new: bool, fused: bool = False, staged: bool = F
 # softmax on S's fragments (a row's four lanes agree by two shuffles a tile, not four a
 # token), then O += P V with P straight from S's registers (as flash attention does, P
 # rounds to the values' dtype). _BODY spends ~50 warp instructions a token and KV head
-# on CUDA cores; this ~3 of mma and loads.
+# on CUDA cores; this ~3 of mma and loads. Where fewer token warps fit (wide heads),
+# more warps split the output's columns (MmaLayout), each computing its tokens' scores.
 #
 # K/V come through shared memory as in _STAGED_PIPE: whole rows (a head's 2D elements)
 # by cp.async, STAGES tiles of 16 tokens a warp. Rows are stored with their 16-byte
@@ -568,18 +569,21 @@ def _source(direct: bool, write_new: bool, fused: bool = False, staged: bool = F
 # (8 rows of one chunk). Tokens past the split's end are zeros, so p = 0 times them
 # stays 0.
 _MMA_BODY = r"""
-    constexpr int NW = WARPS;
-    constexpr int TILE = 16 * NW;   // tokens a block takes an iteration
+    constexpr int TW = TOKEN_WARPS;   // warps over the tile's tokens, 16 each
+    constexpr int DW = COLUMN_WARPS;  // ... times warps over the output's columns
+    constexpr int TILE = 16 * TW;     // tokens a block takes an iteration
     constexpr int ROW = 2 * D;      // a token's K/V row of one head, in elements
     constexpr int CPR = ROW / 8;    // its 16-byte chunks
     constexpr int KS = D / 32;      // QK's k-steps of 32 elements (two mma each)
-    constexpr int NT = D / 8;       // PV's output tiles of 8 columns
+    constexpr int NT = D / 8 / DW;  // PV's output tiles of 8 columns a warp takes
     constexpr bool HI = G > 8;      // query heads in the fragments' upper 8 rows too
     const int split = blockIdx.x;
     const int kvh = blockIdx.y;
     const int b = blockIdx.z;
     const int lane = threadIdx.x & 31;
     const int warp = threadIdx.x >> 5;
+    const int tw = warp / DW;  // the warp's 16 tokens of a tile
+    const int n0 = warp % DW * NT;  // ... and its first output tile
     const int gid = lane >> 2;  // fragment row (query head); K's token in an 8-token tile
     const int tid = lane & 3;   // fragment column pair
     const int n_splits = gridDim.x;
@@ -642,9 +646,9 @@ _MMA_BODY = r"""
         kiln_cp_wait<STAGES - 2>();
         __syncthreads();
         issue(at + (STAGES - 1) * TILE, (tile + STAGES - 1) % STAGES);
-        const int t0 = at + warp * 16;  // the warp's first token
+        const int t0 = at + tw * 16;  // the warp's first token
         if (t0 >= end) continue;        // warp-uniform: the split's last, partial tile
-        const P* rows = &stage[tile % STAGES][warp * 16][0];
+        const P* rows = &stage[tile % STAGES][tw * 16][0];
         float s[2][4];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
@@ -712,7 +716,7 @@ _MMA_BODY = r"""
 #pragma unroll
         for (int n = 0; n < NT; n += 2) {
             uint32_t v[4];
-            kiln_ldmatrix_t4(v, vrow + ((D / 8 + n + (lane >> 4)) ^ kiln_swz(vr)) * 8);
+            kiln_ldmatrix_t4(v, vrow + ((D / 8 + n0 + n + (lane >> 4)) ^ kiln_swz(vr)) * 8);
             kiln_mma<P>(o[n], pa[0], pa[1], pa[2], pa[3], v[0], v[1]);
             kiln_mma<P>(o[n + 1], pa[0], pa[1], pa[2], pa[3], v[2], v[3]);
         }
@@ -727,23 +731,24 @@ _MMA_BODY = r"""
     }
     __syncthreads();  // the stages are free: the warps' partials go there
     float* sm_m = reinterpret_cast<float*>(&stage[0][0][0]);
-    float* sm_l = sm_m + NW * G;
-    float* sm_acc = sm_l + NW * G;  // [NW][G][D]
+    float* sm_l = sm_m + TW * G;
+    float* sm_acc = sm_l + TW * G;  // [TW][G][D]: a token warp's columns from its DW warps
+    const bool first = warp % DW == 0;  // the DW warps of tokens agree on max and sum
     if (gid < G) {
-        if (tid == 0) { sm_m[warp * G + gid] = m_lo; sm_l[warp * G + gid] = l_lo; }
+        if (tid == 0 && first) { sm_m[tw * G + gid] = m_lo; sm_l[tw * G + gid] = l_lo; }
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            sm_acc[(warp * G + gid) * D + n * 8 + tid * 2] = o[n][0];
-            sm_acc[(warp * G + gid) * D + n * 8 + tid * 2 + 1] = o[n][1];
+            sm_acc[(tw * G + gid) * D + (n0 + n) * 8 + tid * 2] = o[n][0];
+            sm_acc[(tw * G + gid) * D + (n0 + n) * 8 + tid * 2 + 1] = o[n][1];
         }
     }
     if (HI && gid + 8 < G) {
         const int g8 = HI ? gid + 8 : 0;
-        if (tid == 0) { sm_m[warp * G + g8] = m_hi; sm_l[warp * G + g8] = l_hi; }
+        if (tid == 0 && first) { sm_m[tw * G + g8] = m_hi; sm_l[tw * G + g8] = l_hi; }
 #pragma unroll
         for (int n = 0; n < NT; ++n) {
-            sm_acc[(warp * G + g8) * D + n * 8 + tid * 2] = o[n][2];
-            sm_acc[(warp * G + g8) * D + n * 8 + tid * 2 + 1] = o[n][3];
+            sm_acc[(tw * G + g8) * D + (n0 + n) * 8 + tid * 2] = o[n][2];
+            sm_acc[(tw * G + g8) * D + (n0 + n) * 8 + tid * 2 + 1] = o[n][3];
         }
     }
     __syncthreads();
@@ -753,10 +758,10 @@ _MMA_BODY = r"""
         const int d = i % D;
         float mm = kiln_lowest;
 #pragma unroll
-        for (int w = 0; w < NW; ++w) mm = fmaxf(mm, sm_m[w * G + g]);
+        for (int w = 0; w < TW; ++w) mm = fmaxf(mm, sm_m[w * G + g]);
         float ll = 0.f, aa = 0.f;
 #pragma unroll
-        for (int w = 0; w < NW; ++w) {
+        for (int w = 0; w < TW; ++w) {
             const float f = exp2f(sm_m[w * G + g] - mm);
             ll += sm_l[w * G + g] * f;
             aa += sm_acc[(w * G + g) * D + d] * f;
@@ -873,16 +878,51 @@ def _mma_kernel(direct: bool, write_new: bool = False, fused: bool = False, sink
 
 MMA_STAGES = 2  # tiles a block keeps: one in flight while the other is read
 _MMA_STAGE_BYTES = 32 * 1024
+MMA_WARPS = 4  # warps a block, over tokens and, where fewer token warps fit, columns
 
 
-def mma_warps(dim: int, itemsize: int) -> int:
-    """Warps a block of the tensor-core kernel (16 tokens each an iteration): as many as
-    MMA_STAGES tiles of their rows fit in 32 KiB (4 for 64-wide heads, 2 for 128, 1 for
-    256), 0 where not even one warp's do."""
-    for warps in (4, 2, 1):
-        if MMA_STAGES * 16 * warps * 2 * dim * itemsize <= _MMA_STAGE_BYTES:
-            return warps
-    return 0
+@dataclass(frozen=True)
+class MmaLayout:
+    """How the tensor-core kernel's warps share a block's work: token_warps take 16
+    tokens each of a tile (as many as MMA_STAGES tiles of fit in 32 KiB: 4 for 64-wide
+    heads, 2 for 128, 1 for 256), column_warps split the output's columns among them
+    (each recomputing its tokens' scores, cheap on tensor cores) up to MMA_WARPS warps."""
+
+    token_warps: int
+    column_warps: int
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.token_warps * self.column_warps
+
+
+def mma_layout(dim: int, itemsize: int = 2) -> MmaLayout | None:
+    """The tensor-core kernel's warps for heads this wide (None: not even one warp's
+    tiles fit)."""
+    token = next((w for w in (4, 2, 1)
+                  if MMA_STAGES * 16 * w * 2 * dim * itemsize <= _MMA_STAGE_BYTES), 0)
+    if not token:
+        return None
+    column = max(1, MMA_WARPS // token)
+    while column > 1 and (dim // 8) % (2 * column):  # whole ldmatrix pairs a warp
+        column //= 2
+    return MmaLayout(token, column)
+
+
+@functools.cache
+def tensor_cores_available() -> bool:
+    """Whether the CUDA device runs the tensor-core kernel's bf16/fp16 mma and cp.async
+    (sm_80 and later)."""
+    if not kernel_available():
+        return False
+    return int(mx.device_info().get("compute_capability_major", 0)) >= 8
+
+
+def mma_preferred(dim: int) -> bool:
+    """Whether the tensor-core kernel beats the CUDA-core one for heads this wide, as
+    measured on the H200 (docs/benchmarks.md, session 25): up to 128 (-20 to -60% a
+    layer at 36-128 rows of 2k tokens); not 256 (+20-40% with one warp a block)."""
+    return dim <= 128
 
 
 def mma_fits(dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int, group: int) -> bool:
@@ -894,12 +934,13 @@ def mma_fits(dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int, group: int) -> boo
         return False
     if dim % 32 or not 1 <= group <= 16:
         return False
-    warps = mma_warps(dim, 2)
-    if not warps:
+    layout = mma_layout(dim)
+    if layout is None:
         return False
-    tiles = MMA_STAGES * 16 * warps * 2 * dim * 2
+    tiles = MMA_STAGES * 16 * layout.token_warps * 2 * dim * 2
     rest = 4 * MAX_SPLIT_TOKENS + group * dim * 2 + 2 * dim * 2 + 4 * dim
-    return tiles + rest <= _STATIC_SHARED_MAX and warps * group * (dim + 2) * 4 <= tiles
+    partials = layout.token_warps * group * (dim + 2) * 4
+    return tiles + rest <= _STATIC_SHARED_MAX and partials <= tiles
 
 _SINK_MAX = "const float sink = static_cast<float>(sinks[kvh * G + g]) * 1.4426950408889634f;\n        mm = sink;"
 _SINK_SUM = "den = exp2f(sink - mm);"
@@ -1044,8 +1085,10 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
     if rope is not None:
         template += [("ROPE_TRADITIONAL", rope.traditional), ("ROPE_FREQS", rope.freqs is not None)]
     if mma and mma_fits(dtype, kv_pool.dtype, dim, group):
-        threads = 32 * mma_warps(dim, kv_pool.dtype.size)
-        template += [("WARPS", threads // 32), ("STAGES", MMA_STAGES)]
+        layout = mma_layout(dim)
+        threads = layout.threads
+        template += [("TOKEN_WARPS", layout.token_warps), ("COLUMN_WARPS", layout.column_warps),
+                     ("STAGES", MMA_STAGES)]
 
         def kernel(direct: bool, with_sinks: bool = False):
             return _mma_kernel(direct, write_new, rope is not None, with_sinks)
