@@ -551,6 +551,52 @@ def test_tensor_core_kernel_takes_16_bit_heads_a_fragment_holds():
     assert not mma_fits(mx.bfloat16, mx.bfloat16, 512, 16)  # MLA's latent: no room
 
 
+def test_launches_pick_the_kernel_body_its_template_and_threads(monkeypatch):
+    """On any machine, with the kernels replaced by recorders: mma takes the tensor-core
+    body at its layout's threads and template where it serves the heads (16-bit), the
+    CUDA-core staged body otherwise (fp32); one split writes directly (sinks there),
+    several go through the merge."""
+    from worker_proc import paged_attention as pa
+
+    launches = []
+
+    def recorder(direct, write_new=False, fused=False, staged=False, sinks=False, mma=False):
+        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
+            launches.append(dict(direct=direct, staged=staged, sinks=sinks, mma=mma,
+                                 template=dict(template), grid=grid, threads=threadgroup[0]))
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+        return launch
+
+    merged = []
+
+    def merge(sinks=False):
+        def launch(**kw):
+            merged.append(sinks)
+            return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
+        return launch
+
+    monkeypatch.setattr(pa, "_kernel", recorder)
+    monkeypatch.setattr(pa, "_merge_kernel", merge)
+    q = mx.zeros((2, 32, 1, 128), dtype=mx.bfloat16)
+    pool = mx.zeros((100, 8, 256), dtype=mx.bfloat16)
+    table, lengths = mx.zeros((2, 50), dtype=mx.int32), mx.array([3, 50], dtype=mx.int32)
+    assert pa.paged_decode_attention(q, pool, table, lengths, 0.1, mma=True).shape == q.shape
+    last = launches[-1]
+    assert last["mma"] and not last["staged"] and last["threads"] == 128  # 2 x 2 warps
+    assert (last["template"]["TOKEN_WARPS"], last["template"]["COLUMN_WARPS"]) == (2, 2)
+    assert last["grid"] == (2 * 128, 8, 2) and merged == [False]  # two splits, merged
+    pa.paged_decode_attention(q.astype(mx.float32), pool.astype(mx.float32), table, lengths,
+                              0.1, mma=True)
+    last = launches[-1]
+    assert not last["mma"] and last["staged"] and last["threads"] == 128
+    assert "TOKEN_WARPS" not in last["template"] and last["template"]["LANES"] == pa.LANES_PER_TOKEN
+    sinks = mx.zeros((32,), dtype=mx.bfloat16)
+    full = mx.zeros((64, 8), dtype=mx.int32)
+    pa.paged_decode_attention(mx.zeros((64, 32, 1, 128), dtype=mx.bfloat16), pool, full,
+                              mx.full((64,), 8, dtype=mx.int32), 0.1, sinks=sinks, mma=True)
+    assert launches[-1]["direct"] and launches[-1]["sinks"] and launches[-1]["mma"]
+
+
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
 @pytest.mark.parametrize("n_q, n_kv, dim, dtype", [
     (32, 8, 128, mx.bfloat16), (16, 1, 128, mx.bfloat16), (64, 8, 128, mx.bfloat16),

@@ -408,8 +408,8 @@ _READ_ONLY = {
 
 
 def _write_new(fused: bool, mma: bool = False) -> dict[str, str]:
-    """The parts of the write-and-attend kernel (of the tensor-core body: mma). q, k_new and v_new come as three strided
-    [B, H, 1, D] inputs; fused: as one `qkv` input, a fused projection's [B, 1, (Hq + 2 Hkv)
+    """The parts of the write-and-attend kernel (mma: of the tensor-core body). q, k_new
+    and v_new come as three strided [B, H, 1, D] inputs; fused: as one `qkv` input, a fused projection's [B, 1, (Hq + 2 Hkv)
     * D] output (no view nodes to make them), and the kernel rotates q and the new k itself
     (kiln_rope in _ROPE_HEADER) at each row's new position."""
     if fused:
@@ -547,7 +547,6 @@ def _source(direct: bool, write_new: bool, fused: bool = False, staged: bool = F
     for name, text in (_write_new(fused) if write_new else _READ_ONLY).items():
         source = source.replace(name, text)
     return source
-
 
 
 # The tensor-core kernel (mma): the same blocks (split, KV head, row) and the same
@@ -818,32 +817,37 @@ __device__ inline void kiln_ldmatrix_t4(uint32_t* r, const void* p) {
 
 @functools.cache
 def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: bool = False,
-            sinks: bool = False):
-    """The decode kernel of a kind; sinks (one split only): `sinks` is its last input."""
+            sinks: bool = False, mma: bool = False):
+    """The decode kernel of a kind; sinks (one split only): `sinks` is its last input;
+    mma: the tensor-core body (_MMA_BODY; `staged` does not apply)."""
     assert direct or not sinks, "several splits take the sinks in the merge"
     outputs = ["out"] if direct else ["out", "out_ml"]
     # MLX caches a compiled kernel by name and template arguments: one name a source.
-    kind = (f"{'_staged' if staged else ''}_decode_{'direct' if direct else 'split'}"
-            f"{'_sinks' if sinks else ''}")
+    body = "_mma" if mma else "_staged" if staged else ""
+    kind = f"{body}_decode_{'direct' if direct else 'split'}{'_sinks' if sinks else ''}"
     extra = ["sinks"] if sinks else []
+    header = _HEADER + (_MMA_HEADER if mma else "")
     if write_new:
         new = ["qkv"] if fused else ["q", "k_new", "v_new"]
+        source = (_mma_source(direct, True, fused, sinks) if mma
+                  else _source(direct, True, fused, staged, sinks))
         return mx.fast.cuda_kernel(
             name=f"kiln_paged_write{'_qkv_rope' if fused else ''}{kind}",
             # `written`: the mark of the layer's previous in-place write, which this
             # launch follows; `mark` (out): this launch's, as pool_write_in_place's.
             input_names=[*new, "kv_pool", "table", "lengths", "scale", "written", "slots",
                          *(["rope"] if fused else []), *extra],
-            output_names=[*outputs, "mark"], source=_source(direct, True, fused, staged, sinks),
-            header=_HEADER + (_ROPE_HEADER if fused else ""), ensure_row_contiguous=False)
+            output_names=[*outputs, "mark"], source=source,
+            header=header + (_ROPE_HEADER if fused else ""), ensure_row_contiguous=False)
     return mx.fast.cuda_kernel(
         name=f"kiln_paged{kind}",
         # `written`: the mark of this layer's in-place pool write (pool_write_in_place),
         # an input only so that the kernel runs after it.
         input_names=["q", "kv_pool", "table", "lengths", "scale", "written", *extra],
-        output_names=outputs, source=_source(direct, False, staged=staged, sinks=sinks),
-        header=_HEADER)
-
+        output_names=outputs,
+        source=(_mma_source(direct, False, sinks=sinks) if mma
+                else _source(direct, False, staged=staged, sinks=sinks)),
+        header=header)
 
 
 def _mma_source(direct: bool, write_new: bool, fused: bool = False, sinks: bool = False) -> str:
@@ -852,28 +856,6 @@ def _mma_source(direct: bool, write_new: bool, fused: bool = False, sinks: bool 
     for name, text in (_write_new(fused, mma=True) if write_new else _READ_ONLY).items():
         source = source.replace(name, text)
     return source
-
-
-@functools.cache
-def _mma_kernel(direct: bool, write_new: bool = False, fused: bool = False, sinks: bool = False):
-    """The tensor-core decode kernel of a kind (as _kernel's)."""
-    assert direct or not sinks, "several splits take the sinks in the merge"
-    outputs = ["out"] if direct else ["out", "out_ml"]
-    kind = f"_mma_decode_{'direct' if direct else 'split'}{'_sinks' if sinks else ''}"
-    extra = ["sinks"] if sinks else []
-    header = _HEADER + _MMA_HEADER
-    if write_new:
-        new = ["qkv"] if fused else ["q", "k_new", "v_new"]
-        return mx.fast.cuda_kernel(
-            name=f"kiln_paged_write{'_qkv_rope' if fused else ''}{kind}",
-            input_names=[*new, "kv_pool", "table", "lengths", "scale", "written", "slots",
-                         *(["rope"] if fused else []), *extra],
-            output_names=[*outputs, "mark"], source=_mma_source(direct, True, fused, sinks),
-            header=header + (_ROPE_HEADER if fused else ""), ensure_row_contiguous=False)
-    return mx.fast.cuda_kernel(
-        name=f"kiln_paged{kind}",
-        input_names=["q", "kv_pool", "table", "lengths", "scale", "written", *extra],
-        output_names=outputs, source=_mma_source(direct, False, sinks=sinks), header=header)
 
 
 MMA_STAGES = 2  # tiles a block keeps: one in flight while the other is read
@@ -1084,27 +1066,24 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
                 ("CHUNK_MAX", MAX_SPLIT_TOKENS)]
     if rope is not None:
         template += [("ROPE_TRADITIONAL", rope.traditional), ("ROPE_FREQS", rope.freqs is not None)]
-    if mma and mma_fits(dtype, kv_pool.dtype, dim, group):
+    mma = mma and mma_fits(dtype, kv_pool.dtype, dim, group)
+    if mma:
         layout = mma_layout(dim)
         threads = layout.threads
         template += [("TOKEN_WARPS", layout.token_warps), ("COLUMN_WARPS", layout.column_warps),
                      ("STAGES", MMA_STAGES)]
-
-        def kernel(direct: bool, with_sinks: bool = False):
-            return _mma_kernel(direct, write_new, rope is not None, with_sinks)
     else:
         threads = _THREADS
         template += [("LANES", LANES_PER_TOKEN), ("PASSES", PASSES)]
         stages = staged_tiles(dim, kv_pool.dtype.size, group, stages)
         if stages:
             template.append(("STAGES", stages))
-
-        def kernel(direct: bool, with_sinks: bool = False):
-            return _kernel(direct, write_new, rope is not None, stages > 0, with_sinks)
+    kernel = functools.partial(_kernel, write_new=write_new, fused=rope is not None,
+                               staged=stages > 0 and not mma, mma=mma)
     grid = (splits * threads, n_kv, batch)
     if splits == 1:
         with_sinks = sinks is not None
-        out, *mark = kernel(True, with_sinks)(
+        out, *mark = kernel(True, sinks=with_sinks)(
             inputs=[*inputs, *([sinks] if with_sinks else [])], template=template, grid=grid,
             threadgroup=(threads, 1, 1),
             output_shapes=[(batch, n_q, dim), *mark_shape], output_dtypes=[dtype, *mark_dtype])
