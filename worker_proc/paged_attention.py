@@ -78,6 +78,29 @@ def staged_tiles(dim: int, itemsize: int, group: int, stages: int = DEFAULT_STAG
     return tiles if tiles >= 2 else 0
 
 
+# A block's end: its warps' partials (max, sum, accumulators of the G x D outputs, in
+# shared memory as PART_M / PART_L / PART_ACC of warp w) made one, then written (WRITE:
+# normalised, or as the split's partial for the merge).
+_COMBINE = r"""    __syncthreads();
+    const size_t part_at = ((size_t)b * HKV + kvh) * n_splits + split;
+    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
+        const int g = i / D;
+        const int d = i % D;
+        float mm = kiln_lowest;
+#pragma unroll
+        for (int w = 0; w < PARTS; ++w) mm = fmaxf(mm, PART_M);
+        float ll = 0.f, aa = 0.f;
+#pragma unroll
+        for (int w = 0; w < PARTS; ++w) {
+            const float f = exp2f(PART_M - mm);
+            ll += PART_L * f;
+            aa += PART_ACC * f;
+        }
+        WRITE
+    }
+"""
+
+
 # One block per (split, KV head, row), four warps. A token's dot products take L lanes
 # (LANES, a template argument), E = D / L elements each, so a warp pass covers 32 / L
 # tokens; U passes (PASSES) make a warp's share of an iteration. Each lane keeps an online
@@ -216,24 +239,8 @@ _BODY = r"""
             for (int e = 0; e < E; ++e) sm_acc[warp][g][part * E + e] = acc[g][e];
         }
     }
-    __syncthreads();
-    const size_t part_at = ((size_t)b * HKV + kvh) * n_splits + split;
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-        const int g = i / D;
-        const int d = i % D;
-        float mm = kiln_lowest;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) mm = fmaxf(mm, sm_m[w][g]);
-        float ll = 0.f, aa = 0.f;
-#pragma unroll
-        for (int w = 0; w < NW; ++w) {
-            const float f = exp2f(sm_m[w][g] - mm);
-            ll += sm_l[w][g] * f;
-            aa += sm_acc[w][g][d] * f;
-        }
-        WRITE
-    }
-"""
+""" + _COMBINE.replace("PARTS", "NW").replace("PART_M", "sm_m[w][g]").replace(
+    "PART_L", "sm_l[w][g]").replace("PART_ACC", "sm_acc[w][g][d]")
 
 # E elements of P as one load: aligned to the largest power of two dividing its size
 # (16 bytes at most: wider loads do not exist), which every lane's offset (a multiple of
@@ -750,24 +757,8 @@ _MMA_BODY = r"""
             sm_acc[(tw * G + g8) * D + (n0 + n) * 8 + tid * 2 + 1] = o[n][3];
         }
     }
-    __syncthreads();
-    const size_t part_at = ((size_t)b * HKV + kvh) * n_splits + split;
-    for (int i = threadIdx.x; i < G * D; i += blockDim.x) {
-        const int g = i / D;
-        const int d = i % D;
-        float mm = kiln_lowest;
-#pragma unroll
-        for (int w = 0; w < TW; ++w) mm = fmaxf(mm, sm_m[w * G + g]);
-        float ll = 0.f, aa = 0.f;
-#pragma unroll
-        for (int w = 0; w < TW; ++w) {
-            const float f = exp2f(sm_m[w * G + g] - mm);
-            ll += sm_l[w * G + g] * f;
-            aa += sm_acc[(w * G + g) * D + d] * f;
-        }
-        WRITE
-    }
-"""
+""" + _COMBINE.replace("PARTS", "TW").replace("PART_M", "sm_m[w * G + g]").replace(
+    "PART_L", "sm_l[w * G + g]").replace("PART_ACC", "sm_acc[(w * G + g) * D + d]")
 
 # The tensor-core kernel's helpers (sm_80+: bf16 mma and cp.async).
 _MMA_HEADER = r"""
@@ -775,25 +766,17 @@ _MMA_HEADER = r"""
 // 2i + 1 to opposite halves (see _MMA_BODY).
 __device__ inline int kiln_swz(int row) { return ((row & 1) << 2) | ((row >> 1) & 3); }
 template <typename P> struct kiln_mma_op;
-template <> struct kiln_mma_op<__nv_bfloat16> {
+""" + "".join(r"""template <> struct kiln_mma_op<CTYPE> {
     static __device__ inline void run(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
                                       uint32_t a3, uint32_t b0, uint32_t b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
+        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.PTX.PTX.f32 "
                      "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
                      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
                      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
     }
 };
-template <> struct kiln_mma_op<__half> {
-    static __device__ inline void run(float* c, uint32_t a0, uint32_t a1, uint32_t a2,
-                                      uint32_t a3, uint32_t b0, uint32_t b1) {
-        asm volatile("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-                     "{%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-                     : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-                     : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-    }
-};
-// c (16 x 8, fp32) += a (16 x 16) b (16 x 8): the PTX fragment layouts.
+""".replace("CTYPE", ctype).replace("PTX", ptx)
+              for ctype, ptx in (("__nv_bfloat16", "bf16"), ("__half", "f16"))) + r"""// c (16 x 8, fp32) += a (16 x 16) b (16 x 8): the PTX fragment layouts.
 template <typename P>
 __device__ inline void kiln_mma(float* c, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
                                 uint32_t b0, uint32_t b1) {
