@@ -86,8 +86,9 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
             if sinks:
                 inputs.append("sinks")
             if mma:
-                name = f"kiln_{label}_{'direct' if direct else 'split'}_mma"
-                source = pa._mma_source(direct, write_new, fused, sinks)
+                dynamic = pa.mma_dynamic_bytes(dim, group) > 0
+                name = f"kiln_{label}_{'direct' if direct else 'split'}_mma{'_dyn' if dynamic else ''}"
+                source = pa._mma_source(direct, write_new, fused, sinks, dynamic)
                 header = pa._HEADER + pa._MMA_HEADER
             else:
                 name = (f"kiln_{label}_{'direct' if direct else 'split'}_l{lanes}_u{passes}"
@@ -172,6 +173,10 @@ def main() -> None:
     p.add_argument("--stages", type=stage_counts, default=[pa.DEFAULT_STAGES],
                    help="staged-pipeline tiles, comma-separated (0: register prefetch)")
     p.add_argument("--mma", action="store_true", help="the tensor-core kernels too")
+    p.add_argument("--mma-stage-kib", type=int, default=pa.MMA_STAGE_BYTES // 1024,
+                   help="with --mma: MMA_STAGE_BYTES in KiB (past 48 with the rest: dynamic "
+                        "shared memory)")
+    p.add_argument("--mma-warps", type=int, default=pa.MMA_WARPS, help="with --mma: MMA_WARPS")
     p.add_argument("--keep", type=Path, help="write the .cu files here too")
     args = p.parse_args()
     if args.cuda is None:
@@ -185,6 +190,7 @@ def main() -> None:
         kernels += variants(args.dtype, args.head_dim, args.group, args.kv_heads, lanes,
                             passes, tiles)
     if args.mma:
+        pa.MMA_STAGE_BYTES, pa.MMA_WARPS = args.mma_stage_kib * 1024, args.mma_warps
         kernels += variants(args.dtype, args.head_dim, args.group, args.kv_heads, 0, 0, mma=True)
     kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads))
     kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads, sinks=True))

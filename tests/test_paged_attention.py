@@ -493,6 +493,35 @@ def test_unfused_prefill_only_where_cudnn_would_build_per_shape():
     assert not fused_builds_per_shape(mx.float32, 128, 128)
 
 
+@pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
+@pytest.mark.parametrize("stage_kib, stages, warps", [(64, 2, 4), (96, 3, 8), (128, 2, 8)])
+@pytest.mark.parametrize("n_q, n_kv, dim", [(32, 8, 128), (16, 8, 256), (64, 8, 64)])
+def test_cuda_tensor_core_kernel_with_dynamic_tiles(n_q, n_kv, dim, stage_kib, stages, warps,
+                                                    monkeypatch):
+    """The tensor-core kernel's tiles in dynamic shared memory (MMA_STAGE_BYTES past the
+    static 48 KiB; more stages and warps), read-only and write-and-attend: the
+    reference's attention."""
+    from worker_proc import paged_attention as pa
+
+    monkeypatch.setattr(pa, "MMA_STAGE_BYTES", stage_kib * 1024)
+    monkeypatch.setattr(pa, "MMA_STAGES", stages)
+    monkeypatch.setattr(pa, "MMA_WARPS", warps)
+    if not pa.mma_fits(mx.bfloat16, mx.bfloat16, dim, n_q // n_kv):
+        pytest.skip("does not fit these heads")
+    q, kv, table, ln = _case(n_q=n_q, n_kv=n_kv, dim=dim, dtype=mx.bfloat16, seed=dim + stages,
+                             lengths=[1, 4096, 33, 257, 16, 700])
+    got = paged_decode_attention(q, kv, table, ln, scale=dim ** -0.5, mma=True)
+    want = reference_decode_attention(q, kv, table, ln, scale=dim ** -0.5)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               rtol=2e-2, atol=2e-2)
+    slots = table[mx.arange(q.shape[0]), ln - 1]
+    new = kv[slots][:, :, None]  # [B, Hkv, 1, 2D]: the rows already there, written again
+    out, _ = paged_decode_write_attention(q, new[..., :dim], new[..., dim:], slots, kv + 0,
+                                          table, ln, scale=dim ** -0.5, mma=True)
+    np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("staged", [False, True])
 @pytest.mark.parametrize("direct, sinks", [(True, False), (True, True), (False, False)])
 @pytest.mark.parametrize("write_new, fused", [(False, False), (True, False), (True, True)])
@@ -551,6 +580,27 @@ def test_tensor_core_kernel_takes_16_bit_heads_a_fragment_holds():
     assert not mma_fits(mx.bfloat16, mx.bfloat16, 512, 16)  # MLA's latent: no room
 
 
+def test_tensor_core_tiles_past_static_shared_memory_go_dynamic(monkeypatch):
+    """Raised MMA_STAGE_BYTES hold more token warps; where the tiles and the rest pass a
+    block's static 48 KiB they take the launch's dynamic shared memory (the default's
+    32 KiB stays static: the measured kernel)."""
+    from worker_proc import paged_attention as pa
+
+    assert all(pa.mma_dynamic_bytes(d, 4) == 0 for d in (64, 96, 128, 256))
+    assert "extern __shared__" not in pa._mma_source(True, False)
+    monkeypatch.setattr(pa, "MMA_STAGE_BYTES", 64 * 1024)
+    assert pa.mma_layout(128) == pa.MmaLayout(4, 1) and pa.mma_layout(256) == pa.MmaLayout(2, 2)
+    assert pa.mma_dynamic_bytes(128, 4) == pa.mma_dynamic_bytes(256, 2) == 64 * 1024
+    assert pa.mma_fits(mx.bfloat16, mx.bfloat16, 256, 2)
+    source = pa._mma_source(True, True, True, False, dynamic=True)
+    assert "extern __shared__" in source and "STAGE_DECL" not in source
+    monkeypatch.setattr(pa, "MMA_STAGE_BYTES", 256 * 1024)  # 8 warps x 4 stages of 16 rows:
+    monkeypatch.setattr(pa, "MMA_WARPS", 8)  # past a block's opt-in limit
+    monkeypatch.setattr(pa, "MMA_STAGES", 4)
+    assert pa.mma_layout(128) == pa.MmaLayout(8, 1)
+    assert not pa.mma_fits(mx.bfloat16, mx.bfloat16, 128, 4)
+
+
 def test_launches_pick_the_kernel_body_its_template_and_threads(monkeypatch):
     """On any machine, with the kernels replaced by recorders: mma takes the tensor-core
     body at its layout's threads and template where it serves the heads (16-bit), the
@@ -560,9 +610,11 @@ def test_launches_pick_the_kernel_body_its_template_and_threads(monkeypatch):
 
     launches = []
 
-    def recorder(direct, write_new=False, fused=False, staged=False, sinks=False, mma=False):
+    def recorder(direct, write_new=False, fused=False, staged=False, sinks=False, mma=False,
+                 dynamic_bytes=0):
         def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
             launches.append(dict(direct=direct, staged=staged, sinks=sinks, mma=mma,
+                                 dynamic=dynamic_bytes,
                                  template=dict(template), grid=grid, threads=threadgroup[0]))
             return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
         return launch
@@ -595,6 +647,10 @@ def test_launches_pick_the_kernel_body_its_template_and_threads(monkeypatch):
     pa.paged_decode_attention(mx.zeros((64, 32, 1, 128), dtype=mx.bfloat16), pool, full,
                               mx.full((64,), 8, dtype=mx.int32), 0.1, sinks=sinks, mma=True)
     assert launches[-1]["direct"] and launches[-1]["sinks"] and launches[-1]["mma"]
+    assert launches[-1]["dynamic"] == 0
+    monkeypatch.setattr(pa, "MMA_STAGE_BYTES", 64 * 1024)  # four token warps, dynamic tiles
+    pa.paged_decode_attention(q, pool, table, lengths, 0.1, mma=True)
+    assert launches[-1]["dynamic"] == 64 * 1024 and launches[-1]["template"]["TOKEN_WARPS"] == 4
 
 
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
@@ -669,6 +725,11 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
            + variants("__nv_bfloat16", 128, 16, 8, 0, 0, mma=True)[:2]
            + variants("__nv_bfloat16", 256, 2, 8, 0, 0, mma=True)[:2]
            + variants("__half", 96, 12, 2, 0, 0, mma=True)[:2])
+    with pytest.MonkeyPatch.context() as patch:  # tiles in dynamic shared memory
+        patch.setattr(pa, "MMA_STAGE_BYTES", 96 * 1024)
+        patch.setattr(pa, "MMA_WARPS", 8)
+        mma += variants("__nv_bfloat16", 128, 4, 8, 0, 0, mma=True)[:3]
+        assert all(name.endswith("_dyn") for name, _ in mma[-3:])
     results = compile_kernels(cuda, mma)
     assert all(r.ok and "0 bytes spill stores" in r.report for r in results), [
         r.name + ":\n" + r.report for r in results if not (r.ok and "0 bytes spill" in r.report)]

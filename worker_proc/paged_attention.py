@@ -611,7 +611,7 @@ _MMA_BODY = r"""
             sm_q[g][qd] = static_cast<P>(Q_LOAD);
         }
     }
-    __shared__ __align__(16) P stage[STAGES][TILE][ROW];
+    STAGE_DECL
     // Tile `at` into stage `into`: one commit group a tile; rows past the end zeroed.
     auto issue = [&](int at, int into) {
         for (int c = threadIdx.x; c < TILE * CPR; c += blockDim.x) {
@@ -800,19 +800,20 @@ __device__ inline void kiln_ldmatrix_t4(uint32_t* r, const void* p) {
 
 @functools.cache
 def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: bool = False,
-            sinks: bool = False, mma: bool = False):
+            sinks: bool = False, mma: bool = False, dynamic_bytes: int = 0):
     """The decode kernel of a kind; sinks (one split only): `sinks` is its last input;
-    mma: the tensor-core body (_MMA_BODY; `staged` does not apply)."""
+    mma: the tensor-core body (_MMA_BODY; `staged` does not apply), its tiles in this
+    many bytes of dynamic shared memory if not 0."""
     assert direct or not sinks, "several splits take the sinks in the merge"
     outputs = ["out"] if direct else ["out", "out_ml"]
     # MLX caches a compiled kernel by name and template arguments: one name a source.
-    body = "_mma" if mma else "_staged" if staged else ""
+    body = ("_mma_dyn" if dynamic_bytes else "_mma") if mma else "_staged" if staged else ""
     kind = f"{body}_decode_{'direct' if direct else 'split'}{'_sinks' if sinks else ''}"
     extra = ["sinks"] if sinks else []
     header = _HEADER + (_MMA_HEADER if mma else "")
     if write_new:
         new = ["qkv"] if fused else ["q", "k_new", "v_new"]
-        source = (_mma_source(direct, True, fused, sinks) if mma
+        source = (_mma_source(direct, True, fused, sinks, dynamic_bytes > 0) if mma
                   else _source(direct, True, fused, staged, sinks))
         return mx.fast.cuda_kernel(
             name=f"kiln_paged_write{'_qkv_rope' if fused else ''}{kind}",
@@ -821,37 +822,49 @@ def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: 
             input_names=[*new, "kv_pool", "table", "lengths", "scale", "written", "slots",
                          *(["rope"] if fused else []), *extra],
             output_names=[*outputs, "mark"], source=source,
-            header=header + (_ROPE_HEADER if fused else ""), ensure_row_contiguous=False)
+            header=header + (_ROPE_HEADER if fused else ""), ensure_row_contiguous=False,
+            shared_memory=dynamic_bytes)
     return mx.fast.cuda_kernel(
         name=f"kiln_paged{kind}",
         # `written`: the mark of this layer's in-place pool write (pool_write_in_place),
         # an input only so that the kernel runs after it.
         input_names=["q", "kv_pool", "table", "lengths", "scale", "written", *extra],
         output_names=outputs,
-        source=(_mma_source(direct, False, sinks=sinks) if mma
+        source=(_mma_source(direct, False, sinks=sinks, dynamic=dynamic_bytes > 0) if mma
                 else _source(direct, False, staged=staged, sinks=sinks)),
-        header=header)
+        header=header, shared_memory=dynamic_bytes)
 
 
-def _mma_source(direct: bool, write_new: bool, fused: bool = False, sinks: bool = False) -> str:
+# The tensor-core kernel's tiles: static shared memory, or the launch's dynamic shared
+# memory where they and the rest pass a block's static 48 KiB (MMA_STAGE_BYTES raised).
+_STATIC_STAGES = "__shared__ __align__(16) P stage[STAGES][TILE][ROW];"
+_DYNAMIC_STAGES = """extern __shared__ __align__(16) unsigned char kiln_dynamic[];
+    auto& stage = *reinterpret_cast<P (*)[STAGES][TILE][ROW]>(kiln_dynamic);"""
+
+
+def _mma_source(direct: bool, write_new: bool, fused: bool = False, sinks: bool = False,
+                dynamic: bool = False) -> str:
     source = _MMA_BODY.replace("WRITE", (_DIRECT_SINK_WRITE if sinks else _DIRECT_WRITE)
                                if direct else _SPLIT_WRITE)
+    source = source.replace("STAGE_DECL", _DYNAMIC_STAGES if dynamic else _STATIC_STAGES)
     for name, text in (_write_new(fused, mma=True) if write_new else _READ_ONLY).items():
         source = source.replace(name, text)
     return source
 
 
-MMA_STAGES = 2  # tiles a block keeps: one in flight while the other is read
-_MMA_STAGE_BYTES = 32 * 1024
+MMA_STAGES = 2  # tiles a block keeps: one in flight while the others are read
+MMA_STAGE_BYTES = 32 * 1024  # the most the tiles take (past 48 KiB with the rest: dynamic)
 MMA_WARPS = 4  # warps a block, over tokens and, where fewer token warps fit, columns
+_DYNAMIC_SHARED_MAX = 227 * 1024  # a block's opt-in limit on sm_80/sm_90
 
 
 @dataclass(frozen=True)
 class MmaLayout:
     """How the tensor-core kernel's warps share a block's work: token_warps take 16
-    tokens each of a tile (as many as MMA_STAGES tiles of fit in 32 KiB: 4 for 64-wide
-    heads, 2 for 128, 1 for 256), column_warps split the output's columns among them
-    (each recomputing its tokens' scores, cheap on tensor cores) up to MMA_WARPS warps."""
+    tokens each of a tile (as many as MMA_STAGES tiles of fit in MMA_STAGE_BYTES: with
+    the defaults 4 for 64-wide heads, 2 for 128, 1 for 256), column_warps split the
+    output's columns among them (each recomputing its tokens' scores, cheap on tensor
+    cores) up to MMA_WARPS warps."""
 
     token_warps: int
     column_warps: int
@@ -860,18 +873,37 @@ class MmaLayout:
     def threads(self) -> int:
         return 32 * self.token_warps * self.column_warps
 
+    def stage_bytes(self, dim: int, itemsize: int = 2) -> int:
+        """The tiles' shared memory: MMA_STAGES tiles of 16 K/V rows a token warp."""
+        return MMA_STAGES * 16 * self.token_warps * 2 * dim * itemsize
+
 
 def mma_layout(dim: int, itemsize: int = 2) -> MmaLayout | None:
     """The tensor-core kernel's warps for heads this wide (None: not even one warp's
     tiles fit)."""
-    token = next((w for w in (4, 2, 1)
-                  if MMA_STAGES * 16 * w * 2 * dim * itemsize <= _MMA_STAGE_BYTES), 0)
+    token = next((w for w in (8, 4, 2, 1) if w <= MMA_WARPS
+                  and MmaLayout(w, 1).stage_bytes(dim, itemsize) <= MMA_STAGE_BYTES), 0)
     if not token:
         return None
     column = max(1, MMA_WARPS // token)
     while column > 1 and (dim // 8) % (2 * column):  # whole ldmatrix pairs a warp
         column //= 2
     return MmaLayout(token, column)
+
+
+def _mma_static_bytes(dim: int, group: int) -> int:
+    """A tensor-core block's static shared memory besides the tiles (slot ids, q, the
+    step's K/V row, RoPE's table), every variant's most."""
+    return 4 * MAX_SPLIT_TOKENS + group * dim * 2 + 2 * dim * 2 + 4 * dim
+
+
+def mma_dynamic_bytes(dim: int, group: int) -> int:
+    """The dynamic shared memory a tensor-core launch takes for its tiles: 0 (the tiles
+    are static) unless they and the rest pass a block's static 48 KiB."""
+    layout = mma_layout(dim)
+    assert layout is not None
+    tiles = layout.stage_bytes(dim)
+    return tiles if tiles + _mma_static_bytes(dim, group) > _STATIC_SHARED_MAX else 0
 
 
 @functools.cache
@@ -893,8 +925,8 @@ def mma_preferred(dim: int) -> bool:
 def mma_fits(dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int, group: int) -> bool:
     """Whether the tensor-core kernel serves these heads: 16-bit floats (q as the pool
     stores them: the mma's operands), heads a multiple of 32 wide, up to 16 query heads
-    a KV head (one fragment's rows), its shared memory within a block's static 48 KiB
-    (the warps' partials reuse the tiles)."""
+    a KV head (one fragment's rows), its shared memory within a block's (the warps'
+    partials reuse the tiles)."""
     if dtype != pool_dtype or dtype not in (mx.bfloat16, mx.float16):
         return False
     if dim % 32 or not 1 <= group <= 16:
@@ -902,10 +934,11 @@ def mma_fits(dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int, group: int) -> boo
     layout = mma_layout(dim)
     if layout is None:
         return False
-    tiles = MMA_STAGES * 16 * layout.token_warps * 2 * dim * 2
-    rest = 4 * MAX_SPLIT_TOKENS + group * dim * 2 + 2 * dim * 2 + 4 * dim
+    tiles = layout.stage_bytes(dim)
+    rest = _mma_static_bytes(dim, group)
     partials = layout.token_warps * group * (dim + 2) * 4
-    return tiles + rest <= _STATIC_SHARED_MAX and partials <= tiles
+    return (rest <= _STATIC_SHARED_MAX and tiles + rest <= _DYNAMIC_SHARED_MAX
+            and partials <= tiles)
 
 _SINK_MAX = "const float sink = static_cast<float>(sinks[kvh * G + g]) * 1.4426950408889634f;\n        mm = sink;"
 _SINK_SUM = "den = exp2f(sink - mm);"
@@ -1055,14 +1088,15 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
         threads = layout.threads
         template += [("TOKEN_WARPS", layout.token_warps), ("COLUMN_WARPS", layout.column_warps),
                      ("STAGES", MMA_STAGES)]
+        dynamic = mma_dynamic_bytes(dim, group)
     else:
-        threads = _THREADS
+        threads, dynamic = _THREADS, 0
         template += [("LANES", LANES_PER_TOKEN), ("PASSES", PASSES)]
         stages = staged_tiles(dim, kv_pool.dtype.size, group, stages)
         if stages:
             template.append(("STAGES", stages))
     kernel = functools.partial(_kernel, write_new=write_new, fused=rope is not None,
-                               staged=stages > 0 and not mma, mma=mma)
+                               staged=stages > 0 and not mma, mma=mma, dynamic_bytes=dynamic)
     grid = (splits * threads, n_kv, batch)
     if splits == 1:
         with_sinks = sinks is not None
