@@ -709,6 +709,10 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert choose_decode_backend(gemma, frozenset({"mma-attention"})).mma
     off = ServerConfig(experiments="cuda-core-attention").experiment_set
     assert choose_decode_backend(specs, off) == KernelDecode()
+    # register-kv is the CUDA-core kernel's option: it takes that kernel, never silently none.
+    assert choose_decode_backend(specs, register.experiment_set) == KernelDecode(stages=0)
+    with pytest.raises(ValueError, match="choose one"):
+        choose_decode_backend(specs, frozenset({"mma-attention", "register-kv"}))
 
 
 def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_lm(

@@ -150,6 +150,7 @@ class KernelDecode(DecodeBackend):
     @property
     def name(self) -> str:
         return "CUDA kernel (tensor cores)" if self.mma else "CUDA kernel"
+
     in_place = True
     compiles = True
 
@@ -323,11 +324,15 @@ def _tensor_cores(specs: list, experiments: frozenset[str]) -> bool:
     """Whether decode attention takes the tensor-core kernel: where the device has them,
     by default where every kernel-served layer's heads are ones it is faster for
     (mma_preferred), always with `--experiments mma-attention`, never with
-    `cuda-core-attention` (each layer's dtype and shape still decide at launch:
-    paged_attention.mma_fits)."""
+    `cuda-core-attention` or `register-kv` (the CUDA-core kernel's option; each layer's
+    dtype and shape still decide at launch: paged_attention.mma_fits)."""
     from worker_proc.kv_pool import attention_specs
 
-    if "cuda-core-attention" in experiments or not tensor_cores_available():
+    cuda_core = experiments & {"cuda-core-attention", "register-kv"}
+    if cuda_core and "mma-attention" in experiments:
+        raise ValueError(f"--experiments: mma-attention with {', '.join(sorted(cuda_core))} "
+                         "(a CUDA-core kernel path): choose one")
+    if cuda_core or not tensor_cores_available():
         return False
     return "mma-attention" in experiments or all(
         mma_preferred(s.head_dim) for s in attention_specs(specs) if not s.kind.own_attention)
