@@ -258,6 +258,10 @@ class ServerConfig:
         if unknown:
             raise ValueError(f"--experiments: unknown {sorted(unknown)}; known: "
                              f"{', '.join(DECODE_EXPERIMENTS)}")
+        if "mma-attention" in self.experiment_set and self.experiment_set & {
+                "cuda-core-attention", "register-kv"}:
+            raise ValueError("--experiments mma-attention takes the tensor-core kernel; "
+                             "cuda-core-attention and register-kv the CUDA-core one: choose one")
         if "rope-in-kernel" in self.experiment_set and "off" in (self.fast_decode_blocks,
                                                                  self.fuse_projections):
             raise ValueError("--experiments rope-in-kernel runs inside the fast decode blocks: "

@@ -713,6 +713,8 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert choose_decode_backend(specs, register.experiment_set) == KernelDecode(stages=0)
     with pytest.raises(ValueError, match="choose one"):
         choose_decode_backend(specs, frozenset({"mma-attention", "register-kv"}))
+    with pytest.raises(ValueError, match="choose one"):  # at the command line already
+        ServerConfig(experiments="mma-attention,cuda-core-attention")
 
 
 def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_lm(
