@@ -718,9 +718,10 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     assert all(r.ok for r in compile_kernels(cuda, staged(128, 16)))
     # GPUs before sm_80 have no cp.async: the staged default copies at once there.
     assert all(r.ok for r in compile_kernels(cuda, staged(128, 4)[:2], arch="sm_75"))
-    # The tensor-core kernels (~140 registers at Llama's heads: two-warp blocks, five an
-    # SM by their shared memory), also at 16 query heads a KV head (the fragments' upper
-    # rows), Gemma's 256-wide heads (~240 registers: one warp a block) and in fp16.
+    # The tensor-core kernels (~110 registers at Llama's heads, four warps a block), also
+    # at 16 query heads a KV head (the fragments' upper rows), Gemma's 256-wide heads
+    # (~140, columns over four warps), in fp16, and with their tiles in dynamic shared
+    # memory.
     mma = (variants("__nv_bfloat16", 128, 4, 8, 0, 0, mma=True)
            + variants("__nv_bfloat16", 128, 16, 8, 0, 0, mma=True)[:2]
            + variants("__nv_bfloat16", 256, 2, 8, 0, 0, mma=True)[:2]

@@ -658,6 +658,7 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     specs = [AttentionLayerSpec(8, 128, 128, mx.bfloat16)]
     config = ServerConfig(experiments=" rope-in-kernel ")
     monkeypatch.setattr(decode_backend, "kernel_available", lambda: False)  # as on the CPU
+    monkeypatch.setattr(decode_backend, "tensor_cores_available", lambda: False)  # (below)
     assert choose_decode_backend(specs) == GatherDecode()  # plain MLX
     with pytest.raises(ValueError, match="need the CUDA kernel"):  # no silent no-op elsewhere
         choose_decode_backend(specs, config.experiment_set)
@@ -700,7 +701,7 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert KernelDecode().align_chunks and unaligned == KernelDecode(align_chunks=False)
     # The tensor-core kernel: the default where the device has them (sm_80+) and every
     # layer's heads are 128 wide or less; Gemma's 256 keep the CUDA-core one unless asked.
-    assert not choose_decode_backend(specs).mma  # this machine's: no tensor cores
+    assert not choose_decode_backend(specs).mma  # a device without tensor cores
     monkeypatch.setattr(decode_backend, "tensor_cores_available", lambda: True)
     assert choose_decode_backend(specs) == KernelDecode(mma=True)
     assert choose_decode_backend(specs).name == "CUDA kernel (tensor cores)"
