@@ -57,12 +57,12 @@ def wide_config(name: str) -> dict[str, Any]:
     return widen({**_COMMON, **{**FAMILIES, **RECURRENT_FAMILIES}[name]})
 
 
-def build_wide(name: str) -> Any:
+def build_wide(name: str, dtype: mx.Dtype = mx.float32) -> Any:
     config = wide_config(name)
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(0)
     model = module.Model(module.ModelArgs.from_dict(config))
-    model.set_dtype(mx.float32)
+    model.set_dtype(dtype)
     mx.eval(model.parameters())
     return model
 
@@ -74,7 +74,29 @@ def _prompts() -> list[list[int]]:
 
 @pytest.mark.parametrize("name", ALL)
 def test_every_family_served_picks_tokens_mlx_lm_ranks_best(name):
-    oracle, served = build_wide(name), build_wide(name)  # one seed: the same weights
+    _served_tokens_rank_best(name, mx.float32, TOLERANCE)
+
+
+# bf16 models (the tensor-core decode kernel's dtype): mlx-lm's bf16 forward against
+# kiln's, each rounding in its own order (a logit near 2 is held to ~1% in bf16); a wrong
+# window or slot trails by 20-75% of the row's largest.
+BF16_TOLERANCE = 5e-2
+
+
+@pytest.mark.skipif(not kernel_available(), reason="bf16 serving is the GPU's (slow on the CPU)")
+@pytest.mark.parametrize("name", ["llama", "qwen3", "gemma3_text", "gpt_oss", "mixtral"])
+def test_bf16_families_served_through_the_tensor_core_kernel(name):
+    """In bf16, decode attention takes the tensor-core kernel where the device has tensor
+    cores (sliding windows and GPT-OSS's sinks included): tokens mlx-lm ranks best."""
+    from worker_proc.paged_attention import tensor_cores_available
+
+    _served_tokens_rank_best(name, mx.bfloat16, BF16_TOLERANCE,
+                             expect_mma=tensor_cores_available())
+
+
+def _served_tokens_rank_best(name: str, dtype: mx.Dtype, tolerance: float,
+                             expect_mma: bool | None = None) -> None:
+    oracle, served = build_wide(name, dtype), build_wide(name, dtype)  # the same weights
     if uses_gated_delta(served):
         install_gated_delta_kernel()
     if kernel_available():  # as the worker loads it there
@@ -82,8 +104,11 @@ def test_every_family_served_picks_tokens_mlx_lm_ranks_best(name):
         fuse_projections(served)
         speed_up_decode_blocks(served, residual_in_gemm=True)
     sum_offset_norms(served)
-    compiles = choose_decode_backend(probe_attention_specs(served)).compiles
-    engine = InProcessEngine(served, chunk_size=16, compile_decode=compiles, overlap="ahead")
+    backend = choose_decode_backend(probe_attention_specs(served))
+    if expect_mma is not None:
+        assert getattr(backend, "mma", False) == expect_mma, backend
+    engine = InProcessEngine(served, chunk_size=16, compile_decode=backend.compiles,
+                             overlap="ahead")
     prompts = _prompts()
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, 16, [])
@@ -95,7 +120,7 @@ def test_every_family_served_picks_tokens_mlx_lm_ranks_best(name):
         rows = logits[len(prompt) - 1:len(prompt) - 1 + len(chosen)]
         picked = mx.take_along_axis(rows, mx.array(chosen)[:, None], axis=1)[:, 0]
         best = rows.max(axis=1)
-        slack = TOLERANCE * mx.maximum(mx.abs(rows).max(axis=1), 1.0)
+        slack = tolerance * mx.maximum(mx.abs(rows).max(axis=1), 1.0)
         trailing = (best - picked) > slack
         assert not trailing.any().item(), (
             f"{name} r{i}: tokens at {np.flatnonzero(np.array(trailing)).tolist()} trail mlx-lm's "
