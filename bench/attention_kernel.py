@@ -113,7 +113,8 @@ def _time(step, repeats: int) -> float:
 
 def paged_us(batch: int, context: int, layers: int, repeats: int, rng: np.random.Generator,
              check: bool, order: str = "random",
-             stages: int = pa.DEFAULT_STAGES, mma: bool = False) -> tuple[float, float]:
+             stages: int = pa.DEFAULT_STAGES,
+             mma: pa.MmaConfig | None = None) -> tuple[float, float]:
     """(µs a layer, max abs error against the reference) of the write-and-attend kernel
     with the module's current shape and split target, K/V staged `stages` tiles ahead
     (mma: the tensor-core kernel instead)."""
@@ -182,14 +183,13 @@ def main() -> None:
                    help="the kernel's stages: 0 register prefetch, >= 2 cp.async tiles in flight")
     p.add_argument("--mma", action="store_true",
                    help="the tensor-core kernel too, at each split target")
-    p.add_argument("--mma-warps", type=int_list, default=[pa.MMA_WARPS],
-                   help="with --mma: MMA_WARPS values (a block's warps; see MmaLayout)")
-    p.add_argument("--mma-stage-kib", type=int_list, default=[pa.MMA_STAGE_BYTES // 1024],
-                   help="with --mma: MMA_STAGE_BYTES values in KiB (the tiles' shared memory; "
-                        "more token warps where it holds them; past 48 KiB with the rest, "
-                        "dynamic shared memory)")
-    p.add_argument("--mma-stages", type=int_list, default=[pa.MMA_STAGES],
-                   help="with --mma: MMA_STAGES values (tiles a block keeps, >= 2)")
+    p.add_argument("--mma-warps", type=int_list, default=[pa.MmaConfig.warps],
+                   help="with --mma: a block's warps (see MmaConfig)")
+    p.add_argument("--mma-stage-kib", type=int_list, default=[pa.MmaConfig.stage_bytes // 1024],
+                   help="with --mma: the tiles' shared memory in KiB (more token warps where "
+                        "it holds them; past 48 KiB with the rest, dynamic shared memory)")
+    p.add_argument("--mma-stages", type=int_list, default=[pa.MmaConfig.stages],
+                   help="with --mma: tiles a block keeps (>= 2)")
     p.add_argument("--order", choices=("random", "contiguous"), default="random",
                    help="each row's slots: shuffled across the pool, or consecutive")
     p.add_argument("--heads", type=int_list, default=[N_Q, N_KV, DIM],
@@ -228,18 +228,18 @@ def main() -> None:
         for target, warps, kib, stages in itertools.product(
                 args.targets if args.mma else [], args.mma_warps, args.mma_stage_kib,
                 args.mma_stages):
-            pa.TARGET_BLOCKS, pa.MMA_WARPS = target, warps
-            pa.MMA_STAGE_BYTES, pa.MMA_STAGES = kib * 1024, stages
-            if not pa.mma_fits(mx.bfloat16, mx.bfloat16, DIM, N_Q // N_KV):
+            pa.TARGET_BLOCKS = target
+            mma = pa.MmaConfig(kib * 1024, stages, warps)
+            if not mma.fits(mx.bfloat16, mx.bfloat16, DIM, N_Q // N_KV):
                 print(f"batch {batch:4d}  kiln mma: {warps} warps, {stages} x {kib} KiB "
                       "do not fit these heads")
                 continue
             splits = pa.num_splits(batch, N_KV, args.context)
             us, err = paged_us(batch, args.context, args.layers, args.repeats, rng, True,
-                               args.order, mma=True)
-            layout = pa.mma_layout(DIM)
+                               args.order, mma=mma)
+            layout = mma.layout(DIM)
             label = (f"kiln mma {layout.token_warps}x{layout.column_warps} warps {stages} stages"
-                     f"{' dyn' if pa.mma_dynamic_bytes(DIM, N_Q // N_KV) else ''}, "
+                     f"{' dyn' if mma.dynamic_bytes(DIM, N_Q // N_KV) else ''}, "
                      f"target {target} ({splits} splits)")
             rows.append({"batch": batch, "kernel": label, "us": us, "max_abs_error": err})
             print(f"batch {batch:4d}  {label:40s} {us:8.1f}   ({err:.4f})")

@@ -52,10 +52,10 @@ def wrap(name: str, inputs: list[str], outputs: list[str], body: str, header: st
             f"__global__ void {name}({', '.join(args)}) {{\n{body}\n}}\n")
 
 
-def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
-             passes: int, stages: int = 0, mma: bool = False) -> list[tuple[str, str]]:
+def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int, passes: int,
+             stages: int = 0, mma: pa.MmaConfig | None = None) -> list[tuple[str, str]]:
     """(label, .cu source) of every decode kernel as the served model launches it (mma:
-    the tensor-core kernels, whose lanes, passes and stages are their own)."""
+    the tensor-core kernels of that shape, whose lanes, passes and stages are their own)."""
     out = []
     for direct in (True, False):
         outputs = ["out"] if direct else ["out", "out_ml"]
@@ -69,9 +69,9 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
             params = {"T": dtype, "D": str(dim), "G": str(group), "HKV": str(n_kv), "P": dtype,
                       "CHUNK_MAX": str(pa.MAX_SPLIT_TOKENS)}
             if mma:
-                layout = pa.mma_layout(dim)
+                layout = mma.layout(dim)
                 params |= {"TOKEN_WARPS": str(layout.token_warps),
-                           "COLUMN_WARPS": str(layout.column_warps), "STAGES": str(pa.MMA_STAGES)}
+                           "COLUMN_WARPS": str(layout.column_warps), "STAGES": str(layout.stages)}
             else:
                 params |= {"LANES": str(lanes), "PASSES": str(passes)}
             if stages and not mma:
@@ -86,7 +86,7 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int,
             if sinks:
                 inputs.append("sinks")
             if mma:
-                dynamic = pa.mma_dynamic_bytes(dim, group) > 0
+                dynamic = mma.dynamic_bytes(dim, group) > 0
                 name = f"kiln_{label}_{'direct' if direct else 'split'}_mma{'_dyn' if dynamic else ''}"
                 source = pa._mma_source(direct, write_new, fused, sinks, dynamic)
                 header = pa._HEADER + pa._MMA_HEADER
@@ -173,10 +173,11 @@ def main() -> None:
     p.add_argument("--stages", type=stage_counts, default=[pa.DEFAULT_STAGES],
                    help="staged-pipeline tiles, comma-separated (0: register prefetch)")
     p.add_argument("--mma", action="store_true", help="the tensor-core kernels too")
-    p.add_argument("--mma-stage-kib", type=int, default=pa.MMA_STAGE_BYTES // 1024,
-                   help="with --mma: MMA_STAGE_BYTES in KiB (past 48 with the rest: dynamic "
-                        "shared memory)")
-    p.add_argument("--mma-warps", type=int, default=pa.MMA_WARPS, help="with --mma: MMA_WARPS")
+    p.add_argument("--mma-stage-kib", type=int, default=pa.MmaConfig.stage_bytes // 1024,
+                   help="with --mma: the tiles' shared memory in KiB (past 48 with the rest: "
+                        "dynamic shared memory)")
+    p.add_argument("--mma-stages", type=int, default=pa.MmaConfig.stages, help="with --mma")
+    p.add_argument("--mma-warps", type=int, default=pa.MmaConfig.warps, help="with --mma")
     p.add_argument("--keep", type=Path, help="write the .cu files here too")
     args = p.parse_args()
     if args.cuda is None:
@@ -190,8 +191,8 @@ def main() -> None:
         kernels += variants(args.dtype, args.head_dim, args.group, args.kv_heads, lanes,
                             passes, tiles)
     if args.mma:
-        pa.MMA_STAGE_BYTES, pa.MMA_WARPS = args.mma_stage_kib * 1024, args.mma_warps
-        kernels += variants(args.dtype, args.head_dim, args.group, args.kv_heads, 0, 0, mma=True)
+        mma = pa.MmaConfig(args.mma_stage_kib * 1024, args.mma_stages, args.mma_warps)
+        kernels += variants(args.dtype, args.head_dim, args.group, args.kv_heads, 0, 0, mma=mma)
     kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads))
     kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads, sinks=True))
     results = compile_kernels(args.cuda, kernels, args.arch)

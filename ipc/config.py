@@ -18,7 +18,8 @@ LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerCo
 # CUDA attention paths other than the default, for --experiments (A/B runs).
 DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
-                      "mixed-forward", "mma-attention", "cuda-core-attention")
+                      "mixed-forward", "mma-attention", "mma-wide-tiles",
+                      "cuda-core-attention")
 
 
 def _auto_on_off(help_text: str) -> Any:
@@ -183,7 +184,9 @@ class ServerConfig:
                                       "tensor-core one became the default for heads up to "
                                       "128 wide on sm_80+), mma-attention (the tensor-core "
                                       "kernel for wider heads too: Gemma's 256, slower "
-                                      "there)."})
+                                      "there), mma-wide-tiles (the tensor-core kernel with "
+                                      "its tiles in up to 64 KiB of shared memory: more "
+                                      "warps a block; every head size; unmeasured)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "
@@ -258,10 +261,11 @@ class ServerConfig:
         if unknown:
             raise ValueError(f"--experiments: unknown {sorted(unknown)}; known: "
                              f"{', '.join(DECODE_EXPERIMENTS)}")
-        if "mma-attention" in self.experiment_set and self.experiment_set & {
+        if self.experiment_set & {"mma-attention", "mma-wide-tiles"} and self.experiment_set & {
                 "cuda-core-attention", "register-kv"}:
-            raise ValueError("--experiments mma-attention takes the tensor-core kernel; "
-                             "cuda-core-attention and register-kv the CUDA-core one: choose one")
+            raise ValueError("--experiments mma-attention and mma-wide-tiles take the "
+                             "tensor-core kernel; cuda-core-attention and register-kv the "
+                             "CUDA-core one: choose one")
         if "rope-in-kernel" in self.experiment_set and "off" in (self.fast_decode_blocks,
                                                                  self.fuse_projections):
             raise ValueError("--experiments rope-in-kernel runs inside the fast decode blocks: "

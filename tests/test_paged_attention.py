@@ -9,9 +9,9 @@ import pytest
 from tests.attention_cases import ragged_slot_table
 from worker_proc.decode_backend import GatherDecode, KernelDecode
 from worker_proc.paged_attention import (DEFAULT_STAGES, MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS,
-                                         kernel_available, num_splits, paged_decode_attention,
-                                         paged_decode_write_attention, pool_write_in_place,
-                                         reference_decode_attention)
+                                         MmaConfig, kernel_available, num_splits,
+                                         paged_decode_attention, paged_decode_write_attention,
+                                         pool_write_in_place, reference_decode_attention)
 
 
 def _case(batch=5, n_q=8, n_kv=2, dim=64, slots=3000, seed=0, dtype=mx.float32, lengths=None):
@@ -94,7 +94,8 @@ def test_splits_fill_the_gpu_within_their_bounds():
     assert num_splits(batch=128, n_kv=8, l_max=100) == 1
 
 
-@pytest.fixture(params=[{"stages": 0}, {"stages": 4}, {"stages": DEFAULT_STAGES}, {"mma": True}],
+@pytest.fixture(params=[{"stages": 0}, {"stages": 4}, {"stages": DEFAULT_STAGES},
+                        {"mma": MmaConfig()}],
                 ids=["register-prefetch", "staged-4", "staged", "mma"])
 def kv_pipeline(request):
     """Every way the kernel brings K/V in (its `stages`: register prefetch, cp.async tiles
@@ -496,28 +497,22 @@ def test_unfused_prefill_only_where_cudnn_would_build_per_shape():
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
 @pytest.mark.parametrize("stage_kib, stages, warps", [(64, 2, 4), (96, 3, 8), (128, 2, 8)])
 @pytest.mark.parametrize("n_q, n_kv, dim", [(32, 8, 128), (16, 8, 256), (64, 8, 64)])
-def test_cuda_tensor_core_kernel_with_dynamic_tiles(n_q, n_kv, dim, stage_kib, stages, warps,
-                                                    monkeypatch):
-    """The tensor-core kernel's tiles in dynamic shared memory (MMA_STAGE_BYTES past the
-    static 48 KiB; more stages and warps), read-only and write-and-attend: the
-    reference's attention."""
-    from worker_proc import paged_attention as pa
-
-    monkeypatch.setattr(pa, "MMA_STAGE_BYTES", stage_kib * 1024)
-    monkeypatch.setattr(pa, "MMA_STAGES", stages)
-    monkeypatch.setattr(pa, "MMA_WARPS", warps)
-    if not pa.mma_fits(mx.bfloat16, mx.bfloat16, dim, n_q // n_kv):
+def test_cuda_tensor_core_kernel_with_dynamic_tiles(n_q, n_kv, dim, stage_kib, stages, warps):
+    """The tensor-core kernel's tiles in dynamic shared memory (past the static 48 KiB;
+    more stages and warps), read-only and write-and-attend: the reference's attention."""
+    mma = MmaConfig(stage_bytes=stage_kib * 1024, stages=stages, warps=warps)
+    if not mma.fits(mx.bfloat16, mx.bfloat16, dim, n_q // n_kv):
         pytest.skip("does not fit these heads")
     q, kv, table, ln = _case(n_q=n_q, n_kv=n_kv, dim=dim, dtype=mx.bfloat16, seed=dim + stages,
                              lengths=[1, 4096, 33, 257, 16, 700])
-    got = paged_decode_attention(q, kv, table, ln, scale=dim ** -0.5, mma=True)
+    got = paged_decode_attention(q, kv, table, ln, scale=dim ** -0.5, mma=mma)
     want = reference_decode_attention(q, kv, table, ln, scale=dim ** -0.5)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
                                rtol=2e-2, atol=2e-2)
     slots = table[mx.arange(q.shape[0]), ln - 1]
     new = kv[slots][:, :, None]  # [B, Hkv, 1, 2D]: the rows already there, written again
     out, _ = paged_decode_write_attention(q, new[..., :dim], new[..., dim:], slots, kv + 0,
-                                          table, ln, scale=dim ** -0.5, mma=True)
+                                          table, ln, scale=dim ** -0.5, mma=mma)
     np.testing.assert_allclose(np.array(out.astype(mx.float32)), np.array(want.astype(mx.float32)),
                                rtol=2e-2, atol=2e-2)
 
@@ -564,41 +559,41 @@ def test_every_tensor_core_kernel_source_has_its_parts_filled_in(direct, sinks, 
 
 
 def test_tensor_core_kernel_takes_16_bit_heads_a_fragment_holds():
-    from worker_proc.paged_attention import MmaLayout, mma_fits, mma_layout
+    from worker_proc.paged_attention import MmaLayout
 
+    mma = MmaConfig()
     # Warps over tokens as their tiles fit, over columns to four (whole ldmatrix pairs).
-    assert [mma_layout(d) for d in (64, 96, 128, 256, 512)] == [
-        MmaLayout(4, 1), MmaLayout(2, 2), MmaLayout(2, 2), MmaLayout(1, 4), None]
-    assert mma_layout(32) == MmaLayout(4, 1)
+    assert [mma.layout(d) for d in (64, 96, 128, 256, 512)] == [
+        MmaLayout(4, 1, 2), MmaLayout(2, 2, 2), MmaLayout(2, 2, 2), MmaLayout(1, 4, 2), None]
+    assert mma.layout(32) == MmaLayout(4, 1, 2)
     for dim, group in [(128, 4), (128, 8), (128, 16), (64, 8), (256, 2), (96, 12), (128, 1)]:
-        assert mma_fits(mx.bfloat16, mx.bfloat16, dim, group), (dim, group)
-    assert mma_fits(mx.float16, mx.float16, 128, 4)
-    assert not mma_fits(mx.float32, mx.float32, 128, 4)  # fp32 pools: the CUDA-core kernel
-    assert not mma_fits(mx.float32, mx.bfloat16, 128, 4)  # q must be the pool's dtype
-    assert not mma_fits(mx.bfloat16, mx.bfloat16, 80, 4)  # head sizes: multiples of 32
-    assert not mma_fits(mx.bfloat16, mx.bfloat16, 128, 32)  # more rows than a fragment's
-    assert not mma_fits(mx.bfloat16, mx.bfloat16, 512, 16)  # MLA's latent: no room
+        assert mma.fits(mx.bfloat16, mx.bfloat16, dim, group), (dim, group)
+    assert mma.fits(mx.float16, mx.float16, 128, 4)
+    assert not mma.fits(mx.float32, mx.float32, 128, 4)  # fp32 pools: the CUDA-core kernel
+    assert not mma.fits(mx.float32, mx.bfloat16, 128, 4)  # q must be the pool's dtype
+    assert not mma.fits(mx.bfloat16, mx.bfloat16, 80, 4)  # head sizes: multiples of 32
+    assert not mma.fits(mx.bfloat16, mx.bfloat16, 128, 32)  # more rows than a fragment's
+    assert not mma.fits(mx.bfloat16, mx.bfloat16, 512, 16)  # MLA's latent: no room
 
 
-def test_tensor_core_tiles_past_static_shared_memory_go_dynamic(monkeypatch):
-    """Raised MMA_STAGE_BYTES hold more token warps; where the tiles and the rest pass a
-    block's static 48 KiB they take the launch's dynamic shared memory (the default's
-    32 KiB stays static: the measured kernel)."""
+def test_tensor_core_tiles_past_static_shared_memory_go_dynamic():
+    """Wider tiles hold more token warps; where the tiles and the rest pass a block's
+    static 48 KiB they take the launch's dynamic shared memory (the default's 32 KiB stays
+    static: the measured kernel)."""
     from worker_proc import paged_attention as pa
 
-    assert all(pa.mma_dynamic_bytes(d, 4) == 0 for d in (64, 96, 128, 256))
+    assert all(MmaConfig().dynamic_bytes(d, 4) == 0 for d in (64, 96, 128, 256))
     assert "extern __shared__" not in pa._mma_source(True, False)
-    monkeypatch.setattr(pa, "MMA_STAGE_BYTES", 64 * 1024)
-    assert pa.mma_layout(128) == pa.MmaLayout(4, 1) and pa.mma_layout(256) == pa.MmaLayout(2, 2)
-    assert pa.mma_dynamic_bytes(128, 4) == pa.mma_dynamic_bytes(256, 2) == 64 * 1024
-    assert pa.mma_fits(mx.bfloat16, mx.bfloat16, 256, 2)
+    wide = pa.MMA_WIDE_TILES  # --experiments mma-wide-tiles
+    assert wide.layout(128) == pa.MmaLayout(4, 1, 2) and wide.layout(256) == pa.MmaLayout(2, 2, 2)
+    assert wide.dynamic_bytes(128, 4) == wide.dynamic_bytes(256, 2) == 64 * 1024
+    assert wide.fits(mx.bfloat16, mx.bfloat16, 256, 2)
     source = pa._mma_source(True, True, True, False, dynamic=True)
     assert "extern __shared__" in source and "STAGE_DECL" not in source
-    monkeypatch.setattr(pa, "MMA_STAGE_BYTES", 256 * 1024)  # 8 warps x 4 stages of 16 rows:
-    monkeypatch.setattr(pa, "MMA_WARPS", 8)  # past a block's opt-in limit
-    monkeypatch.setattr(pa, "MMA_STAGES", 4)
-    assert pa.mma_layout(128) == pa.MmaLayout(8, 1)
-    assert not pa.mma_fits(mx.bfloat16, mx.bfloat16, 128, 4)
+    huge = MmaConfig(stage_bytes=256 * 1024, stages=4, warps=8)  # 8 warps x 4 stages of 16
+    assert huge.layout(128) == pa.MmaLayout(8, 1, 4)  # rows: past a block's opt-in limit
+    assert not huge.fits(mx.bfloat16, mx.bfloat16, 128, 4)
+    assert not MmaConfig(stages=1).fits(mx.bfloat16, mx.bfloat16, 128, 4)
 
 
 def test_launches_pick_the_kernel_body_its_template_and_threads(monkeypatch):
@@ -632,24 +627,23 @@ def test_launches_pick_the_kernel_body_its_template_and_threads(monkeypatch):
     q = mx.zeros((2, 32, 1, 128), dtype=mx.bfloat16)
     pool = mx.zeros((100, 8, 256), dtype=mx.bfloat16)
     table, lengths = mx.zeros((2, 50), dtype=mx.int32), mx.array([3, 50], dtype=mx.int32)
-    assert pa.paged_decode_attention(q, pool, table, lengths, 0.1, mma=True).shape == q.shape
+    assert pa.paged_decode_attention(q, pool, table, lengths, 0.1, mma=MmaConfig()).shape == q.shape
     last = launches[-1]
     assert last["mma"] and not last["staged"] and last["threads"] == 128  # 2 x 2 warps
     assert (last["template"]["TOKEN_WARPS"], last["template"]["COLUMN_WARPS"]) == (2, 2)
     assert last["grid"] == (2 * 128, 8, 2) and merged == [False]  # two splits, merged
     pa.paged_decode_attention(q.astype(mx.float32), pool.astype(mx.float32), table, lengths,
-                              0.1, mma=True)
+                              0.1, mma=MmaConfig())
     last = launches[-1]
     assert not last["mma"] and last["staged"] and last["threads"] == 128
     assert "TOKEN_WARPS" not in last["template"] and last["template"]["LANES"] == pa.LANES_PER_TOKEN
     sinks = mx.zeros((32,), dtype=mx.bfloat16)
     full = mx.zeros((64, 8), dtype=mx.int32)
     pa.paged_decode_attention(mx.zeros((64, 32, 1, 128), dtype=mx.bfloat16), pool, full,
-                              mx.full((64,), 8, dtype=mx.int32), 0.1, sinks=sinks, mma=True)
+                              mx.full((64,), 8, dtype=mx.int32), 0.1, sinks=sinks, mma=MmaConfig())
     assert launches[-1]["direct"] and launches[-1]["sinks"] and launches[-1]["mma"]
     assert launches[-1]["dynamic"] == 0
-    monkeypatch.setattr(pa, "MMA_STAGE_BYTES", 64 * 1024)  # four token warps, dynamic tiles
-    pa.paged_decode_attention(q, pool, table, lengths, 0.1, mma=True)
+    pa.paged_decode_attention(q, pool, table, lengths, 0.1, mma=pa.MMA_WIDE_TILES)
     assert launches[-1]["dynamic"] == 64 * 1024 and launches[-1]["template"]["TOKEN_WARPS"] == 4
 
 
@@ -661,16 +655,14 @@ def test_launches_pick_the_kernel_body_its_template_and_threads(monkeypatch):
 def test_cuda_tensor_core_kernel_head_shapes(n_q, n_kv, dim, dtype):
     """The tensor-core kernel at every query-head group a fragment holds (1 to 16: the
     upper rows too), head sizes 64 to 256, bf16 and fp16, one split and several."""
-    from worker_proc.paged_attention import mma_fits
-
-    assert mma_fits(dtype, dtype, dim, n_q // n_kv)
+    assert MmaConfig().fits(dtype, dtype, dim, n_q // n_kv)
     q, kv, table, ln = _case(n_q=n_q, n_kv=n_kv, dim=dim, dtype=dtype, seed=dim + n_q,
                              lengths=[1, 4096, 33, 257, 16, 17, 700])
-    got = paged_decode_attention(q, kv, table, ln, scale=dim ** -0.5, mma=True)
+    got = paged_decode_attention(q, kv, table, ln, scale=dim ** -0.5, mma=MmaConfig())
     want = reference_decode_attention(q, kv, table, ln, scale=dim ** -0.5)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
                                rtol=2e-2, atol=2e-2)
-    one = paged_decode_attention(q[:1], kv, table[:1], ln[:1], scale=dim ** -0.5, mma=True)
+    one = paged_decode_attention(q[:1], kv, table[:1], ln[:1], scale=dim ** -0.5, mma=MmaConfig())
     np.testing.assert_allclose(np.array(one.astype(mx.float32)),
                                np.array(want[:1].astype(mx.float32)), rtol=2e-2, atol=2e-2)
 
@@ -722,15 +714,13 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     # at 16 query heads a KV head (the fragments' upper rows), Gemma's 256-wide heads
     # (~140, columns over four warps), in fp16, and with their tiles in dynamic shared
     # memory.
-    mma = (variants("__nv_bfloat16", 128, 4, 8, 0, 0, mma=True)
-           + variants("__nv_bfloat16", 128, 16, 8, 0, 0, mma=True)[:2]
-           + variants("__nv_bfloat16", 256, 2, 8, 0, 0, mma=True)[:2]
-           + variants("__half", 96, 12, 2, 0, 0, mma=True)[:2])
-    with pytest.MonkeyPatch.context() as patch:  # tiles in dynamic shared memory
-        patch.setattr(pa, "MMA_STAGE_BYTES", 96 * 1024)
-        patch.setattr(pa, "MMA_WARPS", 8)
-        mma += variants("__nv_bfloat16", 128, 4, 8, 0, 0, mma=True)[:3]
-        assert all(name.endswith("_dyn") for name, _ in mma[-3:])
+    mma = (variants("__nv_bfloat16", 128, 4, 8, 0, 0, mma=MmaConfig())
+           + variants("__nv_bfloat16", 128, 16, 8, 0, 0, mma=MmaConfig())[:2]
+           + variants("__nv_bfloat16", 256, 2, 8, 0, 0, mma=MmaConfig())[:2]
+           + variants("__half", 96, 12, 2, 0, 0, mma=MmaConfig())[:2])
+    mma += variants("__nv_bfloat16", 128, 4, 8, 0, 0,  # tiles in dynamic shared memory
+                    mma=MmaConfig(stage_bytes=96 * 1024, warps=8))[:3]
+    assert all(name.endswith("_dyn") for name, _ in mma[-3:])
     results = compile_kernels(cuda, mma)
     assert all(r.ok and "0 bytes spill stores" in r.report for r in results), [
         r.name + ":\n" + r.report for r in results if not (r.ok and "0 bytes spill" in r.report)]

@@ -701,19 +701,22 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert KernelDecode().align_chunks and unaligned == KernelDecode(align_chunks=False)
     # The tensor-core kernel: the default where the device has them (sm_80+) and every
     # layer's heads are 128 wide or less; Gemma's 256 keep the CUDA-core one unless asked.
-    assert not choose_decode_backend(specs).mma  # a device without tensor cores
+    assert choose_decode_backend(specs).mma is None  # a device without tensor cores
     monkeypatch.setattr(decode_backend, "tensor_cores_available", lambda: True)
-    assert choose_decode_backend(specs) == KernelDecode(mma=True)
+    from worker_proc.paged_attention import MMA_WIDE_TILES, MmaConfig
+
+    assert choose_decode_backend(specs) == KernelDecode(mma=MmaConfig())
     assert choose_decode_backend(specs).name == "CUDA kernel (tensor cores)"
     gemma = specs + [AttentionLayerSpec(8, 256, 256, mx.bfloat16, query_heads=16)]
-    assert not choose_decode_backend(gemma).mma
-    assert choose_decode_backend(gemma, frozenset({"mma-attention"})).mma
+    assert choose_decode_backend(gemma).mma is None
+    assert choose_decode_backend(gemma, frozenset({"mma-attention"})).mma == MmaConfig()
+    assert choose_decode_backend(gemma, frozenset({"mma-wide-tiles"})).mma == MMA_WIDE_TILES
     off = ServerConfig(experiments="cuda-core-attention").experiment_set
     assert choose_decode_backend(specs, off) == KernelDecode()
     # register-kv is the CUDA-core kernel's option: it takes that kernel, never silently none.
     assert choose_decode_backend(specs, register.experiment_set) == KernelDecode(stages=0)
     with pytest.raises(ValueError, match="choose one"):
-        choose_decode_backend(specs, frozenset({"mma-attention", "register-kv"}))
+        choose_decode_backend(specs, frozenset({"mma-wide-tiles", "register-kv"}))
     with pytest.raises(ValueError, match="choose one"):  # at the command line already
         ServerConfig(experiments="mma-attention,cuda-core-attention")
 

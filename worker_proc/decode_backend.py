@@ -29,7 +29,8 @@ from worker_proc.paged_attention import (DEFAULT_STAGES, FUSED_PREFILL_BUCKET, R
                                          fits_shared_memory, fused_bucket_padding,
                                          fused_builds_per_shape,
                                          kernel_available, masked_bias, masked_bias_fits,
-                                         mma_preferred, tensor_cores_available,
+                                         MMA_WIDE_TILES, MmaConfig, mma_preferred,
+                                         tensor_cores_available,
                                          paged_decode_attention, paged_decode_qkv_attention,
                                          paged_decode_write_attention,
                                          pool_write_in_place, reference_decode_attention,
@@ -132,10 +133,9 @@ class KernelDecode(DecodeBackend):
     a step's lone prompt chunk and its decode rows run as one forward, their GEMMs
     reading the weights once (ModelRunner._mixed, decode_block.MixedLayerCache's
     blocks; `--experiments mixed-forward` turns it on). mma: decode attention through
-    the tensor-core kernel where it serves the heads (paged_attention.mma_fits: 16-bit
-    pools), the CUDA-core one elsewhere; on by default on sm_80+ for heads up to 128 wide
-    (mma_preferred; `--experiments cuda-core-attention` is the A/B arm, `mma-attention`
-    forces it for wider heads)."""
+    the tensor-core kernel of this shape where it serves the heads (MmaConfig.fits:
+    16-bit pools), the CUDA-core one elsewhere (None: everywhere); by default on sm_80+
+    for heads up to 128 wide (see _tensor_cores)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
@@ -145,11 +145,11 @@ class KernelDecode(DecodeBackend):
     align_chunks: bool = True
     prefill_bucket: int = FUSED_PREFILL_BUCKET
     mixed_forward: bool = False
-    mma: bool = False
+    mma: MmaConfig | None = None
 
     @property
     def name(self) -> str:
-        return "CUDA kernel (tensor cores)" if self.mma else "CUDA kernel"
+        return "CUDA kernel" + (" (tensor cores)" if self.mma is not None else "")
 
     in_place = True
     compiles = True
@@ -320,22 +320,26 @@ def kernel_fits(specs: list) -> bool:
     return kernel_misfit(specs) is None
 
 
-def _tensor_cores(specs: list, experiments: frozenset[str]) -> bool:
-    """Whether decode attention takes the tensor-core kernel: where the device has them,
-    by default where every kernel-served layer's heads are ones it is faster for
-    (mma_preferred), always with `--experiments mma-attention`, never with
-    `cuda-core-attention` or `register-kv` (the CUDA-core kernel's option; each layer's
-    dtype and shape still decide at launch: paged_attention.mma_fits)."""
+def _tensor_cores(specs: list, experiments: frozenset[str]) -> MmaConfig | None:
+    """The tensor-core kernel's shape decode attention takes, or None for the CUDA-core
+    kernel: where the device has tensor cores, by default where every kernel-served
+    layer's heads are ones it is faster for (mma_preferred), always with `--experiments
+    mma-attention` or `mma-wide-tiles` (tiles in up to 64 KiB), never with
+    `cuda-core-attention` or `register-kv` (the CUDA-core kernel's option). Each layer's
+    dtype and shape still decide at launch (MmaConfig.fits)."""
     from worker_proc.kv_pool import attention_specs
 
     cuda_core = experiments & {"cuda-core-attention", "register-kv"}
-    if cuda_core and "mma-attention" in experiments:
-        raise ValueError(f"--experiments: mma-attention with {', '.join(sorted(cuda_core))} "
-                         "(a CUDA-core kernel path): choose one")
+    forced = experiments & {"mma-attention", "mma-wide-tiles"}
+    if cuda_core and forced:
+        raise ValueError(f"--experiments: {', '.join(sorted(forced))} with "
+                         f"{', '.join(sorted(cuda_core))} (a CUDA-core kernel path): choose one")
     if cuda_core or not tensor_cores_available():
-        return False
-    return "mma-attention" in experiments or all(
-        mma_preferred(s.head_dim) for s in attention_specs(specs) if not s.kind.own_attention)
+        return None
+    if not forced and not all(mma_preferred(s.head_dim) for s in attention_specs(specs)
+                              if not s.kind.own_attention):
+        return None
+    return MMA_WIDE_TILES if "mma-wide-tiles" in experiments else MmaConfig()
 
 
 def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset(),

@@ -836,7 +836,7 @@ def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: 
 
 
 # The tensor-core kernel's tiles: static shared memory, or the launch's dynamic shared
-# memory where they and the rest pass a block's static 48 KiB (MMA_STAGE_BYTES raised).
+# memory where they and the rest pass a block's static 48 KiB (MmaConfig.stage_bytes).
 _STATIC_STAGES = "__shared__ __align__(16) P stage[STAGES][TILE][ROW];"
 _DYNAMIC_STAGES = """extern __shared__ __align__(16) unsigned char kiln_dynamic[];
     auto& stage = *reinterpret_cast<P (*)[STAGES][TILE][ROW]>(kiln_dynamic);"""
@@ -852,43 +852,76 @@ def _mma_source(direct: bool, write_new: bool, fused: bool = False, sinks: bool 
     return source
 
 
-MMA_STAGES = 2  # tiles a block keeps: one in flight while the others are read
-MMA_STAGE_BYTES = 32 * 1024  # the most the tiles take (past 48 KiB with the rest: dynamic)
-MMA_WARPS = 4  # warps a block, over tokens and, where fewer token warps fit, columns
 _DYNAMIC_SHARED_MAX = 227 * 1024  # a block's opt-in limit on sm_80/sm_90
 
 
 @dataclass(frozen=True)
 class MmaLayout:
     """How the tensor-core kernel's warps share a block's work: token_warps take 16
-    tokens each of a tile (as many as MMA_STAGES tiles of fit in MMA_STAGE_BYTES: with
-    the defaults 4 for 64-wide heads, 2 for 128, 1 for 256), column_warps split the
-    output's columns among them (each recomputing its tokens' scores, cheap on tensor
-    cores) up to MMA_WARPS warps."""
+    tokens each of a tile, column_warps split the output's columns among them (each
+    recomputing its tokens' scores, cheap on tensor cores); `stages` tiles in flight."""
 
     token_warps: int
     column_warps: int
+    stages: int
 
     @property
     def threads(self) -> int:
         return 32 * self.token_warps * self.column_warps
 
     def stage_bytes(self, dim: int, itemsize: int = 2) -> int:
-        """The tiles' shared memory: MMA_STAGES tiles of 16 K/V rows a token warp."""
-        return MMA_STAGES * 16 * self.token_warps * 2 * dim * itemsize
+        """The tiles' shared memory: `stages` tiles of 16 K/V rows a token warp."""
+        return self.stages * 16 * self.token_warps * 2 * dim * itemsize
 
 
-def mma_layout(dim: int, itemsize: int = 2) -> MmaLayout | None:
-    """The tensor-core kernel's warps for heads this wide (None: not even one warp's
-    tiles fit)."""
-    token = next((w for w in (8, 4, 2, 1) if w <= MMA_WARPS
-                  and MmaLayout(w, 1).stage_bytes(dim, itemsize) <= MMA_STAGE_BYTES), 0)
-    if not token:
-        return None
-    column = max(1, MMA_WARPS // token)
-    while column > 1 and (dim // 8) % (2 * column):  # whole ldmatrix pairs a warp
-        column //= 2
-    return MmaLayout(token, column)
+@dataclass(frozen=True)
+class MmaConfig:
+    """The tensor-core kernel's shape: its tiles take at most stage_bytes (32 KiB: static
+    shared memory; more, with the rest past a block's static 48 KiB, the launch's dynamic
+    shared memory), `stages` tiles a block keeps (one in flight while the other is read),
+    `warps` a block: over tokens as the tiles fit them (with the defaults 4 for 64-wide
+    heads, 2 for 128, 1 for 256), then over the output's columns."""
+
+    stage_bytes: int = 32 * 1024
+    stages: int = 2
+    warps: int = 4
+
+    def layout(self, dim: int, itemsize: int = 2) -> MmaLayout | None:
+        """The warps for heads this wide (None: not even one warp's tiles fit)."""
+        token = next((w for w in (8, 4, 2, 1) if w <= self.warps and MmaLayout(
+            w, 1, self.stages).stage_bytes(dim, itemsize) <= self.stage_bytes), 0)
+        if not token:
+            return None
+        column = max(1, self.warps // token)
+        while column > 1 and (dim // 8) % (2 * column):  # whole ldmatrix pairs a warp
+            column //= 2
+        return MmaLayout(token, column, self.stages)
+
+    def dynamic_bytes(self, dim: int, group: int) -> int:
+        """The dynamic shared memory a launch takes for its tiles: 0 (the tiles are
+        static) unless they and the rest pass a block's static 48 KiB."""
+        layout = self.layout(dim)
+        assert layout is not None
+        tiles = layout.stage_bytes(dim)
+        return tiles if tiles + _mma_static_bytes(dim, group) > _STATIC_SHARED_MAX else 0
+
+    def fits(self, dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int, group: int) -> bool:
+        """Whether the kernel serves these heads: 16-bit floats (q as the pool stores
+        them: the mma's operands), heads a multiple of 32 wide, up to 16 query heads a
+        KV head (one fragment's rows), its shared memory within a block's (the warps'
+        partials reuse the tiles)."""
+        if dtype != pool_dtype or dtype not in (mx.bfloat16, mx.float16):
+            return False
+        if dim % 32 or not 1 <= group <= 16:
+            return False
+        layout = self.layout(dim)
+        if layout is None or self.stages < 2:
+            return False
+        tiles = layout.stage_bytes(dim)
+        rest = _mma_static_bytes(dim, group)
+        partials = layout.token_warps * group * (dim + 2) * 4
+        return (rest <= _STATIC_SHARED_MAX and tiles + rest <= _DYNAMIC_SHARED_MAX
+                and partials <= tiles)
 
 
 def _mma_static_bytes(dim: int, group: int) -> int:
@@ -897,13 +930,9 @@ def _mma_static_bytes(dim: int, group: int) -> int:
     return 4 * MAX_SPLIT_TOKENS + group * dim * 2 + 2 * dim * 2 + 4 * dim
 
 
-def mma_dynamic_bytes(dim: int, group: int) -> int:
-    """The dynamic shared memory a tensor-core launch takes for its tiles: 0 (the tiles
-    are static) unless they and the rest pass a block's static 48 KiB."""
-    layout = mma_layout(dim)
-    assert layout is not None
-    tiles = layout.stage_bytes(dim)
-    return tiles if tiles + _mma_static_bytes(dim, group) > _STATIC_SHARED_MAX else 0
+# Wider tiles (`--experiments mma-wide-tiles`): two token warps for 256-wide heads
+# (Gemma), four for 128, in dynamic shared memory.
+MMA_WIDE_TILES = MmaConfig(stage_bytes=64 * 1024)
 
 
 @functools.cache
@@ -916,29 +945,11 @@ def tensor_cores_available() -> bool:
 
 
 def mma_preferred(dim: int) -> bool:
-    """Whether the tensor-core kernel beats the CUDA-core one for heads this wide, as
-    measured on the H200 (docs/benchmarks.md, session 25): up to 128 (-20 to -60% a
-    layer at 36-128 rows of 2k tokens); not 256 (+20-40% with one warp a block)."""
+    """Whether the tensor-core kernel (default shape) beats the CUDA-core one for heads
+    this wide, as measured on the H200 (docs/benchmarks.md, session 25): up to 128 (-20
+    to -60% a layer at 36-128 rows of 2k tokens); not 256 (+2-48%)."""
     return dim <= 128
 
-
-def mma_fits(dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int, group: int) -> bool:
-    """Whether the tensor-core kernel serves these heads: 16-bit floats (q as the pool
-    stores them: the mma's operands), heads a multiple of 32 wide, up to 16 query heads
-    a KV head (one fragment's rows), its shared memory within a block's (the warps'
-    partials reuse the tiles)."""
-    if dtype != pool_dtype or dtype not in (mx.bfloat16, mx.float16):
-        return False
-    if dim % 32 or not 1 <= group <= 16:
-        return False
-    layout = mma_layout(dim)
-    if layout is None:
-        return False
-    tiles = layout.stage_bytes(dim)
-    rest = _mma_static_bytes(dim, group)
-    partials = layout.token_warps * group * (dim + 2) * 4
-    return (rest <= _STATIC_SHARED_MAX and tiles + rest <= _DYNAMIC_SHARED_MAX
-            and partials <= tiles)
 
 _SINK_MAX = "const float sink = static_cast<float>(sinks[kvh * G + g]) * 1.4426950408889634f;\n        mm = sink;"
 _SINK_SUM = "den = exp2f(sink - mm);"
@@ -978,7 +989,7 @@ def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
                            lengths: mx.array, scale: float,
                            written: mx.array | None = None,
                            sinks: mx.array | None = None,
-                           stages: int = DEFAULT_STAGES, mma: bool = False) -> mx.array:
+                           stages: int = DEFAULT_STAGES, mma: MmaConfig | None = None) -> mx.array:
     """Attention of one new token per row over its pooled context.
 
     q: [B, Hq, 1, D]; kv_pool: [slots, Hkv, 2 * D], keys then values (KVPool's layout);
@@ -1029,7 +1040,7 @@ def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
                                  after: mx.array | None = None,
                                  sinks: mx.array | None = None,
                                  stages: int = DEFAULT_STAGES,
-                                 mma: bool = False) -> tuple[mx.array, mx.array]:
+                                 mma: MmaConfig | None = None) -> tuple[mx.array, mx.array]:
     """paged_decode_attention for a pool written in place, storing the step's new keys
     and values ([B, Hkv, 1, D] each, any strides) at slots [B] in the same launch: the
     pool write of pool_write_in_place and the attention in one kernel, a launch less per
@@ -1048,7 +1059,7 @@ def paged_decode_qkv_attention(qkv: mx.array, n_q: int, rope: RopeSpec, slots: m
                                kv_pool: mx.array, table: mx.array, lengths: mx.array,
                                scale: float, after: mx.array | None = None,
                                stages: int = DEFAULT_STAGES,
-                               mma: bool = False) -> tuple[mx.array, mx.array]:
+                               mma: MmaConfig | None = None) -> tuple[mx.array, mx.array]:
     """paged_decode_write_attention straight from a fused q/k/v projection's output qkv
     [B, 1, (n_q + 2 Hkv) * D] (q heads, then k, then v), unrotated: the kernel applies
     `rope` to q and the new k itself. Returns the attention's output as [B, 1, n_q * D],
@@ -1068,12 +1079,13 @@ def paged_decode_qkv_attention(qkv: mx.array, n_q: int, rope: RopeSpec, slots: m
 def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: int,
             kv_pool: mx.array, width: int, write_new: bool,
             rope: RopeSpec | None = None, sinks: mx.array | None = None,
-            stages: int = DEFAULT_STAGES, mma: bool = False) -> tuple[mx.array, mx.array | None]:
+            stages: int = DEFAULT_STAGES,
+            mma: MmaConfig | None = None) -> tuple[mx.array, mx.array | None]:
     """Launch the decode kernel (and the merge, for several splits): [B, Hq, D] in
     `dtype`, and the write's mark when it stores the new K/V. rope: the fused q/k/v
     variant (paged_decode_qkv_attention). sinks: [Hq] sink logits, which the kernel adds
-    with one split, the merge with several. mma: the tensor-core kernel where it serves
-    these heads (mma_fits), else the CUDA-core one with `stages`."""
+    with one split, the merge with several. mma: the tensor-core kernel of this shape
+    where it serves these heads (MmaConfig.fits), else the CUDA-core one with `stages`."""
     n_kv = kv_pool.shape[1]
     group = n_q // n_kv
     splits = num_splits(batch, n_kv, width)
@@ -1082,13 +1094,13 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
                 ("CHUNK_MAX", MAX_SPLIT_TOKENS)]
     if rope is not None:
         template += [("ROPE_TRADITIONAL", rope.traditional), ("ROPE_FREQS", rope.freqs is not None)]
-    mma = mma and mma_fits(dtype, kv_pool.dtype, dim, group)
-    if mma:
-        layout = mma_layout(dim)
+    tensor_cores = mma is not None and mma.fits(dtype, kv_pool.dtype, dim, group)
+    if tensor_cores:
+        layout = mma.layout(dim)
         threads = layout.threads
         template += [("TOKEN_WARPS", layout.token_warps), ("COLUMN_WARPS", layout.column_warps),
-                     ("STAGES", MMA_STAGES)]
-        dynamic = mma_dynamic_bytes(dim, group)
+                     ("STAGES", layout.stages)]
+        dynamic = mma.dynamic_bytes(dim, group)
     else:
         threads, dynamic = _THREADS, 0
         template += [("LANES", LANES_PER_TOKEN), ("PASSES", PASSES)]
@@ -1096,7 +1108,8 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
         if stages:
             template.append(("STAGES", stages))
     kernel = functools.partial(_kernel, write_new=write_new, fused=rope is not None,
-                               staged=stages > 0 and not mma, mma=mma, dynamic_bytes=dynamic)
+                               staged=stages > 0 and not tensor_cores, mma=tensor_cores,
+                               dynamic_bytes=dynamic)
     grid = (splits * threads, n_kv, batch)
     if splits == 1:
         with_sinks = sinks is not None
