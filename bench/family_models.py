@@ -146,6 +146,19 @@ FAMILY_SHAPES = {s.name: s for s in (
         num_experts=64, num_experts_per_tok=10, decoder_sparse_step=1, mlp_only_layers=[],
         moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True,
         rope_theta=10_000_000, partial_rotary_factor=0.25, max_position_embeddings=262144)),
+    # Moonlight-16B-A3B's shape: DeepSeek-V3's architecture (multi-head latent attention:
+    # the cache holds a 512-wide latent and a 64-wide RoPE part a token, for 16 heads;
+    # 64 routed experts, 6 a token, 2 shared). ~16B parameters, bf16 ~32 GB. kiln serves
+    # MLA as a layer that computes its own scores (dense K/V gathered from the pool).
+    FamilyShape("moonlight-16b", dict(
+        model_type="deepseek_v3", hidden_size=2048, num_hidden_layers=27,
+        intermediate_size=11264, moe_intermediate_size=1408, num_attention_heads=16,
+        num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64,
+        routed_scaling_factor=2.446, kv_lora_rank=512, q_lora_rank=None, qk_rope_head_dim=64,
+        v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc", n_group=1,
+        topk_group=1, num_experts_per_tok=6, moe_layer_freq=1, first_k_dense_replace=1,
+        norm_topk_prob=True, scoring_func="sigmoid", rope_theta=50000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=8192)),
     # CPU smoke tests of the maker and the serving path.
     FamilyShape("gemma3-tiny", dict(
         model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
@@ -166,6 +179,15 @@ FAMILY_SHAPES = {s.name: s for s in (
         linear_value_head_dim=16, linear_conv_kernel_dim=4, full_attention_interval=4,
         max_position_embeddings=4096, rope_parameters={
             "type": "default", "rope_theta": 10000.0, "partial_rotary_factor": 0.5}),
+                tokenizer_preset="demo-tiny"),
+    FamilyShape("moonlight-tiny", dict(
+        model_type="deepseek_v3", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
+        moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+        n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=2.446, kv_lora_rank=32,
+        q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+        topk_method="noaux_tc", n_group=1, topk_group=1, num_experts_per_tok=2,
+        moe_layer_freq=1, first_k_dense_replace=1, norm_topk_prob=True, scoring_func="sigmoid",
+        rope_theta=50000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
                 tokenizer_preset="demo-tiny"),
     FamilyShape("qwen3_next-tiny", dict(
         model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128,

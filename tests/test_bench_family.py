@@ -20,9 +20,10 @@ def _weights(model_dir: Path) -> dict:
     return out
 
 
-@pytest.mark.parametrize("shape", ["qwen3_5-tiny", "qwen3_next-tiny"])
-def test_hybrid_model_loads_and_its_head_never_picks_a_special_id(shape: str,
+@pytest.mark.parametrize("shape", ["qwen3_5-tiny", "qwen3_next-tiny", "moonlight-tiny"])
+def test_family_model_loads_and_its_head_never_picks_a_special_id(shape: str,
                                                                    tmp_path: Path) -> None:
+    """Hybrids (their heads under language_model.) and MLA (DeepSeek-V3's architecture)."""
     import mlx.core as mx
 
     from worker_proc.demo_model import ensure_demo_model
