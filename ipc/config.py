@@ -20,6 +20,19 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
                       "mixed-forward", "mma-attention", "mma-wide-tiles",
                       "cuda-core-attention")
+# The decode attention kernel's two bodies: names that take one exclude the other's.
+TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
+CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv"})
+
+
+def kernel_body_conflict(experiments: frozenset[str]) -> str | None:
+    """Why these --experiments names cannot be served together (a tensor-core path beside
+    a CUDA-core one), or None."""
+    tensor, cuda = experiments & TENSOR_CORE_EXPERIMENTS, experiments & CUDA_CORE_EXPERIMENTS
+    if tensor and cuda:
+        return (f"--experiments {', '.join(sorted(tensor))} take the tensor-core kernel, "
+                f"{', '.join(sorted(cuda))} the CUDA-core one: choose one")
+    return None
 
 
 def _auto_on_off(help_text: str) -> Any:
@@ -261,11 +274,8 @@ class ServerConfig:
         if unknown:
             raise ValueError(f"--experiments: unknown {sorted(unknown)}; known: "
                              f"{', '.join(DECODE_EXPERIMENTS)}")
-        if self.experiment_set & {"mma-attention", "mma-wide-tiles"} and self.experiment_set & {
-                "cuda-core-attention", "register-kv"}:
-            raise ValueError("--experiments mma-attention and mma-wide-tiles take the "
-                             "tensor-core kernel; cuda-core-attention and register-kv the "
-                             "CUDA-core one: choose one")
+        if conflict := kernel_body_conflict(self.experiment_set):
+            raise ValueError(conflict)
         if "rope-in-kernel" in self.experiment_set and "off" in (self.fast_decode_blocks,
                                                                  self.fuse_projections):
             raise ValueError("--experiments rope-in-kernel runs inside the fast decode blocks: "

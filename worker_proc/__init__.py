@@ -93,7 +93,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     backend = choose_decode_backend(  # the one choice
         specs, config.experiment_set,
         prefill_bucket_for(config.max_prefill_tokens_while_decoding))
-    misfit = kernel_misfit(specs) if on_cuda else None
+    # Why not the kernel, only where it is not the choice (choose_decode_backend asked).
+    misfit = kernel_misfit(specs) if on_cuda and not backend.in_place else None
     say(f"decode attention: {backend.name}" + (
         f", experiments {', '.join(sorted(config.experiment_set))}" if config.experiment_set else "")
         + (f" (not the CUDA kernel: {misfit})" if misfit else ""))

@@ -22,7 +22,8 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import mlx.core as mx
 
-from ipc.config import DECODE_EXPERIMENTS
+from ipc.config import (CUDA_CORE_EXPERIMENTS, DECODE_EXPERIMENTS, TENSOR_CORE_EXPERIMENTS,
+                        kernel_body_conflict)
 from worker_proc.paged_attention import (DEFAULT_STAGES, FUSED_PREFILL_BUCKET, RopeSpec,
                                          bucketed_fused_attention,
                                          bucketed_masked_attention, causal_mask,
@@ -329,12 +330,10 @@ def _tensor_cores(specs: list, experiments: frozenset[str]) -> MmaConfig | None:
     dtype and shape still decide at launch (MmaConfig.fits)."""
     from worker_proc.kv_pool import attention_specs
 
-    cuda_core = experiments & {"cuda-core-attention", "register-kv"}
-    forced = experiments & {"mma-attention", "mma-wide-tiles"}
-    if cuda_core and forced:
-        raise ValueError(f"--experiments: {', '.join(sorted(forced))} with "
-                         f"{', '.join(sorted(cuda_core))} (a CUDA-core kernel path): choose one")
-    if cuda_core or not tensor_cores_available():
+    if conflict := kernel_body_conflict(experiments):
+        raise ValueError(conflict)
+    forced = experiments & TENSOR_CORE_EXPERIMENTS
+    if experiments & CUDA_CORE_EXPERIMENTS or not tensor_cores_available():
         return None
     if not forced and not all(mma_preferred(s.head_dim) for s in attention_specs(specs)
                               if not s.kind.own_attention):

@@ -416,9 +416,10 @@ _READ_ONLY = {
 
 def _write_new(fused: bool, mma: bool = False) -> dict[str, str]:
     """The parts of the write-and-attend kernel (mma: of the tensor-core body). q, k_new
-    and v_new come as three strided [B, H, 1, D] inputs; fused: as one `qkv` input, a fused projection's [B, 1, (Hq + 2 Hkv)
-    * D] output (no view nodes to make them), and the kernel rotates q and the new k itself
-    (kiln_rope in _ROPE_HEADER) at each row's new position."""
+    and v_new come as three strided [B, H, 1, D] inputs; fused: as one `qkv` input, a
+    fused projection's [B, 1, (Hq + 2 Hkv) * D] output (no view nodes to make them), and
+    the kernel rotates q and the new k itself (kiln_rope in _ROPE_HEADER) at each row's
+    new position."""
     if fused:
         offsets = """const size_t row = (size_t)b * qkv_strides[0];
     const int64_t es = qkv_strides[2];
