@@ -160,6 +160,40 @@ def sdpa_us(batch: int, context: int, layers: int, repeats: int) -> float:
     return _time(step, repeats) / layers * 1e6
 
 
+LATENT, ROPE = 512, 64  # MLA's (DeepSeek-V3, Moonlight, Kimi): a pool row [latent | RoPE part]
+
+
+def latent_us(batch: int, context: int, layers: int, repeats: int, heads: int,
+              rng: np.random.Generator, config: pa.LatentConfig | None) -> tuple[float, float]:
+    """(µs a layer, max abs error against the reference) of latent (MLA) decode attention
+    over `heads` query heads: the latent kernel of this config, or (None) its plain-MLX
+    meaning, the latent gathered from the pool (what the model's own code attends)."""
+    rows = batch * context + 1
+    pools = [mx.random.normal((rows, 1, LATENT + ROPE)).astype(mx.bfloat16) for _ in range(layers)]
+    order = rng.permutation(np.arange(1, rows)).astype(np.int32).reshape(batch, context)
+    table, lengths = mx.array(order), mx.full((batch,), context, dtype=mx.int32)
+    q0 = mx.random.normal((batch, heads, 1, LATENT)).astype(mx.bfloat16)
+    bias = mx.random.normal((batch, heads, 1, context)).astype(mx.bfloat16)
+    scale = (LATENT // 4 + ROPE) ** -0.5
+    mx.eval(pools, q0, bias)
+
+    def attend(q: mx.array, pool: mx.array) -> mx.array:
+        if config is None:
+            return pa.reference_latent_attention(q, pool, table, lengths, bias, scale)
+        return pa.paged_latent_attention(q, pool, table, lengths, bias, scale, config=config)
+
+    ref = pa.reference_latent_attention(q0, pools[0], table, lengths, bias, scale)
+    error = float(mx.max(mx.abs(attend(q0, pools[0]).astype(mx.float32) - ref.astype(mx.float32))))
+
+    def step() -> mx.array:
+        q = q0
+        for pool in pools:
+            q = attend(q, pool)
+        return q
+
+    return _time(step, repeats) / layers * 1e6, error
+
+
 def _set_heads(n_q: int, n_kv: int, dim: int) -> None:
     """The attention shape every measurement uses (module constants)."""
     global N_Q, N_KV, DIM, SCALE
@@ -195,6 +229,13 @@ def main() -> None:
     p.add_argument("--heads", type=int_list, default=[N_Q, N_KV, DIM],
                    help="query heads, KV heads, head size (default Llama-3-8B's: 32,8,128; "
                         "e.g. 64,8,128 for 8 query heads a KV head)")
+    p.add_argument("--latent", type=int_list, default=[],
+                   help="instead: latent (MLA) decode attention at these query heads (a "
+                        "512-wide latent beside a 64-wide RoPE part: Moonlight 16, "
+                        "DeepSeek-V3 128), the kernel at each --latent-warps x "
+                        "--latent-stages against the gathered latent")
+    p.add_argument("--latent-warps", type=int_list, default=[pa.LatentConfig.warps])
+    p.add_argument("--latent-stages", type=int_list, default=[pa.LatentConfig.stages])
     p.add_argument("--json", type=Path)
     args = p.parse_args()
     if len(args.heads) != 3:
@@ -204,6 +245,11 @@ def main() -> None:
         sys.exit("needs MLX's CUDA backend")
     rng = np.random.default_rng(0)
     rows = []
+    if args.latent:
+        latent_table(args, rng, rows)
+        if args.json:
+            args.json.write_text(json.dumps({"context": args.context, "rows": rows}, indent=1))
+        return
     print(f"heads {N_Q}/{N_KV} of {DIM}, context {args.context}, {args.layers} layers, "
           f"slots in {args.order} order; "
           "µs a layer (max abs error vs reference)")
@@ -246,6 +292,28 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps({"context": args.context, "order": args.order,
                                          "rows": rows}, indent=1))
+
+
+def latent_table(args: argparse.Namespace, rng: np.random.Generator, rows: list) -> None:
+    """--latent: each batch and head count, the gathered latent then each kernel config;
+    GB/s counts the latent's bytes read once."""
+    print(f"latent attention ({LATENT} latent + {ROPE} RoPE), context {args.context}, "
+          f"{args.layers} layers, slots in random order; µs a layer (max abs error vs "
+          "reference), latent GB/s")
+    configs = [None] + [pa.LatentConfig(w, s) for w, s in
+                        itertools.product(args.latent_warps, args.latent_stages)]
+    for batch, heads, config in itertools.product(args.batch_sizes, args.latent, configs):
+        if config is not None and not config.fits(mx.bfloat16, mx.bfloat16, LATENT):
+            print(f"batch {batch:4d}  {config} does not fit")
+            continue
+        us, err = latent_us(batch, args.context, args.layers, args.repeats, heads, rng, config)
+        label = ("gathered latent, mlx sdpa" if config is None else
+                 f"kiln latent {config.warps} warps {config.stages} stages "
+                 f"({pa.num_splits(batch, -(-heads // 16), args.context)} splits)")
+        rate = batch * args.context * LATENT * 2 / us / 1e3
+        rows.append({"batch": batch, "heads": heads, "kernel": label, "us": us,
+                     "max_abs_error": err})
+        print(f"batch {batch:4d} heads {heads:3d}  {label:44s} {us:8.1f}   ({err:.4f})  {rate:6.0f}")
 
 
 if __name__ == "__main__":

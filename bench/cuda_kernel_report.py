@@ -33,7 +33,7 @@ from worker_proc import paged_attention as pa  # noqa: E402
 _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "table": "int32_t",
           "lengths": "int32_t", "scale": "float", "written": "int32_t", "slots": "int32_t",
           "rope": "float", "sinks": "T", "acc": "float", "ml": "float", "out": "T", "out_ml": "float",
-          "mark": "int32_t"}
+          "mark": "int32_t", "bias": "T"}
 
 
 def wrap(name: str, inputs: list[str], outputs: list[str], body: str, header: str,
@@ -109,6 +109,23 @@ def merge_variant(dtype: str, dim: int, group: int, n_kv: int,
                       pa.merge_source(sinks), pa._HEADER, params)
 
 
+def latent_variants(dtype: str, dim: int, heads: int,
+                    config: pa.LatentConfig = pa.LatentConfig()) -> list[tuple[str, str]]:
+    """(label, .cu source) of the latent (MLA) decode kernels, one split and several."""
+    params = {"T": dtype, "P": dtype, "D": str(dim), "H": str(heads),
+              "WARPS": str(config.warps), "STAGES": str(config.stages),
+              "CHUNK_MAX": str(pa.MAX_SPLIT_TOKENS)}
+    inputs = ["q", "kv_pool", "table", "lengths", "bias", "scale", "written"]
+    out = []
+    for direct in (True, False):
+        name = f"kiln_latent_{'direct' if direct else 'split'}_w{config.warps}_s{config.stages}"
+        source = pa._LATENT_BODY.replace(
+            "WRITE", pa._LATENT_DIRECT_WRITE if direct else pa._LATENT_SPLIT_WRITE)
+        out.append((name, wrap(name, inputs, ["out"] if direct else ["out", "out_ml"], source,
+                               pa._HEADER + pa._MMA_HEADER, params)))
+    return out
+
+
 @dataclass(frozen=True)
 class Compiled:
     name: str
@@ -125,9 +142,10 @@ def compile_kernels(cuda: Path, kernels: list[tuple[str, str]], arch: str = "sm_
     # the toolkit, in include/ itself in the pip wheels.
     includes = [f"-I{d}" for d in (cuda / "include", cuda / "include" / "cccl") if d.is_dir()]
     with tempfile.TemporaryDirectory() as tmp:
-        def compile_one(kernel: tuple[str, str]) -> Compiled:
+        def compile_one(at: int, kernel: tuple[str, str]) -> Compiled:
             name, source = kernel
-            cu = Path(tmp) / f"{name}.cu"
+            # A file of its own: variants of one name (other shapes) compile side by side.
+            cu = Path(tmp) / f"{at}_{name}.cu"
             cu.write_text(source)
             run = subprocess.run([str(nvcc), f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v",
                                   *includes, "-o", str(cu.with_suffix(".cubin")), str(cu)],
@@ -139,7 +157,7 @@ def compile_kernels(cuda: Path, kernels: list[tuple[str, str]], arch: str = "sm_
 
         # One nvcc per core: each is a single-threaded process.
         with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            return list(pool.map(compile_one, kernels))
+            return list(pool.map(compile_one, range(len(kernels)), kernels))
 
 
 def find_cuda() -> Path | None:
@@ -178,6 +196,11 @@ def main() -> None:
                         "dynamic shared memory)")
     p.add_argument("--mma-stages", type=int, default=pa.MmaConfig.stages, help="with --mma")
     p.add_argument("--mma-warps", type=int, default=pa.MmaConfig.warps, help="with --mma")
+    p.add_argument("--latent", type=int, default=0, metavar="HEADS",
+                   help="the latent (MLA) kernels too, for this many query heads over a "
+                        "--head-dim latent (DeepSeek-V3: 128 over 512)")
+    p.add_argument("--latent-warps", type=int, default=pa.LatentConfig.warps)
+    p.add_argument("--latent-stages", type=int, default=pa.LatentConfig.stages)
     p.add_argument("--keep", type=Path, help="write the .cu files here too")
     args = p.parse_args()
     if args.cuda is None:
@@ -193,6 +216,9 @@ def main() -> None:
     if args.mma:
         mma = pa.MmaConfig(args.mma_stage_kib * 1024, args.mma_stages, args.mma_warps)
         kernels += variants(args.dtype, args.head_dim, args.group, args.kv_heads, 0, 0, mma=mma)
+    if args.latent:
+        kernels += latent_variants(args.dtype, args.head_dim, args.latent,
+                                   pa.LatentConfig(args.latent_warps, args.latent_stages))
     kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads))
     kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads, sinks=True))
     results = compile_kernels(args.cuda, kernels, args.arch)

@@ -23,7 +23,10 @@ EXPECTED_KINDS = {
     "olmo3": {Kind.FULL, Kind.SLIDING}, "cohere2": {Kind.FULL, Kind.SLIDING},
     "exaone4": {Kind.FULL, Kind.SLIDING}, "llama4_text": {Kind.FULL, Kind.CHUNKED},
 }
-OWN_SCORES = {"gemma2", "deepseek_v3"}  # the model computes attention scores itself
+OWN_SCORES = {"gemma2", "deepseek_v3", "glm4_moe_lite"}  # the model computes scores itself
+# ... MLA's absorbed decode: the cache's keys as keys and values, the RoPE part's scores as
+# the mask (LayerKind.latent: the backend attends the pool's latent itself).
+LATENT = {"deepseek_v3", "glm4_moe_lite"}
 SINKS = {"gpt_oss"}
 # Their own code mishandles rows of different lengths in one forward (a per-row mask
 # broadcast against grouped heads; a chunk mask from one scalar offset).
@@ -86,6 +89,7 @@ def test_layer_kinds_are_read_from_mlx_lm(family):
     assert {k.kind for k in kinds} == EXPECTED_KINDS.get(name, {Kind.FULL})
     assert all(k.span == WINDOW for k in kinds if k.windowed)
     assert all(k.own_attention for k in kinds) == (name in OWN_SCORES)
+    assert all(k.latent for k in kinds) == (name in LATENT)
     assert any(k.sinks for k in kinds) == (name in SINKS)
     # The query heads each layer attends with, where the attention hook sees them (the
     # kernel's block holds a KV head's queries: kernel_fits weighs them).
@@ -222,14 +226,21 @@ def test_the_kernel_path_reads_each_window(name, path):
 
 @pytest.mark.parametrize("name", sorted(OWN_SCORES))
 @pytest.mark.parametrize("path", ["compiled", "in place"])
-def test_models_with_their_own_score_math_take_the_kernel_path(name, path):
+def test_models_with_their_own_score_math_take_the_kernel_path(name, path, monkeypatch):
     """Gemma 2's soft-capped scores and MLA's latent + RoPE parts (keys 512 wide, values
     64: no shape the attention kernel reads) still get the CUDA backend: the in-place
     pool, compiled decode where the model batches ragged rows, steps launched back to
-    back; their layers read dense K/V gathered after the pool's writes. mlx-lm's tokens."""
+    back. Gemma 2's layers read dense K/V gathered after the pool's writes; MLA's decode
+    gets dense values only (the RoPE part the model scores) and its attention goes to the
+    backend's latent attention over the pool's keys, the model's scores as its bias.
+    mlx-lm's tokens."""
     from tests.engine_driver import StandInInPlaceKernels, StandInKernel
-    from worker_proc.decode_backend import kernel_fits
+    from worker_proc.decode_backend import KernelDecode, kernel_fits
 
+    latent_calls = []
+    attend = KernelDecode._latent_attend
+    monkeypatch.setattr(KernelDecode, "_latent_attend",
+                        lambda self, *a: latent_calls.append(a[0].shape) or attend(self, *a))
     model = build(name)
     assert kernel_fits(probe_attention_specs(model))
     compiled = path == "compiled"
@@ -241,6 +252,9 @@ def test_models_with_their_own_score_math_take_the_kernel_path(name, path):
     results = engine.run_until_idle()
     assert (engine.runner.decode_traces > 0) == (compiled and name not in BY_LENGTH)
     assert_mlx_lm_tokens(model, name, results, [(f"r{i}", p) for i, p in enumerate(prompts)], 16)
+    # Every latent layer's decode (one query token a row) through the latent attention.
+    assert bool(latent_calls) == (name in LATENT)
+    assert all(shape[2] == 1 for shape in latent_calls)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3_text"])

@@ -94,6 +94,23 @@ def test_bf16_families_served_through_the_tensor_core_kernel(name):
                              expect_mma=tensor_cores_available())
 
 
+@pytest.mark.skipif(not kernel_available(), reason="bf16 serving is the GPU's (slow on the CPU)")
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite"])
+def test_bf16_mla_families_served_through_the_latent_kernel(name, monkeypatch):
+    """In bf16, MLA layers' decode takes the latent kernel where the device has tensor
+    cores (its widened 64-wide latent, 4 heads: a partial tile): tokens mlx-lm ranks
+    best."""
+    from worker_proc import decode_backend
+    from worker_proc.paged_attention import tensor_cores_available
+
+    launched = []
+    kernel = decode_backend.paged_latent_attention
+    monkeypatch.setattr(decode_backend, "paged_latent_attention",
+                        lambda *a, **k: launched.append(a[0].shape) or kernel(*a, **k))
+    _served_tokens_rank_best(name, mx.bfloat16, BF16_TOLERANCE)
+    assert bool(launched) == tensor_cores_available()
+
+
 def _served_tokens_rank_best(name: str, dtype: mx.Dtype, tolerance: float,
                              expect_mma: bool | None = None) -> None:
     oracle, served = build_wide(name, dtype), build_wide(name, dtype)  # the same weights

@@ -9,9 +9,11 @@ import pytest
 from tests.attention_cases import ragged_slot_table
 from worker_proc.decode_backend import GatherDecode, KernelDecode
 from worker_proc.paged_attention import (DEFAULT_STAGES, MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS,
-                                         MmaConfig, kernel_available, num_splits,
-                                         paged_decode_attention, paged_decode_write_attention,
-                                         pool_write_in_place, reference_decode_attention)
+                                         LatentConfig, MmaConfig, kernel_available,
+                                         num_splits, paged_decode_attention,
+                                         paged_decode_write_attention, paged_latent_attention,
+                                         pool_write_in_place, reference_decode_attention,
+                                         reference_latent_attention, tensor_cores_available)
 
 
 def _case(batch=5, n_q=8, n_kv=2, dim=64, slots=3000, seed=0, dtype=mx.float32, lengths=None):
@@ -721,6 +723,121 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     mma += variants("__nv_bfloat16", 128, 4, 8, 0, 0,  # tiles in dynamic shared memory
                     mma=MmaConfig(stage_bytes=96 * 1024, warps=8))[:3]
     assert all(name.endswith("_dyn") for name, _ in mma[-3:])
+    # The latent (MLA) kernels: DeepSeek-V3's 128 heads over a 512-wide latent, four and
+    # eight warps (~128 and ~100 registers), fp16 at a 64-wide one.
+    from bench.cuda_kernel_report import latent_variants
+
+    mma += (latent_variants("__nv_bfloat16", 512, 128)
+            + latent_variants("__nv_bfloat16", 512, 16, LatentConfig(warps=8, stages=3))
+            + latent_variants("__half", 64, 4))
     results = compile_kernels(cuda, mma)
     assert all(r.ok and "0 bytes spill stores" in r.report for r in results), [
         r.name + ":\n" + r.report for r in results if not (r.ok and "0 bytes spill" in r.report)]
+
+
+def _latent_case(heads: int, dim: int, rope: int = 64, dtype=mx.bfloat16, seed: int = 0,
+                 lengths=(1, 4096, 33, 257, 16, 17, 700)):
+    """An MLA layer's decode inputs: absorbed queries [B, H, 1, D], a pool of rows [latent
+    D | RoPE part], and the model's masked RoPE scores as the bias [B, H, 1, L]."""
+    q, _, table, ln = _case(n_q=heads, n_kv=1, dim=dim, dtype=dtype, seed=seed, lengths=lengths)
+    rng = np.random.default_rng(seed + 1)
+    slots = int(np.array(ln).sum()) + 1
+    pool = mx.array(rng.standard_normal((slots, 1, dim + rope)).astype(np.float32)).astype(dtype)
+    bias = mx.array(rng.standard_normal((len(lengths), heads, 1, table.shape[1]))
+                    .astype(np.float32)).astype(dtype)
+    valid = (mx.arange(table.shape[1])[None] < ln[:, None])[:, None, None, :]
+    bias = mx.where(valid, bias, mx.array(mx.finfo(dtype).min, dtype))  # as the model masks
+    return q, pool, table, ln, bias
+
+
+def test_latent_reference_is_attention_over_the_latent_with_the_bias():
+    """reference_latent_attention: softmax(scale q . latent + bias) . latent over each
+    row's first `length` slots, the RoPE part of the rows unread."""
+    q, pool, table, ln, bias = _latent_case(4, 32, rope=8, dtype=mx.float32,
+                                            lengths=(3, 40, 1, 17))
+    out = reference_latent_attention(q, pool, table, ln, bias, scale=0.3)
+    for b in range(q.shape[0]):
+        n = int(ln[b])
+        latent = pool[table[b, :n]][:, 0, :32]  # [n, D]
+        scores = 0.3 * (q[b, :, 0] @ latent.T) + bias[b, :, 0, :n]
+        want = mx.softmax(scores, axis=-1) @ latent
+        np.testing.assert_allclose(np.array(out[b, :, 0]), np.array(want), rtol=1e-5, atol=1e-5)
+
+
+def test_latent_launches_cover_the_heads_in_tiles_of_16(monkeypatch):
+    """On any machine, with the kernels replaced by recorders: a block a (split, 16 query
+    heads, row), the config's warps and dynamic tiles; several splits merged over all
+    heads as one KV head's group."""
+    from worker_proc import paged_attention as pa
+
+    launches, merged = [], []
+
+    def recorder(direct):
+        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes,
+                   shared_memory):
+            launches.append(dict(direct=direct, template=dict(template), grid=grid,
+                                 threads=threadgroup[0], shared=shared_memory,
+                                 shapes=output_shapes))
+            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+        return launch
+
+    def merge(sinks=False):
+        def launch(**kw):
+            merged.append(dict(kw["template"]))
+            return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
+        return launch
+
+    monkeypatch.setattr(pa, "_latent_kernel", recorder)
+    monkeypatch.setattr(pa, "_merge_kernel", merge)
+    q = mx.zeros((2, 40, 1, 512), dtype=mx.bfloat16)
+    pool = mx.zeros((100, 1, 576), dtype=mx.bfloat16)
+    table, ln = mx.zeros((2, 50), dtype=mx.int32), mx.array([3, 50], dtype=mx.int32)
+    bias = mx.zeros((2, 40, 1, 50), dtype=mx.bfloat16)
+    config = LatentConfig(warps=8, stages=3)
+    assert paged_latent_attention(q, pool, table, ln, bias, 0.1, config=config).shape == q.shape
+    last = launches[-1]
+    splits = num_splits(2, 3, 50)
+    assert splits > 1 and not last["direct"] and last["grid"] == (splits * 256, 3, 2)
+    assert last["threads"] == 256 and last["shared"] == 3 * 64 * 512 * 2
+    assert (last["template"]["H"], last["template"]["D"], last["template"]["WARPS"]) == (40, 512, 8)
+    assert last["shapes"][0] == (2, 1, splits, 40, 512)
+    assert merged[-1] == {"T": mx.bfloat16, "D": 512, "G": 40, "HKV": 1}
+    long = mx.zeros((1, 16, 1, 512), dtype=mx.bfloat16)
+    paged_latent_attention(long, pool, mx.zeros((1, 40), dtype=mx.int32), ln[:1],
+                           bias[:1, :16, :, :40], 0.1)
+    if num_splits(1, 1, 40) == 1:
+        assert launches[-1]["direct"] and launches[-1]["grid"] == (128, 1, 1)
+    # What the kernel takes: 16-bit queries as the pool stores them, whole ldmatrix pairs
+    # of columns a warp.
+    assert LatentConfig().fits(mx.bfloat16, mx.bfloat16, 512)
+    assert LatentConfig().fits(mx.float16, mx.float16, 64)
+    assert not LatentConfig().fits(mx.float32, mx.float32, 512)
+    assert not LatentConfig().fits(mx.bfloat16, mx.float16, 512)
+    assert not LatentConfig().fits(mx.bfloat16, mx.bfloat16, 32)  # 4 columns a warp
+    assert LatentConfig(warps=2).fits(mx.bfloat16, mx.bfloat16, 32)
+    assert not LatentConfig(stages=1).fits(mx.bfloat16, mx.bfloat16, 512)
+    assert not LatentConfig(warps=1).fits(mx.bfloat16, mx.bfloat16, 16)  # tokens in 16s
+    assert LatentConfig().fits(mx.bfloat16, mx.bfloat16, 512, 576)
+    assert not LatentConfig().fits(mx.bfloat16, mx.bfloat16, 512, 516)  # rows in 16 bytes
+
+
+@pytest.mark.skipif(not (kernel_available() and tensor_cores_available()),
+                    reason="the latent kernel needs MLX's CUDA backend on sm_80+")
+@pytest.mark.parametrize("heads, dim, dtype, config", [
+    (16, 512, mx.bfloat16, LatentConfig()), (128, 512, mx.bfloat16, LatentConfig()),
+    (20, 512, mx.float16, LatentConfig()), (16, 512, mx.bfloat16, LatentConfig(warps=8)),
+    (16, 512, mx.bfloat16, LatentConfig(stages=3)), (4, 64, mx.bfloat16, LatentConfig()),
+    (12, 256, mx.bfloat16, LatentConfig(warps=8, stages=3))])
+def test_cuda_latent_kernel_matches_reference(heads, dim, dtype, config):
+    """The latent kernel: Moonlight's 16 heads and DeepSeek-V3's 128 over a 512-wide
+    latent, a partial tile of heads (20), fp16, eight warps, three stages, the tiny
+    widened test models' 64; one split and several."""
+    q, pool, table, ln, bias = _latent_case(heads, dim, dtype=dtype, seed=heads + dim)
+    scale = 192 ** -0.5
+    got = paged_latent_attention(q, pool, table, ln, bias, scale, config=config)
+    want = reference_latent_attention(q, pool, table, ln, bias, scale)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               rtol=2e-2, atol=2e-2)
+    one = paged_latent_attention(q[:1], pool, table[:1], ln[:1], bias[:1], scale, config=config)
+    np.testing.assert_allclose(np.array(one.astype(mx.float32)),
+                               np.array(want[:1].astype(mx.float32)), rtol=2e-2, atol=2e-2)

@@ -719,6 +719,14 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
         choose_decode_backend(specs, frozenset({"mma-wide-tiles", "register-kv"}))
     with pytest.raises(ValueError, match="choose one"):  # at the command line already
         ServerConfig(experiments="mma-attention,cuda-core-attention")
+    # Latent (MLA) layers' decode through the latent kernel unless gathered-latent asks for
+    # the model's own code over gathered K/V (the A/B arm).
+    from worker_proc.paged_attention import LatentConfig
+
+    assert KernelDecode().attends_latent and KernelDecode().latent == LatentConfig()
+    gathered = choose_decode_backend(specs, ServerConfig(experiments="gathered-latent").experiment_set)
+    assert gathered.latent is None and not gathered.attends_latent
+    assert not GatherDecode().attends_latent
 
 
 def test_chunks_at_different_starts_through_bucketed_masked_attention_match_mlx_lm(

@@ -256,6 +256,9 @@ class PooledKVCache:
         self.kind = kind or LayerKind()
         # This step's K/V, for the attention kernel to store (writes_in_attention).
         self._unwritten: tuple[mx.array, mx.array] | None = None
+        # The keys update_and_fetch handed a latent layer's decode (the pool's; see
+        # attends_latent): the attention hook knows them again by identity.
+        self._latent_keys: mx.array | None = None
 
     @property
     def backend(self) -> DecodeBackend:
@@ -355,7 +358,23 @@ class PooledKVCache:
         length - 1, a position only a full layer's table gives)."""
         return self.writes_in_attention and self.kind == LayerKind()
 
+    @property
+    def attends_latent(self) -> bool:
+        """Whether this decode layer's attention goes to the backend's latent attention
+        (LayerKind.latent): the model gets the pool's keys, which it hands the attention
+        hook untouched, and dense values, from which it scores the RoPE part itself."""
+        return self.paged and self.kind.latent and self.backend.attends_latent
+
+    def takes_latent(self, keys: Any, values: Any) -> bool:
+        """Whether an attention call over this cache is the latent decode it was set up for
+        (the keys update_and_fetch handed out, as both keys and values)."""
+        return self._latent_keys is not None and keys is self._latent_keys and values is keys
+
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        if self.attends_latent:
+            self.pool.write(self.layer, self.write_slots, keys, values)
+            self._latent_keys = self.pool.keys(self.layer)
+            return self._latent_keys, self.pool.read_values(self.layer, self.reads()[0])
         if self.writes_in_attention:
             self._unwritten = (keys, values)  # paged_attention stores them
             return self.pool.keys(self.layer), self.pool.values(self.layer)
@@ -383,6 +402,13 @@ class PooledKVCache:
     def paged_attention(self, queries: mx.array, scale: float,
                         sinks: mx.array | None = None) -> mx.array:
         return self.backend.attend(self, queries, scale, sinks)
+
+    def latent_attention(self, queries: mx.array, scale: float, bias: Any) -> mx.array:
+        """A latent layer's decode attention (takes_latent): the pool's keys as keys and
+        values, the model's scores `bias` ([B, H, 1, L]) added."""
+        if not (isinstance(bias, mx.array) and bias.ndim == 4):
+            raise RuntimeError(f"layer {self.layer}: latent attention without its scores mask")
+        return self.backend.attend_latent(self, queries, scale, bias)
 
 
 class DenseDecodeContext:
@@ -673,7 +699,9 @@ def install_attention_hook() -> None:
 
     def attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001, ANN202
         if ProbeRecorder.current is not None:
-            ProbeRecorder.current.saw_attention(cache, queries, keys, values, sinks)
+            ProbeRecorder.current.saw_attention(cache, queries, keys, values, sinks, mask)
+        if isinstance(cache, PooledKVCache) and cache.takes_latent(keys, values):
+            return cache.latent_attention(queries, scale, mask)
         if isinstance(cache, PooledKVCache) and not cache.kind.own_attention:
             if cache.paged:
                 return cache.paged_attention(queries, scale, sinks)

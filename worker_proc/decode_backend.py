@@ -30,7 +30,9 @@ from worker_proc.paged_attention import (DEFAULT_STAGES, FUSED_PREFILL_BUCKET, R
                                          fits_shared_memory, fused_bucket_padding,
                                          fused_builds_per_shape,
                                          kernel_available, masked_bias, masked_bias_fits,
-                                         MMA_WIDE_TILES, MmaConfig, mma_preferred,
+                                         LatentConfig, MMA_WIDE_TILES, MmaConfig,
+                                         mma_preferred, paged_latent_attention,
+                                         reference_latent_attention,
                                          tensor_cores_available,
                                          paged_decode_attention, paged_decode_qkv_attention,
                                          paged_decode_write_attention,
@@ -73,6 +75,7 @@ class DecodeBackend:
     align_chunks: bool = False  # prompt chunks end on the fused prefill bucket's edges
     prefill_bucket: int = FUSED_PREFILL_BUCKET  # the padded prefill shapes' multiple
     mixed_forward: bool = False  # a step's lone prompt chunk rides in its decode forward
+    attends_latent: bool = False  # latent (MLA) layers' decode reads the pool's keys itself
 
     def decode_context(self, num_layers: int, pool_bytes: int,
                        bytes_per_token: int) -> DenseDecodeContext | None:
@@ -86,6 +89,12 @@ class DecodeBackend:
     def attend_qkv(self, cache: PooledKVCache, qkv: mx.array, n_q: int, scale: float,
                    rope: RopeSpec) -> mx.array:
         raise RuntimeError(f"{self.name} decode cannot attend from a fused q/k/v output")
+
+    def attend_latent(self, cache: PooledKVCache, queries: mx.array, scale: float,
+                      bias: mx.array) -> mx.array:
+        """A latent layer's decode attention: the pool's keys (the latent) as keys and
+        values, `bias` [B, H, 1, L] added to the scores (where attends_latent)."""
+        raise RuntimeError(f"{self.name} decode does not attend latent layers over the pool")
 
     def prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
                           scale: float, mask: Any, sinks: mx.array | None,
@@ -147,10 +156,15 @@ class KernelDecode(DecodeBackend):
     prefill_bucket: int = FUSED_PREFILL_BUCKET
     mixed_forward: bool = False
     mma: MmaConfig | None = None
+    latent: LatentConfig | None = LatentConfig()
 
     @property
     def name(self) -> str:
         return "CUDA kernel" + (" (tensor cores)" if self.mma is not None else "")
+
+    @property
+    def attends_latent(self) -> bool:  # type: ignore[override]
+        return self.latent is not None
 
     in_place = True
     compiles = True
@@ -179,6 +193,13 @@ class KernelDecode(DecodeBackend):
                                      layout.read_slots, layout.lengths, scale, pool.mark(layer))
         pool.record_write(layer, mark)
         return out
+
+    def attend_latent(self, cache: PooledKVCache, queries: mx.array, scale: float,
+                      bias: mx.array) -> mx.array:
+        pool, layer = cache.pool, cache.layer
+        table, lengths = cache.reads()
+        return self._latent_attend(queries, pool.layers[layer], table, lengths, bias, scale,
+                                   pool.mark(layer))
 
     def prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
                           scale: float, mask: Any, sinks: mx.array | None,
@@ -244,6 +265,16 @@ class KernelDecode(DecodeBackend):
         return paged_decode_write_attention(q, keys, values, slots, pool, table, lengths,
                                             scale, after, sinks=sinks, stages=self.stages,
                                             mma=self.mma)
+
+    def _latent_attend(self, q: mx.array, pool: mx.array, table: mx.array, lengths: mx.array,
+                       bias: mx.array, scale: float, written: mx.array | None) -> mx.array:
+        """The latent kernel where the device and the queries take it (LatentConfig.fits:
+        sm_80+, 16-bit), else its plain-MLX meaning over the gathered latent."""
+        config = self.latent
+        if (config is not None and tensor_cores_available()
+                and config.fits(q.dtype, pool.dtype, q.shape[-1], pool.shape[-1])):
+            return paged_latent_attention(q, pool, table, lengths, bias, scale, written, config)
+        return reference_latent_attention(q, pool, table, lengths, bias, scale, written)
 
     def _qkv_attend(self, qkv: mx.array, n_q: int, rope: RopeSpec, slots: mx.array,
                     pool: mx.array, table: mx.array, lengths: mx.array, scale: float,
@@ -361,4 +392,5 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         align_chunks="unaligned-chunks" not in experiments,
                         mixed_forward="mixed-forward" in experiments,
                         mma=_tensor_cores(specs, experiments),
+                        latent=None if "gathered-latent" in experiments else LatentConfig(),
                         prefill_bucket=prefill_bucket)

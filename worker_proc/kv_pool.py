@@ -296,6 +296,12 @@ class KVPool:
         gathered = self.layers[layer][after_write(slots, self._marks[layer])]
         return split_kv(gathered, self.specs[layer].head_dim)
 
+    def read_values(self, layer: int, slots: mx.array) -> mx.array:
+        """Gather only the values for slots [B, L], [B, H, L, Dv] (latent decode: the model
+        scores the RoPE part itself, the latent keys stay in the pool for the kernel)."""
+        gathered = self.values(layer)[after_write(slots, self._marks[layer])]
+        return mx.contiguous(gathered.transpose(0, 2, 1, 3))
+
     def record_write(self, layer: int, mark: mx.array) -> None:
         """In place: a kernel wrote the layer (after its previous write); its mark."""
         self._marks[layer] = mark

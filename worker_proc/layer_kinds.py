@@ -42,12 +42,18 @@ class LayerKind:
     the chunk size (a query sees its own chunk up to itself); RECURRENT: how many state
     arrays the layer keeps (its ArraysCache's size). own_attention: the model
     computes scores from the cache's K/V itself, so decode hands it dense K/V, not the pool.
+    latent (own attention too): at decode the model hands mlx-lm's attention the cache's
+    keys as both keys and values, with scores it computed from the cache's values as the
+    mask (MLA's absorbed decode: the latent, and the RoPE part's scores), so a kernel may
+    attend the pool's keys with that mask as a bias (decode hands the model dense values
+    only).
     """
 
     kind: Kind = Kind.FULL
     span: int = 0
     own_attention: bool = False
     sinks: bool = False
+    latent: bool = False
 
     @property
     def windowed(self) -> bool:
@@ -76,8 +82,9 @@ class LayerKind:
 
     def describe(self) -> str:
         what = self.kind.value + (f" {self.span}" if self.windowed else "")
-        return what + (", sinks" if self.sinks else "") + (
+        own = ", latent attention (its own RoPE scores)" if self.latent else (
             ", its own score math" if self.own_attention else "")
+        return what + (", sinks" if self.sinks else "") + own
 
 
 def cache_parts(caches: list[Any]) -> list[list[Any]]:
@@ -160,16 +167,30 @@ class ProbeRecorder:
         self.fetched: dict[int, tuple[Any, Any]] = {}  # id(cache) -> K/V it returned
         self.through_sdpa: set[int] = set()
         self.sinks: set[int] = set()
+        self.latent: set[int] = set()  # keys as keys and values, a scores mask (LayerKind)
         self.query_heads: dict[int, int] = {}  # id(cache) -> the queries' heads there
 
     def saw_attention(self, cache: Any, queries: Any, keys: Any, values: Any,
-                      sinks: Any) -> None:
+                      sinks: Any, mask: Any = None) -> None:
         fetched = self.fetched.get(id(cache))
         if fetched is not None and fetched[0] is keys and fetched[1] is values:
             self.through_sdpa.add(id(cache))
             self.query_heads[id(cache)] = queries.shape[1]
+        elif (fetched is not None and fetched[0] is keys and keys is values and sinks is None
+              and _scores_mask(mask, queries, keys)):
+            self.latent.add(id(cache))
         if sinks is not None:
             self.sinks.add(id(cache))
+
+
+def _scores_mask(mask: Any, queries: Any, keys: Any) -> bool:
+    """Whether an attention call's mask is an additive score for each query head, query
+    and key ([B, H, L, S] floats), as MLA's RoPE part is."""
+    import mlx.core as mx
+
+    return (isinstance(mask, mx.array) and mask.ndim == 4
+            and mx.issubdtype(mask.dtype, mx.floating)
+            and mask.shape == (queries.shape[0], queries.shape[1], queries.shape[2], keys.shape[2]))
 
 
 def _probing(cache: Any, recorder: ProbeRecorder) -> Any:
@@ -208,13 +229,16 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], lis
     try:
         model(mx.array([[0]]), cache=caches)
         recorder.through_sdpa.clear()  # judged on the decode token, as served
+        recorder.latent.clear()
         model(mx.array([[0]]), cache=caches)
     finally:
         ProbeRecorder.current = None
     mx.eval([c.state for c in parts])
     probed = [k if k.recurrent else
               LayerKind(k.kind, k.span, own_attention=id(c) not in recorder.through_sdpa,
-                        sinks=id(c) in recorder.sinks) for k, c in zip(kinds, parts)]
+                        sinks=id(c) in recorder.sinks,
+                        latent=id(c) in recorder.latent and not k.windowed)
+              for k, c in zip(kinds, parts)]
     for i, k in enumerate(probed):
         if k.own_attention and k.windowed:
             raise UnsupportedModelError(

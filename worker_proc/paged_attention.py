@@ -952,6 +952,279 @@ def mma_preferred(dim: int) -> bool:
     return dim <= 128
 
 
+# Latent (MLA) decode attention: mlx-lm's DeepSeek-V3 family attends, at decode, its
+# absorbed queries q (the latent's width D) against the cache's keys as both keys and
+# values (the pool row's first D elements: the latent), and adds the scores of the RoPE
+# part as the mask, which the model computes itself from the cache's values (the row's
+# rest). One KV head and many query heads (16 to 128): a block takes 16 of them as an
+# mma tile's rows (grid y), one split of one row's context (grid x). An iteration's tile
+# of 8 tokens a warp: each warp scores its 8 tokens over all of D (S = Q K^T, 16 x 8),
+# writes them (with the bias, in log2 units) to shared memory; then every warp takes
+# the whole tile's scores (the same online softmax in each, so their maxima and sums
+# agree) and its own D / WARPS output columns of O += P V (V by ldmatrix.trans from the
+# same tile). The tiles' rows are the latent's 16-byte chunks, permuted per row as the
+# tensor-core kernel's (kiln_swz), which keeps both reads free of bank conflicts.
+_LATENT_BODY = r"""
+    constexpr int W = WARPS;
+    constexpr int TILE = 8 * W;     // tokens an iteration
+    constexpr int CPR = D / 8;      // a latent row's 16-byte chunks
+    constexpr int KS = D / 32;      // QK's k-steps of 32 elements (two mma each)
+    constexpr int NT = D / 8 / W;   // PV's output tiles of 8 columns a warp takes
+    constexpr int SW = TILE + 8;    // a score row's stride in sm_s (floats)
+    constexpr int QW = D + 32;      // a query row's in sm_q: rows gid and gid + 1 of a
+                                    // fragment load 64 bytes apart (no bank conflict)
+    const int split = blockIdx.x;
+    const int g0 = blockIdx.y * 16;  // the block's query heads: g0 ..
+    const int b = blockIdx.z;
+    const int lane = threadIdx.x & 31;
+    const int warp = threadIdx.x >> 5;
+    const int gid = lane >> 2;  // fragment row (query head); S's token in the warp's 8
+    const int tid = lane & 3;   // fragment column pair
+    const int n0 = warp * NT;   // the warp's first output tile
+    const int n_splits = gridDim.x;
+    const int len = lengths[b];
+    const int lmax = table_shape[1];
+    const int chunk = (lmax + n_splits - 1) / n_splits;
+    const int start = split * chunk;
+    const int end = min(start + chunk, len);
+    const int lb = bias_shape[3];
+    const size_t row_stride = (size_t)kv_pool_shape[1] * kv_pool_shape[2];
+    const float sc = scale[0] * 1.4426950408889634f;  // log2 units, as _MMA_BODY
+    __shared__ int sm_slots[CHUNK_MAX];
+    __shared__ __align__(16) P sm_q[16][QW];
+    __shared__ float sm_s[16][SW];
+    extern __shared__ __align__(16) unsigned char kiln_dynamic[];
+    auto& stage = *reinterpret_cast<P (*)[STAGES][TILE][D]>(kiln_dynamic);
+    {
+        const int* row_slots = table + (size_t)b * lmax + start;
+        for (int i = threadIdx.x; i < end - start; i += blockDim.x) sm_slots[i] = row_slots[i];
+        for (int i = threadIdx.x; i < 16 * D; i += blockDim.x) {
+            const int r = i / D;
+            sm_q[r][i % D] = g0 + r < H ? q[((size_t)b * H + g0 + r) * D + i % D] : static_cast<P>(0.f);
+        }
+    }
+    auto issue = [&](int at, int into) {
+        for (int c = threadIdx.x; c < TILE * CPR; c += blockDim.x) {
+            const int j = c / CPR;
+            const int piece = c % CPR;
+            const int t = at + j;
+            P* dst = &stage[into][j][(piece ^ kiln_swz(j)) * 8];
+            if (t < end) {
+                kiln_cp_async16(dst, kv_pool + (size_t)sm_slots[t - start] * row_stride + piece * 8);
+            } else if (at < end) {
+                *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+            }
+        }
+        kiln_cp_commit();
+    };
+    __syncthreads();  // the slots and q are in place
+#pragma unroll
+    for (int k = 0; k < STAGES - 1; ++k) issue(start + k * TILE, k);
+    float o[NT][4];  // O's fragments: rows gid (0, 1) and gid + 8 (2, 3)
+#pragma unroll
+    for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m_lo = kiln_lowest, m_hi = kiln_lowest, l_lo = 0.f, l_hi = 0.f;
+    const P* bias_lo = bias + ((size_t)b * H + min(g0 + gid, H - 1)) * lb;
+    const P* bias_hi = bias + ((size_t)b * H + min(g0 + gid + 8, H - 1)) * lb;
+    int tile = 0;
+    for (int at = start; at < end; at += TILE, ++tile) {
+        kiln_cp_wait<STAGES - 2>();
+        __syncthreads();  // this tile landed; the last one's scores are read
+        issue(at + (STAGES - 1) * TILE, (tile + STAGES - 1) % STAGES);
+        const P (*rows)[D] = stage[tile % STAGES];
+        {   // S for the warp's 8 tokens: Q's fragments from shared memory, K's from the tile
+            float s[4] = {0.f, 0.f, 0.f, 0.f};
+            const P* key = rows[warp * 8 + gid];
+            const int swz = kiln_swz(warp * 8 + gid);
+#pragma unroll
+            for (int c = 0; c < KS; ++c) {
+                const uint4 qa = *reinterpret_cast<const uint4*>(&sm_q[gid][c * 32 + tid * 8]);
+                const uint4 qb = *reinterpret_cast<const uint4*>(&sm_q[gid + 8][c * 32 + tid * 8]);
+                const uint4 k = *reinterpret_cast<const uint4*>(key + ((c * 4 + tid) ^ swz) * 8);
+                kiln_mma<P>(s, qa.x, qb.x, qa.y, qb.y, k.x, k.y);
+                kiln_mma<P>(s, qa.z, qb.z, qa.w, qb.w, k.z, k.w);
+            }
+            // s[j]: token warp * 8 + tid * 2 + (j & 1) of the tile, row gid (j < 2) or gid + 8.
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int col = warp * 8 + tid * 2 + j;
+                const bool ok = at + col < end;
+                sm_s[gid][col] = ok ? s[j] * sc + static_cast<float>(bias_lo[at + col]) * 1.4426950408889634f : kiln_lowest;
+                sm_s[gid + 8][col] = ok ? s[j + 2] * sc + static_cast<float>(bias_hi[at + col]) * 1.4426950408889634f : kiln_lowest;
+            }
+        }
+        __syncthreads();  // the tile's scores are in place
+        float x_lo[TILE / 16][4], x_hi[TILE / 16][4];  // P's A fragments' scores
+        float top_lo = kiln_lowest, top_hi = kiln_lowest;
+#pragma unroll
+        for (int kk = 0; kk < TILE / 16; ++kk) {
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                const int col = kk * 16 + (j >> 1) * 8 + tid * 2 + (j & 1);
+                x_lo[kk][j] = sm_s[gid][col];
+                x_hi[kk][j] = sm_s[gid + 8][col];
+                top_lo = fmaxf(top_lo, x_lo[kk][j]);
+                top_hi = fmaxf(top_hi, x_hi[kk][j]);
+            }
+        }
+        top_lo = fmaxf(top_lo, __shfl_xor_sync(0xffffffff, top_lo, 1));
+        top_lo = fmaxf(top_lo, __shfl_xor_sync(0xffffffff, top_lo, 2));
+        top_hi = fmaxf(top_hi, __shfl_xor_sync(0xffffffff, top_hi, 1));
+        top_hi = fmaxf(top_hi, __shfl_xor_sync(0xffffffff, top_hi, 2));
+        const float new_lo = fmaxf(m_lo, top_lo), new_hi = fmaxf(m_hi, top_hi);
+        const float a_lo = exp2f(m_lo - new_lo), a_hi = exp2f(m_hi - new_hi);
+        m_lo = new_lo;
+        m_hi = new_hi;
+        l_lo *= a_lo;
+        l_hi *= a_hi;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+            o[n][0] *= a_lo; o[n][1] *= a_lo;
+            o[n][2] *= a_hi; o[n][3] *= a_hi;
+        }
+        const int vr = (lane >> 3 & 1) * 8 + (lane & 7);  // ldmatrix's row (see _MMA_BODY)
+#pragma unroll
+        for (int kk = 0; kk < TILE / 16; ++kk) {
+            float p[8];
+#pragma unroll
+            for (int j = 0; j < 4; ++j) {
+                p[j] = x_lo[kk][j] > kiln_lowest ? exp2f(x_lo[kk][j] - new_lo) : 0.f;
+                p[j + 4] = x_hi[kk][j] > kiln_lowest ? exp2f(x_hi[kk][j] - new_hi) : 0.f;
+                l_lo += p[j];
+                l_hi += p[j + 4];
+            }
+            const uint32_t a0 = kiln_pack<P>(p[0], p[1]), a1 = kiln_pack<P>(p[4], p[5]);
+            const uint32_t a2 = kiln_pack<P>(p[2], p[3]), a3 = kiln_pack<P>(p[6], p[7]);
+            const int r = kk * 16 + vr;
+            const P* vrow = rows[r];
+#pragma unroll
+            for (int n = 0; n < NT; n += 2) {
+                uint32_t v[4];
+                kiln_ldmatrix_t4(v, vrow + ((n0 + n + (lane >> 4)) ^ kiln_swz(r)) * 8);
+                kiln_mma<P>(o[n], a0, a1, a2, a3, v[0], v[1]);
+                kiln_mma<P>(o[n + 1], a0, a1, a2, a3, v[2], v[3]);
+            }
+        }
+    }
+    kiln_cp_wait<0>();
+    l_lo += __shfl_xor_sync(0xffffffff, l_lo, 1);
+    l_lo += __shfl_xor_sync(0xffffffff, l_lo, 2);
+    l_hi += __shfl_xor_sync(0xffffffff, l_hi, 1);
+    l_hi += __shfl_xor_sync(0xffffffff, l_hi, 2);
+    const size_t part_at = (size_t)b * n_splits + split;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int g = g0 + gid + half * 8;
+        if (g >= H) continue;
+        const float mm = half ? m_hi : m_lo;
+        const float ll = half ? l_hi : l_lo;
+#pragma unroll
+        for (int n = 0; n < NT; ++n) {
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int d = (n0 + n) * 8 + tid * 2 + j;
+                const float aa = o[n][half * 2 + j];
+                WRITE
+            }
+        }
+    }
+"""
+_LATENT_DIRECT_WRITE = "out[((size_t)b * H + g) * D + d] = static_cast<T>(aa / ll);"
+_LATENT_SPLIT_WRITE = """out[(part_at * H + g) * D + d] = aa;
+                if (warp == 0 && tid == 0 && n == 0 && j == 0) {
+                    out_ml[(part_at * H + g) * 2] = mm;
+                    out_ml[(part_at * H + g) * 2 + 1] = ll;
+                }"""
+
+
+@dataclass(frozen=True)
+class LatentConfig:
+    """The latent kernel's shape: `warps` a block (8 tokens each a tile; each then takes
+    D / warps output columns) and `stages` tiles in flight, in dynamic shared memory."""
+
+    warps: int = 4
+    stages: int = 2
+
+    def tile_bytes(self, dim: int) -> int:
+        return self.stages * 8 * self.warps * dim * 2
+
+    def fits(self, dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int, row: int = 0) -> bool:
+        """Whether the kernel serves these queries: 16-bit floats as the pool stores them
+        (the mma's operands), a latent width whose columns split into whole ldmatrix
+        pairs a warp (an even number of warps: a tile's tokens in 16s), pool rows of
+        `row` elements (default dim) in whole 16-byte chunks (cp.async's), tiles and the
+        rest within a block's shared memory."""
+        if dtype != pool_dtype or dtype not in (mx.bfloat16, mx.float16):
+            return False
+        if self.stages < 2 or self.warps % 2 or dim % 32 or (dim // 8) % (2 * self.warps):
+            return False
+        if (row or dim) % 8:
+            return False
+        static = 4 * MAX_SPLIT_TOKENS + 16 * (dim + 32) * 2 + 16 * (8 * self.warps + 8) * 4
+        return static <= _STATIC_SHARED_MAX and static + self.tile_bytes(dim) <= _DYNAMIC_SHARED_MAX
+
+
+@functools.cache
+def _latent_kernel(direct: bool):
+    return mx.fast.cuda_kernel(
+        name=f"kiln_paged_latent_{'direct' if direct else 'split'}",
+        input_names=["q", "kv_pool", "table", "lengths", "bias", "scale", "written"],
+        output_names=["out"] if direct else ["out", "out_ml"],
+        source=_LATENT_BODY.replace("WRITE", _LATENT_DIRECT_WRITE if direct else _LATENT_SPLIT_WRITE),
+        header=_HEADER + _MMA_HEADER)
+
+
+def paged_latent_attention(q: mx.array, kv_pool: mx.array, table: mx.array, lengths: mx.array,
+                           bias: mx.array, scale: float, written: mx.array | None = None,
+                           config: LatentConfig = LatentConfig()) -> mx.array:
+    """Latent (MLA) decode attention over the pool, on tensor cores (config.fits).
+
+    q: [B, H, 1, D], the absorbed queries; kv_pool: [slots, 1, D + R], a row's first D
+    elements the latent (keys and values both), the rest the RoPE part, which the model
+    scored itself: bias [B, H, 1, L] (added to scale * q . latent; L >= the table's
+    width is read only up to each row's length); table, lengths, written: as
+    paged_decode_attention's. Returns [B, H, 1, D] in q's dtype."""
+    batch, heads, _, dim = q.shape
+    tiles = -(-heads // 16)
+    splits = num_splits(batch, tiles, table.shape[1])
+    threads = 32 * config.warps
+    inputs = [q.reshape(batch, heads, dim), kv_pool, table, lengths, bias, _scale(scale),
+              follow_mark(written)]
+    template = [("T", q.dtype), ("P", kv_pool.dtype), ("D", dim), ("H", heads),
+                ("WARPS", config.warps), ("STAGES", config.stages),
+                ("CHUNK_MAX", MAX_SPLIT_TOKENS)]
+    grid = (splits * threads, tiles, batch)
+    shared = config.tile_bytes(dim)
+    if splits == 1:
+        (out,) = _latent_kernel(True)(
+            inputs=inputs, template=template, grid=grid, threadgroup=(threads, 1, 1),
+            output_shapes=[(batch, heads, dim)], output_dtypes=[q.dtype], shared_memory=shared)
+        return out.reshape(batch, heads, 1, dim)
+    acc, ml = _latent_kernel(False)(
+        inputs=inputs, template=template, grid=grid, threadgroup=(threads, 1, 1),
+        output_shapes=[(batch, 1, splits, heads, dim), (batch, 1, splits, heads, 2)],
+        output_dtypes=[mx.float32, mx.float32], shared_memory=shared)
+    (out,) = _merge_kernel(False)(
+        inputs=[acc, ml], template=[("T", q.dtype), ("D", dim), ("G", heads), ("HKV", 1)],
+        grid=(_THREADS, 1, batch), threadgroup=(_THREADS, 1, 1),
+        output_shapes=[(batch, heads, dim)], output_dtypes=[q.dtype])
+    return out.reshape(batch, heads, 1, dim)
+
+
+def reference_latent_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
+                               lengths: mx.array, bias: mx.array, scale: float,
+                               written: mx.array | None = None) -> mx.array:
+    """The plain-MLX meaning of paged_latent_attention: the latent gathered as keys and
+    values, the bias masked past each row's length, MLX's fused attention (what mlx-lm's
+    own call computes from a dense cache: the same values, bit for bit, where the model
+    masked the bias already)."""
+    latent, _ = split_kv(kv_pool[after_write(table, written)], q.shape[-1])
+    valid = (mx.arange(table.shape[1])[None, :] < lengths[:, None])[:, None, None, :]
+    bias = mx.where(valid, bias[..., :table.shape[1]],
+                    mx.array(mx.finfo(bias.dtype).min, bias.dtype))
+    return mx.fast.scaled_dot_product_attention(q, latent, latent, scale=scale, mask=bias)
+
+
 _SINK_MAX = "const float sink = static_cast<float>(sinks[kvh * G + g]) * 1.4426950408889634f;\n        mm = sink;"
 _SINK_SUM = "den = exp2f(sink - mm);"
 
