@@ -23,7 +23,8 @@ from worker_proc import WorkerLoop
 from worker_proc.decode_backend import DecodeBackend, KernelDecode
 from worker_proc.kv_pool import KVPool
 from worker_proc.memory import probe_attention_specs
-from worker_proc.paged_attention import fused_builds_per_shape, reference_decode_attention
+from worker_proc.paged_attention import (fused_builds_per_shape, reference_decode_attention,
+                                         reference_latent_attention)
 from worker_proc.runner import PREFILL_PADDING, ModelRunner
 
 
@@ -196,6 +197,9 @@ class StandInKernel(KernelDecode):
 
     def _attend(self, q, pool, table, lengths, scale, written, sinks):  # noqa: ANN001, ANN202
         return reference_decode_attention(q, pool, table, lengths, scale, written, sinks)
+
+    def _latent_attend(self, q, pool, table, lengths, bias, scale, written):  # noqa: ANN001, ANN202
+        return reference_latent_attention(q, pool, table, lengths, bias, scale, written)
 
     def _fused_builds_per_shape(self, queries, values):  # noqa: ANN001, ANN202
         # The tests' float32 stands in for the GPU's bfloat16: the heads' sizes decide.

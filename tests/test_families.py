@@ -235,11 +235,11 @@ def test_models_with_their_own_score_math_take_the_kernel_path(name, path, monke
     backend's latent attention over the pool's keys, the model's scores as its bias.
     mlx-lm's tokens."""
     from tests.engine_driver import StandInInPlaceKernels, StandInKernel
-    from worker_proc.decode_backend import KernelDecode, kernel_fits
+    from worker_proc.decode_backend import kernel_fits
 
     latent_calls = []
-    attend = KernelDecode._latent_attend
-    monkeypatch.setattr(KernelDecode, "_latent_attend",
+    attend = StandInKernel._latent_attend
+    monkeypatch.setattr(StandInKernel, "_latent_attend",
                         lambda self, *a: latent_calls.append(a[0].shape) or attend(self, *a))
     model = build(name)
     assert kernel_fits(probe_attention_specs(model))

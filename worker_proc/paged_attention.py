@@ -1165,13 +1165,14 @@ class LatentConfig:
 
 
 @functools.cache
-def _latent_kernel(direct: bool):
+def _latent_kernel(direct: bool, shared_bytes: int):
+    """The latent kernel, its tiles in `shared_bytes` of dynamic shared memory."""
     return mx.fast.cuda_kernel(
         name=f"kiln_paged_latent_{'direct' if direct else 'split'}",
         input_names=["q", "kv_pool", "table", "lengths", "bias", "scale", "written"],
         output_names=["out"] if direct else ["out", "out_ml"],
         source=_LATENT_BODY.replace("WRITE", _LATENT_DIRECT_WRITE if direct else _LATENT_SPLIT_WRITE),
-        header=_HEADER + _MMA_HEADER)
+        header=_HEADER + _MMA_HEADER, shared_memory=shared_bytes)
 
 
 def paged_latent_attention(q: mx.array, kv_pool: mx.array, table: mx.array, lengths: mx.array,
@@ -1196,19 +1197,36 @@ def paged_latent_attention(q: mx.array, kv_pool: mx.array, table: mx.array, leng
     grid = (splits * threads, tiles, batch)
     shared = config.tile_bytes(dim)
     if splits == 1:
-        (out,) = _latent_kernel(True)(
+        (out,) = _latent_kernel(True, shared)(
             inputs=inputs, template=template, grid=grid, threadgroup=(threads, 1, 1),
-            output_shapes=[(batch, heads, dim)], output_dtypes=[q.dtype], shared_memory=shared)
+            output_shapes=[(batch, heads, dim)], output_dtypes=[q.dtype])
         return out.reshape(batch, heads, 1, dim)
-    acc, ml = _latent_kernel(False)(
+    acc, ml = _latent_kernel(False, shared)(
         inputs=inputs, template=template, grid=grid, threadgroup=(threads, 1, 1),
         output_shapes=[(batch, 1, splits, heads, dim), (batch, 1, splits, heads, 2)],
-        output_dtypes=[mx.float32, mx.float32], shared_memory=shared)
+        output_dtypes=[mx.float32, mx.float32])
     (out,) = _merge_kernel(False)(
         inputs=[acc, ml], template=[("T", q.dtype), ("D", dim), ("G", heads), ("HKV", 1)],
         grid=(_THREADS, 1, batch), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(batch, heads, dim)], output_dtypes=[q.dtype])
     return out.reshape(batch, heads, 1, dim)
+
+
+def unfused_latent_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
+                             lengths: mx.array, bias: mx.array, scale: float,
+                             written: mx.array | None = None) -> mx.array:
+    """paged_latent_attention as float32 matmuls and softmax over the gathered latent: the
+    CUDA backend's fallback where the kernel does not take the queries (fp32, widths it
+    does not split, before sm_80). MLX's fused attention there returned NaN for a float32
+    batch of short rows under a masked bias on the H200 (session 26, unexplained)."""
+    width = table.shape[1]
+    latent = kv_pool[after_write(table, written)][..., :q.shape[-1]]  # [B, L, 1, D]
+    latent = latent.transpose(0, 2, 1, 3).astype(mx.float32)
+    scores = (q.astype(mx.float32) * scale) @ latent.swapaxes(-1, -2)
+    scores = scores + bias[..., :width].astype(mx.float32)
+    valid = (mx.arange(width)[None, :] < lengths[:, None])[:, None, None, :]
+    scores = mx.where(valid, scores, mx.array(-mx.inf, mx.float32))
+    return (mx.softmax(scores, axis=-1) @ latent).astype(q.dtype)
 
 
 def reference_latent_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
