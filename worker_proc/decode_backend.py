@@ -32,7 +32,7 @@ from worker_proc.paged_attention import (DEFAULT_STAGES, FUSED_PREFILL_BUCKET, R
                                          kernel_available, masked_bias, masked_bias_fits,
                                          LatentConfig, MMA_WIDE_TILES, MmaConfig,
                                          mma_preferred, paged_latent_attention,
-                                         unfused_latent_attention,
+                                         reference_latent_attention,
                                          tensor_cores_available,
                                          paged_decode_attention, paged_decode_qkv_attention,
                                          paged_decode_write_attention,
@@ -269,12 +269,12 @@ class KernelDecode(DecodeBackend):
     def _latent_attend(self, q: mx.array, pool: mx.array, table: mx.array, lengths: mx.array,
                        bias: mx.array, scale: float, written: mx.array | None) -> mx.array:
         """The latent kernel where the device and the queries take it (LatentConfig.fits:
-        sm_80+, 16-bit), else float32 matmuls over the gathered latent."""
+        sm_80+, 16-bit), else its plain-MLX meaning over the gathered latent."""
         config = self.latent
         if (config is not None and tensor_cores_available()
                 and config.fits(q.dtype, pool.dtype, q.shape[-1], pool.shape[-1])):
             return paged_latent_attention(q, pool, table, lengths, bias, scale, written, config)
-        return unfused_latent_attention(q, pool, table, lengths, bias, scale, written)
+        return reference_latent_attention(q, pool, table, lengths, bias, scale, written)
 
     def _qkv_attend(self, qkv: mx.array, n_q: int, rope: RopeSpec, slots: mx.array,
                     pool: mx.array, table: mx.array, lengths: mx.array, scale: float,
