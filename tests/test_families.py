@@ -23,10 +23,10 @@ EXPECTED_KINDS = {
     "olmo3": {Kind.FULL, Kind.SLIDING}, "cohere2": {Kind.FULL, Kind.SLIDING},
     "exaone4": {Kind.FULL, Kind.SLIDING}, "llama4_text": {Kind.FULL, Kind.CHUNKED},
 }
-OWN_SCORES = {"gemma2", "deepseek_v3", "glm4_moe_lite"}  # the model computes scores itself
+OWN_SCORES = {"gemma2", "deepseek_v3", "glm4_moe_lite", "mistral4"}  # scores of its own
 # ... MLA's absorbed decode: the cache's keys as keys and values, the RoPE part's scores as
 # the mask (LayerKind.latent: the backend attends the pool's latent itself).
-LATENT = {"deepseek_v3", "glm4_moe_lite"}
+LATENT = {"deepseek_v3", "glm4_moe_lite", "mistral4"}
 SINKS = {"gpt_oss"}
 # Their own code mishandles rows of different lengths in one forward (a per-row mask
 # broadcast against grouped heads; a chunk mask from one scalar offset).

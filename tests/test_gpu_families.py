@@ -95,7 +95,7 @@ def test_bf16_families_served_through_the_tensor_core_kernel(name):
 
 
 @pytest.mark.skipif(not kernel_available(), reason="bf16 serving is the GPU's (slow on the CPU)")
-@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite"])
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe_lite", "mistral4"])
 def test_bf16_mla_families_served_through_the_latent_kernel(name, monkeypatch):
     """In bf16, MLA layers' decode takes the latent kernel where the device has tensor
     cores (its widened 64-wide latent, 4 heads: a partial tile): tokens mlx-lm ranks

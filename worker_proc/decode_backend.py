@@ -329,9 +329,10 @@ def kernel_misfit(specs: list) -> str | None:
     """Why the CUDA kernel cannot serve these layers' K/V (recurrent layers keep none), or
     None where it can: it spreads a head over a warp's 32 lanes, keys and values of one
     size, and a block's query heads (those of one KV head) fit its shared memory. A layer
-    that computes its own scores never meets the attention kernel (it reads dense K/V
-    gathered from the pool), so MLA's 512-wide latent beside its 64-wide RoPE part still
-    gets the in-place pool, compiled decode and steps launched back to back."""
+    that computes its own scores never meets the paged kernel (it reads dense K/V gathered
+    from the pool; a latent one, the latent kernel's), so MLA's 512-wide latent beside its
+    64-wide RoPE part still gets the in-place pool, compiled decode and steps launched
+    back to back."""
     from worker_proc.kv_pool import attention_specs
 
     for i, s in enumerate(attention_specs(specs)):
