@@ -1203,8 +1203,9 @@ def paged_latent_attention(q: mx.array, kv_pool: mx.array, table: mx.array, leng
             output_shapes=[(batch, heads, dim)], output_dtypes=[q.dtype])
         return out.reshape(batch, heads, 1, dim)
     # The partials laid out as the merge's "KV heads" of one query head each: a merge
-    # block a (query head, row). (One block a row over every head's columns took 1.8 ms
-    # at 128 heads x 32 splits on the H200.)
+    # block a (query head, row), not one a row over every head's columns (a short row's
+    # many splits at 128 heads made that block the step's cost: docs/benchmarks.md,
+    # session 26).
     acc, ml = _latent_kernel(False, shared)(
         inputs=inputs, template=template, grid=grid, threadgroup=(threads, 1, 1),
         output_shapes=[(batch, heads, splits, 1, dim), (batch, heads, splits, 1, 2)],
