@@ -575,6 +575,31 @@ def _source(direct: bool, write_new: bool, fused: bool = False, staged: bool = F
 # head elements and every k-step's two mma share one load) and V by ldmatrix.trans
 # (8 rows of one chunk). Tokens past the split's end are zeros, so p = 0 times them
 # stays 0.
+# A tensor-core body's copy of tile `at` into stage `into` (its rows' 16-byte chunks
+# permuted by kiln_swz), one commit group a tile, rows past the split's end zeroed;
+# COPY_ROW issues row j's chunk `piece` (token t) as cp.async.
+_ISSUE_TILE = r"""    auto issue = [&](int at, int into) {
+        for (int c = threadIdx.x; c < TILE * CPR; c += blockDim.x) {
+            const int j = c / CPR;
+            const int piece = c % CPR;
+            const int t = at + j;
+            P* dst = &stage[into][j][(piece ^ kiln_swz(j)) * 8];
+            if (t < end) {
+                COPY_ROW
+            } else if (at < end) {
+                *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+            }
+        }
+        kiln_cp_commit();
+    };
+"""
+_MMA_COPY_ROW = """NEW_COPY {
+                    const P* row = kv_pool + ((size_t)sm_slots[t - start] * HKV + kvh) * ROW;
+                    kiln_cp_async16(dst, row + piece * 8);
+                }"""
+_LATENT_COPY_ROW = "kiln_cp_async16(dst, kv_pool + (size_t)sm_slots[t - start] * row_stride + piece * 8);"
+
+
 _MMA_BODY = r"""
     constexpr int TW = TOKEN_WARPS;   // warps over the tile's tokens, 16 each
     constexpr int DW = COLUMN_WARPS;  // ... times warps over the output's columns
@@ -614,24 +639,7 @@ _MMA_BODY = r"""
     }
     STAGE_DECL
     // Tile `at` into stage `into`: one commit group a tile; rows past the end zeroed.
-    auto issue = [&](int at, int into) {
-        for (int c = threadIdx.x; c < TILE * CPR; c += blockDim.x) {
-            const int j = c / CPR;
-            const int piece = c % CPR;
-            const int t = at + j;
-            P* dst = &stage[into][j][(piece ^ kiln_swz(j)) * 8];
-            if (t < end) {
-                NEW_COPY {
-                    const P* row = kv_pool + ((size_t)sm_slots[t - start] * HKV + kvh) * ROW;
-                    kiln_cp_async16(dst, row + piece * 8);
-                }
-            } else if (at < end) {
-                *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-            }
-        }
-        kiln_cp_commit();
-    };
-    __syncthreads();  // the slots and q are in place
+ISSUE_TILE    __syncthreads();  // the slots and q are in place
     uint32_t qlo[KS][4], qhi[KS][4];  // Q's A fragments: rows gid, gid + 8
 #pragma unroll
     for (int c = 0; c < KS; ++c) {
@@ -758,7 +766,7 @@ _MMA_BODY = r"""
             sm_acc[(tw * G + g8) * D + (n0 + n) * 8 + tid * 2 + 1] = o[n][3];
         }
     }
-""" + _COMBINE.replace("PARTS", "TW").replace("PART_M", "sm_m[w * G + g]").replace(
+""".replace("ISSUE_TILE", _ISSUE_TILE.replace("COPY_ROW", _MMA_COPY_ROW)) + _COMBINE.replace("PARTS", "TW").replace("PART_M", "sm_m[w * G + g]").replace(
     "PART_L", "sm_l[w * G + g]").replace("PART_ACC", "sm_acc[(w * G + g) * D + d]")
 
 # The tensor-core kernel's helpers (sm_80+: bf16 mma and cp.async).
@@ -1003,21 +1011,7 @@ _LATENT_BODY = r"""
             sm_q[r][i % D] = g0 + r < H ? q[((size_t)b * H + g0 + r) * D + i % D] : static_cast<P>(0.f);
         }
     }
-    auto issue = [&](int at, int into) {
-        for (int c = threadIdx.x; c < TILE * CPR; c += blockDim.x) {
-            const int j = c / CPR;
-            const int piece = c % CPR;
-            const int t = at + j;
-            P* dst = &stage[into][j][(piece ^ kiln_swz(j)) * 8];
-            if (t < end) {
-                kiln_cp_async16(dst, kv_pool + (size_t)sm_slots[t - start] * row_stride + piece * 8);
-            } else if (at < end) {
-                *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
-            }
-        }
-        kiln_cp_commit();
-    };
-    __syncthreads();  // the slots and q are in place
+ISSUE_TILE    __syncthreads();  // the slots and q are in place
 #pragma unroll
     for (int k = 0; k < STAGES - 1; ++k) issue(start + k * TILE, k);
     float o[NT][4];  // O's fragments: rows gid (0, 1) and gid + 8 (2, 3)
@@ -1129,7 +1123,7 @@ _LATENT_BODY = r"""
             }
         }
     }
-"""
+""".replace("ISSUE_TILE", _ISSUE_TILE.replace("COPY_ROW", _LATENT_COPY_ROW))
 _LATENT_DIRECT_WRITE = "out[((size_t)b * H + g) * D + d] = static_cast<T>(aa / ll);"
 _LATENT_SPLIT_WRITE = """out[part_at * D + d] = aa;
                 if (warp == 0 && tid == 0 && n == 0 && j == 0) {
