@@ -2,6 +2,7 @@
 
     python bench/attention_kernel.py --batch-sizes 1,64,128 --context 256
     python bench/attention_kernel.py --shapes 32x4,16x2 --targets 512,2048
+    python bench/attention_kernel.py --latent 16,128 --batch-sizes 1,64,128 --context 1024
 
 On MLX's CUDA backend. Each layer has its own pool (as the served model's do, so L2
 holds none of a layer's K/V when it comes round), every row `--context` tokens long with
