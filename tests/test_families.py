@@ -237,10 +237,16 @@ def test_models_with_their_own_score_math_take_the_kernel_path(name, path, monke
     from tests.engine_driver import StandInInPlaceKernels, StandInKernel
     from worker_proc.decode_backend import kernel_fits
 
-    latent_calls = []
+    from worker_proc import decode_backend
+
+    latent_calls, prefill_masks = [], []
     attend = StandInKernel._latent_attend
     monkeypatch.setattr(StandInKernel, "_latent_attend",
                         lambda self, *a: latent_calls.append(a[0].shape) or attend(self, *a))
+    unfused = decode_backend.unfused_prefill_attention
+    monkeypatch.setattr(decode_backend, "unfused_prefill_attention",
+                        lambda q, k, v, scale, mask, sinks=None: prefill_masks.append(mask)
+                        or unfused(q, k, v, scale, mask, sinks))
     model = build(name)
     assert kernel_fits(probe_attention_specs(model))
     compiled = path == "compiled"
@@ -255,6 +261,12 @@ def test_models_with_their_own_score_math_take_the_kernel_path(name, path, monke
     # Every latent layer's decode (one query token a row) through the latent attention.
     assert bool(latent_calls) == (name in LATENT)
     assert all(shape[2] == 1 for shape in latent_calls)
+    # Their prefill attention (expanded K/V) through the backend's prefill attention, not
+    # MLX's fused call (cuDNN's per-shape builds on CUDA): DeepSeek's and GLM's RoPE
+    # scores as a float mask added to the scores. (Gemma 2 calls no attention function.)
+    assert bool(prefill_masks) == (name in LATENT)
+    if name in {"deepseek_v3", "glm4_moe_lite"}:
+        assert any(isinstance(m, mx.array) and m.dtype != mx.bool_ for m in prefill_masks)
 
 
 @pytest.mark.parametrize("name", ["gemma2", "gemma3_text"])

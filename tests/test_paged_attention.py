@@ -301,10 +301,11 @@ def test_batched_prefill_layout_masks():
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
-@pytest.mark.parametrize("mask_kind", ["causal", "array", None])
+@pytest.mark.parametrize("mask_kind", ["causal", "array", None, "scores", "head scores"])
 def test_unfused_prefill_attention_matches_fused(mask_kind, dtype):
     """The CUDA backend's prefill attention (plain matmuls) means what MLX's fused one does:
-    grouped heads, causal aligned to the keys' end, boolean masks."""
+    grouped heads, causal aligned to the keys' end, boolean masks, float masks added to
+    the scores (one for every head, or one a query head: MLA's RoPE part)."""
     from worker_proc.paged_attention import unfused_prefill_attention
 
     rng = np.random.default_rng(7)
@@ -313,7 +314,10 @@ def test_unfused_prefill_attention_matches_fused(mask_kind, dtype):
                for shape in ((b, n_q, s, d), (b, n_kv, length, d), (b, n_kv, length, d)))
     # Random holes, but every query may see its own position: no row fully masked.
     holes = mx.array(rng.random((b, 1, s, length)) < 0.7) | mx.eye(s, length, k=length - s, dtype=mx.bool_)
-    mask = {"causal": "causal", None: None, "array": holes}[mask_kind]
+    scores = mx.where(holes, mx.array(rng.standard_normal((b, n_q, s, length)).astype(np.float32)),
+                      mx.array(mx.finfo(mx.float32).min))
+    mask = {"causal": "causal", None: None, "array": holes, "scores": scores[:, :1],
+            "head scores": scores}[mask_kind]
     got = unfused_prefill_attention(q, k, v, 0.25, mask).astype(mx.float32)
     # Against float32 math: the bf16 output is within rounding of it.
     q, k, v = (x.astype(mx.float32) for x in (q, k, v))
@@ -481,6 +485,7 @@ def test_unfused_prefill_is_bounded_in_memory():
     assert unfused_prefill_fits((64, 32, 130, 128), 130)  # a burst of 100-word prompts
     assert unfused_prefill_fits((1, 32, 2048, 128), 2048)  # one full chunk
     assert not unfused_prefill_fits((1, 32, 2048, 128), 32768)  # 8 GiB of scores
+    assert not unfused_prefill_fits((1, 32, 2048, 128), 4096, copies=2)  # + a float mask
     assert 1 * 32 * 2048 * 4096 * 4 <= UNFUSED_SCORES_MAX_BYTES
 
 

@@ -702,6 +702,14 @@ def install_attention_hook() -> None:
             ProbeRecorder.current.saw_attention(cache, queries, keys, values, sinks, mask)
         if isinstance(cache, PooledKVCache) and cache.takes_latent(keys, values):
             return cache.latent_attention(queries, scale, mask)
+        if isinstance(cache, PooledKVCache) and cache.kind.own_attention and not cache.paged:
+            # A prefill forward's own attention (MLA's expanded K/V and its RoPE scores as
+            # the mask) over the K/V its model made: the backend's prefill attention too,
+            # so no cuDNN graph is built for each prompt's shape.
+            out = cache.backend.prefill_attention(queries, keys, values, scale, mask, sinks,
+                                                  cache.layout.once)
+            if out is not None:
+                return out
         if isinstance(cache, PooledKVCache) and not cache.kind.own_attention:
             if cache.paged:
                 return cache.paged_attention(queries, scale, sinks)

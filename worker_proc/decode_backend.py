@@ -206,7 +206,10 @@ class KernelDecode(DecodeBackend):
                           once: Once = _every_time) -> mx.array | None:
         if not self._fused_builds_per_shape(queries, values):
             return None  # MLX's matmul fallback, which builds nothing per shape
-        if self.bucketed_prefill:
+        # A float mask is added to the scores (MLA's RoPE part, its model's own): no
+        # bucketed bias is made of it, the unfused path takes it as it is.
+        additive = isinstance(mask, mx.array) and mask.dtype != mx.bool_
+        if self.bucketed_prefill and not additive:
             pad = fused_bucket_padding(queries.shape[2], keys.shape[2], mask,
                                        self.prefill_bucket)
             if pad is not None:
@@ -216,7 +219,7 @@ class KernelDecode(DecodeBackend):
                                     self.prefill_bucket)
                 return bucketed_masked_attention(queries, keys, values, scale, bias, sinks)
         # No cuDNN graph build per prompt shape, while the float32 scores stay small.
-        if unfused_prefill_fits(queries.shape, keys.shape[2]):
+        if unfused_prefill_fits(queries.shape, keys.shape[2], 2 if additive else 1):
             if isinstance(mask, str):  # one causal mask for the forward's layers
                 n_new, n_keys = queries.shape[2], keys.shape[2]
                 mask = once(("causal mask", n_new, n_keys),

@@ -1529,11 +1529,12 @@ def rows_write_in_place(dst: mx.array, rows: mx.array, value: mx.array,
 UNFUSED_SCORES_MAX_BYTES = 1 << 30
 
 
-def unfused_prefill_fits(q_shape: tuple[int, ...], key_len: int) -> bool:
+def unfused_prefill_fits(q_shape: tuple[int, ...], key_len: int, copies: int = 1) -> bool:
     """Whether unfused_prefill_attention's scores for q [B, Hq, S, D] over key_len keys
-    stay within UNFUSED_SCORES_MAX_BYTES."""
+    stay within UNFUSED_SCORES_MAX_BYTES (copies: float32 arrays of their size at once; a
+    float mask a query head, made float32 to be added, is a second)."""
     b, n_q, s, _ = q_shape
-    return b * n_q * s * key_len * 4 <= UNFUSED_SCORES_MAX_BYTES
+    return copies * b * n_q * s * key_len * 4 <= UNFUSED_SCORES_MAX_BYTES
 
 
 # Prefill attention through MLX's fused (cuDNN) kernel with shapes made to recur: queries
@@ -1676,8 +1677,10 @@ def unfused_prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: floa
     2 GiB for a 32-head layer, transient).
 
     q: [B, Hq, S, D]; k, v: [B, Hkv, L, D]; mask: None, "causal" (queries aligned to the
-    keys' end) or a boolean [B, 1, S, L] or [S, L] array (True: may attend); sinks: [Hq]
-    attention sink logits (GPT-OSS), each a key with no value in its head's softmax.
+    keys' end), a boolean [B, 1, S, L] or [S, L] array (True: may attend), or a float one,
+    added to the scores, also one a query head ([B, Hq, S, L]: MLA's RoPE part, which
+    its model scores itself); sinks: [Hq] attention sink logits (GPT-OSS), each a key
+    with no value in its head's softmax.
     """
     b, n_q, s, d = q.shape
     n_kv, length = k.shape[1], k.shape[2]
@@ -1690,9 +1693,14 @@ def unfused_prefill_attention(q: mx.array, k: mx.array, v: mx.array, scale: floa
     scores = (qf @ k.astype(mx.float32).swapaxes(-1, -2)).reshape(b, n_kv, group, s, length)
     if isinstance(mask, str):
         mask = causal_mask(s, length)
-    if mask is not None:  # [S, L] (one for every row) or [B, 1, S, L]
+    if mask is not None:  # [S, L] (one for every row) or [B, 1 or Hq, S, L]
         mask = mask if mask.ndim == 4 else mask.reshape(1, 1, *mask.shape[-2:])
-        scores = mx.where(mask[:, :, None], scores, -mx.inf)
+        grouped = (mask.reshape(mask.shape[0], n_kv, group, s, length) if mask.shape[1] == n_q > 1
+                   else mask[:, :, None])
+        if mask.dtype == mx.bool_:
+            scores = mx.where(grouped, scores, -mx.inf)
+        else:
+            scores = scores + grouped.astype(mx.float32)
     if sinks is None:
         weights = mx.softmax(scores, axis=-1).astype(v.dtype)
     else:  # the sink joins each query's denominator (and its max, for range)
