@@ -19,7 +19,7 @@ LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerCo
 DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
                       "mixed-forward", "mma-attention", "mma-wide-tiles",
-                      "cuda-core-attention", "gathered-latent")
+                      "cuda-core-attention", "gathered-latent", "fused-own-prefill")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
 CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv"})
@@ -202,7 +202,9 @@ class ServerConfig:
                                       "warps a block; every head size), gathered-latent "
                                       "(MLA layers decode over K/V gathered from the pool "
                                       "by the model's own code, as before the latent "
-                                      "kernel)."})
+                                      "kernel), fused-own-prefill (prefill attention of "
+                                      "layers with their own scores, MLA's, through MLX's "
+                                      "fused call as before: cuDNN graphs per shape)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

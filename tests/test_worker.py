@@ -726,6 +726,13 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert KernelDecode().attends_latent and KernelDecode().latent == LatentConfig()
     gathered = choose_decode_backend(specs, ServerConfig(experiments="gathered-latent").experiment_set)
     assert gathered.latent is None and not gathered.attends_latent
+    # ... and own-score layers' prefill attention through the backend's unless asked.
+    assert KernelDecode().own_prefill
+    fused_own = choose_decode_backend(specs, ServerConfig(experiments="fused-own-prefill").experiment_set)
+    assert not fused_own.own_prefill and fused_own.latent == LatentConfig()
+    q = mx.zeros((1, 2, 3, 128), dtype=mx.bfloat16)
+    assert fused_own.own_prefill_attention(q, q, q, 0.1, None, None) is None
+    assert KernelDecode().own_prefill_attention(q, q, q, 0.1, None, None).shape == q.shape
     assert not GatherDecode().attends_latent
 
 

@@ -706,8 +706,8 @@ def install_attention_hook() -> None:
             # A prefill forward's own attention (MLA's expanded K/V and its RoPE scores as
             # the mask) over the K/V its model made: the backend's prefill attention too,
             # so no cuDNN graph is built for each prompt's shape.
-            out = cache.backend.prefill_attention(queries, keys, values, scale, mask, sinks,
-                                                  cache.layout.once)
+            out = cache.backend.own_prefill_attention(queries, keys, values, scale, mask, sinks,
+                                                      cache.layout.once)
             if out is not None:
                 return out
         if isinstance(cache, PooledKVCache) and not cache.kind.own_attention:
@@ -717,8 +717,8 @@ def install_attention_hook() -> None:
                 # Ours, not the model's: a model may skip the mask for one new token, or
                 # build it from one scalar offset; the layout knows every row's window.
                 mask = cache.layout.kind_mask(cache.kind, cache.key_start)
-            out = cache.backend.prefill_attention(queries, keys, values, scale, mask, sinks,
-                                                  cache.layout.once)
+            out = cache.backend.own_prefill_attention(queries, keys, values, scale, mask, sinks,
+                                                      cache.layout.once)
             if out is not None:
                 return out
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

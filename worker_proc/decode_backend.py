@@ -103,6 +103,14 @@ class DecodeBackend:
         once: what the forward's layers share is made by it (ForwardLayout.once)."""
         return None
 
+    def own_prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
+                              scale: float, mask: Any, sinks: mx.array | None,
+                              once: Once = _every_time) -> mx.array | None:
+        """A prefill forward's attention call from a layer that computes its own scores
+        (MLA's expanded K/V, its RoPE scores as a float mask), or None for MLX's fused
+        call."""
+        return None
+
     def fuses_long_prefill(self, specs: list) -> bool:
         """Whether long causal prefill chunks over these attention layers run fused at
         recurring shapes, their scores never in memory: chunks may then be longer
@@ -145,7 +153,11 @@ class KernelDecode(DecodeBackend):
     blocks; `--experiments mixed-forward` turns it on). mma: decode attention through
     the tensor-core kernel of this shape where it serves the heads (MmaConfig.fits:
     16-bit pools), the CUDA-core one elsewhere (None: everywhere); by default on sm_80+
-    for heads up to 128 wide (see _tensor_cores)."""
+    for heads up to 128 wide (see _tensor_cores). latent: latent (MLA) layers' decode
+    through the latent kernel of this shape (None: over K/V gathered by the model's own
+    code, `--experiments gathered-latent`). own_prefill: a prefill forward's attention
+    call from a layer with its own scores through prefill_attention, as every other
+    layer's (off, MLX's fused call: `--experiments fused-own-prefill`)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
@@ -157,6 +169,7 @@ class KernelDecode(DecodeBackend):
     mixed_forward: bool = False
     mma: MmaConfig | None = None
     latent: LatentConfig | None = LatentConfig()
+    own_prefill: bool = True
 
     @property
     def name(self) -> str:
@@ -226,6 +239,13 @@ class KernelDecode(DecodeBackend):
                             lambda: causal_mask(n_new, n_keys))
             return unfused_prefill_attention(queries, keys, values, scale, mask, sinks)
         return None
+
+    def own_prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
+                              scale: float, mask: Any, sinks: mx.array | None,
+                              once: Once = _every_time) -> mx.array | None:
+        if not self.own_prefill:
+            return None
+        return self.prefill_attention(queries, keys, values, scale, mask, sinks, once)
 
     def _masked_bucketing(self, n_new: int, n_keys: int, mask: Any) -> bool:
         """Whether a forward goes to bucketed_masked_attention: a mask (or "causal") and
@@ -397,4 +417,5 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         mixed_forward="mixed-forward" in experiments,
                         mma=_tensor_cores(specs, experiments),
                         latent=None if "gathered-latent" in experiments else LatentConfig(),
+                        own_prefill="fused-own-prefill" not in experiments,
                         prefill_bucket=prefill_bucket)
