@@ -730,6 +730,15 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert KernelDecode().own_prefill
     fused_own = choose_decode_backend(specs, ServerConfig(experiments="fused-own-prefill").experiment_set)
     assert not fused_own.own_prefill and fused_own.latent == LatentConfig()
+    # Start-up says how latent layers decode (the device has tensor cores here).
+    from worker_proc.layer_kinds import LayerKind
+
+    mla = [AttentionLayerSpec(1, 512, 64, mx.bfloat16, LayerKind(own_attention=True, latent=True))]
+    assert KernelDecode().latent_path(specs) is None
+    assert KernelDecode().latent_path(mla) == "the latent kernel (tensor cores)"
+    assert "plain MLX" in KernelDecode().latent_path([AttentionLayerSpec(
+        1, 512, 64, mx.float32, LayerKind(own_attention=True, latent=True))])
+    assert "own code" in gathered.latent_path(mla) and "own code" in GatherDecode().latent_path(mla)
     q = mx.zeros((1, 2, 3, 128), dtype=mx.bfloat16)
     assert fused_own.own_prefill_attention(q, q, q, 0.1, None, None) is None
     assert KernelDecode().own_prefill_attention(q, q, q, 0.1, None, None).shape == q.shape

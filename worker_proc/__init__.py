@@ -98,6 +98,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     say(f"decode attention: {backend.name}" + (
         f", experiments {', '.join(sorted(config.experiment_set))}" if config.experiment_set else "")
         + (f" (not the CUDA kernel: {misfit})" if misfit else ""))
+    if latent := backend.latent_path(specs):
+        say(f"latent (MLA) layers decode through {latent}")
     # The front's limit too (the same reading of config.json): a model whose mlx-lm args
     # nest it (text_config) would otherwise get a limit of its own here.
     context = served_context_len(read_json(Path(config.model_path) / "config.json"),

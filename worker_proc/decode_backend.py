@@ -111,6 +111,14 @@ class DecodeBackend:
         call."""
         return None
 
+    def latent_path(self, specs: list) -> str | None:
+        """How latent (MLA) layers decode, for the start-up log (None: the model has none)."""
+        from worker_proc.kv_pool import attention_specs
+
+        if not any(s.kind.latent for s in attention_specs(specs)):
+            return None
+        return "the model's own code over gathered K/V"
+
     def fuses_long_prefill(self, specs: list) -> bool:
         """Whether long causal prefill chunks over these attention layers run fused at
         recurring shapes, their scores never in memory: chunks may then be longer
@@ -239,6 +247,17 @@ class KernelDecode(DecodeBackend):
                             lambda: causal_mask(n_new, n_keys))
             return unfused_prefill_attention(queries, keys, values, scale, mask, sinks)
         return None
+
+    def latent_path(self, specs: list) -> str | None:
+        from worker_proc.kv_pool import attention_specs
+
+        latent = [s for s in attention_specs(specs) if s.kind.latent]
+        if not latent or self.latent is None:
+            return super().latent_path(specs)
+        if tensor_cores_available() and all(self.latent.fits(
+                s.dtype, s.dtype, s.head_dim, s.head_dim + s.v_head_dim) for s in latent):
+            return "the latent kernel (tensor cores)"
+        return "attention over the gathered latent (plain MLX)"
 
     def own_prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
                               scale: float, mask: Any, sinks: mx.array | None,
