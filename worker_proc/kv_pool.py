@@ -300,6 +300,9 @@ class KVPool:
         """Gather only the values for slots [B, L], [B, H, L, Dv] (latent decode: the model
         scores the RoPE part itself, the latent keys stay in the pool for the kernel)."""
         gathered = self.values(layer)[after_write(slots, self._marks[layer])]
+        b, length, heads, dim = gathered.shape
+        if heads == 1:  # MLA's one head: [B, L, 1, R] is [B, 1, L, R] already (no copy)
+            return gathered.reshape(b, 1, length, dim)
         return mx.contiguous(gathered.transpose(0, 2, 1, 3))
 
     def record_write(self, layer: int, mark: mx.array) -> None:
