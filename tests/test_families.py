@@ -235,9 +235,8 @@ def test_models_with_their_own_score_math_take_the_kernel_path(name, path, monke
     backend's latent attention over the pool's keys, the model's scores as its bias.
     mlx-lm's tokens."""
     from tests.engine_driver import StandInInPlaceKernels, StandInKernel
-    from worker_proc.decode_backend import kernel_fits
-
     from worker_proc import decode_backend
+    from worker_proc.decode_backend import kernel_fits
 
     latent_calls, prefill_masks = [], []
     attend = StandInKernel._latent_attend
