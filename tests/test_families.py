@@ -268,6 +268,26 @@ def test_models_with_their_own_score_math_take_the_kernel_path(name, path, monke
         assert any(isinstance(m, mx.array) and m.dtype != mx.bool_ for m in prefill_masks)
 
 
+def test_fused_own_prefill_leaves_only_own_score_layers_to_mlx(monkeypatch):
+    """--experiments fused-own-prefill (KernelDecode.own_prefill off) gives MLX's fused call
+    the prefill attention of layers with their own scores only: every other layer's still
+    goes to the backend's."""
+    from tests.engine_driver import StandInKernel
+    from worker_proc import decode_backend
+
+    calls = []
+    unfused = decode_backend.unfused_prefill_attention
+    monkeypatch.setattr(decode_backend, "unfused_prefill_attention",
+                        lambda *a, **k: calls.append(a[0].shape) or unfused(*a, **k))
+    for name, backend_prefill in (("llama", True), ("deepseek_v3", False)):
+        calls.clear()
+        engine = InProcessEngine(build(name), chunk_size=16,
+                                 backend=StandInKernel(own_prefill=False))
+        engine.submit("r0", _prompts(seed=5)[0], 4, [])
+        engine.run_until_idle()
+        assert bool(calls) == backend_prefill, name
+
+
 @pytest.mark.parametrize("name", ["gemma2", "gemma3_text"])
 def test_offset_norms_summed_once_keep_mlx_lm_tokens(name):
     """Gemma's RMSNorms scale by 1 + weight; the worker makes that sum once at load

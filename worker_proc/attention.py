@@ -700,27 +700,26 @@ def install_attention_hook() -> None:
     def attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001, ANN202
         if ProbeRecorder.current is not None:
             ProbeRecorder.current.saw_attention(cache, queries, keys, values, sinks, mask)
-        if isinstance(cache, PooledKVCache) and cache.takes_latent(keys, values):
-            return cache.latent_attention(queries, scale, mask)
-        if isinstance(cache, PooledKVCache) and cache.kind.own_attention and not cache.paged:
-            # A prefill forward's own attention (MLA's expanded K/V and its RoPE scores as
-            # the mask) over the K/V its model made: the backend's prefill attention too,
-            # so no cuDNN graph is built for each prompt's shape.
-            out = cache.backend.own_prefill_attention(queries, keys, values, scale, mask, sinks,
-                                                      cache.layout.once)
-            if out is not None:
-                return out
-        if isinstance(cache, PooledKVCache) and not cache.kind.own_attention:
-            if cache.paged:
+        if isinstance(cache, PooledKVCache):
+            if cache.takes_latent(keys, values):
+                return cache.latent_attention(queries, scale, mask)
+            own = cache.kind.own_attention
+            if cache.paged and not own:
                 return cache.paged_attention(queries, scale, sinks)
-            if cache.kind.windowed:
-                # Ours, not the model's: a model may skip the mask for one new token, or
-                # build it from one scalar offset; the layout knows every row's window.
-                mask = cache.layout.kind_mask(cache.kind, cache.key_start)
-            out = cache.backend.own_prefill_attention(queries, keys, values, scale, mask, sinks,
-                                                      cache.layout.once)
-            if out is not None:
-                return out
+            if not cache.paged:
+                if cache.kind.windowed:
+                    # Ours, not the model's: a model may skip the mask for one new token,
+                    # or build it from one scalar offset; the layout knows every row's
+                    # window.
+                    mask = cache.layout.kind_mask(cache.kind, cache.key_start)
+                # A prefill forward's attention; a layer with its own scores (MLA's
+                # expanded K/V, its RoPE scores as the mask) too, so no cuDNN graph is
+                # built for each prompt's shape, unless the backend leaves it to MLX.
+                backend = cache.backend
+                prefill = backend.own_prefill_attention if own else backend.prefill_attention
+                out = prefill(queries, keys, values, scale, mask, sinks, cache.layout.once)
+                if out is not None:
+                    return out
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     attention.__wrapped__ = original
