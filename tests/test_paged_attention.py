@@ -603,6 +603,17 @@ def test_tensor_core_tiles_past_static_shared_memory_go_dynamic():
     assert not MmaConfig(stages=1).fits(mx.bfloat16, mx.bfloat16, 128, 4)
 
 
+def _recording(calls: list, **fields):
+    """A stand-in for a custom kernel's call (MLX's mx.fast.cuda_kernel object): records
+    `fields` with the launch's template, grid, threads and output shapes in `calls` and
+    returns zero outputs of those shapes."""
+    def launch(inputs, output_shapes, output_dtypes, grid, threadgroup, template=()):
+        calls.append(dict(fields, template=dict(template), grid=grid, threads=threadgroup[0],
+                          shapes=output_shapes))
+        return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
+    return launch
+
+
 def test_launches_pick_the_kernel_body_its_template_and_threads(monkeypatch):
     """On any machine, with the kernels replaced by recorders: mma takes the tensor-core
     body at its layout's threads and template where it serves the heads (16-bit), the
@@ -610,27 +621,15 @@ def test_launches_pick_the_kernel_body_its_template_and_threads(monkeypatch):
     several go through the merge."""
     from worker_proc import paged_attention as pa
 
-    launches = []
+    launches, merged = [], []
 
     def recorder(direct, write_new=False, fused=False, staged=False, sinks=False, mma=False,
                  dynamic_bytes=0):
-        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            launches.append(dict(direct=direct, staged=staged, sinks=sinks, mma=mma,
-                                 dynamic=dynamic_bytes,
-                                 template=dict(template), grid=grid, threads=threadgroup[0]))
-            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
-        return launch
-
-    merged = []
-
-    def merge(sinks=False):
-        def launch(**kw):
-            merged.append(sinks)
-            return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
-        return launch
+        return _recording(launches, direct=direct, staged=staged, sinks=sinks, mma=mma,
+                          dynamic=dynamic_bytes)
 
     monkeypatch.setattr(pa, "_kernel", recorder)
-    monkeypatch.setattr(pa, "_merge_kernel", merge)
+    monkeypatch.setattr(pa, "_merge_kernel", lambda sinks=False: _recording(merged, sinks=sinks))
     q = mx.zeros((2, 32, 1, 128), dtype=mx.bfloat16)
     pool = mx.zeros((100, 8, 256), dtype=mx.bfloat16)
     table, lengths = mx.zeros((2, 50), dtype=mx.int32), mx.array([3, 50], dtype=mx.int32)
@@ -638,7 +637,8 @@ def test_launches_pick_the_kernel_body_its_template_and_threads(monkeypatch):
     last = launches[-1]
     assert last["mma"] and not last["staged"] and last["threads"] == 128  # 2 x 2 warps
     assert (last["template"]["TOKEN_WARPS"], last["template"]["COLUMN_WARPS"]) == (2, 2)
-    assert last["grid"] == (2 * 128, 8, 2) and merged == [False]  # two splits, merged
+    assert last["grid"] == (2 * 128, 8, 2)
+    assert [m["sinks"] for m in merged] == [False]  # two splits, merged
     pa.paged_decode_attention(q.astype(mx.float32), pool.astype(mx.float32), table, lengths,
                               0.1, mma=MmaConfig())
     last = launches[-1]
@@ -772,29 +772,14 @@ def test_latent_reference_is_attention_over_the_latent_with_the_bias():
 
 def test_latent_launches_cover_the_heads_in_tiles_of_16(monkeypatch):
     """On any machine, with the kernels replaced by recorders: a block a (split, 16 query
-    heads, row), the config's warps and dynamic tiles; several splits merged over all
-    heads as one KV head's group."""
+    heads, row), the config's warps and dynamic tiles; several splits merged a block a
+    (query head, row)."""
     from worker_proc import paged_attention as pa
 
     launches, merged = [], []
-
-    def recorder(direct, shared_memory):
-        def launch(inputs, template, grid, threadgroup, output_shapes, output_dtypes):
-            launches.append(dict(direct=direct, template=dict(template), grid=grid,
-                                 threads=threadgroup[0], shared=shared_memory,
-                                 shapes=output_shapes))
-            return [mx.zeros(s, dtype=d) for s, d in zip(output_shapes, output_dtypes)]
-        return launch
-
-    def merge(sinks=False):
-        def launch(**kw):
-            merged.append(dict(kw["template"]))
-            assert kw["grid"][:2] == (128, dict(kw["template"])["HKV"])
-            return [mx.zeros(kw["output_shapes"][0], dtype=kw["output_dtypes"][0])]
-        return launch
-
-    monkeypatch.setattr(pa, "_latent_kernel", recorder)
-    monkeypatch.setattr(pa, "_merge_kernel", merge)
+    monkeypatch.setattr(pa, "_latent_kernel", lambda direct, shared_memory: _recording(
+        launches, direct=direct, shared=shared_memory))
+    monkeypatch.setattr(pa, "_merge_kernel", lambda sinks=False: _recording(merged))
     q = mx.zeros((2, 40, 1, 512), dtype=mx.bfloat16)
     pool = mx.zeros((100, 1, 576), dtype=mx.bfloat16)
     table, ln = mx.zeros((2, 50), dtype=mx.int32), mx.array([3, 50], dtype=mx.int32)
@@ -807,10 +792,12 @@ def test_latent_launches_cover_the_heads_in_tiles_of_16(monkeypatch):
     assert last["threads"] == 256 and last["shared"] == 3 * 64 * 512 * 2
     assert (last["template"]["H"], last["template"]["D"], last["template"]["WARPS"]) == (40, 512, 8)
     assert last["shapes"][0] == (2, 40, splits, 1, 512)  # a merge block a query head
-    assert merged[-1] == {"T": mx.bfloat16, "D": 512, "G": 1, "HKV": 40}
+    assert merged[-1]["template"] == {"T": mx.bfloat16, "D": 512, "G": 1, "HKV": 40}
+    assert all(m["grid"][:2] == (128, m["template"]["HKV"]) for m in merged)
     long = mx.zeros((1, 16, 1, 512), dtype=mx.bfloat16)
     paged_latent_attention(long, pool, mx.zeros((1, 40), dtype=mx.int32), ln[:1],
                            bias[:1, :16, :, :40], 0.1)
+    assert all(m["grid"][:2] == (128, m["template"]["HKV"]) for m in merged)
     if num_splits(1, 1, 40) == 1:
         assert launches[-1]["direct"] and launches[-1]["grid"] == (128, 1, 1)
     # What the kernel takes: 16-bit queries as the pool stores them, whole ldmatrix pairs

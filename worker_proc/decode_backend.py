@@ -254,8 +254,8 @@ class KernelDecode(DecodeBackend):
         latent = [s for s in attention_specs(specs) if s.kind.latent]
         if not latent or self.latent is None:
             return super().latent_path(specs)
-        if tensor_cores_available() and all(self.latent.fits(
-                s.dtype, s.dtype, s.head_dim, s.head_dim + s.v_head_dim) for s in latent):
+        if all(self._latent_kernel_takes(s.dtype, s.dtype, s.head_dim, s.head_dim + s.v_head_dim)
+               for s in latent):
             return "the latent kernel (tensor cores)"
         return "attention over the gathered latent (plain MLX)"
 
@@ -310,13 +310,20 @@ class KernelDecode(DecodeBackend):
 
     def _latent_attend(self, q: mx.array, pool: mx.array, table: mx.array, lengths: mx.array,
                        bias: mx.array, scale: float, written: mx.array | None) -> mx.array:
-        """The latent kernel where the device and the queries take it (LatentConfig.fits:
-        sm_80+, 16-bit), else its plain-MLX meaning over the gathered latent."""
-        config = self.latent
-        if (config is not None and tensor_cores_available()
-                and config.fits(q.dtype, pool.dtype, q.shape[-1], pool.shape[-1])):
-            return paged_latent_attention(q, pool, table, lengths, bias, scale, written, config)
+        """The latent kernel where the device and the queries take it, else its plain-MLX
+        meaning over the gathered latent."""
+        if self.latent is not None and self._latent_kernel_takes(q.dtype, pool.dtype,
+                                                                 q.shape[-1], pool.shape[-1]):
+            return paged_latent_attention(q, pool, table, lengths, bias, scale, written,
+                                          self.latent)
         return reference_latent_attention(q, pool, table, lengths, bias, scale, written)
+
+    def _latent_kernel_takes(self, dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int,
+                             row: int) -> bool:
+        """Whether the latent kernel serves a latent of `dim` in pool rows of `row`
+        elements: the device has tensor cores (sm_80+) and LatentConfig.fits."""
+        return (self.latent is not None and tensor_cores_available()
+                and self.latent.fits(dtype, pool_dtype, dim, row))
 
     def _qkv_attend(self, qkv: mx.array, n_q: int, rope: RopeSpec, slots: mx.array,
                     pool: mx.array, table: mx.array, lengths: mx.array, scale: float,

@@ -919,7 +919,7 @@ class MmaConfig:
         them: the mma's operands), heads a multiple of 32 wide, up to 16 query heads a
         KV head (one fragment's rows), its shared memory within a block's (the warps'
         partials reuse the tiles)."""
-        if dtype != pool_dtype or dtype not in (mx.bfloat16, mx.float16):
+        if not _mma_operands(dtype, pool_dtype):
             return False
         if dim % 32 or not 1 <= group <= 16:
             return False
@@ -931,6 +931,12 @@ class MmaConfig:
         partials = layout.token_warps * group * (dim + 2) * 4
         return (rest <= _STATIC_SHARED_MAX and tiles + rest <= _DYNAMIC_SHARED_MAX
                 and partials <= tiles)
+
+
+def _mma_operands(dtype: mx.Dtype, pool_dtype: mx.Dtype) -> bool:
+    """Whether queries of dtype over a pool of pool_dtype are mma.sync's operands as they
+    are: 16-bit floats, q as the pool stores them (both tensor-core kernels)."""
+    return dtype == pool_dtype and dtype in (mx.bfloat16, mx.float16)
 
 
 def _mma_static_bytes(dim: int, group: int) -> int:
@@ -1149,7 +1155,7 @@ class LatentConfig:
         pairs a warp (an even number of warps: a tile's tokens in 16s), pool rows of
         `row` elements (default dim) in whole 16-byte chunks (cp.async's), tiles and the
         rest within a block's shared memory."""
-        if dtype != pool_dtype or dtype not in (mx.bfloat16, mx.float16):
+        if not _mma_operands(dtype, pool_dtype):
             return False
         if self.stages < 2 or self.warps % 2 or dim % 32 or (dim // 8) % (2 * self.warps):
             return False
