@@ -1032,8 +1032,18 @@ ISSUE_TILE    __syncthreads();  // the slots and q are in place
         __syncthreads();  // this tile landed; the last one's scores are read
         issue(at + (STAGES - 1) * TILE, (tile + STAGES - 1) % STAGES);
         const P (*rows)[D] = stage[tile % STAGES];
-        {   // S for the warp's 8 tokens: Q's fragments from shared memory, K's from the tile
-            float s[4] = {0.f, 0.f, 0.f, 0.f};
+        {   // S for the warp's 8 tokens: Q's fragments from shared memory, K's from the tile.
+            // The bias is loaded first, its global latency under the mma; the mma run
+            // four accumulator chains, not one chain of D / 16 dependent mma.
+            float b_lo[2], b_hi[2];
+#pragma unroll
+            for (int j = 0; j < 2; ++j) {
+                const int col = warp * 8 + tid * 2 + j;
+                const bool ok = at + col < end;
+                b_lo[j] = ok ? static_cast<float>(bias_lo[at + col]) : 0.f;
+                b_hi[j] = ok ? static_cast<float>(bias_hi[at + col]) : 0.f;
+            }
+            float s4[4][4] = {};
             const P* key = rows[warp * 8 + gid];
             const int swz = kiln_swz(warp * 8 + gid);
 #pragma unroll
@@ -1041,16 +1051,18 @@ ISSUE_TILE    __syncthreads();  // the slots and q are in place
                 const uint4 qa = *reinterpret_cast<const uint4*>(&sm_q[gid][c * 32 + tid * 8]);
                 const uint4 qb = *reinterpret_cast<const uint4*>(&sm_q[gid + 8][c * 32 + tid * 8]);
                 const uint4 k = *reinterpret_cast<const uint4*>(key + ((c * 4 + tid) ^ swz) * 8);
-                kiln_mma<P>(s, qa.x, qb.x, qa.y, qb.y, k.x, k.y);
-                kiln_mma<P>(s, qa.z, qb.z, qa.w, qb.w, k.z, k.w);
+                kiln_mma<P>(s4[(c & 1) * 2], qa.x, qb.x, qa.y, qb.y, k.x, k.y);
+                kiln_mma<P>(s4[(c & 1) * 2 + 1], qa.z, qb.z, qa.w, qb.w, k.z, k.w);
             }
             // s[j]: token warp * 8 + tid * 2 + (j & 1) of the tile, row gid (j < 2) or gid + 8.
 #pragma unroll
             for (int j = 0; j < 2; ++j) {
                 const int col = warp * 8 + tid * 2 + j;
                 const bool ok = at + col < end;
-                sm_s[gid][col] = ok ? s[j] * sc + static_cast<float>(bias_lo[at + col]) * 1.4426950408889634f : kiln_lowest;
-                sm_s[gid + 8][col] = ok ? s[j + 2] * sc + static_cast<float>(bias_hi[at + col]) * 1.4426950408889634f : kiln_lowest;
+                const float lo = (s4[0][j] + s4[1][j]) + (s4[2][j] + s4[3][j]);
+                const float hi = (s4[0][j + 2] + s4[1][j + 2]) + (s4[2][j + 2] + s4[3][j + 2]);
+                sm_s[gid][col] = ok ? lo * sc + b_lo[j] * 1.4426950408889634f : kiln_lowest;
+                sm_s[gid + 8][col] = ok ? hi * sc + b_hi[j] * 1.4426950408889634f : kiln_lowest;
             }
         }
         __syncthreads();  // the tile's scores are in place
