@@ -28,12 +28,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker_proc import paged_attention as pa  # noqa: E402
+from worker_proc import qk_norm_rope  # noqa: E402
 
 # Each input's element type in the kernels (T: q's dtype; P: the pool's).
 _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "table": "int32_t",
           "lengths": "int32_t", "scale": "float", "written": "int32_t", "slots": "int32_t",
           "rope": "float", "sinks": "T", "acc": "float", "ml": "float", "out": "T", "out_ml": "float",
-          "mark": "int32_t", "bias": "T"}
+          "mark": "int32_t", "bias": "T", "qk_scale": "T", "norm": "float"}
 
 
 def wrap(name: str, inputs: list[str], outputs: list[str], body: str, header: str,
@@ -107,6 +108,19 @@ def merge_variant(dtype: str, dim: int, group: int, n_kv: int,
     name = "kiln_merge" + ("_sinks" if sinks else "")
     return name, wrap(name, ["acc", "ml", *(["sinks"] if sinks else [])], ["out"],
                       pa.merge_source(sinks), pa._HEADER, params)
+
+
+def qk_norm_variants(dtype: str, dim: int, heads: int) -> list[tuple[str, str]]:
+    """(label, .cu source) of the decode step's q/k norm and RoPE kernel
+    (worker_proc.qk_norm_rope), each RoPE layout and frequency source."""
+    out = []
+    for trad, freqs in itertools.product((False, True), repeat=2):
+        name = f"kiln_qk_norm_rope_d{dim}{'_trad' if trad else ''}{'_freqs' if freqs else ''}"
+        params = {"T": dtype, "D": str(dim), "H": str(heads), "TRAD": str(trad).lower(),
+                  "FREQS": str(freqs).lower()}
+        out.append((name, wrap(name, ["qkv", "qk_scale", "norm", "rope", "lengths"], ["out"],
+                               qk_norm_rope._BODY, pa._ROPE_HEADER, params)))
+    return out
 
 
 def latent_variants(dtype: str, dim: int, heads: int,

@@ -47,7 +47,8 @@ LENGTH_SPREAD=${LENGTH_SPREAD:-0.5}  # prompt lengths uniform in 100 words * (1 
 KILN_ARGS=${KILN_ARGS:-}  # extra launch.py flags, e.g. "--log-level debug"
 SERVERS=${SERVERS:-kiln,mlx_lm}  # or kiln,kiln_b,mlx_lm (then raise SWEEP_SECONDS)
 SWEEP_SECONDS=${SWEEP_SECONDS:-270}
-NUM_REQUESTS=${NUM_REQUESTS:-4,64,128}  # per concurrency level 1,64,128 (2x: two waves)
+CONCURRENCY=${CONCURRENCY:-1,64,128}  # sweep: the streams of each level
+NUM_REQUESTS=${NUM_REQUESTS:-4,64,128}  # per concurrency level (2x: two waves)
 KILN_B_ARGS=${KILN_B_ARGS:-}  # server kiln_b (in SERVERS): kiln with these flags added
 KILN_B_ENV=${KILN_B_ENV:-}    # ... and this environment (K=V ...), for A/B runs
 KILN_C_ARGS=${KILN_C_ARGS:-}  # server kiln_c (in SERVERS): a second variant's flags
@@ -196,7 +197,7 @@ if has sweep; then
 echo "== serving, side by side"
 OUT=$OUT timeout $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MODEL" \
     --total-seconds "$SWEEP_SECONDS" --servers "$SERVERS" \
-    --concurrency 1,64,128 --num-requests "$NUM_REQUESTS" --kiln-args="$KILN_ARGS" \
+    --concurrency "$CONCURRENCY" --num-requests "$NUM_REQUESTS" --kiln-args="$KILN_ARGS" \
     ${FAMILY:+--family "$FAMILY"} --dtype "$DTYPE" --length-spread "$LENGTH_SPREAD" \
     --kiln-b-args="$KILN_B_ARGS" --kiln-b-env="$KILN_B_ENV" --kiln-c-args="$KILN_C_ARGS" \
     --mlx-backlog "$MLX_BACKLOG" $( [ "$PRIME" = 1 ] && echo --prime ) 2>&1 | tail -24

@@ -19,7 +19,8 @@ LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerCo
 DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
                       "mixed-forward", "mma-attention", "mma-wide-tiles",
-                      "cuda-core-attention", "gathered-latent", "fused-own-prefill")
+                      "cuda-core-attention", "gathered-latent", "fused-own-prefill",
+                      "unfused-qk-norm")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
 CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv"})
@@ -204,7 +205,10 @@ class ServerConfig:
                                       "by the model's own code, as before the latent "
                                       "kernel), fused-own-prefill (prefill attention of "
                                       "layers with their own scores, MLA's, through MLX's "
-                                      "fused call as before: cuDNN graphs per shape)."})
+                                      "fused call as before: cuDNN graphs per shape), "
+                                      "unfused-qk-norm (a decode step's per-head q/k norms "
+                                      "and RoPE, Gemma 3's, through MLX's norm, multiply "
+                                      "and RoPE as before, not one kernel)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

@@ -26,6 +26,7 @@ from worker_proc.memory import probe_attention_specs
 from worker_proc.paged_attention import (fused_builds_per_shape, reference_decode_attention,
                                          reference_latent_attention)
 from worker_proc.runner import PREFILL_PADDING, ModelRunner
+from worker_proc.qk_norm_rope import reference_qk_norm_rope
 
 
 class Pipe:
@@ -200,6 +201,9 @@ class StandInKernel(KernelDecode):
 
     def _latent_attend(self, q, pool, table, lengths, bias, scale, written):  # noqa: ANN001, ANN202
         return reference_latent_attention(q, pool, table, lengths, bias, scale, written)
+
+    def _qk_norm_rope(self, qkv, heads, lengths, scale, eps, rope):  # noqa: ANN001, ANN202
+        return reference_qk_norm_rope(qkv, heads, lengths, scale, eps, rope)
 
     def _fused_builds_per_shape(self, queries, values):  # noqa: ANN001, ANN202
         # The tests' float32 stands in for the GPU's bfloat16: the heads' sizes decide.

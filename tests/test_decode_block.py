@@ -232,22 +232,10 @@ def _family_pair_decodes_as_mlx_lm(theirs, ours, path: str, seed: int) -> None:
 
 @pytest.mark.parametrize("path", ["compiled", "in place"])
 def test_gemma3_blocks_decode_mlx_lm_tokens(path):
-    """Gemma 3's block normalises and rotates q and k together in decode, across sliding
-    windows shorter than the prompts, beside norms summed once (as served). The q and k
-    norms' weights are drawn apart (mlx-lm starts both at the same ones), so a scale on
-    the wrong heads changes the tokens."""
-    from tests.families import build
-    from worker_proc.offset_norms import sum_offset_norms
-
-    theirs, ours = build("gemma3_text"), build("gemma3_text")
-    for i, (a, b) in enumerate(zip(theirs.layers, ours.layers)):
-        for j, name in enumerate(("q_norm", "k_norm")):
-            w = mx.random.normal((16,), key=mx.random.key(2 * i + j))
-            getattr(a.self_attn, name).weight = w
-            getattr(b.self_attn, name).weight = mx.array(w)
-    fuse_projections(ours)
-    assert speed_up_decode_blocks(ours, residual_in_gemm=False) == len(ours.layers)
-    assert sum_offset_norms(ours) > 0
+    """Gemma 3's block normalises and rotates q and k together in decode (through the
+    backend's norm_rope_qk on the kernel path), across sliding windows shorter than the
+    prompts, beside norms summed once (as served)."""
+    theirs, ours = _gemma3_pair(seed=0)
     _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=77)
 
 
@@ -329,3 +317,80 @@ def test_mixed_forward_is_off_where_blocks_cannot_run_it(tiny_model_dir):
     engine = InProcessEngine(_load(tiny_model_dir), backend=StandInKernel(mixed_forward=True))
     assert not engine.runner.mixes_rows
     assert "mixed-forward" in ServerConfig(experiments="mixed-forward").experiment_set
+
+
+def _gemma3_pair(seed: int):
+    """mlx-lm's Gemma 3 (tiny, float32) and a copy with the fast blocks, norms summed once
+    (as served); the q and k norms' weights drawn apart (mlx-lm starts both at the same
+    ones), so a scale on the wrong heads changes the tokens."""
+    from tests.families import build
+    from worker_proc.offset_norms import sum_offset_norms
+
+    theirs, ours = build("gemma3_text"), build("gemma3_text")
+    for i, (a, b) in enumerate(zip(theirs.layers, ours.layers)):
+        for j, name in enumerate(("q_norm", "k_norm")):
+            w = mx.random.normal((16,), key=mx.random.key(seed + 2 * i + j))
+            getattr(a.self_attn, name).weight = w
+            getattr(b.self_attn, name).weight = mx.array(w)
+    fuse_projections(ours)
+    assert speed_up_decode_blocks(ours, residual_in_gemm=False) == len(ours.layers)
+    assert sum_offset_norms(ours) > 0
+    return theirs, ours
+
+
+def test_gemma3_decode_norms_and_rope_go_to_the_backend(monkeypatch):
+    """A Gemma 3 decode step hands its q/k norms and RoPE to the backend's one call
+    (norm_rope_qk, the CUDA kernel's place; the stand-in computes its plain-MLX meaning),
+    each layer once a step, with the rows' lengths and the layer's own RoPE; under
+    --experiments unfused-qk-norm (qk_norm_kernel off) it computes them itself."""
+    from worker_proc.qk_norm_rope import reference_qk_norm_rope
+
+    _, ours = _gemma3_pair(seed=5)
+    calls = []
+
+    def recording(self, qkv, heads, lengths, scale, eps, rope):  # noqa: ANN001, ANN202
+        calls.append((heads, lengths.tolist(), rope))
+        return reference_qk_norm_rope(qkv, heads, lengths, scale, eps, rope)
+
+    monkeypatch.setattr(StandInKernel, "_qk_norm_rope", recording)
+    attn = ours.layers[0].self_attn
+    for kernel, expected in ((False, 0), (True, len(ours.layers))):
+        engine = InProcessEngine(ours, backend=StandInKernel(qk_norm_kernel=kernel))
+        calls.clear()  # after start-up's probes and warm-up
+        engine.submit("r", [5, 6, 7, 8, 9], 3, [])
+        engine.run_until_idle()
+        assert len(calls) == 2 * expected  # two decode steps (the first token: prefill's)
+    heads, lengths, rope = calls[0]
+    assert heads == attn.n_heads + attn.n_kv_heads and lengths == [6]
+    assert rope == ours.layers[0].qk_norms.rope and rope.dims == attn.head_dim
+
+
+@pytest.mark.parametrize("dim,traditional,freqs,dtype", [
+    (256, False, False, mx.bfloat16), (128, False, True, mx.bfloat16), (128, True, False, mx.float16),
+    (64, False, False, mx.float32), (16, False, False, mx.bfloat16), (32, True, True, mx.bfloat16)])
+def test_cuda_qk_norm_rope_kernel_matches_mlx_ops(dim, traditional, freqs, dtype):
+    """On CUDA, the q/k norm and RoPE kernel gives MLX's norm, multiply and RoPE of the same
+    heads (read in place from a fused q/k/v output, here a strided view of a wider one), at
+    each row's own position: within one rounding step of the dtype (the sum of squares is
+    reduced in another order)."""
+    from worker_proc.paged_attention import RopeSpec, kernel_available
+    from worker_proc.qk_norm_rope import decode_qk_norm_rope, fits, reference_qk_norm_rope
+
+    if not kernel_available():
+        pytest.skip("the kernel needs MLX's CUDA backend")
+    n_q, n_kv, batch = 4, 2, 5
+    freq_arr = mx.array(10000.0 ** (mx.arange(dim // 2) / (dim // 2)) * 1.7) if freqs else None
+    rope = RopeSpec(dim, traditional, None if freqs else 10000.0, 0.125 if not freqs else 1.0, freq_arr)
+    assert fits(dim, rope)
+    width = (n_q + 2 * n_kv) * dim
+    wide = (mx.random.normal((batch, 1, width + 8), key=mx.random.key(dim)) * 3).astype(dtype)
+    qkv = wide[..., 8:]  # the projection's output as a view: its rows strided
+    scale = (1 + 0.2 * mx.random.normal((n_q + n_kv, dim), key=mx.random.key(1))).astype(dtype)
+    lengths = mx.array([1, 7, 300, 4096, 33], dtype=mx.int32)
+    got = decode_qk_norm_rope(qkv, n_q + n_kv, lengths, scale, 1e-6, rope)
+    want = reference_qk_norm_rope(qkv, n_q + n_kv, lengths, scale, 1e-6, rope)
+    assert got.shape == want.shape == (batch, n_q + n_kv, 1, dim) and got.dtype == dtype
+    ulp = {mx.bfloat16: 2.0 ** -7, mx.float16: 2.0 ** -10, mx.float32: 2.0 ** -20}[dtype]
+    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    np.testing.assert_allclose(g, w, rtol=2 * ulp, atol=4 * ulp)
+    assert np.mean(g != w) < 0.05  # mostly the same bits: the same formulas and roundings

@@ -730,6 +730,16 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert KernelDecode().own_prefill
     fused_own = choose_decode_backend(specs, ServerConfig(experiments="fused-own-prefill").experiment_set)
     assert not fused_own.own_prefill and fused_own.latent == LatentConfig()
+    # ... and a decode step's q/k norms and RoPE in one kernel unless asked (unfused-qk-norm;
+    # the plain-MLX backend has no such kernel: its caller runs the ops).
+    unfused_norm = choose_decode_backend(specs, ServerConfig(experiments="unfused-qk-norm").experiment_set)
+    assert KernelDecode().qk_norm_kernel and not unfused_norm.qk_norm_kernel
+    from worker_proc.paged_attention import RopeSpec
+
+    rope = RopeSpec(128, False, 10000.0, 1.0)
+    qkv, scale = mx.zeros((1, 1, 4 * 128)), mx.ones((3, 128))
+    for backend in (unfused_norm, GatherDecode()):
+        assert backend.norm_rope_qk(qkv, 3, mx.array([4]), scale, 1e-6, rope) is None
     # Start-up says how latent layers decode (the device has tensor cores here).
     from worker_proc.layer_kinds import LayerKind
 

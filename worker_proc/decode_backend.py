@@ -39,6 +39,7 @@ from worker_proc.paged_attention import (DEFAULT_STAGES, FUSED_PREFILL_BUCKET, R
                                          pool_write_in_place, reference_decode_attention,
                                          rows_write_in_place, unfused_prefill_attention,
                                          unfused_prefill_fits)
+from worker_proc.qk_norm_rope import decode_qk_norm_rope, fits as qk_norm_rope_fits
 
 if TYPE_CHECKING:
     from worker_proc.attention import DenseDecodeContext, PooledKVCache
@@ -111,6 +112,14 @@ class DecodeBackend:
         call."""
         return None
 
+    def norm_rope_qk(self, qkv: mx.array, heads: int, lengths: mx.array, scale: mx.array,
+                     eps: float, rope: RopeSpec | None) -> mx.array | None:
+        """A decode step's q and k heads (the first `heads` of the fused q/k/v output
+        [B, 1, F]) RMS-normalised, scaled by `scale` [heads, D] and rotated at each row's
+        new position, as qk_norm_rope.reference_qk_norm_rope computes them, [B, heads,
+        1, D]; None: the caller runs those ops itself."""
+        return None
+
     def latent_path(self, specs: list) -> str | None:
         """How latent (MLA) layers decode, for the start-up log (None: the model has none)."""
         from worker_proc.kv_pool import attention_specs
@@ -165,7 +174,9 @@ class KernelDecode(DecodeBackend):
     through the latent kernel of this shape (None: over K/V gathered by the model's own
     code, `--experiments gathered-latent`). own_prefill: a prefill forward's attention
     call from a layer with its own scores through prefill_attention, as every other
-    layer's (off, MLX's fused call: `--experiments fused-own-prefill`)."""
+    layer's (off, MLX's fused call: `--experiments fused-own-prefill`). qk_norm_kernel:
+    per-head q/k norms and RoPE of a decode step in one kernel (norm_rope_qk; off, MLX's
+    norm, multiply and RoPE: `--experiments unfused-qk-norm`)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
@@ -178,6 +189,7 @@ class KernelDecode(DecodeBackend):
     mma: MmaConfig | None = None
     latent: LatentConfig | None = LatentConfig()
     own_prefill: bool = True
+    qk_norm_kernel: bool = True
 
     @property
     def name(self) -> str:
@@ -259,6 +271,12 @@ class KernelDecode(DecodeBackend):
             return "the latent kernel (tensor cores)"
         return "attention over the gathered latent (plain MLX)"
 
+    def norm_rope_qk(self, qkv: mx.array, heads: int, lengths: mx.array, scale: mx.array,
+                     eps: float, rope: RopeSpec | None) -> mx.array | None:
+        if not (self.qk_norm_kernel and qk_norm_rope_fits(scale.shape[-1], rope)):
+            return None
+        return self._qk_norm_rope(qkv, heads, lengths, scale, eps, rope)
+
     def own_prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
                               scale: float, mask: Any, sinks: mx.array | None,
                               once: Once = _every_time) -> mx.array | None:
@@ -294,7 +312,7 @@ class KernelDecode(DecodeBackend):
                          after: mx.array | None) -> mx.array:
         return rows_write_in_place(state, rows, value, after)
 
-    # The kernels themselves: a stand-in (the CPU tests') replaces these three.
+    # The kernels themselves: a stand-in (the CPU tests') replaces these.
     def _attend(self, q: mx.array, pool: mx.array, table: mx.array, lengths: mx.array,
                 scale: float, written: mx.array | None, sinks: mx.array | None) -> mx.array:
         return paged_decode_attention(q, pool, table, lengths, scale, written, sinks=sinks,
@@ -317,6 +335,10 @@ class KernelDecode(DecodeBackend):
             return paged_latent_attention(q, pool, table, lengths, bias, scale, written,
                                           self.latent)
         return reference_latent_attention(q, pool, table, lengths, bias, scale, written)
+
+    def _qk_norm_rope(self, qkv: mx.array, heads: int, lengths: mx.array, scale: mx.array,
+                      eps: float, rope: RopeSpec) -> mx.array:
+        return decode_qk_norm_rope(qkv, heads, lengths, scale, eps, rope)
 
     def _latent_kernel_takes(self, dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int,
                              row: int) -> bool:
@@ -444,4 +466,5 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         mma=_tensor_cores(specs, experiments),
                         latent=None if "gathered-latent" in experiments else LatentConfig(),
                         own_prefill="fused-own-prefill" not in experiments,
+                        qk_norm_kernel="unfused-qk-norm" not in experiments,
                         prefill_bucket=prefill_bucket)

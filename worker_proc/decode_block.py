@@ -195,6 +195,7 @@ class QKNorms:
 
     scale: mx.array
     eps: float
+    rope: RopeSpec | None  # the layer's RoPE, where a kernel may apply it (rope_spec)
 
 
 class FastGemma3Block:
@@ -206,8 +207,9 @@ class FastGemma3Block:
     made at load) and one RoPE (RoPE works head by head with one offset per row). That
     multiply is the scale step of MLX's CPU rms_norm, so on the CPU the tokens are
     mlx-lm's bit for bit (the tests compare them); CUDA's norm kernel scales before
-    rounding, so there they may differ at near-ties. Attention, the MLP and the residuals
-    are mlx-lm's calls."""
+    rounding, so there they may differ at near-ties. A decode step's norm, multiply and
+    RoPE are one kernel where the backend has it (DecodeBackend.norm_rope_qk: CUDA).
+    Attention, the MLP and the residuals are mlx-lm's calls."""
 
     qk_norms: QKNorms | None = None  # set per block by speed_up_decode_blocks
 
@@ -219,8 +221,14 @@ class FastGemma3Block:
         qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
         qk, values = _split_qkv(qkv, n_q, attn.n_kv_heads, attn.head_dim)
         norms = self.qk_norms
-        qk = mx.fast.rms_norm(qk, None, norms.eps) * norms.scale
-        qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
+        rotated = None
+        if cache.paged:  # one kernel, where the backend has it
+            rotated = cache.backend.norm_rope_qk(qkv, n_q + attn.n_kv_heads, cache.layout.lengths,
+                                                 norms.scale, norms.eps, norms.rope)
+        if rotated is None:
+            qk = mx.fast.rms_norm(qk, None, norms.eps) * norms.scale
+            rotated = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
+        qk = rotated
         out = attn.o_proj(_attend(cache, qk, values, n_q, attn.scale, mask))
         h = gemma3_text.clip_residual(x, self.post_attention_layernorm(out))  # type: ignore[attr-defined]
         r = self.mlp(self.pre_feedforward_layernorm(h))  # type: ignore[attr-defined]
@@ -257,7 +265,7 @@ def _qk_norms(attn: nn.Module) -> QKNorms | None:
     # The arrays mlx-lm's norm multiplies by (its 1 + weight, rounded in the weight's dtype).
     scale = mx.concatenate([mx.broadcast_to(1.0 + q_norm.weight, (attn.n_heads, attn.head_dim)),
                             mx.broadcast_to(1.0 + k_norm.weight, (attn.n_kv_heads, attn.head_dim))])
-    return QKNorms(scale, q_norm.eps)
+    return QKNorms(scale, q_norm.eps, rope_spec(attn.rope))
 
 
 # mlx-lm block classes whose call, attention and MLP are the math FastDecodeBlock does
@@ -323,7 +331,7 @@ def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
         elif _eligible_gemma3(module) and (norms := _qk_norms(module.self_attn)) is not None:
             module.__class__ = _GEMMA3
             module.qk_norms = norms
-            mx.eval(norms.scale)
+            mx.eval(norms.scale, *([norms.rope.kernel_params] if norms.rope else []))
             count += 1
         elif _eligible_gpt_oss(module):
             module.__class__ = _GPT_OSS
