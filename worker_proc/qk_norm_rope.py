@@ -35,6 +35,9 @@ _BODY = r"""
     const int d2 = TRAD ? 2 * i + 1 : i + HALF;
     const float x1 = static_cast<float>(qkv[at + (size_t)d1 * es]);
     const float x2 = static_cast<float>(qkv[at + (size_t)d2 * es]);
+    // Loaded before the reduction's barrier, their latency beside the inputs'.
+    const float s1 = static_cast<float>(qk_scale[(size_t)h * D + d1]);
+    const float s2 = static_cast<float>(qk_scale[(size_t)h * D + d2]);
     float ss = x1 * x1 + x2 * x2;
 #pragma unroll
     for (int o = LANES / 2; o > 0; o >>= 1) ss += __shfl_xor_sync(MASK, ss, o);
@@ -49,10 +52,8 @@ _BODY = r"""
     const float r = rsqrtf(total / static_cast<float>(D) + norm[0]);
     // As mx.fast.rms_norm (x * r, rounded), then the scale's multiply (rounded).
     const T n1 = static_cast<T>(x1 * r), n2 = static_cast<T>(x2 * r);
-    const float m1 = static_cast<float>(static_cast<T>(
-        static_cast<float>(n1) * static_cast<float>(qk_scale[(size_t)h * D + d1])));
-    const float m2 = static_cast<float>(static_cast<T>(
-        static_cast<float>(n2) * static_cast<float>(qk_scale[(size_t)h * D + d2])));
+    const float m1 = static_cast<float>(static_cast<T>(static_cast<float>(n1) * s1));
+    const float m2 = static_cast<float>(static_cast<T>(static_cast<float>(n2) * s2));
     const float c = rope_cos[i], s = rope_sin[i];  // pair i's frequency, either layout
     const size_t o = ((size_t)b * H + h) * D;
     out[o + d1] = static_cast<T>(m1 * c - m2 * s);
