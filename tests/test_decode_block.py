@@ -371,8 +371,9 @@ def test_gemma3_decode_norms_and_rope_go_to_the_backend(monkeypatch):
 def test_cuda_qk_norm_rope_kernel_matches_mlx_ops(dim, traditional, freqs, dtype):
     """On CUDA, the q/k norm and RoPE kernel gives MLX's norm, multiply and RoPE of the same
     heads (read in place from a fused q/k/v output, here a strided view of a wider one), at
-    each row's own position: within one rounding step of the dtype (the sum of squares is
-    reduced in another order)."""
+    each row's own position: within a rounding step or two of the dtype (the sum of
+    squares is reduced in another order: in float32 that shows in most outputs' last
+    bits, in 16-bit ones in a few)."""
     from worker_proc.paged_attention import RopeSpec, kernel_available
     from worker_proc.qk_norm_rope import decode_qk_norm_rope, fits, reference_qk_norm_rope
 
@@ -393,4 +394,5 @@ def test_cuda_qk_norm_rope_kernel_matches_mlx_ops(dim, traditional, freqs, dtype
     ulp = {mx.bfloat16: 2.0 ** -7, mx.float16: 2.0 ** -10, mx.float32: 2.0 ** -20}[dtype]
     g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     np.testing.assert_allclose(g, w, rtol=2 * ulp, atol=4 * ulp)
-    assert np.mean(g != w) < 0.05  # mostly the same bits: the same formulas and roundings
+    if dtype != mx.float32:  # mostly the same bits: the same formulas and roundings (in
+        assert np.mean(g != w) < 0.05  # float32 the reduction's order shows in most)
