@@ -28,13 +28,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker_proc import paged_attention as pa  # noqa: E402
-from worker_proc import qk_norm_rope  # noqa: E402
+from worker_proc import qk_norm_rope, residual_norm  # noqa: E402
 
 # Each input's element type in the kernels (T: q's dtype; P: the pool's).
 _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "table": "int32_t",
           "lengths": "int32_t", "scale": "float", "written": "int32_t", "slots": "int32_t",
           "rope": "float", "sinks": "T", "acc": "float", "ml": "float", "out": "T", "out_ml": "float",
-          "mark": "int32_t", "bias": "T", "qk_scale": "T", "norm": "float"}
+          "mark": "int32_t", "bias": "T", "qk_scale": "T", "norm": "float",
+          "branch": "T", "residual": "T", "weight": "T", "eps": "float", "next_weight": "T",
+          "normed": "T"}
 
 
 def wrap(name: str, inputs: list[str], outputs: list[str], body: str, header: str,
@@ -120,6 +122,21 @@ def qk_norm_variants(dtype: str, dim: int, heads: int) -> list[tuple[str, str]]:
                   "FREQS": str(freqs).lower()}
         out.append((name, wrap(name, ["qkv", "qk_scale", "norm", "rope", "lengths"], ["out"],
                                qk_norm_rope._BODY, pa._ROPE_HEADER, params)))
+    return out
+
+
+def residual_norm_variants(dtype: str, dim: int) -> list[tuple[str, str]]:
+    """(label, .cu source) of the sandwich-norm kernel (worker_proc.residual_norm), with
+    and without the sum's own norm."""
+    out = []
+    for next_norm in (False, True):
+        name = f"kiln_residual_norm_d{dim}{'_next' if next_norm else ''}"
+        params = {"T": dtype, "D": str(dim), "BLOCK": str(residual_norm.block_threads(dim)),
+                  "CLIP": "true" if dtype == "__half" else "false"}
+        out.append((name, wrap(name, ["branch", "residual", "weight", "eps",
+                                      *(["next_weight"] if next_norm else [])],
+                               ["out", *(["normed"] if next_norm else [])],
+                               residual_norm.source(next_norm), "", params)))
     return out
 
 

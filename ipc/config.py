@@ -20,7 +20,7 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
                       "mixed-forward", "mma-attention", "mma-wide-tiles",
                       "cuda-core-attention", "gathered-latent", "fused-own-prefill",
-                      "unfused-qk-norm")
+                      "unfused-qk-norm", "fused-residual-norm")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
 CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv"})
@@ -208,7 +208,10 @@ class ServerConfig:
                                       "fused call as before: cuDNN graphs per shape), "
                                       "unfused-qk-norm (a decode step's per-head q/k norms "
                                       "and RoPE, Gemma 3's, through MLX's norm, multiply "
-                                      "and RoPE as before, not one kernel)."})
+                                      "and RoPE as before, not one kernel), "
+                                      "fused-residual-norm (a decode step's sandwich norms "
+                                      "and residual adds, Gemma 3's, in one kernel a pair; "
+                                      "unmeasured)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

@@ -27,6 +27,7 @@ from worker_proc.paged_attention import (fused_builds_per_shape, reference_decod
                                          reference_latent_attention)
 from worker_proc.runner import PREFILL_PADDING, ModelRunner
 from worker_proc.qk_norm_rope import reference_qk_norm_rope
+from worker_proc.residual_norm import reference_residual_norm
 
 
 class Pipe:
@@ -204,6 +205,9 @@ class StandInKernel(KernelDecode):
 
     def _qk_norm_rope(self, qkv, heads, lengths, scale, eps, rope):  # noqa: ANN001, ANN202
         return reference_qk_norm_rope(qkv, heads, lengths, scale, eps, rope)
+
+    def _residual_norm(self, branch, residual, weight, eps, next_weight):  # noqa: ANN001, ANN202
+        return reference_residual_norm(branch, residual, weight, eps, next_weight)
 
     def _fused_builds_per_shape(self, queries, values):  # noqa: ANN001, ANN202
         # The tests' float32 stands in for the GPU's bfloat16: the heads' sizes decide.

@@ -8,6 +8,7 @@ import pytest
 
 from tests.engine_driver import InProcessEngine, StandInInPlaceKernels, StandInKernel, assert_greedy
 from tests.oracle import divergence_off_a_tie
+from worker_proc.decode_backend import DecodeBackend
 from tests.test_worker import _eos, _prompts
 from worker_proc.decode_block import FastDecodeBlock, speed_up_decode_blocks
 from worker_proc.fused_projections import fuse_projections
@@ -214,14 +215,17 @@ def test_fast_blocks_on_the_cuda_kernel_path_match_mlx_lm(tmp_path_factory, rope
                   lambda p, n: mlx_lm_greedy(theirs, tokenizer, p, n), ties_of=theirs)
 
 
-def _family_pair_decodes_as_mlx_lm(theirs, ours, path: str, seed: int) -> None:
+def _family_pair_decodes_as_mlx_lm(theirs, ours, path: str, seed: int,
+                                   backend: DecodeBackend | None = None) -> None:
     """ours (fused, fast blocks) serves the families' window-crossing prompts on the
-    kernel path (stood in for on the CPU), compiled or in place: theirs' greedy tokens."""
+    kernel path (stood in for on the CPU, or this backend), compiled or in place:
+    theirs' greedy tokens."""
     from tests.test_families import _prompts, mlx_lm_tokens
 
     compiled = path == "compiled"
+    backend = backend or (StandInKernel() if compiled else StandInInPlaceKernels())
     engine = InProcessEngine(ours, chunk_size=16, compile_decode=compiled, overlap="ahead",
-                             backend=StandInKernel() if compiled else StandInInPlaceKernels())
+                             backend=backend)
     prompts = _prompts(seed=seed)
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, 20, [])
@@ -230,13 +234,18 @@ def _family_pair_decodes_as_mlx_lm(theirs, ours, path: str, seed: int) -> None:
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(theirs, p, 20), f"r{i}"
 
 
-@pytest.mark.parametrize("path", ["compiled", "in place"])
+@pytest.mark.parametrize("path", ["compiled", "in place", "residual norms"])
 def test_gemma3_blocks_decode_mlx_lm_tokens(path):
     """Gemma 3's block normalises and rotates q and k together in decode (through the
     backend's norm_rope_qk on the kernel path), across sliding windows shorter than the
-    prompts, beside norms summed once (as served)."""
+    prompts, beside norms summed once (as served); with fused-residual-norm its sandwich
+    norms and adds go through the backend's residual_norm too."""
     theirs, ours = _gemma3_pair(seed=0)
-    _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=77)
+    if path == "residual norms":
+        _family_pair_decodes_as_mlx_lm(theirs, ours, "compiled", seed=77,
+                                       backend=StandInKernel(residual_norm_kernel=True))
+    else:
+        _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=77)
 
 
 @pytest.mark.parametrize("path", ["compiled", "in place"])
@@ -365,6 +374,34 @@ def test_gemma3_decode_norms_and_rope_go_to_the_backend(monkeypatch):
     assert rope == ours.layers[0].qk_norms.rope and rope.dims == attn.head_dim
 
 
+def test_gemma3_sandwich_norms_go_to_the_backend_under_the_experiment(monkeypatch):
+    """With fused-residual-norm (KernelDecode.residual_norm_kernel) a Gemma 3 decode step
+    hands each layer's two residual adds and their norms to the backend's residual_norm:
+    twice a layer, the first also normalising the sum with the pre-MLP norm's scale,
+    each the arrays mlx-lm's norms multiply by; off (the default), never."""
+    from worker_proc.residual_norm import reference_residual_norm
+
+    _, ours = _gemma3_pair(seed=5)
+    calls = []
+
+    def recording(self, branch, residual, weight, eps, next_weight):  # noqa: ANN001, ANN202
+        calls.append((weight, next_weight))
+        return reference_residual_norm(branch, residual, weight, eps, next_weight)
+
+    monkeypatch.setattr(StandInKernel, "_residual_norm", recording)
+    for kernel, expected in ((False, 0), (True, 2 * len(ours.layers))):
+        engine = InProcessEngine(ours, backend=StandInKernel(residual_norm_kernel=kernel))
+        calls.clear()  # after start-up's probes and warm-up
+        engine.submit("r", [5, 6, 7, 8, 9], 3, [])
+        engine.run_until_idle()
+        assert len(calls) == 2 * expected  # two decode steps
+    block = ours.layers[0]
+    (w1, n1), (w2, n2) = calls[:2]
+    assert mx.array_equal(w1, 1.0 + block.post_attention_layernorm.weight).item()
+    assert mx.array_equal(n1, 1.0 + block.pre_feedforward_layernorm.weight).item()
+    assert mx.array_equal(w2, 1.0 + block.post_feedforward_layernorm.weight).item() and n2 is None
+
+
 @pytest.mark.parametrize("dim,traditional,freqs,dtype", [
     (256, False, False, mx.bfloat16), (128, False, True, mx.bfloat16), (128, True, False, mx.float16),
     (64, False, False, mx.float32), (16, False, False, mx.bfloat16), (32, True, True, mx.bfloat16)])
@@ -396,3 +433,35 @@ def test_cuda_qk_norm_rope_kernel_matches_mlx_ops(dim, traditional, freqs, dtype
     np.testing.assert_allclose(g, w, rtol=2 * ulp, atol=4 * ulp)
     if dtype != mx.float32:  # mostly the same bits: the same formulas and roundings (in
         assert np.mean(g != w) < 0.05  # float32 the reduction's order shows in most)
+
+
+@pytest.mark.parametrize("dim,dtype,next_norm", [
+    (3840, mx.bfloat16, True), (3840, mx.bfloat16, False), (1152, mx.float16, True),
+    (64, mx.float32, True), (20000, mx.bfloat16, True)])
+def test_cuda_residual_norm_kernel_matches_mlx_lm_ops(dim, dtype, next_norm):
+    """On CUDA, the sandwich-norm kernel gives mlx-lm's norm and clip_residual (and the
+    sum's own norm) within a rounding step or two of the dtype (its sums of squares are
+    reduced in another order), float16 sums clipped to its range as mlx-lm clips them."""
+    from worker_proc.paged_attention import kernel_available
+    from worker_proc.residual_norm import fits, reference_residual_norm, residual_norm
+
+    if not kernel_available():
+        pytest.skip("the kernel needs MLX's CUDA backend")
+    assert fits(dim)
+    rows = (3, 1)
+    branch = (mx.random.normal((*rows, dim), key=mx.random.key(dim)) * 4).astype(dtype)
+    residual = (mx.random.normal((*rows, dim), key=mx.random.key(1)) * 50).astype(dtype)
+    if dtype == mx.float16:  # near the top of its range: the sum clips
+        residual = mx.where(mx.arange(dim) % 7 == 0, mx.array(65500.0, dtype), residual)
+    weight = (1 + 0.3 * mx.random.normal((dim,), key=mx.random.key(2))).astype(dtype)
+    after = (1 + 0.3 * mx.random.normal((dim,), key=mx.random.key(3))).astype(dtype)
+    got = residual_norm(branch, residual, weight, 1e-6, after if next_norm else None)
+    want = reference_residual_norm(branch, residual, weight, 1e-6, after if next_norm else None)
+    ulp = {mx.bfloat16: 2.0 ** -7, mx.float16: 2.0 ** -10, mx.float32: 2.0 ** -20}[dtype]
+    for g, w in zip(got, want):
+        if w is None:
+            assert g is None
+            continue
+        assert g.shape == w.shape and g.dtype == dtype
+        g, w = np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
+        np.testing.assert_allclose(g, w, rtol=2 * ulp, atol=4 * ulp * max(1.0, float(np.abs(w).mean())))

@@ -677,14 +677,14 @@ def test_cuda_tensor_core_kernel_head_shapes(n_q, n_kv, dim, dtype):
 def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     """Where a CUDA toolkit is installed (no GPU needed), every decode kernel variant (both
     K/V pipelines, the float32 pool of the CUDA tests too), the merge kernel and the q/k
-    norm and RoPE kernel (Gemma's heads, a part-warp's) compile as
+    norm and RoPE kernel (Gemma's heads, a part-warp's) and the sandwich-norm kernel compile as
     MLX's NVRTC would compile them, keep their arrays in registers (no spill stores) and
     use at most 128 registers a thread (four blocks of 128 threads an SM: what the H200
     measurements assumed)."""
     import re
 
     from bench.cuda_kernel_report import (compile_kernels, find_cuda, merge_variant,
-                                          qk_norm_variants, variants)
+                                          qk_norm_variants, residual_norm_variants, variants)
     from worker_proc import paged_attention as pa
 
     cuda = find_cuda()
@@ -699,6 +699,7 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     kernels.append(merge_variant("__nv_bfloat16", 128, 4, 8))
     kernels.append(merge_variant("__nv_bfloat16", 64, 8, 8, sinks=True))
     kernels += qk_norm_variants("__nv_bfloat16", 256, 24) + qk_norm_variants("float", 16, 3)
+    kernels += residual_norm_variants("__nv_bfloat16", 3840) + residual_norm_variants("__half", 20000)
     results = compile_kernels(cuda, kernels)
     failed = [r.name + ":\n" + r.report for r in results if not r.ok]
     assert not failed, "\n".join(failed)

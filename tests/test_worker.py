@@ -740,6 +740,12 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     qkv, scale = mx.zeros((1, 1, 4 * 128)), mx.ones((3, 128))
     for backend in (unfused_norm, GatherDecode()):
         assert backend.norm_rope_qk(qkv, 3, mx.array([4]), scale, 1e-6, rope) is None
+    # ... and its sandwich norms apart unless asked (fused-residual-norm, unmeasured).
+    fused_residual = choose_decode_backend(specs, ServerConfig(experiments="fused-residual-norm").experiment_set)
+    assert fused_residual.residual_norm_kernel and not KernelDecode().residual_norm_kernel
+    x = mx.zeros((1, 1, 64))
+    for backend in (KernelDecode(), GatherDecode()):
+        assert backend.residual_norm(x, x, mx.ones((64,)), 1e-6) is None
     # Start-up says how latent layers decode (the device has tensor cores here).
     from worker_proc.layer_kinds import LayerKind
 

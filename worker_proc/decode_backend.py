@@ -40,6 +40,7 @@ from worker_proc.paged_attention import (DEFAULT_STAGES, FUSED_PREFILL_BUCKET, R
                                          rows_write_in_place, unfused_prefill_attention,
                                          unfused_prefill_fits)
 from worker_proc.qk_norm_rope import decode_qk_norm_rope, fits as qk_norm_rope_fits
+from worker_proc.residual_norm import fits as residual_norm_fits, residual_norm
 
 if TYPE_CHECKING:
     from worker_proc.attention import DenseDecodeContext, PooledKVCache
@@ -120,6 +121,15 @@ class DecodeBackend:
         1, D]; None: the caller runs those ops itself."""
         return None
 
+    def residual_norm(self, branch: mx.array, residual: mx.array, weight: mx.array,
+                      eps: float, next_weight: mx.array | None = None
+                      ) -> tuple[mx.array, mx.array | None] | None:
+        """A decode step's residual + rms_norm(branch, weight) and, with next_weight, that
+        sum normalised again (Gemma's sandwich norms), as
+        residual_norm.reference_residual_norm computes them; None: the caller runs those
+        ops itself."""
+        return None
+
     def latent_path(self, specs: list) -> str | None:
         """How latent (MLA) layers decode, for the start-up log (None: the model has none)."""
         from worker_proc.kv_pool import attention_specs
@@ -176,7 +186,9 @@ class KernelDecode(DecodeBackend):
     call from a layer with its own scores through prefill_attention, as every other
     layer's (off, MLX's fused call: `--experiments fused-own-prefill`). qk_norm_kernel:
     per-head q/k norms and RoPE of a decode step in one kernel (norm_rope_qk; off, MLX's
-    norm, multiply and RoPE: `--experiments unfused-qk-norm`)."""
+    norm, multiply and RoPE: `--experiments unfused-qk-norm`). residual_norm_kernel: a
+    decode step's sandwich norms and residual adds (Gemma 3's) in one kernel a pair
+    (residual_norm; on with `--experiments fused-residual-norm`, unmeasured)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
@@ -190,6 +202,7 @@ class KernelDecode(DecodeBackend):
     latent: LatentConfig | None = LatentConfig()
     own_prefill: bool = True
     qk_norm_kernel: bool = True
+    residual_norm_kernel: bool = False
 
     @property
     def name(self) -> str:
@@ -277,6 +290,13 @@ class KernelDecode(DecodeBackend):
             return None
         return self._qk_norm_rope(qkv, heads, lengths, scale, eps, rope)
 
+    def residual_norm(self, branch: mx.array, residual: mx.array, weight: mx.array,
+                      eps: float, next_weight: mx.array | None = None
+                      ) -> tuple[mx.array, mx.array | None] | None:
+        if not (self.residual_norm_kernel and residual_norm_fits(branch.shape[-1])):
+            return None
+        return self._residual_norm(branch, residual, weight, eps, next_weight)
+
     def own_prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
                               scale: float, mask: Any, sinks: mx.array | None,
                               once: Once = _every_time) -> mx.array | None:
@@ -339,6 +359,11 @@ class KernelDecode(DecodeBackend):
     def _qk_norm_rope(self, qkv: mx.array, heads: int, lengths: mx.array, scale: mx.array,
                       eps: float, rope: RopeSpec) -> mx.array:
         return decode_qk_norm_rope(qkv, heads, lengths, scale, eps, rope)
+
+    def _residual_norm(self, branch: mx.array, residual: mx.array, weight: mx.array,
+                       eps: float, next_weight: mx.array | None
+                       ) -> tuple[mx.array, mx.array | None]:
+        return residual_norm(branch, residual, weight, eps, next_weight)
 
     def _latent_kernel_takes(self, dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int,
                              row: int) -> bool:
@@ -467,4 +492,5 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         latent=None if "gathered-latent" in experiments else LatentConfig(),
                         own_prefill="fused-own-prefill" not in experiments,
                         qk_norm_kernel="unfused-qk-norm" not in experiments,
+                        residual_norm_kernel="fused-residual-norm" in experiments,
                         prefill_bucket=prefill_bucket)

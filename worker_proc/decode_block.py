@@ -198,6 +198,17 @@ class QKNorms:
     rope: RopeSpec | None  # the layer's RoPE, where a kernel may apply it (rope_spec)
 
 
+@dataclass(frozen=True)
+class SandwichNorms:
+    """A Gemma 3 layer's norms around its residual adds, as the arrays mlx-lm's norms
+    multiply by (1 + weight, rounded in the weight's dtype), and their one eps."""
+
+    post_attention: mx.array
+    pre_feedforward: mx.array
+    post_feedforward: mx.array
+    eps: float
+
+
 class FastGemma3Block:
     """Gemma 3's block (mlx-lm's gemma3_text) for paged decode and prefill over the pool:
     the q and k norms and RoPE over q and k together. mlx-lm normalises then rotates q and
@@ -208,28 +219,51 @@ class FastGemma3Block:
     multiply is the scale step of MLX's CPU rms_norm, so on the CPU the tokens are
     mlx-lm's bit for bit (the tests compare them); CUDA's norm kernel scales before
     rounding, so there they may differ at near-ties. A decode step's norm, multiply and
-    RoPE are one kernel where the backend has it (DecodeBackend.norm_rope_qk: CUDA).
-    Attention, the MLP and the residuals are mlx-lm's calls."""
+    RoPE are one kernel where the backend has it (DecodeBackend.norm_rope_qk: CUDA), and
+    its sandwich norms and residual adds two where it has those (residual_norm, an
+    experiment). Attention and the MLP are mlx-lm's calls."""
 
     qk_norms: QKNorms | None = None  # set per block by speed_up_decode_blocks
+    sandwich: SandwichNorms | None = None  # ditto, where its norms are mlx-lm's
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if not (_paged_decode(cache) or _pooled_prefill(cache)):
             return super().__call__(x, mask, cache)  # type: ignore[misc]
         attn = self.self_attn  # type: ignore[attr-defined]
-        n_q = attn.n_heads
         qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
-        qk, values = _split_qkv(qkv, n_q, attn.n_kv_heads, attn.head_dim)
+        qk, values = self._qk(qkv, cache)
+        out = attn.o_proj(_attend(cache, qk, values, attn.n_heads, attn.scale, mask))
+        return self._after_attention(x, out, cache)
+
+    def _qk(self, qkv: mx.array, cache: PooledKVCache) -> tuple[mx.array, mx.array]:
+        """The q and k heads normalised, scaled and rotated ([B, n_q + n_kv, L, D]), and
+        the values in attention's layout: one kernel in a decode step where the backend
+        has it (norm_rope_qk)."""
+        attn = self.self_attn  # type: ignore[attr-defined]
+        n_q, n_kv = attn.n_heads, attn.n_kv_heads
+        qk, values = _split_qkv(qkv, n_q, n_kv, attn.head_dim)
         norms = self.qk_norms
-        rotated = None
-        if cache.paged:  # one kernel, where the backend has it
-            rotated = cache.backend.norm_rope_qk(qkv, n_q + attn.n_kv_heads, cache.layout.lengths,
+        if cache.paged:
+            rotated = cache.backend.norm_rope_qk(qkv, n_q + n_kv, cache.layout.lengths,
                                                  norms.scale, norms.eps, norms.rope)
-        if rotated is None:
-            qk = mx.fast.rms_norm(qk, None, norms.eps) * norms.scale
-            rotated = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
-        qk = rotated
-        out = attn.o_proj(_attend(cache, qk, values, n_q, attn.scale, mask))
+            if rotated is not None:
+                return rotated, values
+        qk = mx.fast.rms_norm(qk, None, norms.eps) * norms.scale
+        return attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset), values
+
+    def _after_attention(self, x: mx.array, out: mx.array, cache: PooledKVCache) -> mx.array:
+        """The sandwich-normed residuals around the MLP: in a decode step two kernels
+        where the backend has them (residual_norm), else mlx-lm's norms and adds."""
+        sandwich = self.sandwich
+        if cache.paged and sandwich is not None:
+            backend = cache.backend
+            first = backend.residual_norm(out, x, sandwich.post_attention, sandwich.eps,
+                                          sandwich.pre_feedforward)
+            if first is not None:
+                h, normed = first
+                second = backend.residual_norm(self.mlp(normed), h, sandwich.post_feedforward,  # type: ignore[attr-defined]
+                                               sandwich.eps)
+                return second[0]
         h = gemma3_text.clip_residual(x, self.post_attention_layernorm(out))  # type: ignore[attr-defined]
         r = self.mlp(self.pre_feedforward_layernorm(h))  # type: ignore[attr-defined]
         return gemma3_text.clip_residual(h, self.post_feedforward_layernorm(r))  # type: ignore[attr-defined]
@@ -252,6 +286,15 @@ class FastGptOssBlock:
         qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
         h = x + attn.o_proj(_attend(cache, qk, values, n_q, attn.sm_scale, mask, attn.sinks))
         return h + self.mlp(self.post_attention_layernorm(h))  # type: ignore[attr-defined]
+
+
+def _sandwich_norms(block: nn.Module) -> SandwichNorms | None:
+    """Gemma 3's sandwich norms, where all three are mlx-lm's RMSNorm of one eps."""
+    norms = [getattr(block, name, None) for name in
+             ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")]
+    if not all(isinstance(n, gemma3_text.RMSNorm) for n in norms) or len({n.eps for n in norms}) != 1:
+        return None
+    return SandwichNorms(*(1.0 + n.weight for n in norms), norms[0].eps)
 
 
 def _qk_norms(attn: nn.Module) -> QKNorms | None:
@@ -331,7 +374,11 @@ def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
         elif _eligible_gemma3(module) and (norms := _qk_norms(module.self_attn)) is not None:
             module.__class__ = _GEMMA3
             module.qk_norms = norms
-            mx.eval(norms.scale, *([norms.rope.kernel_params] if norms.rope else []))
+            module.sandwich = _sandwich_norms(module)
+            mx.eval(norms.scale, *([norms.rope.kernel_params] if norms.rope else []),
+                    *([] if module.sandwich is None else
+                      [module.sandwich.post_attention, module.sandwich.pre_feedforward,
+                       module.sandwich.post_feedforward]))
             count += 1
         elif _eligible_gpt_oss(module):
             module.__class__ = _GPT_OSS
