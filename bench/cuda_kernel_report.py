@@ -114,14 +114,16 @@ def merge_variant(dtype: str, dim: int, group: int, n_kv: int,
 
 def qk_norm_variants(dtype: str, dim: int, heads: int) -> list[tuple[str, str]]:
     """(label, .cu source) of the decode step's q/k norm and RoPE kernel
-    (worker_proc.qk_norm_rope), each RoPE layout and frequency source."""
+    (worker_proc.qk_norm_rope), each RoPE layout and frequency source, and RoPE alone."""
     out = []
-    for trad, freqs in itertools.product((False, True), repeat=2):
-        name = f"kiln_qk_norm_rope_d{dim}{'_trad' if trad else ''}{'_freqs' if freqs else ''}"
+    for norm, trad, freqs in itertools.product((True, False), repeat=3):
+        name = (f"kiln_qk{'_norm' if norm else ''}_rope_d{dim}{'_trad' if trad else ''}"
+                f"{'_freqs' if freqs else ''}")
         params = {"T": dtype, "D": str(dim), "H": str(heads), "TRAD": str(trad).lower(),
                   "FREQS": str(freqs).lower()}
-        out.append((name, wrap(name, ["qkv", "qk_scale", "norm", "rope", "lengths"], ["out"],
-                               qk_norm_rope._BODY, pa._ROPE_HEADER, params)))
+        inputs = ["qkv", *(["qk_scale", "norm"] if norm else []), "rope", "lengths"]
+        out.append((name, wrap(name, inputs, ["out"], qk_norm_rope.source(norm),
+                               pa._ROPE_HEADER, params)))
     return out
 
 

@@ -20,7 +20,7 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
                       "mixed-forward", "mma-attention", "mma-wide-tiles",
                       "cuda-core-attention", "gathered-latent", "fused-own-prefill",
-                      "unfused-qk-norm", "fused-residual-norm")
+                      "unfused-qk-norm", "fused-residual-norm", "qk-rope-kernel")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
 CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv"})
@@ -211,6 +211,9 @@ class ServerConfig:
                                       "and RoPE as before, not one kernel), "
                                       "fused-residual-norm (a decode step's sandwich norms "
                                       "and residual adds, Gemma 3's, in one kernel a pair; "
+                                      "unmeasured), qk-rope-kernel (a llama or qwen2 decode "
+                                      "step's RoPE of q and k in one kernel from the fused "
+                                      "projection's output, not MLX's copy and RoPE; "
                                       "unmeasured)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "

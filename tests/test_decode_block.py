@@ -135,6 +135,34 @@ def test_rope_in_attention_decodes_mlx_lm_tokens(tiny_model, oracle, fast_tiny, 
     assert all(layer.rope_spec is not None for layer in fast_tiny.layers)
 
 
+def test_qk_rope_kernel_experiment_decodes_mlx_lm_tokens(tiny_model, oracle, fast_tiny,
+                                                          monkeypatch):
+    """Under --experiments qk-rope-kernel (KernelDecode.qk_rope_kernel) a llama block's
+    decode RoPE of q and k goes to the backend's norm_rope_qk without a norm (the kernel's
+    place; the stand-in computes its plain-MLX meaning): mlx-lm's greedy tokens, ragged
+    batches, chunked prompts; by default the block rotates them itself."""
+    from worker_proc.qk_norm_rope import reference_qk_norm_rope
+
+    scales = []
+
+    def recording(self, qkv, heads, lengths, scale, eps, rope):  # noqa: ANN001, ANN202
+        scales.append(scale)
+        return reference_qk_norm_rope(qkv, heads, lengths, scale, eps, rope)
+
+    monkeypatch.setattr(StandInKernel, "_qk_norm_rope", recording)
+    _, tokenizer = tiny_model
+    prompts = _prompts(5, [3, 70, 130, 9, 40], fast_tiny.args.vocab_size, seed=33)
+    engine = InProcessEngine(fast_tiny, chunk_size=64, overlap="ahead",
+                             backend=StandInKernel(qk_rope_kernel=True))
+    assert_greedy(engine, prompts, 24, _eos(tokenizer), oracle, ties_of=tiny_model[0])
+    assert scales and all(s is None for s in scales)
+    scales.clear()
+    engine = InProcessEngine(fast_tiny, chunk_size=64, overlap="ahead", backend=StandInKernel())
+    engine.submit("r", prompts[0], 3, [])
+    engine.run_until_idle()
+    assert not scales
+
+
 def test_rope_spec_reproduces_mlx_lm_rope_modules():
     """The kernel's RoPE arguments: nn.RoPE's and Llama3RoPE's rotation exactly (as
     mx.fast.rope gives it), and none for RoPEs the kernel does not do."""
@@ -402,12 +430,14 @@ def test_gemma3_sandwich_norms_go_to_the_backend_under_the_experiment(monkeypatc
     assert mx.array_equal(w2, 1.0 + block.post_feedforward_layernorm.weight).item() and n2 is None
 
 
-@pytest.mark.parametrize("dim,traditional,freqs,dtype", [
-    (256, False, False, mx.bfloat16), (128, False, True, mx.bfloat16), (128, True, False, mx.float16),
-    (64, False, False, mx.float32), (16, False, False, mx.bfloat16), (32, True, True, mx.bfloat16)])
-def test_cuda_qk_norm_rope_kernel_matches_mlx_ops(dim, traditional, freqs, dtype):
-    """On CUDA, the q/k norm and RoPE kernel gives MLX's norm, multiply and RoPE of the same
-    heads (read in place from a fused q/k/v output, here a strided view of a wider one), at
+@pytest.mark.parametrize("dim,traditional,freqs,dtype,norm", [
+    (256, False, False, mx.bfloat16, True), (128, False, True, mx.bfloat16, True),
+    (128, True, False, mx.float16, True), (64, False, False, mx.float32, True),
+    (16, False, False, mx.bfloat16, True), (32, True, True, mx.bfloat16, True),
+    (128, False, True, mx.bfloat16, False), (64, True, False, mx.float16, False)])
+def test_cuda_qk_norm_rope_kernel_matches_mlx_ops(dim, traditional, freqs, dtype, norm):
+    """On CUDA, the q/k norm and RoPE kernel gives MLX's norm, multiply and RoPE (or RoPE
+    alone) of the same heads (read in place from a fused q/k/v output, here a strided view of a wider one), at
     each row's own position: within a rounding step or two of the dtype (the sum of
     squares is reduced in another order: in float32 that shows in most outputs' last
     bits, in 16-bit ones in a few)."""
@@ -425,6 +455,7 @@ def test_cuda_qk_norm_rope_kernel_matches_mlx_ops(dim, traditional, freqs, dtype
     qkv = wide[..., 8:]  # the projection's output as a view: its rows strided
     scale = (1 + 0.2 * mx.random.normal((n_q + n_kv, dim), key=mx.random.key(1))).astype(dtype)
     lengths = mx.array([1, 7, 300, 4096, 33], dtype=mx.int32)
+    scale = scale if norm else None  # RoPE alone (llama's blocks)
     got = decode_qk_norm_rope(qkv, n_q + n_kv, lengths, scale, 1e-6, rope)
     want = reference_qk_norm_rope(qkv, n_q + n_kv, lengths, scale, 1e-6, rope)
     assert got.shape == want.shape == (batch, n_q + n_kv, 1, dim) and got.dtype == dtype

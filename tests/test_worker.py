@@ -740,6 +740,10 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     qkv, scale = mx.zeros((1, 1, 4 * 128)), mx.ones((3, 128))
     for backend in (unfused_norm, GatherDecode()):
         assert backend.norm_rope_qk(qkv, 3, mx.array([4]), scale, 1e-6, rope) is None
+    # RoPE alone (no q/k norms: llama) only under qk-rope-kernel, unmeasured.
+    rope_kernel = choose_decode_backend(specs, ServerConfig(experiments="qk-rope-kernel").experiment_set)
+    assert rope_kernel.qk_rope_kernel and not KernelDecode().qk_rope_kernel
+    assert KernelDecode().norm_rope_qk(qkv, 3, mx.array([4]), None, 0.0, rope) is None
     # ... and its sandwich norms apart unless asked (fused-residual-norm, unmeasured).
     fused_residual = choose_decode_backend(specs, ServerConfig(experiments="fused-residual-norm").experiment_set)
     assert fused_residual.residual_norm_kernel and not KernelDecode().residual_norm_kernel

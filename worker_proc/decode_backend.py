@@ -113,12 +113,13 @@ class DecodeBackend:
         call."""
         return None
 
-    def norm_rope_qk(self, qkv: mx.array, heads: int, lengths: mx.array, scale: mx.array,
-                     eps: float, rope: RopeSpec | None) -> mx.array | None:
+    def norm_rope_qk(self, qkv: mx.array, heads: int, lengths: mx.array,
+                     scale: mx.array | None, eps: float, rope: RopeSpec | None) -> mx.array | None:
         """A decode step's q and k heads (the first `heads` of the fused q/k/v output
-        [B, 1, F]) RMS-normalised, scaled by `scale` [heads, D] and rotated at each row's
-        new position, as qk_norm_rope.reference_qk_norm_rope computes them, [B, heads,
-        1, D]; None: the caller runs those ops itself."""
+        [B, 1, F]) RMS-normalised and scaled by `scale` [heads, D] (None: neither) and
+        rotated at each row's new position by `rope` (over whole heads: its dims the head
+        size), as qk_norm_rope.reference_qk_norm_rope computes them, [B, heads, 1, D];
+        None: the caller runs those ops itself."""
         return None
 
     def residual_norm(self, branch: mx.array, residual: mx.array, weight: mx.array,
@@ -186,7 +187,9 @@ class KernelDecode(DecodeBackend):
     call from a layer with its own scores through prefill_attention, as every other
     layer's (off, MLX's fused call: `--experiments fused-own-prefill`). qk_norm_kernel:
     per-head q/k norms and RoPE of a decode step in one kernel (norm_rope_qk; off, MLX's
-    norm, multiply and RoPE: `--experiments unfused-qk-norm`). residual_norm_kernel: a
+    norm, multiply and RoPE: `--experiments unfused-qk-norm`). qk_rope_kernel: the same
+    kernel's RoPE alone for blocks without q/k norms (llama, qwen2) in place of MLX's copy
+    and RoPE (on with `--experiments qk-rope-kernel`, unmeasured). residual_norm_kernel: a
     decode step's sandwich norms and residual adds (Gemma 3's) in one kernel a pair
     (residual_norm; on with `--experiments fused-residual-norm`, unmeasured)."""
 
@@ -202,6 +205,7 @@ class KernelDecode(DecodeBackend):
     latent: LatentConfig | None = LatentConfig()
     own_prefill: bool = True
     qk_norm_kernel: bool = True
+    qk_rope_kernel: bool = False
     residual_norm_kernel: bool = False
 
     @property
@@ -284,9 +288,10 @@ class KernelDecode(DecodeBackend):
             return "the latent kernel (tensor cores)"
         return "attention over the gathered latent (plain MLX)"
 
-    def norm_rope_qk(self, qkv: mx.array, heads: int, lengths: mx.array, scale: mx.array,
-                     eps: float, rope: RopeSpec | None) -> mx.array | None:
-        if not (self.qk_norm_kernel and qk_norm_rope_fits(scale.shape[-1], rope)):
+    def norm_rope_qk(self, qkv: mx.array, heads: int, lengths: mx.array,
+                     scale: mx.array | None, eps: float, rope: RopeSpec | None) -> mx.array | None:
+        wanted = self.qk_rope_kernel if scale is None else self.qk_norm_kernel
+        if not (wanted and rope is not None and qk_norm_rope_fits(rope.dims, rope)):
             return None
         return self._qk_norm_rope(qkv, heads, lengths, scale, eps, rope)
 
@@ -356,8 +361,8 @@ class KernelDecode(DecodeBackend):
                                           self.latent)
         return reference_latent_attention(q, pool, table, lengths, bias, scale, written)
 
-    def _qk_norm_rope(self, qkv: mx.array, heads: int, lengths: mx.array, scale: mx.array,
-                      eps: float, rope: RopeSpec) -> mx.array:
+    def _qk_norm_rope(self, qkv: mx.array, heads: int, lengths: mx.array,
+                      scale: mx.array | None, eps: float, rope: RopeSpec) -> mx.array:
         return decode_qk_norm_rope(qkv, heads, lengths, scale, eps, rope)
 
     def _residual_norm(self, branch: mx.array, residual: mx.array, weight: mx.array,
@@ -492,5 +497,6 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         latent=None if "gathered-latent" in experiments else LatentConfig(),
                         own_prefill="fused-own-prefill" not in experiments,
                         qk_norm_kernel="unfused-qk-norm" not in experiments,
+                        qk_rope_kernel="qk-rope-kernel" in experiments,
                         residual_norm_kernel="fused-residual-norm" in experiments,
                         prefill_bucket=prefill_bucket)

@@ -132,8 +132,12 @@ class FastDecodeBlock:
         if rope is not None:  # one kernel from the projection's output to o's input
             return cache.attend_qkv(qkv, n_q, attn.scale, rope)
         qk, values = _split_qkv(qkv, n_q, n_kv, dim)
-        qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
-        return _store_and_attend(cache, qk, values, n_q, attn.scale)
+        spec = self.rope_spec if self.rope_spec is not None and self.rope_spec.dims == dim else None
+        rotated = cache.backend.norm_rope_qk(qkv, n_q + n_kv, cache.layout.lengths, None, 0.0,
+                                             spec)
+        if rotated is None:
+            rotated = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
+        return _store_and_attend(cache, rotated, values, n_q, attn.scale)
 
     def _mixed(self, x: mx.array, mask: Any, cache: MixedLayerCache) -> mx.array:
         """A prompt's chunk and decode rows in one forward ([1, n + B, D]): the q/k/v, o
@@ -195,7 +199,7 @@ class QKNorms:
 
     scale: mx.array
     eps: float
-    rope: RopeSpec | None  # the layer's RoPE, where a kernel may apply it (rope_spec)
+    rope: RopeSpec | None  # the layer's RoPE where it rotates whole heads (a kernel may apply it)
 
 
 @dataclass(frozen=True)
@@ -308,7 +312,8 @@ def _qk_norms(attn: nn.Module) -> QKNorms | None:
     # The arrays mlx-lm's norm multiplies by (its 1 + weight, rounded in the weight's dtype).
     scale = mx.concatenate([mx.broadcast_to(1.0 + q_norm.weight, (attn.n_heads, attn.head_dim)),
                             mx.broadcast_to(1.0 + k_norm.weight, (attn.n_kv_heads, attn.head_dim))])
-    return QKNorms(scale, q_norm.eps, rope_spec(attn.rope))
+    spec = rope_spec(attn.rope)
+    return QKNorms(scale, q_norm.eps, spec if spec is not None and spec.dims == attn.head_dim else None)
 
 
 # mlx-lm block classes whose call, attention and MLP are the math FastDecodeBlock does
