@@ -4,6 +4,9 @@ the window's edge, prefix hits before and past the window, preemption and overla
 
 from __future__ import annotations
 
+import logging
+import re
+
 import mlx.core as mx
 import numpy as np
 import pytest
@@ -125,9 +128,36 @@ def test_an_output_head_is_the_model_calls_last_layer(family):
     _split_is_the_model_call(*family)
 
 
-def test_only_models_that_cannot_batch_ragged_rows_run_rows_by_length(family):
+def test_only_models_that_cannot_batch_ragged_rows_run_rows_by_length(family, caplog):
+    """The ragged-batch probe's verdict; a "no" says why in the start-up log (the rows'
+    differences, or the model's failure)."""
     name, model = family
-    assert InProcessEngine(model).runner.ragged == (name not in BY_LENGTH)
+    with caplog.at_level(logging.INFO, logger="worker_proc.attention"):
+        assert InProcessEngine(model).runner.ragged == (name not in BY_LENGTH)
+    said = [r.getMessage() for r in caplog.records if "ragged-batch probe" in r.getMessage()]
+    assert bool(said) == (name in BY_LENGTH)
+
+
+def test_the_ragged_probe_says_how_many_rows_were_off(caplog):
+    """A model whose rows go wrong only beside rows of other lengths (here: skewed by how
+    far each row's offset is from the longest) runs rows by length, and the start-up log
+    counts the rows off in the ragged batch against none at one length."""
+    model = build("llama")
+
+    class Skewed(type(model)):
+        def __call__(self, inputs, cache=None, **kwargs):  # noqa: ANN001, ANN204
+            out = super().__call__(inputs, cache=cache, **kwargs)
+            offset = cache[0].offset if cache else 0
+            if isinstance(offset, mx.array):  # rows of different lengths
+                out = out + (offset.max() - offset).astype(out.dtype)[:, None, None]
+            return out
+
+    model.__class__ = Skewed
+    with caplog.at_level(logging.INFO, logger="worker_proc.attention"):
+        assert not InProcessEngine(model).runner.ragged
+    said = [r.getMessage() for r in caplog.records if "ragged-batch probe" in r.getMessage()]
+    ragged, rows = map(int, re.search(r": (\d+) of (\d+) ragged", said[0]).groups())
+    assert rows - 1 <= ragged <= rows and said[0].endswith(", 0 at one length")
 
 
 def test_batched_chunked_and_cached_equal_mlx_lm(family):
