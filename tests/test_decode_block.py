@@ -449,7 +449,7 @@ def test_cuda_qk_norm_rope_kernel_matches_mlx_ops(dim, traditional, freqs, dtype
     n_q, n_kv, batch = 4, 2, 5
     freq_arr = mx.array(10000.0 ** (mx.arange(dim // 2) / (dim // 2)) * 1.7) if freqs else None
     rope = RopeSpec(dim, traditional, None if freqs else 10000.0, 0.125 if not freqs else 1.0, freq_arr)
-    assert fits(dim, rope)
+    assert fits(rope)
     width = (n_q + 2 * n_kv) * dim
     wide = (mx.random.normal((batch, 1, width + 8), key=mx.random.key(dim)) * 3).astype(dtype)
     qkv = wide[..., 8:]  # the projection's output as a view: its rows strided

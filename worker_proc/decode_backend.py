@@ -291,7 +291,7 @@ class KernelDecode(DecodeBackend):
     def norm_rope_qk(self, qkv: mx.array, heads: int, lengths: mx.array,
                      scale: mx.array | None, eps: float, rope: RopeSpec | None) -> mx.array | None:
         wanted = self.qk_rope_kernel if scale is None else self.qk_norm_kernel
-        if not (wanted and rope is not None and qk_norm_rope_fits(rope.dims, rope)):
+        if not (wanted and rope is not None and qk_norm_rope_fits(rope)):
             return None
         return self._qk_norm_rope(qkv, heads, lengths, scale, eps, rope)
 

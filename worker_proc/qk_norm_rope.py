@@ -85,13 +85,12 @@ def _eps(eps: float) -> mx.array:
     return mx.array([eps], dtype=mx.float32)
 
 
-def fits(dim: int, rope: RopeSpec | None) -> bool:
-    """Whether the kernel takes heads of this size with this RoPE: whole heads rotated,
-    a rotation pair a thread, in whole warps (at most a block's 1,024 threads) or in one
+def fits(rope: RopeSpec) -> bool:
+    """Whether the kernel applies this RoPE (over whole heads: its dims the head size): a
+    rotation pair a thread, in whole warps (at most a block's 1,024 threads) or in one
     part-warp of a power of two."""
-    pairs = dim // 2
-    return (rope is not None and rope.dims == dim and dim % 2 == 0
-            and (pairs % 32 == 0 and pairs <= 1024 or pairs in (1, 2, 4, 8, 16)))
+    pairs = rope.dims // 2
+    return rope.dims % 2 == 0 and (pairs % 32 == 0 and pairs <= 1024 or pairs in (1, 2, 4, 8, 16))
 
 
 def decode_qk_norm_rope(qkv: mx.array, heads: int, lengths: mx.array, scale: mx.array | None,
@@ -99,7 +98,7 @@ def decode_qk_norm_rope(qkv: mx.array, heads: int, lengths: mx.array, scale: mx.
     """The first `heads` heads of a decode step's fused q/k/v output [B, 1, F] (its q
     heads, then k's), each RMS-normalised (no weight) and multiplied by its row of
     `scale` [heads, D] (scale None: neither) and rotated at position lengths[b] - 1:
-    [B, heads, 1, D], as reference_qk_norm_rope computes (fits(D, rope) must hold)."""
+    [B, heads, 1, D], as reference_qk_norm_rope computes (fits(rope) must hold)."""
     batch, dim = qkv.shape[0], rope.dims
     norm = scale is not None
     (out,) = _kernel(norm)(
