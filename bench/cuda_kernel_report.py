@@ -138,7 +138,7 @@ def residual_norm_variants(dtype: str, dim: int) -> list[tuple[str, str]]:
         out.append((name, wrap(name, ["branch", "residual", "weight", "eps",
                                       *(["next_weight"] if next_norm else [])],
                                ["out", *(["normed"] if next_norm else [])],
-                               residual_norm.source(next_norm), "", params)))
+                               residual_norm.source(next_norm), residual_norm._HEADER, params)))
     return out
 
 

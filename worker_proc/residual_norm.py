@@ -18,9 +18,24 @@ import functools
 import mlx.core as mx
 from mlx_lm.models.gemma3_text import clip_residual
 
+# A block's sum of a float from each of its WARPS warps: shuffles, then the warps'
+# partials through `part` (one array a reduction, so a second needs no barrier before it).
+_HEADER = r"""
+template <int WARPS>
+__device__ float kiln_block_sum(float v, float* part) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) v += part[w];
+    return v;
+}
+"""
+
 # A block a row of BLOCK threads, each holding its E = ceil(D / BLOCK) elements in
-# registers between the passes; sums of squares reduced by warp shuffles, then through
-# shared memory (one array a reduction, so the second needs no barrier before reuse).
+# registers between the passes.
 _BODY = r"""
     constexpr int E = (D + BLOCK - 1) / BLOCK;
     constexpr int WARPS = BLOCK / 32;
@@ -37,14 +52,7 @@ _BODY = r"""
         v[e] = d < D ? static_cast<float>(yr[d]) : 0.f;
         ss += v[e] * v[e];
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) ss += __shfl_xor_sync(0xffffffff, ss, o);
-    if ((t & 31) == 0) part1[t >> 5] = ss;
-    __syncthreads();
-    ss = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) ss += part1[w];
-    const float r = rsqrtf(ss / static_cast<float>(D) + eps[0]);
+    const float r = rsqrtf(kiln_block_sum<WARPS>(ss, part1) / static_cast<float>(D) + eps[0]);
     float hs = 0.f;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
@@ -62,14 +70,7 @@ _BODY = r"""
     NEXT
 """
 _NEXT = r"""
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) hs += __shfl_xor_sync(0xffffffff, hs, o);
-    if ((t & 31) == 0) part2[t >> 5] = hs;
-    __syncthreads();
-    hs = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) hs += part2[w];
-    const float r2 = rsqrtf(hs / static_cast<float>(D) + eps[0]);
+    const float r2 = rsqrtf(kiln_block_sum<WARPS>(hs, part2) / static_cast<float>(D) + eps[0]);
 #pragma unroll
     for (int e = 0; e < E; ++e) {
         const int d = t + e * BLOCK;
@@ -100,7 +101,8 @@ def _kernel(next_norm: bool):
     return mx.fast.cuda_kernel(
         name=f"kiln_residual_norm{'_next' if next_norm else ''}",
         input_names=["branch", "residual", "weight", "eps", *(["next_weight"] if next_norm else [])],
-        output_names=["out", *(["normed"] if next_norm else [])], source=source(next_norm))
+        output_names=["out", *(["normed"] if next_norm else [])], source=source(next_norm),
+        header=_HEADER)
 
 
 @functools.cache
