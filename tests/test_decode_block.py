@@ -276,6 +276,33 @@ def test_gemma3_blocks_decode_mlx_lm_tokens(path):
         _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=77)
 
 
+@pytest.mark.parametrize("name,path", [("qwen3", "compiled"), ("qwen3", "in place"),
+                                       ("qwen3", "norms apart"), ("qwen3_moe", "compiled"),
+                                       ("qwen3_moe", "in place")])
+def test_qwen3_blocks_decode_mlx_lm_tokens(name, path):
+    """Qwen3's block (dense, and its MoE with experts' layers) takes the fast call with its
+    q and k norms as one (QKNorms) before one RoPE: mlx-lm's tokens across window-free
+    ragged batches, compiled and in place. The norms' weights are drawn apart (mlx-lm
+    starts them at ones), so a weight on the wrong heads changes the tokens."""
+    from tests.families import build
+
+    theirs, ours = build(name), build(name)
+    for i, (a, b) in enumerate(zip(theirs.layers, ours.layers)):
+        for j, norm in enumerate(("q_norm", "k_norm")):
+            w = 1 + 0.5 * mx.random.normal(getattr(a.self_attn, norm).weight.shape,
+                                           key=mx.random.key(10 * i + j))
+            getattr(a.self_attn, norm).weight = w
+            getattr(b.self_attn, norm).weight = mx.array(w)
+    fuse_projections(ours)
+    assert speed_up_decode_blocks(ours, residual_in_gemm=False) == len(ours.layers)
+    assert all(layer.qk_norms is not None for layer in ours.layers)
+    if path == "norms apart":  # unfused-qk-norm: the block's own norm, multiply and RoPE
+        _family_pair_decodes_as_mlx_lm(theirs, ours, "compiled", seed=79,
+                                       backend=StandInKernel(qk_norm_kernel=False))
+    else:
+        _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=79)
+
+
 @pytest.mark.parametrize("path", ["compiled", "in place"])
 def test_gpt_oss_blocks_decode_mlx_lm_tokens(path):
     """GPT-OSS's block rotates q and k together in decode, with its sinks and sliding

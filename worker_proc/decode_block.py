@@ -1,5 +1,5 @@
-"""A llama-style (or Gemma 3, GPT-OSS) block's decode step in fewer kernel launches
-(`--fast-decode-blocks`).
+"""A llama-style (qwen2, Qwen3 and its MoE, or Gemma 3, GPT-OSS) block's decode step in
+fewer kernel launches (`--fast-decode-blocks`).
 
 On MLX's CUDA backend a decode step at 64 rows is bound by the host's time per launched
 kernel. mlx-lm's llama block, with fused projections (worker_proc/fused_projections.py),
@@ -12,7 +12,8 @@ and k together (adjacent heads of the fused output; RoPE works head by head with
 offset per row), and on CUDA each residual add inside its GEMM (`mx.addmm`). Its prefill
 forwards over the pool take the same RoPE and residual adds (two launches a layer fewer
 than mlx-lm's call, four with the adds; Gemma 3's and GPT-OSS's blocks too, their q and
-k norms and RoPE as in decode), and under `--experiments mixed-forward` a
+k norms and RoPE as in decode; Qwen3's q and k norms as one before the one RoPE, in a
+CUDA decode step with it in one kernel), and under `--experiments mixed-forward` a
 forward may carry a prompt's chunk and decode rows together (MixedLayerCache). Every
 other forward (the dense fallback) runs mlx-lm's code unchanged.
 
@@ -32,7 +33,7 @@ from typing import Any
 import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models import base as models_base
-from mlx_lm.models import gemma3_text, gpt_oss, llama, qwen2
+from mlx_lm.models import gemma3_text, gpt_oss, llama, qwen2, qwen3, qwen3_moe
 from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import Llama3RoPE
 
@@ -110,6 +111,7 @@ class FastDecodeBlock:
 
     residual_in_gemm: bool = False  # set per block by speed_up_decode_blocks
     rope_spec: RopeSpec | None = None  # its attention's RoPE, ditto
+    qk_norms: QKNorms | None = None  # its q and k norms (Qwen3's), ditto
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if isinstance(cache, MixedLayerCache):
@@ -133,10 +135,12 @@ class FastDecodeBlock:
             return cache.attend_qkv(qkv, n_q, attn.scale, rope)
         qk, values = _split_qkv(qkv, n_q, n_kv, dim)
         spec = self.rope_spec if self.rope_spec is not None and self.rope_spec.dims == dim else None
-        rotated = cache.backend.norm_rope_qk(qkv, n_q + n_kv, cache.layout.lengths, None, 0.0,
-                                             spec)
+        norms = self.qk_norms
+        rotated = cache.backend.norm_rope_qk(qkv, n_q + n_kv, cache.layout.lengths,
+                                             None if norms is None else norms.scale,
+                                             0.0 if norms is None else norms.eps, spec)
         if rotated is None:
-            rotated = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
+            rotated = attn.rope(self._normed(qk).transpose(0, 2, 1, 3), offset=cache.offset)
         return _store_and_attend(cache, rotated, values, n_q, attn.scale)
 
     def _mixed(self, x: mx.array, mask: Any, cache: MixedLayerCache) -> mx.array:
@@ -159,14 +163,25 @@ class FastDecodeBlock:
         attn = self.self_attn  # type: ignore[attr-defined]
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
         qk, values = _split_qkv(qkv, n_q, n_kv, qkv.shape[-1] // (n_q + 2 * n_kv))
-        qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
+        qk = attn.rope(self._normed(qk).transpose(0, 2, 1, 3), offset=cache.offset)
         return _prefill_attend(cache, qk, values, n_q, attn.scale, mask)
 
+    def _normed(self, qk: mx.array) -> mx.array:
+        """The q and k heads ([B, L, n_q + n_kv, D]) through the block's q/k norms as one
+        unscaled norm and one multiply (see QKNorms), where it has them."""
+        norms = self.qk_norms
+        if norms is None:
+            return qk
+        return mx.fast.rms_norm(qk, None, norms.eps) * norms.scale
+
     def _after_attention(self, x: mx.array, out: mx.array) -> mx.array:
-        """The o projection and residual, then the MLP and its residual."""
+        """The o projection and residual, then the MLP (a SwiGLU's, its gate and up fused;
+        else the block's own, e.g. a mixture of experts) and its residual."""
         attn, mlp = self.self_attn, self.mlp  # type: ignore[attr-defined]
         h = self._residual(x, attn.o_proj, out)
         normed = self.post_attention_layernorm(h)  # type: ignore[attr-defined]
+        if "gate_up_proj" not in mlp:
+            return h + mlp(normed)
         gate, up = mx.split(mlp.gate_up_proj(normed), 2, axis=-1)
         return self._residual(h, mlp.down_proj, swiglu(gate, up))
 
@@ -178,7 +193,8 @@ class FastDecodeBlock:
         layer) and ~11 view nodes. Off by default: on the H200 it saved host time but added
         more device time than RoPE's launches cost (session 8 in docs/benchmarks.md)."""
         spec = self.rope_spec
-        if cache.backend.rope_in_kernel and spec is not None and spec.dims == head_dim:
+        if (cache.backend.rope_in_kernel and spec is not None and spec.dims == head_dim
+                and self.qk_norms is None):  # the kernel does not normalise
             return spec
         return None
 
@@ -193,9 +209,10 @@ class FastDecodeBlock:
 
 @dataclass(frozen=True)
 class QKNorms:
-    """A Gemma 3 layer's q and k norms as one: each head's scale ([n_q + n_kv, D]: q's
-    heads, then k's) and their eps. (Held in a plain object: an array attribute of an
-    mlx Module would become one of the model's parameters.)"""
+    """A layer's q and k norms (Gemma 3's, Qwen3's) as one: each head's scale ([n_q +
+    n_kv, D]: q's heads, then k's) and their eps; a norm without a weight then a multiply
+    by it is MLX's CPU rms_norm with it, bit for bit. (Held in a plain object: an array
+    attribute of an mlx Module would become one of the model's parameters.)"""
 
     scale: mx.array
     eps: float
@@ -301,6 +318,16 @@ def _sandwich_norms(block: nn.Module) -> SandwichNorms | None:
     return SandwichNorms(*(1.0 + n.weight for n in norms), norms[0].eps)
 
 
+def _plain_qk_norms(attn: nn.Module) -> QKNorms | None:
+    """Qwen3's q and k norms as one, where they are nn.RMSNorms of one eps."""
+    q_norm, k_norm = attn.q_norm, attn.k_norm
+    if not (type(q_norm) is type(k_norm) is nn.RMSNorm and q_norm.eps == k_norm.eps):
+        return None
+    scale = mx.concatenate([mx.broadcast_to(q_norm.weight, (attn.n_heads, q_norm.weight.shape[0])),
+                            mx.broadcast_to(k_norm.weight, (attn.n_kv_heads, k_norm.weight.shape[0]))])
+    return QKNorms(scale, q_norm.eps, None)
+
+
 def _qk_norms(attn: nn.Module) -> QKNorms | None:
     """Gemma 3's q and k norms as one, where they are mlx-lm's (offset) RMSNorms of one
     eps; None otherwise."""
@@ -317,13 +344,21 @@ def _qk_norms(attn: nn.Module) -> QKNorms | None:
 
 
 # mlx-lm block classes whose call, attention and MLP are the math FastDecodeBlock does
-# (pre-norm residual block; q/k/v projections, with or without bias, RoPE on q and k with
-# the cache's offset, attention, o projection; SwiGLU MLP), read from their source. Other
-# model types reuse these modules (mistral is llama's).
-_FAMILIES: dict[type, tuple[type, type]] = {
-    llama.TransformerBlock: (llama.Attention, llama.MLP),
-    qwen2.TransformerBlock: (qwen2.Attention, qwen2.MLP),
+# (pre-norm residual block; q/k/v projections, with or without bias, q/k norms or not,
+# RoPE on q and k with the cache's offset, attention, o projection; SwiGLU MLP, or
+# experts called as mlx-lm calls them), read from their source. Other model types reuse
+# these modules (mistral is llama's).
+_FAMILIES: dict[type, tuple[type, tuple[type, ...]]] = {
+    llama.TransformerBlock: (llama.Attention, (llama.MLP,)),
+    qwen2.TransformerBlock: (qwen2.Attention, (qwen2.MLP,)),
+    # Qwen3: the same with q and k norms (QKNorms) before RoPE; its MoE, experts or a
+    # SwiGLU a layer (the experts' MLP is mlx-lm's call).
+    qwen3.TransformerBlock: (qwen3.Attention, (qwen3.MLP,)),
+    qwen3_moe.Qwen3MoeDecoderLayer: (qwen3_moe.Attention,
+                                     (qwen3_moe.MLP, qwen3_moe.Qwen3MoeSparseMoeBlock)),
 }
+# Families whose attention normalises q and k per head (nn.RMSNorm) before RoPE.
+_QK_NORMED = (qwen3.Attention, qwen3_moe.Attention)
 _FAST_CLASSES = {base: type(f"Fast{base.__module__.rsplit('.', 1)[-1].title()}Block",
                             (FastDecodeBlock, base), {}) for base in _FAMILIES}
 
@@ -333,14 +368,17 @@ _GPT_OSS = type("FastGptOssTransformerBlock", (FastGptOssBlock, gpt_oss.Transfor
 
 
 def _eligible(block: nn.Module) -> bool:
-    """A block of a family above, as mlx-lm builds it, with its q/k/v and gate/up fused."""
+    """A block of a family above, as mlx-lm builds it, with its q/k/v fused (a SwiGLU's
+    gate/up too; Qwen3's q and k norms mlx-lm's RMSNorms of one eps)."""
     parts = _FAMILIES.get(type(block))
     if parts is None:
         return False
     attn, mlp = block.self_attn, block.mlp
-    if (type(attn), type(mlp)) != parts:
+    if type(attn) is not parts[0] or type(mlp) not in parts[1]:
         return False
-    return "qkv_proj" in attn and "gate_up_proj" in mlp
+    if isinstance(attn, _QK_NORMED) and _plain_qk_norms(attn) is None:
+        return False
+    return "qkv_proj" in attn and ("gate_up_proj" in mlp or not hasattr(mlp, "gate_proj"))
 
 
 def _eligible_gemma3(block: nn.Module) -> bool:
@@ -375,6 +413,9 @@ def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
             module.rope_spec = rope_spec(module.self_attn.rope)
             if module.rope_spec is not None:  # evaluated here, never inside a compiled trace
                 mx.eval(module.rope_spec.kernel_params)
+            if isinstance(module.self_attn, _QK_NORMED):
+                module.qk_norms = _plain_qk_norms(module.self_attn)
+                mx.eval(module.qk_norms.scale)
             count += 1
         elif _eligible_gemma3(module) and (norms := _qk_norms(module.self_attn)) is not None:
             module.__class__ = _GEMMA3
