@@ -34,7 +34,7 @@ from worker_proc import qk_norm_rope, residual_norm  # noqa: E402
 _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "table": "int32_t",
           "lengths": "int32_t", "scale": "float", "written": "int32_t", "slots": "int32_t",
           "rope": "float", "sinks": "T", "acc": "float", "ml": "float", "out": "T", "out_ml": "float",
-          "mark": "int32_t", "bias": "T", "qk_scale": "T", "norm": "float",
+          "mark": "int32_t", "bias": "T", "qk_scale": "T", "prep": "float",
           "branch": "T", "residual": "T", "weight": "T", "eps": "float", "next_weight": "T",
           "normed": "T"}
 
@@ -117,11 +117,12 @@ def qk_norm_variants(dtype: str, dim: int, heads: int) -> list[tuple[str, str]]:
     (worker_proc.qk_norm_rope), each RoPE layout and frequency source, and RoPE alone."""
     out = []
     for norm, trad, freqs in itertools.product((True, False), repeat=3):
+        mscale = freqs and not norm  # YaRN's (GPT-OSS): frequencies given, input scaled
         name = (f"kiln_qk{'_norm' if norm else ''}_rope_d{dim}{'_trad' if trad else ''}"
-                f"{'_freqs' if freqs else ''}")
+                f"{'_freqs' if freqs else ''}{'_mscale' if mscale else ''}")
         params = {"T": dtype, "D": str(dim), "H": str(heads), "TRAD": str(trad).lower(),
-                  "FREQS": str(freqs).lower()}
-        inputs = ["qkv", *(["qk_scale", "norm"] if norm else []), "rope", "lengths"]
+                  "FREQS": str(freqs).lower(), "MSCALE": str(mscale).lower()}
+        inputs = ["qkv", *(["qk_scale"] if norm else []), "prep", "rope", "lengths"]
         out.append((name, wrap(name, inputs, ["out"], qk_norm_rope.source(norm),
                                pa._ROPE_HEADER, params)))
     return out

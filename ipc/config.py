@@ -211,8 +211,9 @@ class ServerConfig:
                                       "and RoPE as before, not one kernel), "
                                       "fused-residual-norm (a decode step's sandwich norms "
                                       "and residual adds, Gemma 3's, in one kernel a pair; "
-                                      "unmeasured), qk-rope-kernel (a llama or qwen2 decode "
-                                      "step's RoPE of q and k in one kernel from the fused "
+                                      "unmeasured), qk-rope-kernel (a llama, qwen2 or GPT-OSS "
+                                      "decode step's RoPE of q and k, YaRN's input scale "
+                                      "too, in one kernel from the fused "
                                       "projection's output, not MLX's copy and RoPE; "
                                       "unmeasured)."})
     eager_decode: bool = dataclasses.field(

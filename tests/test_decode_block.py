@@ -164,9 +164,10 @@ def test_qk_rope_kernel_experiment_decodes_mlx_lm_tokens(tiny_model, oracle, fas
 
 
 def test_rope_spec_reproduces_mlx_lm_rope_modules():
-    """The kernel's RoPE arguments: nn.RoPE's and Llama3RoPE's rotation exactly (as
-    mx.fast.rope gives it), and none for RoPEs the kernel does not do."""
-    from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE
+    """The kernels' RoPE arguments: nn.RoPE's, Llama3RoPE's and YarnRoPE's rotation
+    exactly (as mx.fast.rope gives it; YaRN's input scale first), and none for RoPEs the
+    kernels do not do."""
+    from mlx_lm.models.rope_utils import Llama3RoPE, SuScaledRoPE, YarnRoPE
 
     from worker_proc.decode_block import rope_spec
 
@@ -175,7 +176,9 @@ def test_rope_spec_reproduces_mlx_lm_rope_modules():
     llama3 = Llama3RoPE(16, base=500000.0, scaling_config={
         "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
         "original_max_position_embeddings": 8192})
-    for module in (nn_rope(16, False, 10000.0, 1.0), nn_rope(16, True, 500000.0, 0.5), llama3):
+    yarn = YarnRoPE(16, base=150000.0, scaling_factor=32.0, original_max_position_embeddings=4096)
+    assert yarn.mscale != 1.0 and rope_spec(yarn).mscale == yarn.mscale
+    for module in (nn_rope(16, False, 10000.0, 1.0), nn_rope(16, True, 500000.0, 0.5), llama3, yarn):
         spec = rope_spec(module)
         assert spec is not None and spec.dims == 16
         assert mx.array_equal(spec.apply(x, offsets), module(x, offset=offsets)).item()
@@ -303,7 +306,7 @@ def test_qwen3_blocks_decode_mlx_lm_tokens(name, path):
         _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=79)
 
 
-@pytest.mark.parametrize("path", ["compiled", "in place"])
+@pytest.mark.parametrize("path", ["compiled", "in place", "rope kernel"])
 def test_gpt_oss_blocks_decode_mlx_lm_tokens(path):
     """GPT-OSS's block rotates q and k together in decode, with its sinks and sliding
     windows shorter than the prompts. The sinks are drawn (mlx-lm starts them at 0)."""
@@ -315,7 +318,12 @@ def test_gpt_oss_blocks_decode_mlx_lm_tokens(path):
         a.self_attn.sinks, b.self_attn.sinks = sinks, mx.array(sinks)
     fuse_projections(ours)
     assert speed_up_decode_blocks(ours, residual_in_gemm=True) == len(ours.layers)
-    _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=78)
+    if path == "rope kernel":  # qk-rope-kernel: its YaRN RoPE through norm_rope_qk
+        assert all(layer.rope_spec.mscale != 1.0 for layer in ours.layers)
+        _family_pair_decodes_as_mlx_lm(theirs, ours, "compiled", seed=78,
+                                       backend=StandInKernel(qk_rope_kernel=True))
+    else:
+        _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=78)
 
 
 @pytest.mark.parametrize("path", ["compiled", "in place"])
@@ -457,14 +465,15 @@ def test_gemma3_sandwich_norms_go_to_the_backend_under_the_experiment(monkeypatc
     assert mx.array_equal(w2, 1.0 + block.post_feedforward_layernorm.weight).item() and n2 is None
 
 
-@pytest.mark.parametrize("dim,traditional,freqs,dtype,norm", [
-    (256, False, False, mx.bfloat16, True), (128, False, True, mx.bfloat16, True),
-    (128, True, False, mx.float16, True), (64, False, False, mx.float32, True),
-    (16, False, False, mx.bfloat16, True), (32, True, True, mx.bfloat16, True),
-    (128, False, True, mx.bfloat16, False), (64, True, False, mx.float16, False)])
-def test_cuda_qk_norm_rope_kernel_matches_mlx_ops(dim, traditional, freqs, dtype, norm):
+@pytest.mark.parametrize("dim,traditional,freqs,dtype,norm,mscale", [
+    (256, False, False, mx.bfloat16, True, 1.0), (128, False, True, mx.bfloat16, True, 1.0),
+    (128, True, False, mx.float16, True, 1.0), (64, False, False, mx.float32, True, 1.0),
+    (16, False, False, mx.bfloat16, True, 1.0), (32, True, True, mx.bfloat16, True, 1.0),
+    (128, False, True, mx.bfloat16, False, 1.0), (64, True, False, mx.float16, False, 1.0),
+    (64, False, True, mx.bfloat16, False, 1.3466)])
+def test_cuda_qk_norm_rope_kernel_matches_mlx_ops(dim, traditional, freqs, dtype, norm, mscale):
     """On CUDA, the q/k norm and RoPE kernel gives MLX's norm, multiply and RoPE (or RoPE
-    alone) of the same heads (read in place from a fused q/k/v output, here a strided view of a wider one), at
+    alone, YaRN's input scale too) of the same heads (read in place from a fused q/k/v output, here a strided view of a wider one), at
     each row's own position: within a rounding step or two of the dtype (the sum of
     squares is reduced in another order: in float32 that shows in most outputs' last
     bits, in 16-bit ones in a few)."""
@@ -475,7 +484,8 @@ def test_cuda_qk_norm_rope_kernel_matches_mlx_ops(dim, traditional, freqs, dtype
         pytest.skip("the kernel needs MLX's CUDA backend")
     n_q, n_kv, batch = 4, 2, 5
     freq_arr = mx.array(10000.0 ** (mx.arange(dim // 2) / (dim // 2)) * 1.7) if freqs else None
-    rope = RopeSpec(dim, traditional, None if freqs else 10000.0, 0.125 if not freqs else 1.0, freq_arr)
+    rope = RopeSpec(dim, traditional, None if freqs else 10000.0, 0.125 if not freqs else 1.0,
+                    freq_arr, mscale)  # 1.3466: GPT-OSS's YaRN
     assert fits(rope)
     width = (n_q + 2 * n_kv) * dim
     wide = (mx.random.normal((batch, 1, width + 8), key=mx.random.key(dim)) * 3).astype(dtype)

@@ -188,8 +188,8 @@ class KernelDecode(DecodeBackend):
     layer's (off, MLX's fused call: `--experiments fused-own-prefill`). qk_norm_kernel:
     per-head q/k norms and RoPE of a decode step in one kernel (norm_rope_qk; off, MLX's
     norm, multiply and RoPE: `--experiments unfused-qk-norm`). qk_rope_kernel: the same
-    kernel's RoPE alone for blocks without q/k norms (llama, qwen2) in place of MLX's copy
-    and RoPE (on with `--experiments qk-rope-kernel`, unmeasured). residual_norm_kernel: a
+    kernel's RoPE alone for blocks without q/k norms (llama, qwen2, GPT-OSS) in place of
+    MLX's copy and RoPE (on with `--experiments qk-rope-kernel`, unmeasured). residual_norm_kernel: a
     decode step's sandwich norms and residual adds (Gemma 3's) in one kernel a pair
     (residual_norm; on with `--experiments fused-residual-norm`, unmeasured)."""
 

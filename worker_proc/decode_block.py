@@ -35,7 +35,7 @@ import mlx.nn as nn
 from mlx_lm.models import base as models_base
 from mlx_lm.models import gemma3_text, gpt_oss, llama, qwen2, qwen3, qwen3_moe
 from mlx_lm.models.activations import swiglu
-from mlx_lm.models.rope_utils import Llama3RoPE
+from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
 
 from worker_proc.attention import MixedLayerCache, PooledKVCache
 from worker_proc.paged_attention import RopeSpec
@@ -43,12 +43,14 @@ from worker_proc.paged_attention import RopeSpec
 logger = logging.getLogger(__name__)
 
 def rope_spec(rope: nn.Module) -> RopeSpec | None:
-    """The RopeSpec of an mlx-lm RoPE module (nn.RoPE, Llama3RoPE); None for other kinds
-    (scaled variants that also scale the input)."""
+    """The RopeSpec of an mlx-lm RoPE module (nn.RoPE, Llama3RoPE, YarnRoPE); None for
+    other kinds."""
     if type(rope) is nn.RoPE:
         return RopeSpec(rope.dims, rope.traditional, float(rope.base), float(rope.scale))
     if type(rope) is Llama3RoPE:  # its call: base None, scale 1, its own frequencies
         return RopeSpec(rope.dims, rope.traditional, None, 1.0, rope._freqs)
+    if type(rope) is YarnRoPE:  # the same, its input scaled first (GPT-OSS, DeepSeek)
+        return RopeSpec(rope.dims, rope.traditional, None, 1.0, rope._freqs, float(rope.mscale))
     return None
 
 
@@ -194,7 +196,7 @@ class FastDecodeBlock:
         more device time than RoPE's launches cost (session 8 in docs/benchmarks.md)."""
         spec = self.rope_spec
         if (cache.backend.rope_in_kernel and spec is not None and spec.dims == head_dim
-                and self.qk_norms is None):  # the kernel does not normalise
+                and spec.mscale == 1.0 and self.qk_norms is None):  # nor scale, nor normalise
             return spec
         return None
 
@@ -293,19 +295,27 @@ class FastGemma3Block:
 class FastGptOssBlock:
     """GPT-OSS's block (mlx-lm's gpt_oss) for paged decode and prefill over the pool: one
     RoPE over the adjacent q and k heads of the fused q/k/v output (mlx-lm rotates each
-    apart, each a copy of its strided view first on CUDA), then mlx-lm's attention with
+    apart, each a copy of its strided view first on CUDA; under qk-rope-kernel a decode
+    step's is one kernel, YaRN's input scale included), then mlx-lm's attention with
     sinks, o projection, MoE and residuals. RoPE works head by head, so the tokens are
     mlx-lm's on the CPU (tests)."""
+
+    rope_spec: RopeSpec | None = None  # its YaRN RoPE, set by speed_up_decode_blocks
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if not (_paged_decode(cache) or _pooled_prefill(cache)):
             return super().__call__(x, mask, cache)  # type: ignore[misc]
         attn = self.self_attn  # type: ignore[attr-defined]
-        n_q = attn.num_attention_heads
+        n_q, n_kv = attn.num_attention_heads, attn.num_key_value_heads
         qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
-        qk, values = _split_qkv(qkv, n_q, attn.num_key_value_heads, attn.head_dim)
-        qk = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
-        h = x + attn.o_proj(_attend(cache, qk, values, n_q, attn.sm_scale, mask, attn.sinks))
+        qk, values = _split_qkv(qkv, n_q, n_kv, attn.head_dim)
+        rotated = None
+        if cache.paged:  # one kernel where the backend has it (qk-rope-kernel)
+            rotated = cache.backend.norm_rope_qk(qkv, n_q + n_kv, cache.layout.lengths, None,
+                                                 0.0, self.rope_spec)
+        if rotated is None:
+            rotated = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
+        h = x + attn.o_proj(_attend(cache, rotated, values, n_q, attn.sm_scale, mask, attn.sinks))
         return h + self.mlp(self.post_attention_layernorm(h))  # type: ignore[attr-defined]
 
 
@@ -428,6 +438,10 @@ def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
             count += 1
         elif _eligible_gpt_oss(module):
             module.__class__ = _GPT_OSS
+            spec = rope_spec(module.self_attn.rope)
+            module.rope_spec = spec if spec is not None and spec.dims == module.self_attn.head_dim else None
+            if module.rope_spec is not None:
+                mx.eval(module.rope_spec.kernel_params)
             count += 1
     if count:
         logger.info("%d blocks take the fast decode call (residual adds in GEMMs: %s)",

@@ -1300,18 +1300,23 @@ def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
 
 @dataclass(frozen=True)
 class RopeSpec:
-    """A RoPE that the write-and-attend kernel applies to q and the new keys itself, at
-    each row's new position (length - 1): mx.fast.rope's math with these arguments (base
-    None: freqs given), over whole heads (the kernel takes dims == the head size only)."""
+    """A RoPE that a kernel applies to q and the new keys itself, at each row's new
+    position (length - 1): mx.fast.rope's math with these arguments (base None: freqs
+    given), over whole heads (the kernels take dims == the head size only); mscale:
+    YaRN's input scale, multiplied into the rotated dims first as mlx-lm's YarnRoPE does
+    (the write-and-attend kernel takes only 1; worker_proc/qk_norm_rope.py any)."""
 
     dims: int
     traditional: bool
     base: float | None
     scale: float
     freqs: mx.array | None = None
+    mscale: float = 1.0
 
     def apply(self, x: mx.array, offset: int | mx.array) -> mx.array:
-        """The same rotation by mx.fast.rope (what the kernel replaces)."""
+        """The same rotation by MLX ops (what the kernels replace)."""
+        if self.mscale != 1.0:
+            x = x.at[..., :self.dims].multiply(self.mscale)
         return mx.fast.rope(x, self.dims, traditional=self.traditional, base=self.base,
                             scale=self.scale, offset=offset, freqs=self.freqs)
 

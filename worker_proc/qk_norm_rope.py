@@ -38,6 +38,11 @@ _BODY = r"""
     kiln_rope_angles<D, FREQS>(static_cast<float>(lengths[b] - 1), rope, rope_cos, rope_sin);
     __syncthreads();
     NORM_APPLY
+    if (MSCALE) {  // YaRN's input scale, in T as mlx-lm's multiply of a T array
+        const float ms = static_cast<float>(static_cast<T>(prep[1]));
+        m1 = static_cast<float>(static_cast<T>(m1 * ms));
+        m2 = static_cast<float>(static_cast<T>(m2 * ms));
+    }
     const float c = rope_cos[i], s = rope_sin[i];  // pair i's frequency, either layout
     const size_t o = ((size_t)b * H + h) * D;
     out[o + d1] = static_cast<T>(m1 * c - m2 * s);
@@ -57,7 +62,7 @@ _NORM_PARTIAL = r"""constexpr int LANES = HALF < 32 ? HALF : 32;
 _NORM_APPLY = r"""float total = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) total += partial[w];
-    const float r = rsqrtf(total / static_cast<float>(D) + norm[0]);
+    const float r = rsqrtf(total / static_cast<float>(D) + prep[0]);
     // As mx.fast.rms_norm (x * r, rounded), then the scale's multiply (rounded).
     m1 = static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(m1 * r)) * s1));
     m2 = static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(m2 * r)) * s2));"""
@@ -73,16 +78,16 @@ def source(norm: bool) -> str:
 def _kernel(norm: bool):
     return mx.fast.cuda_kernel(
         name=f"kiln_qk{'_norm' if norm else ''}_rope",
-        input_names=["qkv", *(["qk_scale", "norm"] if norm else []), "rope", "lengths"],
+        input_names=["qkv", *(["qk_scale"] if norm else []), "prep", "rope", "lengths"],
         output_names=["out"], source=source(norm), header=_ROPE_HEADER,
         ensure_row_contiguous=False)
 
 
 @functools.cache
-def _eps(eps: float) -> mx.array:
-    """The kernel's `norm` input, one array for every call (not an upload a layer and
-    step; evaluated with the first graph that reads it)."""
-    return mx.array([eps], dtype=mx.float32)
+def _prep(eps: float, mscale: float) -> mx.array:
+    """The kernel's `prep` input, [eps, mscale]: one array for every call (not an upload
+    a layer and step; evaluated with the first graph that reads it)."""
+    return mx.array([eps, mscale], dtype=mx.float32)
 
 
 def fits(rope: RopeSpec) -> bool:
@@ -97,14 +102,16 @@ def decode_qk_norm_rope(qkv: mx.array, heads: int, lengths: mx.array, scale: mx.
                         eps: float, rope: RopeSpec) -> mx.array:
     """The first `heads` heads of a decode step's fused q/k/v output [B, 1, F] (its q
     heads, then k's), each RMS-normalised (no weight) and multiplied by its row of
-    `scale` [heads, D] (scale None: neither) and rotated at position lengths[b] - 1:
+    `scale` [heads, D] (scale None: neither), scaled by the RoPE's mscale (YaRN's) and
+    rotated at position lengths[b] - 1:
     [B, heads, 1, D], as reference_qk_norm_rope computes (fits(rope) must hold)."""
     batch, dim = qkv.shape[0], rope.dims
     norm = scale is not None
     (out,) = _kernel(norm)(
-        inputs=[qkv, *([scale, _eps(eps)] if norm else []), rope.kernel_params, lengths],
+        inputs=[qkv, *([scale] if norm else []), _prep(eps, rope.mscale), rope.kernel_params,
+                lengths],
         template=[("T", qkv.dtype), ("D", dim), ("H", heads), ("TRAD", rope.traditional),
-                  ("FREQS", rope.freqs is not None)],
+                  ("FREQS", rope.freqs is not None), ("MSCALE", rope.mscale != 1.0)],
         grid=(heads * dim // 2, batch, 1), threadgroup=(dim // 2, 1, 1),
         output_shapes=[(batch, heads, 1, dim)], output_dtypes=[qkv.dtype])
     return out
