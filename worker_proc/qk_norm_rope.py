@@ -35,7 +35,8 @@ _BODY = r"""
     float m2 = static_cast<float>(qkv[at + (size_t)d2 * es]);
     __shared__ float rope_cos[HALF], rope_sin[HALF];
     NORM_PARTIAL
-    kiln_rope_angles<D, FREQS>(static_cast<float>(lengths[b] - 1), rope, rope_cos, rope_sin);
+    kiln_rope_angles<D, FREQS>(static_cast<float>(lengths[b * lengths_strides[0]] - 1), rope,
+                              rope_cos, rope_sin);
     __syncthreads();
     NORM_APPLY
     if (MSCALE) {  // YaRN's input scale, in T as mlx-lm's multiply of a T array
@@ -80,7 +81,8 @@ def _kernel(norm: bool):
         name=f"kiln_qk{'_norm' if norm else ''}_rope",
         input_names=["qkv", *(["qk_scale"] if norm else []), "prep", "rope", "lengths"],
         output_names=["out"], source=source(norm), header=_ROPE_HEADER,
-        ensure_row_contiguous=False)
+        ensure_row_contiguous=False)  # qkv read in place; the small inputs are made whole,
+                                      # the lengths read through their stride
 
 
 @functools.cache
