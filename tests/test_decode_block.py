@@ -473,10 +473,10 @@ def test_gemma3_sandwich_norms_go_to_the_backend_under_the_experiment(monkeypatc
     (64, False, True, mx.bfloat16, False, 1.3466)])
 def test_cuda_qk_norm_rope_kernel_matches_mlx_ops(dim, traditional, freqs, dtype, norm, mscale):
     """On CUDA, the q/k norm and RoPE kernel gives MLX's norm, multiply and RoPE (or RoPE
-    alone, YaRN's input scale too) of the same heads (read in place from a fused q/k/v output, here a strided view of a wider one), at
-    each row's own position: within a rounding step or two of the dtype (the sum of
-    squares is reduced in another order: in float32 that shows in most outputs' last
-    bits, in 16-bit ones in a few)."""
+    alone, YaRN's input scale too) of the same heads (read in place from a fused q/k/v
+    output, here a strided view of a wider one), at each row's own position: within a
+    rounding step or two of the dtype (the sum of squares is reduced in another order: in
+    float32 that shows in most outputs' last bits, in 16-bit ones in a few)."""
     from worker_proc.paged_attention import RopeSpec, kernel_available
     from worker_proc.qk_norm_rope import decode_qk_norm_rope, fits, reference_qk_norm_rope
 

@@ -284,9 +284,8 @@ class FastGemma3Block:
                                           sandwich.pre_feedforward)
             if first is not None:
                 h, normed = first
-                second = backend.residual_norm(self.mlp(normed), h, sandwich.post_feedforward,  # type: ignore[attr-defined]
-                                               sandwich.eps)
-                return second[0]
+                r = self.mlp(normed)  # type: ignore[attr-defined]
+                return backend.residual_norm(r, h, sandwich.post_feedforward, sandwich.eps)[0]
         h = gemma3_text.clip_residual(x, self.post_attention_layernorm(out))  # type: ignore[attr-defined]
         r = self.mlp(self.pre_feedforward_layernorm(h))  # type: ignore[attr-defined]
         return gemma3_text.clip_residual(h, self.post_feedforward_layernorm(r))  # type: ignore[attr-defined]
@@ -321,9 +320,11 @@ class FastGptOssBlock:
 
 def _sandwich_norms(block: nn.Module) -> SandwichNorms | None:
     """Gemma 3's sandwich norms, where all three are mlx-lm's RMSNorm of one eps."""
-    norms = [getattr(block, name, None) for name in
-             ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")]
-    if not all(isinstance(n, gemma3_text.RMSNorm) for n in norms) or len({n.eps for n in norms}) != 1:
+    names = ("post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")
+    norms = [getattr(block, name, None) for name in names]
+    if not all(isinstance(n, gemma3_text.RMSNorm) for n in norms):
+        return None
+    if len({n.eps for n in norms}) != 1:
         return None
     return SandwichNorms(*(1.0 + n.weight for n in norms), norms[0].eps)
 
@@ -333,8 +334,9 @@ def _plain_qk_norms(attn: nn.Module) -> QKNorms | None:
     q_norm, k_norm = attn.q_norm, attn.k_norm
     if not (type(q_norm) is type(k_norm) is nn.RMSNorm and q_norm.eps == k_norm.eps):
         return None
-    scale = mx.concatenate([mx.broadcast_to(q_norm.weight, (attn.n_heads, q_norm.weight.shape[0])),
-                            mx.broadcast_to(k_norm.weight, (attn.n_kv_heads, k_norm.weight.shape[0]))])
+    dim = q_norm.weight.shape[0]
+    scale = mx.concatenate([mx.broadcast_to(q_norm.weight, (attn.n_heads, dim)),
+                            mx.broadcast_to(k_norm.weight, (attn.n_kv_heads, dim))])
     return QKNorms(scale, q_norm.eps, None)
 
 
@@ -350,7 +352,8 @@ def _qk_norms(attn: nn.Module) -> QKNorms | None:
     scale = mx.concatenate([mx.broadcast_to(1.0 + q_norm.weight, (attn.n_heads, attn.head_dim)),
                             mx.broadcast_to(1.0 + k_norm.weight, (attn.n_kv_heads, attn.head_dim))])
     spec = rope_spec(attn.rope)
-    return QKNorms(scale, q_norm.eps, spec if spec is not None and spec.dims == attn.head_dim else None)
+    whole = spec is not None and spec.dims == attn.head_dim
+    return QKNorms(scale, q_norm.eps, spec if whole else None)
 
 
 # mlx-lm block classes whose call, attention and MLP are the math FastDecodeBlock does
@@ -439,7 +442,8 @@ def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
         elif _eligible_gpt_oss(module):
             module.__class__ = _GPT_OSS
             spec = rope_spec(module.self_attn.rope)
-            module.rope_spec = spec if spec is not None and spec.dims == module.self_attn.head_dim else None
+            whole = spec is not None and spec.dims == module.self_attn.head_dim
+            module.rope_spec = spec if whole else None
             if module.rope_spec is not None:
                 mx.eval(module.rope_spec.kernel_params)
             count += 1

@@ -100,7 +100,8 @@ def fits(dim: int) -> bool:
 def _kernel(next_norm: bool):
     return mx.fast.cuda_kernel(
         name=f"kiln_residual_norm{'_next' if next_norm else ''}",
-        input_names=["branch", "residual", "weight", "eps", *(["next_weight"] if next_norm else [])],
+        input_names=["branch", "residual", "weight", "eps",
+                     *(["next_weight"] if next_norm else [])],
         output_names=["out", *(["normed"] if next_norm else [])], source=source(next_norm),
         header=_HEADER)
 
