@@ -159,6 +159,22 @@ FAMILY_SHAPES = {s.name: s for s in (
         topk_group=1, num_experts_per_tok=6, moe_layer_freq=1, first_k_dense_replace=1,
         norm_topk_prob=True, scoring_func="sigmoid", rope_theta=50000.0, rms_norm_eps=1e-5,
         max_position_embeddings=8192)),
+    # Qwen3-8B (dense; q and k normalised per head before RoPE): ~7.0B parameters here
+    # (the real 8.2B counts its 152k vocabulary), bf16 ~14 GB.
+    FamilyShape("qwen3-8b", dict(
+        model_type="qwen3", hidden_size=4096, num_hidden_layers=36, intermediate_size=12288,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6,
+        rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=False)),
+    # Qwen3-30B-A3B with 32 of its 128 experts (8 a token): ~8.2B parameters, bf16 ~16 GB
+    # (the full model's 61 GB do not fit the device machine's disk beside a second model).
+    # Its 48 layers, attention and experts' shapes are the real model's, so the launches a
+    # step are; at 64 rows every expert is read, as in the real model's ~all 128.
+    FamilyShape("qwen3_moe-32e", dict(
+        model_type="qwen3_moe", hidden_size=2048, num_hidden_layers=48, intermediate_size=6144,
+        num_attention_heads=32, num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6,
+        num_experts=32, num_experts_per_tok=8, moe_intermediate_size=768,
+        decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True,
+        rope_theta=1_000_000.0, max_position_embeddings=40960, tie_word_embeddings=False)),
     # CPU smoke tests of the maker and the serving path.
     FamilyShape("gemma3-tiny", dict(
         model_type="gemma3_text", hidden_size=64, num_hidden_layers=4, intermediate_size=128,
@@ -188,6 +204,13 @@ FAMILY_SHAPES = {s.name: s for s in (
         topk_method="noaux_tc", n_group=1, topk_group=1, num_experts_per_tok=2,
         moe_layer_freq=1, first_k_dense_replace=1, norm_topk_prob=True, scoring_func="sigmoid",
         rope_theta=50000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
+                tokenizer_preset="demo-tiny"),
+    FamilyShape("qwen3_moe-tiny", dict(
+        model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, rms_norm_eps=1e-6,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, decoder_sparse_step=1,
+        mlp_only_layers=[], norm_topk_prob=True, rope_theta=10000.0,
+        max_position_embeddings=4096, tie_word_embeddings=False),
                 tokenizer_preset="demo-tiny"),
     FamilyShape("qwen3_next-tiny", dict(
         model_type="qwen3_next", hidden_size=64, num_hidden_layers=4, intermediate_size=128,

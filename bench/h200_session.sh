@@ -37,7 +37,8 @@ cd "$(dirname "$0")/.."
 OUT=${OUT:-bench/results}
 PYTHON=${PYTHON:-python3}
 FAMILY=${FAMILY:-}  # a bench/family_models.py shape (gemma3-12b, gpt-oss-20b, qwen3_5-9b,
-                    # qwen3_next-64e, moonlight-16b: MLA); empty: Llama-3-8B
+                    # qwen3_next-64e, moonlight-16b: MLA, qwen3-8b, qwen3_moe-32e);
+                    # empty: Llama-3-8B
 DTYPE=${DTYPE:-bfloat16}  # float32 for CPU smoke tests of MoE shapes (MLX's CPU gather_mm)
 QUANTIZE=${QUANTIZE:-}  # a family model quantized as mlx_lm.convert -q would: MODE[:BITS[:GROUP]],
                         # e.g. mxfp4 (GPT-OSS as it ships) or affine:4:64

@@ -20,10 +20,12 @@ def _weights(model_dir: Path) -> dict:
     return out
 
 
-@pytest.mark.parametrize("shape", ["qwen3_5-tiny", "qwen3_next-tiny", "moonlight-tiny"])
+@pytest.mark.parametrize("shape", ["qwen3_5-tiny", "qwen3_next-tiny", "moonlight-tiny",
+                                   "qwen3_moe-tiny"])
 def test_family_model_loads_and_its_head_never_picks_a_special_id(shape: str,
                                                                    tmp_path: Path) -> None:
-    """Hybrids (their heads under language_model.) and MLA (DeepSeek-V3's architecture)."""
+    """Hybrids (their heads under language_model.), MLA (DeepSeek-V3's architecture) and
+    Qwen3's MoE."""
     import mlx.core as mx
 
     from worker_proc.demo_model import ensure_demo_model
