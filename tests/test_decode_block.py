@@ -434,7 +434,7 @@ def test_gemma3_decode_norms_and_rope_go_to_the_backend(monkeypatch):
         assert len(calls) == 2 * expected  # two decode steps (the first token: prefill's)
     heads, lengths, rope = calls[0]
     assert heads == attn.n_heads + attn.n_kv_heads and lengths == [6]
-    assert rope == ours.layers[0].qk_norms.rope and rope.dims == attn.head_dim
+    assert rope == ours.layers[0].rope_spec and rope.dims == attn.head_dim
 
 
 def test_gemma3_sandwich_norms_go_to_the_backend_under_the_experiment(monkeypatch):

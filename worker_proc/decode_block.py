@@ -106,6 +106,24 @@ def _attend(cache: PooledKVCache, qk: mx.array, values: mx.array, n_q: int, scal
     return _prefill_attend(cache, qk, values, n_q, scale, mask, sinks)
 
 
+def _rotate_qk(cache: PooledKVCache, qkv: mx.array, qk: mx.array, rope: nn.Module,
+               spec: RopeSpec | None, norms: QKNorms | None) -> mx.array:
+    """The q and k heads (qk, [B, L, n_q + n_kv, D], views of the fused output qkv)
+    through the block's q/k norms where it has them, then its RoPE: [B, n_q + n_kv, L, D].
+    A decode step hands both to the backend's one kernel (norm_rope_qk) where it has one
+    and `spec`, the RoPE's arguments, rotates whole heads; else MLX's norm as one unscaled
+    norm and a multiply (see QKNorms) and the model's RoPE."""
+    if cache.paged and spec is not None and spec.dims == qk.shape[-1]:
+        rotated = cache.backend.norm_rope_qk(qkv, qk.shape[2], cache.layout.lengths,
+                                             None if norms is None else norms.scale,
+                                             0.0 if norms is None else norms.eps, spec)
+        if rotated is not None:
+            return rotated
+    if norms is not None:
+        qk = mx.fast.rms_norm(qk, None, norms.eps) * norms.scale
+    return rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
+
+
 class FastDecodeBlock:
     """Mixed into a block's class (see speed_up_decode_blocks): its parameters and
     submodules stay where mlx-lm put them; only the call differs, for forwards over the
@@ -136,14 +154,8 @@ class FastDecodeBlock:
         if rope is not None:  # one kernel from the projection's output to o's input
             return cache.attend_qkv(qkv, n_q, attn.scale, rope)
         qk, values = _split_qkv(qkv, n_q, n_kv, dim)
-        spec = self.rope_spec if self.rope_spec is not None and self.rope_spec.dims == dim else None
-        norms = self.qk_norms
-        rotated = cache.backend.norm_rope_qk(qkv, n_q + n_kv, cache.layout.lengths,
-                                             None if norms is None else norms.scale,
-                                             0.0 if norms is None else norms.eps, spec)
-        if rotated is None:
-            rotated = attn.rope(self._normed(qk).transpose(0, 2, 1, 3), offset=cache.offset)
-        return _store_and_attend(cache, rotated, values, n_q, attn.scale)
+        qk = _rotate_qk(cache, qkv, qk, attn.rope, self.rope_spec, self.qk_norms)
+        return _store_and_attend(cache, qk, values, n_q, attn.scale)
 
     def _mixed(self, x: mx.array, mask: Any, cache: MixedLayerCache) -> mx.array:
         """A prompt's chunk and decode rows in one forward ([1, n + B, D]): the q/k/v, o
@@ -165,16 +177,8 @@ class FastDecodeBlock:
         attn = self.self_attn  # type: ignore[attr-defined]
         n_q, n_kv = attn.n_heads, attn.n_kv_heads
         qk, values = _split_qkv(qkv, n_q, n_kv, qkv.shape[-1] // (n_q + 2 * n_kv))
-        qk = attn.rope(self._normed(qk).transpose(0, 2, 1, 3), offset=cache.offset)
+        qk = _rotate_qk(cache, qkv, qk, attn.rope, self.rope_spec, self.qk_norms)
         return _prefill_attend(cache, qk, values, n_q, attn.scale, mask)
-
-    def _normed(self, qk: mx.array) -> mx.array:
-        """The q and k heads ([B, L, n_q + n_kv, D]) through the block's q/k norms as one
-        unscaled norm and one multiply (see QKNorms), where it has them."""
-        norms = self.qk_norms
-        if norms is None:
-            return qk
-        return mx.fast.rms_norm(qk, None, norms.eps) * norms.scale
 
     def _after_attention(self, x: mx.array, out: mx.array) -> mx.array:
         """The o projection and residual, then the MLP (a SwiGLU's, its gate and up fused;
@@ -218,7 +222,6 @@ class QKNorms:
 
     scale: mx.array
     eps: float
-    rope: RopeSpec | None  # the layer's RoPE where it rotates whole heads (a kernel may apply it)
 
 
 @dataclass(frozen=True)
@@ -247,6 +250,7 @@ class FastGemma3Block:
     experiment). Attention and the MLP are mlx-lm's calls."""
 
     qk_norms: QKNorms | None = None  # set per block by speed_up_decode_blocks
+    rope_spec: RopeSpec | None = None  # its attention's RoPE, ditto
     sandwich: SandwichNorms | None = None  # ditto, where its norms are mlx-lm's
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
@@ -263,16 +267,8 @@ class FastGemma3Block:
         the values in attention's layout: one kernel in a decode step where the backend
         has it (norm_rope_qk)."""
         attn = self.self_attn  # type: ignore[attr-defined]
-        n_q, n_kv = attn.n_heads, attn.n_kv_heads
-        qk, values = _split_qkv(qkv, n_q, n_kv, attn.head_dim)
-        norms = self.qk_norms
-        if cache.paged:
-            rotated = cache.backend.norm_rope_qk(qkv, n_q + n_kv, cache.layout.lengths,
-                                                 norms.scale, norms.eps, norms.rope)
-            if rotated is not None:
-                return rotated, values
-        qk = mx.fast.rms_norm(qk, None, norms.eps) * norms.scale
-        return attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset), values
+        qk, values = _split_qkv(qkv, attn.n_heads, attn.n_kv_heads, attn.head_dim)
+        return _rotate_qk(cache, qkv, qk, attn.rope, self.rope_spec, self.qk_norms), values
 
     def _after_attention(self, x: mx.array, out: mx.array, cache: PooledKVCache) -> mx.array:
         """The sandwich-normed residuals around the MLP: in a decode step two kernels
@@ -305,16 +301,11 @@ class FastGptOssBlock:
         if not (_paged_decode(cache) or _pooled_prefill(cache)):
             return super().__call__(x, mask, cache)  # type: ignore[misc]
         attn = self.self_attn  # type: ignore[attr-defined]
-        n_q, n_kv = attn.num_attention_heads, attn.num_key_value_heads
+        n_q = attn.num_attention_heads
         qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
-        qk, values = _split_qkv(qkv, n_q, n_kv, attn.head_dim)
-        rotated = None
-        if cache.paged:  # one kernel where the backend has it (qk-rope-kernel)
-            rotated = cache.backend.norm_rope_qk(qkv, n_q + n_kv, cache.layout.lengths, None,
-                                                 0.0, self.rope_spec)
-        if rotated is None:
-            rotated = attn.rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
-        h = x + attn.o_proj(_attend(cache, rotated, values, n_q, attn.sm_scale, mask, attn.sinks))
+        qk, values = _split_qkv(qkv, n_q, attn.num_key_value_heads, attn.head_dim)
+        qk = _rotate_qk(cache, qkv, qk, attn.rope, self.rope_spec, None)
+        h = x + attn.o_proj(_attend(cache, qk, values, n_q, attn.sm_scale, mask, attn.sinks))
         return h + self.mlp(self.post_attention_layernorm(h))  # type: ignore[attr-defined]
 
 
@@ -337,7 +328,7 @@ def _plain_qk_norms(attn: nn.Module) -> QKNorms | None:
     dim = q_norm.weight.shape[0]
     scale = mx.concatenate([mx.broadcast_to(q_norm.weight, (attn.n_heads, dim)),
                             mx.broadcast_to(k_norm.weight, (attn.n_kv_heads, dim))])
-    return QKNorms(scale, q_norm.eps, None)
+    return QKNorms(scale, q_norm.eps)
 
 
 def _qk_norms(attn: nn.Module) -> QKNorms | None:
@@ -351,9 +342,7 @@ def _qk_norms(attn: nn.Module) -> QKNorms | None:
     # The arrays mlx-lm's norm multiplies by (its 1 + weight, rounded in the weight's dtype).
     scale = mx.concatenate([mx.broadcast_to(1.0 + q_norm.weight, (attn.n_heads, attn.head_dim)),
                             mx.broadcast_to(1.0 + k_norm.weight, (attn.n_kv_heads, attn.head_dim))])
-    spec = rope_spec(attn.rope)
-    whole = spec is not None and spec.dims == attn.head_dim
-    return QKNorms(scale, q_norm.eps, spec if whole else None)
+    return QKNorms(scale, q_norm.eps)
 
 
 # mlx-lm block classes whose call, attention and MLP are the math FastDecodeBlock does
@@ -423,30 +412,25 @@ def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
         if _eligible(module):
             module.__class__ = _FAST_CLASSES[type(module)]
             module.residual_in_gemm = residual_in_gemm
-            module.rope_spec = rope_spec(module.self_attn.rope)
-            if module.rope_spec is not None:  # evaluated here, never inside a compiled trace
-                mx.eval(module.rope_spec.kernel_params)
             if isinstance(module.self_attn, _QK_NORMED):
                 module.qk_norms = _plain_qk_norms(module.self_attn)
-                mx.eval(module.qk_norms.scale)
-            count += 1
         elif _eligible_gemma3(module) and (norms := _qk_norms(module.self_attn)) is not None:
             module.__class__ = _GEMMA3
             module.qk_norms = norms
             module.sandwich = _sandwich_norms(module)
-            mx.eval(norms.scale, *([norms.rope.kernel_params] if norms.rope else []),
-                    *([] if module.sandwich is None else
-                      [module.sandwich.post_attention, module.sandwich.pre_feedforward,
-                       module.sandwich.post_feedforward]))
-            count += 1
         elif _eligible_gpt_oss(module):
             module.__class__ = _GPT_OSS
-            spec = rope_spec(module.self_attn.rope)
-            whole = spec is not None and spec.dims == module.self_attn.head_dim
-            module.rope_spec = spec if whole else None
-            if module.rope_spec is not None:
-                mx.eval(module.rope_spec.kernel_params)
-            count += 1
+        else:
+            continue
+        module.rope_spec = rope_spec(module.self_attn.rope)
+        made = [] if module.rope_spec is None else [module.rope_spec.kernel_params]
+        if getattr(module, "qk_norms", None) is not None:
+            made.append(module.qk_norms.scale)
+        if getattr(module, "sandwich", None) is not None:
+            made += [module.sandwich.post_attention, module.sandwich.pre_feedforward,
+                     module.sandwich.post_feedforward]
+        mx.eval(made)  # here, never inside a compiled trace
+        count += 1
     if count:
         logger.info("%d blocks take the fast decode call (residual adds in GEMMs: %s)",
                     count, residual_in_gemm)
