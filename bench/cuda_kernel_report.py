@@ -32,11 +32,16 @@ from worker_proc import qk_norm_rope, residual_norm  # noqa: E402
 
 # Each input's element type in the kernels (T: q's dtype; P: the pool's).
 _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "table": "int32_t",
-          "lengths": "int32_t", "scale": "float", "written": "int32_t", "slots": "int32_t",
+          "lengths": "int32_t", "written": "int32_t", "slots": "int32_t",
           "rope": "float", "sinks": "T", "acc": "float", "ml": "float", "out": "T", "out_ml": "float",
-          "mark": "int32_t", "bias": "T", "qk_scale": "T", "prep": "float",
-          "branch": "T", "residual": "T", "weight": "T", "eps": "float", "next_weight": "T",
+          "mark": "int32_t", "bias": "T", "qk_scale": "T",
+          "branch": "T", "residual": "T", "weight": "T", "next_weight": "T",
           "normed": "T"}
+
+
+def _bits(x: float) -> str:
+    """A float template argument as the kernels take it (pa.float_bits)."""
+    return str(pa.float_bits(x))
 
 
 def wrap(name: str, inputs: list[str], outputs: list[str], body: str, header: str,
@@ -68,9 +73,9 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int, passes: in
             kinds += [("read_sinks", False, False, True), ("write_sinks", True, False, True)]
         for label, write_new, fused, sinks in kinds:
             new = (["qkv"] if fused else ["q", "k_new", "v_new"]) if write_new else ["q"]
-            inputs = [*new, "kv_pool", "table", "lengths", "scale", "written"]
+            inputs = [*new, "kv_pool", "table", "lengths", "written"]
             params = {"T": dtype, "D": str(dim), "G": str(group), "HKV": str(n_kv), "P": dtype,
-                      "CHUNK_MAX": str(pa.MAX_SPLIT_TOKENS)}
+                      "CHUNK_MAX": str(pa.MAX_SPLIT_TOKENS), "SCALE": _bits(dim ** -0.5)}
             if mma:
                 layout = mma.layout(dim)
                 params |= {"TOKEN_WARPS": str(layout.token_warps),
@@ -121,8 +126,9 @@ def qk_norm_variants(dtype: str, dim: int, heads: int) -> list[tuple[str, str]]:
         name = (f"kiln_qk{'_norm' if norm else ''}_rope_d{dim}{'_trad' if trad else ''}"
                 f"{'_freqs' if freqs else ''}{'_mscale' if mscale else ''}")
         params = {"T": dtype, "D": str(dim), "H": str(heads), "TRAD": str(trad).lower(),
-                  "FREQS": str(freqs).lower(), "MSCALE": str(mscale).lower()}
-        inputs = ["qkv", *(["qk_scale"] if norm else []), "prep", "rope", "lengths"]
+                  "FREQS": str(freqs).lower(), "EPS": _bits(1e-6),
+                  "MSCALE": _bits(1.35 if mscale else 1.0)}
+        inputs = ["qkv", *(["qk_scale"] if norm else []), "rope", "lengths"]
         out.append((name, wrap(name, inputs, ["out"], qk_norm_rope.source(norm),
                                pa._ROPE_HEADER, params)))
     return out
@@ -135,8 +141,8 @@ def residual_norm_variants(dtype: str, dim: int) -> list[tuple[str, str]]:
     for next_norm in (False, True):
         name = f"kiln_residual_norm_d{dim}{'_next' if next_norm else ''}"
         params = {"T": dtype, "D": str(dim), "BLOCK": str(residual_norm.block_threads(dim)),
-                  "CLIP": "true" if dtype == "__half" else "false"}
-        out.append((name, wrap(name, ["branch", "residual", "weight", "eps",
+                  "CLIP": "true" if dtype == "__half" else "false", "EPS": _bits(1e-6)}
+        out.append((name, wrap(name, ["branch", "residual", "weight",
                                       *(["next_weight"] if next_norm else [])],
                                ["out", *(["normed"] if next_norm else [])],
                                residual_norm.source(next_norm), residual_norm._HEADER, params)))
@@ -148,8 +154,8 @@ def latent_variants(dtype: str, dim: int, heads: int,
     """(label, .cu source) of the latent (MLA) decode kernels, one split and several."""
     params = {"T": dtype, "P": dtype, "D": str(dim), "H": str(heads),
               "WARPS": str(config.warps), "STAGES": str(config.stages),
-              "CHUNK_MAX": str(pa.MAX_SPLIT_TOKENS)}
-    inputs = ["q", "kv_pool", "table", "lengths", "bias", "scale", "written"]
+              "CHUNK_MAX": str(pa.MAX_SPLIT_TOKENS), "SCALE": _bits(dim ** -0.5)}
+    inputs = ["q", "kv_pool", "table", "lengths", "bias", "written"]
     out = []
     for direct in (True, False):
         name = f"kiln_latent_{'direct' if direct else 'split'}_w{config.warps}_s{config.stages}"

@@ -26,6 +26,7 @@ fused projections alone, so `auto` turns it on with the CUDA decode kernel.
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -120,7 +121,7 @@ def _rotate_qk(cache: PooledKVCache, qkv: mx.array, qk: mx.array, rope: nn.Modul
         if rotated is not None:
             return rotated
     if norms is not None:
-        qk = mx.fast.rms_norm(qk, None, norms.eps) * norms.scale
+        qk = mx.fast.rms_norm(qk, norms.ones, norms.eps) * norms.scale
     return rope(qk.transpose(0, 2, 1, 3), offset=cache.offset)
 
 
@@ -216,12 +217,18 @@ class FastDecodeBlock:
 @dataclass(frozen=True)
 class QKNorms:
     """A layer's q and k norms (Gemma 3's, Qwen3's) as one: each head's scale ([n_q +
-    n_kv, D]: q's heads, then k's) and their eps; a norm without a weight then a multiply
-    by it is MLX's CPU rms_norm with it, bit for bit. (Held in a plain object: an array
-    attribute of an mlx Module would become one of the model's parameters.)"""
+    n_kv, D]: q's heads, then k's) and their eps; a norm by ones then a multiply by it is
+    MLX's CPU rms_norm with it, bit for bit. `ones` [D] is that norm's weight: without
+    one, MLX reads a scalar 1 of its own from the memory that kernels wait on (see
+    paged_attention.CONSTANT_ELEMENTS). (Held in a plain object: an array attribute of an
+    mlx Module would become one of the model's parameters.)"""
 
     scale: mx.array
     eps: float
+
+    @functools.cached_property
+    def ones(self) -> mx.array:
+        return mx.ones(self.scale.shape[-1:], dtype=self.scale.dtype)
 
 
 @dataclass(frozen=True)
@@ -425,7 +432,7 @@ def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
         module.rope_spec = rope_spec(module.self_attn.rope)
         made = [] if module.rope_spec is None else [module.rope_spec.kernel_params]
         if getattr(module, "qk_norms", None) is not None:
-            made.append(module.qk_norms.scale)
+            made += [module.qk_norms.scale, module.qk_norms.ones]
         if getattr(module, "sandwich", None) is not None:
             made += [module.sandwich.post_attention, module.sandwich.pre_feedforward,
                      module.sandwich.post_feedforward]

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from worker_proc.paged_attention import follow_mark, kernel_available
+from worker_proc.paged_attention import MARK_SHAPE, follow_mark, kernel_available
 
 logger = logging.getLogger(__name__)
 
@@ -141,7 +141,7 @@ def gated_delta_in_pool(q: mx.array, k: mx.array, v: mx.array, g: mx.array, beta
     inputs += [pool, rows.astype(mx.int32), follow_mark(after)]
     if mask is not None:
         inputs.append(mx.contiguous(mask.astype(mx.int32)))
-    return _launch(q, v, inputs, mask is not None, True, (1,), mx.int32)
+    return _launch(q, v, inputs, mask is not None, True, MARK_SHAPE, mx.int32)
 
 
 def _launch(q: mx.array, v: mx.array, inputs: list[mx.array], masked: bool, in_pool: bool,

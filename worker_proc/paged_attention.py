@@ -53,6 +53,33 @@ _STAGE_BYTES_MAX = 32 * 1024  # the most the tiles take (the measured 8 x 4 KiB)
 _STATIC_SHARED_MAX = 48 * 1024
 
 
+# Kernels' constants never come in as arrays of 8 bytes or less: MLX's CUDA allocator keeps
+# all such arrays in one managed region, which the host writes whenever it makes a small
+# array (a graph's Python scalars), so a kernel reading one waits for that memory's trip
+# back from the host: a 64-row q/k norm kernel took 10-34 us against 3 (docs/
+# benchmarks.md, session 28). Scalars are template arguments (float_bits, read with
+# __int_as_float); small arrays are padded past CONSTANT_ELEMENTS and made by a kernel,
+# which puts them in device memory.
+CONSTANT_ELEMENTS = 64
+# An in-place write's mark (its element 0 written by the kernel): as wide, for the same
+# reason (a kernel's store to that region waits on it too).
+MARK_SHAPE = (CONSTANT_ELEMENTS,)
+
+
+def float_bits(x: float) -> int:
+    """x as a float32's bits, a signed 32-bit int: a kernel's float constant passed as an
+    int template argument (the kernel reads it with __int_as_float)."""
+    return int(np.array(x, dtype=np.float32).view(np.int32))
+
+
+def padded_constant(head: mx.array) -> mx.array:
+    """A kernel's small float32 input `head` followed by zeros to CONSTANT_ELEMENTS (at
+    least), by a concatenation: an array in device memory on CUDA (see above). Lazy;
+    make it outside mx.compile (at load), where it is evaluated once."""
+    pad = max(0, CONSTANT_ELEMENTS - head.size)
+    return mx.concatenate([head.astype(mx.float32), mx.zeros((pad,), dtype=mx.float32)])
+
+
 def _shared_bytes(dim: int, group: int) -> int:
     """A block's shared memory besides the staged tiles, every variant's most."""
     return 4 * MAX_SPLIT_TOKENS + _THREADS // 32 * group * (dim + 2) * 4 + 4 * dim
@@ -133,7 +160,7 @@ _BODY = r"""
     const int chunk = (lmax + n_splits - 1) / n_splits;
     const int start = split * chunk;
     const int end = min(start + chunk, len);
-    const float sc = scale[0] * 1.4426950408889634f;  // scores in log2 units: exp2 is one instruction
+    const float sc = __int_as_float(SCALE) * 1.4426950408889634f;  // scores in log2 units: exp2 is one instruction
     PROLOGUE
     float qv[G][E];
 #pragma unroll
@@ -624,7 +651,7 @@ _MMA_BODY = r"""
     const int chunk = (lmax + n_splits - 1) / n_splits;
     const int start = split * chunk;
     const int end = min(start + chunk, len);
-    const float sc = scale[0] * 1.4426950408889634f;  // scores in log2 units, as _BODY
+    const float sc = __int_as_float(SCALE) * 1.4426950408889634f;  // scores in log2 units, as _BODY
     PROLOGUE
     __shared__ int sm_slots[CHUNK_MAX];
     __shared__ __align__(16) P sm_q[G][D];
@@ -828,7 +855,7 @@ def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: 
             name=f"kiln_paged_write{'_qkv_rope' if fused else ''}{kind}",
             # `written`: the mark of the layer's previous in-place write, which this
             # launch follows; `mark` (out): this launch's, as pool_write_in_place's.
-            input_names=[*new, "kv_pool", "table", "lengths", "scale", "written", "slots",
+            input_names=[*new, "kv_pool", "table", "lengths", "written", "slots",
                          *(["rope"] if fused else []), *extra],
             output_names=[*outputs, "mark"], source=source,
             header=header + (_ROPE_HEADER if fused else ""), ensure_row_contiguous=False,
@@ -837,7 +864,7 @@ def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: 
         name=f"kiln_paged{kind}",
         # `written`: the mark of this layer's in-place pool write (pool_write_in_place),
         # an input only so that the kernel runs after it.
-        input_names=["q", "kv_pool", "table", "lengths", "scale", "written", *extra],
+        input_names=["q", "kv_pool", "table", "lengths", "written", *extra],
         output_names=outputs,
         source=(_mma_source(direct, False, sinks=sinks, dynamic=dynamic_bytes > 0) if mma
                 else _source(direct, False, staged=staged, sinks=sinks)),
@@ -1003,7 +1030,7 @@ _LATENT_BODY = r"""
     const int end = min(start + chunk, len);
     const int lb = bias_shape[3];
     const size_t row_stride = (size_t)kv_pool_shape[1] * kv_pool_shape[2];
-    const float sc = scale[0] * 1.4426950408889634f;  // log2 units, as _MMA_BODY
+    const float sc = __int_as_float(SCALE) * 1.4426950408889634f;  // log2 units, as _MMA_BODY
     __shared__ int sm_slots[CHUNK_MAX];
     __shared__ __align__(16) P sm_q[16][QW];
     __shared__ float sm_s[16][SW];
@@ -1182,7 +1209,7 @@ def _latent_kernel(direct: bool, shared_bytes: int):
     """The latent kernel, its tiles in `shared_bytes` of dynamic shared memory."""
     return mx.fast.cuda_kernel(
         name=f"kiln_paged_latent_{'direct' if direct else 'split'}",
-        input_names=["q", "kv_pool", "table", "lengths", "bias", "scale", "written"],
+        input_names=["q", "kv_pool", "table", "lengths", "bias", "written"],
         output_names=["out"] if direct else ["out", "out_ml"],
         source=_LATENT_BODY.replace("WRITE", _LATENT_DIRECT_WRITE if direct else _LATENT_SPLIT_WRITE),
         header=_HEADER + _MMA_HEADER, shared_memory=shared_bytes)
@@ -1202,9 +1229,9 @@ def paged_latent_attention(q: mx.array, kv_pool: mx.array, table: mx.array, leng
     tiles = -(-heads // 16)
     splits = num_splits(batch, tiles, table.shape[1])
     threads = 32 * config.warps
-    inputs = [q.reshape(batch, heads, dim), kv_pool, table, lengths, bias, _scale(scale),
-              follow_mark(written)]
+    inputs = [q.reshape(batch, heads, dim), kv_pool, table, lengths, bias, follow_mark(written)]
     template = [("T", q.dtype), ("P", kv_pool.dtype), ("D", dim), ("H", heads),
+                ("SCALE", float_bits(scale)),
                 ("WARPS", config.warps), ("STAGES", config.stages),
                 ("CHUNK_MAX", MAX_SPLIT_TOKENS)]
     grid = (splits * threads, tiles, batch)
@@ -1291,10 +1318,9 @@ def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
     attention sink logits (GPT-OSS), or None. Returns [B, Hq, 1, D] in q's dtype.
     """
     batch, n_q, _, dim = q.shape
-    inputs = [q.reshape(batch, n_q, dim), kv_pool, table, lengths, _scale(scale),
-              follow_mark(written)]
-    out, _ = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1], write_new=False,
-                     sinks=sinks, stages=stages, mma=mma)
+    inputs = [q.reshape(batch, n_q, dim), kv_pool, table, lengths, follow_mark(written)]
+    out, _ = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1], scale,
+                     write_new=False, sinks=sinks, stages=stages, mma=mma)
     return out.reshape(batch, n_q, 1, dim)
 
 
@@ -1322,13 +1348,15 @@ class RopeSpec:
 
     @functools.cached_property
     def kernel_params(self) -> mx.array:
-        """The kernel's `rope` input: [log2(base), scale], or [0, scale, *freqs]."""
+        """The kernel's `rope` input: [log2(base), scale], or [0, scale, *freqs], padded
+        (padded_constant: a device array, made at load)."""
         if self.freqs is None:
             assert self.base is not None
             # float32 like MLX's std::log2 of its float base
-            return mx.array(np.array([np.log2(np.float32(self.base)), self.scale], np.float32))
+            return padded_constant(mx.array(np.array(
+                [np.log2(np.float32(self.base)), self.scale], np.float32)))
         head = mx.array([0.0, self.scale], dtype=mx.float32)
-        return mx.concatenate([head, self.freqs.astype(mx.float32)])
+        return padded_constant(mx.concatenate([head, self.freqs.astype(mx.float32)]))
 
 
 def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
@@ -1345,8 +1373,8 @@ def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
     table starts at its window). Follows the write whose mark is `after`; returns the
     attention's output and this write's mark (see pool_write_in_place)."""
     batch, n_q, _, dim = q.shape
-    inputs = [q, keys, values, kv_pool, table, lengths, _scale(scale), follow_mark(after), slots]
-    out, mark = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1],
+    inputs = [q, keys, values, kv_pool, table, lengths, follow_mark(after), slots]
+    out, mark = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1], scale,
                         write_new=True, sinks=sinks, stages=stages, mma=mma)
     assert mark is not None
     return out.reshape(batch, n_q, 1, dim), mark
@@ -1365,16 +1393,15 @@ def paged_decode_qkv_attention(qkv: mx.array, n_q: int, rope: RopeSpec, slots: m
     batch = qkv.shape[0]
     n_kv = kv_pool.shape[1]
     dim = qkv.shape[-1] // (n_q + 2 * n_kv)
-    inputs = [qkv, kv_pool, table, lengths, _scale(scale), follow_mark(after), slots,
-              rope.kernel_params]
-    out, mark = _attend(inputs, qkv.dtype, batch, n_q, dim, kv_pool, table.shape[1],
+    inputs = [qkv, kv_pool, table, lengths, follow_mark(after), slots, rope.kernel_params]
+    out, mark = _attend(inputs, qkv.dtype, batch, n_q, dim, kv_pool, table.shape[1], scale,
                         write_new=True, rope=rope, stages=stages, mma=mma)
     assert mark is not None
     return out.reshape(batch, 1, n_q * dim), mark
 
 
 def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: int,
-            kv_pool: mx.array, width: int, write_new: bool,
+            kv_pool: mx.array, width: int, scale: float, write_new: bool,
             rope: RopeSpec | None = None, sinks: mx.array | None = None,
             stages: int = DEFAULT_STAGES,
             mma: MmaConfig | None = None) -> tuple[mx.array, mx.array | None]:
@@ -1386,9 +1413,9 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
     n_kv = kv_pool.shape[1]
     group = n_q // n_kv
     splits = num_splits(batch, n_kv, width)
-    mark_shape, mark_dtype = ([(1,)], [mx.int32]) if write_new else ([], [])
+    mark_shape, mark_dtype = ([MARK_SHAPE], [mx.int32]) if write_new else ([], [])
     template = [("T", dtype), ("D", dim), ("G", group), ("HKV", n_kv), ("P", kv_pool.dtype),
-                ("CHUNK_MAX", MAX_SPLIT_TOKENS)]
+                ("CHUNK_MAX", MAX_SPLIT_TOKENS), ("SCALE", float_bits(scale))]
     if rope is not None:
         template += [("ROPE_TRADITIONAL", rope.traditional), ("ROPE_FREQS", rope.freqs is not None)]
     tensor_cores = mma is not None and mma.fits(dtype, kv_pool.dtype, dim, group)
@@ -1426,12 +1453,6 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
         grid=(_THREADS, n_kv, batch), threadgroup=(_THREADS, 1, 1),
         output_shapes=[(batch, n_q, dim)], output_dtypes=[dtype])
     return out, (mark[0] if mark else None)
-
-
-@functools.cache
-def _scale(scale: float) -> mx.array:
-    # One device array per model, not a host-to-device copy per layer and step.
-    return mx.array([scale], dtype=mx.float32)
 
 
 @functools.cache
@@ -1495,7 +1516,7 @@ def pool_write_in_place(kv_pool: mx.array, slots: mx.array, keys: mx.array,
                         values: mx.array, after: mx.array | None = None) -> mx.array:
     """Store keys [B, H, S, Dk] and values [B, H, S, Dv] (the model's layout) in kv_pool
     [rows, H, Dk + Dv] (KVPool's layer array, as allocated: contiguous) at slots [B * S],
-    in place, after the write whose mark is `after`; returns this write's mark, [1] int32
+    in place, after the write whose mark is `after`; returns this write's mark, int32 of MARK_SHAPE
     zero, which anything that reads the pool afterwards must take as an input (a
     dependency MLX cannot see otherwise).
 
@@ -1507,7 +1528,7 @@ def pool_write_in_place(kv_pool: mx.array, slots: mx.array, keys: mx.array,
         template=[("T", kv_pool.dtype), ("TK", keys.dtype), ("HKV", h), ("DK", dk),
                   ("DV", values.shape[-1])],
         grid=(-(-total // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
-        output_shapes=[(1,)], output_dtypes=[mx.int32])
+        output_shapes=[MARK_SHAPE], output_dtypes=[mx.int32])
     return written
 
 
@@ -1542,7 +1563,7 @@ def rows_write_in_place(dst: mx.array, rows: mx.array, value: mx.array,
         inputs=[dst, rows.astype(mx.int32), flat, follow_mark(after)],
         template=[("T", dst.dtype)],
         grid=(-(-flat.size // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
-        output_shapes=[(1,)], output_dtypes=[mx.int32])
+        output_shapes=[MARK_SHAPE], output_dtypes=[mx.int32])
     return written
 
 

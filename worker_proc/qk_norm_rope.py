@@ -17,7 +17,7 @@ import functools
 
 import mlx.core as mx
 
-from worker_proc.paged_attention import _ROPE_HEADER, RopeSpec
+from worker_proc.paged_attention import _ROPE_HEADER, RopeSpec, float_bits
 
 # A block a (head, row); thread i takes the head's i-th rotation pair. With NORM, the sum
 # of squares is reduced over the block: warps (or the one part-warp of a head under 64
@@ -39,8 +39,8 @@ _BODY = r"""
                               rope_cos, rope_sin);
     __syncthreads();
     NORM_APPLY
-    if (MSCALE) {  // YaRN's input scale, in T as mlx-lm's multiply of a T array
-        const float ms = static_cast<float>(static_cast<T>(prep[1]));
+    if (MSCALE != 0x3f800000) {  // YaRN's input scale (not 1.0f), in T as mlx-lm's multiply
+        const float ms = static_cast<float>(static_cast<T>(__int_as_float(MSCALE)));
         m1 = static_cast<float>(static_cast<T>(m1 * ms));
         m2 = static_cast<float>(static_cast<T>(m2 * ms));
     }
@@ -63,7 +63,7 @@ _NORM_PARTIAL = r"""constexpr int LANES = HALF < 32 ? HALF : 32;
 _NORM_APPLY = r"""float total = 0.f;
 #pragma unroll
     for (int w = 0; w < WARPS; ++w) total += partial[w];
-    const float r = rsqrtf(total / static_cast<float>(D) + prep[0]);
+    const float r = rsqrtf(total / static_cast<float>(D) + __int_as_float(EPS));
     // As mx.fast.rms_norm (x * r, rounded), then the scale's multiply (rounded).
     m1 = static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(m1 * r)) * s1));
     m2 = static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(m2 * r)) * s2));"""
@@ -79,17 +79,10 @@ def source(norm: bool) -> str:
 def _kernel(norm: bool):
     return mx.fast.cuda_kernel(
         name=f"kiln_qk{'_norm' if norm else ''}_rope",
-        input_names=["qkv", *(["qk_scale"] if norm else []), "prep", "rope", "lengths"],
+        input_names=["qkv", *(["qk_scale"] if norm else []), "rope", "lengths"],
         output_names=["out"], source=source(norm), header=_ROPE_HEADER,
         ensure_row_contiguous=False)  # qkv read in place; the small inputs are made whole,
                                       # the lengths read through their stride
-
-
-@functools.cache
-def _prep(eps: float, mscale: float) -> mx.array:
-    """The kernel's `prep` input, [eps, mscale]: one array for every call (not an upload
-    a layer and step; evaluated with the first graph that reads it)."""
-    return mx.array([eps, mscale], dtype=mx.float32)
 
 
 def fits(rope: RopeSpec) -> bool:
@@ -110,10 +103,10 @@ def decode_qk_norm_rope(qkv: mx.array, heads: int, lengths: mx.array, scale: mx.
     batch, dim = qkv.shape[0], rope.dims
     norm = scale is not None
     (out,) = _kernel(norm)(
-        inputs=[qkv, *([scale] if norm else []), _prep(eps, rope.mscale), rope.kernel_params,
-                lengths],
+        inputs=[qkv, *([scale] if norm else []), rope.kernel_params, lengths],
         template=[("T", qkv.dtype), ("D", dim), ("H", heads), ("TRAD", rope.traditional),
-                  ("FREQS", rope.freqs is not None), ("MSCALE", rope.mscale != 1.0)],
+                  ("FREQS", rope.freqs is not None), ("EPS", float_bits(eps)),
+                  ("MSCALE", float_bits(rope.mscale))],
         grid=(heads * dim // 2, batch, 1), threadgroup=(dim // 2, 1, 1),
         output_shapes=[(batch, heads, 1, dim)], output_dtypes=[qkv.dtype])
     return out

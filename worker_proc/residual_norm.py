@@ -18,6 +18,8 @@ import functools
 import mlx.core as mx
 from mlx_lm.models.gemma3_text import clip_residual
 
+from worker_proc.paged_attention import float_bits
+
 # A block's sum of a float from each of its WARPS warps: shuffles, then the warps'
 # partials through `part` (one array a reduction, so a second needs no barrier before it).
 _HEADER = r"""
@@ -52,7 +54,7 @@ _BODY = r"""
         v[e] = d < D ? static_cast<float>(yr[d]) : 0.f;
         ss += v[e] * v[e];
     }
-    const float r = rsqrtf(kiln_block_sum<WARPS>(ss, part1) / static_cast<float>(D) + eps[0]);
+    const float r = rsqrtf(kiln_block_sum<WARPS>(ss, part1) / static_cast<float>(D) + __int_as_float(EPS));
     float hs = 0.f;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
@@ -70,7 +72,7 @@ _BODY = r"""
     NEXT
 """
 _NEXT = r"""
-    const float r2 = rsqrtf(kiln_block_sum<WARPS>(hs, part2) / static_cast<float>(D) + eps[0]);
+    const float r2 = rsqrtf(kiln_block_sum<WARPS>(hs, part2) / static_cast<float>(D) + __int_as_float(EPS));
 #pragma unroll
     for (int e = 0; e < E; ++e) {
         const int d = t + e * BLOCK;
@@ -100,15 +102,9 @@ def fits(dim: int) -> bool:
 def _kernel(next_norm: bool):
     return mx.fast.cuda_kernel(
         name=f"kiln_residual_norm{'_next' if next_norm else ''}",
-        input_names=["branch", "residual", "weight", "eps",
-                     *(["next_weight"] if next_norm else [])],
+        input_names=["branch", "residual", "weight", *(["next_weight"] if next_norm else [])],
         output_names=["out", *(["normed"] if next_norm else [])], source=source(next_norm),
         header=_HEADER)
-
-
-@functools.cache
-def _eps(eps: float) -> mx.array:
-    return mx.array([eps], dtype=mx.float32)  # one array for every call
 
 
 def residual_norm(branch: mx.array, residual: mx.array, weight: mx.array, eps: float,
@@ -121,8 +117,8 @@ def residual_norm(branch: mx.array, residual: mx.array, weight: mx.array, eps: f
     threads = block_threads(dim)
     next_norm = next_weight is not None
     outs = _kernel(next_norm)(
-        inputs=[branch, residual, weight, _eps(eps), *([next_weight] if next_norm else [])],
-        template=[("T", branch.dtype), ("D", dim), ("BLOCK", threads),
+        inputs=[branch, residual, weight, *([next_weight] if next_norm else [])],
+        template=[("T", branch.dtype), ("D", dim), ("BLOCK", threads), ("EPS", float_bits(eps)),
                   ("CLIP", branch.dtype == mx.float16)],
         grid=(rows * threads, 1, 1), threadgroup=(threads, 1, 1),
         output_shapes=[branch.shape] * (2 if next_norm else 1),
