@@ -1508,8 +1508,8 @@ def _write_kernel():
 
 def after_write(indices: mx.array, mark: mx.array | None) -> mx.array:
     """Slot ids that a gather from the pool reads through, made to follow the in-place
-    write whose mark is given (the mark is a zero; None: no write to follow)."""
-    return indices if mark is None else indices + mark
+    write whose mark is given (its first element is a zero; None: no write to follow)."""
+    return indices if mark is None else indices + mark[0]
 
 
 def pool_write_in_place(kv_pool: mx.array, slots: mx.array, keys: mx.array,
