@@ -20,7 +20,7 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
                       "mixed-forward", "mma-attention", "mma-wide-tiles",
                       "cuda-core-attention", "gathered-latent", "fused-own-prefill",
-                      "unfused-qk-norm", "fused-residual-norm", "qk-rope-kernel")
+                      "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
 CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv"})
@@ -209,13 +209,13 @@ class ServerConfig:
                                       "unfused-qk-norm (a decode step's per-head q/k norms "
                                       "and RoPE, Gemma 3's, through MLX's norm, multiply "
                                       "and RoPE as before, not one kernel), "
-                                      "fused-residual-norm (a decode step's sandwich norms "
-                                      "and residual adds, Gemma 3's, in one kernel a pair; "
-                                      "unmeasured), qk-rope-kernel (a llama, qwen2 or GPT-OSS "
-                                      "decode step's RoPE of q and k, YaRN's input scale "
-                                      "too, in one kernel from the fused "
-                                      "projection's output, not MLX's copy and RoPE; "
-                                      "unmeasured)."})
+                                      "unfused-residual-norm (a decode step's sandwich "
+                                      "norms and residual adds, Gemma 3's, through MLX's "
+                                      "norms and adds as before, not one kernel a pair), "
+                                      "unfused-qk-rope (a llama, qwen2 or GPT-OSS decode "
+                                      "step's RoPE of q and k through MLX's copy and RoPE "
+                                      "as before, not one kernel from the fused "
+                                      "projection's output)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

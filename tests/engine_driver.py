@@ -23,8 +23,8 @@ from worker_proc import WorkerLoop
 from worker_proc.decode_backend import DecodeBackend, KernelDecode
 from worker_proc.kv_pool import KVPool
 from worker_proc.memory import probe_attention_specs
-from worker_proc.paged_attention import (fused_builds_per_shape, reference_decode_attention,
-                                         reference_latent_attention)
+from worker_proc.paged_attention import (MARK_SHAPE, fused_builds_per_shape,
+                                         reference_decode_attention, reference_latent_attention)
 from worker_proc.runner import PREFILL_PADDING, ModelRunner
 from worker_proc.qk_norm_rope import reference_qk_norm_rope
 from worker_proc.residual_norm import reference_residual_norm
@@ -217,7 +217,7 @@ class StandInKernel(KernelDecode):
 def _mark_of(written: mx.array) -> mx.array:
     """A zero mark that, as a kernel's, is only computed with the write: a step's landing
     then does the write (step inputs it read may be rewritten later, see HostStaging)."""
-    return mx.depends(mx.zeros((1,), dtype=mx.int32), written)
+    return mx.depends(mx.zeros(MARK_SHAPE, dtype=mx.int32), written)
 
 
 class StandInInPlaceKernels(StandInKernel):

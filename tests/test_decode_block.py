@@ -135,12 +135,11 @@ def test_rope_in_attention_decodes_mlx_lm_tokens(tiny_model, oracle, fast_tiny, 
     assert all(layer.rope_spec is not None for layer in fast_tiny.layers)
 
 
-def test_qk_rope_kernel_experiment_decodes_mlx_lm_tokens(tiny_model, oracle, fast_tiny,
-                                                          monkeypatch):
-    """Under --experiments qk-rope-kernel (KernelDecode.qk_rope_kernel) a llama block's
-    decode RoPE of q and k goes to the backend's norm_rope_qk without a norm (the kernel's
-    place; the stand-in computes its plain-MLX meaning): mlx-lm's greedy tokens, ragged
-    batches, chunked prompts; by default the block rotates them itself."""
+def test_qk_rope_kernel_decodes_mlx_lm_tokens(tiny_model, oracle, fast_tiny, monkeypatch):
+    """By default (KernelDecode.qk_rope_kernel) a llama block's decode RoPE of q and k
+    goes to the backend's norm_rope_qk without a norm (the kernel's place; the stand-in
+    computes its plain-MLX meaning): mlx-lm's greedy tokens, ragged batches, chunked
+    prompts; under --experiments unfused-qk-rope the block rotates them itself."""
     from worker_proc.qk_norm_rope import reference_qk_norm_rope
 
     scales = []
@@ -152,12 +151,12 @@ def test_qk_rope_kernel_experiment_decodes_mlx_lm_tokens(tiny_model, oracle, fas
     monkeypatch.setattr(StandInKernel, "_qk_norm_rope", recording)
     _, tokenizer = tiny_model
     prompts = _prompts(5, [3, 70, 130, 9, 40], fast_tiny.args.vocab_size, seed=33)
-    engine = InProcessEngine(fast_tiny, chunk_size=64, overlap="ahead",
-                             backend=StandInKernel(qk_rope_kernel=True))
+    engine = InProcessEngine(fast_tiny, chunk_size=64, overlap="ahead", backend=StandInKernel())
     assert_greedy(engine, prompts, 24, _eos(tokenizer), oracle, ties_of=tiny_model[0])
     assert scales and all(s is None for s in scales)
     scales.clear()
-    engine = InProcessEngine(fast_tiny, chunk_size=64, overlap="ahead", backend=StandInKernel())
+    engine = InProcessEngine(fast_tiny, chunk_size=64, overlap="ahead",
+                             backend=StandInKernel(qk_rope_kernel=False))
     engine.submit("r", prompts[0], 3, [])
     engine.run_until_idle()
     assert not scales
@@ -265,16 +264,16 @@ def _family_pair_decodes_as_mlx_lm(theirs, ours, path: str, seed: int,
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(theirs, p, 20), f"r{i}"
 
 
-@pytest.mark.parametrize("path", ["compiled", "in place", "residual norms"])
+@pytest.mark.parametrize("path", ["compiled", "in place", "norms apart"])
 def test_gemma3_blocks_decode_mlx_lm_tokens(path):
     """Gemma 3's block normalises and rotates q and k together in decode (through the
     backend's norm_rope_qk on the kernel path), across sliding windows shorter than the
-    prompts, beside norms summed once (as served); with fused-residual-norm its sandwich
-    norms and adds go through the backend's residual_norm too."""
+    prompts, beside norms summed once (as served); its sandwich norms and adds through the
+    backend's residual_norm (the default), or apart (unfused-residual-norm)."""
     theirs, ours = _gemma3_pair(seed=0)
-    if path == "residual norms":
+    if path == "norms apart":
         _family_pair_decodes_as_mlx_lm(theirs, ours, "compiled", seed=77,
-                                       backend=StandInKernel(residual_norm_kernel=True))
+                                       backend=StandInKernel(residual_norm_kernel=False))
     else:
         _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=77)
 
@@ -306,7 +305,7 @@ def test_qwen3_blocks_decode_mlx_lm_tokens(name, path):
         _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=79)
 
 
-@pytest.mark.parametrize("path", ["compiled", "in place", "rope kernel"])
+@pytest.mark.parametrize("path", ["compiled", "in place", "mlx rope"])
 def test_gpt_oss_blocks_decode_mlx_lm_tokens(path):
     """GPT-OSS's block rotates q and k together in decode, with its sinks and sliding
     windows shorter than the prompts. The sinks are drawn (mlx-lm starts them at 0)."""
@@ -318,10 +317,10 @@ def test_gpt_oss_blocks_decode_mlx_lm_tokens(path):
         a.self_attn.sinks, b.self_attn.sinks = sinks, mx.array(sinks)
     fuse_projections(ours)
     assert speed_up_decode_blocks(ours, residual_in_gemm=True) == len(ours.layers)
-    if path == "rope kernel":  # qk-rope-kernel: its YaRN RoPE through norm_rope_qk
+    if path == "mlx rope":  # unfused-qk-rope: its YaRN RoPE by mlx-lm's ops, not norm_rope_qk
         assert all(layer.rope_spec.mscale != 1.0 for layer in ours.layers)
         _family_pair_decodes_as_mlx_lm(theirs, ours, "compiled", seed=78,
-                                       backend=StandInKernel(qk_rope_kernel=True))
+                                       backend=StandInKernel(qk_rope_kernel=False))
     else:
         _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=78)
 
@@ -437,11 +436,11 @@ def test_gemma3_decode_norms_and_rope_go_to_the_backend(monkeypatch):
     assert rope == ours.layers[0].rope_spec and rope.dims == attn.head_dim
 
 
-def test_gemma3_sandwich_norms_go_to_the_backend_under_the_experiment(monkeypatch):
-    """With fused-residual-norm (KernelDecode.residual_norm_kernel) a Gemma 3 decode step
-    hands each layer's two residual adds and their norms to the backend's residual_norm:
-    twice a layer, the first also normalising the sum with the pre-MLP norm's scale,
-    each the arrays mlx-lm's norms multiply by; off (the default), never."""
+def test_gemma3_sandwich_norms_go_to_the_backend(monkeypatch):
+    """By default (KernelDecode.residual_norm_kernel) a Gemma 3 decode step hands each
+    layer's two residual adds and their norms to the backend's residual_norm: twice a
+    layer, the first also normalising the sum with the pre-MLP norm's scale, each the
+    arrays mlx-lm's norms multiply by; under unfused-residual-norm, never."""
     from worker_proc.residual_norm import reference_residual_norm
 
     _, ours = _gemma3_pair(seed=5)

@@ -740,15 +740,16 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     qkv, scale = mx.zeros((1, 1, 4 * 128)), mx.ones((3, 128))
     for backend in (unfused_norm, GatherDecode()):
         assert backend.norm_rope_qk(qkv, 3, mx.array([4]), scale, 1e-6, rope) is None
-    # RoPE alone (no q/k norms: llama) only under qk-rope-kernel, unmeasured.
-    rope_kernel = choose_decode_backend(specs, ServerConfig(experiments="qk-rope-kernel").experiment_set)
-    assert rope_kernel.qk_rope_kernel and not KernelDecode().qk_rope_kernel
-    assert KernelDecode().norm_rope_qk(qkv, 3, mx.array([4]), None, 0.0, rope) is None
-    # ... and its sandwich norms apart unless asked (fused-residual-norm, unmeasured).
-    fused_residual = choose_decode_backend(specs, ServerConfig(experiments="fused-residual-norm").experiment_set)
-    assert fused_residual.residual_norm_kernel and not KernelDecode().residual_norm_kernel
+    # RoPE alone (no q/k norms: llama) the same unless asked (unfused-qk-rope).
+    unfused_rope = choose_decode_backend(specs, ServerConfig(experiments="unfused-qk-rope").experiment_set)
+    assert KernelDecode().qk_rope_kernel and not unfused_rope.qk_rope_kernel
+    assert unfused_rope.norm_rope_qk(qkv, 3, mx.array([4]), None, 0.0, rope) is None
+    # ... and Gemma's sandwich norms and adds in one kernel a pair unless asked
+    # (unfused-residual-norm).
+    unfused_residual = choose_decode_backend(specs, ServerConfig(experiments="unfused-residual-norm").experiment_set)
+    assert KernelDecode().residual_norm_kernel and not unfused_residual.residual_norm_kernel
     x = mx.zeros((1, 1, 64))
-    for backend in (KernelDecode(), GatherDecode()):
+    for backend in (unfused_residual, GatherDecode()):
         assert backend.residual_norm(x, x, mx.ones((64,)), 1e-6) is None
     # Start-up says how latent layers decode (the device has tensor cores here).
     from worker_proc.layer_kinds import LayerKind

@@ -189,9 +189,9 @@ class KernelDecode(DecodeBackend):
     per-head q/k norms and RoPE of a decode step in one kernel (norm_rope_qk; off, MLX's
     norm, multiply and RoPE: `--experiments unfused-qk-norm`). qk_rope_kernel: the same
     kernel's RoPE alone for blocks without q/k norms (llama, qwen2, GPT-OSS) in place of
-    MLX's copy and RoPE (on with `--experiments qk-rope-kernel`, unmeasured). residual_norm_kernel: a
+    MLX's copy and RoPE (off: `--experiments unfused-qk-rope`). residual_norm_kernel: a
     decode step's sandwich norms and residual adds (Gemma 3's) in one kernel a pair
-    (residual_norm; on with `--experiments fused-residual-norm`, unmeasured)."""
+    (residual_norm; off: `--experiments unfused-residual-norm`)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
@@ -205,8 +205,8 @@ class KernelDecode(DecodeBackend):
     latent: LatentConfig | None = LatentConfig()
     own_prefill: bool = True
     qk_norm_kernel: bool = True
-    qk_rope_kernel: bool = False
-    residual_norm_kernel: bool = False
+    qk_rope_kernel: bool = True
+    residual_norm_kernel: bool = True
 
     @property
     def name(self) -> str:
@@ -497,6 +497,6 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         latent=None if "gathered-latent" in experiments else LatentConfig(),
                         own_prefill="fused-own-prefill" not in experiments,
                         qk_norm_kernel="unfused-qk-norm" not in experiments,
-                        qk_rope_kernel="qk-rope-kernel" in experiments,
-                        residual_norm_kernel="fused-residual-norm" in experiments,
+                        qk_rope_kernel="unfused-qk-rope" not in experiments,
+                        residual_norm_kernel="unfused-residual-norm" not in experiments,
                         prefill_bucket=prefill_bucket)

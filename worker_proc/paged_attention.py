@@ -160,7 +160,7 @@ _BODY = r"""
     const int chunk = (lmax + n_splits - 1) / n_splits;
     const int start = split * chunk;
     const int end = min(start + chunk, len);
-    const float sc = __int_as_float(SCALE) * 1.4426950408889634f;  // scores in log2 units: exp2 is one instruction
+    const float sc = __int_as_float(SCALE) * 1.4426950408889634f;  // log2 units: exp2 is one instruction
     PROLOGUE
     float qv[G][E];
 #pragma unroll
