@@ -840,3 +840,77 @@ def test_cuda_latent_kernel_matches_reference(heads, dim, dtype, config):
     one = paged_latent_attention(q[:1], pool, table[:1], ln[:1], bias[:1], scale, config=config)
     np.testing.assert_allclose(np.array(one.astype(mx.float32)),
                                np.array(want[:1].astype(mx.float32)), rtol=3e-2, atol=5e-2)
+
+
+def test_no_kernel_reads_a_constant_of_eight_bytes_or_less(monkeypatch):
+    """Every kiln kernel gets its constants as template arguments or as arrays wider than
+    8 bytes: MLX's CUDA allocator keeps arrays of 8 bytes or less in one managed region
+    that the host keeps writing, and a kernel reading one there ran 3-10x slow on the H200
+    (docs/benchmarks.md, session 28). Each launch is recorded in place of the kernel
+    (batches of 4, so that per-row inputs are 16 bytes or more)."""
+    import itertools
+
+    from worker_proc import gated_delta_cuda, paged_attention, qk_norm_rope, residual_norm
+    from worker_proc.paged_attention import (RopeSpec, paged_decode_attention,
+                                             paged_decode_qkv_attention,
+                                             paged_decode_write_attention,
+                                             paged_latent_attention, pool_write_in_place)
+
+    launches: list[tuple[str, list[mx.array]]] = []
+
+    def recording_kernel(name, **_):  # noqa: ANN001, ANN202
+        def launch(inputs, output_shapes, output_dtypes, **__):  # noqa: ANN001, ANN202
+            launches.append((name, list(inputs)))
+            return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
+        return launch
+
+    modules = (paged_attention, qk_norm_rope, residual_norm, gated_delta_cuda)
+
+    def clear_kernels() -> None:
+        for module in modules:
+            for value in vars(module).values():
+                if hasattr(value, "cache_clear"):
+                    value.cache_clear()
+
+    clear_kernels()
+    monkeypatch.setattr(mx.fast, "cuda_kernel", recording_kernel)
+    try:
+        b, n_q, n_kv, dim = 4, 8, 2, 64
+        q = mx.zeros((b, n_q, 1, dim))
+        keys = values = mx.zeros((b, n_kv, 1, dim))
+        qkv = mx.zeros((b, 1, (n_q + 2 * n_kv) * dim))
+        pool = mx.zeros((64, n_kv, 2 * dim))
+        table = mx.zeros((b, 16), dtype=mx.int32)
+        lengths = mx.full((b,), 5, dtype=mx.int32)
+        slots = mx.arange(b, dtype=mx.int32)
+        ropes = [RopeSpec(dim, False, 10000.0, 1.0),
+                 RopeSpec(dim, True, None, 1.0, mx.ones((dim // 2,)), mscale=1.2)]
+        mark = pool_write_in_place(pool, slots, keys, values)
+        for mma, sinks in itertools.product((None, paged_attention.MmaConfig()),
+                                            (None, mx.zeros((n_q,)))):
+            paged_decode_attention(q, pool, table, lengths, 0.125, mark, sinks, mma=mma)
+            paged_decode_write_attention(q, keys, values, slots, pool, table, lengths, 0.125,
+                                         mark, sinks, mma=mma)
+        long_table = mx.zeros((b, 4096), dtype=mx.int32)  # several splits: the merge too
+        paged_decode_attention(q, pool, long_table, lengths, 0.125, mark)
+        for rope in ropes:
+            paged_decode_qkv_attention(qkv, n_q, rope, slots, pool, long_table, lengths, 0.125)
+            for scale in (None, mx.ones((n_q + n_kv, dim))):
+                qk_norm_rope.decode_qk_norm_rope(qkv, n_q + n_kv, lengths, scale, 1e-6, rope)
+        latent_pool = mx.zeros((64, 1, 576))
+        for width in (16, 4096):
+            paged_latent_attention(mx.zeros((b, 16, 1, 512)), latent_pool,
+                                   mx.zeros((b, width), dtype=mx.int32), lengths,
+                                   mx.zeros((b, 16, 1, width)), 0.1, mark)
+        x = mx.zeros((b, 1, 128))
+        residual_norm.residual_norm(x, x, mx.ones((128,)), 1e-6, mx.ones((128,)))
+        gq, gv, g = mx.zeros((b, 1, 2, 32)), mx.zeros((b, 1, 4, 32)), mx.zeros((b, 1, 4))
+        gated_delta_cuda.gated_delta_in_pool(gq, gq, gv, g, g, mx.zeros((8, 4, 32, 32)),
+                                             slots, mark)
+    finally:
+        clear_kernels()
+    names = {name for name, _ in launches}
+    assert len(names) >= 9, names
+    small = [(name, a.shape, a.dtype) for name, inputs in launches for a in inputs
+             if a.nbytes <= 8]
+    assert not small, small

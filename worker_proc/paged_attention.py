@@ -1457,7 +1457,7 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
 
 @functools.cache
 def _no_write() -> mx.array:
-    return mx.zeros((1,), dtype=mx.int32)
+    return mx.zeros(MARK_SHAPE, dtype=mx.int32)
 
 
 def follow_mark(mark: mx.array | None) -> mx.array:
@@ -1516,9 +1516,9 @@ def pool_write_in_place(kv_pool: mx.array, slots: mx.array, keys: mx.array,
                         values: mx.array, after: mx.array | None = None) -> mx.array:
     """Store keys [B, H, S, Dk] and values [B, H, S, Dv] (the model's layout) in kv_pool
     [rows, H, Dk + Dv] (KVPool's layer array, as allocated: contiguous) at slots [B * S],
-    in place, after the write whose mark is `after`; returns this write's mark, int32 of MARK_SHAPE
-    zero, which anything that reads the pool afterwards must take as an input (a
-    dependency MLX cannot see otherwise).
+    in place, after the write whose mark is `after`; returns this write's mark (int32 of
+    MARK_SHAPE, its first element a zero), which anything that reads the pool afterwards
+    must take as an input (a dependency MLX cannot see otherwise).
 
     Two writes to one slot in a call (padding writes slot 0) leave one of them."""
     b, h, s, dk = keys.shape
