@@ -327,11 +327,15 @@ def _sandwich_norms(block: nn.Module) -> SandwichNorms | None:
     return SandwichNorms(*(1.0 + n.weight for n in norms), norms[0].eps)
 
 
-def _plain_qk_norms(attn: nn.Module) -> QKNorms | None:
-    """Qwen3's q and k norms as one, where they are nn.RMSNorms of one eps."""
+def _plain_qk_norms_fit(attn: nn.Module) -> bool:
+    """Whether Qwen3's q and k norms are nn.RMSNorms of one eps (_plain_qk_norms)."""
     q_norm, k_norm = attn.q_norm, attn.k_norm
-    if not (type(q_norm) is type(k_norm) is nn.RMSNorm and q_norm.eps == k_norm.eps):
-        return None
+    return type(q_norm) is type(k_norm) is nn.RMSNorm and q_norm.eps == k_norm.eps
+
+
+def _plain_qk_norms(attn: nn.Module) -> QKNorms:
+    """Qwen3's q and k norms as one (_plain_qk_norms_fit must hold)."""
+    q_norm, k_norm = attn.q_norm, attn.k_norm
     dim = q_norm.weight.shape[0]
     scale = mx.concatenate([mx.broadcast_to(q_norm.weight, (attn.n_heads, dim)),
                             mx.broadcast_to(k_norm.weight, (attn.n_kv_heads, dim))])
@@ -385,7 +389,7 @@ def _eligible(block: nn.Module) -> bool:
     attn, mlp = block.self_attn, block.mlp
     if type(attn) is not parts[0] or type(mlp) not in parts[1]:
         return False
-    if isinstance(attn, _QK_NORMED) and _plain_qk_norms(attn) is None:
+    if isinstance(attn, _QK_NORMED) and not _plain_qk_norms_fit(attn):
         return False
     return "qkv_proj" in attn and ("gate_up_proj" in mlp or not hasattr(mlp, "gate_proj"))
 
