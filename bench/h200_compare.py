@@ -266,10 +266,10 @@ class ServerRun:
 
 
 def start_server(name: str, cmd: list[str], port: int, log: Path,
-                 env: dict[str, str] | None = None) -> ServerRun:
+                 env: dict[str, str] | None = None, cwd: Path = ROOT) -> ServerRun:
     # A new session, so the server and any children it starts stop together.
     with open(log, "wb") as sink:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=sink, stderr=subprocess.STDOUT,
+        proc = subprocess.Popen(cmd, cwd=cwd, stdout=sink, stderr=subprocess.STDOUT,
                                 env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
                                 start_new_session=True)
     return ServerRun(name, f"http://127.0.0.1:{port}", proc, log)
@@ -351,7 +351,9 @@ def bench_server(name: str, model_dir: Path, args: argparse.Namespace,
     cmd = server_command(name, model_dir, port, args)
     print(f"starting {name}: {' '.join(cmd)}", flush=True)
     env = dict(kv.split("=", 1) for kv in args.kiln_b_env.split()) if name == "kiln_b" else None
-    server = start_server(name, cmd, port, args.out / f"{name}.log", env)
+    # kiln_b from another tree: its launch.py, whose directory heads its processes' path.
+    cwd = args.kiln_b_tree if name == "kiln_b" and args.kiln_b_tree else ROOT
+    server = start_server(name, cmd, port, args.out / f"{name}.log", env, cwd)
     probe = KVProbe(server.url) if args.kv_probe and name.startswith("kiln") else None
     try:
         ready_s = wait_ready(server, str(model_dir), args.ready_timeout)
@@ -528,6 +530,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="kiln_b, an A/B variant of kiln: launch.py flags added to --kiln-args")
     p.add_argument("--kiln-b-env", default="",
                    help="kiln_b's extra environment, K=V separated by spaces")
+    p.add_argument("--kiln-b-tree", type=Path, default=None,
+                   help="kiln_b from another checkout's files (its launch.py and packages), "
+                        "e.g. a before-tree: git archive <commit> launch.py ipc kiln_common "
+                        "*_proc bench | tar -x -C DIR (untracked, so the device call "
+                        "carries it)")
     p.add_argument("--kiln-c-args", default="",
                    help="kiln_c, a second variant: launch.py flags added to --kiln-args")
     p.add_argument("--concurrency", default=None, help="levels (default 1,16,64,128)")
@@ -580,7 +587,9 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
         args.shape = FAMILY_SHAPES[args.family]
     if args.model_dir is None:
         args.model_dir = Path.home() / ".cache/kiln/bench" / f"{args.shape.name}-{args.dtype}"
-    _LABELS["kiln_b"] = " ".join(["kiln B", args.kiln_b_args, args.kiln_b_env]).strip()
+    _LABELS["kiln_b"] = " ".join(["kiln B", args.kiln_b_args, args.kiln_b_env]
+                                 + ([f"tree {args.kiln_b_tree}"] if args.kiln_b_tree else [])
+                                 ).strip()
     _LABELS["kiln_c"] = " ".join(["kiln C", args.kiln_c_args]).strip()
     if args.mlx_backlog:
         _LABELS["mlx_lm"] = f"mlx_lm.server (backlog {args.mlx_backlog})"

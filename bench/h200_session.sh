@@ -52,6 +52,8 @@ CONCURRENCY=${CONCURRENCY:-1,64,128}  # sweep: the streams of each level
 NUM_REQUESTS=${NUM_REQUESTS:-4,64,128}  # per concurrency level (2x: two waves)
 KILN_B_ARGS=${KILN_B_ARGS:-}  # server kiln_b (in SERVERS): kiln with these flags added
 KILN_B_ENV=${KILN_B_ENV:-}    # ... and this environment (K=V ...), for A/B runs
+KILN_B_TREE=${KILN_B_TREE:-}  # ... run from this directory's kiln (another commit's files:
+                              # bench/h200_compare.py --kiln-b-tree), e.g. a before/after A/B
 KILN_C_ARGS=${KILN_C_ARGS:-}  # server kiln_c (in SERVERS): a second variant's flags
 PRIME=${PRIME:-1}  # sweep and mixed: a kiln server started (and used) and stopped first,
                    # unmeasured (the first on a fresh machine runs slower;
@@ -201,6 +203,7 @@ OUT=$OUT timeout $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MO
     --concurrency "$CONCURRENCY" --num-requests "$NUM_REQUESTS" --kiln-args="$KILN_ARGS" \
     ${FAMILY:+--family "$FAMILY"} --dtype "$DTYPE" --length-spread "$LENGTH_SPREAD" \
     --kiln-b-args="$KILN_B_ARGS" --kiln-b-env="$KILN_B_ENV" --kiln-c-args="$KILN_C_ARGS" \
+    ${KILN_B_TREE:+--kiln-b-tree "$KILN_B_TREE"} \
     --mlx-backlog "$MLX_BACKLOG" $( [ "$PRIME" = 1 ] && echo --prime ) 2>&1 | tail -24
 for log in "$OUT"/kiln*.log; do
     echo "-- $(basename "$log")"; grep "steps/s" "$log" | tail -4

@@ -78,3 +78,24 @@ def test_a_quantized_family_model_is_what_mlx_lm_quantize_model_makes(shape: str
         router = next(n for n in packed if "router" in n)
         assert model_dir.joinpath("config.json").read_text().count('"bits": 8') >= 1, router
     check_model(model_dir)
+
+
+def test_kiln_b_can_run_from_another_tree(tmp_path: Path, monkeypatch) -> None:
+    """--kiln-b-tree starts kiln_b's launch.py in that directory (a before/after A/B in
+    one sweep); every other server starts in this checkout, with kiln_b's labelled."""
+    from bench import h200_compare
+
+    started: dict[str, tuple[list[str], Path]] = {}
+
+    def start(name, cmd, port, log, env=None, cwd=h200_compare.ROOT):  # noqa: ANN001, ANN202
+        started[name] = (cmd, cwd)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(h200_compare, "start_server", start)
+    args = h200_compare.parse_args(["--kiln-b-tree", str(tmp_path), "--out", str(tmp_path)])
+    for name in ("kiln", "kiln_b"):
+        with pytest.raises(RuntimeError, match="stop here"):
+            h200_compare.bench_server(name, tmp_path, args, 1.0)
+    assert started["kiln_b"][1] == tmp_path and started["kiln"][1] == h200_compare.ROOT
+    assert started["kiln_b"][0][1] == "launch.py"
+    assert str(tmp_path) in h200_compare._LABELS["kiln_b"]
