@@ -436,32 +436,52 @@ def test_gemma3_decode_norms_and_rope_go_to_the_backend(monkeypatch):
     assert rope == ours.layers[0].rope_spec and rope.dims == attn.head_dim
 
 
-def test_gemma3_sandwich_norms_go_to_the_backend(monkeypatch):
+def test_gemma3_sandwich_and_next_input_norms_go_to_the_backend(monkeypatch):
     """By default (KernelDecode.residual_norm_kernel) a Gemma 3 decode step hands each
     layer's two residual adds and their norms to the backend's residual_norm: twice a
-    layer, the first also normalising the sum with the pre-MLP norm's scale, each the
-    arrays mlx-lm's norms multiply by; under unfused-residual-norm, never."""
+    layer, the first also normalising the sum with the pre-MLP norm's scale, the second
+    with the next layer's input norm's, which that layer then takes instead of running
+    its own (NormHandoff); each the arrays mlx-lm's norms multiply by. Under
+    unfused-residual-norm, never, and every layer runs its input norm."""
     from worker_proc.residual_norm import reference_residual_norm
 
     _, ours = _gemma3_pair(seed=5)
-    calls = []
+    layers = ours.layers
+    calls, input_norms = [], []
 
     def recording(self, branch, residual, weight, eps, next_weight):  # noqa: ANN001, ANN202
         calls.append((weight, next_weight))
         return reference_residual_norm(branch, residual, weight, eps, next_weight)
 
+    norm_class = type(layers[1].input_layernorm)
+    plain_call = norm_class.__call__
+    inputs = {id(b.input_layernorm): i for i, b in enumerate(layers)}
+
+    def counting(self, x):  # noqa: ANN001, ANN202
+        if id(self) in inputs:
+            input_norms.append(inputs[id(self)])
+        return plain_call(self, x)
+
     monkeypatch.setattr(StandInKernel, "_residual_norm", recording)
-    for kernel, expected in ((False, 0), (True, 2 * len(ours.layers))):
+    monkeypatch.setattr(norm_class, "__call__", counting)
+    for kernel in (False, True):
         engine = InProcessEngine(ours, backend=StandInKernel(residual_norm_kernel=kernel))
         calls.clear()  # after start-up's probes and warm-up
-        engine.submit("r", [5, 6, 7, 8, 9], 3, [])
+        input_norms.clear()
+        engine.submit("r", [5, 6, 7, 8, 9], 3, [])  # a prefill forward, two decode steps
         engine.run_until_idle()
-        assert len(calls) == 2 * expected  # two decode steps
-    block = ours.layers[0]
-    (w1, n1), (w2, n2) = calls[:2]
-    assert mx.array_equal(w1, 1.0 + block.post_attention_layernorm.weight).item()
-    assert mx.array_equal(n1, 1.0 + block.pre_feedforward_layernorm.weight).item()
-    assert mx.array_equal(w2, 1.0 + block.post_feedforward_layernorm.weight).item() and n2 is None
+        assert len(calls) == (2 * 2 * len(layers) if kernel else 0)
+        runs = [input_norms.count(i) for i in range(len(layers))]
+        assert runs == ([3] + [1] * (len(layers) - 1) if kernel else [3] * len(layers))
+    for i, block in enumerate(layers):  # the first decode step's calls, two a layer
+        (w1, n1), (w2, n2) = calls[2 * i:2 * i + 2]
+        assert mx.array_equal(w1, 1.0 + block.post_attention_layernorm.weight).item()
+        assert mx.array_equal(n1, 1.0 + block.pre_feedforward_layernorm.weight).item()
+        assert mx.array_equal(w2, 1.0 + block.post_feedforward_layernorm.weight).item()
+        if i + 1 < len(layers):
+            assert mx.array_equal(n2, 1.0 + layers[i + 1].input_layernorm.weight).item()
+        else:
+            assert n2 is None  # the model's final norm stays mlx-lm's
 
 
 @pytest.mark.parametrize("dim,traditional,freqs,dtype,norm,mscale", [

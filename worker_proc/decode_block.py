@@ -242,6 +242,28 @@ class SandwichNorms:
     eps: float
 
 
+class NormHandoff:
+    """The next Gemma 3 block's input norm, computed by this block's last kernel of a
+    decode step (residual_norm's second output) and taken by that block instead of its
+    own norm: a launch a layer less. mlx-lm's model loop hands block i's output straight
+    to block i + 1, so the output is the key; anything else computes its own norm.
+    (A plain object: an mlx Module's array or Module attributes become its parameters.)"""
+
+    def __init__(self, scale: mx.array) -> None:
+        self.scale = scale  # the next block's input norm's 1 + weight
+        self._source: mx.array | None = None
+        self._normed: mx.array | None = None
+
+    def put(self, source: mx.array, normed: mx.array) -> None:
+        self._source, self._normed = source, normed
+
+    def take(self, x: mx.array) -> mx.array | None:
+        """The norm put for x (None: none was, or for another array); forgets it."""
+        source, normed = self._source, self._normed
+        self._source = self._normed = None
+        return normed if source is x else None
+
+
 class FastGemma3Block:
     """Gemma 3's block (mlx-lm's gemma3_text) for paged decode and prefill over the pool:
     the q and k norms and RoPE over q and k together. mlx-lm normalises then rotates q and
@@ -253,19 +275,24 @@ class FastGemma3Block:
     mlx-lm's bit for bit (the tests compare them); CUDA's norm kernel scales before
     rounding, so there they may differ at near-ties. A decode step's norm, multiply and
     RoPE are one kernel where the backend has it (DecodeBackend.norm_rope_qk: CUDA), and
-    its sandwich norms and residual adds two where it has those (residual_norm, an
-    experiment). Attention and the MLP are mlx-lm's calls."""
+    its sandwich norms and residual adds two where it has those (residual_norm), the
+    second also the next block's input norm (NormHandoff). Attention and the MLP are
+    mlx-lm's calls."""
 
     qk_norms: QKNorms | None = None  # set per block by speed_up_decode_blocks
     rope_spec: RopeSpec | None = None  # its attention's RoPE, ditto
     sandwich: SandwichNorms | None = None  # ditto, where its norms are mlx-lm's
+    handoff_in: NormHandoff | None = None  # from the block before, by link_gemma3_norms
+    handoff_out: NormHandoff | None = None  # to the block after, ditto
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if not (_paged_decode(cache) or _pooled_prefill(cache)):
             return super().__call__(x, mask, cache)  # type: ignore[misc]
         attn = self.self_attn  # type: ignore[attr-defined]
-        qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
-        qk, values = self._qk(qkv, cache)
+        normed = self.handoff_in.take(x) if self.handoff_in is not None else None
+        if normed is None:
+            normed = self.input_layernorm(x)  # type: ignore[attr-defined]
+        qk, values = self._qk(attn.qkv_proj(normed), cache)
         out = attn.o_proj(_attend(cache, qk, values, attn.n_heads, attn.scale, mask))
         return self._after_attention(x, out, cache)
 
@@ -288,7 +315,12 @@ class FastGemma3Block:
             if first is not None:
                 h, normed = first
                 r = self.mlp(normed)  # type: ignore[attr-defined]
-                return backend.residual_norm(r, h, sandwich.post_feedforward, sandwich.eps)[0]
+                handoff = self.handoff_out
+                y, after = backend.residual_norm(r, h, sandwich.post_feedforward, sandwich.eps,
+                                                 None if handoff is None else handoff.scale)
+                if handoff is not None and after is not None:
+                    handoff.put(y, after)
+                return y
         h = gemma3_text.clip_residual(x, self.post_attention_layernorm(out))  # type: ignore[attr-defined]
         r = self.mlp(self.pre_feedforward_layernorm(h))  # type: ignore[attr-defined]
         return gemma3_text.clip_residual(h, self.post_feedforward_layernorm(r))  # type: ignore[attr-defined]
@@ -406,6 +438,20 @@ def _eligible_gpt_oss(block: nn.Module) -> bool:
             and type(block.self_attn) is gpt_oss.AttentionBlock and "qkv_proj" in block.self_attn)
 
 
+def _link_gemma3_norms(model: nn.Module) -> None:
+    """Give each pair of consecutive Gemma 3 fast blocks (sandwich norms both, the later
+    one's input norm mlx-lm's RMSNorm of the same eps) a NormHandoff."""
+    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    for block, after in zip(layers, layers[1:]):
+        norm = getattr(after, "input_layernorm", None)
+        if (isinstance(block, _GEMMA3) and isinstance(after, _GEMMA3)
+                and block.sandwich is not None and after.sandwich is not None
+                and isinstance(norm, gemma3_text.RMSNorm) and norm.eps == block.sandwich.eps):
+            scale = 1.0 + norm.weight
+            mx.eval(scale)
+            block.handoff_out = after.handoff_in = NormHandoff(scale)
+
+
 def mixes_rows(model: nn.Module) -> bool:
     """Whether every block of the model takes FastDecodeBlock's call, which also runs
     mixed forwards (MixedLayerCache): a prompt's chunk beside decode rows."""
@@ -442,6 +488,7 @@ def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
                      module.sandwich.post_feedforward]
         mx.eval(made)  # here, never inside a compiled trace
         count += 1
+    _link_gemma3_norms(model)
     if count:
         logger.info("%d blocks take the fast decode call (residual adds in GEMMs: %s)",
                     count, residual_in_gemm)
