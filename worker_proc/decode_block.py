@@ -282,7 +282,7 @@ class FastGemma3Block:
     qk_norms: QKNorms | None = None  # set per block by speed_up_decode_blocks
     rope_spec: RopeSpec | None = None  # its attention's RoPE, ditto
     sandwich: SandwichNorms | None = None  # ditto, where its norms are mlx-lm's
-    handoff_in: NormHandoff | None = None  # from the block before, by link_gemma3_norms
+    handoff_in: NormHandoff | None = None  # from the block before (_link_gemma3_norms)
     handoff_out: NormHandoff | None = None  # to the block after, ditto
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
