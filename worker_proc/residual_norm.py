@@ -37,7 +37,9 @@ __device__ float kiln_block_sum(float v, float* part) {
 """
 
 # A block a row of BLOCK threads, each holding its E = ceil(D / BLOCK) elements in
-# registers between the passes.
+# registers between the passes. Every input is loaded in the first pass, before the first
+# reduction's barrier: the residual and the weights' reads then wait beside the branch's,
+# not one memory round trip after each reduction.
 _BODY = r"""
     constexpr int E = (D + BLOCK - 1) / BLOCK;
     constexpr int WARPS = BLOCK / 32;
@@ -46,56 +48,74 @@ _BODY = r"""
     const T* yr = branch + row * D;
     const T* xr = residual + row * D;
     __shared__ float part1[WARPS], part2[WARPS];
-    float v[E];
+    float v[E], res[E], w[E];
+    @NEXT_DECLARE@
     float ss = 0.f;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
         const int d = t + e * BLOCK;
-        v[e] = d < D ? static_cast<float>(yr[d]) : 0.f;
+        const bool in = d < D;
+        v[e] = in ? static_cast<float>(yr[d]) : 0.f;
+        res[e] = in ? static_cast<float>(xr[d]) : 0.f;
+        w[e] = in ? static_cast<float>(weight[d]) : 0.f;
+        @NEXT_LOAD@
         ss += v[e] * v[e];
     }
-    const float r = rsqrtf(kiln_block_sum<WARPS>(ss, part1) / static_cast<float>(D) + __int_as_float(EPS));
+    const float r = rsqrtf(kiln_block_sum<WARPS>(ss, part1) / static_cast<float>(D)
+                           + __int_as_float(EPS));
     float hs = 0.f;
 #pragma unroll
     for (int e = 0; e < E; ++e) {
         const int d = t + e * BLOCK;
         if (d >= D) continue;
         const float n = static_cast<float>(static_cast<T>(
-            static_cast<float>(weight[d]) * static_cast<float>(static_cast<T>(v[e] * r))));
-        float sum = static_cast<float>(xr[d]) + n;
+            w[e] * static_cast<float>(static_cast<T>(v[e] * r))));
+        float sum = res[e] + n;
         if (CLIP) sum = fminf(fmaxf(sum, -65504.f), 65504.f);  // clip_residual, float16
         const T h = static_cast<T>(sum);
         out[row * D + d] = h;
         v[e] = static_cast<float>(h);
         hs += v[e] * v[e];
     }
-    NEXT
+    @NEXT@
 """
 _NEXT = r"""
-    const float r2 = rsqrtf(kiln_block_sum<WARPS>(hs, part2) / static_cast<float>(D) + __int_as_float(EPS));
+    const float r2 = rsqrtf(kiln_block_sum<WARPS>(hs, part2) / static_cast<float>(D)
+                            + __int_as_float(EPS));
 #pragma unroll
     for (int e = 0; e < E; ++e) {
         const int d = t + e * BLOCK;
         if (d < D) normed[row * D + d] = static_cast<T>(
-            static_cast<float>(next_weight[d]) * static_cast<float>(static_cast<T>(v[e] * r2)));
+            nw[e] * static_cast<float>(static_cast<T>(v[e] * r2)));
     }
 """
-_MAX_ELEMENTS = 32  # a thread's registers for the row
+# Elements a thread holds (each the row's, the residual's and the weights'), within a
+# block's 64K registers: 16 at 256 threads; 6 at 1,024, whose threads get 64 registers
+# (8 compiled to 62 with nvcc: too near for NVRTC's own count).
+_ELEMENTS = {256: 16, 1024: 6}
 
 
 def source(next_norm: bool) -> str:
     """The kernel's source, with or without the sum's own norm."""
-    return _BODY.replace("NEXT", _NEXT if next_norm else "")
+    parts = {"@NEXT_DECLARE@": "float nw[E];" if next_norm else "",
+             "@NEXT_LOAD@": ("nw[e] = in ? static_cast<float>(next_weight[d]) : 0.f;"
+                             if next_norm else ""),
+             "@NEXT@": _NEXT if next_norm else ""}
+    out = _BODY
+    for key, text in parts.items():
+        out = out.replace(key, text)
+    return out
 
 
 def block_threads(dim: int) -> int:
-    """Threads a row: 256, or 1,024 for rows past 256 x _MAX_ELEMENTS."""
-    return 256 if dim <= 256 * _MAX_ELEMENTS else 1024
+    """Threads a row: 256, or 1,024 for longer rows than 256 threads hold."""
+    return 256 if dim <= 256 * _ELEMENTS[256] else 1024
 
 
 def fits(dim: int) -> bool:
-    """Whether a row of `dim` fits a block's registers."""
-    return dim <= 1024 * _MAX_ELEMENTS
+    """Whether a row of `dim` fits a block's registers (6,144 wide at most: every Gemma
+    3's hidden size)."""
+    return dim <= 1024 * _ELEMENTS[1024]
 
 
 @functools.cache
