@@ -4,6 +4,7 @@ routing is not installed and mlx-lm's own path runs)."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 import pytest
 from mlx_lm.models import gated_delta as mlx_lm_gated_delta
 
@@ -140,3 +141,35 @@ def test_a_hybrid_served_in_place_keeps_its_states_without_copies(compile_decode
     assert (engine.runner.decode_traces > 0) == compile_decode
     for i, p in enumerate(prompts):
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(p, 20), f"r{i}"
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16])
+def test_normalize_qk_with_a_weight_of_ones_is_mlx_lm_s(dtype, monkeypatch):
+    """kiln's normalize_qk (what linear-attention models call on CUDA) returns mlx-lm's
+    values bit for bit, its norms given a weight (never MLX's own scalar 1), and routing
+    points a model module's normalize_qk at it."""
+    import importlib
+    import sys
+
+    from mlx_lm.models import gated_delta as module
+
+    from worker_proc.gated_delta_cuda import normalize_qk, route_normalize_qk
+
+    rng = np.random.default_rng(3)
+    q, k = (mx.array(rng.standard_normal((2, 3, 4, 128)).astype(np.float32)).astype(dtype)
+            for _ in range(2))
+    want = module.normalize_qk(q, k, inv_scale=128 ** -0.5, eps=1e-6)
+    weights = []
+    plain = mx.fast.rms_norm
+    monkeypatch.setattr(mx.fast, "rms_norm",
+                        lambda x, w, eps: weights.append(w) or plain(x, w, eps))
+    got = normalize_qk(q, k, inv_scale=128 ** -0.5, eps=1e-6)
+    assert len(weights) == 2 and all(w is not None and w.shape == (128,) for w in weights)
+    for g, w in zip(got, want):
+        assert g.dtype == w.dtype and mx.array_equal(g, w).item()
+    qwen3_next = importlib.import_module("mlx_lm.models.qwen3_next")
+    for model_module in list(sys.modules.values()):  # each restored after the test
+        if getattr(model_module, "normalize_qk", None) is module.normalize_qk:
+            monkeypatch.setattr(model_module, "normalize_qk", module.normalize_qk)
+    assert route_normalize_qk() >= 1 and qwen3_next.normalize_qk is normalize_qk
+    assert module.normalize_qk is not normalize_qk  # mlx-lm's own module keeps its own

@@ -205,11 +205,50 @@ def uses_gated_delta(model: Any) -> bool:
 def install_gated_delta_kernel() -> bool:
     """On MLX's CUDA backend, route mlx-lm's non-Metal gated delta path (gated_delta_ops,
     which gated_delta_update calls there) to the kernel where its shapes fit; other
-    shapes keep mlx-lm's ops. Returns whether it is installed (idempotent)."""
+    shapes keep mlx-lm's ops. Its models' q/k normalisation (normalize_qk) gets norms
+    with a weight (normalize_qk below). Returns whether it is installed (idempotent)."""
     if not kernel_available():
         return False
     route_gated_delta(gated_delta, gated_delta_in_pool)
+    route_normalize_qk()
     return True
+
+
+@functools.cache
+def _row(dim: int, dtype: mx.Dtype, value: float) -> mx.array:
+    row = mx.full((dim,), value, dtype=dtype)
+    mx.eval(row)  # a device array (a constant: evaluable inside a compiled trace too)
+    return row
+
+
+def normalize_qk(q: mx.array, k: mx.array, *, inv_scale: float,
+                 eps: float) -> tuple[mx.array, mx.array]:
+    """mlx-lm's gated_delta.normalize_qk (q and k L2-normalised, then scaled) with the
+    same values: its weightless rms_norms given a weight of ones and its scalar factors
+    as rows of the dtype (a Python float meets a bf16 array as a bf16). Otherwise MLX
+    reads scalars from the memory that kernels wait on (paged_attention.
+    CONSTANT_ELEMENTS): four such reads a linear-attention layer a decode step."""
+    rms_eps = eps * inv_scale**2
+    dq, dk = q.shape[-1], k.shape[-1]
+    q = _row(dq, q.dtype, inv_scale**2) * mx.fast.rms_norm(q, _row(dq, q.dtype, 1.0), rms_eps)
+    k = _row(dk, k.dtype, inv_scale) * mx.fast.rms_norm(k, _row(dk, k.dtype, 1.0), rms_eps)
+    return q, k
+
+
+def route_normalize_qk() -> int:
+    """Point every loaded mlx-lm model module that calls mlx-lm's normalize_qk at ours;
+    returns how many."""
+    import sys
+
+    from mlx_lm.models import gated_delta as module
+
+    routed = 0
+    for name, model_module in list(sys.modules.items()):
+        if (name.startswith("mlx_lm.models.") and model_module is not module
+                and getattr(model_module, "normalize_qk", None) is module.normalize_qk):
+            model_module.normalize_qk = normalize_qk
+            routed += 1
+    return routed
 
 
 def route_gated_delta(apart: Callable[..., tuple[mx.array, mx.array]],
