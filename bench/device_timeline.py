@@ -78,6 +78,9 @@ class TimelineReport:
     gap_counts: dict[str, float] = field(default_factory=dict)  # gaps a step, by size
     kinds: dict[str, tuple[float, float]] = field(default_factory=dict)  # kind: (count, us) a step
     top: list[tuple[str, float, float]] = field(default_factory=list)  # name, count, us a step
+    # Kernels that ran once a step (the step's own work, not a layer's: embedding, masks,
+    # sampling), costliest first: where a step's first reads of host-written inputs show.
+    once: list[tuple[str, float]] = field(default_factory=list)  # name, us a step
 
 
 def kind_of(name: str) -> str:
@@ -120,13 +123,15 @@ def analyse(records: list[KernelRecord], batch: int, steps: int, top: int = 10) 
             table[key][0] += 1
             table[key][1] += us
     order = sorted(names.items(), key=lambda kv: -kv[1][1])[:top]
+    once = sorted(((name, us / steps) for name, (n, us) in names.items() if n == steps),
+                  key=lambda kv: -kv[1])[:top]
     return TimelineReport(
         batch=batch, steps=steps, kernels_per_step=len(records) / steps,
         span_ms=span / 1e6 / steps, busy_ms=busy / 1e6 / steps,
         gaps_us={k: v / steps for k, v in sorted(gaps.items())},
         gap_counts={k: v / steps for k, v in sorted(gap_counts.items())},
         kinds={k: (n / steps, us / steps) for k, (n, us) in sorted(kinds.items(), key=lambda kv: -kv[1][1])},
-        top=[(name, n / steps, us / steps) for name, (n, us) in order])
+        top=[(name, n / steps, us / steps) for name, (n, us) in order], once=once)
 
 
 def readable(names: list[str]) -> list[str]:
@@ -163,6 +168,11 @@ def print_report(r: TimelineReport, host_step_ms: float | None = None,
     print(f"  {'costliest kernels':<72}{'a step':>7}{'us':>8}")
     for (_, n, us), name in zip(r.top, readable([name for name, _, _ in r.top])):
         print(f"  {name[:70]:<72}{n:>7.1f}{us:>8.0f}")
+    if r.once:
+        heading = "once a step (the step's own kernels)"
+        print(f"  {heading:<79}{'us':>8}")
+        for (_, us), name in zip(r.once, readable([name for name, _ in r.once])):
+            print(f"  {name[:70]:<79}{us:>8.1f}")
 
 
 class KernelTrace:
@@ -217,6 +227,8 @@ def _check() -> None:
     assert round(r.busy_ms * 1e3) == 42 and r.kernels_per_step == 3
     assert r.gaps_us == {"0-2 us": 1.0, "2-10 us": 5.0, ">=50 us": 30.0}, r.gaps_us
     assert r.kinds["gemm (cuBLAS)"] == (1.0, 30.0) and r.kinds["attention (kiln)"] == (1.0, 10.0)
+    assert [name for name, _ in r.once] == ["sm90_xmma_gemm_bf16", "kiln_paged_write_decode_direct",
+                                            "rms_norm_kernel"] and r.once[0][1] == 30.0
     print_report(r)
     print("\ncheck: ok")
 

@@ -99,3 +99,12 @@ def test_kiln_b_can_run_from_another_tree(tmp_path: Path, monkeypatch) -> None:
     assert started["kiln_b"][1] == tmp_path and started["kiln"][1] == h200_compare.ROOT
     assert started["kiln_b"][0][1] == "launch.py"
     assert str(tmp_path) in h200_compare._LABELS["kiln_b"]
+
+
+def test_device_timeline_report_on_made_up_kernels(capsys) -> None:
+    """bench/device_timeline.py's per-step arithmetic (busy time, gaps by size, kinds, the
+    kernels that run once a step) on records of known times, as --check runs it."""
+    from bench import device_timeline
+
+    device_timeline._check()
+    assert "once a step" in capsys.readouterr().out
