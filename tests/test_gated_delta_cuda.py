@@ -1,5 +1,6 @@
 """The gated delta rule's CUDA kernel against mlx-lm's ops (GPU only; on the CPU the
-routing is not installed and mlx-lm's own path runs)."""
+routing is not installed and mlx-lm's own path runs), and kiln's normalize_qk against
+mlx-lm's (anywhere)."""
 
 from __future__ import annotations
 

@@ -329,8 +329,8 @@ class FastGemma3Block:
 class FastGptOssBlock:
     """GPT-OSS's block (mlx-lm's gpt_oss) for paged decode and prefill over the pool: one
     RoPE over the adjacent q and k heads of the fused q/k/v output (mlx-lm rotates each
-    apart, each a copy of its strided view first on CUDA; under qk-rope-kernel a decode
-    step's is one kernel, YaRN's input scale included), then mlx-lm's attention with
+    apart, each a copy of its strided view first on CUDA; in a CUDA decode step one kernel,
+    YaRN's input scale included: DecodeBackend.norm_rope_qk), then mlx-lm's attention with
     sinks, o projection, MoE and residuals. RoPE works head by head, so the tokens are
     mlx-lm's on the CPU (tests)."""
 
@@ -365,13 +365,16 @@ def _plain_qk_norms_fit(attn: nn.Module) -> bool:
     return type(q_norm) is type(k_norm) is nn.RMSNorm and q_norm.eps == k_norm.eps
 
 
+def _heads_scale(attn: nn.Module, q_scale: mx.array, k_scale: mx.array) -> mx.array:
+    """QKNorms.scale: q's scale for each of the n_q heads, then k's for the n_kv heads."""
+    dim = q_scale.shape[-1]
+    return mx.concatenate([mx.broadcast_to(q_scale, (attn.n_heads, dim)),
+                           mx.broadcast_to(k_scale, (attn.n_kv_heads, dim))])
+
+
 def _plain_qk_norms(attn: nn.Module) -> QKNorms:
     """Qwen3's q and k norms as one (_plain_qk_norms_fit must hold)."""
-    q_norm, k_norm = attn.q_norm, attn.k_norm
-    dim = q_norm.weight.shape[0]
-    scale = mx.concatenate([mx.broadcast_to(q_norm.weight, (attn.n_heads, dim)),
-                            mx.broadcast_to(k_norm.weight, (attn.n_kv_heads, dim))])
-    return QKNorms(scale, q_norm.eps)
+    return QKNorms(_heads_scale(attn, attn.q_norm.weight, attn.k_norm.weight), attn.q_norm.eps)
 
 
 def _qk_norms(attn: nn.Module) -> QKNorms | None:
@@ -383,9 +386,7 @@ def _qk_norms(attn: nn.Module) -> QKNorms | None:
     if q_norm.eps != k_norm.eps:
         return None
     # The arrays mlx-lm's norm multiplies by (its 1 + weight, rounded in the weight's dtype).
-    scale = mx.concatenate([mx.broadcast_to(1.0 + q_norm.weight, (attn.n_heads, attn.head_dim)),
-                            mx.broadcast_to(1.0 + k_norm.weight, (attn.n_kv_heads, attn.head_dim))])
-    return QKNorms(scale, q_norm.eps)
+    return QKNorms(_heads_scale(attn, 1.0 + q_norm.weight, 1.0 + k_norm.weight), q_norm.eps)
 
 
 # mlx-lm block classes whose call, attention and MLP are the math FastDecodeBlock does
