@@ -6,7 +6,11 @@ On a GPU, float32 kernels other than mlx-lm's sum in other orders, so a greedy t
 differ from mlx-lm's at a near tie and the sequences part. The check is therefore
 teacher-forced: mlx-lm's model (unmodified, no cache) runs once over the prompt and the
 tokens kiln chose, and each chosen token must be one mlx-lm's logits rank best within a
-small tolerance. A wrong window, state or slot moves logits far more than that.
+small tolerance. A wrong window, state or slot moves logits far more than that. The
+oracle is mlx-lm's forward in float32 on the CPU stream: on MLX 0.32.4's CUDA backend
+its MoE layers' float32 sorted gather_mm was wrong at some token counts (GPT-OSS's MLP
+outputs ~0.85 off the CPU's at 33, 56 and 70 tokens, right at 19, 64, 86 and 128:
+docs/benchmarks.md, session 29), which made a served row's correct tokens look wrong.
 
 The families are tests.families' with every width doubled, so heads are 32 wide (what
 the CUDA kernels take). On the CPU the same test runs the plain-MLX path (where tokens
@@ -77,9 +81,10 @@ def test_every_family_served_picks_tokens_mlx_lm_ranks_best(name):
     _served_tokens_rank_best(name, mx.float32, TOLERANCE)
 
 
-# bf16 models (the tensor-core decode kernel's dtype): mlx-lm's bf16 forward against
-# kiln's, each rounding in its own order (a logit near 2 is held to ~1% in bf16); a wrong
-# window or slot trails by 20-75% of the row's largest.
+# bf16 models (the tensor-core decode kernel's dtype): kiln's bf16 forward against
+# mlx-lm's float32 forward of the same (bf16-rounded) weights, which rounds nowhere in
+# between (a logit near 2 is held to ~1% in bf16); a wrong window or slot trails by
+# 20-75% of the row's largest.
 BF16_TOLERANCE = 5e-2
 
 
@@ -114,6 +119,7 @@ def test_bf16_mla_families_served_through_the_latent_kernel(name, monkeypatch):
 def _served_tokens_rank_best(name: str, dtype: mx.Dtype, tolerance: float,
                              expect_mma: bool | None = None) -> None:
     oracle, served = build_wide(name, dtype), build_wide(name, dtype)  # the same weights
+    oracle.set_dtype(mx.float32)  # on the CPU (see above), whose gather_mm is float32's only
     if uses_gated_delta(served):
         install_gated_delta_kernel()
     if kernel_available():  # as the worker loads it there
@@ -133,7 +139,9 @@ def _served_tokens_rank_best(name: str, dtype: mx.Dtype, tolerance: float,
     for i, prompt in enumerate(prompts):
         chosen = results[f"r{i}"].token_ids
         assert len(chosen) == 16, f"{name} r{i}"
-        logits = oracle(mx.array([prompt + chosen]))[0].astype(mx.float32)
+        with mx.stream(mx.cpu):
+            logits = oracle(mx.array([prompt + chosen]))[0].astype(mx.float32)
+            mx.eval(logits)
         rows = logits[len(prompt) - 1:len(prompt) - 1 + len(chosen)]
         picked = mx.take_along_axis(rows, mx.array(chosen)[:, None], axis=1)[:, 0]
         best = rows.max(axis=1)
