@@ -71,9 +71,9 @@ def build_wide(name: str, dtype: mx.Dtype = mx.float32) -> Any:
     return model
 
 
-def _prompts() -> list[list[int]]:
+def _prompts(lengths: tuple[int, ...] = (3, 40, 70, 17)) -> list[list[int]]:
     rng = np.random.default_rng(1200)
-    return [rng.integers(5, VOCAB, size=n).tolist() for n in (3, 40, 70, 17)]
+    return [rng.integers(5, VOCAB, size=n).tolist() for n in lengths]
 
 
 @pytest.mark.parametrize("name", ALL)
@@ -116,8 +116,27 @@ def test_bf16_mla_families_served_through_the_latent_kernel(name, monkeypatch):
     assert bool(launched) == tensor_cores_available()
 
 
+# mlx-lm's MoE layers sort their (token, expert) pairs by expert from 64 pairs on
+# (switch_layers: a sorted gather_mm, the path where session 29 found MLX's CUDA float32
+# results wrong at some counts). 40 rows of 2 experts decode through it; 64-token chunks
+# prefill through it at 33-, 56- and 70-token remainders among others.
+SORTED_MOE_LENGTHS = tuple(33 + 7 * i for i in range(40))
+
+
+@pytest.mark.parametrize("dtype", [mx.float32, mx.bfloat16], ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "gpt_oss"])
+def test_moe_families_served_through_sorted_expert_batches(name, dtype):
+    """MoE models with batches past mlx-lm's sorting threshold, in prefill chunks and
+    in decode steps: tokens mlx-lm ranks best."""
+    if dtype == mx.bfloat16 and not kernel_available():
+        pytest.skip("bf16 serving is the GPU's (slow on the CPU)")
+    _served_tokens_rank_best(name, dtype, TOLERANCE if dtype == mx.float32 else BF16_TOLERANCE,
+                             chunk_size=64, lengths=SORTED_MOE_LENGTHS)
+
+
 def _served_tokens_rank_best(name: str, dtype: mx.Dtype, tolerance: float,
-                             expect_mma: bool | None = None) -> None:
+                             expect_mma: bool | None = None, chunk_size: int = 16,
+                             lengths: tuple[int, ...] = (3, 40, 70, 17)) -> None:
     oracle, served = build_wide(name, dtype), build_wide(name, dtype)  # the same weights
     oracle.set_dtype(mx.float32)  # on the CPU (see above), whose gather_mm is float32's only
     if uses_gated_delta(served):
@@ -130,9 +149,9 @@ def _served_tokens_rank_best(name: str, dtype: mx.Dtype, tolerance: float,
     backend = choose_decode_backend(probe_attention_specs(served))
     if expect_mma is not None:
         assert (getattr(backend, "mma", None) is not None) == expect_mma, backend
-    engine = InProcessEngine(served, chunk_size=16, compile_decode=backend.compiles,
+    engine = InProcessEngine(served, chunk_size=chunk_size, compile_decode=backend.compiles,
                              overlap="ahead")
-    prompts = _prompts()
+    prompts = _prompts(lengths)
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, 16, [])
     results = engine.run_until_idle()
