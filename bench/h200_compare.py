@@ -13,6 +13,8 @@ Steps, all in this process or its children on 127.0.0.1:
 2. Start kiln (`launch.py`), warm it up, run the serving sweep, stop it; then the same for
    `mlx_lm.server --decode-concurrency 256 --prompt-concurrency 16`, started with a listen
    backlog of 1024 instead of its 5 (`--mlx-backlog`; see bench/mlx_lm_server_backlog.py).
+   With `--rounds N`, every server is started first and left running, then each is swept
+   N times, interleaved (bench_interleaved): A/B figures from one host minute.
 3. Write <out>/kiln.json, <out>/mlx_lm.json (bench/serving.py sweep documents), sweep.png,
    summary.txt and both server logs, and print the summary table last.
 """
@@ -333,41 +335,104 @@ def server_command(name: str, model_dir: Path, port: int, args: argparse.Namespa
 # -- 3. the sweep --------------------------------------------------------------------------
 
 def sweep_args(url: str, label: str, model_dir: Path, args: argparse.Namespace,
-               seconds: float) -> argparse.Namespace:
+               seconds: float, seed: int = 0) -> argparse.Namespace:
     return serving.parse_args([
         "--url", url, "--model", str(model_dir), "--label", label,
         "--concurrency", args.concurrency, "--num-requests", args.num_requests,
         "--input-words", str(args.input_words), "--length-spread", str(args.length_spread),
         "--output-tokens", str(args.output_tokens),
         "--warmup-tokens", str(args.warmup_tokens), "--timeout", str(args.request_timeout),
-        "--max-seconds", str(seconds)])
+        "--max-seconds", str(seconds), "--seed", str(seed)])
 
 
-def bench_server(name: str, model_dir: Path, args: argparse.Namespace,
-                 sweep_seconds: float) -> dict[str, Any]:
-    """Start one server, wait for it, sweep it, stop it; returns the sweep document (with
-    --kv-probe, a kiln's KV memory per request under "kv")."""
+def launch(name: str, model_dir: Path, args: argparse.Namespace,
+           extra: tuple[str, ...] = ()) -> ServerRun:
+    """Start one server (kiln_b from --kiln-b-tree where given); `extra`: more of its flags."""
     port = free_port_pair()
-    cmd = server_command(name, model_dir, port, args)
+    cmd = [*server_command(name, model_dir, port, args), *extra]
     print(f"starting {name}: {' '.join(cmd)}", flush=True)
     env = dict(kv.split("=", 1) for kv in args.kiln_b_env.split()) if name == "kiln_b" else None
     # kiln_b from another tree: its launch.py, whose directory heads its processes' path.
     cwd = args.kiln_b_tree if name == "kiln_b" and args.kiln_b_tree else ROOT
-    server = start_server(name, cmd, port, args.out / f"{name}.log", env, cwd)
-    probe = KVProbe(server.url) if args.kv_probe and name.startswith("kiln") else None
+    return start_server(name, cmd, port, args.out / f"{name}.log", env, cwd)
+
+
+def measure(server: ServerRun, model_dir: Path, args: argparse.Namespace,
+            sweep_seconds: float, seed: int = 0) -> dict[str, Any]:
+    """One sweep of a running server: its document (with --kv-probe, a kiln's KV memory
+    per request under "kv")."""
+    probe = KVProbe(server.url) if args.kv_probe and server.name.startswith("kiln") else None
+    sargs = sweep_args(server.url, _LABELS[server.name], model_dir, args, sweep_seconds, seed)
+    with probe or nullcontext():
+        doc = serving.sweep_document(asyncio.run(serving.run_sweep(sargs)), sargs)
+    if probe is not None:
+        doc["kv"] = probe.report(KVFootprint.from_log(server.log))
+    return doc
+
+
+def bench_server(name: str, model_dir: Path, args: argparse.Namespace,
+                 sweep_seconds: float) -> dict[str, Any]:
+    """Start one server, wait for it, sweep it, stop it; returns the sweep document."""
+    server = launch(name, model_dir, args)
     try:
         ready_s = wait_ready(server, str(model_dir), args.ready_timeout)
         print(f"{name} answered after {ready_s:.1f}s", flush=True)
-        sargs = sweep_args(server.url, _LABELS[name], model_dir, args, sweep_seconds)
-        with probe or nullcontext():
-            doc = serving.sweep_document(asyncio.run(serving.run_sweep(sargs)), sargs)
-        doc["ready_s"] = round(ready_s, 1)
-        if probe is not None:
-            doc["kv"] = probe.report(KVFootprint.from_log(server.log))
+        doc = measure(server, model_dir, args, sweep_seconds) | {"ready_s": round(ready_s, 1)}
     finally:
         stop_server(server)
     (args.out / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
     return doc
+
+
+def bench_interleaved(names: list[str], model_dir: Path, args: argparse.Namespace,
+                      deadline: float) -> dict[str, dict[str, Any]]:
+    """--rounds: every server started and left running side by side (kiln's servers with
+    --mem-fraction --shared-mem-fraction, so their pools fit together), then `rounds`
+    sweeps of each, one server after another, the order rotated each round so none is
+    always first; round r's prompts are drawn with seed r, the same for every server and
+    new to each server's prefix cache. A server's document is its median round (by the
+    last level's output tokens/s) with every round under "rounds", and each round's
+    ratios stand beside the medians': servers measured minutes apart on a host whose
+    speed drifts (session 29 in docs/benchmarks.md) are compared within a round."""
+    servers: list[ServerRun] = []
+    try:
+        ready = {}
+        for name in names:
+            extra = (("--mem-fraction", str(args.shared_mem_fraction))
+                     if name.startswith("kiln") else ())
+            servers.append(launch(name, model_dir, args, extra))
+            ready[name] = wait_ready(servers[-1], str(model_dir), args.ready_timeout)
+            print(f"{name} answered after {ready[name]:.1f}s", flush=True)
+        rounds: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+        for r in range(args.rounds):
+            order = servers[r % len(servers):] + servers[:r % len(servers)]
+            for i, server in enumerate(order):
+                left = (args.rounds - r) * len(servers) - i
+                seconds = max(1.0, min(args.sweep_seconds,
+                                       (deadline - time.monotonic()) / left - 10.0))
+                print(f"round {r + 1}: {server.name}", flush=True)
+                rounds[server.name].append(measure(server, model_dir, args, seconds, seed=r))
+    finally:
+        for server in servers:
+            stop_server(server)
+    sweeps = {}
+    for name in names:
+        doc = median_round(rounds[name]) | {"ready_s": round(ready[name], 1),
+                                            "rounds": rounds[name]}
+        (args.out / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
+        sweeps[name] = doc
+    return sweeps
+
+
+def median_round(docs: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round whose last measured level's output tokens/s is the median (the lower of
+    the two middle ones for an even count)."""
+    def last_rate(doc: dict[str, Any]) -> float:
+        rates = [r["output_tok_s"] for r in doc["results"] if "skipped" not in r]
+        return rates[-1] if rates else 0.0
+
+    ranked = sorted(docs, key=last_rate)
+    return dict(ranked[(len(ranked) - 1) // 2])
 
 
 # -- KV memory per request (kiln) -----------------------------------------------------------
@@ -467,8 +532,26 @@ def summary_table(sweeps: dict[str, dict[str, Any]]) -> str:
                          f"{r['itl_ms']['p50']:>8.1f}ms{r['tpot_ms']['p50']:>8.1f}ms"
                          f"{r['e2e_ms']['p50'] / 1e3:>9.1f}s"
                          f"{r['failed']:>8}{r.get('retries', 0):>9}")
-    lines += _ratios(sweeps) + _kv_lines(sweeps)
+    lines += _ratios(sweeps) + _round_lines(sweeps) + _kv_lines(sweeps)
     return "\n".join(lines)
+
+
+def _round_lines(sweeps: dict[str, dict[str, Any]]) -> list[str]:
+    """--rounds: each server's output tokens/s a level in every round, and each round's
+    ratios to mlx_lm.server (same round)."""
+    if not all("rounds" in doc for doc in sweeps.values()):
+        return []
+    out = []
+    for name, doc in sweeps.items():
+        for level, r in enumerate(doc["results"]):
+            rates = [d["results"][level].get("output_tok_s") for d in doc["rounds"]]
+            text = " / ".join(f"{x:.1f}" if x is not None else "skipped" for x in rates)
+            out.append(f"{name} at {r['concurrency']}, rounds: {text}")
+    if "mlx_lm" in sweeps:
+        for i, theirs in enumerate(sweeps["mlx_lm"]["rounds"]):
+            one = {n: doc["rounds"][i] for n, doc in sweeps.items() if i < len(doc["rounds"])}
+            out += [f"round {i + 1}: {line}" for line in _ratios(one)]
+    return out
 
 
 def _kv_lines(sweeps: dict[str, dict[str, Any]]) -> list[str]:
@@ -562,6 +645,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kv-probe", action="store_true",
                    help="poll kiln's /get_server_info during the sweep (every 0.5 s) for its "
                         "KV memory per request at the busiest moment")
+    p.add_argument("--rounds", type=int, default=1,
+                   help="above 1: every server started at once, then this many sweeps of "
+                        "each, interleaved (bench_interleaved); 1: one server at a time")
+    p.add_argument("--shared-mem-fraction", type=float, default=0.25,
+                   help="with --rounds: each kiln server's --mem-fraction (of the memory "
+                        "free when it loads), so the servers fit side by side")
     p.add_argument("--prime", action="store_true",
                    help="first start, use and stop a kiln server that is not measured "
                         "(see prime())")
@@ -642,7 +731,9 @@ def main(argv: list[str] | None = None) -> int:
     names = args.servers.split(",")
     if args.prime:
         prime(model_dir, args)
-    for i, name in enumerate(names):
+    if args.rounds > 1:
+        sweeps = bench_interleaved(names, model_dir, args, deadline)
+    for i, name in enumerate(names if args.rounds == 1 else []):
         budget = sweep_budget(deadline, len(names) - i, args.sweep_seconds)
         sweeps[name] = bench_server(name, model_dir, args, budget)
     title = (f"{args.shape.name} {args.dtype}, {args.input_words}-word prompts "

@@ -55,6 +55,9 @@ KILN_B_ENV=${KILN_B_ENV:-}    # ... and this environment (K=V ...), for A/B runs
 KILN_B_TREE=${KILN_B_TREE:-}  # ... run from this directory's kiln (another commit's files:
                               # bench/h200_compare.py --kiln-b-tree), e.g. a before/after A/B
 KILN_C_ARGS=${KILN_C_ARGS:-}  # server kiln_c (in SERVERS): a second variant's flags
+ROUNDS=${ROUNDS:-1}  # sweep: above 1, every server up at once and this many interleaved
+                    # sweeps of each (bench/h200_compare.py --rounds), for A/B figures
+                    # on a host whose speed drifts (session 29: one tree 3,082-4,300 tok/s)
 PRIME=${PRIME:-1}  # sweep and mixed: a kiln server started (and used) and stopped first,
                    # unmeasured (the first on a fresh machine runs slower;
                    # bench/h200_compare.py prime)
@@ -203,8 +206,8 @@ OUT=$OUT timeout $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MO
     --concurrency "$CONCURRENCY" --num-requests "$NUM_REQUESTS" --kiln-args="$KILN_ARGS" \
     ${FAMILY:+--family "$FAMILY"} --dtype "$DTYPE" --length-spread "$LENGTH_SPREAD" \
     --kiln-b-args="$KILN_B_ARGS" --kiln-b-env="$KILN_B_ENV" --kiln-c-args="$KILN_C_ARGS" \
-    ${KILN_B_TREE:+--kiln-b-tree "$KILN_B_TREE"} \
-    --mlx-backlog "$MLX_BACKLOG" $( [ "$PRIME" = 1 ] && echo --prime ) 2>&1 | tail -24
+    ${KILN_B_TREE:+--kiln-b-tree "$KILN_B_TREE"} --rounds "$ROUNDS" \
+    --mlx-backlog "$MLX_BACKLOG" $( [ "$PRIME" = 1 ] && echo --prime ) 2>&1 | tail -40
 for log in "$OUT"/kiln*.log; do
     echo "-- $(basename "$log")"; grep "steps/s" "$log" | tail -4
 done

@@ -108,3 +108,47 @@ def test_device_timeline_report_on_made_up_kernels(capsys) -> None:
 
     device_timeline._check()
     assert "once a step" in capsys.readouterr().out
+
+
+def test_interleaved_rounds_rotate_the_servers_and_compare_within_a_round(tmp_path: Path,
+                                                                         monkeypatch) -> None:
+    """--rounds: every server up at once (kiln's with the shared memory fraction), sweeps
+    interleaved with the order rotated and round r's prompts seeded r, each server's
+    median round kept with all rounds, every server stopped, ratios given per round."""
+    from bench import h200_compare
+
+    launched, swept, stopped = {}, [], []
+
+    def launch(name, model_dir, args, extra=()):  # noqa: ANN001, ANN202
+        launched[name] = extra
+        return h200_compare.ServerRun(name, f"http://{name}", None, tmp_path / f"{name}.log")
+
+    rates = {"kiln": [300.0, 100.0, 200.0], "mlx_lm": [50.0, 40.0, 100.0]}
+
+    def measure(server, model_dir, args, seconds, seed=0):  # noqa: ANN001, ANN202
+        swept.append((server.name, seed))
+        p50 = {"p50": 1.0}
+        return {"label": server.name, "results": [
+            {"concurrency": 64, "num_requests": 64, "output_tok_s": rates[server.name][seed],
+             "ttft_ms": p50, "itl_ms": p50, "tpot_ms": p50, "e2e_ms": p50, "failed": 0}]}
+
+    monkeypatch.setattr(h200_compare, "launch", launch)
+    monkeypatch.setattr(h200_compare, "measure", measure)
+    monkeypatch.setattr(h200_compare, "wait_ready", lambda server, model, timeout: 1.0)
+    monkeypatch.setattr(h200_compare, "stop_server", lambda server: stopped.append(server.name))
+    args = h200_compare.parse_args(["--rounds", "3", "--out", str(tmp_path)])
+    sweeps = h200_compare.bench_interleaved(["kiln", "mlx_lm"], tmp_path, args,
+                                            deadline=1e12)
+
+    assert launched == {"kiln": ("--mem-fraction", "0.25"), "mlx_lm": ()}
+    assert swept == [("kiln", 0), ("mlx_lm", 0), ("mlx_lm", 1), ("kiln", 1),
+                     ("kiln", 2), ("mlx_lm", 2)]
+    assert sorted(stopped) == ["kiln", "mlx_lm"]
+    assert sweeps["kiln"]["results"][0]["output_tok_s"] == 200.0  # the median round
+    assert sweeps["mlx_lm"]["results"][0]["output_tok_s"] == 50.0
+    assert len(sweeps["kiln"]["rounds"]) == 3
+    table = h200_compare.summary_table(sweeps)
+    assert "kiln at 64, rounds: 300.0 / 100.0 / 200.0" in table
+    assert "round 1: kiln / mlx_lm.server (backlog 1024) output tok/s at 64: 6.00x" in table
+    assert "round 3: kiln / mlx_lm.server (backlog 1024) output tok/s at 64: 2.00x" in table
+    assert "output tok/s at 64: 4.00x" in table  # the medians' ratio
