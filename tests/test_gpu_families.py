@@ -7,10 +7,11 @@ differ from mlx-lm's at a near tie and the sequences part. The check is therefor
 teacher-forced: mlx-lm's model (unmodified, no cache) runs once over the prompt and the
 tokens kiln chose, and each chosen token must be one mlx-lm's logits rank best within a
 small tolerance. A wrong window, state or slot moves logits far more than that. The
-oracle is mlx-lm's forward in float32 on the CPU stream: on MLX 0.32.4's CUDA backend
-its MoE layers' float32 sorted gather_mm was wrong at some token counts (GPT-OSS's MLP
-outputs ~0.85 off the CPU's at 33, 56 and 70 tokens, right at 19, 64, 86 and 128:
-docs/benchmarks.md, session 29), which made a served row's correct tokens look wrong.
+oracle is mlx-lm's forward in float32 on the CPU stream: on the H200, mlx-lm's own
+float32 forward of the GPT-OSS model below put its MLP outputs ~0.85 off the CPU's at
+some token counts and not others (float32 matmuls run in TF32 there by default, which
+can flip a near-tied expert choice: the likely cause, not pinned down; docs/benchmarks.md,
+session 29), which made a served row's right tokens look wrong.
 
 The families are tests.families' with every width doubled, so heads are 32 wide (what
 the CUDA kernels take). On the CPU the same test runs the plain-MLX path (where tokens
@@ -117,9 +118,9 @@ def test_bf16_mla_families_served_through_the_latent_kernel(name, monkeypatch):
 
 
 # mlx-lm's MoE layers sort their (token, expert) pairs by expert from 64 pairs on
-# (switch_layers: a sorted gather_mm, the path where session 29 found MLX's CUDA float32
-# results wrong at some counts). 40 rows of 2 experts decode through it; 64-token chunks
-# prefill through it at 33-, 56- and 70-token remainders among others.
+# (switch_layers: a sorted gather_mm, on CUDA a grouped GEMM), a path the 4-row, 16-token
+# test above never takes. 40 rows of 2 experts decode through it; 64-token chunks prefill
+# through it, with remainders of 33, 56 and 70 tokens among others.
 SORTED_MOE_LENGTHS = tuple(33 + 7 * i for i in range(40))
 
 
