@@ -28,6 +28,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker_proc import paged_attention as pa  # noqa: E402
+from worker_proc.kernel_constants import float_bits  # noqa: E402
 from worker_proc import qk_norm_rope, residual_norm  # noqa: E402
 
 # Each input's element type in the kernels (T: q's dtype; P: the pool's).
@@ -40,8 +41,8 @@ _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "tab
 
 
 def _bits(x: float) -> str:
-    """A float template argument as the kernels take it (pa.float_bits)."""
-    return str(pa.float_bits(x))
+    """A float template argument as the kernels take it (kernel_constants.float_bits)."""
+    return str(float_bits(x))
 
 
 def wrap(name: str, inputs: list[str], outputs: list[str], body: str, header: str,

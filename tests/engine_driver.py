@@ -23,8 +23,9 @@ from worker_proc import WorkerLoop
 from worker_proc.decode_backend import DecodeBackend, KernelDecode
 from worker_proc.kv_pool import KVPool
 from worker_proc.memory import probe_attention_specs
-from worker_proc.paged_attention import (MARK_SHAPE, fused_builds_per_shape,
-                                         reference_decode_attention, reference_latent_attention)
+from worker_proc.kernel_constants import MARK_SHAPE
+from worker_proc.paged_attention import reference_decode_attention, reference_latent_attention
+from worker_proc.prefill_attention import fused_builds_per_shape
 from worker_proc.runner import PREFILL_PADDING, ModelRunner
 from worker_proc.qk_norm_rope import reference_qk_norm_rope
 from worker_proc.residual_norm import reference_residual_norm

@@ -50,7 +50,7 @@ def test_the_kernel_in_the_pool_equals_it_apart(masked):
     """The recurrence run on rows of the state array itself: the same outputs as over
     gathered rows, those rows updated in place, the others untouched."""
     from worker_proc.gated_delta_cuda import gated_delta_in_pool
-    from worker_proc.paged_attention import after_write
+    from worker_proc.pool_writes import after_write
 
     b, t, hk, hv, dk, dv = 3, 5, 2, 4, 64, 32
     mx.random.seed(1)
@@ -77,7 +77,7 @@ def test_the_kernel_in_the_pool_equals_it_apart(masked):
 
 @pytest.mark.skipif(not kernel_available(), reason="the in-place pool needs MLX's CUDA backend")
 def test_state_rows_are_written_in_place_after_their_marks():
-    from worker_proc.paged_attention import after_write, rows_write_in_place
+    from worker_proc.pool_writes import after_write, rows_write_in_place
 
     pool = mx.zeros((6, 3, 4))
     mx.eval(pool)

@@ -8,12 +8,12 @@ import pytest
 
 from tests.attention_cases import ragged_slot_table
 from worker_proc.decode_backend import GatherDecode, KernelDecode
-from worker_proc.paged_attention import (DEFAULT_STAGES, MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS,
-                                         LatentConfig, MmaConfig, kernel_available,
-                                         num_splits, paged_decode_attention,
-                                         paged_decode_write_attention, paged_latent_attention,
-                                         pool_write_in_place, reference_decode_attention,
+from worker_proc.paged_attention import (DEFAULT_STAGES, kernel_available, LatentConfig,
+                                         MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, MmaConfig, num_splits,
+                                         paged_decode_attention, paged_decode_write_attention,
+                                         paged_latent_attention, reference_decode_attention,
                                          reference_latent_attention, tensor_cores_available)
+from worker_proc.pool_writes import pool_write_in_place
 
 
 def _case(batch=5, n_q=8, n_kv=2, dim=64, slots=3000, seed=0, dtype=mx.float32, lengths=None):
@@ -306,7 +306,7 @@ def test_unfused_prefill_attention_matches_fused(mask_kind, dtype):
     """The CUDA backend's prefill attention (plain matmuls) means what MLX's fused one does:
     grouped heads, causal aligned to the keys' end, boolean masks, float masks added to
     the scores (one for every head, or one a query head: MLA's RoPE part)."""
-    from worker_proc.paged_attention import unfused_prefill_attention
+    from worker_proc.prefill_attention import unfused_prefill_attention
 
     rng = np.random.default_rng(7)
     b, n_q, n_kv, s, length, d = (3, 8, 2, 5, 12, 16) if dtype == mx.float32 else (2, 32, 8, 40, 96, 128)
@@ -329,7 +329,7 @@ def test_unfused_prefill_attention_matches_fused(mask_kind, dtype):
 def test_unfused_prefill_attention_honours_sinks():
     """GPT-OSS's sinks on the matmul prefill path: each head's sink logit in its softmax's
     denominator, as MLX's fused attention takes them, causal and with a window mask."""
-    from worker_proc.paged_attention import unfused_prefill_attention
+    from worker_proc.prefill_attention import unfused_prefill_attention
 
     rng = np.random.default_rng(11)
     b, n_q, n_kv, s, length, d = 2, 8, 2, 6, 14, 16
@@ -350,7 +350,7 @@ def test_unfused_prefill_attention_honours_sinks():
 def test_bucketed_fused_attention_is_the_unpadded_attention(n_new, prefix, with_sinks):
     """Padding queries and keys at the end to a bucket changes no real query's output:
     causal from the keys' end keeps every padded key after it."""
-    from worker_proc.paged_attention import bucketed_fused_attention, fused_bucket_padding
+    from worker_proc.prefill_attention import bucketed_fused_attention, fused_bucket_padding
 
     rng = np.random.default_rng(n_new + prefix)
     n_q, n_kv, d = 4, 2, 32
@@ -371,7 +371,7 @@ def test_bucketed_fused_attention_is_the_unpadded_attention(n_new, prefix, with_
 def test_bucketed_masked_attention_is_the_unpadded_attention(n_new, length, rows, with_sinks):
     """Under a boolean mask (rows causal from their own starts, a window), padding queries
     and keys to a bucket changes no real query's output."""
-    from worker_proc.paged_attention import bucketed_masked_attention, masked_bias
+    from worker_proc.prefill_attention import bucketed_masked_attention, masked_bias
 
     rng = np.random.default_rng(n_new + length + rows)
     n_q, n_kv, d = 4, 2, 16
@@ -389,7 +389,7 @@ def test_bucketed_masked_attention_is_the_unpadded_attention(n_new, length, rows
 
 
 def test_masked_keys_pad_to_few_sizes_and_at_most_a_bucket_or_a_quarter_more():
-    from worker_proc.paged_attention import key_bucket
+    from worker_proc.prefill_attention import key_bucket
 
     assert [key_bucket(n) for n in (1, 512, 513, 4096, 4097, 5121, 8192, 8193)] == [
         512, 512, 1024, 4096, 5120, 6144, 8192, 10240]
@@ -399,7 +399,7 @@ def test_masked_keys_pad_to_few_sizes_and_at_most_a_bucket_or_a_quarter_more():
 
 
 def test_masked_bias_is_bounded():
-    from worker_proc.paged_attention import masked_bias_fits
+    from worker_proc.prefill_attention import masked_bias_fits
 
     assert masked_bias_fits(1, 512, 131072)  # mixed traffic's chunk deep in 128k: 128 MiB
     assert not masked_bias_fits(1, 4096, 131072)  # a long chunk there: 1 GiB a layer
@@ -407,7 +407,7 @@ def test_masked_bias_is_bounded():
 
 
 def test_fused_bucket_padding_takes_long_causal_chunks_at_bucket_offsets():
-    from worker_proc.paged_attention import fused_bucket_padding
+    from worker_proc.prefill_attention import fused_bucket_padding
 
     assert fused_bucket_padding(2048, 4096, "causal") == 0
     assert fused_bucket_padding(1900, 2048 + 1900, "causal") == 148
@@ -480,7 +480,7 @@ def test_pooled_forward_matches_mlx_lm_cache():
 def test_unfused_prefill_is_bounded_in_memory():
     """Prefill attention as matmuls materialises [B, H, S, L] float32 scores: a long chunk
     deep into a long context takes the fused path instead."""
-    from worker_proc.paged_attention import UNFUSED_SCORES_MAX_BYTES, unfused_prefill_fits
+    from worker_proc.prefill_attention import unfused_prefill_fits, UNFUSED_SCORES_MAX_BYTES
 
     assert unfused_prefill_fits((64, 32, 130, 128), 130)  # a burst of 100-word prompts
     assert unfused_prefill_fits((1, 32, 2048, 128), 2048)  # one full chunk
@@ -492,7 +492,7 @@ def test_unfused_prefill_is_bounded_in_memory():
 def test_unfused_prefill_only_where_cudnn_would_build_per_shape():
     """Only heads that MLX's fused attention hands to cuDNN (bf16/fp16, at most 128 wide)
     take the matmul path; 256-wide heads (Qwen3.5) and float32 keep MLX's fused call."""
-    from worker_proc.paged_attention import fused_builds_per_shape
+    from worker_proc.prefill_attention import fused_builds_per_shape
 
     assert fused_builds_per_shape(mx.bfloat16, 128, 128)
     assert fused_builds_per_shape(mx.float16, 64, 64)
@@ -855,11 +855,12 @@ def test_no_kernel_reads_a_constant_of_eight_bytes_or_less(monkeypatch):
     (batches of 4, so that per-row inputs are 16 bytes or more)."""
     import itertools
 
-    from worker_proc import gated_delta_cuda, paged_attention, qk_norm_rope, residual_norm
-    from worker_proc.paged_attention import (RopeSpec, paged_decode_attention,
-                                             paged_decode_qkv_attention,
-                                             paged_decode_write_attention,
-                                             paged_latent_attention, pool_write_in_place)
+    from worker_proc import (gated_delta_cuda, paged_attention, pool_writes, qk_norm_rope,
+                             residual_norm)
+    from worker_proc.paged_attention import (paged_decode_attention, paged_decode_qkv_attention,
+                                             paged_decode_write_attention, paged_latent_attention,
+                                             RopeSpec)
+    from worker_proc.pool_writes import pool_write_in_place
 
     launches: list[tuple[str, list[mx.array]]] = []
 
@@ -869,7 +870,7 @@ def test_no_kernel_reads_a_constant_of_eight_bytes_or_less(monkeypatch):
             return [mx.zeros(s, d) for s, d in zip(output_shapes, output_dtypes)]
         return launch
 
-    modules = (paged_attention, qk_norm_rope, residual_norm, gated_delta_cuda)
+    modules = (paged_attention, pool_writes, qk_norm_rope, residual_norm, gated_delta_cuda)
 
     def clear_kernels() -> None:
         for module in modules:
@@ -891,6 +892,7 @@ def test_no_kernel_reads_a_constant_of_eight_bytes_or_less(monkeypatch):
         ropes = [RopeSpec(dim, False, 10000.0, 1.0),
                  RopeSpec(dim, True, None, 1.0, mx.ones((dim // 2,)), mscale=1.2)]
         mark = pool_write_in_place(pool, slots, keys, values)
+        pool_writes.rows_write_in_place(mx.zeros((8, 4)), slots, mx.zeros((b, 4)), mark)
         for mma, sinks in itertools.product((None, paged_attention.MmaConfig()),
                                             (None, mx.zeros((n_q,)))):
             paged_decode_attention(q, pool, table, lengths, 0.125, mark, sinks, mma=mma)

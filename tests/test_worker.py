@@ -631,7 +631,7 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     assert chunking(GatherDecode()).tail_bucket == 0
     # A smaller decode-first budget, a power of two from 128, sets the bucket and so the
     # edges, the tails and the walk (prefill_bucket_for); others keep 512.
-    from worker_proc.paged_attention import prefill_bucket_for
+    from worker_proc.prefill_attention import prefill_bucket_for
     assert [prefill_bucket_for(n) for n in (64, 128, 256, 384, 512, 1024)] == [
         512, 128, 256, 512, 512, 512]
     small = prefill_chunking(ServerConfig(max_prefill_tokens_while_decoding=256),
@@ -810,7 +810,7 @@ def test_prefill_attention_buckets_masks_of_bounded_bias_only(monkeypatch):
     unfused path, as before masks were bucketed."""
     import mlx.core as mx
 
-    from worker_proc import decode_backend, paged_attention
+    from worker_proc import decode_backend, prefill_attention
 
     taken = []
     monkeypatch.setattr(decode_backend, "bucketed_masked_attention",
@@ -820,7 +820,7 @@ def test_prefill_attention_buckets_masks_of_bounded_bias_only(monkeypatch):
     q = mx.zeros((1, 4, 300, 16))
     kv = mx.zeros((1, 2, 1300, 16))
     for cap in (1 << 30, 300 * 1536):  # the bias: 512 x 1536 x 2 bytes
-        monkeypatch.setattr(paged_attention, "MASKED_BIAS_MAX_BYTES", cap)
+        monkeypatch.setattr(prefill_attention, "MASKED_BIAS_MAX_BYTES", cap)
         StandInKernel().prefill_attention(q, kv, kv, 0.25, "causal", None)
     assert taken == ["masked", "unfused"]
 

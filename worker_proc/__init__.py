@@ -35,7 +35,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from kiln_common.model_info import read_json, served_context_len
     from kiln_common.windows import WindowRule
     from worker_proc.decode_backend import choose_decode_backend, kernel_misfit
-    from worker_proc.paged_attention import prefill_bucket_for
+    from worker_proc.prefill_attention import prefill_bucket_for
     from worker_proc.decode_block import FastDecodeBlock, speed_up_decode_blocks
     from worker_proc.depthwise_conv import replace_depthwise_convs
     from worker_proc.fused_projections import fuse_projections

@@ -24,7 +24,8 @@ from worker_proc.decode_backend import DecodeBackend
 from worker_proc.gated_delta_cuda import PoolRead, forget_pool_reads, offer_pool_read
 from worker_proc.kv_pool import KVPool, StateLayerSpec, attention_specs, flat_specs
 from worker_proc.layer_kinds import Kind, LayerKind, ProbeRecorder, UnsupportedModelError
-from worker_proc.paged_attention import RopeSpec, causal_mask
+from worker_proc.paged_attention import RopeSpec
+from worker_proc.prefill_attention import causal_mask
 from worker_proc.staging import Stage, new_arrays
 
 logger = logging.getLogger(__name__)

@@ -24,21 +24,18 @@ import mlx.core as mx
 
 from ipc.config import (CUDA_CORE_EXPERIMENTS, DECODE_EXPERIMENTS, TENSOR_CORE_EXPERIMENTS,
                         kernel_body_conflict)
-from worker_proc.paged_attention import (DEFAULT_STAGES, FUSED_PREFILL_BUCKET, RopeSpec,
-                                         bucketed_fused_attention,
-                                         bucketed_masked_attention, causal_mask,
-                                         fits_shared_memory, fused_bucket_padding,
-                                         fused_builds_per_shape,
-                                         kernel_available, masked_bias, masked_bias_fits,
-                                         LatentConfig, MMA_WIDE_TILES, MmaConfig,
-                                         mma_preferred, paged_latent_attention,
-                                         reference_latent_attention,
-                                         tensor_cores_available,
+from worker_proc.paged_attention import (DEFAULT_STAGES, fits_shared_memory, kernel_available,
+                                         LatentConfig, mma_preferred, MMA_WIDE_TILES, MmaConfig,
                                          paged_decode_attention, paged_decode_qkv_attention,
-                                         paged_decode_write_attention,
-                                         pool_write_in_place, reference_decode_attention,
-                                         rows_write_in_place, unfused_prefill_attention,
-                                         unfused_prefill_fits)
+                                         paged_decode_write_attention, paged_latent_attention,
+                                         reference_decode_attention, reference_latent_attention,
+                                         RopeSpec, tensor_cores_available)
+from worker_proc.pool_writes import pool_write_in_place, rows_write_in_place
+from worker_proc.prefill_attention import (bucketed_fused_attention, bucketed_masked_attention,
+                                           causal_mask, fused_bucket_padding,
+                                           fused_builds_per_shape, FUSED_PREFILL_BUCKET,
+                                           masked_bias, masked_bias_fits,
+                                           unfused_prefill_attention, unfused_prefill_fits)
 from worker_proc.qk_norm_rope import decode_qk_norm_rope, fits as qk_norm_rope_fits
 from worker_proc.residual_norm import fits as residual_norm_fits, residual_norm
 

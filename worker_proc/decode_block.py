@@ -220,7 +220,7 @@ class QKNorms:
     n_kv, D]: q's heads, then k's) and their eps; a norm by ones then a multiply by it is
     MLX's CPU rms_norm with it, bit for bit. `ones` [D] is that norm's weight: without
     one, MLX reads a scalar 1 of its own from the memory that kernels wait on (see
-    paged_attention.CONSTANT_ELEMENTS). (Held in a plain object: an array attribute of an
+    kernel_constants.CONSTANT_ELEMENTS). (Held in a plain object: an array attribute of an
     mlx Module would become one of the model's parameters.)"""
 
     scale: mx.array

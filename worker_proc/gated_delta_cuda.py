@@ -22,7 +22,9 @@ from typing import Any, Callable
 
 import mlx.core as mx
 
-from worker_proc.paged_attention import MARK_SHAPE, follow_mark, kernel_available
+from worker_proc.kernel_constants import MARK_SHAPE
+from worker_proc.paged_attention import kernel_available
+from worker_proc.pool_writes import follow_mark
 
 logger = logging.getLogger(__name__)
 

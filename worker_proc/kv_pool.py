@@ -15,7 +15,8 @@ import mlx.core as mx
 
 from worker_proc.decode_backend import DecodeBackend, choose_decode_backend
 from worker_proc.layer_kinds import Kind, LayerKind
-from worker_proc.paged_attention import after_write, follow_mark, split_kv
+from worker_proc.paged_attention import split_kv
+from worker_proc.pool_writes import after_write, follow_mark
 
 logger = logging.getLogger(__name__)
 

@@ -17,7 +17,8 @@ import functools
 
 import mlx.core as mx
 
-from worker_proc.paged_attention import _ROPE_HEADER, RopeSpec, float_bits
+from worker_proc.kernel_constants import float_bits
+from worker_proc.paged_attention import _ROPE_HEADER, RopeSpec
 
 # A block a (head, row); thread i takes the head's i-th rotation pair. With NORM, the sum
 # of squares is reduced over the block: warps (or the one part-warp of a head under 64

@@ -18,7 +18,7 @@ import functools
 import mlx.core as mx
 from mlx_lm.models.gemma3_text import clip_residual
 
-from worker_proc.paged_attention import float_bits
+from worker_proc.kernel_constants import float_bits
 
 # A block's sum of a float from each of its WARPS warps: shuffles, then the warps'
 # partials through `part` (one array a reduction, so a second needs no barrier before it).
