@@ -14,7 +14,7 @@ Steps, all in this process or its children on 127.0.0.1:
    `mlx_lm.server --decode-concurrency 256 --prompt-concurrency 16`, started with a listen
    backlog of 1024 instead of its 5 (`--mlx-backlog`; see bench/mlx_lm_server_backlog.py).
    With `--rounds N`, every server is started first and left running, then each is swept
-   N times, interleaved (bench_interleaved): A/B figures from one host minute.
+   N times, interleaved (bench_interleaved), so servers are compared within each round.
 3. Write <out>/kiln.json, <out>/mlx_lm.json (bench/serving.py sweep documents), sweep.png,
    summary.txt and both server logs, and print the summary table last.
 """
@@ -548,7 +548,7 @@ def _round_lines(sweeps: dict[str, dict[str, Any]]) -> list[str]:
             text = " / ".join(f"{x:.1f}" if x is not None else "skipped" for x in rates)
             out.append(f"{name} at {r['concurrency']}, rounds: {text}")
     if "mlx_lm" in sweeps:
-        for i, theirs in enumerate(sweeps["mlx_lm"]["rounds"]):
+        for i in range(len(sweeps["mlx_lm"]["rounds"])):
             one = {n: doc["rounds"][i] for n, doc in sweeps.items() if i < len(doc["rounds"])}
             out += [f"round {i + 1}: {line}" for line in _ratios(one)]
     return out
@@ -657,7 +657,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mlx-backlog", type=int, default=1024,
                    help="start mlx_lm.server with this listen backlog instead of its 5 "
                         "(bench/mlx_lm_server_backlog.py); 0: as shipped")
-    return apply_defaults(p.parse_args(argv))
+    args = p.parse_args(argv)
+    if args.rounds < 1:
+        p.error("--rounds must be at least 1")
+    return apply_defaults(args)
 
 
 def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
@@ -733,9 +736,10 @@ def main(argv: list[str] | None = None) -> int:
         prime(model_dir, args)
     if args.rounds > 1:
         sweeps = bench_interleaved(names, model_dir, args, deadline)
-    for i, name in enumerate(names if args.rounds == 1 else []):
-        budget = sweep_budget(deadline, len(names) - i, args.sweep_seconds)
-        sweeps[name] = bench_server(name, model_dir, args, budget)
+    else:
+        for i, name in enumerate(names):
+            budget = sweep_budget(deadline, len(names) - i, args.sweep_seconds)
+            sweeps[name] = bench_server(name, model_dir, args, budget)
     title = (f"{args.shape.name} {args.dtype}, {args.input_words}-word prompts "
              f"(+-{args.length_spread:.0%}), "
              f"{args.output_tokens} output tokens, {mx.default_device()}")
