@@ -118,9 +118,9 @@ def test_bf16_mla_families_served_through_the_latent_kernel(name, monkeypatch):
 
 
 # mlx-lm's MoE layers sort their (token, expert) pairs by expert from 64 pairs on
-# (switch_layers: a sorted gather_mm, on CUDA a grouped GEMM), a path the 4-row, 16-token
-# test above never takes. 40 rows of 2 experts decode through it; 64-token chunks prefill
-# through it, with remainders of 33, 56 and 70 tokens among others.
+# (switch_layers: a sorted gather_mm, on CUDA a grouped GEMM), which the 4-row test above
+# meets only in prefill. Here 40 rows of 2 experts decode through it too, and 64-token
+# chunks prefill through it, with remainders of 33, 56 and 70 tokens among others.
 SORTED_MOE_LENGTHS = tuple(33 + 7 * i for i in range(40))
 
 
