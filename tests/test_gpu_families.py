@@ -9,9 +9,9 @@ tokens kiln chose, and each chosen token must be one mlx-lm's logits rank best w
 small tolerance. A wrong window, state or slot moves logits far more than that. The
 oracle is mlx-lm's forward in float32 on the CPU stream: on the H200, mlx-lm's own
 float32 forward of the GPT-OSS model below put its MLP outputs ~0.85 off the CPU's at
-some token counts and not others (float32 matmuls run in TF32 there by default, which
-can flip a near-tied expert choice: the likely cause, not pinned down; docs/benchmarks.md,
-session 29), which made a served row's right tokens look wrong.
+some token counts and not others (cause open: not its router's TF32 rounding;
+docs/benchmarks.md, session 29, and bench/moe_gather_probe.py), which made a served
+row's right tokens look wrong.
 
 The families are tests.families' with every width doubled, so heads are 32 wide (what
 the CUDA kernels take). On the CPU the same test runs the plain-MLX path (where tokens
