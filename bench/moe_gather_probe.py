@@ -9,8 +9,9 @@ not the router's precision.
 mlx-lm's SwitchGLU sorts its (token, expert) pairs by expert from 64 pairs on
 (switch_layers._gather_sort) and then calls gather_mm with sorted_indices. For each dtype
 and token count (top-2 of 4 experts, routes drawn at random), over --seeds draws, the
-largest |device - CPU| relative to the CPU's largest output, of: argsort's order as a
-sorted permutation (0 or 1: 1 is wrong), one sorted gather_mm, the same pairs unsorted on
+largest |device - CPU| relative to the CPU's largest output, of: argpartition's top 2 of
+4 (mlx-lm's GPT-OSS top-k; 0 or 1: 1 is a wrong set), argsort's order as a sorted
+permutation (0 or 1), one sorted gather_mm, the same pairs unsorted on
 the device, and the whole SwitchGLU given the same routes. The CPU side runs float32 (its
 gather_mm takes no other) on the same rounded inputs. On the CPU itself every column is 0.
 """
@@ -37,9 +38,14 @@ def _rel(device: mx.array, cpu: mx.array) -> float:
 
 
 def probe(tokens: int, dtype: mx.Dtype, seed: int, hidden: int, inter: int,
-          experts: int = 4, top: int = 2) -> tuple[float, float, float, float]:
+          experts: int = 4, top: int = 2) -> tuple[float, ...]:
     mx.random.seed(seed)
     x = mx.random.normal((tokens, hidden)).astype(dtype)
+    # mlx-lm's top-k (GPT-OSS's mlx_topk): argpartition's last `top` must be the top set
+    logits = mx.random.normal((tokens, experts)).astype(dtype)
+    picked = np.sort(np.array(mx.argpartition(logits, kth=-top, axis=-1)[:, -top:]), axis=1)
+    best = np.sort(np.argsort(np.array(logits.astype(mx.float32)), axis=1)[:, -top:], axis=1)
+    bad_topk = float((picked != best).any())
     routes = mx.argsort(mx.random.uniform(shape=(tokens, experts)), axis=-1)[:, :top]
     routes = routes.astype(mx.uint32)
     # argsort over the flattened routes, as _gather_sort does
@@ -65,7 +71,8 @@ def probe(tokens: int, dtype: mx.Dtype, seed: int, hidden: int, inter: int,
         glu.set_dtype(mx.float32)
         layer_cpu = glu(x[None].astype(mx.float32), routes[None])
         mx.eval(layer_cpu)
-    return bad_order, _rel(sorted_out, cpu), _rel(unsorted_out, cpu), _rel(layer, layer_cpu)
+    return (bad_topk, bad_order, _rel(sorted_out, cpu), _rel(unsorted_out, cpu),
+            _rel(layer, layer_cpu))
 
 
 def main() -> None:
@@ -83,14 +90,15 @@ def main() -> None:
               (args.dtypes or ("float32" if on_cpu else "float32,bfloat16")).split(",")]
     print(f"device {mx.default_device()}, hidden {args.hidden}, intermediate "
           f"{args.intermediate}, 4 experts, top 2; worst of {args.seeds} seeds, relative")
-    print(f"{'dtype':<10}{'tokens':>7}{'pairs':>7}{'bad order':>11}{'sorted mm':>11}"
-          f"{'unsorted mm':>13}{'SwitchGLU':>11}")
+    print(f"{'dtype':<10}{'tokens':>7}{'pairs':>7}{'bad top-k':>11}{'bad order':>11}"
+          f"{'sorted mm':>11}{'unsorted mm':>13}{'SwitchGLU':>11}")
     for dtype in dtypes:
         for n in (int(t) for t in args.tokens.split(",")):
             worst = np.max([probe(n, dtype, s, args.hidden, args.intermediate)
                             for s in range(args.seeds)], axis=0)
             print(f"{str(dtype).split('.')[-1]:<10}{n:>7}{2 * n:>7}{worst[0]:>11.0f}"
-                  f"{worst[1]:>11.1e}{worst[2]:>13.1e}{worst[3]:>11.1e}", flush=True)
+                  f"{worst[1]:>11.0f}{worst[2]:>11.1e}{worst[3]:>13.1e}{worst[4]:>11.1e}",
+                  flush=True)
 
 
 if __name__ == "__main__":
