@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from tests.engine_driver import InProcessEngine
-from tests.families import FAMILIES, RECURRENT_FAMILIES, VOCAB, WINDOW, build
+from tests.families import _COMMON, FAMILIES, RECURRENT_FAMILIES, VOCAB, WINDOW, build
 from tests.test_scheduler import assert_idle_invariant
 from worker_proc.layer_kinds import Kind, UnsupportedModelError
 from worker_proc.kv_pool import StateLayerSpec, attention_specs, flat_specs
@@ -216,6 +216,30 @@ def test_a_model_with_a_layer_kind_not_served_is_refused_naming_it():
     module = importlib.import_module("mlx_lm.models.deepseek_v41")
     model = module.Model(module.ModelArgs.from_dict(config))
     with pytest.raises(UnsupportedModelError, match=r"layers 0-1: LayerCache: not supported yet"):
+        probe_attention_specs(model)
+
+
+@pytest.mark.parametrize("config,refusal", [
+    # DeepSeek-V3.2's indexer sets its cache's `values` from the cache's `keys`.
+    (dict(model_type="deepseek_v32", num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
+          qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, moe_intermediate_size=32,
+          n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
+          first_k_dense_replace=1, n_group=1, topk_group=1, index_n_heads=2,
+          index_head_dim=16, index_topk=8),
+     r"layers 0-3: the model's code reads its cache's `keys` itself: not supported yet"),
+    # IQuest-Loop-Coder's second pass attends the first pass's K/V through its own caches.
+    (dict(model_type="iquestloopcoder", head_dim=16, loop_window_size=WINDOW),
+     r"layers 4-7: the model attends another cache's keys and values through these"),
+])
+def test_a_model_attending_outside_its_own_cache_is_refused_naming_the_layers(config,
+                                                                              refusal):
+    """Found by the probe, not by name: the pool hands a layer's code no cache arrays,
+    and serves each cache's own K/V to that cache's attention call."""
+    import importlib
+
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    model = module.Model(module.ModelArgs.from_dict({**_COMMON, **config}))
+    with pytest.raises(UnsupportedModelError, match=refusal):
         probe_attention_specs(model)
 
 

@@ -13,6 +13,8 @@ needs real dense K/V. Nothing here is keyed on a model's name.
 from __future__ import annotations
 
 import enum
+import functools
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -169,6 +171,12 @@ class ProbeRecorder:
         self.sinks: set[int] = set()
         self.latent: set[int] = set()  # keys as keys and values, a scores mask (LayerKind)
         self.query_heads: dict[int, int] = {}  # id(cache) -> the queries' heads there
+        # Ways of attending the pool cannot serve: the model's code reading a cache's
+        # arrays itself (id(cache) -> the attribute), or attending one cache's K/V with
+        # another cache handed to the call.
+        self.read_arrays: dict[int, str] = {}
+        self.foreign: set[int] = set()
+        self.caches: dict[int, Any] = {}  # id -> the probed caches (probe_layers sets them)
 
     def saw_attention(self, cache: Any, queries: Any, keys: Any, values: Any,
                       sinks: Any, mask: Any = None) -> None:
@@ -179,8 +187,14 @@ class ProbeRecorder:
         elif (fetched is not None and fetched[0] is keys and keys is values and sinks is None
               and _scores_mask(mask, queries, keys)):
             self.latent.add(id(cache))
+        elif any(other is not cache and kv[0] is keys for other, kv in self._fetched_by()):
+            self.foreign.add(id(cache))
         if sinks is not None:
             self.sinks.add(id(cache))
+
+
+    def _fetched_by(self) -> list[tuple[Any, tuple[Any, Any]]]:
+        return [(self.caches[i], kv) for i, kv in self.fetched.items() if i in self.caches]
 
 
 def _scores_mask(mask: Any, queries: Any, keys: Any) -> bool:
@@ -194,7 +208,8 @@ def _scores_mask(mask: Any, queries: Any, keys: Any) -> bool:
 
 
 def _probing(cache: Any, recorder: ProbeRecorder) -> Any:
-    """mlx-lm's cache object, its update_and_fetch noting what it returned."""
+    """mlx-lm's cache object, its update_and_fetch noting what it returned and reads of
+    its arrays from outside mlx-lm's cache code noted (_Watched)."""
     fetch = cache.update_and_fetch
 
     def update_and_fetch(keys: Any, values: Any) -> Any:
@@ -203,7 +218,29 @@ def _probing(cache: Any, recorder: ProbeRecorder) -> Any:
         return out
 
     cache.update_and_fetch = update_and_fetch
+    try:
+        cache.__class__ = _watched(type(cache))
+    except TypeError:  # a class whose instances cannot change class (slots): unwatched
+        pass
     return cache
+
+
+# Modules whose reads of a cache's arrays are not the model's: mlx-lm's cache code, kiln's.
+_CACHE_CODE = ("mlx_lm.models.cache", "worker_proc.")
+
+
+@functools.cache
+def _watched(cls: type) -> type:
+    """`cls` noting, while a probe runs, reads of its `keys` / `values` by a model's own
+    code: the pool hands a layer's code no such arrays (a paged cache has none)."""
+    def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
+        if name in ("keys", "values") and ProbeRecorder.current is not None:
+            caller = sys._getframe(1).f_globals.get("__name__", "")
+            if not caller.startswith(_CACHE_CODE):
+                ProbeRecorder.current.read_arrays.setdefault(id(self), name)
+        return cls.__getattribute__(self, name)
+
+    return type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})
 
 
 def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], list[int]]:
@@ -222,6 +259,7 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], lis
     grouped = cache_parts(caches)
     parts = [c for group in grouped for c in group]
     recorder = ProbeRecorder()
+    recorder.caches = {id(c): c for c in parts}
     for cache, kind in zip(parts, kinds):
         if not kind.recurrent:  # a state is read and set, not fetched
             _probing(cache, recorder)
@@ -243,9 +281,30 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], lis
         if k.own_attention and k.windowed:
             raise UnsupportedModelError(
                 f"layer {i}: {k.kind.value} whose scores the model computes itself")
+    _refuse_unservable(recorder, [i for i, group in enumerate(grouped) for c in group],
+                       parts)
     heads = [0 if k.recurrent or k.own_attention else recorder.query_heads.get(id(c), 0)
              for k, c in zip(probed, parts)]
     return probed, parts, [len(group) for group in grouped], heads
+
+
+def _refuse_unservable(recorder: ProbeRecorder, layer_of: list[int], parts: list[Any]) -> None:
+    """Refuse, naming the layers (mlx-lm's cache entries; layer_of: each part's), a model
+    whose code reads its caches' arrays itself (DeepSeek-V3.2's indexer resets
+    `cache.values`) or attends one cache's K/V through another (IQuest-Loop-Coder's
+    second pass reads the first pass's K/V): the pool serves each cache's own fetch to
+    its own attention call."""
+    read = [i for i, c in enumerate(parts) if id(c) in recorder.read_arrays]
+    if read:
+        name = recorder.read_arrays[id(parts[read[0]])]
+        raise UnsupportedModelError(
+            f"{_layers(sorted({layer_of[i] for i in read}))}: the model's code reads its "
+            f"cache's `{name}` itself: not supported yet")
+    foreign = [i for i, c in enumerate(parts) if id(c) in recorder.foreign]
+    if foreign:
+        raise UnsupportedModelError(
+            f"{_layers(sorted({layer_of[i] for i in foreign}))}: the model attends another "
+            "cache's keys and values through these: not supported yet")
 
 
 def describe_layers(descriptions: list[str]) -> str:
