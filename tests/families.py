@@ -75,6 +75,8 @@ FAMILIES: dict[str, dict[str, Any]] = {
 
 # Recurrent-state and hybrid families (mlx-lm's ArraysCache layers), tiny.
 RECURRENT_FAMILIES: dict[str, dict[str, Any]] = {
+    "mamba": dict(model_type="mamba", intermediate_size=64, state_size=16, num_hidden_layers=2,
+                  conv_kernel=4, use_bias=False, use_conv_bias=True, time_step_rank=8),
     "mamba2": dict(model_type="mamba2", num_heads=4, head_dim=16, hidden_size=64, expand=1,
                    intermediate_size=64, state_size=16, num_hidden_layers=2,
                    layer_norm_epsilon=1e-5, conv_kernel=4, n_groups=1, use_bias=False,

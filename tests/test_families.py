@@ -385,7 +385,7 @@ def test_recurrent_layers_are_read_from_mlx_lm(recurrent_family):
     parts = flat_specs(probe_attention_specs(model))  # Falcon-H1: state + K/V in each layer
     states = [s for s in parts if isinstance(s, StateLayerSpec)]
     assert states and all(s.bytes_per_request > 0 for s in states)
-    assert (len(states) == len(parts)) == (name == "mamba2")  # the others are hybrids
+    assert (len(states) == len(parts)) == (name in ("mamba", "mamba2"))  # the rest: hybrids
 
 
 @pytest.mark.parametrize("overlap", [True, "ahead"])
@@ -668,13 +668,13 @@ def test_a_snapshot_stride_spaces_the_snapshots_inside_a_prompt():
 def test_recurrent_prefill_shares_forwards_where_the_model_masks_padding(recurrent_family):
     """Prompts of different lengths prefilled in one right-padded forward (mlx-lm's
     ArraysCache lengths keep the padding out of the state) equal mlx-lm's tokens; a model
-    whose code does not (Nemotron-H's) prefills each chunk alone."""
+    whose code does not (Nemotron-H's, Mamba's) prefills each chunk alone."""
     name, model = recurrent_family
     shared: list[int] = []
     engine = InProcessEngine(model, chunk_size=16, max_prefill_tokens=64)
     many = engine.runner._prefill_many
     engine.runner._prefill_many = lambda chunks, *width: shared.append(len(chunks)) or many(chunks, *width)
-    assert engine.runner.shares_prefill == (name != "nemotron_h")
+    assert engine.runner.shares_prefill == (name not in ("nemotron_h", "mamba"))
     rng = np.random.default_rng(11)
     prompts = [rng.integers(5, VOCAB, size=n).tolist() for n in (10, 11, 12, 30, 33)]
     for i, p in enumerate(prompts):

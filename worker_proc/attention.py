@@ -19,6 +19,7 @@ from typing import Any, Callable, TypeVar
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.cache import ArraysCache
 
 from worker_proc.decode_backend import DecodeBackend
 from worker_proc.gated_delta_cuda import PoolRead, forget_pool_reads, offer_pool_read
@@ -554,19 +555,22 @@ def _rows_causal(starts: mx.array, n_new: int, n_keys: int) -> mx.array:
     return (mx.arange(n_keys, dtype=starts.dtype)[None, None] <= queries[:, :, None])[:, None]
 
 
-class PooledStateCache:
+class PooledStateCache(ArraysCache):
     """One recurrent layer's state for one forward: mlx-lm's ArraysCache protocol over the
     pool's state rows of the forward's requests. Rows whose prompt starts in this forward
     read None (the model starts from its own zero state, as under mlx-lm's cache); the
     layer's new state is written back to the rows. A prefill forward over right-padded
     rows gives `lengths` (each row's real tokens), as mlx-lm's batch prefill does: the
     model masks the padding out of its state (models that do are found at start-up,
-    pads_state_rows); left_padding is never used."""
+    pads_state_rows); left_padding is never used.
+
+    An ArraysCache by type only (its own list of arrays is never made): Mamba's code
+    stores its new state only into caches that are one."""
 
     left_padding = None
 
     def __init__(self, pool: KVPool, layer: int, rows: mx.array, fresh: bool,
-                 lengths: mx.array | None = None) -> None:
+                 lengths: mx.array | None = None) -> None:  # not ArraysCache's: no arrays
         self.pool = pool
         self.layer = layer
         self.rows = rows
