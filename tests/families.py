@@ -40,6 +40,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
                        rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
                                         "llama_4_scaling_beta": 0.1,
                                         "original_max_position_embeddings": 4096}),
+    # Ministral 3 inside Mistral 3's multimodal wrapper, which has no make_cache of its
+    # own: mlx-lm gives every layer a KVCache and the sliding layers a window mask.
+    "mistral3": dict(model_type="mistral3", text_config=dict(
+        _COMMON, model_type="ministral3", head_dim=16, sliding_window=WINDOW,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
+                         "llama_4_scaling_beta": 0.1,
+                         "original_max_position_embeddings": 4096})),
     "olmo3": dict(model_type="olmo3", sliding_window=WINDOW,
                   layer_types=["sliding_attention", "full_attention"] * 2),
     "cohere2": dict(model_type="cohere2", head_dim=16, layer_norm_eps=1e-5, sliding_window=WINDOW,

@@ -23,6 +23,7 @@ from worker_proc.memory import probe_attention_specs
 EXPECTED_KINDS = {
     "llama_sliding": {Kind.FULL, Kind.SLIDING}, "gemma3_text": {Kind.FULL, Kind.SLIDING},
     "gpt_oss": {Kind.FULL, Kind.SLIDING}, "ministral3": {Kind.FULL, Kind.SLIDING},
+    "mistral3": {Kind.FULL, Kind.SLIDING},
     "olmo3": {Kind.FULL, Kind.SLIDING}, "cohere2": {Kind.FULL, Kind.SLIDING},
     "exaone4": {Kind.FULL, Kind.SLIDING}, "llama4_text": {Kind.FULL, Kind.CHUNKED},
 }

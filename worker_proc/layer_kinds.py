@@ -177,6 +177,10 @@ class ProbeRecorder:
         self.read_arrays: dict[int, str] = {}
         self.foreign: set[int] = set()
         self.caches: dict[int, Any] = {}  # id -> the probed caches (probe_layers sets them)
+        # Masks a cache made for a window (id -> (window, the mask, kept so the id stays
+        # its own)), and the window of each cache whose attention call got one.
+        self.window_masks: dict[int, tuple[int, Any]] = {}
+        self.windows: dict[int, int] = {}
 
     def saw_attention(self, cache: Any, queries: Any, keys: Any, values: Any,
                       sinks: Any, mask: Any = None) -> None:
@@ -189,6 +193,8 @@ class ProbeRecorder:
             self.latent.add(id(cache))
         elif any(other is not cache and kv[0] is keys for other, kv in self._fetched_by()):
             self.foreign.add(id(cache))
+        if mask is not None and id(mask) in self.window_masks:
+            self.windows[id(cache)] = self.window_masks[id(mask)][0]
         if sinks is not None:
             self.sinks.add(id(cache))
 
@@ -218,6 +224,16 @@ def _probing(cache: Any, recorder: ProbeRecorder) -> Any:
         return out
 
     cache.update_and_fetch = update_and_fetch
+    make_mask = getattr(cache, "make_mask", None)  # not every cache class has one
+
+    def windowed_make_mask(*args: Any, **kwargs: Any) -> Any:
+        out = make_mask(*args, **kwargs)
+        if kwargs.get("window_size") is not None and out is not None and not isinstance(out, str):
+            recorder.window_masks[id(out)] = (int(kwargs["window_size"]), out)
+        return out
+
+    if make_mask is not None:
+        cache.make_mask = windowed_make_mask
     try:
         cache.__class__ = _watched(type(cache))
     except TypeError:  # a class whose instances cannot change class (slots): unwatched
@@ -272,6 +288,12 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], lis
     finally:
         ProbeRecorder.current = None
     mx.eval([c.state for c in parts])
+    # A cache that keeps every position may still be attended through a window mask it
+    # made (mlx-lm's KVCache windows even one new token's mask): that layer is a sliding
+    # one (Mistral 3's wrapper hands Ministral 3's sliding layers plain KVCaches).
+    kinds = [LayerKind(Kind.SLIDING, recorder.windows[id(c)])
+             if k.kind is Kind.FULL and id(c) in recorder.windows else k
+             for k, c in zip(kinds, parts)]
     probed = [k if k.recurrent else
               LayerKind(k.kind, k.span, own_attention=id(c) not in recorder.through_sdpa,
                         sinks=id(c) in recorder.sinks,
