@@ -227,7 +227,17 @@ def test_a_model_with_a_layer_kind_not_served_is_refused_naming_it():
           n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
           first_k_dense_replace=1, n_group=1, topk_group=1, index_n_heads=2,
           index_head_dim=16, index_topk=8),
-     r"layers 0-3: the model's code reads its cache's `keys` itself: not supported yet"),
+     r"layers 0-3: the model's code reads `cache.keys`, which kiln's paged cache does not "
+     r"have: not supported yet"),
+    # Gemma 3n's KV-shared layers take another layer's cached K/V.
+    (dict(model_type="gemma3n", text_config=dict(
+        _COMMON, model_type="gemma3n_text", head_dim=16, num_kv_shared_layers=2,
+        vocab_size_per_layer_input=VOCAB, sliding_window=WINDOW, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.0] * 4, hidden_size_per_layer_input=16,
+        altup_num_inputs=2, altup_coef_clip=120.0, altup_correct_scale=True,
+        altup_active_idx=0, laurel_rank=8, rope_local_base_freq=10000.0)),
+     r"layers 0-1: the model's code reads `cache.keys_and_values`"),
     # IQuest-Loop-Coder's second pass attends the first pass's K/V through its own caches.
     (dict(model_type="iquestloopcoder", head_dim=16, loop_window_size=WINDOW),
      r"layers 4-7: the model attends another cache's keys and values through these"),

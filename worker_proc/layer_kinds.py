@@ -171,9 +171,11 @@ class ProbeRecorder:
         self.sinks: set[int] = set()
         self.latent: set[int] = set()  # keys as keys and values, a scores mask (LayerKind)
         self.query_heads: dict[int, int] = {}  # id(cache) -> the queries' heads there
-        # Ways of attending the pool cannot serve: the model's code reading a cache's
-        # arrays itself (id(cache) -> the attribute), or attending one cache's K/V with
-        # another cache handed to the call.
+        # Ways of attending the pool cannot serve: the model's code reading from a cache
+        # what kiln's served cache does not have (its arrays, Gemma 3n's shared K/V;
+        # id(cache) -> the attribute), or attending one cache's K/V with another cache
+        # handed to the call.
+        self.served: frozenset[str] = frozenset()  # what the served cache has (probe_layers)
         self.read_arrays: dict[int, str] = {}
         self.foreign: set[int] = set()
         self.caches: dict[int, Any] = {}  # id -> the probed caches (probe_layers sets them)
@@ -241,20 +243,24 @@ def _probing(cache: Any, recorder: ProbeRecorder) -> Any:
     return cache
 
 
-# Modules whose reads of a cache's arrays are not the model's: mlx-lm's cache code, kiln's.
-_CACHE_CODE = ("mlx_lm.models.cache", "worker_proc.")
+# Modules whose reads of a cache are not the model's: mlx-lm's cache code and its shared
+# attention helpers, kiln's.
+_CACHE_CODE = ("mlx_lm.models.cache", "mlx_lm.models.base", "worker_proc.")
 
 
 @functools.cache
 def _watched(cls: type) -> type:
-    """`cls` noting, while a probe runs, reads of its `keys` / `values` by a model's own
-    code: the pool hands a layer's code no such arrays (a paged cache has none)."""
+    """`cls` noting, while a probe runs, reads by a model's own code of what kiln's served
+    cache does not have (ProbeRecorder.served): its `keys` / `values` (the pool hands a
+    layer's code no such arrays), or anything else of mlx-lm's cache classes."""
     def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
-        if name in ("keys", "values") and ProbeRecorder.current is not None:
+        value = cls.__getattribute__(self, name)  # a probe by hasattr of a name not there
+        recorder = ProbeRecorder.current          # (mlx-lm's `bits`) raises before this
+        if recorder is not None and recorder.served and name not in recorder.served:
             caller = sys._getframe(1).f_globals.get("__name__", "")
             if not caller.startswith(_CACHE_CODE):
-                ProbeRecorder.current.read_arrays.setdefault(id(self), name)
-        return cls.__getattribute__(self, name)
+                recorder.read_arrays.setdefault(id(self), name)
+        return value
 
     return type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})
 
@@ -267,7 +273,7 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], lis
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from worker_proc.attention import install_attention_hook
+    from worker_proc.attention import PooledKVCache, install_attention_hook
 
     install_attention_hook()
     caches = make_prompt_cache(model)
@@ -276,6 +282,7 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], lis
     parts = [c for group in grouped for c in group]
     recorder = ProbeRecorder()
     recorder.caches = {id(c): c for c in parts}
+    recorder.served = frozenset(dir(PooledKVCache))
     for cache, kind in zip(parts, kinds):
         if not kind.recurrent:  # a state is read and set, not fetched
             _probing(cache, recorder)
@@ -312,16 +319,17 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], lis
 
 def _refuse_unservable(recorder: ProbeRecorder, layer_of: list[int], parts: list[Any]) -> None:
     """Refuse, naming the layers (mlx-lm's cache entries; layer_of: each part's), a model
-    whose code reads its caches' arrays itself (DeepSeek-V3.2's indexer resets
-    `cache.values`) or attends one cache's K/V through another (IQuest-Loop-Coder's
-    second pass reads the first pass's K/V): the pool serves each cache's own fetch to
-    its own attention call."""
+    whose code reads from its caches what the served cache lacks (DeepSeek-V3.2's
+    indexer resets `cache.values` from `cache.keys`; Gemma 3n's shared layers take another
+    layer's `keys_and_values`) or attends one cache's K/V through another
+    (IQuest-Loop-Coder's second pass reads the first pass's K/V): the pool serves each
+    cache's own fetch to its own attention call."""
     read = [i for i, c in enumerate(parts) if id(c) in recorder.read_arrays]
     if read:
         name = recorder.read_arrays[id(parts[read[0]])]
         raise UnsupportedModelError(
-            f"{_layers(sorted({layer_of[i] for i in read}))}: the model's code reads its "
-            f"cache's `{name}` itself: not supported yet")
+            f"{_layers(sorted({layer_of[i] for i in read}))}: the model's code reads "
+            f"`cache.{name}`, which kiln's paged cache does not have: not supported yet")
     foreign = [i for i, c in enumerate(parts) if id(c) in recorder.foreign]
     if foreign:
         raise UnsupportedModelError(
