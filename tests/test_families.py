@@ -18,6 +18,7 @@ from tests.test_scheduler import assert_idle_invariant
 from worker_proc.layer_kinds import Kind, UnsupportedModelError
 from worker_proc.kv_pool import StateLayerSpec, attention_specs, flat_specs
 from worker_proc.memory import probe_attention_specs
+from worker_proc.prefill_forward import traceable
 
 # What each family's layers must come out as (so a probe that loses a kind fails here).
 EXPECTED_KINDS = {
@@ -32,6 +33,13 @@ OWN_SCORES = {"gemma2", "deepseek_v3", "glm4_moe_lite", "mistral4"}  # scores of
 # the mask (LayerKind.latent: the backend attends the pool's latent itself).
 LATENT = {"deepseek_v3", "glm4_moe_lite", "mistral4"}
 SINKS = {"gpt_oss"}
+# Recurrent families with no attention layer; whose recurrent code does not keep right
+# padding out of its state (ArraysCache lengths), so each prefill chunk runs alone; with
+# no depthwise convolution of mlx-lm's Conv1d (RWKV-7 shifts tokens; Recurrent Gemma's is
+# a Conv1d of its own).
+PURE_RECURRENT = {"mamba", "mamba2", "rwkv7"}
+UNMASKED_PADDING = {"nemotron_h", "mamba", "jamba"}
+NO_DEPTHWISE_CONV = {"recurrent_gemma", "rwkv7"}
 # Their own code mishandles rows of different lengths in one forward (a per-row mask
 # broadcast against grouped heads; a chunk mask from one scalar offset).
 BY_LENGTH = {"gemma2", "llama4_text"}
@@ -396,7 +404,7 @@ def test_recurrent_layers_are_read_from_mlx_lm(recurrent_family):
     parts = flat_specs(probe_attention_specs(model))  # Falcon-H1: state + K/V in each layer
     states = [s for s in parts if isinstance(s, StateLayerSpec)]
     assert states and all(s.bytes_per_request > 0 for s in states)
-    assert (len(states) == len(parts)) == (name in ("mamba", "mamba2"))  # the rest: hybrids
+    assert (len(states) == len(parts)) == (name in PURE_RECURRENT)
 
 
 @pytest.mark.parametrize("overlap", [True, "ahead"])
@@ -507,7 +515,8 @@ def test_recurrent_models_on_the_kernel_path_equal_mlx_lm(recurrent_family, path
         engine.submit(f"r{i}", p, 16, [])
         results.update(engine.run_until_idle())
     assert (engine.runner.decode_traces > 0) == compiled
-    assert (engine.runner.prefill_forwards.replays > 0) == compiled
+    # (windowed attention layers beside, as Recurrent Gemma's, take no prefill traces)
+    assert (engine.runner.prefill_forwards.replays > 0) == (compiled and traceable(engine.pool))
     before = engine.scheduler.counters.cache_hit_tokens
     engine.submit("again", list(prompts[2]), 16, [])
     results.update(engine.run_until_idle())
@@ -601,7 +610,7 @@ def test_short_convolutions_as_shifted_sums_keep_mlx_lm_tokens(recurrent_family)
 
     name, model = recurrent_family
     served = build(name)  # the same seed: the same weights
-    assert replace_depthwise_convs(served) > 0
+    assert (replace_depthwise_convs(served) > 0) == (name not in NO_DEPTHWISE_CONV)
     prompts = _prompts(seed=1000 + len(name))[:4]
     engine = InProcessEngine(served, chunk_size=12, max_prefill_tokens=48)
     for i, p in enumerate(prompts):
@@ -679,13 +688,13 @@ def test_a_snapshot_stride_spaces_the_snapshots_inside_a_prompt():
 def test_recurrent_prefill_shares_forwards_where_the_model_masks_padding(recurrent_family):
     """Prompts of different lengths prefilled in one right-padded forward (mlx-lm's
     ArraysCache lengths keep the padding out of the state) equal mlx-lm's tokens; a model
-    whose code does not (Nemotron-H's, Mamba's) prefills each chunk alone."""
+    whose code does not (UNMASKED_PADDING) prefills each chunk alone."""
     name, model = recurrent_family
     shared: list[int] = []
     engine = InProcessEngine(model, chunk_size=16, max_prefill_tokens=64)
     many = engine.runner._prefill_many
     engine.runner._prefill_many = lambda chunks, *width: shared.append(len(chunks)) or many(chunks, *width)
-    assert engine.runner.shares_prefill == (name not in ("nemotron_h", "mamba"))
+    assert engine.runner.shares_prefill == (name not in UNMASKED_PADDING)
     rng = np.random.default_rng(11)
     prompts = [rng.integers(5, VOCAB, size=n).tolist() for n in (10, 11, 12, 30, 33)]
     for i, p in enumerate(prompts):
