@@ -48,6 +48,15 @@ FAMILIES: dict[str, dict[str, Any]] = {
         rope_parameters={"rope_theta": 10000.0, "rope_type": "default",
                          "llama_4_scaling_beta": 0.1,
                          "original_max_position_embeddings": 4096})),
+    # Gemma 4: its last layers keep no cache and attend an earlier layer's K/V.
+    "gemma4_text": dict(model_type="gemma4_text", head_dim=16, global_head_dim=32,
+                        num_key_value_heads=1, sliding_window=WINDOW,
+                        layer_types=["sliding_attention", "full_attention"] * 2,
+                        num_kv_shared_layers=2, vocab_size_per_layer_input=VOCAB,
+                        hidden_size_per_layer_input=16, rope_parameters=None),
+    # IQuest-Loop-Coder: a second pass attends the first pass's K/V through its own caches.
+    "iquestloopcoder": dict(model_type="iquestloopcoder", head_dim=16,
+                            loop_window_size=WINDOW),
     "olmo3": dict(model_type="olmo3", sliding_window=WINDOW,
                   layer_types=["sliding_attention", "full_attention"] * 2),
     "cohere2": dict(model_type="cohere2", head_dim=16, layer_norm_eps=1e-5, sliding_window=WINDOW,

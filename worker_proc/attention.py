@@ -249,6 +249,19 @@ class ForwardLayout:
         )
 
 
+# The keys each PooledKVCache of the forward being built handed out (id -> the cache and
+# the array, kept so the id stays its own): an attention call given them with another
+# cache, or none, is that cache's (Gemma 4's KV-shared layers, IQuest-Loop-Coder's second
+# pass). Cleared as each forward's caches are built.
+_FETCHED: dict[int, tuple["PooledKVCache", mx.array]] = {}
+
+
+def fetched_from(keys: Any) -> "PooledKVCache | None":
+    """The cache of this forward whose update_and_fetch returned `keys`, if any."""
+    entry = _FETCHED.get(id(keys))
+    return entry[0] if entry is not None and entry[1] is keys else None
+
+
 class PooledKVCache:
     """One attention layer's view of the pool for one forward pass; decode attention and
     the pool's writes are its pool's backend's (decode_backend)."""
@@ -376,6 +389,11 @@ class PooledKVCache:
         return self._latent_keys is not None and keys is self._latent_keys and values is keys
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        fetched = self._fetch(keys, values)
+        _FETCHED[id(fetched[0])] = (self, fetched[0])
+        return fetched
+
+    def _fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.attends_latent:
             self.pool.write(self.layer, self.write_slots, keys, values)
             self._latent_keys = self.pool.keys(self.layer)
@@ -620,6 +638,7 @@ def build_layer_caches(pool: KVPool, layout: ForwardLayout, state_rows: mx.array
     fresh_state: their prompts start in this forward; state_lengths: a prefill forward's
     real tokens per row, where rows are right-padded."""
     forget_pool_reads()  # a forward's state reads are offered to its own kernels only
+    _FETCHED.clear()
     parts: list[PooledKVCache | PooledStateCache] = []
     for part, i in pool.order:
         if part == "kv":
@@ -659,6 +678,7 @@ def build_mixed_caches(pool: KVPool, chunk: ForwardLayout, rows: ForwardLayout,
     """A mixed forward's cache list: a MixedLayerCache a layer (attention layers alone,
     one cache each: see ModelRunner's mixes_rows)."""
     forget_pool_reads()
+    _FETCHED.clear()
     assert all(part == "kv" for part, _ in pool.order) and all(g == 1 for g in pool.groups)
     return [MixedLayerCache(PooledKVCache(pool, i, chunk, pool.specs[i].kind),
                             PooledKVCache(pool, i, rows, pool.specs[i].kind), n_chunk)
@@ -708,6 +728,9 @@ def install_attention_hook() -> None:
     def attention(queries, keys, values, cache, scale, mask, sinks=None):  # noqa: ANN001, ANN202
         if ProbeRecorder.current is not None:
             ProbeRecorder.current.saw_attention(cache, queries, keys, values, sinks, mask)
+        source = fetched_from(keys)
+        if source is not None and source is not cache:
+            cache = source  # another layer's K/V, with its cache or none: that cache's
         if isinstance(cache, PooledKVCache):
             if cache.takes_latent(keys, values):
                 return cache.latent_attention(queries, scale, mask)

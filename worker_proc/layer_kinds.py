@@ -171,14 +171,11 @@ class ProbeRecorder:
         self.sinks: set[int] = set()
         self.latent: set[int] = set()  # keys as keys and values, a scores mask (LayerKind)
         self.query_heads: dict[int, int] = {}  # id(cache) -> the queries' heads there
-        # Ways of attending the pool cannot serve: the model's code reading from a cache
-        # what kiln's served cache does not have (its arrays, Gemma 3n's shared K/V;
-        # id(cache) -> the attribute), or attending one cache's K/V with another cache
-        # handed to the call.
+        # What the pool cannot serve: the model's code reading from a cache what kiln's
+        # served cache does not have (its arrays, Gemma 3n's shared K/V; id(cache) -> the
+        # attribute).
         self.served: frozenset[str] = frozenset()  # what the served cache has (probe_layers)
         self.read_arrays: dict[int, str] = {}
-        self.foreign: set[int] = set()
-        self.caches: dict[int, Any] = {}  # id -> the probed caches (probe_layers sets them)
         # Masks a cache made for a window (id -> (window, the mask, kept so the id stays
         # its own)), and the window of each cache whose attention call got one.
         self.window_masks: dict[int, tuple[int, Any]] = {}
@@ -193,16 +190,11 @@ class ProbeRecorder:
         elif (fetched is not None and fetched[0] is keys and keys is values and sinks is None
               and _scores_mask(mask, queries, keys)):
             self.latent.add(id(cache))
-        elif any(other is not cache and kv[0] is keys for other, kv in self._fetched_by()):
-            self.foreign.add(id(cache))
         if mask is not None and id(mask) in self.window_masks:
             self.windows[id(cache)] = self.window_masks[id(mask)][0]
         if sinks is not None:
             self.sinks.add(id(cache))
 
-
-    def _fetched_by(self) -> list[tuple[Any, tuple[Any, Any]]]:
-        return [(self.caches[i], kv) for i, kv in self.fetched.items() if i in self.caches]
 
 
 def _scores_mask(mask: Any, queries: Any, keys: Any) -> bool:
@@ -281,7 +273,6 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], lis
     grouped = cache_parts(caches)
     parts = [c for group in grouped for c in group]
     recorder = ProbeRecorder()
-    recorder.caches = {id(c): c for c in parts}
     recorder.served = frozenset(dir(PooledKVCache))
     for cache, kind in zip(parts, kinds):
         if not kind.recurrent:  # a state is read and set, not fetched
@@ -321,20 +312,14 @@ def _refuse_unservable(recorder: ProbeRecorder, layer_of: list[int], parts: list
     """Refuse, naming the layers (mlx-lm's cache entries; layer_of: each part's), a model
     whose code reads from its caches what the served cache lacks (DeepSeek-V3.2's
     indexer resets `cache.values` from `cache.keys`; Gemma 3n's shared layers take another
-    layer's `keys_and_values`) or attends one cache's K/V through another
-    (IQuest-Loop-Coder's second pass reads the first pass's K/V): the pool serves each
-    cache's own fetch to its own attention call."""
+    layer's `keys_and_values`). (An attention call given one cache's K/V with another
+    cache or none is served by the cache that fetched them: attention.fetched_from.)"""
     read = [i for i, c in enumerate(parts) if id(c) in recorder.read_arrays]
     if read:
         name = recorder.read_arrays[id(parts[read[0]])]
         raise UnsupportedModelError(
             f"{_layers(sorted({layer_of[i] for i in read}))}: the model's code reads "
             f"`cache.{name}`, which kiln's paged cache does not have: not supported yet")
-    foreign = [i for i, c in enumerate(parts) if id(c) in recorder.foreign]
-    if foreign:
-        raise UnsupportedModelError(
-            f"{_layers(sorted({layer_of[i] for i in foreign}))}: the model attends another "
-            "cache's keys and values through these: not supported yet")
 
 
 def describe_layers(descriptions: list[str]) -> str:
