@@ -1,0 +1,187 @@
+"""Which of mlx-lm's model files kiln serves exactly: every module under mlx_lm/models
+built as a tiny random float32 model, three prompts (3, 40 and 17 tokens, 16-token
+windows crossed) served through kiln's engine in one process against mlx_lm.generate's
+greedy tokens. Rerun it when mlx-lm gains model files.
+
+    python bench/model_survey.py [NAMES ...]     # default: every model file
+
+Each model's config is tests/families.py's common tiny one, plus generic values for the
+fields most ModelArgs require (GENERIC) and, where a module needs more, its own
+(SPECIFIC). Per model one line: OK, MISMATCH (which prompts), REFUSED (kiln's start-up
+refusal: its message), ERROR (kiln failed serving), or SKIP (the config does not build,
+mlx-lm itself fails, or the model does not run on this backend). Session 29 found
+Mamba's dropped states, Mistral 3's mask-only windows, Gemma 4's and IQuest-Loop-Coder's
+shared K/V and three start-up crashes this way (docs/benchmarks.md).
+
+Not a test: configs are guesses per field name, and a model that needs a field no guess
+covers is skipped. Each model runs in a subprocess (some crash MLX outright on the CPU:
+phi3small).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+NOT_MODELS = {"__init__", "base", "cache", "switch_layers", "rope_utils", "activations",
+              "pipeline", "bitlinear_layers", "gated_delta", "ssm", "mla"}
+WINDOW = 16
+GENERIC: dict[str, Any] = dict(
+    head_dim=16, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
+    moe_intermediate_size=32, n_shared_experts=1, shared_expert_intermediate_size=32,
+    num_key_value_heads=2, layer_norm_eps=1e-5, norm_eps=1e-5, layer_norm_epsilon=1e-5,
+    norm_epsilon=1e-5, n_layer=4, n_head=4, n_embd=64, n_ctx=4096, n_positions=4096,
+    n_inner=96, d_model=64, n_heads=4, n_layers=4, num_layers=4, kv_lora_rank=32,
+    q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+    first_k_dense_replace=1, n_group=1, topk_group=1, routed_scaling_factor=1.0,
+    norm_topk_prob=True, rotary_dim=16, partial_rotary_factor=0.5, attention_bias=False,
+    mlp_bias=False, decoder_sparse_step=1, mlp_only_layers=[], sliding_window=WINDOW,
+    rope_scaling=None, hidden_act="silu", use_qk_norm=False, num_heads=4)
+_TEXT: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96,
+                             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                             vocab_size=512, rope_theta=10000.0, max_position_embeddings=4096,
+                             tie_word_embeddings=False, head_dim=16)
+_SLIDING = ["sliding_attention", "full_attention"] * 2
+_MINISTRAL_ROPE = {"rope_theta": 10000.0, "rope_type": "default", "llama_4_scaling_beta": 0.1,
+                   "original_max_position_embeddings": 4096}
+_GRANITE = dict(logits_scaling=1.0, attention_multiplier=0.25, embedding_multiplier=1.0,
+                residual_multiplier=1.0)
+SPECIFIC: dict[str, dict[str, Any]] = {
+    "gemma3": dict(text_config=dict(_TEXT, model_type="gemma3_text", sliding_window=WINDOW,
+                                    sliding_window_pattern=2, query_pre_attn_scalar=16,
+                                    rope_local_base_freq=10000.0)),
+    "gemma3n": dict(text_config=dict(
+        _TEXT, model_type="gemma3n_text", num_kv_shared_layers=2, vocab_size_per_layer_input=512,
+        sliding_window=WINDOW, final_logit_softcapping=30.0, layer_types=_SLIDING,
+        activation_sparsity_pattern=[0.0] * 4, hidden_size_per_layer_input=16,
+        altup_num_inputs=2, altup_coef_clip=120.0, altup_correct_scale=True,
+        altup_active_idx=0, laurel_rank=8, rope_local_base_freq=10000.0)),
+    "gemma4_text": dict(global_head_dim=32, num_kv_shared_layers=2, num_key_value_heads=1,
+                        vocab_size_per_layer_input=512, hidden_size_per_layer_input=16,
+                        layer_types=_SLIDING, rope_parameters=None),
+    "mistral3": dict(text_config=dict(_TEXT, model_type="ministral3", sliding_window=WINDOW,
+                                      layer_types=_SLIDING, rope_parameters=_MINISTRAL_ROPE)),
+    "ministral3": dict(layer_types=_SLIDING, rope_parameters=_MINISTRAL_ROPE),
+    "granite": _GRANITE, "granitemoe": _GRANITE,
+    "minicpm": dict(dim_model_base=64, scale_depth=1.0, scale_emb=1.0),
+    "stablelm": dict(use_qkv_bias=False),
+    "gpt_neox": dict(rotary_emb_base=10000, rotary_pct=0.25),
+    "ernie4_5": dict(use_bias=False),
+    "ernie4_5_moe": dict(use_bias=False, moe_num_experts=4, moe_k=2, moe_layer_start_index=1),
+    "bailing_moe": dict(num_shared_experts=1),
+    "dbrx": dict(ffn_config={"ffn_hidden_size": 96, "moe_num_experts": 4, "moe_top_k": 2},
+                 attn_config={"kv_n_heads": 2, "clip_qkv": 8, "rope_theta": 10000}),
+    "mamba": dict(state_size=16, conv_kernel=4, use_bias=False, use_conv_bias=True,
+                  time_step_rank=8),
+    "recurrent_gemma": dict(conv1d_width=4, logits_soft_cap=30.0, attention_window_size=WINDOW,
+                            block_types=["recurrent", "attention"], lru_width=64,
+                            embeddings_scale_by_sqrt_dim=True,
+                            final_w_init_variance_scale=1.0),
+    "rwkv7": dict(a_low_rank_dim=16, v_low_rank_dim=16, gate_low_rank_dim=16,
+                  decay_low_rank_dim=16),
+    "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1,
+                  expert_layer_period=2, mamba_d_conv=4, mamba_d_state=16, mamba_expand=1,
+                  mamba_dt_rank=8),
+    "exaone_moe": dict(num_shared_experts=1, layer_types=_SLIDING,
+                       is_moe_layer=[False, True, True, True]),
+    "lfm2_moe": dict(use_expert_bias=True, num_dense_layers=1, conv_bias=False, conv_L_cache=3,
+                     full_attn_idxs=[1, 3], layer_types=["conv", "full_attention"] * 2),
+    "apertus": dict(post_norm=False, qk_norm=True),
+    "baichuan_m1": dict(sliding_window_layers=[0, 2], conv_window=2),
+    "afmoe": dict(layer_types=_SLIDING), "gear": dict(layer_types=_SLIDING),
+    "iquestloopcoder": dict(loop_window_size=WINDOW),
+    "phi3small": dict(dense_attention_every_n_layers=2, ff_intermediate_size=96,
+                      gegelu_limit=20.0),
+}
+
+
+def config_for(name: str) -> dict[str, Any]:
+    from tests.families import _COMMON
+
+    return {**_COMMON, **GENERIC, **SPECIFIC.get(name, {}), "model_type": name}
+
+
+def survey_one(name: str) -> str:
+    """One model's verdict (run in a subprocess of its own)."""
+    import mlx.core as mx
+    import numpy as np
+
+    from tests.engine_driver import InProcessEngine
+    from tests.families import VOCAB
+    from tests.test_families import mlx_lm_tokens
+    from worker_proc.layer_kinds import UnsupportedModelError
+
+    try:
+        module = importlib.import_module(f"mlx_lm.models.{name}")
+        if not (hasattr(module, "ModelArgs") and hasattr(module, "Model")):
+            return "SKIP not a model"
+        config = config_for(name)
+        missing = [p for p, v in inspect.signature(module.ModelArgs).parameters.items()
+                   if v.default is inspect.Parameter.empty and p not in config]
+        if missing:
+            return f"SKIP config lacks {missing}"
+        mx.random.seed(0)
+        model = module.Model(module.ModelArgs.from_dict(config))
+        model.set_dtype(mx.float32)
+        mx.eval(model.parameters())
+    except BaseException as exc:  # noqa: BLE001 - a module may even exit on import
+        return f"SKIP does not build: {type(exc).__name__}: {exc}"[:200]
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(5, VOCAB - 1, size=n).tolist() for n in (3, 40, 17)]
+    try:
+        want = [mlx_lm_tokens(model, p, 10) for p in prompts]
+    except Exception as exc:  # noqa: BLE001
+        return f"SKIP mlx-lm fails: {type(exc).__name__}: {exc}"[:200]
+    try:
+        engine = InProcessEngine(model, chunk_size=12, max_prefill_tokens=48)
+    except UnsupportedModelError as exc:
+        return f"REFUSED {exc}"
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 10, [])
+    results = engine.run_until_idle()
+    got = [results[f"r{i}"] for i in range(len(prompts))]
+    errors = [r.error for r in got if r.error]
+    if errors:
+        return f"ERROR {errors[0]}"[:200]
+    same = [r.token_ids == w for r, w in zip(got, want)]
+    return "OK" if all(same) else f"MISMATCH {same}"
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("names", nargs="*", help="model files (default: all)")
+    p.add_argument("--one", help=argparse.SUPPRESS)  # the subprocess's own call
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a model")
+    args = p.parse_args()
+    if args.one:
+        print(json.dumps(survey_one(args.one)))
+        return 0
+    import mlx_lm
+
+    models = Path(mlx_lm.__file__).parent / "models"
+    names = args.names or sorted(f.stem for f in models.glob("*.py") if f.stem not in NOT_MODELS)
+    for name in names:
+        try:
+            done = subprocess.run([sys.executable, __file__, "--one", name], capture_output=True,
+                                  text=True, timeout=args.timeout)
+            lines = done.stdout.strip().splitlines()
+            verdict = (json.loads(lines[-1]) if done.returncode == 0 and lines
+                       else f"SKIP crashed (exit {done.returncode})")
+        except subprocess.TimeoutExpired:
+            verdict = f"SKIP over {args.timeout:.0f} s"
+        print(f"{name:24} {verdict}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
