@@ -7,7 +7,9 @@ copies of those caches then says how each layer attends: through mlx-lm's
 `scaled_dot_product_attention` with exactly the keys and values its cache returned (the
 pool can then be read by a kernel or a gather of our choosing), with attention sinks, or
 by computing scores itself (Gemma 2's soft-capping, MLA's latent and RoPE parts), which
-needs real dense K/V. Nothing here is keyed on a model's name.
+needs real dense K/V; whether a cache that keeps everything is attended through a window
+mask (a sliding layer after all); and whether the model's code reads from a cache what
+kiln's paged cache lacks (refused). Nothing here is keyed on a model's name.
 """
 
 from __future__ import annotations
@@ -175,7 +177,7 @@ class ProbeRecorder:
         # served cache does not have (its arrays, Gemma 3n's shared K/V; id(cache) -> the
         # attribute).
         self.served: frozenset[str] = frozenset()  # what the served cache has (probe_layers)
-        self.read_arrays: dict[int, str] = {}
+        self.unserved_reads: dict[int, str] = {}
         # Masks a cache made for a window (id -> (window, the mask, kept so the id stays
         # its own)), and the window of each cache whose attention call got one.
         self.window_masks: dict[int, tuple[int, Any]] = {}
@@ -196,7 +198,6 @@ class ProbeRecorder:
             self.sinks.add(id(cache))
 
 
-
 def _scores_mask(mask: Any, queries: Any, keys: Any) -> bool:
     """Whether an attention call's mask is an additive score for each query head, query
     and key ([B, H, L, S] floats), as MLA's RoPE part is."""
@@ -208,8 +209,9 @@ def _scores_mask(mask: Any, queries: Any, keys: Any) -> bool:
 
 
 def _probing(cache: Any, recorder: ProbeRecorder) -> Any:
-    """mlx-lm's cache object, its update_and_fetch noting what it returned and reads of
-    its arrays from outside mlx-lm's cache code noted (_Watched)."""
+    """mlx-lm's cache object, watched: what its update_and_fetch returned, the window
+    masks its make_mask made, and reads by the model's own code of what kiln's served
+    cache lacks (_watched)."""
     fetch = cache.update_and_fetch
 
     def update_and_fetch(keys: Any, values: Any) -> Any:
@@ -246,12 +248,13 @@ def _watched(cls: type) -> type:
     cache does not have (ProbeRecorder.served): its `keys` / `values` (the pool hands a
     layer's code no such arrays), or anything else of mlx-lm's cache classes."""
     def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
-        value = cls.__getattribute__(self, name)  # a probe by hasattr of a name not there
-        recorder = ProbeRecorder.current          # (mlx-lm's `bits`) raises before this
+        # A hasattr probe of a name the cache lacks (mlx-lm's `bits`) raises here first.
+        value = cls.__getattribute__(self, name)
+        recorder = ProbeRecorder.current
         if recorder is not None and recorder.served and name not in recorder.served:
             caller = sys._getframe(1).f_globals.get("__name__", "")
             if not caller.startswith(_CACHE_CODE):
-                recorder.read_arrays.setdefault(id(self), name)
+                recorder.unserved_reads.setdefault(id(self), name)
         return value
 
     return type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})
@@ -286,9 +289,10 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], lis
     finally:
         ProbeRecorder.current = None
     mx.eval([c.state for c in parts])
-    # A cache that keeps every position may still be attended through a window mask it
-    # made (mlx-lm's KVCache windows even one new token's mask): that layer is a sliding
-    # one (Mistral 3's wrapper hands Ministral 3's sliding layers plain KVCaches).
+    # A cache that keeps every position may still be attended through a window mask (one
+    # a cache made for a window_size; mlx-lm's KVCache windows even one new token's mask):
+    # that layer is a sliding one (Mistral 3's wrapper hands Ministral 3's sliding layers
+    # plain KVCaches).
     kinds = [LayerKind(Kind.SLIDING, recorder.windows[id(c)])
              if k.kind is Kind.FULL and id(c) in recorder.windows else k
              for k, c in zip(kinds, parts)]
@@ -301,7 +305,7 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], lis
         if k.own_attention and k.windowed:
             raise UnsupportedModelError(
                 f"layer {i}: {k.kind.value} whose scores the model computes itself")
-    _refuse_unservable(recorder, [i for i, group in enumerate(grouped) for c in group],
+    _refuse_unservable(recorder, [i for i, group in enumerate(grouped) for _ in group],
                        parts)
     heads = [0 if k.recurrent or k.own_attention else recorder.query_heads.get(id(c), 0)
              for k, c in zip(probed, parts)]
@@ -314,9 +318,9 @@ def _refuse_unservable(recorder: ProbeRecorder, layer_of: list[int], parts: list
     indexer resets `cache.values` from `cache.keys`; Gemma 3n's shared layers take another
     layer's `keys_and_values`). (An attention call given one cache's K/V with another
     cache or none is served by the cache that fetched them: attention.fetched_from.)"""
-    read = [i for i, c in enumerate(parts) if id(c) in recorder.read_arrays]
+    read = [i for i, c in enumerate(parts) if id(c) in recorder.unserved_reads]
     if read:
-        name = recorder.read_arrays[id(parts[read[0]])]
+        name = recorder.unserved_reads[id(parts[read[0]])]
         raise UnsupportedModelError(
             f"{_layers(sorted({layer_of[i] for i in read}))}: the model's code reads "
             f"`cache.{name}`, which kiln's paged cache does not have: not supported yet")
