@@ -597,7 +597,17 @@ class PooledStateCache(ArraysCache):
         # In place: states a kernel updated in the pool itself, as handed back to the model.
         self._in_pool: dict[int, mx.array] = {}
 
+    def _index(self, index: int) -> int:
+        """A state array's index, as a list takes it: negative from the end, past the end
+        an IndexError (where unpacking the cache stops: Kimi-Linear's `q, k, v, ssm =
+        cache`)."""
+        size = len(self.pool.states[self.layer])
+        if not -size <= index < size:
+            raise IndexError(index)
+        return index % size
+
     def __getitem__(self, index: int) -> mx.array | None:
+        index = self._index(index)
         if self.fresh:
             return None
         value = self.pool.read_state(self.layer, index, self.rows)
@@ -613,6 +623,7 @@ class PooledStateCache(ArraysCache):
         return self._in_pool[index]
 
     def __setitem__(self, index: int, value: mx.array) -> None:
+        index = self._index(index)
         if self._in_pool.get(index) is value:  # already there
             return
         self.pool.write_state(self.layer, index, self.rows, value)
