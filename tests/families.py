@@ -54,6 +54,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
                         layer_types=["sliding_attention", "full_attention"] * 2,
                         num_kv_shared_layers=2, vocab_size_per_layer_input=VOCAB,
                         hidden_size_per_layer_input=16, rope_parameters=None),
+    # Gemma 3n: its last layers reuse earlier layers' K/V (keys_and_values(), their cache).
+    "gemma3n": dict(model_type="gemma3n", text_config=dict(
+        _COMMON, model_type="gemma3n_text", head_dim=16, num_kv_shared_layers=2,
+        vocab_size_per_layer_input=VOCAB, sliding_window=WINDOW, final_logit_softcapping=30.0,
+        layer_types=["sliding_attention", "full_attention"] * 2,
+        activation_sparsity_pattern=[0.0] * 4, hidden_size_per_layer_input=16,
+        altup_num_inputs=2, altup_coef_clip=120.0, altup_correct_scale=True,
+        altup_active_idx=0, laurel_rank=8, rope_local_base_freq=10000.0)),
     # IQuest-Loop-Coder: a second pass attends the first pass's K/V through its own caches.
     "iquestloopcoder": dict(model_type="iquestloopcoder", head_dim=16,
                             loop_window_size=WINDOW),

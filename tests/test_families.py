@@ -25,6 +25,7 @@ EXPECTED_KINDS = {
     "llama_sliding": {Kind.FULL, Kind.SLIDING}, "gemma3_text": {Kind.FULL, Kind.SLIDING},
     "gpt_oss": {Kind.FULL, Kind.SLIDING}, "ministral3": {Kind.FULL, Kind.SLIDING},
     "mistral3": {Kind.FULL, Kind.SLIDING}, "gemma4_text": {Kind.FULL, Kind.SLIDING},
+    "gemma3n": {Kind.FULL, Kind.SLIDING},
     "iquestloopcoder": {Kind.FULL, Kind.SLIDING},
     "olmo3": {Kind.FULL, Kind.SLIDING}, "cohere2": {Kind.FULL, Kind.SLIDING},
     "exaone4": {Kind.FULL, Kind.SLIDING}, "llama4_text": {Kind.FULL, Kind.CHUNKED},
@@ -238,18 +239,15 @@ def test_a_model_with_a_layer_kind_not_served_is_refused_naming_it():
           index_head_dim=16, index_topk=8),
      r"layers 0-3: the model's code reads `cache.keys`, which kiln's paged cache does not "
      r"have: not supported yet"),
-    # Gemma 3n's KV-shared layers take another layer's cached K/V.
-    (dict(model_type="gemma3n", text_config=dict(
-        _COMMON, model_type="gemma3n_text", head_dim=16, num_kv_shared_layers=2,
-        vocab_size_per_layer_input=VOCAB, sliding_window=WINDOW, final_logit_softcapping=30.0,
-        layer_types=["sliding_attention", "full_attention"] * 2,
-        activation_sparsity_pattern=[0.0] * 4, hidden_size_per_layer_input=16,
-        altup_num_inputs=2, altup_coef_clip=120.0, altup_correct_scale=True,
-        altup_active_idx=0, laurel_rank=8, rope_local_base_freq=10000.0)),
-     r"layers 0-1: the model's code reads `cache.keys_and_values`"),
+    # AFM 7's KV-reuse layers attend the last layer's keys_and_values() with no cache,
+    # their RoPE offset read from the keys' shape (a pool view has no such shape).
+    (dict(model_type="afm7", hidden_dim=64, num_layers=4, num_kv_reuse_layers=2,
+          num_heads=4, num_kv_heads=2),
+     r"layer 1: other layers attend these layers' keys_and_values\(\) without their cache"),
 ])
 def test_a_model_reading_its_caches_arrays_is_refused_naming_the_layers(config, refusal):
-    """Found by the probe, not by name: the pool hands a layer's code no cache arrays."""
+    """Found by the probe, not by name: the pool hands a layer's code no cache arrays
+    (reused K/V are served only through their own cache)."""
     import importlib
 
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")

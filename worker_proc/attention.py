@@ -277,6 +277,7 @@ class PooledKVCache:
         # The keys update_and_fetch handed a latent layer's decode (the pool's; see
         # attends_latent): the attention hook knows them again by identity.
         self._latent_keys: mx.array | None = None
+        self._fetched: tuple[mx.array, mx.array] | None = None  # see keys_and_values
 
     @property
     def backend(self) -> DecodeBackend:
@@ -391,7 +392,16 @@ class PooledKVCache:
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         fetched = self._fetch(keys, values)
         _FETCHED[id(fetched[0])] = (self, fetched[0])
+        self._fetched = fetched
         return fetched
+
+    def keys_and_values(self) -> tuple[mx.array, mx.array]:
+        """What this forward's update_and_fetch returned, for layers that reuse this one's
+        K/V (Gemma 3n's and AFM 7's): their attention call, handed these, is this cache's
+        (fetched_from), so it reads the pool as this layer's own does."""
+        if self._fetched is None:
+            raise RuntimeError(f"layer {self.layer}: K/V read before this forward stored them")
+        return self._fetched
 
     def _fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.attends_latent:

@@ -178,6 +178,11 @@ class ProbeRecorder:
         # attribute).
         self.served: frozenset[str] = frozenset()  # what the served cache has (probe_layers)
         self.unserved_reads: dict[int, str] = {}
+        # K/V a cache's keys_and_values returned (id(keys) -> id(cache)), and the caches
+        # whose such K/V reached attention without them (AFM 7's reuse layers: their own
+        # math reads the arrays' shapes, which the pool's views do not have).
+        self.shared_kv: dict[int, int] = {}
+        self.loose_kv: set[int] = set()
         # Masks a cache made for a window (id -> (window, the mask, kept so the id stays
         # its own)), and the window of each cache whose attention call got one.
         self.window_masks: dict[int, tuple[int, Any]] = {}
@@ -192,6 +197,9 @@ class ProbeRecorder:
         elif (fetched is not None and fetched[0] is keys and keys is values and sinks is None
               and _scores_mask(mask, queries, keys)):
             self.latent.add(id(cache))
+        source = self.shared_kv.get(id(keys))
+        if source is not None and source != id(cache):
+            self.loose_kv.add(source)
         if mask is not None and id(mask) in self.window_masks:
             self.windows[id(cache)] = self.window_masks[id(mask)][0]
         if sinks is not None:
@@ -230,6 +238,17 @@ def _probing(cache: Any, recorder: ProbeRecorder) -> Any:
 
     if make_mask is not None:
         cache.make_mask = windowed_make_mask
+    shared = getattr(cache, "keys_and_values", None)
+
+    def keys_and_values() -> Any:
+        out = shared()
+        caller = sys._getframe(1).f_globals.get("__name__", "")
+        if not caller.startswith(_CACHE_CODE):  # not its own update_and_fetch's call
+            recorder.shared_kv[id(out[0])] = id(cache)
+        return out
+
+    if shared is not None:
+        cache.keys_and_values = keys_and_values
     try:
         cache.__class__ = _watched(type(cache))
     except TypeError:  # a class whose instances cannot change class (slots): unwatched
@@ -315,15 +334,22 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], lis
 def _refuse_unservable(recorder: ProbeRecorder, layer_of: list[int], parts: list[Any]) -> None:
     """Refuse, naming the layers (mlx-lm's cache entries; layer_of: each part's), a model
     whose code reads from its caches what the served cache lacks (DeepSeek-V3.2's
-    indexer resets `cache.values` from `cache.keys`; Gemma 3n's shared layers take another
-    layer's `keys_and_values`). (An attention call given one cache's K/V with another
-    cache or none is served by the cache that fetched them: attention.fetched_from.)"""
+    indexer resets `cache.values` from `cache.keys`), or whose layers reusing another's
+    `keys_and_values()` attend them without that cache (AFM 7's, which read the arrays'
+    shapes; Gemma 3n's hand the cache along and are served). (An attention call given one
+    cache's K/V with another cache or none is served by the cache that fetched them:
+    attention.fetched_from.)"""
     read = [i for i, c in enumerate(parts) if id(c) in recorder.unserved_reads]
     if read:
         name = recorder.unserved_reads[id(parts[read[0]])]
         raise UnsupportedModelError(
             f"{_layers(sorted({layer_of[i] for i in read}))}: the model's code reads "
             f"`cache.{name}`, which kiln's paged cache does not have: not supported yet")
+    loose = [i for i, c in enumerate(parts) if id(c) in recorder.loose_kv]
+    if loose:
+        raise UnsupportedModelError(
+            f"{_layers(sorted({layer_of[i] for i in loose}))}: other layers attend these "
+            "layers' keys_and_values() without their cache: not supported yet")
 
 
 def describe_layers(descriptions: list[str]) -> str:
