@@ -25,6 +25,7 @@ from worker_proc.decode_backend import DecodeBackend
 from worker_proc.gated_delta_cuda import PoolRead, forget_pool_reads, offer_pool_read
 from worker_proc.kv_pool import KVPool, StateLayerSpec, attention_specs, flat_specs
 from worker_proc.layer_kinds import Kind, LayerKind, ProbeRecorder, UnsupportedModelError
+from worker_proc.model_patch import repoint
 from worker_proc.paged_attention import RopeSpec
 from worker_proc.prefill_attention import causal_mask
 from worker_proc.staging import Stage, new_arrays
@@ -740,8 +741,6 @@ def install_attention_hook() -> None:
     are the whole pool, and only the cache knows each row's slots and length. Every other
     call goes to mlx-lm's own function unchanged. Call after the model's module is imported.
     """
-    import sys
-
     import mlx_lm.models.base as base
 
     original = getattr(base.scaled_dot_product_attention, "__wrapped__", base.scaled_dot_product_attention)
@@ -775,10 +774,8 @@ def install_attention_hook() -> None:
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     attention.__wrapped__ = original
-    for name, module in list(sys.modules.items()):
-        if name.startswith("mlx_lm.models.") and getattr(
-                module, "scaled_dot_product_attention", None) in (original, base.scaled_dot_product_attention):
-            module.scaled_dot_product_attention = attention
+    repoint("scaled_dot_product_attention", (original, base.scaled_dot_product_attention),
+            attention)
 
 
 def batches_ragged_rows(model: Any, specs: list, backend: DecodeBackend) -> bool:

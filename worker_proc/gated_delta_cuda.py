@@ -23,6 +23,7 @@ from typing import Any, Callable
 import mlx.core as mx
 
 from worker_proc.kernel_constants import MARK_SHAPE
+from worker_proc.model_patch import repoint
 from worker_proc.paged_attention import kernel_available
 from worker_proc.pool_writes import follow_mark
 
@@ -228,7 +229,7 @@ def normalize_qk(q: mx.array, k: mx.array, *, inv_scale: float,
     """mlx-lm's gated_delta.normalize_qk (q and k L2-normalised, then scaled) with the
     same values: its weightless rms_norms given a weight of ones and its scalar factors
     as rows of the dtype (a Python float meets a bf16 array as a bf16). Otherwise MLX
-    reads scalars from the memory that kernels wait on (paged_attention.
+    reads scalars from the memory that kernels wait on (kernel_constants.
     CONSTANT_ELEMENTS): four such reads a linear-attention layer a decode step."""
     rms_eps = eps * inv_scale**2
     dq, dk = q.shape[-1], k.shape[-1]
@@ -240,17 +241,9 @@ def normalize_qk(q: mx.array, k: mx.array, *, inv_scale: float,
 def route_normalize_qk() -> int:
     """Point every loaded mlx-lm model module that calls mlx-lm's normalize_qk at ours;
     returns how many."""
-    import sys
-
     from mlx_lm.models import gated_delta as module
 
-    routed = 0
-    for name, model_module in list(sys.modules.items()):
-        if (name.startswith("mlx_lm.models.") and model_module is not module
-                and getattr(model_module, "normalize_qk", None) is module.normalize_qk):
-            model_module.normalize_qk = normalize_qk
-            routed += 1
-    return routed
+    return repoint("normalize_qk", (module.normalize_qk,), normalize_qk, skip=module)
 
 
 def route_gated_delta(apart: Callable[..., tuple[mx.array, mx.array]],
