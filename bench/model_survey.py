@@ -5,9 +5,9 @@ greedy tokens. Rerun it when mlx-lm gains model files.
 
     python bench/model_survey.py [NAMES ...]     # default: every model file
 
-Each model's config is tests/families.py's common tiny one, plus generic values for the
-fields most ModelArgs require (GENERIC) and, where a module needs more, its own
-(SPECIFIC). Per model one line: OK, MISMATCH (which prompts), REFUSED (kiln's start-up
+Each model's config is tests/families.py's where it has that model type; else its
+common tiny one, plus generic values for the fields most ModelArgs require (GENERIC)
+and, where a module needs more, its own (SPECIFIC). Per model one line: OK, MISMATCH (which prompts), REFUSED (kiln's start-up
 refusal: its message), ERROR (kiln failed serving), or SKIP (the config does not build,
 mlx-lm itself fails, or the model does not run on this backend). Session 29 found
 Mamba's dropped states, Mistral 3's mask-only windows, Gemma 4's and IQuest-Loop-Coder's
@@ -33,9 +33,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from tests.families import _COMMON, FAMILIES, RECURRENT_FAMILIES, VOCAB, WINDOW  # noqa: E402
+
 NOT_MODELS = {"__init__", "base", "cache", "switch_layers", "rope_utils", "activations",
               "pipeline", "bitlinear_layers", "gated_delta", "ssm", "mla"}
-WINDOW = 16
 GENERIC: dict[str, Any] = dict(
     head_dim=16, num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
     moe_intermediate_size=32, n_shared_experts=1, shared_expert_intermediate_size=32,
@@ -47,31 +48,11 @@ GENERIC: dict[str, Any] = dict(
     norm_topk_prob=True, rotary_dim=16, partial_rotary_factor=0.5, attention_bias=False,
     mlp_bias=False, decoder_sparse_step=1, mlp_only_layers=[], sliding_window=WINDOW,
     rope_scaling=None, hidden_act="silu", use_qk_norm=False, num_heads=4)
-_TEXT: dict[str, Any] = dict(hidden_size=64, num_hidden_layers=4, intermediate_size=96,
-                             num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
-                             vocab_size=512, rope_theta=10000.0, max_position_embeddings=4096,
-                             tie_word_embeddings=False, head_dim=16)
 _SLIDING = ["sliding_attention", "full_attention"] * 2
-_MINISTRAL_ROPE = {"rope_theta": 10000.0, "rope_type": "default", "llama_4_scaling_beta": 0.1,
-                   "original_max_position_embeddings": 4096}
 _GRANITE = dict(logits_scaling=1.0, attention_multiplier=0.25, embedding_multiplier=1.0,
                 residual_multiplier=1.0)
 SPECIFIC: dict[str, dict[str, Any]] = {
-    "gemma3": dict(text_config=dict(_TEXT, model_type="gemma3_text", sliding_window=WINDOW,
-                                    sliding_window_pattern=2, query_pre_attn_scalar=16,
-                                    rope_local_base_freq=10000.0)),
-    "gemma3n": dict(text_config=dict(
-        _TEXT, model_type="gemma3n_text", num_kv_shared_layers=2, vocab_size_per_layer_input=512,
-        sliding_window=WINDOW, final_logit_softcapping=30.0, layer_types=_SLIDING,
-        activation_sparsity_pattern=[0.0] * 4, hidden_size_per_layer_input=16,
-        altup_num_inputs=2, altup_coef_clip=120.0, altup_correct_scale=True,
-        altup_active_idx=0, laurel_rank=8, rope_local_base_freq=10000.0)),
-    "gemma4_text": dict(global_head_dim=32, num_kv_shared_layers=2, num_key_value_heads=1,
-                        vocab_size_per_layer_input=512, hidden_size_per_layer_input=16,
-                        layer_types=_SLIDING, rope_parameters=None),
-    "mistral3": dict(text_config=dict(_TEXT, model_type="ministral3", sliding_window=WINDOW,
-                                      layer_types=_SLIDING, rope_parameters=_MINISTRAL_ROPE)),
-    "ministral3": dict(layer_types=_SLIDING, rope_parameters=_MINISTRAL_ROPE),
+    "gemma3": dict(text_config=dict(_COMMON, **FAMILIES["gemma3_text"])),  # Gemma 3's wrapper
     "granite": _GRANITE, "granitemoe": _GRANITE,
     "minicpm": dict(dim_model_base=64, scale_depth=1.0, scale_emb=1.0),
     "stablelm": dict(use_qkv_bias=False),
@@ -81,17 +62,6 @@ SPECIFIC: dict[str, dict[str, Any]] = {
     "bailing_moe": dict(num_shared_experts=1),
     "dbrx": dict(ffn_config={"ffn_hidden_size": 96, "moe_num_experts": 4, "moe_top_k": 2},
                  attn_config={"kv_n_heads": 2, "clip_qkv": 8, "rope_theta": 10000}),
-    "mamba": dict(state_size=16, conv_kernel=4, use_bias=False, use_conv_bias=True,
-                  time_step_rank=8),
-    "recurrent_gemma": dict(conv1d_width=4, logits_soft_cap=30.0, attention_window_size=WINDOW,
-                            block_types=["recurrent", "attention"], lru_width=64,
-                            embeddings_scale_by_sqrt_dim=True,
-                            final_w_init_variance_scale=1.0),
-    "rwkv7": dict(a_low_rank_dim=16, v_low_rank_dim=16, gate_low_rank_dim=16,
-                  decay_low_rank_dim=16),
-    "jamba": dict(attn_layer_offset=1, attn_layer_period=2, expert_layer_offset=1,
-                  expert_layer_period=2, mamba_d_conv=4, mamba_d_state=16, mamba_expand=1,
-                  mamba_dt_rank=8),
     "exaone_moe": dict(num_shared_experts=1, layer_types=_SLIDING,
                        is_moe_layer=[False, True, True, True]),
     "lfm2_moe": dict(use_expert_bias=True, num_dense_layers=1, conv_bias=False, conv_L_cache=3,
@@ -99,7 +69,6 @@ SPECIFIC: dict[str, dict[str, Any]] = {
     "apertus": dict(post_norm=False, qk_norm=True),
     "baichuan_m1": dict(sliding_window_layers=[0, 2], conv_window=2),
     "afmoe": dict(layer_types=_SLIDING), "gear": dict(layer_types=_SLIDING),
-    "iquestloopcoder": dict(loop_window_size=WINDOW),
     "deepseek_v2": dict(num_key_value_heads=4, topk_method="greedy", n_group=1, topk_group=1,
                         rope_scaling={"type": "yarn", "factor": 4.0,
                                       "original_max_position_embeddings": 1024,
@@ -114,12 +83,6 @@ SPECIFIC: dict[str, dict[str, Any]] = {
                         linear_key_head_dim=16, linear_value_head_dim=16,
                         linear_conv_kernel_dim=4, linear_allow_neg_eigval=False,
                         layer_types=["linear_attention", "full_attention"] * 2),
-    "kimi_linear": dict(model_max_length=4096, num_experts_per_token=2, kv_lora_rank=32,
-                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
-                        num_shared_experts=1, first_k_dense_replace=1,
-                        linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4],
-                                            "head_dim": 16, "num_heads": 4,
-                                            "short_conv_kernel_size": 4}),
     "bailing_moe_linear": dict(num_shared_experts=1, layer_group_size=2, group_norm_size=1,
                                topk_group=1),
     "mimo_v2_flash": dict(hybrid_layer_pattern=[1, 0, 1, 0], moe_layer_freq=[0, 1, 1, 1],
@@ -136,8 +99,10 @@ SPECIFIC: dict[str, dict[str, Any]] = {
 
 
 def config_for(name: str) -> dict[str, Any]:
-    from tests.families import _COMMON
-
+    """The tests' own config where tests/families.py has the model type, else the guess."""
+    tested = [c for c in {**FAMILIES, **RECURRENT_FAMILIES}.values() if c["model_type"] == name]
+    if tested:
+        return {**_COMMON, **tested[0]}
     return {**_COMMON, **GENERIC, **SPECIFIC.get(name, {}), "model_type": name}
 
 
@@ -147,7 +112,6 @@ def survey_one(name: str) -> str:
     import numpy as np
 
     from tests.engine_driver import InProcessEngine
-    from tests.families import VOCAB
     from tests.test_families import mlx_lm_tokens
     from worker_proc.layer_kinds import UnsupportedModelError
 
