@@ -77,6 +77,14 @@ FAMILIES: dict[str, dict[str, Any]] = {
                         num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
                         topk_group=1, routed_scaling_factor=1.0, topk_method="noaux_tc",
                         scoring_func="sigmoid", norm_topk_prob=True),
+    # DeepSeek-V3.2's sparse attention: an indexer picks each query's top index_topk keys
+    # (8: picked from the prompts' 9th token on, prefill and decode).
+    "deepseek_v32": dict(model_type="deepseek_v32", num_key_value_heads=4, kv_lora_rank=32,
+                         q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+                         moe_intermediate_size=32, n_routed_experts=4, n_shared_experts=1,
+                         num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
+                         topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
+                         index_n_heads=2, index_head_dim=16, index_topk=8),
     "glm4_moe_lite": dict(model_type="glm4_moe_lite", num_key_value_heads=4, kv_lora_rank=32,
                           q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16,
                           qk_nope_head_dim=16, moe_intermediate_size=32, n_routed_experts=4,

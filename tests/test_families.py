@@ -30,7 +30,8 @@ EXPECTED_KINDS = {
     "olmo3": {Kind.FULL, Kind.SLIDING}, "cohere2": {Kind.FULL, Kind.SLIDING},
     "exaone4": {Kind.FULL, Kind.SLIDING}, "llama4_text": {Kind.FULL, Kind.CHUNKED},
 }
-OWN_SCORES = {"gemma2", "deepseek_v3", "glm4_moe_lite", "mistral4"}  # scores of its own
+# Scores of their own (DeepSeek-V3.2: its indexer's, and its MLA's over the keys picked).
+OWN_SCORES = {"gemma2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "mistral4"}
 # ... MLA's absorbed decode: the cache's keys as keys and values, the RoPE part's scores as
 # the mask (LayerKind.latent: the backend attends the pool's latent itself).
 LATENT = {"deepseek_v3", "glm4_moe_lite", "mistral4"}
@@ -99,7 +100,7 @@ def family(request):
 
 def test_layer_kinds_are_read_from_mlx_lm(family):
     name, model = family
-    kinds = [s.kind for s in probe_attention_specs(model)]
+    kinds = [s.kind for s in flat_specs(probe_attention_specs(model))]
     assert {k.kind for k in kinds} == EXPECTED_KINDS.get(name, {Kind.FULL})
     assert all(k.span == WINDOW for k in kinds if k.windowed)
     assert all(k.own_attention for k in kinds) == (name in OWN_SCORES)
@@ -230,15 +231,25 @@ def test_a_model_with_a_layer_kind_not_served_is_refused_naming_it():
         probe_attention_specs(model)
 
 
+def test_a_model_reading_what_the_served_cache_lacks_is_refused_naming_the_layers():
+    """A layer whose own code reads from its cache what kiln's paged cache does not have
+    (here mlx-lm's `nbytes`) is refused at start-up, found by the probe; reading the
+    cache's `keys` / `values` is served (DeepSeek-V3.2's family: dense K/V)."""
+    model = build("llama")
+    attention = type(model.model.layers[2].self_attn)
+
+    class Peeking(attention):
+        def __call__(self, x, mask=None, cache=None):  # noqa: ANN001, ANN204
+            _ = cache.nbytes if cache is not None else None
+            return super().__call__(x, mask, cache)
+
+    model.model.layers[2].self_attn.__class__ = Peeking
+    with pytest.raises(UnsupportedModelError, match=r"^layer 2: the model's code reads "
+                       r"`cache.nbytes`, which kiln's paged cache does not have"):
+        probe_attention_specs(model)
+
+
 @pytest.mark.parametrize("config,refusal", [
-    # DeepSeek-V3.2's indexer sets its cache's `values` from the cache's `keys`.
-    (dict(model_type="deepseek_v32", num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=24,
-          qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16, moe_intermediate_size=32,
-          n_routed_experts=4, n_shared_experts=1, num_experts_per_tok=2,
-          first_k_dense_replace=1, n_group=1, topk_group=1, index_n_heads=2,
-          index_head_dim=16, index_topk=8),
-     r"layers 0-3: the model's code reads `cache.keys`, which kiln's paged cache does not "
-     r"have: not supported yet"),
     # AFM 7's KV-reuse layers attend the last layer's keys_and_values() with no cache,
     # their RoPE offset read from the keys' shape (a pool view has no such shape).
     (dict(model_type="afm7", hidden_dim=64, num_layers=4, num_kv_reuse_layers=2,
@@ -332,9 +343,11 @@ def test_models_with_their_own_score_math_take_the_kernel_path(name, path, monke
     assert all(shape[2] == 1 for shape in latent_calls)
     # Their prefill attention (expanded K/V) through the backend's prefill attention, not
     # MLX's fused call (cuDNN's per-shape builds on CUDA): DeepSeek's and GLM's RoPE
-    # scores as a float mask added to the scores. (Gemma 2 calls no attention function.)
-    assert bool(prefill_masks) == (name in LATENT)
-    if name in {"deepseek_v3", "glm4_moe_lite"}:
+    # scores as a float mask added to the scores (DeepSeek-V3.2's with its indexer's
+    # picks; its call hands attention the layer's cache list). (Gemma 2 calls no
+    # attention function.)
+    assert bool(prefill_masks) == (name in LATENT | {"deepseek_v32"})
+    if name in {"deepseek_v3", "deepseek_v32", "glm4_moe_lite"}:
         assert any(isinstance(m, mx.array) and m.dtype != mx.bool_ for m in prefill_masks)
 
 

@@ -404,6 +404,28 @@ class PooledKVCache:
             raise RuntimeError(f"layer {self.layer}: K/V read before this forward stored them")
         return self._fetched
 
+    # mlx-lm's KVCache keeps its arrays as `keys` and `values`, and some models' code reads
+    # them (DeepSeek-V3.2's indexer). Such a layer is one with its own score math (the probe
+    # sees the read: layer_kinds), so what this forward's update_and_fetch returned is the
+    # context's dense K/V, as mlx-lm's arrays hold them up to the offset.
+    @property
+    def keys(self) -> mx.array:
+        return self.keys_and_values()[0]
+
+    @keys.setter
+    def keys(self, keys: mx.array) -> None:
+        """A model's own reassignment (DeepSeek-V3.2 makes the keys depend on its indexer's
+        cache): this forward's view; the pool keeps what update_and_fetch stored."""
+        self._fetched = (keys, self.keys_and_values()[1])
+
+    @property
+    def values(self) -> mx.array:
+        return self.keys_and_values()[1]
+
+    @values.setter
+    def values(self, values: mx.array) -> None:
+        self._fetched = (self.keys_and_values()[0], values)
+
     def _fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
         if self.attends_latent:
             self.pool.write(self.layer, self.write_slots, keys, values)
@@ -751,6 +773,10 @@ def install_attention_hook() -> None:
         source = fetched_from(keys)
         if source is not None and source is not cache:
             cache = source  # another layer's K/V, with its cache or none: that cache's
+        if isinstance(cache, PooledCacheList):
+            out = _own_prefill_of_list(cache, queries, keys, values, scale, mask, sinks)
+            if out is not None:
+                return out
         if isinstance(cache, PooledKVCache):
             if cache.takes_latent(keys, values):
                 return cache.latent_attention(queries, scale, mask)
@@ -776,6 +802,20 @@ def install_attention_hook() -> None:
     attention.__wrapped__ = original
     repoint("scaled_dot_product_attention", (original, base.scaled_dot_product_attention),
             attention)
+
+
+def _own_prefill_of_list(caches: PooledCacheList, queries: mx.array, keys: mx.array,
+                         values: mx.array, scale: float, mask: Any, sinks: Any) -> mx.array | None:
+    """A layer of several caches whose model hands attention the whole list with K/V it
+    made itself (DeepSeek-V3.2: its MLA expanded, its indexer's picks in the mask): in
+    prefill, the backend's attention for layers with their own scores, as for one such
+    cache (no cuDNN graph built for each prompt's shape); None leaves it to MLX."""
+    parts = [c for c in caches.caches if isinstance(c, PooledKVCache)]
+    if not parts or parts[0].paged or not parts[0].kind.own_attention:
+        return None
+    first = parts[0]
+    return first.backend.own_prefill_attention(queries, keys, values, scale, mask, sinks,
+                                               first.layout.once)
 
 
 def batches_ragged_rows(model: Any, specs: list, backend: DecodeBackend) -> bool:

@@ -8,8 +8,10 @@ copies of those caches then says how each layer attends: through mlx-lm's
 pool can then be read by a kernel or a gather of our choosing), with attention sinks, or
 by computing scores itself (Gemma 2's soft-capping, MLA's latent and RoPE parts), which
 needs real dense K/V; whether a cache that keeps everything is attended through a window
-mask (a sliding layer after all); and whether the model's code reads from a cache what
-kiln's paged cache lacks (refused). Nothing here is keyed on a model's name.
+mask (a sliding layer after all); whether the model's code reads a cache's `keys` /
+`values` arrays (DeepSeek-V3.2's indexer: served dense K/V, as own-score layers are); and
+whether it reads anything else kiln's paged cache lacks (refused). Nothing here is keyed
+on a model's name.
 """
 
 from __future__ import annotations
@@ -178,6 +180,9 @@ class ProbeRecorder:
         # attribute).
         self.served: frozenset[str] = frozenset()  # what the served cache has (probe_layers)
         self.unserved_reads: dict[int, str] = {}
+        # Caches whose `keys` / `values` arrays the model's code reads (DeepSeek-V3.2's
+        # indexer and the MLA cache beside it): served dense K/V, as own-score layers.
+        self.array_reads: set[int] = set()
         # K/V a cache's keys_and_values returned (id(keys) -> id(cache)), and the caches
         # whose such K/V reached attention without them (AFM 7's reuse layers: their own
         # math reads the arrays' shapes, which the pool's views do not have).
@@ -256,6 +261,8 @@ def _probing(cache: Any, recorder: ProbeRecorder) -> Any:
     return cache
 
 
+_ARRAYS = ("keys", "values")  # mlx-lm's KVCache arrays (PooledKVCache's: this forward's)
+
 # Modules whose reads of a cache are not the model's: mlx-lm's cache code and its shared
 # attention helpers, kiln's.
 _CACHE_CODE = ("mlx_lm.models.cache", "mlx_lm.models.base", "worker_proc.")
@@ -263,16 +270,20 @@ _CACHE_CODE = ("mlx_lm.models.cache", "mlx_lm.models.base", "worker_proc.")
 
 @functools.cache
 def _watched(cls: type) -> type:
-    """`cls` noting, while a probe runs, reads by a model's own code of what kiln's served
-    cache does not have (ProbeRecorder.served): its `keys` / `values` (the pool hands a
-    layer's code no such arrays), or anything else of mlx-lm's cache classes."""
+    """`cls` noting, while a probe runs, reads by a model's own code of its `keys` /
+    `values` arrays (ProbeRecorder.array_reads), and of what kiln's served cache does not
+    have (ProbeRecorder.served: anything else of mlx-lm's cache classes)."""
     def __getattribute__(self: Any, name: str) -> Any:  # noqa: N807
         # A hasattr probe of a name the cache lacks (mlx-lm's `bits`) raises here first.
         value = cls.__getattribute__(self, name)
         recorder = ProbeRecorder.current
-        if recorder is not None and recorder.served and name not in recorder.served:
+        if recorder is not None and recorder.served:
             caller = sys._getframe(1).f_globals.get("__name__", "")
-            if not caller.startswith(_CACHE_CODE):
+            if caller.startswith(_CACHE_CODE):
+                pass
+            elif name in _ARRAYS:
+                recorder.array_reads.add(id(self))
+            elif name not in recorder.served:
                 recorder.unserved_reads.setdefault(id(self), name)
         return value
 
@@ -315,10 +326,12 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], lis
     kinds = [LayerKind(Kind.SLIDING, recorder.windows[id(c)])
              if k.kind is Kind.FULL and id(c) in recorder.windows else k
              for k, c in zip(kinds, parts)]
+    dense = {id(c) for c in parts if id(c) not in recorder.through_sdpa} | recorder.array_reads
     probed = [k if k.recurrent else
-              LayerKind(k.kind, k.span, own_attention=id(c) not in recorder.through_sdpa,
+              LayerKind(k.kind, k.span, own_attention=id(c) in dense,
                         sinks=id(c) in recorder.sinks,
-                        latent=id(c) in recorder.latent and not k.windowed)
+                        latent=(id(c) in recorder.latent and not k.windowed
+                                and id(c) not in recorder.array_reads))
               for k, c in zip(kinds, parts)]
     for i, k in enumerate(probed):
         if k.own_attention and k.windowed:
@@ -333,8 +346,8 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], lis
 
 def _refuse_unservable(recorder: ProbeRecorder, layer_of: list[int], parts: list[Any]) -> None:
     """Refuse, naming the layers (mlx-lm's cache entries; layer_of: each part's), a model
-    whose code reads from its caches what the served cache lacks (DeepSeek-V3.2's
-    indexer resets `cache.values` from `cache.keys`), or whose layers reusing another's
+    whose code reads from its caches what the served cache lacks (anything of mlx-lm's
+    cache classes but the K/V arrays: `nbytes`, `trim`, ...), or whose layers reusing another's
     `keys_and_values()` attend them without that cache (AFM 7's, which read the arrays'
     shapes; Gemma 3n's hand the cache along and are served). (An attention call given one
     cache's K/V with another cache or none is served by the cache that fetched them:
