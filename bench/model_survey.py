@@ -96,8 +96,48 @@ SPECIFIC: dict[str, dict[str, Any]] = {
                         rope_parameters={"rope_theta": 10000.0, "rope_type": "default"}),
     "afm7": dict(hidden_dim=64, num_layers=4, num_kv_reuse_layers=2, num_heads=4,
                  num_kv_heads=2),
+    "lille-130m": dict(block_size=4096, n_kv_heads=2),
+    "llama4_text": dict(intermediate_size_mlp=96, no_rope_layers=[1, 1, 1, 0], use_qk_norm=True),
+    "longcat_flash": dict(attention_method="MLA", zero_expert_type="identity",
+                          ffn_hidden_size=96, moe_topk=2, expert_ffn_hidden_size=32,
+                          zero_expert_num=2, mla_scale_q_lora=True, mla_scale_kv_lora=True),
+    "longcat_flash_ngram": dict(ffn_hidden_size=96, moe_topk=2, expert_ffn_hidden_size=32,
+                                zero_expert_num=2, mla_scale_q_lora=True,
+                                mla_scale_kv_lora=True),
+    "mellum": dict(layer_types=_SLIDING, rope_parameters={"rope_theta": 10000.0}),
+    "minicpm3": dict(dim_model_base=64, scale_depth=1.0, scale_emb=1.0),
+    "openelm": dict(num_transformer_layers=4, model_dim=64, ffn_dim_divisor=16,
+                    num_query_heads=[4] * 4, num_kv_heads=[2] * 4, ffn_multipliers=[1.5] * 4),
+    "spark2_5": dict(rope_parameters={"rope_theta": 10000.0}),
+    "step3p5": dict(num_attention_groups=2, layer_types=_SLIDING, moe_num_experts=4,
+                    moe_top_k=2, moe_intermediate_size=32, share_expert_dim=32),
+    "bailing_hybrid": dict(num_shared_experts=1, layer_group_size=2, group_norm_size=1),
+    "qwen": dict(kv_channels=16, intermediate_size=192),
+    "plamo": dict(n_shared_head=2),
     "phi3small": dict(dense_attention_every_n_layers=2, ff_intermediate_size=96,
                       gegelu_limit=20.0),
+}
+
+
+# Multimodal wrappers whose language model is another model file's: its config as their
+# text_config (mlx-lm loads them as text models).
+WRAPS = {"kimi_k25": "deepseek_v3", "kimi_vl": "deepseek_v3", "lfm2-vl": "lfm2",
+         "pixtral": "llama", "prism_hadamard_qwen35": "qwen3_5", "qwen2_vl": "qwen2",
+         "qwen3_5_moe": "qwen3_next", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
+# Wrappers with a language model of their own: its text_config.
+TEXT_CONFIGS: dict[str, dict[str, Any]] = {
+    "kimi_k3": dict(
+        num_key_value_heads=4, q_lora_rank=24, kv_lora_rank=32, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=16, num_experts=4, num_experts_per_token=2,
+        moe_intermediate_size=32, first_k_dense_replace=1, attn_res_block_size=2,
+        linear_attn_config={"kda_layers": [1, 3], "full_attn_layers": [2, 4], "head_dim": 16,
+                            "num_heads": 4, "short_conv_kernel_size": 4}),
+    "muse_spark": dict(
+        head_dim=16, post_norm_eps=1e-6, rope_parameters={"rope_theta": 10000.0},
+        layer_rope_theta=[10000.0, 0.0, 10000.0, 10000.0],
+        layer_types=["sliding_attention", "full_attention"] * 2, sliding_window=WINDOW,
+        final_logit_softcapping=30.0, output_multiplier=1.0, num_local_experts=4,
+        num_experts_per_tok=2, moe_hidden_size=32, moe_intermediate_size=32),
 }
 
 
@@ -106,6 +146,11 @@ def config_for(name: str) -> dict[str, Any]:
     tested = [c for c in {**FAMILIES, **RECURRENT_FAMILIES}.values() if c["model_type"] == name]
     if tested:
         return {**_COMMON, **tested[0]}
+    if name in WRAPS:
+        inner = config_for(WRAPS[name])
+        return {**inner, "model_type": name, "text_config": inner}
+    if name in TEXT_CONFIGS:
+        return {"model_type": name, "text_config": {**_COMMON, **TEXT_CONFIGS[name]}}
     return {**_COMMON, **GENERIC, **SPECIFIC.get(name, {}), "model_type": name}
 
 

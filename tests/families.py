@@ -85,6 +85,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
                          num_experts_per_tok=2, first_k_dense_replace=1, n_group=1,
                          topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=True,
                          index_n_heads=2, index_head_dim=16, index_topk=8),
+    # MiniMax M3's block-sparse attention: an indexer keeps each query's top 2 blocks of 4
+    # keys (its own among them) in every other layer.
+    "minimax_m3_vl": dict(model_type="minimax_m3_vl", text_config=dict(
+        _COMMON, intermediate_size=32, dense_intermediate_size=96, shared_intermediate_size=32,
+        num_local_experts=4, num_experts_per_tok=2, head_dim=32, partial_rotary_factor=0.5,
+        layer_types=["full_attention", "sparse_attention"] * 2, index_n_heads=2,
+        index_head_dim=16, index_block_size=4, index_topk_blocks=2)),
     "glm4_moe_lite": dict(model_type="glm4_moe_lite", num_key_value_heads=4, kv_lora_rank=32,
                           q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16,
                           qk_nope_head_dim=16, moe_intermediate_size=32, n_routed_experts=4,
@@ -119,6 +126,15 @@ RECURRENT_FAMILIES: dict[str, dict[str, Any]] = {
                             block_types=["recurrent", "attention"], lru_width=64,
                             embeddings_scale_by_sqrt_dim=True,
                             final_w_init_variance_scale=1.0, attention_bias=False),
+    # LongCat-Flash-Ngram: MLA layers, and n-gram embeddings over the last 3 token ids,
+    # kept in a state that grows with the first tokens (StateLayerSpec.filling).
+    "longcat_flash_ngram": dict(model_type="longcat_flash_ngram", num_layers=2,
+                                ffn_hidden_size=96, moe_topk=2, expert_ffn_hidden_size=32,
+                                n_routed_experts=4, zero_expert_num=2, kv_lora_rank=32,
+                                q_lora_rank=24, qk_rope_head_dim=8, qk_nope_head_dim=16,
+                                v_head_dim=16, routed_scaling_factor=1.0,
+                                mla_scale_q_lora=True, mla_scale_kv_lora=True,
+                                ngram_vocab_size_ratio=2),
     # Kimi-Linear: KDA (gated delta) layers beside MLA layers; its code unpacks the cache.
     "kimi_linear": dict(model_type="kimi_linear", head_dim=16, model_max_length=4096,
                         num_experts=4, num_experts_per_token=2, moe_intermediate_size=32,

@@ -32,6 +32,8 @@ EXPECTED_KINDS = {
 }
 # Scores of their own (DeepSeek-V3.2: its indexer's, and its MLA's over the keys picked).
 OWN_SCORES = {"gemma2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "mistral4"}
+# Some layers with scores of their own (MiniMax M3's block-sparse ones), the rest not.
+SOME_OWN_SCORES = {"minimax_m3_vl"}
 # ... MLA's absorbed decode: the cache's keys as keys and values, the RoPE part's scores as
 # the mask (LayerKind.latent: the backend attends the pool's latent itself).
 LATENT = {"deepseek_v3", "glm4_moe_lite", "mistral4"}
@@ -41,11 +43,14 @@ SINKS = {"gpt_oss"}
 # no depthwise convolution of mlx-lm's Conv1d (RWKV-7 shifts tokens; Recurrent Gemma's is
 # a Conv1d of its own).
 PURE_RECURRENT = {"mamba", "mamba2", "rwkv7"}
-UNMASKED_PADDING = {"nemotron_h", "mamba", "jamba"}
-NO_DEPTHWISE_CONV = {"recurrent_gemma", "rwkv7"}
+UNMASKED_PADDING = {"nemotron_h", "mamba", "jamba", "longcat_flash_ngram"}
+NO_DEPTHWISE_CONV = {"recurrent_gemma", "rwkv7", "longcat_flash_ngram"}
+# A state that fills up with the first tokens (LongCat-Flash-Ngram's last token ids).
+FILLING = {"longcat_flash_ngram"}
 # Their own code mishandles rows of different lengths in one forward (a per-row mask
-# broadcast against grouped heads; a chunk mask from one scalar offset).
-BY_LENGTH = {"gemma2", "llama4_text"}
+# broadcast against grouped heads; a chunk mask from one scalar offset; key blocks and
+# query positions from the keys' count).
+BY_LENGTH = {"gemma2", "llama4_text", "minimax_m3_vl"}
 
 
 def mlx_lm_tokens(model, prompt: list[int], n: int) -> list[int]:
@@ -104,6 +109,7 @@ def test_layer_kinds_are_read_from_mlx_lm(family):
     assert {k.kind for k in kinds} == EXPECTED_KINDS.get(name, {Kind.FULL})
     assert all(k.span == WINDOW for k in kinds if k.windowed)
     assert all(k.own_attention for k in kinds) == (name in OWN_SCORES)
+    assert any(k.own_attention for k in kinds) == (name in OWN_SCORES | SOME_OWN_SCORES)
     assert all(k.latent for k in kinds) == (name in LATENT)
     assert any(k.sinks for k in kinds) == (name in SINKS)
     # The query heads each layer attends with, where the attention hook sees them (the
@@ -231,6 +237,21 @@ def test_a_model_with_a_layer_kind_not_served_is_refused_naming_it():
         probe_attention_specs(model)
 
 
+def test_a_state_still_growing_after_the_probes_tokens_is_refused():
+    """LongCat-Flash-Ngram's n-gram state fills up with a request's first n - 1 tokens
+    (served: StateLayerSpec.filling); with n past what the probe decodes, the state looks
+    like one the size of the context, which the pool cannot hold: refused."""
+    import importlib
+
+    config = {**_COMMON, **RECURRENT_FAMILIES["longcat_flash_ngram"], "hidden_size": 128,
+              "emb_neighbor_num": 70, "emb_split_num": 1}
+    module = importlib.import_module("mlx_lm.models.longcat_flash_ngram")
+    model = module.Model(module.ModelArgs.from_dict(config))
+    with pytest.raises(UnsupportedModelError, match=r"^layer 0: a recurrent state that grows "
+                       r"with the context: not supported yet"):
+        probe_attention_specs(model)
+
+
 def test_a_model_reading_what_the_served_cache_lacks_is_refused_naming_the_layers():
     """A layer whose own code reads from its cache what kiln's paged cache does not have
     (here mlx-lm's `nbytes`) is refused at start-up, found by the probe; reading the
@@ -305,7 +326,7 @@ def test_the_kernel_path_reads_each_window(name, path):
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(model, p, 24), f"{name} r{i}"
 
 
-@pytest.mark.parametrize("name", sorted(OWN_SCORES))
+@pytest.mark.parametrize("name", sorted(OWN_SCORES | SOME_OWN_SCORES))
 @pytest.mark.parametrize("path", ["compiled", "in place"])
 def test_models_with_their_own_score_math_take_the_kernel_path(name, path, monkeypatch):
     """Gemma 2's soft-capped scores and MLA's latent + RoPE parts (keys 512 wide, values
@@ -344,9 +365,9 @@ def test_models_with_their_own_score_math_take_the_kernel_path(name, path, monke
     # Their prefill attention (expanded K/V) through the backend's prefill attention, not
     # MLX's fused call (cuDNN's per-shape builds on CUDA): DeepSeek's and GLM's RoPE
     # scores as a float mask added to the scores (DeepSeek-V3.2's with its indexer's
-    # picks; its call hands attention the layer's cache list). (Gemma 2 calls no
-    # attention function.)
-    assert bool(prefill_masks) == (name in LATENT | {"deepseek_v32"})
+    # picks; its call hands attention the layer's cache list; MiniMax M3's sparse layers'
+    # kept blocks as a boolean mask). (Gemma 2 calls no attention function.)
+    assert bool(prefill_masks) == (name in LATENT | {"deepseek_v32", "minimax_m3_vl"})
     if name in {"deepseek_v3", "deepseek_v32", "glm4_moe_lite"}:
         assert any(isinstance(m, mx.array) and m.dtype != mx.bool_ for m in prefill_masks)
 
@@ -415,6 +436,7 @@ def test_recurrent_layers_are_read_from_mlx_lm(recurrent_family):
     states = [s for s in parts if isinstance(s, StateLayerSpec)]
     assert states and all(s.bytes_per_request > 0 for s in states)
     assert (len(states) == len(parts)) == (name in PURE_RECURRENT)
+    assert any(any(s.filling) for s in states) == (name in FILLING)
 
 
 @pytest.mark.parametrize("overlap", [True, "ahead"])

@@ -659,6 +659,9 @@ class PooledStateCache(ArraysCache):
         index = self._index(index)
         if self._in_pool.get(index) is value:  # already there
             return
+        spec = self.pool.state_specs[self.layer]
+        if spec.filling and spec.filling[index]:
+            value = _front_filled(value, spec.shapes[index])
         self.pool.write_state(self.layer, index, self.rows, value)
 
     def empty(self) -> bool:
@@ -672,6 +675,15 @@ class PooledStateCache(ArraysCache):
         if self.lengths is None:
             return None
         return mx.arange(n)[None] < self.lengths[:, None]
+
+
+def _front_filled(value: mx.array, shape: tuple[int, ...]) -> mx.array:
+    """A filling state array (StateLayerSpec.filling) still short of its shape: zeros in
+    front along each short axis (the batch axis left as it is)."""
+    pads = [(0, 0)] + [(full - now, 0) for now, full in zip(value.shape[1:], shape)]
+    if not any(before for before, _ in pads):
+        return value
+    return mx.pad(value, pads)
 
 
 def build_layer_caches(pool: KVPool, layout: ForwardLayout, state_rows: mx.array | None = None,
@@ -693,8 +705,8 @@ def build_layer_caches(pool: KVPool, layout: ForwardLayout, state_rows: mx.array
             parts.append(PooledStateCache(pool, i, state_rows, fresh_state, state_lengths))
     caches: list[Any] = []
     for size in pool.groups:
-        caches.append(parts[0] if size == 1 else PooledCacheList(parts[:size]))
-        parts = parts[size:]
+        caches.append(PooledCacheList(parts[:size]) if size else parts[0])
+        parts = parts[max(size, 1):]
     return caches
 
 
@@ -723,7 +735,7 @@ def build_mixed_caches(pool: KVPool, chunk: ForwardLayout, rows: ForwardLayout,
     one cache each: see ModelRunner's mixes_rows)."""
     forget_pool_reads()
     _FETCHED.clear()
-    assert all(part == "kv" for part, _ in pool.order) and all(g == 1 for g in pool.groups)
+    assert all(part == "kv" for part, _ in pool.order) and not any(pool.groups)
     return [MixedLayerCache(PooledKVCache(pool, i, chunk, pool.specs[i].kind),
                             PooledKVCache(pool, i, rows, pool.specs[i].kind), n_chunk)
             for _, i in pool.order]

@@ -43,10 +43,14 @@ class AttentionLayerSpec:
 @dataclass(frozen=True)
 class StateLayerSpec:
     """A recurrent layer's state per request (mlx-lm's ArraysCache entries): the shape
-    and dtype of each of its arrays, batch dimension left out."""
+    and dtype of each of its arrays, batch dimension left out. filling: per array,
+    whether it grows with a request's first tokens up to its shape (the last tokens of a
+    context: LongCat-Flash-Ngram's n-gram ids); the pool keeps it full size, zeros in
+    front until filled, as the model's own shifts fill it (layer_kinds.ProbedLayers)."""
 
     shapes: tuple[tuple[int, ...], ...]
     dtypes: tuple[mx.Dtype, ...]
+    filling: tuple[bool, ...] = ()
 
     def describe(self) -> str:
         return self.kind.describe()
@@ -62,7 +66,8 @@ class StateLayerSpec:
 
 @dataclass(frozen=True)
 class CompositeSpec:
-    """A layer of several caches (mlx-lm's CacheList), in the order the model indexes them."""
+    """A layer whose caches are a CacheList (of one cache too: the model indexes it), in
+    the order the model indexes them."""
 
     parts: tuple[AttentionLayerSpec | StateLayerSpec, ...]
 
@@ -126,8 +131,8 @@ class KVPool:
         self.layer_specs = list(specs)  # every layer, in the model's cache order
         self.specs = attention_specs(specs)
         self.state_specs = [s for s in flat_specs(specs) if isinstance(s, StateLayerSpec)]
-        # Cache parts a layer has (1, or a CacheList's members), in order.
-        self.groups = [len(s.parts) if isinstance(s, CompositeSpec) else 1 for s in specs]
+        # How many caches each layer's CacheList holds (0: a plain cache, no list).
+        self.groups = [len(s.parts) if isinstance(s, CompositeSpec) else 0 for s in specs]
         counts = {"kv": 0, "state": 0}
         self.order: list[tuple[str, int]] = []
         for spec in flat_specs(specs):

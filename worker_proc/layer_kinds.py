@@ -290,13 +290,35 @@ def _watched(cls: type) -> type:
     return type(cls.__name__, (cls,), {"__getattribute__": __getattribute__})
 
 
-def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], list[int]]:
-    """Each cache part's LayerKind, the parts themselves after one decode token (their K/V
-    give each one's shapes), how many parts each layer has, and each part's query heads at
-    the attention hook (0 where its model computes scores itself): a one-token prompt,
-    then one decode token, through mlx-lm's own caches, watched."""
+@dataclass
+class ProbedLayers:
+    """What probe_layers learnt, per cache part (mlx-lm's order, CacheLists flattened).
+
+    kinds: each part's LayerKind. parts: the parts themselves after the probe's tokens
+    (their K/V or states give each one's shapes). lists: how many parts each layer's
+    CacheList has (0: a plain cache; a CacheList of one cache is still indexed by the
+    model). heads: each part's query heads at the attention hook (0 where its model
+    computes scores itself). filling: recurrent parts whose arrays grew with the first
+    tokens up to their shape, per array (LongCat-Flash-Ngram keeps its last n - 1 token
+    ids): the pool keeps them full size, zeros in front until filled."""
+
+    kinds: list[LayerKind]
+    parts: list[Any]
+    lists: list[int]
+    heads: list[int]
+    filling: dict[int, tuple[bool, ...]]
+
+
+# Decode tokens the probe runs at most while a recurrent state still grows.
+_MOST_FILLING_TOKENS = 64
+
+
+def probe_layers(model: Any) -> ProbedLayers:
+    """Each cache part's kind and shapes (ProbedLayers): a one-token prompt, then one
+    decode token (more while a recurrent state still grows), through mlx-lm's own caches,
+    watched."""
     import mlx.core as mx
-    from mlx_lm.models.cache import make_prompt_cache
+    from mlx_lm.models.cache import CacheList, make_prompt_cache
 
     from worker_proc.attention import PooledKVCache, install_attention_hook
 
@@ -310,14 +332,18 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], lis
     for cache, kind in zip(parts, kinds):
         if not kind.recurrent:  # a state is read and set, not fetched
             _probing(cache, recorder)
+    states = [i for i, k in enumerate(kinds) if k.recurrent]
     ProbeRecorder.current = recorder
     try:
         model(mx.array([[0]]), cache=caches)
+        first = _state_shapes(parts, states)
         recorder.through_sdpa.clear()  # judged on the decode token, as served
         recorder.latent.clear()
         model(mx.array([[0]]), cache=caches)
     finally:
         ProbeRecorder.current = None
+    layer_of = [i for i, group in enumerate(grouped) for _ in group]
+    filling = _fill_states(model, caches, parts, states, first, layer_of)
     mx.eval([c.state for c in parts])
     # A cache that keeps every position may still be attended through a window mask (one
     # a cache made for a window_size; mlx-lm's KVCache windows even one new token's mask):
@@ -337,11 +363,39 @@ def probe_layers(model: Any) -> tuple[list[LayerKind], list[Any], list[int], lis
         if k.own_attention and k.windowed:
             raise UnsupportedModelError(
                 f"layer {i}: {k.kind.value} whose scores the model computes itself")
-    _refuse_unservable(recorder, [i for i, group in enumerate(grouped) for _ in group],
-                       parts)
+    _refuse_unservable(recorder, layer_of, parts)
     heads = [0 if k.recurrent or k.own_attention else recorder.query_heads.get(id(c), 0)
              for k, c in zip(probed, parts)]
-    return probed, parts, [len(group) for group in grouped], heads
+    lists = [len(group) if type(c) is CacheList else 0 for c, group in zip(caches, grouped)]
+    return ProbedLayers(probed, parts, lists, heads, filling)
+
+
+def _state_shapes(parts: list[Any], states: list[int]) -> dict[int, list[tuple[int, ...]]]:
+    return {i: [tuple(a.shape) if a is not None else () for a in parts[i].cache] for i in states}
+
+
+def _fill_states(model: Any, caches: list[Any], parts: list[Any], states: list[int],
+                 first: dict[int, list[tuple[int, ...]]],
+                 layer_of: list[int]) -> dict[int, tuple[bool, ...]]:
+    """Recurrent parts whose arrays grew from the prompt's token to the decode token
+    (ProbedLayers.filling), decoded further until no state grows; refuses a model whose
+    states still grow after _MOST_FILLING_TOKENS tokens (a state the size of the context)."""
+    import mlx.core as mx
+
+    shapes = _state_shapes(parts, states)
+    grew = {i: tuple(a != b for a, b in zip(first[i], shapes[i])) for i in states}
+    if not any(any(g) for g in grew.values()):
+        return {}
+    for _ in range(_MOST_FILLING_TOKENS):
+        model(mx.array([[0]]), cache=caches)
+        before, shapes = shapes, _state_shapes(parts, states)
+        if before == shapes:
+            return {i: g for i, g in grew.items() if any(g)}
+        grew = {i: tuple(g or a != b for g, a, b in zip(grew[i], before[i], shapes[i]))
+                for i in states}
+    growing = sorted({layer_of[i] for i in states if any(grew[i])})
+    raise UnsupportedModelError(
+        f"{_layers(growing)}: a recurrent state that grows with the context: not supported yet")
 
 
 def _refuse_unservable(recorder: ProbeRecorder, layer_of: list[int], parts: list[Any]) -> None:

@@ -21,22 +21,25 @@ def probe_attention_specs(model: Any) -> list[LayerSpec]:
     """Each layer's K/V shape, dtype and kind (or, for a recurrent layer, its state's
     arrays), in mlx-lm's cache order, from tokens run through mlx-lm's own caches
     (layer_kinds.probe_layers); refuses a model with a layer kind the pool cannot hold."""
-    kinds, parts, groups, heads = probe_layers(model)
-    specs = [_layer_spec(c, kind, n) for c, kind, n in zip(parts, kinds, heads)]
+    probed = probe_layers(model)
+    specs = [_layer_spec(c, kind, n, probed.filling.get(i, ()))
+             for i, (c, kind, n) in enumerate(zip(probed.parts, probed.kinds, probed.heads))]
+    groups = probed.lists
     out: list[LayerSpec] = []
-    for size in groups:  # a layer of several caches (a CacheList): one CompositeSpec
-        out.append(specs[0] if size == 1 else CompositeSpec(tuple(specs[:size])))
-        specs = specs[size:]
+    for size in groups:  # a layer's CacheList (of one cache too): one CompositeSpec
+        out.append(CompositeSpec(tuple(specs[:size])) if size else specs[0])
+        specs = specs[max(size, 1):]
     return out
 
 
-def _layer_spec(cache: Any, kind: LayerKind, query_heads: int) -> LayerSpec:
+def _layer_spec(cache: Any, kind: LayerKind, query_heads: int,
+                filling: tuple[bool, ...]) -> LayerSpec:
     if kind.recurrent:
         arrays = [a for a in cache.cache]
         if any(a is None for a in arrays):
             raise UnsupportedModelError("a recurrent layer left part of its state unset")
         return StateLayerSpec(tuple(tuple(a.shape[1:]) for a in arrays),
-                              tuple(a.dtype for a in arrays))
+                              tuple(a.dtype for a in arrays), filling)
     return AttentionLayerSpec(n_kv_heads=cache.keys.shape[1], head_dim=cache.keys.shape[3],
                               v_head_dim=cache.values.shape[3], dtype=cache.keys.dtype, kind=kind,
                               query_heads=query_heads)
