@@ -49,6 +49,8 @@ GENERIC: dict[str, Any] = dict(
     mlp_bias=False, decoder_sparse_step=1, mlp_only_layers=[], sliding_window=WINDOW,
     rope_scaling=None, hidden_act="silu", use_qk_norm=False, num_heads=4)
 _SLIDING = ["sliding_attention", "full_attention"] * 2
+_ROPE_BY_KIND = {"sliding_attention": {"rope_theta": 10000.0},
+                 "full_attention": {"rope_theta": 10000.0}}
 _GRANITE = dict(logits_scaling=1.0, attention_multiplier=0.25, embedding_multiplier=1.0,
                 residual_multiplier=1.0)
 SPECIFIC: dict[str, dict[str, Any]] = {
@@ -104,11 +106,12 @@ SPECIFIC: dict[str, dict[str, Any]] = {
     "longcat_flash_ngram": dict(ffn_hidden_size=96, moe_topk=2, expert_ffn_hidden_size=32,
                                 zero_expert_num=2, mla_scale_q_lora=True,
                                 mla_scale_kv_lora=True),
-    "mellum": dict(layer_types=_SLIDING, rope_parameters={"rope_theta": 10000.0}),
-    "minicpm3": dict(dim_model_base=64, scale_depth=1.0, scale_emb=1.0),
+    "mellum": dict(layer_types=_SLIDING, rope_parameters=_ROPE_BY_KIND),
+    "minicpm3": dict(dim_model_base=64, scale_depth=1.0, scale_emb=1.0,
+                     rope_scaling={"original_max_position_embeddings": 4096}),
     "openelm": dict(num_transformer_layers=4, model_dim=64, ffn_dim_divisor=16,
                     num_query_heads=[4] * 4, num_kv_heads=[2] * 4, ffn_multipliers=[1.5] * 4),
-    "spark2_5": dict(rope_parameters={"rope_theta": 10000.0}),
+    "spark2_5": dict(rope_parameters=_ROPE_BY_KIND, hidden_act="gelu"),
     "step3p5": dict(num_attention_groups=2, layer_types=_SLIDING, moe_num_experts=4,
                     moe_top_k=2, moe_intermediate_size=32, share_expert_dim=32),
     "bailing_hybrid": dict(num_shared_experts=1, layer_group_size=2, group_norm_size=1),

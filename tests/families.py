@@ -65,6 +65,13 @@ FAMILIES: dict[str, dict[str, Any]] = {
     # IQuest-Loop-Coder: a second pass attends the first pass's K/V through its own caches.
     "iquestloopcoder": dict(model_type="iquestloopcoder", head_dim=16,
                             loop_window_size=WINDOW),
+    # Nemotron-NAS (Llama-3.3-Nemotron-Super): attention and FFN pruned per layer; mlx-lm
+    # makes a cache for the layer whose attention is a linear map, which it never fills.
+    "nemotron-nas": dict(model_type="nemotron-nas", block_configs=[
+        {"attention": {"n_heads_in_group": 2}, "ffn": {"ffn_mult": 1.5}},
+        {"attention": {"no_op": True}, "ffn": {"ffn_mult": 1.0}},
+        {"attention": {"replace_with_linear": True}, "ffn": {"no_op": True}},
+        {"attention": {"n_heads_in_group": 4}, "ffn": {"replace_with_linear": True}}]),
     "olmo3": dict(model_type="olmo3", sliding_window=WINDOW,
                   layer_types=["sliding_attention", "full_attention"] * 2),
     "cohere2": dict(model_type="cohere2", head_dim=16, layer_norm_eps=1e-5, sliding_window=WINDOW,

@@ -695,10 +695,12 @@ def build_layer_caches(pool: KVPool, layout: ForwardLayout, state_rows: mx.array
     real tokens per row, where rows are right-padded."""
     forget_pool_reads()  # a forward's state reads are offered to its own kernels only
     _FETCHED.clear()
-    parts: list[PooledKVCache | PooledStateCache] = []
+    parts: list[PooledKVCache | PooledStateCache | UnusedCache] = []
     for part, i in pool.order:
         if part == "kv":
             parts.append(PooledKVCache(pool, i, layout, pool.specs[i].kind))
+        elif part == "unused":
+            parts.append(UnusedCache(i))
         else:
             if state_rows is None:
                 raise RuntimeError("a forward over recurrent layers needs its state rows")
@@ -739,6 +741,18 @@ def build_mixed_caches(pool: KVPool, chunk: ForwardLayout, rows: ForwardLayout,
     return [MixedLayerCache(PooledKVCache(pool, i, chunk, pool.specs[i].kind),
                             PooledKVCache(pool, i, rows, pool.specs[i].kind), n_chunk)
             for _, i in pool.order]
+
+
+class UnusedCache:
+    """Where mlx-lm makes a cache the model's code never filled at the start-up probe
+    (UnusedLayerSpec): any use of it now is an error, not a cache kept nowhere."""
+
+    def __init__(self, index: int) -> None:
+        self._index = index
+
+    def __getattr__(self, name: str) -> Any:
+        raise AttributeError(f"unused cache {self._index}: the model's code reads `{name}` of a "
+                             "cache it never filled at start-up")
 
 
 class PooledCacheList:

@@ -65,20 +65,29 @@ class StateLayerSpec:
 
 
 @dataclass(frozen=True)
+class UnusedLayerSpec:
+    """A cache mlx-lm makes that the model's code never fills (Nemotron-NAS's layers whose
+    attention is replaced by a linear map keep one): the pool holds nothing for it."""
+
+    def describe(self) -> str:
+        return "no cache (the model never fills it)"
+
+
+@dataclass(frozen=True)
 class CompositeSpec:
     """A layer whose caches are a CacheList (of one cache too: the model indexes it), in
     the order the model indexes them."""
 
-    parts: tuple[AttentionLayerSpec | StateLayerSpec, ...]
+    parts: tuple[AttentionLayerSpec | StateLayerSpec | UnusedLayerSpec, ...]
 
     def describe(self) -> str:
-        return " + ".join(p.kind.describe() for p in self.parts)
+        return " + ".join(p.describe() for p in self.parts)
 
 
-LayerSpec = AttentionLayerSpec | StateLayerSpec | CompositeSpec
+LayerSpec = AttentionLayerSpec | StateLayerSpec | UnusedLayerSpec | CompositeSpec
 
 
-def flat_specs(layers: list[LayerSpec]) -> list[AttentionLayerSpec | StateLayerSpec]:
+def flat_specs(layers: list[LayerSpec]) -> list[AttentionLayerSpec | StateLayerSpec | UnusedLayerSpec]:
     """Every cache part, a composite layer's in order."""
     return [p for s in layers for p in (s.parts if isinstance(s, CompositeSpec) else (s,))]
 
@@ -133,10 +142,11 @@ class KVPool:
         self.state_specs = [s for s in flat_specs(specs) if isinstance(s, StateLayerSpec)]
         # How many caches each layer's CacheList holds (0: a plain cache, no list).
         self.groups = [len(s.parts) if isinstance(s, CompositeSpec) else 0 for s in specs]
-        counts = {"kv": 0, "state": 0}
+        counts = {"kv": 0, "state": 0, "unused": 0}
         self.order: list[tuple[str, int]] = []
         for spec in flat_specs(specs):
-            part = "kv" if isinstance(spec, AttentionLayerSpec) else "state"
+            part = ("kv" if isinstance(spec, AttentionLayerSpec) else
+                    "state" if isinstance(spec, StateLayerSpec) else "unused")
             self.order.append((part, counts[part]))
             counts[part] += 1
         self.num_slots = num_slots

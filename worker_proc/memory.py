@@ -10,7 +10,8 @@ import mlx.core as mx
 import psutil
 
 from ipc.config import ServerConfig
-from worker_proc.kv_pool import AttentionLayerSpec, CompositeSpec, LayerSpec, StateLayerSpec
+from worker_proc.kv_pool import (AttentionLayerSpec, CompositeSpec, LayerSpec, StateLayerSpec,
+                                  UnusedLayerSpec)
 from worker_proc.layer_kinds import LayerKind, UnsupportedModelError, probe_layers
 from worker_proc.paged_attention import kernel_available
 
@@ -40,6 +41,8 @@ def _layer_spec(cache: Any, kind: LayerKind, query_heads: int,
             raise UnsupportedModelError("a recurrent layer left part of its state unset")
         return StateLayerSpec(tuple(tuple(a.shape[1:]) for a in arrays),
                               tuple(a.dtype for a in arrays), filling)
+    if cache.keys is None:  # made by mlx-lm, never filled by the model's code
+        return UnusedLayerSpec()
     return AttentionLayerSpec(n_kv_heads=cache.keys.shape[1], head_dim=cache.keys.shape[3],
                               v_head_dim=cache.values.shape[3], dtype=cache.keys.dtype, kind=kind,
                               query_heads=query_heads)
