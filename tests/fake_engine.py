@@ -90,6 +90,10 @@ class FakeEngine:
     def requests(self) -> list[TokenizedRequest]:
         return [m for m in self.sent if isinstance(m, TokenizedRequest)]
 
+    def played(self, rid: str) -> bool:
+        """Whether the request `rid` reached the engine and its script has been played."""
+        return any(r.rid == rid for r in self.requests()) and rid not in self._plays
+
     def aborted(self) -> list[str]:
         return [m.rid for m in self.sent if isinstance(m, AbortRequest)]
 

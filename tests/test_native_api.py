@@ -59,11 +59,12 @@ def events(text: str) -> list[Any]:
 async def generate_then_abort(app: FastAPI, engine: FakeEngine,
                               body: dict[str, Any]) -> tuple[httpx.Response, dict[str, Any]]:
     """POST /generate with `body["rid"]`, abort it by /abort_request once the engine has
-    it; returns the generate response and the abort answer."""
+    played its script (on a loaded machine an abort could otherwise overtake the
+    outputs); returns the generate response and the abort answer."""
     transport = httpx.ASGITransport(app=app)
     async with httpx.AsyncClient(transport=transport, base_url="http://test") as client:
         running = asyncio.ensure_future(client.post(GENERATE, json=body))
-        while not engine.requests():
+        while not engine.played(body["rid"]):
             await asyncio.sleep(0.01)
         aborted = (await client.post(ABORT, json={"rid": body["rid"]})).json()
         return await asyncio.wait_for(running, 5), aborted
