@@ -4,6 +4,8 @@ exactly; a step that fails as a whole ends the requests it held, and serving goe
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 
 from tests.engine_driver import InProcessEngine
@@ -76,3 +78,38 @@ def test_a_token_id_outside_the_vocabulary_fails_its_step_not_the_worker(tiny_mo
     engine.submit("good", prompt, 8, [])
     assert engine.run_until_idle()["good"].token_ids == oracle(prompt, 8)
     assert_idle_invariant(engine.scheduler)
+
+
+def test_a_step_naming_requests_a_failed_step_ended_is_reported_failed_unrun(
+        tiny_model, monkeypatch, caplog):
+    """Steps the scheduler sent before it learnt of a failure still name the requests the
+    failure ended: each is reported failed without running, and the failure is logged
+    once (such a step used to fail again on the forgotten requests, a second failure)."""
+    import msgspec
+
+    from ipc.messages.to_scheduler import StepResult
+    from ipc.messages.to_worker import ForwardBatch
+
+    model, _ = tiny_model
+    engine = InProcessEngine(model, chunk_size=32, overlap=False)
+    for i, p in enumerate(_prompts(2, [20, 9], model.args.vocab_size, seed=53)):
+        engine.submit(f"r{i}", p, 30, [])
+    engine.step()  # both prompts prefilled; each step's result waits for the next turn
+    engine._turn_scheduler(plan=True)
+    (batch,) = engine.to_worker.drain()
+    assert isinstance(batch, ForwardBatch) and batch.decode_rids
+
+    def failing_decode(*args):  # noqa: ANN001, ANN202
+        raise RuntimeError("device lost its mind")
+
+    monkeypatch.setattr(engine.runner, "_decode", failing_decode)
+    stale = msgspec.structs.replace(batch, step=batch.step + 1, new_requests=[])
+    with caplog.at_level(logging.INFO, logger="worker_proc"):
+        engine.worker.handle(batch)
+        engine.worker.handle(stale)
+    results = [m for m in engine.to_scheduler.drain() if isinstance(m, StepResult)]
+    assert [(r.step, r.failed) for r in results] == [
+        (batch.step, "RuntimeError: device lost its mind"),
+        (stale.step, "its requests were ended by an earlier failed step")]
+    assert [r.getMessage() for r in caplog.records if "step failed" in r.getMessage()] == [
+        "a step failed; ending every request the worker holds"]

@@ -241,6 +241,12 @@ class WorkerLoop:
     def _handle_step_message(self, message: WorkerMessage | None) -> None:
         if isinstance(message, ForwardBatch):
             self.owed.append(message.step)
+            if not self.in_flight and self.runner.ended_by_reset(message):
+                # Not a second failure: the scheduler ends these requests as it learns.
+                logger.info("step %d runs requests an earlier failed step ended: reported "
+                            "failed", message.step)
+                self._report_failed("its requests were ended by an earlier failed step")
+                return
             self.stats.on_step(sum(len(c.token_ids) for c in message.prefill),
                                len(message.decode_rids))
             before = {p: self.stats.total(p) for p in PHASES}
@@ -269,6 +275,10 @@ class WorkerLoop:
         the requests it had sent and drops its prefix cache, and serving goes on."""
         self.in_flight.clear()
         self.runner.reset()
+        self._report_failed(reason)
+
+    def _report_failed(self, reason: str) -> None:
+        """Every step owed a result, reported failed."""
         while self.owed:
             self.results.send(StepResult(step=self.owed.popleft(), rids=[], token_ids=[],
                                          failed=reason))

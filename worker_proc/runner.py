@@ -170,6 +170,9 @@ class ModelRunner:
         self._prompt_logprobs: dict[int, list[PendingPromptLogprobs]] = {}
         # Requests refused by the checks of their step's _add, reported by its finish.
         self._refused: dict[int, list[RequestError]] = {}
+        # The requests the last reset forgot: steps the scheduler sent before it learnt of
+        # the failure still name them (ended_by_reset).
+        self._forgotten: frozenset[str] = frozenset()
         self.vocab_size: int | None = getattr(getattr(model, "args", None), "vocab_size", None)
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._last_prefill: mx.array | None = None  # see _launch_prefill
@@ -230,12 +233,19 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request and every step's pending reports (after a step failed
         as a whole: nothing it held can be trusted)."""
+        self._forgotten = frozenset(self.requests)
         self._release(list(self.requests))
         self._prompt_logprobs.clear()
         self._refused.clear()
         self._sampler.reset()
         self._last_prefill = None
         self.pool.take_landing()
+
+    def ended_by_reset(self, batch: ForwardBatch) -> bool:
+        """Whether the step runs requests the last reset forgot (sent before the scheduler
+        learnt of the failed step, which ends those requests): it cannot be run."""
+        rids = {c.rid for c in batch.prefill} | set(batch.decode_rids)
+        return bool(rids & self._forgotten)
 
     def _release(self, rids: list[str], snapshots: list[int] | None = None) -> None:
         """Forget requests, keeping each one's recurrent states as its snapshot first
