@@ -39,6 +39,7 @@ SOME_OWN_SCORES = {"minimax_m3_vl"}
 LATENT = {"deepseek_v3", "glm4_moe_lite", "mistral4"}
 SINKS = {"gpt_oss"}
 UNUSED = {"nemotron-nas": 1}  # caches mlx-lm makes that the model never fills
+VALUES_ARE_KEYS = {"deepseek_v32"}  # one array stored as keys and values: kept once
 # Recurrent families with no attention layer; whose recurrent code does not keep right
 # padding out of its state (ArraysCache lengths), so each prefill chunk runs alone; with
 # no depthwise convolution of mlx-lm's Conv1d (RWKV-7 shifts tokens; Recurrent Gemma's is
@@ -109,6 +110,7 @@ def test_layer_kinds_are_read_from_mlx_lm(family):
     parts = flat_specs(probe_attention_specs(model))
     assert sum(isinstance(s, UnusedLayerSpec) for s in parts) == UNUSED.get(name, 0)
     kinds = [s.kind for s in parts if not isinstance(s, UnusedLayerSpec)]
+    assert any(s.values_are_keys for s in attention_specs(parts)) == (name in VALUES_ARE_KEYS)
     assert {k.kind for k in kinds} == EXPECTED_KINDS.get(name, {Kind.FULL})
     assert all(k.span == WINDOW for k in kinds if k.windowed)
     assert all(k.own_attention for k in kinds) == (name in OWN_SCORES)

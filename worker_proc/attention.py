@@ -391,7 +391,11 @@ class PooledKVCache:
         return self._latent_keys is not None and keys is self._latent_keys and values is keys
 
     def update_and_fetch(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
-        fetched = self._fetch(keys, values)
+        if self.pool.specs[self.layer].values_are_keys:  # kept once: the keys are the values
+            fetched = self._fetch(keys, keys[..., :0])
+            fetched = (fetched[0], fetched[0])
+        else:
+            fetched = self._fetch(keys, values)
         _FETCHED[id(fetched[0])] = (self, fetched[0])
         self._fetched = fetched
         return fetched

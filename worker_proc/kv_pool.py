@@ -23,7 +23,9 @@ logger = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class AttentionLayerSpec:
-    """Shape of one attention layer's cache entry per token, and the layer's kind."""
+    """Shape of one attention layer's cache entry per token, and the layer's kind.
+    values_are_keys: the model stores one array as keys and values (DeepSeek-V3.2's
+    indexer keys): kept once (v_head_dim 0), its keys handed back as both."""
 
     n_kv_heads: int
     head_dim: int
@@ -31,6 +33,7 @@ class AttentionLayerSpec:
     dtype: mx.Dtype
     kind: LayerKind = LayerKind()
     query_heads: int = 0  # the queries' heads at the attention hook (0: not seen there)
+    values_are_keys: bool = False
 
     @property
     def bytes_per_slot(self) -> int:

@@ -183,6 +183,9 @@ class ProbeRecorder:
         # Caches whose `keys` / `values` arrays the model's code reads (DeepSeek-V3.2's
         # indexer and the MLA cache beside it): served dense K/V, as own-score layers.
         self.array_reads: set[int] = set()
+        # Caches each of whose update_and_fetch calls passed one array as keys and values
+        # (id -> whether every call did: DeepSeek-V3.2's indexer keys).
+        self.same_kv: dict[int, bool] = {}
         # K/V a cache's keys_and_values returned (id(keys) -> id(cache)), and the caches
         # whose such K/V reached attention without them (AFM 7's reuse layers: their own
         # math reads the arrays' shapes, which the pool's views do not have).
@@ -230,6 +233,7 @@ def _probing(cache: Any, recorder: ProbeRecorder) -> Any:
     def update_and_fetch(keys: Any, values: Any) -> Any:
         out = fetch(keys, values)
         recorder.fetched[id(cache)] = out
+        recorder.same_kv[id(cache)] = recorder.same_kv.get(id(cache), True) and keys is values
         return out
 
     cache.update_and_fetch = update_and_fetch
@@ -300,13 +304,16 @@ class ProbedLayers:
     model). heads: each part's query heads at the attention hook (0 where its model
     computes scores itself). filling: recurrent parts whose arrays grew with the first
     tokens up to their shape, per array (LongCat-Flash-Ngram keeps its last n - 1 token
-    ids): the pool keeps them full size, zeros in front until filled."""
+    ids): the pool keeps them full size, zeros in front until filled. values_are_keys:
+    parts of layers with their own scores that store one array as keys and values
+    (DeepSeek-V3.2's indexer keys): the pool keeps it once."""
 
     kinds: list[LayerKind]
     parts: list[Any]
     lists: list[int]
     heads: list[int]
     filling: dict[int, tuple[bool, ...]]
+    values_are_keys: set[int]
 
 
 # Decode tokens the probe runs at most while a recurrent state still grows.
@@ -367,7 +374,9 @@ def probe_layers(model: Any) -> ProbedLayers:
     heads = [0 if k.recurrent or k.own_attention else recorder.query_heads.get(id(c), 0)
              for k, c in zip(probed, parts)]
     lists = [len(group) if type(c) is CacheList else 0 for c, group in zip(caches, grouped)]
-    return ProbedLayers(probed, parts, lists, heads, filling)
+    same = {i for i, (k, c) in enumerate(zip(probed, parts))
+            if k.own_attention and recorder.same_kv.get(id(c), False)}
+    return ProbedLayers(probed, parts, lists, heads, filling, same)
 
 
 def _state_shapes(parts: list[Any], states: list[int]) -> dict[int, list[tuple[int, ...]]]:

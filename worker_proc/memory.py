@@ -23,7 +23,7 @@ def probe_attention_specs(model: Any) -> list[LayerSpec]:
     arrays), in mlx-lm's cache order, from tokens run through mlx-lm's own caches
     (layer_kinds.probe_layers); refuses a model with a layer kind the pool cannot hold."""
     probed = probe_layers(model)
-    specs = [_layer_spec(c, kind, n, probed.filling.get(i, ()))
+    specs = [_layer_spec(c, kind, n, probed.filling.get(i, ()), i in probed.values_are_keys)
              for i, (c, kind, n) in enumerate(zip(probed.parts, probed.kinds, probed.heads))]
     groups = probed.lists
     out: list[LayerSpec] = []
@@ -34,7 +34,7 @@ def probe_attention_specs(model: Any) -> list[LayerSpec]:
 
 
 def _layer_spec(cache: Any, kind: LayerKind, query_heads: int,
-                filling: tuple[bool, ...]) -> LayerSpec:
+                filling: tuple[bool, ...], values_are_keys: bool) -> LayerSpec:
     if kind.recurrent:
         arrays = [a for a in cache.cache]
         if any(a is None for a in arrays):
@@ -44,8 +44,9 @@ def _layer_spec(cache: Any, kind: LayerKind, query_heads: int,
     if cache.keys is None:  # made by mlx-lm, never filled by the model's code
         return UnusedLayerSpec()
     return AttentionLayerSpec(n_kv_heads=cache.keys.shape[1], head_dim=cache.keys.shape[3],
-                              v_head_dim=cache.values.shape[3], dtype=cache.keys.dtype, kind=kind,
-                              query_heads=query_heads)
+                              v_head_dim=0 if values_are_keys else cache.values.shape[3],
+                              dtype=cache.keys.dtype, kind=kind, query_heads=query_heads,
+                              values_are_keys=values_are_keys)
 
 
 def available_memory_bytes() -> int:
