@@ -72,6 +72,10 @@ FAMILIES: dict[str, dict[str, Any]] = {
         {"attention": {"no_op": True}, "ffn": {"ffn_mult": 1.0}},
         {"attention": {"replace_with_linear": True}, "ffn": {"no_op": True}},
         {"attention": {"n_heads_in_group": 4}, "ffn": {"replace_with_linear": True}}]),
+    # AFM 7: its last layers attend the last cached layer's keys_and_values() without a
+    # cache, their queries placed by the keys' count.
+    "afm7": dict(model_type="afm7", hidden_dim=128, num_layers=4, num_kv_reuse_layers=2,
+                 num_heads=4, num_kv_heads=2),
     "olmo3": dict(model_type="olmo3", sliding_window=WINDOW,
                   layer_types=["sliding_attention", "full_attention"] * 2),
     "cohere2": dict(model_type="cohere2", head_dim=16, layer_norm_eps=1e-5, sliding_window=WINDOW,

@@ -32,8 +32,9 @@ EXPECTED_KINDS = {
 }
 # Scores of their own (DeepSeek-V3.2: its indexer's, and its MLA's over the keys picked).
 OWN_SCORES = {"gemma2", "deepseek_v3", "deepseek_v32", "glm4_moe_lite", "mistral4"}
-# Some layers with scores of their own (MiniMax M3's block-sparse ones), the rest not.
-SOME_OWN_SCORES = {"minimax_m3_vl"}
+# Some layers with scores of their own (MiniMax M3's block-sparse ones; AFM 7's layer
+# whose K/V its reuse layers attend, dense), the rest not.
+SOME_OWN_SCORES = {"minimax_m3_vl", "afm7"}
 # ... MLA's absorbed decode: the cache's keys as keys and values, the RoPE part's scores as
 # the mask (LayerKind.latent: the backend attends the pool's latent itself).
 LATENT = {"deepseek_v3", "glm4_moe_lite", "mistral4"}
@@ -52,7 +53,7 @@ FILLING = {"longcat_flash_ngram"}
 # Their own code mishandles rows of different lengths in one forward (a per-row mask
 # broadcast against grouped heads; a chunk mask from one scalar offset; key blocks and
 # query positions from the keys' count).
-BY_LENGTH = {"gemma2", "llama4_text", "minimax_m3_vl"}
+BY_LENGTH = {"gemma2", "llama4_text", "minimax_m3_vl", "afm7"}
 
 
 def mlx_lm_tokens(model, prompt: list[int], n: int) -> list[int]:
@@ -275,24 +276,6 @@ def test_a_model_reading_what_the_served_cache_lacks_is_refused_naming_the_layer
         probe_attention_specs(model)
 
 
-@pytest.mark.parametrize("config,refusal", [
-    # AFM 7's KV-reuse layers attend the last layer's keys_and_values() with no cache,
-    # their RoPE offset read from the keys' shape (a pool view has no such shape).
-    (dict(model_type="afm7", hidden_dim=64, num_layers=4, num_kv_reuse_layers=2,
-          num_heads=4, num_kv_heads=2),
-     r"layer 1: other layers attend these layers' keys_and_values\(\) without their cache"),
-])
-def test_a_model_reading_its_caches_arrays_is_refused_naming_the_layers(config, refusal):
-    """Found by the probe, not by name: the pool hands a layer's code no cache arrays
-    (reused K/V are served only through their own cache)."""
-    import importlib
-
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    model = module.Model(module.ModelArgs.from_dict({**_COMMON, **config}))
-    with pytest.raises(UnsupportedModelError, match=refusal):
-        probe_attention_specs(model)
-
-
 @pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss", "llama_sliding", "gemma4_text",
                                   "iquestloopcoder"])
 @pytest.mark.parametrize("path", ["compiled", "in place"])
@@ -372,7 +355,7 @@ def test_models_with_their_own_score_math_take_the_kernel_path(name, path, monke
     # scores as a float mask added to the scores (DeepSeek-V3.2's with its indexer's
     # picks; its call hands attention the layer's cache list; MiniMax M3's sparse layers'
     # kept blocks as a boolean mask). (Gemma 2 calls no attention function.)
-    assert bool(prefill_masks) == (name in LATENT | {"deepseek_v32", "minimax_m3_vl"})
+    assert bool(prefill_masks) == (name != "gemma2")
     if name in {"deepseek_v3", "deepseek_v32", "glm4_moe_lite"}:
         assert any(isinstance(m, mx.array) and m.dtype != mx.bool_ for m in prefill_masks)
 

@@ -188,7 +188,7 @@ class ProbeRecorder:
         self.same_kv: dict[int, bool] = {}
         # K/V a cache's keys_and_values returned (id(keys) -> id(cache)), and the caches
         # whose such K/V reached attention without them (AFM 7's reuse layers: their own
-        # math reads the arrays' shapes, which the pool's views do not have).
+        # math reads the arrays' shapes, so such a cache hands out dense K/V).
         self.shared_kv: dict[int, int] = {}
         self.loose_kv: set[int] = set()
         # Masks a cache made for a window (id -> (window, the mask, kept so the id stays
@@ -359,12 +359,16 @@ def probe_layers(model: Any) -> ProbedLayers:
     kinds = [LayerKind(Kind.SLIDING, recorder.windows[id(c)])
              if k.kind is Kind.FULL and id(c) in recorder.windows else k
              for k, c in zip(kinds, parts)]
-    dense = {id(c) for c in parts if id(c) not in recorder.through_sdpa} | recorder.array_reads
+    # Own scores: no attention call with the cache's K/V, code reading its arrays, or other
+    # layers attending its keys_and_values() without it (AFM 7's reuse layers place their
+    # queries by the keys' count: dense K/V give each row's, run by length).
+    dense = ({id(c) for c in parts if id(c) not in recorder.through_sdpa}
+             | recorder.array_reads | recorder.loose_kv)
     probed = [k if k.recurrent else
               LayerKind(k.kind, k.span, own_attention=id(c) in dense,
                         sinks=id(c) in recorder.sinks,
                         latent=(id(c) in recorder.latent and not k.windowed
-                                and id(c) not in recorder.array_reads))
+                                and id(c) not in recorder.array_reads | recorder.loose_kv))
               for k, c in zip(kinds, parts)]
     for i, k in enumerate(probed):
         if k.own_attention and k.windowed:
@@ -410,22 +414,13 @@ def _fill_states(model: Any, caches: list[Any], parts: list[Any], states: list[i
 def _refuse_unservable(recorder: ProbeRecorder, layer_of: list[int], parts: list[Any]) -> None:
     """Refuse, naming the layers (mlx-lm's cache entries; layer_of: each part's), a model
     whose code reads from its caches what the served cache lacks (anything of mlx-lm's
-    cache classes but the K/V arrays: `nbytes`, `trim`, ...), or whose layers reusing another's
-    `keys_and_values()` attend them without that cache (AFM 7's, which read the arrays'
-    shapes; Gemma 3n's hand the cache along and are served). (An attention call given one
-    cache's K/V with another cache or none is served by the cache that fetched them:
-    attention.fetched_from.)"""
+    cache classes but the K/V arrays: `nbytes`, `trim`, ...)."""
     read = [i for i, c in enumerate(parts) if id(c) in recorder.unserved_reads]
     if read:
         name = recorder.unserved_reads[id(parts[read[0]])]
         raise UnsupportedModelError(
             f"{_layers(sorted({layer_of[i] for i in read}))}: the model's code reads "
             f"`cache.{name}`, which kiln's paged cache does not have: not supported yet")
-    loose = [i for i, c in enumerate(parts) if id(c) in recorder.loose_kv]
-    if loose:
-        raise UnsupportedModelError(
-            f"{_layers(sorted({layer_of[i] for i in loose}))}: other layers attend these "
-            "layers' keys_and_values() without their cache: not supported yet")
 
 
 def describe_layers(descriptions: list[str]) -> str:
