@@ -124,9 +124,10 @@ SPECIFIC: dict[str, dict[str, Any]] = {
 
 # Multimodal wrappers whose language model is another model file's: its config as their
 # text_config (mlx-lm loads them as text models).
-WRAPS = {"kimi_k25": "deepseek_v3", "kimi_vl": "deepseek_v3", "lfm2-vl": "lfm2",
-         "pixtral": "llama", "prism_hadamard_qwen35": "qwen3_5", "qwen2_vl": "qwen2",
-         "qwen3_5_moe": "qwen3_next", "qwen3_vl": "qwen3", "qwen3_vl_moe": "qwen3_moe"}
+WRAPS = {"gemma4": "gemma4_text", "kimi_k25": "deepseek_v3", "kimi_vl": "deepseek_v3",
+         "lfm2-vl": "lfm2", "pixtral": "llama", "prism_hadamard_qwen35": "qwen3_5",
+         "qwen2_vl": "qwen2", "qwen3_5_moe": "qwen3_next", "qwen3_vl": "qwen3",
+         "qwen3_vl_moe": "qwen3_moe"}
 # Wrappers with a language model of their own: its text_config.
 TEXT_CONFIGS: dict[str, dict[str, Any]] = {
     "kimi_k3": dict(
