@@ -77,11 +77,15 @@ def pool_write_in_place(kv_pool: mx.array, slots: mx.array, keys: mx.array,
 
     Two writes to one slot in a call (padding writes slot 0) leave one of them."""
     b, h, s, dk = keys.shape
-    total = b * s * h * (dk + values.shape[-1])
+    dv = values.shape[-1]
+    total = b * s * h * (dk + dv)
+    # Values 0 wide (a layer keeping keys alone: MiniMax M3's indexer, values_are_keys)
+    # are never read: the keys stand in, so the kernel gets no empty buffer.
     (written,) = _write_kernel()(
-        inputs=[kv_pool, keys, values, slots.astype(mx.int32), follow_mark(after)],
+        inputs=[kv_pool, keys, values if dv else keys, slots.astype(mx.int32),
+                follow_mark(after)],
         template=[("T", kv_pool.dtype), ("TK", keys.dtype), ("HKV", h), ("DK", dk),
-                  ("DV", values.shape[-1])],
+                  ("DV", dv)],
         grid=(-(-total // 256) * 256, 1, 1), threadgroup=(256, 1, 1),
         output_shapes=[MARK_SHAPE], output_dtypes=[mx.int32])
     return written
