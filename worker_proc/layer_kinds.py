@@ -9,9 +9,10 @@ pool can then be read by a kernel or a gather of our choosing), with attention s
 by computing scores itself (Gemma 2's soft-capping, MLA's latent and RoPE parts), which
 needs real dense K/V; whether a cache that keeps everything is attended through a window
 mask (a sliding layer after all); whether the model's code reads a cache's `keys` /
-`values` arrays (DeepSeek-V3.2's indexer: served dense K/V, as own-score layers are); and
-whether it reads anything else kiln's paged cache lacks (refused). Nothing here is keyed
-on a model's name.
+`values` arrays (DeepSeek-V3.2's indexer: served dense K/V, as own-score layers are),
+or anything else kiln's paged cache lacks (refused); and whether a recurrent state grows
+with a request's first tokens (LongCat-Flash-Ngram's). Nothing here is keyed on a
+model's name.
 """
 
 from __future__ import annotations
@@ -281,13 +282,14 @@ def _watched(cls: type) -> type:
         # A hasattr probe of a name the cache lacks (mlx-lm's `bits`) raises here first.
         value = cls.__getattribute__(self, name)
         recorder = ProbeRecorder.current
-        if recorder is not None and recorder.served:
+        if recorder is not None and recorder.served and (name in _ARRAYS
+                                                          or name not in recorder.served):
             caller = sys._getframe(1).f_globals.get("__name__", "")
             if caller.startswith(_CACHE_CODE):
-                pass
-            elif name in _ARRAYS:
+                return value
+            if name in _ARRAYS:
                 recorder.array_reads.add(id(self))
-            elif name not in recorder.served:
+            else:
                 recorder.unserved_reads.setdefault(id(self), name)
         return value
 
