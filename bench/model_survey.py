@@ -7,9 +7,11 @@ greedy tokens. Rerun it when mlx-lm gains model files.
 
 Each model's config is tests/families.py's where it has that model type; else its
 common tiny one, plus generic values for the fields most ModelArgs require (GENERIC)
-and, where a module needs more, its own (SPECIFIC). Per model one line: OK, MISMATCH (which prompts), REFUSED (kiln's start-up
-refusal: its message), ERROR (kiln failed serving), or SKIP (the config does not build,
-mlx-lm itself fails, or the model does not run on this backend). Session 29 found
+and, where a module needs more, its own (SPECIFIC; multimodal wrappers: WRAPS,
+TEXT_CONFIGS). Per model one line: OK, MISMATCH (which prompts), ERROR (kiln failed
+serving), or SKIP (the config does not build, mlx-lm itself fails, or the model does not
+run on this backend); a model kiln's pool cannot page runs on mlx-lm's own caches, as
+the worker falls back to, and says "on its own caches" and why. Session 29 found
 Mamba's dropped states, Mistral 3's mask-only windows, Gemma 4's and IQuest-Loop-Coder's
 shared K/V and three start-up crashes this way (docs/benchmarks.md).
 
@@ -188,10 +190,12 @@ def survey_one(name: str) -> str:
         want = [mlx_lm_tokens(model, p, 10) for p in prompts]
     except Exception as exc:  # noqa: BLE001
         return f"SKIP mlx-lm fails: {type(exc).__name__}: {exc}"[:200]
+    refused = ""
     try:
         engine = InProcessEngine(model, chunk_size=12, max_prefill_tokens=48)
-    except UnsupportedModelError as exc:
-        return f"REFUSED {exc}"
+    except UnsupportedModelError as exc:  # the worker's fallback: mlx-lm's own caches
+        refused = f" on its own caches (not paged: {exc})"
+        engine = InProcessEngine(model, chunk_size=12, max_prefill_tokens=48, own_caches=True)
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, 10, [])
     results = engine.run_until_idle()
@@ -200,7 +204,7 @@ def survey_one(name: str) -> str:
     if errors:
         return f"ERROR {errors[0]}"[:200]
     same = [r.token_ids == w for r, w in zip(got, want)]
-    return "OK" if all(same) else f"MISMATCH {same}"
+    return ("OK" if all(same) else f"MISMATCH {same}") + refused
 
 
 def main() -> int:

@@ -23,6 +23,7 @@ from worker_proc import WorkerLoop
 from worker_proc.decode_backend import DecodeBackend, KernelDecode
 from worker_proc.kv_pool import KVPool
 from worker_proc.memory import probe_attention_specs
+from worker_proc.own_caches import OwnCacheRunner
 from worker_proc.kernel_constants import MARK_SHAPE
 from worker_proc.paged_attention import reference_decode_attention, reference_latent_attention
 from worker_proc.prefill_attention import fused_builds_per_shape
@@ -70,7 +71,7 @@ class InProcessEngine:
                  snapshot_stride: int = 0, window_slots: int | None = None,
                  max_prefill_tokens_while_decoding: int | None = None,
                  chunk_align: int = 1, tail_bucket: int = 0,
-                 steps_in_flight: int = 2) -> None:
+                 steps_in_flight: int = 2, own_caches: bool = False) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False; steps_in_flight: how many steps the scheduler keeps at the
         worker with overlap (ServerConfig.steps_in_flight). tokenizer: what the scheduler decodes stop strings with.
@@ -83,22 +84,23 @@ class InProcessEngine:
         max_prefill_tokens_while_decoding: the decode-first budget (None: one budget).
         chunk_align: where unfinished chunks end (SchedulerLimits.chunk_align);
         tail_bucket: what a prompt's last chunk after them is padded to
-        (ModelRunner.tail_bucket)."""
-        specs = probe_attention_specs(model)
+        (ModelRunner.tail_bucket). own_caches: the model runs on mlx-lm's own caches, a set
+        a request (OwnCacheRunner: what the worker falls back to for a model it cannot
+        page)."""
+        specs = [] if own_caches else probe_attention_specs(model)
         if window_slots is None:
             recurrent = KVPool.state_bytes_per_request(specs) > 0
             window_slots = capacity // 2 if KVPool.windows(specs) and not recurrent else 0
         self.pool = KVPool(specs, capacity, backend, state_rows=max_running,
                            snapshots=state_snapshots if radix_cache else 0,
                            window_slots=window_slots)
-        self.runner = ModelRunner(model, self.pool, max_running, max_context, grammars,
-                                  prefill_padding=prefill_padding,
-                                  compile_decode=compile_decode,
-                                  compile_prefill=compile_prefill,
-                                  tail_bucket=tail_bucket)
+        runner = OwnCacheRunner if own_caches else ModelRunner
+        self.runner = runner(model, self.pool, max_running, max_context, grammars,
+                             prefill_padding=prefill_padding, compile_decode=compile_decode,
+                             compile_prefill=compile_prefill, tail_bucket=tail_bucket)
         # As the worker tells the scheduler (WorkerReady): a model with recurrent layers
-        # caches prefixes only where it keeps state snapshots.
-        radix_cache = radix_cache and self.pool.serves_prefix_hits
+        # caches prefixes only where it keeps state snapshots (one on its own caches never).
+        radix_cache = radix_cache and self.runner.serves_prefix_hits
         self.scheduler = Scheduler(SchedulerLimits(capacity, max_context, max_running, chunk_size,
                                                    max_prefill_tokens, radix_cache, schedule_policy,
                                                    self.pool.num_snapshots, snapshot_stride,

@@ -228,19 +228,73 @@ def test_a_4_bit_quantized_model_equals_mlx_lm(name, mode):
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(model, p, 16)
 
 
-def test_a_model_with_a_layer_kind_not_served_is_refused_naming_it():
-    """DeepSeek-V4.1 keeps a cache of its own kind (LayerCache) in every layer."""
+def _deepseek_v41():
+    """DeepSeek-V4.1: a cache of its own kind (LayerCache: a window, groups of 4 tokens
+    compressed to one entry, their index keys, the open group's rows) in every layer."""
     import importlib
 
     config = dict(model_type="deepseek_v41", vocab_size=VOCAB, hidden_size=64,
                   num_hidden_layers=2, num_attention_heads=4, head_dim=32, q_lora_rank=16,
                   qk_rope_head_dim=8, o_groups=2, o_lora_rank=16, moe_intermediate_size=32,
                   n_routed_experts=4, num_experts_per_tok=2, sliding_window=16,
-                  index_n_heads=2, index_head_dim=16, index_topk=8, hc_mult=2)
+                  index_n_heads=2, index_head_dim=16, index_topk=8, hc_mult=2,
+                  compress_ratios=[4, 4], kv_source_layer_ids=[0, 1],
+                  index_source_layer_ids=[0, 1])
     module = importlib.import_module("mlx_lm.models.deepseek_v41")
+    mx.random.seed(0)
     model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    return model
+
+
+def test_a_model_with_a_layer_kind_not_served_is_refused_naming_it():
     with pytest.raises(UnsupportedModelError, match=r"layers 0-1: LayerCache: not supported yet"):
-        probe_attention_specs(model)
+        probe_attention_specs(_deepseek_v41())
+
+
+@pytest.mark.parametrize("name", ["deepseek_v41", "llama"])
+def test_a_model_on_its_own_caches_equals_mlx_lm(name):
+    """What the worker falls back to for a model it cannot page (OwnCacheRunner): mlx-lm's
+    caches, a set a request, one request a forward. Concurrent requests in 12-token chunks,
+    preempted and recomputed in a pool that holds about one, get mlx_lm.generate's tokens;
+    nothing is cached between requests."""
+    model = _deepseek_v41() if name == "deepseek_v41" else build(name)
+    prompts = _prompts(seed=700)
+    engine = InProcessEngine(model, chunk_size=12, max_prefill_tokens=48, own_caches=True)
+    for i, p in enumerate(prompts[:4]):
+        engine.submit(f"r{i}", p, 20, [])
+    results = engine.run_until_idle()
+    engine.submit("again", prompts[1], 20, [])
+    results = engine.run_until_idle()
+    assert engine.scheduler.counters.cache_hit_tokens == 0
+    assert_mlx_lm_tokens(model, name, results, [*((f"r{i}", p) for i, p in enumerate(prompts[:4])),
+                                                ("again", prompts[1])], 20)
+    assert_idle_invariant(engine.scheduler)
+    tight = InProcessEngine(model, capacity=130, chunk_size=16, max_running=4, own_caches=True)
+    for i, p in enumerate(prompts[1:4]):
+        tight.submit(f"t{i}", p, 30, [])
+    results = tight.run_until_idle()
+    assert tight.scheduler.counters.preemptions > 0
+    assert set(tight.runner._caches) == set(tight.runner.requests)  # dropped with them
+    assert_mlx_lm_tokens(model, name, results, [(f"t{i}", p) for i, p in enumerate(prompts[1:4])],
+                         30)
+
+
+def test_logprobs_on_its_own_caches_are_the_paged_paths():
+    """Logprobs of a prompt scored over its chunks and of the outputs, on mlx-lm's own
+    caches as on kiln's pool (float32: equal to 1e-4)."""
+    model, prompt = build("llama"), _prompts(seed=701)[1]
+    scored = {}
+    for own in (True, False):
+        e = InProcessEngine(model, chunk_size=12, own_caches=own)
+        e.submit("lp", prompt, 6, [], logprobs=2, prompt_logprobs=2)
+        scored[own] = e.run_until_idle()["lp"]
+    for a, b in ((scored[True].prompt_logprobs, scored[False].prompt_logprobs),
+                 (scored[True].logprobs, scored[False].logprobs)):
+        assert len(a) == len(b) > 0
+        assert [x.top_ids for x in a] == [x.top_ids for x in b]
+        np.testing.assert_allclose([x.logprob for x in a], [x.logprob for x in b], atol=1e-4)
 
 
 def test_a_state_still_growing_after_the_probes_tokens_is_refused():

@@ -137,7 +137,8 @@ def write_deepseek_v41(demo_dir: Path, out: Path) -> Path:
               "qk_rope_head_dim": 8, "o_groups": 2, "o_lora_rank": 16,
               "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
               "sliding_window": 16, "index_n_heads": 2, "index_head_dim": 16,
-              "index_topk": 8, "hc_mult": 2,
+              "index_topk": 8, "hc_mult": 2, "compress_ratios": [4, 4],
+              "kv_source_layer_ids": [0, 1], "index_source_layer_ids": [0, 1],
               "vocab_size": json.loads((demo_dir / "config.json").read_text())["vocab_size"]}
     model = deepseek_v41.Model(deepseek_v41.ModelArgs.from_dict(config))
     mx.eval(model.parameters())
@@ -146,13 +147,44 @@ def write_deepseek_v41(demo_dir: Path, out: Path) -> Path:
     return out
 
 
+@pytest.mark.timeout(300)
+def test_a_model_it_cannot_page_is_served_on_its_own_caches(tiny_model_dir, tmp_path):
+    """DeepSeek-V4.1 keeps a cache of its own kind (window, compressed groups, index keys)
+    in every layer, which kiln's pool cannot hold: the start-up log says so, and the
+    server runs it on mlx-lm's own caches, a set a request: concurrent requests, prompts
+    in several chunks, get mlx_lm.generate's tokens; a prompt sent again hits no cache."""
+    import mlx_lm
+    import numpy as np
+
+    from tests.test_families import mlx_lm_tokens, served_greedy
+
+    model_dir = write_deepseek_v41(tiny_model_dir, tmp_path / "deepseek-v41")
+    model, _ = mlx_lm.load(str(model_dir))
+    rng = np.random.default_rng(600)
+    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+    prompts = [rng.integers(5, vocab, size=n).tolist() for n in (3, 40, 90, 17)]
+    srv = Server(model_dir, "--chunked-prefill-size", "32", "--max-total-tokens", "4000",
+                 log_path=tmp_path / "log").wait_ready()
+    try:
+        for p, tokens in zip(prompts, served_greedy(srv, prompts, 16)):
+            assert tokens == mlx_lm_tokens(model, p, 16)
+        assert served_greedy(srv, [prompts[2]], 16)[0] == mlx_lm_tokens(model, prompts[2], 16)
+        assert srv.stats()["cache_hit_tokens_total"] == 0
+        log = srv.log_tail(20000)
+        assert ("not paged (layers 0-1: LayerCache: not supported yet): served through "
+                "mlx-lm's own caches") in log, log
+    finally:
+        assert srv.stop() == 0, srv.log_tail()
+
+
 def test_a_model_it_cannot_serve_is_refused_in_the_launchers_last_line(tiny_model_dir,
                                                                        tmp_path):
-    """The reason, naming every unsupported layer kind, is the launcher's own last line;
-    no traceback; every child stops when told (the front too, though health probes were
-    waiting on the engine as it failed), and the exit code is 1."""
+    """The reason is the launcher's own last line (here a flag for kiln's pool beside a
+    model on its own caches, naming its layer kind); no traceback; every child stops when
+    told (the front too, though health probes were waiting on the engine as it failed),
+    and the exit code is 1."""
     model = write_deepseek_v41(tiny_model_dir, tmp_path / "deepseek-v41")
-    srv = Server(model, log_path=tmp_path / "log")
+    srv = Server(model, "--fast-decode-blocks", "on", log_path=tmp_path / "log")
     while srv.proc.poll() is None:  # probes, as a load balancer would send them
         try:
             httpx.get(srv.url + "/health", timeout=1.0)
@@ -163,5 +195,6 @@ def test_a_model_it_cannot_serve_is_refused_in_the_launchers_last_line(tiny_mode
     srv.stop()
     assert srv.proc.returncode == 1
     assert log.rstrip().splitlines()[-1].endswith(
-        f"launcher: cannot serve {model}: layers 0-1: LayerCache: not supported yet"), log
+        f"launcher: cannot serve {model}: --fast-decode-blocks on: this model runs on "
+        "mlx-lm's own caches, not kiln's pool (layers 0-1: LayerCache: not supported yet)"), log
     assert "Traceback" not in log and "did not stop" not in log, log

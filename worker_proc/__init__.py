@@ -7,7 +7,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from ipc.channel import Receiver, Sender
 from ipc.config import ServerConfig, switch_on
@@ -19,6 +19,7 @@ from worker_proc.step_stats import PHASES, StepStats, Timer
 if TYPE_CHECKING:
     from worker_proc.decode_backend import DecodeBackend
     from worker_proc.grammar import GrammarMatchers
+    from worker_proc.own_caches import OwnCacheRunner
     from worker_proc.runner import PendingStep
 
 logger = logging.getLogger(__name__)
@@ -63,7 +64,19 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     say(f"loading model from {config.model_path}")
     model, tokenizer = mlx_lm.load(config.model_path, trust_remote_code=config.trust_remote_code,
                                    tokenizer_config={"trust_remote_code": config.trust_remote_code})
-    specs = probe_attention_specs(model)  # refuses layer kinds the pool cannot hold
+    try:
+        specs = probe_attention_specs(model)  # refuses layer kinds the pool cannot hold
+    except UnsupportedModelError as exc:
+        say(f"not paged ({exc}): served through mlx-lm's own caches, one request a forward, "
+            "no prefix cache (slower)")
+        paged_only = [flag for flag, on in (
+            ("--fast-decode-blocks on", config.fast_decode_blocks == "on"),
+            ("--experiments", bool(config.experiment_set)),
+            ("--compile-prefill", config.compile_prefill)) if on]
+        if paged_only:
+            raise UnsupportedModelError(f"{', '.join(paged_only)}: this model runs on mlx-lm's "
+                                        f"own caches, not kiln's pool ({exc})") from None
+        return own_cache_runner(config, model, tokenizer, say)
     say("layers: " + describe_layers([s.describe() for s in specs]))
     fuse = switch_on(config.fuse_projections, auto=on_cuda)
     fast_blocks = switch_on(config.fast_decode_blocks, auto=fuse and on_cuda)
@@ -167,6 +180,35 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     # A tokenizer llguidance can't use builds nothing: the front refuses every grammar.
     if structured_output_supported(hf):
         grammars.start_building()
+    return runner
+
+
+def own_cache_runner(config: ServerConfig, model: object, tokenizer: object,
+                     say: Callable[[str], None]) -> "OwnCacheRunner":
+    """The runner for a model kiln cannot page (worker_proc.own_caches): its token budget
+    from what its caches grow by a token."""
+    from kiln_common.llguidance_tokenizer import structured_output_supported
+    from kiln_common.model_info import read_json, served_context_len
+    from worker_proc.decode_backend import choose_decode_backend
+    from worker_proc.kv_pool import KVPool
+    from worker_proc.memory import pool_slots
+    from worker_proc.own_caches import OwnCacheRunner, cache_bytes_per_token
+    from worker_proc.warm_up import warm_up
+
+    hf = _hf_tokenizer(tokenizer)
+    context = served_context_len(read_json(Path(config.model_path) / "config.json"), hf,
+                                 config.context_length)
+    per_token = cache_bytes_per_token(model)
+    slots = pool_slots(config, per_token, context)
+    say(f"caches: about {per_token} bytes a token; a budget of {slots} tokens")
+    pool = KVPool([], slots, choose_decode_backend([]), state_rows=config.max_running_requests)
+    runner = OwnCacheRunner(model, pool, config.max_running_requests, min(context, slots),
+                            grammar_matchers(config, hf), per_token)
+    t0 = time.monotonic()
+    steps = warm_up(runner, config.max_running_requests)
+    say(f"warmed up ({steps} steps, {time.monotonic() - t0:.1f}s)")
+    if structured_output_supported(hf):
+        runner.grammars.start_building()
     return runner
 
 
@@ -416,12 +458,12 @@ def run_worker(config: ServerConfig) -> None:
     plans: Receiver[WorkerMessage] = Receiver(config.worker_endpoint, WorkerMessage)
     results = Sender(config.scheduler_endpoint)
     results.send(WorkerReady(num_slots=runner.pool.num_slots, max_context_len=runner.max_context,
-                             prefix_cache=runner.pool.serves_prefix_hits,
+                             prefix_cache=runner.serves_prefix_hits,
                              state_snapshots=runner.pool.num_snapshots,
                              window_slots=runner.pool.window_slots,
                              windows=runner.pool.window_kinds,
-                             bytes_per_slot=runner.pool.slot_bytes[0],
-                             window_bytes_per_slot=runner.pool.slot_bytes[1],
+                             bytes_per_slot=runner.slot_bytes[0],
+                             window_bytes_per_slot=runner.slot_bytes[1],
                              chunk_size=chunking.size, chunk_align=chunking.align,
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")

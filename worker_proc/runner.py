@@ -675,6 +675,16 @@ class ModelRunner:
         return logits
 
     @property
+    def slot_bytes(self) -> tuple[int, int]:
+        """Bytes a position takes in the full layers' space and in the windowed ones'."""
+        return self.pool.slot_bytes
+
+    @property
+    def serves_prefix_hits(self) -> bool:
+        """Whether a prefix's cached K/V can serve a hit (WorkerReady.prefix_cache)."""
+        return self.pool.serves_prefix_hits
+
+    @property
     def compiles_decode(self) -> bool:
         return self._compiled_decode is not None
 
