@@ -189,7 +189,7 @@ def own_cache_runner(config: ServerConfig, model: object, tokenizer: object,
     from what its caches grow by a token."""
     from kiln_common.llguidance_tokenizer import structured_output_supported
     from kiln_common.model_info import read_json, served_context_len
-    from worker_proc.decode_backend import choose_decode_backend
+    from worker_proc.decode_backend import GatherDecode
     from worker_proc.kv_pool import KVPool
     from worker_proc.memory import pool_slots
     from worker_proc.own_caches import OwnCacheRunner, cache_bytes_per_token
@@ -201,7 +201,8 @@ def own_cache_runner(config: ServerConfig, model: object, tokenizer: object,
     per_token = cache_bytes_per_token(model)
     slots = pool_slots(config, per_token, context)
     say(f"caches: about {per_token} bytes a token; a budget of {slots} tokens")
-    pool = KVPool([], slots, choose_decode_backend([]), state_rows=config.max_running_requests)
+    # The plain backend: no pool layer for a kernel to read or write in place.
+    pool = KVPool([], slots, GatherDecode(), state_rows=config.max_running_requests)
     runner = OwnCacheRunner(model, pool, config.max_running_requests, min(context, slots),
                             grammar_matchers(config, hf), per_token)
     t0 = time.monotonic()
