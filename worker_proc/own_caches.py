@@ -102,11 +102,18 @@ class OwnCacheRunner(ModelRunner):
     def _prefill(self, chunk: PrefillChunk, prompt: list[PendingPromptLogprobs]) -> mx.array:
         state = self._place(chunk)
         caches = self._caches[chunk.rid]
-        out = self.model(mx.array([chunk.token_ids], dtype=mx.int32), cache=caches)[0]
-        logits = out[-1:]
+        tokens = mx.array([chunk.token_ids], dtype=mx.int32)
+        split = self._forwards.split
+        out: mx.array | None = None  # every position's logits, where needed
+        if state.sampling.prompt_logprobs < 0 and split is not None:
+            # The output head over the last position alone (mlx_lm.generate's prefill
+            # runs none over a prompt's positions either).
+            logits = split.head(split.backbone(tokens, cache=caches)[:, -1:])[0]
+        else:
+            out = self.model(tokens, cache=caches)[0]
+            logits = out[-1:]
         state.length += len(chunk.token_ids)
-        scored = self._prompt_logprobs_of(
-            state, chunk, out if state.sampling.prompt_logprobs >= 0 else None, logits)
+        scored = self._prompt_logprobs_of(state, chunk, out, logits)
         if scored is not None:
             prompt.append(scored)
         self._launch_prefill(logits, *(scored.picked if scored else ()), *_states([caches]))
