@@ -249,6 +249,8 @@ def _deepseek_v41():
 
 
 def test_a_model_with_a_layer_kind_not_served_is_refused_naming_it():
+    """The pool's probe refuses it, naming the kind and its layers (the worker then runs
+    the model on mlx-lm's own caches: below)."""
     with pytest.raises(UnsupportedModelError, match=r"layers 0-1: LayerCache: not supported yet"):
         probe_attention_specs(_deepseek_v41())
 
@@ -300,7 +302,8 @@ def test_logprobs_on_its_own_caches_are_the_paged_paths():
 def test_a_state_still_growing_after_the_probes_tokens_is_refused():
     """LongCat-Flash-Ngram's n-gram state fills up with a request's first n - 1 tokens
     (served: StateLayerSpec.filling); with n past what the probe decodes, the state looks
-    like one the size of the context, which the pool cannot hold: refused."""
+    like one the size of the context, which the pool cannot hold: the probe refuses it (the
+    worker would run the model on mlx-lm's own caches)."""
     import importlib
 
     config = {**_COMMON, **RECURRENT_FAMILIES["longcat_flash_ngram"], "hidden_size": 128,
