@@ -371,6 +371,24 @@ def test_the_kernel_path_reads_each_window(name, path):
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(model, p, 24), f"{name} r{i}"
 
 
+@pytest.mark.parametrize("path", ["compiled", "in place"])
+def test_a_cache_the_model_never_fills_rides_the_kernel_path(path):
+    """Nemotron-NAS's unused cache (UnusedLayerSpec) beside paged layers on the CUDA
+    decode path, stood in for, compiled or in place: mlx-lm's tokens."""
+    from tests.engine_driver import StandInInPlaceKernels, StandInKernel
+
+    model, prompts = build("nemotron-nas"), _prompts(seed=900)
+    compiled = path == "compiled"
+    engine = InProcessEngine(model, chunk_size=16, compile_decode=compiled, overlap="ahead",
+                             backend=StandInKernel() if compiled else StandInInPlaceKernels())
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 12, [])
+    results = engine.run_until_idle()
+    assert (engine.runner.decode_traces > 0) == compiled
+    assert_mlx_lm_tokens(model, "nemotron-nas", results,
+                         [(f"r{i}", p) for i, p in enumerate(prompts)], 12)
+
+
 @pytest.mark.parametrize("name", sorted(OWN_SCORES | SOME_OWN_SCORES))
 @pytest.mark.parametrize("path", ["compiled", "in place"])
 def test_models_with_their_own_score_math_take_the_kernel_path(name, path, monkeypatch):
