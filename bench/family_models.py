@@ -159,6 +159,21 @@ FAMILY_SHAPES = {s.name: s for s in (
         topk_group=1, num_experts_per_tok=6, moe_layer_freq=1, first_k_dense_replace=1,
         norm_topk_prob=True, scoring_func="sigmoid", rope_theta=50000.0, rms_norm_eps=1e-5,
         max_position_embeddings=8192)),
+    # DeepSeek-V3.2's sparse attention (an indexer of 64 heads scores cached 128-wide keys
+    # and keeps each query's top 2,048 positions of the MLA latent) at Moonlight-16B's
+    # size (its layers, experts and MLA widths, with DeepSeek-V3.2's q LoRA): ~16B
+    # parameters, bf16 ~32 GB; GLM-5 is the same code. kiln serves both caches of a layer
+    # as dense own-score K/V; prompts past 2,048 tokens take the indexer's picks.
+    FamilyShape("deepseek_v32-16b", dict(
+        model_type="deepseek_v32", hidden_size=2048, num_hidden_layers=27,
+        intermediate_size=11264, moe_intermediate_size=1408, num_attention_heads=16,
+        num_key_value_heads=16, n_shared_experts=2, n_routed_experts=64,
+        routed_scaling_factor=2.446, kv_lora_rank=512, q_lora_rank=1536, qk_rope_head_dim=64,
+        v_head_dim=128, qk_nope_head_dim=128, topk_method="noaux_tc", n_group=1,
+        topk_group=1, num_experts_per_tok=6, moe_layer_freq=1, first_k_dense_replace=1,
+        norm_topk_prob=True, scoring_func="sigmoid", rope_theta=50000.0, rms_norm_eps=1e-5,
+        index_n_heads=64, index_head_dim=128, index_topk=2048,
+        max_position_embeddings=16384)),
     # Qwen3-8B (dense; q and k normalised per head before RoPE): ~7.0B parameters here
     # (the real 8.2B counts its 152k vocabulary), bf16 ~14 GB.
     FamilyShape("qwen3-8b", dict(
@@ -204,6 +219,16 @@ FAMILY_SHAPES = {s.name: s for s in (
         topk_method="noaux_tc", n_group=1, topk_group=1, num_experts_per_tok=2,
         moe_layer_freq=1, first_k_dense_replace=1, norm_topk_prob=True, scoring_func="sigmoid",
         rope_theta=50000.0, rms_norm_eps=1e-5, max_position_embeddings=4096),
+                tokenizer_preset="demo-tiny"),
+    FamilyShape("deepseek_v32-tiny", dict(
+        model_type="deepseek_v32", hidden_size=64, num_hidden_layers=3, intermediate_size=128,
+        moe_intermediate_size=32, num_attention_heads=4, num_key_value_heads=4,
+        n_shared_experts=1, n_routed_experts=4, routed_scaling_factor=2.446, kv_lora_rank=32,
+        q_lora_rank=24, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+        topk_method="noaux_tc", n_group=1, topk_group=1, num_experts_per_tok=2,
+        moe_layer_freq=1, first_k_dense_replace=1, norm_topk_prob=True, scoring_func="sigmoid",
+        rope_theta=50000.0, rms_norm_eps=1e-5, index_n_heads=2, index_head_dim=16,
+        index_topk=32, max_position_embeddings=4096),
                 tokenizer_preset="demo-tiny"),
     FamilyShape("qwen3_moe-tiny", dict(
         model_type="qwen3_moe", hidden_size=64, num_hidden_layers=2, intermediate_size=128,
