@@ -283,6 +283,20 @@ def test_a_model_on_its_own_caches_equals_mlx_lm(name):
                          30)
 
 
+def test_a_budget_on_its_own_caches_counts_bytes_a_token_and_a_request():
+    """The own-cache runner's token budget: llama's KVCaches take what the pool's slot
+    takes a token; DeepSeek-V4.1's take a compressed entry (32 floats) and an index key
+    (16) a group of 4 tokens in each of its 2 layers, and a request's full window (16
+    rows of 32 floats a layer) beside them."""
+    from worker_proc.kv_pool import KVPool
+    from worker_proc.own_caches import CacheBytes, cache_bytes
+
+    llama = build("llama")
+    assert cache_bytes(llama) == CacheBytes(KVPool.bytes_per_slot(probe_attention_specs(llama)),
+                                            0)
+    assert cache_bytes(_deepseek_v41()) == CacheBytes(2 * (32 + 16) * 4 // 4, 2 * 16 * 32 * 4)
+
+
 def test_logprobs_on_its_own_caches_are_the_paged_paths():
     """Logprobs of a prompt scored over its chunks and of the outputs, on mlx-lm's own
     caches as on kiln's pool (float32: equal to 1e-4)."""

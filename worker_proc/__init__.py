@@ -192,19 +192,21 @@ def own_cache_runner(config: ServerConfig, model: object, tokenizer: object,
     from worker_proc.decode_backend import GatherDecode
     from worker_proc.kv_pool import KVPool
     from worker_proc.memory import pool_slots
-    from worker_proc.own_caches import OwnCacheRunner, cache_bytes_per_token
+    from worker_proc.own_caches import OwnCacheRunner, cache_bytes
     from worker_proc.warm_up import warm_up
 
     hf = _hf_tokenizer(tokenizer)
     context = served_context_len(read_json(Path(config.model_path) / "config.json"), hf,
                                  config.context_length)
-    per_token = cache_bytes_per_token(model)
-    slots = pool_slots(config, per_token, context)
-    say(f"caches: about {per_token} bytes a token; a budget of {slots} tokens")
+    size = cache_bytes(model)
+    slots = pool_slots(config, size.per_token, context,
+                       reserved_bytes=size.per_request * config.max_running_requests)
+    say(f"caches: about {size.per_token} bytes a token and {size.per_request} a request; "
+        f"a budget of {slots} tokens")
     # The plain backend: no pool layer for a kernel to read or write in place.
     pool = KVPool([], slots, GatherDecode(), state_rows=config.max_running_requests)
     runner = OwnCacheRunner(model, pool, config.max_running_requests, min(context, slots),
-                            grammar_matchers(config, hf), per_token)
+                            grammar_matchers(config, hf), size.per_token)
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests)
     say(f"warmed up ({steps} steps, {time.monotonic() - t0:.1f}s)")

@@ -14,6 +14,7 @@ preempted request is recomputed from its start.
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Any
 
 import mlx.core as mx
@@ -29,24 +30,33 @@ from worker_proc.step_inputs import gather_last_tokens
 
 logger = logging.getLogger(__name__)
 
-# Prompt tokens the start-up probe runs through a fresh set of the model's caches to
-# learn their bytes a token (their growth from half of it to all of it: a sliding
-# window still filling makes it an overestimate, which leaves memory spare).
-PROBE_TOKENS = 64
+# Tokens a chunk of the start-up probe that learns what a request's caches take: two such
+# chunks through a fresh set. mlx-lm's KVCache grows its buffers 256 positions at a time,
+# so a chunk of 256 sees whole steps of it.
+PROBE_CHUNK = 256
 
 
-def cache_bytes_per_token(model: Any, tokens: int = PROBE_TOKENS) -> int:
-    """What one request's mlx-lm caches grow by a token, from a prompt of `tokens` run
-    through a fresh set in two halves (at least 1)."""
+@dataclass(frozen=True)
+class CacheBytes:
+    """What a request's mlx-lm caches take: per_token bytes for each token of its context
+    (what the second probe chunk added, at least 1), and per_request bytes beside them
+    (the first chunk's share above that: sliding windows already full, fixed states)."""
+
+    per_token: int
+    per_request: int
+
+
+def cache_bytes(model: Any, chunk: int = PROBE_CHUNK) -> CacheBytes:
+    """Two prompt chunks of `chunk` tokens through a fresh set of the model's caches."""
     caches = make_prompt_cache(model)
-    half = tokens // 2
-    ids = mx.zeros((1, half), dtype=mx.int32)
-    model(ids, cache=caches)
-    mx.eval([c.state for c in caches])
-    first = _nbytes(caches)
-    model(ids, cache=caches)
-    mx.eval([c.state for c in caches])
-    return max(1, -(-(_nbytes(caches) - first) // half), -(-first // half))
+    ids = mx.zeros((1, chunk), dtype=mx.int32)
+    sizes = []
+    for _ in range(2):
+        model(ids, cache=caches)
+        mx.eval(_states([caches]))
+        sizes.append(_nbytes(caches))
+    per_token = max(1, -(-(sizes[1] - sizes[0]) // chunk))
+    return CacheBytes(per_token, max(0, sizes[0] - per_token * chunk))
 
 
 def _nbytes(caches: list[Any]) -> int:
@@ -61,7 +71,7 @@ class OwnCacheRunner(ModelRunner):
     def __init__(self, model: Any, pool: KVPool, max_requests: int, max_context: int,
                  grammars: GrammarMatchers | None = None, bytes_per_token: int = 0,
                  **kwargs: Any) -> None:
-        """bytes_per_token: what a request's caches grow by a token (cache_bytes_per_token),
+        """bytes_per_token: what a request's caches grow by a token (cache_bytes),
         reported as the bytes a position takes."""
         super().__init__(model, pool, max_requests, max_context, grammars, **kwargs)
         assert not self.pool.layer_specs, "the pool holds nothing of such a model"
