@@ -52,7 +52,8 @@ NO_DEPTHWISE_CONV = {"recurrent_gemma", "rwkv7", "longcat_flash_ngram"}
 FILLING = {"longcat_flash_ngram"}
 # Their own code mishandles rows of different lengths in one forward (a per-row mask
 # broadcast against grouped heads; a chunk mask from one scalar offset; key blocks and
-# query positions from the keys' count).
+# query positions from the keys' count: MiniMax M3's as mlx-lm has it, which the worker
+# mends at load, test_block_sparse_rows_of_different_lengths_share_forwards).
 BY_LENGTH = {"gemma2", "llama4_text", "minimax_m3_vl", "afm7"}
 
 
@@ -246,6 +247,31 @@ def _deepseek_v41():
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
     return model
+
+
+@pytest.mark.parametrize("overlap", [True, "ahead"])
+def test_block_sparse_rows_of_different_lengths_share_forwards(overlap):
+    """MiniMax M3's sparse layers with each row's queries at its own positions
+    (block_sparse_rows, as the worker loads the model): the ragged probe passes, so rows
+    of different lengths share decode and prefill forwards, and every request, prefix
+    hits too, gets the tokens mlx-lm's own code gives it alone."""
+    from worker_proc.block_sparse_rows import place_block_sparse_rows
+
+    oracle, model = build("minimax_m3_vl"), build("minimax_m3_vl")  # the same weights
+    assert place_block_sparse_rows(model) == 2
+    prompts = _prompts(seed=13)
+    engine = InProcessEngine(model, chunk_size=12, max_prefill_tokens=48, overlap=overlap)
+    assert engine.runner.ragged
+    for i, p in enumerate(prompts[:5]):
+        engine.submit(f"r{i}", p, 20, [])
+    engine.run_until_idle()
+    engine.submit("hit", prompts[5], 20, [])
+    engine.submit("again", prompts[1], 20, [])
+    results = engine.run_until_idle()
+    assert engine.scheduler.counters.cache_hit_tokens >= 24 + len(prompts[1]) - 1
+    assert_mlx_lm_tokens(oracle, "minimax_m3_vl", results,
+                         [*((f"r{i}", p) for i, p in enumerate(prompts[:5])),
+                          ("hit", prompts[5]), ("again", prompts[1])], 20)
 
 
 def test_a_model_with_a_layer_kind_not_served_is_refused_naming_it():
