@@ -249,18 +249,23 @@ def _deepseek_v41():
     return model
 
 
-@pytest.mark.parametrize("overlap", [True, "ahead"])
-def test_block_sparse_rows_of_different_lengths_share_forwards(overlap):
+@pytest.mark.parametrize("path", ["plain", "compiled"])
+def test_block_sparse_rows_of_different_lengths_share_forwards(path):
     """MiniMax M3's sparse layers with each row's queries at its own positions
     (block_sparse_rows, as the worker loads the model): the ragged probe passes, so rows
-    of different lengths share decode and prefill forwards, and every request, prefix
-    hits too, gets the tokens mlx-lm's own code gives it alone."""
+    of different lengths share decode and prefill forwards (on the stood-in CUDA path,
+    compiled decode too), and every request, prefix hits too, gets the tokens mlx-lm's
+    own code gives it alone."""
+    from tests.engine_driver import StandInKernel
     from worker_proc.block_sparse_rows import place_block_sparse_rows
 
     oracle, model = build("minimax_m3_vl"), build("minimax_m3_vl")  # the same weights
     assert place_block_sparse_rows(model) == 2
     prompts = _prompts(seed=13)
-    engine = InProcessEngine(model, chunk_size=12, max_prefill_tokens=48, overlap=overlap)
+    compiled = path == "compiled"
+    engine = InProcessEngine(model, chunk_size=12, max_prefill_tokens=48,
+                             overlap="ahead" if compiled else True, compile_decode=compiled,
+                             backend=StandInKernel() if compiled else None)
     assert engine.runner.ragged
     for i, p in enumerate(prompts[:5]):
         engine.submit(f"r{i}", p, 20, [])
@@ -269,6 +274,7 @@ def test_block_sparse_rows_of_different_lengths_share_forwards(overlap):
     engine.submit("again", prompts[1], 20, [])
     results = engine.run_until_idle()
     assert engine.scheduler.counters.cache_hit_tokens >= 24 + len(prompts[1]) - 1
+    assert (engine.runner.decode_traces > 0) == compiled
     assert_mlx_lm_tokens(oracle, "minimax_m3_vl", results,
                          [*((f"r{i}", p) for i, p in enumerate(prompts[:5])),
                           ("hit", prompts[5]), ("again", prompts[1])], 20)
