@@ -77,6 +77,17 @@ def served_greedy(srv, prompts: list[list[int]], n: int) -> list[list[int]]:
     return [r.token_ids for r in asyncio.run(all_of_them())]
 
 
+# A small server for the served tests: prompts in 32-token chunks, a 4,000-token pool.
+SMALL_SERVER = ("--chunked-prefill-size", "32", "--max-total-tokens", "4000")
+
+
+def assert_served_as_mlx_lm(srv, model, prompts: list[list[int]], n: int) -> None:
+    """Each prompt's n greedy tokens from the running server, all sent at once, are
+    mlx_lm.generate's."""
+    for p, tokens in zip(prompts, served_greedy(srv, prompts, n)):
+        assert tokens == mlx_lm_tokens(model, p, n)
+
+
 def assert_mlx_lm_tokens(model, name: str, results, cases, n: int) -> None:
     """Each (rid, prompt)'s tokens in `results` are mlx-lm's n greedy tokens."""
     for rid, p in cases:
@@ -586,11 +597,9 @@ def test_a_hybrid_model_through_every_process(tiny_model_dir, tmp_path):
     rng = np.random.default_rng(500)
     prompts = [rng.integers(5, VOCAB, size=n).tolist() for n in (3, 40, 150, 17)]
     prompts.append(list(prompts[2]))
-    srv = Server(model_dir, "--chunked-prefill-size", "32", "--max-total-tokens", "4000",
-                 "--overlap", "on", log_path=tmp_path / "log").wait_ready()
+    srv = Server(model_dir, *SMALL_SERVER, "--overlap", "on", log_path=tmp_path / "log").wait_ready()
     try:
-        for p, tokens in zip(prompts, served_greedy(srv, prompts, 16)):
-            assert tokens == mlx_lm_tokens(model, p, 16)
+        assert_served_as_mlx_lm(srv, model, prompts, 16)
 
         before = srv.stats()["cache_hit_tokens_total"]
         assert served_greedy(srv, [prompts[2]], 16)[0] == mlx_lm_tokens(model, prompts[2], 16)

@@ -156,18 +156,17 @@ def test_a_model_it_cannot_page_is_served_on_its_own_caches(tiny_model_dir, tmp_
     import mlx_lm
     import numpy as np
 
-    from tests.test_families import mlx_lm_tokens, served_greedy
+    from tests.test_families import (SMALL_SERVER, assert_served_as_mlx_lm, mlx_lm_tokens,
+                                      served_greedy)
 
     model_dir = write_deepseek_v41(tiny_model_dir, tmp_path / "deepseek-v41")
     model, _ = mlx_lm.load(str(model_dir))
     rng = np.random.default_rng(600)
     vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
     prompts = [rng.integers(5, vocab, size=n).tolist() for n in (3, 40, 90, 17)]
-    srv = Server(model_dir, "--chunked-prefill-size", "32", "--max-total-tokens", "4000",
-                 log_path=tmp_path / "log").wait_ready()
+    srv = Server(model_dir, *SMALL_SERVER, log_path=tmp_path / "log").wait_ready()
     try:
-        for p, tokens in zip(prompts, served_greedy(srv, prompts, 16)):
-            assert tokens == mlx_lm_tokens(model, p, 16)
+        assert_served_as_mlx_lm(srv, model, prompts, 16)
         assert served_greedy(srv, [prompts[2]], 16)[0] == mlx_lm_tokens(model, prompts[2], 16)
         assert srv.stats()["cache_hit_tokens_total"] == 0
         log = srv.log_tail(20000)

@@ -12,7 +12,7 @@ from kiln_common.windows import CHUNKED, SLIDING, WindowRule
 from scheduler_proc.window_slots import WindowSlots
 from tests.engine_driver import InProcessEngine
 from tests.families import VOCAB, WINDOW, build
-from tests.test_families import mlx_lm_tokens, served_greedy
+from tests.test_families import SMALL_SERVER, assert_served_as_mlx_lm, mlx_lm_tokens
 from tests.test_scheduler import assert_idle_invariant
 from worker_proc import memory
 from worker_proc.kv_pool import KVPool
@@ -171,11 +171,9 @@ def test_a_sliding_model_served_reports_both_spaces(tiny_model_dir, tmp_path):
     model, _ = mlx_lm.load(str(model_dir))
     rng = np.random.default_rng(10)
     prompts = [rng.integers(5, VOCAB, size=n).tolist() for n in (3, 40, 150, 17)]
-    srv = Server(model_dir, "--chunked-prefill-size", "32", "--max-total-tokens", "4000",
-                 log_path=tmp_path / "log").wait_ready()
+    srv = Server(model_dir, *SMALL_SERVER, log_path=tmp_path / "log").wait_ready()
     try:
-        for p, tokens in zip(prompts, served_greedy(srv, prompts, 16)):
-            assert tokens == mlx_lm_tokens(model, p, 16)
+        assert_served_as_mlx_lm(srv, model, prompts, 16)
         stats = srv.stats()
         assert stats["capacity_slots"] == 4000 and stats["window_capacity_slots"] == 2000
         assert 0 < stats["window_kv_bytes_per_slot"] and 0 < stats["kv_bytes_per_slot"]
