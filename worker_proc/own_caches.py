@@ -13,7 +13,6 @@ preempted request is recomputed from its start.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,8 +26,6 @@ from worker_proc.kv_pool import KVPool
 from worker_proc.runner import ModelRunner, PendingPromptLogprobs, PendingStep
 from worker_proc.staging import new_arrays
 from worker_proc.step_inputs import gather_last_tokens
-
-logger = logging.getLogger(__name__)
 
 # Tokens a chunk of the start-up probe that learns what a request's caches take: two such
 # chunks through a fresh set. mlx-lm's KVCache grows its buffers 256 positions at a time,
