@@ -163,6 +163,7 @@ def survey_one(name: str) -> str:
     from tests.engine_driver import InProcessEngine
     from tests.test_families import mlx_lm_tokens
     from worker_proc.layer_kinds import UnsupportedModelError
+    from worker_proc.row_positions import give_rows_their_positions
 
     try:
         module = importlib.import_module(f"mlx_lm.models.{name}")
@@ -179,6 +180,7 @@ def survey_one(name: str) -> str:
         mx.eval(model.parameters())
     except BaseException as exc:  # noqa: BLE001 - a module may even exit on import
         return f"SKIP does not build: {type(exc).__name__}: {exc}"[:200]
+    give_rows_their_positions(model)  # as the worker loads it (mlx-lm's code at one offset)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(5, VOCAB - 1, size=n).tolist() for n in (3, 40, 17)]
     try:

@@ -194,9 +194,14 @@ RECURRENT_FAMILIES: dict[str, dict[str, Any]] = {
 }
 
 
-def build(family: str, seed: int = 0) -> Any:
-    """The family's model with mlx-lm's own random initialisation (seeded), in float32."""
+def build(family: str, seed: int = 0, as_served: bool = True) -> Any:
+    """The family's model with mlx-lm's own random initialisation (seeded), in float32;
+    as_served: with the layers the worker swaps in at load to place each row's queries
+    at its own positions (worker_proc.row_positions: mlx-lm's code where a forward has
+    one offset, as mlx_lm.generate's have)."""
     import mlx.core as mx
+
+    from worker_proc.row_positions import give_rows_their_positions
 
     config = {**_COMMON, **{**FAMILIES, **RECURRENT_FAMILIES}[family]}
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
@@ -204,6 +209,8 @@ def build(family: str, seed: int = 0) -> Any:
     model = module.Model(module.ModelArgs.from_dict(config))
     model.set_dtype(mx.float32)
     mx.eval(model.parameters())
+    if as_served:
+        give_rows_their_positions(model)
     return model
 
 

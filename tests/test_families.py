@@ -51,10 +51,10 @@ NO_DEPTHWISE_CONV = {"recurrent_gemma", "rwkv7", "longcat_flash_ngram"}
 # A state that fills up with the first tokens (LongCat-Flash-Ngram's last token ids).
 FILLING = {"longcat_flash_ngram"}
 # Their own code mishandles rows of different lengths in one forward (a per-row mask
-# broadcast against grouped heads; a chunk mask from one scalar offset; key blocks and
-# query positions from the keys' count: MiniMax M3's as mlx-lm has it, which the worker
-# mends at load, test_block_sparse_rows_of_different_lengths_share_forwards).
-BY_LENGTH = {"gemma2", "llama4_text", "minimax_m3_vl", "afm7"}
+# broadcast against grouped heads; a chunk mask from one scalar offset). (MiniMax M3's and
+# AFM 7's query positions from the keys' count are mended at load, as build() does too:
+# test_rows_at_their_own_positions_share_forwards.)
+BY_LENGTH = {"gemma2", "llama4_text"}
 
 
 def mlx_lm_tokens(model, prompt: list[int], n: int) -> list[int]:
@@ -260,18 +260,19 @@ def _deepseek_v41():
     return model
 
 
+@pytest.mark.parametrize("name,placed", [("minimax_m3_vl", 2), ("afm7", 2)])
 @pytest.mark.parametrize("path", ["plain", "compiled"])
-def test_block_sparse_rows_of_different_lengths_share_forwards(path):
-    """MiniMax M3's sparse layers with each row's queries at its own positions
-    (block_sparse_rows, as the worker loads the model): the ragged probe passes, so rows
-    of different lengths share decode and prefill forwards (on the stood-in CUDA path,
-    compiled decode too), and every request, prefix hits too, gets the tokens mlx-lm's
-    own code gives it alone."""
+def test_rows_at_their_own_positions_share_forwards(name, placed, path):
+    """MiniMax M3's sparse layers and AFM 7's KV-reuse layers with each row's queries at
+    its own positions (row_positions, as the worker loads the model): the ragged probe
+    passes, so rows of different lengths share decode and prefill forwards (on the
+    stood-in CUDA path, compiled decode too), and every request, prefix hits too, gets
+    the tokens mlx-lm's own code gives it alone."""
     from tests.engine_driver import StandInKernel
-    from worker_proc.block_sparse_rows import place_block_sparse_rows
+    from worker_proc.row_positions import give_rows_their_positions
 
-    oracle, model = build("minimax_m3_vl"), build("minimax_m3_vl")  # the same weights
-    assert place_block_sparse_rows(model) == 2
+    oracle, model = build(name, as_served=False), build(name, as_served=False)  # same weights
+    assert give_rows_their_positions(model) == placed
     prompts = _prompts(seed=13)
     compiled = path == "compiled"
     engine = InProcessEngine(model, chunk_size=12, max_prefill_tokens=48,
@@ -286,7 +287,7 @@ def test_block_sparse_rows_of_different_lengths_share_forwards(path):
     results = engine.run_until_idle()
     assert engine.scheduler.counters.cache_hit_tokens >= 24 + len(prompts[1]) - 1
     assert (engine.runner.decode_traces > 0) == compiled
-    assert_mlx_lm_tokens(oracle, "minimax_m3_vl", results,
+    assert_mlx_lm_tokens(oracle, name, results,
                          [*((f"r{i}", p) for i, p in enumerate(prompts[:5])),
                           ("hit", prompts[5]), ("again", prompts[1])], 20)
 

@@ -37,6 +37,7 @@ from worker_proc.gated_delta_cuda import install_gated_delta_kernel, uses_gated_
 from worker_proc.memory import probe_attention_specs
 from worker_proc.offset_norms import sum_offset_norms
 from worker_proc.paged_attention import kernel_available
+from worker_proc.row_positions import give_rows_their_positions
 
 # Widths doubled (head sizes 16 -> 32, hidden 64 -> 128, ...); kernel sizes, counts and
 # state sizes kept.
@@ -151,6 +152,7 @@ def _served_tokens_rank_best(name: str, dtype: mx.Dtype, tolerance: float,
         fuse_projections(served)
         speed_up_decode_blocks(served, residual_in_gemm=True)
     sum_offset_norms(served)
+    give_rows_their_positions(served)
     backend = choose_decode_backend(probe_attention_specs(served))
     if expect_mma is not None:
         assert (getattr(backend, "mma", None) is not None) == expect_mma, backend

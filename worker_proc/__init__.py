@@ -37,7 +37,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     from kiln_common.windows import WindowRule
     from worker_proc.decode_backend import choose_decode_backend, kernel_misfit
     from worker_proc.prefill_attention import prefill_bucket_for
-    from worker_proc.block_sparse_rows import place_block_sparse_rows
+    from worker_proc.row_positions import give_rows_their_positions
     from worker_proc.decode_block import FastDecodeBlock, speed_up_decode_blocks
     from worker_proc.depthwise_conv import replace_depthwise_convs
     from worker_proc.fused_projections import fuse_projections
@@ -99,9 +99,9 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                                     "qwen2 block (mlx_lm.models.llama, .qwen2) to speed up")
     if norms := sum_offset_norms(model):
         say(f"{norms} RMSNorms scale by 1 + weight: the sum made once, not every call")
-    if sparse := place_block_sparse_rows(model):
-        say(f"{sparse} block-sparse attention layers place each row's queries at its own "
-            "positions (rows of different lengths share a forward)")
+    if placed := give_rows_their_positions(model):
+        say(f"{placed} attention layers place each row's queries at its own positions "
+            "(rows of different lengths share a forward)")
     say(f"model loaded in {time.monotonic() - t0:.1f}s")
     if uses_gated_delta(model) and install_gated_delta_kernel():
         say("gated delta rule (linear attention): kiln's CUDA kernel")

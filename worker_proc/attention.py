@@ -813,6 +813,11 @@ def install_attention_hook() -> None:
             own = cache.kind.own_attention
             if cache.paged and not own:
                 return cache.paged_attention(queries, scale, sinks)
+            if cache.paged and mask is None and not isinstance(cache.offset, int):
+                # Rows of different lengths, right-padded in dense K/V, with no mask: the
+                # model's mask was another layer's (AFM 7's first layer is paged and has
+                # none), so each row's length masks its padding here.
+                mask = cache.make_mask(queries.shape[2])
             if not cache.paged:
                 if cache.kind.windowed:
                     # Ours, not the model's: a model may skip the mask for one new token,
