@@ -5,8 +5,9 @@ kiln's forwards over rows of different lengths (or starts) right-pad them: the k
 layer is handed are as many as the longest row's, and each row's positions come with
 the forward as one offset a row (the caches' `offset`). Two mlx-lm layers place their
 queries at the keys' last positions instead, the longest row's, so every shorter row
-beside a longer one went wrong and such a model ran rows one length at a time
-(attention.batches_ragged_rows):
+beside a longer one goes wrong (the ragged-batch probe, attention.batches_ragged_rows,
+decodes a few short rows: M3's block picking starts past them, so the worker must not
+count on the probe to run such a model by length):
 - MiniMax M3's sparse attention (mlx_lm.models.minimax_m3_vl) picks each query's key
   blocks with its own block and, with no block dropped, attends every key it was handed;
 - AFM 7's KV-reuse attention (mlx_lm.models.afm7) rotates its queries at the keys'
