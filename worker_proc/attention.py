@@ -768,6 +768,15 @@ class PooledCacheList:
     def __getitem__(self, index: int) -> PooledKVCache | PooledStateCache:
         return self.caches[index]
 
+    def own_scores_part(self) -> PooledKVCache | None:
+        """The list's first K/V cache where its layer computes its own scores, else None:
+        a model handing attention the whole list with K/V it made itself (DeepSeek-V3.2:
+        its MLA expanded, its indexer's picks in the mask) is attended as that cache's
+        own-scores layer (in prefill, the backend's attention: no cuDNN graph built for
+        each prompt's shape)."""
+        parts = [c for c in self.caches if isinstance(c, PooledKVCache)]
+        return parts[0] if parts and parts[0].kind.own_attention else None
+
 
 def check_written(caches: list[PooledKVCache]) -> None:
     """After a forward: every layer stored its K/V. A decode forward leaves the store to
@@ -804,9 +813,7 @@ def install_attention_hook() -> None:
         if source is not None and source is not cache:
             cache = source  # another layer's K/V, with its cache or none: that cache's
         if isinstance(cache, PooledCacheList):
-            out = _own_prefill_of_list(cache, queries, keys, values, scale, mask, sinks)
-            if out is not None:
-                return out
+            cache = cache.own_scores_part() or cache
         if isinstance(cache, PooledKVCache):
             if cache.takes_latent(keys, values):
                 return cache.latent_attention(queries, scale, mask)
@@ -837,20 +844,6 @@ def install_attention_hook() -> None:
     attention.__wrapped__ = original
     repoint("scaled_dot_product_attention", (original, base.scaled_dot_product_attention),
             attention)
-
-
-def _own_prefill_of_list(caches: PooledCacheList, queries: mx.array, keys: mx.array,
-                         values: mx.array, scale: float, mask: Any, sinks: Any) -> mx.array | None:
-    """A layer of several caches whose model hands attention the whole list with K/V it
-    made itself (DeepSeek-V3.2: its MLA expanded, its indexer's picks in the mask): in
-    prefill, the backend's attention for layers with their own scores, as for one such
-    cache (no cuDNN graph built for each prompt's shape); None leaves it to MLX."""
-    parts = [c for c in caches.caches if isinstance(c, PooledKVCache)]
-    if not parts or parts[0].paged or not parts[0].kind.own_attention:
-        return None
-    first = parts[0]
-    return first.backend.own_prefill_attention(queries, keys, values, scale, mask, sinks,
-                                               first.layout.once)
 
 
 def batches_ragged_rows(model: Any, specs: list, backend: DecodeBackend) -> bool:
