@@ -99,11 +99,10 @@ class OwnCacheRunner(ModelRunner):
 
     def build(self, batch: ForwardBatch) -> PendingStep:
         pending = super().build(batch)
-        # The caches' new state lands with the step, whatever the logits need of it (a
-        # part no logit reads would otherwise stay lazy and grow the graph step by step).
-        touched = {c.rid for c in batch.prefill} | set(batch.decode_rids)
-        pending.landing.extend(_states(self._caches[rid] for rid in touched
-                                       if rid in self._caches))
+        # The decode rows' caches' new state lands with the step, whatever the logits need
+        # of it (a part no logit reads would otherwise stay lazy and grow the graph step by
+        # step); a prefill chunk's was launched with its forward (_prefill).
+        pending.landing.extend(_states(self._caches[rid] for rid in batch.decode_rids))
         return pending
 
     def _prefill(self, chunk: PrefillChunk, prompt: list[PendingPromptLogprobs]) -> mx.array:
