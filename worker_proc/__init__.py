@@ -32,8 +32,6 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     import mlx.core as mx
     import mlx_lm
 
-    from kiln_common.llguidance_tokenizer import structured_output_supported
-    from kiln_common.model_info import read_json, served_context_len
     from kiln_common.windows import WindowRule
     from worker_proc.decode_backend import choose_decode_backend, kernel_misfit
     from worker_proc.prefill_attention import prefill_bucket_for
@@ -117,10 +115,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         + (f" (not the CUDA kernel: {misfit})" if misfit else ""))
     if latent := backend.latent_path(specs):
         say(f"latent (MLA) layers decode through {latent}")
-    # The front's limit too (the same reading of config.json): a model whose mlx-lm args
-    # nest it (text_config) would otherwise get a limit of its own here.
-    context = served_context_len(read_json(Path(config.model_path) / "config.json"),
-                                 _hf_tokenizer(tokenizer), config.context_length)
+    context = served_context(config, _hf_tokenizer(tokenizer))
     per_slot = KVPool.bytes_per_slot(specs)
     kept = backend.kept_share
     per_state = KVPool.state_bytes_per_request(specs)
@@ -179,20 +174,35 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         say("prefill forwards of a shape met before replay mx.compile traces")
     say(f"warmed up ({steps} steps{f', {traces} more decode traces' if traces else ''}, "
         f"{time.monotonic() - t0:.1f}s)")
-    # Not before the warm-up: building holds the GIL (about half a second on a 150k
-    # vocabulary), which delayed the warm-up's graph building, hence readiness, as much.
-    # A tokenizer llguidance can't use builds nothing: the front refuses every grammar.
+    start_grammars(grammars, hf)
+    return runner
+
+
+def served_context(config: ServerConfig, hf: object) -> int:
+    """The context length served: the front's limit too (the same reading of
+    config.json: a model whose mlx-lm args nest it, text_config, would otherwise get a
+    limit of its own here)."""
+    from kiln_common.model_info import read_json, served_context_len
+
+    return served_context_len(read_json(Path(config.model_path) / "config.json"), hf,
+                              config.context_length)
+
+
+def start_grammars(grammars: GrammarMatchers, hf: object) -> None:
+    """Start building structured output's matchers, once the warm-up is done: building
+    holds the GIL (about half a second on a 150k vocabulary), which delayed the warm-up's
+    graph building, hence readiness, as much. A tokenizer llguidance can't use builds
+    nothing: the front refuses every grammar."""
+    from kiln_common.llguidance_tokenizer import structured_output_supported
+
     if structured_output_supported(hf):
         grammars.start_building()
-    return runner
 
 
 def own_cache_runner(config: ServerConfig, model: object, tokenizer: object,
                      say: Callable[[str], None]) -> "OwnCacheRunner":
     """The runner for a model kiln cannot page (worker_proc.own_caches): its token budget
     from what its caches grow by a token."""
-    from kiln_common.llguidance_tokenizer import structured_output_supported
-    from kiln_common.model_info import read_json, served_context_len
     from worker_proc.decode_backend import GatherDecode
     from worker_proc.kv_pool import KVPool
     from worker_proc.memory import pool_slots
@@ -200,8 +210,7 @@ def own_cache_runner(config: ServerConfig, model: object, tokenizer: object,
     from worker_proc.warm_up import warm_up
 
     hf = _hf_tokenizer(tokenizer)
-    context = served_context_len(read_json(Path(config.model_path) / "config.json"), hf,
-                                 config.context_length)
+    context = served_context(config, hf)
     size = cache_bytes(model)
     slots = pool_slots(config, size.per_token, context,
                        reserved_bytes=size.per_request * config.max_running_requests)
@@ -209,13 +218,13 @@ def own_cache_runner(config: ServerConfig, model: object, tokenizer: object,
         f"a budget of {slots} tokens")
     # The plain backend: no pool layer for a kernel to read or write in place.
     pool = KVPool([], slots, GatherDecode(), state_rows=config.max_running_requests)
+    grammars = grammar_matchers(config, hf)
     runner = OwnCacheRunner(model, pool, config.max_running_requests, min(context, slots),
-                            grammar_matchers(config, hf), size.per_token)
+                            grammars, size.per_token)
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests)
     say(f"warmed up ({steps} steps, {time.monotonic() - t0:.1f}s)")
-    if structured_output_supported(hf):
-        runner.grammars.start_building()
+    start_grammars(grammars, hf)
     return runner
 
 
