@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from tests.families import _COMMON, FAMILIES, RECURRENT_FAMILIES, VOCAB, WINDOW  # noqa: E402
+from tests.families import (_COMMON, FAMILIES, RECURRENT_FAMILIES, UNPAGED, VOCAB,  # noqa: E402
+                            WINDOW, config_of)
 
 NOT_MODELS = {"__init__", "base", "cache", "switch_layers", "rope_utils", "activations",
               "pipeline", "bitlinear_layers", "gated_delta", "ssm", "mla"}
@@ -144,9 +145,10 @@ TEXT_CONFIGS: dict[str, dict[str, Any]] = {
 
 def config_for(name: str) -> dict[str, Any]:
     """The tests' own config where tests/families.py has the model type, else the guess."""
-    tested = [c for c in {**FAMILIES, **RECURRENT_FAMILIES}.values() if c["model_type"] == name]
+    tested = [f for f, c in {**FAMILIES, **RECURRENT_FAMILIES, **UNPAGED}.items()
+              if c["model_type"] == name]
     if tested:
-        return {**_COMMON, **tested[0]}
+        return config_of(tested[0])
     if name in WRAPS:
         inner = config_for(WRAPS[name])
         return {**inner, "model_type": name, "text_config": inner}

@@ -193,6 +193,23 @@ RECURRENT_FAMILIES: dict[str, dict[str, Any]] = {
                              shared_intermediate_size=64),
 }
 
+# Models kiln's pool cannot page, served on mlx-lm's own caches (worker_proc.own_caches).
+UNPAGED: dict[str, dict[str, Any]] = {
+    # DeepSeek-V4.1: a cache of its own kind (LayerCache: a window, groups of 4 tokens
+    # compressed to one entry, their index keys, the open group's rows) in every layer.
+    "deepseek_v41": dict(model_type="deepseek_v41", num_hidden_layers=2, head_dim=32,
+                         q_lora_rank=16, qk_rope_head_dim=8, o_groups=2, o_lora_rank=16,
+                         moe_intermediate_size=32, n_routed_experts=4, num_experts_per_tok=2,
+                         sliding_window=16, index_n_heads=2, index_head_dim=16, index_topk=8,
+                         hc_mult=2, compress_ratios=[4, 4], kv_source_layer_ids=[0, 1],
+                         index_source_layer_ids=[0, 1]),
+}
+
+
+def config_of(family: str) -> dict[str, Any]:
+    """A family's (or an UNPAGED model's) whole config."""
+    return {**_COMMON, **{**FAMILIES, **RECURRENT_FAMILIES, **UNPAGED}[family]}
+
 
 def build(family: str, seed: int = 0, as_served: bool = True) -> Any:
     """The family's model with mlx-lm's own random initialisation (seeded), in float32;
@@ -203,7 +220,7 @@ def build(family: str, seed: int = 0, as_served: bool = True) -> Any:
 
     from worker_proc.row_positions import give_rows_their_positions
 
-    config = {**_COMMON, **{**FAMILIES, **RECURRENT_FAMILIES}[family]}
+    config = config_of(family)
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))
@@ -229,6 +246,5 @@ def write_model_dir(family: str, tokenizer_dir: Path, out: Path) -> Path:
         shutil.copy(tokenizer_dir / name, out / name)
     model = build(family)
     mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    config = {**_COMMON, **{**FAMILIES, **RECURRENT_FAMILIES}[family]}
-    (out / "config.json").write_text(json.dumps(config))
+    (out / "config.json").write_text(json.dumps(config_of(family)))
     return out

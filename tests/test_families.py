@@ -240,63 +240,11 @@ def test_a_4_bit_quantized_model_equals_mlx_lm(name, mode):
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(model, p, 16)
 
 
-def _deepseek_v41():
-    """DeepSeek-V4.1: a cache of its own kind (LayerCache: a window, groups of 4 tokens
-    compressed to one entry, their index keys, the open group's rows) in every layer."""
-    import importlib
-
-    config = dict(model_type="deepseek_v41", vocab_size=VOCAB, hidden_size=64,
-                  num_hidden_layers=2, num_attention_heads=4, head_dim=32, q_lora_rank=16,
-                  qk_rope_head_dim=8, o_groups=2, o_lora_rank=16, moe_intermediate_size=32,
-                  n_routed_experts=4, num_experts_per_tok=2, sliding_window=16,
-                  index_n_heads=2, index_head_dim=16, index_topk=8, hc_mult=2,
-                  compress_ratios=[4, 4], kv_source_layer_ids=[0, 1],
-                  index_source_layer_ids=[0, 1])
-    module = importlib.import_module("mlx_lm.models.deepseek_v41")
-    mx.random.seed(0)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
-    return model
-
-
-@pytest.mark.parametrize("name,placed", [("minimax_m3_vl", 2), ("afm7", 2)])
-@pytest.mark.parametrize("path", ["plain", "compiled"])
-def test_rows_at_their_own_positions_share_forwards(name, placed, path):
-    """MiniMax M3's sparse layers and AFM 7's KV-reuse layers with each row's queries at
-    its own positions (row_positions, as the worker loads the model): the ragged probe
-    passes, so rows of different lengths share decode and prefill forwards (on the
-    stood-in CUDA path, compiled decode too), and every request, prefix hits too, gets
-    the tokens mlx-lm's own code gives it alone."""
-    from tests.engine_driver import StandInKernel
-    from worker_proc.row_positions import give_rows_their_positions
-
-    oracle, model = build(name, as_served=False), build(name, as_served=False)  # same weights
-    assert give_rows_their_positions(model) == placed
-    prompts = _prompts(seed=13)
-    compiled = path == "compiled"
-    engine = InProcessEngine(model, chunk_size=12, max_prefill_tokens=48,
-                             overlap="ahead" if compiled else True, compile_decode=compiled,
-                             backend=StandInKernel() if compiled else None)
-    assert engine.runner.ragged
-    for i, p in enumerate(prompts[:5]):
-        engine.submit(f"r{i}", p, 20, [])
-    engine.run_until_idle()
-    engine.submit("hit", prompts[5], 20, [])
-    engine.submit("again", prompts[1], 20, [])
-    results = engine.run_until_idle()
-    assert engine.scheduler.counters.cache_hit_tokens >= 24 + len(prompts[1]) - 1
-    assert (engine.runner.decode_traces > 0) == compiled
-    assert_mlx_lm_tokens(oracle, name, results,
-                         [*((f"r{i}", p) for i, p in enumerate(prompts[:5])),
-                          ("hit", prompts[5]), ("again", prompts[1])], 20)
-
-
 def test_a_model_with_a_layer_kind_not_served_is_refused_naming_it():
     """The pool's probe refuses it, naming the kind and its layers (the worker then runs
     the model on mlx-lm's own caches: below)."""
     with pytest.raises(UnsupportedModelError, match=r"layers 0-1: LayerCache: not supported yet"):
-        probe_attention_specs(_deepseek_v41())
+        probe_attention_specs(build("deepseek_v41"))
 
 
 @pytest.mark.parametrize("name", ["deepseek_v41", "llama"])
@@ -305,7 +253,7 @@ def test_a_model_on_its_own_caches_equals_mlx_lm(name):
     caches, a set a request, one request a forward. Concurrent requests in 12-token chunks,
     preempted and recomputed in a pool that holds about one, get mlx_lm.generate's tokens;
     nothing is cached between requests."""
-    model = _deepseek_v41() if name == "deepseek_v41" else build(name)
+    model = build(name)
     prompts = _prompts(seed=700)
     engine = InProcessEngine(model, chunk_size=12, max_prefill_tokens=48, own_caches=True)
     for i, p in enumerate(prompts[:4]):
@@ -338,7 +286,7 @@ def test_a_budget_on_its_own_caches_counts_bytes_a_token_and_a_request():
     llama = build("llama")
     assert cache_bytes(llama) == CacheBytes(KVPool.bytes_per_slot(probe_attention_specs(llama)),
                                             0)
-    assert cache_bytes(_deepseek_v41()) == CacheBytes(2 * (32 + 16) * 4 // 4, 2 * 16 * 32 * 4)
+    assert cache_bytes(build("deepseek_v41")) == CacheBytes(2 * (32 + 16) * 4 // 4, 2 * 16 * 32 * 4)
 
 
 def test_logprobs_on_its_own_caches_are_the_paged_paths():

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 from tests.engine_driver import InProcessEngine
-from tests.families import _COMMON, FAMILIES, RECURRENT_FAMILIES, VOCAB
+from tests.families import FAMILIES, RECURRENT_FAMILIES, VOCAB, config_of
 from worker_proc.decode_backend import choose_decode_backend
 from worker_proc.decode_block import speed_up_decode_blocks
 from worker_proc.depthwise_conv import replace_depthwise_convs
@@ -64,7 +64,7 @@ def wide_config(name: str) -> dict[str, Any]:
         return {k: (widen(v) if isinstance(v, dict) else 2 * v if k in WIDE_KEYS and v else v)
                 for k, v in config.items()}
 
-    return widen({**_COMMON, **{**FAMILIES, **RECURRENT_FAMILIES}[name]})
+    return widen(config_of(name))
 
 
 def build_wide(name: str, dtype: mx.Dtype = mx.float32) -> Any:

@@ -6,11 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -118,33 +116,7 @@ def test_every_client_hears_of_a_killed_child_within_2_s(tiny_model_dir, tmp_pat
         srv.stop()
 
 
-# --- a model the engine cannot serve --------------------------------------------------------
-
-
-def write_deepseek_v41(demo_dir: Path, out: Path) -> Path:
-    """A tiny random DeepSeek-V4.1 (mlx-lm's own classes), whose layers keep a cache of
-    the model's own kind (LayerCache), which the engine does not serve; with the demo
-    model's tokenizer."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models import deepseek_v41
-
-    out.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        shutil.copy(demo_dir / name, out / name)
-    config = {"model_type": "deepseek_v41", "hidden_size": 64, "num_hidden_layers": 2,
-              "num_attention_heads": 4, "head_dim": 32, "q_lora_rank": 16,
-              "qk_rope_head_dim": 8, "o_groups": 2, "o_lora_rank": 16,
-              "moe_intermediate_size": 32, "n_routed_experts": 4, "num_experts_per_tok": 2,
-              "sliding_window": 16, "index_n_heads": 2, "index_head_dim": 16,
-              "index_topk": 8, "hc_mult": 2, "compress_ratios": [4, 4],
-              "kv_source_layer_ids": [0, 1], "index_source_layer_ids": [0, 1],
-              "vocab_size": json.loads((demo_dir / "config.json").read_text())["vocab_size"]}
-    model = deepseek_v41.Model(deepseek_v41.ModelArgs.from_dict(config))
-    mx.eval(model.parameters())
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())))
-    (out / "config.json").write_text(json.dumps(config))
-    return out
+# --- a model the engine cannot page -----------------------------------------------------
 
 
 @pytest.mark.timeout(300)
@@ -156,14 +128,14 @@ def test_a_model_it_cannot_page_is_served_on_its_own_caches(tiny_model_dir, tmp_
     import mlx_lm
     import numpy as np
 
+    from tests.families import VOCAB, write_model_dir
     from tests.test_families import (SMALL_SERVER, assert_served_as_mlx_lm, mlx_lm_tokens,
                                       served_greedy)
 
-    model_dir = write_deepseek_v41(tiny_model_dir, tmp_path / "deepseek-v41")
+    model_dir = write_model_dir("deepseek_v41", tiny_model_dir, tmp_path / "deepseek-v41")
     model, _ = mlx_lm.load(str(model_dir))
     rng = np.random.default_rng(600)
-    vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-    prompts = [rng.integers(5, vocab, size=n).tolist() for n in (3, 40, 90, 17)]
+    prompts = [rng.integers(5, VOCAB, size=n).tolist() for n in (3, 40, 90, 17)]
     srv = Server(model_dir, *SMALL_SERVER, log_path=tmp_path / "log").wait_ready()
     try:
         assert_served_as_mlx_lm(srv, model, prompts, 16)
@@ -182,7 +154,9 @@ def test_a_model_it_cannot_serve_is_refused_in_the_launchers_last_line(tiny_mode
     model on its own caches, naming its layer kind); no traceback; every child stops when
     told (the front too, though health probes were waiting on the engine as it failed),
     and the exit code is 1."""
-    model = write_deepseek_v41(tiny_model_dir, tmp_path / "deepseek-v41")
+    from tests.families import write_model_dir
+
+    model = write_model_dir("deepseek_v41", tiny_model_dir, tmp_path / "deepseek-v41")
     srv = Server(model, "--fast-decode-blocks", "on", log_path=tmp_path / "log")
     while srv.proc.poll() is None:  # probes, as a load balancer would send them
         try:
