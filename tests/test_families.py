@@ -81,6 +81,20 @@ def served_greedy(srv, prompts: list[list[int]], n: int) -> list[list[int]]:
 SMALL_SERVER = ("--chunked-prefill-size", "32", "--max-total-tokens", "4000")
 
 
+def model_dir_and_prompts(family: str, tokenizer_dir, out, seed: int,
+                          lengths: tuple[int, ...]):
+    """A family's tiny checkpoint directory (write_model_dir), the model mlx_lm.load reads
+    from it, and random prompts of these lengths, for the served tests."""
+    import mlx_lm
+
+    from tests.families import write_model_dir
+
+    model_dir = write_model_dir(family, tokenizer_dir, out)
+    model, _ = mlx_lm.load(str(model_dir))
+    rng = np.random.default_rng(seed)
+    return model_dir, model, [rng.integers(5, VOCAB, size=n).tolist() for n in lengths]
+
+
 def assert_served_as_mlx_lm(srv, model, prompts: list[list[int]], n: int) -> None:
     """Each prompt's n greedy tokens from the running server, all sent at once, are
     mlx_lm.generate's."""
@@ -536,15 +550,11 @@ def test_a_hybrid_model_through_every_process(tiny_model_dir, tmp_path):
     requests equal mlx-lm's, and a prompt repeated later hits the cache at a state
     snapshot (its last chunk edge before the final token)."""
     import httpx
-    import mlx_lm
 
-    from tests.families import write_model_dir
     from tests.server import Server
 
-    model_dir = write_model_dir("lfm2", tiny_model_dir, tmp_path / "lfm2")
-    model, _ = mlx_lm.load(str(model_dir))
-    rng = np.random.default_rng(500)
-    prompts = [rng.integers(5, VOCAB, size=n).tolist() for n in (3, 40, 150, 17)]
+    model_dir, model, prompts = model_dir_and_prompts("lfm2", tiny_model_dir, tmp_path / "lfm2",
+                                                      500, (3, 40, 150, 17))
     prompts.append(list(prompts[2]))
     srv = Server(model_dir, *SMALL_SERVER, "--overlap", "on", log_path=tmp_path / "log").wait_ready()
     try:

@@ -125,17 +125,11 @@ def test_a_model_it_cannot_page_is_served_on_its_own_caches(tiny_model_dir, tmp_
     in every layer, which kiln's pool cannot hold: the start-up log says so, and the
     server runs it on mlx-lm's own caches, a set a request: concurrent requests, prompts
     in several chunks, get mlx_lm.generate's tokens; a prompt sent again hits no cache."""
-    import mlx_lm
-    import numpy as np
-
-    from tests.families import VOCAB, write_model_dir
     from tests.test_families import (SMALL_SERVER, assert_served_as_mlx_lm, mlx_lm_tokens,
-                                      served_greedy)
+                                      model_dir_and_prompts, served_greedy)
 
-    model_dir = write_model_dir("deepseek_v41", tiny_model_dir, tmp_path / "deepseek-v41")
-    model, _ = mlx_lm.load(str(model_dir))
-    rng = np.random.default_rng(600)
-    prompts = [rng.integers(5, VOCAB, size=n).tolist() for n in (3, 40, 90, 17)]
+    model_dir, model, prompts = model_dir_and_prompts(
+        "deepseek_v41", tiny_model_dir, tmp_path / "deepseek-v41", 600, (3, 40, 90, 17))
     srv = Server(model_dir, *SMALL_SERVER, log_path=tmp_path / "log").wait_ready()
     try:
         assert_served_as_mlx_lm(srv, model, prompts, 16)

@@ -12,7 +12,8 @@ from kiln_common.windows import CHUNKED, SLIDING, WindowRule
 from scheduler_proc.window_slots import WindowSlots
 from tests.engine_driver import InProcessEngine
 from tests.families import VOCAB, WINDOW, build
-from tests.test_families import SMALL_SERVER, assert_served_as_mlx_lm, mlx_lm_tokens
+from tests.test_families import (SMALL_SERVER, assert_served_as_mlx_lm, mlx_lm_tokens,
+                                 model_dir_and_prompts)
 from tests.test_scheduler import assert_idle_invariant
 from worker_proc import memory
 from worker_proc.kv_pool import KVPool
@@ -162,15 +163,11 @@ def test_a_sliding_model_served_reports_both_spaces(tiny_model_dir, tmp_path):
     """Served: the windowed layers' space and the bytes per position of each space show in
     /get_server_info and /metrics, and concurrent requests equal mlx-lm's."""
     import httpx
-    import mlx_lm
 
-    from tests.families import write_model_dir
     from tests.server import Server
 
-    model_dir = write_model_dir("gemma3_text", tiny_model_dir, tmp_path / "gemma3")
-    model, _ = mlx_lm.load(str(model_dir))
-    rng = np.random.default_rng(10)
-    prompts = [rng.integers(5, VOCAB, size=n).tolist() for n in (3, 40, 150, 17)]
+    model_dir, model, prompts = model_dir_and_prompts("gemma3_text", tiny_model_dir,
+                                                      tmp_path / "gemma3", 10, (3, 40, 150, 17))
     srv = Server(model_dir, *SMALL_SERVER, log_path=tmp_path / "log").wait_ready()
     try:
         assert_served_as_mlx_lm(srv, model, prompts, 16)
