@@ -254,6 +254,38 @@ def test_a_4_bit_quantized_model_equals_mlx_lm(name, mode):
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(model, p, 16)
 
 
+@pytest.mark.parametrize("name,placed", [("minimax_m3_vl", 2), ("afm7", 2)])
+@pytest.mark.parametrize("path", ["plain", "compiled"])
+def test_rows_at_their_own_positions_share_forwards(name, placed, path):
+    """MiniMax M3's sparse layers and AFM 7's KV-reuse layers with each row's queries at
+    its own positions (row_positions, as the worker loads the model): the ragged probe
+    passes, so rows of different lengths share decode and prefill forwards (on the
+    stood-in CUDA path, compiled decode too), and every request, prefix hits too, gets
+    the tokens mlx-lm's own code gives it alone."""
+    from tests.engine_driver import StandInKernel
+    from worker_proc.row_positions import give_rows_their_positions
+
+    oracle, model = build(name, as_served=False), build(name, as_served=False)  # same weights
+    assert give_rows_their_positions(model) == placed
+    prompts = _prompts(seed=13)
+    compiled = path == "compiled"
+    engine = InProcessEngine(model, chunk_size=12, max_prefill_tokens=48,
+                             overlap="ahead" if compiled else True, compile_decode=compiled,
+                             backend=StandInKernel() if compiled else None)
+    assert engine.runner.ragged
+    for i, p in enumerate(prompts[:5]):
+        engine.submit(f"r{i}", p, 20, [])
+    engine.run_until_idle()
+    engine.submit("hit", prompts[5], 20, [])
+    engine.submit("again", prompts[1], 20, [])
+    results = engine.run_until_idle()
+    assert engine.scheduler.counters.cache_hit_tokens >= 24 + len(prompts[1]) - 1
+    assert (engine.runner.decode_traces > 0) == compiled
+    assert_mlx_lm_tokens(oracle, name, results,
+                         [*((f"r{i}", p) for i, p in enumerate(prompts[:5])),
+                          ("hit", prompts[5]), ("again", prompts[1])], 20)
+
+
 def test_a_model_with_a_layer_kind_not_served_is_refused_naming_it():
     """The pool's probe refuses it, naming the kind and its layers (the worker then runs
     the model on mlx-lm's own caches: below)."""
