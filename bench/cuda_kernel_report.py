@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker_proc import paged_attention as pa  # noqa: E402
 from worker_proc.kernel_constants import float_bits  # noqa: E402
-from worker_proc import qk_norm_rope, residual_norm  # noqa: E402
+from worker_proc import paged_prefill, qk_norm_rope, residual_norm  # noqa: E402
 
 # Each input's element type in the kernels (T: q's dtype; P: the pool's).
 _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "table": "int32_t",
@@ -37,7 +37,7 @@ _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "tab
           "rope": "float", "sinks": "T", "acc": "float", "ml": "float", "out": "T", "out_ml": "float",
           "mark": "int32_t", "bias": "T", "qk_scale": "T",
           "branch": "T", "residual": "T", "weight": "T", "next_weight": "T",
-          "normed": "T"}
+          "normed": "T", "starts": "int32_t"}
 
 
 def _bits(x: float) -> str:
@@ -167,6 +167,21 @@ def latent_variants(dtype: str, dim: int, heads: int,
     return out
 
 
+def prefill_variants(dtype: str, dim: int, group: int, n_kv: int) -> list[tuple[str, str]]:
+    """(label, .cu source) of the paged prefill kernel (worker_proc.paged_prefill): full
+    attention, a window, and sinks."""
+    out = []
+    for window, sinks in ((0, False), (1024, False), (128, True)):
+        name = f"kiln_paged_prefill_d{dim}_w{window}{'_sinks' if sinks else ''}"
+        params = {"T": dtype, "P": dtype, "D": str(dim), "G": str(group), "HKV": str(n_kv),
+                  "TILE": str(paged_prefill.tile_tokens(dim)), "WARPS": str(paged_prefill.WARPS),
+                  "STAGES": str(paged_prefill.STAGES), "WINDOW": str(window), "SCALE": _bits(dim ** -0.5)}
+        inputs = ["q", "kv_pool", "table", "starts", "written", *(["sinks"] if sinks else [])]
+        out.append((name, wrap(name, inputs, ["out"], paged_prefill.source(sinks),
+                               paged_prefill.HEADER, params)))
+    return out
+
+
 @dataclass(frozen=True)
 class Compiled:
     name: str
@@ -242,6 +257,8 @@ def main() -> None:
                         "--head-dim latent (DeepSeek-V3: 128 over 512)")
     p.add_argument("--latent-warps", type=int, default=pa.LatentConfig.warps)
     p.add_argument("--latent-stages", type=int, default=pa.LatentConfig.stages)
+    p.add_argument("--prefill", action="store_true",
+                   help="the paged prefill kernels too (--head-dim, --group, --kv-heads)")
     p.add_argument("--keep", type=Path, help="write the .cu files here too")
     args = p.parse_args()
     if args.cuda is None:
@@ -260,6 +277,8 @@ def main() -> None:
     if args.latent:
         kernels += latent_variants(args.dtype, args.head_dim, args.latent,
                                    pa.LatentConfig(args.latent_warps, args.latent_stages))
+    if args.prefill:
+        kernels += prefill_variants(args.dtype, args.head_dim, args.group, args.kv_heads)
     kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads))
     kernels.append(merge_variant(args.dtype, args.head_dim, args.group, args.kv_heads, sinks=True))
     results = compile_kernels(args.cuda, kernels, args.arch)

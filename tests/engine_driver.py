@@ -26,6 +26,7 @@ from worker_proc.memory import probe_attention_specs
 from worker_proc.own_caches import OwnCacheRunner
 from worker_proc.kernel_constants import MARK_SHAPE
 from worker_proc.paged_attention import reference_decode_attention, reference_latent_attention
+from worker_proc.paged_prefill import paged_prefill_fits, reference_paged_prefill_attention
 from worker_proc.prefill_attention import fused_builds_per_shape
 from worker_proc.runner import PREFILL_PADDING, ModelRunner
 from worker_proc.qk_norm_rope import reference_qk_norm_rope
@@ -205,6 +206,15 @@ class StandInKernel(KernelDecode):
 
     def _latent_attend(self, q, pool, table, lengths, bias, scale, written):  # noqa: ANN001, ANN202
         return reference_latent_attention(q, pool, table, lengths, bias, scale, written)
+
+    def _paged_prefill(self, q, pool, table, starts, scale, written, window, sinks):  # noqa: ANN001, ANN202
+        return reference_paged_prefill_attention(q, pool, table, starts, scale, written, window,
+                                                 sinks)
+
+    def _paged_prefill_takes(self, dtype, pool_dtype, key_dim, value_dim):  # noqa: ANN001, ANN202
+        # The tests' float32 stands in for the GPU's bfloat16: the heads' sizes decide.
+        bf16 = lambda d: mx.bfloat16 if d == mx.float32 else d  # noqa: E731
+        return paged_prefill_fits(bf16(dtype), bf16(pool_dtype), key_dim, value_dim)
 
     def _qk_norm_rope(self, qkv, heads, lengths, scale, eps, rope):  # noqa: ANN001, ANN202
         return reference_qk_norm_rope(qkv, heads, lengths, scale, eps, rope)

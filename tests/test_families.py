@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from tests.engine_driver import InProcessEngine
-from tests.families import _COMMON, FAMILIES, RECURRENT_FAMILIES, VOCAB, WINDOW, build
+from tests.families import _COMMON, FAMILIES, RECURRENT_FAMILIES, VOCAB, WINDOW, build, config_of
 from tests.test_scheduler import assert_idle_invariant
 from worker_proc.layer_kinds import Kind, UnsupportedModelError
 from worker_proc.kv_pool import StateLayerSpec, UnusedLayerSpec, attention_specs, flat_specs
@@ -901,3 +901,47 @@ def test_compiled_decode_compiles_no_kernel_while_serving(name, tmp_path):
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                          timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
     assert run.returncode == 0, run.stderr[-3000:]
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma3_text", "gpt_oss"])
+@pytest.mark.parametrize("path", ["compiled", "in place"])
+def test_prefill_read_from_the_pool_equals_mlx_lm(name, path):
+    """`--experiments paged-prefill`: prefill attention over a computed context reads each
+    row's K/V from the pool through the prefill kernel (stood in for by its plain-MLX
+    meaning), full and sliding layers (Gemma 3's, GPT-OSS's with sinks), chunks across
+    the window's edge, prefix hits, rows at different starts: mlx-lm's tokens. Heads of
+    64 (the kernel takes multiples of 64)."""
+    import importlib
+
+    from tests.engine_driver import StandInInPlaceKernels, StandInKernel
+
+    config = {**config_of(name), "head_dim": 64}
+    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
+    mx.random.seed(0)
+    model = module.Model(module.ModelArgs.from_dict(config))
+    model.set_dtype(mx.float32)
+    mx.eval(model.parameters())
+    compiled = path == "compiled"
+    backend = (StandInKernel if compiled else StandInInPlaceKernels)(paged_prefill=True)
+    windows = []
+    attend = backend._paged_prefill
+
+    def recorded(q, pool, table, starts, scale, written, window, sinks):  # noqa: ANN001, ANN202
+        windows.append((window, sinks is not None))
+        return attend(q, pool, table, starts, scale, written, window, sinks)
+
+    object.__setattr__(backend, "_paged_prefill", recorded)
+    prompts = _prompts(seed=300 + len(name))
+    engine = InProcessEngine(model, chunk_size=16, compile_decode=compiled, overlap="ahead",
+                             backend=backend)
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 12, [])
+    results = engine.run_until_idle()
+    engine.submit("again", list(prompts[1]), 12, [])
+    results.update(engine.run_until_idle())
+    assert engine.scheduler.counters.cache_hit_tokens > 0
+    kinds = {w for w, _ in windows}
+    assert 0 in kinds and (name == "llama" or WINDOW in kinds), kinds
+    assert any(s for _, s in windows) == (name in SINKS)
+    assert_mlx_lm_tokens(model, name, results, [*((f"r{i}", p) for i, p in enumerate(prompts)),
+                                                ("again", prompts[1])], 12)

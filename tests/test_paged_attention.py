@@ -8,6 +8,8 @@ import pytest
 
 from tests.attention_cases import ragged_slot_table
 from worker_proc.decode_backend import GatherDecode, KernelDecode
+from worker_proc.paged_prefill import paged_prefill_attention, reference_paged_prefill_attention
+from worker_proc.paged_attention import split_kv
 from worker_proc.paged_attention import (DEFAULT_STAGES, kernel_available, LatentConfig,
                                          MAX_SPLIT_TOKENS, MIN_SPLIT_TOKENS, MmaConfig, num_splits,
                                          paged_decode_attention, paged_decode_write_attention,
@@ -747,6 +749,15 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     results = compile_kernels(cuda, mma)
     assert all(r.ok and "0 bytes spill stores" in r.report for r in results), [
         r.name + ":\n" + r.report for r in results if not (r.ok and "0 bytes spill" in r.report)]
+    # The paged prefill kernel (full, windowed, with sinks) at Llama's, Gemma 3's (256:
+    # ~240 registers, two blocks an SM by its shared memory anyway) and 64-wide heads.
+    from bench.cuda_kernel_report import prefill_variants
+
+    results = compile_kernels(cuda, prefill_variants("__nv_bfloat16", 128, 4, 8)
+                              + prefill_variants("__nv_bfloat16", 256, 2, 8)
+                              + prefill_variants("__half", 64, 1, 4))
+    assert all(r.ok and "0 bytes spill stores" in r.report for r in results), [
+        r.name + ":\n" + r.report for r in results if not (r.ok and "0 bytes spill" in r.report)]
 
 
 def _latent_case(heads: int, dim: int, rope: int = 64, dtype=mx.bfloat16, seed: int = 0,
@@ -921,3 +932,59 @@ def test_no_kernel_reads_a_constant_of_eight_bytes_or_less(monkeypatch):
     small = [(name, a.shape, a.dtype) for name, inputs in launches for a in inputs
              if a.nbytes <= 8]
     assert not small, small
+
+
+def _prefill_case(n_q: int, n_kv: int, dim: int, starts: list[int], n_new: int,
+                  dtype=mx.bfloat16, seed: int = 0):
+    """A prefill forward's queries [B, Hq, S, D] at positions starts[b] + 0..S-1, and a
+    pool whose rows' contexts (each start + S positions) lie in shuffled slots."""
+    rng = np.random.default_rng(seed)
+    lengths = [s + n_new for s in starts]
+    width = max(lengths)
+    slots = 1 + sum(lengths)
+    order = 1 + rng.permutation(sum(lengths))
+    table = np.zeros((len(starts), width), dtype=np.int32)  # past a row's end: slot 0
+    at = 0
+    for b, n in enumerate(lengths):
+        table[b, :n] = order[at:at + n]
+        at += n
+    pool = mx.array(rng.standard_normal((slots, n_kv, 2 * dim)).astype(np.float32)).astype(dtype)
+    q = mx.array(rng.standard_normal((len(starts), n_q, n_new, dim)).astype(np.float32)).astype(dtype)
+    return q, pool, mx.array(table), mx.array(np.array(starts, dtype=np.int32))
+
+
+def test_paged_prefill_reference_is_attention_over_each_rows_context():
+    """The paged prefill kernel's plain-MLX meaning: each row's queries over its own
+    context's K/V (causal from its start, within a window), as mlx-lm's attention over
+    that row alone."""
+    q, pool, table, starts = _prefill_case(4, 2, 64, [0, 37, 5], 9, dtype=mx.float32)
+    for window in (0, 8):
+        got = reference_paged_prefill_attention(q, pool, table, starts, 0.125, window=window)
+        for b, start in enumerate([0, 37, 5]):
+            n = start + 9
+            keys, values = split_kv(pool[table[b:b + 1, :n]], 64)
+            pos = start + np.arange(9)[:, None]
+            t = np.arange(n)[None]
+            visible = (t <= pos) & ((t > pos - window) if window else True)
+            want = mx.fast.scaled_dot_product_attention(q[b:b + 1], keys, values, scale=0.125,
+                                                        mask=mx.array(visible))
+            np.testing.assert_allclose(np.array(got[b:b + 1]), np.array(want), atol=1e-5)
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
+@pytest.mark.parametrize("n_q, n_kv, dim, dtype", [(32, 8, 128, mx.bfloat16), (16, 8, 256, mx.bfloat16),
+                                                   (8, 8, 64, mx.float16), (12, 4, 128, mx.bfloat16)])
+@pytest.mark.parametrize("starts, n_new", [([0], 700), ([3584], 512), ([0, 1000, 17], 130),
+                                           ([4096 - 300], 300)])
+@pytest.mark.parametrize("window, sinks", [(0, False), (1024, False), (128, True)])
+def test_cuda_paged_prefill_matches_reference(n_q, n_kv, dim, dtype, starts, n_new, window, sinks):
+    """The tensor-core prefill kernel against its plain-MLX meaning: query heads a KV head
+    from 1 to 4 (and 3), heads of 64, 128 and 256, rows at different starts, windows and
+    sinks."""
+    q, pool, table, st = _prefill_case(n_q, n_kv, dim, starts, n_new, dtype=dtype)
+    sink = mx.array(np.linspace(-1, 1, n_q).astype(np.float32)).astype(dtype) if sinks else None
+    got = paged_prefill_attention(q, pool, table, st, dim ** -0.5, window=window, sinks=sink)
+    want = reference_paged_prefill_attention(q.astype(mx.float32), pool.astype(mx.float32),
+                                             table, st, dim ** -0.5, window=window,
+                                             sinks=None if sink is None else sink.astype(mx.float32))
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want), rtol=3e-2, atol=3e-2)

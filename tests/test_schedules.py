@@ -191,3 +191,23 @@ def test_same_step_hit_on_a_shorter_prompt_is_exact(tiny_model, oracle):
     assert engine.scheduler.counters.cache_hit_tokens == 1
     assert results["r0"].token_ids == oracle(short, 8)
     assert results["r1"].token_ids == oracle(long, 8)
+
+
+def test_padding_queries_past_a_window_keep_every_row_finite():
+    """A shared prefill forward pads a short chunk's row (prefill padding) with queries
+    placed past the forward's last key; in a sliding layer their windows held no key: NaN
+    rows, whose K/V went to the pool's dummy slot, which every other row's masked columns
+    multiply by zero (NaN). The schedule that found it (seed 1003 of
+    bench/schedule_soak.py: llama with sliding layers on the CUDA path's in-place pool,
+    stood in for): mlx-lm's tokens."""
+    from tests.engine_driver import StandInInPlaceKernels
+    from tests.families import VOCAB, build
+    from tests.test_families import mlx_lm_tokens
+
+    model = build("llama_sliding")
+    schedule = draw_schedule(1003, VOCAB)
+    schedule.engine.update(backend=StandInInPlaceKernels(), compile_prefill=False)
+    assert schedule.engine["prefill_padding"] > 0
+    _, outputs = run_schedule(model, schedule)
+    for i, (prompt, n) in enumerate(zip(schedule.prompts, schedule.max_tokens)):
+        assert outputs[f"r{i}"] == mlx_lm_tokens(model, prompt, n), f"r{i}"

@@ -96,6 +96,12 @@ class ForwardLayout:
             first = self.offset if isinstance(self.offset, int) else self.offset[:, None]
             q = (first + mx.arange(width, dtype=mx.int32)[None, :])[:, :, None]
             assert q.shape[0] == rows, "one start, or one a row"
+            # A row's padding queries (prefill_padding) may sit past every key: seen from
+            # the last one instead, so that their windows hold a key and their rows stay
+            # finite (a row of no keys is NaN, which their K/V would carry into the pool's
+            # dummy slot, and a masked column times NaN is NaN in every other row).
+            # Real queries are never past the last key.
+            q = mx.minimum(q, n_keys - 1)
             visible = kind.visible(q, mx.arange(start, n_keys, dtype=mx.int32)[None, None, :])
             return visible[0] if visible.shape[0] == 1 else visible[:, None]
 
@@ -825,6 +831,11 @@ def install_attention_hook() -> None:
                 # model's mask was another layer's (AFM 7's first layer is paged and has
                 # none), so each row's length masks its padding here.
                 mask = cache.make_mask(queries.shape[2])
+            if not cache.paged and not own:
+                # Straight from the pool, where the backend's prefill kernel serves the layer.
+                out = cache.backend.paged_prefill_attention(cache, queries, scale, sinks)
+                if out is not None:
+                    return out
             if not cache.paged:
                 if cache.kind.windowed:
                     # Ours, not the model's: a model may skip the mask for one new token,

@@ -30,6 +30,8 @@ from worker_proc.paged_attention import (DEFAULT_STAGES, fits_shared_memory, ker
                                          paged_decode_write_attention, paged_latent_attention,
                                          reference_decode_attention, reference_latent_attention,
                                          RopeSpec, tensor_cores_available)
+from worker_proc.layer_kinds import Kind
+from worker_proc.paged_prefill import paged_prefill_attention, paged_prefill_fits
 from worker_proc.pool_writes import pool_write_in_place, rows_write_in_place
 from worker_proc.prefill_attention import (bucketed_fused_attention, bucketed_masked_attention,
                                            causal_mask, fused_bucket_padding,
@@ -100,6 +102,12 @@ class DecodeBackend:
                           once: Once = _every_time) -> mx.array | None:
         """A prefill forward's attention, or None for mlx-lm's own (MLX's fused one).
         once: what the forward's layers share is made by it (ForwardLayout.once)."""
+        return None
+
+    def paged_prefill_attention(self, cache: PooledKVCache, queries: mx.array, scale: float,
+                                sinks: mx.array | None) -> mx.array | None:
+        """A prefill forward's attention read straight from the pool (the layer's K/V for
+        this forward already stored), or None for the gathered K/V's path."""
         return None
 
     def own_prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
@@ -188,7 +196,10 @@ class KernelDecode(DecodeBackend):
     kernel's RoPE alone for blocks without q/k norms (llama, qwen2, GPT-OSS) in place of
     MLX's copy and RoPE (off: `--experiments unfused-qk-rope`). residual_norm_kernel: a
     decode step's sandwich norms and residual adds (Gemma 3's) in one kernel a pair
-    (residual_norm; off: `--experiments unfused-residual-norm`)."""
+    (residual_norm; off: `--experiments unfused-residual-norm`). paged_prefill: prefill
+    attention of full and sliding layers through the paged prefill kernel, which reads
+    each row's context from the pool (paged_prefill; `--experiments paged-prefill`, off
+    by default until measured): no gather, no score matrix, any head size to 256."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
@@ -204,6 +215,7 @@ class KernelDecode(DecodeBackend):
     qk_norm_kernel: bool = True
     qk_rope_kernel: bool = True
     residual_norm_kernel: bool = True
+    paged_prefill: bool = False
 
     @property
     def name(self) -> str:
@@ -273,6 +285,25 @@ class KernelDecode(DecodeBackend):
                             lambda: causal_mask(n_new, n_keys))
             return unfused_prefill_attention(queries, keys, values, scale, mask, sinks)
         return None
+
+    def paged_prefill_attention(self, cache: PooledKVCache, queries: mx.array, scale: float,
+                                sinks: mx.array | None) -> mx.array | None:
+        kind, layout, pool, layer = cache.kind, cache.layout, cache.pool, cache.layer
+        spec = pool.specs[layer]
+        if not (self.paged_prefill and kind.kind in (Kind.FULL, Kind.SLIDING)
+                and not kind.own_attention and not spec.values_are_keys
+                and self._paged_prefill_takes(queries.dtype, pool.layers[layer].dtype,
+                                              spec.head_dim, spec.v_head_dim)):
+            return None
+        if layout.fresh and self._fused_builds_per_shape(queries, queries):
+            return None  # a fresh prompt's own K/V through cuDNN, as computed
+        table = cache.read_slots
+        offset = layout.offset
+        starts = (mx.zeros((table.shape[0],), dtype=mx.int32) + offset
+                  if isinstance(offset, int) else offset)
+        window = kind.span if kind.kind is Kind.SLIDING else 0
+        return self._paged_prefill(queries, pool.layers[layer], table, starts, scale,
+                                   pool.mark(layer), window, sinks)
 
     def latent_path(self, specs: list) -> str | None:
         from worker_proc.kv_pool import attention_specs
@@ -347,6 +378,15 @@ class KernelDecode(DecodeBackend):
         return paged_decode_write_attention(q, keys, values, slots, pool, table, lengths,
                                             scale, after, sinks=sinks, stages=self.stages,
                                             mma=self.mma)
+
+    def _paged_prefill_takes(self, dtype: mx.Dtype, pool_dtype: mx.Dtype, key_dim: int,
+                             value_dim: int) -> bool:
+        return paged_prefill_fits(dtype, pool_dtype, key_dim, value_dim)
+
+    def _paged_prefill(self, q: mx.array, pool: mx.array, table: mx.array, starts: mx.array,
+                       scale: float, written: mx.array | None, window: int,
+                       sinks: mx.array | None) -> mx.array:
+        return paged_prefill_attention(q, pool, table, starts, scale, written, window, sinks)
 
     def _latent_attend(self, q: mx.array, pool: mx.array, table: mx.array, lengths: mx.array,
                        bias: mx.array, scale: float, written: mx.array | None) -> mx.array:
@@ -496,4 +536,5 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         qk_norm_kernel="unfused-qk-norm" not in experiments,
                         qk_rope_kernel="unfused-qk-rope" not in experiments,
                         residual_norm_kernel="unfused-residual-norm" not in experiments,
+                        paged_prefill="paged-prefill" in experiments,
                         prefill_bucket=prefill_bucket)

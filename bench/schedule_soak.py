@@ -1,0 +1,167 @@
+"""Random schedules over every architecture family, longer than CI can afford: a
+differential soak, not a timing.
+
+`tests/test_schedules.py` draws random schedules (shared prefixes, chunk edges inside and
+across them, tight pools that preempt, arrivals while others decode, overlap, compiled
+prefill, decode-first budgets) and checks every request's greedy tokens against mlx-lm's
+for its prompt alone, for the tiny llama and four windowed or hybrid families, a few
+seeds each. This runs the same schedules for every family of `tests/families.py` (the
+attention families, the recurrent ones, the models served on their own caches), on each
+of the worker's paths:
+
+- plain: the device's own backend (on the CPU, the dense-context fallback Metal takes),
+  the model as the worker loads it there (offset norms summed once, rows placed);
+- kernel: the CUDA path with its kernels stood in for by their plain-MLX meaning
+  (`tests.engine_driver.StandInKernel`): projections fused, fast decode blocks, decode
+  replayed from compiled traces;
+- in place: the CUDA path's in-place pool (`StandInInPlaceKernels`), eager decode.
+
+A mismatch names the family, path and seed (`--families F --paths P --seeds S` replays
+it) and the first token that differs. Exit status 1 on any mismatch or error.
+
+    python bench/schedule_soak.py --seeds 0-9 --minutes 60
+    python bench/schedule_soak.py --families gemma3_text,qwen3_next --paths kernel --seeds 7
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.engine_driver import StandInInPlaceKernels, StandInKernel  # noqa: E402
+from tests.families import FAMILIES, RECURRENT_FAMILIES, UNPAGED, VOCAB, build  # noqa: E402
+from tests.test_families import mlx_lm_tokens  # noqa: E402
+from tests.test_scheduler import assert_idle_invariant  # noqa: E402
+from tests.test_schedules import Schedule, draw_schedule, run_schedule  # noqa: E402
+from worker_proc.decode_block import speed_up_decode_blocks  # noqa: E402
+from worker_proc.fused_projections import fuse_projections  # noqa: E402
+from worker_proc.offset_norms import sum_offset_norms  # noqa: E402
+
+PATHS = ("plain", "kernel", "in place")
+
+
+@dataclass
+class Outcome:
+    family: str
+    path: str
+    seed: int
+    problems: list[str]
+    preempted: bool
+    hit: bool
+    seconds: float
+
+
+def served_model(family: str, path: str) -> Any:
+    """The family's tiny model as the worker would load it for this path."""
+    model = build(family)  # rows placed at their own positions (give_rows_their_positions)
+    if path != "plain":  # the CUDA defaults: fused projections, fast decode blocks
+        fuse_projections(model)
+        speed_up_decode_blocks(model, residual_in_gemm=False)
+    sum_offset_norms(model)
+    return model
+
+
+def engine_options(path: str, own_caches: bool) -> dict[str, Any]:
+    if own_caches:
+        return {"own_caches": True}
+    if path == "kernel":
+        return {"backend": StandInKernel(), "compile_decode": True}
+    if path == "in place":
+        return {"backend": StandInInPlaceKernels()}
+    return {}
+
+
+def soak_one(family: str, path: str, seed: int, oracle: Any, memo: dict) -> Outcome:
+    t0 = time.monotonic()
+    own_caches = family in UNPAGED
+    model = served_model(family, path)
+    schedule: Schedule = draw_schedule(seed, VOCAB)
+    options = engine_options(path, own_caches)
+    if own_caches:  # no prefill traces, no kernel path on mlx-lm's own caches
+        schedule.engine["compile_prefill"] = False
+    if path == "in place":  # in-place stand-ins write Python objects: no traces
+        schedule.engine["compile_prefill"] = False
+    schedule.engine.update(options)
+    problems: list[str] = []
+    engine, outputs = run_schedule(model, schedule)
+    for i, (prompt, n) in enumerate(zip(schedule.prompts, schedule.max_tokens)):
+        key = (tuple(prompt), n)
+        if key not in memo:
+            memo[key] = mlx_lm_tokens(oracle, prompt, n)
+        got, want = outputs[f"r{i}"], memo[key]
+        if got != want:
+            at = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b),
+                      min(len(got), len(want)))
+            problems.append(f"r{i} (prompt {len(prompt)}, {n} tokens): first difference at "
+                            f"token {at}: {got[at:at + 4]} != {want[at:at + 4]}")
+    try:
+        assert_idle_invariant(engine.scheduler)
+    except AssertionError as exc:
+        problems.append(f"idle invariant: {exc}")
+    return Outcome(family, path, seed, problems, engine.scheduler.counters.preemptions > 0,
+                   engine.scheduler.counters.cache_hit_tokens > 0, time.monotonic() - t0)
+
+
+def parse_seeds(text: str) -> list[int]:
+    seeds: list[int] = []
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        seeds.extend(range(int(lo), int(hi or lo) + 1))
+    return seeds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    everything = [*FAMILIES, *RECURRENT_FAMILIES, *UNPAGED]
+    p.add_argument("--families", default="", help=f"','-joined (default: all {len(everything)})")
+    p.add_argument("--paths", default=",".join(PATHS), help="','-joined: plain, kernel, in place")
+    p.add_argument("--seeds", default="1000-1002", help="e.g. 0-9 or 3,7")
+    p.add_argument("--minutes", type=float, default=0.0,
+                   help="stop starting new schedules after this long (0: no limit)")
+    args = p.parse_args()
+    families = args.families.split(",") if args.families else everything
+    unknown = set(families) - set(everything)
+    if unknown:
+        p.error(f"unknown families: {', '.join(sorted(unknown))}")
+    paths = [x.strip() for x in args.paths.split(",")]
+    if set(paths) - set(PATHS):
+        p.error(f"paths are {', '.join(PATHS)}")
+    seeds = parse_seeds(args.seeds)
+    deadline = time.monotonic() + 60 * args.minutes if args.minutes else float("inf")
+    failed, runs, preempted, hits = 0, 0, 0, 0
+    for seed in seeds:  # seeds outermost: a time limit still sees every family
+        for family in families:
+            oracle = build(family, as_served=False)  # mlx-lm as mlx_lm.generate runs it
+            memo: dict = {}
+            for path in (["plain"] if family in UNPAGED else paths):
+                if time.monotonic() > deadline:
+                    break
+                runs += 1
+                try:
+                    out = soak_one(family, path, seed, oracle, memo)
+                except Exception:  # noqa: BLE001 - a soak reports every failure and goes on
+                    failed += 1
+                    print(f"ERROR {family} [{path}] seed {seed}\n{traceback.format_exc()}", flush=True)
+                    continue
+                preempted += out.preempted
+                hits += out.hit
+                status = "MISMATCH" if out.problems else "ok"
+                print(f"{status:8s} {family:22s} [{path}] seed {seed} ({out.seconds:.1f} s"
+                      f"{', preempted' if out.preempted else ''}{', prefix hits' if out.hit else ''})",
+                      flush=True)
+                for problem in out.problems:
+                    print(f"         {problem}", flush=True)
+                failed += bool(out.problems)
+    print(f"{runs} schedules, {failed} failed; {preempted} preempted, {hits} with prefix hits")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
