@@ -14,7 +14,10 @@ of the worker's paths:
 - kernel: the CUDA path with its kernels stood in for by their plain-MLX meaning
   (`tests.engine_driver.StandInKernel`): projections fused, fast decode blocks, decode
   replayed from compiled traces;
-- in place: the CUDA path's in-place pool (`StandInInPlaceKernels`), eager decode.
+- in place: the CUDA path's in-place pool (`StandInInPlaceKernels`), eager decode;
+- paged prefill: the kernel path with `--experiments paged-prefill` (prefill attention
+  read from the pool, `worker_proc/paged_prefill.py`, stood in for), on the family's
+  model with heads of 64 (the kernel takes 64 to 256) where its config has a head size.
 
 A mismatch names the family, path and seed (`--families F --paths P --seeds S` replays
 it) and the first token that differs. Exit status 1 on any mismatch or error.
@@ -26,6 +29,7 @@ it) and the first token that differs. Exit status 1 on any mismatch or error.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 import traceback
@@ -44,7 +48,8 @@ from worker_proc.decode_block import speed_up_decode_blocks  # noqa: E402
 from worker_proc.fused_projections import fuse_projections  # noqa: E402
 from worker_proc.offset_norms import sum_offset_norms  # noqa: E402
 
-PATHS = ("plain", "kernel", "in place")
+PATHS = ("plain", "kernel", "in place", "paged prefill")
+HEAD_DIM = 64  # the paged prefill path's heads
 
 
 @dataclass
@@ -56,11 +61,40 @@ class Outcome:
     preempted: bool
     hit: bool
     seconds: float
+    kernel_calls: int  # the paged prefill kernel's (stood in for)
+
+
+@functools.cache
+def _takes_head_dim(family: str) -> bool:
+    try:
+        build(family, as_served=False, head_dim=HEAD_DIM)
+    except (ValueError, TypeError, AssertionError):  # its head size follows from others
+        return False
+    return True
+
+
+def overrides(family: str, path: str) -> dict[str, Any]:
+    """Config values the path changes: heads the paged prefill kernel takes, where the
+    family's config sets a head size of its own."""
+    if path == "paged prefill" and _takes_head_dim(family):
+        return {"head_dim": HEAD_DIM}
+    return {}
+
+
+class CountingStandIn(StandInKernel):
+    """The stood-in kernel path, counting the paged prefill kernel's calls."""
+
+    calls = 0
+
+    def _paged_prefill(self, *args):  # noqa: ANN002, ANN202
+        CountingStandIn.calls += 1
+        return super()._paged_prefill(*args)
 
 
 def served_model(family: str, path: str) -> Any:
     """The family's tiny model as the worker would load it for this path."""
-    model = build(family)  # rows placed at their own positions (give_rows_their_positions)
+    # Rows placed at their own positions (give_rows_their_positions).
+    model = build(family, **overrides(family, path))
     if path != "plain":  # the CUDA defaults: fused projections, fast decode blocks
         fuse_projections(model)
         speed_up_decode_blocks(model, residual_in_gemm=False)
@@ -75,10 +109,12 @@ def engine_options(path: str, own_caches: bool) -> dict[str, Any]:
         return {"backend": StandInKernel(), "compile_decode": True}
     if path == "in place":
         return {"backend": StandInInPlaceKernels()}
+    if path == "paged prefill":
+        return {"backend": CountingStandIn(paged_prefill=True), "compile_decode": True}
     return {}
 
 
-def soak_one(family: str, path: str, seed: int, oracle: Any, memo: dict) -> Outcome:
+def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict) -> Outcome:
     t0 = time.monotonic()
     own_caches = family in UNPAGED
     model = served_model(family, path)
@@ -90,9 +126,14 @@ def soak_one(family: str, path: str, seed: int, oracle: Any, memo: dict) -> Outc
         schedule.engine["compile_prefill"] = False
     schedule.engine.update(options)
     problems: list[str] = []
+    CountingStandIn.calls = 0
     engine, outputs = run_schedule(model, schedule)
+    changed = overrides(family, path)
+    if str(changed) not in oracles:  # mlx-lm as mlx_lm.generate runs it
+        oracles[str(changed)] = build(family, as_served=False, **changed)
+    oracle = oracles[str(changed)]
     for i, (prompt, n) in enumerate(zip(schedule.prompts, schedule.max_tokens)):
-        key = (tuple(prompt), n)
+        key = (str(changed), tuple(prompt), n)
         if key not in memo:
             memo[key] = mlx_lm_tokens(oracle, prompt, n)
         got, want = outputs[f"r{i}"], memo[key]
@@ -106,7 +147,8 @@ def soak_one(family: str, path: str, seed: int, oracle: Any, memo: dict) -> Outc
     except AssertionError as exc:
         problems.append(f"idle invariant: {exc}")
     return Outcome(family, path, seed, problems, engine.scheduler.counters.preemptions > 0,
-                   engine.scheduler.counters.cache_hit_tokens > 0, time.monotonic() - t0)
+                   engine.scheduler.counters.cache_hit_tokens > 0, time.monotonic() - t0,
+                   CountingStandIn.calls)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -121,7 +163,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     everything = [*FAMILIES, *RECURRENT_FAMILIES, *UNPAGED]
     p.add_argument("--families", default="", help=f"','-joined (default: all {len(everything)})")
-    p.add_argument("--paths", default=",".join(PATHS), help="','-joined: plain, kernel, in place")
+    p.add_argument("--paths", default=",".join(PATHS), help=f"','-joined: {', '.join(PATHS)}")
     p.add_argument("--seeds", default="1000-1002", help="e.g. 0-9 or 3,7")
     p.add_argument("--minutes", type=float, default=0.0,
                    help="stop starting new schedules after this long (0: no limit)")
@@ -138,14 +180,14 @@ def main() -> None:
     failed, runs, preempted, hits = 0, 0, 0, 0
     for seed in seeds:  # seeds outermost: a time limit still sees every family
         for family in families:
-            oracle = build(family, as_served=False)  # mlx-lm as mlx_lm.generate runs it
+            oracles: dict = {}
             memo: dict = {}
             for path in (["plain"] if family in UNPAGED else paths):
                 if time.monotonic() > deadline:
                     break
                 runs += 1
                 try:
-                    out = soak_one(family, path, seed, oracle, memo)
+                    out = soak_one(family, path, seed, oracles, memo)
                 except Exception:  # noqa: BLE001 - a soak reports every failure and goes on
                     failed += 1
                     print(f"ERROR {family} [{path}] seed {seed}\n{traceback.format_exc()}", flush=True)
@@ -154,7 +196,8 @@ def main() -> None:
                 hits += out.hit
                 status = "MISMATCH" if out.problems else "ok"
                 print(f"{status:8s} {family:22s} [{path}] seed {seed} ({out.seconds:.1f} s"
-                      f"{', preempted' if out.preempted else ''}{', prefix hits' if out.hit else ''})",
+                      f"{', preempted' if out.preempted else ''}{', prefix hits' if out.hit else ''}"
+                      f"{f', {out.kernel_calls} paged prefill calls' if path == 'paged prefill' else ''})",
                       flush=True)
                 for problem in out.problems:
                     print(f"         {problem}", flush=True)

@@ -216,7 +216,11 @@ class ServerConfig:
                                       "unfused-qk-rope (a llama, qwen2 or GPT-OSS decode "
                                       "step's RoPE of q and k through MLX's copy and RoPE "
                                       "as before, not one kernel from the fused "
-                                      "projection's output)."})
+                                      "projection's output), paged-prefill (prefill "
+                                      "attention of full and sliding layers over a "
+                                      "computed context read from the pool by a "
+                                      "tensor-core kernel, heads of 64 to 256, instead of "
+                                      "a gather and cuDNN or MLX's matmuls; unmeasured)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

@@ -211,16 +211,17 @@ def config_of(family: str) -> dict[str, Any]:
     return {**_COMMON, **{**FAMILIES, **RECURRENT_FAMILIES, **UNPAGED}[family]}
 
 
-def build(family: str, seed: int = 0, as_served: bool = True) -> Any:
+def build(family: str, seed: int = 0, as_served: bool = True, **overrides: Any) -> Any:
     """The family's model with mlx-lm's own random initialisation (seeded), in float32;
     as_served: with the layers the worker swaps in at load to place each row's queries
     at its own positions (worker_proc.row_positions: mlx-lm's code where a forward has
-    one offset, as mlx_lm.generate's have)."""
+    one offset, as mlx_lm.generate's have). overrides: config values in place of the
+    family's (e.g. head_dim=64 for the kernels that take heads of 64 and up)."""
     import mlx.core as mx
 
     from worker_proc.row_positions import give_rows_their_positions
 
-    config = config_of(family)
+    config = {**config_of(family), **overrides}
     module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
     mx.random.seed(seed)
     model = module.Model(module.ModelArgs.from_dict(config))

@@ -13,7 +13,7 @@ import pytest
 from mlx_lm.generate import generate_step
 
 from tests.engine_driver import InProcessEngine
-from tests.families import _COMMON, FAMILIES, RECURRENT_FAMILIES, VOCAB, WINDOW, build, config_of
+from tests.families import _COMMON, FAMILIES, RECURRENT_FAMILIES, VOCAB, WINDOW, build
 from tests.test_scheduler import assert_idle_invariant
 from worker_proc.layer_kinds import Kind, UnsupportedModelError
 from worker_proc.kv_pool import StateLayerSpec, UnusedLayerSpec, attention_specs, flat_specs
@@ -911,16 +911,9 @@ def test_prefill_read_from_the_pool_equals_mlx_lm(name, path):
     meaning), full and sliding layers (Gemma 3's, GPT-OSS's with sinks), chunks across
     the window's edge, prefix hits, rows at different starts: mlx-lm's tokens. Heads of
     64 (the kernel takes multiples of 64)."""
-    import importlib
-
     from tests.engine_driver import StandInInPlaceKernels, StandInKernel
 
-    config = {**config_of(name), "head_dim": 64}
-    module = importlib.import_module(f"mlx_lm.models.{config['model_type']}")
-    mx.random.seed(0)
-    model = module.Model(module.ModelArgs.from_dict(config))
-    model.set_dtype(mx.float32)
-    mx.eval(model.parameters())
+    model = build(name, head_dim=64)
     compiled = path == "compiled"
     backend = (StandInKernel if compiled else StandInInPlaceKernels)(paged_prefill=True)
     windows = []
