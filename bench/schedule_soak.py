@@ -19,6 +19,11 @@ of the worker's paths:
   read from the pool, `worker_proc/paged_prefill.py`, stood in for), on the family's
   model with heads of 64 (the kernel takes 64 to 256) where its config has a head size.
 
+With `--aborts`, a share of each schedule's requests is aborted at a random step after
+it arrives (the rest of the seed's draws unchanged): the others must still get mlx-lm's
+tokens, an aborted one a prefix of them, and the scheduler must end idle with every slot
+back.
+
 A mismatch names the family, path and seed (`--families F --paths P --seeds S` replays
 it) and the first token that differs. Exit status 1 on any mismatch or error.
 
@@ -30,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import random
 import sys
 import time
 import traceback
@@ -39,7 +45,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.engine_driver import StandInInPlaceKernels, StandInKernel  # noqa: E402
+from tests.engine_driver import (InProcessEngine, StandInInPlaceKernels,  # noqa: E402
+                                 StandInKernel)
 from tests.families import FAMILIES, RECURRENT_FAMILIES, UNPAGED, VOCAB, build  # noqa: E402
 from tests.test_families import mlx_lm_tokens  # noqa: E402
 from tests.test_scheduler import assert_idle_invariant  # noqa: E402
@@ -62,6 +69,7 @@ class Outcome:
     hit: bool
     seconds: float
     kernel_calls: int  # the paged prefill kernel's (stood in for)
+    aborted: int  # requests aborted before they finished
 
 
 @functools.cache
@@ -114,7 +122,36 @@ def engine_options(path: str, own_caches: bool) -> dict[str, Any]:
     return {}
 
 
-def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict) -> Outcome:
+def draw_aborts(seed: int, schedule: Schedule, share: float) -> dict[int, int]:
+    """Request index -> the engine step at which it is aborted (from its arrival on)."""
+    rng = random.Random(seed * 7919 + 1)
+    return {i: arrival + rng.randrange(0, 24) for i, arrival in enumerate(schedule.arrivals)
+            if rng.random() < share}
+
+
+def run_with_aborts(model: Any, schedule: Schedule,
+                    aborts: dict[int, int]) -> tuple[InProcessEngine, dict[str, list[int]]]:
+    """run_schedule's loop, aborting request i at step aborts[i] (if not finished)."""
+    engine = InProcessEngine(model, max_context=2048, **schedule.engine)
+    engine.aborted = 0  # requests aborted before they finished
+    events = sorted([(a, 0, i) for i, a in enumerate(schedule.arrivals)]
+                    + [(step, 1, i) for i, step in aborts.items()])
+    step = 0
+    for at, kind, i in events:
+        while step < at:
+            engine.step()
+            step += 1
+        if kind == 0:
+            engine.submit(f"r{i}", schedule.prompts[i], schedule.max_tokens[i], [])
+        elif engine.results[f"r{i}"].finish_reason is None:
+            engine.abort(f"r{i}")
+            engine.aborted += 1
+    results = engine.run_until_idle()
+    return engine, {rid: r.token_ids for rid, r in results.items()}
+
+
+def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict,
+             abort_share: float = 0.0) -> Outcome:
     t0 = time.monotonic()
     own_caches = family in UNPAGED
     model = served_model(family, path)
@@ -127,7 +164,9 @@ def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict) -> Ou
     schedule.engine.update(options)
     problems: list[str] = []
     CountingStandIn.calls = 0
-    engine, outputs = run_schedule(model, schedule)
+    aborts = draw_aborts(seed, schedule, abort_share) if abort_share else {}
+    engine, outputs = (run_with_aborts(model, schedule, aborts) if aborts
+                       else run_schedule(model, schedule))
     changed = overrides(family, path)
     if str(changed) not in oracles:  # mlx-lm as mlx_lm.generate runs it
         oracles[str(changed)] = build(family, as_served=False, **changed)
@@ -137,6 +176,8 @@ def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict) -> Ou
         if key not in memo:
             memo[key] = mlx_lm_tokens(oracle, prompt, n)
         got, want = outputs[f"r{i}"], memo[key]
+        if i in aborts and got == want[:len(got)]:
+            continue  # aborted: what it got before the abort is mlx-lm's
         if got != want:
             at = next((j for j, (a, b) in enumerate(zip(got, want)) if a != b),
                       min(len(got), len(want)))
@@ -148,7 +189,7 @@ def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict) -> Ou
         problems.append(f"idle invariant: {exc}")
     return Outcome(family, path, seed, problems, engine.scheduler.counters.preemptions > 0,
                    engine.scheduler.counters.cache_hit_tokens > 0, time.monotonic() - t0,
-                   CountingStandIn.calls)
+                   CountingStandIn.calls, getattr(engine, "aborted", 0))
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -165,6 +206,8 @@ def main() -> None:
     p.add_argument("--families", default="", help=f"','-joined (default: all {len(everything)})")
     p.add_argument("--paths", default=",".join(PATHS), help=f"','-joined: {', '.join(PATHS)}")
     p.add_argument("--seeds", default="1000-1002", help="e.g. 0-9 or 3,7")
+    p.add_argument("--aborts", type=float, default=0.0, metavar="SHARE",
+                   help="abort this share of each schedule's requests at random steps")
     p.add_argument("--minutes", type=float, default=0.0,
                    help="stop starting new schedules after this long (0: no limit)")
     args = p.parse_args()
@@ -187,7 +230,7 @@ def main() -> None:
                     break
                 runs += 1
                 try:
-                    out = soak_one(family, path, seed, oracles, memo)
+                    out = soak_one(family, path, seed, oracles, memo, args.aborts)
                 except Exception:  # noqa: BLE001 - a soak reports every failure and goes on
                     failed += 1
                     print(f"ERROR {family} [{path}] seed {seed}\n{traceback.format_exc()}", flush=True)
@@ -197,7 +240,8 @@ def main() -> None:
                 status = "MISMATCH" if out.problems else "ok"
                 print(f"{status:8s} {family:22s} [{path}] seed {seed} ({out.seconds:.1f} s"
                       f"{', preempted' if out.preempted else ''}{', prefix hits' if out.hit else ''}"
-                      f"{f', {out.kernel_calls} paged prefill calls' if path == 'paged prefill' else ''})",
+                      f"{f', {out.kernel_calls} paged prefill calls' if path == 'paged prefill' else ''}"
+                      f"{f', {out.aborted} aborted' if out.aborted else ''})",
                       flush=True)
                 for problem in out.problems:
                     print(f"         {problem}", flush=True)
