@@ -773,6 +773,8 @@ def main() -> None:
                 this, "BACKEND", replace(served, bucketed_prefill=False), kiln(fast_model))
             step_variants["kiln, served, unfused masked attention"] = _patching(
                 this, "BACKEND", replace(served, bucketed_masked=False), kiln(fast_model))
+            step_variants["kiln, served, paged prefill"] = _patching(  # --experiments paged-prefill
+                this, "BACKEND", replace(served, paged_prefill=True), kiln(fast_model))
         else:  # CUDA's prefill attention (unfused), stood in for on this device
             for compiles in (False, True):
                 step_variants["kiln, CUDA's prefill attention" + (", compiled" if compiles else "")] = (
