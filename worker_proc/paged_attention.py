@@ -603,6 +603,20 @@ _MMA_COPY_ROW = """NEW_COPY {
 _LATENT_COPY_ROW = "kiln_cp_async16(dst, kv_pool + (size_t)sm_slots[t - start] * row_stride + piece * 8);"
 
 
+# A tensor-core kernel's P V for 16 tokens (rows VR of the tile at VROW) into the warp's
+# output fragments from column tile COL0 on, and then the row sums over a fragment row's
+# four lanes: shared by the decode and prefill bodies (paged_prefill).
+MMA_PV_STEP = """#pragma unroll
+        for (int n = 0; n < NT; n += 2) {
+            uint32_t v[4];
+            kiln_ldmatrix_t4(v, VROW + ((D / 8 + COL0n + (lane >> 4)) ^ kiln_swz(VR)) * 8);
+            kiln_mma<P>(o[n], pa[0], pa[1], pa[2], pa[3], v[0], v[1]);
+            kiln_mma<P>(o[n + 1], pa[0], pa[1], pa[2], pa[3], v[2], v[3]);
+        }"""
+MMA_ROW_SUMS = """// A row's sum over its four lanes (its max already agrees).
+    l_lo += __shfl_xor_sync(0xffffffff, l_lo, 1);
+    l_lo += __shfl_xor_sync(0xffffffff, l_lo, 2);"""
+
 _MMA_BODY = r"""
     constexpr int TW = TOKEN_WARPS;   // warps over the tile's tokens, 16 each
     constexpr int DW = COLUMN_WARPS;  // ... times warps over the output's columns
@@ -731,18 +745,10 @@ ISSUE_TILE    __syncthreads();  // the slots and q are in place
         // 8-15, this or the next 8 columns) x row (lane % 8); four matrices, two n-tiles.
         const int vr = (lane >> 3 & 1) * 8 + (lane & 7);
         const P* vrow = rows + vr * ROW;
-#pragma unroll
-        for (int n = 0; n < NT; n += 2) {
-            uint32_t v[4];
-            kiln_ldmatrix_t4(v, vrow + ((D / 8 + n0 + n + (lane >> 4)) ^ kiln_swz(vr)) * 8);
-            kiln_mma<P>(o[n], pa[0], pa[1], pa[2], pa[3], v[0], v[1]);
-            kiln_mma<P>(o[n + 1], pa[0], pa[1], pa[2], pa[3], v[2], v[3]);
-        }
+MMA_PV_STEP
     }
     kiln_cp_wait<0>();
-    // A row's sum over its four lanes (its max already agrees).
-    l_lo += __shfl_xor_sync(0xffffffff, l_lo, 1);
-    l_lo += __shfl_xor_sync(0xffffffff, l_lo, 2);
+    MMA_ROW_SUMS
     if (HI) {
         l_hi += __shfl_xor_sync(0xffffffff, l_hi, 1);
         l_hi += __shfl_xor_sync(0xffffffff, l_hi, 2);
@@ -769,7 +775,9 @@ ISSUE_TILE    __syncthreads();  // the slots and q are in place
             sm_acc[(tw * G + g8) * D + (n0 + n) * 8 + tid * 2 + 1] = o[n][3];
         }
     }
-""".replace("ISSUE_TILE", _ISSUE_TILE.replace("COPY_ROW", _MMA_COPY_ROW)) + _COMBINE.replace("PARTS", "TW").replace("PART_M", "sm_m[w * G + g]").replace(
+""".replace("ISSUE_TILE", _ISSUE_TILE.replace("COPY_ROW", _MMA_COPY_ROW)).replace(
+    "MMA_PV_STEP", MMA_PV_STEP.replace("VROW", "vrow").replace("COL0", "n0 + ").replace(
+        "VR", "vr")).replace("MMA_ROW_SUMS", MMA_ROW_SUMS) + _COMBINE.replace("PARTS", "TW").replace("PART_M", "sm_m[w * G + g]").replace(
     "PART_L", "sm_l[w * G + g]").replace("PART_ACC", "sm_acc[(w * G + g) * D + d]")
 
 # The tensor-core kernel's helpers (sm_80+: bf16 mma and cp.async).

@@ -21,7 +21,8 @@ import functools
 import mlx.core as mx
 
 from worker_proc.kernel_constants import CONSTANT_ELEMENTS, float_bits
-from worker_proc.paged_attention import _HEADER, _MMA_HEADER, split_kv
+from worker_proc.paged_attention import (_HEADER, _MMA_HEADER, MMA_PV_STEP, MMA_ROW_SUMS,
+                                         split_kv)
 from worker_proc.pool_writes import after_write, follow_mark
 
 WARPS = 4  # warps a block, 16 (query, head) rows each
@@ -179,19 +180,11 @@ _BODY = r"""
             }
             const int vt = kk * 16 + vr;
             const P* vrow = rows + (size_t)vt * ROW;
-#pragma unroll
-            for (int n = 0; n < NT; n += 2) {
-                uint32_t v[4];
-                kiln_ldmatrix_t4(v, vrow + ((D / 8 + n + (lane >> 4)) ^ kiln_swz(vt)) * 8);
-                kiln_mma<P>(o[n], pa[0], pa[1], pa[2], pa[3], v[0], v[1]);
-                kiln_mma<P>(o[n + 1], pa[0], pa[1], pa[2], pa[3], v[2], v[3]);
-            }
+    MMA_PV_STEP
         }
     }
     kiln_cp_wait<0>();
-    // A row's sum over its four lanes (its max already agrees).
-    l_lo += __shfl_xor_sync(0xffffffff, l_lo, 1);
-    l_lo += __shfl_xor_sync(0xffffffff, l_lo, 2);
+    MMA_ROW_SUMS
     l_hi += __shfl_xor_sync(0xffffffff, l_hi, 1);
     l_hi += __shfl_xor_sync(0xffffffff, l_hi, 2);
 #pragma unroll
@@ -229,7 +222,9 @@ _SINK_FINISH = """{
 
 
 def source(sinks: bool) -> str:
-    return _BODY.replace("FINISH", _SINK_FINISH if sinks else _PLAIN_FINISH)
+    pv = MMA_PV_STEP.replace("VROW", "vrow").replace("COL0", "").replace("VR", "vt")
+    return (_BODY.replace("MMA_PV_STEP", pv).replace("MMA_ROW_SUMS", MMA_ROW_SUMS)
+            .replace("FINISH", _SINK_FINISH if sinks else _PLAIN_FINISH))
 
 
 HEADER = _HEADER + _MMA_HEADER
