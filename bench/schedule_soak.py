@@ -19,7 +19,8 @@ of the worker's paths:
   read from the pool, `worker_proc/paged_prefill.py`, stood in for), on the family's
   model with heads of 64 (the kernel takes 64 to 256) where its config has a head size.
 
-With `--aborts`, a share of each schedule's requests is aborted at a random step after
+With `--eos`, every request stops at a token some of the schedule's mlx-lm outputs hold
+(mlx-lm's tokens then end before it). With `--aborts`, a share of each schedule's requests is aborted at a random step after
 it arrives (the rest of the seed's draws unchanged): the others must still get mlx-lm's
 tokens, an aborted one a prefix of them, and the scheduler must end idle with every slot
 back.
@@ -37,6 +38,7 @@ import argparse
 import functools
 import random
 import sys
+from collections import Counter
 import time
 import traceback
 from dataclasses import dataclass
@@ -45,12 +47,12 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.engine_driver import (InProcessEngine, StandInInPlaceKernels,  # noqa: E402
-                                 StandInKernel)
+from tests.engine_driver import (Finished, InProcessEngine,  # noqa: E402
+                                 StandInInPlaceKernels, StandInKernel)
 from tests.families import FAMILIES, RECURRENT_FAMILIES, UNPAGED, VOCAB, build  # noqa: E402
 from tests.test_families import mlx_lm_tokens  # noqa: E402
 from tests.test_scheduler import assert_idle_invariant  # noqa: E402
-from tests.test_schedules import Schedule, draw_schedule, run_schedule  # noqa: E402
+from tests.test_schedules import Schedule, draw_schedule  # noqa: E402
 from worker_proc.decode_block import speed_up_decode_blocks  # noqa: E402
 from worker_proc.fused_projections import fuse_projections  # noqa: E402
 from worker_proc.offset_norms import sum_offset_norms  # noqa: E402
@@ -70,6 +72,7 @@ class Outcome:
     seconds: float
     kernel_calls: int  # the paged prefill kernel's (stood in for)
     aborted: int  # requests aborted before they finished
+    refused: int  # requests admission refused (more than the pool could ever hold)
 
 
 @functools.cache
@@ -129,9 +132,10 @@ def draw_aborts(seed: int, schedule: Schedule, share: float) -> dict[int, int]:
             if rng.random() < share}
 
 
-def run_with_aborts(model: Any, schedule: Schedule,
-                    aborts: dict[int, int]) -> tuple[InProcessEngine, dict[str, list[int]]]:
-    """run_schedule's loop, aborting request i at step aborts[i] (if not finished)."""
+def run(model: Any, schedule: Schedule, aborts: dict[int, int],
+        eos: list[int]) -> tuple[InProcessEngine, dict[str, Finished]]:
+    """run_schedule's loop, every request stopping at `eos`, request i aborted at step
+    aborts[i] (if not finished by then)."""
     engine = InProcessEngine(model, max_context=2048, **schedule.engine)
     engine.aborted = 0  # requests aborted before they finished
     events = sorted([(a, 0, i) for i, a in enumerate(schedule.arrivals)]
@@ -142,16 +146,27 @@ def run_with_aborts(model: Any, schedule: Schedule,
             engine.step()
             step += 1
         if kind == 0:
-            engine.submit(f"r{i}", schedule.prompts[i], schedule.max_tokens[i], [])
+            engine.submit(f"r{i}", schedule.prompts[i], schedule.max_tokens[i], eos)
         elif engine.results[f"r{i}"].finish_reason is None:
             engine.abort(f"r{i}")
             engine.aborted += 1
-    results = engine.run_until_idle()
-    return engine, {rid: r.token_ids for rid, r in results.items()}
+    return engine, engine.run_until_idle()
+
+
+def common_token(wants: list[list[int]]) -> list[int]:
+    """A stop token some of the requests meet: the commonest after each one's first."""
+    counts = Counter(t for want in wants for t in want[1:])
+    return [counts.most_common(1)[0][0]] if counts else []
+
+
+def stopped(tokens: list[int], eos: list[int]) -> list[int]:
+    """mlx_lm.generate's tokens with a stop token: up to it, without it."""
+    at = next((i for i, t in enumerate(tokens) if t in eos), len(tokens))
+    return tokens[:at]
 
 
 def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict,
-             abort_share: float = 0.0) -> Outcome:
+             abort_share: float = 0.0, with_eos: bool = False) -> Outcome:
     t0 = time.monotonic()
     own_caches = family in UNPAGED
     model = served_model(family, path)
@@ -163,19 +178,30 @@ def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict,
         schedule.engine["compile_prefill"] = False
     schedule.engine.update(options)
     problems: list[str] = []
-    CountingStandIn.calls = 0
-    aborts = draw_aborts(seed, schedule, abort_share) if abort_share else {}
-    engine, outputs = (run_with_aborts(model, schedule, aborts) if aborts
-                       else run_schedule(model, schedule))
     changed = overrides(family, path)
     if str(changed) not in oracles:  # mlx-lm as mlx_lm.generate runs it
         oracles[str(changed)] = build(family, as_served=False, **changed)
     oracle = oracles[str(changed)]
-    for i, (prompt, n) in enumerate(zip(schedule.prompts, schedule.max_tokens)):
+    wants = []
+    for prompt, n in zip(schedule.prompts, schedule.max_tokens):
         key = (str(changed), tuple(prompt), n)
         if key not in memo:
             memo[key] = mlx_lm_tokens(oracle, prompt, n)
-        got, want = outputs[f"r{i}"], memo[key]
+        wants.append(memo[key])
+    eos = common_token(wants) if with_eos else []
+    CountingStandIn.calls = 0
+    aborts = draw_aborts(seed, schedule, abort_share) if abort_share else {}
+    engine, outputs = run(model, schedule, aborts, eos)
+    refused = 0
+    for i, (prompt, n) in enumerate(zip(schedule.prompts, schedule.max_tokens)):
+        result = outputs[f"r{i}"]
+        if result.error and "the server has only" in result.error:
+            refused += 1  # admission's clear refusal: a tight pool can never hold it
+            continue
+        if result.error:
+            problems.append(f"r{i}: {result.error}")
+            continue
+        got, want = result.token_ids, stopped(wants[i], eos)
         if i in aborts and got == want[:len(got)]:
             continue  # aborted: what it got before the abort is mlx-lm's
         if got != want:
@@ -189,7 +215,7 @@ def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict,
         problems.append(f"idle invariant: {exc}")
     return Outcome(family, path, seed, problems, engine.scheduler.counters.preemptions > 0,
                    engine.scheduler.counters.cache_hit_tokens > 0, time.monotonic() - t0,
-                   CountingStandIn.calls, getattr(engine, "aborted", 0))
+                   CountingStandIn.calls, engine.aborted, refused)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -208,6 +234,8 @@ def main() -> None:
     p.add_argument("--seeds", default="1000-1002", help="e.g. 0-9 or 3,7")
     p.add_argument("--aborts", type=float, default=0.0, metavar="SHARE",
                    help="abort this share of each schedule's requests at random steps")
+    p.add_argument("--eos", action="store_true",
+                   help="every request stops at a token some of the schedule's outputs hold")
     p.add_argument("--minutes", type=float, default=0.0,
                    help="stop starting new schedules after this long (0: no limit)")
     args = p.parse_args()
@@ -230,7 +258,7 @@ def main() -> None:
                     break
                 runs += 1
                 try:
-                    out = soak_one(family, path, seed, oracles, memo, args.aborts)
+                    out = soak_one(family, path, seed, oracles, memo, args.aborts, args.eos)
                 except Exception:  # noqa: BLE001 - a soak reports every failure and goes on
                     failed += 1
                     print(f"ERROR {family} [{path}] seed {seed}\n{traceback.format_exc()}", flush=True)
@@ -241,7 +269,8 @@ def main() -> None:
                 print(f"{status:8s} {family:22s} [{path}] seed {seed} ({out.seconds:.1f} s"
                       f"{', preempted' if out.preempted else ''}{', prefix hits' if out.hit else ''}"
                       f"{f', {out.kernel_calls} paged prefill calls' if path == 'paged prefill' else ''}"
-                      f"{f', {out.aborted} aborted' if out.aborted else ''})",
+                      f"{f', {out.aborted} aborted' if out.aborted else ''}"
+                      f"{f', {out.refused} refused' if out.refused else ''})",
                       flush=True)
                 for problem in out.problems:
                     print(f"         {problem}", flush=True)
