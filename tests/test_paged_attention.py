@@ -974,17 +974,38 @@ def test_paged_prefill_reference_is_attention_over_each_rows_context():
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
 @pytest.mark.parametrize("n_q, n_kv, dim, dtype", [(32, 8, 128, mx.bfloat16), (16, 8, 256, mx.bfloat16),
                                                    (8, 8, 64, mx.float16), (12, 4, 128, mx.bfloat16)])
-@pytest.mark.parametrize("starts, n_new", [([0], 700), ([3584], 512), ([0, 1000, 17], 130),
-                                           ([4096 - 300], 300)])
+@pytest.mark.parametrize("starts, n_new, width", [([0], 700, 0), ([3584], 512, 0),
+                                                  ([0, 1000, 17], 130, 0), ([3796], 300, 0),
+                                                  ([0, 1000, 17], 130, 1100)])
 @pytest.mark.parametrize("window, sinks", [(0, False), (1024, False), (128, True)])
-def test_cuda_paged_prefill_matches_reference(n_q, n_kv, dim, dtype, starts, n_new, window, sinks):
+def test_cuda_paged_prefill_matches_reference(n_q, n_kv, dim, dtype, starts, n_new, width,
+                                              window, sinks):
     """The tensor-core prefill kernel against its plain-MLX meaning: query heads a KV head
     from 1 to 4 (and 3), heads of 64, 128 and 256, rows at different starts, windows and
-    sinks."""
+    sinks; a table narrower than the widest row's queries (padding queries past it)."""
     q, pool, table, st = _prefill_case(n_q, n_kv, dim, starts, n_new, dtype=dtype)
+    if width:
+        table = table[:, :width]
     sink = mx.array(np.linspace(-1, 1, n_q).astype(np.float32)).astype(dtype) if sinks else None
     got = paged_prefill_attention(q, pool, table, st, dim ** -0.5, window=window, sinks=sink)
     want = reference_paged_prefill_attention(q.astype(mx.float32), pool.astype(mx.float32),
                                              table, st, dim ** -0.5, window=window,
                                              sinks=None if sink is None else sink.astype(mx.float32))
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want), rtol=3e-2, atol=3e-2)
+
+
+def test_paged_prefill_padding_queries_past_the_context_stay_finite():
+    """A right-padded row's queries past its table (a shared prefill forward's padding)
+    attend as one at the last position would, windowed too: finite rows, never 0 / 0
+    (their K/V reach the pool's dummy slot, which every other row's masked columns
+    multiply by zero)."""
+    q, pool, table, starts = _prefill_case(4, 2, 64, [30], 20, dtype=mx.float32)
+    narrow = table[:, :40]  # positions 40..49 are padding: past the table
+    for window in (0, 4):
+        out = reference_paged_prefill_attention(q, pool, narrow, starts, 0.125, window=window)
+        assert bool(mx.isfinite(out).all().item())
+        at_last = mx.array([39], dtype=mx.int32)
+        for i in range(10, 20):
+            alone = reference_paged_prefill_attention(q[:, :, i:i + 1], pool, narrow, at_last,
+                                                      0.125, window=window)
+            np.testing.assert_allclose(np.array(out[:, :, i:i + 1]), np.array(alone), atol=1e-6)

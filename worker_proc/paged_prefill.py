@@ -62,7 +62,8 @@ _BODY = r"""
     // The block's queries and the keys they see at most: [t_begin, t_end).
     const int q_hi = min((r0 + ROWS - 1) / G, S - 1);
     const int t_end = min(first + q_hi + 1, L);
-    const int t_begin = WINDOW > 0 ? max(0, first + r0 / G - WINDOW + 1) : 0;
+    // A padding query past the last key is placed at it (ForwardLayout.kind_mask's rule).
+    const int t_begin = WINDOW > 0 ? max(0, min(first + r0 / G, L - 1) - WINDOW + 1) : 0;
     for (int c = threadIdx.x; c < ROWS * (D / 8); c += blockDim.x) {
         const int r = c / (D / 8);
         const int piece = c % (D / 8);
@@ -96,11 +97,11 @@ _BODY = r"""
     const int r_hi = r_lo + 8;
     const bool ok_lo = r_lo / G < S;
     const bool ok_hi = r_hi / G < S;
-    const int p_lo = first + r_lo / G;
-    const int p_hi = first + r_hi / G;
+    const int p_lo = min(first + r_lo / G, L - 1);
+    const int p_hi = min(first + r_hi / G, L - 1);
     // The warp's positions, for skipping tiles none of its rows sees (warp-uniform).
-    const int w_first = first + (r0 + warp * 16) / G;
-    const int w_last = first + min((r0 + warp * 16 + 15) / G, S - 1);
+    const int w_first = min(first + (r0 + warp * 16) / G, L - 1);
+    const int w_last = min(first + min((r0 + warp * 16 + 15) / G, S - 1), L - 1);
     const P* wq = sm_q + (size_t)warp * 16 * D;
     float o[NT][4];
 #pragma unroll
@@ -197,8 +198,8 @@ _BODY = r"""
         float den = half ? l_hi : l_lo;
         float f = 1.f;
         FINISH
-        // A padded query whose window holds no context position: zeros, not 0 / 0 (its
-        // K/V go to the pool's dummy slot, which other rows' masked columns multiply by 0).
+        // A row that saw no key (an empty table): zeros, not 0 / 0 (its K/V would go to
+        // the pool's dummy slot, which other rows' masked columns multiply by 0).
         if (den == 0.f) { den = 1.f; f = 0.f; }
         T* dst = out + (((size_t)b * HKV * G + head) * S + i) * D;
 #pragma unroll
@@ -268,7 +269,8 @@ def paged_prefill_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
                             window: int = 0, sinks: mx.array | None = None) -> mx.array:
     """Attention of q [B, Hq, S, D] (row b's queries at positions starts[b] + 0..S-1) over
     each row's context in the pool: position t of row b is pool row table[b, t]; a query at
-    p sees positions t <= p (and t > p - window when window > 0), t < L. [B, Hq, S, D]."""
+    p sees positions t <= p (and t > p - window when window > 0), t < L, a padding query
+    past the last position as if at it (ForwardLayout.kind_mask). [B, Hq, S, D]."""
     batch, n_q, length, dim = q.shape
     n_kv = kv_pool.shape[1]
     tile = tile_tokens(dim)
@@ -294,6 +296,7 @@ def reference_paged_prefill_attention(q: mx.array, kv_pool: mx.array, table: mx.
     """The plain-MLX meaning of paged_prefill_attention: gather, mask, fused SDPA."""
     keys, values = split_kv(kv_pool[after_write(table, written)], q.shape[-1])
     position = starts.astype(mx.int32)[:, None] + mx.arange(q.shape[2], dtype=mx.int32)[None]
+    position = mx.minimum(position, table.shape[1] - 1)
     t = mx.arange(table.shape[1], dtype=mx.int32)[None, None, :]
     visible = t <= position[:, :, None]
     if window > 0:
