@@ -20,7 +20,10 @@ of the worker's paths:
   model with heads of 64 (the kernel takes 64 to 256) where its config has a head size.
 
 With `--eos`, every request stops at a token some of the schedule's mlx-lm outputs hold
-(mlx-lm's tokens then end before it). With `--aborts`, a share of each schedule's requests is aborted at a random step after
+(mlx-lm's tokens then end before it). With `--sampled`, requests draw seeded sampling
+settings (temperature, top-p, top-k, min-p, penalties): a seeded request's tokens do not
+depend on what it is batched with, so each is compared with the same request served
+alone on the same path. With `--aborts`, a share of each schedule's requests is aborted at a random step after
 it arrives (the rest of the seed's draws unchanged): the others must still get mlx-lm's
 tokens, an aborted one a prefix of them, and the scheduler must end idle with every slot
 back.
@@ -132,10 +135,12 @@ def draw_aborts(seed: int, schedule: Schedule, share: float) -> dict[int, int]:
             if rng.random() < share}
 
 
-def run(model: Any, schedule: Schedule, aborts: dict[int, int],
-        eos: list[int]) -> tuple[InProcessEngine, dict[str, Finished]]:
+def run(model: Any, schedule: Schedule, aborts: dict[int, int], eos: list[int],
+        sampling: list[dict[str, Any]] | None = None,
+        only: int | None = None) -> tuple[InProcessEngine, dict[str, Finished]]:
     """run_schedule's loop, every request stopping at `eos`, request i aborted at step
-    aborts[i] (if not finished by then)."""
+    aborts[i] (if not finished by then) and sampled with sampling[i] (None: greedy);
+    only: that request alone, nothing else submitted."""
     engine = InProcessEngine(model, max_context=2048, **schedule.engine)
     engine.aborted = 0  # requests aborted before they finished
     events = sorted([(a, 0, i) for i, a in enumerate(schedule.arrivals)]
@@ -145,12 +150,27 @@ def run(model: Any, schedule: Schedule, aborts: dict[int, int],
         while step < at:
             engine.step()
             step += 1
+        if only is not None and i != only:
+            continue
         if kind == 0:
-            engine.submit(f"r{i}", schedule.prompts[i], schedule.max_tokens[i], eos)
+            engine.submit(f"r{i}", schedule.prompts[i], schedule.max_tokens[i], eos,
+                          **(sampling[i] if sampling else {}))
         elif engine.results[f"r{i}"].finish_reason is None:
             engine.abort(f"r{i}")
             engine.aborted += 1
     return engine, engine.run_until_idle()
+
+
+def draw_sampling(seed: int, n: int) -> list[dict[str, Any]]:
+    """Each request's seeded sampling settings: temperatures, top-p / top-k / min-p
+    filters and penalties, one draw a request."""
+    rng = random.Random(seed * 104729 + 3)
+    choices = [{"temperature": 0.8}, {"temperature": 1.0, "top_p": 0.9},
+               {"temperature": 0.7, "top_k": 20}, {"temperature": 1.2, "min_p": 0.05},
+               {"temperature": 0.9, "repetition_penalty": 1.3},
+               {"temperature": 0.9, "frequency_penalty": 0.5, "presence_penalty": 0.3},
+               {"temperature": 0.0}]
+    return [{**rng.choice(choices), "seed": rng.randrange(1 << 31)} for _ in range(n)]
 
 
 def common_token(wants: list[list[int]]) -> list[int]:
@@ -166,7 +186,8 @@ def stopped(tokens: list[int], eos: list[int]) -> list[int]:
 
 
 def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict,
-             abort_share: float = 0.0, with_eos: bool = False) -> Outcome:
+             abort_share: float = 0.0, with_eos: bool = False,
+             sampled: bool = False) -> Outcome:
     t0 = time.monotonic()
     own_caches = family in UNPAGED
     model = served_model(family, path)
@@ -191,7 +212,13 @@ def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict,
     eos = common_token(wants) if with_eos else []
     CountingStandIn.calls = 0
     aborts = draw_aborts(seed, schedule, abort_share) if abort_share else {}
-    engine, outputs = run(model, schedule, aborts, eos)
+    sampling = draw_sampling(seed, len(schedule.prompts)) if sampled else None
+    engine, outputs = run(model, schedule, aborts, eos, sampling)
+    if sampling:  # seeded draws promise each request its tokens alone on this path
+        wants = []
+        for i in range(len(schedule.prompts)):
+            _, alone = run(model, schedule, {}, eos, sampling, only=i)
+            wants.append(alone[f"r{i}"].token_ids)
     refused = 0
     for i, (prompt, n) in enumerate(zip(schedule.prompts, schedule.max_tokens)):
         result = outputs[f"r{i}"]
@@ -201,7 +228,7 @@ def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict,
         if result.error:
             problems.append(f"r{i}: {result.error}")
             continue
-        got, want = result.token_ids, stopped(wants[i], eos)
+        got, want = result.token_ids, (wants[i] if sampling else stopped(wants[i], eos))
         if i in aborts and got == want[:len(got)]:
             continue  # aborted: what it got before the abort is mlx-lm's
         if got != want:
@@ -236,6 +263,9 @@ def main() -> None:
                    help="abort this share of each schedule's requests at random steps")
     p.add_argument("--eos", action="store_true",
                    help="every request stops at a token some of the schedule's outputs hold")
+    p.add_argument("--sampled", action="store_true",
+                   help="seeded sampling (temperatures, filters, penalties): each request's "
+                        "tokens against the same request served alone on the same path")
     p.add_argument("--minutes", type=float, default=0.0,
                    help="stop starting new schedules after this long (0: no limit)")
     args = p.parse_args()
@@ -258,7 +288,8 @@ def main() -> None:
                     break
                 runs += 1
                 try:
-                    out = soak_one(family, path, seed, oracles, memo, args.aborts, args.eos)
+                    out = soak_one(family, path, seed, oracles, memo, args.aborts, args.eos,
+                                   args.sampled)
                 except Exception:  # noqa: BLE001 - a soak reports every failure and goes on
                     failed += 1
                     print(f"ERROR {family} [{path}] seed {seed}\n{traceback.format_exc()}", flush=True)
