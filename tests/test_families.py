@@ -938,3 +938,24 @@ def test_prefill_read_from_the_pool_equals_mlx_lm(name, path):
     assert any(s for _, s in windows) == (name in SINKS)
     assert_mlx_lm_tokens(model, name, results, [*((f"r{i}", p) for i, p in enumerate(prompts)),
                                                 ("again", prompts[1])], 12)
+
+
+def test_one_token_prefill_forwards_equal_mlx_lm():
+    """A prefill forward of one token a row (prompts whose cached prefix leaves one,
+    sharing a forward at one start) gets no mask, as mlx-lm's caches give one token:
+    DeepSeek-V3.2's sparse attention gathers a mask it is given by its top-k picks and
+    failed on the [1, L] causal array, ending every request of the step (found by
+    bench/schedule_soak.py, seed 3002)."""
+    model = build("deepseek_v32")
+    prompts = _prompts(seed=33)
+    prefix = prompts[1]  # 40 tokens: past the indexer's top-k (8), so it picks
+    engine = InProcessEngine(model, chunk_size=16)
+    engine.submit("first", prefix, 8, [])
+    results = engine.run_until_idle()
+    cases = [("first", prefix), ("one", prefix + [7]), ("other", prefix + [11])]
+    for rid, p in cases[1:]:  # all but their last token cached: one forward of two rows
+        engine.submit(rid, p, 8, [])
+    results.update(engine.run_until_idle())
+    assert engine.scheduler.counters.cache_hit_tokens >= 2 * len(prefix)
+    assert all(r.error is None for r in results.values()), [r.error for r in results.values()]
+    assert_mlx_lm_tokens(model, "deepseek_v32", results, cases, 8)

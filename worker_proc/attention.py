@@ -333,6 +333,12 @@ class PooledKVCache:
         if kind.windowed:  # one new token too: the context read back is not windowed
             return layout.kind_mask(kind, self.key_start if kind == self.kind else 0)
         mask = layout.mask
+        if isinstance(mask, str) and n == 1:
+            # One query over its row's context sees every key: no mask, as mlx-lm's caches
+            # answer for one token (DeepSeek-V3.2's code takes a mask it is given for a
+            # [B, 1, 1, L] one and fails on the [1, L] causal array: a one-token prompt, or
+            # a prefix hit leaving one, ended every request of the worker's step).
+            return None
         if return_array and isinstance(mask, str):
             return causal_mask(n, n if layout.fresh else layout.read_slots.shape[1])
         return mask
