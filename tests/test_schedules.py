@@ -129,12 +129,14 @@ def test_every_schedule_gives_mlx_lm_tokens(tiny_model, oracle, schedules):
 
 # Windowed and hybrid families (gemma3_text: sliding layers beside full ones; gpt_oss:
 # sliding with sinks; llama4: chunk-local; qwen3_next: Gated DeltaNet recurrent layers
-# beside attention) through fewer schedules each: windows of 16 positions, far
+# beside attention; deepseek_v32: MLA with its indexer's top-k, own score math) through
+# fewer schedules each (bench/schedule_soak.py runs every family, longer): windows of 16 positions, far
 # shorter than the prompts, so chunks, hits and resumptions cross window edges.
 FAMILY_SCHEDULES = 5
 
 
-@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "llama4_text", "qwen3_next"])
+@pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "llama4_text", "qwen3_next",
+                                    "deepseek_v32"])
 def test_windowed_and_hybrid_families_under_random_schedules(family):
     from tests.families import VOCAB, build
     from tests.test_families import mlx_lm_tokens
