@@ -66,6 +66,9 @@ class Req:
     prefix_len: int = 0
     last_node: Node | None = None
     dup_slots: list[np.ndarray] = field(default_factory=list)
+    # Their positions' ranges [start, end), in dup_slots' order, less what has fallen
+    # behind every window and given its window slots back (Scheduler._trim_windows).
+    dup_ranges: list[tuple[int, int]] = field(default_factory=list)
     # Windowed layers (WindowSlots): the first position its latest planned queries see
     # (what window eviction must leave alone), and how far its own positions behind
     # every window have given their window slots back.

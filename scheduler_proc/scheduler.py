@@ -386,7 +386,8 @@ class Scheduler:
     def _trim_windows(self, req: Req, query: int) -> None:
         """Give back the window slots of req's own positions that its queries from
         `query` on no longer see. Cached positions (before prefix_len) keep theirs for
-        later hits, until window eviction takes them."""
+        later hits, until window eviction takes them; its copies of cached positions
+        (dup_slots) do not."""
         if self.windows is None:
             return
         sees_from = int(self.windows.rule.first_needed(query))
@@ -395,6 +396,16 @@ class Scheduler:
         if sees_from > lo:
             self.windows.drop(self.table.slots(req.row, sees_from)[lo:])
             req.window_from = sees_from
+        # Its own copies of positions another request cached first (dup_slots) are no
+        # hit's to keep: behind every window they give their window slots back too. (They
+        # held them all before: a prompt repeating a cached prefix whose windows had been
+        # evicted filled the window space with them, and a lone such request was
+        # preempted and readmitted for ever.)
+        for i, (start, end) in enumerate(req.dup_ranges):
+            behind = min(end, sees_from)
+            if behind > start:
+                self.windows.drop(self.table.slots(req.row, behind)[start:])
+                req.dup_ranges[i] = (behind, end)
 
     def _evict_windows(self, n: int) -> int:
         """Free at least n window slots (if that many can be) from cached positions that no
@@ -561,6 +572,7 @@ class Scheduler:
         adopted_from, node = self.cache.insert(ids, slots)
         if adopted_from > req.prefix_len:
             req.dup_slots.append(slots[req.prefix_len:adopted_from])
+            req.dup_ranges.append((req.prefix_len, adopted_from))
         self.cache.lock(node)
         self.cache.unlock(req.last_node)
         req.last_node, req.prefix_len = node, end
@@ -609,7 +621,7 @@ class Scheduler:
         if req.on_worker:
             self._released.append(req.rid)
             self._released_snapshots.append(kept)
-        req.row, req.last_node, req.dup_slots = None, None, []
+        req.row, req.last_node, req.dup_slots, req.dup_ranges = None, None, [], []
         req.num_computed = req.prefix_len = req.samples_in_flight = 0
         req.sees_from = req.window_from = 0
         req.on_worker = False

@@ -213,3 +213,32 @@ def test_padding_queries_past_a_window_keep_every_row_finite():
     _, outputs = run_schedule(model, schedule)
     for i, (prompt, n) in enumerate(zip(schedule.prompts, schedule.max_tokens)):
         assert outputs[f"r{i}"] == mlx_lm_tokens(model, prompt, n), f"r{i}"
+
+
+def test_copies_of_cached_positions_give_their_window_slots_back():
+    """A prompt repeating a cached prefix whose window slots were evicted computes that
+    prefix again; its copies (dup_slots) kept every window slot, so in a tight window
+    space a lone such request could never plan its next chunk: preempted and readmitted
+    for ever. The schedule that found it (seed 3003 of bench/schedule_soak.py with
+    `--aborts 0.3`: two requests aborted mid-prompt left their prefixes cached): every
+    request finishes, with mlx-lm's tokens, and the scheduler ends idle."""
+    from tests.families import VOCAB, build
+    from tests.test_families import mlx_lm_tokens
+
+    model = build("llama_sliding")
+    schedule = draw_schedule(3003, VOCAB)
+    aborts = {11: "r2", 18: "r8"}  # engine step -> the request aborted then
+    engine = InProcessEngine(model, max_context=2048, **schedule.engine)
+    order = sorted(range(len(schedule.prompts)), key=lambda i: schedule.arrivals[i])
+    for step in range(max(schedule.arrivals) + max(aborts) + 1):
+        for i in [i for i in order if schedule.arrivals[i] == step]:
+            engine.submit(f"r{i}", schedule.prompts[i], schedule.max_tokens[i], [])
+        if step in aborts:
+            engine.abort(aborts[step])
+        engine.step()
+    results = engine.run_until_idle(max_steps=5_000)
+    assert engine.scheduler.counters.aborted == 2
+    for i, (prompt, n) in enumerate(zip(schedule.prompts, schedule.max_tokens)):
+        if f"r{i}" not in aborts.values():
+            assert results[f"r{i}"].token_ids == mlx_lm_tokens(model, prompt, n), f"r{i}"
+    assert_idle_invariant(engine.scheduler)
