@@ -4,8 +4,8 @@ differential soak, not a timing.
 `tests/test_schedules.py` draws random schedules (shared prefixes, chunk edges inside and
 across them, tight pools that preempt, arrivals while others decode, overlap, compiled
 prefill, decode-first budgets) and checks every request's greedy tokens against mlx-lm's
-for its prompt alone, for the tiny llama and four windowed or hybrid families, a few
-seeds each. This runs the same schedules for every family of `tests/families.py` (the
+for its prompt alone, for the tiny llama and five windowed, hybrid or MLA families, a
+few seeds each. This runs the same schedules for every family of `tests/families.py` (the
 attention families, the recurrent ones, the models served on their own caches), on each
 of the worker's paths:
 
@@ -17,21 +17,23 @@ of the worker's paths:
 - in place: the CUDA path's in-place pool (`StandInInPlaceKernels`), eager decode;
 - paged prefill: the kernel path with `--experiments paged-prefill` (prefill attention
   read from the pool, `worker_proc/paged_prefill.py`, stood in for), on the family's
-  model with heads of 64 (the kernel takes 64 to 256) where its config has a head size.
+  model with heads of 64 (the kernel takes 64 to 256) where its config takes a head size
+  (the kernel's calls are counted: 0 where it never serves the family's layers).
 
 With `--eos`, every request stops at a token some of the schedule's mlx-lm outputs hold
 (mlx-lm's tokens then end before it). With `--sampled`, requests draw seeded sampling
 settings (temperature, top-p, top-k, min-p, penalties): a seeded request's tokens do not
 depend on what it is batched with, so each is compared with the same request served
-alone on the same path. With `--aborts`, a share of each schedule's requests is aborted at a random step after
-it arrives (the rest of the seed's draws unchanged): the others must still get mlx-lm's
-tokens, an aborted one a prefix of them, and the scheduler must end idle with every slot
-back.
+alone on the same path. With `--aborts`, a share of each schedule's requests is aborted
+at a random step after it arrives (the rest of the seed's draws unchanged): the others
+must still get their tokens, an aborted one a prefix of them. Every schedule must end
+with the scheduler idle and every slot back; a request admission refuses (more than a
+tight pool could ever hold) is counted apart, any other error fails.
 
 A mismatch names the family, path and seed (`--families F --paths P --seeds S` replays
 it) and the first token that differs. Exit status 1 on any mismatch or error.
 
-    python bench/schedule_soak.py --seeds 0-9 --minutes 60
+    python bench/schedule_soak.py --seeds 0-9 --aborts 0.3 --eos --minutes 60
     python bench/schedule_soak.py --families gemma3_text,qwen3_next --paths kernel --seeds 7
 """
 
@@ -41,9 +43,9 @@ import argparse
 import functools
 import random
 import sys
-from collections import Counter
 import time
 import traceback
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -89,7 +91,7 @@ def _takes_head_dim(family: str) -> bool:
 
 def overrides(family: str, path: str) -> dict[str, Any]:
     """Config values the path changes: heads the paged prefill kernel takes, where the
-    family's config sets a head size of its own."""
+    family's model builds with them."""
     if path == "paged prefill" and _takes_head_dim(family):
         return {"head_dim": HEAD_DIM}
     return {}

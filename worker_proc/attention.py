@@ -336,8 +336,8 @@ class PooledKVCache:
         if isinstance(mask, str) and n == 1:
             # One query over its row's context sees every key: no mask, as mlx-lm's caches
             # answer for one token (DeepSeek-V3.2's code takes a mask it is given for a
-            # [B, 1, 1, L] one and fails on the [1, L] causal array: a one-token prompt, or
-            # a prefix hit leaving one, ended every request of the worker's step).
+            # [B, 1, 1, L] one and fails on the [1, L] causal array: prompts one token past
+            # a cached prefix, sharing a forward, ended every request of the step).
             return None
         if return_array and isinstance(mask, str):
             return causal_mask(n, n if layout.fresh else layout.read_slots.shape[1])
