@@ -130,8 +130,9 @@ def test_every_schedule_gives_mlx_lm_tokens(tiny_model, oracle, schedules):
 # Windowed and hybrid families (gemma3_text: sliding layers beside full ones; gpt_oss:
 # sliding with sinks; llama4: chunk-local; qwen3_next: Gated DeltaNet recurrent layers
 # beside attention; deepseek_v32: MLA with its indexer's top-k, own score math) through
-# fewer schedules each (bench/schedule_soak.py runs every family, longer): windows of 16 positions, far
-# shorter than the prompts, so chunks, hits and resumptions cross window edges.
+# fewer schedules each (bench/schedule_soak.py runs every family, longer): windows of 16
+# positions, far shorter than the prompts, so chunks, hits and resumptions cross window
+# edges.
 FAMILY_SCHEDULES = 5
 
 
