@@ -837,12 +837,11 @@ def install_attention_hook() -> None:
                 # model's mask was another layer's (AFM 7's first layer is paged and has
                 # none), so each row's length masks its padding here.
                 mask = cache.make_mask(queries.shape[2])
-            if not cache.paged and not own:
+            if not cache.paged:
                 # Straight from the pool, where the backend's prefill kernel serves the layer.
                 out = cache.backend.paged_prefill_attention(cache, queries, scale, sinks)
                 if out is not None:
                     return out
-            if not cache.paged:
                 if cache.kind.windowed:
                     # Ours, not the model's: a model may skip the mask for one new token,
                     # or build it from one scalar offset; the layout knows every row's
