@@ -940,6 +940,41 @@ def test_prefill_read_from_the_pool_equals_mlx_lm(name, path):
                                                 ("again", prompts[1])], 12)
 
 
+@pytest.mark.parametrize("limit", [8, None])
+def test_paged_prefill_leaves_long_chunks_to_cudnn(limit):
+    """Where cuDNN serves a layer's heads (stood in for here), a forward whose rows hold
+    more queries than paged_prefill_max_queries attends through it (a long chunk is
+    arithmetic, cuDNN's strength); shorter ones over a computed context read the pool
+    through the prefill kernel. mlx-lm's tokens either way."""
+    from tests.engine_driver import StandInKernel
+
+    class CudnnHeads(StandInKernel):
+        def _fused_builds_per_shape(self, queries, values):  # noqa: ANN001, ANN202
+            return True
+
+    model = build("llama", head_dim=64)
+    backend = CudnnHeads(paged_prefill=True, paged_prefill_max_queries=limit)
+    rows = []
+    attend = backend._paged_prefill
+
+    def recorded(q, *args):  # noqa: ANN001, ANN202
+        rows.append(q.shape[2])
+        return attend(q, *args)
+
+    object.__setattr__(backend, "_paged_prefill", recorded)
+    prompts = _prompts(seed=307)
+    engine = InProcessEngine(model, chunk_size=16, backend=backend)
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 6, [])
+    results = engine.run_until_idle()
+    assert rows, "no forward over a computed context read the pool"
+    if limit is None:
+        assert max(rows) > 8, rows  # the long chunks the limit turns away exist
+    else:
+        assert max(rows) <= limit, rows
+    assert_mlx_lm_tokens(model, "llama", results, [(f"r{i}", p) for i, p in enumerate(prompts)], 6)
+
+
 def test_one_token_prefill_forwards_equal_mlx_lm():
     """A prefill forward of one token a row (prompts whose cached prefix leaves one,
     sharing a forward at one start) gets no mask, as mlx-lm's caches give one token:

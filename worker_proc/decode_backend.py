@@ -199,7 +199,8 @@ class KernelDecode(DecodeBackend):
     (residual_norm; off: `--experiments unfused-residual-norm`). paged_prefill: prefill
     attention of full and sliding layers through the paged prefill kernel, which reads
     each row's context from the pool (paged_prefill; `--experiments paged-prefill`, off
-    by default until measured): no gather, no score matrix, any head size to 256."""
+    by default until measured): no gather, no score matrix, any head size to 256; rows
+    of more than paged_prefill_max_queries queries stay with cuDNN where it serves them."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
@@ -216,6 +217,10 @@ class KernelDecode(DecodeBackend):
     qk_rope_kernel: bool = True
     residual_norm_kernel: bool = True
     paged_prefill: bool = False
+    # Rows of more queries than this go to cuDNN where it serves their heads: a long
+    # chunk is arithmetic, which cuDNN's kernel does faster than the paged one
+    # (docs/benchmarks.md, session 32); None: no limit.
+    paged_prefill_max_queries: int | None = 1024
 
     @property
     def name(self) -> str:
@@ -295,8 +300,10 @@ class KernelDecode(DecodeBackend):
                 and self._paged_prefill_takes(queries.dtype, pool.layers[layer].dtype,
                                               spec.head_dim, spec.v_head_dim)):
             return None
-        if layout.fresh and self._fused_builds_per_shape(queries, queries):
-            return None  # a fresh prompt's own K/V through cuDNN, as computed
+        limit = self.paged_prefill_max_queries
+        long_rows = limit is not None and queries.shape[2] > limit
+        if (layout.fresh or long_rows) and self._fused_builds_per_shape(queries, queries):
+            return None  # a fresh prompt's own K/V, or a long chunk, through cuDNN
         table = cache.read_slots
         offset = layout.offset
         starts = (mx.zeros((table.shape[0],), dtype=mx.int32) + offset
