@@ -779,6 +779,9 @@ def main() -> None:
                 this, "BACKEND", replace(served, bucketed_masked=False), kiln(fast_model))
             step_variants["kiln, served, paged prefill"] = _patching(  # --experiments paged-prefill
                 this, "BACKEND", replace(served, paged_prefill=True), kiln(fast_model))
+            step_variants["kiln, served, paged prefill, any length"] = _patching(  # no cuDNN limit
+                this, "BACKEND", replace(served, paged_prefill=True, paged_prefill_max_queries=None),
+                kiln(fast_model))
         else:  # CUDA's prefill attention (unfused), stood in for on this device
             for compiles in (False, True):
                 step_variants["kiln, CUDA's prefill attention" + (", compiled" if compiles else "")] = (
