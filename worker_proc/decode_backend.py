@@ -217,10 +217,10 @@ class KernelDecode(DecodeBackend):
     qk_rope_kernel: bool = True
     residual_norm_kernel: bool = True
     paged_prefill: bool = False
-    # Rows of more queries than this go to cuDNN where it serves their heads: a long
-    # chunk is arithmetic, which cuDNN's kernel does faster than the paged one
-    # (docs/benchmarks.md, session 32); None: no limit.
-    paged_prefill_max_queries: int | None = 1024
+    # Rows of more queries than this go to cuDNN where it serves their heads: past a few
+    # hundred queries a row the chunk is arithmetic, which cuDNN's kernel does faster
+    # than the paged one (docs/benchmarks.md, session 32); None: no limit.
+    paged_prefill_max_queries: int | None = 256
 
     @property
     def name(self) -> str:
