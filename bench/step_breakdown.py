@@ -352,6 +352,7 @@ PREFILL_STEPS: dict[str, tuple[str, tuple[tuple[Chunk, ...], ...]]] = {
     # A long prompt's late chunks under the decode-first budget (512 a step, twice that
     # with a backlog): few queries a row against a long cached context.
     "1024after3072": ("1024 after a cached 3072", ((Chunk(0, 3072, 1024),),)),
+    "256after3840": ("256 after a cached 3840", ((Chunk(0, 3840, 256),),)),
     "2x512late": ("2 x 512 after prefixes 2048, 3072", ((Chunk(0, 2048, 512), Chunk(1, 3072, 512)),)),
     # A wave of 100-word prompts varied +-50%, as the serving sweep sends them: fresh
     # shapes nearly every step.
