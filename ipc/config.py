@@ -220,7 +220,10 @@ class ServerConfig:
                                       "attention of full and sliding layers over a "
                                       "computed context read from the pool by a "
                                       "tensor-core kernel, heads of 64 to 256, instead of "
-                                      "a gather and cuDNN or MLX's matmuls; unmeasured)."})
+                                      "a gather and cuDNN or MLX's matmuls, where a "
+                                      "row holds at most 256 queries or cuDNN does not "
+                                      "take the heads; slower on the H200 than the "
+                                      "default but for many short rows)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "
