@@ -47,6 +47,18 @@ class StopWatch:
         return self.matcher.feed(self.decoder.step([token]))
 
 
+@dataclass
+class DupRange:
+    """Positions [start, end) of a request's own copies of tokens another request cached
+    first: its row of the req-to-token table holds their slots, which it owns."""
+
+    start: int
+    end: int
+    # The first of them still holding its window slots (those behind every window give
+    # theirs back: Scheduler._trim_windows).
+    windows_from: int
+
+
 @dataclass(eq=False)
 class Req:
     rid: str
@@ -62,13 +74,10 @@ class Req:
     fill_len: int = 0
     # NOTE: slot ownership. The radix cache owns the slots of the first prefix_len tokens
     # (locked through last_node); the request owns [prefix_len, num_computed) plus
-    # dup_slots (its own copies of tokens another request cached first).
+    # the positions of dups (its own copies of tokens another request cached first).
     prefix_len: int = 0
     last_node: Node | None = None
-    dup_slots: list[np.ndarray] = field(default_factory=list)
-    # Their positions' ranges [start, end), in dup_slots' order, less what has fallen
-    # behind every window and given its window slots back (Scheduler._trim_windows).
-    dup_ranges: list[tuple[int, int]] = field(default_factory=list)
+    dups: list[DupRange] = field(default_factory=list)
     # Windowed layers (WindowSlots): the first position its latest planned queries see
     # (what window eviction must leave alone), and how far its own positions behind
     # every window have given their window slots back.
@@ -134,7 +143,7 @@ class Req:
 
     @property
     def owned_slots(self) -> int:
-        return self.num_computed - self.prefix_len + sum(len(d) for d in self.dup_slots)
+        return self.num_computed - self.prefix_len + sum(d.end - d.start for d in self.dups)
 
     @property
     def max_kv_tokens(self) -> int:

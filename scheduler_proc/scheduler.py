@@ -24,7 +24,7 @@ from kiln_common.windows import WindowRule
 from scheduler_proc.allocator import ReqToTokenTable, SlotAllocator
 from scheduler_proc.radix_cache import (DisabledCache, Node, RadixCache, SnapshotCache,
                                         common_prefix_len)
-from scheduler_proc.request import PROMPT_TAIL, FinishReason, Req, StopWatch, WaitingQueue
+from scheduler_proc.request import PROMPT_TAIL, DupRange, FinishReason, Req, StopWatch, WaitingQueue
 from scheduler_proc.window_slots import WindowSlots
 
 logger = logging.getLogger(__name__)
@@ -387,7 +387,7 @@ class Scheduler:
         """Give back the window slots of req's own positions that its queries from
         `query` on no longer see. Cached positions (before prefix_len) keep theirs for
         later hits, until window eviction takes them; its copies of cached positions
-        (dup_slots) do not."""
+        (dups) do not."""
         if self.windows is None:
             return
         sees_from = int(self.windows.rule.first_needed(query))
@@ -396,16 +396,16 @@ class Scheduler:
         if sees_from > lo:
             self.windows.drop(self.table.slots(req.row, sees_from)[lo:])
             req.window_from = sees_from
-        # Its own copies of positions another request cached first (dup_slots) are no
-        # hit's to keep: behind every window they give their window slots back too. (They
-        # held them all before: a prompt repeating a cached prefix whose windows had been
+        # Its own copies of positions another request cached first (dups) are no hit's
+        # to keep: behind every window they give their window slots back too. (They held
+        # them all before: a prompt repeating a cached prefix whose windows had been
         # evicted filled the window space with them, and a lone such request was
         # preempted and readmitted for ever.)
-        for i, (start, end) in enumerate(req.dup_ranges):
-            behind = min(end, sees_from)
-            if behind > start:
-                self.windows.drop(self.table.slots(req.row, behind)[start:])
-                req.dup_ranges[i] = (behind, end)
+        for dup in req.dups:
+            behind = min(dup.end, sees_from)
+            if behind > dup.windows_from:
+                self.windows.drop(self.table.slots(req.row, behind)[dup.windows_from:])
+                dup.windows_from = behind
 
     def _evict_windows(self, n: int) -> int:
         """Free at least n window slots (if that many can be) from cached positions that no
@@ -571,8 +571,7 @@ class Scheduler:
         slots = self.table.slots(req.row, end).copy()
         adopted_from, node = self.cache.insert(ids, slots)
         if adopted_from > req.prefix_len:
-            req.dup_slots.append(slots[req.prefix_len:adopted_from])
-            req.dup_ranges.append((req.prefix_len, adopted_from))
+            req.dups.append(DupRange(req.prefix_len, adopted_from, req.prefix_len))
         self.cache.lock(node)
         self.cache.unlock(req.last_node)
         req.last_node, req.prefix_len = node, end
@@ -612,8 +611,8 @@ class Scheduler:
         kept = self._release_snapshot(req, node, known) if keep and snapshot else 0
         self._free(slots[req.prefix_len:max(req.prefix_len, adopted_from)])
         self._free(slots[known:])
-        for dup in req.dup_slots:
-            self._free(dup)
+        for dup in req.dups:
+            self._free(slots[dup.start:dup.end])
         if req.last_node is not None:
             self.cache.unlock(req.last_node)
         self.table.free_row(req.row)
@@ -621,7 +620,7 @@ class Scheduler:
         if req.on_worker:
             self._released.append(req.rid)
             self._released_snapshots.append(kept)
-        req.row, req.last_node, req.dup_slots, req.dup_ranges = None, None, [], []
+        req.row, req.last_node, req.dups = None, None, []
         req.num_computed = req.prefix_len = req.samples_in_flight = 0
         req.sees_from = req.window_from = 0
         req.on_worker = False

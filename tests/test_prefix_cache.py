@@ -18,8 +18,8 @@ def check_slots(s: Scheduler) -> None:
     held = []
     for r in s.running.values():
         held += s.table.slots(r.row, r.num_computed)[r.prefix_len:].tolist()
-        for d in r.dup_slots:
-            held += d.tolist()
+        for d in r.dups:
+            held += s.table.slots(r.row, d.end)[d.start:].tolist()
     everything = free + cached + held
     assert len(everything) == len(set(everything)) == s.allocator.capacity, "slot leak or overlap"
     assert s.slots_consistent()

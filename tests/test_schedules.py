@@ -218,7 +218,7 @@ def test_padding_queries_past_a_window_keep_every_row_finite():
 
 def test_copies_of_cached_positions_give_their_window_slots_back():
     """A prompt repeating a cached prefix whose window slots were evicted computes that
-    prefix again; its copies (dup_slots) kept every window slot, so in a tight window
+    prefix again; its copies (Req.dups) kept every window slot, so in a tight window
     space a lone such request could never plan its next chunk: preempted and readmitted
     for ever. The schedule that found it (seed 3003 of bench/schedule_soak.py with
     `--aborts 0.3`: two requests aborted mid-prompt left their prefixes cached): every
