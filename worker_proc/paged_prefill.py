@@ -103,22 +103,6 @@ _BODY = r"""
     const int w_first = min(first + (r0 + warp * 16) / G, L - 1);
     const int w_last = min(first + min((r0 + warp * 16 + 15) / G, S - 1), L - 1);
     const P* wq = sm_q + (size_t)warp * 16 * D;
-    // Heads up to 128 wide keep the warp's Q fragments in registers across the tiles;
-    // wider ones reread them from shared memory (their output fragments take the room).
-    constexpr bool QREG = D <= 128;
-    uint32_t qf[QREG ? KS : 1][8];
-    if (QREG) {
-        __syncthreads();  // every warp's queries are in sm_q
-#pragma unroll
-        for (int c = 0; c < (QREG ? KS : 0); ++c) {
-            const uint4 lo = *reinterpret_cast<const uint4*>(wq + (size_t)gid * D + ((c * 4 + tid) ^ kiln_swz(gid)) * 8);
-            const uint4 hi = *reinterpret_cast<const uint4*>(wq + (size_t)(gid + 8) * D + ((c * 4 + tid) ^ kiln_swz(gid + 8)) * 8);
-            qf[c][0] = lo.x; qf[c][1] = hi.x; qf[c][2] = lo.y; qf[c][3] = hi.y;
-            qf[c][4] = lo.z; qf[c][5] = hi.z; qf[c][6] = lo.w; qf[c][7] = hi.w;
-        }
-    }
-    // The warp's rows are all real queries (a tile below every one of them needs no mask).
-    const bool w_full = (r0 + warp * 16 + 15) / G < S;
     float o[NT][4];
 #pragma unroll
     for (int n = 0; n < NT; ++n) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -135,55 +119,29 @@ _BODY = r"""
         for (int n = 0; n < TN; ++n) s[n][0] = s[n][1] = s[n][2] = s[n][3] = 0.f;
 #pragma unroll
         for (int c = 0; c < KS; ++c) {
-            uint32_t a[8];
-            if (QREG) {
-#pragma unroll
-                for (int e = 0; e < 8; ++e) a[e] = qf[QREG ? c : 0][e];
-            } else {
-                const uint4 lo = *reinterpret_cast<const uint4*>(wq + (size_t)gid * D + ((c * 4 + tid) ^ kiln_swz(gid)) * 8);
-                const uint4 hi = *reinterpret_cast<const uint4*>(wq + (size_t)(gid + 8) * D + ((c * 4 + tid) ^ kiln_swz(gid + 8)) * 8);
-                a[0] = lo.x; a[1] = hi.x; a[2] = lo.y; a[3] = hi.y;
-                a[4] = lo.z; a[5] = hi.z; a[6] = lo.w; a[7] = hi.w;
-            }
+            const uint4 lo = *reinterpret_cast<const uint4*>(wq + (size_t)gid * D + ((c * 4 + tid) ^ kiln_swz(gid)) * 8);
+            const uint4 hi = *reinterpret_cast<const uint4*>(wq + (size_t)(gid + 8) * D + ((c * 4 + tid) ^ kiln_swz(gid + 8)) * 8);
 #pragma unroll
             for (int n = 0; n < TN; ++n) {
                 const int r = n * 8 + gid;
                 const uint4 k = *reinterpret_cast<const uint4*>(rows + (size_t)r * ROW + ((c * 4 + tid) ^ kiln_swz(r)) * 8);
-                kiln_mma<P>(s[n], a[0], a[1], a[2], a[3], k.x, k.y);
-                kiln_mma<P>(s[n], a[4], a[5], a[6], a[7], k.z, k.w);
+                kiln_mma<P>(s[n], lo.x, hi.x, lo.y, hi.y, k.x, k.y);
+                kiln_mma<P>(s[n], lo.z, hi.z, lo.w, hi.w, k.z, k.w);
             }
         }
         // s[n][j]: token at + n * 8 + tid * 2 + (j & 1), row r_lo (j < 2) or r_hi.
-        // A tile wholly before the warp's first position, inside every row's window and the
-        // table, with real queries in every row, is seen whole: no per-score mask (most
-        // tiles of a long context).
-        const bool full = w_full && at + TILE - 1 <= w_first && at + TILE <= t_end
-                          && (WINDOW == 0 || at > w_last - WINDOW);
         float top_lo = kiln_lowest, top_hi = kiln_lowest;
-        if (full) {
 #pragma unroll
-            for (int n = 0; n < TN; ++n) {
+        for (int n = 0; n < TN; ++n) {
 #pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    s[n][j] *= sc;
-                    s[n][j + 2] *= sc;
-                    top_lo = fmaxf(top_lo, s[n][j]);
-                    top_hi = fmaxf(top_hi, s[n][j + 2]);
-                }
-            }
-        } else {
-#pragma unroll
-            for (int n = 0; n < TN; ++n) {
-#pragma unroll
-                for (int j = 0; j < 2; ++j) {
-                    const int t = at + n * 8 + tid * 2 + j;
-                    const bool see_lo = ok_lo && t <= p_lo && t < t_end && (WINDOW == 0 || t > p_lo - WINDOW);
-                    const bool see_hi = ok_hi && t <= p_hi && t < t_end && (WINDOW == 0 || t > p_hi - WINDOW);
-                    s[n][j] = see_lo ? s[n][j] * sc : kiln_lowest;
-                    s[n][j + 2] = see_hi ? s[n][j + 2] * sc : kiln_lowest;
-                    top_lo = fmaxf(top_lo, s[n][j]);
-                    top_hi = fmaxf(top_hi, s[n][j + 2]);
-                }
+            for (int j = 0; j < 2; ++j) {
+                const int t = at + n * 8 + tid * 2 + j;
+                const bool see_lo = ok_lo && t <= p_lo && t < t_end && (WINDOW == 0 || t > p_lo - WINDOW);
+                const bool see_hi = ok_hi && t <= p_hi && t < t_end && (WINDOW == 0 || t > p_hi - WINDOW);
+                s[n][j] = see_lo ? s[n][j] * sc : kiln_lowest;
+                s[n][j + 2] = see_hi ? s[n][j + 2] * sc : kiln_lowest;
+                top_lo = fmaxf(top_lo, s[n][j]);
+                top_hi = fmaxf(top_hi, s[n][j + 2]);
             }
         }
         top_lo = fmaxf(top_lo, __shfl_xor_sync(0xffffffff, top_lo, 1));
@@ -212,10 +170,10 @@ _BODY = r"""
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 const float* sv = s[2 * kk + h];
-                const float p0 = full || sv[0] > kiln_lowest ? exp2f(sv[0] - new_lo) : 0.f;
-                const float p1 = full || sv[1] > kiln_lowest ? exp2f(sv[1] - new_lo) : 0.f;
-                const float p2 = full || sv[2] > kiln_lowest ? exp2f(sv[2] - new_hi) : 0.f;
-                const float p3 = full || sv[3] > kiln_lowest ? exp2f(sv[3] - new_hi) : 0.f;
+                const float p0 = sv[0] > kiln_lowest ? exp2f(sv[0] - new_lo) : 0.f;
+                const float p1 = sv[1] > kiln_lowest ? exp2f(sv[1] - new_lo) : 0.f;
+                const float p2 = sv[2] > kiln_lowest ? exp2f(sv[2] - new_hi) : 0.f;
+                const float p3 = sv[3] > kiln_lowest ? exp2f(sv[3] - new_hi) : 0.f;
                 l_lo += p0 + p1;
                 l_hi += p2 + p3;
                 pa[2 * h] = kiln_pack<P>(p0, p1);
