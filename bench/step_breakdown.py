@@ -359,6 +359,10 @@ PREFILL_STEPS: dict[str, tuple[str, tuple[tuple[Chunk, ...], ...]]] = {
     "16x50to150": ("16 x 50..150 fresh, 2 steps", (
         tuple(Chunk(i, 0, 50 + (i * 37) % 101) for i in range(8)),
         tuple(Chunk(i, 0, 50 + (i * 53) % 101) for i in range(8, 16)))),
+    # The sweep's 64-stream wave as the scheduler admits it: one step of the 54 prompts
+    # that fit --max-prefill-tokens (8,192), 100 words +-50% (~65-195 tokens) each.
+    "54x65to195": ("54 x 65..195 fresh, one step", (
+        tuple(Chunk(i, 0, 65 + (i * 37) % 131) for i in range(54)),)),
 }
 
 
