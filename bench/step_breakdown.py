@@ -36,7 +36,8 @@ unfused (--experiments unfused-masked-prefill; before they went bucketed to cuDN
 tokens; four 2,048-token chunks of different requests; a 2,048 chunk after a cached 2,048
 prefix; eight 256-token chunks after prefixes of different lengths; a 4,096-token prompt
 in two 2,048 chunks, the cold prompt's TTFT; sixteen fresh prompts of 50-150 tokens in
-two steps, as a serving wave meets them): the host's graph building apart from the
+two steps, as a serving wave meets them; the 64-stream sweep's wave step, 54 fresh prompts
+of 65-195 tokens): the host's graph building apart from the
 launch (`mx.async_eval`, which starts each prefill forward as it is built) and the waits,
 by the runner's own clock (as the worker logs them), against mlx-lm's model call over its
 own caches for the same chunks. A hybrid's requests get state rows, its cached prefixes

@@ -227,6 +227,29 @@ class StandInKernel(KernelDecode):
         return fused_builds_per_shape(mx.bfloat16, queries.shape[-1], values.shape[-1])
 
 
+@dataclass(frozen=True)
+class PagedPrefillCall:
+    """One call of the stood-in paged prefill kernel: its rows' queries, the layer's
+    window (0: full attention), whether it had sinks."""
+
+    queries: int
+    window: int
+    sinks: bool
+
+
+def record_paged_prefill(backend: StandInKernel) -> list[PagedPrefillCall]:
+    """The backend's later calls of its stood-in paged prefill kernel, as they happen."""
+    calls: list[PagedPrefillCall] = []
+    attend = backend._paged_prefill
+
+    def recorded(q, pool, table, starts, scale, written, window, sinks):  # noqa: ANN001, ANN202
+        calls.append(PagedPrefillCall(q.shape[2], window, sinks is not None))
+        return attend(q, pool, table, starts, scale, written, window, sinks)
+
+    object.__setattr__(backend, "_paged_prefill", recorded)  # a frozen dataclass
+    return calls
+
+
 def _mark_of(written: mx.array) -> mx.array:
     """A zero mark that, as a kernel's, is only computed with the write: a step's landing
     then does the write (step inputs it read may be rewritten later, see HostStaging)."""

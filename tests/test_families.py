@@ -911,19 +911,12 @@ def test_prefill_read_from_the_pool_equals_mlx_lm(name, path):
     meaning), full and sliding layers (Gemma 3's, GPT-OSS's with sinks), chunks across
     the window's edge, prefix hits, rows at different starts: mlx-lm's tokens. Heads of
     64 (the kernel takes multiples of 64)."""
-    from tests.engine_driver import StandInInPlaceKernels, StandInKernel
+    from tests.engine_driver import StandInInPlaceKernels, StandInKernel, record_paged_prefill
 
     model = build(name, head_dim=64)
     compiled = path == "compiled"
     backend = (StandInKernel if compiled else StandInInPlaceKernels)(paged_prefill=True)
-    windows = []
-    attend = backend._paged_prefill
-
-    def recorded(q, pool, table, starts, scale, written, window, sinks):  # noqa: ANN001, ANN202
-        windows.append((window, sinks is not None))
-        return attend(q, pool, table, starts, scale, written, window, sinks)
-
-    object.__setattr__(backend, "_paged_prefill", recorded)
+    calls = record_paged_prefill(backend)
     prompts = _prompts(seed=300 + len(name))
     engine = InProcessEngine(model, chunk_size=16, compile_decode=compiled, overlap="ahead",
                              backend=backend)
@@ -933,9 +926,9 @@ def test_prefill_read_from_the_pool_equals_mlx_lm(name, path):
     engine.submit("again", list(prompts[1]), 12, [])
     results.update(engine.run_until_idle())
     assert engine.scheduler.counters.cache_hit_tokens > 0
-    kinds = {w for w, _ in windows}
+    kinds = {c.window for c in calls}
     assert 0 in kinds and (name == "llama" or WINDOW in kinds), kinds
-    assert any(s for _, s in windows) == (name in SINKS)
+    assert any(c.sinks for c in calls) == (name in SINKS)
     assert_mlx_lm_tokens(model, name, results, [*((f"r{i}", p) for i, p in enumerate(prompts)),
                                                 ("again", prompts[1])], 12)
 
@@ -946,7 +939,7 @@ def test_paged_prefill_leaves_long_chunks_to_cudnn(limit):
     more queries than paged_prefill_max_queries attends through it (a long chunk is
     arithmetic, cuDNN's strength); shorter ones over a computed context read the pool
     through the prefill kernel. mlx-lm's tokens either way."""
-    from tests.engine_driver import StandInKernel
+    from tests.engine_driver import StandInKernel, record_paged_prefill
 
     class CudnnHeads(StandInKernel):
         def _fused_builds_per_shape(self, queries, values):  # noqa: ANN001, ANN202
@@ -954,19 +947,13 @@ def test_paged_prefill_leaves_long_chunks_to_cudnn(limit):
 
     model = build("llama", head_dim=64)
     backend = CudnnHeads(paged_prefill=True, paged_prefill_max_queries=limit)
-    rows = []
-    attend = backend._paged_prefill
-
-    def recorded(q, *args):  # noqa: ANN001, ANN202
-        rows.append(q.shape[2])
-        return attend(q, *args)
-
-    object.__setattr__(backend, "_paged_prefill", recorded)
+    calls = record_paged_prefill(backend)
     prompts = _prompts(seed=307)
     engine = InProcessEngine(model, chunk_size=16, backend=backend)
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, 6, [])
     results = engine.run_until_idle()
+    rows = [c.queries for c in calls]
     assert rows, "no forward over a computed context read the pool"
     if limit is None:
         assert max(rows) > 8, rows  # the long chunks the limit turns away exist
