@@ -189,14 +189,74 @@ def test_responses_text_stream_and_errors(oai: openai.OpenAI) -> None:
     final = events[-1].response
     assert events[-1].type == "response.incomplete"
     assert final.output[0].content[0].text == text
-    with pytest.raises(openai.NotFoundError):
+    with pytest.raises(openai.BadRequestError) as missing:  # OpenAI's answer: 400, not 404
         oai.responses.create(model=MODEL, input="x", previous_response_id="resp_nope")
+    assert missing.value.body["code"] == "previous_response_not_found"
+    with pytest.raises(openai.NotFoundError):
+        oai.responses.retrieve("resp_nope")
     with pytest.raises(openai.BadRequestError) as info:
         oai.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
     assert info.value.body["param"] == "tools[0].type"
 
 
+def test_responses_carry_input_system_messages_but_not_instructions(oai: openai.OpenAI) -> None:
+    """previous_response_id carries the earlier input's system and developer messages
+    (only `instructions` are not carried over): the continued prompt is the one sent
+    whole with them."""
+    first_input = [{"role": "system", "content": "Answer in French, in one short line."},
+                   {"role": "user", "content": "Hello"}]
+    first = oai.responses.create(model=MODEL, input=first_input, instructions="Be terse.",
+                                 max_output_tokens=3, temperature=0.0)
+    by_id = oai.responses.create(model=MODEL, previous_response_id=first.id, input="Again",
+                                 max_output_tokens=1, temperature=0.0)
+    said = [{"role": "assistant", "content": item.content[0].text}
+            for item in first.output if item.type == "message"]
+    whole = oai.responses.create(model=MODEL, input=first_input + said + [
+        {"role": "user", "content": "Again"}], max_output_tokens=1, temperature=0.0)
+    assert by_id.usage.input_tokens == whole.usage.input_tokens
+
+
 # --- Anthropic Messages -----------------------------------------------------------------
+
+
+def test_messages_usage_counts_cached_tokens_once(claude: anthropic.Anthropic) -> None:
+    """Anthropic's input_tokens leaves out the cache's tokens (a client adds the two)."""
+    ask = [{"role": "user", "content": "Tell me about the weather in Paris today, please."}]
+    first = claude.messages.create(model=MODEL, max_tokens=1, messages=ask)
+    again = claude.messages.create(model=MODEL, max_tokens=1, messages=ask)
+    assert again.usage.cache_read_input_tokens > 0
+    assert (again.usage.input_tokens + again.usage.cache_read_input_tokens
+            == first.usage.input_tokens + first.usage.cache_read_input_tokens)
+
+
+def test_messages_continue_a_final_assistant_message(claude: anthropic.Anthropic,
+                                                      tiny_model_dir: Path,
+                                                      models: Path) -> None:
+    """A final assistant message is the answer's beginning (Anthropic's prefill): the
+    prompt ends with its text, the turn left open; what cannot follow text is refused."""
+    from transformers import AutoTokenizer
+
+    from kiln_common.model_info import load_model_info
+    from tokenizer_proc.messages_api import MessagesRequest, messages_conversation
+    from tokenizer_proc.prepare import RequestPreparer, SamplingInput
+
+    prefill = ASK + [{"role": "assistant", "content": "The weather in Paris is"}]
+    model_dir = family_model(tiny_model_dir, models, "hermes")
+    hf = AutoTokenizer.from_pretrained(str(model_dir))
+    preparer = RequestPreparer(hf, load_model_info(MODEL, str(model_dir), hf))
+    body = MessagesRequest(model=MODEL, max_tokens=4, messages=prefill)
+    turn = preparer.turn(messages_conversation(body, False),
+                         SamplingInput(4, None, None, None, None), "r")
+    assert hf.decode(turn.request.input_ids).endswith("assistant\nThe weather in Paris is")
+    r = claude.messages.create(model=MODEL, max_tokens=4, messages=prefill)
+    assert r.stop_reason in ("end_turn", "max_tokens")
+    assert (r.usage.input_tokens + r.usage.cache_read_input_tokens
+            == claude.messages.count_tokens(model=MODEL, messages=prefill).input_tokens
+            == len(turn.request.input_ids))
+    with pytest.raises(anthropic.BadRequestError) as forced:
+        claude.messages.create(model=MODEL, max_tokens=4, messages=prefill,
+                               tools=ANTHROPIC_TOOLS, tool_choice={"type": "any"})
+    assert "prefill" in forced.value.body["error"]["message"]
 
 
 def test_messages_forced_tool_use(claude: anthropic.Anthropic) -> None:
@@ -213,7 +273,8 @@ def test_messages_forced_tool_use(claude: anthropic.Anthropic) -> None:
         {"role": "assistant", "content": [b.model_dump() for b in r.content]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": uses[0].id,
                                       "content": "sunny"}]}])
-    assert follow.usage.input_tokens > r.usage.input_tokens + 10
+    prompt = lambda m: m.usage.input_tokens + m.usage.cache_read_input_tokens  # noqa: E731
+    assert prompt(follow) > prompt(r) + 10
 
 
 def test_messages_stream_any_tool(claude: anthropic.Anthropic) -> None:

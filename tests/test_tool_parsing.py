@@ -136,6 +136,18 @@ def test_a_cut_call_keeps_the_arguments_written_so_far() -> None:
     assert [(c.name, c.arguments) for c in message.tool_calls] == [("get_time", '{"tz": "UT')]
 
 
+@pytest.mark.parametrize("text, content", [
+    ('Look: <tool_call>\n{"name', 'Look:<tool_call>\n{"name'),  # cut inside the header
+    ("Look: <tool_call>\n", "Look:<tool_call>"),  # cut right after the region's start
+])
+def test_a_call_cut_before_its_name_is_the_text_written(text: str, content: str) -> None:
+    """max_tokens inside a call's header: no call to return, so the model's text as it
+    wrote it (never an end marker it did not write, never nothing), whole and streamed."""
+    spec = _spec(HERMES, None, False)
+    for message in (parse_whole(spec, text), _streamed(spec, text)):
+        assert message.content == content and not message.tool_calls
+
+
 def test_kimi_keeps_the_models_call_id() -> None:
     syntax, _, _, text, *_ = CASES["kimi-k2"]
     assert parse_whole(_spec(syntax, None, False), text).tool_calls[0].id == "functions.get_time:0"

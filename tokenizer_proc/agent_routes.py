@@ -62,8 +62,8 @@ class AgentRoutes:
 
         def keep(usage_body: dict[str, Any]) -> None:
             if store:
-                self.store.put(rid, conversation.messages + builder.output_messages(),
-                               usage_body)
+                self.store.put(rid, responses_api.carried_messages(body, conversation)
+                               + builder.output_messages(), usage_body)
 
         async def events(stream: RequestStream, first: TextOutput) -> AsyncIterator[str]:
             for event in builder.opening():

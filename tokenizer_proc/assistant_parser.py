@@ -286,9 +286,10 @@ class ToolCallParser(_Stepped):
         events: list[Event] = []
         if self._mode == "args" and self._call is not None:
             events.extend(self._end_call())
-        elif self._mode == "whole" or (self._mode == "region" and self._region_calls == 0
-                                       and self._buffer.strip()):
-            events.extend(self._parse_whole(self._take()))
+        elif self._mode == "whole" or (self._mode == "region" and self._region_calls == 0):
+            # Cut short (max_tokens) or ended inside a region holding no call yet: a call
+            # its parser can read, else what the model wrote, as it wrote it.
+            events.extend(self._parse_whole(self._take(), closed=False))
         elif self._mode in ("text", "maybe", "plain"):
             events.extend(self._content(self._take()))
         self._buffer = ""
@@ -439,11 +440,12 @@ class ToolCallParser(_Stepped):
                 events.append(ToolCallDelta(call.index, call.value.quoted))
         return events + [ToolCallEnd(call.index)]
 
-    def _parse_whole(self, region: str) -> list[Event]:
-        """A region by the family's own parser (mlx-lm's); unparsable: content as written."""
-        parsed = _parse_region(self._syntax, region, self._tools)
+    def _parse_whole(self, region: str, closed: bool = True) -> list[Event]:
+        """A region by the family's own parser (mlx-lm's); unparsable: content as written
+        (its end marker only where the model wrote one: `closed`)."""
+        parsed = _parse_region(self._syntax, region, self._tools) if region.strip() else None
         if parsed is None:
-            return self._content(self._syntax.start + region + self._syntax.end)
+            return self._content(self._syntax.start + region + (self._syntax.end if closed else ""))
         events: list[Event] = []
         for name, arguments, call_id in parsed:
             index = self.calls

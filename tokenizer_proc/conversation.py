@@ -57,6 +57,9 @@ class Conversation:
     messages_param: str = "messages"
     tools_param: str = "tools"
     tool_choice_param: str = "tool_choice"
+    # The last message is an assistant turn the output continues (Anthropic's prefill):
+    # rendered without the generation prompt, that turn left open after its text.
+    continue_final: bool = False
 
     @property
     def calls_tools(self) -> bool:

@@ -98,10 +98,33 @@ def messages_conversation(body: MessagesRequest | CountTokensRequest,
     tools = tuple(_tool(t, i) for i, t in enumerate(body.tools or []))
     choice = body.tool_choice
     kwargs = {} if body.thinking is None else {"enable_thinking": body.thinking.type == "enabled"}
-    return Conversation(
+    conversation = Conversation(
         messages=name_tool_results(messages), tools=tools, tool_choice=_choice(choice, tools),
         parallel_tool_calls=not (choice and choice.disable_parallel_tool_use),
-        inline_reasoning=inline_default, template_kwargs=kwargs).checked()
+        inline_reasoning=inline_default, template_kwargs=kwargs,
+        continue_final=bool(body.messages) and body.messages[-1].role == "assistant")
+    if conversation.continue_final:
+        _check_prefill(conversation, body)
+    return conversation.checked()
+
+
+def _check_prefill(conversation: Conversation, body: MessagesRequest | CountTokensRequest) -> None:
+    """A final assistant message is text the answer continues from (Anthropic's
+    prefill); what cannot follow on from text is refused, as Anthropic does."""
+    param = f"messages[{len(body.messages) - 1}]"
+    final = conversation.messages[-1]
+    if final.get("tool_calls") or final.get("reasoning_content") or final["role"] != "assistant":
+        raise RequestError("A final assistant message is continued as text: it may hold only "
+                           "text blocks.", param=f"{param}.content")
+    if not final["content"]:
+        raise RequestError("A final assistant message must not be empty.",
+                           param=f"{param}.content")
+    if conversation.tool_choice.mode in ("required", "function"):
+        raise RequestError("A final assistant message (prefill) cannot be continued with a "
+                           "forced tool_choice.", param="tool_choice")
+    if body.thinking is not None and body.thinking.type == "enabled":
+        raise RequestError("A final assistant message (prefill) cannot be continued with "
+                           "thinking enabled.", param="thinking")
 
 
 def _system(system: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:
@@ -329,7 +352,10 @@ def _input(arguments: str) -> dict[str, Any]:
 
 
 def _usage(usage: Usage) -> dict[str, Any]:
-    return {"input_tokens": usage.prompt_tokens, "output_tokens": usage.completion_tokens,
+    # Anthropic's input_tokens leaves out the cached part: a client adds the two (and the
+    # tokens written to a cache, none here: every prompt's K/V is kept as it is computed).
+    return {"input_tokens": usage.prompt_tokens - usage.cached_tokens,
+            "output_tokens": usage.completion_tokens,
             "cache_creation_input_tokens": 0, "cache_read_input_tokens": usage.cached_tokens}
 
 

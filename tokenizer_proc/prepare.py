@@ -383,7 +383,9 @@ class RequestPreparer:
                  if conversation.calls_tools else None)
         try:
             return self._tokenizer.apply_chat_template(
-                conversation.messages, tools=tools, add_generation_prompt=True, tokenize=False,
+                conversation.messages, tools=tools, tokenize=False,
+                add_generation_prompt=not conversation.continue_final,
+                continue_final_message=conversation.continue_final,
                 **conversation.template_kwargs)
         # Templates ship with the model and may raise anything on input they dislike
         # (jinja's raise_exception for wrong role order, TypeError, ...).

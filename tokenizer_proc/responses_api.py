@@ -109,12 +109,19 @@ def text_constraint_format(body: ResponsesRequest) -> ResponseFormat | None:
 # --- input --------------------------------------------------------------------------
 
 
+def carried_messages(body: ResponsesRequest, conversation: Conversation) -> list[dict[str, Any]]:
+    """What a response built from `conversation` hands a later one that names it as
+    previous_response_id: every message but this request's `instructions` (OpenAI's
+    rule: they are not carried over), system or developer messages sent as input kept."""
+    return conversation.messages[1:] if body.instructions else conversation.messages
+
+
 def responses_conversation(body: ResponsesRequest, history: list[dict[str, Any]],
                            inline_default: bool) -> Conversation:
     """The conversation of a body: `history` (a previous response's) + instructions +
     input items."""
-    messages = [dict(m) for m in history if m["role"] != "system"]
-    if body.instructions:  # instructions are not carried over from the previous response
+    messages = [dict(m) for m in history]  # stored without its instructions (carried_messages)
+    if body.instructions:
         messages.insert(0, {"role": "system", "content": body.instructions})
     messages += input_messages(body.input)
     tools = tuple(_tool(t, i) for i, t in enumerate(body.tools or []))
@@ -270,7 +277,10 @@ class ResponseStore:
     def get(self, rid: str, param: str = "previous_response_id") -> StoredResponse:
         stored = self._items.get(rid)
         if stored is None:
-            raise RequestError(f"Previous response with id {rid[:80]!r} not found.",
+            if param == "previous_response_id":  # a bad request, as OpenAI answers it
+                raise RequestError(f"Previous response with id {rid[:80]!r} not found.",
+                                   param=param, code="previous_response_not_found")
+            raise RequestError(f"Response with id {rid[:80]!r} not found.",
                                param=param, code="not_found", status=404)
         self._items.move_to_end(rid)
         return stored
