@@ -962,6 +962,29 @@ def test_paged_prefill_leaves_long_chunks_to_cudnn(limit):
     assert_mlx_lm_tokens(model, "llama", results, [(f"r{i}", p) for i, p in enumerate(prompts)], 6)
 
 
+@pytest.mark.parametrize("path", ["plain", "kernel"])
+@pytest.mark.parametrize("name", sorted(OWN_SCORES))
+def test_own_score_models_decode_rows_of_one_length_together(name, path):
+    """Rows of one length decode in one forward with no length mask (each sees every
+    position). Gemma 2 batches only such rows (its grouped [B, Hkv, G, 1, L] scores) and
+    a [B, 1, 1, L] mask failed to broadcast from three rows on, ending every request of
+    the step (found by bench/schedule_soak.py, seed 11002)."""
+    model = build(name)
+    prompt = _prompts(seed=41)[0]
+    prompts = [prompt[:-1] + [t] for t in (5, 6, 7, 8)]  # one length, four rows
+    if path == "kernel":  # the CUDA path's decode over the pool, stood in for
+        from tests.engine_driver import StandInKernel
+
+        engine = InProcessEngine(model, chunk_size=16, backend=StandInKernel())
+    else:
+        engine = InProcessEngine(model, chunk_size=16)
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 8, [])
+    results = engine.run_until_idle()
+    assert all(r.error is None for r in results.values()), [r.error for r in results.values()]
+    assert_mlx_lm_tokens(model, name, results, [(f"r{i}", p) for i, p in enumerate(prompts)], 8)
+
+
 def test_one_token_prefill_forwards_equal_mlx_lm():
     """A prefill forward of one token a row (prompts whose cached prefix leaves one,
     sharing a forward at one start) gets no mask, as mlx-lm's caches give one token:

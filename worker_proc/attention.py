@@ -345,7 +345,13 @@ class PooledKVCache:
 
     def _length_mask(self) -> mx.array | None:
         """Decode of a layer that computes its own scores over dense K/V ([B, H, L, D],
-        right-padded): which of the L positions each row's query sees, [B, 1, 1, L]."""
+        right-padded): which of the L positions each row's query sees, [B, 1, 1, L]; None
+        where the rows are of one length (each sees all L), as mlx-lm's caches answer for
+        one token. A [B, 1, 1, L] array would not broadcast against Gemma 2's grouped
+        [B, Hkv, G, 1, L] scores, and the forwards of models that cannot batch ragged
+        rows (batches_ragged_rows) all have rows of one length."""
+        if isinstance(self.layout.offset, int):  # ForwardLayout.decode: rows of one length
+            return None
         table, lengths = self.reads()
         return (mx.arange(table.shape[1])[None] < lengths[:, None])[:, None, None, :]
 
