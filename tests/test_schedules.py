@@ -180,6 +180,39 @@ def test_a_chunk_reading_another_chunks_writes_runs_in_a_later_wave():
         prefill_waves([b, a], {"b": [1]})
 
 
+def test_a_chunk_starting_from_a_snapshot_saved_this_step_runs_after_its_saver():
+    """A recurrent model's hit starts from a state snapshot that a chunk of the same step
+    saves at its end; the hit's prefix slots may be another request's, written in an
+    earlier step (the saver recomputes cached positions), so only the snapshot orders
+    them."""
+    saver = PrefillChunk(rid="a", start=200, token_ids=[7] * 100, slot_ids=list(range(500, 600)),
+                         sample=False, snapshot_id=17)
+    hit = PrefillChunk(rid="b", start=300, token_ids=[7] * 100, slot_ids=list(range(600, 700)),
+                       sample=False, snapshot_id=19)
+    prefixes = {"b": list(range(1, 301))}  # written in earlier steps
+    assert prefill_waves([saver, hit], prefixes) == [[saver, hit]]
+    assert prefill_waves([saver, hit], prefixes, {"b": 17}) == [[saver], [hit]]
+    assert prefill_waves([saver, hit], prefixes, {"b": 5}) == [[saver, hit]]  # saved before
+    with pytest.raises(RuntimeError):
+        prefill_waves([hit, saver], prefixes, {"b": 17})
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", "kimi_linear"])
+def test_a_hit_on_a_snapshot_saved_in_the_same_step_is_exact(family):
+    """bench/schedule_soak.py's seed 11003: a 609-token prompt hit the snapshot at 300
+    that another prompt's chunk saved in the same step, ran in that chunk's forward and
+    started from the snapshot's old contents (its second token on differed)."""
+    from tests.families import VOCAB, build
+    from tests.test_families import mlx_lm_tokens
+
+    model = build(family)
+    schedule = draw_schedule(11003, VOCAB)
+    engine, outputs = run_schedule(model, schedule)
+    assert engine.scheduler.counters.cache_hit_tokens > 0
+    for i, (prompt, n) in enumerate(zip(schedule.prompts, schedule.max_tokens)):
+        assert outputs[f"r{i}"] == mlx_lm_tokens(model, prompt, n), f"r{i}"
+
+
 def test_same_step_hit_on_a_shorter_prompt_is_exact(tiny_model, oracle):
     """The case the random schedules first caught: r1 shares r0's first token, both are
     admitted in one step, and r1's longer chunk was run first (before r0 wrote it)."""

@@ -280,7 +280,8 @@ class ModelRunner:
         sampled: list[RequestState] = []
         prompt: list[PendingPromptLogprobs] = []
         prefixes = {n.rid: n.prefix_slot_ids for n in batch.new_requests if n.prefix_slot_ids}
-        groups = self._prefill_groups(batch.prefill, prefixes)
+        snapshot_hits = {n.rid: n.state_snapshot for n in batch.new_requests if n.state_snapshot}
+        groups = self._prefill_groups(batch.prefill, prefixes, snapshot_hits)
         mixed = self._mixed_chunk(groups, batch)
         row_logits: mx.array | None = None  # the decode rows', where they rode with a chunk
         if mixed is not None:  # the chunk and the decode rows in one forward
@@ -529,14 +530,15 @@ class ModelRunner:
         """Rows of the window table (None where windowed layers share the full slots)."""
         return None if self.window_table is None else self.window_table[row]
 
-    def _prefill_groups(self, chunks: list[PrefillChunk],
-                        prefixes: dict[str, list[int]]) -> list[list[PrefillChunk]]:
+    def _prefill_groups(self, chunks: list[PrefillChunk], prefixes: dict[str, list[int]],
+                        snapshot_hits: dict[str, int]) -> list[list[PrefillChunk]]:
         """The step's chunks as forwards, in an order that keeps the plan's meaning: a
-        chunk whose cached prefix another chunk of this step writes runs in a later wave
-        (prefill_waves). Within a wave, chunks of similar length share a forward, except
-        a request's that asked for prompt logprobs (scored over every position, alone)."""
+        chunk whose cached prefix (or starting state snapshot) another chunk of this step
+        writes runs in a later wave (prefill_waves). Within a wave, chunks of similar
+        length share a forward, except a request's that asked for prompt logprobs (scored
+        over every position, alone)."""
         forwards: list[list[PrefillChunk]] = []
-        for wave in prefill_waves(chunks, prefixes):
+        for wave in prefill_waves(chunks, prefixes, snapshot_hits):
             forwards += [[c] for c in wave if self.requests[c.rid].sampling.prompt_logprobs >= 0]
             rest = [c for c in wave if self.requests[c.rid].sampling.prompt_logprobs < 0]
             groups = (group_by_length([len(c.token_ids) for c in rest], self.prefill_padding,

@@ -40,25 +40,38 @@ def rows_by_length(lengths: np.ndarray) -> list[np.ndarray]:
     return np.split(order, np.flatnonzero(np.diff(lengths[order])) + 1)
 
 
-def prefill_waves(chunks: list[PrefillChunk],
-                  prefixes: dict[str, list[int]]) -> list[list[PrefillChunk]]:
+def prefill_waves(chunks: list[PrefillChunk], prefixes: dict[str, list[int]],
+                  snapshot_hits: dict[str, int] | None = None) -> list[list[PrefillChunk]]:
     """The step's chunks in waves: a chunk whose request's cached prefix (`prefixes`, by
     rid: the slot ids of requests new to the worker this step) holds slots that an
     earlier chunk of the same step writes runs one wave after that chunk, so its reads
-    come after those writes. The scheduler shares a prompt as soon as its last chunk is
-    planned, so a request admitted later in the same plan can hit it; grouping by length
-    alone would run the longer chunk first and read slots not written yet.
+    come after those writes; so does a chunk whose request starts from a state snapshot
+    (`snapshot_hits`, by rid: a recurrent model's hits) that an earlier chunk of the step
+    saves at its end (PrefillChunk.snapshot_id). The scheduler shares a prompt as soon
+    as its last chunk is planned, so a request admitted later in the same plan can hit
+    it; grouping by length alone would run the longer chunk first and read slots (or a
+    snapshot) not written yet. The prefix's slots need not be the snapshot saver's: a
+    chunk recomputing cached positions (the scheduler's copies of them) saves the
+    snapshot at a position whose K/V an earlier step wrote.
     NOTE: only a request's first chunk on the worker reads another's writes of the same
     step (later chunks of its own come in later steps), and only from an earlier chunk."""
-    if not any(c.rid in prefixes for c in chunks):
+    hits = snapshot_hits or {}
+    if not any(c.rid in prefixes or c.rid in hits for c in chunks):
         return [chunks] if chunks else []
     written = np.concatenate([np.asarray(c.slot_ids, dtype=np.int64) for c in chunks])
     writer = np.repeat(np.arange(len(chunks)), [len(c.slot_ids) for c in chunks])
     order = np.argsort(written, kind="stable")
     written, writer = written[order], writer[order]
+    savers = {c.snapshot_id: j for j, c in enumerate(chunks) if c.snapshot_id}
     levels: list[int] = []
     for i, chunk in enumerate(chunks):
-        levels.append(_wave_of(i, prefixes.get(chunk.rid), written, writer, levels))
+        level = _wave_of(i, prefixes.get(chunk.rid), written, writer, levels)
+        saver = savers.get(hits.get(chunk.rid, 0))
+        if saver is not None:
+            if saver >= i:
+                raise RuntimeError(f"chunk {i} of a step starts from a snapshot a later chunk saves")
+            level = max(level, levels[saver] + 1)
+        levels.append(level)
     waves: list[list[PrefillChunk]] = [[] for _ in range(max(levels) + 1)]
     for chunk, level in zip(chunks, levels):
         waves[level].append(chunk)
