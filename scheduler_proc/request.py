@@ -84,7 +84,7 @@ class Req:
     sees_from: int = 0
     window_from: int = 0
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
-    admissions: int = 0
+    admission: int = 0  # the serial of its latest admission, unique in the scheduler; 0: none
     # Steps sent that sample this request and whose results are not in yet.
     samples_in_flight: int = 0
     on_worker: bool = False

@@ -225,9 +225,13 @@ class Scheduler:
         self._released: list[str] = []
         self._released_snapshots: list[int] = []  # beside _released (ForwardBatch's)
         self._step = 0
-        # Per step in flight: which admission of each sampled request it samples for. A
-        # request preempted and re-admitted meanwhile must not take its old token.
-        self._sampled_for: dict[int, dict[str, int]] = {}
+        # Per step in flight: the admission (Req.admission) of each request it names, and
+        # which of them it samples. A request preempted and re-admitted meanwhile, or a
+        # new request reusing an ended one's id (a client's own rid), must not take what
+        # the step computed for the old one: its token, error or prompt logprobs.
+        self._admitted_as: dict[int, dict[str, int]] = {}
+        self._sampled_for: dict[int, list[str]] = {}
+        self._admissions = 0  # admissions so far, every request's: the next one's serial
         # After a step failed as a whole, the steps planned before that was known fail
         # too (the worker dropped their requests): up to this step, nothing more to end.
         self._failed_through = 0
@@ -352,7 +356,9 @@ class Scheduler:
         self._step += 1
         self.ratio.on_step()
         sampled = [c.rid for c in prefill if c.sample] + decode_rids
-        self._sampled_for[self._step] = {rid: self.running[rid].admissions for rid in sampled}
+        named = [n.rid for n in new_reqs] + [c.rid for c in prefill] + decode_rids
+        self._admitted_as[self._step] = {rid: self.running[rid].admission for rid in named}
+        self._sampled_for[self._step] = sampled
         for rid in sampled:
             self.running[rid].samples_in_flight += 1
         released, self._released = self._released, []
@@ -494,9 +500,10 @@ class Scheduler:
         if self.windows is not None:
             req.sees_from = int(self.windows.rule.first_needed(len(match)))
         self.table.assign(req.row, 0, match.slots)
-        if req.admissions == 0:
+        if not req.admission:
             req.cached_tokens = len(match)
-        req.admissions += 1
+        self._admissions += 1
+        req.admission = self._admissions
         self.counters.cache_hit_tokens += len(match)
         self.running[req.rid] = req
         return True
@@ -664,6 +671,7 @@ class Scheduler:
         message = f"internal error in the worker: {reason}"
         outputs = [self._fail(r, message, keep_kv=False) for r in list(self.running.values())]
         self.flush_cache()
+        self._admitted_as.clear()
         self._sampled_for.clear()
         return outputs
 
@@ -673,26 +681,29 @@ class Scheduler:
         outputs = []
         if result.failed is not None:
             return self._fail_everything(result.step, result.failed)
-        sampled_for = self._sampled_for.pop(result.step, {})
-        for rid, admission in sampled_for.items():
+        admitted_as = self._admitted_as.pop(result.step, {})
+
+        def planned(rid: str) -> Req | None:
+            """The running request the step was planned for under this id, if it still
+            runs: not finished, aborted or preempted (maybe re-admitted) since, nor a
+            new request that took an ended one's id."""
             req = self.running.get(rid)
-            if req is not None and req.admissions == admission:
+            return req if req is not None and admitted_as.get(rid) == req.admission else None
+
+        for rid in self._sampled_for.pop(result.step, []):
+            if (req := planned(rid)) is not None:
                 req.samples_in_flight -= 1
         for error in result.errors:  # refused by the worker: their tokens mean nothing
-            req = self.running.get(error.rid)
+            req = planned(error.rid)
             if req is not None and req.on_worker:
                 outputs.append(self._fail(req, error.message))
         # Before the tokens: a request's first output carries its prompt's logprobs.
         for scored in result.prompt_logprobs:
-            req = self.running.get(scored.rid)
-            if req is not None:
+            if (req := planned(scored.rid)) is not None:
                 req.add_prompt_logprobs(scored.start, scored.entries())
         logprobs = result.token_logprobs()
         for row, (rid, token) in enumerate(zip(result.rids, result.token_ids)):
-            req = self.running.get(rid)
-            # Dropped: the request finished, was aborted, or was preempted (and maybe
-            # re-admitted) after this step was planned; its token is stale.
-            if req is not None and sampled_for.get(rid) == req.admissions:
+            if (req := planned(rid)) is not None:  # else its token is stale: dropped
                 outputs.append(self._append_token(req, token, logprobs.get(row)))
         return outputs
 

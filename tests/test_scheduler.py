@@ -504,6 +504,29 @@ def test_abort_while_waiting_and_while_running_frees_slots():
     assert s.plan_step() is None
 
 
+def test_a_reused_id_never_takes_what_a_step_in_flight_computed_for_the_ended_request():
+    """A client may choose its request ids (native /generate `rid`) and reuse one right
+    after an abort, while a step that decodes the old request is still in flight: that
+    step's token belongs to no running request (it was appended to the new one, whose
+    recorded tokens then differed from the worker's, so the prefix cache keyed K/V by a
+    token the model never saw)."""
+    s = _sched()
+    s.add_request(_req("x", 10, 50))
+    s.apply_result(_answer(s.plan_step(), 111))  # the old request's first token
+    in_flight = s.plan_step()  # decodes the old request
+    assert in_flight.decode_rids == ["x"]
+    s.abort("x")
+    s.add_request(_req("x", 5, 50, first=500))
+    new = s.plan_step()  # the new request's prompt, sampling its first token
+    assert [n.rid for n in new.new_requests] == ["x"]
+    assert s.apply_result(_answer(in_flight, 999)) == []  # stale: nobody's
+    out = s.apply_result(_answer(new, 222))
+    assert [(o.rid, o.token_ids) for o in out] == [("x", [222])]
+    assert s.running["x"].output_ids == [222] and s.running["x"].samples_in_flight == 0
+    s.abort("x")
+    assert_idle_invariant(s)
+
+
 def test_requests_that_can_never_fit_are_rejected():
     s = _sched(capacity=100, max_context=80)
     (ctx,) = s.add_request(_req("ctx", 70, 20))
