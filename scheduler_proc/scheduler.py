@@ -669,7 +669,15 @@ class Scheduler:
             return []  # planned before the failure was known: its requests ended with it
         self._failed_through = self._step
         message = f"internal error in the worker: {reason}"
-        outputs = [self._fail(r, message, keep_kv=False) for r in list(self.running.values())]
+        outputs, unsent = [], []
+        for req in list(self.running.values()):
+            if req.on_worker:
+                outputs.append(self._fail(req, message, keep_kv=False))
+            else:  # admitted, its first chunk not planned yet: queued again, whole
+                self._release_kv(req, keep=False)
+                unsent.append(req)
+        for req in reversed(unsent):  # at the queue's head, in their admission order
+            self.waiting.push_front(req)
         self.flush_cache()
         self._admitted_as.clear()
         self._sampled_for.clear()

@@ -527,6 +527,23 @@ def test_a_reused_id_never_takes_what_a_step_in_flight_computed_for_the_ended_re
     assert_idle_invariant(s)
 
 
+def test_a_failed_step_requeues_admitted_requests_the_worker_never_saw():
+    """A step failing as a whole ends the requests sent to the worker; one admitted whose
+    first chunk waited for budget (never sent) goes back to the queue and runs later."""
+    s = Scheduler(SchedulerLimits(capacity=1000, max_context=512, max_running=8,
+                                  chunk_size=128, max_prefill_tokens=100, chunk_align=16))
+    s.add_request(_req("a", 90, 5))
+    s.add_request(_req("b", 200, 5))
+    first = s.plan_step()
+    assert [c.rid for c in first.prefill] == ["a"] and not s.running["b"].on_worker
+    out = s.apply_result(StepResult(step=first.step, rids=[], token_ids=[], failed="boom"))
+    assert [(o.rid, o.finish_reason) for o in out] == [("a", "error")]
+    assert not s.running and len(s.waiting) == 1 and s.waiting.peek().rid == "b"
+    again = s.plan_step()
+    assert [(c.rid, c.start) for c in again.prefill] == [("b", 0)]
+    assert [n.rid for n in again.new_requests] == ["b"]
+
+
 def test_requests_that_can_never_fit_are_rejected():
     s = _sched(capacity=100, max_context=80)
     (ctx,) = s.add_request(_req("ctx", 70, 20))
