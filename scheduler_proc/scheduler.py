@@ -274,7 +274,9 @@ class Scheduler:
         if req.sampling.max_new_tokens < 0:
             return "max_new_tokens must be >= 0"
         need = req.max_kv_tokens
-        if need > self.limits.max_context:
+        # The context counts every token, the last output's too (whose K/V is never
+        # computed), as _append_token's length limit and the front's check do.
+        if req.prompt_len + req.sampling.max_new_tokens > self.limits.max_context:
             return (f"prompt ({req.prompt_len} tokens) + max_tokens ({req.sampling.max_new_tokens}) "
                     f"exceeds the context length the server holds ({self.limits.max_context})")
         if need > self.limits.capacity:

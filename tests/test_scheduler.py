@@ -544,6 +544,20 @@ def test_a_failed_step_requeues_admitted_requests_the_worker_never_saw():
     assert [n.rid for n in again.new_requests] == ["b"]
 
 
+def test_the_context_limit_counts_prompt_and_max_tokens_alike_at_admission_and_finish():
+    """A request admitted runs to its max_tokens: admission refuses prompt + max_tokens
+    past the context (it let one more in, which then ended a token short, "length")."""
+    s = _sched(capacity=100, max_context=16)
+    assert s.add_request(_req("over", 10, 7))[0].finish_reason == "error"
+    assert s.add_request(_req("fits", 10, 6)) == []
+    got = []
+    while s.has_work:
+        for out in s.apply_result(_answer(s.plan_step(), 7)):
+            got += out.token_ids
+            finish = out.finish_reason
+    assert len(got) == 6 and finish == "length"
+
+
 def test_requests_that_can_never_fit_are_rejected():
     s = _sched(capacity=100, max_context=80)
     (ctx,) = s.add_request(_req("ctx", 70, 20))
