@@ -229,6 +229,41 @@ def test_messages_usage_counts_cached_tokens_once(claude: anthropic.Anthropic) -
             == first.usage.input_tokens + first.usage.cache_read_input_tokens)
 
 
+def test_messages_of_one_role_in_a_row_are_one_turn_and_cache_markers_are_taken(
+        claude: anthropic.Anthropic) -> None:
+    """Consecutive user messages are one turn (Anthropic combines them); a top-level
+    cache_control is taken (every prompt is cached); max_tokens 0 computes the prompt
+    alone (a cache warm-up): nothing generated, the prompt then read from the cache."""
+    apart = [{"role": "user", "content": "What is the weather"},
+             {"role": "user", "content": [{"type": "text", "text": "in Paris?"}]}]
+    together = [{"role": "user", "content": [{"type": "text", "text": "What is the weather"},
+                                             {"type": "text", "text": "in Paris?"}]}]
+    count = lambda m: claude.messages.count_tokens(model=MODEL, messages=m).input_tokens  # noqa: E731
+    assert count(apart) == count(together)
+    warm = claude.messages.create(model=MODEL, max_tokens=0, messages=apart,
+                                  extra_body={"cache_control": {"type": "ephemeral"}})
+    assert warm.content == [] and warm.stop_reason == "max_tokens"
+    assert warm.usage.output_tokens == 0
+    again = claude.messages.create(model=MODEL, max_tokens=1, messages=together)
+    assert again.usage.cache_read_input_tokens > 0
+
+
+def test_a_responses_stream_the_engine_ends_fails_with_error_then_response_failed() -> None:
+    """The pair OpenAI sends when a response fails mid-stream, numbered in sequence."""
+    from tokenizer_proc.assistant_parser import ParseSpec
+    from tokenizer_proc.responses_api import ResponseBuilder
+    from tokenizer_proc.tool_syntax import ModelSyntax
+
+    builder = ResponseBuilder("resp_1", {"model": MODEL}, ParseSpec(ModelSyntax(None, None)))
+    events = builder.opening() + builder.feed("Hello") + builder.fail("the engine died")
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    assert events[-2]["message"] == "the engine died"
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["code"] == "server_error"
+    assert [item["type"] for item in failed["output"]] == ["message"]
+
+
 def test_messages_continue_a_final_assistant_message(claude: anthropic.Anthropic,
                                                       tiny_model_dir: Path,
                                                       models: Path) -> None:

@@ -70,8 +70,8 @@ class AgentRoutes:
                 yield _named_sse(event)
             async for output in _outputs_to_end(stream, first):
                 if output.error is not None:
-                    yield _named_sse({"type": "error", "code": "server_error",
-                                      "message": output.error, "param": None})
+                    for event in builder.fail(output.error):
+                        yield _named_sse(event)
                     return
                 for event in builder.feed(output.text):
                     yield _named_sse(event)
@@ -103,8 +103,9 @@ class AgentRoutes:
         body = _parse(messages_api.MessagesRequest, await _read_json(request))
         messages_api.check_unsupported(body)
         conversation = messages_api.messages_conversation(body, self._preparer.reasoning_inline)
+        # max_tokens 0 computes (and caches) the prompt alone: Anthropic's cache warm-up.
         sampling = SamplingInput(body.max_tokens, body.temperature, body.top_p, body.top_k,
-                                 None, stop=body.stop_sequences)
+                                 None, stop=body.stop_sequences, max_tokens_floor=0)
         rid = new_id("msg")
         prep = self._preparer
         turn = await prep.run(prep.turn, conversation, sampling, rid)

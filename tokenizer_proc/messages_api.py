@@ -3,12 +3,15 @@ its conversion to a `Conversation`, and the message object and stream events, bu
 the same parse events as chat.
 
 Supported: `system` (text or text blocks), `messages` with text, `tool_use`,
-`tool_result` and `thinking` blocks, `tools` (custom tools with `input_schema`),
-`tool_choice` (auto, any, tool, none; `disable_parallel_tool_use`), `max_tokens`,
-`stop_sequences`, `temperature`, `top_p`, `top_k`, `thinking` (enabled/disabled: the
-template's enable_thinking), `metadata`, `stream`. Refused with a 400 in Anthropic's error
-format: image and document blocks, server tools, `service_tier` other than auto,
-`container`, `mcp_servers`.
+`tool_result` and `thinking` blocks (consecutive messages of one role are one turn; a
+final assistant message is continued: prefill), `tools` (custom tools with
+`input_schema`), `tool_choice` (auto, any, tool, none; `disable_parallel_tool_use`),
+`max_tokens` (0: the prompt is computed and cached, nothing generated), `stop_sequences`,
+`temperature`, `top_p`, `top_k`, `thinking` (enabled/disabled: the template's
+enable_thinking), `cache_control` (top level or per block: every prompt is cached
+anyway), `metadata`, `stream`. Refused with a 400 in Anthropic's error format: image and
+document blocks, server tools, `service_tier` other than auto, `container`,
+`mcp_servers`.
 """
 
 from __future__ import annotations
@@ -71,6 +74,9 @@ class MessagesRequest(_Strict):
     thinking: ThinkingConfig | None = None
     metadata: dict[str, Any] | None = None
     service_tier: str | None = None
+    # Automatic prompt caching: every prompt's K/V is cached as it is computed here, so
+    # the marker asks for nothing more (as the per-block ones do).
+    cache_control: dict[str, Any] | None = None
 
 
 class CountTokensRequest(_Strict):
@@ -93,7 +99,7 @@ def check_unsupported(body: MessagesRequest) -> None:
 def messages_conversation(body: MessagesRequest | CountTokensRequest,
                           inline_default: bool) -> Conversation:
     messages = _system(body.system)
-    for i, message in enumerate(body.messages):
+    for i, message in _turns(body.messages):
         messages += _messages(message, f"messages[{i}]")
     tools = tuple(_tool(t, i) for i, t in enumerate(body.tools or []))
     choice = body.tool_choice
@@ -125,6 +131,24 @@ def _check_prefill(conversation: Conversation, body: MessagesRequest | CountToke
     if body.thinking is not None and body.thinking.type == "enabled":
         raise RequestError("A final assistant message (prefill) cannot be continued with "
                            "thinking enabled.", param="thinking")
+
+
+def _turns(messages: list[AnthropicMessage]) -> list[tuple[int, AnthropicMessage]]:
+    """Consecutive messages of one role as one turn (Anthropic combines them; templates
+    that want roles to alternate would refuse them apart), each with its first index."""
+    turns: list[tuple[int, AnthropicMessage]] = []
+    for i, message in enumerate(messages):
+        if turns and turns[-1][1].role == message.role:
+            first, before = turns[-1]
+            turns[-1] = (first, AnthropicMessage(role=message.role, content=[
+                *_blocks(before.content), *_blocks(message.content)]))
+        else:
+            turns.append((i, message))
+    return turns
+
+
+def _blocks(content: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{"type": "text", "text": content}] if isinstance(content, str) else content
 
 
 def _system(system: str | list[dict[str, Any]] | None) -> list[dict[str, Any]]:

@@ -350,10 +350,19 @@ class ResponseBuilder:
         name = "response.completed" if status == "completed" else "response.incomplete"
         return events + [self._event(name, response=body)]
 
-    def response(self, status: str, reason: str | None, usage: Usage | None) -> dict[str, Any]:
+    def fail(self, message: str) -> list[dict[str, Any]]:
+        """A stream the engine ended with an error: the error event, then the response
+        failed (OpenAI's pair), with what was made before it."""
+        error = {"code": "server_error", "message": message}
+        body = self.response("failed", None, None, error)
+        return [self._event("error", **error, param=None),
+                self._event("response.failed", response=body)]
+
+    def response(self, status: str, reason: str | None, usage: Usage | None,
+                 error: dict[str, Any] | None = None) -> dict[str, Any]:
         incomplete = None if status != "incomplete" else {"reason": "max_output_tokens"}
         return {"id": self.id, "object": "response", "created_at": self.created_at,
-                "status": status, "error": None, "incomplete_details": incomplete,
+                "status": status, "error": error, "incomplete_details": incomplete,
                 "output": [item.data for item in self.items], "usage": _usage(usage),
                 **self.echo}
 
