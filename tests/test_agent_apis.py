@@ -264,6 +264,18 @@ def test_a_responses_stream_the_engine_ends_fails_with_error_then_response_faile
     assert [item["type"] for item in failed["output"]] == ["message"]
 
 
+def test_reasoning_tokens_are_the_tokens_of_the_reasoning_block_with_its_markers() -> None:
+    from tokenizer_proc.assistant_parser import ParseSpec
+    from tokenizer_proc.responses_api import ResponseBuilder
+    from tokenizer_proc.tool_syntax import ModelSyntax, ReasoningMarkers
+
+    spec = ParseSpec(ModelSyntax(None, ReasoningMarkers("<think>", "</think>")))
+    builder = ResponseBuilder("resp_1", {"model": MODEL}, spec)
+    for text in ["<think>", "Let", " me", " see", "</think>", "\n\n", "Hi", "!"]:
+        builder.feed(text, 1)
+    assert builder.reasoning_tokens == 5  # both markers and the three between
+
+
 def test_messages_continue_a_final_assistant_message(claude: anthropic.Anthropic,
                                                       tiny_model_dir: Path,
                                                       models: Path) -> None:
@@ -403,6 +415,17 @@ def test_reasoning_comes_apart_or_inline(tiny_model_dir: Path, models: Path,
         response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=12,
                                            temperature=0.0)
         assert response.output[0].type == "reasoning"
+        # Its tokens are counted as reasoning, alike whole and streamed (all 12 here: the
+        # random text never closes the block the prompt opened).
+        events = list(client.responses.create(model=MODEL, input="Hi", max_output_tokens=12,
+                                              temperature=0.0, stream=True))
+        usage = response.usage
+        assert usage.output_tokens_details.reasoning_tokens == usage.output_tokens == 12
+        assert events[-1].response.usage.output_tokens_details == usage.output_tokens_details
+        answer = client.responses.create(model=MODEL, input="Hi", max_output_tokens=12,
+                                         temperature=0.0,
+                                         extra_body={"separate_reasoning": False})
+        assert answer.usage.output_tokens_details.reasoning_tokens == 0  # inline: content
         claude = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
         msg = claude.messages.create(model=MODEL, max_tokens=12, messages=ASK,
                                      extra_body={"temperature": 0.0})

@@ -73,7 +73,7 @@ class AgentRoutes:
                     for event in builder.fail(output.error):
                         yield _named_sse(event)
                     return
-                for event in builder.feed(output.text):
+                for event in builder.feed(output.text, len(output.token_ids)):
                     yield _named_sse(event)
                 if output.finished:
                     closing = builder.finish(output.finish_reason, stream.usage(output))
@@ -84,7 +84,8 @@ class AgentRoutes:
         result = await self._run(request, turn, body.stream, events)
         if isinstance(result, Response):
             return result
-        builder.feed(result.text)
+        for text, tokens in result.pieces:  # as streamed: reasoning tokens are counted
+            builder.feed(text, tokens)
         final = builder.finish(result.finish_reason, result.usage)[-1]["response"]
         keep(final)
         return JSONResponse(final)

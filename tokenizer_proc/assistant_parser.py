@@ -131,6 +131,11 @@ class ReasoningSplitter:
             return self._reasoned(self._take())
         return self._take_content()
 
+    @property
+    def inside(self) -> bool:
+        """Whether the text so far ends inside the reasoning block."""
+        return self._state == "reasoning"
+
     def _opening(self) -> list[Event]:
         head = self._buffer.lstrip()
         if head.startswith(self._markers.start):
@@ -558,6 +563,11 @@ class HarmonyParser(_Stepped):
         self._buffer = self._buffer[at + len(end):]
         return True
 
+    @property
+    def inside_reasoning(self) -> bool:
+        """Whether the text so far ends inside an analysis message's body (not inline)."""
+        return self._in_body and self._kind == "reasoning"
+
     def _begin_message(self, header: str, events: list[Event]) -> None:
         channel = _H_CHANNEL.search(header)
         recipient = _H_RECIPIENT.search(header)
@@ -637,6 +647,13 @@ class AssistantParser:
     @property
     def made_calls(self) -> bool:
         return getattr(self._content, "calls", 0) > 0
+
+    @property
+    def in_reasoning(self) -> bool:
+        """Whether the text so far ends inside reasoning that is parsed apart."""
+        if self._reasoning is not None:
+            return self._reasoning.inside
+        return isinstance(self._content, HarmonyParser) and self._content.inside_reasoning
 
     def feed(self, text: str) -> list[Event]:
         if self._reasoning is None:

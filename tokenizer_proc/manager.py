@@ -55,6 +55,9 @@ class Collected:
     cumulative_logprob: float | None = None  # of every sampled token, with logprobs
     engine_dead: bool = False  # the error is the engine's death (see TextOutput)
     stop_str: str | None = None  # the stop string that ended it, if one did
+    # Each output's text and how many tokens it holds, in order: a stream's deltas, for
+    # folds that attribute tokens to parts of the text (reasoning).
+    pieces: list[tuple[str, int]] = field(default_factory=list)
 
     @property
     def mean_logprob(self) -> float:
@@ -117,7 +120,8 @@ class RequestStream:
                          prompt_logprobs=next((o.prompt_logprobs for o in outputs
                                                if o.prompt_logprobs is not None), None),
                          cumulative_logprob=last.cumulative_logprob,
-                         engine_dead=last.engine_dead, stop_str=last.stop_str)
+                         engine_dead=last.engine_dead, stop_str=last.stop_str,
+                         pieces=[(o.text, len(o.token_ids)) for o in outputs])
 
 
 def _joined_logprobs(outputs: list[TextOutput]) -> list[TextLogprob] | None:

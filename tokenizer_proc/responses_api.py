@@ -327,6 +327,8 @@ class ResponseBuilder:
     _open: bool = False
     _sequence: int = 0
     _parser: AssistantParser | None = None
+    # Output tokens of the deltas that were reasoning (began, ended or ran inside it).
+    reasoning_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.parse.active:
@@ -337,10 +339,16 @@ class ResponseBuilder:
         return [self._event("response.created", response=body),
                 self._event("response.in_progress", response=body)]
 
-    def feed(self, text: str) -> list[dict[str, Any]]:
+    def feed(self, text: str, tokens: int = 0) -> list[dict[str, Any]]:
+        """One output delta, the text of `tokens` output tokens."""
         if self._parser is None:
             return self._apply([ContentDelta(text)] if text else [])
-        return self._apply(self._parser.feed(text))
+        before = self._parser.in_reasoning
+        events = self._parser.feed(text)
+        if before or self._parser.in_reasoning or any(isinstance(e, ReasoningDelta)
+                                                       for e in events):
+            self.reasoning_tokens += tokens
+        return self._apply(events)
 
     def finish(self, reason: str | None, usage: Usage) -> list[dict[str, Any]]:
         events = self._apply(self._parser.finish()) if self._parser else []
@@ -363,7 +371,8 @@ class ResponseBuilder:
         incomplete = None if status != "incomplete" else {"reason": "max_output_tokens"}
         return {"id": self.id, "object": "response", "created_at": self.created_at,
                 "status": status, "error": error, "incomplete_details": incomplete,
-                "output": [item.data for item in self.items], "usage": _usage(usage),
+                "output": [item.data for item in self.items],
+                "usage": _usage(usage, self.reasoning_tokens),
                 **self.echo}
 
     def output_messages(self) -> list[dict[str, Any]]:
@@ -479,13 +488,13 @@ def _loads_object(text: str) -> dict[str, Any]:
     return value if isinstance(value, dict) else {"value": value}
 
 
-def _usage(usage: Usage | None) -> dict[str, Any] | None:
+def _usage(usage: Usage | None, reasoning_tokens: int) -> dict[str, Any] | None:
     if usage is None:
         return None
     return {"input_tokens": usage.prompt_tokens,
             "input_tokens_details": {"cached_tokens": usage.cached_tokens},
             "output_tokens": usage.completion_tokens,
-            "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": usage.total_tokens}
 
 
