@@ -430,5 +430,16 @@ def test_reasoning_comes_apart_or_inline(tiny_model_dir: Path, models: Path,
         msg = claude.messages.create(model=MODEL, max_tokens=12, messages=ASK,
                                      extra_body={"temperature": 0.0})
         assert msg.content[0].type == "thinking" and msg.content[0].thinking
+        # A thinking budget closes the block once spent (the random text never does):
+        # the answer follows it within max_tokens.
+        held = claude.messages.create(model=MODEL, max_tokens=1040, messages=ASK,
+                                      thinking={"type": "enabled", "budget_tokens": 1024})
+        assert [b.type for b in held.content] == ["thinking", "text"]
+        assert held.usage.output_tokens == 1040 and held.stop_reason == "max_tokens"
+        for bad in ({"type": "enabled", "budget_tokens": 1000},  # below Anthropic's 1,024
+                    {"type": "enabled", "budget_tokens": 2048}):  # not below max_tokens
+            with pytest.raises(anthropic.BadRequestError) as refused:
+                claude.messages.create(model=MODEL, max_tokens=2000, messages=ASK, thinking=bad)
+            assert "budget_tokens" in refused.value.body["error"]["message"]
     finally:
         assert srv.stop() == 0, srv.log_tail()

@@ -186,6 +186,13 @@ class Walker:
         self.lark = Lark(special_tokens(tokenizer))
 
     def walk(self, grammar: str, rng: np.random.Generator, limit: int = 400) -> str | None:
+        ids, ended = self.walk_ids(grammar, rng, limit)
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if ended else None
+
+    def walk_ids(self, grammar: str, rng: np.random.Generator,
+                 limit: int = 400) -> tuple[list[int], bool]:
+        """The ids walked, and whether the grammar allowed EOS at their end (else the
+        limit stopped the walk, still inside free text)."""
         from llguidance import LLMatcher
 
         matcher = LLMatcher(self.ll, LLMatcher.grammar_from_lark(grammar))
@@ -197,11 +204,46 @@ class Walker:
                                  bitorder="little")[:vocab]
             allowed = np.nonzero(bits)[0]
             if eos in allowed and (len(allowed) == 1 or rng.random() < 0.05):
-                return self.tokenizer.decode(out, skip_special_tokens=False)
+                return out, True
             token = int(rng.choice(allowed[allowed != eos]))
             assert matcher.consume_token(token), matcher.get_error()
             out.append(token)
-        return None  # still inside free text
+        return out, False
+
+
+def _reasoning_ids(walker: Walker, ids: list[int], end: str) -> int:
+    """How many of the walked ids come before the reasoning's end marker."""
+    for k in range(1, len(ids) + 1):
+        if end in walker.tokenizer.decode(ids[:k], skip_special_tokens=False):
+            return k - len(walker.tokenizer.encode(end, add_special_tokens=False))
+    raise AssertionError(f"no {end!r} in the walk")
+
+
+@pytest.mark.parametrize("case", ["opened", "unopened", "tools", "harmony"])
+def test_a_reasoning_budget_closes_the_block_once_spent(walker: Walker, case: str) -> None:
+    """thinking.budget_tokens: random tokens under the grammar (which never close the
+    block themselves) reason for exactly the budget, then the end marker comes and the
+    answer (text, or the forced call) follows: a block the prompt opened or the output
+    opens, in the tools' grammar too, and harmony's analysis message."""
+    from tokenizer_proc.tool_grammar import reasoning_grammar
+
+    budget = 7
+    if case == "harmony":
+        grammar = reasoning_grammar(ModelSyntax(HARMONY, None), False, budget, walker.lark)
+        start, end = "<|channel|>analysis<|message|>", "<|end|>"
+    elif case == "tools":
+        grammar = tool_grammar(ToolGrammarPlan(ModelSyntax(HERMES, THINK), HERMES, TOOLS,
+                                               "required", reasoning_open=True,
+                                               reasoning_budget=budget), walker.lark)
+        start, end = "", "</think>"
+    else:
+        opened = case == "opened"
+        grammar = reasoning_grammar(ModelSyntax(HERMES, THINK), opened, budget, walker.lark)
+        start, end = ("" if opened else "<think>"), "</think>"
+    opening = len(walker.tokenizer.encode(start, add_special_tokens=False)) if start else 0
+    for seed in range(3):
+        ids, _ = walker.walk_ids(grammar, np.random.default_rng(seed), limit=120)
+        assert _reasoning_ids(walker, ids, end) == opening + budget
 
 
 # Ids by position (two syntaxes may share a name): the same in every pytest process.

@@ -60,6 +60,10 @@ class Conversation:
     # The last message is an assistant turn the output continues (Anthropic's prefill):
     # rendered without the generation prompt, that turn left open after its text.
     continue_final: bool = False
+    # Most tokens the answer's reasoning may take (Anthropic's thinking.budget_tokens):
+    # a grammar closes the reasoning block once they are spent. None: no limit.
+    reasoning_budget: int | None = None
+    reasoning_budget_param: str = "thinking.budget_tokens"
 
     @property
     def calls_tools(self) -> bool:

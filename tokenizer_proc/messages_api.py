@@ -8,7 +8,8 @@ final assistant message is continued: prefill), `tools` (custom tools with
 `input_schema`), `tool_choice` (auto, any, tool, none; `disable_parallel_tool_use`),
 `max_tokens` (0: the prompt is computed and cached, nothing generated), `stop_sequences`,
 `temperature`, `top_p`, `top_k`, `thinking` (enabled/disabled: the template's
-enable_thinking), `cache_control` (top level or per block: every prompt is cached
+enable_thinking; `budget_tokens` held by a grammar that closes the reasoning block once
+spent), `cache_control` (top level or per block: every prompt is cached
 anyway), `metadata`, `stream`. Refused with a 400 in Anthropic's error format: image and
 document blocks, server tools, `service_tier` other than auto, `container`,
 `mcp_servers`.
@@ -108,10 +109,34 @@ def messages_conversation(body: MessagesRequest | CountTokensRequest,
         messages=name_tool_results(messages), tools=tools, tool_choice=_choice(choice, tools),
         parallel_tool_calls=not (choice and choice.disable_parallel_tool_use),
         inline_reasoning=inline_default, template_kwargs=kwargs,
-        continue_final=bool(body.messages) and body.messages[-1].role == "assistant")
+        continue_final=bool(body.messages) and body.messages[-1].role == "assistant",
+        reasoning_budget=_thinking_budget(body))
     if conversation.continue_final:
         _check_prefill(conversation, body)
     return conversation.checked()
+
+
+# Anthropic's floor for thinking.budget_tokens.
+MIN_THINKING_BUDGET = 1024
+
+
+def _thinking_budget(body: MessagesRequest | CountTokensRequest) -> int | None:
+    """thinking.budget_tokens where thinking is enabled, checked as Anthropic checks it
+    (at least 1,024, below max_tokens); the answer's reasoning is held to it."""
+    thinking = body.thinking
+    if thinking is None or thinking.type != "enabled":
+        return None
+    budget = thinking.budget_tokens
+    if budget is None:
+        raise RequestError("thinking.budget_tokens is required when thinking is enabled.",
+                           param="thinking.budget_tokens")
+    if budget < MIN_THINKING_BUDGET:
+        raise RequestError(f"thinking.budget_tokens must be at least {MIN_THINKING_BUDGET}.",
+                           param="thinking.budget_tokens")
+    if isinstance(body, MessagesRequest) and budget >= body.max_tokens:
+        raise RequestError("thinking.budget_tokens must be less than max_tokens.",
+                           param="thinking.budget_tokens")
+    return budget
 
 
 def _check_prefill(conversation: Conversation, body: MessagesRequest | CountTokensRequest) -> None:

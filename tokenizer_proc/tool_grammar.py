@@ -53,6 +53,7 @@ class ToolGrammarPlan:
     mode: str
     parallel: bool = True
     reasoning_open: bool = False
+    reasoning_budget: int | None = None  # most tokens the reasoning may take (None: any)
 
 
 class Lark:
@@ -133,8 +134,36 @@ def _think_rules(plan: ToolGrammarPlan, lark: Lark) -> list[str]:
     if markers is None:
         return []
     opening = "" if plan.reasoning_open else lark.literal(markers.start) + " "
-    return [f"think: {opening}THINK_TEXT {lark.literal(markers.end)}",
-            f"THINK_TEXT: {lark.text_without(markers.end)}"]
+    return [f"think: {opening}think_text {lark.literal(markers.end)}",
+            *_think_text(lark.text_without(markers.end), plan.reasoning_budget)]
+
+
+def _think_text(body: str, budget: int | None) -> list[str]:
+    """The reasoning's text: `body` (a terminal: llguidance intersects regexes in
+    terminals only), ended by the grammar after `budget` tokens (the end marker is then
+    all it allows)."""
+    limit = f"[max_tokens={budget}]" if budget else ""
+    return [f"think_text{limit}: THINK_TEXT", f"THINK_TEXT: {body}"]
+
+
+def reasoning_grammar(syntax: ModelSyntax, reasoning_open: bool, budget: int,
+                      lark: Lark) -> str:
+    """An answer that reasons first, in at most `budget` tokens (Anthropic's thinking
+    budget), then says anything: the reasoning block is closed for the model once the
+    budget is spent. For a model with reasoning markers or harmony's analysis channel."""
+    if syntax.harmony:
+        return "\n".join(["%llguidance {}",
+                          "start: " + lark.literal("<|channel|>analysis<|message|>")
+                          + " think_text " + lark.literal("<|end|><|start|>assistant") + " REST",
+                          *_think_text(lark.text_without("<|end|>"), budget),
+                          f"REST: {_ANY_TEXT}"]) + "\n"
+    markers = syntax.reasoning
+    assert markers is not None
+    opening = "" if reasoning_open else lark.literal(markers.start) + " "
+    return "\n".join(["%llguidance {}",
+                      f"start: {opening}think_text {lark.literal(markers.end)} REST",
+                      *_think_text(lark.text_without(markers.end), budget),
+                      f"REST: {_ANY_TEXT}"]) + "\n"
 
 
 def _harmony_grammar(plan: ToolGrammarPlan, lark: Lark) -> str:
@@ -145,8 +174,8 @@ def _harmony_grammar(plan: ToolGrammarPlan, lark: Lark) -> str:
     tools = plan.tools[:1] if plan.mode == "function" else plan.tools
     rules = ["%llguidance {}",
              "analysis: " + lark.literal("<|channel|>analysis<|message|>")
-             + " ANALYSIS " + lark.literal("<|end|><|start|>assistant"),
-             f"ANALYSIS: {lark.text_without('<|end|>')}",
+             + " think_text " + lark.literal("<|end|><|start|>assistant"),
+             *_think_text(lark.text_without("<|end|>"), plan.reasoning_budget),
              f"call: {' | '.join(f'call_{i}' for i in range(len(tools)))}"]
     for i, tool in enumerate(tools):
         before = template.before.replace("{name}", tool.name)

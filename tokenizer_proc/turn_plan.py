@@ -7,6 +7,10 @@
 - "auto": the family's syntax is parsed; where it has a call template, a call the model
   starts is finished under the grammar (text before it is free). A model whose tool
   format is unknown cannot be parsed, so "auto" is refused there rather than ignored.
+A reasoning budget (Anthropic's thinking.budget_tokens) makes the reasoning block part of
+the grammar, closed for the model once the budget is spent: with tools, in their grammar;
+without, in a grammar of its own (the reasoning first, then any text). A model with no
+reasoning markers (nor harmony) writes no block: the budget asks nothing of it.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ from tokenizer_proc.constraints import Constraint
 from tokenizer_proc.conversation import Conversation
 from tokenizer_proc.errors import RequestError
 from tokenizer_proc.tool_grammar import (GrammarTool, Lark, ToolGrammarPlan, forced_syntax,
-                                         tool_grammar)
+                                         reasoning_grammar, tool_grammar)
 from tokenizer_proc.tool_syntax import HARMONY, ModelSyntax, ToolSyntax, opens_reasoning
 
 _HARMONY_MARKERS = ("<|channel|>", "<|message|>", "<|end|>", "<|start|>", "<|constrain|>")
@@ -43,20 +47,36 @@ class TurnPlanner:
         """The plan of one turn; `prompt` is the rendered template text."""
         inline = bool(conv.inline_reasoning)
         opened = opens_reasoning(prompt, self.syntax.reasoning)
+        budget = self._budget(conv)
         if not conv.calls_tools:
-            return self._plan(ParseSpec(self.syntax, None, (), inline, opened), None)
+            parse = ParseSpec(self.syntax, None, (), inline, opened)
+            if budget is None:
+                return self._plan(parse, None)
+            grammar = reasoning_grammar(self.syntax, opened, budget, self._lark)
+            return self._plan(parse, Constraint("lark", grammar, conv.reasoning_budget_param))
         mode = conv.tool_choice.mode
         tools = conv.forced_tools() if mode != "auto" else conv.tools
         syntax = forced_syntax(self.syntax.tools) if mode != "auto" else self._auto_syntax(conv)
         declared = tuple(t.template_dict() for t in conv.tools)
         parse = ParseSpec(self.syntax, syntax, declared, inline, opened)
         if syntax.template is None:  # auto, for a family without a call template
-            return self._plan(parse, None)
+            if budget is None:
+                return self._plan(parse, None)
+            grammar = reasoning_grammar(self.syntax, opened, budget, self._lark)
+            return self._plan(parse, Constraint("lark", grammar, conv.reasoning_budget_param))
         grammar = tool_grammar(ToolGrammarPlan(
             self.syntax, syntax, tuple(GrammarTool(t.name, t.parameters or {}) for t in tools),
-            mode, conv.parallel_tool_calls, opened), self._lark)
+            mode, conv.parallel_tool_calls, opened, budget), self._lark)
         param = conv.tool_choice_param if mode != "auto" else conv.tools_param
         return self._plan(parse, Constraint("lark", grammar, param))
+
+    def _budget(self, conv: Conversation) -> int | None:
+        """The reasoning budget the grammar holds the answer to (None: none to hold)."""
+        if conv.reasoning_budget is None:
+            return None
+        if self.syntax.harmony or self.syntax.reasoning is not None:
+            return conv.reasoning_budget
+        return None  # a model that does not reason stays within any budget
 
     def _auto_syntax(self, conv: Conversation) -> ToolSyntax:
         if self.syntax.tools is None:
