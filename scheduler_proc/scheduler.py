@@ -442,10 +442,8 @@ class Scheduler:
         decoding = [r for r in self.running.values() if not r.prefilling and r not in finishing]
         for req in decoding:  # first: what falls out of the windows makes room
             self._trim_windows(req, req.num_computed)
-        # Preemption never takes a finishing request, so their slots stay what they hold.
-        held = sum(r.num_computed for r in finishing)
         while decoding and not self._make_room(len(decoding)):
-            if held >= len(decoding) - self.allocator.num_free:
+            if self._finishing_frees(finishing, len(decoding)):
                 # Requests whose last tokens are in flight give back enough slots with
                 # the next result: one step's wait costs less than a preemption's prefill.
                 return [], [], []
@@ -462,6 +460,21 @@ class Scheduler:
             window += new_window
             req.num_computed += 1
         return [r.rid for r in decoding], slots, window
+
+    def _finishing_frees(self, finishing: list[Req], n: int) -> bool:
+        """Whether the finishing requests (preemption never takes them, so they keep what
+        they hold) give back what n decode rows lack, in each slot space that is short:
+        full slots, and window slots (theirs become evictable once they end). A shortage
+        nothing finishing can relieve is not waited out (decoding would stall for as long
+        as a prompt prefills beside it)."""
+        if not finishing:
+            return False
+        if sum(r.num_computed for r in finishing) < n - self.allocator.num_free:
+            return False
+        if self.windows is None:
+            return True
+        held = sum(r.num_computed - r.window_from for r in finishing)
+        return held >= n - self.windows.num_free
 
     def _admit(self, budget: PrefillBudget, new_reqs: list[NewRequest]) -> list[PrefillChunk | None]:
         if self.limits.schedule_policy == "lpm":
