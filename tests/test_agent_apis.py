@@ -197,6 +197,12 @@ def test_responses_text_stream_and_errors(oai: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as info:
         oai.responses.create(model=MODEL, input="x", tools=[{"type": "web_search"}])
     assert info.value.body["param"] == "tools[0].type"
+    with pytest.raises(openai.BadRequestError) as verbose:  # no such control here
+        oai.responses.create(model=MODEL, input="x", text={"verbosity": "low"})
+    assert verbose.value.body["param"] == "text.verbosity"
+    plain = oai.responses.create(model=MODEL, input="x", max_output_tokens=1,
+                                 text={"verbosity": "medium"})  # the default: taken
+    assert plain.text.verbosity == "medium"
 
 
 def test_responses_carry_input_system_messages_but_not_instructions(oai: openai.OpenAI) -> None:

@@ -90,7 +90,10 @@ class ResponsesRequest(_Strict):
 def check_unsupported(body: ResponsesRequest) -> None:
     for name, default in (("background", body.background in (None, False)),
                           ("truncation", body.truncation in (None, "disabled")),
-                          ("reasoning", not body.reasoning), ("include", not body.include)):
+                          ("reasoning", not body.reasoning), ("include", not body.include),
+                          # An open model has no verbosity control: only OpenAI's default.
+                          ("text.verbosity", body.text is None
+                           or body.text.verbosity in (None, "medium"))):
         if not default:
             raise RequestError(f"Parameter '{name}' is not supported by this server; leave "
                                "it out or set it to its default.", param=name,
@@ -511,7 +514,8 @@ def request_echo(body: ResponsesRequest, model: str) -> dict[str, Any]:
                             else choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],
             "text": {"format": (body.text.format.model_dump(by_alias=True, exclude_none=True)
-                                if body.text and body.text.format else {"type": "text"})},
+                                if body.text and body.text.format else {"type": "text"}),
+                     "verbosity": "medium"},
             "truncation": "disabled", "store": body.store is not False,
             "metadata": body.metadata or {}, "reasoning": {"effort": None, "summary": None},
             "user": body.user}
