@@ -270,6 +270,20 @@ def test_a_responses_stream_the_engine_ends_fails_with_error_then_response_faile
     assert [item["type"] for item in failed["output"]] == ["message"]
 
 
+def test_a_failed_tool_result_reaches_the_template_marked() -> None:
+    """Anthropic's tool_result is_error: the tool message says so, for templates that
+    mark failed calls (the others render its content alone)."""
+    from tokenizer_proc.messages_api import MessagesRequest, messages_conversation
+
+    body = MessagesRequest(model=MODEL, max_tokens=4, messages=ASK + [
+        {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "get_time",
+                                           "input": {"tz": "UTC"}}]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                      "content": "no clock", "is_error": True}]}])
+    tool = messages_conversation(body, False).messages[-1]
+    assert tool["role"] == "tool" and tool["is_error"] is True and tool["name"] == "get_time"
+
+
 def test_reasoning_tokens_are_the_tokens_of_the_reasoning_block_with_its_markers() -> None:
     from tokenizer_proc.assistant_parser import ParseSpec
     from tokenizer_proc.responses_api import ResponseBuilder

@@ -207,8 +207,11 @@ def _messages(message: AnthropicMessage, param: str) -> list[dict[str, Any]]:
         if kind == "text":
             texts.append(_text_block(block, where))
         elif kind == "tool_result" and message.role == "user":
-            results.append({"role": "tool", "tool_call_id": _str(block, "tool_use_id", where),
-                            "content": _result_text(block.get("content"), where)})
+            result = {"role": "tool", "tool_call_id": _str(block, "tool_use_id", where),
+                      "content": _result_text(block.get("content"), where)}
+            if block.get("is_error"):  # for templates that mark failed calls
+                result["is_error"] = True
+            results.append(result)
         elif kind == "tool_use" and message.role == "assistant":
             arguments = block.get("input", {})
             if not isinstance(arguments, dict):
