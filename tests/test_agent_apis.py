@@ -456,6 +456,10 @@ def test_reasoning_comes_apart_or_inline(tiny_model_dir: Path, models: Path,
                                       thinking={"type": "enabled", "budget_tokens": 1024})
         assert [b.type for b in held.content] == ["thinking", "text"]
         assert held.usage.output_tokens == 1040 and held.stop_reason == "max_tokens"
+        # Thinking off on a template that opens the block regardless: closed at once.
+        off = claude.messages.create(model=MODEL, max_tokens=6, messages=ASK,
+                                     thinking={"type": "disabled"})
+        assert [b.type for b in off.content] == ["text"]
         for bad in ({"type": "enabled", "budget_tokens": 1000},  # below Anthropic's 1,024
                     {"type": "enabled", "budget_tokens": 2048}):  # not below max_tokens
             with pytest.raises(anthropic.BadRequestError) as refused:

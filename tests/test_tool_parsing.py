@@ -219,7 +219,7 @@ def _reasoning_ids(walker: Walker, ids: list[int], end: str) -> int:
     raise AssertionError(f"no {end!r} in the walk")
 
 
-@pytest.mark.parametrize("case", ["opened", "unopened", "tools", "harmony"])
+@pytest.mark.parametrize("case", ["opened", "unopened", "tools", "harmony", "off"])
 def test_a_reasoning_budget_closes_the_block_once_spent(walker: Walker, case: str) -> None:
     """thinking.budget_tokens: random tokens under the grammar (which never close the
     block themselves) reason for exactly the budget, then the end marker comes and the
@@ -227,7 +227,7 @@ def test_a_reasoning_budget_closes_the_block_once_spent(walker: Walker, case: st
     opens, in the tools' grammar too, and harmony's analysis message."""
     from tokenizer_proc.tool_grammar import reasoning_grammar
 
-    budget = 7
+    budget = 0 if case == "off" else 7  # 0: thinking turned off, the block closed at once
     if case == "harmony":
         grammar = reasoning_grammar(ModelSyntax(HARMONY, None), False, budget, walker.lark)
         start, end = "<|channel|>analysis<|message|>", "<|end|>"
@@ -237,7 +237,7 @@ def test_a_reasoning_budget_closes_the_block_once_spent(walker: Walker, case: st
                                                reasoning_budget=budget), walker.lark)
         start, end = "", "</think>"
     else:
-        opened = case == "opened"
+        opened = case in ("opened", "off")
         grammar = reasoning_grammar(ModelSyntax(HERMES, THINK), opened, budget, walker.lark)
         start, end = ("" if opened else "<think>"), "</think>"
     opening = len(walker.tokenizer.encode(start, add_special_tokens=False)) if start else 0

@@ -64,6 +64,9 @@ class Conversation:
     # a grammar closes the reasoning block once they are spent. None: no limit.
     reasoning_budget: int | None = None
     reasoning_budget_param: str = "thinking.budget_tokens"
+    # Thinking turned off (Anthropic's thinking disabled): where the template opens the
+    # reasoning block anyway (it has no enable_thinking), the grammar closes it at once.
+    reasoning_off: bool = False
 
     @property
     def calls_tools(self) -> bool:

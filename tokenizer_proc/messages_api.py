@@ -9,7 +9,8 @@ final assistant message is continued: prefill), `tools` (custom tools with
 `max_tokens` (0: the prompt is computed and cached, nothing generated), `stop_sequences`,
 `temperature`, `top_p`, `top_k`, `thinking` (enabled/disabled: the template's
 enable_thinking; `budget_tokens` held by a grammar that closes the reasoning block once
-spent), `cache_control` (top level or per block: every prompt is cached
+spent; disabled where the template opens the block anyway: closed at once),
+`cache_control` (top level or per block: every prompt is cached
 anyway), `metadata`, `stream`. Refused with a 400 in Anthropic's error format: image and
 document blocks, server tools, `service_tier` other than auto, `container`,
 `mcp_servers`.
@@ -110,7 +111,8 @@ def messages_conversation(body: MessagesRequest | CountTokensRequest,
         parallel_tool_calls=not (choice and choice.disable_parallel_tool_use),
         inline_reasoning=inline_default, template_kwargs=kwargs,
         continue_final=bool(body.messages) and body.messages[-1].role == "assistant",
-        reasoning_budget=_thinking_budget(body))
+        reasoning_budget=_thinking_budget(body),
+        reasoning_off=body.thinking is not None and body.thinking.type == "disabled")
     if conversation.continue_final:
         _check_prefill(conversation, body)
     return conversation.checked()

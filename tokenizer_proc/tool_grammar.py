@@ -142,7 +142,7 @@ def _think_text(body: str, budget: int | None) -> list[str]:
     """The reasoning's text: `body` (a terminal: llguidance intersects regexes in
     terminals only), ended by the grammar after `budget` tokens (the end marker is then
     all it allows)."""
-    limit = f"[max_tokens={budget}]" if budget else ""
+    limit = f"[max_tokens={budget}]" if budget is not None else ""
     return [f"think_text{limit}: THINK_TEXT", f"THINK_TEXT: {body}"]
 
 

@@ -10,7 +10,9 @@
 A reasoning budget (Anthropic's thinking.budget_tokens) makes the reasoning block part of
 the grammar, closed for the model once the budget is spent: with tools, in their grammar;
 without, in a grammar of its own (the reasoning first, then any text). A model with no
-reasoning markers (nor harmony) writes no block: the budget asks nothing of it.
+reasoning markers (nor harmony) writes no block: the budget asks nothing of it. Thinking
+turned off where the template opened the block anyway (no enable_thinking variable) is a
+budget of 0: the block is closed at once.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ class TurnPlanner:
         """The plan of one turn; `prompt` is the rendered template text."""
         inline = bool(conv.inline_reasoning)
         opened = opens_reasoning(prompt, self.syntax.reasoning)
-        budget = self._budget(conv)
+        budget = self._budget(conv, opened)
         if not conv.calls_tools:
             parse = ParseSpec(self.syntax, None, (), inline, opened)
             if budget is None:
@@ -70,8 +72,11 @@ class TurnPlanner:
         param = conv.tool_choice_param if mode != "auto" else conv.tools_param
         return self._plan(parse, Constraint("lark", grammar, param))
 
-    def _budget(self, conv: Conversation) -> int | None:
-        """The reasoning budget the grammar holds the answer to (None: none to hold)."""
+    def _budget(self, conv: Conversation, opened: bool) -> int | None:
+        """The reasoning budget the grammar holds the answer to (None: none to hold; 0:
+        thinking turned off, the block the prompt opened anyway closed at once)."""
+        if conv.reasoning_off and opened and not self.syntax.harmony:
+            return 0
         if conv.reasoning_budget is None:
             return None
         if self.syntax.harmony or self.syntax.reasoning is not None:
