@@ -385,6 +385,7 @@ UNSUPPORTED = [
     # The legacy spelling of tools; `tools` itself is served (tests/test_tool_calls.py).
     (CHAT, "functions", [{"name": "f"}], []),
     (CHAT, "function_call", {"name": "f"}, "none"),
+    (CHAT, "store", True, False),  # stored completions are not kept here
 ]
 
 

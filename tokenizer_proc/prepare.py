@@ -65,6 +65,9 @@ COMPLETION_UNSUPPORTED: dict[str, _IsDefault] = {
 CHAT_UNSUPPORTED: dict[str, _IsDefault] = {
     # The legacy spelling of tools (deprecated by OpenAI): use `tools`.
     **_COMMON_UNSUPPORTED, "functions": _empty, "function_call": _auto_or_none,
+    # OpenAI's stored completions (read back by id, for evals) are not kept here; the
+    # metadata that tags them is only taken where nothing is stored (as OpenAI ignores it).
+    "store": _empty,
 }
 
 # The native /generate: top-level fields, then fields of its `sampling_params`.
