@@ -113,3 +113,30 @@ def test_a_step_naming_requests_a_failed_step_ended_is_reported_failed_unrun(
         (stale.step, "its requests were ended by an earlier failed step")]
     assert [r.getMessage() for r in caplog.records if "step failed" in r.getMessage()] == [
         "a step failed; ending every request the worker holds"]
+
+
+def test_a_request_reusing_an_id_a_failure_ended_runs(tiny_model, oracle, monkeypatch):
+    """After a step failed as a whole, a new request under the id of one it ended (a
+    client's own rid) is served: only steps naming the ended request are refused unrun
+    (the worker refused every later step naming the id, each ending every request)."""
+    model, _ = tiny_model
+    engine = InProcessEngine(model, chunk_size=32, overlap=False)
+    prompts = _prompts(2, [20, 9], model.args.vocab_size, seed=54)
+    engine.submit("x", prompts[0], 30, [])
+    engine.step()
+    decode = engine.runner._decode
+
+    def failing_decode(*args):  # noqa: ANN001, ANN202
+        raise RuntimeError("device lost its mind")
+
+    monkeypatch.setattr(engine.runner, "_decode", failing_decode)
+    results = engine.run_until_idle()
+    assert results["x"].error is not None
+    monkeypatch.setattr(engine.runner, "_decode", decode)
+    engine.submit("x", prompts[1], 12, [])
+    engine.submit("y", prompts[0], 12, [])
+    results = engine.run_until_idle()
+    for rid, prompt in (("x", prompts[1]), ("y", prompts[0])):
+        assert results[rid].error is None, results[rid].error
+        assert results[rid].token_ids == oracle(prompt, 12), rid
+    assert_idle_invariant(engine.scheduler)

@@ -195,6 +195,7 @@ class ModelRunner:
         cache), its tokens are dropped and the scheduler ends it with the error."""
         if new.rid in self.requests:
             raise RuntimeError(f"request {new.rid} is already on the worker")
+        self._forgotten -= {new.rid}  # a new request under an id a reset forgot
         seed = new.sampling.seed
         seed32 = int(self._seed_rng.integers(1 << 32)) if seed is None else fold_seed(seed)
         state = RequestState(new.rid, self._free_rows.pop(), new.sampling, seed32,
@@ -243,9 +244,11 @@ class ModelRunner:
 
     def ended_by_reset(self, batch: ForwardBatch) -> bool:
         """Whether the step runs requests the last reset forgot (sent before the scheduler
-        learnt of the failed step, which ends those requests): it cannot be run."""
+        learnt of the failed step, which ends those requests): it cannot be run. A request
+        new in the step is not one of them, whatever its id (a client may reuse one)."""
+        new = {n.rid for n in batch.new_requests}
         rids = {c.rid for c in batch.prefill} | set(batch.decode_rids)
-        return bool(rids & self._forgotten)
+        return bool((rids - new) & self._forgotten)
 
     def _release(self, rids: list[str], snapshots: list[int] | None = None) -> None:
         """Forget requests, keeping each one's recurrent states as its snapshot first
