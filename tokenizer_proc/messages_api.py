@@ -10,10 +10,9 @@ final assistant message is continued: prefill), `tools` (custom tools with
 `temperature`, `top_p`, `top_k`, `thinking` (enabled/disabled: the template's
 enable_thinking; `budget_tokens` held by a grammar that closes the reasoning block once
 spent; disabled where the template opens the block anyway: closed at once),
-`cache_control` (top level or per block: every prompt is cached
-anyway), `metadata`, `stream`. Refused with a 400 in Anthropic's error format: image and
-document blocks, server tools, `service_tier` other than auto, `container`,
-`mcp_servers`.
+`cache_control` (top level or per block: every prompt is cached anyway), `metadata`,
+`stream`. Refused with a 400 in Anthropic's error format: image and document blocks,
+server tools, `service_tier` other than auto, `container`, `mcp_servers`.
 """
 
 from __future__ import annotations
