@@ -51,26 +51,27 @@ class TurnPlanner:
         opened = opens_reasoning(prompt, self.syntax.reasoning)
         budget = self._budget(conv, opened)
         if not conv.calls_tools:
-            parse = ParseSpec(self.syntax, None, (), inline, opened)
-            if budget is None:
-                return self._plan(parse, None)
-            grammar = reasoning_grammar(self.syntax, opened, budget, self._lark)
-            return self._plan(parse, Constraint("lark", grammar, conv.reasoning_budget_param))
+            return self._free(ParseSpec(self.syntax, None, (), inline, opened), conv, budget)
         mode = conv.tool_choice.mode
         tools = conv.forced_tools() if mode != "auto" else conv.tools
         syntax = forced_syntax(self.syntax.tools) if mode != "auto" else self._auto_syntax(conv)
         declared = tuple(t.template_dict() for t in conv.tools)
         parse = ParseSpec(self.syntax, syntax, declared, inline, opened)
         if syntax.template is None:  # auto, for a family without a call template
-            if budget is None:
-                return self._plan(parse, None)
-            grammar = reasoning_grammar(self.syntax, opened, budget, self._lark)
-            return self._plan(parse, Constraint("lark", grammar, conv.reasoning_budget_param))
+            return self._free(parse, conv, budget)
         grammar = tool_grammar(ToolGrammarPlan(
             self.syntax, syntax, tuple(GrammarTool(t.name, t.parameters or {}) for t in tools),
             mode, conv.parallel_tool_calls, opened, budget), self._lark)
         param = conv.tool_choice_param if mode != "auto" else conv.tools_param
         return self._plan(parse, Constraint("lark", grammar, param))
+
+    def _free(self, parse: ParseSpec, conv: Conversation, budget: int | None) -> TurnPlan:
+        """A turn whose calls (if any) are written freely: no grammar, or the reasoning
+        budget's alone."""
+        if budget is None:
+            return self._plan(parse, None)
+        grammar = reasoning_grammar(self.syntax, parse.reasoning_open, budget, self._lark)
+        return self._plan(parse, Constraint("lark", grammar, conv.reasoning_budget_param))
 
     def _budget(self, conv: Conversation, opened: bool) -> int | None:
         """The reasoning budget the grammar holds the answer to (None: none to hold; 0:
