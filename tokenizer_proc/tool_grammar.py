@@ -151,18 +151,17 @@ def reasoning_grammar(syntax: ModelSyntax, reasoning_open: bool, budget: int,
     """An answer that reasons first, in at most `budget` tokens (Anthropic's thinking
     budget), then says anything: the reasoning block is closed for the model once the
     budget is spent. For a model with reasoning markers or harmony's analysis channel."""
-    if syntax.harmony:
-        return "\n".join(["%llguidance {}",
-                          "start: " + lark.literal("<|channel|>analysis<|message|>")
-                          + " think_text " + lark.literal("<|end|><|start|>assistant") + " REST",
-                          *_think_text(lark.text_without("<|end|>"), budget),
-                          f"REST: {_ANY_TEXT}"]) + "\n"
-    markers = syntax.reasoning
-    assert markers is not None
-    opening = "" if reasoning_open else lark.literal(markers.start) + " "
+    if syntax.harmony:  # the analysis message, then the next one's header
+        opening = lark.literal("<|channel|>analysis<|message|>") + " "
+        end, closing = "<|end|>", "<|end|><|start|>assistant"
+    else:
+        markers = syntax.reasoning
+        assert markers is not None
+        opening = "" if reasoning_open else lark.literal(markers.start) + " "
+        end = closing = markers.end
     return "\n".join(["%llguidance {}",
-                      f"start: {opening}think_text {lark.literal(markers.end)} REST",
-                      *_think_text(lark.text_without(markers.end), budget),
+                      f"start: {opening}think_text {lark.literal(closing)} REST",
+                      *_think_text(lark.text_without(end), budget),
                       f"REST: {_ANY_TEXT}"]) + "\n"
 
 
