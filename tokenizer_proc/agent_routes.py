@@ -84,7 +84,7 @@ class AgentRoutes:
         result = await self._run(request, turn, body.stream, events)
         if isinstance(result, Response):
             return result
-        for text, tokens in result.pieces:  # as streamed: reasoning tokens are counted
+        for text, tokens in result.pieces():  # as streamed: reasoning tokens are counted
             builder.feed(text, tokens)
         final = builder.finish(result.finish_reason, result.usage)[-1]["response"]
         keep(final)

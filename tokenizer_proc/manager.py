@@ -11,7 +11,7 @@ import asyncio
 import logging
 import uuid
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Iterator, Protocol
 
 from ipc.messages.common import SchedulerStats, Usage
 from ipc.messages.to_scheduler import AbortRequest, FlushCache, GetStats, TokenizedRequest
@@ -55,9 +55,16 @@ class Collected:
     cumulative_logprob: float | None = None  # of every sampled token, with logprobs
     engine_dead: bool = False  # the error is the engine's death (see TextOutput)
     stop_str: str | None = None  # the stop string that ended it, if one did
-    # Each output's text and how many tokens it holds, in order: a stream's deltas, for
+    # Each output's characters of `text` and tokens, in order: the stream's deltas, for
     # folds that attribute tokens to parts of the text (reasoning).
-    pieces: list[tuple[str, int]] = field(default_factory=list)
+    piece_sizes: list[tuple[int, int]] = field(default_factory=list)
+
+    def pieces(self) -> Iterator[tuple[str, int]]:
+        """The stream's deltas again: each output's text and how many tokens it holds."""
+        at = 0
+        for chars, tokens in self.piece_sizes:
+            yield self.text[at:at + chars], tokens
+            at += chars
 
     @property
     def mean_logprob(self) -> float:
@@ -121,7 +128,7 @@ class RequestStream:
                                                if o.prompt_logprobs is not None), None),
                          cumulative_logprob=last.cumulative_logprob,
                          engine_dead=last.engine_dead, stop_str=last.stop_str,
-                         pieces=[(o.text, len(o.token_ids)) for o in outputs])
+                         piece_sizes=[(len(o.text), len(o.token_ids)) for o in outputs])
 
 
 def _joined_logprobs(outputs: list[TextOutput]) -> list[TextLogprob] | None:
