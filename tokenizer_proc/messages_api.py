@@ -145,7 +145,7 @@ def _check_prefill(conversation: Conversation, body: MessagesRequest | CountToke
     prefill); what cannot follow on from text is refused, as Anthropic does."""
     param = f"messages[{len(body.messages) - 1}]"
     final = conversation.messages[-1]
-    if final.get("tool_calls") or final.get("reasoning_content") or final["role"] != "assistant":
+    if final.get("tool_calls") or final.get("reasoning_content"):
         raise RequestError("A final assistant message is continued as text: it may hold only "
                            "text blocks.", param=f"{param}.content")
     if not final["content"]:
