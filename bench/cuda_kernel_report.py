@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -192,28 +193,79 @@ class Compiled:
 
 def compile_kernels(cuda: Path, kernels: list[tuple[str, str]], arch: str = "sm_90") -> list[Compiled]:
     """Compile each (name, source) to a cubin as MLX would (NVRTC takes no fast-math flag
-    from MLX: neither does this), collecting ptxas's resource report."""
-    nvcc = cuda / "bin" / "nvcc"
+    from MLX: neither does this), collecting ptxas's resource report.
+
+    The kernels go to nvcc in one translation unit per core, each in a namespace of its
+    own (variants share names and file-scope constants): nvcc's header parsing, most of
+    a small kernel's compile, is then paid once a unit. ptxas allocates each function on
+    its own, so the reports are those of separate files. A unit that fails is compiled
+    again a kernel a file, so each error names its kernel."""
+    batches = [list(range(len(kernels)))[i::os.cpu_count() or 1] for i in
+               range(min(len(kernels), os.cpu_count() or 1))]
+    results: list[Compiled | None] = [None] * len(kernels)
+    with tempfile.TemporaryDirectory() as tmp:
+        def compile_batch(at: int, members: list[int]) -> None:
+            run = _nvcc(cuda, arch, Path(tmp) / f"unit_{at}.cu",
+                        _translation_unit([kernels[i][1] for i in members]))
+            reports = _entry_reports(run.stderr)
+            if run.returncode == 0 and len(reports) == len(members):
+                for slot, i in enumerate(members):
+                    results[i] = Compiled(kernels[i][0], True, reports[slot], kernels[i][1])
+                return
+            for i in members:  # find which kernel failed, and why
+                name, source = kernels[i]
+                alone = _nvcc(cuda, arch, Path(tmp) / f"alone_{i}.cu", source)
+                report = "; ".join(_entry_reports(alone.stderr))
+                results[i] = Compiled(name, alone.returncode == 0,
+                                      report if alone.returncode == 0 else alone.stderr[-3000:],
+                                      source)
+
+        # One nvcc per core: each is a single-threaded process.
+        with ThreadPoolExecutor(max_workers=len(batches) or 1) as pool:
+            list(pool.map(compile_batch, range(len(batches)), batches))
+    return [r for r in results if r is not None]
+
+
+def _nvcc(cuda: Path, arch: str, cu: Path, source: str) -> subprocess.CompletedProcess:
     # CCCL's headers (nv/target, which cuda_fp16.h includes) sit in include/cccl in
     # the toolkit, in include/ itself in the pip wheels.
     includes = [f"-I{d}" for d in (cuda / "include", cuda / "include" / "cccl") if d.is_dir()]
-    with tempfile.TemporaryDirectory() as tmp:
-        def compile_one(at: int, kernel: tuple[str, str]) -> Compiled:
-            name, source = kernel
-            # A file of its own: variants of one name (other shapes) compile side by side.
-            cu = Path(tmp) / f"{at}_{name}.cu"
-            cu.write_text(source)
-            run = subprocess.run([str(nvcc), f"-arch={arch}", "-cubin", "-O3", "-Xptxas", "-v",
-                                  *includes, "-o", str(cu.with_suffix(".cubin")), str(cu)],
-                                 capture_output=True, text=True)
-            report = "; ".join(ln.split(":", 1)[-1].strip() for ln in run.stderr.splitlines()
-                               if "Used" in ln or "stack frame" in ln)
-            return Compiled(name, run.returncode == 0,
-                            report if run.returncode == 0 else run.stderr[-3000:], source)
+    cu.write_text(source)
+    return subprocess.run([str(cuda / "bin" / "nvcc"), f"-arch={arch}", "-cubin", "-O3",
+                           "-Xptxas", "-v", *includes, "-o", str(cu.with_suffix(".cubin")),
+                           str(cu)], capture_output=True, text=True)
 
-        # One nvcc per core: each is a single-threaded process.
-        with ThreadPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
-            return list(pool.map(compile_one, range(len(kernels)), kernels))
+
+def _translation_unit(sources: list[str]) -> str:
+    """The sources as one file: their #include lines once at the top, the rest of the
+    i-th in namespace k<i>."""
+    includes: list[str] = []
+    bodies = []
+    for i, source in enumerate(sources):
+        lines = source.splitlines()
+        includes += [ln for ln in lines if ln.startswith("#include") and ln not in includes]
+        body = "\n".join(ln for ln in lines if not ln.startswith("#include"))
+        bodies.append(f"namespace k{i} {{\n{body}\n}}  // namespace k{i}\n")
+    return "\n".join(includes) + "\n" + "".join(bodies)
+
+
+def _entry_reports(stderr: str) -> list[str]:
+    """ptxas's resource lines per entry function, in the order of their namespaces k<i>
+    (ptxas reports functions in no set order)."""
+    reports: dict[int, list[str]] = {}
+    current: list[str] | None = None
+    for line in stderr.splitlines():
+        if "Compiling entry function" in line:
+            current = reports.setdefault(_namespace_index(line.split("'")[1]), [])
+        elif current is not None and ("Used" in line or "stack frame" in line):
+            current.append(line.split(":", 1)[-1].strip())
+    return ["; ".join(reports[at]) for at in sorted(reports)]
+
+
+def _namespace_index(mangled: str) -> int:
+    """i of a function in namespace k<i> (`_ZN2k3...`); 0 outside any (a file of one)."""
+    match = re.match(r"_ZN\d+k(\d+)", mangled)
+    return int(match.group(1)) if match else 0
 
 
 def find_cuda() -> Path | None:
