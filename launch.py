@@ -80,6 +80,16 @@ def resolve_model(name: str) -> str:
                          f"Hugging Face Hub: {exc}") from exc
 
 
+def check_adapters(path: str) -> None:
+    """--adapter-path names a local directory of mlx_lm.lora's output (what
+    mlx_lm.load(adapter_path=...) reads), or the server does not start."""
+    missing = [name for name in ("adapter_config.json", "adapters.safetensors")
+               if not (Path(path) / name).is_file()]
+    if missing:
+        raise SystemExit(f"error: --adapter-path {path}: no {' or '.join(missing)} there "
+                         "(a directory mlx_lm.lora wrote, as mlx_lm.load reads it)")
+
+
 def make_run_dir() -> str:
     path = tempfile.mkdtemp(prefix=f"{PROJECT_NAME}-", dir=default_run_root())
     os.chmod(path, 0o700)
@@ -99,6 +109,8 @@ def config_from_args(argv: list[str] | None = None) -> ServerConfig:
         check_remote_code(model_path, base.trust_remote_code)
     except UntrustedModelError as exc:
         raise SystemExit(f"error: {exc}") from None
+    if base.adapter_path:
+        check_adapters(base.adapter_path)
     # The environment keeps the key out of `ps` output, where the flag would show it.
     api_key = base.api_key or os.environ.get(API_KEY_ENV, "")
     return dataclasses.replace(base, model_path=model_path, run_dir=make_run_dir(),

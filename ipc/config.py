@@ -58,6 +58,13 @@ class ServerConfig:
                           "random-weight demo model ('demo', 'demo-tiny', 'demo-60m')."})
     model_path: str = dataclasses.field(
         default="", metadata={"cli": False, "help": "Resolved local directory of the model."})
+    adapter_path: str = dataclasses.field(
+        default="", metadata={"help": "Directory of fine-tuning adapters to apply to the model "
+                                      "at load, as mlx_lm.load(adapter_path=...) does: "
+                                      "mlx_lm.lora's output (adapter_config.json and "
+                                      "adapters.safetensors; LoRA, DoRA or full). Kept "
+                                      "apart from the weights (exact; fuse them with "
+                                      "mlx_lm.fuse for the fastest decode)."})
     served_model_name: str = dataclasses.field(
         default="", metadata={"help": "Model name reported by /v1/models (default: --model)."})
     host: str = dataclasses.field(default="127.0.0.1", metadata={"help": "HTTP bind address."})

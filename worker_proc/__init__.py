@@ -63,6 +63,9 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     say(f"loading model from {config.model_path}")
     model, tokenizer = mlx_lm.load(config.model_path, trust_remote_code=config.trust_remote_code,
                                    tokenizer_config={"trust_remote_code": config.trust_remote_code})
+    if config.adapter_path:
+        apply_adapters(model, config.adapter_path)
+        say(f"adapters from {config.adapter_path}: {describe_adapters(model)}")
     try:
         specs = probe_attention_specs(model)  # refuses layer kinds the pool cannot hold
     except UnsupportedModelError as exc:
@@ -197,6 +200,33 @@ def start_grammars(grammars: GrammarMatchers, hf: object) -> None:
 
     if structured_output_supported(hf):
         grammars.start_building()
+
+
+def apply_adapters(model: object, path: str) -> None:
+    """What mlx_lm.load(adapter_path=path) does after loading the model; adapters that do
+    not fit it are refused (UnsupportedModelError: the launcher's last line says why)."""
+    from mlx_lm.tuner.utils import load_adapters
+
+    from worker_proc.layer_kinds import UnsupportedModelError
+
+    try:
+        load_adapters(model, path)  # type: ignore[arg-type]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise UnsupportedModelError(f"--adapter-path {path}: {exc}") from None
+    model.eval()  # type: ignore[attr-defined]
+
+
+def describe_adapters(model: object) -> str:
+    """What mlx-lm's load_adapters made of the model: how many projections of each adapter
+    kind ("full" fine-tunes replace weights and add no module)."""
+    from collections import Counter
+
+    kinds = Counter(type(m).__name__ for _, m in model.named_modules()  # type: ignore[attr-defined]
+                    if "lora_a" in m and "lora_b" in m)
+    if not kinds:
+        return "weights replaced (a full fine-tune)"
+    return ", ".join(f"{n} {kind}" for kind, n in sorted(kinds.items())) + (
+        " (kept apart from the weights: their projections leave the fused fast path)")
 
 
 def own_cache_runner(config: ServerConfig, model: object, tokenizer: object,
