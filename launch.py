@@ -32,6 +32,7 @@ from ipc.messages.to_launcher import (LauncherMessage, ProcessFailed, ProcessPro
                                       ProcessReady)
 from ipc.messages.to_tokenizer import EngineDead
 from ipc.process import STOP_SIGNAL, run_child, setup_logging
+from tokenizer_proc.chat_template import default_template_kwargs, template_text
 from tokenizer_proc.remote_code import UntrustedModelError, check_remote_code
 
 logger = logging.getLogger("launcher")
@@ -111,10 +112,15 @@ def config_from_args(argv: list[str] | None = None) -> ServerConfig:
         raise SystemExit(f"error: {exc}") from None
     if base.adapter_path:
         check_adapters(base.adapter_path)
+    try:
+        template = template_text(base.chat_template) if base.chat_template else ""
+        default_template_kwargs(base.chat_template_kwargs)
+    except ValueError as exc:
+        raise SystemExit(f"error: {exc}") from None
     # The environment keeps the key out of `ps` output, where the flag would show it.
     api_key = base.api_key or os.environ.get(API_KEY_ENV, "")
     return dataclasses.replace(base, model_path=model_path, run_dir=make_run_dir(),
-                               api_key=api_key)
+                               api_key=api_key, chat_template_text=template)
 
 
 def _child_targets() -> dict[str, Callable[[ServerConfig], None]]:

@@ -269,6 +269,17 @@ class ServerConfig:
                                          "(config.json auto_map or model_file, or a "
                                          "model_type mlx-lm lacks); it runs as this user."})
 
+    chat_template: str = dataclasses.field(
+        default="", metadata={"help": "A Jinja chat template, or a file holding one, in place "
+                                      "of the model's (a model without one then serves chat "
+                                      "too)."})
+    chat_template_text: str = dataclasses.field(
+        default="", metadata={"cli": False, "help": "--chat-template's text, read by the "
+                                                   "launcher."})
+    chat_template_kwargs: str = dataclasses.field(
+        default="", metadata={"help": "A JSON object of chat template variables every "
+                                      "request gets unless it sets them itself, e.g. "
+                                      "'{\"enable_thinking\": false}'."})
     tool_parser: str = dataclasses.field(
         default="auto", metadata={"help": "The model's tool-call format: 'auto' (from the "
                                           "tokenizer config and chat template), 'none', or "

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import signal
+from pathlib import Path
 import sys
 
 from ipc.config import ServerConfig
@@ -28,6 +29,7 @@ def run_tokenizer(config: ServerConfig) -> None:
     # Imported here so that importing the package (the launcher does) stays cheap.
     import uvloop
 
+    from tokenizer_proc.chat_template import default_template_kwargs
     from tokenizer_proc.prepare import RequestPreparer
     from tokenizer_proc.server import TokenizerServer
 
@@ -35,8 +37,15 @@ def run_tokenizer(config: ServerConfig) -> None:
     reporter.progress(f"loading tokenizer from {model_path}")
     preparer = RequestPreparer.load(config.model_name, model_path, config.trust_remote_code,
                                     config.tool_parser, config.reasoning_inline,
-                                    config.context_length)
+                                    config.context_length, config.chat_template_text,
+                                    default_template_kwargs(config.chat_template_kwargs))
     preparer.start_grammar_build()  # in the background, while the worker loads the model
+    if config.chat_template_text:
+        given = config.chat_template
+        logger.info("chat template: --chat-template's (%s)", given if Path(given).is_file()
+                    else f"inline, {len(given)} characters")
+    if config.chat_template_kwargs:
+        logger.info("chat template variables by default: %s", config.chat_template_kwargs)
     info = preparer.info
     logger.info("model %s: context %d tokens, vocab %d, eos ids %s", info.name,
                 info.context_len, info.vocab_size, list(info.eos_token_ids))

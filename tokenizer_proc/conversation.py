@@ -86,7 +86,7 @@ class Conversation:
 
 
 # Template variables the front sets itself.
-_RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt",
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt",
                                        "tokenize", "conversation", "documents", "tools_in_user_message",
                                        "continue_final_message", "return_dict"})
 
@@ -114,7 +114,7 @@ def check_choice(choice: ToolChoice, tools: tuple[FunctionTool, ...], param: str
 
 
 def check_template_kwargs(kwargs: dict[str, Any] | None, param: str) -> dict[str, Any]:
-    reserved = sorted(_RESERVED_TEMPLATE_KWARGS & set(kwargs or {}))
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs or {}))
     if reserved:
         raise RequestError(f"'{param}' may not set {reserved[0]!r}: the server sets it.",
                            param=param)

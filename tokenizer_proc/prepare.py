@@ -159,12 +159,17 @@ class RequestPreparer:
 
     `tool_parser` ("auto": detected from the tokenizer) names the model's tool-call
     format; `reasoning_inline` keeps reasoning in the content unless a request says
-    otherwise."""
+    otherwise; `chat_template` (Jinja text) replaces the tokenizer's own template;
+    `template_kwargs` are template variables every request gets unless it sets them."""
 
     def __init__(self, tokenizer: Any, info: ModelInfo,
                  grammars: GrammarCompiler | None = None, tool_parser: str = "auto",
-                 reasoning_inline: bool = False) -> None:
+                 reasoning_inline: bool = False, chat_template: str = "",
+                 template_kwargs: dict[str, Any] | None = None) -> None:
+        if chat_template:
+            tokenizer.chat_template = chat_template
         self._tokenizer = tokenizer
+        self._template_kwargs = dict(template_kwargs or {})
         self.info = info
         self.grammars = grammars or GrammarCompiler(
             lambda: ll_tokenizer(tokenizer, info.eos_token_ids))
@@ -208,15 +213,17 @@ class RequestPreparer:
     @classmethod
     def load(cls, name: str, model_path: str, trust_remote_code: bool = False,
              tool_parser: str = "auto", reasoning_inline: bool = False,
-             context_length: int = 0) -> "RequestPreparer":
+             context_length: int = 0, chat_template: str = "",
+             template_kwargs: dict[str, Any] | None = None) -> "RequestPreparer":
         """Load the model's tokenizer and facts from its directory (context_length: the
-        server's limit, 0 for the model's)."""
+        server's limit, 0 for the model's; the rest as the constructor takes them)."""
         from transformers import AutoTokenizer  # slow import, only where needed
 
         tokenizer = AutoTokenizer.from_pretrained(model_path,
                                                   trust_remote_code=trust_remote_code)
         return cls(tokenizer, load_model_info(name, model_path, tokenizer, context_length),
-                   tool_parser=tool_parser, reasoning_inline=reasoning_inline)
+                   tool_parser=tool_parser, reasoning_inline=reasoning_inline,
+                   chat_template=chat_template, template_kwargs=template_kwargs)
 
     # --- entry points -------------------------------------------------------------
 
@@ -389,7 +396,7 @@ class RequestPreparer:
                 conversation.messages, tools=tools, tokenize=False,
                 add_generation_prompt=not conversation.continue_final,
                 continue_final_message=conversation.continue_final,
-                **conversation.template_kwargs)
+                **{**self._template_kwargs, **conversation.template_kwargs})
         # Templates ship with the model and may raise anything on input they dislike
         # (jinja's raise_exception for wrong role order, TypeError, ...).
         except Exception as exc:  # noqa: BLE001
