@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import logging
 import signal
-from pathlib import Path
 import sys
+from pathlib import Path
 
 from ipc.config import ServerConfig
 from ipc.process import STOP_SIGNAL, setup_child
