@@ -222,6 +222,34 @@ def test_responses_carry_input_system_messages_but_not_instructions(oai: openai.
     assert by_id.usage.input_tokens == whole.usage.input_tokens
 
 
+def test_responses_as_codex_sends_them(oai: openai.OpenAI) -> None:
+    """Codex's request shape (its own history, nothing stored, a cache key, function tools
+    with strict false, one call at a time, streamed) is served; an effort the template
+    cannot take is refused by name."""
+    shell = {"type": "function", "name": "shell", "description": "Runs a shell command",
+             "strict": False, "parameters": {
+                 "type": "object", "additionalProperties": False, "required": ["command"],
+                 "properties": {"command": {"type": "array", "maxItems": 2,
+                                            "items": {"type": "string", "maxLength": 6}}}}}
+    events = list(oai.responses.create(
+        model=MODEL, instructions="You are a coding agent.", stream=True, store=False,
+        input=[{"type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": "List the files."}]}],
+        tools=[shell], tool_choice="required", parallel_tool_calls=False,
+        include=["reasoning.encrypted_content"], reasoning={"effort": "medium"},
+        max_output_tokens=200, extra_body={"prompt_cache_key": "conversation-1"}))
+    final = events[-1].response
+    assert events[-1].type == "response.completed", events[-1]
+    assert final.prompt_cache_key == "conversation-1" and final.reasoning.effort == "medium"
+    call = next(item for item in final.output if item.type == "function_call")
+    assert call.name == "shell" and isinstance(json.loads(call.arguments)["command"], list)
+    with pytest.raises(openai.NotFoundError):  # store false: nothing kept
+        oai.responses.retrieve(final.id)
+    with pytest.raises(openai.BadRequestError) as refused:
+        oai.responses.create(model=MODEL, input="x", reasoning={"effort": "high"})
+    assert refused.value.body["param"] == "reasoning.effort"
+
+
 # --- Anthropic Messages -----------------------------------------------------------------
 
 
@@ -446,6 +474,27 @@ def test_reasoning_comes_apart_or_inline(tiny_model_dir: Path, models: Path,
                                          temperature=0.0,
                                          extra_body={"separate_reasoning": False})
         assert answer.usage.output_tokens_details.reasoning_tokens == 0  # inline: content
+        # A stateless client gets the reasoning sealed and sends it back as it came.
+        sealed = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4,
+                                         store=False, include=["reasoning.encrypted_content"])
+        item = sealed.output[0]
+        assert item.type == "reasoning" and item.encrypted_content
+        back = client.responses.create(model=MODEL, max_output_tokens=1, store=False, input=[
+            {"role": "user", "content": "Hi"},
+            {"type": "reasoning", "id": item.id, "summary": [],
+             "encrypted_content": item.encrypted_content},
+            {"role": "assistant", "content": "Hello"}, {"role": "user", "content": "Again"}])
+        assert back.status in ("completed", "incomplete")
+        with pytest.raises(openai.BadRequestError) as foreign:
+            client.responses.create(model=MODEL, max_output_tokens=1, input=[
+                {"type": "reasoning", "summary": [], "encrypted_content": "gAAAA-theirs"},
+                {"role": "assistant", "content": "Hello"}])
+        assert foreign.value.body["param"] == "input[0].encrypted_content"
+        # R1's habit (the prompt opens the block; no enable_thinking): no way to skip it.
+        with pytest.raises(openai.BadRequestError) as effort:
+            client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
+                                           reasoning_effort="none")
+        assert effort.value.body["param"] == "reasoning_effort"
         claude = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
         msg = claude.messages.create(model=MODEL, max_tokens=12, messages=ASK,
                                      extra_body={"temperature": 0.0})

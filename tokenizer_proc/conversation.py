@@ -67,6 +67,10 @@ class Conversation:
     # Thinking turned off (Anthropic's thinking disabled): where the template opens the
     # reasoning block anyway (it has no enable_thinking), the grammar closes it at once.
     reasoning_off: bool = False
+    # OpenAI's reasoning effort (none .. xhigh), as the template takes it (see
+    # RequestPreparer._effort_kwargs). None: the model's default.
+    reasoning_effort: str | None = None
+    reasoning_effort_param: str = "reasoning_effort"
 
     @property
     def calls_tools(self) -> bool:
@@ -166,7 +170,8 @@ def chat_conversation(body: ChatCompletionRequest, inline_default: bool) -> Conv
         parallel_tool_calls=body.parallel_tool_calls is not False,
         inline_reasoning=inline_default if inline is None else inline,
         template_kwargs=check_template_kwargs(body.chat_template_kwargs,
-                                              "chat_template_kwargs")).checked()
+                                              "chat_template_kwargs"),
+        reasoning_effort=body.reasoning_effort).checked()
 
 
 def _function_tool(tool: ChatTool) -> FunctionTool:

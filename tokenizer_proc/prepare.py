@@ -36,7 +36,7 @@ from tokenizer_proc.constraints import (Constraint, GrammarCompiler, native_cons
 from tokenizer_proc.conversation import Conversation, chat_conversation
 from tokenizer_proc.errors import RequestError
 from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, GenerateBody
-from tokenizer_proc.tool_syntax import detect_syntax
+from tokenizer_proc.tool_syntax import chat_template_source, detect_syntax
 from tokenizer_proc.turn_plan import TurnPlanner, special_tokens
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -285,6 +285,34 @@ class RequestPreparer:
                                 skip_special_tokens and not plan.keep_special_tokens)
         return PreparedTurn(request, plan.parse)
 
+    def _effort_kwargs(self, conversation: Conversation) -> dict[str, Any]:
+        """The reasoning effort as the model's template takes it: its `reasoning_effort`
+        variable (GPT-OSS's); else, for none or minimal, thinking turned off where the
+        template has `enable_thinking` (Qwen3's and others'), or nothing where the model
+        does not reason at all; the default effort (medium) asks nothing of any template.
+        Any other effort is refused: the model has no such control."""
+        effort = conversation.reasoning_effort
+        if effort is None:
+            return {}
+        source = chat_template_source(self._tokenizer)
+        if "reasoning_effort" in source:
+            return {"reasoning_effort": effort}
+        if effort in ("none", "minimal"):
+            if "enable_thinking" in source:
+                return {"enable_thinking": False}
+            syntax = self.turns.syntax
+            if syntax.reasoning is None and not syntax.harmony:
+                return {}
+        if effort == "medium":
+            return {}
+        param = conversation.reasoning_effort_param
+        missing = "'reasoning_effort'" + (" or 'enable_thinking'" if effort in ("none", "minimal")
+                                          else "")
+        raise RequestError(
+            f"This model's chat template has no control of reasoning effort (no {missing} "
+            f"variable), so {effort!r} cannot be honoured; leave '{param}' out or set it to "
+            "'medium'.", param=param, code="unsupported_value")
+
     def count_tokens(self, conversation: Conversation) -> int:
         """The prompt tokens a conversation takes (Anthropic's count_tokens)."""
         prompt = self._render(conversation)
@@ -391,12 +419,14 @@ class RequestPreparer:
                                param=param)
         tools = ([t.template_dict() for t in conversation.tools]
                  if conversation.calls_tools else None)
+        # The server's defaults, the effort's variables, then the request's own.
+        kwargs = {**self._template_kwargs, **self._effort_kwargs(conversation),
+                  **conversation.template_kwargs}
         try:
             return self._tokenizer.apply_chat_template(
                 conversation.messages, tools=tools, tokenize=False,
                 add_generation_prompt=not conversation.continue_final,
-                continue_final_message=conversation.continue_final,
-                **{**self._template_kwargs, **conversation.template_kwargs})
+                continue_final_message=conversation.continue_final, **kwargs)
         # Templates ship with the model and may raise anything on input they dislike
         # (jinja's raise_exception for wrong role order, TypeError, ...).
         except Exception as exc:  # noqa: BLE001

@@ -140,6 +140,10 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+# OpenAI's reasoning effort levels (chat's `reasoning_effort`, Responses' `reasoning.effort`).
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage]
     max_completion_tokens: int | None = None
@@ -151,6 +155,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[ChatTool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    reasoning_effort: ReasoningEffort | None = None
     # SGLang's switch: false keeps a reasoning model's thinking inline in `content`
     # (default: the server's --reasoning-inline, else apart in `reasoning_content`).
     separate_reasoning: bool | None = None

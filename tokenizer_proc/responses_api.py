@@ -5,13 +5,21 @@ and stream events, built from the same parse events as chat.
 Supported: `input` as text or items (messages with text parts, `function_call`,
 `function_call_output`, `reasoning`), `instructions`, function tools, `tool_choice`,
 `parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p`, `text.format`
-(text, json_object, json_schema), `previous_response_id`, `store`, `metadata`, `stream`.
-Refused with a 400 naming them: other tool types (web search, file search, ...), other
-item types, `background`, `truncation` "auto", `reasoning` settings, `include`.
+(text, json_object, json_schema), `previous_response_id`, `store`, `metadata`, `stream`,
+`reasoning.effort` (as the model's template takes it, see
+RequestPreparer._effort_kwargs), `include` ["reasoning.encrypted_content"] (reasoning
+items carry their text as an opaque token a stateless client sends back), and the cache
+hints `prompt_cache_key` and `prompt_cache_retention` "in-memory" (every prompt's
+prefix is cached here, whatever the key). Refused with a 400 naming them: other tool
+types (web search, file search, ...), other item types, `background`, `truncation`
+"auto", reasoning summaries ("concise", "detailed": no summarizer here), other
+`include` values, `service_tier` other than auto or default.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 import time
 import uuid
@@ -28,7 +36,7 @@ from tokenizer_proc.conversation import (Conversation, FunctionTool, ToolChoice,
                                          check_template_kwargs, name_tool_results,
                                          template_call)
 from tokenizer_proc.errors import RequestError
-from tokenizer_proc.protocol import JsonSchemaFormat, ResponseFormat
+from tokenizer_proc.protocol import JsonSchemaFormat, ReasoningEffort, ResponseFormat
 
 
 class _Strict(BaseModel):
@@ -61,6 +69,17 @@ class TextSettings(_Strict):
     verbosity: str | None = None
 
 
+class ReasoningSettings(_Strict):
+    effort: ReasoningEffort | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # deprecated name
+
+
+# What `include` may ask for: reasoning items' text as an opaque token (for clients that
+# keep their own history, store false: Codex's way).
+ENCRYPTED_REASONING = "reasoning.encrypted_content"
+
+
 class ResponsesRequest(_Strict):
     model: str | None = None
     input: str | list[dict[str, Any]]
@@ -77,20 +96,33 @@ class ResponsesRequest(_Strict):
     metadata: dict[str, str] | None = None
     text: TextSettings | None = None
     user: str | None = None
-    # Not supported: only their defaults are accepted (see `unsupported`).
+    reasoning: ReasoningSettings | None = None
+    include: list[str] | None = None
+    # Cache hints: every prompt's prefix is cached whatever they say (see the docstring).
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    # Not supported: only their defaults are accepted (see `check_unsupported`).
+    service_tier: str | None = None
     background: bool | None = None
     truncation: str | None = None
-    reasoning: dict[str, Any] | None = None
-    include: list[str] | None = None
     # kiln's extras, as in chat: thinking inline, template variables.
     separate_reasoning: bool | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
 
 def check_unsupported(body: ResponsesRequest) -> None:
+    reasoning = body.reasoning or ReasoningSettings()
     for name, default in (("background", body.background in (None, False)),
                           ("truncation", body.truncation in (None, "disabled")),
-                          ("reasoning", not body.reasoning), ("include", not body.include),
+                          ("service_tier", body.service_tier in (None, "auto", "default")),
+                          # Prefixes stay while memory allows: no time is promised.
+                          ("prompt_cache_retention",
+                           body.prompt_cache_retention in (None, "in-memory", "in_memory")),
+                          # No summarizer: "auto" is the most detailed summary available,
+                          # none (the reasoning itself comes as reasoning_text content).
+                          ("reasoning.summary", reasoning.summary in (None, "auto")),
+                          ("reasoning.generate_summary",
+                           reasoning.generate_summary in (None, "auto")),
                           # An open model has no verbosity control: only OpenAI's default.
                           ("text.verbosity", body.text is None
                            or body.text.verbosity in (None, "medium"))):
@@ -98,6 +130,11 @@ def check_unsupported(body: ResponsesRequest) -> None:
             raise RequestError(f"Parameter '{name}' is not supported by this server; leave "
                                "it out or set it to its default.", param=name,
                                code="unsupported_parameter")
+    for i, wanted in enumerate(body.include or []):
+        if wanted != ENCRYPTED_REASONING:
+            raise RequestError(f"'include' value {wanted!r} is not supported by this server; "
+                               f"only {ENCRYPTED_REASONING!r} is.", param=f"include[{i}]",
+                               code="unsupported_value")
 
 
 def text_constraint_format(body: ResponsesRequest) -> ResponseFormat | None:
@@ -136,6 +173,8 @@ def responses_conversation(body: ResponsesRequest, history: list[dict[str, Any]]
         inline_reasoning=inline_default if inline is None else inline,
         template_kwargs=check_template_kwargs(body.chat_template_kwargs,
                                               "chat_template_kwargs"),
+        reasoning_effort=body.reasoning.effort if body.reasoning else None,
+        reasoning_effort_param="reasoning.effort",
         messages_param="input").checked()
 
 
@@ -169,7 +208,7 @@ def input_messages(value: str | list[dict[str, Any]]) -> list[dict[str, Any]]:
             raise RequestError("Each input item must be an object.", param=param)
         kind = item.get("type", "message")
         if kind == "reasoning":
-            reasoning += _reasoning_text(item)
+            reasoning += _reasoning_text(item, param)
             continue
         if kind == "message":
             message = _message(item, param)
@@ -240,9 +279,39 @@ def _output_text(value: Any, param: str) -> str:
     raise RequestError(f"'{param}' must be text or a list of text parts.", param=param)
 
 
-def _reasoning_text(item: dict[str, Any]) -> str:
+def _reasoning_text(item: dict[str, Any], param: str) -> str:
+    """A reasoning item's text: its content and summary parts, else its sealed text
+    (`encrypted_content`, which only this server makes)."""
     parts = (item.get("content") or []) + (item.get("summary") or [])
-    return "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+    text = "".join(p.get("text", "") for p in parts if isinstance(p, dict))
+    sealed = item.get("encrypted_content")
+    if text or sealed is None:
+        return text
+    try:
+        return unseal_reasoning(sealed)
+    except ValueError:
+        raise RequestError("This reasoning item's 'encrypted_content' was not made by this "
+                           "server.", param=f"{param}.encrypted_content") from None
+
+
+_SEAL = "kiln-reasoning-1."
+
+
+def seal_reasoning(text: str) -> str:
+    """A reasoning text as `encrypted_content`: opaque to clients, which only send it back.
+    Not a secret (the same text is the item's reasoning_text content), so not encrypted:
+    only marked as this server's."""
+    return _SEAL + base64.urlsafe_b64encode(text.encode("utf-8")).decode("ascii")
+
+
+def unseal_reasoning(sealed: Any) -> str:
+    if not isinstance(sealed, str) or not sealed.startswith(_SEAL):
+        raise ValueError("not sealed here")
+    try:
+        return base64.b64decode(sealed[len(_SEAL):], altchars=b"-_",
+                                validate=True).decode("utf-8")
+    except (binascii.Error, UnicodeError, ValueError):
+        raise ValueError("not sealed here") from None
 
 
 # --- the store ----------------------------------------------------------------------
@@ -332,6 +401,8 @@ class ResponseBuilder:
     _parser: AssistantParser | None = None
     # Output tokens of the deltas that were reasoning (began, ended or ran inside it).
     reasoning_tokens: int = 0
+    # include ["reasoning.encrypted_content"]: reasoning items carry their sealed text.
+    seal_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if self.parse.active:
@@ -450,6 +521,8 @@ class ResponseBuilder:
                                    part=_text_part(item.text))]
         elif item.kind == "reasoning":
             item.data["content"] = [{"type": "reasoning_text", "text": item.text}]
+            if self.seal_reasoning:
+                item.data["encrypted_content"] = seal_reasoning(item.text)
             events.append(self._event("response.reasoning_text.done", **where, content_index=0,
                                       text=item.text))
         else:
@@ -504,6 +577,7 @@ def _usage(usage: Usage | None, reasoning_tokens: int) -> dict[str, Any] | None:
 def request_echo(body: ResponsesRequest, model: str) -> dict[str, Any]:
     """The request settings a response object repeats."""
     choice = body.tool_choice
+    reasoning = body.reasoning or ReasoningSettings()
     return {"model": model, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
@@ -517,5 +591,8 @@ def request_echo(body: ResponsesRequest, model: str) -> dict[str, Any]:
                                 if body.text and body.text.format else {"type": "text"}),
                      "verbosity": "medium"},
             "truncation": "disabled", "store": body.store is not False,
-            "metadata": body.metadata or {}, "reasoning": {"effort": None, "summary": None},
+            "metadata": body.metadata or {},
+            "reasoning": {"effort": reasoning.effort, "summary": reasoning.summary
+                          or reasoning.generate_summary},
+            "prompt_cache_key": body.prompt_cache_key, "service_tier": "default",
             "user": body.user}

@@ -201,7 +201,7 @@ class ModelSyntax:
 def detect_syntax(tokenizer: Any, tool_parser: str = "auto") -> ModelSyntax:
     """The model's syntax from its tokenizer (`tool_parser`: a name to use instead of
     detection, or "none")."""
-    template = _template_text(tokenizer)
+    template = chat_template_source(tokenizer)
     tools = _tool_syntax(tokenizer, template, tool_parser)
     reasoning = None if tools is HARMONY else _reasoning_markers(tokenizer, template)
     return ModelSyntax(tools, reasoning)
@@ -273,7 +273,8 @@ def _reasoning_markers(tokenizer: Any, template: str) -> ReasoningMarkers | None
     return None
 
 
-def _template_text(tokenizer: Any) -> str:
+def chat_template_source(tokenizer: Any) -> str:
+    """The tokenizer's chat template text (all of them, where it names several)."""
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates: look at all of them
         return "\n".join(str(t) for t in template.values())

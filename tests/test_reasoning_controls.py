@@ -1,0 +1,107 @@
+"""OpenAI's reasoning controls on open models, without sockets: the reasoning effort
+(chat's `reasoning_effort`, Responses' `reasoning.effort`) as each template takes it, and
+Responses' sealed reasoning (`include: ["reasoning.encrypted_content"]`) that a stateless
+client (Codex) sends back."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenizer_proc.errors import RequestError
+from tokenizer_proc.prepare import RequestPreparer
+from tokenizer_proc.protocol import ChatCompletionRequest
+from tokenizer_proc.responses_api import (ResponsesRequest, check_unsupported, input_messages,
+                                          seal_reasoning)
+from worker_proc.demo_model import ensure_demo_model
+
+_BODY = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+# GPT-OSS-like: the template reads reasoning_effort.
+EFFORT = _BODY + "|effort={{ reasoning_effort | default('unset') }}"
+# Qwen3-like: thinking can be turned off.
+SWITCH = _BODY + ("|{% if enable_thinking is defined and not enable_thinking %}no-think"
+                  "{% else %}<think>{% endif %}")
+# DeepSeek-R1-like: always reasons (past answers lose their reasoning), no control.
+ALWAYS = ("{% for m in messages %}{{ m['content'].split('</think>')[-1] }}{% endfor %}"
+          "|<think>")
+PLAIN = _BODY + "|"  # not a reasoning model
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory: pytest.TempPathFactory):
+    return ensure_demo_model("demo-tiny", cache_root=tmp_path_factory.mktemp("models"))
+
+
+def _render(demo, template: str, effort: str | None, **body: object) -> str:
+    preparer = RequestPreparer.load("demo-tiny", str(demo), chat_template=template)
+    request = preparer.chat(ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], reasoning_effort=effort,
+        **body), "r0")
+    return preparer._tokenizer.decode(request.input_ids)
+
+
+def test_effort_reaches_a_template_that_reads_it(demo):
+    assert _render(demo, EFFORT, None) == "hi|effort=unset"
+    for effort in ("low", "medium", "high"):
+        assert _render(demo, EFFORT, effort) == f"hi|effort={effort}"
+    # A request's own template variables win.
+    assert _render(demo, EFFORT, "high", chat_template_kwargs={"reasoning_effort": "low"}) \
+        == "hi|effort=low"
+
+
+def test_no_effort_turns_thinking_off_where_the_template_can(demo):
+    assert _render(demo, SWITCH, None) == "hi|<think>"
+    assert _render(demo, SWITCH, "none") == "hi|no-think"
+    assert _render(demo, SWITCH, "minimal") == "hi|no-think"
+    assert _render(demo, SWITCH, "medium") == "hi|<think>"  # the default asks nothing
+    with pytest.raises(RequestError, match="no control of reasoning effort") as refused:
+        _render(demo, SWITCH, "high")
+    assert refused.value.param == "reasoning_effort"
+
+
+def test_effort_a_template_cannot_take_is_refused(demo):
+    assert _render(demo, ALWAYS, "medium") == "hi|<think>"
+    for effort in ("none", "low", "xhigh"):
+        with pytest.raises(RequestError, match="'reasoning_effort' or 'enable_thinking'"
+                           if effort == "none" else "no 'reasoning_effort' variable"):
+            _render(demo, ALWAYS, effort)
+    # A model that does not reason already reasons none.
+    assert _render(demo, PLAIN, "none") == "hi|"
+    with pytest.raises(RequestError):
+        _render(demo, PLAIN, "high")
+
+
+def test_sealed_reasoning_comes_back_as_the_reasoning_it_sealed():
+    sealed = seal_reasoning("I should check the weather. ✓")
+    messages = input_messages([
+        {"role": "user", "content": "Weather?"},
+        {"type": "reasoning", "id": "rs_1", "summary": [], "encrypted_content": sealed},
+        {"type": "function_call", "call_id": "c1", "name": "get_weather",
+         "arguments": "{\"city\": \"Paris\"}"}])
+    assert messages[1]["reasoning_content"] == "I should check the weather. ✓"
+    for foreign in ("gAAAAABo-opaque-bytes", "kiln-reasoning-1.%%%", 7):
+        with pytest.raises(RequestError) as refused:
+            input_messages([{"type": "reasoning", "summary": [], "encrypted_content": foreign},
+                            {"role": "assistant", "content": "x"}])
+        assert refused.value.param == "input[0].encrypted_content"
+
+
+def test_responses_settings_codex_sends_are_taken_and_the_rest_refused():
+    codex = {"model": "m", "instructions": "You are a coding agent.", "input": "hi",
+             "tools": [{"type": "function", "name": "shell", "description": "Runs a command",
+                        "strict": False, "parameters": {"type": "object", "properties": {}}}],
+             "tool_choice": "auto", "parallel_tool_calls": False, "reasoning": None,
+             "store": False, "stream": True, "include": [], "prompt_cache_key": "conv-1"}
+    check_unsupported(ResponsesRequest.model_validate(codex))
+    check_unsupported(ResponsesRequest.model_validate({
+        **codex, "include": ["reasoning.encrypted_content"],
+        "prompt_cache_retention": "in-memory", "service_tier": "auto",
+        "reasoning": {"effort": "high", "summary": "auto"}}))
+    for field, value, param in (
+            ("include", ["message.output_text.logprobs"], "include[0]"),
+            ("prompt_cache_retention", "24h", "prompt_cache_retention"),
+            ("service_tier", "priority", "service_tier"),
+            ("reasoning", {"summary": "detailed"}, "reasoning.summary")):
+        body = ResponsesRequest.model_validate({"input": "hi", field: value})
+        with pytest.raises(RequestError) as refused:
+            check_unsupported(body)
+        assert refused.value.param == param
