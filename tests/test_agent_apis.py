@@ -495,6 +495,8 @@ def test_reasoning_comes_apart_or_inline(tiny_model_dir: Path, models: Path,
             client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
                                            reasoning_effort="none")
         assert effort.value.body["param"] == "reasoning_effort"
+        client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1,
+                                       reasoning_effort="medium", prompt_cache_key="c-1")
         claude = anthropic.Anthropic(base_url=srv.url, api_key="none", max_retries=0)
         msg = claude.messages.create(model=MODEL, max_tokens=12, messages=ASK,
                                      extra_body={"temperature": 0.0})
