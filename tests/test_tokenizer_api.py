@@ -683,3 +683,39 @@ def test_a_prompt_being_tokenized_does_not_stall_other_streams(preparer: Request
                 held.release.set()
                 b.join(30)
     assert answers and answers[0].status_code == 200
+
+
+# --- /tokenize, /detokenize, /v1/models/{id} ------------------------------------------------
+
+
+def test_tokenize_gives_the_ids_each_route_feeds_the_model(api: Api) -> None:
+    """A prompt's ids are /v1/completions', a chat's /v1/chat/completions' (what the
+    engine was sent); detokenize gives the text back; the card names the context."""
+    api.http.post(COMPLETIONS, json={"prompt": "Hello there", "max_tokens": 1})
+    sent = api.engine.requests()[-1].input_ids
+    r = api.http.post("/tokenize", json={"model": MODEL, "prompt": "Hello there",
+                                        "return_token_strs": True}).json()
+    assert r["tokens"] == sent and r["count"] == len(sent) and r["max_model_len"] > 0
+    assert len(r["token_strs"]) == len(sent)
+    api.http.post(CHAT, json={"messages": HELLO, "max_tokens": 1})
+    chat = api.engine.requests()[-1].input_ids
+    r = api.http.post("/tokenize", json={"messages": HELLO}).json()
+    assert r["tokens"] == chat and r["token_strs"] is None
+    bare = api.http.post("/tokenize", json={"messages": HELLO,
+                                           "add_generation_prompt": False}).json()
+    assert bare["tokens"] == chat[:bare["count"]] and bare["count"] < len(chat)
+    text = api.http.post("/detokenize", json={"tokens": sent}).json()["prompt"]
+    assert text.endswith("Hello there")
+    for body, param in (({"prompt": "x", "messages": HELLO}, "prompt"), ({}, "prompt"),
+                        ({"prompt": "x", "tools": []}, "tools")):
+        refused = api.http.post("/tokenize", json=body)
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == param
+    bad = api.http.post("/detokenize", json={"tokens": [10 ** 9]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens"
+
+
+def test_models_retrieve_the_served_one_and_404_others(api: Api) -> None:
+    listed = api.http.get("/v1/models").json()["data"][0]
+    assert api.http.get(f"/v1/models/{listed['id']}").json() == listed
+    missing = api.http.get("/v1/models/other/model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"

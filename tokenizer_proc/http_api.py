@@ -35,7 +35,7 @@ from tokenizer_proc.manager import (Collected, RequestStream, StatsUnavailable,
 from tokenizer_proc.prepare import (RequestPreparer, choice_count, completion_choices,
                                     fan_out)
 from tokenizer_proc.protocol import (AbortBody, ChatCompletionRequest, CompletionRequest,
-                                     GenerateBody)
+                                     DetokenizeRequest, GenerateBody, TokenizeRequest)
 from tokenizer_proc.responses import (DONE, BestOf, ChatFormat, CompletionFormat,
                                       NativeFormat, ResponseFormat, merged_response,
                                       share_prompt_logprobs, sse, total_usage, with_index)
@@ -95,6 +95,9 @@ class ApiRoutes:
         app.add_api_route("/v1/completions", self.completions, methods=["POST"])
         app.add_api_route("/v1/chat/completions", self.chat_completions, methods=["POST"])
         app.add_api_route("/v1/models", self.models, methods=["GET"])
+        app.add_api_route("/v1/models/{model_id:path}", self.model, methods=["GET"])
+        app.add_api_route("/tokenize", self.tokenize, methods=["POST"])
+        app.add_api_route("/detokenize", self.detokenize, methods=["POST"])
         app.add_api_route("/health", self.health, methods=["GET"])
         app.add_api_route("/get_server_info", self.server_info, methods=["GET"])
         app.add_api_route("/generate", self.generate, methods=["POST"])
@@ -132,10 +135,32 @@ class ApiRoutes:
         return await self._generate(request, tokenized, fmt, body.stream)
 
     async def models(self) -> dict[str, Any]:
+        return {"object": "list", "data": [self._card()]}
+
+    async def model(self, model_id: str) -> dict[str, Any]:
+        """OpenAI's retrieve: the served model's card, 404 for any other name."""
+        if model_id != self._preparer.info.name:
+            raise RequestError(f"The model {model_id[:200]!r} does not exist.", param="model",
+                               code="model_not_found", status=404)
+        return self._card()
+
+    def _card(self) -> dict[str, Any]:
         info = self._preparer.info
-        card = {"id": info.name, "object": "model", "created": self._started,
+        return {"id": info.name, "object": "model", "created": self._started,
                 "owned_by": "kiln", "root": info.path, "max_model_len": info.context_len}
-        return {"object": "list", "data": [card]}
+
+    async def tokenize(self, request: Request) -> dict[str, Any]:
+        body = _parse(TokenizeRequest, await _read_json(request))
+        prep = self._preparer
+        ids = await prep.run(prep.tokenize, body)
+        strs = await prep.run(prep.token_strs, ids) if body.return_token_strs else None
+        return {"count": len(ids), "max_model_len": prep.info.context_len, "tokens": ids,
+                "token_strs": strs}
+
+    async def detokenize(self, request: Request) -> dict[str, Any]:
+        body = _parse(DetokenizeRequest, await _read_json(request))
+        prep = self._preparer
+        return {"prompt": await prep.run(prep.detokenize, body.tokens)}
 
     async def health(self) -> Response:
         """200 once the engine behind this front answers (the worker has loaded and the

@@ -35,7 +35,8 @@ from tokenizer_proc.constraints import (Constraint, GrammarCompiler, native_cons
                                         response_format_constraint)
 from tokenizer_proc.conversation import Conversation, chat_conversation
 from tokenizer_proc.errors import RequestError
-from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest, GenerateBody
+from tokenizer_proc.protocol import (ChatCompletionRequest, CompletionRequest, GenerateBody,
+                                     TokenizeRequest)
 from tokenizer_proc.tool_syntax import chat_template_source, detect_syntax
 from tokenizer_proc.turn_plan import TurnPlanner, special_tokens
 
@@ -407,10 +408,39 @@ class RequestPreparer:
             raise RequestError(f"'{param}' must not be empty.", param=param)
         return self.vocab_ids(ids, param)
 
-    def _render(self, conversation: Conversation) -> str:
-        """The chat template's text (with the assistant prompt and, when calls are
-        allowed, the tools). The template writes any BOS it wants, so the text is encoded
-        without adding one."""
+    def tokenize(self, body: TokenizeRequest) -> list[int]:
+        """/tokenize: the ids a prompt or a chat is fed to the model as (by default
+        exactly those of /v1/completions or /v1/chat/completions)."""
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError("Give exactly one of 'prompt' and 'messages'.", param="prompt")
+        specials = body.add_special_tokens
+        if body.prompt is not None:
+            chat_only = [name for name, value in (
+                ("tools", body.tools), ("chat_template_kwargs", body.chat_template_kwargs),
+                ("add_generation_prompt", body.add_generation_prompt)) if value is not None]
+            if chat_only:
+                raise RequestError(f"'{chat_only[0]}' applies to 'messages' only.",
+                                   param=chat_only[0])
+            return list(self._tokenizer.encode(body.prompt,
+                                               add_special_tokens=specials is not False))
+        chat = ChatCompletionRequest(model=body.model, messages=body.messages or [],
+                                     tools=body.tools,
+                                     chat_template_kwargs=body.chat_template_kwargs)
+        prompt = self._render(chat_conversation(chat, self.reasoning_inline),
+                              generation_prompt=body.add_generation_prompt is not False)
+        return list(self._tokenizer.encode(prompt, add_special_tokens=bool(specials)))
+
+    def detokenize(self, ids: list[int]) -> str:
+        """/detokenize: the text of token ids (special tokens kept)."""
+        return self._tokenizer.decode(self.vocab_ids(ids, "tokens"))
+
+    def token_strs(self, ids: list[int]) -> list[str]:
+        return list(self._tokenizer.convert_ids_to_tokens(ids))
+
+    def _render(self, conversation: Conversation, generation_prompt: bool = True) -> str:
+        """The chat template's text (with the assistant prompt unless generation_prompt is
+        false and, when calls are allowed, the tools). The template writes any BOS it
+        wants, so the text is encoded without adding one."""
         param = conversation.messages_param
         if not conversation.messages:
             raise RequestError(f"'{param}' must contain at least one message.", param=param)
@@ -425,7 +455,7 @@ class RequestPreparer:
         try:
             return self._tokenizer.apply_chat_template(
                 conversation.messages, tools=tools, tokenize=False,
-                add_generation_prompt=not conversation.continue_final,
+                add_generation_prompt=generation_prompt and not conversation.continue_final,
                 continue_final_message=conversation.continue_final, **kwargs)
         # Templates ship with the model and may raise anything on input they dislike
         # (jinja's raise_exception for wrong role order, TypeError, ...).

@@ -168,6 +168,29 @@ class ChatCompletionRequest(_SamplingFields):
     function_call: str | dict[str, Any] | None = None
 
 
+# --- /tokenize and /detokenize (vLLM's) -------------------------------------------------
+
+
+class TokenizeRequest(_Strict):
+    """A prompt (encoded as /v1/completions encodes one) or chat messages (rendered as
+    /v1/chat/completions renders them); `add_special_tokens` defaults as each route
+    encodes: the tokenizer's own (a BOS) for a prompt, none for a rendered chat."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    tools: list[ChatTool] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool | None = None  # messages only; default true
+    add_special_tokens: bool | None = None
+    return_token_strs: bool = False
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
 # --- the native API (/generate, /abort_request), SGLang's field names -------------------
 
 
