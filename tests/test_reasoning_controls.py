@@ -105,3 +105,21 @@ def test_responses_settings_codex_sends_are_taken_and_the_rest_refused():
         with pytest.raises(RequestError) as refused:
             check_unsupported(body)
         assert refused.value.param == param
+
+
+def test_a_reasoning_budget_and_a_response_format_are_refused_by_their_names(demo):
+    """One grammar a request: a thinking budget beside a user's own constraint names
+    both (not tool calls, which the request has none of)."""
+    from tokenizer_proc.constraints import Constraint
+    from tokenizer_proc.conversation import Conversation
+    from tokenizer_proc.prepare import SamplingInput
+
+    preparer = RequestPreparer.load("demo-tiny", str(demo), chat_template=ALWAYS)
+    conversation = Conversation(messages=[{"role": "user", "content": "hi"}],
+                                reasoning_budget=1024)
+    own = Constraint("json_object", "", "response_format")
+    with pytest.raises(RequestError, match="'response_format' cannot be combined with "
+                       "'thinking.budget_tokens'") as refused:
+        preparer.turn(conversation, SamplingInput(2048, None, None, None, None,
+                                                  constraint=own), "r0")
+    assert refused.value.param == "response_format"

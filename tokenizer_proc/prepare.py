@@ -276,10 +276,8 @@ class RequestPreparer:
         plan = self.turns.plan(conversation, prompt)
         if plan.constraint is not None:
             if sampling.constraint is not None:
-                raise RequestError(f"'{sampling.constraint.param}' cannot be combined with "
-                                   f"tool calls; leave it out or set "
-                                   f"'{conversation.tool_choice_param}' to 'none'.",
-                                   param=sampling.constraint.param)
+                raise _two_grammars(sampling.constraint.param, plan.constraint.param,
+                                    conversation)
             sampling = replace(sampling, constraint=plan.constraint)
         default = self.info.context_len - len(ids)
         request = self._request(rid, ids, sampling, default, conversation.messages_param,
@@ -557,6 +555,16 @@ class RequestPreparer:
             f"{max_tokens} for the completion, '{max_param}'). Please reduce the length of "
             f"the {prompt_param} or of the completion.", param=param,
             code="context_length_exceeded")
+
+
+def _two_grammars(own: str, turn: str, conversation: Conversation) -> RequestError:
+    """A request's own constraint (response_format) beside the turn's grammar (its tool
+    calls, or its reasoning budget): one grammar a request."""
+    if turn == conversation.reasoning_budget_param:
+        return RequestError(f"'{own}' cannot be combined with '{turn}' (each is held by a "
+                            "grammar); leave one out.", param=own)
+    return RequestError(f"'{own}' cannot be combined with tool calls; leave it out or set "
+                        f"'{conversation.tool_choice_param}' to 'none'.", param=own)
 
 
 @contextlib.contextmanager
