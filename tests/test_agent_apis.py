@@ -455,11 +455,19 @@ def test_reasoning_comes_apart_or_inline(tiny_model_dir: Path, models: Path,
                                                 extra_body={"separate_reasoning": False})
         assert inline.choices[0].message.content
         assert inline.choices[0].message.content.strip() == message.reasoning_content
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=ASK, max_tokens=12, temperature=0.0, stream=True,
+            stream_options={"include_usage": True}))
         streamed = "".join(c.choices[0].delta.model_extra.get("reasoning_content") or ""
-                           for c in client.chat.completions.create(
-                               model=MODEL, messages=ASK, max_tokens=12, temperature=0.0,
-                               stream=True))
+                           for c in chunks if c.choices)
         assert streamed == message.reasoning_content
+        # Every token is reasoning (the block never closes), counted alike whole, streamed
+        # and summed over n choices.
+        assert apart.usage.completion_tokens_details.reasoning_tokens == 12
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 12
+        two = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, n=2)
+        assert two.usage.completion_tokens_details.reasoning_tokens == 24
+        assert inline.usage.completion_tokens_details.reasoning_tokens == 0  # inline: content
         response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=12,
                                            temperature=0.0)
         assert response.output[0].type == "reasoning"

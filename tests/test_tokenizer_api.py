@@ -131,7 +131,8 @@ def test_chat_stream_with_usage(api: Api) -> None:
     prompt_tokens = len(api.request().input_ids)
     assert usage["usage"] == {"prompt_tokens": prompt_tokens, "completion_tokens": 3,
                               "total_tokens": prompt_tokens + 3,
-                              "prompt_tokens_details": {"cached_tokens": 0}}
+                              "prompt_tokens_details": {"cached_tokens": 0},
+                              "completion_tokens_details": {"reasoning_tokens": 0}}
 
 
 def test_length_finish_passes_through(make_api: Callable[..., Api]) -> None:

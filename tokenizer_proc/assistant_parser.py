@@ -633,6 +633,9 @@ class AssistantParser:
     def __init__(self, spec: ParseSpec) -> None:
         self._reasoning: ReasoningSplitter | None = None
         self._content: Stage
+        # Output tokens of the deltas that were reasoning (began, ended or ran inside it):
+        # the usage's reasoning_tokens, alike streamed and whole.
+        self.reasoning_tokens = 0
         if spec.syntax.harmony:
             self._content = HarmonyParser(spec.inline_reasoning)
             return
@@ -655,10 +658,16 @@ class AssistantParser:
             return self._reasoning.inside
         return isinstance(self._content, HarmonyParser) and self._content.inside_reasoning
 
-    def feed(self, text: str) -> list[Event]:
+    def feed(self, text: str, tokens: int = 0) -> list[Event]:
+        """The events of one output delta, the text of `tokens` output tokens."""
+        before = self.in_reasoning
         if self._reasoning is None:
-            return self._content.feed(text)
-        return self._route(self._reasoning.feed(text))
+            events = self._content.feed(text)
+        else:
+            events = self._route(self._reasoning.feed(text))
+        if before or self.in_reasoning or any(isinstance(e, ReasoningDelta) for e in events):
+            self.reasoning_tokens += tokens
+        return events
 
     def finish(self) -> list[Event]:
         events = self._route(self._reasoning.finish()) if self._reasoning else []

@@ -321,10 +321,10 @@ async def _events(stream: RequestStream, first: TextOutput,
             # Headers are gone; OpenAI clients raise on a chunk carrying "error".
             yield sse(_output_error(output).body())
             break
-        # Tokens still held back as text (part of a character) still bring their logprobs.
-        if output.text or output.logprobs:
-            for chunk in fmt.text_chunks(output.text, output.logprobs):
-                yield sse(chunk)
+        # Tokens still held back as text (part of a character) still bring their logprobs,
+        # and count (reasoning tokens); a delta of neither makes no chunk.
+        for chunk in fmt.text_chunks(output.text, output.logprobs, len(output.token_ids)):
+            yield sse(chunk)
         if output.finished:
             for chunk in fmt.finish_chunks(output.finish_reason):
                 yield sse(chunk)
@@ -368,9 +368,9 @@ async def _openai_choice_events(streams: list[RequestStream], firsts: list[TextO
             if output.error is not None:
                 yield sse(_output_error(output).body())
                 break
-            if output.text or output.logprobs:
-                for chunk in fmts[i].text_chunks(output.text, output.logprobs):
-                    yield sse(with_index(chunk, i))
+            for chunk in fmts[i].text_chunks(output.text, output.logprobs,
+                                             len(output.token_ids)):
+                yield sse(with_index(chunk, i))
             if output.finished:
                 for chunk in fmts[i].finish_chunks(output.finish_reason):
                     yield sse(with_index(chunk, i))
@@ -378,7 +378,11 @@ async def _openai_choice_events(streams: list[RequestStream], firsts: list[TextO
         else:
             if fmts[0].include_usage:
                 usage = total_usage([usages[i] for i in sorted(usages)])
-                yield sse(fmts[0].usage_chunk(usage))
+                if isinstance(fmts[0], ChatFormat):
+                    reasoning = sum(f.reasoning_tokens for f in fmts)
+                    yield sse(fmts[0].usage_chunk(usage, reasoning))
+                else:
+                    yield sse(fmts[0].usage_chunk(usage))
     yield DONE
 
 

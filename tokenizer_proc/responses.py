@@ -40,11 +40,16 @@ def sse(payload: dict[str, Any]) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False, separators=(',', ':'))}\n\n"
 
 
-def usage_dict(usage: Usage) -> dict[str, Any]:
-    return {"prompt_tokens": usage.prompt_tokens,
-            "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens,
-            "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+def usage_dict(usage: Usage, reasoning_tokens: int | None = None) -> dict[str, Any]:
+    """OpenAI's usage; reasoning_tokens (chat): how many of the completion's tokens were
+    reasoning (None: not counted, the field left out)."""
+    out = {"prompt_tokens": usage.prompt_tokens,
+           "completion_tokens": usage.completion_tokens,
+           "total_tokens": usage.total_tokens,
+           "prompt_tokens_details": {"cached_tokens": usage.cached_tokens}}
+    if reasoning_tokens is not None:
+        out["completion_tokens_details"] = {"reasoning_tokens": reasoning_tokens}
+    return out
 
 
 @dataclass
@@ -90,9 +95,10 @@ class CompletionFormat(_Format):
     def finish_chunk(self, reason: str | None) -> dict[str, Any]:
         return self._envelope("text_completion", [_text_choice("", reason)])
 
-    def text_chunks(self, text: str,
-                    logprobs: list[TextLogprob] | None = None) -> list[dict[str, Any]]:
-        return [self.text_chunk(text, logprobs)]
+    def text_chunks(self, text: str, logprobs: list[TextLogprob] | None = None,
+                    tokens: int = 0) -> list[dict[str, Any]]:
+        """The chunks of one output delta (none for a delta of no text and no logprobs)."""
+        return [self.text_chunk(text, logprobs)] if text or logprobs else []
 
     def finish_chunks(self, reason: str | None) -> list[dict[str, Any]]:
         return [self.finish_chunk(reason)]
@@ -175,11 +181,13 @@ class ChatFormat(_Format):
     def text_chunk(self, text: str, logprobs: list[TextLogprob] | None = None) -> dict[str, Any]:
         return self._chunk({"content": text}, None, _chat_logprobs(logprobs))
 
-    def text_chunks(self, text: str,
-                    logprobs: list[TextLogprob] | None = None) -> list[dict[str, Any]]:
+    def text_chunks(self, text: str, logprobs: list[TextLogprob] | None = None,
+                    tokens: int = 0) -> list[dict[str, Any]]:
+        """The chunks of one output delta, the text of `tokens` output tokens (none for a
+        delta of no text and no logprobs, whose tokens still count)."""
         if self._parser is None:
-            return [self.text_chunk(text, logprobs)]
-        chunks = [self._chunk(d, None) for d in chat_deltas(self._parser.feed(text))]
+            return [self.text_chunk(text, logprobs)] if text or logprobs else []
+        chunks = [self._chunk(d, None) for d in chat_deltas(self._parser.feed(text, tokens))]
         if logprobs:  # the tokens' entries ride on the first chunk of their text
             if not chunks:
                 chunks = [self._chunk({"content": ""}, None)]
@@ -195,8 +203,16 @@ class ChatFormat(_Format):
         chunks = [self._chunk(d, None) for d in chat_deltas(self._parser.finish())]
         return chunks + [self.finish_chunk(_tool_finish(reason, self._parser.made_calls))]
 
-    def usage_chunk(self, usage: Usage) -> dict[str, Any]:
-        return self._usage_envelope("chat.completion.chunk", usage)
+    @property
+    def reasoning_tokens(self) -> int:
+        """The streamed deltas' reasoning tokens so far (see AssistantParser.feed)."""
+        return self._parser.reasoning_tokens if self._parser else 0
+
+    def usage_chunk(self, usage: Usage, reasoning_tokens: int | None = None) -> dict[str, Any]:
+        """reasoning_tokens: n choices' sum (default: this choice's)."""
+        counted = self.reasoning_tokens if reasoning_tokens is None else reasoning_tokens
+        return {**self._envelope("chat.completion.chunk", []),
+                "usage": usage_dict(usage, counted)}
 
     def response(self, result: Collected) -> dict[str, Any]:
         message: dict[str, Any] = {"role": "assistant", "content": result.text, "refusal": None}
@@ -215,7 +231,17 @@ class ChatFormat(_Format):
         choice = {"index": 0, "message": message, "logprobs": _chat_logprobs(result.logprobs),
                   "finish_reason": openai_finish_reason(reason)}
         return {"id": self.id, "object": "chat.completion", "created": self.created,
-                "model": self.model, "choices": [choice], "usage": usage_dict(result.usage)}
+                "model": self.model, "choices": [choice],
+                "usage": usage_dict(result.usage, self._whole_reasoning_tokens(result))}
+
+    def _whole_reasoning_tokens(self, result: Collected) -> int:
+        """A whole answer's reasoning tokens, from its deltas as they were streamed."""
+        if self.parse is None or not self.parse.active:
+            return 0
+        parser = self.parse.parser()
+        for text, tokens in result.pieces():
+            parser.feed(text, tokens)
+        return parser.reasoning_tokens
 
     def _chunk(self, delta: dict[str, Any], reason: str | None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -347,9 +373,12 @@ def with_index(body: dict[str, Any], index: int) -> dict[str, Any]:
 
 
 def merged_response(bodies: list[dict[str, Any]], usage: Usage) -> dict[str, Any]:
-    """n one-choice responses of one prompt as one response with n choices."""
+    """n one-choice responses of one prompt as one response with n choices (their
+    reasoning tokens summed, where they count them)."""
     choices = [with_index(b, i)["choices"][0] for i, b in enumerate(bodies)]
-    return {**bodies[0], "choices": choices, "usage": usage_dict(usage)}
+    details = [b["usage"].get("completion_tokens_details") for b in bodies]
+    reasoning = (sum(d["reasoning_tokens"] for d in details) if all(details) else None)
+    return {**bodies[0], "choices": choices, "usage": usage_dict(usage, reasoning)}
 
 
 def share_prompt_logprobs(results: list[Collected]) -> list[Collected]:

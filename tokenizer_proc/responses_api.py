@@ -399,14 +399,16 @@ class ResponseBuilder:
     _open: bool = False
     _sequence: int = 0
     _parser: AssistantParser | None = None
-    # Output tokens of the deltas that were reasoning (began, ended or ran inside it).
-    reasoning_tokens: int = 0
     # include ["reasoning.encrypted_content"]: reasoning items carry their sealed text.
     seal_reasoning: bool = False
 
     def __post_init__(self) -> None:
         if self.parse.active:
             self._parser = self.parse.parser()
+
+    @property
+    def reasoning_tokens(self) -> int:
+        return self._parser.reasoning_tokens if self._parser else 0
 
     def opening(self) -> list[dict[str, Any]]:
         body = self.response("in_progress", None, None)
@@ -417,12 +419,7 @@ class ResponseBuilder:
         """One output delta, the text of `tokens` output tokens."""
         if self._parser is None:
             return self._apply([ContentDelta(text)] if text else [])
-        before = self._parser.in_reasoning
-        events = self._parser.feed(text)
-        if before or self._parser.in_reasoning or any(isinstance(e, ReasoningDelta)
-                                                       for e in events):
-            self.reasoning_tokens += tokens
-        return self._apply(events)
+        return self._apply(self._parser.feed(text, tokens))
 
     def finish(self, reason: str | None, usage: Usage) -> list[dict[str, Any]]:
         events = self._apply(self._parser.finish()) if self._parser else []
