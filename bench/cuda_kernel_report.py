@@ -263,9 +263,13 @@ def _entry_reports(stderr: str) -> list[str]:
 
 
 def _namespace_index(mangled: str) -> int:
-    """i of a function in namespace k<i> (`_ZN2k3...`); 0 outside any (a file of one)."""
-    match = re.match(r"_ZN\d+k(\d+)", mangled)
-    return int(match.group(1)) if match else 0
+    """i of a function in namespace k<i> (`_ZN2k3...`: the name's length, then the name;
+    the function's own length follows it); 0 outside any (a file of one)."""
+    match = re.match(r"_ZN(\d+)k", mangled)
+    if match is None:
+        return 0
+    digits = int(match.group(1)) - 1  # the name's characters after "k"
+    return int(mangled[match.end():match.end() + digits])
 
 
 def find_cuda() -> Path | None:

@@ -133,7 +133,7 @@ def test_the_server_applies_adapters_and_refuses_a_directory_without_them(tiny_m
     mx.save_safetensors(str(adapters / "adapters.safetensors"), weights)
     last = _launcher_last_line(base_dir, adapters)
     assert last.endswith(f"launcher: cannot serve {base_dir}: --adapter-path {adapters}: "
-                         f"Adapter at {adapters} contains incompatible tensors:"), last
+                         f"ValueError: Adapter at {adapters} contains incompatible tensors:"), last
 
 
 def _launcher_last_line(model_dir: Path, adapters: Path) -> str:
@@ -147,3 +147,26 @@ def _launcher_last_line(model_dir: Path, adapters: Path) -> str:
     lines = (run.stdout + run.stderr).rstrip().splitlines()
     starts = [i for i, ln in enumerate(lines) if "launcher" in ln or ln.startswith("error:")]
     return lines[starts[-1]] if starts else lines[-1]
+
+
+def test_an_adapter_directory_that_fails_to_load_is_refused_naming_the_flag(tiny_model_dir,
+                                                                             tmp_path):
+    """Any failure of mlx-lm's load_adapters (a config missing a key, a file that is no
+    safetensors) is the directory's: refused as a model the server cannot serve, which
+    the launcher shows as its last line."""
+    import mlx_lm
+
+    from worker_proc import apply_adapters
+    from worker_proc.layer_kinds import UnsupportedModelError
+
+    base_dir = write_model_dir("llama", tiny_model_dir, tmp_path / "base")
+    model, _ = mlx_lm.load(str(base_dir))
+    adapters = write_adapters(base_dir, tmp_path / "adapters", "lora")
+    (adapters / "adapter_config.json").write_text(json.dumps({"fine_tune_type": "lora"}))
+    with pytest.raises(UnsupportedModelError, match=f"--adapter-path {adapters}: "
+                       "AttributeError: .*num_layers"):
+        apply_adapters(model, str(adapters))
+    write_adapters(base_dir, tmp_path / "other", "lora")
+    (tmp_path / "other" / "adapters.safetensors").write_bytes(b"not safetensors")
+    with pytest.raises(UnsupportedModelError, match=f"--adapter-path {tmp_path / 'other'}: "):
+        apply_adapters(model, str(tmp_path / "other"))

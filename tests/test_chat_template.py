@@ -53,6 +53,9 @@ def test_server_template_variables_are_defaults_a_request_overrides(bare_model):
                                     template_kwargs={"greeting": "hello"})
     assert _rendered(preparer) == "[user|hello]hi[bot]"
     assert _rendered(preparer, chat_template_kwargs={"greeting": "yo"}) == "[user|yo]hi[bot]"
+    # Not the template itself: apply_chat_template would take it in the server's place.
+    with pytest.raises(RequestError, match="may not set 'chat_template'"):
+        _rendered(preparer, chat_template_kwargs={"chat_template": "{{ 'mine' }}"})
 
 
 def test_the_template_setting_is_a_file_or_jinja_and_must_parse(tmp_path):
@@ -64,10 +67,17 @@ def test_the_template_setting_is_a_file_or_jinja_and_must_parse(tmp_path):
         template_text(str(tmp_path / "missing.jinja"))
     with pytest.raises(ValueError, match="line 1: .*"):
         template_text("{% for m in messages %}{{ m }}")  # the loop never ends
+    # Inline templates of any length (no path test on them: a long one is no valid path),
+    # and transformers' own tags (`generation`, for assistant masks).
+    long = TEMPLATE * 40
+    assert template_text(long) == long
+    tagged = "{% for m in messages %}{% generation %}{{ m['content'] }}{% endgeneration %}{% endfor %}"
+    assert template_text(tagged) == tagged
     assert default_template_kwargs("") == {}
     assert default_template_kwargs('{"enable_thinking": false}') == {"enable_thinking": False}
     for bad, why in (("[1]", "must be a JSON object"), ("{oops", "must be a JSON object"),
-                     ('{"tools": []}', "may not set 'tools'")):
+                     ('{"tools": []}', "may not set 'tools'"),
+                     ('{"chat_template": "{{ x"}', "may not set 'chat_template'")):
         with pytest.raises(ValueError, match=why):
             default_template_kwargs(bad)
 
@@ -75,7 +85,7 @@ def test_the_template_setting_is_a_file_or_jinja_and_must_parse(tmp_path):
 @pytest.mark.timeout(120)
 def test_the_server_takes_both_flags_and_refuses_a_bad_template(bare_model, tmp_path):
     """Through every process: a chat request on the template-less model renders the
-    flag's template with the flag's variables (its prompt tokens say so); a template
+    flag's template with the flag's variables (its prompt's ids say so); a template
     that does not parse stops the launcher with the reason as its last line."""
     import subprocess
     import sys
@@ -91,8 +101,11 @@ def test_the_server_takes_both_flags_and_refuses_a_bad_template(bare_model, tmp_
             "model": "m", "max_tokens": 2, "messages": [{"role": "user", "content": "hi"}]})
         assert reply.status_code == 200, reply.text
         preparer = RequestPreparer.load("bare", str(bare_model))
-        want = len(preparer._tokenizer.encode("[user|hello]hi[bot]", add_special_tokens=False))
-        assert reply.json()["usage"]["prompt_tokens"] == want
+        want = preparer._tokenizer.encode("[user|hello]hi[bot]", add_special_tokens=False)
+        assert reply.json()["usage"]["prompt_tokens"] == len(want)
+        fed = httpx.post(srv.url + "/tokenize", timeout=60,
+                         json={"messages": [{"role": "user", "content": "hi"}]}).json()
+        assert fed["tokens"] == want
     finally:
         assert srv.stop() == 0, srv.log_tail()
     run = subprocess.run([sys.executable, "launch.py", "--model", str(bare_model),

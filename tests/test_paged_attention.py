@@ -1009,3 +1009,14 @@ def test_paged_prefill_padding_queries_past_the_context_stay_finite():
             alone = reference_paged_prefill_attention(q[:, :, i:i + 1], pool, narrow, at_last,
                                                       0.125, window=window)
             np.testing.assert_allclose(np.array(out[:, :, i:i + 1]), np.array(alone), atol=1e-6)
+
+
+def test_kernel_reports_go_back_to_their_kernels_by_namespace():
+    """cuda_kernel_report compiles many kernels in one file, each in namespace k<i>:
+    ptxas names them mangled, the namespace's length first, then the function's own
+    length, whose digits must not be read as part of i."""
+    from bench.cuda_kernel_report import _namespace_index
+
+    assert _namespace_index("_ZN2k110kiln_mergeEPKfS1_Pf") == 1  # k1, then a 10-char name
+    assert _namespace_index("_ZN3k1250kiln_read_direct_l16_u1_s4_with_a_long_suffix_EPK") == 12
+    assert _namespace_index("_Z10kiln_mergePKf") == 0  # a file of one kernel

@@ -15,8 +15,8 @@ from tokenizer_proc.responses_api import (ResponsesRequest, check_unsupported, i
 from worker_proc.demo_model import ensure_demo_model
 
 _BODY = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
-# GPT-OSS-like: the template reads reasoning_effort.
-EFFORT = _BODY + "|effort={{ reasoning_effort | default('unset') }}"
+# GPT-OSS-like: the template reads reasoning_effort (and the model reasons: its markers).
+EFFORT = _BODY + "|effort={{ reasoning_effort | default('unset') }}{# <think></think> #}"
 # Qwen3-like: thinking can be turned off.
 SWITCH = _BODY + ("|{% if enable_thinking is defined and not enable_thinking %}no-think"
                   "{% else %}<think>{% endif %}")
@@ -39,10 +39,22 @@ def _render(demo, template: str, effort: str | None, **body: object) -> str:
     return preparer._tokenizer.decode(request.input_ids)
 
 
+def _render_with(demo, template: str, effort: str | None, defaults: dict) -> str:
+    preparer = RequestPreparer.load("demo-tiny", str(demo), chat_template=template,
+                                    template_kwargs=defaults)
+    request = preparer.chat(ChatCompletionRequest(
+        model="m", messages=[{"role": "user", "content": "hi"}], reasoning_effort=effort), "r0")
+    return preparer._tokenizer.decode(request.input_ids)
+
+
 def test_effort_reaches_a_template_that_reads_it(demo):
     assert _render(demo, EFFORT, None) == "hi|effort=unset"
     for effort in ("low", "medium", "high"):
         assert _render(demo, EFFORT, effort) == f"hi|effort={effort}"
+    # GPT-OSS knows these three: others are refused, not written into its prompt.
+    for effort in ("none", "minimal", "xhigh"):
+        with pytest.raises(RequestError, match="low, medium or high only"):
+            _render(demo, EFFORT, effort)
     # A request's own template variables win.
     assert _render(demo, EFFORT, "high", chat_template_kwargs={"reasoning_effort": "low"}) \
         == "hi|effort=low"
@@ -52,17 +64,21 @@ def test_no_effort_turns_thinking_off_where_the_template_can(demo):
     assert _render(demo, SWITCH, None) == "hi|<think>"
     assert _render(demo, SWITCH, "none") == "hi|no-think"
     assert _render(demo, SWITCH, "minimal") == "hi|no-think"
-    assert _render(demo, SWITCH, "medium") == "hi|<think>"  # the default asks nothing
+    assert _render(demo, SWITCH, "medium") == "hi|<think>"
     with pytest.raises(RequestError, match="no control of reasoning effort") as refused:
         _render(demo, SWITCH, "high")
     assert refused.value.param == "reasoning_effort"
+    # A request asking for the default effort thinks, over a server default of no thinking.
+    off = {"enable_thinking": False}
+    assert _render_with(demo, SWITCH, None, off) == "hi|no-think"
+    assert _render_with(demo, SWITCH, "medium", off) == "hi|<think>"
 
 
 def test_effort_a_template_cannot_take_is_refused(demo):
     assert _render(demo, ALWAYS, "medium") == "hi|<think>"
     for effort in ("none", "low", "xhigh"):
-        with pytest.raises(RequestError, match="'reasoning_effort' or 'enable_thinking'"
-                           if effort == "none" else "no 'reasoning_effort' variable"):
+        with pytest.raises(RequestError, match="no 'reasoning_effort' variable, nor "
+                           "'enable_thinking'"):
             _render(demo, ALWAYS, effort)
     # A model that does not reason already reasons none.
     assert _render(demo, PLAIN, "none") == "hi|"

@@ -720,3 +720,13 @@ def test_models_retrieve_the_served_one_and_404_others(api: Api) -> None:
     assert api.http.get(f"/v1/models/{listed['id']}").json() == listed
     missing = api.http.get("/v1/models/other/model")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert api.http.get("/v1/models/").json()["data"] == [listed]
+
+
+def test_cache_hints_are_taken_and_a_retention_promise_refused(api: Api) -> None:
+    ok = api.http.post(CHAT, json={"messages": HELLO, "prompt_cache_key": "k",
+                                   "prompt_cache_retention": "in-memory"})
+    assert ok.status_code == 200
+    refused = api.http.post(CHAT, json={"messages": HELLO, "prompt_cache_retention": "24h"})
+    assert refused.status_code == 400
+    assert refused.json()["error"]["param"] == "prompt_cache_retention"

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from pathlib import Path
 
 from ipc.config import ServerConfig
 from ipc.process import STOP_SIGNAL, setup_child
@@ -29,7 +28,7 @@ def run_tokenizer(config: ServerConfig) -> None:
     # Imported here so that importing the package (the launcher does) stays cheap.
     import uvloop
 
-    from tokenizer_proc.chat_template import default_template_kwargs
+    from tokenizer_proc.chat_template import default_template_kwargs, is_inline
     from tokenizer_proc.prepare import RequestPreparer
     from tokenizer_proc.server import TokenizerServer
 
@@ -42,8 +41,8 @@ def run_tokenizer(config: ServerConfig) -> None:
     preparer.start_grammar_build()  # in the background, while the worker loads the model
     if config.chat_template_text:
         given = config.chat_template
-        logger.info("chat template: --chat-template's (%s)", given if Path(given).is_file()
-                    else f"inline, {len(given)} characters")
+        logger.info("chat template: --chat-template's (%s)",
+                    f"inline, {len(given)} characters" if is_inline(given) else given)
     if config.chat_template_kwargs:
         logger.info("chat template variables by default: %s", config.chat_template_kwargs)
     info = preparer.info

@@ -11,28 +11,44 @@ from typing import Any
 from tokenizer_proc.conversation import RESERVED_TEMPLATE_KWARGS
 
 
-def template_text(value: str) -> str:
-    """--chat-template's Jinja text: the file it names, else the value itself if it is a
-    template. Raises ValueError when it is neither, or does not parse."""
-    import jinja2
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
+def is_inline(value: str) -> bool:
+    """Whether --chat-template's value is the template itself (it holds Jinja syntax)
+    rather than a file's path; looked at before any path test (a long template is no
+    valid path)."""
+    return "{{" in value or "{%" in value
 
-    path = Path(value).expanduser()
-    if path.is_file():
-        text = path.read_text(encoding="utf-8")
-    elif "{{" in value or "{%" in value:
+
+def template_text(value: str) -> str:
+    """--chat-template's Jinja text: the value itself if it is a template, else the file
+    it names. Raises ValueError when it is neither, or does not parse."""
+    import jinja2
+
+    if is_inline(value):
         text = value
     else:
-        raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja template "
-                         "(no '{{' or '{%')")
-    # The environment Hugging Face renders chat templates in (loop controls included).
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+        path = Path(value).expanduser()
+        if not path.is_file():
+            raise ValueError(f"--chat-template {value!r}: no such file, and not a Jinja "
+                             "template (no '{{' or '{%')")
+        text = path.read_text(encoding="utf-8")
     try:
-        env.parse(text)
+        _compile(text)
     except jinja2.TemplateSyntaxError as exc:
         raise ValueError(f"--chat-template: line {exc.lineno}: {exc.message}") from None
     return text
+
+
+def _compile(text: str) -> None:
+    """Parse a template as transformers will render it: its own environment (loop
+    controls, the `generation` tag of assistant masks), where this transformers has it."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # a transformers without it: Jinja's parse with loop controls
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+        return
+    _compile_jinja_template(text)
 
 
 def default_template_kwargs(value: str) -> dict[str, Any]:

@@ -89,10 +89,11 @@ class Conversation:
         return self.tools
 
 
-# Template variables the front sets itself.
-RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "tools", "add_generation_prompt",
-                                       "tokenize", "conversation", "documents", "tools_in_user_message",
-                                       "continue_final_message", "return_dict"})
+# Template variables the front sets itself, and `chat_template`, which would replace the
+# template (apply_chat_template takes it) past the --chat-template check.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "messages", "tools", "add_generation_prompt", "tokenize", "conversation", "documents",
+    "tools_in_user_message", "continue_final_message", "return_dict", "chat_template"})
 
 
 def check_tools(tools: tuple[FunctionTool, ...], param: str) -> None:

@@ -138,7 +138,10 @@ class ApiRoutes:
         return {"object": "list", "data": [self._card()]}
 
     async def model(self, model_id: str) -> dict[str, Any]:
-        """OpenAI's retrieve: the served model's card, 404 for any other name."""
+        """OpenAI's retrieve: the served model's card, 404 for any other name (no name,
+        a trailing slash: the list)."""
+        if not model_id:
+            return await self.models()
         if model_id != self._preparer.info.name:
             raise RequestError(f"The model {model_id[:200]!r} does not exist.", param="model",
                                code="model_not_found", status=404)

@@ -69,6 +69,8 @@ CHAT_UNSUPPORTED: dict[str, _IsDefault] = {
     # OpenAI's stored completions (read back by id, for evals) are not kept here; the
     # metadata that tags them is only taken where nothing is stored (as OpenAI ignores it).
     "store": _empty,
+    # Prefixes stay while memory allows: no time is promised.
+    "prompt_cache_retention": lambda v: v in (None, "in-memory", "in_memory"),
 }
 
 # The native /generate: top-level fields, then fields of its `sampling_params`.
@@ -285,32 +287,37 @@ class RequestPreparer:
         return PreparedTurn(request, plan.parse)
 
     def _effort_kwargs(self, conversation: Conversation) -> dict[str, Any]:
-        """The reasoning effort as the model's template takes it: its `reasoning_effort`
-        variable (GPT-OSS's); else, for none or minimal, thinking turned off where the
-        template has `enable_thinking` (Qwen3's and others'), or nothing where the model
-        does not reason at all; the default effort (medium) asks nothing of any template.
-        Any other effort is refused: the model has no such control."""
+        """The reasoning effort as the model's template takes it: low, medium or high in
+        its `reasoning_effort` variable (GPT-OSS's, which knows those three); none or
+        minimal as thinking turned off where it has `enable_thinking` (Qwen3's and
+        others'), or as nothing where the model does not reason at all; medium, the
+        default, as thinking on where it can be turned off (over a server default that
+        turned it off), else nothing. Any other effort is refused: the model has no such
+        control."""
         effort = conversation.reasoning_effort
         if effort is None:
             return {}
         source = chat_template_source(self._tokenizer)
-        if "reasoning_effort" in source:
+        switch = "enable_thinking" in source
+        if "reasoning_effort" in source and effort in _TEMPLATE_EFFORTS:
             return {"reasoning_effort": effort}
         if effort in ("none", "minimal"):
-            if "enable_thinking" in source:
+            if switch:
                 return {"enable_thinking": False}
             syntax = self.turns.syntax
             if syntax.reasoning is None and not syntax.harmony:
                 return {}
-        if effort == "medium":
-            return {}
+        elif effort == "medium":
+            return {"enable_thinking": True} if switch else {}
         param = conversation.reasoning_effort_param
-        missing = "'reasoning_effort'" + (" or 'enable_thinking'" if effort in ("none", "minimal")
-                                          else "")
-        raise RequestError(
-            f"This model's chat template has no control of reasoning effort (no {missing} "
-            f"variable), so {effort!r} cannot be honoured; leave '{param}' out or set it to "
-            "'medium'.", param=param, code="unsupported_value")
+        if "reasoning_effort" in source:
+            why = "takes reasoning effort low, medium or high only"
+        else:
+            why = ("has no control of reasoning effort (no 'reasoning_effort' variable"
+                   + (", nor 'enable_thinking')" if not switch else ")"))
+        raise RequestError(f"This model's chat template {why}, so {effort!r} cannot be "
+                           f"honoured; leave '{param}' out or set it to 'medium'.",
+                           param=param, code="unsupported_value")
 
     def count_tokens(self, conversation: Conversation) -> int:
         """The prompt tokens a conversation takes (Anthropic's count_tokens)."""
@@ -565,6 +572,10 @@ def _two_grammars(own: str, turn: str, conversation: Conversation) -> RequestErr
                             "grammar); leave one out.", param=own)
     return RequestError(f"'{own}' cannot be combined with tool calls; leave it out or set "
                         f"'{conversation.tool_choice_param}' to 'none'.", param=own)
+
+
+# The efforts a template's `reasoning_effort` variable takes (GPT-OSS's harmony).
+_TEMPLATE_EFFORTS = ("low", "medium", "high")
 
 
 @contextlib.contextmanager

@@ -156,8 +156,9 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
     reasoning_effort: ReasoningEffort | None = None
-    # A cache hint: every prompt's prefix is cached here, whatever the key.
+    # Cache hints: every prompt's prefix is cached here, whatever the key.
     prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
     # SGLang's switch: false keeps a reasoning model's thinking inline in `content`
     # (default: the server's --reasoning-inline, else apart in `reasoning_content`).
     separate_reasoning: bool | None = None

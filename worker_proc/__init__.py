@@ -211,8 +211,11 @@ def apply_adapters(model: object, path: str) -> None:
 
     try:
         load_adapters(model, path)  # type: ignore[arg-type]
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise UnsupportedModelError(f"--adapter-path {path}: {exc}") from None
+    # Whatever fails here is the adapter directory's fault (a config missing a key, a
+    # file that is no safetensors, shapes of another model), never the server's.
+    except Exception as exc:  # noqa: BLE001
+        raise UnsupportedModelError(
+            f"--adapter-path {path}: {type(exc).__name__}: {exc}") from None
     model.eval()  # type: ignore[attr-defined]
 
 
