@@ -280,6 +280,12 @@ class ServerConfig:
         default="", metadata={"help": "A JSON object of chat template variables every "
                                       "request gets unless it sets them itself, e.g. "
                                       "'{\"enable_thinking\": false}'."})
+    sampling_defaults: str = dataclasses.field(
+        default="model", metadata={"choices": ("model", "openai"), "help": (
+            "Sampling settings a request leaves out: 'model' takes the model maker's "
+            "(temperature, top_p, top_k, min_p, repetition_penalty from its "
+            "generation_config.json, where it sets them), 'openai' OpenAI's (temperature "
+            "1, no filters, no penalty).")})
     tool_parser: str = dataclasses.field(
         default="auto", metadata={"help": "The model's tool-call format: 'auto' (from the "
                                           "tokenizer config and chat template), 'none', or "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,9 @@ class ModelInfo:
     context_len: int
     vocab_size: int
     eos_token_ids: tuple[int, ...]
+    # The model maker's recommended sampling (generation_config.json): requests that leave
+    # a field out get it, where the server takes the model's defaults (--sampling-defaults).
+    sampling_defaults: dict[str, float] = field(default_factory=dict)
 
 
 def load_model_info(name: str, model_path: str, tokenizer: Any,
@@ -36,7 +39,20 @@ def load_model_info(name: str, model_path: str, tokenizer: Any,
         context_len=served_context_len(config, tokenizer, context_length),
         vocab_size=_vocab_size(config, tokenizer),
         eos_token_ids=_eos_ids(config, generation, tokenizer),
+        sampling_defaults=generation_sampling(generation),
     )
+
+
+# The sampling fields of generation_config.json a request can also set (vLLM's set).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def generation_sampling(generation: dict[str, Any]) -> dict[str, float]:
+    """generation_config.json's sampling fields that hold numbers (its do_sample is not
+    read, as vLLM does not: a config that sets a temperature means it)."""
+    return {name: generation[name] for name in SAMPLING_FIELDS
+            if isinstance(generation.get(name), (int, float))
+            and not isinstance(generation.get(name), bool)}
 
 
 def read_json(path: Path) -> dict[str, Any]:

@@ -37,12 +37,17 @@ def run_tokenizer(config: ServerConfig) -> None:
     preparer = RequestPreparer.load(config.model_name, model_path, config.trust_remote_code,
                                     config.tool_parser, config.reasoning_inline,
                                     config.context_length, config.chat_template_text,
-                                    default_template_kwargs(config.chat_template_kwargs))
+                                    default_template_kwargs(config.chat_template_kwargs),
+                                    model_sampling=config.sampling_defaults == "model")
     preparer.start_grammar_build()  # in the background, while the worker loads the model
     if config.chat_template_text:
         given = config.chat_template
         logger.info("chat template: --chat-template's (%s)",
                     f"inline, {len(given)} characters" if is_inline(given) else given)
+    if preparer.sampling_defaults:
+        logger.info("sampling a request leaves out: the model's (generation_config.json) %s; "
+                    "--sampling-defaults openai for OpenAI's",
+                    ", ".join(f"{k}={v}" for k, v in preparer.sampling_defaults.items()))
     if config.chat_template_kwargs:
         logger.info("chat template variables by default: %s", config.chat_template_kwargs)
     info = preparer.info

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, TypeVar
@@ -39,6 +40,8 @@ from tokenizer_proc.protocol import (ChatCompletionRequest, CompletionRequest, G
                                      TokenizeRequest)
 from tokenizer_proc.tool_syntax import chat_template_source, detect_syntax
 from tokenizer_proc.turn_plan import TurnPlanner, special_tokens
+
+logger = logging.getLogger(__name__)
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 # Seeds travel as int64; the worker folds any of them into its 32-bit RNG key
@@ -168,11 +171,16 @@ class RequestPreparer:
     def __init__(self, tokenizer: Any, info: ModelInfo,
                  grammars: GrammarCompiler | None = None, tool_parser: str = "auto",
                  reasoning_inline: bool = False, chat_template: str = "",
-                 template_kwargs: dict[str, Any] | None = None) -> None:
+                 template_kwargs: dict[str, Any] | None = None,
+                 model_sampling: bool = True) -> None:
         if chat_template:
             tokenizer.chat_template = chat_template
         self._tokenizer = tokenizer
         self._template_kwargs = dict(template_kwargs or {})
+        # What a request leaves out: the model's recommended sampling (model_sampling),
+        # each value checked as a request's would be; else OpenAI's defaults.
+        self.sampling_defaults = (_checked_defaults(info.sampling_defaults, info.vocab_size)
+                                  if model_sampling else {})
         self.info = info
         self.grammars = grammars or GrammarCompiler(
             lambda: ll_tokenizer(tokenizer, info.eos_token_ids))
@@ -217,7 +225,8 @@ class RequestPreparer:
     def load(cls, name: str, model_path: str, trust_remote_code: bool = False,
              tool_parser: str = "auto", reasoning_inline: bool = False,
              context_length: int = 0, chat_template: str = "",
-             template_kwargs: dict[str, Any] | None = None) -> "RequestPreparer":
+             template_kwargs: dict[str, Any] | None = None,
+             model_sampling: bool = True) -> "RequestPreparer":
         """Load the model's tokenizer and facts from its directory (context_length: the
         server's limit, 0 for the model's; the rest as the constructor takes them)."""
         from transformers import AutoTokenizer  # slow import, only where needed
@@ -226,7 +235,8 @@ class RequestPreparer:
                                                   trust_remote_code=trust_remote_code)
         return cls(tokenizer, load_model_info(name, model_path, tokenizer, context_length),
                    tool_parser=tool_parser, reasoning_inline=reasoning_inline,
-                   chat_template=chat_template, template_kwargs=template_kwargs)
+                   chat_template=chat_template, template_kwargs=template_kwargs,
+                   model_sampling=model_sampling)
 
     # --- entry points -------------------------------------------------------------
 
@@ -504,12 +514,15 @@ class RequestPreparer:
         requested = 1 if s.max_tokens is None else s.max_tokens
         self._check_room(prompt_len, requested, prompt_param, s.max_tokens_param)
         max_tokens = default_max if s.max_tokens is None else s.max_tokens
+        d = self.sampling_defaults.get
         return SamplingParams(
-            temperature=_temperature(s.temperature), top_p=_top_p(s.top_p),
-            top_k=_top_k(s.top_k, self.info.vocab_size), seed=_seed(s.seed),
-            max_new_tokens=max_tokens,
-            min_p=_min_p(s.min_p), logit_bias=self.logit_bias(s.logit_bias),
-            repetition_penalty=_repetition_penalty(s.repetition_penalty),
+            temperature=_temperature(_given(s.temperature, d("temperature"))),
+            top_p=_top_p(_given(s.top_p, d("top_p"))),
+            top_k=_top_k(_given(s.top_k, d("top_k")), self.info.vocab_size),
+            seed=_seed(s.seed), max_new_tokens=max_tokens,
+            min_p=_min_p(_given(s.min_p, d("min_p"))), logit_bias=self.logit_bias(s.logit_bias),
+            repetition_penalty=_repetition_penalty(_given(s.repetition_penalty,
+                                                          d("repetition_penalty"))),
             frequency_penalty=_penalty(s.frequency_penalty, "frequency_penalty"),
             presence_penalty=_penalty(s.presence_penalty, "presence_penalty"),
             min_tokens=_min_tokens(s.min_tokens, max_tokens, s.min_tokens_param),
@@ -710,6 +723,33 @@ def _stop_strings(value: str | list[str] | None) -> list[str]:
 
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _given(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _checked_defaults(defaults: dict[str, float], vocab_size: int) -> dict[str, Any]:
+    """The model's sampling defaults that a request could set itself; one out of range is
+    dropped, with a warning (the model's file, not the client, is wrong)."""
+    def top_k(value: float) -> None:
+        if not float(value).is_integer():
+            raise RequestError("'top_k' must be an integer.", param="top_k")
+        _top_k(int(value), vocab_size)
+
+    checks: dict[str, Callable[[Any], Any]] = {
+        "temperature": _temperature, "top_p": _top_p, "min_p": _min_p,
+        "repetition_penalty": _repetition_penalty, "top_k": top_k}
+    kept: dict[str, Any] = {}
+    for name, value in defaults.items():
+        try:
+            checks[name](value)
+        except RequestError as exc:
+            logger.warning("generation_config.json's %s %r is not used: %s", name, value,
+                           exc.message)
+            continue
+        kept[name] = int(value) if name == "top_k" else value
+    return kept
 
 
 def _temperature(value: float | None) -> float:

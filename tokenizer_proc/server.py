@@ -77,9 +77,13 @@ class Sockets:
         self.clients.close()
 
 
-def server_facts(config: ServerConfig, info: ModelInfo) -> dict[str, Any]:
-    """The configuration details /get_server_info shows next to the scheduler's stats."""
+def server_facts(config: ServerConfig, info: ModelInfo,
+                 sampling_defaults: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The configuration details /get_server_info shows next to the scheduler's stats
+    (sampling_defaults: what a request that leaves a sampling field out gets, where not
+    OpenAI's default)."""
     return {"model_name": info.name, "model_path": info.path,
+            "sampling_defaults": dict(sampling_defaults or {}),
             "context_length": info.context_len, "vocab_size": info.vocab_size,
             "eos_token_ids": list(info.eos_token_ids),
             "http_address": f"http://{config.host}:{config.port}",
@@ -167,8 +171,9 @@ class TokenizerServer:
             sockets.close(engine_alive=manager.engine_failure is None)
 
     def _uvicorn_config(self, manager: TokenizerManager) -> uvicorn.Config:
-        app = create_app(manager, self._preparer, server_facts(self._config, self._preparer.info),
-                         self._config)
+        prep = self._preparer
+        facts = server_facts(self._config, prep.info, prep.sampling_defaults)
+        app = create_app(manager, prep, facts, self._config)
         return uvicorn.Config(
             app, host=self._config.host, port=self._config.port, loop="uvloop",
             log_config=None, log_level=self._config.log_level, lifespan="off",

@@ -1,0 +1,67 @@
+"""The model maker's sampling defaults (generation_config.json's temperature, top_p,
+top_k, min_p, repetition_penalty): a request that leaves a field out gets the model's
+value, one that sets it keeps its own; `--sampling-defaults openai` turns them off."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+from tokenizer_proc.prepare import RequestPreparer
+from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
+from worker_proc.demo_model import ensure_demo_model
+
+RECOMMENDED = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
+               "repetition_penalty": 1.05}
+
+
+@pytest.fixture(scope="module")
+def tuned_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """demo-tiny whose generation_config.json recommends sampling (as Qwen's do), one
+    value out of range and the do_sample flag (not read)."""
+    src = ensure_demo_model("demo-tiny", cache_root=tmp_path_factory.mktemp("models"))
+    out = tmp_path_factory.mktemp("tuned") / "demo-tiny-tuned"
+    shutil.copytree(src, out)
+    config = json.loads((out / "generation_config.json").read_text())
+    config.update(RECOMMENDED, do_sample=False)
+    (out / "generation_config.json").write_text(json.dumps(config))
+    return out
+
+
+def _sampling(preparer: RequestPreparer, **body: object):
+    return preparer.completion(CompletionRequest(prompt="hi", max_tokens=2, **body),
+                               "r0").sampling
+
+
+def test_a_request_gets_the_models_sampling_where_it_sets_none(tuned_model):
+    preparer = RequestPreparer.load("tuned", str(tuned_model))
+    assert preparer.sampling_defaults == RECOMMENDED
+    got = _sampling(preparer)
+    assert (got.temperature, got.top_p, got.top_k, got.min_p, got.repetition_penalty) == (
+        0.6, 0.95, 20, 0.0, 1.05)
+    own = _sampling(preparer, temperature=0.0, top_k=-1, repetition_penalty=1.0)
+    assert (own.temperature, own.top_p, own.top_k, own.repetition_penalty) == (
+        0.0, 0.95, 0, 1.0)
+    chat = preparer.chat(ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}], max_tokens=2), "r1").sampling
+    assert (chat.temperature, chat.top_k) == (0.6, 20)
+
+
+def test_openai_defaults_leave_the_models_aside(tuned_model):
+    preparer = RequestPreparer.load("tuned", str(tuned_model), model_sampling=False)
+    got = _sampling(preparer)
+    assert (got.temperature, got.top_p, got.top_k, got.repetition_penalty) == (1.0, 1.0, 0, 1.0)
+
+
+def test_a_value_out_of_range_is_not_used(tuned_model, tmp_path, caplog):
+    bad = tmp_path / "bad"
+    shutil.copytree(tuned_model, bad)
+    config = json.loads((bad / "generation_config.json").read_text())
+    config.update(top_p=1.5, top_k=20.5, temperature=True)  # a flag is no temperature
+    (bad / "generation_config.json").write_text(json.dumps(config))
+    preparer = RequestPreparer.load("bad", str(bad))
+    assert preparer.sampling_defaults == {"min_p": 0.0, "repetition_penalty": 1.05}
+    assert "top_p 1.5 is not used" in caplog.text and "top_k 20.5 is not used" in caplog.text
