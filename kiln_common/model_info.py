@@ -43,12 +43,14 @@ def load_model_info(name: str, model_path: str, tokenizer: Any,
     )
 
 
-# The sampling fields of generation_config.json a request can also set (vLLM's set).
-SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+# The fields of generation_config.json a request can also set (vLLM's set): sampling,
+# and max_new_tokens (a chat turn's default length).
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty",
+                   "max_new_tokens")
 
 
 def generation_sampling(generation: dict[str, Any]) -> dict[str, float]:
-    """generation_config.json's sampling fields that hold numbers (its do_sample is not
+    """generation_config.json's request fields that hold numbers (its do_sample is not
     read, as vLLM does not: a config that sets a temperature means it)."""
     return {name: generation[name] for name in SAMPLING_FIELDS
             if isinstance(generation.get(name), (int, float))

@@ -465,7 +465,8 @@ def test_reasoning_comes_apart_or_inline(tiny_model_dir: Path, models: Path,
         # and summed over n choices.
         assert apart.usage.completion_tokens_details.reasoning_tokens == 12
         assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 12
-        two = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, n=2)
+        two = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, n=2,
+                                             seed=3)
         assert two.usage.completion_tokens_details.reasoning_tokens == 24
         assert inline.usage.completion_tokens_details.reasoning_tokens == 0  # inline: content
         response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=12,

@@ -15,7 +15,7 @@ from tokenizer_proc.protocol import ChatCompletionRequest, CompletionRequest
 from worker_proc.demo_model import ensure_demo_model
 
 RECOMMENDED = {"temperature": 0.6, "top_p": 0.95, "top_k": 20, "min_p": 0.0,
-               "repetition_penalty": 1.05}
+               "repetition_penalty": 1.05, "max_new_tokens": 256}
 
 
 @pytest.fixture(scope="module")
@@ -47,7 +47,18 @@ def test_a_request_gets_the_models_sampling_where_it_sets_none(tuned_model):
         0.0, 0.95, 0, 1.0)
     chat = preparer.chat(ChatCompletionRequest(
         messages=[{"role": "user", "content": "hi"}], max_tokens=2), "r1").sampling
-    assert (chat.temperature, chat.top_k) == (0.6, 20)
+    assert (chat.temperature, chat.top_k, chat.max_new_tokens) == (0.6, 20, 2)
+    # A chat turn without max_tokens: the model's own length (a completion keeps 16).
+    turn = preparer.chat(ChatCompletionRequest(
+        messages=[{"role": "user", "content": "hi"}]), "r2").sampling
+    assert turn.max_new_tokens == 256 and _sampling(preparer).max_new_tokens == 2
+    # The ZMQ client's fields left out are defaults too.
+    from ipc.messages.client import GenerateRequest
+
+    zmq = preparer.generate(GenerateRequest(request_id="z", prompt="hi", max_tokens=2),
+                            "r3").sampling
+    assert (zmq.temperature, zmq.top_p, zmq.top_k, zmq.repetition_penalty) == (
+        0.6, 0.95, 20, 1.05)
 
 
 def test_openai_defaults_leave_the_models_aside(tuned_model):
@@ -63,5 +74,17 @@ def test_a_value_out_of_range_is_not_used(tuned_model, tmp_path, caplog):
     config.update(top_p=1.5, top_k=20.5, temperature=True)  # a flag is no temperature
     (bad / "generation_config.json").write_text(json.dumps(config))
     preparer = RequestPreparer.load("bad", str(bad))
-    assert preparer.sampling_defaults == {"min_p": 0.0, "repetition_penalty": 1.05}
+    assert preparer.sampling_defaults == {"min_p": 0.0, "repetition_penalty": 1.05,
+                                          "max_new_tokens": 256}
     assert "top_p 1.5 is not used" in caplog.text and "top_k 20.5 is not used" in caplog.text
+
+
+def test_a_response_object_shows_the_sampling_it_used(tuned_model):
+    """Responses repeats temperature and top_p as sampled: the model's where the request
+    left them out (as vLLM reports them)."""
+    from tokenizer_proc.responses_api import ResponsesRequest, request_echo
+
+    preparer = RequestPreparer.load("tuned", str(tuned_model))
+    used = _sampling(preparer)
+    echo = request_echo(ResponsesRequest(input="hi"), "tuned", used)
+    assert (echo["temperature"], echo["top_p"]) == (0.6, 0.95)

@@ -57,7 +57,8 @@ class AgentRoutes:
         prep = self._preparer
         turn = await prep.run(prep.turn, conversation, sampling, rid)
         builder = responses_api.ResponseBuilder(
-            rid, responses_api.request_echo(body, prep.info.name), turn.parse,
+            rid, responses_api.request_echo(body, prep.info.name, turn.request.sampling),
+            turn.parse,
             seal_reasoning=responses_api.ENCRYPTED_REASONING in (body.include or []))
         store = body.store is not False
 

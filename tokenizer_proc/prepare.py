@@ -291,7 +291,9 @@ class RequestPreparer:
                 raise _two_grammars(sampling.constraint.param, plan.constraint.param,
                                     conversation)
             sampling = replace(sampling, constraint=plan.constraint)
-        default = self.info.context_len - len(ids)
+        # A turn without max_tokens runs to the context's end, or the model's own length.
+        default = min(self.info.context_len - len(ids),
+                      self.sampling_defaults.get("max_new_tokens", self.info.context_len))
         request = self._request(rid, ids, sampling, default, conversation.messages_param,
                                 skip_special_tokens and not plan.keep_special_tokens)
         return PreparedTurn(request, plan.parse)
@@ -737,9 +739,15 @@ def _checked_defaults(defaults: dict[str, float], vocab_size: int) -> dict[str, 
             raise RequestError("'top_k' must be an integer.", param="top_k")
         _top_k(int(value), vocab_size)
 
+    def max_new_tokens(value: float) -> None:
+        if not (float(value).is_integer() and value >= 1):
+            raise RequestError("'max_new_tokens' must be a positive integer.",
+                               param="max_new_tokens")
+
     checks: dict[str, Callable[[Any], Any]] = {
         "temperature": _temperature, "top_p": _top_p, "min_p": _min_p,
-        "repetition_penalty": _repetition_penalty, "top_k": top_k}
+        "repetition_penalty": _repetition_penalty, "top_k": top_k,
+        "max_new_tokens": max_new_tokens}
     kept: dict[str, Any] = {}
     for name, value in defaults.items():
         try:
@@ -748,7 +756,7 @@ def _checked_defaults(defaults: dict[str, float], vocab_size: int) -> dict[str, 
             logger.warning("generation_config.json's %s %r is not used: %s", name, value,
                            exc.message)
             continue
-        kept[name] = int(value) if name == "top_k" else value
+        kept[name] = int(value) if name in ("top_k", "max_new_tokens") else value
     return kept
 
 

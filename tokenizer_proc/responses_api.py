@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from ipc.messages.common import Usage
+from ipc.messages.common import SamplingParams, Usage
 from tokenizer_proc.assistant_parser import (AssistantParser, ContentDelta, Event, ParseSpec,
                                              ReasoningDelta, ToolCallDelta, ToolCallStart)
 from tokenizer_proc.conversation import (Conversation, FunctionTool, ToolChoice, call_arguments,
@@ -571,16 +571,16 @@ def _usage(usage: Usage | None, reasoning_tokens: int) -> dict[str, Any] | None:
             "total_tokens": usage.total_tokens}
 
 
-def request_echo(body: ResponsesRequest, model: str) -> dict[str, Any]:
-    """The request settings a response object repeats."""
+def request_echo(body: ResponsesRequest, model: str, sampling: SamplingParams) -> dict[str, Any]:
+    """The request settings a response object repeats; temperature and top_p as sampled
+    (a field left out takes the server's default)."""
     choice = body.tool_choice
     reasoning = body.reasoning or ReasoningSettings()
     return {"model": model, "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
             "parallel_tool_calls": body.parallel_tool_calls is not False,
             "previous_response_id": body.previous_response_id,
-            "temperature": 1.0 if body.temperature is None else body.temperature,
-            "top_p": 1.0 if body.top_p is None else body.top_p,
+            "temperature": sampling.temperature, "top_p": sampling.top_p,
             "tool_choice": (choice.model_dump() if isinstance(choice, BaseModel)
                             else choice or "auto"),
             "tools": [t.model_dump(exclude_none=True) for t in body.tools or []],

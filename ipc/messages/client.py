@@ -17,21 +17,23 @@ class GenerateRequest(Message, frozen=True):
     """Text or token ids in (exactly one); the same sampling fields the HTTP API takes.
 
     top_k 0 or -1 means off, temperature 0 means greedy, seed None means unseeded;
-    max_tokens None means 16, or fewer when the context has less room left. The other
-    sampling fields mean what the OpenAI routes' fields of the same names mean.
+    max_tokens None means 16, or fewer when the context has less room left. A sampling
+    field left None takes the server's default, as on the HTTP routes (the model's
+    generation_config.json value under --sampling-defaults model, else OpenAI's). The
+    other sampling fields mean what the OpenAI routes' fields of the same names mean.
     """
 
     request_id: str
     prompt: str | None = None
     input_ids: list[int] | None = None
     max_tokens: int | None = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
     seed: int | None = None
-    min_p: float = 0.0
+    min_p: float | None = None
     logit_bias: dict[int, float] | None = None
-    repetition_penalty: float = 1.0
+    repetition_penalty: float | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     min_tokens: int = 0
