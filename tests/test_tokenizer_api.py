@@ -730,3 +730,16 @@ def test_cache_hints_are_taken_and_a_retention_promise_refused(api: Api) -> None
     refused = api.http.post(CHAT, json={"messages": HELLO, "prompt_cache_retention": "24h"})
     assert refused.status_code == 400
     assert refused.json()["error"]["param"] == "prompt_cache_retention"
+
+
+def test_fields_sdks_fill_in_are_taken_at_the_values_honoured(api: Api) -> None:
+    """What OpenAI SDKs and frameworks send by default passes; a value this server cannot
+    honour is refused by name, never dropped."""
+    ok = api.http.post(CHAT, json={"messages": HELLO, "service_tier": "auto",
+                                   "verbosity": "medium", "modalities": ["text"],
+                                   "safety_identifier": "u-1", "user": "u-1"})
+    assert ok.status_code == 200, ok.text
+    for field, value in (("service_tier", "flex"), ("verbosity", "low"),
+                         ("modalities", ["text", "audio"])):
+        refused = api.http.post(CHAT, json={"messages": HELLO, field: value})
+        assert refused.status_code == 400 and refused.json()["error"]["param"] == field

@@ -74,6 +74,10 @@ CHAT_UNSUPPORTED: dict[str, _IsDefault] = {
     "store": _empty,
     # Prefixes stay while memory allows: no time is promised.
     "prompt_cache_retention": lambda v: v in (None, "in-memory", "in_memory"),
+    "service_tier": lambda v: v in (None, "auto", "default"),
+    # An open model has no verbosity control, nor other output modalities.
+    "verbosity": lambda v: v in (None, "medium"),
+    "modalities": lambda v: v in (None, ["text"]),
 }
 
 # The native /generate: top-level fields, then fields of its `sampling_params`.

@@ -159,6 +159,12 @@ class ChatCompletionRequest(_SamplingFields):
     # Cache hints: every prompt's prefix is cached here, whatever the key.
     prompt_cache_key: str | None = None
     prompt_cache_retention: str | None = None
+    # OpenAI's newer fields SDKs fill in, taken at the values this server honours (see
+    # prepare.CHAT_UNSUPPORTED): the default tier, medium verbosity, text output.
+    service_tier: str | None = None
+    verbosity: str | None = None
+    modalities: list[str] | None = None
+    safety_identifier: str | None = None  # `user`'s successor: a tag, as `user` is
     # SGLang's switch: false keeps a reasoning model's thinking inline in `content`
     # (default: the server's --reasoning-inline, else apart in `reasoning_content`).
     separate_reasoning: bool | None = None
