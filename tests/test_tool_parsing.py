@@ -287,3 +287,35 @@ def test_auto_grammar_finishes_a_started_call_under_the_schema(walker: Walker,
     assert text_matcher.consume_tokens(free) and text_matcher.is_accepting()
     call_matcher = LLMatcher(walker.ll, grammar)
     assert not all(call_matcher.consume_token(t) for t in bad)  # no such function
+
+
+def test_a_tool_schema_keyword_the_grammar_cannot_enforce_fails_strict_tools_only(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """An agent's tool with `uniqueItems`, `not` or `if` (MCP tools have them) still gets
+    its calls finished under the rest of its schema; only a tool marked strict (Responses'
+    default) is refused, by name, since its whole schema was promised."""
+    from tests.agent_models import family_model
+    from tokenizer_proc.errors import RequestError
+    from tokenizer_proc.prepare import RequestPreparer
+    from tokenizer_proc.protocol import ChatCompletionRequest
+
+    preparer = RequestPreparer.load("m", str(family_model(tiny_model_dir, tmp_path, "hermes")))
+    odd = {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True},
+        "mode": {"not": {"const": "off"}}},
+        "if": {"required": ["mode"]}, "then": {"required": ["tags"]}}
+
+    def chat(strict: bool | None, choice: str) -> object:
+        function = {"name": "tag", "parameters": odd,
+                    **({} if strict is None else {"strict": strict})}
+        return preparer.chat(ChatCompletionRequest(
+            messages=[{"role": "user", "content": "tag it"}], tool_choice=choice,
+            tools=[{"type": "function", "function": function}], max_tokens=64), "r")
+
+    for choice in ("auto", "required"):
+        assert chat(None, choice).sampling.grammar is not None
+        assert chat(False, choice).sampling.grammar is not None
+        with pytest.raises(RequestError, match="uniqueItems|not|if") as refused:
+            chat(True, choice)
+        # The grammar's field: the tools in auto, the forcing tool_choice otherwise.
+        assert refused.value.param == ("tools" if choice == "auto" else "tool_choice")

@@ -22,11 +22,15 @@ MAX_TOOLS = 128  # OpenAI's limit
 
 @dataclass(frozen=True)
 class FunctionTool:
-    """A function the model may call; `parameters` is its arguments' JSON schema."""
+    """A function the model may call; `parameters` is its arguments' JSON schema. `strict`
+    (OpenAI's): every keyword of the schema must be enforced, or the request is refused;
+    otherwise the calls are held to the keywords the grammar can enforce (an MCP tool's
+    `uniqueItems` or `not` then go unenforced rather than failing every request)."""
 
     name: str
     description: str | None = None
     parameters: dict[str, Any] | None = None
+    strict: bool = False
 
     def template_dict(self) -> dict[str, Any]:
         """The OpenAI shape chat templates read (`tools=[...]`)."""
@@ -177,7 +181,7 @@ def chat_conversation(body: ChatCompletionRequest, inline_default: bool) -> Conv
 
 def _function_tool(tool: ChatTool) -> FunctionTool:
     f = tool.function
-    return FunctionTool(f.name, f.description, f.parameters)
+    return FunctionTool(f.name, f.description, f.parameters, strict=bool(f.strict))
 
 
 def _chat_choice(body: ChatCompletionRequest, tools: tuple[FunctionTool, ...]) -> ToolChoice:

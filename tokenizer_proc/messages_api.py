@@ -47,6 +47,7 @@ class AnthropicTool(_Strict):
     input_schema: dict[str, Any] | None = None
     type: str | None = None  # "custom" or absent; server tools are refused
     cache_control: dict[str, Any] | None = None
+    strict: bool | None = None  # structured outputs: every schema keyword enforced
 
 
 class AnthropicToolChoice(_Strict):
@@ -258,7 +259,8 @@ def _tool(tool: AnthropicTool, i: int) -> FunctionTool:
     if tool.type not in (None, "custom"):
         raise RequestError(f"Server tools ({tool.type!r}) are not supported; only custom "
                            "tools are.", param=f"tools[{i}].type")
-    return FunctionTool(tool.name, tool.description, tool.input_schema)
+    return FunctionTool(tool.name, tool.description, tool.input_schema,
+                        strict=bool(tool.strict))
 
 
 def _choice(choice: AnthropicToolChoice | None, tools: tuple[FunctionTool, ...]) -> ToolChoice:

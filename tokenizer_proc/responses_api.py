@@ -184,7 +184,9 @@ def _tool(tool: ResponsesTool, i: int) -> FunctionTool:
                            "tools are.", param=f"tools[{i}].type", code="unsupported_value")
     if tool.name is None:
         raise RequestError("A function tool needs a 'name'.", param=f"tools[{i}].name")
-    return FunctionTool(tool.name, tool.description, tool.parameters)
+    # Responses' function tools are strict unless they say otherwise (OpenAI's default).
+    return FunctionTool(tool.name, tool.description, tool.parameters,
+                        strict=tool.strict is not False)
 
 
 def _choice(choice: Any, tools: tuple[FunctionTool, ...]) -> ToolChoice:

@@ -35,10 +35,12 @@ _EMPTY_PARAMETERS: dict[str, Any] = {"type": "object", "properties": {}}
 
 @dataclass(frozen=True)
 class GrammarTool:
-    """A function's name and the JSON schema of its arguments."""
+    """A function's name and the JSON schema of its arguments; strict: every keyword of
+    the schema enforced (else the grammar leaves out those llguidance cannot enforce)."""
 
     name: str
     parameters: dict[str, Any]
+    strict: bool = False
 
 
 @dataclass(frozen=True)
@@ -120,7 +122,7 @@ def _call_rules(plan: ToolGrammarPlan, template: CallTemplate, lark: Lark) -> li
         # "{index}" stays: the literal accepts any call number there.
         before = template.before.replace("{name}", tool.name)
         rules.append(f"call_{i}: {lark.literal(before)} args_{i} {after}".rstrip())
-        rules.append(f"args_{i}: %json {json.dumps(_schema(tool.parameters))}")
+        rules.append(f"args_{i}: %json {json.dumps(_schema(tool))}")
     many = plan.parallel and plan.mode != "function" and not plan.tool_syntax.one_call
     between = lark.literal(template.between)
     repeat = f" ({between} call)*" if many and between else (" call*" if many else "")
@@ -179,7 +181,7 @@ def _harmony_grammar(plan: ToolGrammarPlan, lark: Lark) -> str:
     for i, tool in enumerate(tools):
         before = template.before.replace("{name}", tool.name)
         rules.append(f"call_{i}: {lark.literal(before)} args_{i}")
-        rules.append(f"args_{i}: %json {json.dumps(_schema(tool.parameters))}")
+        rules.append(f"args_{i}: %json {json.dumps(_schema(tool))}")
     if plan.mode == "auto":
         rules += ["start: analysis? (call | final)",
                   "final: " + lark.literal("<|channel|>final<|message|>") + " FINAL",
@@ -189,10 +191,13 @@ def _harmony_grammar(plan: ToolGrammarPlan, lark: Lark) -> str:
     return "\n".join(rules) + "\n"
 
 
-def _schema(parameters: dict[str, Any] | None) -> dict[str, Any]:
-    schema = dict(parameters or _EMPTY_PARAMETERS)
-    # The schema's own options (if any) win over ours.
-    schema["x-guidance"] = {**_JSON_OPTIONS, **schema.get("x-guidance", {})}
+def _schema(tool: GrammarTool) -> dict[str, Any]:
+    schema = dict(tool.parameters or _EMPTY_PARAMETERS)
+    # A keyword llguidance cannot enforce fails a strict tool's request; a tool that is
+    # not strict is held to the rest of its schema (lenient), as it would be to none at all
+    # by OpenAI. The schema's own options (if any) win over ours.
+    options = {**_JSON_OPTIONS, "lenient": not tool.strict}
+    schema["x-guidance"] = {**options, **schema.get("x-guidance", {})}
     return schema
 
 
