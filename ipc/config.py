@@ -284,8 +284,8 @@ class ServerConfig:
         default="model", metadata={"choices": ("model", "openai"), "help": (
             "Sampling settings a request leaves out: 'model' takes the model maker's "
             "(temperature, top_p, top_k, min_p, repetition_penalty from its "
-            "generation_config.json, where it sets them), 'openai' OpenAI's (temperature "
-            "1, no filters, no penalty).")})
+            "generation_config.json, where it sets them, and its max_new_tokens as a chat "
+            "turn's length), 'openai' OpenAI's (temperature 1, no filters, no penalty).")})
     tool_parser: str = dataclasses.field(
         default="auto", metadata={"help": "The model's tool-call format: 'auto' (from the "
                                           "tokenizer config and chat template), 'none', or "

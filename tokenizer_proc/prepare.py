@@ -170,7 +170,9 @@ class RequestPreparer:
     `tool_parser` ("auto": detected from the tokenizer) names the model's tool-call
     format; `reasoning_inline` keeps reasoning in the content unless a request says
     otherwise; `chat_template` (Jinja text) replaces the tokenizer's own template;
-    `template_kwargs` are template variables every request gets unless it sets them."""
+    `template_kwargs` are template variables every request gets unless it sets them;
+    `model_sampling`: the sampling fields a request leaves out take the model's
+    generation_config.json values (else OpenAI's defaults)."""
 
     def __init__(self, tokenizer: Any, info: ModelInfo,
                  grammars: GrammarCompiler | None = None, tool_parser: str = "auto",
