@@ -139,3 +139,21 @@ def test_a_reasoning_budget_and_a_response_format_are_refused_by_their_names(dem
         preparer.turn(conversation, SamplingInput(2048, None, None, None, None,
                                                   constraint=own), "r0")
     assert refused.value.param == "response_format"
+
+
+def test_past_reasoning_reaches_a_template_that_reads_it_as_thinking(demo):
+    """GPT-OSS's template reads a tool call's analysis from `message.thinking` (the only
+    reasoning it renders back): an assistant turn's reasoning_content reaches it there."""
+    harmony_like = ("{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}"
+                    "{% if m.thinking %}[analysis:{{ m.thinking }}]{% endif %}"
+                    "[call:{{ m.tool_calls[0].function.name }}]"
+                    "{% else %}[{{ m.role }}:{{ m.content }}]{% endif %}{% endfor %}")
+    preparer = RequestPreparer.load("demo-tiny", str(demo), chat_template=harmony_like)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
+    request = preparer.chat(ChatCompletionRequest(model="m", messages=[
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": "", "reasoning_content": "I need the clock.",
+         "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "content": "noon"}]), "r0")
+    assert preparer._tokenizer.decode(request.input_ids) == (
+        "[user:time?][analysis:I need the clock.][call:get_time][tool:noon]")

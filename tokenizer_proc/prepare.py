@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import functools
 import logging
+import re
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, TypeVar
@@ -475,9 +476,12 @@ class RequestPreparer:
         # The server's defaults, the effort's variables, then the request's own.
         kwargs = {**self._template_kwargs, **self._effort_kwargs(conversation),
                   **conversation.template_kwargs}
+        messages = conversation.messages
+        if _READS_THINKING.search(chat_template_source(self._tokenizer)):
+            messages = [_with_thinking(m) for m in messages]
         try:
             return self._tokenizer.apply_chat_template(
-                conversation.messages, tools=tools, tokenize=False,
+                messages, tools=tools, tokenize=False,
                 add_generation_prompt=generation_prompt and not conversation.continue_final,
                 continue_final_message=conversation.continue_final, **kwargs)
         # Templates ship with the model and may raise anything on input they dislike
@@ -597,6 +601,20 @@ def _two_grammars(own: str, turn: str, conversation: Conversation) -> RequestErr
 
 # The efforts a template's `reasoning_effort` variable takes (GPT-OSS's harmony).
 _TEMPLATE_EFFORTS = ("low", "medium", "high")
+# A template that reads an assistant message's reasoning as `thinking` (GPT-OSS's: the
+# analysis before a tool call, the one reasoning it renders back), not `reasoning_content`.
+_READS_THINKING = re.compile(r"message\.thinking\b|['\"]thinking['\"] in message")
+
+
+def _with_thinking(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's reasoning also under `thinking`, except beside text content
+    and tool calls both (GPT-OSS's template refuses a call's message with both)."""
+    reasoning = message.get("reasoning_content")
+    if message.get("role") != "assistant" or not reasoning or "thinking" in message:
+        return message
+    if message.get("content") and message.get("tool_calls"):
+        return message
+    return {**message, "thinking": reasoning}
 
 
 @contextlib.contextmanager
