@@ -77,8 +77,8 @@ def test_no_effort_turns_thinking_off_where_the_template_can(demo):
 def test_effort_a_template_cannot_take_is_refused(demo):
     assert _render(demo, ALWAYS, "medium") == "hi|<think>"
     for effort in ("none", "low", "xhigh"):
-        with pytest.raises(RequestError, match="no 'reasoning_effort' variable, nor "
-                           "'enable_thinking'"):
+        with pytest.raises(RequestError, match="no 'reasoning_effort' variable, nor a "
+                           "thinking switch"):
             _render(demo, ALWAYS, effort)
     # A model that does not reason already reasons none.
     assert _render(demo, PLAIN, "none") == "hi|"
@@ -157,3 +157,31 @@ def test_past_reasoning_reaches_a_template_that_reads_it_as_thinking(demo):
         {"role": "tool", "tool_call_id": "c1", "content": "noon"}]), "r0")
     assert preparer._tokenizer.decode(request.input_ids) == (
         "[user:time?][analysis:I need the clock.][call:get_time][tool:noon]")
+
+
+# DeepSeek-V3.1-like: its thinking switch is a bare `thinking` variable.
+DEEPSEEK = ("{% if not thinking is defined %}{% set thinking = false %}{% endif %}"
+            + _BODY + "|{% if thinking %}<think>{% else %}</think>{% endif %}")
+
+
+def test_a_deepseek_style_switch_takes_thinking_on_and_off(demo):
+    """Anthropic's thinking enabled / disabled and OpenAI's none / medium effort reach a
+    template whose switch is `thinking`, not enable_thinking (else they did nothing)."""
+    from tokenizer_proc.messages_api import MessagesRequest, messages_conversation
+    from tokenizer_proc.prepare import SamplingInput
+
+    preparer = RequestPreparer.load("demo-tiny", str(demo), chat_template=DEEPSEEK)
+
+    def anthropic(thinking: dict | None) -> str:
+        body = MessagesRequest.model_validate({
+            "model": "m", "max_tokens": 2048, "messages": [{"role": "user", "content": "hi"}],
+            **({"thinking": thinking} if thinking else {})})
+        turn = preparer.turn(messages_conversation(body, False),
+                             SamplingInput(2048, None, None, None, None), "r0")
+        return preparer._tokenizer.decode(turn.request.input_ids)
+
+    assert anthropic(None) == "hi|</think>"
+    assert anthropic({"type": "enabled", "budget_tokens": 1024}) == "hi|<think>"
+    assert anthropic({"type": "disabled"}) == "hi|</think>"
+    assert _render(demo, DEEPSEEK, "medium") == "hi|<think>"
+    assert _render(demo, DEEPSEEK, "none") == "hi|</think>"

@@ -72,9 +72,12 @@ class Conversation:
     # reasoning block anyway (it has no enable_thinking), the grammar closes it at once.
     reasoning_off: bool = False
     # OpenAI's reasoning effort (none .. xhigh), as the template takes it (see
-    # RequestPreparer._effort_kwargs). None: the model's default.
+    # RequestPreparer._reasoning_kwargs). None: the model's default.
     reasoning_effort: str | None = None
     reasoning_effort_param: str = "reasoning_effort"
+    # Thinking asked on or off (Anthropic's thinking type), through the template's switch
+    # (enable_thinking, or DeepSeek's thinking). None: the template's default.
+    thinking: bool | None = None
 
     @property
     def calls_tools(self) -> bool:

@@ -7,8 +7,8 @@ Supported: `system` (text or text blocks), `messages` with text, `tool_use`,
 final assistant message is continued: prefill), `tools` (custom tools with
 `input_schema`), `tool_choice` (auto, any, tool, none; `disable_parallel_tool_use`),
 `max_tokens` (0: the prompt is computed and cached, nothing generated), `stop_sequences`,
-`temperature`, `top_p`, `top_k`, `thinking` (enabled/disabled: the template's
-enable_thinking; `budget_tokens` held by a grammar that closes the reasoning block once
+`temperature`, `top_p`, `top_k`, `thinking` (enabled/disabled: the template's switch,
+enable_thinking or DeepSeek's thinking; `budget_tokens` held by a grammar that closes the reasoning block once
 spent; disabled where the template opens the block anyway: closed at once),
 `cache_control` (top level or per block: every prompt is cached anyway), `metadata`,
 `stream`. Refused with a 400 in Anthropic's error format: image and document blocks,
@@ -105,11 +105,11 @@ def messages_conversation(body: MessagesRequest | CountTokensRequest,
         messages += _messages(message, f"messages[{i}]")
     tools = tuple(_tool(t, i) for i, t in enumerate(body.tools or []))
     choice = body.tool_choice
-    kwargs = {} if body.thinking is None else {"enable_thinking": body.thinking.type == "enabled"}
     conversation = Conversation(
         messages=name_tool_results(messages), tools=tools, tool_choice=_choice(choice, tools),
         parallel_tool_calls=not (choice and choice.disable_parallel_tool_use),
-        inline_reasoning=inline_default, template_kwargs=kwargs,
+        inline_reasoning=inline_default,
+        thinking=None if body.thinking is None else body.thinking.type == "enabled",
         continue_final=bool(body.messages) and body.messages[-1].role == "assistant",
         reasoning_budget=_thinking_budget(body),
         reasoning_off=body.thinking is not None and body.thinking.type == "disabled")

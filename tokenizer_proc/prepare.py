@@ -305,35 +305,38 @@ class RequestPreparer:
                                 skip_special_tokens and not plan.keep_special_tokens)
         return PreparedTurn(request, plan.parse)
 
-    def _effort_kwargs(self, conversation: Conversation) -> dict[str, Any]:
-        """The reasoning effort as the model's template takes it: low, medium or high in
-        its `reasoning_effort` variable (GPT-OSS's, which knows those three); none or
-        minimal as thinking turned off where it has `enable_thinking` (Qwen3's and
-        others'), or as nothing where the model does not reason at all; medium, the
-        default, as thinking on where it can be turned off (over a server default that
-        turned it off), else nothing. Any other effort is refused: the model has no such
-        control."""
+    def _reasoning_kwargs(self, conversation: Conversation) -> dict[str, Any]:
+        """Thinking asked on or off, and the reasoning effort, as the model's template
+        takes them. Its switch (`enable_thinking`, Qwen3's and most; `thinking`,
+        DeepSeek V3.1's) carries thinking on or off. The effort: low, medium or high in
+        the template's `reasoning_effort` variable (GPT-OSS's, which knows those three);
+        none or minimal as thinking off, or as nothing where the model does not reason at
+        all; medium, the default, as thinking on (over a server default that turned it
+        off), else nothing. Any other effort is refused: the model has no such control."""
+        source = chat_template_source(self._tokenizer)
+        switch = _thinking_switch(source)
+        out: dict[str, Any] = {}
+        if conversation.thinking is not None and switch:
+            out[switch] = conversation.thinking
         effort = conversation.reasoning_effort
         if effort is None:
-            return {}
-        source = chat_template_source(self._tokenizer)
-        switch = "enable_thinking" in source
+            return out
         if "reasoning_effort" in source and effort in _TEMPLATE_EFFORTS:
-            return {"reasoning_effort": effort}
+            return {**out, "reasoning_effort": effort}
         if effort in ("none", "minimal"):
             if switch:
-                return {"enable_thinking": False}
+                return {**out, switch: False}
             syntax = self.turns.syntax
             if syntax.reasoning is None and not syntax.harmony:
-                return {}
+                return out
         elif effort == "medium":
-            return {"enable_thinking": True} if switch else {}
+            return {**out, switch: True} if switch else out
         param = conversation.reasoning_effort_param
         if "reasoning_effort" in source:
             why = "takes reasoning effort low, medium or high only"
         else:
             why = ("has no control of reasoning effort (no 'reasoning_effort' variable"
-                   + (", nor 'enable_thinking')" if not switch else ")"))
+                   + (", nor a thinking switch)" if not switch else ")"))
         raise RequestError(f"This model's chat template {why}, so {effort!r} cannot be "
                            f"honoured; leave '{param}' out or set it to 'medium'.",
                            param=param, code="unsupported_value")
@@ -474,7 +477,7 @@ class RequestPreparer:
         tools = ([t.template_dict() for t in conversation.tools]
                  if conversation.calls_tools else None)
         # The server's defaults, the effort's variables, then the request's own.
-        kwargs = {**self._template_kwargs, **self._effort_kwargs(conversation),
+        kwargs = {**self._template_kwargs, **self._reasoning_kwargs(conversation),
                   **conversation.template_kwargs}
         messages = conversation.messages
         if _READS_THINKING.search(chat_template_source(self._tokenizer)):
@@ -601,6 +604,18 @@ def _two_grammars(own: str, turn: str, conversation: Conversation) -> RequestErr
 
 # The efforts a template's `reasoning_effort` variable takes (GPT-OSS's harmony).
 _TEMPLATE_EFFORTS = ("low", "medium", "high")
+# A template's variable that turns thinking on and off: enable_thinking (Qwen3's, GLM's,
+# ...) or DeepSeek V3.1's bare `thinking` (as Jinja tests it, not message.thinking).
+_DEEPSEEK_SWITCH = re.compile(r"\{%-?\s*(?:el)?if\s+(?:not\s+)?thinking\b"
+                              r"|(?<![\w.'\"])thinking\s+is\s+(?:not\s+)?defined")
+
+
+def _thinking_switch(source: str) -> str | None:
+    if "enable_thinking" in source:
+        return "enable_thinking"
+    return "thinking" if _DEEPSEEK_SWITCH.search(source) else None
+
+
 # A template that reads an assistant message's reasoning as `thinking` (GPT-OSS's: the
 # analysis before a tool call, the one reasoning it renders back), not `reasoning_content`.
 _READS_THINKING = re.compile(r"message\.thinking\b|['\"]thinking['\"] in message")

@@ -7,7 +7,7 @@ Supported: `input` as text or items (messages with text parts, `function_call`,
 `parallel_tool_calls`, `max_output_tokens`, `temperature`, `top_p`, `text.format`
 (text, json_object, json_schema), `previous_response_id`, `store`, `metadata`, `stream`,
 `reasoning.effort` (as the model's template takes it, see
-RequestPreparer._effort_kwargs), `include` ["reasoning.encrypted_content"] (reasoning
+RequestPreparer._reasoning_kwargs), `include` ["reasoning.encrypted_content"] (reasoning
 items carry their text as an opaque token a stateless client sends back), and the cache
 hints `prompt_cache_key` and `prompt_cache_retention` "in-memory" (every prompt's
 prefix is cached here, whatever the key). Refused with a 400 naming them: other tool
