@@ -312,16 +312,29 @@ def test_a_failed_tool_result_reaches_the_template_marked() -> None:
     assert tool["role"] == "tool" and tool["is_error"] is True and tool["name"] == "get_time"
 
 
-def test_reasoning_tokens_are_the_tokens_of_the_reasoning_block_with_its_markers() -> None:
+@pytest.mark.parametrize("inline", [False, True])
+def test_reasoning_tokens_are_the_tokens_of_the_reasoning_block_with_its_markers(
+        inline: bool) -> None:
+    """Apart or inline (the text in content), reasoning's tokens are counted as OpenAI
+    counts them: the tokens generated for it. Harmony: the analysis message's."""
     from tokenizer_proc.assistant_parser import ParseSpec
+    from tokenizer_proc.responses import ChatFormat
     from tokenizer_proc.responses_api import ResponseBuilder
-    from tokenizer_proc.tool_syntax import ModelSyntax, ReasoningMarkers
+    from tokenizer_proc.tool_syntax import HARMONY, ModelSyntax, ReasoningMarkers
 
-    spec = ParseSpec(ModelSyntax(None, ReasoningMarkers("<think>", "</think>")))
-    builder = ResponseBuilder("resp_1", {"model": MODEL}, spec)
-    for text in ["<think>", "Let", " me", " see", "</think>", "\n\n", "Hi", "!"]:
-        builder.feed(text, 1)
-    assert builder.reasoning_tokens == 5  # both markers and the three between
+    think = ParseSpec(ModelSyntax(None, ReasoningMarkers("<think>", "</think>")),
+                      inline_reasoning=inline)
+    harmony = ParseSpec(ModelSyntax(HARMONY, None), inline_reasoning=inline)
+    for spec, deltas, want in (
+            (think, ["<think>", "Let", " me", " see", "</think>", "\n\n", "Hi", "!"], 5),
+            (harmony, ["<|channel|>analysis<|message|>", "Let", " me", "<|end|>",
+                       "<|start|>assistant<|channel|>final<|message|>", "Hi"], 4)):
+        builder = ResponseBuilder("resp_1", {"model": MODEL}, spec)
+        chat = ChatFormat("chatcmpl-1", MODEL, parse=spec)
+        for text in deltas:
+            builder.feed(text, 1)
+            chat.text_chunks(text, None, 1)
+        assert builder.reasoning_tokens == chat.reasoning_tokens == want, spec
 
 
 def test_messages_continue_a_final_assistant_message(claude: anthropic.Anthropic,
@@ -468,7 +481,7 @@ def test_reasoning_comes_apart_or_inline(tiny_model_dir: Path, models: Path,
         two = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=12, n=2,
                                              seed=3)
         assert two.usage.completion_tokens_details.reasoning_tokens == 24
-        assert inline.usage.completion_tokens_details.reasoning_tokens == 0  # inline: content
+        assert inline.usage.completion_tokens_details.reasoning_tokens == 12  # inline too
         response = client.responses.create(model=MODEL, input="Hi", max_output_tokens=12,
                                            temperature=0.0)
         assert response.output[0].type == "reasoning"
@@ -482,7 +495,8 @@ def test_reasoning_comes_apart_or_inline(tiny_model_dir: Path, models: Path,
         answer = client.responses.create(model=MODEL, input="Hi", max_output_tokens=12,
                                          temperature=0.0,
                                          extra_body={"separate_reasoning": False})
-        assert answer.usage.output_tokens_details.reasoning_tokens == 0  # inline: content
+        # Inline, the reasoning is content's text, and still its tokens are reasoning's.
+        assert answer.usage.output_tokens_details.reasoning_tokens == 12
         # A stateless client gets the reasoning sealed and sends it back as it came.
         sealed = client.responses.create(model=MODEL, input="Hi", max_output_tokens=4,
                                          store=False, include=["reasoning.encrypted_content"])

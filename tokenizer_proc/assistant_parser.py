@@ -526,6 +526,7 @@ class HarmonyParser(_Stepped):
         self._buffer = ""
         self._in_body = False
         self._kind = ""  # "reasoning", "content" or "call"
+        self._analysis = False  # the message is on the analysis channel (inline or not)
         self._trims = {"reasoning": Trim(), "content": Trim(), "call": Trim()}
         self._call = -1
         self.calls = 0
@@ -568,10 +569,17 @@ class HarmonyParser(_Stepped):
         """Whether the text so far ends inside an analysis message's body (not inline)."""
         return self._in_body and self._kind == "reasoning"
 
+    @property
+    def inside_analysis(self) -> bool:
+        """Whether the text so far ends inside an analysis message's body (inline too)."""
+        return self._in_body and self._analysis
+
     def _begin_message(self, header: str, events: list[Event]) -> None:
         channel = _H_CHANNEL.search(header)
         recipient = _H_RECIPIENT.search(header)
         self._in_body = True
+        self._analysis = (channel is not None and channel.group(1) == "analysis"
+                          and (recipient is None or recipient.group(1) == "all"))
         if recipient is not None and recipient.group(1) != "all":
             self._kind = "call"
             self._call = self.calls
@@ -626,6 +634,39 @@ class ParseSpec:
     def parser(self) -> "AssistantParser":
         return AssistantParser(self)
 
+    def counter(self) -> "ReasoningCounter | None":
+        """The output's reasoning-token counter; None for a model that does not reason."""
+        if self.syntax.harmony or self.syntax.reasoning is not None:
+            return ReasoningCounter(self)
+        return None
+
+
+class ReasoningCounter:
+    """The output tokens of the deltas that were reasoning (began, ended or ran inside
+    it): the usage's reasoning_tokens, alike streamed and whole. Reasoning kept inline
+    counts too: OpenAI's count is of the tokens generated for reasoning, wherever their
+    text goes. Its own parse of the reasoning, apart from the output's."""
+
+    def __init__(self, spec: ParseSpec) -> None:
+        self.tokens = 0
+        self._harmony = HarmonyParser() if spec.syntax.harmony else None
+        markers = spec.syntax.reasoning
+        self._splitter = (ReasoningSplitter(markers, spec.reasoning_open)
+                          if markers is not None and self._harmony is None else None)
+
+    def feed(self, text: str, tokens: int) -> None:
+        before = self._inside()
+        stage = self._harmony or self._splitter
+        assert stage is not None
+        events = stage.feed(text)
+        if before or self._inside() or any(isinstance(e, ReasoningDelta) for e in events):
+            self.tokens += tokens
+
+    def _inside(self) -> bool:
+        if self._harmony is not None:
+            return self._harmony.inside_analysis
+        return self._splitter is not None and self._splitter.inside
+
 
 class AssistantParser:
     """Reasoning first, then tool calls in what remains: one parse of one output."""
@@ -633,9 +674,6 @@ class AssistantParser:
     def __init__(self, spec: ParseSpec) -> None:
         self._reasoning: ReasoningSplitter | None = None
         self._content: Stage
-        # Output tokens of the deltas that were reasoning (began, ended or ran inside it):
-        # the usage's reasoning_tokens, alike streamed and whole.
-        self.reasoning_tokens = 0
         if spec.syntax.harmony:
             self._content = HarmonyParser(spec.inline_reasoning)
             return
@@ -658,16 +696,10 @@ class AssistantParser:
             return self._reasoning.inside
         return isinstance(self._content, HarmonyParser) and self._content.inside_reasoning
 
-    def feed(self, text: str, tokens: int = 0) -> list[Event]:
-        """The events of one output delta, the text of `tokens` output tokens."""
-        before = self.in_reasoning
+    def feed(self, text: str) -> list[Event]:
         if self._reasoning is None:
-            events = self._content.feed(text)
-        else:
-            events = self._route(self._reasoning.feed(text))
-        if before or self.in_reasoning or any(isinstance(e, ReasoningDelta) for e in events):
-            self.reasoning_tokens += tokens
-        return events
+            return self._content.feed(text)
+        return self._route(self._reasoning.feed(text))
 
     def finish(self) -> list[Event]:
         events = self._route(self._reasoning.finish()) if self._reasoning else []

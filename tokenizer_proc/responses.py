@@ -15,8 +15,8 @@ from typing import Any
 from ipc.messages.common import Usage
 from ipc.messages.to_tokenizer import PromptTextLogprobs, TextLogprob, TextOutput
 from tokenizer_proc.assistant_parser import (AssistantParser, ContentDelta, Event, ParseSpec,
-                                             ReasoningDelta, ToolCallDelta, ToolCallStart,
-                                             parse_whole)
+                                             ReasoningCounter, ReasoningDelta, ToolCallDelta,
+                                             ToolCallStart, parse_whole)
 from tokenizer_proc.manager import Collected
 
 DONE = "data: [DONE]\n\n"
@@ -169,10 +169,12 @@ class ChatFormat(_Format):
 
     parse: ParseSpec | None = None
     _parser: AssistantParser | None = field(default=None, init=False, repr=False)
+    _counter: ReasoningCounter | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.parse is not None and self.parse.active:
             self._parser = self.parse.parser()
+        self._counter = self.parse.counter() if self.parse is not None else None
 
     def opening(self, prompt: PromptTextLogprobs | None = None) -> list[dict[str, Any]]:
         # OpenAI's first chunk announces the role with empty content.
@@ -185,9 +187,11 @@ class ChatFormat(_Format):
                     tokens: int = 0) -> list[dict[str, Any]]:
         """The chunks of one output delta, the text of `tokens` output tokens (none for a
         delta of no text and no logprobs, whose tokens still count)."""
+        if self._counter is not None:
+            self._counter.feed(text, tokens)
         if self._parser is None:
             return [self.text_chunk(text, logprobs)] if text or logprobs else []
-        chunks = [self._chunk(d, None) for d in chat_deltas(self._parser.feed(text, tokens))]
+        chunks = [self._chunk(d, None) for d in chat_deltas(self._parser.feed(text))]
         if logprobs:  # the tokens' entries ride on the first chunk of their text
             if not chunks:
                 chunks = [self._chunk({"content": ""}, None)]
@@ -205,8 +209,8 @@ class ChatFormat(_Format):
 
     @property
     def reasoning_tokens(self) -> int:
-        """The streamed deltas' reasoning tokens so far (see AssistantParser.feed)."""
-        return self._parser.reasoning_tokens if self._parser else 0
+        """The streamed deltas' reasoning tokens so far (see ReasoningCounter)."""
+        return self._counter.tokens if self._counter else 0
 
     def usage_chunk(self, usage: Usage, reasoning_tokens: int | None = None) -> dict[str, Any]:
         """reasoning_tokens: n choices' sum (default: this choice's)."""
@@ -236,12 +240,12 @@ class ChatFormat(_Format):
 
     def _whole_reasoning_tokens(self, result: Collected) -> int:
         """A whole answer's reasoning tokens, from its deltas as they were streamed."""
-        if self.parse is None or not self.parse.active:
+        counter = self.parse.counter() if self.parse is not None else None
+        if counter is None:
             return 0
-        parser = self.parse.parser()
         for text, tokens in result.pieces():
-            parser.feed(text, tokens)
-        return parser.reasoning_tokens
+            counter.feed(text, tokens)
+        return counter.tokens
 
     def _chunk(self, delta: dict[str, Any], reason: str | None,
                logprobs: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -31,7 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from ipc.messages.common import SamplingParams, Usage
 from tokenizer_proc.assistant_parser import (AssistantParser, ContentDelta, Event, ParseSpec,
-                                             ReasoningDelta, ToolCallDelta, ToolCallStart)
+                                             ReasoningCounter, ReasoningDelta, ToolCallDelta,
+                                             ToolCallStart)
 from tokenizer_proc.conversation import (Conversation, FunctionTool, ToolChoice, call_arguments,
                                          check_template_kwargs, name_tool_results,
                                          template_call)
@@ -403,14 +404,16 @@ class ResponseBuilder:
     _parser: AssistantParser | None = None
     # include ["reasoning.encrypted_content"]: reasoning items carry their sealed text.
     seal_reasoning: bool = False
+    _counter: ReasoningCounter | None = field(default=None, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.parse.active:
             self._parser = self.parse.parser()
+        self._counter = self.parse.counter()
 
     @property
     def reasoning_tokens(self) -> int:
-        return self._parser.reasoning_tokens if self._parser else 0
+        return self._counter.tokens if self._counter else 0
 
     def opening(self) -> list[dict[str, Any]]:
         body = self.response("in_progress", None, None)
@@ -419,9 +422,11 @@ class ResponseBuilder:
 
     def feed(self, text: str, tokens: int = 0) -> list[dict[str, Any]]:
         """One output delta, the text of `tokens` output tokens."""
+        if self._counter is not None:
+            self._counter.feed(text, tokens)
         if self._parser is None:
             return self._apply([ContentDelta(text)] if text else [])
-        return self._apply(self._parser.feed(text, tokens))
+        return self._apply(self._parser.feed(text))
 
     def finish(self, reason: str | None, usage: Usage) -> list[dict[str, Any]]:
         events = self._apply(self._parser.finish()) if self._parser else []
