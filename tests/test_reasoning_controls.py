@@ -143,20 +143,30 @@ def test_a_reasoning_budget_and_a_response_format_are_refused_by_their_names(dem
 
 def test_past_reasoning_reaches_a_template_that_reads_it_as_thinking(demo):
     """GPT-OSS's template reads a tool call's analysis from `message.thinking` (the only
-    reasoning it renders back): an assistant turn's reasoning_content reaches it there."""
-    harmony_like = ("{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}"
-                    "{% if m.thinking %}[analysis:{{ m.thinking }}]{% endif %}"
-                    "[call:{{ m.tool_calls[0].function.name }}]"
-                    "{% else %}[{{ m.role }}:{{ m.content }}]{% endif %}{% endfor %}")
+    reasoning it renders back) or from its content, and refuses both: an assistant
+    turn's reasoning reaches it there, and a commentary preamble (kiln's own GPT-OSS
+    output: analysis, preamble, call) joins the reasoning instead of failing the turn."""
+    harmony_like = (
+        "{% for m in messages %}{% if m.role == 'assistant' and m.tool_calls %}"
+        "{% if m.content and m.thinking %}{{ raise_exception('content and thinking') }}"
+        "{% elif m.content %}[analysis:{{ m.content }}]"
+        "{% elif m.thinking %}[analysis:{{ m.thinking }}]{% endif %}"
+        "[call:{{ m.tool_calls[0].function.name }}]"
+        "{% else %}[{{ m.role }}:{{ m.content }}]{% endif %}{% endfor %}")
     preparer = RequestPreparer.load("demo-tiny", str(demo), chat_template=harmony_like)
     call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}
-    request = preparer.chat(ChatCompletionRequest(model="m", messages=[
-        {"role": "user", "content": "time?"},
-        {"role": "assistant", "content": "", "reasoning_content": "I need the clock.",
-         "tool_calls": [call]},
-        {"role": "tool", "tool_call_id": "c1", "content": "noon"}]), "r0")
-    assert preparer._tokenizer.decode(request.input_ids) == (
-        "[user:time?][analysis:I need the clock.][call:get_time][tool:noon]")
+
+    def rendered(content: str) -> str:
+        request = preparer.chat(ChatCompletionRequest(model="m", messages=[
+            {"role": "user", "content": "time?"},
+            {"role": "assistant", "content": content, "reasoning_content": "I need the clock.",
+             "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "c1", "content": "noon"}]), "r0")
+        return preparer._tokenizer.decode(request.input_ids)
+
+    assert rendered("") == "[user:time?][analysis:I need the clock.][call:get_time][tool:noon]"
+    assert rendered("Checking.") == (
+        "[user:time?][analysis:I need the clock.\n\nChecking.][call:get_time][tool:noon]")
 
 
 # DeepSeek-V3.1-like: its thinking switch is a bare `thinking` variable.
@@ -185,3 +195,18 @@ def test_a_deepseek_style_switch_takes_thinking_on_and_off(demo):
     assert anthropic({"type": "disabled"}) == "hi|</think>"
     assert _render(demo, DEEPSEEK, "medium") == "hi|<think>"
     assert _render(demo, DEEPSEEK, "none") == "hi|</think>"
+
+
+def test_inline_reasoning_keeps_its_special_markers_in_the_text():
+    """Reasoning kept inline, no tools: where the markers are special tokens, the text
+    keeps them (else the reasoning runs into the answer unmarked, and its tokens could
+    not be counted)."""
+    from tokenizer_proc.conversation import Conversation
+    from tokenizer_proc.tool_syntax import ModelSyntax, ReasoningMarkers
+    from tokenizer_proc.turn_plan import TurnPlanner
+
+    syntax = ModelSyntax(None, ReasoningMarkers("<think>", "</think>"))
+    chat = Conversation(messages=[{"role": "user", "content": "hi"}], inline_reasoning=True)
+    special = TurnPlanner(syntax, frozenset({"<think>", "</think>"})).plan(chat, "hi")
+    plain = TurnPlanner(syntax, frozenset()).plan(chat, "hi")
+    assert special.keep_special_tokens and not plain.keep_special_tokens

@@ -313,15 +313,15 @@ class RequestPreparer:
         none or minimal as thinking off, or as nothing where the model does not reason at
         all; medium, the default, as thinking on (over a server default that turned it
         off), else nothing. Any other effort is refused: the model has no such control."""
-        source = chat_template_source(self._tokenizer)
-        switch = _thinking_switch(source)
+        variables = template_variables(chat_template_source(self._tokenizer))
+        switch = _thinking_switch(variables)
         out: dict[str, Any] = {}
         if conversation.thinking is not None and switch:
             out[switch] = conversation.thinking
         effort = conversation.reasoning_effort
         if effort is None:
             return out
-        if "reasoning_effort" in source and effort in _TEMPLATE_EFFORTS:
+        if "reasoning_effort" in variables and effort in _TEMPLATE_EFFORTS:
             return {**out, "reasoning_effort": effort}
         if effort in ("none", "minimal"):
             if switch:
@@ -332,7 +332,7 @@ class RequestPreparer:
         elif effort == "medium":
             return {**out, switch: True} if switch else out
         param = conversation.reasoning_effort_param
-        if "reasoning_effort" in source:
+        if "reasoning_effort" in variables:
             why = "takes reasoning effort low, medium or high only"
         else:
             why = ("has no control of reasoning effort (no 'reasoning_effort' variable"
@@ -604,31 +604,51 @@ def _two_grammars(own: str, turn: str, conversation: Conversation) -> RequestErr
 
 # The efforts a template's `reasoning_effort` variable takes (GPT-OSS's harmony).
 _TEMPLATE_EFFORTS = ("low", "medium", "high")
-# A template's variable that turns thinking on and off: enable_thinking (Qwen3's, GLM's,
-# ...) or DeepSeek V3.1's bare `thinking` (as Jinja tests it, not message.thinking).
-_DEEPSEEK_SWITCH = re.compile(r"\{%-?\s*(?:el)?if\s+(?:not\s+)?thinking\b"
-                              r"|(?<![\w.'\"])thinking\s+is\s+(?:not\s+)?defined")
+def _thinking_switch(variables: frozenset[str]) -> str | None:
+    """The template's variable that turns thinking on and off: enable_thinking (Qwen3's,
+    GLM's, ...) or DeepSeek V3.1's `thinking` (one the caller sets, not the template's
+    own, nor message.thinking)."""
+    for name in ("enable_thinking", "thinking"):
+        if name in variables:
+            return name
+    return None
 
 
-def _thinking_switch(source: str) -> str | None:
-    if "enable_thinking" in source:
-        return "enable_thinking"
-    return "thinking" if _DEEPSEEK_SWITCH.search(source) else None
+@functools.lru_cache(maxsize=8)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a chat template reads and does not set itself (Jinja's own analysis;
+    a template Jinja cannot parse alone, e.g. with transformers' `generation` tag: the
+    words it holds, a superset)."""
+    import jinja2
+    from jinja2 import meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return frozenset(meta.find_undeclared_variables(env.parse(source)))
+    except jinja2.TemplateSyntaxError:
+        return frozenset(re.findall(r"\w+", source))
 
 
 # A template that reads an assistant message's reasoning as `thinking` (GPT-OSS's: the
 # analysis before a tool call, the one reasoning it renders back), not `reasoning_content`.
-_READS_THINKING = re.compile(r"message\.thinking\b|['\"]thinking['\"] in message")
+_READS_THINKING = re.compile(r"\.thinking\b|['\"]thinking['\"] in \w")
 
 
 def _with_thinking(message: dict[str, Any]) -> dict[str, Any]:
-    """An assistant message's reasoning also under `thinking`, except beside text content
-    and tool calls both (GPT-OSS's template refuses a call's message with both)."""
-    reasoning = message.get("reasoning_content")
-    if message.get("role") != "assistant" or not reasoning or "thinking" in message:
+    """An assistant message's reasoning as `thinking` too. Beside a tool call, GPT-OSS's
+    template takes one analysis text, from the content or from `thinking`, and refuses a
+    message with both (as kiln's own GPT-OSS output is: analysis, a commentary preamble,
+    the call): the preamble then joins the reasoning there, no reasoning field left for
+    transformers (which copies one into `thinking`) to bring back."""
+    reasoning = message.get("reasoning_content") or message.get("thinking")
+    if message.get("role") != "assistant" or not reasoning:
         return message
-    if message.get("content") and message.get("tool_calls"):
-        return message
+    content = message.get("content")
+    if content and isinstance(content, str) and message.get("tool_calls"):
+        kept = {k: v for k, v in message.items()
+                if k not in ("reasoning_content", "reasoning", "thinking")}
+        return {**kept, "content": "", "thinking": f"{reasoning}\n\n{content}"}
     return {**message, "thinking": reasoning}
 
 

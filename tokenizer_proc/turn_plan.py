@@ -98,7 +98,8 @@ class TurnPlanner:
         return TurnPlan(parse, constraint, self._keeps_specials(parse))
 
     def _keeps_specials(self, parse: ParseSpec) -> bool:
-        if not parse.active:
+        # Reasoning kept inline still shows (and counts, ReasoningCounter) by its markers.
+        if not parse.active and self.syntax.reasoning is None:
             return False
         markers: list[str] = list(_HARMONY_MARKERS) if self.syntax.tools is HARMONY else []
         if parse.tool_syntax is not None:
