@@ -210,3 +210,24 @@ def test_inline_reasoning_keeps_its_special_markers_in_the_text():
     special = TurnPlanner(syntax, frozenset({"<think>", "</think>"})).plan(chat, "hi")
     plain = TurnPlanner(syntax, frozenset()).plan(chat, "hi")
     assert special.keep_special_tokens and not plain.keep_special_tokens
+
+
+def test_past_calls_reach_a_template_that_joins_their_arguments_as_text(demo):
+    """DeepSeek V3.1's template joins a past call's arguments as text (string + dict is a
+    TypeError); most others write them with tojson. Both render a history with calls."""
+    joins = ("{% for m in messages %}{% if m.tool_calls %}"
+             "{% for c in m.tool_calls %}[{{ c['function']['name'] + ':' "
+             "+ c['function']['arguments'] }}]{% endfor %}"
+             "{% else %}[{{ m.role }}:{{ m.content }}]{% endif %}{% endfor %}")
+    dumps = joins.replace("+ c['function']['arguments'] }}",
+                          "}}{{ c['function']['arguments'] | tojson }}")
+    call = {"id": "c1", "type": "function",
+            "function": {"name": "get_weather", "arguments": '{"city": "Zürich"}'}}
+    history = [{"role": "user", "content": "weather?"},
+               {"role": "assistant", "content": "", "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    for template in (joins, dumps):
+        preparer = RequestPreparer.load("demo-tiny", str(demo), chat_template=template)
+        request = preparer.chat(ChatCompletionRequest(model="m", messages=history), "r0")
+        assert preparer._tokenizer.decode(request.input_ids) == (
+            '[user:weather?][get_weather:{"city": "Zürich"}][tool:sunny]')

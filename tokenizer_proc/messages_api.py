@@ -8,9 +8,9 @@ final assistant message is continued: prefill), `tools` (custom tools with
 `input_schema`), `tool_choice` (auto, any, tool, none; `disable_parallel_tool_use`),
 `max_tokens` (0: the prompt is computed and cached, nothing generated), `stop_sequences`,
 `temperature`, `top_p`, `top_k`, `thinking` (enabled/disabled: the template's switch,
-enable_thinking or DeepSeek's thinking; `budget_tokens` held by a grammar that closes the reasoning block once
-spent; disabled where the template opens the block anyway: closed at once),
-`cache_control` (top level or per block: every prompt is cached anyway), `metadata`,
+enable_thinking or DeepSeek's thinking; `budget_tokens` held by a grammar that closes the
+reasoning block once spent; disabled where the template opens the block anyway: closed at
+once), `cache_control` (top level or per block: every prompt is cached anyway), `metadata`,
 `stream`. Refused with a 400 in Anthropic's error format: image and document blocks,
 server tools, `service_tier` other than auto, `container`, `mcp_servers`.
 """

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 import re
 from concurrent.futures import ThreadPoolExecutor
@@ -482,16 +483,29 @@ class RequestPreparer:
         messages = conversation.messages
         if _READS_THINKING.search(chat_template_source(self._tokenizer)):
             messages = [_with_thinking(m) for m in messages]
-        try:
+
+        def render(chat: list[dict[str, Any]]) -> str:
             return self._tokenizer.apply_chat_template(
-                messages, tools=tools, tokenize=False,
+                chat, tools=tools, tokenize=False,
                 add_generation_prompt=generation_prompt and not conversation.continue_final,
                 continue_final_message=conversation.continue_final, **kwargs)
+
+        try:
+            return render(messages)
         # Templates ship with the model and may raise anything on input they dislike
         # (jinja's raise_exception for wrong role order, TypeError, ...).
         except Exception as exc:  # noqa: BLE001
-            raise RequestError(f"The chat template rejected the {param}: {exc}",
-                               param=param) from exc
+            error = exc
+        # Most templates write a past call's arguments with tojson (a dict); some join them
+        # as text (DeepSeek V3.1's: string + dict is a TypeError): those get JSON text.
+        as_text = _text_arguments(messages)
+        if as_text is not messages:
+            try:
+                return render(as_text)
+            except Exception:  # noqa: BLE001 - the first error is the one to report
+                pass
+        raise RequestError(f"The chat template rejected the {param}: {error}",
+                           param=param) from error
 
     # --- sampling and limits --------------------------------------------------------
 
@@ -628,6 +642,24 @@ def template_variables(source: str) -> frozenset[str]:
         return frozenset(meta.find_undeclared_variables(env.parse(source)))
     except jinja2.TemplateSyntaxError:
         return frozenset(re.findall(r"\w+", source))
+
+
+def _text_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each past call's arguments as JSON text (the OpenAI wire form)
+    in place of a dict; the same list where no call has dict arguments."""
+    def call_text(call: dict[str, Any]) -> dict[str, Any]:
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if not isinstance(arguments, dict):
+            return call
+        return {**call, "function": {**function,
+                                     "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+    if not any(isinstance((c.get("function") or {}).get("arguments"), dict)
+               for m in messages for c in m.get("tool_calls") or []):
+        return messages
+    return [{**m, "tool_calls": [call_text(c) for c in m["tool_calls"]]}
+            if m.get("tool_calls") else m for m in messages]
 
 
 # A template that reads an assistant message's reasoning as `thinking` (GPT-OSS's: the
