@@ -231,3 +231,33 @@ def test_past_calls_reach_a_template_that_joins_their_arguments_as_text(demo):
         request = preparer.chat(ChatCompletionRequest(model="m", messages=history), "r0")
         assert preparer._tokenizer.decode(request.input_ids) == (
             '[user:weather?][get_weather:{"city": "Zürich"}][tool:sunny]')
+
+
+def test_mistral_templates_get_call_ids_of_their_form(demo):
+    """Mistral's templates refuse call ids other than 9 letters and digits: kiln writes
+    such ids for Mistral's calls, and a history with other ids (OpenAI's, Anthropic's)
+    renders with ids drawn from them, a call and its result alike."""
+    from tokenizer_proc.assistant_parser import ParseSpec, parse_whole
+    from tokenizer_proc.tool_syntax import MISTRAL, ModelSyntax
+
+    parsed = parse_whole(ParseSpec(ModelSyntax(MISTRAL, None), MISTRAL),
+                         '[TOOL_CALLS][{"name": "get_time", "arguments": {}}]')
+    (call,) = parsed.tool_calls
+    assert len(call.id) == 9 and call.id.isalnum()
+
+    checks = ("{% for m in messages %}{% for c in m.tool_calls or [] %}"
+              "{% if c.id|length != 9 %}{{ raise_exception('ids of 9') }}{% endif %}"
+              "[call {{ c.id }}]{% endfor %}{% if m.role == 'tool' %}"
+              "{% if m.tool_call_id|length != 9 %}{{ raise_exception('ids of 9') }}{% endif %}"
+              "[result {{ m.tool_call_id }}]{% endif %}{% endfor %}")
+    preparer = RequestPreparer.load("demo-tiny", str(demo), chat_template=checks)
+    long_id = "toolu_01A09q90qw90lq917835lq9"
+    history = [{"role": "user", "content": "time?"},
+               {"role": "assistant", "content": "", "tool_calls": [
+                   {"id": long_id, "type": "function",
+                    "function": {"name": "get_time", "arguments": "{}"}}]},
+               {"role": "tool", "tool_call_id": long_id, "content": "noon"}]
+    request = preparer.chat(ChatCompletionRequest(model="m", messages=history), "r0")
+    text = preparer._tokenizer.decode(request.input_ids)
+    ids = [part.split()[1] for part in text.strip("[]").split("][")]
+    assert len(ids) == 2 and ids[0] == ids[1] and len(ids[0]) == 9 and ids[0].isalnum()

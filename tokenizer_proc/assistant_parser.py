@@ -18,6 +18,8 @@ is dropped.
 from __future__ import annotations
 
 import json
+import secrets
+import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -60,6 +62,14 @@ Event = ReasoningDelta | ContentDelta | ToolCallStart | ToolCallDelta | ToolCall
 
 def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
+
+
+def short_call_id() -> str:
+    """Mistral's form: 9 letters and digits (its templates refuse other ids)."""
+    return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
+
+
+_ID_CHARS = string.ascii_letters + string.digits
 
 
 class Stage(Protocol):
@@ -681,7 +691,9 @@ class AssistantParser:
         if markers is not None and not spec.inline_reasoning:
             self._reasoning = ReasoningSplitter(markers, spec.reasoning_open)
         if spec.tool_syntax is not None:
-            self._content = ToolCallParser(spec.tool_syntax, list(spec.tools))
+            self._content = ToolCallParser(
+                spec.tool_syntax, list(spec.tools),
+                short_call_id if spec.tool_syntax.short_ids else new_call_id)
         else:
             self._content = ContentOnly()
 

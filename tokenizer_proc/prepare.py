@@ -18,9 +18,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import hashlib
 import json
 import logging
 import re
+import string
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, TypeVar
@@ -481,8 +483,11 @@ class RequestPreparer:
         kwargs = {**self._template_kwargs, **self._reasoning_kwargs(conversation),
                   **conversation.template_kwargs}
         messages = conversation.messages
-        if _READS_THINKING.search(chat_template_source(self._tokenizer)):
+        source = chat_template_source(self._tokenizer)
+        if _READS_THINKING.search(source):
             messages = [_with_thinking(m) for m in messages]
+        if _NINE_CHAR_IDS.search(source):
+            messages = [_nine_char_ids(m) for m in messages]
 
         def render(chat: list[dict[str, Any]]) -> str:
             return self._tokenizer.apply_chat_template(
@@ -642,6 +647,31 @@ def template_variables(source: str) -> frozenset[str]:
         return frozenset(meta.find_undeclared_variables(env.parse(source)))
     except jinja2.TemplateSyntaxError:
         return frozenset(re.findall(r"\w+", source))
+
+
+# Mistral's templates refuse a call id that is not 9 letters and digits (kiln writes such
+# ids for Mistral's calls; a client may send others: OpenAI's, Anthropic's).
+_NINE_CHAR_IDS = re.compile(r"length\s*!=\s*9")
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+def _nine_char_id(call_id: str) -> str:
+    """The id itself when it has Mistral's form, else 9 letters and digits drawn from it
+    (the same for a call and the result that names it)."""
+    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    digest = hashlib.sha256(call_id.encode("utf-8")).digest()
+    return "".join(_ID_CHARS[b % len(_ID_CHARS)] for b in digest[:9])
+
+
+def _nine_char_ids(message: dict[str, Any]) -> dict[str, Any]:
+    if message.get("tool_calls"):
+        calls = [{**c, "id": _nine_char_id(c["id"])} if isinstance(c.get("id"), str) else c
+                 for c in message["tool_calls"]]
+        message = {**message, "tool_calls": calls}
+    if isinstance(message.get("tool_call_id"), str):
+        message = {**message, "tool_call_id": _nine_char_id(message["tool_call_id"])}
+    return message
 
 
 def _text_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -54,7 +54,8 @@ class ToolSyntax:
     start to where its JSON arguments begin, with a `name` group (and an `id` group when
     the model names its calls); None: the region is parsed whole by `fallback`.
     template: how the grammar writes a call; None: forced calls use the neutral JSON
-    syntax instead. one_call: the format holds one call per turn (harmony).
+    syntax instead. one_call: the format holds one call per turn (harmony). short_ids:
+    call ids of 9 letters and digits (Mistral's templates refuse any other).
     """
 
     name: str
@@ -65,6 +66,7 @@ class ToolSyntax:
     fallback: RegionParser | None = None
     at_start: bool = False
     one_call: bool = False
+    short_ids: bool = False
 
 
 def _header(pattern: str) -> regex.Pattern[str]:
@@ -119,11 +121,12 @@ MISTRAL = ToolSyntax(
     _header(r'\s*(?:\[TOOL_CALLS\])?\s*(?:[\[,]' + _json_header()
             + r'|(?P<name>[\w.-]+)\s*\[ARGS\]\s*)'),
     CallTemplate(open="[TOOL_CALLS][", before='{"name": "{name}", "arguments": ', after="}",
-                 between=", ", close="]"), fallback=_mlx_lm_parser("mistral"))
+                 between=", ", close="]"), fallback=_mlx_lm_parser("mistral"), short_ids=True)
 
 MISTRAL_ARGS = ToolSyntax(
     "mistral", MISTRAL.start, MISTRAL.end, MISTRAL.header,
-    CallTemplate(before="[TOOL_CALLS]{name}[ARGS]", after=""), fallback=MISTRAL.fallback)
+    CallTemplate(before="[TOOL_CALLS]{name}[ARGS]", after=""), fallback=MISTRAL.fallback,
+    short_ids=True)
 
 KIMI_K2 = ToolSyntax(
     "kimi_k2", "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>",
