@@ -1,10 +1,16 @@
-"""The server's own chat template settings (`--chat-template`, `--chat-template-kwargs`),
+"""Chat templates: the server's own settings (`--chat-template`, `--chat-template-kwargs`),
 checked once by the launcher so a bad one stops the start-up with its reason instead of
-failing every chat request."""
+failing every chat request; what a template reads (its variables: the thinking switch,
+the reasoning effort); and the messages as each family's template takes them (GPT-OSS's
+`thinking`, Mistral's call ids, DeepSeek V3.1's arguments as text)."""
 
 from __future__ import annotations
 
+import functools
+import hashlib
 import json
+import re
+import string
 from pathlib import Path
 from typing import Any
 
@@ -67,3 +73,109 @@ def default_template_kwargs(value: str) -> dict[str, Any]:
         raise ValueError(f"--chat-template-kwargs may not set {reserved[0]!r}: the server "
                          "sets it")
     return kwargs
+
+
+# The efforts a template's `reasoning_effort` variable takes (GPT-OSS's harmony).
+TEMPLATE_EFFORTS = ("low", "medium", "high")
+
+
+def thinking_switch(variables: frozenset[str]) -> str | None:
+    """The template's variable that turns thinking on and off: enable_thinking (Qwen3's,
+    GLM's, ...) or DeepSeek V3.1's `thinking` (one the caller sets, not the template's
+    own, nor message.thinking)."""
+    for name in ("enable_thinking", "thinking"):
+        if name in variables:
+            return name
+    return None
+
+
+@functools.lru_cache(maxsize=8)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a chat template reads and does not set itself (Jinja's own analysis;
+    a template Jinja cannot parse alone, e.g. with transformers' `generation` tag: the
+    words it holds, a superset)."""
+    import jinja2
+    from jinja2 import meta
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
+    try:
+        return frozenset(meta.find_undeclared_variables(env.parse(source)))
+    except jinja2.TemplateSyntaxError:
+        return frozenset(re.findall(r"\w+", source))
+
+
+# Mistral's templates refuse a call id that is not 9 letters and digits (kiln writes such
+# ids for Mistral's calls; a client may send others: OpenAI's, Anthropic's).
+_NINE_CHAR_IDS = re.compile(r"length\s*!=\s*9")
+_ID_CHARS = string.ascii_letters + string.digits
+
+
+def _nine_char_id(call_id: str) -> str:
+    """The id itself when it has Mistral's form, else 9 letters and digits drawn from it
+    (the same for a call and the result that names it)."""
+    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+        return call_id
+    digest = hashlib.sha256(call_id.encode("utf-8")).digest()
+    return "".join(_ID_CHARS[b % len(_ID_CHARS)] for b in digest[:9])
+
+
+def _nine_char_ids(message: dict[str, Any]) -> dict[str, Any]:
+    if message.get("tool_calls"):
+        calls = [{**c, "id": _nine_char_id(c["id"])} if isinstance(c.get("id"), str) else c
+                 for c in message["tool_calls"]]
+        message = {**message, "tool_calls": calls}
+    if isinstance(message.get("tool_call_id"), str):
+        message = {**message, "tool_call_id": _nine_char_id(message["tool_call_id"])}
+    return message
+
+
+def text_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The messages with each past call's arguments as JSON text (the OpenAI wire form)
+    in place of a dict; the same list where no call has dict arguments."""
+    def call_text(call: dict[str, Any]) -> dict[str, Any]:
+        function = call.get("function") or {}
+        arguments = function.get("arguments")
+        if not isinstance(arguments, dict):
+            return call
+        return {**call, "function": {**function,
+                                     "arguments": json.dumps(arguments, ensure_ascii=False)}}
+
+    if not any(isinstance((c.get("function") or {}).get("arguments"), dict)
+               for m in messages for c in m.get("tool_calls") or []):
+        return messages
+    return [{**m, "tool_calls": [call_text(c) for c in m["tool_calls"]]}
+            if m.get("tool_calls") else m for m in messages]
+
+
+# A template that reads an assistant message's reasoning as `thinking` (GPT-OSS's: the
+# analysis before a tool call, the one reasoning it renders back), not `reasoning_content`.
+_READS_THINKING = re.compile(r"\.thinking\b|['\"]thinking['\"] in \w")
+
+
+def _with_thinking(message: dict[str, Any]) -> dict[str, Any]:
+    """An assistant message's reasoning as `thinking` too. Beside a tool call, GPT-OSS's
+    template takes one analysis text, from the content or from `thinking`, and refuses a
+    message with both (as kiln's own GPT-OSS output is: analysis, a commentary preamble,
+    the call): the preamble then joins the reasoning there, no reasoning field left for
+    transformers (which copies one into `thinking`) to bring back."""
+    reasoning = message.get("reasoning_content") or message.get("thinking")
+    if message.get("role") != "assistant" or not reasoning:
+        return message
+    content = message.get("content")
+    if content and isinstance(content, str) and message.get("tool_calls"):
+        kept = {k: v for k, v in message.items()
+                if k not in ("reasoning_content", "reasoning", "thinking")}
+        return {**kept, "content": "", "thinking": f"{reasoning}\n\n{content}"}
+    return {**message, "thinking": reasoning}
+
+
+def template_messages(messages: list[dict[str, Any]], source: str) -> list[dict[str, Any]]:
+    """The messages as this template (its source) can take them: reasoning as `thinking`
+    too where it reads that (GPT-OSS), call ids of 9 letters and digits where it demands
+    them (Mistral)."""
+    if _READS_THINKING.search(source):
+        messages = [_with_thinking(m) for m in messages]
+    if _NINE_CHAR_IDS.search(source):
+        messages = [_nine_char_ids(m) for m in messages]
+    return messages

@@ -18,11 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import hashlib
-import json
 import logging
-import re
-import string
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator, TypeVar
@@ -36,6 +32,9 @@ from ipc.messages.to_scheduler import TokenizedRequest
 from kiln_common.llguidance_tokenizer import ll_tokenizer, structured_output_supported
 from kiln_common.model_info import ModelInfo, load_model_info
 from tokenizer_proc.assistant_parser import ParseSpec
+from tokenizer_proc.chat_template import (TEMPLATE_EFFORTS, template_messages,
+                                          template_variables, text_arguments,
+                                          thinking_switch)
 from tokenizer_proc.constraints import (Constraint, GrammarCompiler, native_constraint,
                                         response_format_constraint)
 from tokenizer_proc.conversation import Conversation, chat_conversation
@@ -317,14 +316,14 @@ class RequestPreparer:
         all; medium, the default, as thinking on (over a server default that turned it
         off), else nothing. Any other effort is refused: the model has no such control."""
         variables = template_variables(chat_template_source(self._tokenizer))
-        switch = _thinking_switch(variables)
+        switch = thinking_switch(variables)
         out: dict[str, Any] = {}
         if conversation.thinking is not None and switch:
             out[switch] = conversation.thinking
         effort = conversation.reasoning_effort
         if effort is None:
             return out
-        if "reasoning_effort" in variables and effort in _TEMPLATE_EFFORTS:
+        if "reasoning_effort" in variables and effort in TEMPLATE_EFFORTS:
             return {**out, "reasoning_effort": effort}
         if effort in ("none", "minimal"):
             if switch:
@@ -482,12 +481,8 @@ class RequestPreparer:
         # The server's defaults, the effort's variables, then the request's own.
         kwargs = {**self._template_kwargs, **self._reasoning_kwargs(conversation),
                   **conversation.template_kwargs}
-        messages = conversation.messages
-        source = chat_template_source(self._tokenizer)
-        if _READS_THINKING.search(source):
-            messages = [_with_thinking(m) for m in messages]
-        if _NINE_CHAR_IDS.search(source):
-            messages = [_nine_char_ids(m) for m in messages]
+        messages = template_messages(conversation.messages,
+                                     chat_template_source(self._tokenizer))
 
         def render(chat: list[dict[str, Any]]) -> str:
             return self._tokenizer.apply_chat_template(
@@ -503,7 +498,7 @@ class RequestPreparer:
             error = exc
         # Most templates write a past call's arguments with tojson (a dict); some join them
         # as text (DeepSeek V3.1's: string + dict is a TypeError): those get JSON text.
-        as_text = _text_arguments(messages)
+        as_text = text_arguments(messages)
         if as_text is not messages:
             try:
                 return render(as_text)
@@ -619,99 +614,6 @@ def _two_grammars(own: str, turn: str, conversation: Conversation) -> RequestErr
                             "grammar); leave one out.", param=own)
     return RequestError(f"'{own}' cannot be combined with tool calls; leave it out or set "
                         f"'{conversation.tool_choice_param}' to 'none'.", param=own)
-
-
-# The efforts a template's `reasoning_effort` variable takes (GPT-OSS's harmony).
-_TEMPLATE_EFFORTS = ("low", "medium", "high")
-def _thinking_switch(variables: frozenset[str]) -> str | None:
-    """The template's variable that turns thinking on and off: enable_thinking (Qwen3's,
-    GLM's, ...) or DeepSeek V3.1's `thinking` (one the caller sets, not the template's
-    own, nor message.thinking)."""
-    for name in ("enable_thinking", "thinking"):
-        if name in variables:
-            return name
-    return None
-
-
-@functools.lru_cache(maxsize=8)
-def template_variables(source: str) -> frozenset[str]:
-    """The variables a chat template reads and does not set itself (Jinja's own analysis;
-    a template Jinja cannot parse alone, e.g. with transformers' `generation` tag: the
-    words it holds, a superset)."""
-    import jinja2
-    from jinja2 import meta
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    env = ImmutableSandboxedEnvironment(extensions=["jinja2.ext.loopcontrols"])
-    try:
-        return frozenset(meta.find_undeclared_variables(env.parse(source)))
-    except jinja2.TemplateSyntaxError:
-        return frozenset(re.findall(r"\w+", source))
-
-
-# Mistral's templates refuse a call id that is not 9 letters and digits (kiln writes such
-# ids for Mistral's calls; a client may send others: OpenAI's, Anthropic's).
-_NINE_CHAR_IDS = re.compile(r"length\s*!=\s*9")
-_ID_CHARS = string.ascii_letters + string.digits
-
-
-def _nine_char_id(call_id: str) -> str:
-    """The id itself when it has Mistral's form, else 9 letters and digits drawn from it
-    (the same for a call and the result that names it)."""
-    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
-        return call_id
-    digest = hashlib.sha256(call_id.encode("utf-8")).digest()
-    return "".join(_ID_CHARS[b % len(_ID_CHARS)] for b in digest[:9])
-
-
-def _nine_char_ids(message: dict[str, Any]) -> dict[str, Any]:
-    if message.get("tool_calls"):
-        calls = [{**c, "id": _nine_char_id(c["id"])} if isinstance(c.get("id"), str) else c
-                 for c in message["tool_calls"]]
-        message = {**message, "tool_calls": calls}
-    if isinstance(message.get("tool_call_id"), str):
-        message = {**message, "tool_call_id": _nine_char_id(message["tool_call_id"])}
-    return message
-
-
-def _text_arguments(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The messages with each past call's arguments as JSON text (the OpenAI wire form)
-    in place of a dict; the same list where no call has dict arguments."""
-    def call_text(call: dict[str, Any]) -> dict[str, Any]:
-        function = call.get("function") or {}
-        arguments = function.get("arguments")
-        if not isinstance(arguments, dict):
-            return call
-        return {**call, "function": {**function,
-                                     "arguments": json.dumps(arguments, ensure_ascii=False)}}
-
-    if not any(isinstance((c.get("function") or {}).get("arguments"), dict)
-               for m in messages for c in m.get("tool_calls") or []):
-        return messages
-    return [{**m, "tool_calls": [call_text(c) for c in m["tool_calls"]]}
-            if m.get("tool_calls") else m for m in messages]
-
-
-# A template that reads an assistant message's reasoning as `thinking` (GPT-OSS's: the
-# analysis before a tool call, the one reasoning it renders back), not `reasoning_content`.
-_READS_THINKING = re.compile(r"\.thinking\b|['\"]thinking['\"] in \w")
-
-
-def _with_thinking(message: dict[str, Any]) -> dict[str, Any]:
-    """An assistant message's reasoning as `thinking` too. Beside a tool call, GPT-OSS's
-    template takes one analysis text, from the content or from `thinking`, and refuses a
-    message with both (as kiln's own GPT-OSS output is: analysis, a commentary preamble,
-    the call): the preamble then joins the reasoning there, no reasoning field left for
-    transformers (which copies one into `thinking`) to bring back."""
-    reasoning = message.get("reasoning_content") or message.get("thinking")
-    if message.get("role") != "assistant" or not reasoning:
-        return message
-    content = message.get("content")
-    if content and isinstance(content, str) and message.get("tool_calls"):
-        kept = {k: v for k, v in message.items()
-                if k not in ("reasoning_content", "reasoning", "thinking")}
-        return {**kept, "content": "", "thinking": f"{reasoning}\n\n{content}"}
-    return {**message, "thinking": reasoning}
 
 
 @contextlib.contextmanager
