@@ -334,3 +334,46 @@ def test_a_tool_schema_keyword_the_grammar_cannot_enforce_fails_strict_tools_onl
             chat(True, choice)
         # The grammar's field: the tools in auto, the forcing tool_choice otherwise.
         assert refused.value.param == ("tools" if choice == "auto" else "tool_choice")
+
+
+def test_a_tool_schema_the_grammar_cannot_compile_holds_its_calls_to_an_object(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """A schema llguidance cannot build at all (a look-around `pattern`: no keyword to
+    leave out) no longer fails an agent's every request: that tool's calls are held to a
+    JSON object, the other tools to their schemas; a strict tool so written is refused."""
+    from llguidance import LLMatcher
+
+    from kiln_common.llguidance_tokenizer import ll_tokenizer
+    from tests.agent_models import family_model
+    from tokenizer_proc.errors import RequestError
+    from tokenizer_proc.prepare import RequestPreparer
+    from tokenizer_proc.protocol import ChatCompletionRequest
+
+    preparer = RequestPreparer.load("m", str(family_model(tiny_model_dir, tmp_path, "hermes")))
+    odd = {"type": "object", "properties": {"path": {"type": "string",
+                                                     "pattern": "^(?!/etc).*$"}}}
+    plain = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+    def chat(strict: bool) -> str:
+        tools = [{"type": "function", "function": {"name": "read", "parameters": odd,
+                                                   "strict": strict}},
+                 {"type": "function", "function": {"name": "count", "parameters": plain}}]
+        return preparer.chat(ChatCompletionRequest(
+            messages=[{"role": "user", "content": "go"}], tools=tools, max_tokens=64),
+            "r").sampling.grammar
+
+    tokenizer = preparer._tokenizer
+    ll = ll_tokenizer(tokenizer, [tokenizer.eos_token_id])
+
+    def writes(grammar: str, name: str, arguments: str) -> bool:
+        matcher = LLMatcher(ll, grammar)
+        text = f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+        return all(matcher.consume_token(t)
+                   for t in tokenizer.encode(text, add_special_tokens=False))
+
+    grammar = chat(strict=False)
+    assert writes(grammar, "read", '{"path": "/etc/passwd", "other": 1}')  # any object
+    assert writes(grammar, "count", '{"n": 3}') and not writes(grammar, "count", '{"n": "x"}')
+    with pytest.raises(RequestError) as refused:
+        chat(strict=True)
+    assert refused.value.param == "tools"

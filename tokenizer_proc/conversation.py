@@ -31,6 +31,9 @@ class FunctionTool:
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool = False
+    # Not strict, and its schema does not compile (a regex llguidance cannot take, ...):
+    # its calls are held to being a JSON object (the template still shows the schema).
+    loose: bool = False
 
     def template_dict(self) -> dict[str, Any]:
         """The OpenAI shape chat templates read (`tools=[...]`)."""

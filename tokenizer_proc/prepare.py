@@ -37,12 +37,13 @@ from tokenizer_proc.chat_template import (TEMPLATE_EFFORTS, template_messages,
                                           thinking_switch)
 from tokenizer_proc.constraints import (Constraint, GrammarCompiler, native_constraint,
                                         response_format_constraint)
-from tokenizer_proc.conversation import Conversation, chat_conversation
+from tokenizer_proc.conversation import Conversation, FunctionTool, chat_conversation
 from tokenizer_proc.errors import RequestError
 from tokenizer_proc.protocol import (ChatCompletionRequest, CompletionRequest, GenerateBody,
                                      TokenizeRequest)
 from tokenizer_proc.tool_syntax import chat_template_source, detect_syntax
-from tokenizer_proc.turn_plan import TurnPlanner, special_tokens
+from tokenizer_proc.tool_grammar import GrammarTool, arguments_schema
+from tokenizer_proc.turn_plan import TurnPlan, TurnPlanner, special_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -303,9 +304,46 @@ class RequestPreparer:
         # A turn without max_tokens runs to the context's end, or the model's own length.
         default = min(self.info.context_len - len(ids),
                       self.sampling_defaults.get("max_new_tokens", self.info.context_len))
-        request = self._request(rid, ids, sampling, default, conversation.messages_param,
-                                skip_special_tokens and not plan.keep_special_tokens)
+        try:
+            request = self._request(rid, ids, sampling, default, conversation.messages_param,
+                                    skip_special_tokens and not plan.keep_special_tokens)
+        except RequestError as exc:
+            loosened = self._loosened(conversation, plan, exc)
+            if loosened is None:
+                raise
+            return self.turn(loosened, replace(sampling, constraint=None), rid,
+                             skip_special_tokens)
         return PreparedTurn(request, plan.parse)
+
+    def _loosened(self, conversation: Conversation, plan: TurnPlan,
+                  error: RequestError) -> Conversation | None:
+        """After the tools' grammar failed to compile: the conversation with each tool that
+        is not strict and whose schema does not compile alone held to a JSON object (its
+        calls still parse); None when no such tool explains the failure."""
+        if (error.code != "invalid_grammar" or plan.constraint is None
+                or plan.constraint.param not in (conversation.tools_param,
+                                                 conversation.tool_choice_param)):
+            return None
+        tools, loosened = [], []
+        for i, tool in enumerate(conversation.tools):
+            if not (tool.strict or tool.loose) and not self._schema_compiles(tool, i, conversation):
+                tool = replace(tool, loose=True)
+                loosened.append(tool.name)
+            tools.append(tool)
+        if not loosened:
+            return None
+        logger.warning("tools %s: schemas the grammar cannot take (%s); their calls are held "
+                       "to a JSON object", ", ".join(loosened), error.message)
+        return replace(conversation, tools=tuple(tools))
+
+    def _schema_compiles(self, tool: FunctionTool, i: int, conversation: Conversation) -> bool:
+        schema = arguments_schema(GrammarTool(tool.name, tool.parameters or {}, tool.strict))
+        try:
+            self.grammars.compile(Constraint("json_schema", schema,
+                                             f"{conversation.tools_param}[{i}]"))
+        except RequestError:
+            return False
+        return True
 
     def _reasoning_kwargs(self, conversation: Conversation) -> dict[str, Any]:
         """Thinking asked on or off, and the reasoning effort, as the model's template

@@ -122,7 +122,7 @@ def _call_rules(plan: ToolGrammarPlan, template: CallTemplate, lark: Lark) -> li
         # "{index}" stays: the literal accepts any call number there.
         before = template.before.replace("{name}", tool.name)
         rules.append(f"call_{i}: {lark.literal(before)} args_{i} {after}".rstrip())
-        rules.append(f"args_{i}: %json {json.dumps(_schema(tool))}")
+        rules.append(f"args_{i}: %json {json.dumps(arguments_schema(tool))}")
     many = plan.parallel and plan.mode != "function" and not plan.tool_syntax.one_call
     between = lark.literal(template.between)
     repeat = f" ({between} call)*" if many and between else (" call*" if many else "")
@@ -181,7 +181,7 @@ def _harmony_grammar(plan: ToolGrammarPlan, lark: Lark) -> str:
     for i, tool in enumerate(tools):
         before = template.before.replace("{name}", tool.name)
         rules.append(f"call_{i}: {lark.literal(before)} args_{i}")
-        rules.append(f"args_{i}: %json {json.dumps(_schema(tool))}")
+        rules.append(f"args_{i}: %json {json.dumps(arguments_schema(tool))}")
     if plan.mode == "auto":
         rules += ["start: analysis? (call | final)",
                   "final: " + lark.literal("<|channel|>final<|message|>") + " FINAL",
@@ -191,7 +191,8 @@ def _harmony_grammar(plan: ToolGrammarPlan, lark: Lark) -> str:
     return "\n".join(rules) + "\n"
 
 
-def _schema(tool: GrammarTool) -> dict[str, Any]:
+def arguments_schema(tool: GrammarTool) -> dict[str, Any]:
+    """The JSON schema a tool's call arguments are written under, with kiln's options."""
     schema = dict(tool.parameters or _EMPTY_PARAMETERS)
     # A keyword llguidance cannot enforce fails a strict tool's request; a tool that is
     # not strict is held to the rest of its schema (lenient), as it would be to none at all

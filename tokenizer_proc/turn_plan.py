@@ -60,7 +60,8 @@ class TurnPlanner:
         if syntax.template is None:  # auto, for a family without a call template
             return self._free(parse, conv, budget)
         grammar = tool_grammar(ToolGrammarPlan(
-            self.syntax, syntax, tuple(GrammarTool(t.name, t.parameters or {}, t.strict) for t in tools),
+            self.syntax, syntax, tuple(GrammarTool(t.name, {} if t.loose else t.parameters or {}, t.strict)
+                              for t in tools),
             mode, conv.parallel_tool_calls, opened, budget), self._lark)
         param = conv.tool_choice_param if mode != "auto" else conv.tools_param
         return self._plan(parse, Constraint("lark", grammar, param))
