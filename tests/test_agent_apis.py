@@ -328,7 +328,11 @@ def test_reasoning_tokens_are_the_tokens_of_the_reasoning_block_with_its_markers
     for spec, deltas, want in (
             (think, ["<think>", "Let", " me", " see", "</think>", "\n\n", "Hi", "!"], 5),
             (harmony, ["<|channel|>analysis<|message|>", "Let", " me", "<|end|>",
-                       "<|start|>assistant<|channel|>final<|message|>", "Hi"], 4)):
+                       "<|start|>assistant<|channel|>final<|message|>", "Hi"], 4),
+            # The same, a token a delta: the analysis header counts with its message.
+            (harmony, ["<|channel|>", "analysis", "<|message|>", "Let", " me", "<|end|>",
+                       "<|start|>", "assistant", "<|channel|>", "final", "<|message|>",
+                       "Hi"], 6)):
         builder = ResponseBuilder("resp_1", {"model": MODEL}, spec)
         chat = ChatFormat("chatcmpl-1", MODEL, parse=spec)
         for text in deltas:

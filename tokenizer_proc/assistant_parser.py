@@ -584,6 +584,11 @@ class HarmonyParser(_Stepped):
         """Whether the text so far ends inside an analysis message's body (inline too)."""
         return self._in_body and self._analysis
 
+    @property
+    def in_header(self) -> bool:
+        """Whether the text so far ends between messages or inside a header."""
+        return not self._in_body
+
     def _begin_message(self, header: str, events: list[Event]) -> None:
         channel = _H_CHANNEL.search(header)
         recipient = _H_RECIPIENT.search(header)
@@ -655,11 +660,13 @@ class ReasoningCounter:
     """The output tokens of the deltas that were reasoning (began, ended or ran inside
     it): the usage's reasoning_tokens, alike streamed and whole. Reasoning kept inline
     counts too: OpenAI's count is of the tokens generated for reasoning, wherever their
-    text goes. Its own parse of the reasoning, apart from the output's."""
+    text goes. Its own parse of the reasoning, apart from the output's. Harmony: an
+    analysis message's header counts with it, however the deltas cut it."""
 
     def __init__(self, spec: ParseSpec) -> None:
         self.tokens = 0
         self._harmony = HarmonyParser() if spec.syntax.harmony else None
+        self._header = 0  # harmony: tokens of the message header being read
         markers = spec.syntax.reasoning
         self._splitter = (ReasoningSplitter(markers, spec.reasoning_open)
                           if markers is not None and self._harmony is None else None)
@@ -669,6 +676,12 @@ class ReasoningCounter:
         stage = self._harmony or self._splitter
         assert stage is not None
         events = stage.feed(text)
+        if self._harmony is not None and not before:
+            # A header is reasoning once it opens an analysis body: held until then.
+            if self._harmony.in_header:
+                self._header += tokens
+                return
+            tokens, self._header = tokens + (self._header if self._inside() else 0), 0
         if before or self._inside() or any(isinstance(e, ReasoningDelta) for e in events):
             self.tokens += tokens
 
