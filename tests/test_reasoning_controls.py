@@ -261,3 +261,16 @@ def test_mistral_templates_get_call_ids_of_their_form(demo):
     text = preparer._tokenizer.decode(request.input_ids)
     ids = [part.split()[1] for part in text.strip("[]").split("][")]
     assert len(ids) == 2 and ids[0] == ids[1] and len(ids[0]) == 9 and ids[0].isalnum()
+
+
+def test_a_template_that_refuses_an_effort_names_the_effort(demo):
+    """A template's own refusal of an effort value is the effort's 400, not the
+    messages'."""
+    picky = (EFFORT.replace("|effort=", "{% if reasoning_effort is defined and "
+                            "reasoning_effort == 'high' %}{{ raise_exception('no high') }}"
+                            "{% endif %}|effort="))
+    with pytest.raises(RequestError,
+                       match="rejected 'reasoning_effort' 'high': no high") as refused:
+        _render(demo, picky, "high")
+    assert refused.value.param == "reasoning_effort"
+    assert _render(demo, picky, "low") == "hi|effort=low"

@@ -517,19 +517,19 @@ class RequestPreparer:
         tools = ([t.template_dict() for t in conversation.tools]
                  if conversation.calls_tools else None)
         # The server's defaults, the effort's variables, then the request's own.
-        kwargs = {**self._template_kwargs, **self._reasoning_kwargs(conversation),
-                  **conversation.template_kwargs}
+        reasoning = self._reasoning_kwargs(conversation)
+        kwargs = {**self._template_kwargs, **reasoning, **conversation.template_kwargs}
         messages = template_messages(conversation.messages,
                                      chat_template_source(self._tokenizer))
 
-        def render(chat: list[dict[str, Any]]) -> str:
+        def render(chat: list[dict[str, Any]], variables: dict[str, Any]) -> str:
             return self._tokenizer.apply_chat_template(
                 chat, tools=tools, tokenize=False,
                 add_generation_prompt=generation_prompt and not conversation.continue_final,
-                continue_final_message=conversation.continue_final, **kwargs)
+                continue_final_message=conversation.continue_final, **variables)
 
         try:
-            return render(messages)
+            return render(messages, kwargs)
         # Templates ship with the model and may raise anything on input they dislike
         # (jinja's raise_exception for wrong role order, TypeError, ...).
         except Exception as exc:  # noqa: BLE001
@@ -539,9 +539,20 @@ class RequestPreparer:
         as_text = text_arguments(messages)
         if as_text is not messages:
             try:
-                return render(as_text)
+                return render(as_text, kwargs)
             except Exception:  # noqa: BLE001 - the first error is the one to report
                 pass
+        if conversation.reasoning_effort is not None and reasoning:
+            # The template refused the effort itself, if it takes the request without it.
+            try:
+                render(messages, {**self._template_kwargs, **conversation.template_kwargs})
+            except Exception:  # noqa: BLE001 - not the effort's doing
+                pass
+            else:
+                effort = conversation.reasoning_effort_param
+                raise RequestError(f"The chat template rejected '{effort}' "
+                                   f"{conversation.reasoning_effort!r}: {error}",
+                                   param=effort) from error
         raise RequestError(f"The chat template rejected the {param}: {error}",
                            param=param) from error
 
