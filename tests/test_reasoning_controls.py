@@ -274,3 +274,23 @@ def test_a_template_that_refuses_an_effort_names_the_effort(demo):
         _render(demo, picky, "high")
     assert refused.value.param == "reasoning_effort"
     assert _render(demo, picky, "low") == "hi|effort=low"
+
+
+def test_a_response_format_keyword_the_grammar_cannot_enforce_fails_strict_only(demo):
+    """A pydantic set (`uniqueItems`) in a schema that is not strict goes unenforced (as
+    OpenAI enforces nothing of such a schema); a strict one is refused by name."""
+    preparer = RequestPreparer.load("demo-tiny", str(demo))
+    schema = {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}
+
+    def chat(strict: bool | None) -> str | None:
+        fmt = {"type": "json_schema", "json_schema": {
+            "name": "t", "schema": schema, **({} if strict is None else {"strict": strict})}}
+        return preparer.chat(ChatCompletionRequest(
+            model="m", messages=[{"role": "user", "content": "hi"}], response_format=fmt,
+            max_tokens=8), "r0").sampling.grammar
+
+    assert chat(None) is not None and chat(False) is not None
+    with pytest.raises(RequestError, match="Unimplemented keys") as refused:
+        chat(True)
+    assert refused.value.param == "response_format.json_schema.schema"

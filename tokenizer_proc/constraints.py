@@ -36,11 +36,14 @@ ANY_JSON_OBJECT: dict[str, Any] = {"type": "object"}
 
 @dataclass(frozen=True)
 class Constraint:
-    """One request's constraint as the client gave it; `param` names its field in errors."""
+    """One request's constraint as the client gave it; `param` names its field in errors.
+    lenient (a JSON schema not `strict`): keywords llguidance cannot enforce are left
+    out instead of refusing the request."""
 
     kind: ConstraintKind
     source: str | dict[str, Any]  # a schema (object or JSON text), a regex or a grammar
     param: str
+    lenient: bool = False
 
 
 def one_constraint(fields: dict[str, Any]) -> Constraint | None:
@@ -67,7 +70,9 @@ def response_format_constraint(fmt: ResponseFormat | None,
                                param: str = "response_format") -> Constraint | None:
     """OpenAI's `response_format`: "text" (none), "json_object" (any JSON object) or
     "json_schema" (its `json_schema.schema`). The schema is enforced whether or not
-    `strict` is set: a constrained model cannot leave it anyway."""
+    `strict` is set: a constrained model cannot leave it anyway; `strict` decides what a
+    keyword llguidance cannot enforce does: refuse the request (strict) or go
+    unenforced (as OpenAI enforces nothing of a schema that is not strict)."""
     if fmt is None or fmt.type == "text":
         return None
     if fmt.type == "json_object":
@@ -78,7 +83,8 @@ def response_format_constraint(fmt: ResponseFormat | None,
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise RequestError(f"'{param}.json_schema.schema' is required when the type is "
                            "'json_schema'.", param=f"{param}.json_schema.schema")
-    return Constraint("json_schema", fmt.json_schema.schema_, f"{param}.json_schema.schema")
+    return Constraint("json_schema", fmt.json_schema.schema_, f"{param}.json_schema.schema",
+                      lenient=not fmt.json_schema.strict)
 
 
 Verdict = tuple[bool, list[str]]  # llguidance's (failed, messages)
@@ -217,7 +223,8 @@ def grammar_text(constraint: Constraint) -> str:
 
     source = constraint.source
     if constraint.kind == "json_schema":
-        return _json_schema_grammar(_schema(source, constraint.param), constraint.param)
+        return _json_schema_grammar(_schema(source, constraint.param), constraint.param,
+                                    constraint.lenient)
     assert isinstance(source, str)
     if not source:
         raise RequestError(f"'{constraint.param}' must not be empty.", param=constraint.param)
@@ -232,11 +239,12 @@ def grammar_text(constraint: Constraint) -> str:
     return LLMatcher.grammar_from_lark(source)
 
 
-def _json_schema_grammar(schema: dict[str, Any], param: str) -> str:
+def _json_schema_grammar(schema: dict[str, Any], param: str, lenient: bool = False) -> str:
     from llguidance import LLMatcher
 
+    defaults = {**JSON_DEFAULTS, "lenient": True} if lenient else JSON_DEFAULTS
     try:
-        return LLMatcher.grammar_from_json_schema(schema, defaults=JSON_DEFAULTS)  # type: ignore[arg-type]
+        return LLMatcher.grammar_from_json_schema(schema, defaults=defaults)  # type: ignore[arg-type]
     # Its documented refusal of a value JSON cannot carry, e.g. an integer past 64 bits
     # (Python's json reads any).
     except ValueError as exc:

@@ -24,7 +24,8 @@ class StreamOptions(_Strict):
 
 
 class JsonSchemaFormat(_Strict):
-    """`response_format.json_schema`: the schema is enforced whatever `strict` says."""
+    """`response_format.json_schema`: the schema is enforced whatever `strict` says;
+    `strict` refuses keywords the grammar cannot enforce (else they go unenforced)."""
 
     name: str | None = None
     description: str | None = None

@@ -143,7 +143,8 @@ def text_constraint_format(body: ResponsesRequest) -> ResponseFormat | None:
     fmt = body.text.format if body.text else None
     if fmt is None:
         return None
-    schema = JsonSchemaFormat(name=fmt.name, schema=fmt.schema_) if fmt.type == "json_schema" else None
+    schema = (JsonSchemaFormat(name=fmt.name, schema=fmt.schema_, strict=fmt.strict)
+              if fmt.type == "json_schema" else None)
     return ResponseFormat(type=fmt.type, json_schema=schema)
 
 
