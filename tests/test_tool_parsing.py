@@ -377,3 +377,37 @@ def test_a_tool_schema_the_grammar_cannot_compile_holds_its_calls_to_an_object(
     with pytest.raises(RequestError) as refused:
         chat(strict=True)
     assert refused.value.param == "tools"
+
+
+def test_strictness_comes_from_each_api_as_it_defines_it(tiny_model_dir: Path,
+                                                        tmp_path: Path) -> None:
+    """Responses' function tools are strict unless they say otherwise (OpenAI's default),
+    chat's and Anthropic's only when they say so: a keyword the grammar cannot enforce is
+    refused for strict tools alone."""
+    from tests.agent_models import family_model
+    from tokenizer_proc.errors import RequestError
+    from tokenizer_proc.messages_api import MessagesRequest, messages_conversation
+    from tokenizer_proc.prepare import RequestPreparer, SamplingInput
+    from tokenizer_proc.responses_api import ResponsesRequest, responses_conversation
+
+    preparer = RequestPreparer.load("m", str(family_model(tiny_model_dir, tmp_path, "hermes")))
+    odd = {"type": "object", "properties": {
+        "tags": {"type": "array", "items": {"type": "string"}, "uniqueItems": True}}}
+    sampling = SamplingInput(64, None, None, None, None)
+
+    def responses(**strict: bool) -> object:
+        body = ResponsesRequest.model_validate({"input": "go", "tools": [
+            {"type": "function", "name": "tag", "parameters": odd, **strict}]})
+        return preparer.turn(responses_conversation(body, [], False), sampling, "r")
+
+    def anthropic(**strict: bool) -> object:
+        body = MessagesRequest.model_validate({
+            "model": "m", "max_tokens": 64, "messages": [{"role": "user", "content": "go"}],
+            "tools": [{"name": "tag", "input_schema": odd, **strict}]})
+        return preparer.turn(messages_conversation(body, False), sampling, "r")
+
+    for strict_turn in (responses, lambda: anthropic(strict=True)):
+        with pytest.raises(RequestError, match="Unimplemented keys"):
+            strict_turn()
+    for loose_turn in (lambda: responses(strict=False), anthropic):
+        assert loose_turn().request.sampling.grammar is not None
