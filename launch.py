@@ -33,6 +33,7 @@ from ipc.messages.to_launcher import (LauncherMessage, ProcessFailed, ProcessPro
 from ipc.messages.to_tokenizer import EngineDead
 from ipc.process import STOP_SIGNAL, run_child, setup_logging
 from tokenizer_proc.chat_template import default_template_kwargs, template_text
+from tokenizer_proc.prepare import generation_overrides
 from tokenizer_proc.remote_code import UntrustedModelError, check_remote_code
 
 logger = logging.getLogger("launcher")
@@ -115,6 +116,7 @@ def config_from_args(argv: list[str] | None = None) -> ServerConfig:
     try:
         template = template_text(base.chat_template) if base.chat_template else ""
         default_template_kwargs(base.chat_template_kwargs)
+        generation_overrides(base.override_generation_config)
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from None
     # The environment keeps the key out of `ps` output, where the flag would show it.

@@ -286,6 +286,11 @@ class ServerConfig:
             "(temperature, top_p, top_k, min_p, repetition_penalty from its "
             "generation_config.json, where it sets them, and its max_new_tokens as a chat "
             "turn's length), 'openai' OpenAI's (temperature 1, no filters, no penalty).")})
+    override_generation_config: str = dataclasses.field(
+        default="", metadata={"help": "A JSON object of generation_config fields (temperature, "
+                                      "top_p, top_k, min_p, repetition_penalty, "
+                                      "max_new_tokens) that requests leaving them out get, "
+                                      "over the model's own, e.g. '{\"temperature\": 0.7}'."})
     tool_parser: str = dataclasses.field(
         default="auto", metadata={"help": "The model's tool-call format: 'auto' (from the "
                                           "tokenizer config and chat template), 'none', or "

@@ -88,3 +88,34 @@ def test_a_response_object_shows_the_sampling_it_used(tuned_model):
     used = _sampling(preparer)
     echo = request_echo(ResponsesRequest(input="hi"), "tuned", used)
     assert (echo["temperature"], echo["top_p"]) == (0.6, 0.95)
+
+
+def test_the_servers_overrides_win_over_the_models(tuned_model):
+    """--override-generation-config: the operator's values over the model's (and alone
+    under --sampling-defaults openai); a request's own still win; a bad one stops the
+    launcher naming it."""
+    import subprocess
+    import sys
+
+    from tokenizer_proc.prepare import generation_overrides
+
+    overrides = generation_overrides('{"temperature": 0.3, "max_new_tokens": 64}')
+    preparer = RequestPreparer.load("tuned", str(tuned_model), sampling_overrides=overrides)
+    assert preparer.sampling_defaults == {**RECOMMENDED, "temperature": 0.3,
+                                          "max_new_tokens": 64}
+    assert (_sampling(preparer).temperature, _sampling(preparer, temperature=1.0).temperature) \
+        == (0.3, 1.0)
+    alone = RequestPreparer.load("tuned", str(tuned_model), model_sampling=False,
+                                 sampling_overrides=overrides)
+    assert alone.sampling_defaults == {"temperature": 0.3, "max_new_tokens": 64}
+    for bad, why in (("[1]", "must be a JSON object"), ('{"seed": 1}', "not a sampling field"),
+                     ('{"top_p": 2}', "'top_p' must be in"), ('{"top_k": 1.5}', "an integer")):
+        with pytest.raises(ValueError, match=why):
+            generation_overrides(bad)
+    run = subprocess.run([sys.executable, "launch.py", "--model", str(tuned_model),
+                          "--override-generation-config", '{"temperature": -1}'],
+                         capture_output=True, text=True, timeout=60,
+                         cwd=Path(__file__).resolve().parent.parent)
+    assert run.returncode != 0
+    last = (run.stdout + run.stderr).rstrip().splitlines()[-1]
+    assert last.startswith("error: --override-generation-config: 'temperature' must be"), last

@@ -29,7 +29,7 @@ def run_tokenizer(config: ServerConfig) -> None:
     import uvloop
 
     from tokenizer_proc.chat_template import default_template_kwargs, is_inline
-    from tokenizer_proc.prepare import RequestPreparer
+    from tokenizer_proc.prepare import RequestPreparer, generation_overrides
     from tokenizer_proc.server import TokenizerServer
 
     model_path = config.model_path or config.model
@@ -38,16 +38,19 @@ def run_tokenizer(config: ServerConfig) -> None:
                                     config.tool_parser, config.reasoning_inline,
                                     config.context_length, config.chat_template_text,
                                     default_template_kwargs(config.chat_template_kwargs),
-                                    model_sampling=config.sampling_defaults == "model")
+                                    model_sampling=config.sampling_defaults == "model",
+                                    sampling_overrides=generation_overrides(
+                                        config.override_generation_config))
     preparer.start_grammar_build()  # in the background, while the worker loads the model
     if config.chat_template_text:
         given = config.chat_template
         logger.info("chat template: --chat-template's (%s)",
                     f"inline, {len(given)} characters" if is_inline(given) else given)
     if preparer.sampling_defaults:
-        logger.info("sampling a request leaves out: the model's (generation_config.json) %s; "
-                    "--sampling-defaults openai for OpenAI's",
-                    ", ".join(f"{k}={v}" for k, v in preparer.sampling_defaults.items()))
+        logger.info("sampling a request leaves out: %s (generation_config.json%s)",
+                    ", ".join(f"{k}={v}" for k, v in preparer.sampling_defaults.items()),
+                    " and --override-generation-config" if config.override_generation_config
+                    else "")
     if config.chat_template_kwargs:
         logger.info("chat template variables by default: %s", config.chat_template_kwargs)
     info = preparer.info

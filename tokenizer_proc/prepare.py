@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -30,7 +31,7 @@ from ipc.messages.client import GenerateRequest
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import TokenizedRequest
 from kiln_common.llguidance_tokenizer import ll_tokenizer, structured_output_supported
-from kiln_common.model_info import ModelInfo, load_model_info
+from kiln_common.model_info import SAMPLING_FIELDS, ModelInfo, load_model_info
 from tokenizer_proc.assistant_parser import ParseSpec
 from tokenizer_proc.chat_template import (TEMPLATE_EFFORTS, template_messages,
                                           template_variables, text_arguments,
@@ -182,15 +183,18 @@ class RequestPreparer:
                  grammars: GrammarCompiler | None = None, tool_parser: str = "auto",
                  reasoning_inline: bool = False, chat_template: str = "",
                  template_kwargs: dict[str, Any] | None = None,
-                 model_sampling: bool = True) -> None:
+                 model_sampling: bool = True,
+                 sampling_overrides: dict[str, Any] | None = None) -> None:
         if chat_template:
             tokenizer.chat_template = chat_template
         self._tokenizer = tokenizer
         self._template_kwargs = dict(template_kwargs or {})
         # What a request leaves out: the model's recommended sampling (model_sampling),
-        # each value checked as a request's would be; else OpenAI's defaults.
-        self.sampling_defaults = (_checked_defaults(info.sampling_defaults, info.vocab_size)
-                                  if model_sampling else {})
+        # each value checked as a request's would be, else OpenAI's defaults; the
+        # server's overrides (already checked) over either.
+        model = (_checked_defaults(info.sampling_defaults, info.vocab_size)
+                 if model_sampling else {})
+        self.sampling_defaults = {**model, **(sampling_overrides or {})}
         self.info = info
         self.grammars = grammars or GrammarCompiler(
             lambda: ll_tokenizer(tokenizer, info.eos_token_ids))
@@ -236,7 +240,8 @@ class RequestPreparer:
              tool_parser: str = "auto", reasoning_inline: bool = False,
              context_length: int = 0, chat_template: str = "",
              template_kwargs: dict[str, Any] | None = None,
-             model_sampling: bool = True) -> "RequestPreparer":
+             model_sampling: bool = True,
+             sampling_overrides: dict[str, Any] | None = None) -> "RequestPreparer":
         """Load the model's tokenizer and facts from its directory (context_length: the
         server's limit, 0 for the model's; the rest as the constructor takes them)."""
         from transformers import AutoTokenizer  # slow import, only where needed
@@ -246,7 +251,7 @@ class RequestPreparer:
         return cls(tokenizer, load_model_info(name, model_path, tokenizer, context_length),
                    tool_parser=tool_parser, reasoning_inline=reasoning_inline,
                    chat_template=chat_template, template_kwargs=template_kwargs,
-                   model_sampling=model_sampling)
+                   model_sampling=model_sampling, sampling_overrides=sampling_overrides)
 
     # --- entry points -------------------------------------------------------------
 
@@ -803,33 +808,55 @@ def _given(value: Any, default: Any) -> Any:
     return default if value is None else value
 
 
+def generation_value(name: str, value: Any, vocab_size: int) -> float | int:
+    """A generation_config field's value as a request's would be checked (a RequestError
+    otherwise): top_k and max_new_tokens as integers."""
+    if name not in SAMPLING_FIELDS:
+        raise RequestError(f"'{name}' is not a sampling field ({', '.join(SAMPLING_FIELDS)}).",
+                           param=name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise RequestError(f"'{name}' must be a number.", param=name)
+    if name in ("top_k", "max_new_tokens"):
+        if not float(value).is_integer() or (name == "max_new_tokens" and value < 1):
+            kind = "an integer" if name == "top_k" else "a positive integer"
+            raise RequestError(f"'{name}' must be {kind}.", param=name)
+        value = int(value)
+    checks: dict[str, Callable[[Any], Any]] = {
+        "temperature": _temperature, "top_p": _top_p, "min_p": _min_p,
+        "repetition_penalty": _repetition_penalty,
+        "top_k": lambda v: _top_k(v, vocab_size), "max_new_tokens": lambda v: v}
+    checks[name](value)
+    return value
+
+
 def _checked_defaults(defaults: dict[str, float], vocab_size: int) -> dict[str, Any]:
     """The model's sampling defaults that a request could set itself; one out of range is
     dropped, with a warning (the model's file, not the client, is wrong)."""
-    def top_k(value: float) -> None:
-        if not float(value).is_integer():
-            raise RequestError("'top_k' must be an integer.", param="top_k")
-        _top_k(int(value), vocab_size)
-
-    def max_new_tokens(value: float) -> None:
-        if not (float(value).is_integer() and value >= 1):
-            raise RequestError("'max_new_tokens' must be a positive integer.",
-                               param="max_new_tokens")
-
-    checks: dict[str, Callable[[Any], Any]] = {
-        "temperature": _temperature, "top_p": _top_p, "min_p": _min_p,
-        "repetition_penalty": _repetition_penalty, "top_k": top_k,
-        "max_new_tokens": max_new_tokens}
     kept: dict[str, Any] = {}
     for name, value in defaults.items():
         try:
-            checks[name](value)
+            kept[name] = generation_value(name, value, vocab_size)
         except RequestError as exc:
             logger.warning("generation_config.json's %s %r is not used: %s", name, value,
                            exc.message)
-            continue
-        kept[name] = int(value) if name in ("top_k", "max_new_tokens") else value
     return kept
+
+
+def generation_overrides(value: str, vocab_size: int = 2**31 - 1) -> dict[str, Any]:
+    """--override-generation-config: a JSON object of generation_config fields that win
+    over the model's; raises ValueError naming what is wrong."""
+    if not value:
+        return {}
+    try:
+        fields = json.loads(value)
+    except ValueError:
+        raise ValueError("--override-generation-config must be a JSON object") from None
+    if not isinstance(fields, dict):
+        raise ValueError("--override-generation-config must be a JSON object")
+    try:
+        return {name: generation_value(name, v, vocab_size) for name, v in fields.items()}
+    except RequestError as exc:
+        raise ValueError(f"--override-generation-config: {exc.message}") from None
 
 
 def _temperature(value: float | None) -> float:
