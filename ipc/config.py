@@ -7,6 +7,7 @@ process invents an address of its own.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +42,20 @@ def _auto_on_off(help_text: str) -> Any:
     """A three-way switch: auto (the engine picks for the device), on or off."""
     return dataclasses.field(default="auto",
                              metadata={"choices": ("auto", "on", "off"), "help": help_text})
+
+
+def json_object_flag(flag: str, value: str) -> dict[str, Any]:
+    """A flag holding a JSON object (--chat-template-kwargs, ...): {} when empty; raises
+    ValueError naming the flag otherwise."""
+    if not value:
+        return {}
+    try:
+        parsed = json.loads(value)
+    except ValueError:
+        parsed = None
+    if not isinstance(parsed, dict):
+        raise ValueError(f"{flag} must be a JSON object")
+    return parsed
 
 
 def switch_on(value: str, auto: bool) -> bool:

@@ -14,6 +14,7 @@ import string
 from pathlib import Path
 from typing import Any
 
+from ipc.config import json_object_flag
 from tokenizer_proc.conversation import RESERVED_TEMPLATE_KWARGS
 
 
@@ -60,14 +61,7 @@ def _compile(text: str) -> None:
 def default_template_kwargs(value: str) -> dict[str, Any]:
     """--chat-template-kwargs as a dict: a JSON object of template variables that requests
     may override, none of them one the server sets itself. Raises ValueError otherwise."""
-    if not value:
-        return {}
-    try:
-        kwargs = json.loads(value)
-    except ValueError:
-        raise ValueError("--chat-template-kwargs must be a JSON object") from None
-    if not isinstance(kwargs, dict):
-        raise ValueError("--chat-template-kwargs must be a JSON object")
+    kwargs = json_object_flag("--chat-template-kwargs", value)
     reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(kwargs))
     if reserved:
         raise ValueError(f"--chat-template-kwargs may not set {reserved[0]!r}: the server "

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
-import json
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
@@ -27,6 +26,7 @@ from typing import Any, Callable, Iterator, TypeVar
 import msgspec
 from pydantic import BaseModel
 
+from ipc.config import json_object_flag
 from ipc.messages.client import GenerateRequest
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import TokenizedRequest
@@ -845,14 +845,7 @@ def _checked_defaults(defaults: dict[str, float], vocab_size: int) -> dict[str, 
 def generation_overrides(value: str, vocab_size: int = 2**31 - 1) -> dict[str, Any]:
     """--override-generation-config: a JSON object of generation_config fields that win
     over the model's; raises ValueError naming what is wrong."""
-    if not value:
-        return {}
-    try:
-        fields = json.loads(value)
-    except ValueError:
-        raise ValueError("--override-generation-config must be a JSON object") from None
-    if not isinstance(fields, dict):
-        raise ValueError("--override-generation-config must be a JSON object")
+    fields = json_object_flag("--override-generation-config", value)
     try:
         return {name: generation_value(name, v, vocab_size) for name, v in fields.items()}
     except RequestError as exc:
