@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import jsonschema
 import numpy as np
@@ -289,6 +289,25 @@ def test_auto_grammar_finishes_a_started_call_under_the_schema(walker: Walker,
     assert not all(call_matcher.consume_token(t) for t in bad)  # no such function
 
 
+def _hermes_call_writer(preparer: Any) -> Callable[[str, str, str], bool]:
+    """Whether a tools grammar lets a model write a Hermes call of `name` with these
+    arguments (JSON text), token by token in the preparer's tokenizer."""
+    from llguidance import LLMatcher
+
+    from kiln_common.llguidance_tokenizer import ll_tokenizer
+
+    tokenizer = preparer._tokenizer
+    ll = ll_tokenizer(tokenizer, [tokenizer.eos_token_id])
+
+    def writes(grammar: str, name: str, arguments: str) -> bool:
+        matcher = LLMatcher(ll, grammar)
+        text = f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
+        return all(matcher.consume_token(t)
+                   for t in tokenizer.encode(text, add_special_tokens=False))
+
+    return writes
+
+
 def test_a_tool_schema_keyword_the_grammar_cannot_enforce_fails_strict_tools_only(
         tiny_model_dir: Path, tmp_path: Path) -> None:
     """An agent's tool with `uniqueItems`, `not` or `if` (MCP tools have them) still gets
@@ -312,24 +331,14 @@ def test_a_tool_schema_keyword_the_grammar_cannot_enforce_fails_strict_tools_onl
             messages=[{"role": "user", "content": "tag it"}], tool_choice=choice,
             tools=[{"type": "function", "function": function}], max_tokens=64), "r")
 
-    from llguidance import LLMatcher
-
-    from kiln_common.llguidance_tokenizer import ll_tokenizer
-
-    tokenizer = preparer._tokenizer
-    ll = ll_tokenizer(tokenizer, [tokenizer.eos_token_id])
-
-    def writes(grammar: str, arguments: str) -> bool:
-        matcher = LLMatcher(ll, grammar)
-        text = f'<tool_call>\n{{"name": "tag", "arguments": {arguments}}}\n</tool_call>'
-        return all(matcher.consume_token(t)
-                   for t in tokenizer.encode(text, add_special_tokens=False))
+    writes = _hermes_call_writer(preparer)
 
     for choice in ("auto", "required"):
         grammar = chat(None, choice).sampling.grammar
         assert grammar is not None and chat(False, choice).sampling.grammar is not None
         # The rest of the schema still holds: tags are an array of strings.
-        assert writes(grammar, '{"tags": ["a", "b"]}') and not writes(grammar, '{"tags": 5}')
+        assert (writes(grammar, "tag", '{"tags": ["a", "b"]}')
+                and not writes(grammar, "tag", '{"tags": 5}'))
         with pytest.raises(RequestError, match="Unimplemented keys") as refused:
             chat(True, choice)
         # The grammar's field: the tools in auto, the forcing tool_choice otherwise.
@@ -341,9 +350,6 @@ def test_a_tool_schema_the_grammar_cannot_compile_holds_its_calls_to_an_object(
     """A schema llguidance cannot build at all (a look-around `pattern`: no keyword to
     leave out) no longer fails an agent's every request: that tool's calls are held to a
     JSON object, the other tools to their schemas; a strict tool so written is refused."""
-    from llguidance import LLMatcher
-
-    from kiln_common.llguidance_tokenizer import ll_tokenizer
     from tests.agent_models import family_model
     from tokenizer_proc.errors import RequestError
     from tokenizer_proc.prepare import RequestPreparer
@@ -362,15 +368,7 @@ def test_a_tool_schema_the_grammar_cannot_compile_holds_its_calls_to_an_object(
             messages=[{"role": "user", "content": "go"}], tools=tools, max_tokens=64),
             "r").sampling.grammar
 
-    tokenizer = preparer._tokenizer
-    ll = ll_tokenizer(tokenizer, [tokenizer.eos_token_id])
-
-    def writes(grammar: str, name: str, arguments: str) -> bool:
-        matcher = LLMatcher(ll, grammar)
-        text = f'<tool_call>\n{{"name": "{name}", "arguments": {arguments}}}\n</tool_call>'
-        return all(matcher.consume_token(t)
-                   for t in tokenizer.encode(text, add_special_tokens=False))
-
+    writes = _hermes_call_writer(preparer)
     grammar = chat(strict=False)
     assert writes(grammar, "read", '{"path": "/etc/passwd", "other": 1}')  # any object
     assert writes(grammar, "count", '{"n": 3}') and not writes(grammar, "count", '{"n": "x"}')

@@ -350,7 +350,7 @@ class RequestPreparer:
             return False
         return True
 
-    def _reasoning_kwargs(self, conversation: Conversation) -> dict[str, Any]:
+    def _reasoning_kwargs(self, conversation: Conversation, source: str) -> dict[str, Any]:
         """Thinking asked on or off, and the reasoning effort, as the model's template
         takes them. Its switch (`enable_thinking`, Qwen3's and most; `thinking`,
         DeepSeek V3.1's) carries thinking on or off. The effort: low, medium or high in
@@ -358,7 +358,7 @@ class RequestPreparer:
         none or minimal as thinking off, or as nothing where the model does not reason at
         all; medium, the default, as thinking on (over a server default that turned it
         off), else nothing. Any other effort is refused: the model has no such control."""
-        variables = template_variables(chat_template_source(self._tokenizer))
+        variables = template_variables(source)
         switch = thinking_switch(variables)
         out: dict[str, Any] = {}
         if conversation.thinking is not None and switch:
@@ -522,10 +522,10 @@ class RequestPreparer:
         tools = ([t.template_dict() for t in conversation.tools]
                  if conversation.calls_tools else None)
         # The server's defaults, the effort's variables, then the request's own.
-        reasoning = self._reasoning_kwargs(conversation)
+        source = chat_template_source(self._tokenizer)
+        reasoning = self._reasoning_kwargs(conversation, source)
         kwargs = {**self._template_kwargs, **reasoning, **conversation.template_kwargs}
-        messages = template_messages(conversation.messages,
-                                     chat_template_source(self._tokenizer))
+        messages = template_messages(conversation.messages, source)
 
         def render(chat: list[dict[str, Any]], variables: dict[str, Any]) -> str:
             return self._tokenizer.apply_chat_template(
