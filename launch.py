@@ -32,8 +32,6 @@ from ipc.messages.to_launcher import (LauncherMessage, ProcessFailed, ProcessPro
                                       ProcessReady)
 from ipc.messages.to_tokenizer import EngineDead
 from ipc.process import STOP_SIGNAL, run_child, setup_logging
-from tokenizer_proc.chat_template import default_template_kwargs, template_text
-from tokenizer_proc.prepare import generation_overrides
 from tokenizer_proc.remote_code import UntrustedModelError, check_remote_code
 
 logger = logging.getLogger("launcher")
@@ -113,6 +111,11 @@ def config_from_args(argv: list[str] | None = None) -> ServerConfig:
         raise SystemExit(f"error: {exc}") from None
     if base.adapter_path:
         check_adapters(base.adapter_path)
+    # Here, not at the top: every child (spawned) imports this module again, and these
+    # pull in the front's request models.
+    from tokenizer_proc.chat_template import default_template_kwargs, template_text
+    from tokenizer_proc.prepare import generation_overrides
+
     try:
         template = template_text(base.chat_template) if base.chat_template else ""
         default_template_kwargs(base.chat_template_kwargs)
