@@ -40,7 +40,8 @@ from tokenizer_proc.constraints import (Constraint, GrammarCompiler, native_cons
                                         response_format_constraint)
 from tokenizer_proc.conversation import Conversation, FunctionTool, chat_conversation
 from tokenizer_proc.errors import RequestError
-from tokenizer_proc.protocol import (ChatCompletionRequest, CompletionRequest, GenerateBody,
+from tokenizer_proc.protocol import (CACHE_RETENTIONS, SERVICE_TIERS, VERBOSITIES,
+                                     ChatCompletionRequest, CompletionRequest, GenerateBody,
                                      TokenizeRequest)
 from tokenizer_proc.tool_syntax import chat_template_source, detect_syntax
 from tokenizer_proc.tool_grammar import GrammarTool, arguments_schema
@@ -77,11 +78,10 @@ CHAT_UNSUPPORTED: dict[str, _IsDefault] = {
     # OpenAI's stored completions (read back by id, for evals) are not kept here; the
     # metadata that tags them is only taken where nothing is stored (as OpenAI ignores it).
     "store": _empty,
-    # Prefixes stay while memory allows: no time is promised.
-    "prompt_cache_retention": lambda v: v in (None, "in-memory", "in_memory"),
-    "service_tier": lambda v: v in (None, "auto", "default"),
+    "prompt_cache_retention": lambda v: v in CACHE_RETENTIONS,
+    "service_tier": lambda v: v in SERVICE_TIERS,
     # An open model has no verbosity control, nor other output modalities.
-    "verbosity": lambda v: v in (None, "medium"),
+    "verbosity": lambda v: v in VERBOSITIES,
     "modalities": lambda v: v in (None, ["text"]),
 }
 

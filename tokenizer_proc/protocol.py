@@ -141,6 +141,13 @@ class NamedToolChoice(_Strict):
     function: NamedFunction
 
 
+# The values of OpenAI's newer fields this server honours (chat and Responses alike): the
+# default service tier; prefixes kept while memory allows (no time promised); an open
+# model's one verbosity.
+SERVICE_TIERS = (None, "auto", "default")
+CACHE_RETENTIONS = (None, "in-memory", "in_memory")
+VERBOSITIES = (None, "medium")
+
 # OpenAI's reasoning effort levels (chat's `reasoning_effort`, Responses' `reasoning.effort`).
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
 

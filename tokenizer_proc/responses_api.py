@@ -37,7 +37,8 @@ from tokenizer_proc.conversation import (Conversation, FunctionTool, ToolChoice,
                                          check_template_kwargs, name_tool_results,
                                          template_call)
 from tokenizer_proc.errors import RequestError
-from tokenizer_proc.protocol import JsonSchemaFormat, ReasoningEffort, ResponseFormat
+from tokenizer_proc.protocol import (CACHE_RETENTIONS, SERVICE_TIERS, VERBOSITIES,
+                                     JsonSchemaFormat, ReasoningEffort, ResponseFormat)
 
 
 class _Strict(BaseModel):
@@ -115,10 +116,9 @@ def check_unsupported(body: ResponsesRequest) -> None:
     reasoning = body.reasoning or ReasoningSettings()
     for name, default in (("background", body.background in (None, False)),
                           ("truncation", body.truncation in (None, "disabled")),
-                          ("service_tier", body.service_tier in (None, "auto", "default")),
-                          # Prefixes stay while memory allows: no time is promised.
+                          ("service_tier", body.service_tier in SERVICE_TIERS),
                           ("prompt_cache_retention",
-                           body.prompt_cache_retention in (None, "in-memory", "in_memory")),
+                           body.prompt_cache_retention in CACHE_RETENTIONS),
                           # No summarizer: "auto" is the most detailed summary available,
                           # none (the reasoning itself comes as reasoning_text content).
                           ("reasoning.summary", reasoning.summary in (None, "auto")),
@@ -126,7 +126,7 @@ def check_unsupported(body: ResponsesRequest) -> None:
                            reasoning.generate_summary in (None, "auto")),
                           # An open model has no verbosity control: only OpenAI's default.
                           ("text.verbosity", body.text is None
-                           or body.text.verbosity in (None, "medium"))):
+                           or body.text.verbosity in VERBOSITIES)):
         if not default:
             raise RequestError(f"Parameter '{name}' is not supported by this server; leave "
                                "it out or set it to its default.", param=name,
