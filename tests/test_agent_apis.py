@@ -152,7 +152,7 @@ def test_responses_forced_call_then_output_continues_by_previous_id(oai: openai.
     first = oai.responses.create(model=MODEL, input="Weather in Paris?", tools=RESPONSES_TOOLS,
                                  tool_choice="required", instructions="Use the tools.",
                                  max_output_tokens=300)
-    assert first.status == "completed"
+    assert first.status == "completed" and first.id.startswith("resp_")  # OpenAI's id form
     calls = [item for item in first.output if item.type == "function_call"]
     assert calls and all(_valid(c.name, c.arguments) for c in calls)
     second = oai.responses.create(
@@ -375,7 +375,7 @@ def test_messages_forced_tool_use(claude: anthropic.Anthropic) -> None:
     r = claude.messages.create(model=MODEL, max_tokens=300, messages=ASK, tools=ANTHROPIC_TOOLS,
                                tool_choice={"type": "tool", "name": "get_weather"},
                                system="You use tools.")
-    assert r.stop_reason == "tool_use"
+    assert r.stop_reason == "tool_use" and r.id.startswith("msg_")  # Anthropic's id form
     uses = [b for b in r.content if b.type == "tool_use"]
     assert len(uses) == 1 and uses[0].name == "get_weather" and uses[0].id.startswith("toolu_")
     _valid("get_weather", uses[0].input)

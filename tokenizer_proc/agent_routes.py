@@ -53,7 +53,7 @@ class AgentRoutes:
         fmt = response_format_constraint(responses_api.text_constraint_format(body), "text.format")
         sampling = SamplingInput(body.max_output_tokens, body.temperature, body.top_p, None,
                                  None, "max_output_tokens", constraint=fmt)
-        rid = new_id("resp")
+        rid = new_id("resp", "_")
         prep = self._preparer
         turn = await prep.run(prep.turn, conversation, sampling, rid)
         builder = responses_api.ResponseBuilder(
@@ -109,7 +109,7 @@ class AgentRoutes:
         # max_tokens 0 computes (and caches) the prompt alone: Anthropic's cache warm-up.
         sampling = SamplingInput(body.max_tokens, body.temperature, body.top_p, body.top_k,
                                  None, stop=body.stop_sequences, max_tokens_floor=0)
-        rid = new_id("msg")
+        rid = new_id("msg", "_")
         prep = self._preparer
         turn = await prep.run(prep.turn, conversation, sampling, rid)
         builder = messages_api.MessageBuilder(rid, prep.info.name, turn.parse)

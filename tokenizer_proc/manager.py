@@ -33,8 +33,10 @@ class StatsUnavailable(Exception):
     """The scheduler did not answer a stats query in time."""
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+def new_id(prefix: str, sep: str = "-") -> str:
+    """A request id in the form its API's clients know: OpenAI's chat and completion ids
+    join with "-" (chatcmpl-...), Responses' and Anthropic's with "_" (resp_..., msg_...)."""
+    return f"{prefix}{sep}{uuid.uuid4().hex}"
 
 
 def is_terminal(output: TextOutput) -> bool:
