@@ -30,6 +30,10 @@
 # install calls, then export PYTHONPATH=~/site:$PWD). The wheels kiln needs there:
 #   bash ../shared/gpu/prepare.sh msgspec fastapi uvicorn setproctitle prometheus-client \
 #       regex pytest-xdist execnet    # (+ llguidance: pip download --platform manylinux_2_31_x86_64)
+# A call carries 64 MiB with the tree (~7 MB): .dev/gpu_a's half wheel (46 MB) leaves room
+# for nvidia-cuda-cupti (11 MB, installed from ~/stash later), .dev/gpu_b (~47 MB with the
+# wheels above, 9 MB) none for the other CUPTI wheels (cuda-bindings alone is 8 MB): those
+# go in a third call's folder (bench/device_timeline.py lists them).
 # With pytest-xdist the tests parts run in TEST_WORKERS processes: on a fresh machine most
 # of their time is the kernels' first compiles (NVRTC), which then run side by side.
 set -uo pipefail
