@@ -52,6 +52,11 @@ CPU_PREFILL_PADDING = 0.0
 # beside a 74 GB pool). A chunk longer than this still runs whole (--chunked-prefill-size
 # bounds those). mlx-lm prefills in steps of 2048 too.
 PREFILL_FORWARD_TOKENS = 2048
+# A mixed forward's rows (its chunk's padded width, then one a decode row) are padded to a
+# multiple of this with rows that touch only the scratch slot: cuBLAS picks slow tilings
+# for some row counts just past a multiple of 64 (a 512-token chunk beside 33-36 decode
+# rows: the forward's GEMMs ~1.3x those of 576 rows; docs/benchmarks.md, session 35).
+MIXED_FORWARD_ROWS = 64
 
 
 @dataclass(frozen=True)
@@ -470,24 +475,29 @@ class ModelRunner:
         staging.begin()
         chunk_layout = ForwardLayout.prefill(self.table[[state.row]], np.array([chunk.start]),
                                              np.array([n]), None, staging.add, width)
-        rows_layout = ForwardLayout.decode(self.table[rows], lengths, stage=staging.add)
-        tokens = np.zeros(padded, dtype=np.int32)
+        # Pad rows: length 1 over a table row of zeros, so each reads and writes the
+        # scratch slot 0 alone (as compiled decode's pad rows); their outputs are dropped.
+        pad = -(padded + len(states)) % MIXED_FORWARD_ROWS
+        table_rows = np.concatenate([self.table[rows], np.zeros((pad, self.table.shape[1]),
+                                                                dtype=self.table.dtype)])
+        rows_layout = ForwardLayout.decode(table_rows, np.concatenate(
+            [lengths, np.ones(pad, dtype=lengths.dtype)]), stage=staging.add)
+        tokens = np.zeros(padded + pad, dtype=np.int32)
         tokens[:n] = chunk.token_ids
         chunk_tokens, = staging.add(tokens)
         caches = build_mixed_caches(self.pool, chunk_layout, rows_layout, padded)
         self.mixed_forwards += 1
         split = self._forwards.split
-        hidden = split.backbone(mx.concatenate([chunk_tokens, row_tokens])[None],
-                                cache=caches)[0]
+        inputs = [chunk_tokens[:padded], row_tokens] + ([chunk_tokens[padded:]] if pad else [])
+        hidden = split.backbone(mx.concatenate(inputs)[None], cache=caches)[0]
         check_written(caches)
         state.length += n
         for s in states:
             s.length += 1
+        row_hidden = hidden[padded:padded + len(states)]
         if not chunk.sample:
-            return None, split.head(hidden[padded:])
-        last = (hidden[n - 1:] if padded == n
-                else mx.concatenate([hidden[n - 1:n], hidden[padded:]]))
-        logits = split.head(last)
+            return None, split.head(row_hidden)
+        logits = split.head(mx.concatenate([hidden[n - 1:n], row_hidden]))
         return logits[:1], logits[1:]
 
     def _load_snapshots(self, states: list[RequestState], stage: Stage) -> None:
