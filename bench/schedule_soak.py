@@ -18,7 +18,12 @@ of the worker's paths:
 - paged prefill: the kernel path with `--experiments paged-prefill` (prefill attention
   read from the pool, `worker_proc/paged_prefill.py`, stood in for), on the family's
   model with heads of 64 (the kernel takes 64 to 256) where its config takes a head size
-  (the kernel's calls are counted: 0 where it never serves the family's layers).
+  (the kernel's calls are counted: 0 where it never serves the family's layers);
+- mixed forward: the kernel path with `--experiments mixed-forward` (a step's lone prompt
+  chunk in its decode rows' forward, rows padded with scratch-slot rows), where every
+  block can run it (ModelRunner.mixes_rows: llama, qwen3, qwen3_moe among the families;
+  the forwards are counted, and elsewhere the runner keeps the two forwards apart, so
+  this is the kernel path again).
 
 With `--eos`, every request stops at a token some of the schedule's mlx-lm outputs hold
 (mlx-lm's tokens then end before it). With `--sampled`, requests draw seeded sampling
@@ -62,7 +67,7 @@ from worker_proc.decode_block import speed_up_decode_blocks  # noqa: E402
 from worker_proc.fused_projections import fuse_projections  # noqa: E402
 from worker_proc.offset_norms import sum_offset_norms  # noqa: E402
 
-PATHS = ("plain", "kernel", "in place", "paged prefill")
+PATHS = ("plain", "kernel", "in place", "paged prefill", "mixed forward")
 HEAD_DIM = 64  # the paged prefill path's heads
 
 
@@ -75,7 +80,7 @@ class Outcome:
     preempted: bool
     hit: bool
     seconds: float
-    kernel_calls: int  # the paged prefill kernel's (stood in for)
+    kernel_calls: int  # the paged prefill kernel's (stood in for), or the mixed forwards
     aborted: int  # requests aborted before they finished
     refused: int  # requests admission refused (more than the pool could ever hold)
 
@@ -127,6 +132,8 @@ def engine_options(path: str, own_caches: bool) -> dict[str, Any]:
         return {"backend": StandInInPlaceKernels()}
     if path == "paged prefill":
         return {"backend": CountingStandIn(paged_prefill=True), "compile_decode": True}
+    if path == "mixed forward":
+        return {"backend": StandInKernel(mixed_forward=True), "compile_decode": True}
     return {}
 
 
@@ -244,7 +251,8 @@ def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict,
         problems.append(f"idle invariant: {exc}")
     return Outcome(family, path, seed, problems, engine.scheduler.counters.preemptions > 0,
                    engine.scheduler.counters.cache_hit_tokens > 0, time.monotonic() - t0,
-                   CountingStandIn.calls, engine.aborted, refused)
+                   engine.runner.mixed_forwards if path == "mixed forward"
+                   else CountingStandIn.calls, engine.aborted, refused)
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -302,6 +310,7 @@ def main() -> None:
                 print(f"{status:8s} {family:22s} [{path}] seed {seed} ({out.seconds:.1f} s"
                       f"{', preempted' if out.preempted else ''}{', prefix hits' if out.hit else ''}"
                       f"{f', {out.kernel_calls} paged prefill calls' if path == 'paged prefill' else ''}"
+                      f"{f', {out.kernel_calls} mixed forwards' if path == 'mixed forward' else ''}"
                       f"{f', {out.aborted} aborted' if out.aborted else ''}"
                       f"{f', {out.refused} refused' if out.refused else ''})",
                       flush=True)
