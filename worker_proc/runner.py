@@ -477,6 +477,8 @@ class ModelRunner:
                                              np.array([n]), None, staging.add, width)
         # Pad rows: length 1 over a table row of zeros, so each reads and writes the
         # scratch slot 0 alone (as compiled decode's pad rows); their outputs are dropped.
+        # Their table rows are staged as wide as the real rows' (the longest context): at
+        # most 63 more rows of the eager decode layout's host copy.
         pad = -(padded + len(states)) % MIXED_FORWARD_ROWS
         table_rows = np.concatenate([self.table[rows], np.zeros((pad, self.table.shape[1]),
                                                                 dtype=self.table.dtype)])
