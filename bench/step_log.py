@@ -94,9 +94,37 @@ def summary(steps: list[Step], slow_ms: float, align: int, slow_build_ms: float 
     changed = sum(decodes_before.get(s.step, s.decodes) != s.decodes for s in slow_builds)
     lines.append(f"{len(slow_builds)} prefill steps built in >= {slow_build_ms:g} ms, {changed} "
                  f"of them where the decode batch changed size")
+    lines += chunk_costs(steps)
     lines.append(f"{len(slow)} with build + prefill start >= {slow_ms:g} ms:")
     lines += ["  " + s.describe() for s in slow]
     return "\n".join(lines)
+
+
+def chunk_costs(steps: list[Step], busy_rows: int = 16) -> list[str]:
+    """Medians of what a step costs with one chunk beside `busy_rows`+ decode rows, by the
+    chunk's size (the three commonest), against such rows alone: how much a chunk adds to
+    the host's build and launch and to the tokens' return, and whether that grows with the
+    chunk (device-bound) or not (host-bound; session 35 in docs/benchmarks.md)."""
+    def med(group: list[Step], key: str) -> str:
+        values = [getattr(s, key) for s in group if getattr(s, key) is not None]
+        return f"{statistics.median(values):.1f}" if values else "-"
+
+    busy = [s for s in steps if s.decodes >= busy_rows]
+    by_size: dict[int, list[Step]] = {}
+    for s in busy:
+        if s.n_chunks == 1:
+            by_size.setdefault(s.tokens, []).append(s)
+    decode_only = [s for s in busy if not s.n_chunks]
+    lines = []
+    if decode_only:
+        lines.append(f"beside {busy_rows}+ decode rows, median ms: no chunk ({len(decode_only)} "
+                     f"steps) build {med(decode_only, 'build_ms')}, tokens back "
+                     f"{med(decode_only, 'back_ms')}")
+    for size, group in sorted(by_size.items(), key=lambda kv: -len(kv[1]))[:3]:
+        lines.append(f"  one {size}-token chunk ({len(group)} steps): build "
+                     f"{med(group, 'build_ms')}, prefill start {med(group, 'start_ms')}, "
+                     f"tokens back {med(group, 'back_ms')}")
+    return lines
 
 
 def table(steps: list[Step]) -> str:

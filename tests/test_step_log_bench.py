@@ -31,3 +31,14 @@ def test_steps_are_joined_and_the_slow_ones_named():
     # Step 8's 26 ms build followed step 7's 32 decode rows with 31.
     assert "1 prefill steps built in >= 20 ms, 1 of them where the decode batch changed size" in text
     assert table(steps).splitlines()[2] == "8 2 512 31 26.12 112.06 0.17 None 1@4096 511@0"
+
+
+def test_a_chunks_cost_is_set_against_decode_rows_alone():
+    """The chunk sizes' medians beside busy decode rows, and the rows' alone."""
+    steps = read_steps(LOG.splitlines())
+    steps[3].build_ms, steps[3].back_ms = 2.0, 18.0  # step 10: no chunk, 33 rows
+    text = summary(steps, slow_ms=30, align=512)
+    assert "no chunk (1 steps) build 2.0, tokens back 18.0" in text
+    assert "one 512-token chunk (1 steps): build 4.6, prefill start 6.4, tokens back 47.6" in text
+    assert "one 511-token chunk (1 steps): build 9.0, prefill start 12.0, tokens back -" in text
+    assert "2 prefill chunks" not in text and "one 1-token" not in text  # several: left out
