@@ -4,8 +4,8 @@
 #   bash bench/h200_run.sh [h200_compare.py flags, e.g. --smoke or --num-requests 2,8,32,64]
 #
 # Assumes PYTHONPATH already holds MLX's CUDA build and the repo (export PYTHONPATH=~/site:$PWD
-# after ../shared/gpu/README.md's two install calls; prepare.sh needs the engine's packages
-# the device image lacks: `bash ../shared/gpu/prepare.sh msgspec fastapi uvicorn setproctitle`).
+# after ../shared/gpu/README.md's two install calls, their folders made by
+# bench/device_wheels.sh with the engine's packages the device image lacks).
 # Writes kiln.json, mlx_lm.json, sweep.png, summary.txt, kiln.log, mlx_lm.log and run.log to
 # $OUT (default bench/results) and prints the summary table last. About 8 minutes.
 set -euo pipefail

@@ -27,13 +27,9 @@
 # below made small.
 #
 # Needs PYTHONPATH with MLX's CUDA build and the repo (../shared/gpu/README.md's two
-# install calls, then export PYTHONPATH=~/site:$PWD). The wheels kiln needs there:
-#   bash ../shared/gpu/prepare.sh msgspec fastapi uvicorn setproctitle prometheus-client \
-#       regex pytest-xdist execnet    # (+ llguidance: pip download --platform manylinux_2_31_x86_64)
-# A call carries 64 MiB with the tree (~7 MB): .dev/gpu_a's half wheel (46 MB) leaves room
-# for nvidia-cuda-cupti (11 MB, installed from ~/stash later), .dev/gpu_b (~47 MB with the
-# wheels above, 9 MB) none for the other CUPTI wheels (cuda-bindings alone is 8 MB): those
-# go in a third call's folder (bench/device_timeline.py lists them).
+# install calls, then export PYTHONPATH=~/site:$PWD). `bash bench/device_wheels.sh` makes
+# the folders those calls carry, with every wheel kiln needs there, each under a call's
+# 64 MiB (the timeline part's CUPTI wheels need a third call: its header says how).
 # With pytest-xdist the tests parts run in TEST_WORKERS processes: on a fresh machine most
 # of their time is the kernels' first compiles (NVRTC), which then run side by side.
 set -uo pipefail

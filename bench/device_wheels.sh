@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The wheels a device call needs, split so each call's carry fits its 64 MiB with the tree.
+#
+#   bash bench/device_wheels.sh
+#
+# Runs ../shared/gpu/prepare.sh (MLX's CUDA wheel in two halves, .dev/gpu_a and .dev/gpu_b)
+# with the wheels kiln serves with, adds llguidance (manylinux_2_31, which prepare.sh's
+# platform list skips) and the CUPTI wheels bench/device_timeline.py needs, then moves them
+# so that (with the ~7 MB tree):
+#   .dev/gpu_a  the wheel's first half and nvidia-cuda-cupti; first call:
+#               mkdir -p ~/stash && cp .dev/gpu_a/* ~/stash/
+#   .dev/gpu_b  the second half, every wheel kiln serves with and the tests parts' pytest
+#               and pytest-xdist; second call:
+#               bash .dev/gpu_b/install.sh && export PYTHONPATH=~/site:$PWD && ...
+#   .dev/gpu_c  the other CUPTI wheels (cuda-bindings alone is 8 MB): a third call, only for
+#               the timeline part:
+#               python3 -m pip install -q --no-index --no-deps --target ~/site_c \
+#                   ~/stash/nvidia_cuda_cupti-*.whl .dev/gpu_c/*.whl
+# and prints each folder's size against the limit.
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+bash ../shared/gpu/prepare.sh msgspec fastapi uvicorn setproctitle prometheus-client regex \
+    pytest-xdist execnet > /dev/null
+dl() { python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
+           --no-deps "$@"; }
+dl --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 -d .dev/gpu_b "llguidance>=1.7"
+rm -rf .dev/gpu_c && mkdir -p .dev/gpu_c
+dl --platform manylinux_2_28_x86_64 --platform manylinux_2_25_x86_64 --platform manylinux2014_x86_64 \
+    --platform any -d .dev/gpu_c cupti-python==13.0.1 nvidia-cuda-cupti==13.0.85 cuda-bindings \
+    cuda-pathfinder pyelftools
+mv .dev/gpu_c/nvidia_cuda_cupti-*.whl .dev/gpu_a/
+tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+limit=$((64 << 20))
+for d in gpu_a gpu_b gpu_c; do
+    size=$(du -sb ".dev/$d" | cut -f1)
+    echo ".dev/$d: $((size >> 20)) MiB + tree $((tree >> 20)) MiB of $((limit >> 20))$( \
+        [ $((size + tree)) -gt $limit ] && echo '  OVER THE LIMIT')"
+done
