@@ -16,6 +16,7 @@
 #               the timeline part:
 #               python3 -m pip install -q --no-index --no-deps --target ~/site_c \
 #                   ~/stash/nvidia_cuda_cupti-*.whl .dev/gpu_c/*.whl
+#               (the timeline part then finds ~/site_c itself: h200_session.sh)
 # and prints each folder's size against the limit.
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
@@ -29,7 +30,9 @@ dl --platform manylinux_2_28_x86_64 --platform manylinux_2_25_x86_64 --platform 
     --platform any -d .dev/gpu_c cupti-python==13.0.1 nvidia-cuda-cupti==13.0.85 cuda-bindings \
     cuda-pathfinder pyelftools
 mv .dev/gpu_c/nvidia_cuda_cupti-*.whl .dev/gpu_a/
-tree=$(git ls-files -z | xargs -0 du -cb | tail -1 | cut -f1)
+# What travels besides: tracked files and untracked ones git does not ignore.
+tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s \
+           | awk '{n += $1} END {print n + 0}')
 limit=$((64 << 20))
 for d in gpu_a gpu_b gpu_c; do
     size=$(du -sb ".dev/$d" | cut -f1)

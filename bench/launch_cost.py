@@ -1,6 +1,6 @@
 """What launching one op costs the host, by kind, at a prefill forward's shapes.
 
-    python bench/launch_cost.py                       # the device's default (CUDA: bf16)
+    python bench/launch_cost.py                       # bf16, an 8B layer's shapes
     python bench/launch_cost.py --rows 512 --context 4096 --layers 32
     python bench/launch_cost.py --dtype float32 --rows 16 --context 64 --hidden 256   # CPU smoke
 
@@ -14,7 +14,8 @@ into MLX's CUDA graphs and launching those; on the CPU the work itself), and the
 the results; per op, the median over `--repeats`. Kinds: a projection's GEMM, MLX's fused
 attention causal and with an additive bias (cuDNN on CUDA for heads up to 128), rms_norm,
 RoPE, a padding copy, a gather of the context's slots from a pool, SwiGLU's elementwise
-ops.
+ops. A kind is what its model code calls: some are several MLX ops (SwiGLU's sigmoid and
+two multiplies; a pad's fill and copy), so "per op" is per call.
 """
 
 from __future__ import annotations

@@ -110,20 +110,21 @@ def chunk_costs(steps: list[Step], busy_rows: int = 16) -> list[str]:
         return f"{statistics.median(values):.1f}" if values else "-"
 
     busy = [s for s in steps if s.decodes >= busy_rows]
-    by_size: dict[int, list[Step]] = {}
+    # A mixed forward's chunk starts no forward of its own: its steps are kept apart.
+    by_size: dict[tuple[int, bool], list[Step]] = {}
     for s in busy:
         if s.n_chunks == 1:
-            by_size.setdefault(s.tokens, []).append(s)
+            by_size.setdefault((s.tokens, s.mixed), []).append(s)
     decode_only = [s for s in busy if not s.n_chunks]
     lines = []
     if decode_only:
         lines.append(f"beside {busy_rows}+ decode rows, median ms: no chunk ({len(decode_only)} "
                      f"steps) build {med(decode_only, 'build_ms')}, tokens back "
                      f"{med(decode_only, 'back_ms')}")
-    for size, group in sorted(by_size.items(), key=lambda kv: -len(kv[1]))[:3]:
-        lines.append(f"  one {size}-token chunk ({len(group)} steps): build "
-                     f"{med(group, 'build_ms')}, prefill start {med(group, 'start_ms')}, "
-                     f"tokens back {med(group, 'back_ms')}")
+    for (size, mixed), group in sorted(by_size.items(), key=lambda kv: -len(kv[1]))[:3]:
+        lines.append(f"  one {size}-token chunk{', mixed forward' if mixed else ''} "
+                     f"({len(group)} steps): build {med(group, 'build_ms')}, prefill start "
+                     f"{med(group, 'start_ms')}, tokens back {med(group, 'back_ms')}")
     return lines
 
 

@@ -338,14 +338,28 @@ def test_llama_blocks_with_sliding_layers_prefill_and_decode_mlx_lm_tokens(path)
     _family_pair_decodes_as_mlx_lm(theirs, ours, path, seed=79)
 
 
+@pytest.mark.parametrize("multiple", [64, 1])
 @pytest.mark.parametrize("backend", ["scatter", "in place", "rope in kernel"])
 def test_a_chunk_riding_in_the_decode_forward_keeps_mlx_lm_tokens(tiny_model, oracle, fast_tiny,
-                                                                 backend, caplog):
+                                                                 backend, multiple, caplog,
+                                                                 monkeypatch):
     """--experiments mixed-forward: prompts arrive while others decode, and each step's
     lone chunk (a 16-token decode-first budget, prompts over several steps, one starting
     after a cached prefix, a prompt's last chunk padded to the 16-token bucket) runs in
     one forward with the decode rows (the steps between them compiled, on the scatter
-    pool). Every request gets mlx-lm's greedy tokens, and the steps did run mixed."""
+    pool), its rows padded to a multiple of 64 with scratch-slot rows (dense MLPs: the
+    runner's default) or not padded at all. Every request gets mlx-lm's greedy tokens,
+    the steps did run mixed, and each forward's rows were the multiple's."""
+    import worker_proc.runner as runner_module
+
+    totals = []
+
+    def spy(pool, chunk, rows, n_chunk):
+        totals.append(n_chunk + rows.lengths.shape[0])
+        return build(pool, chunk, rows, n_chunk)
+
+    build = runner_module.build_mixed_caches
+    monkeypatch.setattr(runner_module, "build_mixed_caches", spy)
     _, tokenizer = tiny_model
     eos = _eos(tokenizer)
     made = {"scatter": lambda: StandInKernel(mixed_forward=True),
@@ -356,7 +370,8 @@ def test_a_chunk_riding_in_the_decode_forward_keeps_mlx_lm_tokens(tiny_model, or
                              compile_decode=backend == "scatter",  # decode steps between
                              max_prefill_tokens_while_decoding=16,
                              chunk_align=16, tail_bucket=16)  # prompts' tails padded
-    assert engine.runner.mixes_rows
+    assert engine.runner.mixes_rows and engine.runner.mixed_rows_multiple == 64
+    engine.runner.mixed_rows_multiple = multiple
     vocab = fast_tiny.args.vocab_size
     early = _prompts(2, [5, 12], vocab, seed=41)
     late = _prompts(3, [70, 33, 50], vocab, seed=42)
@@ -370,7 +385,9 @@ def test_a_chunk_riding_in_the_decode_forward_keeps_mlx_lm_tokens(tiny_model, or
         engine.step()
     with caplog.at_level("DEBUG", logger="worker_proc"):
         results = engine.run_until_idle()
-    assert engine.runner.mixed_forwards >= 10
+    assert engine.runner.mixed_forwards >= 10 and len(totals) == engine.runner.mixed_forwards
+    assert all(t % multiple == 0 for t in totals)
+    assert multiple == 64 or any(t % 64 for t in totals)  # unpadded rows of other counts
     # The worker's step lines say so (bench/step_log.py counts them).
     assert "its chunk rode in the decode forward" in caplog.text
     for rid, p, n in [*((f"e{i}", p, 40) for i, p in enumerate(early)),
@@ -552,3 +569,19 @@ def test_cuda_residual_norm_kernel_matches_mlx_lm_ops(dim, dtype, next_norm):
         assert g.shape == w.shape and g.dtype == dtype
         g, w = np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
         np.testing.assert_allclose(g, w, rtol=2 * ulp, atol=4 * ulp * max(1.0, float(np.abs(w).mean())))
+
+
+def test_only_dense_mlps_take_padded_mixed_rows():
+    """Pad rows cost a dense MLP GEMM rows alone; a mixture of experts would route them,
+    so its runner leaves the rows unpadded (ModelRunner.mixed_rows_multiple)."""
+    from tests.families import build
+    from worker_proc.decode_block import dense_mlps
+
+    def served(family: str):
+        model = build(family)
+        fuse_projections(model)
+        speed_up_decode_blocks(model, residual_in_gemm=False)
+        return model
+
+    assert dense_mlps(served("llama")) and dense_mlps(served("qwen3"))
+    assert not dense_mlps(served("qwen3_moe")) and not dense_mlps(build("llama"))  # unfused

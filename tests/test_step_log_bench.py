@@ -34,11 +34,18 @@ def test_steps_are_joined_and_the_slow_ones_named():
 
 
 def test_a_chunks_cost_is_set_against_decode_rows_alone():
-    """The chunk sizes' medians beside busy decode rows, and the rows' alone."""
-    steps = read_steps(LOG.splitlines())
+    """The chunk sizes' medians beside busy decode rows (a mixed forward's apart), and
+    the rows' alone; steps of several chunks, or of few decode rows, are left out."""
+    few_rows = LOG + ("18:10:32   scheduler DEBUG   scheduler_proc: step 11: 1 prefill chunks "
+                      "(300 tokens, 300@0), 3 decodes\n"
+                      "18:10:32      worker DEBUG   worker_proc: step 11 built in 5.00 ms (and "
+                      "5.00 ms starting prefill forwards, 0.10 ms waiting for them)\n")
+    steps = read_steps(few_rows.splitlines())
     steps[3].build_ms, steps[3].back_ms = 2.0, 18.0  # step 10: no chunk, 33 rows
     text = summary(steps, slow_ms=30, align=512)
     assert "no chunk (1 steps) build 2.0, tokens back 18.0" in text
-    assert "one 512-token chunk (1 steps): build 4.6, prefill start 6.4, tokens back 47.6" in text
+    assert ("one 512-token chunk, mixed forward (1 steps): build 4.6, prefill start 6.4, "
+            "tokens back 47.6") in text
     assert "one 511-token chunk (1 steps): build 9.0, prefill start 12.0, tokens back -" in text
-    assert "2 prefill chunks" not in text and "one 1-token" not in text  # several: left out
+    lines = [line for line in text.splitlines() if line.startswith("  one ")]
+    assert len(lines) == 2  # not step 8's two chunks (512 tokens), nor step 11's 3 rows

@@ -460,6 +460,14 @@ def mixes_rows(model: nn.Module) -> bool:
     return bool(layers) and all(isinstance(b, FastDecodeBlock) for b in layers)
 
 
+def dense_mlps(model: nn.Module) -> bool:
+    """Whether every block's MLP is one dense SwiGLU (its gate and up fused, as
+    _after_attention runs it), not a mixture of experts: rows padded onto such a forward
+    cost GEMM rows only, where an expert layer would route them."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    return bool(layers) and all("gate_up_proj" in getattr(b, "mlp", {}) for b in layers)
+
+
 def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
     """Give every eligible block the decode call of FastDecodeBlock (mlx-lm's llama or
     qwen2 block, projections fused), FastGemma3Block or FastGptOssBlock (q/k/v fused);

@@ -24,7 +24,7 @@ from worker_proc.attention import (ForwardLayout, batches_ragged_rows, build_lay
                                    build_mixed_caches,
                                    check_written, install_attention_hook, pads_state_rows)
 from worker_proc.compiled_decode import CompiledDecode
-from worker_proc.decode_block import mixes_rows
+from worker_proc.decode_block import dense_mlps, mixes_rows
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool
 from worker_proc.prefill_forward import PrefillForwards, traceable
@@ -53,9 +53,11 @@ CPU_PREFILL_PADDING = 0.0
 # bounds those). mlx-lm prefills in steps of 2048 too.
 PREFILL_FORWARD_TOKENS = 2048
 # A mixed forward's rows (its chunk's padded width, then one a decode row) are padded to a
-# multiple of this with rows that touch only the scratch slot: cuBLAS picks slow tilings
-# for some row counts just past a multiple of 64 (a 512-token chunk beside 33-36 decode
-# rows: the forward's GEMMs ~1.3x those of 576 rows; docs/benchmarks.md, session 35).
+# multiple of this with rows that touch only the scratch slot, where every MLP is dense:
+# cuBLAS picks slow tilings for row counts past a multiple of 64 (on an H100 a 512-token
+# chunk beside 32-36 decode rows: the GEMMs 1.1-1.3x those of 576 rows; docs/benchmarks.md,
+# session 35; a few rows past 512, and the H200, unmeasured). Expert layers would route
+# the pad rows, so a mixture of experts keeps its rows as they are.
 MIXED_FORWARD_ROWS = 64
 
 
@@ -188,6 +190,7 @@ class ModelRunner:
         self.mixes_rows = (backend.mixed_forward and mixes_rows(model) and self.ragged
                            and self._forwards.split is not None and traceable(pool)
                            and not pool.has_states and self.window_table is None)
+        self.mixed_rows_multiple = MIXED_FORWARD_ROWS if dense_mlps(model) else 1
         # This build's time starting prefill forwards and waiting for earlier ones.
         self.clock = ForwardClock()
 
@@ -477,11 +480,11 @@ class ModelRunner:
                                              np.array([n]), None, staging.add, width)
         # Pad rows: length 1 over a table row of zeros, so each reads and writes the
         # scratch slot 0 alone (as compiled decode's pad rows); their outputs are dropped.
-        # Their table rows are staged as wide as the real rows' (the longest context): at
-        # most 63 more rows of the eager decode layout's host copy.
-        pad = -(padded + len(states)) % MIXED_FORWARD_ROWS
-        table_rows = np.concatenate([self.table[rows], np.zeros((pad, self.table.shape[1]),
-                                                                dtype=self.table.dtype)])
+        # The table's columns past the longest row are not copied (the layout reads none).
+        pad = -(padded + len(states)) % self.mixed_rows_multiple
+        columns = int(lengths.max())
+        table_rows = np.zeros((len(states) + pad, columns), dtype=self.table.dtype)
+        table_rows[:len(states)] = self.table[rows, :columns]
         rows_layout = ForwardLayout.decode(table_rows, np.concatenate(
             [lengths, np.ones(pad, dtype=lengths.dtype)]), stage=staging.add)
         tokens = np.zeros(padded + pad, dtype=np.int32)
