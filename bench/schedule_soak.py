@@ -20,10 +20,10 @@ of the worker's paths:
   model with heads of 64 (the kernel takes 64 to 256) where its config takes a head size
   (the kernel's calls are counted: 0 where it never serves the family's layers);
 - mixed forward: the kernel path with `--experiments mixed-forward` (a step's lone prompt
-  chunk in its decode rows' forward, rows padded with scratch-slot rows), where every
-  block can run it (ModelRunner.mixes_rows: llama, qwen3, qwen3_moe among the families;
-  the forwards are counted, and elsewhere the runner keeps the two forwards apart, so
-  this is the kernel path again).
+  chunk in its decode rows' forward, padded with scratch-slot rows where MLPs are dense),
+  where every block can run it (ModelRunner.mixes_rows: llama, qwen3, qwen3_moe among the
+  families; the forwards are counted, and elsewhere the runner keeps the two forwards
+  apart, so this is the kernel path again).
 
 With `--eos`, every request stops at a token some of the schedule's mlx-lm outputs hold
 (mlx-lm's tokens then end before it). With `--sampled`, requests draw seeded sampling
