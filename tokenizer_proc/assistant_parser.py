@@ -64,12 +64,14 @@ def new_call_id() -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
+# Mistral's call ids: 9 letters and digits (its templates refuse any other).
+SHORT_ID_CHARS = string.ascii_letters + string.digits
+SHORT_ID_LENGTH = 9
+
+
 def short_call_id() -> str:
-    """Mistral's form: 9 letters and digits (its templates refuse other ids)."""
-    return "".join(secrets.choice(_ID_CHARS) for _ in range(9))
-
-
-_ID_CHARS = string.ascii_letters + string.digits
+    """A new call id in Mistral's form."""
+    return "".join(secrets.choice(SHORT_ID_CHARS) for _ in range(SHORT_ID_LENGTH))
 
 
 class Stage(Protocol):

@@ -10,11 +10,11 @@ import functools
 import hashlib
 import json
 import re
-import string
 from pathlib import Path
 from typing import Any
 
 from ipc.config import json_object_flag
+from tokenizer_proc.assistant_parser import SHORT_ID_CHARS, SHORT_ID_LENGTH
 from tokenizer_proc.conversation import RESERVED_TEMPLATE_KWARGS
 
 
@@ -102,16 +102,15 @@ def template_variables(source: str) -> frozenset[str]:
 # Mistral's templates refuse a call id that is not 9 letters and digits (kiln writes such
 # ids for Mistral's calls; a client may send others: OpenAI's, Anthropic's).
 _NINE_CHAR_IDS = re.compile(r"length\s*!=\s*9")
-_ID_CHARS = string.ascii_letters + string.digits
 
 
 def _nine_char_id(call_id: str) -> str:
-    """The id itself when it has Mistral's form, else 9 letters and digits drawn from it
-    (the same for a call and the result that names it)."""
-    if len(call_id) == 9 and call_id.isascii() and call_id.isalnum():
+    """The id itself when it has Mistral's form (assistant_parser.short_call_id's), else
+    one of that form drawn from it (the same for a call and the result that names it)."""
+    if len(call_id) == SHORT_ID_LENGTH and call_id.isascii() and call_id.isalnum():
         return call_id
     digest = hashlib.sha256(call_id.encode("utf-8")).digest()
-    return "".join(_ID_CHARS[b % len(_ID_CHARS)] for b in digest[:9])
+    return "".join(SHORT_ID_CHARS[b % len(SHORT_ID_CHARS)] for b in digest[:SHORT_ID_LENGTH])
 
 
 def _nine_char_ids(message: dict[str, Any]) -> dict[str, Any]:
