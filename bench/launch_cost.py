@@ -15,12 +15,17 @@ the results; per op, the median over `--repeats`. Kinds: a projection's GEMM, ML
 attention causal and with an additive bias (cuDNN on CUDA for heads up to 128), rms_norm,
 RoPE, a padding copy, a gather of the context's slots from a pool, SwiGLU's elementwise
 ops. A kind is what its model code calls: some are several MLX ops (SwiGLU's sigmoid and
-two multiplies; a pad's fill and copy), so "per op" is per call.
+two multiplies; a pad's fill and copy), so "per op" is per call. "llama layer" is a whole
+decoder layer of mlx-lm's llama (its attention over its KVCache holding `--context - --rows`
+positions, and its MLP): per op there means per layer, so 32 of them are a forward's
+layers. MLX's CUDA launch settings are read from the environment at start-up
+(MLX_MAX_OPS_PER_BUFFER, MLX_USE_CUDA_GRAPHS, ...): run once per setting to compare.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -102,9 +107,35 @@ def kinds(s: Shapes) -> dict[str, Callable[[], Callable[[], mx.array]]]:
         mx.eval(a, b)
         return lambda: a * mx.sigmoid(a) * b
 
+    def llama_layer() -> Callable[[], mx.array]:
+        # mlx-lm's own block over its own cache, as mlx_lm.generate prefills a chunk after
+        # context - rows cached tokens: whether a whole layer's launch costs the sum of its
+        # ops', and whether MLX's cost is kiln's.
+        from mlx_lm.models.cache import KVCache
+        from mlx_lm.models.llama import ModelArgs, TransformerBlock
+
+        block = TransformerBlock(ModelArgs(
+            model_type="llama", hidden_size=s.hidden, num_hidden_layers=1,
+            intermediate_size=s.intermediate, num_attention_heads=s.heads,
+            num_key_value_heads=s.kv_heads, head_dim=s.head_dim, rms_norm_eps=1e-5,
+            vocab_size=32, rope_theta=500000.0))
+        block.set_dtype(d)
+        cache, before = KVCache(), ctx - rows
+        if before:
+            cache.update_and_fetch(*(_rand((1, s.kv_heads, before, s.head_dim), d)
+                                     for _ in range(2)))
+        x = _rand((1, rows, s.hidden), d)
+        mx.eval(block.parameters(), x, *([cache.keys, cache.values] if before else []))
+
+        def forward() -> mx.array:
+            cache.offset = before  # each run rewrites the same chunk's positions
+            return block(x, mask="causal", cache=cache)
+        return forward
+
     return {"gemm (qkv)": gemm, "attention, causal": attention(False),
             "attention, bias": attention(True), "rms_norm": rms_norm, "rope": rope,
-            "pad copy": pad, "gather (pool)": gather, "swiglu": swiglu}
+            "pad copy": pad, "gather (pool)": gather, "swiglu": swiglu,
+            "llama layer": llama_layer}
 
 
 def measure(kind: str, make: Callable[[], Callable[[], mx.array]], layers: int,
@@ -149,8 +180,9 @@ def main(argv: list[str] | None = None) -> list[Cost]:
     unknown = [k for k in wanted if k not in table]
     if unknown:
         p.error(f"unknown kinds {unknown}; known: {list(table)}")
+    settings = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MLX_"))
     print(f"{mx.default_device()}, {args.dtype}, {args.rows} rows over {args.context} keys, "
-          f"{args.layers} ops a launch")
+          f"{args.layers} ops a launch{', ' + settings if settings else ''}")
     print(f"{'kind':20s} {'build us/op':>12s} {'launch us/op':>13s} {'wait ms':>9s}")
     costs = []
     for kind in wanted:
