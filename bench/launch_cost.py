@@ -132,8 +132,8 @@ def kinds(s: Shapes) -> dict[str, Callable[[], Callable[[], mx.array]]]:
             return block(x, mask="causal", cache=cache)
         return forward
 
-    return {"gemm (qkv)": gemm, "attention, causal": attention(False),
-            "attention, bias": attention(True), "rms_norm": rms_norm, "rope": rope,
+    return {"gemm (qkv)": gemm, "attention (causal)": attention(False),
+            "attention (bias)": attention(True), "rms_norm": rms_norm, "rope": rope,
             "pad copy": pad, "gather (pool)": gather, "swiglu": swiglu,
             "llama layer": llama_layer}
 

@@ -13,7 +13,7 @@ SMALL = ["--dtype", "float32", "--rows", "8", "--context", "32", "--hidden", "64
 
 def test_every_kind_runs_and_reports_per_op_costs(capsys):
     costs = main(SMALL)
-    assert [c.kind for c in costs] == ["gemm (qkv)", "attention, causal", "attention, bias",
+    assert [c.kind for c in costs] == ["gemm (qkv)", "attention (causal)", "attention (bias)",
                                        "rms_norm", "rope", "pad copy", "gather (pool)", "swiglu",
                                        "llama layer"]
     assert all(c.build_us > 0 and c.launch_us > 0 and c.wait_ms >= 0 for c in costs)
