@@ -186,11 +186,22 @@ class Arm:
 
     @property
     def flags(self) -> list[str]:
-        return [*arm_flags(self.budget), *self.variant.split()]
+        return [*arm_flags(self.budget), *(w for w in self.variant.split() if not _is_setting(w))]
+
+    @property
+    def env(self) -> dict[str, str]:
+        """A variant's NAME=value words: the server's environment (MLX reads its CUDA
+        launch settings, such as MLX_MAX_OPS_PER_BUFFER, once per process)."""
+        return dict(w.split("=", 1) for w in self.variant.split() if _is_setting(w))
 
     @property
     def log_name(self) -> str:
         return f"mixed_{self.budget}" + (f"_v{self.index}" if self.variant else "") + ".log"
+
+
+def _is_setting(word: str) -> bool:
+    name, eq, _ = word.partition("=")
+    return bool(eq) and not word.startswith("-") and name.isidentifier()
 
 
 def arms_of(arms: str, variants: str) -> list[Arm]:
@@ -203,10 +214,10 @@ def arms_of(arms: str, variants: str) -> list[Arm]:
 
 def run_arm(arm: Arm, model_dir: Path, workload: Workload, args: argparse.Namespace) -> dict:
     server = start_kiln(str(model_dir), [*args.kiln_args.split(), *arm.flags],
-                        args.out / arm.log_name, args.ready_timeout)
+                        args.out / arm.log_name, args.ready_timeout, env=arm.env)
     try:
         asyncio.run(warm_up(server.url, model_dir, args))
-        result = {"arm": arm.label, "flags": arm.flags,
+        result = {"arm": arm.label, "flags": arm.flags, "env": arm.env,
                   **summarize(asyncio.run(run_mixed(server.url, workload, args.timeout)))}
     finally:
         stop_server(server)
@@ -256,7 +267,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--kiln-args", default="", help="extra launch.py flags for every arm")
     p.add_argument("--variants", default="",
                    help="';'-joined launch.py flags, each a variant every arm runs under "
-                        "(e.g. ';--experiments mixed-forward': as is, then with that flag)")
+                        "(e.g. ';--experiments mixed-forward': as is, then with that flag); "
+                        "NAME=value words are the server's environment")
     p.add_argument("--prime", action="store_true",
                    help="first start and stop a kiln server that is not measured (prime())")
     p.add_argument("--seed", type=int, default=0)

@@ -48,13 +48,15 @@ class FirstToken:
     cached_tokens: int
 
 
-def start_kiln(model_dir: str, extra: list[str], log: Path, timeout: float) -> ServerRun:
-    """kiln in its own process group (stop_server ends all its processes), answering."""
+def start_kiln(model_dir: str, extra: list[str], log: Path, timeout: float,
+               env: dict[str, str] | None = None) -> ServerRun:
+    """kiln in its own process group (stop_server ends all its processes), answering;
+    `env`: more environment for it."""
     port = free_port_pair()
     cmd = [sys.executable, "launch.py", "--model", model_dir, "--host", "127.0.0.1",
            "--port", str(port), *extra]
     print(f"starting kiln: {' '.join(cmd)}", flush=True)
-    server = start_server("kiln", cmd, port, log)
+    server = start_server("kiln", cmd, port, log, env=env)
     try:
         wait_ready(server, model_dir, timeout)
     except BaseException:
