@@ -105,6 +105,11 @@ if [ -n "$QUANTIZE" ] && [ -z "$FAMILY" ]; then
 fi
 mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
+# Every part's `timeout` runs --foreground: in this script's process group, so a timeout
+# around the whole script (a device call's) reaches the Python under it, whose SIGTERM
+# handler stops its servers. Without it each part's timeout made a group of its own, and a
+# server outlived the call, holding the GPU's memory (session 36: the next servers ran
+# out of memory).
 export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 
 # pytest-xdist's workers where it is installed (the tests compile kernels in parallel).
@@ -120,7 +125,7 @@ echo "== kernel tests"
 # (pytest then prints what passed and failed so far: a plain kill loses its piped output).
 # On a fresh machine the kernels' first compiles make this ~4x its warm 105 s (session 19:
 # 330 s were not enough), so run it first in a call of its own.
-timeout -s INT -k 15 540 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line --durations=8 "${XDIST[@]}" tests/test_paged_attention.py \
+timeout --foreground -s INT -k 15 540 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line --durations=8 "${XDIST[@]}" tests/test_paged_attention.py \
     tests/test_decode_block.py tests/test_gated_delta_cuda.py tests/test_worker.py \
     -k "kernel or in_place or staging or state or attention or block" > "$OUT/kernel_tests.txt" 2>&1
 tail -22 "$OUT/kernel_tests.txt"
@@ -128,7 +133,7 @@ fi
 
 if has families; then
 echo "== every architecture family on the CUDA path, against mlx-lm's forward"
-timeout -s INT -k 15 540 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line "${XDIST[@]}" tests/test_gpu_families.py \
+timeout --foreground -s INT -k 15 540 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line "${XDIST[@]}" tests/test_gpu_families.py \
     > "$OUT/family_tests.txt" 2>&1
 tail -12 "$OUT/family_tests.txt"
 fi
@@ -137,10 +142,10 @@ fi
 if has breakdown || has prefill || has timeline || has mixed || has sweep || has prefix || has longctx; then
 echo "== model"
 if [ -n "$FAMILY" ]; then
-timeout 240 "$PYTHON" bench/family_models.py "$FAMILY" "$MODEL" --dtype "$DTYPE" \
+timeout --foreground 240 "$PYTHON" bench/family_models.py "$FAMILY" "$MODEL" --dtype "$DTYPE" \
     ${QUANTIZE:+--quantize "$QUANTIZE"} 2>&1 | grep -v "RANDOM WEIGHTS"
 else
-timeout 90 "$PYTHON" - "$MODEL" "$DTYPE" <<'PY' 2>&1 | grep -v "RANDOM WEIGHTS"
+timeout --foreground 90 "$PYTHON" - "$MODEL" "$DTYPE" <<'PY' 2>&1 | grep -v "RANDOM WEIGHTS"
 import sys
 from pathlib import Path
 from bench.h200_compare import LLAMA3_8B, make_random_model
@@ -151,7 +156,7 @@ fi
 
 if has breakdown; then
 echo "== step breakdown"
-timeout $((150 + 90 * BREAKDOWN_ROUNDS)) "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes 1,64,128 --steps 16 \
+timeout --foreground $((150 + 90 * BREAKDOWN_ROUNDS)) "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes 1,64,128 --steps 16 \
     --prefill-batches 1,64 --profile-batch 128 --rounds "$BREAKDOWN_ROUNDS" \
     ${BREAKDOWN_VARIANTS:+--variants "$BREAKDOWN_VARIANTS"} \
     2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/step_breakdown.txt"
@@ -159,7 +164,7 @@ fi
 
 if has prefill; then
 echo "== prefill steps: host graph build, launch, wait (long prompts, 2048-token forwards)"
-timeout 400 "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes "" \
+timeout --foreground 400 "$PYTHON" bench/step_breakdown.py --model "$MODEL" --batch-sizes "" \
     --prefill-steps "$PREFILL_SCENARIOS" --prefill-runs "$PREFILL_RUNS" \
     ${PREFILL_VARIANTS:+--prefill-variants "$PREFILL_VARIANTS"} \
     2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/prefill_steps.txt"
@@ -167,7 +172,7 @@ fi
 
 if has attention; then
 echo "== decode attention kernel alone"
-timeout 300 "$PYTHON" bench/attention_kernel.py --batch-sizes 1,64,128 ${ATTENTION_ARGS:-} \
+timeout --foreground 300 "$PYTHON" bench/attention_kernel.py --batch-sizes 1,64,128 ${ATTENTION_ARGS:-} \
     --json "$OUT/attention_kernel.json" \
     2>&1 | tee "$OUT/attention_kernel.txt"
 fi
@@ -175,7 +180,7 @@ fi
 if has timeline; then
 echo "== device timeline of the served decode step (CUPTI)"
 PYTHONPATH=${PYTHONPATH:-}:$HOME/site_c LD_LIBRARY_PATH=$HOME/site_c/nvidia/cu13/lib:${LD_LIBRARY_PATH:-} \
-    timeout 300 "$PYTHON" bench/device_timeline.py --model "$MODEL" ${TIMELINE_ARGS:---batch-sizes 1,64,128} \
+    timeout --foreground 300 "$PYTHON" bench/device_timeline.py --model "$MODEL" ${TIMELINE_ARGS:---batch-sizes 1,64,128} \
     --json "$OUT/device_timeline.json" 2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/device_timeline.txt"
 fi
 
@@ -184,7 +189,7 @@ echo "== mixed traffic: $MIXED_STEADY streams decoding, $MIXED_BURST_REQUESTS x 
 # Each arm (start, warm-up, ~30 s of traffic, stop) should take ~2 minutes, 4 at most; the
 # part stops after 520 s (a device call has 600), keeping the arms done in mixed.json.
 arms=$(( $(tr ',' '\n' <<<"$MIXED_ARMS" | wc -l) * $(tr ';' '\n' <<<"${MIXED_VARIANTS:-x}" | wc -l) ))
-timeout $((arms * 240 < 520 ? arms * 240 : 520)) "$PYTHON" bench/mixed_traffic.py \
+timeout --foreground $((arms * 240 < 520 ? arms * 240 : 520)) "$PYTHON" bench/mixed_traffic.py \
     --model "$MODEL" --arms "$MIXED_ARMS" --kiln-args="$KILN_ARGS" --out "$OUT" \
     --steady-streams "$MIXED_STEADY" --steady-prompt-tokens 128 --steady-output-tokens 2000 \
     --steady-seconds 5 --burst-requests "$MIXED_BURST_REQUESTS" --burst-prompt-tokens 4096 --burst-output-tokens "$MIXED_BURST_OUTPUT" \
@@ -201,7 +206,7 @@ fi
 
 if has sweep; then
 echo "== serving, side by side"
-OUT=$OUT timeout $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MODEL" \
+OUT=$OUT timeout --foreground $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MODEL" \
     --total-seconds "$SWEEP_SECONDS" --servers "$SERVERS" \
     --concurrency "$CONCURRENCY" --num-requests "$NUM_REQUESTS" --kiln-args="$KILN_ARGS" \
     ${FAMILY:+--family "$FAMILY"} --dtype "$DTYPE" --length-spread "$LENGTH_SPREAD" \
@@ -215,14 +220,14 @@ fi
 
 if has prefix; then
 echo "== prefix cache: a cached prompt's follow-up against cold (kiln)"
-timeout 420 "$PYTHON" bench/prefix_cache.py --model "$MODEL" --prefix-tokens "$PREFIX_TOKENS" \
+timeout --foreground 420 "$PYTHON" bench/prefix_cache.py --model "$MODEL" --prefix-tokens "$PREFIX_TOKENS" \
     --kiln-args="$KILN_ARGS" --out "$OUT" --json "$OUT/prefix_cache.json" $PREFIX_ARGS \
     2>&1 | grep -v "RANDOM WEIGHTS" | tail -4
 fi
 
 if has longctx; then
 echo "== long context, side by side: $LONGCTX_STREAMS streams, $LONGCTX_WORDS-word prompts"
-OUT=$OUT/longctx timeout $((LONGCTX_SECONDS + 60)) bash bench/h200_run.sh --model-dir "$MODEL" \
+OUT=$OUT/longctx timeout --foreground $((LONGCTX_SECONDS + 60)) bash bench/h200_run.sh --model-dir "$MODEL" \
     ${FAMILY:+--family "$FAMILY"} --dtype "$DTYPE" --servers "$LONGCTX_SERVERS" \
     --no-check --kv-probe --concurrency "$LONGCTX_STREAMS" --num-requests "$LONGCTX_REQUESTS" \
     --input-words "$LONGCTX_WORDS" --length-spread 0 --output-tokens "$LONGCTX_OUTPUT" \
