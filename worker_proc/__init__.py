@@ -14,7 +14,6 @@ from ipc.config import ServerConfig, switch_on
 from ipc.messages.to_scheduler import StepResult, WorkerReady
 from ipc.messages.to_worker import ForwardBatch, Shutdown, SyncSteps, WorkerMessage
 from ipc.process import StartupReporter, setup_child
-from worker_proc.kernel_cache import forget_unloadable_module, healing_cached_modules
 from worker_proc.step_stats import PHASES, StepStats, Timer
 
 if TYPE_CHECKING:
@@ -171,14 +170,9 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                 "every layer full attention, and an output head")
         say("a step's lone prompt chunk rides in its decode rows' forward (mixed-forward)")
     t0 = time.monotonic()
-
-    def warm() -> tuple[int, int]:
-        steps = warm_up(runner, config.max_running_requests, long_chunk=chunking.size,
-                        walk_chunk=chunking.warm_walk)
-        return steps, (trace_decode_shapes(runner, config.max_running_requests)
-                       if runner.compiles_decode else 0)
-
-    steps, traces = healing_cached_modules(warm, runner.reset)
+    steps = warm_up(runner, config.max_running_requests, long_chunk=chunking.size,
+                    walk_chunk=chunking.warm_walk)
+    traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")
     say(f"warmed up ({steps} steps{f', {traces} more decode traces' if traces else ''}, "
@@ -261,8 +255,7 @@ def own_cache_runner(config: ServerConfig, model: object, tokenizer: object,
     runner = OwnCacheRunner(model, pool, config.max_running_requests, min(context, slots),
                             grammars, size.per_token)
     t0 = time.monotonic()
-    steps = healing_cached_modules(lambda: warm_up(runner, config.max_running_requests),
-                                   runner.reset)
+    steps = warm_up(runner, config.max_running_requests)
     say(f"warmed up ({steps} steps, {time.monotonic() - t0:.1f}s)")
     start_grammars(grammars, hf)
     return runner
@@ -333,7 +326,6 @@ class WorkerLoop:
             self._handle_step_message(message)
         except Exception as exc:  # noqa: BLE001 - the worker lives on (see _fail_owed)
             logger.exception("a step failed; ending every request the worker holds")
-            forget_unloadable_module(exc)  # a cached kernel cut short: compiled again next time
             self._fail_owed(f"{type(exc).__name__}: {exc}")
         return True
 
