@@ -33,4 +33,16 @@ if importlib.util.find_spec("matplotlib") is None:
     print("matplotlib missing: no sweep.png, the JSONs and the table still come")
 EOF
 
-"$PYTHON" bench/h200_compare.py --out "$OUT" "$@" 2>&1 | tee "$OUT/run.log"
+# In the background, so that a TERM or INT to this script (a timeout's: bench/h200_session.sh
+# runs its parts' timeouts --foreground) is passed on at once to the Python, whose handler
+# stops the servers; bash would hold a trap until a foreground command ended.
+"$PYTHON" bench/h200_compare.py --out "$OUT" "$@" > >(tee "$OUT/run.log") 2>&1 &
+compare=$!
+trap 'kill -TERM "$compare" 2>/dev/null' TERM INT
+rc=0
+wait "$compare" || rc=$?
+if [ "$rc" -gt 128 ] && kill -0 "$compare" 2>/dev/null; then
+    rc=0
+    wait "$compare" || rc=$?  # a signal ended the first wait: now the Python's own exit
+fi
+exit "$rc"

@@ -107,9 +107,11 @@ mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
 # Every part's `timeout` runs --foreground: in this script's process group, so a timeout
 # around the whole script (a device call's) reaches the Python under it, whose SIGTERM
-# handler stops its servers. Without it each part's timeout made a group of its own, and a
-# server outlived the call, holding the GPU's memory (session 36: the next servers ran
-# out of memory).
+# handler stops its servers (h200_run.sh passes it on to its own). Without it each part's
+# timeout made a group of its own, and a server outlived the call, holding the GPU's
+# memory (session 36: the next servers ran out of memory). The price: a part's own
+# timeout signals only its direct child (pytest's -k KILL reaches its xdist workers
+# only through their parent's exit).
 export PYTHONUNBUFFERED=1 TRANSFORMERS_NO_ADVISORY_WARNINGS=1
 
 # pytest-xdist's workers where it is installed (the tests compile kernels in parallel).

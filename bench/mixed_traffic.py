@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import signal
 import sys
@@ -186,13 +187,15 @@ class Arm:
 
     @property
     def flags(self) -> list[str]:
-        return [*arm_flags(self.budget), *(w for w in self.variant.split() if not _is_setting(w))]
+        return [*arm_flags(self.budget), *self.variant.split()[len(self.env):]]
 
     @property
     def env(self) -> dict[str, str]:
-        """A variant's NAME=value words: the server's environment (MLX reads its CUDA
-        launch settings, such as MLX_MAX_OPS_PER_BUFFER, once per process)."""
-        return dict(w.split("=", 1) for w in self.variant.split() if _is_setting(w))
+        """The NAME=value words a variant starts with, as a shell command line's: the
+        server's environment (MLX reads its CUDA launch settings, such as
+        MLX_MAX_OPS_PER_BUFFER, once per process)."""
+        settings = list(itertools.takewhile(_is_setting, self.variant.split()))
+        return dict(w.split("=", 1) for w in settings)
 
     @property
     def log_name(self) -> str:
@@ -201,7 +204,7 @@ class Arm:
 
 def _is_setting(word: str) -> bool:
     name, eq, _ = word.partition("=")
-    return bool(eq) and not word.startswith("-") and name.isidentifier()
+    return bool(eq) and name.isidentifier()
 
 
 def arms_of(arms: str, variants: str) -> list[Arm]:
@@ -268,7 +271,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--variants", default="",
                    help="';'-joined launch.py flags, each a variant every arm runs under "
                         "(e.g. ';--experiments mixed-forward': as is, then with that flag); "
-                        "NAME=value words are the server's environment")
+                        "NAME=value words leading a variant are its server's environment")
     p.add_argument("--prime", action="store_true",
                    help="first start and stop a kiln server that is not measured (prime())")
     p.add_argument("--seed", type=int, default=0)
