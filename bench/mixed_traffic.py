@@ -187,24 +187,27 @@ class Arm:
 
     @property
     def flags(self) -> list[str]:
-        return [*arm_flags(self.budget), *self.variant.split()[len(self.env):]]
+        words = self.variant.split()
+        return [*arm_flags(self.budget), *words[len(_settings(words)):]]
 
     @property
     def env(self) -> dict[str, str]:
         """The NAME=value words a variant starts with, as a shell command line's: the
         server's environment (MLX reads its CUDA launch settings, such as
         MLX_MAX_OPS_PER_BUFFER, once per process)."""
-        settings = list(itertools.takewhile(_is_setting, self.variant.split()))
-        return dict(w.split("=", 1) for w in settings)
+        return dict(w.split("=", 1) for w in _settings(self.variant.split()))
 
     @property
     def log_name(self) -> str:
         return f"mixed_{self.budget}" + (f"_v{self.index}" if self.variant else "") + ".log"
 
 
-def _is_setting(word: str) -> bool:
-    name, eq, _ = word.partition("=")
-    return bool(eq) and name.isidentifier()
+def _settings(words: list[str]) -> list[str]:
+    """The NAME=value words leading `words`."""
+    def is_setting(word: str) -> bool:
+        name, eq, _ = word.partition("=")
+        return bool(eq) and name.isidentifier()
+    return list(itertools.takewhile(is_setting, words))
 
 
 def arms_of(arms: str, variants: str) -> list[Arm]:

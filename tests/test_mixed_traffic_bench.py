@@ -52,7 +52,7 @@ def test_every_budget_runs_under_every_variant_with_its_own_log():
          "mixed_default_v1.log"),
         ("default --compile-prefill", ["--compile-prefill"], "mixed_default_v2.log")]
     assert [a.env for a in ab] == [{}, {}, {}]
-    tuned = arms_of("256", "MLX_MAX_OPS_PER_BUFFER=1000 A=b --compile-prefill --api-key K=v")
-    assert tuned[0].env == {"MLX_MAX_OPS_PER_BUFFER": "1000", "A": "b"}
+    tuned = arms_of("256", "A=a MLX_MAX_OPS_PER_BUFFER=1000 A=b --compile-prefill --api-key K=v")
+    assert tuned[0].env == {"MLX_MAX_OPS_PER_BUFFER": "1000", "A": "b"}  # the last A, as a shell
     assert tuned[0].flags == ["--max-prefill-tokens-while-decoding", "256",
                               "--compile-prefill", "--api-key", "K=v"]  # a flag's value
