@@ -439,10 +439,15 @@ def _eligible_gpt_oss(block: nn.Module) -> bool:
             and type(block.self_attn) is gpt_oss.AttentionBlock and "qkv_proj" in block.self_attn)
 
 
+def _blocks(model: nn.Module) -> list[nn.Module]:
+    """The model's decoder blocks (mlx-lm's model.layers), none where it has no such list."""
+    return getattr(getattr(model, "model", None), "layers", None) or []
+
+
 def _link_gemma3_norms(model: nn.Module) -> None:
     """Give each pair of consecutive Gemma 3 fast blocks (sandwich norms both, the later
     one's input norm mlx-lm's RMSNorm of the same eps) a NormHandoff."""
-    layers = getattr(getattr(model, "model", None), "layers", None) or []
+    layers = _blocks(model)
     for block, after in zip(layers, layers[1:]):
         norm = getattr(after, "input_layernorm", None)
         if (isinstance(block, _GEMMA3) and isinstance(after, _GEMMA3)
@@ -456,7 +461,7 @@ def _link_gemma3_norms(model: nn.Module) -> None:
 def mixes_rows(model: nn.Module) -> bool:
     """Whether every block of the model takes FastDecodeBlock's call, which also runs
     mixed forwards (MixedLayerCache): a prompt's chunk beside decode rows."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    layers = _blocks(model)
     return bool(layers) and all(isinstance(b, FastDecodeBlock) for b in layers)
 
 
@@ -464,7 +469,7 @@ def dense_mlps(model: nn.Module) -> bool:
     """Whether every block's MLP is one dense SwiGLU (its gate and up fused, as
     _after_attention runs it), not a mixture of experts: rows padded onto such a forward
     cost GEMM rows only, where an expert layer would route them."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
+    layers = _blocks(model)
     return bool(layers) and all("gate_up_proj" in getattr(b, "mlp", {}) for b in layers)
 
 
