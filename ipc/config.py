@@ -121,6 +121,15 @@ class ServerConfig:
                                        "two from 128 below 512 also becomes the padded "
                                        "prefill shapes' bucket, so its chunks keep to "
                                        "shapes built at start-up."})
+    prefill_spread: int = dataclasses.field(
+        default=1, metadata={"help": "While requests decode, run a step's prompt chunks over "
+                                     "this many steps, a share of the model's layers in each "
+                                     "(it then takes this many times "
+                                     "--max-prefill-tokens-while-decoding): a decoding "
+                                     "stream's gap grows by a share of a prefill forward's "
+                                     "launch and compute, not a whole one. 1: off. Models "
+                                     "with only full-attention layers and an output head; "
+                                     "others run whole forwards."})
     fixed_decode_first_budget: bool = dataclasses.field(
         default=False, metadata={"help": "Keep --max-prefill-tokens-while-decoding as it is. By "
                                          "default a step decoding R requests while W > R more "
@@ -327,6 +336,8 @@ class ServerConfig:
         if min(self.max_prefill_tokens, self.max_prefill_tokens_while_decoding) < 1:
             raise ValueError("--max-prefill-tokens and --max-prefill-tokens-while-decoding "
                              "must be >= 1")
+        if self.prefill_spread < 1:
+            raise ValueError("--prefill-spread must be >= 1 (1: off)")
         self.prefill_padding_share  # refuses a value that is neither auto nor a share
         if not 0.0 <= self.window_ratio <= 1.0:
             raise ValueError("--window-ratio must be in [0, 1]")

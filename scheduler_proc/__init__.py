@@ -49,7 +49,8 @@ def limits_from(config: ServerConfig, ready: WorkerReady) -> SchedulerLimits:
                            window_slots=ready.window_slots,
                            windows=tuple((kind, span) for kind, span in ready.windows),
                            bytes_per_slot=ready.bytes_per_slot,
-                           window_bytes_per_slot=ready.window_bytes_per_slot)
+                           window_bytes_per_slot=ready.window_bytes_per_slot,
+                           prefill_parts=ready.prefill_parts)
 
 
 @dataclass(frozen=True)
@@ -131,10 +132,13 @@ class SchedulerLoop:
             if logger.isEnabledFor(logging.DEBUG):
                 # Each chunk as tokens@start: where chunks start says which attention
                 # path the worker takes (bucket edges or not, PrefillBudget).
-                logger.debug("step %d: %d prefill chunks (%d tokens%s), %d decodes", batch.step,
-                             len(batch.prefill), sum(len(c.token_ids) for c in batch.prefill),
+                logger.debug("step %d: %d prefill chunks (%d tokens%s), %d decodes%s",
+                             batch.step, len(batch.prefill),
+                             sum(len(c.token_ids) for c in batch.prefill),
                              "".join(f", {len(c.token_ids)}@{c.start}" for c in batch.prefill[:8]),
-                             len(batch.decode_rids))
+                             len(batch.decode_rids),
+                             f", prefill parts {batch.parts_from}-{batch.parts_to} of "
+                             f"{batch.parts}" if batch.parts > 1 else "")
         if self.in_flight and not self._synced and len(self.in_flight) < self.max_in_flight:
             # Nothing to chain behind the last step: the worker must not wait for one.
             self.worker.send(SyncSteps())

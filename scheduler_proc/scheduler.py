@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
-from typing import Callable
+from dataclasses import dataclass, field
+from typing import Any, Callable
 
 import msgspec
 import numpy as np
@@ -66,6 +66,10 @@ class SchedulerLimits:
     # worker's prefill bucket, WorkerReady.chunk_align; 1: anywhere), so a long prompt's
     # chunks start on the worker's bucket edges (see PrefillBudget).
     chunk_align: int = 1
+    # A step that decodes runs its prefill over this many steps (the worker's
+    # WorkerReady.prefill_parts: a share of the model's blocks a step), taking this many
+    # times the decode-first budget; 1: in one.
+    prefill_parts: int = 1
 
     def prefill_tokens(self, decoding: int, waiting: int = 0) -> int:
         """The prompt tokens a step may compute while it decodes `decoding` requests and
@@ -195,6 +199,28 @@ class KVReservation:
 
 
 @dataclass
+@dataclass
+class SpreadPrefill:
+    """A step's prefill forwards running over several steps (SchedulerLimits.prefill_parts).
+
+    Until its last part is planned the worker still writes its chunks' K/V, a share of the
+    layers a step. So its requests do not decode yet (those whose prompts it ends sample
+    with the last part), nobody else reads their prompts (they are shared with the last
+    part) and their slots and ids stay theirs: an abort, an error or a finish ends a
+    request for its client at once, but what it holds is given back with the last part
+    (`held`). Preemption passes them over."""
+
+    parts: int
+    admitted_as: dict[str, int]  # rid -> Req.admission, of the chunks' requests
+    samples: list[str] = field(default_factory=list)  # rids whose prompts it ends
+    cache_at: list[tuple[Req, int]] = field(default_factory=list)  # (req, prompt end) to share
+    held: list[tuple[Req, bool, bool]] = field(default_factory=list)  # _give_back's arguments
+    next_part: int = 1
+
+    def has(self, req: Req) -> bool:
+        return self.admitted_as.get(req.rid) == req.admission
+
+
 class Counters:
     prompt_tokens: int = 0
     computed_prompt_tokens: int = 0
@@ -235,10 +261,13 @@ class Scheduler:
         # After a step failed as a whole, the steps planned before that was known fail
         # too (the worker dropped their requests): up to this step, nothing more to end.
         self._failed_through = 0
+        self._spread: SpreadPrefill | None = None  # the prefill running over steps, if any
+        self._planning: SpreadPrefill | None = None  # the one a step being planned starts
 
     @property
     def has_work(self) -> bool:
-        return bool(self.running or self.waiting)
+        # (A spread prefill whose requests all ended still has parts to run: it holds slots.)
+        return bool(self.running or self.waiting or self._spread)
 
     def _last_token_planned(self, req: Req) -> bool:
         """Whether the steps in flight sample req's last token by max_tokens or the
@@ -338,17 +367,28 @@ class Scheduler:
            (`SchedulerLimits.prefill_tokens`); it is never 0, so the oldest prompt
            advances every step however long decoding goes on;
         3. waiting requests admitted while budget, batch size and KV room allow.
+        With --prefill-spread, a step that decodes runs its prefill over several steps
+        (SpreadPrefill), the next ones carrying its later parts instead of new chunks.
         """
         new_reqs: list[NewRequest] = []
         decode_rids, decode_slots, decode_window = self._plan_decode()
+        if self._spread is not None:
+            return self._continue_spread(decode_rids, decode_slots, decode_window)
         waiting = len(self.waiting) + sum(r.prefilling for r in self.running.values())
-        budget = PrefillBudget(self.limits.prefill_tokens(len(decode_rids), waiting),
-                               self.limits.chunk_size, self.limits.chunk_align,
-                               pieces=self.limits.prefill_tokens(len(decode_rids)))
+        parts = self._parts(decode_rids)
+        budget = PrefillBudget(
+            min(self.limits.max_prefill_tokens,
+                self.limits.prefill_tokens(len(decode_rids), waiting) * parts),
+            self.limits.chunk_size, self.limits.chunk_align,
+            pieces=self.limits.prefill_tokens(len(decode_rids)) * parts)
+        self._planning = SpreadPrefill(parts, {}) if parts > 1 else None
         prefill = [self._plan_chunk(r, budget, new_reqs)
                    for r in list(self.running.values()) if r.prefilling and not budget.exhausted]
         prefill += self._admit(budget, new_reqs)
         prefill = [c for c in prefill if c is not None]
+        spread, self._planning = self._planning, None
+        if not prefill:
+            spread = None
         if not (prefill or decode_rids):
             # Every running prompt is stuck for want of slots (none will come back).
             if self.running and not self._finishing():
@@ -357,18 +397,73 @@ class Scheduler:
             return None  # nothing to do, or slots to wait for from requests finishing
         self._step += 1
         self.ratio.on_step()
-        sampled = [c.rid for c in prefill if c.sample] + decode_rids
+        ends = [c.rid for c in prefill if c.sample]
         named = [n.rid for n in new_reqs] + [c.rid for c in prefill] + decode_rids
         self._admitted_as[self._step] = {rid: self.running[rid].admission for rid in named}
-        self._sampled_for[self._step] = sampled
-        for rid in sampled:
+        if spread is not None:  # its prompts' ends sample with its last part
+            spread.admitted_as = {c.rid: self.running[c.rid].admission for c in prefill}
+            spread.samples, ends = ends, []
+            self._spread = spread
+        self._count_samples(ends + decode_rids)
+        return self._batch(new_requests=new_reqs, prefill=prefill, decode_rids=decode_rids,
+                           decode_slots=decode_slots, decode_window_slots=decode_window,
+                           parts=spread.parts if spread is not None else 1)
+
+    def _parts(self, decode_rids: list[str]) -> int:
+        """Over how many steps this step's prefill runs: spread only beside decode rows
+        (alone, a whole forward is what finishes prompts soonest), and not where a hit
+        needs a state snapshot at a chunk's end (the worker's spread refuses those models)."""
+        if not decode_rids or isinstance(self.cache, SnapshotCache):
+            return 1
+        return self.limits.prefill_parts
+
+    def _continue_spread(self, decode_rids: list[str], decode_slots: list[int],
+                         decode_window: list[int]) -> ForwardBatch:
+        """A step running the spread prefill's next part beside the decode rows; with
+        nothing decoding, all its remaining parts (no stream waits on the step)."""
+        spread = self._spread
+        assert spread is not None
+        first = spread.next_part
+        end = first + 1 if decode_rids else spread.parts
+        self._step += 1
+        self.ratio.on_step()
+        running = {rid: r for rid, r in self.running.items() if spread.has(r)}
+        ends = [rid for rid in spread.samples if rid in running] if end == spread.parts else []
+        self._admitted_as[self._step] = {
+            **spread.admitted_as, **{rid: self.running[rid].admission for rid in decode_rids}}
+        self._count_samples(ends + decode_rids)
+        batch = self._batch(decode_rids=decode_rids, decode_slots=decode_slots,
+                            decode_window_slots=decode_window, parts=spread.parts,
+                            parts_from=first, parts_to=end)
+        spread.next_part = end
+        if end == spread.parts:
+            self._end_spread(keep=True)
+        return batch
+
+    def _end_spread(self, keep: bool) -> None:
+        """The spread prefill's last part is planned (keep) or was lost with a failed step:
+        its prompts are shared (keep) and what its ended requests held is given back."""
+        spread, self._spread = self._spread, None
+        if spread is None:
+            return
+        if keep:
+            for req, end in spread.cache_at:
+                if self.running.get(req.rid) is req and spread.has(req):
+                    self._cache_prompt(req, end)
+        for req, keep_kv, snapshot in spread.held:
+            self._give_back(req, keep and keep_kv, snapshot)
+
+    def _count_samples(self, rids: list[str]) -> None:
+        self._sampled_for[self._step] = rids
+        for rid in rids:
             self.running[rid].samples_in_flight += 1
+
+    def _batch(self, **fields: Any) -> ForwardBatch:
+        """This step's plan, with the requests released since the last one."""
         released, self._released = self._released, []
         snapshots, self._released_snapshots = self._released_snapshots, []
-        return ForwardBatch(step=self._step, new_requests=new_reqs, prefill=prefill,
-                            decode_rids=decode_rids, decode_slots=decode_slots,
-                            decode_window_slots=decode_window, released=released,
-                            released_snapshots=snapshots if any(snapshots) else [])
+        return ForwardBatch(step=self._step, released=released,
+                            released_snapshots=snapshots if any(snapshots) else [], **fields)
 
     def _make_room(self, n: int) -> bool:
         """Ensure n free slots (and n window slots), evicting unlocked cached prefixes,
@@ -439,7 +534,9 @@ class Scheduler:
     def _plan_decode(self) -> tuple[list[str], list[int], list[int]]:
         """The decoding requests, their new slots and (windowed layers) window slots."""
         finishing = self._finishing()
-        decoding = [r for r in self.running.values() if not r.prefilling and r not in finishing]
+        spreading = self._spread.has if self._spread is not None else lambda r: False
+        decoding = [r for r in self.running.values()
+                    if not r.prefilling and r not in finishing and not spreading(r)]
         for req in decoding:  # first: what falls out of the windows makes room
             self._trim_windows(req, req.num_computed)
         while decoding and not self._make_room(len(decoding)):
@@ -447,7 +544,10 @@ class Scheduler:
                 # Requests whose last tokens are in flight give back enough slots with
                 # the next result: one step's wait costs less than a preemption's prefill.
                 return [], [], []
-            victim = next(r for r in reversed(self.running.values()) if r not in finishing)
+            victim = next((r for r in reversed(self.running.values())
+                           if r not in finishing and not spreading(r)), None)
+            if victim is None:  # only the spread prefill's requests: its end frees theirs
+                return [], [], []
             self._preempt(victim)
             decoding = [r for r in decoding if r is not victim]
         if not decoding:
@@ -578,7 +678,11 @@ class Scheduler:
             isinstance(self.cache, SnapshotCache)
             and req.num_computed - req.prefix_len >= self.limits.snapshot_stride) or (
             self.windows is not None and not isinstance(self.cache, DisabledCache))
-        snapshot = self._cache_prompt(req, req.num_computed) if shared else 0
+        snapshot = 0
+        if shared and self._planning is not None:  # shared once its last part is planned
+            self._planning.cache_at.append((req, req.num_computed))
+        elif shared:
+            snapshot = self._cache_prompt(req, req.num_computed)
         return PrefillChunk(rid=req.rid, start=start,
                             token_ids=req.all_ids(start + n)[start:].tolist(),
                             slot_ids=slots.tolist(), window_slot_ids=window,
@@ -619,9 +723,20 @@ class Scheduler:
         """Give the request's slots to the cache (or back to the allocator) and drop its
         row. keep=False caches nothing more of it (its K/V is not to be trusted);
         snapshot: the worker ran it as planned (a finish or a preemption), so where the
-        model has recurrent layers its state may be kept for the sequence cached."""
+        model has recurrent layers its state may be kept for the sequence cached. A
+        request of the spread prefill under way leaves `running` now; the rest waits for
+        its last part (SpreadPrefill)."""
         if req.row is None:
             return
+        self.running.pop(req.rid, None)
+        if self._spread is not None and self._spread.has(req):
+            self._spread.held.append((req, keep, snapshot))
+            return
+        self._give_back(req, keep, snapshot)
+
+    def _give_back(self, req: Req, keep: bool, snapshot: bool) -> None:
+        """_release_kv's work: the request's slots to the cache or the allocator, its row
+        and its worker state released."""
         slots = self.table.slots(req.row, req.num_computed).copy()
         # NOTE: with steps in flight the last planned position may hold the K/V of a token
         # we never learnt (the request stopped, or the token is still on its way): only
@@ -685,6 +800,7 @@ class Scheduler:
         self._failed_through = self._step
         message = f"internal error in the worker: {reason}"
         outputs, unsent = [], []
+        self._end_spread(keep=False)
         for req in list(self.running.values()):
             if req.on_worker:
                 outputs.append(self._fail(req, message, keep_kv=False))
@@ -800,6 +916,8 @@ class Scheduler:
     def slots_consistent(self) -> bool:
         """Every slot is free, cached, or held by exactly one running request (counts)."""
         held = sum(r.owned_slots for r in self.running.values())
+        if self._spread is not None:  # ended requests of the spread prefill, holding theirs
+            held += sum(r.owned_slots for r, _, _ in self._spread.held)
         return (self.allocator.num_free + self.cache.total_size + held == self.allocator.capacity
                 and (self.windows is None or self.windows.consistent()))
 

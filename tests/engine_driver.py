@@ -72,7 +72,8 @@ class InProcessEngine:
                  snapshot_stride: int = 0, window_slots: int | None = None,
                  max_prefill_tokens_while_decoding: int | None = None,
                  chunk_align: int = 1, tail_bucket: int = 0,
-                 steps_in_flight: int = 2, own_caches: bool = False) -> None:
+                 steps_in_flight: int = 2, own_caches: bool = False,
+                 prefill_parts: int = 1) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False; steps_in_flight: how many steps the scheduler keeps at the
         worker with overlap (ServerConfig.steps_in_flight). tokenizer: what the scheduler decodes stop strings with.
@@ -87,7 +88,8 @@ class InProcessEngine:
         tail_bucket: what a prompt's last chunk after them is padded to
         (ModelRunner.tail_bucket). own_caches: the model runs on mlx-lm's own caches, a set
         a request (OwnCacheRunner: what the worker falls back to for a model it cannot
-        page)."""
+        page). prefill_parts: --prefill-spread (as the worker grants it,
+        ModelRunner.prefill_parts)."""
         specs = [] if own_caches else probe_attention_specs(model)
         if window_slots is None:
             recurrent = KVPool.state_bytes_per_request(specs) > 0
@@ -109,7 +111,9 @@ class InProcessEngine:
                                                    tuple(self.pool.window_kinds),
                                                    max_prefill_tokens_while_decoding=(
                                                        max_prefill_tokens_while_decoding),
-                                                   chunk_align=chunk_align),
+                                                   chunk_align=chunk_align,
+                                                   prefill_parts=self.runner.prefill_parts(
+                                                       prefill_parts)),
                                    (lambda: tokenizer) if tokenizer is not None else None)
         self.to_scheduler, self.to_worker, self.to_detokenizer = Pipe(), Pipe(), Pipe()
         self.loop = SchedulerLoop(self.scheduler, self.to_scheduler, self.to_worker,

@@ -86,6 +86,8 @@ def draw_schedule(seed: int, vocab: int) -> Schedule:
     engine["chunk_align"] = rng.choice([1, 1, 16])
     # Half of the overlapped ones keep a third step queued at the worker.
     engine["steps_in_flight"] = rng.choice([2, 3])
+    # Half spread the prefill of steps that decode over 2 or 3 steps (--prefill-spread).
+    engine["prefill_parts"] = rng.choice([1, 1, 2, 3])
     return Schedule(seed, prompts, max_tokens, arrivals, engine)
 
 

@@ -387,7 +387,8 @@ class WorkerLoop:
         self.in_flight.append(self._sampled(pending))
 
     def _run_deferred(self, batch: ForwardBatch) -> None:
-        if batch.prefill:  # its forwards run as they are built: nothing may be in flight
+        if batch.prefill or batch.continues_prefill:
+            # Its forwards run as they are built: nothing may be in flight.
             self._report_all()
         pending = self._build(batch)
         self.steps_built_ahead += bool(self.in_flight)
@@ -514,6 +515,7 @@ def run_worker(config: ServerConfig) -> None:
                              bytes_per_slot=runner.slot_bytes[0],
                              window_bytes_per_slot=runner.slot_bytes[1],
                              chunk_size=chunking.size, chunk_align=chunking.align,
+                             prefill_parts=runner.prefill_parts(config.prefill_spread),
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
     loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place)

@@ -75,6 +75,7 @@ class OwnCacheRunner(ModelRunner):
         self.bytes_per_token = bytes_per_token
         self.shares_prefill = False  # one request a forward
         self.mixes_rows = False
+        self.spread_refusal = "its layers run on mlx-lm's own caches"
         self._caches: dict[str, list[Any]] = {}
 
     @property

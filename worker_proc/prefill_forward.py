@@ -75,8 +75,8 @@ class PrefillForwards:
                 self.compiles = False
         caches = build_layer_caches(self.pool, layout, state_rows, fresh_state, state_lengths)
         if self.split is None:
-            return _rows_at(self.model(tokens, cache=caches), last)
-        return self.split.head(_rows_at(self.split.backbone(tokens, cache=caches), last))
+            return rows_at(self.model(tokens, cache=caches), last)
+        return self.split.head(rows_at(self.split.backbone(tokens, cache=caches), last))
 
     def _replays(self, key: ShapeKey) -> bool:
         """Whether a forward of this shape goes through a trace: it has one, or it was met
@@ -127,9 +127,9 @@ class PrefillForwards:
                                mask=mask, fresh=fresh)
         caches = build_layer_caches(pool, layout, state_rows, fresh_state, state_lengths)
         if self.split is None:
-            logits = _rows_at(self.model(tokens, cache=caches), last)
+            logits = rows_at(self.model(tokens, cache=caches), last)
         else:
-            logits = self.split.head(_rows_at(self.split.backbone(tokens, cache=caches), last))
+            logits = self.split.head(rows_at(self.split.backbone(tokens, cache=caches), last))
         return (logits, *pool.traced_writes())
 
 
@@ -149,7 +149,7 @@ def _key(tokens: mx.array, layout: ForwardLayout, last: mx.array | None,
             layout.fresh, last is None, state_rows.shape, fresh_state, state_lengths is None)
 
 
-def _rows_at(hidden: mx.array, last: mx.array | None) -> mx.array:
+def rows_at(hidden: mx.array, last: mx.array | None) -> mx.array:
     """Each row's hidden state (or logits) at its last real position, [B, D]."""
     if last is None:
         return hidden[:, -1]

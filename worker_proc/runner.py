@@ -27,7 +27,9 @@ from worker_proc.compiled_decode import CompiledDecode
 from worker_proc.decode_block import dense_mlps, mixes_rows
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool
-from worker_proc.prefill_forward import PrefillForwards, traceable
+from worker_proc.prefill_forward import PrefillForwards, rows_at, traceable
+from worker_proc.prefill_parts import (PartedForward, SpreadWave, part_bounds, run_blocks,
+                                       spread_refusal)
 from worker_proc.request_state import (RequestState, TokenCounts, check_ids, check_sampling,
                                        fold_seed)
 from worker_proc.sampling import GrammarMask, PickedLogprobs, StepLogprobs, token_logprobs
@@ -191,6 +193,13 @@ class ModelRunner:
                            and self._forwards.split is not None and traceable(pool)
                            and not pool.has_states and self.window_table is None)
         self.mixed_rows_multiple = MIXED_FORWARD_ROWS if dense_mlps(model) else 1
+        # Prefill forwards spread over steps (ForwardBatch.parts), where the model allows.
+        self.spread_refusal = spread_refusal(self._forwards.split, len(pool.groups),
+                                             traceable(pool), pool.has_states,
+                                             self.window_table is not None)
+        self._spread: SpreadWave | None = None
+        # The spread forwards' inputs, one use a spread: they are read over several steps.
+        self._spread_staging = HostStaging()
         # This build's time starting prefill forwards and waiting for earlier ones.
         self.clock = ForwardClock()
 
@@ -248,6 +257,7 @@ class ModelRunner:
         self._refused.clear()
         self._sampler.reset()
         self._last_prefill = None
+        self._spread = None
         self.pool.take_landing()
 
     def ended_by_reset(self, batch: ForwardBatch) -> bool:
@@ -256,6 +266,8 @@ class ModelRunner:
         new in the step is not one of them, whatever its id (a client may reuse one)."""
         new = {n.rid for n in batch.new_requests}
         rids = {c.rid for c in batch.prefill} | set(batch.decode_rids)
+        if batch.continues_prefill and self._spread is None and self._forgotten:
+            return True  # the spread prefill it continues was dropped by the reset
         return bool((rids - new) & self._forgotten)
 
     def _release(self, rids: list[str], snapshots: list[int] | None = None) -> None:
@@ -293,6 +305,9 @@ class ModelRunner:
         prefixes = {n.rid: n.prefix_slot_ids for n in batch.new_requests if n.prefix_slot_ids}
         snapshot_hits = {n.rid: n.state_snapshot for n in batch.new_requests if n.state_snapshot}
         groups = self._prefill_groups(batch.prefill, prefixes, snapshot_hits)
+        if batch.parts > 1:
+            logits, sampled = self._spread_step(batch, groups, prompt)
+            groups = []
         mixed = self._mixed_chunk(groups, batch)
         row_logits: mx.array | None = None  # the decode rows', where they rode with a chunk
         if mixed is not None:  # the chunk and the decode rows in one forward
@@ -445,6 +460,101 @@ class ModelRunner:
             prompt.append(scored)
         self._launch_prefill(logits, *(scored.picked if scored else ()))
         return logits
+
+    def prefill_parts(self, wanted: int) -> int:
+        """Over how many steps this model's prefill forwards may be spread (--prefill-spread
+        asks for `wanted`): at most one block a part; 1 where they must run whole."""
+        if wanted <= 1:
+            return 1
+        if self.spread_refusal is not None:
+            logger.warning("--prefill-spread %d unused: this model's prefill forwards run "
+                           "whole (%s)", wanted, self.spread_refusal)
+            return 1
+        return min(wanted, len(self._forwards.split.backbone.layers))
+
+    def _spread_step(self, batch: ForwardBatch, groups: list[list[PrefillChunk]],
+                     prompt: list[PendingPromptLogprobs]) -> tuple[list[mx.array],
+                                                                   list[RequestState]]:
+        """This step's parts of the spread prefill (ForwardBatch.parts), whose forwards
+        its first step sets up; after the last part, the logits of the chunks that end
+        their prompts and their requests."""
+        if batch.parts_from == 0:
+            if self._spread is not None:
+                raise RuntimeError(f"step {batch.step} starts a spread prefill before the "
+                                   "last one ended")
+            if self.spread_refusal is not None:
+                raise RuntimeError(f"step {batch.step} spreads the prefill of a model whose "
+                                   f"forwards run whole: {self.spread_refusal}")
+            self._spread = self._start_spread(batch.parts, groups, prompt)
+        wave = self._spread
+        if (wave is None or (wave.parts, wave.done) != (batch.parts, batch.parts_from)
+                or batch.parts_to > wave.parts):
+            raise RuntimeError(f"step {batch.step} runs prefill parts {batch.parts_from}-"
+                               f"{batch.parts_to} of {batch.parts}; the worker's spread is "
+                               f"at {None if wave is None else (wave.done, wave.parts)}")
+        backbone = self._forwards.split.backbone
+        blocks = len(backbone.layers)
+        start = part_bounds(blocks, wave.parts, batch.parts_from)
+        stop = part_bounds(blocks, wave.parts, batch.parts_to)
+        for forward in wave.forwards:
+            forward.hidden = run_blocks(backbone, forward.tokens, forward.caches,
+                                        forward.hidden, start, stop)
+            with self.clock.timing("start"):
+                mx.async_eval(forward.hidden, *self.pool.landing())
+        wave.done = batch.parts_to
+        if wave.done < wave.parts:
+            return [], []
+        self._spread = None
+        logits = [held for held, _ in wave.held]
+        sampled = [state for _, state in wave.held]
+        for forward in wave.forwards:
+            check_written(forward.caches)
+            ends = [i for i, chunk in enumerate(forward.chunks) if chunk.sample]
+            if ends:
+                rows = self._forwards.split.head(rows_at(forward.hidden, forward.last))
+                logits += [rows[i:i + 1] for i in ends]
+                sampled += [forward.states[i] for i in ends]
+        return logits, sampled
+
+    def _start_spread(self, parts: int, groups: list[list[PrefillChunk]],
+                      prompt: list[PendingPromptLogprobs]) -> SpreadWave:
+        """A spread prefill's forwards, set up over their own inputs. A chunk scored over
+        every position (alone in its group) runs whole now, its logits held for the last
+        part: no chunk of a spread reads another's K/V (the scheduler shares their
+        prompts after the last part), so running it early changes nothing."""
+        wave = SpreadWave(parts)
+        stage = self._spread_staging
+        stage.begin()
+        for group in groups:
+            state = self.requests[group[0].rid]
+            if state.sampling.prompt_logprobs >= 0:
+                logits = self._prefill(group[0], prompt)
+                if group[0].sample:
+                    wave.held.append((logits, state))
+            else:
+                wave.forwards.append(self._parted(group, self._padded_width(group), stage.add))
+        return wave
+
+    def _parted(self, chunks: list[PrefillChunk], width: int, stage: Stage) -> PartedForward:
+        """A forward over the chunks (right-padded to the longest or to `width`, as
+        _prefill_many's; one chunk unpadded as _prefill's), to be run part by part."""
+        states = [self._place(c) for c in chunks]
+        sizes = np.array([len(c.token_ids) for c in chunks])
+        tokens = np.zeros((len(chunks), max(int(sizes.max()), width)), dtype=np.int32)
+        for i, chunk in enumerate(chunks):
+            tokens[i, :sizes[i]] = chunk.token_ids
+        if len(chunks) == 1 and tokens.shape[1] == sizes[0]:
+            layout = ForwardLayout.single(self.table[states[0].row], chunks[0].start,
+                                          int(sizes[0]), None, stage)
+        else:
+            layout = ForwardLayout.prefill(self.table[[s.row for s in states]],
+                                           np.array([c.start for c in chunks]), sizes, None,
+                                           stage, width)
+        tokens_mx, last = stage(tokens, (sizes - 1).astype(np.int32))
+        for state, n in zip(states, sizes):
+            state.length += int(n)
+        return PartedForward(chunks, states, tokens_mx, build_layer_caches(self.pool, layout),
+                             last)
 
     def _mixed_chunk(self, groups: list[list[PrefillChunk]],
                      batch: ForwardBatch) -> tuple[PrefillChunk, int] | None:

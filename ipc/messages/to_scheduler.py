@@ -58,6 +58,9 @@ class WorkerReady(Message, frozen=True):
     # where a prompt's unfinished chunks should end (multiples of it; 1: anywhere).
     chunk_size: int = 2048
     chunk_align: int = 1
+    # Over how many steps a step's prefill forwards may be spread while requests decode
+    # (--prefill-spread, where the model allows it; 1: never).
+    prefill_parts: int = 1
 
 
 class PromptLogprobs(msgspec.Struct, frozen=True, array_like=True):

@@ -70,10 +70,22 @@ class ForwardBatch(Message, frozen=True):
     # before its row goes (0: none): a finished or preempted hybrid request's whole
     # sequence so far is cached, so a chat's next turn hits its answer too.
     released_snapshots: list[int] = []
+    # The step's prefill spread over `parts` steps (SchedulerLimits.prefill_parts), each
+    # running a share of the model's blocks: this step runs parts [parts_from, parts_to)
+    # of the forwards of the chunks that the step with parts_from 0 carried (later steps
+    # carry none); the step that runs the last part samples the chunks that end prompts.
+    parts: int = 1
+    parts_from: int = 0
+    parts_to: int = 1
+
+    @property
+    def continues_prefill(self) -> bool:
+        """Whether the step runs later parts of an earlier step's spread prefill."""
+        return self.parts_from > 0
 
     @property
     def is_empty(self) -> bool:
-        return not (self.prefill or self.decode_rids)
+        return not (self.prefill or self.decode_rids or self.continues_prefill)
 
 
 class SyncSteps(Message, frozen=True):
