@@ -237,6 +237,53 @@ def test_alone_and_under_preemption_equal_mlx_lm(family):
     assert_exact_under_preemption(model, name, prompts[1:4])
 
 
+# Families whose prefill forwards the worker spreads over steps (--prefill-spread): full
+# attention only, a backbone and an output head.
+SPREADS = {"llama", "qwen3", "qwen3_moe", "mixtral", "phi3"}
+
+
+def run_recording_parts(engine: InProcessEngine) -> list[tuple[int, int, int]]:
+    """Run the engine until idle; each step's (parts, parts_from, parts_to)."""
+    seen: list[tuple[int, int, int]] = []
+    handle = engine.worker.handle
+
+    def recording(message):  # noqa: ANN001, ANN202
+        if hasattr(message, "parts"):
+            seen.append((message.parts, message.parts_from, message.parts_to))
+        return handle(message)
+
+    engine.worker.handle = recording
+    engine.run_until_idle()
+    return seen
+
+
+def test_prefill_spread_over_steps_equals_mlx_lm(family):
+    """Prompts arriving while others decode, their chunks spread over 3 steps (of the 4
+    blocks: 1, 2 and 1 a step): every request's tokens are mlx-lm's. A model whose
+    forwards cannot be spread says why and runs them whole."""
+    name, model = family
+    prompts = _prompts(seed=200 + len(name))
+    engine = InProcessEngine(model, chunk_size=16, max_prefill_tokens_while_decoding=16,
+                             overlap=["ahead", True, False][len(name) % 3], prefill_parts=3)
+    engine.submit("first", prompts[2], 24, [])
+    for _ in range(8):  # "first" decodes from here on
+        engine.step()
+    for i, p in enumerate(prompts[:5]):
+        engine.submit(f"r{i}", p, 12, [])
+    parts = run_recording_parts(engine)
+    spreads = engine.runner.spread_refusal is None
+    assert spreads == (name in SPREADS), engine.runner.spread_refusal
+    if spreads:
+        assert (3, 0, 1) in parts and (3, 1, 2) in parts and (3, 2, 3) in parts
+    else:
+        assert all(p == (1, 0, 1) for p in parts)
+    assert_mlx_lm_tokens(model, name, engine.results,
+                         [("first", prompts[2])], 24)
+    assert_mlx_lm_tokens(model, name, engine.results,
+                         [(f"r{i}", p) for i, p in enumerate(prompts[:5])], 12)
+    assert_idle_invariant(engine.scheduler)
+
+
 @pytest.mark.parametrize("name,mode", [("qwen3", "affine"), ("gpt_oss", "mxfp4")])
 def test_a_4_bit_quantized_model_equals_mlx_lm(name, mode):
     """Quantized as mlx_lm.convert -q does (the model's own predicate: GPT-OSS keeps its

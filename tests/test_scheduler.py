@@ -598,3 +598,131 @@ def test_decode_plans_do_not_grow_with_context():
         assert not decode.prefill
         sizes.append(len(encode(decode)))
     assert abs(sizes[0] - sizes[1]) <= 2  # only the slot id's varint width may differ
+
+
+# -- prefill spread over steps -------------------------------------------------------------
+
+def _sampled(s: Scheduler, batch, token: int = 7) -> StepResult:
+    """The worker's answer: a token for each request the step samples (with a spread,
+    not every chunk ending a prompt: those sample with its last part)."""
+    rids = s._sampled_for[batch.step]
+    return StepResult(step=batch.step, rids=rids, token_ids=[token] * len(rids))
+
+
+def _step(s: Scheduler) -> None:
+    batch = s.plan_step()
+    s.apply_result(_sampled(s, batch))
+
+
+def _spreading(parts: int = 3) -> Scheduler:
+    """A scheduler whose steps that decode spread their prefill over `parts` steps; "d"
+    decodes from its second step on."""
+    s = Scheduler(SchedulerLimits(1000, 512, 8, 64, 128, max_prefill_tokens_while_decoding=32,
+                                  prefill_parts=parts))
+    s.add_request(_req("d", 10, 50))
+    _step(s)
+    return s
+
+
+def test_a_spread_prefill_runs_its_parts_in_the_next_steps_beside_decode():
+    s = _spreading()
+    s.add_request(_req("p", 40, 5))
+    first = s.plan_step()
+    # Three times the decode-first budget: the 40-token prompt whole, its first part.
+    assert (first.parts, first.parts_from, first.parts_to) == (3, 0, 1)
+    assert _prefilled(first) == {"p": 40} and first.decode_rids == ["d"]
+    s.apply_result(_sampled(s, first))
+    second, third = s.plan_step(), None
+    assert (second.parts_from, second.parts_to, second.prefill) == (1, 2, [])
+    assert second.decode_rids == ["d"]  # p does not decode before its prompt's token
+    s.apply_result(_sampled(s, second))
+    third = s.plan_step()
+    assert (third.parts_from, third.parts_to) == (2, 3) and third.decode_rids == ["d"]
+    # The last part samples p's first token; p decodes from the next step.
+    assert s._sampled_for[third.step] == ["p", "d"]
+    s.apply_result(StepResult(step=third.step, rids=["p", "d"], token_ids=[7, 7]))
+    fourth = s.plan_step()
+    assert fourth.parts == 1 and sorted(fourth.decode_rids) == ["d", "p"]
+
+
+def test_a_spread_prompt_is_shared_only_with_its_last_part():
+    s = _spreading()
+    s.add_request(_req("p", 40, 5))
+    _step(s)
+    assert s.cache.match_len(list(range(10 + 1000 * (ord("p") % 50), 10 ** 6))) == 0
+    _step(s)
+    s.plan_step()  # the last part
+    assert s.cache.match_len(s.running["p"].all_ids(40)) == 40
+
+
+def test_with_nothing_decoding_a_spread_runs_its_remaining_parts_in_one_step():
+    s = Scheduler(SchedulerLimits(1000, 512, 8, 64, 128, max_prefill_tokens_while_decoding=32,
+                                  prefill_parts=4))
+    s.add_request(_req("d", 10, 2))
+    _step(s)
+    s.add_request(_req("p", 40, 5))
+    first = s.plan_step()  # d's last token: it finishes with this step's result
+    assert first.parts == 4 and first.decode_rids == ["d"]
+    s.apply_result(_sampled(s, first))
+    rest = s.plan_step()
+    assert (rest.parts_from, rest.parts_to, rest.decode_rids) == (1, 4, [])
+
+
+def test_an_abort_mid_spread_ends_the_request_but_holds_its_slots_to_the_last_part():
+    s = _spreading()
+    s.add_request(_req("p", 40, 5))
+    _step(s)
+    free = s.allocator.num_free
+    out = s.abort("p")
+    assert out[0].finished and out[0].finish_reason == "abort" and "p" not in s.running
+    assert s.allocator.num_free == free and s.slots_consistent()
+    assert s.add_request(_req("p", 20, 5)) == []  # the id may be reused at once
+    second = s.plan_step()
+    assert second.parts_from == 1 and not second.released and not second.new_requests
+    last = s.plan_step()
+    assert last.parts_to == 3 and s._sampled_for[last.step] == ["d"]
+    after = s.plan_step()  # the old p released before the new one is sent
+    assert after.released == ["p"] and [n.rid for n in after.new_requests] == ["p"]
+    assert s.slots_consistent()
+
+
+def test_a_request_the_worker_refused_mid_spread_fails_and_gives_back_after_it():
+    s = _spreading()
+    s.add_request(_req("p", 40, 5))
+    first = s.plan_step()
+    s.apply_result(_sampled(s, first))
+    second = s.plan_step()
+    from ipc.messages.to_scheduler import RequestError
+    out = s.apply_result(StepResult(step=second.step, rids=["d"], token_ids=[7],
+                                    errors=[RequestError("p", "refused")]))
+    assert any(o.rid == "p" and o.error for o in out) and "p" not in s.running
+    s.plan_step()
+    assert s.plan_step().released == ["p"]
+    assert s.slots_consistent()
+
+
+def test_preemption_passes_over_a_spreads_requests():
+    s = Scheduler(SchedulerLimits(55, 512, 8, 64, 128, max_prefill_tokens_while_decoding=32,
+                                  prefill_parts=8))
+    s.add_request(_req("d", 10, 10))
+    _step(s)
+    s.add_request(_req("p", 40, 1))
+    _step(s)  # p (the newest) spreads; d decodes beside it
+    while s.counters.preemptions == 0:
+        assert s._spread is not None
+        batch = s.plan_step()
+    # The pool ran short mid-spread: d was preempted; p's spread ran on, to its end at
+    # once with nothing decoding, sampling p's token.
+    assert "p" in s.running and "d" in s.waiting and not batch.decode_rids
+    assert batch.parts_to == 8 and s._sampled_for[batch.step] == ["p"]
+    assert s.slots_consistent()
+
+
+def test_a_failed_step_drops_the_spread_and_ends_its_requests():
+    s = _spreading()
+    s.add_request(_req("p", 40, 5))
+    first = s.plan_step()
+    s.abort("d")
+    out = s.apply_result(StepResult(step=first.step, rids=[], token_ids=[], failed="boom"))
+    assert [o.rid for o in out] == ["p"] and s._spread is None
+    assert_idle_invariant(s)

@@ -1,0 +1,167 @@
+"""Prefill forwards spread over steps (--prefill-spread): a share of the model's blocks a
+step, beside the decode rows. Exact against mlx-lm whatever ends a request mid-spread
+(an abort, a refusal, a failed step), with prompt logprobs, and with the id reused."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.engine_driver import InProcessEngine
+from tests.families import build
+from tests.test_families import mlx_lm_tokens, run_recording_parts
+from tests.test_prompt_logprobs import _check_prompt
+from tests.test_scheduler import assert_idle_invariant
+from tests.test_worker import _prompts
+from worker_proc.attention import ForwardLayout, build_layer_caches
+from worker_proc.kv_pool import KVPool
+from worker_proc.memory import probe_attention_specs
+from worker_proc.prefill_parts import part_bounds, run_blocks
+from worker_proc.runner import split_model
+
+
+def test_part_bounds_cover_every_block_once():
+    for blocks in (1, 2, 4, 32, 61):
+        for parts in range(1, min(blocks, 8) + 1):
+            edges = [part_bounds(blocks, parts, j) for j in range(parts + 1)]
+            assert edges[0] == 0 and edges[-1] == blocks
+            assert all(a < b for a, b in zip(edges, edges[1:]))  # no part empty
+
+
+@pytest.mark.parametrize("cuts", [(0, 4), (0, 1, 4), (0, 1, 3, 4), (0, 1, 2, 3, 4)])
+def test_blocks_run_in_parts_give_the_whole_forwards_logits(cuts):
+    """The backbone run part by part over a fresh pool each time: the same logits as one
+    forward, to the bit (the same ops on the same inputs)."""
+    model = build("llama")
+    split = split_model(model)
+    tokens = mx.array([list(range(5, 45))])
+
+    def logits(edges: tuple[int, ...]) -> mx.array:
+        pool = KVPool(probe_attention_specs(model), 256)
+        layout = ForwardLayout.single(np.arange(1, 41), 0, 40)
+        caches = build_layer_caches(pool, layout)
+        hidden = None
+        for a, b in zip(edges, edges[1:]):
+            hidden = run_blocks(split.backbone, tokens, caches, hidden, a, b)
+            mx.eval(hidden)
+        return split.head(hidden[:, -1])
+
+    assert mx.array_equal(logits(cuts), logits((0, 4))).item()
+    assert len(split.backbone.layers) == 4 and all(
+        type(b).__name__ != "_Carried" for b in split.backbone.layers)  # put back
+
+
+def _spreading_engine(model: Any, parts: int = 2, **kwargs: Any) -> InProcessEngine:
+    """An engine whose prompts arriving beside a decoding one spread over `parts` steps
+    (the demo model has 2 blocks)."""
+    engine = InProcessEngine(model, chunk_size=32, max_prefill_tokens_while_decoding=32,
+                             prefill_parts=parts, **kwargs)
+    assert engine.scheduler.limits.prefill_parts == parts
+    return engine
+
+
+def _decoding(engine: InProcessEngine, prompt: list[int]) -> None:
+    engine.submit("bg", prompt, 40, [])
+    for _ in range(3):
+        engine.step()
+
+
+@pytest.mark.parametrize("overlap", [False, True, "ahead"])
+def test_an_abort_mid_spread_and_its_id_reused_leave_the_rest_exact(tiny_model, oracle, overlap):
+    model, _ = tiny_model
+    prompts = _prompts(4, [20, 50, 60, 30], model.args.vocab_size, seed=70)
+    engine = _spreading_engine(model, overlap=overlap)
+    _decoding(engine, prompts[0])
+    engine.submit("x", prompts[1], 10, [])
+    engine.submit("y", prompts[2], 10, [])
+    engine.step()  # x's and y's chunks spread: part 1 of 2 planned
+    assert engine.scheduler._spread is not None
+    engine.abort("x")
+    assert engine.results["x"].finish_reason == "abort"
+    engine.submit("x", prompts[3], 10, [])  # the id again, while the old x's slots are held
+    results = engine.run_until_idle()
+    assert results["x"].token_ids == oracle(prompts[3], 10)
+    assert results["y"].token_ids == oracle(prompts[2], 10)
+    assert results["bg"].token_ids == oracle(prompts[0], 40)
+    assert_idle_invariant(engine.scheduler)
+
+
+def test_a_refused_request_in_a_spread_ends_alone(tiny_model, oracle):
+    model, _ = tiny_model
+    prompts = _prompts(3, [20, 50, 60], model.args.vocab_size, seed=71)
+    engine = _spreading_engine(model)
+    _decoding(engine, prompts[0])
+    engine.submit("bad", prompts[1], 10, [], temperature=1.0, top_k=2 ** 40)
+    engine.submit("ok", prompts[2], 10, [])
+    assert (2, 1, 2) in run_recording_parts(engine)
+    results = engine.results
+    assert results["bad"].finish_reason == "error" and "cannot serve" in results["bad"].error
+    assert results["ok"].token_ids == oracle(prompts[2], 10)
+    assert results["bg"].token_ids == oracle(prompts[0], 40)
+    assert_idle_invariant(engine.scheduler)
+
+
+def test_prompt_logprobs_in_a_spread_are_mlx_lms(tiny_model, oracle):
+    """A request scoring its prompt runs its chunks whole in the spread's first step, its
+    token sampled with the last part; its neighbours' chunks spread."""
+    model, _ = tiny_model
+    prompts = _prompts(3, [20, 28, 30], model.args.vocab_size, seed=72)
+    engine = _spreading_engine(model)
+    _decoding(engine, prompts[0])
+    engine.submit("scored", prompts[1], 5, [], logprobs=2, prompt_logprobs=2)
+    engine.submit("plain", prompts[2], 5, [])
+    assert (2, 1, 2) in run_recording_parts(engine)
+    _check_prompt(model, prompts[1], engine.results["scored"].prompt_logprobs, 2)
+    assert engine.results["scored"].token_ids == oracle(prompts[1], 5)
+    assert engine.results["plain"].token_ids == oracle(prompts[2], 5)
+
+
+@pytest.mark.parametrize("overlap", [False, "ahead"])
+def test_a_step_failing_mid_spread_ends_its_requests_and_serving_goes_on(tiny_model, oracle,
+                                                                        monkeypatch, overlap):
+    model, _ = tiny_model
+    prompts = _prompts(3, [20, 50, 40], model.args.vocab_size, seed=73)
+    engine = _spreading_engine(model, overlap=overlap)
+    _decoding(engine, prompts[0])
+    spread_step = engine.runner._spread_step
+    calls = {"n": 0}
+
+    def failing(batch, *args):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if batch.parts_from == 1:
+            raise RuntimeError("part lost")
+        return spread_step(batch, *args)
+
+    monkeypatch.setattr(engine.runner, "_spread_step", failing)
+    engine.submit("x", prompts[1], 10, [])
+    results = engine.run_until_idle()
+    assert results["x"].finish_reason == "error" and "part lost" in results["x"].error
+    assert engine.runner._spread is None and engine.scheduler._spread is None
+    assert_idle_invariant(engine.scheduler)
+    monkeypatch.setattr(engine.runner, "_spread_step", spread_step)
+    _decoding(engine, prompts[0])
+    engine.submit("after", prompts[2], 10, [])
+    results = engine.run_until_idle()
+    assert results["after"].token_ids == oracle(prompts[2], 10)
+    assert results["bg"].token_ids == oracle(prompts[0], 40)
+
+
+def test_a_spread_on_the_kernel_path_equals_mlx_lm():
+    """The CUDA path's attention (stood in on the CPU), its in-place pool written by parts."""
+    from tests.engine_driver import StandInInPlaceKernels
+
+    model = build("qwen3", head_dim=64)
+    prompts = _prompts(4, [30, 70, 45, 90], 512, seed=74)
+    engine = _spreading_engine(model, parts=3, backend=StandInInPlaceKernels(),
+                               overlap="ahead")
+    _decoding(engine, prompts[0])
+    for i, p in enumerate(prompts[1:]):
+        engine.submit(f"r{i}", p, 12, [])
+    parts = run_recording_parts(engine)
+    assert (3, 2, 3) in parts
+    assert engine.results["bg"].token_ids == mlx_lm_tokens(model, prompts[0], 40)
+    for i, p in enumerate(prompts[1:]):
+        assert engine.results[f"r{i}"].token_ids == mlx_lm_tokens(model, p, 12), i
