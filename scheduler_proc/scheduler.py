@@ -939,6 +939,7 @@ class Scheduler:
             kv_bytes_per_slot=self.limits.bytes_per_slot,
             window_kv_bytes_per_slot=self.limits.window_bytes_per_slot,
             prefill_chunk_tokens=self.limits.chunk_size,
+            prefill_parts=self.limits.prefill_parts,
             state_snapshots=self.limits.state_snapshots,
             state_snapshots_used=(self.limits.state_snapshots - self.cache.free_snapshots
                                   if isinstance(self.cache, SnapshotCache) else 0))

@@ -165,3 +165,25 @@ def test_a_spread_on_the_kernel_path_equals_mlx_lm():
     assert engine.results["bg"].token_ids == mlx_lm_tokens(model, prompts[0], 40)
     for i, p in enumerate(prompts[1:]):
         assert engine.results[f"r{i}"].token_ids == mlx_lm_tokens(model, p, 12), i
+
+
+def test_a_server_spreads_prefill_as_asked_and_stays_exact(tiny_model_dir, tmp_path):
+    """--prefill-spread through every process: the scheduler learns the worker's parts
+    (6 asked, the llama family's 4 blocks: one a step), spreads the prompts that arrive
+    while others decode (its debug log names each step's parts), and concurrent requests
+    get mlx-lm's tokens."""
+    from tests.server import Server
+    from tests.test_families import SMALL_SERVER, assert_served_as_mlx_lm, model_dir_and_prompts
+
+    model_dir, model, prompts = model_dir_and_prompts("llama", tiny_model_dir, tmp_path / "m",
+                                                      600, (3, 40, 150, 17, 90))
+    srv = Server(model_dir, *SMALL_SERVER, "--prefill-spread", "6", "--log-level", "debug",
+                 "--max-prefill-tokens-while-decoding", "16", log_path=tmp_path / "log").wait_ready()
+    try:
+        assert srv.stats()["prefill_parts"] == 4
+        assert_served_as_mlx_lm(srv, model, prompts, 12)
+        assert srv.stats()["slots_consistent"]
+        log = srv.log_path.read_text()
+        assert "prefill parts 0-1 of 4" in log and "prefill parts 3-4 of 4" in log
+    finally:
+        assert srv.stop() == 0, srv.log_tail()

@@ -105,6 +105,9 @@ class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_bytes_per_slot: int = 0
     window_kv_bytes_per_slot: int = 0
     prefill_chunk_tokens: int = 0  # the largest prefill chunk (--chunked-prefill-size resolved)
+    # Steps a step's prefill runs over while requests decode (--prefill-spread, as the
+    # model allows: 1 where its forwards run whole).
+    prefill_parts: int = 1
 
     @property
     def kv_bytes_used(self) -> int:
