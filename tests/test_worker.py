@@ -647,6 +647,14 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     unaligned = KernelDecode(align_chunks=False)
     assert chunking(KernelDecode()).warm_walk == chunking(unaligned).warm_walk == 512
     assert chunking(GatherDecode()).warm_walk == chunking(KernelDecode(), llama + gemma).warm_walk == 0
+    # No chunk is longer than `size`: one budget for every step walks chunks of 4,096; a
+    # prefill spread over steps walks its longer decode-first chunks.
+    one_budget = prefill_chunking(ServerConfig(max_prefill_tokens_while_decoding=8192),
+                                  KernelDecode(), llama)
+    assert one_budget.warm_walk == one_budget.size == 4096
+    assert chunking(KernelDecode()).walk_chunk(4) == 2048
+    assert chunking(KernelDecode()).walk_chunk(16) == 4096
+    assert chunking(GatherDecode()).walk_chunk(4) == 0
     assert ServerConfig(chunked_prefill_size=512).chunk_size(True) == 512
     assert ServerConfig(max_prefill_tokens=1024).chunk_size(True) == 1024  # within a step's budget
     with pytest.raises(ValueError, match="chunked-prefill-size"):

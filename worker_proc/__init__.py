@@ -169,9 +169,15 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                 "fused projections and the fast decode call (mlx_lm.models.llama, .qwen2), "
                 "every layer full attention, and an output head")
         say("a step's lone prompt chunk rides in its decode rows' forward (mixed-forward)")
+    parts = runner.prefill_parts(config.prefill_spread)
+    if parts > 1:
+        say(f"while requests decode, a step's prefill runs over {parts} steps (--prefill-spread)")
+    elif config.prefill_spread > 1:
+        logger.warning("--prefill-spread %d unused: this model's prefill forwards run whole "
+                       "(%s)", config.prefill_spread, runner.spread_refusal)
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests, long_chunk=chunking.size,
-                    walk_chunk=chunking.warm_walk)
+                    walk_chunk=chunking.walk_chunk(parts))
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")
@@ -472,9 +478,10 @@ class PrefillChunking:
     size: the largest chunk (ServerConfig.chunk_size; WorkerReady.chunk_size). align:
     where the scheduler ends a prompt's unfinished chunks (WorkerReady.chunk_align): on the
     fused prefill bucket's edges where long causal chunks take that path (a chunk off them
-    would need a masked forward), anywhere (1) elsewhere. warm_walk: decode first's chunk,
-    walked over every key length at start-up where it is bucketed (aligned or not, a
-    prompt's first chunks are: their cuDNN graphs built then); 0: none. tail_bucket: a
+    would need a masked forward), anywhere (1) elsewhere. warm_walk: decode first's chunk
+    (at most `size`: no chunk is longer), walked over every key length at start-up where it
+    is bucketed (aligned or not, a prompt's first chunks are: their cuDNN graphs built
+    then); 0: none. tail_bucket: a
     prompt's last chunk after aligned ones runs padded to this (ModelRunner.tail_bucket);
     0: as it is."""
 
@@ -482,6 +489,11 @@ class PrefillChunking:
     align: int
     warm_walk: int
     tail_bucket: int = 0
+
+    def walk_chunk(self, parts: int) -> int:
+        """The chunk the warm-up walks where a step's prefill is spread over `parts`
+        steps: decode first's chunks are then `parts` times longer (up to `size`)."""
+        return min(self.warm_walk * parts, self.size)
 
 
 def prefill_chunking(config: ServerConfig, backend: DecodeBackend, specs: list) -> PrefillChunking:
@@ -491,10 +503,13 @@ def prefill_chunking(config: ServerConfig, backend: DecodeBackend, specs: list) 
     walk = config.max_prefill_tokens_while_decoding
     bucket = backend.prefill_bucket
     align = bucket if fused and backend.align_chunks else 1
+    size = config.chunk_size(fused_long_prefill=fused)
     return PrefillChunking(
-        size=config.chunk_size(fused_long_prefill=fused),
+        size=size,
         align=align,
-        warm_walk=walk if fused and walk % bucket == 0 else 0,
+        # A budget past the chunk (one budget for every step: 8,192) runs chunks of `size`
+        # (an 8,192-token walk beside an H100's pool ended its start-up: session 37).
+        warm_walk=min(walk, size) if fused and walk % bucket == 0 else 0,
         tail_bucket=align if align > 1 else 0)
 
 

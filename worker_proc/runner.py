@@ -463,12 +463,9 @@ class ModelRunner:
 
     def prefill_parts(self, wanted: int) -> int:
         """Over how many steps this model's prefill forwards may be spread (--prefill-spread
-        asks for `wanted`): at most one block a part; 1 where they must run whole."""
-        if wanted <= 1:
-            return 1
-        if self.spread_refusal is not None:
-            logger.warning("--prefill-spread %d unused: this model's prefill forwards run "
-                           "whole (%s)", wanted, self.spread_refusal)
+        asks for `wanted`): at most one block a part; 1 where they must run whole
+        (spread_refusal says why)."""
+        if wanted <= 1 or self.spread_refusal is not None:
             return 1
         return min(wanted, len(self._forwards.split.backbone.layers))
 
