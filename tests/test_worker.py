@@ -652,9 +652,14 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     one_budget = prefill_chunking(ServerConfig(max_prefill_tokens_while_decoding=8192),
                                   KernelDecode(), llama)
     assert one_budget.warm_walk == one_budget.size == 4096
-    assert chunking(KernelDecode()).walk_chunk(4) == 2048
-    assert chunking(KernelDecode()).walk_chunk(16) == 4096
-    assert chunking(GatherDecode()).walk_chunk(4) == 0
+    # Spread over 4 steps, decode first's chunks are 4 times longer: the edges, the tails'
+    # padding and the walk with them; where they do not divide the chunk, nothing changes.
+    spread = chunking(KernelDecode()).spread(4)
+    assert (spread.align, spread.tail_bucket, spread.warm_walk, spread.size) == (2048, 2048, 2048, 4096)
+    assert chunking(KernelDecode()).spread(3) == chunking(KernelDecode())
+    assert chunking(KernelDecode()).spread(1) == chunking(KernelDecode())
+    assert chunking(GatherDecode()).spread(4) == chunking(GatherDecode())
+    assert small.spread(4).warm_walk == small.spread(4).align == 1024
     assert ServerConfig(chunked_prefill_size=512).chunk_size(True) == 512
     assert ServerConfig(max_prefill_tokens=1024).chunk_size(True) == 1024  # within a step's budget
     with pytest.raises(ValueError, match="chunked-prefill-size"):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
@@ -171,13 +172,16 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         say("a step's lone prompt chunk rides in its decode rows' forward (mixed-forward)")
     parts = runner.prefill_parts(config.prefill_spread)
     if parts > 1:
-        say(f"while requests decode, a step's prefill runs over {parts} steps (--prefill-spread)")
+        chunking = chunking.spread(parts)
+        runner.tail_bucket = chunking.tail_bucket if runner.tail_bucket else 0
+        say(f"while requests decode, a step's prefill runs over {parts} steps "
+            f"(--prefill-spread; chunks end on multiples of {chunking.align})")
     elif config.prefill_spread > 1:
         logger.warning("--prefill-spread %d unused: this model's prefill forwards run whole "
                        "(%s)", config.prefill_spread, runner.spread_refusal)
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests, long_chunk=chunking.size,
-                    walk_chunk=chunking.walk_chunk(parts))
+                    walk_chunk=chunking.warm_walk)
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")
@@ -490,10 +494,18 @@ class PrefillChunking:
     warm_walk: int
     tail_bucket: int = 0
 
-    def walk_chunk(self, parts: int) -> int:
-        """The chunk the warm-up walks where a step's prefill is spread over `parts`
-        steps: decode first's chunks are then `parts` times longer (up to `size`)."""
-        return min(self.warm_walk * parts, self.size)
+    def spread(self, parts: int) -> "PrefillChunking":
+        """The chunking where a step's prefill runs over `parts` steps (--prefill-spread):
+        decode first's chunks are `parts` times longer, so the edges unfinished chunks end
+        on are that many times apart, a prompt's last chunk is padded to one, and the
+        warm-up walks such chunks: every chunk keeps to shapes built at start-up (pieces
+        of 1,024 off the 256-token edges each started a new cuDNN graph on the H100,
+        60-180 ms a step; docs/benchmarks.md, session 37)."""
+        edge = self.align * parts
+        if parts <= 1 or self.align <= 1 or self.size % edge:
+            return self
+        return dataclasses.replace(self, align=edge, tail_bucket=edge if self.tail_bucket else 0,
+                                   warm_walk=min(self.warm_walk * parts, self.size))
 
 
 def prefill_chunking(config: ServerConfig, backend: DecodeBackend, specs: list) -> PrefillChunking:
@@ -518,7 +530,8 @@ def run_worker(config: ServerConfig) -> None:
 
     reporter = setup_child(config, "worker")
     runner = build_runner(config, reporter)
-    chunking = prefill_chunking(config, runner.pool.backend, runner.pool.specs)
+    chunking = prefill_chunking(config, runner.pool.backend, runner.pool.specs).spread(
+        runner.prefill_parts(config.prefill_spread))
     overlap = overlap_enabled(config, on_gpu=mx.default_device() == mx.gpu)
     plans: Receiver[WorkerMessage] = Receiver(config.worker_endpoint, WorkerMessage)
     results = Sender(config.scheduler_endpoint)
