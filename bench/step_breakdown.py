@@ -82,7 +82,7 @@ from worker_proc.attention import PooledKVCache  # noqa: E402
 from worker_proc.decode_block import speed_up_decode_blocks  # noqa: E402
 from worker_proc.depthwise_conv import replace_depthwise_convs  # noqa: E402
 from worker_proc.fused_projections import fuse_projections  # noqa: E402
-from worker_proc.decode_backend import DecodeBackend, KernelDecode, choose_decode_backend  # noqa: E402
+from worker_proc.decode_backend import DecodeBackend, choose_decode_backend  # noqa: E402
 from worker_proc.kv_pool import KVPool  # noqa: E402
 from worker_proc.memory import probe_attention_specs, raise_cuda_graph_budgets  # noqa: E402
 from worker_proc.offset_norms import sum_offset_norms  # noqa: E402

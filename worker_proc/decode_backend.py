@@ -235,7 +235,7 @@ class KernelDecode(DecodeBackend):
 
     def attend(self, cache: PooledKVCache, queries: mx.array, scale: float,
                sinks: mx.array | None) -> mx.array:
-        pool, layer, layout = cache.pool, cache.layer, cache.layout
+        pool, layer = cache.pool, cache.layer
         table, lengths = cache.reads()
         unwritten = cache.take_unwritten()
         if unwritten is not None:  # this step's K/V stored by the same launch

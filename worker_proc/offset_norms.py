@@ -15,7 +15,6 @@ for inputs in the weight's dtype and in float32.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 import mlx.core as mx
 import mlx.nn as nn
