@@ -38,6 +38,7 @@ def limits_from(config: ServerConfig, ready: WorkerReady) -> SchedulerLimits:
     return SchedulerLimits(capacity=ready.num_slots, max_context=ready.max_context_len,
                            max_running=config.max_running_requests,
                            chunk_size=ready.chunk_size, chunk_align=ready.chunk_align,
+                           prefix_align=ready.prefix_align,
                            max_prefill_tokens=config.max_prefill_tokens,
                            max_prefill_tokens_while_decoding=(
                                config.max_prefill_tokens_while_decoding),

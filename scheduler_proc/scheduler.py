@@ -66,6 +66,9 @@ class SchedulerLimits:
     # worker's prefill bucket, WorkerReady.chunk_align; 1: anywhere), so a long prompt's
     # chunks start on the worker's bucket edges (see PrefillBudget).
     chunk_align: int = 1
+    # Where a prefix hit is cut back to (0: chunk_align): a bucket's edge, where a spread
+    # prefill's chunks end on edges several buckets apart (WorkerReady.prefix_align).
+    prefix_align: int = 0
     # A step that decodes runs its prefill over this many steps (the worker's
     # WorkerReady.prefill_parts: a share of the model's blocks a step), taking this many
     # times the decode-first budget; 1: in one.
@@ -199,7 +202,6 @@ class KVReservation:
 
 
 @dataclass
-@dataclass
 class SpreadPrefill:
     """A step's prefill forwards running over several steps (SchedulerLimits.prefill_parts).
 
@@ -220,7 +222,12 @@ class SpreadPrefill:
     def has(self, req: Req) -> bool:
         return self.admitted_as.get(req.rid) == req.admission
 
+    def sharing(self) -> list[Req]:
+        """The requests whose prompts it shares with its last part."""
+        return [req for req, _ in self.cache_at]
 
+
+@dataclass
 class Counters:
     prompt_tokens: int = 0
     computed_prompt_tokens: int = 0
@@ -387,7 +394,11 @@ class Scheduler:
         prefill += self._admit(budget, new_reqs)
         prefill = [c for c in prefill if c is not None]
         spread, self._planning = self._planning, None
-        if not prefill:
+        if spread is not None and all(self.running[c.rid].wants_prompt_logprobs
+                                      for c in prefill):
+            # Nothing to spread (scored chunks run whole): their prompts shared now.
+            for req, end in spread.cache_at:
+                self._cache_prompt(req, end)
             spread = None
         if not (prefill or decode_rids):
             # Every running prompt is stuck for want of slots (none will come back).
@@ -634,7 +645,7 @@ class Scheduler:
         def usable(slots: np.ndarray) -> int:
             return self.windows.usable(slots) if self.windows is not None else len(slots)
 
-        n, align = usable(slots), self.limits.chunk_align
+        n, align = usable(slots), self.limits.prefix_align or self.limits.chunk_align
         while align > 1 and n % align and fill_len - n >= align // 2:
             n = usable(slots[:n - n % align])
         return n
@@ -646,11 +657,13 @@ class Scheduler:
             return False  # (a snapshot cache hits only at another prompt's whole end)
         ids = req.all_ids(req.prompt_len)
         cached = self.cache.match_len(ids)
-        for other in self.running.values():
-            if other.prefilling:
-                shared = common_prefix_len(ids, other.all_ids(other.fill_len))
-                if shared - cached >= IN_FLIGHT_PREFIX_MIN:
-                    return True
+        # Prompts a spread prefill shares with its last part are in flight too.
+        spreads = [s for s in (self._spread, self._planning) if s is not None]
+        sharing = [r for s in spreads for r in s.sharing()]
+        for other in [*(r for r in self.running.values() if r.prefilling), *sharing]:
+            shared = common_prefix_len(ids, other.all_ids(other.fill_len))
+            if shared - cached >= IN_FLIGHT_PREFIX_MIN:
+                return True
         return False
 
     def _plan_chunk(self, req: Req, budget: PrefillBudget,

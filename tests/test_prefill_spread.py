@@ -187,3 +187,113 @@ def test_a_server_spreads_prefill_as_asked_and_stays_exact(tiny_model_dir, tmp_p
         assert "prefill parts 0-1 of 4" in log and "prefill parts 3-4 of 4" in log
     finally:
         assert srv.stop() == 0, srv.log_tail()
+
+
+def test_a_spreads_parts_run_only_their_blocks(monkeypatch):
+    """In each step of a spread, the prefill forwards run the part's blocks alone (of the
+    llama family's 4 over 3 parts: block 0, then 1 and 2, then 3)."""
+    model = build("llama")
+    blocks = split_model(model).backbone.layers
+    index = {id(b): i for i, b in enumerate(blocks)}
+    ran: list = []
+    call = type(blocks[0]).__call__
+
+    def counting(self, x, *args, **kwargs):  # noqa: ANN001, ANN202
+        if x.shape[1] > 1:  # a prefill forward's (decode rows run one position)
+            ran.append(index[id(self)])
+        return call(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(type(blocks[0]), "__call__", counting)
+    prompts = _prompts(3, [20, 45, 60], 512, seed=75)
+    engine = _spreading_engine(model, parts=3)
+    _decoding(engine, prompts[0])
+    engine.submit("x", prompts[1], 6, [])
+    engine.submit("y", prompts[2], 6, [])
+    handle, per_step = engine.worker.handle, []
+
+    def recording(message):  # noqa: ANN001, ANN202
+        ran.clear()
+        out = handle(message)
+        if getattr(message, "parts", 1) > 1:
+            per_step.append((message.parts_from, message.parts_to, sorted(set(ran))))
+        return out
+
+    engine.worker.handle = recording
+    engine.run_until_idle()
+    assert (0, 1, [0]) in per_step and (1, 2, [1, 2]) in per_step and (2, 3, [3]) in per_step
+    assert all(blocks_run == list(range(*{0: (0, 1), 1: (1, 3), 2: (3, 4)}[start]))
+               for start, _, blocks_run in per_step)
+    assert engine.results["x"].token_ids == mlx_lm_tokens(model, prompts[1], 6)
+
+
+def test_a_spread_whose_requests_all_end_still_runs_its_parts_and_gives_back(tiny_model):
+    """Every request of a spread aborted, nothing else running: its remaining parts still
+    run (it holds their slots), and then every slot is free."""
+    model, _ = tiny_model
+    prompts = _prompts(2, [20, 60], model.args.vocab_size, seed=76)
+    engine = _spreading_engine(model, overlap=False)
+    _decoding(engine, prompts[0])
+    engine.submit("x", prompts[1], 10, [])
+    engine.step()
+    assert engine.scheduler._spread is not None
+    engine.abort("x")
+    engine.abort("bg")
+    engine.run_until_idle()
+    assert engine.scheduler._spread is None and engine.runner._spread is None
+    assert_idle_invariant(engine.scheduler)
+
+
+def test_a_spread_started_after_a_failed_step_is_dropped_with_its_requests(tiny_model, oracle):
+    """With three steps in flight, a step fails, the worker resets, and a spread starts in
+    a step planned before the scheduler knew: once the failure ends its requests, the
+    worker drops that spread too, and the next spread runs."""
+    from ipc.messages.to_worker import SyncSteps
+    from tests.engine_driver import Pipe
+
+    model, _ = tiny_model
+    prompts = _prompts(5, [20, 30, 40, 20, 30], model.args.vocab_size, seed=77)
+    engine = _spreading_engine(model, overlap=True, steps_in_flight=3)
+    s, runner = engine.scheduler, engine.runner
+    held = Pipe()
+    engine.worker.results = held  # results reach the scheduler when released below
+
+    def plan_and_run():  # noqa: ANN202
+        batch = s.plan_step()
+        engine.worker.handle(batch)
+        engine.worker.handle(SyncSteps())
+        return batch
+
+    def deliver() -> None:
+        for result in held.drain():
+            s.apply_result(result)
+
+    engine.submit("bg", prompts[0], 3, [])
+    while True:  # until bg's last token is the next step's
+        bg = s.running.get("bg")
+        if bg is not None and not bg.prefilling and len(bg.output_ids) + bg.samples_in_flight == 2:
+            break
+        plan_and_run()
+        deliver()
+    failing_step, build = s._step + 1, runner.build
+
+    def failing(batch):  # noqa: ANN001, ANN202
+        if batch.step == failing_step:
+            raise RuntimeError("device error")
+        return build(batch)
+
+    runner.build = failing
+    plan_and_run()  # bg's last token: the step fails, the worker resets
+    engine.submit("b", prompts[1], 8, [])
+    plan_and_run()  # b, planned before the failure is known
+    engine.submit("c", prompts[2], 8, [])
+    spread = plan_and_run()  # c spread beside b decoding
+    assert spread.parts == 2 and runner._spread is not None
+    deliver()  # the failure ends bg, b and c
+    assert s._spread is None
+    runner.build = build
+    engine.worker.results = engine.to_scheduler
+    engine.loop.in_flight.clear()
+    _decoding(engine, prompts[3])
+    engine.submit("e", prompts[4], 5, [])
+    results = engine.run_until_idle()
+    assert results["e"].token_ids == oracle(prompts[4], 5) and results["e"].error is None

@@ -690,13 +690,14 @@ def test_a_request_the_worker_refused_mid_spread_fails_and_gives_back_after_it()
     s = _spreading()
     s.add_request(_req("p", 40, 5))
     first = s.plan_step()
-    s.apply_result(_sampled(s, first))
-    second = s.plan_step()
+    second = s.plan_step()  # planned before the first's result comes (overlap)
     from ipc.messages.to_scheduler import RequestError
-    out = s.apply_result(StepResult(step=second.step, rids=["d"], token_ids=[7],
+    out = s.apply_result(StepResult(step=first.step, rids=["d"], token_ids=[7],
                                     errors=[RequestError("p", "refused")]))
     assert any(o.rid == "p" and o.error for o in out) and "p" not in s.running
-    s.plan_step()
+    assert not second.released
+    last = s.plan_step()
+    assert last.parts_to == 3 and not last.released
     assert s.plan_step().released == ["p"]
     assert s.slots_consistent()
 
@@ -726,3 +727,34 @@ def test_a_failed_step_drops_the_spread_and_ends_its_requests():
     out = s.apply_result(StepResult(step=first.step, rids=[], token_ids=[], failed="boom"))
     assert [o.rid for o in out] == ["p"] and s._spread is None
     assert_idle_invariant(s)
+
+
+def test_a_prompt_sharing_a_spread_prompts_head_waits_for_it_and_hits():
+    """Two prompts sharing a 300-token head arrive beside a decoding request: the first
+    spreads; the second waits for its prompt (shared with the last part) and hits it."""
+    s = Scheduler(SchedulerLimits(4000, 2048, 8, 512, 2048, max_prefill_tokens_while_decoding=400,
+                                  prefill_parts=3))
+    s.add_request(_req("d", 10, 50))
+    _step(s)
+    head = list(range(100, 400))
+    for rid, tail in (("a", [1, 2, 3]), ("b", [4, 5, 6])):
+        s.add_request(TokenizedRequest(rid=rid, input_ids=head + tail, stop_token_ids=[0],
+                                       sampling=SamplingParams(temperature=0.0, max_new_tokens=5)))
+    for _ in range(12):
+        _step(s)
+    assert s.counters.cache_hit_tokens == 300
+    assert s.counters.computed_prompt_tokens == 10 + 303 + 3
+
+
+def test_a_spread_cuts_prefix_hits_back_to_a_buckets_edge_not_its_own():
+    """Chunks ending on 2,048 edges (a spread of 4 over 512 buckets) keep prefix hits on
+    the 512 edges: a 1,900-token shared head hits 1,536 tokens, not 0."""
+    s = Scheduler(SchedulerLimits(20000, 8192, 8, 4096, 8192, chunk_align=2048,
+                                  prefix_align=512, prefill_parts=4))
+    system = list(range(100, 2000))
+    for rid, tail in (("turn1", [1] * 300), ("turn2", [2] * 1100)):
+        s.add_request(TokenizedRequest(rid=rid, input_ids=system + tail, stop_token_ids=[0],
+                                       sampling=SamplingParams(temperature=0.0, max_new_tokens=1)))
+        while s.has_work:
+            _step(s)
+    assert s.counters.cache_hit_tokens == 1536

@@ -660,6 +660,10 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     assert chunking(KernelDecode()).spread(1) == chunking(KernelDecode())
     assert chunking(GatherDecode()).spread(4) == chunking(GatherDecode())
     assert small.spread(4).warm_walk == small.spread(4).align == 1024
+    # Prefix hits stay on the buckets' edges; the chunks from each to the spread's next
+    # edge are walked.
+    assert (spread.hit_align, spread.walk_offsets()) == (512, (512, 1024, 1536))
+    assert chunking(KernelDecode()).walk_offsets() == ()
     assert ServerConfig(chunked_prefill_size=512).chunk_size(True) == 512
     assert ServerConfig(max_prefill_tokens=1024).chunk_size(True) == 1024  # within a step's budget
     with pytest.raises(ValueError, match="chunked-prefill-size"):

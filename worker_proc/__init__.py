@@ -172,8 +172,15 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         say("a step's lone prompt chunk rides in its decode rows' forward (mixed-forward)")
     parts = runner.prefill_parts(config.prefill_spread)
     if parts > 1:
-        chunking = chunking.spread(parts)
-        runner.tail_bucket = chunking.tail_bucket if runner.tail_bucket else 0
+        spread = chunking.spread(parts)
+        if spread == chunking and chunking.align > 1:
+            logger.warning("--prefill-spread %d: its chunks (%d buckets of %d) do not divide "
+                           "the %d-token chunk, so they end on the buckets' edges, at shapes "
+                           "the warm-up does not build (a power of two avoids this)", parts,
+                           parts, chunking.align, chunking.size)
+        chunking = spread
+        if runner.tail_bucket:
+            runner.tail_bucket, runner.tail_starts = chunking.tail_bucket, chunking.hit_align
         say(f"while requests decode, a step's prefill runs over {parts} steps "
             f"(--prefill-spread; chunks end on multiples of {chunking.align})")
     elif config.prefill_spread > 1:
@@ -181,7 +188,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                        "(%s)", config.prefill_spread, runner.spread_refusal)
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests, long_chunk=chunking.size,
-                    walk_chunk=chunking.warm_walk)
+                    walk_chunk=chunking.warm_walk, walk_offsets=chunking.walk_offsets())
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")
@@ -487,12 +494,21 @@ class PrefillChunking:
     is bucketed (aligned or not, a prompt's first chunks are: their cuDNN graphs built
     then); 0: none. tail_bucket: a
     prompt's last chunk after aligned ones runs padded to this (ModelRunner.tail_bucket);
-    0: as it is."""
+    0: as it is. hit_align: where prefix hits are cut back to and a last chunk may start
+    to be padded (ModelRunner.tail_starts; WorkerReady.prefix_align; 0: align)."""
 
     size: int
     align: int
     warm_walk: int
     tail_bucket: int = 0
+    hit_align: int = 0
+
+    def walk_offsets(self) -> tuple[int, ...]:
+        """Where a spread's prompt may start its chunks off their edges (after a prefix
+        hit on a bucket's edge): the warm-up walks chunks from each to the next edge."""
+        if not self.hit_align or not self.warm_walk:
+            return ()
+        return tuple(range(self.hit_align, self.align, self.hit_align))
 
     def spread(self, parts: int) -> "PrefillChunking":
         """The chunking where a step's prefill runs over `parts` steps (--prefill-spread):
@@ -500,11 +516,15 @@ class PrefillChunking:
         on are that many times apart, a prompt's last chunk is padded to one, and the
         warm-up walks such chunks: every chunk keeps to shapes built at start-up (pieces
         of 1,024 off the 256-token edges each started a new cuDNN graph on the H100,
-        60-180 ms a step; docs/benchmarks.md, session 37)."""
+        60-180 ms a step; docs/benchmarks.md, session 37). Prefix hits are still cut back
+        to a bucket's edge only (a hit on a spread's edge would lose up to a spread's
+        worth of cached tokens); the chunks from there to the next edge are walked too.
+        Unchanged where the spread's edge does not divide the chunk."""
         edge = self.align * parts
         if parts <= 1 or self.align <= 1 or self.size % edge:
             return self
         return dataclasses.replace(self, align=edge, tail_bucket=edge if self.tail_bucket else 0,
+                                   hit_align=self.align,
                                    warm_walk=min(self.warm_walk * parts, self.size))
 
 
@@ -543,6 +563,7 @@ def run_worker(config: ServerConfig) -> None:
                              bytes_per_slot=runner.slot_bytes[0],
                              window_bytes_per_slot=runner.slot_bytes[1],
                              chunk_size=chunking.size, chunk_align=chunking.align,
+                             prefix_align=chunking.hit_align,
                              prefill_parts=runner.prefill_parts(config.prefill_spread),
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")

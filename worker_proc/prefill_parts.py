@@ -123,3 +123,8 @@ class SpreadWave:
     # requests, sampled with the last part.
     held: list[tuple[mx.array, Any]] = field(default_factory=list)
     done: int = 0
+
+    def rids(self) -> set[str]:
+        """The requests of its chunks."""
+        return ({s.rid for f in self.forwards for s in f.states}
+                | {state.rid for _, state in self.held})

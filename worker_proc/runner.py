@@ -187,6 +187,9 @@ class ModelRunner:
         self._last_prefill: mx.array | None = None  # see _launch_prefill
         self._forwards = PrefillForwards(model, split_model(model), pool, compile_prefill)
         self.tail_bucket = tail_bucket if traceable(pool) and not pool.has_states else 0
+        # Last chunks starting on multiples of this are padded too (0: of tail_bucket):
+        # with a spread prefill, edges several buckets apart after a hit on a bucket's.
+        self.tail_starts = 0
         # A step's lone prompt chunk rides in its decode rows' forward (the backend's
         # mixed_forward; blocks that run it, full attention alone, an output head).
         self.mixes_rows = (backend.mixed_forward and mixes_rows(model) and self.ragged
@@ -273,6 +276,13 @@ class ModelRunner:
     def _release(self, rids: list[str], snapshots: list[int] | None = None) -> None:
         """Forget requests, keeping each one's recurrent states as its snapshot first
         (where `snapshots` gives one, 0: none), in one copy per state array."""
+        wave = self._spread
+        if wave is not None and set(rids) & wave.rids():
+            # The scheduler gives a spread's requests back only after its last part: one
+            # released mid-spread means it dropped the spread (a failed step it learnt
+            # of after this one started), so the worker drops it too.
+            logger.info("dropping a spread prefill whose requests were released")
+            self._spread = None
         kept: list[tuple[int, int]] = []
         for i, rid in enumerate(rids):
             state = self.requests.pop(rid, None)
@@ -475,6 +485,8 @@ class ModelRunner:
         """This step's parts of the spread prefill (ForwardBatch.parts), whose forwards
         its first step sets up; after the last part, the logits of the chunks that end
         their prompts and their requests."""
+        if batch.parts_from > 0 and groups:
+            raise RuntimeError(f"step {batch.step} continues a spread prefill with new chunks")
         if batch.parts_from == 0:
             if self._spread is not None:
                 raise RuntimeError(f"step {batch.step} starts a spread prefill before the "
@@ -674,14 +686,18 @@ class ModelRunner:
 
     def _padded_width(self, group: list[PrefillChunk]) -> int:
         """The width a forward of these chunks is padded to, 0 for as it is: a lone
-        prompt's last chunk to tail_bucket."""
+        prompt's last chunk, starting on a multiple of tail_starts (default tail_bucket),
+        to the next multiple of tail_bucket."""
         if any(self.requests[c.rid].sampling.prompt_logprobs >= 0 for c in group):
             return 0  # scored over every position: alone and unpadded
         longest = max(len(c.token_ids) for c in group)
         chunk, bucket = group[0], self.tail_bucket
-        if (len(group) == 1 and 1 < longest < bucket and chunk.start
-                and not chunk.start % bucket and chunk.start + bucket <= self.table.shape[1]):
-            return bucket
+        if len(group) != 1 or not bucket or not chunk.start or chunk.start % (
+                self.tail_starts or bucket):
+            return 0
+        width = bucket - chunk.start % bucket
+        if 1 < longest < width and chunk.start + width <= self.table.shape[1]:
+            return width
         return 0
 
     def _prefill_many(self, chunks: list[PrefillChunk], width: int = 0) -> list[mx.array]:

@@ -19,7 +19,7 @@ PREFILL_WARM_KEYS = 8192
 
 
 def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chunk: int = 0,
-            walk_chunk: int = 0) -> int:
+            walk_chunk: int = 0, walk_offsets: tuple[int, ...] = ()) -> int:
     """Run throwaway requests through the paths the server will meet first, so kernel
     compilation happens before the first user request, not during it: a lone prompt in
     one fresh chunk (a forward of one row, as a quiet server's first request meets it),
@@ -29,7 +29,9 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
     H200), and one in `walk_chunk` chunks to PREFILL_WARM_KEYS (decode first's chunks
     of a long prompt, on the bucket's edges: a cuDNN graph for every key length, which
     the first prompt of a burst otherwise built one a step, 50-110 ms each on the H200;
-    walked twice where prefill forwards are traced, to trace them);
+    walked twice where prefill forwards are traced, to trace them), and for each of
+    `walk_offsets` one whose chunks run from each edge plus the offset to the next edge
+    (a spread prefill's chunks after a prefix hit between its edges);
     then prompts in two chunks (the first fresh, the second read back from the
     pool, with one start and with mixed starts; two sets where prefill forwards are
     traced), then decode batch sizes up to
@@ -91,6 +93,10 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
         # eager build's ~10x), which the walk's second pass does now, not a burst's prompt.
         for _ in range(2 if runner.prefill_forwards.compiles else 1):
             step = lone_prompt("warmup-walk", step, walk)
+        top = min(room, PREFILL_WARM_KEYS)
+        for offset in walk_offsets:
+            ends = sorted({*range(offset, top + 1, walk_chunk), *walk})
+            step = lone_prompt("warmup-walk", step, ends)
     for again in range(prompt_sets):
         if again:  # the first set goes; the second decodes
             runner.run(ForwardBatch(step=step + 1, released=rids))

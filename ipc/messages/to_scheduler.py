@@ -58,6 +58,8 @@ class WorkerReady(Message, frozen=True):
     # where a prompt's unfinished chunks should end (multiples of it; 1: anywhere).
     chunk_size: int = 2048
     chunk_align: int = 1
+    # Where prefix hits are cut back to (multiples of it; 0: chunk_align).
+    prefix_align: int = 0
     # Over how many steps a step's prefill forwards may be spread while requests decode
     # (--prefill-spread, where the model allows it; 1: never).
     prefill_parts: int = 1
