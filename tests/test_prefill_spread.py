@@ -238,6 +238,7 @@ def test_a_spread_whose_requests_all_end_still_runs_its_parts_and_gives_back(tin
     assert engine.scheduler._spread is not None
     engine.abort("x")
     engine.abort("bg")
+    assert engine.scheduler.has_work  # its loop keeps planning, not waiting for news
     engine.run_until_idle()
     assert engine.scheduler._spread is None and engine.runner._spread is None
     assert_idle_invariant(engine.scheduler)
