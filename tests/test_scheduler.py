@@ -614,12 +614,12 @@ def _step(s: Scheduler) -> None:
     s.apply_result(_sampled(s, batch))
 
 
-def _spreading(parts: int = 3) -> Scheduler:
+def _spreading(parts: int = 3, capacity: int = 1000, decode_tokens: int = 50) -> Scheduler:
     """A scheduler whose steps that decode spread their prefill over `parts` steps; "d"
-    decodes from its second step on."""
-    s = Scheduler(SchedulerLimits(1000, 512, 8, 64, 128, max_prefill_tokens_while_decoding=32,
-                                  prefill_parts=parts))
-    s.add_request(_req("d", 10, 50))
+    (a 10-token prompt, `decode_tokens` to generate) decodes from its second step on."""
+    s = Scheduler(SchedulerLimits(capacity, 512, 8, 64, 128,
+                                  max_prefill_tokens_while_decoding=32, prefill_parts=parts))
+    s.add_request(_req("d", 10, decode_tokens))
     _step(s)
     return s
 
@@ -649,17 +649,14 @@ def test_a_spread_prompt_is_shared_only_with_its_last_part():
     s = _spreading()
     s.add_request(_req("p", 40, 5))
     _step(s)
-    assert s.cache.match_len(list(range(10 + 1000 * (ord("p") % 50), 10 ** 6))) == 0
+    assert s.cache.match_len(s.running["p"].all_ids(40)) == 0
     _step(s)
     s.plan_step()  # the last part
     assert s.cache.match_len(s.running["p"].all_ids(40)) == 40
 
 
 def test_with_nothing_decoding_a_spread_runs_its_remaining_parts_in_one_step():
-    s = Scheduler(SchedulerLimits(1000, 512, 8, 64, 128, max_prefill_tokens_while_decoding=32,
-                                  prefill_parts=4))
-    s.add_request(_req("d", 10, 2))
-    _step(s)
+    s = _spreading(parts=4, decode_tokens=2)
     s.add_request(_req("p", 40, 5))
     first = s.plan_step()  # d's last token: it finishes with this step's result
     assert first.parts == 4 and first.decode_rids == ["d"]
@@ -703,10 +700,7 @@ def test_a_request_the_worker_refused_mid_spread_fails_and_gives_back_after_it()
 
 
 def test_preemption_passes_over_a_spreads_requests():
-    s = Scheduler(SchedulerLimits(55, 512, 8, 64, 128, max_prefill_tokens_while_decoding=32,
-                                  prefill_parts=8))
-    s.add_request(_req("d", 10, 10))
-    _step(s)
+    s = _spreading(parts=8, capacity=55, decode_tokens=10)
     s.add_request(_req("p", 40, 1))
     _step(s)  # p (the newest) spreads; d decodes beside it
     while s.counters.preemptions == 0:
