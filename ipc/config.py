@@ -127,9 +127,10 @@ class ServerConfig:
                                      "(it then takes this many times "
                                      "--max-prefill-tokens-while-decoding): a decoding "
                                      "stream's gap grows by a share of a prefill forward's "
-                                     "launch and compute, not a whole one. 1: off. Models "
-                                     "with only full-attention layers and an output head; "
-                                     "others run whole forwards."})
+                                     "launch and compute, not a whole one. 1: off; a power "
+                                     "of two keeps chunks to the shapes built at start-up. "
+                                     "Models whose call is a backbone and an output head, "
+                                     "without recurrent layers; others run whole forwards."})
     fixed_decode_first_budget: bool = dataclasses.field(
         default=False, metadata={"help": "Keep --max-prefill-tokens-while-decoding as it is. By "
                                          "default a step decoding R requests while W > R more "

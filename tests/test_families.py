@@ -239,7 +239,8 @@ def test_alone_and_under_preemption_equal_mlx_lm(family):
 
 # Families whose prefill forwards the worker spreads over steps (--prefill-spread): full
 # attention only, a backbone and an output head.
-SPREADS = {"llama", "qwen3", "qwen3_moe", "mixtral", "phi3"}
+SPREADS = {"llama", "qwen3", "qwen3_moe", "mixtral", "phi3", "llama_sliding", "gemma3_text",
+           "gpt_oss", "ministral3", "olmo3", "exaone4", "deepseek_v3"}
 
 
 def run_recording_parts(engine: InProcessEngine) -> list[tuple[int, int, int]]:

@@ -149,11 +149,13 @@ def test_a_step_failing_mid_spread_ends_its_requests_and_serving_goes_on(tiny_mo
     assert results["bg"].token_ids == oracle(prompts[0], 40)
 
 
-def test_a_spread_on_the_kernel_path_equals_mlx_lm():
-    """The CUDA path's attention (stood in on the CPU), its in-place pool written by parts."""
+@pytest.mark.parametrize("name", ["qwen3", "gemma3_text", "gpt_oss"])
+def test_a_spread_on_the_kernel_path_equals_mlx_lm(name):
+    """The CUDA path's attention (stood in on the CPU), its in-place pool written by parts:
+    full attention; sliding windows (in their own slot space) beside full layers; sinks."""
     from tests.engine_driver import StandInInPlaceKernels
 
-    model = build("qwen3", head_dim=64)
+    model = build(name, head_dim=64)
     prompts = _prompts(4, [30, 70, 45, 90], 512, seed=74)
     engine = _spreading_engine(model, parts=3, backend=StandInInPlaceKernels(),
                                overlap="ahead")

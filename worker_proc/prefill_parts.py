@@ -27,17 +27,17 @@ def part_bounds(blocks: int, parts: int, part: int) -> int:
     return round(blocks * part / parts)
 
 
-def spread_refusal(split: Any, cache_count: int, full_attention: bool, has_states: bool,
-                   windowed: bool) -> str | None:
+def spread_refusal(split: Any, cache_count: int, has_states: bool) -> str | None:
     """Why this model's prefill forwards cannot be spread over steps (None: they can).
-    split: runner.ModelSplit or None; cache_count: the model's cache list's length."""
+    split: runner.ModelSplit or None (its models' backbones are read: a loop handing
+    each block's output to the next, which is what a part's stand-ins keep);
+    cache_count: the model's cache list's length. Any attention kind takes parts (each
+    layer reads and writes its own K/V and masks from the forward's layout alone)."""
     if split is None:
         return "its call is not a backbone and an output head (runner.split_model)"
     blocks = getattr(split.backbone, "layers", None)
     if not isinstance(blocks, list) or len(blocks) != cache_count or not blocks:
         return "its backbone's blocks are not one list beside its caches"
-    if not full_attention or windowed:
-        return "it has layers other than full attention"
     if has_states:
         return "it has recurrent layers (their state would need snapshots mid-forward)"
     return None

@@ -198,8 +198,7 @@ class ModelRunner:
         self.mixed_rows_multiple = MIXED_FORWARD_ROWS if dense_mlps(model) else 1
         # Prefill forwards spread over steps (ForwardBatch.parts), where the model allows.
         self.spread_refusal = spread_refusal(self._forwards.split, len(pool.groups),
-                                             traceable(pool), pool.has_states,
-                                             self.window_table is not None)
+                                             pool.has_states)
         self._spread: SpreadWave | None = None
         # The spread forwards' inputs, one use a spread: they are read over several steps.
         self._spread_staging = HostStaging()
@@ -552,13 +551,13 @@ class ModelRunner:
         tokens = np.zeros((len(chunks), max(int(sizes.max()), width)), dtype=np.int32)
         for i, chunk in enumerate(chunks):
             tokens[i, :sizes[i]] = chunk.token_ids
+        rows = [s.row for s in states]
         if len(chunks) == 1 and tokens.shape[1] == sizes[0]:
-            layout = ForwardLayout.single(self.table[states[0].row], chunks[0].start,
-                                          int(sizes[0]), None, stage)
+            layout = ForwardLayout.single(self.table[rows[0]], chunks[0].start, int(sizes[0]),
+                                          self._window_row(rows[0]), stage)
         else:
-            layout = ForwardLayout.prefill(self.table[[s.row for s in states]],
-                                           np.array([c.start for c in chunks]), sizes, None,
-                                           stage, width)
+            layout = ForwardLayout.prefill(self.table[rows], np.array([c.start for c in chunks]),
+                                           sizes, self._window_row(rows), stage, width)
         tokens_mx, last = stage(tokens, (sizes - 1).astype(np.int32))
         for state, n in zip(states, sizes):
             state.length += int(n)
