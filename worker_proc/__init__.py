@@ -181,8 +181,9 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         chunking = spread
         if runner.tail_bucket:
             runner.tail_bucket, runner.tail_starts = chunking.tail_bucket, chunking.hit_align
+        edges = f"; chunks end on multiples of {chunking.align}" if chunking.align > 1 else ""
         say(f"while requests decode, a step's prefill runs over {parts} steps "
-            f"(--prefill-spread; chunks end on multiples of {chunking.align})")
+            f"(--prefill-spread{edges})")
     elif config.prefill_spread > 1:
         logger.warning("--prefill-spread %d unused: this model's prefill forwards run whole "
                        "(%s)", config.prefill_spread, runner.spread_refusal)
