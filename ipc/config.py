@@ -360,6 +360,10 @@ class ServerConfig:
                                                                  self.fuse_projections):
             raise ValueError("--experiments rope-in-kernel runs inside the fast decode blocks: "
                              "drop --fast-decode-blocks off / --fuse-projections off")
+        if "mixed-forward" in self.experiment_set and self.prefill_spread > 1:
+            raise ValueError("--experiments mixed-forward and --prefill-spread both decide how "
+                             "a step that decodes runs its prefill (in the decode forward, "
+                             "or over several steps): choose one")
         if not 1 <= self.steps_in_flight <= 4:
             raise ValueError("--steps-in-flight must be in [1, 4]")
         if self.steps_in_flight != 2 and (self.disable_overlap or self.overlap == "off"):

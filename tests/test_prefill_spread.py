@@ -300,3 +300,13 @@ def test_a_spread_started_after_a_failed_step_is_dropped_with_its_requests(tiny_
     engine.submit("e", prompts[4], 5, [])
     results = engine.run_until_idle()
     assert results["e"].token_ids == oracle(prompts[4], 5) and results["e"].error is None
+
+
+def test_the_spread_flag_is_checked_at_start_up():
+    from ipc.config import ServerConfig
+
+    with pytest.raises(ValueError, match="--prefill-spread must be >= 1"):
+        ServerConfig(prefill_spread=0)
+    with pytest.raises(ValueError, match="mixed-forward and --prefill-spread"):
+        ServerConfig(prefill_spread=2, experiments="mixed-forward")
+    assert ServerConfig(prefill_spread=4).prefill_spread == 4
