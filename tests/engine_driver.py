@@ -73,7 +73,7 @@ class InProcessEngine:
                  max_prefill_tokens_while_decoding: int | None = None,
                  chunk_align: int = 1, tail_bucket: int = 0,
                  steps_in_flight: int = 2, own_caches: bool = False,
-                 prefill_parts: int = 1) -> None:
+                 prefill_parts: int = 1, prefix_align: int = 0) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False; steps_in_flight: how many steps the scheduler keeps at the
         worker with overlap (ServerConfig.steps_in_flight). tokenizer: what the scheduler decodes stop strings with.
@@ -89,7 +89,9 @@ class InProcessEngine:
         (ModelRunner.tail_bucket). own_caches: the model runs on mlx-lm's own caches, a set
         a request (OwnCacheRunner: what the worker falls back to for a model it cannot
         page). prefill_parts: --prefill-spread (as the worker grants it,
-        ModelRunner.prefill_parts)."""
+        ModelRunner.prefill_parts). prefix_align: where prefix hits are cut back to and
+        last chunks starting there are padded to tail_bucket's next edge (a spread's
+        PrefillChunking.hit_align; 0: chunk_align)."""
         specs = [] if own_caches else probe_attention_specs(model)
         if window_slots is None:
             recurrent = KVPool.state_bytes_per_request(specs) > 0
@@ -101,6 +103,7 @@ class InProcessEngine:
         self.runner = runner(model, self.pool, max_running, max_context, grammars,
                              prefill_padding=prefill_padding, compile_decode=compile_decode,
                              compile_prefill=compile_prefill, tail_bucket=tail_bucket)
+        self.runner.tail_starts = prefix_align
         # As the worker tells the scheduler (WorkerReady): a model with recurrent layers
         # caches prefixes only where it keeps state snapshots (one on its own caches never).
         radix_cache = radix_cache and self.runner.serves_prefix_hits
@@ -112,6 +115,7 @@ class InProcessEngine:
                                                    max_prefill_tokens_while_decoding=(
                                                        max_prefill_tokens_while_decoding),
                                                    chunk_align=chunk_align,
+                                                   prefix_align=prefix_align,
                                                    prefill_parts=self.runner.prefill_parts(
                                                        prefill_parts)),
                                    (lambda: tokenizer) if tokenizer is not None else None)

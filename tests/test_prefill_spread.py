@@ -310,3 +310,44 @@ def test_the_spread_flag_is_checked_at_start_up():
     with pytest.raises(ValueError, match="mixed-forward and --prefill-spread"):
         ServerConfig(prefill_spread=2, experiments="mixed-forward")
     assert ServerConfig(prefill_spread=4).prefill_spread == 4
+
+
+@pytest.mark.parametrize("overlap", [False, "ahead"])
+def test_hits_on_bucket_edges_and_padded_chunks_to_a_spreads_edge_are_exact(tiny_model, oracle,
+                                                                            overlap):
+    """A spread's chunks end on 64-token edges (4 buckets of 16) while prefix hits stay on
+    the 16-token ones: a prompt sharing 40 tokens with a cached one hits 32 and runs its
+    chunk from there to the 64 edge (its last chunks padded to the next edge, as the CUDA
+    server does); every request's tokens are mlx-lm's."""
+    model, _ = tiny_model
+    prompts = _prompts(4, [20, 90, 150, 60], model.args.vocab_size, seed=78)
+    prompts[2][:40] = prompts[1][:40]
+    prompts[3][:40] = prompts[1][:40]
+    engine = InProcessEngine(model, chunk_size=64, chunk_align=64, prefix_align=16,
+                             tail_bucket=64, max_prefill_tokens_while_decoding=32,
+                             prefill_parts=2, overlap=overlap)
+    padded = []  # the widths of the spread's forwards
+    parted = engine.runner._parted
+
+    def recording(chunks, width, stage):  # noqa: ANN001, ANN202
+        padded.append(width)
+        return parted(chunks, width, stage)
+
+    engine.runner._parted = recording
+    _decoding(engine, prompts[0])
+    engine.submit("first", prompts[1], 6, [])
+    engine.run_until_idle()
+    engine.submit("bg2", prompts[0], 60, [])  # decoding again beside the hits
+    for _ in range(3):
+        engine.step()
+    engine.submit("long", prompts[2], 6, [])
+    for _ in range(12):
+        engine.step()
+    engine.submit("short", prompts[3], 6, [])  # alone: its last chunk in a forward of its own
+    results = engine.run_until_idle()
+    assert engine.scheduler.counters.cache_hit_tokens >= 2 * 32
+    assert 32 in padded  # a spread's last chunk from a hit at 32 to the 64 edge
+    for rid, p, n in (("first", prompts[1], 6), ("long", prompts[2], 6), ("short", prompts[3], 6),
+                      ("bg", prompts[0], 40), ("bg2", prompts[0], 60)):
+        assert results[rid].token_ids == oracle(p, n), rid
+    assert_idle_invariant(engine.scheduler)
