@@ -394,9 +394,10 @@ class Scheduler:
         prefill += self._admit(budget, new_reqs)
         prefill = [c for c in prefill if c is not None]
         spread, self._planning = self._planning, None
-        if spread is not None and all(self.running[c.rid].wants_prompt_logprobs
+        if spread is not None and all(self.running[c.rid].sampling.prompt_logprobs >= 0
                                       for c in prefill):
-            # Nothing to spread (scored chunks run whole): their prompts shared now.
+            # Nothing to spread (the worker runs whole the chunks of requests asking for
+            # prompt logprobs, as it scores them): their prompts shared now.
             for req, end in spread.cache_at:
                 self._cache_prompt(req, end)
             spread = None
@@ -529,7 +530,10 @@ class Scheduler:
         # A flag per full slot, not a set operation: running contexts of long prompts are
         # hundreds of thousands of slots, and np.isin sorted them all (~0.2 s) each time.
         protected = np.zeros(self.allocator.capacity + 1, dtype=bool)
-        for r in self.running.values():
+        # A spread's ended requests too: its later parts still read their windows (and
+        # their K/V is cached with its last part).
+        held = [r for r, _, _ in self._spread.held] if self._spread is not None else []
+        for r in [*self.running.values(), *held]:
             if r.row is not None:
                 protected[self.table.slots(r.row, r.num_computed)[r.sees_from:]] = True
         freed = 0

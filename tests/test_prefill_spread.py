@@ -351,3 +351,50 @@ def test_hits_on_bucket_edges_and_padded_chunks_to_a_spreads_edge_are_exact(tiny
                       ("bg", prompts[0], 40), ("bg2", prompts[0], 60)):
         assert results[rid].token_ids == oracle(p, n), rid
     assert_idle_invariant(engine.scheduler)
+
+
+def test_an_aborted_spread_requests_windows_are_not_evicted_before_its_last_part():
+    """Gemma 3 (windows of 16 in their own slot space, tight): x, a cached prompt plus 20
+    tokens, spreads over 4 steps beside 4 decoding streams and is aborted after its first
+    part. While the window space runs short, eviction must spare the window slots x's
+    later parts read (else the decoders take them, x's later layers read their K/V, and
+    the prompt cached with x's last part is wrong); the same prompt later gets mlx-lm's
+    tokens from that cache."""
+    model = build("gemma3_text")
+    rng = np.random.default_rng(1)
+    a = rng.integers(5, 512, size=200).tolist()
+    x = a + rng.integers(5, 512, size=20).tolist()
+    engine = InProcessEngine(model, chunk_size=256, max_prefill_tokens_while_decoding=32,
+                             prefill_parts=4, overlap=False, capacity=2048, window_slots=336)
+    s = engine.scheduler
+    for rid, prompt in (("a", a), ("f", rng.integers(5, 512, size=62).tolist())):
+        engine.submit(rid, prompt, 1, [])
+        engine.run_until_idle()
+    for i in range(4):
+        engine.submit(f"bg{i}", rng.integers(5, 512, size=12).tolist(), 60, [])
+    engine.step()
+    engine.submit("x", x, 5, [])
+    engine.step()
+    req = s.running["x"]
+    assert s._spread is not None and s._spread.has(req)
+    reads = s.table.slots(req.row, req.num_computed)[req.sees_from:req.prefix_len].copy()
+    engine.abort("x")
+    evict, lost = s._evict_windows, []
+
+    def watching(n):  # noqa: ANN001, ANN202
+        before = s.windows.of(reads) > 0
+        freed = evict(n)
+        lost.append(int((before & (s.windows.of(reads) == 0)).sum()))
+        return freed
+
+    s._evict_windows = watching
+    while s._spread is not None:
+        engine.step()
+    s._evict_windows = evict
+    assert lost and not any(lost)  # eviction ran mid-spread, and spared x's windows
+    engine.run_until_idle()
+    hits = s.counters.cache_hit_tokens
+    engine.submit("z", x, 5, [])
+    results = engine.run_until_idle()
+    assert s.counters.cache_hit_tokens - hits > 200  # z read x's cached prompt
+    assert results["z"].token_ids == mlx_lm_tokens(model, x, 5)
