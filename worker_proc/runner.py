@@ -544,8 +544,19 @@ class ModelRunner:
         return wave
 
     def _parted(self, chunks: list[PrefillChunk], width: int, stage: Stage) -> PartedForward:
-        """A forward over the chunks (right-padded to the longest or to `width`, as
-        _prefill_many's; one chunk unpadded as _prefill's), to be run part by part."""
+        """A forward over the chunks (_padded_inputs'), to be run part by part."""
+        states, sizes, tokens, layout = self._padded_inputs(chunks, width, stage)
+        tokens_mx, last = stage(tokens, (sizes - 1).astype(np.int32))
+        for state, n in zip(states, sizes):
+            state.length += int(n)
+        return PartedForward(chunks, states, tokens_mx, build_layer_caches(self.pool, layout),
+                             last)
+
+    def _padded_inputs(self, chunks: list[PrefillChunk], width: int, stage: Stage
+                       ) -> tuple[list[RequestState], np.ndarray, np.ndarray, ForwardLayout]:
+        """A forward's chunks placed in their requests' contexts: their states, sizes,
+        tokens right-padded to the longest (or to `width`) and layout (one chunk unpadded
+        as _prefill's, ForwardLayout.single; else ForwardLayout.prefill)."""
         states = [self._place(c) for c in chunks]
         sizes = np.array([len(c.token_ids) for c in chunks])
         tokens = np.zeros((len(chunks), max(int(sizes.max()), width)), dtype=np.int32)
@@ -558,11 +569,7 @@ class ModelRunner:
         else:
             layout = ForwardLayout.prefill(self.table[rows], np.array([c.start for c in chunks]),
                                            sizes, self._window_row(rows), stage, width)
-        tokens_mx, last = stage(tokens, (sizes - 1).astype(np.int32))
-        for state, n in zip(states, sizes):
-            state.length += int(n)
-        return PartedForward(chunks, states, tokens_mx, build_layer_caches(self.pool, layout),
-                             last)
+        return states, sizes, tokens, layout
 
     def _mixed_chunk(self, groups: list[list[PrefillChunk]],
                      batch: ForwardBatch) -> tuple[PrefillChunk, int] | None:
@@ -702,18 +709,12 @@ class ModelRunner:
     def _prefill_many(self, chunks: list[PrefillChunk], width: int = 0) -> list[mx.array]:
         """One forward over chunks of several requests, right-padded to the longest (or to
         `width`); each chunk's last position's logits, [1, V] each."""
-        states = [self._place(c) for c in chunks]
-        sizes = np.array([len(c.token_ids) for c in chunks])
-        starts = np.array([c.start for c in chunks])
-        tokens = np.zeros((len(sizes), max(int(sizes.max()), width)), dtype=np.int32)
-        for i, chunk in enumerate(chunks):
-            tokens[i, :sizes[i]] = chunk.token_ids
-        rows = [s.row for s in states]
         staging = self._forward_staging
         staging.begin()
-        window_rows = self._window_row(rows)
-        layout = ForwardLayout.prefill(self.table[rows], starts, sizes, window_rows,
-                                       staging.add, width)
+        # (Several chunks, or one padded to `width`: ForwardLayout.prefill's layout.)
+        states, sizes, tokens, layout = self._padded_inputs(chunks, width, staging.add)
+        starts = np.array([c.start for c in chunks])
+        rows = [s.row for s in states]
         fresh = bool((starts == 0).all())
         tokens_mx, last, lengths, state_rows = staging.add(
             tokens, (sizes - 1).astype(np.int32), sizes.astype(np.int32),
