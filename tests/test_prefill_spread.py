@@ -398,3 +398,59 @@ def test_an_aborted_spread_requests_windows_are_not_evicted_before_its_last_part
     results = engine.run_until_idle()
     assert s.counters.cache_hit_tokens - hits > 200  # z read x's cached prompt
     assert results["z"].token_ids == mlx_lm_tokens(model, x, 5)
+
+
+def test_a_spreads_warm_up_builds_the_shapes_its_prefix_hits_meet(tiny_model, oracle, monkeypatch):
+    """Spread over 2 steps with 512-token buckets on the CUDA stand-in: chunks end on the
+    1,024 edges and prefix hits on the 512 ones. The warm-up walks the chunk from each
+    hit to the next edge as a hit itself (slots the walk wrote read as its prefix) and no
+    chunk ending off an edge, which no served prompt runs; afterwards a prompt hitting a
+    cached one at 512 beside a decoding stream meets no fused attention shape the warm-up
+    did not build (a new cuDNN graph mid-serving, 60-180 ms on the H100), and its tokens
+    are mlx-lm's."""
+    from tests.engine_driver import StandInKernel
+    from worker_proc import decode_backend
+    from worker_proc.warm_up import warm_up
+
+    model, tokenizer = tiny_model
+    shapes: list[tuple[str, int, int]] = []
+    fused, masked = decode_backend.bucketed_fused_attention, decode_backend.bucketed_masked_attention
+
+    def fused_spy(q, k, v, scale, pad, sinks=None):  # noqa: ANN001, ANN202
+        shapes.append(("fused", q.shape[2] + pad, k.shape[2] + pad))
+        return fused(q, k, v, scale, pad, sinks)
+
+    def masked_spy(q, k, v, scale, bias, sinks=None):  # noqa: ANN001, ANN202
+        shapes.append(("masked", q.shape[2], k.shape[2]))
+        return masked(q, k, v, scale, bias, sinks)
+
+    monkeypatch.setattr(decode_backend, "bucketed_fused_attention", fused_spy)
+    monkeypatch.setattr(decode_backend, "bucketed_masked_attention", masked_spy)
+    engine = InProcessEngine(model, chunk_size=2048, max_context=2048, chunk_align=1024,
+                             prefix_align=512, tail_bucket=1024,
+                             max_prefill_tokens_while_decoding=512, prefill_parts=2,
+                             backend=StandInKernel())
+    warm_up(engine.runner, max_batch=4, long_chunk=2048, walk_chunk=1024, walk_offsets=(512,),
+            walk_edge=1024)
+    warmed = set(shapes)
+    # The walk's two chunks, the hits at 512 and 1,536 to the next edges; no 512-query
+    # chunk ending on 512 or 1,536 (the walk's old way, chunks from the edges to the hits).
+    assert {("fused", 1024, 1024), ("fused", 1024, 2048), ("fused", 512, 1024),
+            ("fused", 512, 2048)} <= warmed
+    assert not {("fused", 512, 512), ("fused", 512, 1536)} & warmed
+    assert not any(kind == "masked" for kind, _, _ in warmed)
+    assert engine.runner.requests == {}
+    # The hit's prompt runs to the 1,024 edge, then its last 976 tokens padded to the next.
+    prompts = _prompts(3, [40, 1100, 2000], model.args.vocab_size, seed=91)
+    prompts[2][:700] = prompts[1][:700]  # cached to 512 (a bucket's edge), not 1,024
+    engine.submit("cached", prompts[1], 4, [])
+    engine.run_until_idle()
+    shapes.clear()
+    _decoding(engine, prompts[0])
+    engine.submit("hit", prompts[2], 6, [])
+    results = engine.run_until_idle()
+    assert engine.scheduler.counters.cache_hit_tokens == 512
+    assert shapes.count(("fused", 512, 1024)) == model.args.num_hidden_layers
+    assert set(shapes) <= warmed, set(shapes) - warmed
+    assert results["hit"].token_ids == oracle(prompts[2], 6)
+    assert results["bg"].token_ids == oracle(prompts[0], 40)

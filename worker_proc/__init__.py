@@ -189,7 +189,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
                        "(%s)", config.prefill_spread, runner.spread_refusal)
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests, long_chunk=chunking.size,
-                    walk_chunk=chunking.warm_walk, walk_offsets=chunking.walk_offsets())
+                    walk_chunk=chunking.warm_walk, walk_offsets=chunking.walk_offsets(),
+                    walk_edge=chunking.align)
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")

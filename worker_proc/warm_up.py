@@ -19,7 +19,7 @@ PREFILL_WARM_KEYS = 8192
 
 
 def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chunk: int = 0,
-            walk_chunk: int = 0, walk_offsets: tuple[int, ...] = ()) -> int:
+            walk_chunk: int = 0, walk_offsets: tuple[int, ...] = (), walk_edge: int = 0) -> int:
     """Run throwaway requests through the paths the server will meet first, so kernel
     compilation happens before the first user request, not during it: a lone prompt in
     one fresh chunk (a forward of one row, as a quiet server's first request meets it),
@@ -30,8 +30,10 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
     of a long prompt, on the bucket's edges: a cuDNN graph for every key length, which
     the first prompt of a burst otherwise built one a step, 50-110 ms each on the H200;
     walked twice where prefill forwards are traced, to trace them), and for each of
-    `walk_offsets` one whose chunks run from each edge plus the offset to the next edge
-    (a spread prefill's chunks after a prefix hit between its edges);
+    `walk_offsets` and each multiple E of `walk_edge` a prompt hitting a cached prefix
+    of E + offset tokens, its one chunk running to E + walk_edge (a spread prefill's
+    chunk after a prefix hit between its edges: only such shapes, not the chunks from
+    the edges to the hits, which no served prompt runs);
     then prompts in two chunks (the first fresh, the second read back from the
     pool, with one start and with mixed starts; two sets where prefill forwards are
     traced), then decode batch sizes up to
@@ -80,6 +82,17 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
         runner.run(ForwardBatch(step=step + len(ends), released=[rid]))
         return step + len(ends) + 1
 
+    def hit_prompt(rid: str, step: int, hit: int, end: int) -> int:
+        """A request whose first `hit` positions are a cached prefix in slots 1..hit,
+        its one chunk running to `end`, then released. Returns the next step's number."""
+        prefix = list(range(1, 1 + hit))
+        new = NewRequest(rid=rid, sampling=greedy, prefix_slot_ids=prefix,
+                         prefix_window_slot_ids=prefix if windowed else [])
+        runner.run(ForwardBatch(step=step, new_requests=[new], prefill=[prompt_chunk(
+            rid, hit, list(range(1 + hit, 1 + end)), True)]))
+        runner.run(ForwardBatch(step=step + 1, released=[rid]))
+        return step + 2
+
     backend = runner.pool.backend
     room = min(space, runner.max_context)
     step = lone_prompt("warmup-solo", 0, [prompt_len])
@@ -93,10 +106,10 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
         # eager build's ~10x), which the walk's second pass does now, not a burst's prompt.
         for _ in range(2 if runner.prefill_forwards.compiles else 1):
             step = lone_prompt("warmup-walk", step, walk)
-        top = min(room, PREFILL_WARM_KEYS)
-        for offset in walk_offsets:
-            ends = sorted({*range(offset, top + 1, walk_chunk), *walk})
-            step = lone_prompt("warmup-walk", step, ends)
+        if walk_offsets and walk_edge:  # the hits' prefixes: slots the walk wrote
+            for edge in range(0, walk[-1] - walk_edge + 1, walk_edge):
+                for offset in walk_offsets:
+                    step = hit_prompt("warmup-hit", step, edge + offset, edge + walk_edge)
     for again in range(prompt_sets):
         if again:  # the first set goes; the second decodes
             runner.run(ForwardBatch(step=step + 1, released=rids))
