@@ -140,3 +140,38 @@ def test_a_request_reusing_an_id_a_failure_ended_runs(tiny_model, oracle, monkey
         assert results[rid].error is None, results[rid].error
         assert results[rid].token_ids == oracle(prompt, 12), rid
     assert_idle_invariant(engine.scheduler)
+
+
+@pytest.mark.parametrize("overlap", [False, "ahead"])
+def test_a_step_that_loses_the_device_ends_its_requests_then_the_worker(tiny_model, monkeypatch,
+                                                                         overlap):
+    """A CUDA error that poisons the context (every later call fails with it: the H100 in
+    session 38, after an out-of-memory step) is not lived through: the failed step's
+    requests are ended as for any failure, then the worker raises DeviceLost (its process
+    exits and the launcher stops the server) instead of failing every later request."""
+    from worker_proc.device_lost import DeviceLost, device_lost
+
+    model, _ = tiny_model
+    prompts = _prompts(2, [40, 9], model.args.vocab_size, seed=52)
+    engine = InProcessEngine(model, chunk_size=32, overlap=overlap)
+    decode = engine.runner._decode
+    calls = {"n": 0}
+    lost = RuntimeError("cuGraphAddKernelNode(&node, graph_, NULL, 0, &params) failed: "
+                        "an illegal memory access was encountered")
+
+    def failing_decode(*args):  # noqa: ANN001, ANN202
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise lost
+        return decode(*args)
+
+    monkeypatch.setattr(engine.runner, "_decode", failing_decode)
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 30, [])
+    with pytest.raises(DeviceLost, match="illegal memory access"):
+        engine.run_until_idle()
+    assert not engine.worker.owed and engine.runner.requests == {}  # reported failed first
+    # Errors a process lives through stay per-step (an allocation that failed, a bug).
+    assert device_lost(lost) and not device_lost(RuntimeError(
+        "cudaMallocAsync(&data, size, stream) failed: out of memory"))
+    assert not device_lost(RuntimeError("device lost its mind"))

@@ -15,6 +15,7 @@ from ipc.config import ServerConfig, switch_on
 from ipc.messages.to_scheduler import StepResult, WorkerReady
 from ipc.messages.to_worker import ForwardBatch, Shutdown, SyncSteps, WorkerMessage
 from ipc.process import StartupReporter, setup_child
+from worker_proc.device_lost import DeviceLost, device_lost
 from worker_proc.step_stats import PHASES, StepStats, Timer
 
 if TYPE_CHECKING:
@@ -336,7 +337,9 @@ class WorkerLoop:
 
     def handle(self, message: WorkerMessage | None) -> bool:
         """Process one message (None: a receive that timed out); False once the worker
-        should stop. The time since the previous call returned counts as idle."""
+        should stop. The time since the previous call returned counts as idle. Raises
+        DeviceLost, once the failed step's requests are ended, where a step failed with
+        an error that leaves the GPU unusable."""
         self._timer.mark("idle")
         if isinstance(message, Shutdown):
             logger.info("shutting down: %s", message.reason)
@@ -346,6 +349,9 @@ class WorkerLoop:
         except Exception as exc:  # noqa: BLE001 - the worker lives on (see _fail_owed)
             logger.exception("a step failed; ending every request the worker holds")
             self._fail_owed(f"{type(exc).__name__}: {exc}")
+            if device_lost(exc):  # unless nothing can run any more
+                raise DeviceLost(f"the GPU can run nothing more after a step failed with: "
+                                 f"{exc}") from exc
         return True
 
     def _handle_step_message(self, message: WorkerMessage | None) -> None:
