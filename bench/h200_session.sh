@@ -57,7 +57,8 @@ KILN_B_TREE=${KILN_B_TREE:-}  # ... run from this directory's kiln (another comm
 KILN_C_ARGS=${KILN_C_ARGS:-}  # server kiln_c (in SERVERS): a second variant's flags
 ROUNDS=${ROUNDS:-1}  # sweep: above 1, every server up at once and this many interleaved
                     # sweeps of each (bench/h200_compare.py --rounds), for A/B figures
-                    # on a host whose speed drifts (session 29: one tree 3,082-4,300 tok/s)
+                    # on a host whose speed drifts (session 29: one tree 3,082-4,300 tok/s);
+                    # every server must fit the card at once (two 12B ones do not on an H100)
 PRIME=${PRIME:-1}  # sweep and mixed: a kiln server started (and used) and stopped first,
                    # unmeasured (the first on a fresh machine runs slower;
                    # bench/h200_compare.py prime)

@@ -107,20 +107,34 @@ class PrefillBudget:
     prompts whole. A budget scaled up by a backlog (SchedulerLimits.prefill_tokens) then
     admits more whole prompts, as it is meant to, but cuts a long prompt in the unscaled
     budget's chunks still: a longer one stretches every decoding stream's gap as much
-    and meets forward shapes no warm-up built (on the H200, 90 ms each to start)."""
+    and meets forward shapes no warm-up built (on the H200, 90 ms each to start).
+
+    lone_pieces (unaligned budgets only: a spread prefill's): a piece comes alone, so no
+    prompt's head joins another prompt's tail (or head). Of different lengths, the two run
+    as two forwards, each spread in parts: Gemma 3's steps starting a tail and a head
+    took 45-80 ms to start their first part on the H100 against 8 for one 1,024-token
+    chunk, and made its ITL p99 (docs/benchmarks.md, session 38). Whole fresh prompts
+    still go together. Aligned budgets pad a tail to its edge and start the next head on
+    one instead."""
 
     def __init__(self, tokens: int, chunk: int, align: int = 1,
-                 pieces: int | None = None) -> None:
+                 pieces: int | None = None, lone_pieces: bool = False) -> None:
         self.total = self.left = tokens
         self.chunk = chunk
         self.align = align if align > 1 and chunk % align == 0 else 1
         self.pieces_left = tokens if pieces is None or self.align == 1 else min(pieces, tokens)
         self.longest = 0  # the longest chunk given (see the unaligned rule above)
+        self.lone_pieces = lone_pieces and self.align == 1
+        self.gave_piece = False
 
     def take(self, start: int, wanted: int) -> int:
         """Tokens for a prompt whose next chunk starts at `start` with `wanted` to go."""
         n = min(wanted, self.chunk, self.left)
         piece = start > 0 or n < wanted
+        if self.lone_pieces:
+            if self.gave_piece or (piece and self.left < self.total):
+                return self._scraps()
+            self.gave_piece = piece
         if piece:
             n = min(n, self.pieces_left)
         if n < wanted and self.align > 1:
@@ -387,7 +401,8 @@ class Scheduler:
             min(self.limits.max_prefill_tokens,
                 self.limits.prefill_tokens(len(decode_rids), waiting) * parts),
             self.limits.chunk_size, self.limits.chunk_align,
-            pieces=self.limits.prefill_tokens(len(decode_rids)) * parts)
+            pieces=self.limits.prefill_tokens(len(decode_rids)) * parts,
+            lone_pieces=parts > 1)
         self._planning = SpreadPrefill(parts, {}) if parts > 1 else None
         prefill = [self._plan_chunk(r, budget, new_reqs)
                    for r in list(self.running.values()) if r.prefilling and not budget.exhausted]

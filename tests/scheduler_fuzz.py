@@ -140,6 +140,7 @@ class Schedule:
         return (f"{len(self.requests)} requests (prompts {[len(r.prompt) for r in self.requests]}, "
                 f"max_new {[r.max_new for r in self.requests]}), capacity {lim.capacity}, "
                 f"chunk {lim.chunk_size}/{lim.max_prefill_tokens} align {lim.chunk_align}, "
+                f"spread {lim.prefill_parts}, "
                 f"running {lim.max_running}, windows {lim.windows} in {lim.window_slots}, "
                 f"snapshots {lim.state_snapshots}, in flight {self.max_in_flight}, "
                 f"failures {self.step_failure_rate}, reuse {self.reuse_rate}")
@@ -211,7 +212,8 @@ def _draw_limits(rng: random.Random, mode: Mode, requests: list[RequestPlan]) ->
         state_snapshots=rng.choice([1, 2, 4, 16]) if mode is Mode.SNAPSHOTS else 0,
         snapshot_stride=rng.choice([0, 0, 16]), window_slots=window_slots, windows=windows,
         max_prefill_tokens_while_decoding=rng.choice([None, 4, chunk]),
-        chunk_align=rng.choice([1, 1, 8]))
+        chunk_align=rng.choice([1, 1, 8]),
+        prefill_parts=1 if mode is Mode.SNAPSHOTS else rng.choice([1, 1, 2, 3]))
 
 
 # -- the client: requests in, outputs checked -------------------------------------------------
@@ -333,6 +335,10 @@ class Sampled:
     token: int
 
 
+class StepFails(Exception):
+    """The fake worker fails this step as a whole, as the real one would."""
+
+
 class FakeWorker:
     """Runs steps on slots of keys: every write records the key of the writer's prefix,
     every read checks it (see the module doc)."""
@@ -347,6 +353,11 @@ class FakeWorker:
         # The requests the last reset forgot: steps planned before the scheduler learnt
         # of the failure still name them (runner.ended_by_reset).
         self.forgotten: set[str] = set()
+        # A spread prefill's chunks (ForwardBatch.parts): their K/V count as written, and
+        # their prompts' tokens as sampled, with the last part only (the real worker
+        # writes a share of the layers a step: a read before the last part is wrong).
+        self.spread: list[PrefillChunk] | None = None
+        self.spread_lost = False  # a failure dropped it; later parts fail (part lost)
 
     def fail(self, batch: ForwardBatch, admitted: dict[str, Instance]) -> None:
         """The step fails as a whole after taking its releases and new requests: forget
@@ -356,6 +367,8 @@ class FakeWorker:
             self._admit(batch.step, new, admitted[new.rid])
         self.forgotten = set(self.requests)
         self.requests.clear()
+        if self.spread is not None or batch.parts > 1:  # its later parts find none
+            self.spread, self.spread_lost = None, True
 
     def ended_by_reset(self, batch: ForwardBatch) -> bool:
         rids = {c.rid for c in batch.prefill} | set(batch.decode_rids)
@@ -366,14 +379,37 @@ class FakeWorker:
         """One step; `admitted`: the client's instance of each new request's id."""
         self._release(batch)
         errors = [self._admit(batch.step, new, admitted[new.rid]) for new in batch.new_requests]
-        rows = [self._prefill(batch.step, chunk) for chunk in batch.prefill]
+        rows = [self._prefill(batch.step, chunk) for chunk in self._spread_chunks(batch)]
         rows += [self._decode(batch, i) for i in range(len(batch.decode_rids))]
         sampled = [row for row in rows if row is not None]
         return StepResult(step=batch.step, rids=[s.rid for s in sampled],
                           token_ids=[s.token for s in sampled],
                           errors=[e for e in errors if e is not None])
 
+    def _spread_chunks(self, batch: ForwardBatch) -> list[PrefillChunk]:
+        """The chunks whose K/V this step completes: its own, or with a spread's last part
+        the spread's (none in its other parts)."""
+        if batch.parts == 1:
+            return list(batch.prefill)
+        where = f"step {batch.step} (parts {batch.parts_from}..{batch.parts_to} of {batch.parts})"
+        if batch.parts_from == 0:
+            if self.spread is not None:
+                raise ScheduleBug(f"{where}: a spread starts before the last one ended")
+            self.spread, self.spread_lost = list(batch.prefill), False
+        elif batch.prefill:
+            raise ScheduleBug(f"{where}: a spread's later part carries new chunks")
+        elif self.spread is None:
+            if self.spread_lost:  # planned before the scheduler learnt of the failure
+                raise StepFails("part lost")
+            raise ScheduleBug(f"{where}: continues no spread")
+        if batch.parts_to < batch.parts:
+            return []
+        chunks, self.spread = self.spread, None
+        return chunks
+
     def _release(self, batch: ForwardBatch) -> None:
+        if self.spread is not None and {c.rid for c in self.spread} & set(batch.released):
+            raise ScheduleBug(f"step {batch.step}: releases a request of the spread in flight")
         for i, rid in enumerate(batch.released):
             req = self.requests.pop(rid, None)
             if req is not None and batch.released_snapshots and batch.released_snapshots[i]:
@@ -507,11 +543,12 @@ def _owned_slots(s: Scheduler, req: Req) -> list[int]:
 
 
 def check_partition(s: Scheduler) -> None:
-    """Every slot is free, cached or owned by one running request, exactly once; window
-    slots belong to one position each; lock counts match what is protected; snapshot ids
-    are unique and none is lost."""
+    """Every slot is free, cached or owned by one running request (or one a spread prefill
+    in flight holds after it ended), exactly once; window slots belong to one position
+    each; lock counts match what is protected; snapshot ids are unique and none is lost."""
     free, cached = _free_slots(s), s.cache.all_slots().tolist()
-    owned = [slot for req in s.running.values() for slot in _owned_slots(s, req)]
+    held = [req for req, _, _ in s._spread.held] if s._spread is not None else []
+    owned = [slot for req in [*s.running.values(), *held] for slot in _owned_slots(s, req)]
     every = free + cached + owned
     if sorted(every) != list(range(1, s.allocator.capacity + 1)):
         twice = [slot for slot, n in Counter(every).items() if n > 1][:10]
@@ -542,7 +579,11 @@ def check_no_stall(s: Scheduler, batch: ForwardBatch, preempted: bool) -> None:
     # Prompts this step ends were not decoding when it was planned, nor finishing.
     ended_prompts = {c.rid for c in batch.prefill if c.sample}
     finishing = {r.rid for r in s._finishing()} - ended_prompts
-    left_out = [r.rid for r in s.running.values() if not r.prefilling
+    # A spread prefill's requests decode only after its last part, which samples the
+    # first tokens of those whose prompts it ends.
+    spread = set(s._spread.admitted_as) if s._spread is not None else set()
+    spread |= set(s._sampled_for.get(batch.step, ())) - set(batch.decode_rids)
+    left_out = [r.rid for r in s.running.values() if not r.prefilling and r.rid not in spread
                 and r.rid not in ended_prompts and r.rid not in finishing]
     if left_out and not finishing:
         raise ScheduleBug(f"step {batch.step} decodes none of {left_out} with nothing finishing "
@@ -760,7 +801,11 @@ class FuzzRun:
             self.worker.fail(sent.batch, admitted)
             self._report_owed_failed("injected failure")
         else:
-            self.results.append(self.worker.run(sent.batch, admitted))
+            try:
+                self.results.append(self.worker.run(sent.batch, admitted))
+            except StepFails as failure:
+                self.worker.fail(sent.batch, admitted)
+                self._report_owed_failed(str(failure))
 
     def _report_owed_failed(self, reason: str) -> None:
         """Like the worker's _report_failed: every step not reported yet, failed (its

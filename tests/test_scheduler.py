@@ -645,6 +645,32 @@ def test_a_spread_prefill_runs_its_parts_in_the_next_steps_beside_decode():
     assert fourth.parts == 1 and sorted(fourth.decode_rids) == ["d", "p"]
 
 
+def test_an_unaligned_spread_runs_a_prompts_pieces_alone():
+    """A spread of an unaligned model (Gemma 3 on CUDA): a piece of a prompt (its tail, or
+    a head that leaves it unfinished) is the spread's only chunk, so no other prompt's
+    head joins a tail (the pair would be two forwards, each started in parts); whole
+    fresh prompts still go together, and without a spread a tail shares its step."""
+    lone = PrefillBudget(96, 128, lone_pieces=True)
+    assert [lone.take(96, 4), lone.take(0, 200)] == [4, 0] and lone.exhausted
+    fresh = PrefillBudget(96, 128, lone_pieces=True)
+    assert [fresh.take(0, 30), fresh.take(0, 30), fresh.take(0, 50)] == [30, 30, 0]
+    shared = PrefillBudget(96, 128)
+    assert [shared.take(96, 4), shared.take(0, 200)] == [4, 92]
+    aligned = PrefillBudget(96, 64, 16, lone_pieces=True)  # pads tails instead
+    assert [aligned.take(96, 4), aligned.take(0, 200)] == [4, 64]
+    s = _spreading()  # chunks of 64, spreads of 96 tokens
+    s.add_request(_req("a", 100, 5))
+    s.add_request(_req("b", 100, 5))
+    plans = []
+    for _ in range(4):  # each spread's first step, then its two later parts
+        first = s.plan_step()
+        plans.append(_prefilled(first))
+        s.apply_result(_sampled(s, first))
+        _step(s)
+        _step(s)
+    assert plans == [{"a": 64}, {"a": 36}, {"b": 64}, {"b": 36}]
+
+
 def test_a_spread_prompt_is_shared_only_with_its_last_part():
     s = _spreading()
     s.add_request(_req("p", 40, 5))
