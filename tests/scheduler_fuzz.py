@@ -335,10 +335,6 @@ class Sampled:
     token: int
 
 
-class StepFails(Exception):
-    """The fake worker fails this step as a whole, as the real one would."""
-
-
 class FakeWorker:
     """Runs steps on slots of keys: every write records the key of the writer's prefix,
     every read checks it (see the module doc)."""
@@ -357,7 +353,7 @@ class FakeWorker:
         # their prompts' tokens as sampled, with the last part only (the real worker
         # writes a share of the layers a step: a read before the last part is wrong).
         self.spread: list[PrefillChunk] | None = None
-        self.spread_lost = False  # a failure dropped it; later parts fail (part lost)
+        self.spread_lost = False  # a failure dropped it: its later parts are not run
 
     def fail(self, batch: ForwardBatch, admitted: dict[str, Instance]) -> None:
         """The step fails as a whole after taking its releases and new requests: forget
@@ -370,7 +366,16 @@ class FakeWorker:
         if self.spread is not None or batch.parts > 1:  # its later parts find none
             self.spread, self.spread_lost = None, True
 
+    def skip(self, batch: ForwardBatch) -> None:
+        """A step reported failed unrun (runner.skip): its releases hold (no snapshot
+        kept), its new requests are forgotten too."""
+        for rid in batch.released:
+            self.requests.pop(rid, None)
+        self.forgotten |= {new.rid for new in batch.new_requests}
+
     def ended_by_reset(self, batch: ForwardBatch) -> bool:
+        if batch.parts_from > 0 and self.spread is None and self.spread_lost:
+            return True  # the spread it continues was dropped by the failure
         rids = {c.rid for c in batch.prefill} | set(batch.decode_rids)
         readmitted = {n.rid for n in batch.new_requests}
         return bool((rids - readmitted) & self.forgotten)
@@ -399,8 +404,6 @@ class FakeWorker:
         elif batch.prefill:
             raise ScheduleBug(f"{where}: a spread's later part carries new chunks")
         elif self.spread is None:
-            if self.spread_lost:  # planned before the scheduler learnt of the failure
-                raise StepFails("part lost")
             raise ScheduleBug(f"{where}: continues no spread")
         if batch.parts_to < batch.parts:
             return []
@@ -695,6 +698,7 @@ class Coverage:
     aborts: int = 0
     reused_ids: int = 0
     reused_in_flight: int = 0  # reused while a step sampling the ended request was out
+    spread_parts: int = 0  # later parts of spread prefills run (beside decode rows or not)
 
     def add(self, other: Coverage) -> None:
         for f in fields(self):
@@ -792,7 +796,9 @@ class FuzzRun:
 
     def _run_step(self, sent: Sent) -> None:
         self.owed.append(sent.batch.step)
+        self.coverage.spread_parts += sent.batch.parts_from > 0
         if self.worker.ended_by_reset(sent.batch):
+            self.worker.skip(sent.batch)
             self._report_owed_failed("its requests were ended by an earlier failed step")
             return
         admitted = {n.rid: sent.instances[n.rid] for n in sent.batch.new_requests}
@@ -801,11 +807,7 @@ class FuzzRun:
             self.worker.fail(sent.batch, admitted)
             self._report_owed_failed("injected failure")
         else:
-            try:
-                self.results.append(self.worker.run(sent.batch, admitted))
-            except StepFails as failure:
-                self.worker.fail(sent.batch, admitted)
-                self._report_owed_failed(str(failure))
+            self.results.append(self.worker.run(sent.batch, admitted))
 
     def _report_owed_failed(self, reason: str) -> None:
         """Like the worker's _report_failed: every step not reported yet, failed (its

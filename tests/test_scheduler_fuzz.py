@@ -1,9 +1,9 @@
 """The scheduler under random schedules (tests/scheduler_fuzz.py): the real Scheduler and
 SchedulerLoop against a fake worker that checks every slot, window slot and state
 snapshot it reads, in every cache mode, with aborts, reused request ids, preemption,
-worker refusals, whole-step failures and steps in flight. Then two scenarios for bugs the
-fuzzing found, run over many interleavings, so that they stay covered whatever the
-random draw becomes.
+worker refusals, whole-step failures, steps in flight and prefills spread over steps.
+Then two scenarios for bugs the fuzzing found, run over many interleavings, so that they
+stay covered whatever the random draw becomes.
 
 A failure names the seed and mode and the command that replays it.
 """
@@ -51,6 +51,8 @@ def test_random_schedules_keep_every_check(mode: Mode) -> None:
     assert coverage.preemptions and coverage.aborts and coverage.step_failures, coverage
     assert coverage.reused_in_flight, coverage
     assert (coverage.cache_hit_tokens > 0) == (mode is not Mode.NO_CACHE), coverage
+    assert (coverage.spread_parts > 0) == (mode is not Mode.SNAPSHOTS), coverage  # no
+    # spread with recurrent layers (the worker refuses: their state mid-forward)
 
 
 def _prompt(first: int, n: int) -> list[int]:

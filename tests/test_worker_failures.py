@@ -115,6 +115,51 @@ def test_a_step_naming_requests_a_failed_step_ended_is_reported_failed_unrun(
         "a step failed; ending every request the worker holds"]
 
 
+def test_a_request_admitted_in_a_step_not_run_is_not_run_later_either(tiny_model, monkeypatch,
+                                                                       caplog):
+    """A step sent before the scheduler learnt of a failure, not run because it names an
+    ended request, may also admit a new one; the next step sent meanwhile continues that
+    one's prompt. It is reported failed unrun too (run, it met a request the worker never
+    took: a second whole failure, ending every request since admitted), and the skipped
+    step's releases still hold."""
+    import msgspec
+
+    from ipc.messages.common import SamplingParams
+    from ipc.messages.to_scheduler import StepResult
+    from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
+
+    model, _ = tiny_model
+    engine = InProcessEngine(model, chunk_size=32, overlap=False)
+    prompts = _prompts(3, [20, 9, 60], model.args.vocab_size, seed=55)
+    for i, p in enumerate(prompts[:2]):
+        engine.submit(f"r{i}", p, 30, [])
+    engine.step()
+    engine._turn_scheduler(plan=True)
+    (batch,) = engine.to_worker.drain()
+    monkeypatch.setattr(engine.runner, "_decode", lambda *args: (_ for _ in ()).throw(
+        RuntimeError("device lost its mind")))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
+    admits = msgspec.structs.replace(
+        batch, step=batch.step + 1, new_requests=[NewRequest(rid="x", sampling=greedy)],
+        prefill=[PrefillChunk(rid="x", start=0, token_ids=prompts[2][:32],
+                              slot_ids=list(range(3000, 3032)), sample=False)],
+        released=["r1"])
+    continues = ForwardBatch(step=batch.step + 2, prefill=[PrefillChunk(
+        rid="x", start=32, token_ids=prompts[2][32:], slot_ids=list(range(3032, 3060)),
+        sample=True)])
+    with caplog.at_level(logging.INFO, logger="worker_proc"):
+        for step in (batch, admits, continues):
+            engine.worker.handle(step)
+    results = [m for m in engine.to_scheduler.drain() if isinstance(m, StepResult)]
+    ended = "its requests were ended by an earlier failed step"
+    assert [(r.step, r.failed) for r in results] == [
+        (batch.step, "RuntimeError: device lost its mind"), (admits.step, ended),
+        (continues.step, ended)]
+    assert [r.getMessage() for r in caplog.records if "step failed" in r.getMessage()] == [
+        "a step failed; ending every request the worker holds"]
+    assert engine.runner.requests == {}
+
+
 def test_a_request_reusing_an_id_a_failure_ended_runs(tiny_model, oracle, monkeypatch):
     """After a step failed as a whole, a new request under the id of one it ended (a
     client's own rid) is served: only steps naming the ended request are refused unrun

@@ -361,6 +361,7 @@ class WorkerLoop:
                 # Not a second failure: the scheduler ends these requests as it learns.
                 logger.info("step %d runs requests an earlier failed step ended: reported "
                             "failed", message.step)
+                self.runner.skip(message)
                 self._report_failed("its requests were ended by an earlier failed step")
                 return
             self.stats.on_step(sum(len(c.token_ids) for c in message.prefill),

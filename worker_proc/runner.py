@@ -272,6 +272,13 @@ class ModelRunner:
             return True  # the spread prefill it continues was dropped by the reset
         return bool((rids - new) & self._forgotten)
 
+    def skip(self, batch: ForwardBatch) -> None:
+        """A step not run (ended_by_reset): its releases still hold, and the requests it
+        admitted join the forgotten ones (later steps sent before the scheduler learnt of
+        the failure continue them; run, they would fail every request held)."""
+        self._release(list(batch.released))
+        self._forgotten |= {new.rid for new in batch.new_requests}
+
     def _release(self, rids: list[str], snapshots: list[int] | None = None) -> None:
         """Forget requests, keeping each one's recurrent states as its snapshot first
         (where `snapshots` gives one, 0: none), in one copy per state array."""
