@@ -36,6 +36,13 @@ _KILLED_WITH_PARENT = frozenset({"worker"})
 STOP_SIGNAL = signal.SIGUSR1
 
 
+class ExitAtOnce(RuntimeError):
+    """A failure after which the process's native state must not be torn down: it exits
+    with code 1 without running destructors (a lost CUDA context makes MLX's stream
+    destructors abort, and the launcher would hear "killed by SIGABRT" without the
+    reason the process reported)."""
+
+
 class CannotServe(Exception):
     """A refusal to serve (a model with layers the engine cannot run yet). Its message
     says it all: the launcher makes it its last line, and no traceback is printed."""
@@ -99,6 +106,10 @@ def run_child(role: str, entry: Callable[[ServerConfig], None], config: ServerCo
         sys.exit(1)
     except Exception as exc:
         _report(config, ProcessFailed(name=role, reason=f"{type(exc).__name__}: {exc}"))
+        if isinstance(exc, ExitAtOnce):
+            logger.critical("exiting at once", exc_info=True)
+            logging.shutdown()
+            os._exit(1)
         raise  # multiprocessing prints the traceback and exits 1
 
 

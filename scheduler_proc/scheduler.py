@@ -109,13 +109,13 @@ class PrefillBudget:
     budget's chunks still: a longer one stretches every decoding stream's gap as much
     and meets forward shapes no warm-up built (on the H200, 90 ms each to start).
 
-    lone_pieces (unaligned budgets only: a spread prefill's): a piece comes alone, so no
-    prompt's head joins another prompt's tail (or head). Of different lengths, the two run
-    as two forwards, each spread in parts: Gemma 3's steps starting a tail and a head
-    took 45-80 ms to start their first part on the H100 against 8 for one 1,024-token
-    chunk, and made its ITL p99 (docs/benchmarks.md, session 38). Whole fresh prompts
-    still go together. Aligned budgets pad a tail to its edge and start the next head on
-    one instead."""
+    lone_pieces (unaligned budgets only: a spread prefill's): a prompt's tail, or a head
+    that leaves it unfinished, comes alone, so no prompt's head joins another one's tail.
+    Of different lengths, the two run as two forwards, each spread in parts: Gemma 3's
+    steps starting a tail and a head took 45-80 ms to start their first part on the H100
+    against 8 for one 1,024-token chunk, and made its ITL p99 (docs/benchmarks.md,
+    session 38). Whole prompts (fresh, or the rest after a prefix hit) still go
+    together. Aligned budgets pad a tail to its edge and start the next head on one."""
 
     def __init__(self, tokens: int, chunk: int, align: int = 1,
                  pieces: int | None = None, lone_pieces: bool = False) -> None:
@@ -127,14 +127,17 @@ class PrefillBudget:
         self.lone_pieces = lone_pieces and self.align == 1
         self.gave_piece = False
 
-    def take(self, start: int, wanted: int) -> int:
-        """Tokens for a prompt whose next chunk starts at `start` with `wanted` to go."""
+    def take(self, start: int, wanted: int, admitting: bool = False) -> int:
+        """Tokens for a prompt whose next chunk starts at `start` with `wanted` to go
+        (`admitting`: its first chunk, after any prefix hit)."""
         n = min(wanted, self.chunk, self.left)
         piece = start > 0 or n < wanted
         if self.lone_pieces:
-            if self.gave_piece or (piece and self.left < self.total):
+            # A hit's whole remainder may share a forward as a fresh prompt does.
+            lone = n < wanted or (start > 0 and not admitting)
+            if self.gave_piece or (lone and self.left < self.total):
                 return self._scraps()
-            self.gave_piece = piece
+            self.gave_piece = lone
         if piece:
             n = min(n, self.pieces_left)
         if n < wanted and self.align > 1:
@@ -688,7 +691,7 @@ class Scheduler:
     def _plan_chunk(self, req: Req, budget: PrefillBudget,
                     new_reqs: list[NewRequest]) -> PrefillChunk | None:
         start = req.num_computed
-        n = budget.take(start, req.remaining_fill)
+        n = budget.take(start, req.remaining_fill, admitting=not req.on_worker)
         if n == 0:
             return None
         self._trim_windows(req, start)

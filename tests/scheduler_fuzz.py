@@ -368,10 +368,14 @@ class FakeWorker:
 
     def skip(self, batch: ForwardBatch) -> None:
         """A step reported failed unrun (runner.skip): its releases hold (no snapshot
-        kept), its new requests are forgotten too."""
-        for rid in batch.released:
+        kept), every request it names is forgotten, and a spread it starts is lost."""
+        named = ({c.rid for c in batch.prefill} | set(batch.decode_rids)
+                 | {new.rid for new in batch.new_requests})
+        for rid in [*batch.released, *named]:
             self.requests.pop(rid, None)
-        self.forgotten |= {new.rid for new in batch.new_requests}
+        self.forgotten |= named
+        if batch.parts > 1 and batch.parts_from == 0:
+            self.spread, self.spread_lost = None, True
 
     def ended_by_reset(self, batch: ForwardBatch) -> bool:
         if batch.parts_from > 0 and self.spread is None and self.spread_lost:

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import os
 import pkgutil
+import signal
 
 import pytest
 
@@ -175,3 +177,37 @@ def test_connections_name_a_closed_connections_client_and_never_a_newcomer():
     assert connections.came(b"b", 7)
     assert connections.closed(7) == b"b"
     assert connections.closed(9) is None  # it never sent anything
+
+
+def _lose_the_device(config) -> None:  # noqa: ANN001 - a child's entry (picklable)
+    import atexit
+
+    from worker_proc.device_lost import DeviceLost
+
+    # A destructor that would run at a normal exit (MLX's CUDA streams abort there on a
+    # lost context): exiting at once skips it.
+    atexit.register(lambda: os.kill(os.getpid(), signal.SIGABRT))
+    raise DeviceLost("the GPU can run nothing more after a step failed with: an illegal "
+                     "memory access was encountered")
+
+
+def test_a_child_that_loses_its_device_reports_why_and_exits_1_at_once(tmp_path):
+    """ExitAtOnce (DeviceLost): the launcher hears the reason, then the child exits with
+    code 1 without tearing its native state down (no atexit, no destructors)."""
+    import multiprocessing as mp
+
+    from ipc.channel import Receiver
+    from ipc.config import ServerConfig
+    from ipc.process import run_child
+
+    config = ServerConfig(run_dir=str(tmp_path))
+    inbox = Receiver(config.launcher_endpoint, LauncherMessage)
+    child = mp.get_context("spawn").Process(target=run_child,
+                                            args=("worker", _lose_the_device, config))
+    child.start()
+    report = inbox.recv(timeout_ms=20_000)
+    child.join(20)
+    inbox.close()
+    assert child.exitcode == 1
+    assert isinstance(report, ProcessFailed) and report.name == "worker"
+    assert "DeviceLost" in report.reason and "illegal memory access" in report.reason

@@ -454,3 +454,27 @@ def test_a_spreads_warm_up_builds_the_shapes_its_prefix_hits_meet(tiny_model, or
     assert set(shapes) <= warmed, set(shapes) - warmed
     assert results["hit"].token_ids == oracle(prompts[2], 6)
     assert results["bg"].token_ids == oracle(prompts[0], 40)
+
+
+def test_the_hits_walked_are_a_padded_last_chunk_and_decode_firsts_unfinished_one(
+        tiny_model, monkeypatch):
+    """Where decode first's chunk (2,048) is longer than the spread's edge (1,024), a hit
+    at 512 meets two first chunks: to 1,024 (a last chunk padded there) and to 2,048 (an
+    unfinished one, cut back to the last edge it reaches); where the keys walked are
+    fewer than one chunk (none walked), no hit is walked either."""
+    from tests.engine_driver import StandInKernel
+    from worker_proc import warm_up as warm
+    from worker_proc.warm_up import _hit_chunks
+
+    assert _hit_chunks(2048, 1024, (512,), 1024) == [(512, 1024), (1536, 2048)]
+    assert _hit_chunks(4096, 2048, (512,), 1024) == [
+        (512, 1024), (512, 2048), (1536, 2048), (1536, 3072), (2560, 3072), (2560, 4096),
+        (3584, 4096)]
+    assert _hit_chunks(4096, 1024, (256, 512, 768), 1024)[:3] == [(256, 1024), (512, 1024),
+                                                                   (768, 1024)]
+    model, _ = tiny_model
+    monkeypatch.setattr(warm, "PREFILL_WARM_KEYS", 512)
+    engine = InProcessEngine(model, chunk_size=2048, max_context=2048, backend=StandInKernel())
+    assert warm.warm_up(engine.runner, max_batch=2, long_chunk=2048, walk_chunk=1024,
+                        walk_offsets=(512,), walk_edge=1024) > 0
+    assert engine.runner.requests == {}

@@ -649,11 +649,15 @@ def test_an_unaligned_spread_runs_a_prompts_pieces_alone():
     """A spread of an unaligned model (Gemma 3 on CUDA): a piece of a prompt (its tail, or
     a head that leaves it unfinished) is the spread's only chunk, so no other prompt's
     head joins a tail (the pair would be two forwards, each started in parts); whole
-    fresh prompts still go together, and without a spread a tail shares its step."""
+    prompts (fresh, or what a prefix hit leaves) still go together, and without a spread
+    a tail shares its step."""
     lone = PrefillBudget(96, 128, lone_pieces=True)
     assert [lone.take(96, 4), lone.take(0, 200)] == [4, 0] and lone.exhausted
     fresh = PrefillBudget(96, 128, lone_pieces=True)
     assert [fresh.take(0, 30), fresh.take(0, 30), fresh.take(0, 50)] == [30, 30, 0]
+    hits = PrefillBudget(96, 128, lone_pieces=True)  # whole rests after prefix hits
+    assert [hits.take(40, 20, admitting=True), hits.take(40, 20, admitting=True),
+            hits.take(0, 10), hits.take(40, 60, admitting=True)] == [20, 20, 10, 0]
     shared = PrefillBudget(96, 128)
     assert [shared.take(96, 4), shared.take(0, 200)] == [4, 92]
     aligned = PrefillBudget(96, 64, 16, lone_pieces=True)  # pads tails instead

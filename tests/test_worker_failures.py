@@ -158,6 +158,23 @@ def test_a_request_admitted_in_a_step_not_run_is_not_run_later_either(tiny_model
     assert [r.getMessage() for r in caplog.records if "step failed" in r.getMessage()] == [
         "a step failed; ending every request the worker holds"]
     assert engine.runner.requests == {}
+    # A request admitted in a step that ran after the failure, then named in a skipped
+    # one beside an ended request: the steps continuing it are not run either.
+    runs = ForwardBatch(step=batch.step + 3, new_requests=[NewRequest(rid="z", sampling=greedy)],
+                        prefill=[PrefillChunk(rid="z", start=0, token_ids=prompts[2][:16],
+                                              slot_ids=list(range(3100, 3116)), sample=False)])
+    skipped = msgspec.structs.replace(batch, step=batch.step + 4, new_requests=[], prefill=[
+        PrefillChunk(rid="z", start=16, token_ids=prompts[2][16:32],
+                     slot_ids=list(range(3116, 3132)), sample=False)])
+    after = ForwardBatch(step=batch.step + 5, prefill=[PrefillChunk(
+        rid="z", start=32, token_ids=prompts[2][32:], slot_ids=list(range(3132, 3160)),
+        sample=True)])
+    for step in (runs, skipped, after):
+        engine.worker.handle(step)
+    results = [m for m in engine.to_scheduler.drain() if isinstance(m, StepResult)]
+    assert [(r.step, r.failed) for r in results] == [
+        (runs.step, None), (skipped.step, ended), (after.step, ended)]
+    assert engine.runner.requests == {}
 
 
 def test_a_request_reusing_an_id_a_failure_ended_runs(tiny_model, oracle, monkeypatch):

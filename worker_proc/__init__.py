@@ -188,10 +188,11 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     elif config.prefill_spread > 1:
         logger.warning("--prefill-spread %d unused: this model's prefill forwards run whole "
                        "(%s)", config.prefill_spread, runner.spread_refusal)
+    hits = runner.serves_prefix_hits and not config.disable_radix_cache
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests, long_chunk=chunking.size,
-                    walk_chunk=chunking.warm_walk, walk_offsets=chunking.walk_offsets(),
-                    walk_edge=chunking.align)
+                    walk_chunk=chunking.warm_walk, walk_edge=chunking.align,
+                    walk_offsets=chunking.walk_offsets() if hits else ())
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")

@@ -9,6 +9,8 @@ waits, stops the server and exits non-zero, so a supervisor can start a fresh pr
 
 from __future__ import annotations
 
+from ipc.process import ExitAtOnce
+
 # cudaGetErrorString's texts for the errors that leave the context unusable.
 _STICKY = (
     "an illegal memory access was encountered",
@@ -23,8 +25,8 @@ _STICKY = (
 )
 
 
-class DeviceLost(RuntimeError):
-    """The worker's GPU context is unusable: the worker exits with this."""
+class DeviceLost(ExitAtOnce):
+    """The worker's GPU context is unusable: the worker exits with this, at once."""
 
 
 def device_lost(exc: BaseException) -> bool:

@@ -273,11 +273,14 @@ class ModelRunner:
         return bool((rids - new) & self._forgotten)
 
     def skip(self, batch: ForwardBatch) -> None:
-        """A step not run (ended_by_reset): its releases still hold, and the requests it
-        admitted join the forgotten ones (later steps sent before the scheduler learnt of
-        the failure continue them; run, they would fail every request held)."""
-        self._release(list(batch.released))
-        self._forgotten |= {new.rid for new in batch.new_requests}
+        """A step not run (ended_by_reset): its releases still hold, and every request
+        it names is ended with it (the scheduler ends each request of a failed step), so
+        it is forgotten too: later steps sent before the scheduler learnt of the failure
+        continue them, and run, they would fail every request held."""
+        named = ({c.rid for c in batch.prefill} | set(batch.decode_rids)
+                 | {new.rid for new in batch.new_requests})
+        self._release([*batch.released, *(named & self.requests.keys())])
+        self._forgotten |= named
 
     def _release(self, rids: list[str], snapshots: list[int] | None = None) -> None:
         """Forget requests, keeping each one's recurrent states as its snapshot first

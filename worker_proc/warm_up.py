@@ -31,9 +31,10 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
     the first prompt of a burst otherwise built one a step, 50-110 ms each on the H200;
     walked twice where prefill forwards are traced, to trace them), and for each of
     `walk_offsets` and each multiple E of `walk_edge` a prompt hitting a cached prefix
-    of E + offset tokens, its one chunk running to E + walk_edge (a spread prefill's
-    chunk after a prefix hit between its edges: only such shapes, not the chunks from
-    the edges to the hits, which no served prompt runs);
+    of E + offset tokens, its one chunk running to the next edge (padded there as a last
+    chunk) or to where decode first's chunk from there ends (_hit_chunks): a spread
+    prefill's chunks after a prefix hit between its edges, only such shapes, not the
+    chunks from the edges to the hits, which no served prompt runs;
     then prompts in two chunks (the first fresh, the second read back from the
     pool, with one start and with mixed starts; two sets where prefill forwards are
     traced), then decode batch sizes up to
@@ -106,10 +107,10 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
         # eager build's ~10x), which the walk's second pass does now, not a burst's prompt.
         for _ in range(2 if runner.prefill_forwards.compiles else 1):
             step = lone_prompt("warmup-walk", step, walk)
-        if walk_offsets and walk_edge:  # the hits' prefixes: slots the walk wrote
-            for edge in range(0, walk[-1] - walk_edge + 1, walk_edge):
-                for offset in walk_offsets:
-                    step = hit_prompt("warmup-hit", step, edge + offset, edge + walk_edge)
+        if walk and walk_offsets and walk_edge:  # the hits' prefixes: slots the walk wrote
+            for _ in range(2 if runner.prefill_forwards.compiles else 1):
+                for hit, end in _hit_chunks(walk[-1], walk_chunk, walk_offsets, walk_edge):
+                    step = hit_prompt("warmup-hit", step, hit, end)
     for again in range(prompt_sets):
         if again:  # the first set goes; the second decodes
             runner.run(ForwardBatch(step=step + 1, released=rids))
@@ -128,6 +129,21 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
                                     decode_window_slots=ids if windowed else []))
     runner.run(ForwardBatch(step=step + 1, released=rids))
     return step + 1
+
+
+def _hit_chunks(top: int, walk_chunk: int, offsets: tuple[int, ...],
+                edge: int) -> list[tuple[int, int]]:
+    """The (start, end) of each first chunk a prompt hitting a cached prefix off the
+    edges meets within `top` keys: for a hit at E + offset (E a multiple of `edge`), the
+    last chunk padded to the next edge, and decode first's unfinished chunk, which ends on
+    the last edge it reaches (the same chunk where decode first's chunk is one edge)."""
+    chunks = []
+    for start in range(0, top - edge + 1, edge):
+        for offset in offsets:
+            hit = start + offset
+            unfinished = min((hit + walk_chunk) // edge * edge, top)
+            chunks += [(hit, end) for end in sorted({start + edge, unfinished})]
+    return chunks
 
 
 def trace_decode_shapes(runner: ModelRunner, max_batch: int) -> int:
