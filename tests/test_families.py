@@ -471,14 +471,21 @@ def test_the_kernel_path_reads_each_window(name, path):
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(model, p, 24), f"{name} r{i}"
 
 
-@pytest.mark.parametrize("path", ["compiled", "in place"])
+@pytest.mark.parametrize("path", ["compiled", "in place", "fast blocks"])
 def test_a_cache_the_model_never_fills_rides_the_kernel_path(path):
     """Nemotron-NAS's unused cache (UnusedLayerSpec) beside paged layers on the CUDA
-    decode path, stood in for, compiled or in place: mlx-lm's tokens."""
+    decode path, stood in for, compiled or in place, and with CUDA's fused projections
+    and fast decode blocks (some of its blocks have no MLP: the runner once failed to
+    start on them): mlx-lm's tokens."""
     from tests.engine_driver import StandInInPlaceKernels, StandInKernel
+    from worker_proc.decode_block import speed_up_decode_blocks
+    from worker_proc.fused_projections import fuse_projections
 
     model, prompts = build("nemotron-nas"), _prompts(seed=900)
-    compiled = path == "compiled"
+    if path == "fast blocks":
+        fuse_projections(model)
+        speed_up_decode_blocks(model, residual_in_gemm=False)
+    compiled = path != "in place"
     engine = InProcessEngine(model, chunk_size=16, compile_decode=compiled, overlap="ahead",
                              backend=StandInKernel() if compiled else StandInInPlaceKernels())
     for i, p in enumerate(prompts):

@@ -470,7 +470,9 @@ def dense_mlps(model: nn.Module) -> bool:
     _after_attention runs it), not a mixture of experts: rows padded onto such a forward
     cost GEMM rows only, where an expert layer would route them."""
     layers = _blocks(model)
-    return bool(layers) and all("gate_up_proj" in getattr(b, "mlp", {}) for b in layers)
+    # (Nemotron-NAS blocks may have no MLP at all: mlp None.)
+    return bool(layers) and all("gate_up_proj" in (getattr(b, "mlp", None) or {})
+                                for b in layers)
 
 
 def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
