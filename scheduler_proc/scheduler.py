@@ -285,6 +285,7 @@ class Scheduler:
         # After a step failed as a whole, the steps planned before that was known fail
         # too (the worker dropped their requests): up to this step, nothing more to end.
         self._failed_through = 0
+        self._epoch = 0  # the worker's failures learnt of (ForwardBatch.epoch)
         self._spread: SpreadPrefill | None = None  # the prefill running over steps, if any
         self._planning: SpreadPrefill | None = None  # the one a step being planned starts
 
@@ -492,7 +493,7 @@ class Scheduler:
         """This step's plan, with the requests released since the last one."""
         released, self._released = self._released, []
         snapshots, self._released_snapshots = self._released_snapshots, []
-        return ForwardBatch(step=self._step, released=released,
+        return ForwardBatch(step=self._step, released=released, epoch=self._epoch,
                             released_snapshots=snapshots if any(snapshots) else [], **fields)
 
     def _make_room(self, n: int) -> bool:
@@ -854,6 +855,7 @@ class Scheduler:
     def apply_result(self, result: StepResult) -> list[TokenOutput]:
         outputs = []
         if result.failed is not None:
+            self._epoch = max(self._epoch, result.epoch)
             return self._fail_everything(result.step, result.failed)
         admitted_as = self._admitted_as.pop(result.step, {})
 

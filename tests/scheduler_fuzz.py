@@ -346,14 +346,13 @@ class FakeWorker:
         self.window: dict[int, int] = {}
         self.snapshots: dict[int, SnapshotState] = {}
         self.requests: dict[str, WorkerRequest] = {}
-        # The requests the last reset forgot: steps planned before the scheduler learnt
-        # of the failure still name them (runner.ended_by_reset).
-        self.forgotten: set[str] = set()
+        # Steps failed as a whole: a step planned before the scheduler learnt of the
+        # last one is not run (ForwardBatch.epoch).
+        self.failures = 0
         # A spread prefill's chunks (ForwardBatch.parts): their K/V count as written, and
         # their prompts' tokens as sampled, with the last part only (the real worker
         # writes a share of the layers a step: a read before the last part is wrong).
         self.spread: list[PrefillChunk] | None = None
-        self.spread_lost = False  # a failure dropped it: its later parts are not run
 
     def fail(self, batch: ForwardBatch, admitted: dict[str, Instance]) -> None:
         """The step fails as a whole after taking its releases and new requests: forget
@@ -361,28 +360,13 @@ class FakeWorker:
         self._release(batch)
         for new in batch.new_requests:
             self._admit(batch.step, new, admitted[new.rid])
-        self.forgotten = set(self.requests)
+        self.failures += 1
         self.requests.clear()
-        if self.spread is not None or batch.parts > 1:  # its later parts find none
-            self.spread, self.spread_lost = None, True
+        self.spread = None
 
-    def skip(self, batch: ForwardBatch) -> None:
-        """A step reported failed unrun (runner.skip): its releases hold (no snapshot
-        kept), every request it names is forgotten, and a spread it starts is lost."""
-        named = ({c.rid for c in batch.prefill} | set(batch.decode_rids)
-                 | {new.rid for new in batch.new_requests})
-        for rid in [*batch.released, *named]:
-            self.requests.pop(rid, None)
-        self.forgotten |= named
-        if batch.parts > 1 and batch.parts_from == 0:
-            self.spread, self.spread_lost = None, True
-
-    def ended_by_reset(self, batch: ForwardBatch) -> bool:
-        if batch.parts_from > 0 and self.spread is None and self.spread_lost:
-            return True  # the spread it continues was dropped by the failure
-        rids = {c.rid for c in batch.prefill} | set(batch.decode_rids)
-        readmitted = {n.rid for n in batch.new_requests}
-        return bool((rids - readmitted) & self.forgotten)
+    def stale(self, batch: ForwardBatch) -> bool:
+        """Planned before the scheduler learnt of the last failure: not run."""
+        return batch.epoch < self.failures
 
     def run(self, batch: ForwardBatch, admitted: dict[str, Instance]) -> StepResult:
         """One step; `admitted`: the client's instance of each new request's id."""
@@ -404,7 +388,7 @@ class FakeWorker:
         if batch.parts_from == 0:
             if self.spread is not None:
                 raise ScheduleBug(f"{where}: a spread starts before the last one ended")
-            self.spread, self.spread_lost = list(batch.prefill), False
+            self.spread = list(batch.prefill)
         elif batch.prefill:
             raise ScheduleBug(f"{where}: a spread's later part carries new chunks")
         elif self.spread is None:
@@ -429,7 +413,6 @@ class FakeWorker:
             raise ScheduleBug(f"step {step}: {new.rid} hits a prefix without a state snapshot")
         prefix = list(new.prefix_slot_ids)
         windows = list(new.prefix_window_slot_ids)
-        self.forgotten.discard(new.rid)
         self.requests[new.rid] = WorkerRequest(
             truth=inst.truth, row=prefix,
             window_row=windows + [0] * (len(prefix) - len(windows)),
@@ -801,8 +784,7 @@ class FuzzRun:
     def _run_step(self, sent: Sent) -> None:
         self.owed.append(sent.batch.step)
         self.coverage.spread_parts += sent.batch.parts_from > 0
-        if self.worker.ended_by_reset(sent.batch):
-            self.worker.skip(sent.batch)
+        if self.worker.stale(sent.batch):
             self._report_owed_failed("its requests were ended by an earlier failed step")
             return
         admitted = {n.rid: sent.instances[n.rid] for n in sent.batch.new_requests}
@@ -820,7 +802,7 @@ class FuzzRun:
         self.results = deque(kept)
         while self.owed:
             self.results.append(StepResult(step=self.owed.popleft(), rids=[], token_ids=[],
-                                           failed=reason))
+                                           failed=reason, epoch=self.worker.failures))
 
     def _check_end(self) -> None:
         for inst in self.client.instances:

@@ -354,9 +354,6 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
         clock = ForwardClock()  # no prefill forwards started in build
         mixed_forwards = 0
 
-        def ended_by_reset(self, batch):
-            return False
-
         def build(self, batch):
             calls.append(("build", batch.step))
             return Pending(batch.step)
@@ -412,9 +409,6 @@ def test_the_summary_names_the_intervals_slowest_step(monkeypatch):
     class Runner:
         clock = ForwardClock()
         mixed_forwards = 0
-
-        def ended_by_reset(self, batch):
-            return False
 
         def build(self, batch):
             if batch.prefill:

@@ -115,13 +115,13 @@ def test_a_step_naming_requests_a_failed_step_ended_is_reported_failed_unrun(
         "a step failed; ending every request the worker holds"]
 
 
-def test_a_request_admitted_in_a_step_not_run_is_not_run_later_either(tiny_model, monkeypatch,
-                                                                       caplog):
-    """A step sent before the scheduler learnt of a failure, not run because it names an
-    ended request, may also admit a new one; the next step sent meanwhile continues that
-    one's prompt. It is reported failed unrun too (run, it met a request the worker never
-    took: a second whole failure, ending every request since admitted), and the skipped
-    step's releases still hold."""
+def test_steps_planned_before_a_failure_was_known_are_not_run(tiny_model, monkeypatch, caplog):
+    """After a step failed as a whole, the steps the scheduler planned before it learnt of
+    it (ForwardBatch.epoch behind the worker's failures) are reported failed unrun,
+    whatever they hold: one admitting a new request beside an ended one, one continuing
+    that request, one admitting a fresh request whose prefix hit could read what the
+    failed step never wrote. The scheduler ends every request they name. A step planned
+    after it learnt (the failed result's epoch) runs, an id reused too."""
     import msgspec
 
     from ipc.messages.common import SamplingParams
@@ -136,45 +136,41 @@ def test_a_request_admitted_in_a_step_not_run_is_not_run_later_either(tiny_model
     engine.step()
     engine._turn_scheduler(plan=True)
     (batch,) = engine.to_worker.drain()
+    decode = engine.runner._decode
     monkeypatch.setattr(engine.runner, "_decode", lambda *args: (_ for _ in ()).throw(
         RuntimeError("device lost its mind")))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=4)
+
+    def chunk(rid: str, start: int, end: int, sample: bool) -> PrefillChunk:
+        return PrefillChunk(rid=rid, start=start, token_ids=prompts[2][start:end],
+                            slot_ids=list(range(3000 + start, 3000 + end)), sample=sample)
+
     admits = msgspec.structs.replace(
         batch, step=batch.step + 1, new_requests=[NewRequest(rid="x", sampling=greedy)],
-        prefill=[PrefillChunk(rid="x", start=0, token_ids=prompts[2][:32],
-                              slot_ids=list(range(3000, 3032)), sample=False)],
-        released=["r1"])
-    continues = ForwardBatch(step=batch.step + 2, prefill=[PrefillChunk(
-        rid="x", start=32, token_ids=prompts[2][32:], slot_ids=list(range(3032, 3060)),
-        sample=True)])
+        prefill=[chunk("x", 0, 32, False)], released=["r1"])
+    continues = ForwardBatch(step=batch.step + 2, prefill=[chunk("x", 32, 60, True)])
+    hits = ForwardBatch(step=batch.step + 3, new_requests=[NewRequest(
+        rid="y", sampling=greedy, prefix_slot_ids=list(range(3000, 3032)))],
+        prefill=[chunk("y", 32, 60, True)])
     with caplog.at_level(logging.INFO, logger="worker_proc"):
-        for step in (batch, admits, continues):
+        for step in (batch, admits, continues, hits):
             engine.worker.handle(step)
     results = [m for m in engine.to_scheduler.drain() if isinstance(m, StepResult)]
     ended = "its requests were ended by an earlier failed step"
-    assert [(r.step, r.failed) for r in results] == [
-        (batch.step, "RuntimeError: device lost its mind"), (admits.step, ended),
-        (continues.step, ended)]
+    assert [(r.step, r.failed, r.epoch) for r in results] == [
+        (batch.step, "RuntimeError: device lost its mind", 1), (admits.step, ended, 1),
+        (continues.step, ended, 1), (hits.step, ended, 1)]
     assert [r.getMessage() for r in caplog.records if "step failed" in r.getMessage()] == [
         "a step failed; ending every request the worker holds"]
     assert engine.runner.requests == {}
-    # A request admitted in a step that ran after the failure, then named in a skipped
-    # one beside an ended request: the steps continuing it are not run either.
-    runs = ForwardBatch(step=batch.step + 3, new_requests=[NewRequest(rid="z", sampling=greedy)],
-                        prefill=[PrefillChunk(rid="z", start=0, token_ids=prompts[2][:16],
-                                              slot_ids=list(range(3100, 3116)), sample=False)])
-    skipped = msgspec.structs.replace(batch, step=batch.step + 4, new_requests=[], prefill=[
-        PrefillChunk(rid="z", start=16, token_ids=prompts[2][16:32],
-                     slot_ids=list(range(3116, 3132)), sample=False)])
-    after = ForwardBatch(step=batch.step + 5, prefill=[PrefillChunk(
-        rid="z", start=32, token_ids=prompts[2][32:], slot_ids=list(range(3132, 3160)),
-        sample=True)])
-    for step in (runs, skipped, after):
-        engine.worker.handle(step)
-    results = [m for m in engine.to_scheduler.drain() if isinstance(m, StepResult)]
-    assert [(r.step, r.failed) for r in results] == [
-        (runs.step, None), (skipped.step, ended), (after.step, ended)]
-    assert engine.runner.requests == {}
+    # Planned once the failure is known: it runs (the id x reused).
+    monkeypatch.setattr(engine.runner, "_decode", decode)
+    known = ForwardBatch(step=batch.step + 4, epoch=1,
+                         new_requests=[NewRequest(rid="x", sampling=greedy)],
+                         prefill=[chunk("x", 0, 60, True)])
+    engine.worker.handle(known)
+    (result,) = [m for m in engine.to_scheduler.drain() if isinstance(m, StepResult)]
+    assert (result.step, result.failed, result.rids) == (known.step, None, ["x"])
 
 
 def test_a_request_reusing_an_id_a_failure_ended_runs(tiny_model, oracle, monkeypatch):

@@ -333,6 +333,7 @@ class WorkerLoop:
         # also when it fails (the scheduler counts its steps out and back).
         self.owed: deque[int] = deque()
         self.steps_built_ahead = 0  # observability: > 0 shows the overlap at work
+        self.failures = 0  # steps failed as a whole (StepResult.epoch)
         self.stats = stats or StepStats()
         self._timer = Timer(self.stats)
 
@@ -358,11 +359,11 @@ class WorkerLoop:
     def _handle_step_message(self, message: WorkerMessage | None) -> None:
         if isinstance(message, ForwardBatch):
             self.owed.append(message.step)
-            if not self.in_flight and self.runner.ended_by_reset(message):
-                # Not a second failure: the scheduler ends these requests as it learns.
-                logger.info("step %d runs requests an earlier failed step ended: reported "
-                            "failed", message.step)
-                self.runner.skip(message)
+            if message.epoch < self.failures:
+                # Planned before the scheduler learnt of the last failure, which ends every
+                # request it names (ForwardBatch.epoch): not run, not a second failure.
+                logger.info("step %d was planned before the last failed step was known: "
+                            "reported failed", message.step)
                 self._report_failed("its requests were ended by an earlier failed step")
                 return
             self.stats.on_step(sum(len(c.token_ids) for c in message.prefill),
@@ -391,6 +392,7 @@ class WorkerLoop:
         error). What the steps in flight wrote cannot be trusted, so the runner forgets
         every request and each unreported step is reported failed; the scheduler ends
         the requests it had sent and drops its prefix cache, and serving goes on."""
+        self.failures += 1
         self.in_flight.clear()
         self.runner.reset()
         self._report_failed(reason)
@@ -399,7 +401,7 @@ class WorkerLoop:
         """Every step owed a result, reported failed."""
         while self.owed:
             self.results.send(StepResult(step=self.owed.popleft(), rids=[], token_ids=[],
-                                         failed=reason))
+                                         failed=reason, epoch=self.failures))
 
     def _run_ahead(self, batch: ForwardBatch) -> None:
         self.steps_built_ahead += bool(self.in_flight)

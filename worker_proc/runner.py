@@ -179,9 +179,6 @@ class ModelRunner:
         self._prompt_logprobs: dict[int, list[PendingPromptLogprobs]] = {}
         # Requests refused by the checks of their step's _add, reported by its finish.
         self._refused: dict[int, list[RequestError]] = {}
-        # The requests the last reset forgot: steps the scheduler sent before it learnt of
-        # the failure still name them (ended_by_reset).
-        self._forgotten: frozenset[str] = frozenset()
         self.vocab_size: int | None = getattr(getattr(model, "args", None), "vocab_size", None)
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._last_prefill: mx.array | None = None  # see _launch_prefill
@@ -214,7 +211,6 @@ class ModelRunner:
         cache), its tokens are dropped and the scheduler ends it with the error."""
         if new.rid in self.requests:
             raise RuntimeError(f"request {new.rid} is already on the worker")
-        self._forgotten -= {new.rid}  # a new request under an id a reset forgot
         seed = new.sampling.seed
         seed32 = int(self._seed_rng.integers(1 << 32)) if seed is None else fold_seed(seed)
         state = RequestState(new.rid, self._free_rows.pop(), new.sampling, seed32,
@@ -253,7 +249,6 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request and every step's pending reports (after a step failed
         as a whole: nothing it held can be trusted)."""
-        self._forgotten = frozenset(self.requests)
         self._release(list(self.requests))
         self._prompt_logprobs.clear()
         self._refused.clear()
@@ -262,34 +257,15 @@ class ModelRunner:
         self._spread = None
         self.pool.take_landing()
 
-    def ended_by_reset(self, batch: ForwardBatch) -> bool:
-        """Whether the step runs requests the last reset forgot (sent before the scheduler
-        learnt of the failed step, which ends those requests): it cannot be run. A request
-        new in the step is not one of them, whatever its id (a client may reuse one)."""
-        new = {n.rid for n in batch.new_requests}
-        rids = {c.rid for c in batch.prefill} | set(batch.decode_rids)
-        if batch.continues_prefill and self._spread is None and self._forgotten:
-            return True  # the spread prefill it continues was dropped by the reset
-        return bool((rids - new) & self._forgotten)
-
-    def skip(self, batch: ForwardBatch) -> None:
-        """A step not run (ended_by_reset): its releases still hold, and every request
-        it names is ended with it (the scheduler ends each request of a failed step), so
-        it is forgotten too: later steps sent before the scheduler learnt of the failure
-        continue them, and run, they would fail every request held."""
-        named = ({c.rid for c in batch.prefill} | set(batch.decode_rids)
-                 | {new.rid for new in batch.new_requests})
-        self._release([*batch.released, *(named & self.requests.keys())])
-        self._forgotten |= named
-
     def _release(self, rids: list[str], snapshots: list[int] | None = None) -> None:
         """Forget requests, keeping each one's recurrent states as its snapshot first
         (where `snapshots` gives one, 0: none), in one copy per state array."""
         wave = self._spread
         if wave is not None and set(rids) & wave.rids():
             # The scheduler gives a spread's requests back only after its last part: one
-            # released mid-spread means it dropped the spread (a failed step it learnt
-            # of after this one started), so the worker drops it too.
+            # released mid-spread means it dropped the spread, so the worker drops it too
+            # (a safety net: the steps that could, planned before the scheduler learnt
+            # of a failure, are not run: ForwardBatch.epoch).
             logger.info("dropping a spread prefill whose requests were released")
             self._spread = None
         kept: list[tuple[int, int]] = []

@@ -106,6 +106,8 @@ class StepResult(Message, frozen=True):
     token_ids: list[int]
     errors: list[RequestError] = []
     failed: str | None = None
+    # The worker's whole-step failures so far (with `failed`): ForwardBatch.epoch.
+    epoch: int = 0
     # Log-probabilities, only for the rows (indices into rids) whose request asked, flat:
     # row logprob_rows[j] has top_counts[j] entries of top_ids / top_logprobs, in order.
     logprob_rows: list[int] = []

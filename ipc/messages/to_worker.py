@@ -77,6 +77,11 @@ class ForwardBatch(Message, frozen=True):
     parts: int = 1
     parts_from: int = 0
     parts_to: int = 1
+    # The worker's whole-step failures the scheduler had learnt of (StepResult.epoch) when
+    # it planned this step. One planned before it learnt of the latest is not run: the
+    # scheduler ends every request it names, and its prefix hits may read what a failed
+    # step never wrote.
+    epoch: int = 0
 
     @property
     def continues_prefill(self) -> bool:
