@@ -228,6 +228,8 @@ class Instance:
     truth: Truth
     aborted: bool = False
     sent: bool = False  # a step admitted it at the worker
+    # On the worker when the scheduler learnt of a whole-step failure: it ends with it.
+    failed_with_worker: bool = False
     tokens: list[int] = field(default_factory=list)
     finished: bool = False
     reason: str | None = None
@@ -277,7 +279,7 @@ class Client:
             inst.usage, inst.error = output.usage, output.error
 
 
-def check_outcome(inst: Instance, any_step_failed: bool) -> None:
+def check_outcome(inst: Instance) -> None:
     """A request's end: its tokens, finish reason and usage are the fake model's."""
     if not inst.finished:
         raise ScheduleBug(f"{inst.name} never finished")
@@ -290,9 +292,9 @@ def check_outcome(inst: Instance, any_step_failed: bool) -> None:
     if inst.reason == "error":
         if inst.error == "refused" and inst.plan.refused:
             return
-        # A failed step ends the requests sent to the worker; those admitted but not sent
-        # yet are queued again.
-        if str(inst.error).startswith("internal error") and any_step_failed and inst.sent:
+        # A failure, once the scheduler learns of it, ends the requests it had sent to
+        # the worker; those admitted but not sent yet are queued again.
+        if str(inst.error).startswith("internal error") and inst.failed_with_worker:
             return
         raise ScheduleBug(f"{inst.name} ended with an error: {inst.error}")
     if inst.tokens != want.tokens or inst.reason != want.reason:
@@ -636,6 +638,7 @@ class Sent:
 
     batch: ForwardBatch
     instances: dict[str, Instance]
+    learnt: int = 0  # whole-step failures the scheduler had learnt of when it planned it
 
     @property
     def sampled(self) -> set[str]:
@@ -652,6 +655,9 @@ class WorkerLink:
         self.queue: deque[Sent] = deque()
         self.by_step: dict[int, Sent] = {}
         self._preemptions = 0
+        self.learnt = 0  # whole-step failures the scheduler has learnt of
+        # The client's instance of each admission the steps sent (rid, Req.admission).
+        self.admitted: dict[tuple[str, int], Instance] = {}
 
     def turn_starts(self) -> None:
         """Preemptions happen only while planning: count them from here."""
@@ -666,9 +672,10 @@ class WorkerLink:
         check_partition(s)
         names = ({n.rid for n in message.new_requests} | {c.rid for c in message.prefill}
                  | set(message.decode_rids))
-        sent = Sent(message, {rid: self.client.current[rid] for rid in names})
+        sent = Sent(message, {rid: self.client.current[rid] for rid in names}, self.learnt)
         for new in message.new_requests:
             sent.instances[new.rid].sent = True
+            self.admitted[new.rid, s.running[new.rid].admission] = sent.instances[new.rid]
         self.queue.append(sent)
         self.by_step[message.step] = sent
 
@@ -707,6 +714,18 @@ class FuzzRun:
         self.loop = SchedulerLoop(self.scheduler, self.inbox, self.link, self.outbox,
                                   max_in_flight=schedule.max_in_flight)
         self.worker = FakeWorker(schedule.window_rule, recurrent=schedule.mode is Mode.SNAPSHOTS)
+        fail_everything = self.scheduler._fail_everything
+
+        def learn_of_failure(step: int, reason: str) -> list[TokenOutput]:
+            """The requests a failure may end: those on the worker when it is learnt."""
+            if step > self.scheduler._failed_through:
+                self.link.learnt += 1
+                for req in self.scheduler.running.values():
+                    if req.on_worker:
+                        self.link.admitted[req.rid, req.admission].failed_with_worker = True
+            return fail_everything(step, reason)
+
+        self.scheduler._fail_everything = learn_of_failure  # type: ignore[method-assign]
         self.results: deque[StepResult] = deque()  # the worker's, not yet delivered
         self.owed: deque[int] = deque()  # steps the worker received, not yet reported
         self.pending = deque(schedule.requests)
@@ -785,6 +804,10 @@ class FuzzRun:
         self.owed.append(sent.batch.step)
         self.coverage.spread_parts += sent.batch.parts_from > 0
         if self.worker.stale(sent.batch):
+            if sent.learnt >= self.worker.failures:
+                raise ScheduleBug(f"step {sent.batch.step} (epoch {sent.batch.epoch}) was "
+                                  f"planned knowing all {self.worker.failures} failures, "
+                                  "yet the worker would not run it")
             self._report_owed_failed("its requests were ended by an earlier failed step")
             return
         admitted = {n.rid: sent.instances[n.rid] for n in sent.batch.new_requests}
@@ -806,7 +829,7 @@ class FuzzRun:
 
     def _check_end(self) -> None:
         for inst in self.client.instances:
-            check_outcome(inst, any_step_failed=self.coverage.step_failures > 0)
+            check_outcome(inst)
         check_idle(self.scheduler)
         self.coverage.preemptions = self.scheduler.counters.preemptions
         self.coverage.cache_hit_tokens = self.scheduler.counters.cache_hit_tokens

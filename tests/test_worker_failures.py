@@ -175,8 +175,9 @@ def test_steps_planned_before_a_failure_was_known_are_not_run(tiny_model, monkey
 
 def test_a_request_reusing_an_id_a_failure_ended_runs(tiny_model, oracle, monkeypatch):
     """After a step failed as a whole, a new request under the id of one it ended (a
-    client's own rid) is served: only steps naming the ended request are refused unrun
-    (the worker refused every later step naming the id, each ending every request)."""
+    client's own rid) is served: only steps planned before the failure was known are
+    refused unrun (the worker once refused every later step naming the id, each ending
+    every request)."""
     model, _ = tiny_model
     engine = InProcessEngine(model, chunk_size=32, overlap=False)
     prompts = _prompts(2, [20, 9], model.args.vocab_size, seed=54)
