@@ -282,10 +282,10 @@ class Scheduler:
         self._admitted_as: dict[int, dict[str, int]] = {}
         self._sampled_for: dict[int, list[str]] = {}
         self._admissions = 0  # admissions so far, every request's: the next one's serial
-        # After a step failed as a whole, the steps planned before that was known fail
-        # too (the worker dropped their requests): up to this step, nothing more to end.
-        self._failed_through = 0
-        self._epoch = 0  # the worker's failures learnt of (ForwardBatch.epoch)
+        # The worker's whole-step failures learnt of (StepResult.epoch, ForwardBatch.epoch):
+        # a failed result of no later one is a step planned before the last was known,
+        # whose requests ended with it.
+        self._epoch = 0
         self._spread: SpreadPrefill | None = None  # the prefill running over steps, if any
         self._planning: SpreadPrefill | None = None  # the one a step being planned starts
 
@@ -825,15 +825,12 @@ class Scheduler:
         self._finish(req, FinishReason.ERROR, keep_kv)
         return self._output(req, [])
 
-    def _fail_everything(self, step: int, reason: str) -> list[TokenOutput]:
+    def _fail_everything(self, reason: str) -> list[TokenOutput]:
         """A step failed as a whole: the worker has dropped every request, and what the
         steps in flight wrote to the pool is unknown. Every request sent to the worker
         ends with the error, keeping none of its K/V; the cache is dropped (all of it is
         unlocked then), so no later request reads a suspect slot. Waiting requests that
         never reached the worker stay queued. Serving goes on."""
-        if step <= self._failed_through:
-            return []  # planned before the failure was known: its requests ended with it
-        self._failed_through = self._step
         message = f"internal error in the worker: {reason}"
         outputs, unsent = [], []
         self._end_spread(keep=False)
@@ -855,8 +852,10 @@ class Scheduler:
     def apply_result(self, result: StepResult) -> list[TokenOutput]:
         outputs = []
         if result.failed is not None:
-            self._epoch = max(self._epoch, result.epoch)
-            return self._fail_everything(result.step, result.failed)
+            if result.epoch <= self._epoch:
+                return []  # planned before the failure was known: its requests ended with it
+            self._epoch = result.epoch
+            return self._fail_everything(result.failed)
         admitted_as = self._admitted_as.pop(result.step, {})
 
         def planned(rid: str) -> Req | None:

@@ -716,14 +716,13 @@ class FuzzRun:
         self.worker = FakeWorker(schedule.window_rule, recurrent=schedule.mode is Mode.SNAPSHOTS)
         fail_everything = self.scheduler._fail_everything
 
-        def learn_of_failure(step: int, reason: str) -> list[TokenOutput]:
+        def learn_of_failure(reason: str) -> list[TokenOutput]:
             """The requests a failure may end: those on the worker when it is learnt."""
-            if step > self.scheduler._failed_through:
-                self.link.learnt += 1
-                for req in self.scheduler.running.values():
-                    if req.on_worker:
-                        self.link.admitted[req.rid, req.admission].failed_with_worker = True
-            return fail_everything(step, reason)
+            self.link.learnt += 1
+            for req in self.scheduler.running.values():
+                if req.on_worker:
+                    self.link.admitted[req.rid, req.admission].failed_with_worker = True
+            return fail_everything(reason)
 
         self.scheduler._fail_everything = learn_of_failure  # type: ignore[method-assign]
         self.results: deque[StepResult] = deque()  # the worker's, not yet delivered

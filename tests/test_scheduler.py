@@ -536,7 +536,8 @@ def test_a_failed_step_requeues_admitted_requests_the_worker_never_saw():
     s.add_request(_req("b", 200, 5))
     first = s.plan_step()
     assert [c.rid for c in first.prefill] == ["a"] and not s.running["b"].on_worker
-    out = s.apply_result(StepResult(step=first.step, rids=[], token_ids=[], failed="boom"))
+    out = s.apply_result(StepResult(step=first.step, rids=[], token_ids=[], failed="boom",
+                                    epoch=1))
     assert [(o.rid, o.finish_reason) for o in out] == [("a", "error")]
     assert not s.running and len(s.waiting) == 1 and s.waiting.peek().rid == "b"
     again = s.plan_step()
@@ -748,7 +749,8 @@ def test_a_failed_step_drops_the_spread_and_ends_its_requests():
     s.add_request(_req("p", 40, 5))
     first = s.plan_step()
     s.abort("d")
-    out = s.apply_result(StepResult(step=first.step, rids=[], token_ids=[], failed="boom"))
+    out = s.apply_result(StepResult(step=first.step, rids=[], token_ids=[], failed="boom",
+                                    epoch=1))
     assert [o.rid for o in out] == ["p"] and s._spread is None
     assert_idle_invariant(s)
 
