@@ -227,7 +227,6 @@ class Instance:
     plan: RequestPlan
     truth: Truth
     aborted: bool = False
-    sent: bool = False  # a step admitted it at the worker
     # On the worker when the scheduler learnt of a whole-step failure: it ends with it.
     failed_with_worker: bool = False
     tokens: list[int] = field(default_factory=list)
@@ -674,7 +673,6 @@ class WorkerLink:
                  | set(message.decode_rids))
         sent = Sent(message, {rid: self.client.current[rid] for rid in names}, self.learnt)
         for new in message.new_requests:
-            sent.instances[new.rid].sent = True
             self.admitted[new.rid, s.running[new.rid].admission] = sent.instances[new.rid]
         self.queue.append(sent)
         self.by_step[message.step] = sent
