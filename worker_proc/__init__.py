@@ -22,7 +22,7 @@ if TYPE_CHECKING:
     from worker_proc.decode_backend import DecodeBackend
     from worker_proc.grammar import GrammarMatchers
     from worker_proc.own_caches import OwnCacheRunner
-    from worker_proc.runner import PendingStep
+    from worker_proc.runner import ModelRunner, PendingStep
 
 logger = logging.getLogger(__name__)
 
@@ -31,6 +31,13 @@ _SUMMARY_POLL_MS = 1000
 
 def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     """Load the model and size the pool; returns the runner (split out for tests)."""
+    return build_worker(config, reporter)[0]
+
+
+def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
+                 ) -> tuple[ModelRunner, PrefillChunking]:
+    """Load the model, size the pool and warm up: the runner, and how its prompts are cut
+    into chunks (--prefill-spread resolved), which the scheduler learns of."""
     import mlx.core as mx
     import mlx_lm
 
@@ -80,7 +87,8 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
         if paged_only:
             raise UnsupportedModelError(f"{', '.join(paged_only)}: this model runs on mlx-lm's "
                                         f"own caches, not kiln's pool ({exc})") from None
-        return own_cache_runner(config, model, tokenizer, say)
+        runner = own_cache_runner(config, model, tokenizer, say)
+        return runner, prefill_chunking(config, runner.pool.backend, runner.pool.specs)
     say("layers: " + describe_layers([s.describe() for s in specs]))
     fuse = switch_on(config.fuse_projections, auto=on_cuda)
     fast_blocks = switch_on(config.fast_decode_blocks, auto=fuse and on_cuda)
@@ -199,7 +207,7 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
     say(f"warmed up ({steps} steps{f', {traces} more decode traces' if traces else ''}, "
         f"{time.monotonic() - t0:.1f}s)")
     start_grammars(grammars, hf)
-    return runner
+    return runner, chunking
 
 
 def served_context(config: ServerConfig, hf: object) -> int:
@@ -561,9 +569,7 @@ def run_worker(config: ServerConfig) -> None:
     import mlx.core as mx
 
     reporter = setup_child(config, "worker")
-    runner = build_runner(config, reporter)
-    chunking = prefill_chunking(config, runner.pool.backend, runner.pool.specs).spread(
-        runner.prefill_parts(config.prefill_spread))
+    runner, chunking = build_worker(config, reporter)
     overlap = overlap_enabled(config, on_gpu=mx.default_device() == mx.gpu)
     plans: Receiver[WorkerMessage] = Receiver(config.worker_endpoint, WorkerMessage)
     results = Sender(config.scheduler_endpoint)

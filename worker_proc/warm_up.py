@@ -105,10 +105,11 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
         walk = list(range(walk_chunk, min(room, PREFILL_WARM_KEYS) + 1, walk_chunk))
         # Twice where prefill forwards replay traces: a shape is traced when it recurs (an
         # eager build's ~10x), which the walk's second pass does now, not a burst's prompt.
-        for _ in range(2 if runner.prefill_forwards.compiles else 1):
+        passes = 2 if runner.prefill_forwards.compiles else 1
+        for _ in range(passes):
             step = lone_prompt("warmup-walk", step, walk)
         if walk and walk_offsets and walk_edge:  # the hits' prefixes: slots the walk wrote
-            for _ in range(2 if runner.prefill_forwards.compiles else 1):
+            for _ in range(passes):
                 for hit, end in _hit_chunks(walk[-1], walk_chunk, walk_offsets, walk_edge):
                     step = hit_prompt("warmup-hit", step, hit, end)
     for again in range(prompt_sets):
