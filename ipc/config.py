@@ -16,6 +16,11 @@ from typing import Any
 PROJECT_NAME = "kiln"
 PREFILL_CHUNK = 2048  # --chunked-prefill-size 0's value by device: mlx-lm's prefill step,
 LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerConfig.chunk_size)
+# Decode first's defaults (ServerConfig.spread_parts, .decode_first_tokens): prompt tokens
+# a step computes beside the streams it protects, whole or spread over several steps.
+AUTO_PREFILL_SPREAD = 4
+DECODE_FIRST_TOKENS = 512
+SPREAD_DECODE_FIRST_TOKENS = 256
 # CUDA attention paths other than the default, for --experiments (A/B runs).
 DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
@@ -104,41 +109,42 @@ class ServerConfig:
     max_prefill_tokens: int = dataclasses.field(
         default=8192, metadata={"help": "Most prompt tokens computed in one scheduler step "
                                         "(summed over all requests in the step)."})
-    # Decode first; 512 trades a burst's time to first token for the decoding streams' gaps.
-    # An 8B model prefills ~38k tokens/s on the H200 (64 x 130 in ~220 ms, docs/benchmarks.md):
-    # 512 tokens should add ~13 ms to a step, about one 32-64-row decode step (7-12 ms), and
-    # 8192 ~200 ms; a 512-row GEMM is still compute-bound there (past ~200 rows: 989 TFLOP/s
-    # over 4.8 TB/s), so prefill loses little per token, but a burst takes 16x more steps.
-    # vLLM also schedules decodes first under one step budget (max_num_batched_tokens),
-    # first defaulted to 512 for the best ITL on an A100.
+    # Decode first. An 8B model prefills ~38k tokens/s on the H200 (docs/benchmarks.md):
+    # 512 tokens add ~13 ms to a step, about one 32-64-row decode step, 8192 ~200 ms; a
+    # 512-row GEMM is still compute-bound there, so prefill loses little per token. vLLM
+    # also schedules decodes first under one step budget (max_num_batched_tokens). With a
+    # spread (CUDA's default) 256 a step, 1,024 tokens over four steps, kept decoding
+    # streams' p99 gap within ~2x of steady while long prompts arrived (session 38).
     max_prefill_tokens_while_decoding: int = dataclasses.field(
-        default=512, metadata={"help": "Most prompt tokens computed in a step that also "
-                                       "decodes (decode first: long prompts arriving slow "
-                                       "the decoding streams' tokens by this much prefill a "
-                                       "step); a step with nothing decoding takes up to "
-                                       "--max-prefill-tokens. Set it to --max-prefill-tokens "
-                                       "for one budget for every step. On CUDA a power of "
-                                       "two from 128 below 512 also becomes the padded "
-                                       "prefill shapes' bucket, so its chunks keep to "
-                                       "shapes built at start-up."})
+        default=0, metadata={"help": "Most prompt tokens computed in a step while streams "
+                                     "decode that were decoding before the oldest waiting "
+                                     "request arrived (decode first: long prompts arriving "
+                                     "slow those streams' tokens by this much prefill a "
+                                     "step). Other steps take up to --max-prefill-tokens. "
+                                     "0: 256 where --prefill-spread spreads it, else 512. "
+                                     "On CUDA a power of two from 128 below 512 also "
+                                     "becomes the padded prefill shapes' bucket, so its "
+                                     "chunks keep to shapes built at start-up."})
     prefill_spread: int = dataclasses.field(
-        default=1, metadata={"help": "While requests decode, run a step's prompt chunks over "
+        default=0, metadata={"help": "In a decode-first step, run its prompt chunks over "
                                      "this many steps, a share of the model's layers in each "
                                      "(it then takes this many times "
                                      "--max-prefill-tokens-while-decoding): a decoding "
                                      "stream's gap grows by a share of a prefill forward's "
                                      "launch and compute, not a whole one. 1: off; a power "
-                                     "of two keeps chunks to the shapes built at start-up. "
-                                     "Models whose call is a backbone and an output head, "
-                                     "without recurrent layers; others run whole forwards."})
+                                     "of two keeps chunks to the shapes built at start-up; "
+                                     "0: 4 on CUDA, 1 elsewhere. Models whose call is a "
+                                     "backbone and an output head, without recurrent layers; "
+                                     "others run whole forwards."})
     fixed_decode_first_budget: bool = dataclasses.field(
-        default=False, metadata={"help": "Keep --max-prefill-tokens-while-decoding as it is. By "
-                                         "default a step decoding R requests while W > R more "
-                                         "wait for their first token may compute floor(W / R) "
-                                         "times it (at most --max-prefill-tokens): a burst "
-                                         "arriving at a nearly idle server is prefilled in a "
-                                         "few large steps, not dozens of small ones that each "
-                                         "also decode the burst's first requests."})
+        default=False, metadata={"help": "Hold every decoding stream to the decode-first "
+                                         "budget. By default a step whose decoding streams "
+                                         "all started after the oldest waiting request "
+                                         "arrived (a burst's own first requests, at a nearly "
+                                         "idle server) prefills up to --max-prefill-tokens: "
+                                         "the burst is prefilled in a few large steps, not "
+                                         "dozens of small ones that each also decode its "
+                                         "first requests."})
     mem_fraction: float = dataclasses.field(
         default=0.6, metadata={"help": "Fraction of the device memory left free after "
                                        "loading the weights that the KV pool may take."})
@@ -334,11 +340,12 @@ class ServerConfig:
             raise ValueError("--max-running-requests must be >= 1")
         if self.chunked_prefill_size < 0:
             raise ValueError("--chunked-prefill-size must be >= 0 (0: by device)")
-        if min(self.max_prefill_tokens, self.max_prefill_tokens_while_decoding) < 1:
-            raise ValueError("--max-prefill-tokens and --max-prefill-tokens-while-decoding "
-                             "must be >= 1")
-        if self.prefill_spread < 1:
-            raise ValueError("--prefill-spread must be >= 1 (1: off)")
+        if self.max_prefill_tokens < 1:
+            raise ValueError("--max-prefill-tokens must be >= 1")
+        if self.max_prefill_tokens_while_decoding < 0:
+            raise ValueError("--max-prefill-tokens-while-decoding must be >= 0 (0: auto)")
+        if self.prefill_spread < 0:
+            raise ValueError("--prefill-spread must be >= 0 (0: by device, 1: off)")
         self.prefill_padding_share  # refuses a value that is neither auto nor a share
         if not 0.0 <= self.window_ratio <= 1.0:
             raise ValueError("--window-ratio must be in [0, 1]")
@@ -439,6 +446,23 @@ class ServerConfig:
         18); the worker decides (WorkerReady.chunk_size)."""
         default = LONG_PREFILL_CHUNK if fused_long_prefill else PREFILL_CHUNK
         return min(self.chunked_prefill_size or default, self.max_prefill_tokens)
+
+    def spread_parts(self, on_cuda: bool, most: int) -> int:
+        """--prefill-spread resolved: `most` is how many parts this model's prefill
+        forwards can take (its blocks; 1 where they run whole). By default 4 on CUDA, the
+        one backend it was measured on (docs/benchmarks.md, sessions 37-38), and none
+        beside --experiments mixed-forward, the other way a decode step carries prefill."""
+        wanted = self.prefill_spread
+        if not wanted:
+            auto = on_cuda and "mixed-forward" not in self.experiment_set
+            wanted = AUTO_PREFILL_SPREAD if auto else 1
+        return max(1, min(wanted, most))
+
+    def decode_first_tokens(self, parts: int) -> int:
+        """--max-prefill-tokens-while-decoding resolved for a spread of `parts`."""
+        if self.max_prefill_tokens_while_decoding:
+            return self.max_prefill_tokens_while_decoding
+        return SPREAD_DECODE_FIRST_TOKENS if parts > 1 else DECODE_FIRST_TOKENS
 
     def process_title(self, role: str) -> str:
         return f"{PROJECT_NAME}:{role}"

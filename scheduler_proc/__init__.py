@@ -40,9 +40,8 @@ def limits_from(config: ServerConfig, ready: WorkerReady) -> SchedulerLimits:
                            chunk_size=ready.chunk_size, chunk_align=ready.chunk_align,
                            prefix_align=ready.prefix_align,
                            max_prefill_tokens=config.max_prefill_tokens,
-                           max_prefill_tokens_while_decoding=(
-                               config.max_prefill_tokens_while_decoding),
-                           scale_with_backlog=not config.fixed_decode_first_budget,
+                           max_prefill_tokens_while_decoding=ready.decode_first_tokens,
+                           decode_first_for_all=config.fixed_decode_first_budget,
                            radix_cache=not config.disable_radix_cache and ready.prefix_cache,
                            schedule_policy=config.schedule_policy,
                            state_snapshots=ready.state_snapshots,

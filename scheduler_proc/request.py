@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import enum
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -85,6 +85,11 @@ class Req:
     window_from: int = 0
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     admission: int = 0  # the serial of its latest admission, unique in the scheduler; 0: none
+    # Scheduler steps planned when it last joined the queue (arrival or preemption), and
+    # the step sampling its first token after its latest admission (decode first's rule:
+    # Scheduler._decode_first).
+    waiting_since: int = 0
+    decoding_since: int = 0
     # Steps sent that sample this request and whose results are not in yet.
     samples_in_flight: int = 0
     on_worker: bool = False
@@ -175,6 +180,11 @@ class WaitingQueue:
 
     def __init__(self) -> None:
         self._reqs: OrderedDict[str, Req] = OrderedDict()
+        # (waiting_since, request) in the order pushed, which is the order of
+        # waiting_since whatever the queue's order (a preempted request joins its head,
+        # lpm re-sorts): the oldest is the first entry still queued, found in O(1)
+        # amortized. Entries of requests gone (or queued again since) are dropped lazily.
+        self._since: deque[tuple[int, Req]] = deque()
 
     def __len__(self) -> int:
         return len(self._reqs)
@@ -184,11 +194,26 @@ class WaitingQueue:
 
     def push(self, req: Req) -> None:
         self._reqs[req.rid] = req
+        self._since.append((req.waiting_since, req))
+        if len(self._since) > 2 * len(self._reqs) + 64:  # a long-queued head (lpm)
+            self._since = deque(e for e in self._since if self._queued(*e))
 
     def push_front(self, req: Req) -> None:
         """A preempted request goes back to the head: it was admitted before the others."""
-        self._reqs[req.rid] = req
+        self.push(req)
         self._reqs.move_to_end(req.rid, last=False)
+
+    def oldest_since(self) -> int | None:
+        """The earliest waiting_since of a queued request (None: the queue is empty)."""
+        while self._since:
+            since, req = self._since[0]
+            if self._queued(since, req):
+                return since
+            self._since.popleft()
+        return None
+
+    def _queued(self, since: int, req: Req) -> bool:
+        return self._reqs.get(req.rid) is req and req.waiting_since == since
 
     def reorder(self, key) -> None:  # noqa: ANN001 - a sort key over Req
         """Stable re-sort (the lpm policy orders by cached prefix length)."""

@@ -55,13 +55,13 @@ class SchedulerLimits:
     # What one position's K/V take in each space (for the stats).
     bytes_per_slot: int = 0
     window_bytes_per_slot: int = 0
-    # Decode first: a step that carries decoding requests computes at most this many prompt
-    # tokens (None: max_prefill_tokens), so a burst of long prompts stretches each of their
-    # inter-token gaps by one bounded prefill, not by a whole --max-prefill-tokens of it.
+    # Decode first: a step decoding streams that were decoding before the oldest waiting
+    # request arrived computes at most this many prompt tokens (None: max_prefill_tokens),
+    # so a burst of long prompts stretches each of their gaps by one bounded prefill, not
+    # by a whole --max-prefill-tokens of it (see Scheduler._decode_first).
     max_prefill_tokens_while_decoding: int | None = None
-    # ... times floor(waiting / decoding) where more requests wait for their first token
-    # than decode: the stall then costs fewer streams than the wait it saves.
-    scale_with_backlog: bool = True
+    # ... and one whose streams all started after it (a burst's own first requests) too.
+    decode_first_for_all: bool = False
     # A chunk that leaves its prompt unfinished ends at a multiple of this position (the
     # worker's prefill bucket, WorkerReady.chunk_align; 1: anywhere), so a long prompt's
     # chunks start on the worker's bucket edges (see PrefillBudget).
@@ -74,13 +74,11 @@ class SchedulerLimits:
     # times the decode-first budget; 1: in one.
     prefill_parts: int = 1
 
-    def prefill_tokens(self, decoding: int, waiting: int = 0) -> int:
-        """The prompt tokens a step may compute while it decodes `decoding` requests and
-        `waiting` more (queued or mid-prompt) wait for their first token."""
-        if not decoding or self.max_prefill_tokens_while_decoding is None:
+    def prefill_tokens(self, decode_first: bool) -> int:
+        """The prompt tokens a step may compute (before a spread's parts multiply them)."""
+        if not decode_first or self.max_prefill_tokens_while_decoding is None:
             return self.max_prefill_tokens
-        scale = max(1, waiting // decoding) if self.scale_with_backlog else 1
-        return min(self.max_prefill_tokens, self.max_prefill_tokens_while_decoding * scale)
+        return min(self.max_prefill_tokens, self.max_prefill_tokens_while_decoding)
 
 
 class PrefillBudget:
@@ -102,13 +100,6 @@ class PrefillBudget:
     one prompt's tail and the next one's head took 60-120 ms to start on the H200 against
     16-25 for one chunk; session 24 in docs/benchmarks.md).
 
-    pieces (aligned budgets only): of the tokens, the most that pieces of prompts may take
-    (chunks that leave their prompt unfinished or continue one); the rest goes to fresh
-    prompts whole. A budget scaled up by a backlog (SchedulerLimits.prefill_tokens) then
-    admits more whole prompts, as it is meant to, but cuts a long prompt in the unscaled
-    budget's chunks still: a longer one stretches every decoding stream's gap as much
-    and meets forward shapes no warm-up built (on the H200, 90 ms each to start).
-
     lone_pieces (unaligned budgets only: a spread prefill's): a prompt's tail, or a head
     that leaves it unfinished, comes alone, so no prompt's head joins another one's tail.
     Of different lengths, the two run as two forwards, each spread in parts: Gemma 3's
@@ -118,11 +109,10 @@ class PrefillBudget:
     together. Aligned budgets pad a tail to its edge and start the next head on one."""
 
     def __init__(self, tokens: int, chunk: int, align: int = 1,
-                 pieces: int | None = None, lone_pieces: bool = False) -> None:
+                 lone_pieces: bool = False) -> None:
         self.total = self.left = tokens
         self.chunk = chunk
         self.align = align if align > 1 and chunk % align == 0 else 1
-        self.pieces_left = tokens if pieces is None or self.align == 1 else min(pieces, tokens)
         self.longest = 0  # the longest chunk given (see the unaligned rule above)
         self.lone_pieces = lone_pieces and self.align == 1
         self.gave_piece = False
@@ -131,15 +121,12 @@ class PrefillBudget:
         """Tokens for a prompt whose next chunk starts at `start` with `wanted` to go
         (`admitting`: its first chunk, after any prefix hit)."""
         n = min(wanted, self.chunk, self.left)
-        piece = start > 0 or n < wanted
         if self.lone_pieces:
             # A hit's whole remainder may share a forward as a fresh prompt does.
             lone = n < wanted or (start > 0 and not admitting)
             if self.gave_piece or (lone and self.left < self.total):
                 return self._scraps()
             self.gave_piece = lone
-        if piece:
-            n = min(n, self.pieces_left)
         if n < wanted and self.align > 1:
             aligned = (start + n) // self.align * self.align - start
             if aligned > 0:
@@ -150,8 +137,6 @@ class PrefillBudget:
             return self._scraps()
         self.left -= n
         self.longest = max(self.longest, n)
-        if piece:
-            self.pieces_left -= n
         return n
 
     def _scraps(self) -> int:
@@ -319,6 +304,7 @@ class Scheduler:
         if problem:
             return [_error(req.rid, problem)]
         self.counters.prompt_tokens += req.prompt_len
+        req.waiting_since = self._step
         self.waiting.push(req)
         return []
 
@@ -399,14 +385,11 @@ class Scheduler:
         decode_rids, decode_slots, decode_window = self._plan_decode()
         if self._spread is not None:
             return self._continue_spread(decode_rids, decode_slots, decode_window)
-        waiting = len(self.waiting) + sum(r.prefilling for r in self.running.values())
-        parts = self._parts(decode_rids)
+        decode_first = self._decode_first(decode_rids)
+        parts = self._parts(decode_first)
         budget = PrefillBudget(
-            min(self.limits.max_prefill_tokens,
-                self.limits.prefill_tokens(len(decode_rids), waiting) * parts),
-            self.limits.chunk_size, self.limits.chunk_align,
-            pieces=self.limits.prefill_tokens(len(decode_rids)) * parts,
-            lone_pieces=parts > 1)
+            min(self.limits.max_prefill_tokens, self.limits.prefill_tokens(decode_first) * parts),
+            self.limits.chunk_size, self.limits.chunk_align, lone_pieces=parts > 1)
         self._planning = SpreadPrefill(parts, {}) if parts > 1 else None
         prefill = [self._plan_chunk(r, budget, new_reqs)
                    for r in list(self.running.values()) if r.prefilling and not budget.exhausted]
@@ -440,11 +423,31 @@ class Scheduler:
                            decode_slots=decode_slots, decode_window_slots=decode_window,
                            parts=spread.parts if spread is not None else 1)
 
-    def _parts(self, decode_rids: list[str]) -> int:
-        """Over how many steps this step's prefill runs: spread only beside decode rows
+    def _decode_first(self, decode_rids: list[str]) -> bool:
+        """Whether this step holds its prefill to the decode-first budget (and spreads it):
+        where a stream it decodes was decoding before the oldest request now waiting for
+        its first token (queued, or admitted and mid-prompt) arrived. The budget protects
+        streams from prompts that arrive while they decode; a burst's own first requests,
+        decoding while the rest of it waits, do not hold the rest back: with only those
+        decoding, a step prefills up to --max-prefill-tokens, so a burst at a nearly idle
+        server is prefilled in a few large steps (as with nothing decoding), not trickled
+        in beside its first streams (docs/benchmarks.md, sessions 14-15)."""
+        if not decode_rids:
+            return False
+        if self.limits.decode_first_for_all:
+            return True
+        since = [r.waiting_since for r in self.running.values() if r.prefilling]
+        queued = self.waiting.oldest_since()
+        oldest = min(since + [queued] if queued is not None else since, default=None)
+        if oldest is None:
+            return True  # nothing waits
+        return min(self.running[rid].decoding_since for rid in decode_rids) <= oldest
+
+    def _parts(self, decode_first: bool) -> int:
+        """Over how many steps this step's prefill runs: spread only in a decode-first step
         (alone, a whole forward is what finishes prompts soonest), and not where a hit
         needs a state snapshot at a chunk's end (the worker's spread refuses those models)."""
-        if not decode_rids or isinstance(self.cache, SnapshotCache):
+        if not decode_first or isinstance(self.cache, SnapshotCache):
             return 1
         return self.limits.prefill_parts
 
@@ -705,6 +708,8 @@ class Scheduler:
         if not req.on_worker:
             req.on_worker = True
             new_reqs.append(self._new_request(req, start))
+        if not req.prefilling:
+            req.decoding_since = self._step + 1  # the step being planned samples its first
         # Shared at the prompt's last chunk; a model whose hits need state snapshots at
         # every chunk's end, so that prompts sharing a long head hit at its last chunk
         # edge; one with windowed layers in their own space at every chunk's end too, so
@@ -753,6 +758,7 @@ class Scheduler:
         self.counters.preemptions += 1
         self.ratio.on_preempt()
         self._release_kv(req, snapshot=True)
+        req.waiting_since = self._step
         self.waiting.push_front(req)
 
     def _release_kv(self, req: Req, keep: bool = True, snapshot: bool = False) -> None:

@@ -213,7 +213,8 @@ def _draw_limits(rng: random.Random, mode: Mode, requests: list[RequestPlan]) ->
         snapshot_stride=rng.choice([0, 0, 16]), window_slots=window_slots, windows=windows,
         max_prefill_tokens_while_decoding=rng.choice([None, 4, chunk]),
         chunk_align=rng.choice([1, 1, 8]),
-        prefill_parts=1 if mode is Mode.SNAPSHOTS else rng.choice([1, 1, 2, 3]))
+        prefill_parts=1 if mode is Mode.SNAPSHOTS else rng.choice([1, 1, 2, 3]),
+        decode_first_for_all=rng.choice([False, True]))
 
 
 # -- the client: requests in, outputs checked -------------------------------------------------

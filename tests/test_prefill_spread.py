@@ -306,8 +306,8 @@ def test_a_spread_planned_before_a_failure_was_known_is_not_started(tiny_model, 
 def test_the_spread_flag_is_checked_at_start_up():
     from ipc.config import ServerConfig
 
-    with pytest.raises(ValueError, match="--prefill-spread must be >= 1"):
-        ServerConfig(prefill_spread=0)
+    with pytest.raises(ValueError, match="--prefill-spread must be >= 0"):
+        ServerConfig(prefill_spread=-1)
     with pytest.raises(ValueError, match="mixed-forward and --prefill-spread"):
         ServerConfig(prefill_spread=2, experiments="mixed-forward")
     assert ServerConfig(prefill_spread=4).prefill_spread == 4

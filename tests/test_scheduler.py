@@ -35,10 +35,10 @@ def assert_idle_invariant(s: Scheduler) -> None:
 
 
 def _sched(capacity=1000, max_context=512, max_running=8, chunk=64, budget=128,
-           while_decoding=None, scale_with_backlog=True) -> Scheduler:
+           while_decoding=None, for_all=False) -> Scheduler:
     return Scheduler(SchedulerLimits(capacity, max_context, max_running, chunk, budget,
                                      max_prefill_tokens_while_decoding=while_decoding,
-                                     scale_with_backlog=scale_with_backlog))
+                                     decode_first_for_all=for_all))
 
 
 def _answer(batch, token: int = 7) -> StepResult:
@@ -107,7 +107,7 @@ def test_beside_decoding_a_prompts_tail_is_not_joined_by_a_short_head_of_the_nex
     next long prompt as a forward of its own (under half the tail); that prompt starts the
     next step, in whole chunks. A head of half the tail or more still joins it."""
     s = _sched(capacity=4000, max_context=1024, chunk=64, budget=256, while_decoding=64,
-               scale_with_backlog=False)
+               for_all=True)
     s.add_request(_req("w", 4, 100))
     s.apply_result(_answer(s.plan_step()))
     s.add_request(_req("a", 114, 3))  # 64 + 50
@@ -121,7 +121,7 @@ def test_beside_decoding_a_prompts_tail_is_not_joined_by_a_short_head_of_the_nex
     assert steps[:3] == [[("a", 0, 64)], [("a", 64, 50)], [("b", 0, 64)]]
     assert [n for step in steps[2:] for rid, _, n in step] == [64, 64, 64, 64, 44]  # b alone
     s = _sched(capacity=4000, max_context=1024, chunk=64, budget=256, while_decoding=64,
-               scale_with_backlog=False)
+               for_all=True)
     s.add_request(_req("w", 4, 100))
     s.apply_result(_answer(s.plan_step()))
     s.add_request(_req("a", 104, 3))  # a 40-token tail leaves 24: b starts beside it
@@ -148,7 +148,7 @@ def test_while_decoding_long_prompts_are_chunked_on_the_bucket_edges():
     does not finish its prompt ends on a multiple of the alignment, so no prompt's chunks
     start off the edges, and no step starts a long prompt with another's scraps."""
     s = Scheduler(SchedulerLimits(4000, 512, 8, 64, 256, max_prefill_tokens_while_decoding=32,
-                                  scale_with_backlog=False, chunk_align=32))
+                                  decode_first_for_all=True, chunk_align=32))
     for rid in "wx":
         s.add_request(_req(rid, 4, 200))
     s.apply_result(_answer(s.plan_step()))
@@ -165,31 +165,6 @@ def test_while_decoding_long_prompts_are_chunked_on_the_bucket_edges():
         "a": 70, "b": 41, "c": 100}
     assert chunks[2] == [("a", 64, 6, True)]  # a's last 6 tokens; b waits, not 26 of b
     assert all(len(step) <= 1 for step in chunks)
-
-
-def test_an_aligned_backlog_budget_admits_whole_prompts_not_longer_pieces():
-    """Aligned chunks and a backlog (7 waiting, 2 decoding: 3 times the decoding budget of
-    32): a long prompt still advances 32 tokens a step, and the rest of the scaled budget
-    goes to short prompts whole; unaligned, the long prompt takes the longer piece."""
-    def first_step(align: int) -> dict[str, int]:
-        s = Scheduler(SchedulerLimits(4000, 512, 16, 64, 256, max_prefill_tokens_while_decoding=32,
-                                      chunk_align=align))
-        for rid in "wx":
-            s.add_request(_req(rid, 4, 50))
-        s.apply_result(_answer(s.plan_step()))
-        s.add_request(_req("long", 100, 3))
-        for i in range(6):
-            s.add_request(_req(f"s{i}", 10, 3))
-        batch = s.plan_step()
-        assert batch.decode_rids == ["w", "x"]
-        return _prefilled(batch)
-
-    assert first_step(32) == {"long": 32, **{f"s{i}": 10 for i in range(6)}}
-    # (s3's 2 tokens of 10 would be a head under half the longest chunk: it waits)
-    assert first_step(1) == {"long": 64, "s0": 10, "s1": 10, "s2": 10}
-    budget = PrefillBudget(96, 64, 32, pieces=32)
-    assert budget.take(64, 100) == 32 and budget.take(0, 10) == 10
-    assert budget.take(0, 100) == 0 and budget.exhausted  # FCFS: the next piece waits
 
 
 def test_a_prefix_hit_is_cut_back_to_an_edge_when_much_of_the_prompt_is_left():
@@ -263,7 +238,7 @@ def test_a_step_that_decodes_computes_only_the_decoding_budget_of_prompts():
     oldest first, so each of its tokens waits for 64 prompt tokens, not 256; once nothing
     decodes, a step takes the full budget again. (Two prompts waiting for one stream would
     double its budget: fixed here.)"""
-    s = _sched(chunk=128, budget=256, while_decoding=64, scale_with_backlog=False)
+    s = _sched(chunk=128, budget=256, while_decoding=64, for_all=True)
     s.add_request(_req("short", 10, 3))
     s.add_request(_req("b", 300, 5))
     s.add_request(_req("c", 300, 5))
@@ -299,38 +274,64 @@ def test_a_long_prompt_advances_every_step_however_long_others_decode():
     assert [c.start for c in chunks] == list(range(0, 100, 7))
 
 
-@pytest.mark.parametrize("scale_with_backlog", [True, False])
-def test_a_burst_at_a_nearly_idle_server_is_prefilled_in_few_steps(scale_with_backlog):
-    """A wave of 12 prompts whose first arrives alone: once it decodes, 11 wait for one
-    decoding stream, so the next step may compute 11 times the decoding budget (up to the
-    step's), not 16 tokens; as the wave starts decoding the budget falls back. With the
-    budget fixed, the wave trickles in 16 tokens a step."""
-    s = _sched(chunk=64, budget=256, max_running=16, while_decoding=16,
-               scale_with_backlog=scale_with_backlog)
+@pytest.mark.parametrize("for_all", [False, True])
+def test_a_burst_at_a_nearly_idle_server_is_prefilled_in_few_steps(for_all):
+    """A wave of prompts whose first two arrive alone: once the first decodes, the second
+    (mid-prompt) and ten more wait, the second there before the first decoded, so nothing
+    decoding predates the backlog and the next step computes a whole step's budget, the
+    oldest prompt first, not 16 tokens. Held to decode first's budget for every stream, the
+    wave trickles in 16 tokens a step."""
+    s = _sched(chunk=64, budget=256, max_running=16, while_decoding=16, for_all=for_all)
     s.add_request(_req("first", 20, 50))
-    s.apply_result(_answer(s.plan_step()))
-    for i in range(11):
+    s.add_request(_req("r0", 300, 50))  # a long prompt arriving with it
+    s.apply_result(_answer(s.plan_step()))  # first's prompt and r0's first 64 tokens
+    for i in range(1, 11):
         s.add_request(_req(f"r{i}", 20, 50))
     b = s.plan_step()
     assert b.decode_rids == ["first"]
-    if scale_with_backlog:
-        assert sum(_prefilled(b).values()) == 176 and len(b.prefill) == 9
-        s.apply_result(_answer(b))
-        b = s.plan_step()  # 9 decode, 3 wait: the decoding budget alone
-        assert len(b.decode_rids) == 9 and sum(_prefilled(b).values()) == 16
-    else:
+    if for_all:
         assert _prefilled(b) == {"r0": 16}
+    else:
+        # (r10's 12 tokens left of 20 would be a head under half the longest chunk: waits)
+        assert _prefilled(b) == {"r0": 64, **{f"r{i}": 20 for i in range(1, 10)}}
 
 
-def test_the_backlog_scales_the_decoding_budget_up_to_a_steps_budget():
-    limits = SchedulerLimits(1000, 512, 8, 64, 1000, max_prefill_tokens_while_decoding=100)
-    assert limits.prefill_tokens(decoding=4, waiting=3) == 100
-    assert limits.prefill_tokens(decoding=4, waiting=9) == 200
-    assert limits.prefill_tokens(decoding=1, waiting=63) == 1000
-    assert limits.prefill_tokens(decoding=0, waiting=63) == 1000
-    fixed = SchedulerLimits(1000, 512, 8, 64, 1000, max_prefill_tokens_while_decoding=100,
-                            scale_with_backlog=False)
-    assert fixed.prefill_tokens(decoding=1, waiting=63) == 100
+def test_streams_decoding_before_a_burst_keep_decode_firsts_budget_until_they_end():
+    """Two streams decode when a burst of prompts arrives: every step while they decode
+    computes at most the decoding budget (16 tokens), though the burst's first requests
+    decode too and many more wait. Once the two end, what decodes is the burst's own, so
+    its rest is prefilled at a whole step's budget."""
+    s = _sched(capacity=4000, chunk=64, budget=256, max_running=16, while_decoding=16)
+    for rid in "wx":
+        s.add_request(_req(rid, 4, 6))
+    s.apply_result(_answer(s.plan_step()))
+    for i in range(10):
+        s.add_request(_req(f"b{i}", 40, 50))
+    budgets = []
+    while s.waiting or any(r.prefilling for r in s.running.values()):
+        b = s.plan_step()
+        protected = {"w", "x"} & set(b.decode_rids)
+        budgets.append((bool(protected), sum(_prefilled(b).values())))
+        s.apply_result(_answer(b))
+    assert budgets[0] == (True, 16) and all(n <= 16 for p, n in budgets if p)
+    assert any(not p for p, _ in budgets)  # w and x ended before the burst was prefilled
+    assert all(n > 16 for p, n in budgets[:-1] if not p) and budgets[-1][0] is False
+
+
+def test_a_preempted_request_waits_from_its_preemption():
+    """A request preempted goes back to the queue as of that step: streams that decoded
+    before it (and after its first arrival) keep decode first's budget."""
+    s = _sched(capacity=4000, chunk=64, budget=256, while_decoding=16)
+    s.add_request(_req("a", 4, 50))
+    s.apply_result(_answer(s.plan_step()))
+    s.add_request(_req("b", 4, 50))
+    s.apply_result(_answer(s.plan_step()))
+    s._preempt(s.running["a"])
+    assert s.waiting.oldest_since() == s._step == s.waiting.peek().waiting_since
+    assert s.running["b"].decoding_since <= s.waiting.oldest_since()
+    assert s._decode_first(["b"])
+    s.waiting.remove("a")
+    assert s.waiting.oldest_since() is None
 
 
 def test_the_decoding_budget_never_raises_a_steps_budget_and_reaches_the_scheduler():
@@ -339,20 +340,39 @@ def test_the_decoding_budget_never_raises_a_steps_budget_and_reaches_the_schedul
     from scheduler_proc import limits_from
 
     limits = SchedulerLimits(1000, 512, 8, 64, 128, max_prefill_tokens_while_decoding=1000)
-    assert limits.prefill_tokens(decoding=True) == limits.prefill_tokens(decoding=False) == 128
-    assert SchedulerLimits(1000, 512, 8, 64, 128).prefill_tokens(decoding=True) == 128
-    ready = WorkerReady(num_slots=1000, max_context_len=512, overlap=False)
-    config = ServerConfig(max_prefill_tokens_while_decoding=300)
-    assert limits_from(config, ready).prefill_tokens(decoding=True) == 300
-    assert limits_from(ServerConfig(), ready).prefill_tokens(decoding=False) == 8192
-    assert limits_from(ServerConfig(), ready).prefill_tokens(decoding=1, waiting=63) == 8192
-    fixed = limits_from(ServerConfig(fixed_decode_first_budget=True), ready)
-    assert fixed.prefill_tokens(decoding=1, waiting=63) == 512
-    assert limits_from(config, ready).chunk_align == 1
+    assert limits.prefill_tokens(True) == limits.prefill_tokens(False) == 128
+    assert SchedulerLimits(1000, 512, 8, 64, 128).prefill_tokens(True) == 128
+    ready = WorkerReady(num_slots=1000, max_context_len=512, overlap=False,
+                        decode_first_tokens=300)
+    assert limits_from(ServerConfig(), ready).prefill_tokens(True) == 300
+    assert limits_from(ServerConfig(), ready).prefill_tokens(False) == 8192
+    assert not limits_from(ServerConfig(), ready).decode_first_for_all
+    assert limits_from(ServerConfig(fixed_decode_first_budget=True), ready).decode_first_for_all
+    assert limits_from(ServerConfig(), ready).chunk_align == 1
     aligned = WorkerReady(num_slots=1000, max_context_len=512, overlap=False, chunk_align=512)
-    assert limits_from(config, aligned).chunk_align == 512
-    with pytest.raises(ValueError, match="while-decoding"):
-        ServerConfig(max_prefill_tokens_while_decoding=0)
+    assert limits_from(ServerConfig(), aligned).chunk_align == 512
+
+
+def test_decode_firsts_defaults_resolve_by_device_and_model():
+    """Spread over four steps at 256 tokens a step on CUDA (where measured), whole at 512
+    elsewhere, beside mixed-forward, or where the model's forwards cannot be spread; a
+    flag given wins."""
+    from ipc.config import ServerConfig
+
+    auto = ServerConfig()
+    assert auto.spread_parts(on_cuda=True, most=48) == 4
+    assert auto.decode_first_tokens(4) == 256
+    assert auto.spread_parts(on_cuda=False, most=48) == 1 == auto.spread_parts(True, most=1)
+    assert auto.decode_first_tokens(1) == 512
+    assert auto.spread_parts(True, 2) == 2  # at most a block a part
+    assert ServerConfig(experiments="mixed-forward").spread_parts(True, 48) == 1
+    given = ServerConfig(prefill_spread=8, max_prefill_tokens_while_decoding=128)
+    assert given.spread_parts(False, 48) == 8 and given.decode_first_tokens(8) == 128
+    assert ServerConfig(prefill_spread=1).spread_parts(True, 48) == 1
+    for bad in ({"max_prefill_tokens_while_decoding": -1}, {"prefill_spread": -1},
+                {"max_prefill_tokens": 0}):
+        with pytest.raises(ValueError):
+            ServerConfig(**bad)
 
 
 def test_slot_ids_are_consistent_between_plan_and_table():

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
+
 import pytest
 
 from tests.engine_driver import (InProcessEngine, StandInInPlaceKernels, StandInKernel,
@@ -650,10 +653,15 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     # padding and the walk with them; where they do not divide the chunk, nothing changes.
     spread = chunking(KernelDecode()).spread(4)
     assert (spread.align, spread.tail_bucket, spread.warm_walk, spread.size) == (2048, 2048, 2048, 4096)
-    assert chunking(KernelDecode()).spread(3) == chunking(KernelDecode())
-    assert chunking(KernelDecode()).spread(1) == chunking(KernelDecode())
-    assert chunking(GatherDecode()).spread(4) == chunking(GatherDecode())
+    plain = chunking(KernelDecode())
+    assert plain.spread(3) == dataclasses.replace(plain, parts=3)
+    assert plain.spread(1) == plain
+    assert chunking(GatherDecode()).spread(4) == dataclasses.replace(chunking(GatherDecode()), parts=4)
     assert small.spread(4).warm_walk == small.spread(4).align == 1024
+    # The defaults' spread (CUDA's: 4 parts, 256 tokens a step, the 256 bucket).
+    cuda = prefill_chunking(ServerConfig(), KernelDecode(prefill_bucket=256), llama, parts=4)
+    assert cuda == small.spread(4) and (cuda.decode_first, cuda.parts) == (256, 4)
+    assert (plain.decode_first, plain.parts) == (512, 1)
     # Prefix hits stay on the buckets' edges; the chunks from each to the spread's next
     # edge are walked.
     assert (spread.hit_align, spread.walk_offsets()) == (512, (512, 1024, 1536))

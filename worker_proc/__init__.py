@@ -55,7 +55,8 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
                                     raise_cuda_graph_budgets)
     from worker_proc.offset_norms import sum_offset_norms
     from worker_proc.paged_attention import kernel_available
-    from worker_proc.runner import CPU_PREFILL_PADDING, PREFILL_PADDING, ModelRunner
+    from worker_proc.prefill_parts import spread_refusal
+    from worker_proc.runner import CPU_PREFILL_PADDING, PREFILL_PADDING, ModelRunner, split_model
     from worker_proc.warm_up import trace_decode_shapes, warm_up
 
     say = reporter.progress if reporter else logger.info
@@ -118,9 +119,13 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
         say("gated delta rule (linear attention): kiln's CUDA kernel")
     if on_cuda and (convs := replace_depthwise_convs(model)):
         say(f"{convs} short convolutions as shifted multiply-adds (no cuDNN graph per shape)")
+    # Decode first's prefill, whole or spread over steps (a model's blocks at most).
+    split = split_model(model)
+    refusal = spread_refusal(split, len(specs), KVPool.state_bytes_per_request(specs) > 0)
+    parts = config.spread_parts(on_cuda, len(split.backbone.layers) if refusal is None else 1)
     backend = choose_decode_backend(  # the one choice
         specs, config.experiment_set,
-        prefill_bucket_for(config.max_prefill_tokens_while_decoding))
+        prefill_bucket_for(config.decode_first_tokens(parts)))
     # Why not the kernel, only where it is not the choice (choose_decode_backend asked).
     misfit = kernel_misfit(specs) if on_cuda and not backend.in_place else None
     say(f"decode attention: {backend.name}" + (
@@ -139,7 +144,7 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
     # (a window tail is not kept with them).
     windows = [] if per_state else KVPool.windows(specs)
     per_window = KVPool.window_bytes_per_slot(specs) if windows else 0
-    chunking = prefill_chunking(config, backend, specs)
+    chunking = prefill_chunking(config, backend, specs, parts)
     say(f"prefill chunks of up to {chunking.size} tokens")
     floor = (WindowRule(tuple(windows)).most_held(context, context, chunking.size)
              if windows else 0)
@@ -179,23 +184,18 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
                 "fused projections and the fast decode call (mlx_lm.models.llama, .qwen2), "
                 "every layer full attention, and an output head")
         say("a step's lone prompt chunk rides in its decode rows' forward (mixed-forward)")
-    parts = runner.prefill_parts(config.prefill_spread)
-    if parts > 1:
-        spread = chunking.spread(parts)
-        if spread == chunking and chunking.align > 1:
-            logger.warning("--prefill-spread %d: its chunks (%d buckets of %d) do not divide "
-                           "the %d-token chunk, so they end on the buckets' edges, at shapes "
-                           "the warm-up does not build (a power of two avoids this)", parts,
-                           parts, chunking.align, chunking.size)
-        chunking = spread
+    if chunking.parts > 1:
         if runner.tail_bucket:
             runner.tail_bucket, runner.tail_starts = chunking.tail_bucket, chunking.hit_align
         edges = f"; chunks end on multiples of {chunking.align}" if chunking.align > 1 else ""
-        say(f"while requests decode, a step's prefill runs over {parts} steps "
-            f"(--prefill-spread{edges})")
-    elif config.prefill_spread > 1:
-        logger.warning("--prefill-spread %d unused: this model's prefill forwards run whole "
-                       "(%s)", config.prefill_spread, runner.spread_refusal)
+        say(f"decode first: {chunking.decode_first} prompt tokens a step, spread over "
+            f"{chunking.parts} steps (--prefill-spread{edges})")
+    else:
+        say(f"decode first: {chunking.decode_first} prompt tokens a step")
+        if config.prefill_spread > 1 or (refusal and config.spread_parts(on_cuda, 2) > 1):
+            logger.log(logging.WARNING if config.prefill_spread > 1 else logging.INFO,
+                       "--prefill-spread unused: this model's prefill forwards run whole "
+                       "(%s)", refusal)
     hits = runner.serves_prefix_hits and not config.disable_radix_cache
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests, long_chunk=chunking.size,
@@ -522,6 +522,8 @@ class PrefillChunking:
     warm_walk: int
     tail_bucket: int = 0
     hit_align: int = 0
+    decode_first: int = 512  # ServerConfig.decode_first_tokens (WorkerReady's)
+    parts: int = 1  # a decode-first step's prefill runs over this many steps
 
     def walk_offsets(self) -> tuple[int, ...]:
         """Where a spread's prompt may start its chunks off their edges (after a prefix
@@ -539,30 +541,44 @@ class PrefillChunking:
         60-180 ms a step; docs/benchmarks.md, session 37). Prefix hits are still cut back
         to a bucket's edge only (a hit on a spread's edge would lose up to a spread's
         worth of cached tokens); the chunks from there to the next edge are walked too.
-        Unchanged where the spread's edge does not divide the chunk."""
-        edge = self.align * parts
-        if parts <= 1 or self.align <= 1 or self.size % edge:
+        Its edges unchanged where the spread's edge does not divide the chunk."""
+        if parts <= 1:
             return self
-        return dataclasses.replace(self, align=edge, tail_bucket=edge if self.tail_bucket else 0,
+        edge = self.align * parts
+        if self.align <= 1 or self.size % edge:
+            return dataclasses.replace(self, parts=parts)
+        return dataclasses.replace(self, parts=parts, align=edge,
+                                   tail_bucket=edge if self.tail_bucket else 0,
                                    hit_align=self.align,
                                    warm_walk=min(self.warm_walk * parts, self.size))
 
 
-def prefill_chunking(config: ServerConfig, backend: DecodeBackend, specs: list) -> PrefillChunking:
+def prefill_chunking(config: ServerConfig, backend: DecodeBackend, specs: list,
+                     parts: int = 1) -> PrefillChunking:
+    """The chunking for this backend, with decode first's budget for a spread of `parts`
+    (ServerConfig.spread_parts) and the spread applied."""
     from worker_proc.kv_pool import attention_specs
 
     fused = backend.fuses_long_prefill(attention_specs(specs))
-    walk = config.max_prefill_tokens_while_decoding
+    walk = config.decode_first_tokens(parts)
     bucket = backend.prefill_bucket
     align = bucket if fused and backend.align_chunks else 1
     size = config.chunk_size(fused_long_prefill=fused)
-    return PrefillChunking(
+    whole = PrefillChunking(
         size=size,
         align=align,
         # A budget past the chunk (one budget for every step: 8,192) runs chunks of `size`
         # (an 8,192-token walk beside an H100's pool ended its start-up: session 37).
         warm_walk=min(walk, size) if fused and walk % bucket == 0 else 0,
-        tail_bucket=align if align > 1 else 0)
+        tail_bucket=align if align > 1 else 0,
+        decode_first=walk)
+    spread = whole.spread(parts)
+    if parts > 1 and spread.align == whole.align and whole.align > 1:
+        logger.warning("--prefill-spread %d: its chunks (%d buckets of %d) do not divide "
+                       "the %d-token chunk, so they end on the buckets' edges, at shapes "
+                       "the warm-up does not build (a power of two avoids this)", parts,
+                       parts, whole.align, size)
+    return spread
 
 
 def run_worker(config: ServerConfig) -> None:
@@ -582,7 +598,8 @@ def run_worker(config: ServerConfig) -> None:
                              window_bytes_per_slot=runner.slot_bytes[1],
                              chunk_size=chunking.size, chunk_align=chunking.align,
                              prefix_align=chunking.hit_align,
-                             prefill_parts=runner.prefill_parts(config.prefill_spread),
+                             prefill_parts=chunking.parts,
+                             decode_first_tokens=chunking.decode_first,
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
     loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place)

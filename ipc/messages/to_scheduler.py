@@ -60,8 +60,10 @@ class WorkerReady(Message, frozen=True):
     chunk_align: int = 1
     # Where prefix hits are cut back to (multiples of it; 0: chunk_align).
     prefix_align: int = 0
-    # Over how many steps a step's prefill forwards may be spread while requests decode
-    # (--prefill-spread, where the model allows it; 1: never).
+    # Decode first (ServerConfig.decode_first_tokens, .spread_parts resolved for this
+    # model and device): the prompt tokens a step computes beside the streams it
+    # protects, run over this many steps (1: in one).
+    decode_first_tokens: int = 512
     prefill_parts: int = 1
 
 
