@@ -20,7 +20,7 @@ LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerCo
 # a step computes beside the streams it protects, whole or spread over several steps.
 AUTO_PREFILL_SPREAD = 4
 DECODE_FIRST_TOKENS = 512
-SPREAD_DECODE_FIRST_TOKENS = 256
+SPREAD_DECODE_FIRST_TOKENS = 128
 # CUDA attention paths other than the default, for --experiments (A/B runs).
 DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
@@ -113,15 +113,16 @@ class ServerConfig:
     # 512 tokens add ~13 ms to a step, about one 32-64-row decode step, 8192 ~200 ms; a
     # 512-row GEMM is still compute-bound there, so prefill loses little per token. vLLM
     # also schedules decodes first under one step budget (max_num_batched_tokens). With a
-    # spread (CUDA's default) 256 a step, 1,024 tokens over four steps, kept decoding
-    # streams' p99 gap within ~2x of steady while long prompts arrived (session 38).
+    # spread (CUDA's default), 128 a step, 512 tokens over four steps, kept an 8B model's
+    # decoding streams' p99 gap within 2x of steady while long prompts arrived on the
+    # H200 (1.81x; 256 a step: 2.84x there, 1.77x on an H100; sessions 38-39).
     max_prefill_tokens_while_decoding: int = dataclasses.field(
         default=0, metadata={"help": "Most prompt tokens computed in a step while streams "
                                      "decode that were decoding before the oldest waiting "
                                      "request arrived (decode first: long prompts arriving "
                                      "slow those streams' tokens by this much prefill a "
                                      "step). Other steps take up to --max-prefill-tokens. "
-                                     "0: 256 where --prefill-spread spreads it, else 512. "
+                                     "0: 128 where --prefill-spread spreads it, else 512. "
                                      "On CUDA a power of two from 128 below 512 also "
                                      "becomes the padded prefill shapes' bucket, so its "
                                      "chunks keep to shapes built at start-up."})

@@ -354,14 +354,14 @@ def test_the_decoding_budget_never_raises_a_steps_budget_and_reaches_the_schedul
 
 
 def test_decode_firsts_defaults_resolve_by_device_and_model():
-    """Spread over four steps at 256 tokens a step on CUDA (where measured), whole at 512
+    """Spread over four steps at 128 tokens a step on CUDA (where measured), whole at 512
     elsewhere, beside mixed-forward, or where the model's forwards cannot be spread; a
     flag given wins."""
     from ipc.config import ServerConfig
 
     auto = ServerConfig()
     assert auto.spread_parts(on_cuda=True, most=48) == 4
-    assert auto.decode_first_tokens(4) == 256
+    assert auto.decode_first_tokens(4) == 128
     assert auto.spread_parts(on_cuda=False, most=48) == 1 == auto.spread_parts(True, most=1)
     assert auto.decode_first_tokens(1) == 512
     assert auto.spread_parts(True, 2) == 2  # at most a block a part

@@ -658,9 +658,9 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     assert plain.spread(1) == plain
     assert chunking(GatherDecode()).spread(4) == dataclasses.replace(chunking(GatherDecode()), parts=4)
     assert small.spread(4).warm_walk == small.spread(4).align == 1024
-    # The defaults' spread (CUDA's: 4 parts, 256 tokens a step, the 256 bucket).
-    cuda = prefill_chunking(ServerConfig(), KernelDecode(prefill_bucket=256), llama, parts=4)
-    assert cuda == small.spread(4) and (cuda.decode_first, cuda.parts) == (256, 4)
+    # The defaults' spread (CUDA's: 4 parts, 128 tokens a step, the 128 bucket).
+    cuda = prefill_chunking(ServerConfig(), KernelDecode(prefill_bucket=128), llama, parts=4)
+    assert (cuda.decode_first, cuda.parts, cuda.align, cuda.warm_walk) == (128, 4, 512, 512)
     assert (plain.decode_first, plain.parts) == (512, 1)
     # Prefix hits stay on the buckets' edges; the chunks from each to the spread's next
     # edge are walked.
