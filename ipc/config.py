@@ -27,7 +27,7 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "mixed-forward", "mma-attention", "mma-wide-tiles",
                       "cuda-core-attention", "gathered-latent", "fused-own-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
-                      "paged-prefill")
+                      "paged-prefill", "unpadded-experts")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
 CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv"})
@@ -262,7 +262,11 @@ class ServerConfig:
                                       "a gather and cuDNN or MLX's matmuls, where a "
                                       "row holds at most 256 queries or cuDNN does not "
                                       "take the heads; slower on the H200 than the "
-                                      "default but for many short rows)."})
+                                      "default but for many short rows), "
+                                      "unpadded-experts (quantized experts' projections "
+                                      "at their own output sizes, as before they were "
+                                      "padded to whole 128-row tiles for MLX's grouped "
+                                      "kernel)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

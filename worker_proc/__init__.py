@@ -47,6 +47,8 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
     from worker_proc.row_positions import give_rows_their_positions
     from worker_proc.decode_block import FastDecodeBlock, speed_up_decode_blocks
     from worker_proc.depthwise_conv import replace_depthwise_convs
+    from worker_proc.expert_padding import TILE as EXPERT_TILE
+    from worker_proc.expert_padding import pad_expert_outputs
     from worker_proc.fused_projections import fuse_projections
     from worker_proc.gated_delta_cuda import install_gated_delta_kernel, uses_gated_delta
     from worker_proc.kv_pool import KVPool
@@ -99,6 +101,10 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
         # used: give them back before the pool is sized from free memory (~8.5 GiB on
         # an 8B model, which shrank the H200's pool by 5 GiB).
         mx.clear_cache()
+    if on_cuda and "unpadded-experts" not in config.experiment_set:
+        if padded := pad_expert_outputs(model):
+            say(f"{padded} quantized experts' projections padded to whole "
+                f"{EXPERT_TILE}-row tiles (MLX's grouped kernel for rows sorted by expert)")
     sped_up = fast_blocks and speed_up_decode_blocks(model, on_cuda)
     if not sped_up and config.fast_decode_blocks == "on":
         raise UnsupportedModelError("--fast-decode-blocks on: the model has no llama, qwen2, "
