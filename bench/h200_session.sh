@@ -90,8 +90,8 @@ LONGCTX_OUTPUT=${LONGCTX_OUTPUT:-256}
 LONGCTX_SECONDS=${LONGCTX_SECONDS:-360}  # the part stops at this + 60 s (the prefix part at 420)
 LONGCTX_SERVERS=${LONGCTX_SERVERS:-kiln,mlx_lm}
 # part mixed (bench/mixed_traffic.py): one server per arm, a --max-prefill-tokens-while-decoding
-# value each ("default": the server's own; 8192 = --max-prefill-tokens, one budget as before)
-MIXED_ARMS=${MIXED_ARMS:-default,8192}
+# value each ("default": the server's own; off: one budget for every step, no spread)
+MIXED_ARMS=${MIXED_ARMS:-default,off}
 MIXED_STEADY=${MIXED_STEADY:-32}  # streams decoding through the burst; 0: the burst alone,
                                   # whose "prefill t/s" is a wave's prefill rate (issue 20)
 MIXED_BURST_OUTPUT=${MIXED_BURST_OUTPUT:-64}  # the burst's output tokens; 1: no burst

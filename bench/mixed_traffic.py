@@ -1,10 +1,11 @@
 """Mixed traffic: steady decoding streams, and a burst of long prompts arriving mid-run.
 
     LD_PRELOAD=$VENV/lib/libmkl_rt.so.3 python bench/mixed_traffic.py --model demo \
-        --arms 32,default,8192 --kiln-args="--max-total-tokens 40000"    # CPU, small sizes
+        --arms 32,default,off --kiln-args="--max-total-tokens 40000"    # CPU, small sizes
     PARTS=mixed OUT=$OUT bash bench/h200_session.sh    # the H200: 32 streams, 64 x 4096 tokens
 
-For each arm (a `--max-prefill-tokens-while-decoding` value; `default`: the server's own),
+For each arm (a `--max-prefill-tokens-while-decoding` value; `default`: the server's own;
+`off`: no decode first, one budget for every step, no spread),
 and for each of `--variants` (more launch flags: A/B runs on one machine, in one call),
 it starts kiln on 127.0.0.1, warms it up, then
 1. opens the steady streams: short prompts, long outputs;
@@ -47,6 +48,7 @@ from bench.h200_compare import exit_on_sigterm, stop_server  # noqa: E402
 from bench.prefix_cache import start_kiln  # noqa: E402
 
 DEFAULT_ARM = "default"
+OFF_ARM = "off"  # one budget for every step: --max-prefill-tokens' default, whole forwards
 
 
 @dataclass(frozen=True)
@@ -170,7 +172,11 @@ async def warm_up(url: str, model_dir: Path, args: argparse.Namespace) -> None:
 
 
 def arm_flags(arm: str) -> list[str]:
-    return [] if arm == DEFAULT_ARM else ["--max-prefill-tokens-while-decoding", arm]
+    if arm == DEFAULT_ARM:
+        return []
+    if arm == OFF_ARM:
+        return ["--max-prefill-tokens-while-decoding", "8192", "--prefill-spread", "1"]
+    return ["--max-prefill-tokens-while-decoding", arm]
 
 
 @dataclass(frozen=True)
@@ -253,10 +259,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", default="demo", help="a demo preset or a model directory")
-    p.add_argument("--arms", default=f"{DEFAULT_ARM},8192",
+    p.add_argument("--arms", default=f"{DEFAULT_ARM},{OFF_ARM}",
                    help="comma list of --max-prefill-tokens-while-decoding values, each served "
-                        f"by its own server ({DEFAULT_ARM}: no flag); the last is the baseline "
-                        "of the throughput ratios (8192 = --max-prefill-tokens: one budget)")
+                        f"by its own server ({DEFAULT_ARM}: no flag; {OFF_ARM}: 8192, "
+                        "--max-prefill-tokens' default, and --prefill-spread 1: one budget "
+                        "for every step); the last is the baseline of the throughput ratios")
     p.add_argument("--steady-streams", type=int, default=8)
     p.add_argument("--steady-prompt-tokens", type=int, default=32)
     p.add_argument("--steady-output-tokens", type=int, default=800,

@@ -182,8 +182,10 @@ class WaitingQueue:
         self._reqs: OrderedDict[str, Req] = OrderedDict()
         # (waiting_since, request) in the order pushed, which is the order of
         # waiting_since whatever the queue's order (a preempted request joins its head,
-        # lpm re-sorts): the oldest is the first entry still queued, found in O(1)
-        # amortized. Entries of requests gone (or queued again since) are dropped lazily.
+        # lpm re-sorts), as every push stamps the step it happens in (Scheduler's
+        # add_request, _preempt, _fail_everything): the oldest is the first entry still
+        # queued, found in O(1) amortized. Entries of requests gone (or queued again
+        # since) are dropped lazily.
         self._since: deque[tuple[int, Req]] = deque()
 
     def __len__(self) -> int:

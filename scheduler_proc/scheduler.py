@@ -32,6 +32,12 @@ logger = logging.getLogger(__name__)
 # A waiting request that shares this many more tokens with a prompt still being prefilled
 # than with the cache waits for that prompt to land in the cache instead of recomputing it.
 IN_FLIGHT_PREFIX_MIN = 32
+# Decode first protects a stream that was decoding this many steps before the oldest
+# waiting request arrived. A burst's requests reach the scheduler over tens of ms (one
+# HTTP request and tokenization after another), so its first ones start decoding while
+# the rest arrive; on the H200 a request just ahead of a 64-request wave held the wave to
+# the decode-first budget for 8 steps (docs/benchmarks.md, session 39).
+BURST_STEPS = 16
 
 
 @dataclass(frozen=True)
@@ -374,11 +380,11 @@ class Scheduler:
            tokens are in flight will give back enough, else preempting the newest
            requests that are not finishing);
         2. the prefill budget for unfinished prompts, oldest first, in chunks: the smaller
-           one while step 1 decodes anyone, unless many more wait than decode
-           (`SchedulerLimits.prefill_tokens`); it is never 0, so the oldest prompt
-           advances every step however long decoding goes on;
+           one where step 1 decodes a stream that was decoding before the waiting prompts
+           arrived (`_decode_first`, `SchedulerLimits.prefill_tokens`); it is never 0, so
+           the oldest prompt advances every step however long decoding goes on;
         3. waiting requests admitted while budget, batch size and KV room allow.
-        With --prefill-spread, a step that decodes runs its prefill over several steps
+        With --prefill-spread, a decode-first step runs its prefill over several steps
         (SpreadPrefill), the next ones carrying its later parts instead of new chunks.
         """
         new_reqs: list[NewRequest] = []
@@ -425,13 +431,14 @@ class Scheduler:
 
     def _decode_first(self, decode_rids: list[str]) -> bool:
         """Whether this step holds its prefill to the decode-first budget (and spreads it):
-        where a stream it decodes was decoding before the oldest request now waiting for
-        its first token (queued, or admitted and mid-prompt) arrived. The budget protects
-        streams from prompts that arrive while they decode; a burst's own first requests,
-        decoding while the rest of it waits, do not hold the rest back: with only those
-        decoding, a step prefills up to --max-prefill-tokens, so a burst at a nearly idle
-        server is prefilled in a few large steps (as with nothing decoding), not trickled
-        in beside its first streams (docs/benchmarks.md, sessions 14-15)."""
+        where a stream it decodes was decoding (BURST_STEPS steps or more) before the
+        oldest request now waiting for its first token (queued, or admitted and
+        mid-prompt) arrived. The budget protects streams from prompts that arrive while
+        they decode; a burst's own first requests, decoding while the rest of it waits, do
+        not hold the rest back: with only those decoding, a step prefills up to
+        --max-prefill-tokens, so a burst at a nearly idle server is prefilled in a few
+        large steps (as with nothing decoding), not trickled in beside its first streams
+        (docs/benchmarks.md, sessions 14-15)."""
         if not decode_rids:
             return False
         if self.limits.decode_first_for_all:
@@ -441,7 +448,8 @@ class Scheduler:
         oldest = min(since + [queued] if queued is not None else since, default=None)
         if oldest is None:
             return True  # nothing waits
-        return min(self.running[rid].decoding_since for rid in decode_rids) <= oldest
+        earliest = min(self.running[rid].decoding_since for rid in decode_rids)
+        return earliest + BURST_STEPS <= oldest
 
     def _parts(self, decode_first: bool) -> int:
         """Over how many steps this step's prefill runs: spread only in a decode-first step
@@ -708,8 +716,10 @@ class Scheduler:
         if not req.on_worker:
             req.on_worker = True
             new_reqs.append(self._new_request(req, start))
-        if not req.prefilling:
-            req.decoding_since = self._step + 1  # the step being planned samples its first
+        if not req.prefilling and not req.output_ids:  # (a resumed stream keeps its own)
+            # The step sampling its first token: this one, or a spread's last.
+            parts = self._planning.parts if self._planning is not None else 1
+            req.decoding_since = self._step + parts
         # Shared at the prompt's last chunk; a model whose hits need state snapshots at
         # every chunk's end, so that prompts sharing a long head hit at its last chunk
         # edge; one with windowed layers in their own space at every chunk's end too, so
@@ -847,6 +857,7 @@ class Scheduler:
                 self._release_kv(req, keep=False)
                 unsent.append(req)
         for req in reversed(unsent):  # at the queue's head, in their admission order
+            req.waiting_since = self._step
             self.waiting.push_front(req)
         self.flush_cache()
         self._admitted_as.clear()

@@ -73,7 +73,8 @@ class InProcessEngine:
                  max_prefill_tokens_while_decoding: int | None = None,
                  chunk_align: int = 1, tail_bucket: int = 0,
                  steps_in_flight: int = 2, own_caches: bool = False,
-                 prefill_parts: int = 1, prefix_align: int = 0) -> None:
+                 prefill_parts: int = 1, prefix_align: int = 0,
+                 decode_first_for_all: bool = False) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False; steps_in_flight: how many steps the scheduler keeps at the
         worker with overlap (ServerConfig.steps_in_flight). tokenizer: what the scheduler decodes stop strings with.
@@ -91,7 +92,9 @@ class InProcessEngine:
         page). prefill_parts: --prefill-spread (as the worker grants it,
         ModelRunner.prefill_parts). prefix_align: where prefix hits are cut back to and
         last chunks starting there are padded to tail_bucket's next edge (a spread's
-        PrefillChunking.hit_align; 0: chunk_align)."""
+        PrefillChunking.hit_align; 0: chunk_align). decode_first_for_all: every decoding
+        stream held to the decode-first budget (--fixed-decode-first-budget), not only
+        those decoding well before the waiting prompts arrived."""
         specs = [] if own_caches else probe_attention_specs(model)
         if window_slots is None:
             recurrent = KVPool.state_bytes_per_request(specs) > 0
@@ -117,7 +120,8 @@ class InProcessEngine:
                                                    chunk_align=chunk_align,
                                                    prefix_align=prefix_align,
                                                    prefill_parts=self.runner.prefill_parts(
-                                                       prefill_parts)),
+                                                       prefill_parts),
+                                                   decode_first_for_all=decode_first_for_all),
                                    (lambda: tokenizer) if tokenizer is not None else None)
         self.to_scheduler, self.to_worker, self.to_detokenizer = Pipe(), Pipe(), Pipe()
         self.loop = SchedulerLoop(self.scheduler, self.to_scheduler, self.to_worker,

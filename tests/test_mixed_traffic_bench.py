@@ -41,10 +41,12 @@ def test_burst_prompts_vary_by_the_spread(tiny_model_dir):
 def test_every_budget_runs_under_every_variant_with_its_own_log():
     from bench.mixed_traffic import arms_of
 
-    plain = arms_of("default,8192", "")
+    plain = arms_of("default,256,off", "")
     assert [(a.label, a.flags, a.log_name) for a in plain] == [
         ("default", [], "mixed_default.log"),
-        ("8192", ["--max-prefill-tokens-while-decoding", "8192"], "mixed_8192.log")]
+        ("256", ["--max-prefill-tokens-while-decoding", "256"], "mixed_256.log"),
+        ("off", ["--max-prefill-tokens-while-decoding", "8192", "--prefill-spread", "1"],
+         "mixed_off.log")]
     ab = arms_of("default", "; --experiments mixed-forward ;--compile-prefill")
     assert [(a.label, a.flags, a.log_name) for a in ab] == [
         ("default", [], "mixed_default.log"),

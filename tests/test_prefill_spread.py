@@ -10,6 +10,7 @@ import mlx.core as mx
 import numpy as np
 import pytest
 
+from scheduler_proc.scheduler import BURST_STEPS
 from tests.engine_driver import InProcessEngine
 from tests.families import build
 from tests.test_families import mlx_lm_tokens, run_recording_parts
@@ -64,8 +65,10 @@ def _spreading_engine(model: Any, parts: int = 2, **kwargs: Any) -> InProcessEng
 
 
 def _decoding(engine: InProcessEngine, prompt: list[int]) -> None:
+    """A stream decoding long enough before the next prompts arrive that decode first
+    holds them to its budget (a stream just ahead of them would count as their burst's)."""
     engine.submit("bg", prompt, 40, [])
-    for _ in range(3):
+    for _ in range(BURST_STEPS + 3):
         engine.step()
 
 
@@ -180,7 +183,8 @@ def test_a_server_spreads_prefill_as_asked_and_stays_exact(tiny_model_dir, tmp_p
     model_dir, model, prompts = model_dir_and_prompts("llama", tiny_model_dir, tmp_path / "m",
                                                       600, (3, 40, 150, 17, 90))
     srv = Server(model_dir, *SMALL_SERVER, "--prefill-spread", "6", "--log-level", "debug",
-                 "--max-prefill-tokens-while-decoding", "16", log_path=tmp_path / "log").wait_ready()
+                 "--max-prefill-tokens-while-decoding", "16", "--fixed-decode-first-budget",
+                 log_path=tmp_path / "log").wait_ready()
     try:
         assert srv.stats()["prefill_parts"] == 4
         assert_served_as_mlx_lm(srv, model, prompts, 12)
@@ -256,7 +260,7 @@ def test_a_spread_planned_before_a_failure_was_known_is_not_started(tiny_model, 
 
     model, _ = tiny_model
     prompts = _prompts(5, [20, 30, 40, 20, 30], model.args.vocab_size, seed=77)
-    engine = _spreading_engine(model, overlap=True, steps_in_flight=3)
+    engine = _spreading_engine(model, overlap=True, steps_in_flight=3, decode_first_for_all=True)
     s, runner = engine.scheduler, engine.runner
     held = Pipe()
     engine.worker.results = held  # results reach the scheduler when released below
@@ -326,7 +330,7 @@ def test_hits_on_bucket_edges_and_padded_chunks_to_a_spreads_edge_are_exact(tiny
     prompts[3][:40] = prompts[1][:40]
     engine = InProcessEngine(model, chunk_size=64, chunk_align=64, prefix_align=16,
                              tail_bucket=64, max_prefill_tokens_while_decoding=32,
-                             prefill_parts=2, overlap=overlap)
+                             prefill_parts=2, overlap=overlap, decode_first_for_all=True)
     padded = []  # the widths of the spread's forwards
     parted = engine.runner._parted
 
@@ -366,7 +370,8 @@ def test_an_aborted_spread_requests_windows_are_not_evicted_before_its_last_part
     a = rng.integers(5, 512, size=200).tolist()
     x = a + rng.integers(5, 512, size=20).tolist()
     engine = InProcessEngine(model, chunk_size=256, max_prefill_tokens_while_decoding=32,
-                             prefill_parts=4, overlap=False, capacity=2048, window_slots=336)
+                             prefill_parts=4, overlap=False, capacity=2048, window_slots=336,
+                             decode_first_for_all=True)
     s = engine.scheduler
     for rid, prompt in (("a", a), ("f", rng.integers(5, 512, size=62).tolist())):
         engine.submit(rid, prompt, 1, [])

@@ -11,7 +11,7 @@ from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import StepResult, TokenizedRequest
 from scheduler_proc.allocator import ReqToTokenTable, SlotAllocator
 from scheduler_proc.request import Req, WaitingQueue
-from scheduler_proc.scheduler import (DecodeRatio, KVReservation, PrefillBudget, Scheduler,
+from scheduler_proc.scheduler import (BURST_STEPS, DecodeRatio, KVReservation, PrefillBudget, Scheduler,
                                       SchedulerLimits)
 
 
@@ -259,7 +259,7 @@ def test_a_step_that_decodes_computes_only_the_decoding_budget_of_prompts():
 def test_a_long_prompt_advances_every_step_however_long_others_decode():
     """No starvation: a prompt arriving beside a stream of decode steps gets the budget
     (here 7 tokens) every step and samples its first token after ceil(100 / 7) steps."""
-    s = _sched(chunk=64, budget=256, while_decoding=7)
+    s = _sched(chunk=64, budget=256, while_decoding=7, for_all=True)
     for rid in "wxyz":
         s.add_request(_req(rid, 4, 200))
     s.apply_result(_answer(s.plan_step()))
@@ -296,15 +296,20 @@ def test_a_burst_at_a_nearly_idle_server_is_prefilled_in_few_steps(for_all):
         assert _prefilled(b) == {"r0": 64, **{f"r{i}": 20 for i in range(1, 10)}}
 
 
+def _decode_for(s: Scheduler, steps: int) -> None:
+    for _ in range(steps):
+        s.apply_result(_answer(s.plan_step()))
+
+
 def test_streams_decoding_before_a_burst_keep_decode_firsts_budget_until_they_end():
-    """Two streams decode when a burst of prompts arrives: every step while they decode
-    computes at most the decoding budget (16 tokens), though the burst's first requests
-    decode too and many more wait. Once the two end, what decodes is the burst's own, so
-    its rest is prefilled at a whole step's budget."""
+    """Two streams have decoded for BURST_STEPS steps when a burst of prompts arrives:
+    every step while they decode computes at most the decoding budget (16 tokens), though
+    the burst's first requests decode too and many more wait. Once the two end, what
+    decodes is the burst's own, so its rest is prefilled at a whole step's budget."""
     s = _sched(capacity=4000, chunk=64, budget=256, max_running=16, while_decoding=16)
     for rid in "wx":
-        s.add_request(_req(rid, 4, 6))
-    s.apply_result(_answer(s.plan_step()))
+        s.add_request(_req(rid, 4, BURST_STEPS + 6))
+    _decode_for(s, BURST_STEPS + 1)
     for i in range(10):
         s.add_request(_req(f"b{i}", 40, 50))
     budgets = []
@@ -318,17 +323,49 @@ def test_streams_decoding_before_a_burst_keep_decode_firsts_budget_until_they_en
     assert all(n > 16 for p, n in budgets[:-1] if not p) and budgets[-1][0] is False
 
 
+def test_a_stream_just_ahead_of_a_burst_is_part_of_it():
+    """A request that started decoding a step before a burst arrived (its requests reach
+    the scheduler one after another) does not hold the burst to the decode-first budget;
+    one that has decoded BURST_STEPS steps does."""
+    for head_start, protected in ((1, False), (BURST_STEPS + 1, True)):
+        s = _sched(capacity=4000, chunk=64, budget=256, max_running=16, while_decoding=16)
+        s.add_request(_req("w", 4, 50))
+        _decode_for(s, head_start)
+        for i in range(10):
+            s.add_request(_req(f"b{i}", 40, 50))
+        prefilled = sum(_prefilled(s.plan_step()).values())
+        assert prefilled == 16 if protected else prefilled == 240  # six 40-token prompts
+
+
+def test_a_stream_preempted_and_resumed_stays_protected():
+    """A stream decoding before a long prompt arrived, preempted and resumed, is still
+    one the decode-first budget protects: its steps carry 16 prompt tokens again."""
+    s = _sched(capacity=4000, chunk=64, budget=256, while_decoding=16)
+    s.add_request(_req("a", 4, 100))
+    _decode_for(s, BURST_STEPS + 1)
+    s.add_request(_req("long", 400, 3))
+    _decode_for(s, 2)
+    s._preempt(s.running["a"])
+    resumed = []
+    while len(resumed) < 3:
+        b = s.plan_step()
+        if "a" in b.decode_rids:
+            resumed.append(sum(_prefilled(b).values()))
+        s.apply_result(_answer(b))
+    assert resumed == [16, 16, 16]
+
+
 def test_a_preempted_request_waits_from_its_preemption():
     """A request preempted goes back to the queue as of that step: streams that decoded
-    before it (and after its first arrival) keep decode first's budget."""
+    long enough before it (though after its first arrival) keep decode first's budget."""
     s = _sched(capacity=4000, chunk=64, budget=256, while_decoding=16)
     s.add_request(_req("a", 4, 50))
     s.apply_result(_answer(s.plan_step()))
     s.add_request(_req("b", 4, 50))
-    s.apply_result(_answer(s.plan_step()))
+    _decode_for(s, BURST_STEPS + 1)
     s._preempt(s.running["a"])
     assert s.waiting.oldest_since() == s._step == s.waiting.peek().waiting_since
-    assert s.running["b"].decoding_since <= s.waiting.oldest_since()
+    assert s.running["b"].decoding_since + BURST_STEPS <= s.waiting.oldest_since()
     assert s._decode_first(["b"])
     s.waiting.remove("a")
     assert s.waiting.oldest_since() is None
@@ -636,10 +673,11 @@ def _step(s: Scheduler) -> None:
 
 
 def _spreading(parts: int = 3, capacity: int = 1000, decode_tokens: int = 50) -> Scheduler:
-    """A scheduler whose steps that decode spread their prefill over `parts` steps; "d"
-    (a 10-token prompt, `decode_tokens` to generate) decodes from its second step on."""
-    s = Scheduler(SchedulerLimits(capacity, 512, 8, 64, 128,
-                                  max_prefill_tokens_while_decoding=32, prefill_parts=parts))
+    """A scheduler whose steps that decode spread their prefill over `parts` steps (every
+    decoding stream held to decode first); "d" (a 10-token prompt, `decode_tokens` to
+    generate) decodes from its second step on."""
+    s = Scheduler(SchedulerLimits(capacity, 512, 8, 64, 128, max_prefill_tokens_while_decoding=32,
+                                  prefill_parts=parts, decode_first_for_all=True))
     s.add_request(_req("d", 10, decode_tokens))
     _step(s)
     return s
@@ -651,6 +689,7 @@ def test_a_spread_prefill_runs_its_parts_in_the_next_steps_beside_decode():
     first = s.plan_step()
     # Three times the decode-first budget: the 40-token prompt whole, its first part.
     assert (first.parts, first.parts_from, first.parts_to) == (3, 0, 1)
+    assert s.running["p"].decoding_since == first.step + 2  # sampled with the last part
     assert _prefilled(first) == {"p": 40} and first.decode_rids == ["d"]
     s.apply_result(_sampled(s, first))
     second, third = s.plan_step(), None

@@ -201,7 +201,7 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
         if config.prefill_spread > 1 or (refusal and config.spread_parts(on_cuda, 2) > 1):
             logger.log(logging.WARNING if config.prefill_spread > 1 else logging.INFO,
                        "--prefill-spread unused: this model's prefill forwards run whole "
-                       "(%s)", refusal)
+                       "(%s)", refusal or "it has one block")
     hits = runner.serves_prefix_hits and not config.disable_radix_cache
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests, long_chunk=chunking.size,
@@ -580,10 +580,11 @@ def prefill_chunking(config: ServerConfig, backend: DecodeBackend, specs: list,
         decode_first=walk)
     spread = whole.spread(parts)
     if parts > 1 and spread.align == whole.align and whole.align > 1:
-        logger.warning("--prefill-spread %d: its chunks (%d buckets of %d) do not divide "
-                       "the %d-token chunk, so they end on the buckets' edges, at shapes "
-                       "the warm-up does not build (a power of two avoids this)", parts,
-                       parts, whole.align, size)
+        logger.log(logging.WARNING if config.prefill_spread > 1 else logging.INFO,
+                   "--prefill-spread %d: its chunks (%d buckets of %d) do not divide the "
+                   "%d-token chunk, so they end on the buckets' edges, at shapes the "
+                   "warm-up does not build (a power of two avoids this)", parts, parts,
+                   whole.align, size)
     return spread
 
 

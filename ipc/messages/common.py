@@ -105,7 +105,7 @@ class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
     kv_bytes_per_slot: int = 0
     window_kv_bytes_per_slot: int = 0
     prefill_chunk_tokens: int = 0  # the largest prefill chunk (--chunked-prefill-size resolved)
-    # Steps a step's prefill runs over while requests decode (--prefill-spread, as the
+    # Steps a decode-first step's prefill runs over (--prefill-spread resolved, as the
     # model allows: 1 where its forwards run whole).
     prefill_parts: int = 1
 
