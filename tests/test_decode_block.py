@@ -368,7 +368,7 @@ def test_a_chunk_riding_in_the_decode_forward_keeps_mlx_lm_tokens(tiny_model, or
                                                             rope_in_kernel=True)}[backend]
     engine = InProcessEngine(fast_tiny, chunk_size=16, overlap="ahead", backend=made(),
                              compile_decode=backend == "scatter",  # decode steps between
-                             max_prefill_tokens_while_decoding=16,
+                             max_prefill_tokens_while_decoding=16, decode_first_for_all=True,
                              chunk_align=16, tail_bucket=16)  # prompts' tails padded
     assert engine.runner.mixes_rows and engine.runner.mixed_rows_multiple == 64
     engine.runner.mixed_rows_multiple = multiple

@@ -265,7 +265,8 @@ def test_prefill_spread_over_steps_equals_mlx_lm(family):
     name, model = family
     prompts = _prompts(seed=200 + len(name))
     engine = InProcessEngine(model, chunk_size=16, max_prefill_tokens_while_decoding=16,
-                             overlap=["ahead", True, False][len(name) % 3], prefill_parts=3)
+                             overlap=["ahead", True, False][len(name) % 3], prefill_parts=3,
+                             decode_first_for_all=True)
     engine.submit("first", prompts[2], 24, [])
     for _ in range(8):  # "first" decodes from here on
         engine.step()

@@ -88,6 +88,9 @@ def draw_schedule(seed: int, vocab: int) -> Schedule:
     engine["steps_in_flight"] = rng.choice([2, 3])
     # Half spread the prefill of steps that decode over 2 or 3 steps (--prefill-spread).
     engine["prefill_parts"] = rng.choice([1, 1, 2, 3])
+    # Half hold every decoding stream to decode first (arrivals come within 12 steps, so
+    # under the default rule few streams have decoded long enough to be protected).
+    engine["decode_first_for_all"] = rng.random() < 0.5
     return Schedule(seed, prompts, max_tokens, arrivals, engine)
 
 

@@ -993,7 +993,8 @@ def test_a_smaller_bucket_keeps_decode_firsts_chunks_on_its_edges(tiny_model, or
     monkeypatch.setattr(decode_backend, "bucketed_masked_attention", masked_spy)
     engine = InProcessEngine(model, chunk_size=512, max_prefill_tokens=512, max_context=2048,
                              max_prefill_tokens_while_decoding=256, chunk_align=256,
-                             tail_bucket=256, backend=StandInKernel(prefill_bucket=256))
+                             tail_bucket=256, backend=StandInKernel(prefill_bucket=256),
+                             decode_first_for_all=True)
     short, long_prompt = _prompts(2, [20, 700], model.args.vocab_size, seed=8)
     engine.submit("short", short, 40, _eos(tokenizer))
     for _ in range(3):  # the short one decodes before the long one arrives
