@@ -103,6 +103,7 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
         mx.clear_cache()
     if on_cuda and "unpadded-experts" not in config.experiment_set:
         if padded := pad_expert_outputs(model):
+            mx.clear_cache()  # the unpadded weights' buffers, as after fusing
             say(f"{padded} quantized experts' projections padded to whole "
                 f"{EXPERT_TILE}-row tiles (MLX's grouped kernel for rows sorted by expert)")
     sped_up = fast_blocks and speed_up_decode_blocks(model, on_cuda)
