@@ -118,8 +118,9 @@ class ServerConfig:
     # H200 (1.81x; 256 a step: 2.84x there, 1.77x on an H100; sessions 38-39).
     max_prefill_tokens_while_decoding: int = dataclasses.field(
         default=0, metadata={"help": "Most prompt tokens computed in a step while streams "
-                                     "decode that were decoding before the oldest waiting "
-                                     "request arrived (decode first: long prompts arriving "
+                                     "decode that were decoding well before (16 scheduler "
+                                     "steps) the oldest waiting request arrived (decode "
+                                     "first: long prompts arriving "
                                      "slow those streams' tokens by this much prefill a "
                                      "step). Other steps take up to --max-prefill-tokens. "
                                      "0: 128 where --prefill-spread spreads it, else 512. "
@@ -140,9 +141,10 @@ class ServerConfig:
     fixed_decode_first_budget: bool = dataclasses.field(
         default=False, metadata={"help": "Hold every decoding stream to the decode-first "
                                          "budget. By default a step whose decoding streams "
-                                         "all started after the oldest waiting request "
-                                         "arrived (a burst's own first requests, at a nearly "
-                                         "idle server) prefills up to --max-prefill-tokens: "
+                                         "all started after, or just before, the oldest "
+                                         "waiting request arrived (a burst's own first "
+                                         "requests, at a nearly idle server) prefills up to "
+                                         "--max-prefill-tokens: "
                                          "the burst is prefilled in a few large steps, not "
                                          "dozens of small ones that each also decode its "
                                          "first requests."})
@@ -455,7 +457,7 @@ class ServerConfig:
     def spread_parts(self, on_cuda: bool, most: int) -> int:
         """--prefill-spread resolved: `most` is how many parts this model's prefill
         forwards can take (its blocks; 1 where they run whole). By default 4 on CUDA, the
-        one backend it was measured on (docs/benchmarks.md, sessions 37-38), and none
+        one backend it was measured on (docs/benchmarks.md, sessions 37-39), and none
         beside --experiments mixed-forward, the other way a decode step carries prefill."""
         wanted = self.prefill_spread
         if not wanted:

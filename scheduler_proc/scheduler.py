@@ -993,6 +993,7 @@ class Scheduler:
             window_kv_bytes_per_slot=self.limits.window_bytes_per_slot,
             prefill_chunk_tokens=self.limits.chunk_size,
             prefill_parts=self.limits.prefill_parts,
+            decode_first_tokens=self.limits.max_prefill_tokens_while_decoding or 0,
             state_snapshots=self.limits.state_snapshots,
             state_snapshots_used=(self.limits.state_snapshots - self.cache.free_snapshots
                                   if isinstance(self.cache, SnapshotCache) else 0))

@@ -186,7 +186,7 @@ def test_a_server_spreads_prefill_as_asked_and_stays_exact(tiny_model_dir, tmp_p
                  "--max-prefill-tokens-while-decoding", "16", "--fixed-decode-first-budget",
                  log_path=tmp_path / "log").wait_ready()
     try:
-        assert srv.stats()["prefill_parts"] == 4
+        assert srv.stats()["prefill_parts"] == 4 and srv.stats()["decode_first_tokens"] == 16
         assert_served_as_mlx_lm(srv, model, prompts, 12)
         assert srv.stats()["slots_consistent"]
         log = srv.log_path.read_text()

@@ -106,8 +106,10 @@ class SchedulerStats(msgspec.Struct, frozen=True, kw_only=True):
     window_kv_bytes_per_slot: int = 0
     prefill_chunk_tokens: int = 0  # the largest prefill chunk (--chunked-prefill-size resolved)
     # Steps a decode-first step's prefill runs over (--prefill-spread resolved, as the
-    # model allows: 1 where its forwards run whole).
+    # model allows: 1 where its forwards run whole), and the prompt tokens a step it
+    # takes (--max-prefill-tokens-while-decoding resolved; 0: no decode first).
     prefill_parts: int = 1
+    decode_first_tokens: int = 0
 
     @property
     def kv_bytes_used(self) -> int:
