@@ -11,8 +11,8 @@ from ipc.messages.common import SamplingParams
 from ipc.messages.to_scheduler import StepResult, TokenizedRequest
 from scheduler_proc.allocator import ReqToTokenTable, SlotAllocator
 from scheduler_proc.request import Req, WaitingQueue
-from scheduler_proc.scheduler import (BURST_STEPS, DecodeRatio, KVReservation, PrefillBudget, Scheduler,
-                                      SchedulerLimits)
+from scheduler_proc.scheduler import (BURST_STEPS, DecodeRatio, KVReservation, PrefillBudget,
+                                      Scheduler, SchedulerLimits)
 
 
 def _req(rid: str, prompt: int, max_new: int, eos: tuple[int, ...] = (0,),
