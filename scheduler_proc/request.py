@@ -85,7 +85,7 @@ class Req:
     window_from: int = 0
     cached_tokens: int = 0  # prompt tokens served from the cache at first admission
     admission: int = 0  # the serial of its latest admission, unique in the scheduler; 0: none
-    # Scheduler steps planned when it last joined the queue (arrival or preemption), and
+    # Scheduler steps planned when it last joined the queue (WaitingQueue.push), and
     # the step sampling its first token after its latest admission (decode first's rule:
     # Scheduler._decode_first).
     waiting_since: int = 0
@@ -182,10 +182,9 @@ class WaitingQueue:
         self._reqs: OrderedDict[str, Req] = OrderedDict()
         # (waiting_since, request) in the order pushed, which is the order of
         # waiting_since whatever the queue's order (a preempted request joins its head,
-        # lpm re-sorts), as every push stamps the step it happens in (Scheduler's
-        # add_request, _preempt, _fail_everything): the oldest is the first entry still
-        # queued, found in O(1) amortized. Entries of requests gone (or queued again
-        # since) are dropped lazily.
+        # lpm re-sorts), as every push stamps the step it happens in: the oldest is the
+        # first entry still queued, found in O(1) amortized. Entries of requests gone (or
+        # queued again since) are dropped lazily.
         self._since: deque[tuple[int, Req]] = deque()
 
     def __len__(self) -> int:
@@ -194,15 +193,17 @@ class WaitingQueue:
     def __contains__(self, rid: str) -> bool:
         return rid in self._reqs
 
-    def push(self, req: Req) -> None:
+    def push(self, req: Req, step: int) -> None:
+        """Queue req as of scheduler step `step` (its waiting_since)."""
+        req.waiting_since = step
         self._reqs[req.rid] = req
-        self._since.append((req.waiting_since, req))
+        self._since.append((step, req))
         if len(self._since) > 2 * len(self._reqs) + 64:  # a long-queued head (lpm)
             self._since = deque(e for e in self._since if self._queued(*e))
 
-    def push_front(self, req: Req) -> None:
+    def push_front(self, req: Req, step: int) -> None:
         """A preempted request goes back to the head: it was admitted before the others."""
-        self.push(req)
+        self.push(req, step)
         self._reqs.move_to_end(req.rid, last=False)
 
     def oldest_since(self) -> int | None:

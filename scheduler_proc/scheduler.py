@@ -310,8 +310,7 @@ class Scheduler:
         if problem:
             return [_error(req.rid, problem)]
         self.counters.prompt_tokens += req.prompt_len
-        req.waiting_since = self._step
-        self.waiting.push(req)
+        self.waiting.push(req, self._step)
         return []
 
     def _never_fits(self, req: Req) -> str | None:
@@ -768,8 +767,7 @@ class Scheduler:
         self.counters.preemptions += 1
         self.ratio.on_preempt()
         self._release_kv(req, snapshot=True)
-        req.waiting_since = self._step
-        self.waiting.push_front(req)
+        self.waiting.push_front(req, self._step)
 
     def _release_kv(self, req: Req, keep: bool = True, snapshot: bool = False) -> None:
         """Give the request's slots to the cache (or back to the allocator) and drop its
@@ -857,8 +855,7 @@ class Scheduler:
                 self._release_kv(req, keep=False)
                 unsent.append(req)
         for req in reversed(unsent):  # at the queue's head, in their admission order
-            req.waiting_since = self._step
-            self.waiting.push_front(req)
+            self.waiting.push_front(req, self._step)
         self.flush_cache()
         self._admitted_as.clear()
         self._sampled_for.clear()

@@ -81,7 +81,7 @@ def test_req_to_token_table_rows():
 def test_waiting_queue_is_fifo_with_removal():
     q = WaitingQueue()
     for rid in "abc":
-        q.push(Req.from_message(_req(rid, 3, 2)))
+        q.push(Req.from_message(_req(rid, 3, 2)), step=0)
     assert q.remove("b").rid == "b" and q.remove("zz") is None
     assert [q.pop().rid, q.pop().rid] == ["a", "c"] and len(q) == 0
 

@@ -57,7 +57,7 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
                                     raise_cuda_graph_budgets)
     from worker_proc.offset_norms import sum_offset_norms
     from worker_proc.paged_attention import kernel_available
-    from worker_proc.prefill_parts import spread_refusal
+    from worker_proc.prefill_parts import most_parts, spread_refusal
     from worker_proc.runner import CPU_PREFILL_PADDING, PREFILL_PADDING, ModelRunner, split_model
     from worker_proc.warm_up import trace_decode_shapes, warm_up
 
@@ -129,7 +129,7 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
     # Decode first's prefill, whole or spread over steps (a model's blocks at most).
     split = split_model(model)
     refusal = spread_refusal(split, len(specs), KVPool.state_bytes_per_request(specs) > 0)
-    parts = config.spread_parts(on_cuda, len(split.backbone.layers) if refusal is None else 1)
+    parts = config.spread_parts(on_cuda, most_parts(split, refusal))
     backend = choose_decode_backend(  # the one choice
         specs, config.experiment_set,
         prefill_bucket_for(config.decode_first_tokens(parts)))

@@ -43,6 +43,12 @@ def spread_refusal(split: Any, cache_count: int, has_states: bool) -> str | None
     return None
 
 
+def most_parts(split: Any, refusal: str | None) -> int:
+    """The most steps a model's prefill forwards may be spread over: a block a part; 1
+    where spread_refusal gave a reason."""
+    return 1 if refusal is not None else len(split.backbone.layers)
+
+
 class _Stop(Exception):
     """Ends a backbone's call at the first block after a part: carries that block's input."""
 

@@ -28,8 +28,8 @@ from worker_proc.decode_block import dense_mlps, mixes_rows
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool
 from worker_proc.prefill_forward import PrefillForwards, rows_at, traceable
-from worker_proc.prefill_parts import (PartedForward, SpreadWave, part_bounds, run_blocks,
-                                       spread_refusal)
+from worker_proc.prefill_parts import (PartedForward, SpreadWave, most_parts, part_bounds,
+                                       run_blocks, spread_refusal)
 from worker_proc.request_state import (RequestState, TokenCounts, check_ids, check_sampling,
                                        fold_seed)
 from worker_proc.sampling import GrammarMask, PickedLogprobs, StepLogprobs, token_logprobs
@@ -460,9 +460,7 @@ class ModelRunner:
         """Over how many steps this model's prefill forwards may be spread (--prefill-spread
         asks for `wanted`): at most one block a part; 1 where they must run whole
         (spread_refusal says why)."""
-        if wanted <= 1 or self.spread_refusal is not None:
-            return 1
-        return min(wanted, len(self._forwards.split.backbone.layers))
+        return max(1, min(wanted, most_parts(self._forwards.split, self.spread_refusal)))
 
     def _spread_step(self, batch: ForwardBatch, groups: list[list[PrefillChunk]],
                      prompt: list[PendingPromptLogprobs]) -> tuple[list[mx.array],
