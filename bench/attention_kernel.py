@@ -210,12 +210,17 @@ def main() -> None:
     p.add_argument("--context", type=int, default=256)
     p.add_argument("--layers", type=int, default=32)
     p.add_argument("--repeats", type=int, default=20)
-    p.add_argument("--shapes", type=kernel_shapes, default=[(pa.LANES_PER_TOKEN, pa.PASSES)],
-                   help="kernel shapes, lanes a token x passes: 32x4,16x2")
+    p.add_argument("--shapes", type=kernel_shapes, default=None,
+                   help="kernel shapes, lanes a token x passes: 32x4,16x2 (default: as served "
+                        "for --heads)")
     p.add_argument("--targets", type=int_list, default=[pa.TARGET_BLOCKS],
                    help="TARGET_BLOCKS values")
     p.add_argument("--stages", type=stage_counts, default=[pa.DEFAULT_STAGES],
                    help="the kernel's stages: 0 register prefetch, >= 2 cp.async tiles in flight")
+    p.add_argument("--tiles", type=lambda v: v.split(","), default=["block"],
+                   help="with stages >= 2: who copies a tile, block (every thread, a "
+                        "barrier an iteration) or warp (each warp its own tokens), or both: "
+                        "block,warp")
     p.add_argument("--mma", action="store_true",
                    help="the tensor-core kernel too, at each split target")
     p.add_argument("--mma-warps", type=int_list, default=[pa.MmaConfig.warps],
@@ -242,6 +247,7 @@ def main() -> None:
     if len(args.heads) != 3:
         p.error("--heads: query heads, KV heads, head size (three numbers)")
     _set_heads(*args.heads)
+    args.shapes = args.shapes or [(pa.lanes_per_token(DIM), pa.PASSES)]  # as served
     if not pa.kernel_available():
         sys.exit("needs MLX's CUDA backend")
     rng = np.random.default_rng(0)
@@ -261,14 +267,18 @@ def main() -> None:
         floor = stream_us(batch, args.context, args.layers, args.repeats, rng, args.order)
         rows.append({"batch": batch, "kernel": "stream", "us": floor})
         print(f"batch {batch:4d}  reading the K/V alone            {floor:8.1f}")
-        for (lanes, passes), target, stages in itertools.product(args.shapes, args.targets,
-                                                                   args.stages):
-            pa.LANES_PER_TOKEN, pa.PASSES, pa.TARGET_BLOCKS = lanes, passes, target
+        for (lanes, passes), target, stages, owner in itertools.product(
+                args.shapes, args.targets, args.stages, args.tiles):
+            pa.LANES_PER_TOKEN = pa.WIDE_HEAD_LANES = lanes
+            pa.PASSES, pa.TARGET_BLOCKS = passes, target
+            pa.WARP_TILES = owner == "warp"
+            tiles = pa.staged_tiles(DIM, 2, N_Q // N_KV, stages)
+            if owner == "warp" and not tiles:
+                continue  # the register prefetch has no tiles to own
             splits = pa.num_splits(batch, N_KV, args.context)
             us, err = paged_us(batch, args.context, args.layers, args.repeats, rng, True,
                                args.order, stages)
-            tiles = pa.staged_tiles(DIM, 2, N_Q // N_KV, stages)
-            label = (f"kiln {lanes}x{passes}{f' staged {tiles}' if tiles else ''}, "
+            label = (f"kiln {lanes}x{passes}{f' staged {tiles} ({owner})' if tiles else ''}, "
                      f"target {target} ({splits} splits)")
             rows.append({"batch": batch, "kernel": label, "us": us, "max_abs_error": err})
             print(f"batch {batch:4d}  {label:40s} {us:8.1f}   ({err:.4f})")

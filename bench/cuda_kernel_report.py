@@ -101,9 +101,10 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int, passes: in
                 source = pa._mma_source(direct, write_new, fused, sinks, dynamic)
                 header = pa._HEADER + pa._MMA_HEADER
             else:
+                warp_tiles = pa.WARP_TILES and stages > 0
                 name = (f"kiln_{label}_{'direct' if direct else 'split'}_l{lanes}_u{passes}"
-                        + (f"_s{stages}" if stages else ""))
-                source = pa._source(direct, write_new, fused, stages > 0, sinks)
+                        + (f"_s{stages}" if stages else "") + ("w" if warp_tiles else ""))
+                source = pa._source(direct, write_new, fused, stages > 0, sinks, warp_tiles)
                 header = pa._HEADER
             out.append((name, wrap(name, inputs, outs, source,
                                    header + (pa._ROPE_HEADER if fused else ""), params)))
@@ -298,10 +299,14 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--group", type=int, default=4, help="query heads per KV head")
     p.add_argument("--kv-heads", type=int, default=8)
-    p.add_argument("--shapes", type=kernel_shapes, default=[(pa.LANES_PER_TOKEN, pa.PASSES)],
-                   help="lanes a token x passes, comma-separated: 32x4,16x2")
+    p.add_argument("--shapes", type=kernel_shapes, default=None,
+                   help="lanes a token x passes, comma-separated: 32x4,16x2 (default: as served "
+                        "for --head-dim)")
     p.add_argument("--stages", type=stage_counts, default=[pa.DEFAULT_STAGES],
                    help="staged-pipeline tiles, comma-separated (0: register prefetch)")
+    p.add_argument("--warp-tiles", action="store_true",
+                   help="the staged pipeline's tiles copied a warp's slice each "
+                        "(paged_attention.WARP_TILES)")
     p.add_argument("--mma", action="store_true", help="the tensor-core kernels too")
     p.add_argument("--mma-stage-kib", type=int, default=pa.MmaConfig.stage_bytes // 1024,
                    help="with --mma: the tiles' shared memory in KiB (past 48 with the rest: "
@@ -317,13 +322,16 @@ def main() -> None:
                    help="the paged prefill kernels too (--head-dim, --group, --kv-heads)")
     p.add_argument("--keep", type=Path, help="write the .cu files here too")
     args = p.parse_args()
+    args.shapes = args.shapes or [(pa.lanes_per_token(args.head_dim), pa.PASSES)]  # as served
     if args.cuda is None:
         sys.exit("no CUDA toolkit found: pass --cuda")
     itemsize = 4 if args.dtype == "float" else 2
+    pa.WARP_TILES = args.warp_tiles
     kernels = []
     for (lanes, passes), stages in itertools.product(args.shapes, args.stages):
         # As served: the tiles that fit beside the rest of the block's shared memory.
-        pa.LANES_PER_TOKEN, pa.PASSES = lanes, passes
+        pa.LANES_PER_TOKEN = pa.WIDE_HEAD_LANES = lanes
+        pa.PASSES = passes
         tiles = pa.staged_tiles(args.head_dim, itemsize, args.group, stages)
         kernels += variants(args.dtype, args.head_dim, args.group, args.kv_heads, lanes,
                             passes, tiles)

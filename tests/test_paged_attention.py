@@ -626,9 +626,9 @@ def test_launches_pick_the_kernel_body_its_template_and_threads(monkeypatch):
     launches, merged = [], []
 
     def recorder(direct, write_new=False, fused=False, staged=False, sinks=False, mma=False,
-                 dynamic_bytes=0):
+                 dynamic_bytes=0, warp_tiles=False):
         return _recording(launches, direct=direct, staged=staged, sinks=sinks, mma=mma,
-                          dynamic=dynamic_bytes)
+                          dynamic=dynamic_bytes, warp_tiles=warp_tiles)
 
     monkeypatch.setattr(pa, "_kernel", recorder)
     monkeypatch.setattr(pa, "_merge_kernel", lambda sinks=False: _recording(merged, sinks=sinks))
@@ -654,6 +654,16 @@ def test_launches_pick_the_kernel_body_its_template_and_threads(monkeypatch):
     assert launches[-1]["dynamic"] == 0
     pa.paged_decode_attention(q, pool, table, lengths, 0.1, mma=pa.MMA_WIDE_TILES)
     assert launches[-1]["dynamic"] == 64 * 1024 and launches[-1]["template"]["TOKEN_WARPS"] == 4
+    # 256-wide heads (Gemma's: CUDA cores by default) take 32 lanes a token, 8 tiles of
+    # 4 tokens; the block copies the tiles unless told the warps do.
+    wide = mx.zeros((2, 16, 1, 256), dtype=mx.bfloat16)
+    wide_pool = mx.zeros((100, 8, 512), dtype=mx.bfloat16)
+    pa.paged_decode_attention(wide, wide_pool, table, lengths, 0.1)
+    assert launches[-1]["template"]["LANES"] == 32 and launches[-1]["template"]["STAGES"] == 8
+    assert not launches[-1]["warp_tiles"]
+    monkeypatch.setattr(pa, "WARP_TILES", True)
+    pa.paged_decode_attention(wide, wide_pool, table, lengths, 0.1)
+    assert launches[-1]["warp_tiles"] and launches[-1]["template"]["LANES"] == 32
 
 
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
@@ -715,16 +725,20 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
             dim = int(re.search(r"_d(\d+)", r.name).group(1))
             assert registers * residual_norm.block_threads(dim) <= 65536, (r.name, registers)
     # The default stages for other heads compile within a block's 48 KiB of shared memory:
-    # Gemma's 256-wide heads and 8 query heads a KV head (Llama-3-70B) without spills
-    # (~145 and ~200 registers, staged or not: fewer blocks an SM); 16 (Qwen3-235B) with
-    # two tiles (its accumulators spill with the register prefetch too).
+    # Gemma's 256-wide heads (32 lanes a token: within 128 registers too, four blocks an
+    # SM) and 8 query heads a KV head (Llama-3-70B, ~200 registers: fewer blocks an SM)
+    # without spills; 16 (Qwen3-235B) with two tiles (its accumulators spill with the
+    # register prefetch too).
     def staged(dim: int, group: int) -> list:
-        return variants("__nv_bfloat16", dim, group, 8, pa.LANES_PER_TOKEN, pa.PASSES,
+        return variants("__nv_bfloat16", dim, group, 8, pa.lanes_per_token(dim), pa.PASSES,
                         pa.staged_tiles(dim, 2, group))
 
-    results = compile_kernels(cuda, staged(256, 2) + staged(128, 8))
+    wide = compile_kernels(cuda, staged(256, 2))
+    results = wide + compile_kernels(cuda, staged(128, 8))
     assert all(r.ok and "0 bytes spill stores" in r.report for r in results), [
         r.name + ":\n" + r.report for r in results if not (r.ok and "0 bytes spill" in r.report)]
+    for r in wide:
+        assert int(re.search(r"Used (\d+) registers", r.report).group(1)) <= 128, (r.name, r.report)
     assert all(r.ok for r in compile_kernels(cuda, staged(128, 16)))
     # GPUs before sm_80 have no cp.async: the staged default copies at once there.
     assert all(r.ok for r in compile_kernels(cuda, staged(128, 4)[:2], arch="sm_75"))

@@ -43,6 +43,17 @@ _THREADS = 128  # four warps per block
 # the softmax math on every lane, more passes or fewer lanes cost registers (occupancy).
 LANES_PER_TOKEN = 16
 PASSES = 1
+# Heads this wide or wider take WIDE_HEAD_LANES lanes a token: at 16, a lane of a 256-wide
+# head holds 16 elements of each of q, the accumulators, K and V, ~135-146 registers a
+# thread (ptxas, bench/cuda_kernel_report.py), which leaves room for three blocks an SM, so
+# a 64-row step's 512 blocks (Gemma 3's 8 KV heads) run in two waves; at 32, ~72-84.
+WIDE_HEAD_DIM = 256
+WIDE_HEAD_LANES = 32
+
+
+def lanes_per_token(dim: int) -> int:
+    """Lanes sharing a token's dot products in the CUDA-core kernel, for heads of `dim`."""
+    return WIDE_HEAD_LANES if dim >= WIDE_HEAD_DIM else LANES_PER_TOKEN
 # K/V tiles a block keeps in flight through shared memory (cp.async, sm_80+), fewer where
 # they would not fit (staged_tiles); 0: the register prefetch (_REGISTER_PIPE). On the
 # H200 eight tiles (of 16 x 1 lanes, 512-block target) tied or beat the register prefetch
@@ -75,7 +86,7 @@ def staged_tiles(dim: int, itemsize: int, group: int, stages: int = DEFAULT_STAG
     fit (the register prefetch then) or when off."""
     if stages < 2:
         return 0
-    tile = _THREADS // 32 * PASSES * (32 // LANES_PER_TOKEN) * 2 * dim * itemsize
+    tile = _THREADS // 32 * PASSES * (32 // lanes_per_token(dim)) * 2 * dim * itemsize
     room = min(_STAGE_BYTES_MAX, _STATIC_SHARED_MAX - _shared_bytes(dim, group))
     tiles = min(stages, room // tile)
     return tiles if tiles >= 2 else 0
@@ -405,6 +416,25 @@ _STAGED_PIPE = {
     "PIPE_NEXT": "++tile;",
 }
 
+# The staged pipeline with a tile slice a warp (`WARP_TILES`): each warp copies only the
+# tokens it computes (its U * TPW rows of each tile), so a tile's arrival is a warp's
+# affair (wait, then __syncwarp) and no iteration waits at a block-wide barrier for the
+# slowest warp's copies. Same shared memory, same math.
+_WARP_STAGED_PIPE = dict(_STAGED_PIPE)
+_WARP_STAGED_PIPE["PIPE_SETUP"] = _STAGED_PIPE["PIPE_SETUP"].replace(
+    """        for (int c = threadIdx.x; c < STEP * (ROW / PIECE); c += blockDim.x) {
+            const int j = c / (ROW / PIECE);""",
+    """        constexpr int WT = U * TPW;  // a warp's tokens a tile
+        for (int c = lane; c < WT * (ROW / PIECE); c += 32) {
+            const int j = warp * WT + c / (ROW / PIECE);""")
+_WARP_STAGED_PIPE["PIPE_FETCH"] = _STAGED_PIPE["PIPE_FETCH"].replace(
+    """        __syncthreads();  // ... and every thread's; the stage refilled next was read by all""",
+    """        __syncwarp();  // ... and the warp's; the stage refilled next was read by them""")
+assert _WARP_STAGED_PIPE != _STAGED_PIPE
+# Whether the staged pipeline copies a tile slice a warp (_WARP_STAGED_PIPE); an
+# experiment until measured (bench/attention_kernel.py --warp-tiles).
+WARP_TILES = False
+
 _READ_ONLY = {
     "PROLOGUE": "",
     "SKIP_NEW": "",
@@ -548,12 +578,13 @@ __device__ float kiln_rope(const X* x, size_t at, int64_t step, int d, const flo
 
 
 def _source(direct: bool, write_new: bool, fused: bool = False, staged: bool = False,
-            sinks: bool = False) -> str:
+            sinks: bool = False, warp_tiles: bool = False) -> str:
     source = _BODY.replace("WRITE", (_DIRECT_SINK_WRITE if sinks else _DIRECT_WRITE)
                            if direct else _SPLIT_WRITE)
     # The pipeline first: its parts hold names (NEW_TOKEN, SKIP_NEW) that the kernel
     # kind's parts fill in.
-    for name, text in (_STAGED_PIPE if staged else _REGISTER_PIPE).items():
+    pipe = (_WARP_STAGED_PIPE if warp_tiles else _STAGED_PIPE) if staged else _REGISTER_PIPE
+    for name, text in pipe.items():
         source = source.replace(name, text)
     for name, text in (_write_new(fused) if write_new else _READ_ONLY).items():
         source = source.replace(name, text)
@@ -820,21 +851,23 @@ __device__ inline void kiln_ldmatrix_t4(uint32_t* r, const void* p) {
 
 @functools.cache
 def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: bool = False,
-            sinks: bool = False, mma: bool = False, dynamic_bytes: int = 0):
+            sinks: bool = False, mma: bool = False, dynamic_bytes: int = 0,
+            warp_tiles: bool = False):
     """The decode kernel of a kind; sinks (one split only): `sinks` is its last input;
     mma: the tensor-core body (_MMA_BODY; `staged` does not apply), its tiles in this
     many bytes of dynamic shared memory if not 0."""
     assert direct or not sinks, "several splits take the sinks in the merge"
     outputs = ["out"] if direct else ["out", "out_ml"]
     # MLX caches a compiled kernel by name and template arguments: one name a source.
-    body = ("_mma_dyn" if dynamic_bytes else "_mma") if mma else "_staged" if staged else ""
+    body = (("_mma_dyn" if dynamic_bytes else "_mma") if mma
+            else ("_wstaged" if warp_tiles else "_staged") if staged else "")
     kind = f"{body}_decode_{'direct' if direct else 'split'}{'_sinks' if sinks else ''}"
     extra = ["sinks"] if sinks else []
     header = _HEADER + (_MMA_HEADER if mma else "")
     if write_new:
         new = ["qkv"] if fused else ["q", "k_new", "v_new"]
         source = (_mma_source(direct, True, fused, sinks, dynamic_bytes > 0) if mma
-                  else _source(direct, True, fused, staged, sinks))
+                  else _source(direct, True, fused, staged, sinks, warp_tiles))
         return mx.fast.cuda_kernel(
             name=f"kiln_paged_write{'_qkv_rope' if fused else ''}{kind}",
             # `written`: the mark of the layer's previous in-place write, which this
@@ -851,7 +884,7 @@ def _kernel(direct: bool, write_new: bool = False, fused: bool = False, staged: 
         input_names=["q", "kv_pool", "table", "lengths", "written", *extra],
         output_names=outputs,
         source=(_mma_source(direct, False, sinks=sinks, dynamic=dynamic_bytes > 0) if mma
-                else _source(direct, False, staged=staged, sinks=sinks)),
+                else _source(direct, False, staged=staged, sinks=sinks, warp_tiles=warp_tiles)),
         header=header, shared_memory=dynamic_bytes)
 
 
@@ -1411,13 +1444,13 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
         dynamic = mma.dynamic_bytes(dim, group)
     else:
         threads, dynamic = _THREADS, 0
-        template += [("LANES", LANES_PER_TOKEN), ("PASSES", PASSES)]
+        template += [("LANES", lanes_per_token(dim)), ("PASSES", PASSES)]
         stages = staged_tiles(dim, kv_pool.dtype.size, group, stages)
         if stages:
             template.append(("STAGES", stages))
     kernel = functools.partial(_kernel, write_new=write_new, fused=rope is not None,
                                staged=stages > 0 and not tensor_cores, mma=tensor_cores,
-                               dynamic_bytes=dynamic)
+                               dynamic_bytes=dynamic, warp_tiles=WARP_TILES)
     grid = (splits * threads, n_kv, batch)
     if splits == 1:
         with_sinks = sinks is not None
