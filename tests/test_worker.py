@@ -147,6 +147,23 @@ def test_warm_up_leaves_the_runner_clean(tiny_model, oracle):
     assert engine.run_until_idle()["r"].token_ids == oracle(prompt, 20)
 
 
+def test_memory_probe_measures_a_forward_and_leaves_the_runner_clean(tiny_model, oracle):
+    """The start-up probe of a prefill forward's memory (run on CUDA, where it sizes the
+    forwards) reports the bytes a token its forward held, forgets its requests, and the
+    engine then serves exactly as before."""
+    from worker_proc.warm_up import prefill_bytes_per_token
+
+    model, tokenizer = tiny_model
+    engine = InProcessEngine(model, capacity=2000, max_running=16)
+    per_token = prefill_bytes_per_token(engine.runner, 0, 40)
+    hidden = model.args.hidden_size * 4  # float32: at least one hidden state a token
+    assert per_token > hidden
+    assert engine.runner.requests == {}
+    prompt = _prompts(1, [30], model.args.vocab_size, seed=9)[0]
+    engine.submit("r", prompt, 20, _eos(tokenizer))
+    assert engine.run_until_idle()["r"].token_ids == oracle(prompt, 20)
+
+
 def test_rows_by_length_groups_a_decode_batch_by_context_length():
     from worker_proc.step_inputs import rows_by_length
 
@@ -714,10 +731,11 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert paged_attention.staged_tiles(128, 2, 4, backend.stages) == 0
     # The default stages K/V through shared memory, as many tiles as fit beside the rest
     # of a block's 48 KiB: Llama-3-8B's heads 8, Llama-3-70B's (8 queries a KV head) 6,
-    # Gemma 3's 256-wide float32 ones 2; none where two do not fit.
+    # Gemma 3's 256-wide float32 ones 4 (32 lanes a token: tiles of 4 tokens); none where
+    # two do not fit.
     tiles = paged_attention.staged_tiles
-    assert [tiles(128, 2, 4), tiles(128, 2, 8), tiles(256, 4, 2)] == [8, 6, 2]
-    assert tiles(128, 2, 16) == 2 and tiles(256, 2, 8) == 0
+    assert [tiles(128, 2, 4), tiles(128, 2, 8), tiles(256, 4, 2)] == [8, 6, 4]
+    assert tiles(128, 2, 16) == 2 and tiles(256, 2, 8) == 2 and tiles(128, 4, 32) == 0
     unfused = choose_decode_backend(specs, ServerConfig(experiments="unfused-prefill").experiment_set)
     assert KernelDecode().bucketed_prefill and unfused == KernelDecode(bucketed_prefill=False)
     masked = choose_decode_backend(specs, ServerConfig(experiments="unfused-masked-prefill").experiment_set)

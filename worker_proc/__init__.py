@@ -209,12 +209,32 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
                     walk_chunk=chunking.warm_walk, walk_edge=chunking.align,
                     walk_offsets=chunking.walk_offsets() if hits else ())
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
+    if cache_limit is not None:  # CUDA: device memory figures
+        fit_prefill_forwards(runner, steps + 1, cache_limit, say)
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")
     say(f"warmed up ({steps} steps{f', {traces} more decode traces' if traces else ''}, "
         f"{time.monotonic() - t0:.1f}s)")
     start_grammars(grammars, hf)
     return runner, chunking
+
+
+def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int,
+                         say: Callable[[str], None]) -> None:
+    """Lower the runner's prefill forward size where two forwards' activations, as a
+    probe forward measures them, would not fit in the device memory left beside the pool
+    (memory.prefill_forward_tokens): an H100 ran out of memory in a burst of short prompts
+    with 2,048-token forwards beside a pool of 60% of the free memory."""
+    from worker_proc.memory import available_memory_bytes, prefill_forward_tokens
+    from worker_proc.warm_up import prefill_bytes_per_token
+
+    bucket = getattr(runner.pool.backend, "prefill_bucket", 512)
+    per_token = prefill_bytes_per_token(runner, step, min(bucket - 1, runner.max_context))
+    free = available_memory_bytes()
+    runner.prefill_forward_tokens = prefill_forward_tokens(
+        per_token, free, cache_limit, runner.prefill_forward_tokens)
+    say(f"prefill forwards of up to {runner.prefill_forward_tokens} tokens (a probe forward "
+        f"held {per_token / 2**20:.1f} MiB a token; {free / 2**30:.1f} GiB free beside the pool)")
 
 
 def served_context(config: ServerConfig, hf: object) -> int:

@@ -82,6 +82,30 @@ def bound_cuda_cache() -> int | None:
     return limit
 
 
+# Memory beside the pool that a prefill forward's activations may not count on: cuBLAS's
+# and cuDNN's workspaces, CUDA graphs' own allocations (an H100 failed in
+# cudaGraphInstantiate when two forwards had taken the rest; docs/benchmarks.md, session
+# 40), the decode step beside them.
+FORWARD_MARGIN_BYTES = 2 << 30
+# The fewest tokens a prefill forward is cut to: below, a forward's fixed host cost (~11 ms
+# of launches for 32 layers) outweighs its work; a device this short of memory wants a
+# smaller --mem-fraction instead.
+LEAST_FORWARD_TOKENS = 256
+
+
+def prefill_forward_tokens(bytes_per_token: float, free_bytes: int, cache_bytes: int,
+                           most: int) -> int:
+    """Most tokens a shared prefill forward may take so that two in flight (the runner
+    keeps two: ModelRunner._launch_prefill) fit in `free_bytes` (the device's free memory
+    beside the pool and weights) less what MLX's buffer cache may hold and
+    FORWARD_MARGIN_BYTES, at `bytes_per_token` of activations (a probe forward's, see
+    warm_up.prefill_bytes_per_token): `most` where they fit, a multiple of 64 otherwise,
+    never below LEAST_FORWARD_TOKENS."""
+    room = free_bytes - cache_bytes - FORWARD_MARGIN_BYTES
+    tokens = int(max(0, room) // (2 * max(bytes_per_token, 1.0))) // 64 * 64
+    return max(LEAST_FORWARD_TOKENS, min(most, tokens))
+
+
 # MLX's CUDA backend records kernels into a CUDA graph and launches the graph once it holds
 # MLX_MAX_OPS_PER_BUFFER kernels or its inputs add up to MLX_MAX_MB_PER_BUFFER million
 # elements (not bytes). A served pool's layer is over MLX's element budget by itself (the

@@ -51,8 +51,10 @@ CPU_PREFILL_PADDING = 0.0
 # op's output when it is launched, and the host launches a forward's 32 layers far faster
 # than the device runs them, so one forward holds about all of its activations at once:
 # ~5 MB a token for an 8B model (8192 tokens, a step's worth, ran the H200 out of memory
-# beside a 74 GB pool). A chunk longer than this still runs whole (--chunked-prefill-size
-# bounds those). mlx-lm prefills in steps of 2048 too.
+# beside a 74 GB pool), ~10 MB in forwards of many short prompts (their attention scores).
+# A chunk longer than this still runs whole (--chunked-prefill-size bounds those).
+# mlx-lm prefills in steps of 2048 too. On CUDA the worker lowers it where two forwards'
+# activations would not fit beside the pool (ModelRunner.prefill_forward_tokens).
 PREFILL_FORWARD_TOKENS = 2048
 # A mixed forward's rows (its chunk's padded width, then one a decode row) are padded to a
 # multiple of this with rows that touch only the scratch slot, where every MLP is dense:
@@ -182,6 +184,10 @@ class ModelRunner:
         self.vocab_size: int | None = getattr(getattr(model, "args", None), "vocab_size", None)
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._last_prefill: mx.array | None = None  # see _launch_prefill
+        self._last_prefill_tokens = 0
+        # Most tokens a shared prefill forward takes (PREFILL_FORWARD_TOKENS, or fewer
+        # where the worker measured that two would not fit: memory.prefill_forward_tokens).
+        self.prefill_forward_tokens = PREFILL_FORWARD_TOKENS
         self._forwards = PrefillForwards(model, split_model(model), pool, compile_prefill)
         self.tail_bucket = tail_bucket if traceable(pool) and not pool.has_states else 0
         # Last chunks starting on multiples of this are padded too (0: of tail_bucket):
@@ -253,7 +259,7 @@ class ModelRunner:
         self._prompt_logprobs.clear()
         self._refused.clear()
         self._sampler.reset()
-        self._last_prefill = None
+        self._last_prefill, self._last_prefill_tokens = None, 0
         self._spread = None
         self.pool.take_landing()
 
@@ -453,7 +459,7 @@ class ModelRunner:
         scored = self._prompt_logprobs_of(state, chunk, out, logits)
         if scored is not None:
             prompt.append(scored)
-        self._launch_prefill(logits, *(scored.picked if scored else ()))
+        self._launch_prefill(n, logits, *(scored.picked if scored else ()))
         return logits
 
     def prefill_parts(self, wanted: int) -> int:
@@ -669,7 +675,7 @@ class ModelRunner:
             forwards += [[c] for c in wave if self.requests[c.rid].sampling.prompt_logprobs >= 0]
             rest = [c for c in wave if self.requests[c.rid].sampling.prompt_logprobs < 0]
             groups = (group_by_length([len(c.token_ids) for c in rest], self.prefill_padding,
-                                      PREFILL_FORWARD_TOKENS)
+                                      self.prefill_forward_tokens)
                   if self.shares_prefill else [[i] for i in range(len(rest))])
             forwards += [[rest[i] for i in g] for g in groups]
         return forwards
@@ -713,21 +719,28 @@ class ModelRunner:
         for state, n in zip(states, sizes):
             state.length += int(n)
         self._save_snapshots(states, chunks, staging.add)
-        self._launch_prefill(logits)
+        self._launch_prefill(tokens.size, logits)
         return [logits[i:i + 1] for i in range(len(chunks))]
 
-    def _launch_prefill(self, logits: mx.array, *more: mx.array) -> None:
-        """Put a prefill forward on the device as it is built, then wait for the one put
-        there before it: at most two forwards' activations are held at once (see
-        PREFILL_FORWARD_TOKENS), while the host still builds one ahead. Launched now,
-        also for start's NOTE: a scatter-written pool's next forward must find this one's
-        reads done."""
+    def _launch_prefill(self, tokens: int, logits: mx.array, *more: mx.array) -> None:
+        """Put a prefill forward of `tokens` positions on the device as it is built, then
+        wait for the one put there before it: at most two forwards' activations are held
+        at once, while the host still builds one ahead; where the two would pass twice
+        prefill_forward_tokens (a long chunk runs whole), the one before ends first.
+        Launched now, also for start's NOTE: a scatter-written pool's next forward must
+        find this one's reads done."""
         # A view of its first logit, evaluated with it: reading it waits for this
         # forward alone (mx.eval would wait for everything launched since).
         probe = logits[:1, :1]
+        previous = self._last_prefill
+        if previous is not None and (self._last_prefill_tokens + tokens
+                                     > 2 * self.prefill_forward_tokens):
+            with self.clock.timing("wait"):
+                previous.item()
+            previous = None
         with self.clock.timing("start"):
             mx.async_eval(logits, probe, *more, *self.pool.landing())
-        previous, self._last_prefill = self._last_prefill, probe
+        self._last_prefill, self._last_prefill_tokens = probe, tokens
         if previous is not None:
             with self.clock.timing("wait"):
                 previous.item()

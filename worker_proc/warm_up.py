@@ -3,6 +3,8 @@ graphs, decode traces), so that none of it happens during a user's request."""
 
 from __future__ import annotations
 
+import mlx.core as mx
+
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
 from worker_proc.runner import ModelRunner
@@ -162,3 +164,35 @@ def trace_decode_shapes(runner: ModelRunner, max_batch: int) -> int:
         for width in widths:
             runner.trace_decode(size, width)
     return len(buckets) * len(widths)
+
+
+def prefill_bytes_per_token(runner: ModelRunner, step: int, prompt_len: int) -> float:
+    """Bytes of device memory a shared prefill forward holds a token: the peak MLX
+    reports over one forward of fresh prompts of `prompt_len` tokens (as many as
+    runner.prefill_forward_tokens holds), above what was held before it. MLX allocates
+    every op's output of a forward as the host launches it, so the peak is about the sum
+    of the forward's activations; prompts just shorter than the fused prefill's bucket
+    (worker_proc.prefill_attention) take the unfused attention, whose score matrices grow
+    with the prompt: the costliest tokens a forward of short prompts holds. Uses steps
+    `step` and `step + 1` and slots from 1 up (none handed out yet)."""
+    n = max(1, runner.prefill_forward_tokens // prompt_len)
+    n = min(n, (runner.pool.num_slots - 1) // prompt_len, runner.table.shape[0])
+    windowed = runner.window_table is not None
+    rids = [f"memory-probe-{i}" for i in range(n)]
+    chunks = []
+    for i, rid in enumerate(rids):
+        ids = list(range(1 + i * prompt_len, 1 + (i + 1) * prompt_len))
+        chunks.append(PrefillChunk(rid=rid, start=0, token_ids=[1] * prompt_len, sample=True,
+                                   slot_ids=ids, window_slot_ids=ids if windowed else []))
+    greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
+    mx.synchronize()
+    mx.clear_cache()
+    before = mx.get_active_memory()
+    mx.reset_peak_memory()
+    runner.run(ForwardBatch(step=step, new_requests=[NewRequest(rid=r, sampling=greedy)
+                                                     for r in rids], prefill=chunks))
+    mx.synchronize()
+    peak = mx.get_peak_memory() - before
+    runner.run(ForwardBatch(step=step + 1, released=rids))
+    mx.clear_cache()
+    return peak / (n * prompt_len)
