@@ -157,14 +157,16 @@ def test_state_rows_snapshots_and_clears_move_many_rows_at_once():
 
 
 def test_prefill_forwards_are_cut_to_what_two_in_flight_leave_room_for():
-    """Two forwards' activations beside the cache and a margin: all of `most` where they
-    fit; else the tokens that fit, a multiple of 64; never below the floor."""
+    """Two forwards' activations in the room beside the cache and a margin: all of `most`
+    where they fit; else the tokens that fit, a multiple of 64; never below the floor."""
     gib, mib = 1 << 30, 1 << 20
-    assert memory.prefill_forward_tokens(5 * mib, 60 * gib, 5 * gib, 2048) == 2048
+    assert memory.prefill_room(60 * gib, 5 * gib) == 55 * gib - memory.FORWARD_MARGIN_BYTES
+    assert memory.prefill_room(gib, 5 * gib) == 0
+    assert memory.prefill_forward_tokens(5 * mib, 50 * gib, 2048) == 2048
     # An H100 beside a 31 GiB pool (session 40): ~10 MiB a token of short prompts.
-    cut = memory.prefill_forward_tokens(10 * mib, int(35.4 * gib), int(5.1 * gib), 2048)
+    room = memory.prefill_room(int(35.4 * gib), int(5.1 * gib))
+    cut = memory.prefill_forward_tokens(10 * mib, room, 2048)
     assert cut % 64 == 0 and 1344 <= cut < 2048
-    room = int(35.4 * gib) - int(5.1 * gib) - memory.FORWARD_MARGIN_BYTES
     assert 2 * cut * 10 * mib <= room < 2 * (cut + 64) * 10 * mib
-    assert memory.prefill_forward_tokens(10 * mib, 3 * gib, gib, 2048) == memory.LEAST_FORWARD_TOKENS
-    assert memory.prefill_forward_tokens(0.0, 0, 0, 2048) == memory.LEAST_FORWARD_TOKENS
+    assert memory.prefill_forward_tokens(10 * mib, gib, 2048) == memory.LEAST_FORWARD_TOKENS
+    assert memory.prefill_forward_tokens(0.0, 0, 2048) == memory.LEAST_FORWARD_TOKENS

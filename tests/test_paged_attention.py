@@ -175,6 +175,41 @@ def test_cuda_write_attention_equals_a_write_then_attention(lengths, with_sinks,
 
 
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
+@pytest.mark.parametrize("warp_tiles", [False, True])
+@pytest.mark.parametrize("n_q, n_kv, dim", [(16, 8, 256), (64, 8, 256), (32, 8, 128)])
+def test_cuda_core_kernel_wide_heads_and_warp_tiles(monkeypatch, n_q, n_kv, dim, warp_tiles):
+    """The CUDA-core kernel (256-wide heads take 32 lanes a token: Gemma 3's 2 and 8
+    query heads a KV head), with its staged tiles copied by the block or a warp's slice
+    each (WARP_TILES), at one split and several: the reference's attention, read-only and
+    storing the step's K/V in the same launch."""
+    from worker_proc import paged_attention as pa
+
+    monkeypatch.setattr(pa, "WARP_TILES", warp_tiles)
+    lengths = [1, 4096, 33, 257, 16, 700]
+    q, kv, table, ln = _case(n_q=n_q, n_kv=n_kv, dim=dim, dtype=mx.bfloat16, lengths=lengths,
+                             seed=dim + n_q)
+    got = paged_decode_attention(q, kv, table, ln, scale=dim ** -0.5)
+    want = reference_decode_attention(q, kv, table, ln, scale=dim ** -0.5)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               rtol=2e-2, atol=2e-2)
+    rng = np.random.default_rng(9)
+    b = q.shape[0]
+    keys, values = (mx.array(rng.standard_normal((b, n_kv, 1, dim)).astype(np.float32))
+                    .astype(mx.bfloat16) for _ in range(2))
+    slots = table[mx.arange(b), ln - 1]
+    separate, fused = kv + 0, kv + 0
+    mx.eval(separate, fused)
+    mark = pool_write_in_place(separate, slots, keys, values)
+    want = paged_decode_attention(q, separate, table, ln, scale=dim ** -0.5, written=mark)
+    got, _ = paged_decode_write_attention(q, keys, values, slots, fused, table, ln,
+                                          scale=dim ** -0.5)
+    np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
+                               rtol=2 ** -7, atol=1e-5)
+    np.testing.assert_array_equal(np.array(fused.astype(mx.float32)),
+                                  np.array(separate.astype(mx.float32)))
+
+
+@pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
 @pytest.mark.parametrize("traditional,freqs", [(False, False), (True, False), (False, True)])
 def test_cuda_qkv_attention_rotates_q_and_k_as_mx_fast_rope(traditional, freqs, kv_pipeline):
     """From a fused q/k/v projection's output, unrotated, the kernel stores the keys rotated
@@ -734,7 +769,14 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
                         pa.staged_tiles(dim, 2, group))
 
     wide = compile_kernels(cuda, staged(256, 2))
-    results = wide + compile_kernels(cuda, staged(128, 8))
+    results = wide + compile_kernels(cuda, staged(128, 8) + staged(256, 8))
+    pa.WARP_TILES = True  # the experiment's variants too (bench/attention_kernel.py --tiles)
+    try:
+        tiled = compile_kernels(cuda, staged(256, 2) + staged(128, 4))
+    finally:
+        pa.WARP_TILES = False
+    wide += tiled[:len(tiled) // 2]
+    results += tiled
     assert all(r.ok and "0 bytes spill stores" in r.report for r in results), [
         r.name + ":\n" + r.report for r in results if not (r.ok and "0 bytes spill" in r.report)]
     for r in wide:

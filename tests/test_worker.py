@@ -147,21 +147,79 @@ def test_warm_up_leaves_the_runner_clean(tiny_model, oracle):
     assert engine.run_until_idle()["r"].token_ids == oracle(prompt, 20)
 
 
-def test_memory_probe_measures_a_forward_and_leaves_the_runner_clean(tiny_model, oracle):
-    """The start-up probe of a prefill forward's memory (run on CUDA, where it sizes the
-    forwards) reports the bytes a token its forward held, forgets its requests, and the
-    engine then serves exactly as before."""
-    from worker_proc.warm_up import prefill_bytes_per_token
+def test_memory_probes_measure_forwards_and_leave_the_runner_clean(tiny_model, oracle):
+    """The start-up probes of a prefill forward's memory (run on CUDA, where they bound
+    the forwards) report the bytes a token their step held, a lone prompt's and several
+    prompts' in one forward, forget their requests, and the engine then serves exactly as
+    before."""
+    from worker_proc.warm_up import probe_prefill_bytes
 
     model, tokenizer = tiny_model
     engine = InProcessEngine(model, capacity=2000, max_running=16)
-    per_token = prefill_bytes_per_token(engine.runner, 0, 40)
     hidden = model.args.hidden_size * 4  # float32: at least one hidden state a token
-    assert per_token > hidden
+    assert probe_prefill_bytes(engine.runner, 0, [40]) > hidden
+    assert probe_prefill_bytes(engine.runner, 2, [20] * 4) > hidden
     assert engine.runner.requests == {}
     prompt = _prompts(1, [30], model.args.vocab_size, seed=9)[0]
     engine.submit("r", prompt, 20, _eos(tokenizer))
     assert engine.run_until_idle()["r"].token_ids == oracle(prompt, 20)
+
+
+@pytest.mark.parametrize("family, options", [
+    ("llama", {}), ("llama", {"capacity": 300, "max_context": 300}),
+    ("llama_sliding", {"window_slots": 300}), ("jamba", {})])
+def test_prefill_forwards_fit_the_room_the_probes_measure(monkeypatch, family, options):
+    """fit_prefill_forwards (CUDA's start-up) on any pool: a small one, a windowed space
+    smaller than the full one (the probes stay inside it), a model whose prompts never
+    share a forward. Plenty of room leaves the cap at PREFILL_FORWARD_TOKENS; none cuts
+    it to the floor, and the runner keeps the measured figures for its launches."""
+    from tests import families
+
+    import worker_proc
+    from worker_proc import memory
+
+    engine = InProcessEngine(families.build(family), **{"capacity": 2000, **options})
+    runner = engine.runner
+    said = []
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 << 40)
+    worker_proc.fit_prefill_forwards(runner, 10, 1 << 28, 256, said.append)
+    assert runner.prefill_forward_tokens == runner_module.PREFILL_FORWARD_TOKENS
+    assert runner.prefill_memory.lone > 0 and runner.prefill_memory.shared >= runner.prefill_memory.lone
+    assert runner.requests == {} and "prefill forwards of up to 2048 tokens" in said[0]
+    monkeypatch.setattr(memory, "available_memory_bytes", lambda: 0)
+    worker_proc.fit_prefill_forwards(runner, 20, 1 << 28, 256, said.append)
+    assert runner.prefill_forward_tokens == memory.LEAST_FORWARD_TOKENS
+    assert runner.prefill_memory.room == 0
+
+
+def test_a_forward_past_the_room_waits_for_the_one_before(tiny_model, oracle, monkeypatch):
+    """Where two forwards' measured bytes pass the room, the step's next forward is
+    launched only once the one before it is done (a wait, then its start), not beside it;
+    the tokens are mlx-lm's either way."""
+    from worker_proc.runner import PrefillMemory
+
+    model, tokenizer = tiny_model
+    engine = InProcessEngine(model, chunk_size=64, max_prefill_tokens=512)
+    assert engine.runner.prefill_memory is None  # measured on CUDA only
+    runner = engine.runner
+    runner.prefill_forward_tokens = 30  # several forwards a step
+    phases = []
+    timing = runner_module.ForwardClock.timing
+    monkeypatch.setattr(runner_module.ForwardClock, "timing",
+                        lambda clock, phase: (phases.append(phase), timing(clock, phase))[1])
+    for seed, room, waits_first in ((6, 1 << 40, False), (7, 1, True)):
+        # new prompts each round: none a prefix hit, so the step has several forwards
+        prompts = _prompts(6, [9, 11, 12, 10, 8, 13], model.args.vocab_size, seed=seed)
+        runner.prefill_memory = PrefillMemory(room=room, shared=1.0, lone=1.0)
+        phases.clear()
+        for i, p in enumerate(prompts):
+            engine.submit(f"r{room}-{i}", p, 6, _eos(tokenizer))
+        results = engine.run_until_idle()
+        for i, p in enumerate(prompts):
+            assert results[f"r{room}-{i}"].token_ids == oracle(p, 6)
+        starts = [k for k, phase in enumerate(phases) if phase == "start"]
+        assert len(starts) >= 2
+        assert (phases[starts[1] - 1] == "wait") == waits_first, phases
 
 
 def test_rows_by_length_groups_a_decode_batch_by_context_length():

@@ -210,7 +210,7 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
                     walk_offsets=chunking.walk_offsets() if hits else ())
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
     if cache_limit is not None:  # CUDA: device memory figures
-        fit_prefill_forwards(runner, steps + 1, cache_limit, say)
+        fit_prefill_forwards(runner, steps + 1, cache_limit, chunking.size, say)
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")
     say(f"warmed up ({steps} steps{f', {traces} more decode traces' if traces else ''}, "
@@ -219,22 +219,49 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
     return runner, chunking
 
 
-def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int,
+def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chunk: int,
                          say: Callable[[str], None]) -> None:
-    """Lower the runner's prefill forward size where two forwards' activations, as a
-    probe forward measures them, would not fit in the device memory left beside the pool
-    (memory.prefill_forward_tokens): an H100 ran out of memory in a burst of short prompts
-    with 2,048-token forwards beside a pool of 60% of the free memory."""
-    from worker_proc.memory import available_memory_bytes, prefill_forward_tokens
-    from worker_proc.warm_up import prefill_bytes_per_token
+    """Measure what prefill forwards hold (one lone prompt of a chunk's length; where
+    forwards are shared, prompts one token under the width where attention turns fused,
+    whose unfused scores make the costliest shared tokens) and bound them by the device
+    memory left beside the pool (memory.prefill_room): the shared forwards' cap, and the
+    room ModelRunner._launch_prefill keeps two forwards in flight within. An H100 ran out
+    of memory in a burst of short prompts with two 2,048-token forwards beside a pool of
+    60% of the free memory (docs/benchmarks.md, session 40)."""
+    from worker_proc.decode_backend import MASKED_MIN_QUERIES
+    from worker_proc.memory import available_memory_bytes, prefill_forward_tokens, prefill_room
+    from worker_proc.prefill_attention import FUSED_PREFILL_BUCKET
+    from worker_proc.runner import PrefillMemory
+    from worker_proc.warm_up import probe_prefill_bytes, probe_space
 
-    bucket = getattr(runner.pool.backend, "prefill_bucket", 512)
-    per_token = prefill_bytes_per_token(runner, step, min(bucket - 1, runner.max_context))
-    free = available_memory_bytes()
-    runner.prefill_forward_tokens = prefill_forward_tokens(
-        per_token, free, cache_limit, runner.prefill_forward_tokens)
-    say(f"prefill forwards of up to {runner.prefill_forward_tokens} tokens (a probe forward "
-        f"held {per_token / 2**20:.1f} MiB a token; {free / 2**30:.1f} GiB free beside the pool)")
+    space = probe_space(runner)
+    longest = min(chunk, space, runner.max_context)
+    if longest < 1:
+        return
+    try:
+        lone = probe_prefill_bytes(runner, step, [longest])
+        shared = lone
+        bucket = getattr(runner.pool.backend, "prefill_bucket", FUSED_PREFILL_BUCKET)
+        width = min(bucket, MASKED_MIN_QUERIES, runner.max_context + 1) - 1
+        n = min(runner.prefill_forward_tokens // max(width, 1), space // max(width, 1),
+                runner.table.shape[0])
+        if runner.shares_prefill and width > 0 and n >= 2:
+            # A shared forward may be as wide as a lone one (heads MLX's fused prefill
+            # does not take keep their scores at every width): the costlier of the two.
+            shared = max(lone, probe_prefill_bytes(runner, step + 2, [width] * n))
+    except RuntimeError as exc:
+        if "out of memory" not in str(exc):
+            raise
+        raise RuntimeError(f"the device ran out of memory in a start-up prefill forward of up "
+                           f"to {max(longest, runner.prefill_forward_tokens)} tokens beside the "
+                           "KV pool: lower --mem-fraction (or --chunked-prefill-size)") from exc
+    room = prefill_room(available_memory_bytes(), cache_limit)
+    runner.prefill_memory = PrefillMemory(room=room, shared=shared, lone=lone)
+    runner.prefill_forward_tokens = prefill_forward_tokens(shared, room,
+                                                           runner.prefill_forward_tokens)
+    say(f"prefill forwards of up to {runner.prefill_forward_tokens} tokens, two within "
+        f"{room / 2**30:.1f} GiB (probes: {shared / 2**20:.1f} MiB a token shared, "
+        f"{lone / 2**20:.1f} lone)")
 
 
 def served_context(config: ServerConfig, hf: object) -> int:

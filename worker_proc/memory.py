@@ -93,16 +93,19 @@ FORWARD_MARGIN_BYTES = 2 << 30
 LEAST_FORWARD_TOKENS = 256
 
 
-def prefill_forward_tokens(bytes_per_token: float, free_bytes: int, cache_bytes: int,
-                           most: int) -> int:
+def prefill_room(free_bytes: int, cache_bytes: int) -> int:
+    """Bytes two prefill forwards in flight may hold at once: the device's free memory
+    beside the pool and weights, less what MLX's buffer cache may hold and
+    FORWARD_MARGIN_BYTES."""
+    return max(0, free_bytes - cache_bytes - FORWARD_MARGIN_BYTES)
+
+
+def prefill_forward_tokens(bytes_per_token: float, room: int, most: int) -> int:
     """Most tokens a shared prefill forward may take so that two in flight (the runner
-    keeps two: ModelRunner._launch_prefill) fit in `free_bytes` (the device's free memory
-    beside the pool and weights) less what MLX's buffer cache may hold and
-    FORWARD_MARGIN_BYTES, at `bytes_per_token` of activations (a probe forward's, see
-    warm_up.prefill_bytes_per_token): `most` where they fit, a multiple of 64 otherwise,
-    never below LEAST_FORWARD_TOKENS."""
-    room = free_bytes - cache_bytes - FORWARD_MARGIN_BYTES
-    tokens = int(max(0, room) // (2 * max(bytes_per_token, 1.0))) // 64 * 64
+    keeps two: ModelRunner._launch_prefill) fit in `room` (prefill_room) at
+    `bytes_per_token` of activations (a probe forward's: warm_up.probe_prefill_bytes):
+    `most` where they fit, a multiple of 64 otherwise, never below LEAST_FORWARD_TOKENS."""
+    tokens = int(room // (2 * max(bytes_per_token, 1.0))) // 64 * 64
     return max(LEAST_FORWARD_TOKENS, min(most, tokens))
 
 

@@ -123,8 +123,8 @@ class OwnCacheRunner(ModelRunner):
         scored = self._prompt_logprobs_of(state, chunk, out, logits)
         if scored is not None:
             prompt.append(scored)
-        self._launch_prefill(len(chunk.token_ids), logits, *(scored.picked if scored else ()),
-                             *_states([caches]))
+        self._launch_prefill(len(chunk.token_ids), False, logits,
+                             *(scored.picked if scored else ()), *_states([caches]))
         return logits
 
     def _prefill_many(self, chunks: list[PrefillChunk], width: int) -> list[mx.array]:

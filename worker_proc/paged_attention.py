@@ -430,9 +430,9 @@ _WARP_STAGED_PIPE["PIPE_SETUP"] = _STAGED_PIPE["PIPE_SETUP"].replace(
 _WARP_STAGED_PIPE["PIPE_FETCH"] = _STAGED_PIPE["PIPE_FETCH"].replace(
     """        __syncthreads();  // ... and every thread's; the stage refilled next was read by all""",
     """        __syncwarp();  // ... and the warp's; the stage refilled next was read by them""")
-assert _WARP_STAGED_PIPE != _STAGED_PIPE
+assert all(_WARP_STAGED_PIPE[k] != _STAGED_PIPE[k] for k in ("PIPE_SETUP", "PIPE_FETCH"))
 # Whether the staged pipeline copies a tile slice a warp (_WARP_STAGED_PIPE); an
-# experiment until measured (bench/attention_kernel.py --warp-tiles).
+# experiment until measured (bench/attention_kernel.py --tiles block,warp).
 WARP_TILES = False
 
 _READ_ONLY = {

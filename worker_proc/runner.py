@@ -111,6 +111,20 @@ class _Unsampled(NamedTuple):
     states: list[RequestState]
 
 
+@dataclass(frozen=True)
+class PrefillMemory:
+    """What the worker measured of prefill memory (fit_prefill_forwards): `room`, the
+    bytes two forwards in flight may hold; a token's bytes in a forward of several short
+    prompts (`shared`, their attention scores the costliest) and in a lone prompt's."""
+
+    room: int
+    shared: float
+    lone: float
+
+    def token_bytes(self, shared: bool) -> float:
+        return self.shared if shared else self.lone
+
+
 class ModelRunner:
     def __init__(self, model: Any, pool: KVPool, max_requests: int, max_context: int,
                  grammars: GrammarMatchers | None = None,
@@ -184,9 +198,13 @@ class ModelRunner:
         self.vocab_size: int | None = getattr(getattr(model, "args", None), "vocab_size", None)
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._last_prefill: mx.array | None = None  # see _launch_prefill
-        self._last_prefill_tokens = 0
+        self._last_prefill_bytes = 0.0
+        # Where the worker measured prefill memory (CUDA: fit_prefill_forwards): the
+        # bytes two forwards in flight may hold, and a token's bytes in a forward of
+        # several prompts and in a lone prompt's; None: not measured, no bound.
+        self.prefill_memory: PrefillMemory | None = None
         # Most tokens a shared prefill forward takes (PREFILL_FORWARD_TOKENS, or fewer
-        # where the worker measured that two would not fit: memory.prefill_forward_tokens).
+        # where two would not fit: memory.prefill_forward_tokens).
         self.prefill_forward_tokens = PREFILL_FORWARD_TOKENS
         self._forwards = PrefillForwards(model, split_model(model), pool, compile_prefill)
         self.tail_bucket = tail_bucket if traceable(pool) and not pool.has_states else 0
@@ -259,7 +277,7 @@ class ModelRunner:
         self._prompt_logprobs.clear()
         self._refused.clear()
         self._sampler.reset()
-        self._last_prefill, self._last_prefill_tokens = None, 0
+        self._last_prefill, self._last_prefill_bytes = None, 0.0
         self._spread = None
         self.pool.take_landing()
 
@@ -459,7 +477,7 @@ class ModelRunner:
         scored = self._prompt_logprobs_of(state, chunk, out, logits)
         if scored is not None:
             prompt.append(scored)
-        self._launch_prefill(n, logits, *(scored.picked if scored else ()))
+        self._launch_prefill(n, False, logits, *(scored.picked if scored else ()))
         return logits
 
     def prefill_parts(self, wanted: int) -> int:
@@ -719,28 +737,29 @@ class ModelRunner:
         for state, n in zip(states, sizes):
             state.length += int(n)
         self._save_snapshots(states, chunks, staging.add)
-        self._launch_prefill(tokens.size, logits)
+        self._launch_prefill(tokens.size, len(chunks) > 1, logits)
         return [logits[i:i + 1] for i in range(len(chunks))]
 
-    def _launch_prefill(self, tokens: int, logits: mx.array, *more: mx.array) -> None:
-        """Put a prefill forward of `tokens` positions on the device as it is built, then
-        wait for the one put there before it: at most two forwards' activations are held
-        at once, while the host still builds one ahead; where the two would pass twice
-        prefill_forward_tokens (a long chunk runs whole), the one before ends first.
-        Launched now, also for start's NOTE: a scatter-written pool's next forward must
-        find this one's reads done."""
+    def _launch_prefill(self, tokens: int, shared: bool, logits: mx.array,
+                        *more: mx.array) -> None:
+        """Put a prefill forward of `tokens` positions (`shared`: of several prompts) on
+        the device as it is built, then wait for the one put there before it: at most two
+        forwards' activations are held at once, while the host still builds one ahead;
+        where the two would pass the measured room (prefill_memory: a long chunk runs
+        whole), the one before ends first. Launched now, also for start's NOTE: a
+        scatter-written pool's next forward must find this one's reads done."""
         # A view of its first logit, evaluated with it: reading it waits for this
         # forward alone (mx.eval would wait for everything launched since).
         probe = logits[:1, :1]
-        previous = self._last_prefill
-        if previous is not None and (self._last_prefill_tokens + tokens
-                                     > 2 * self.prefill_forward_tokens):
+        previous, memory = self._last_prefill, self.prefill_memory
+        held = tokens * memory.token_bytes(shared) if memory else 0.0
+        if previous is not None and memory and self._last_prefill_bytes + held > memory.room:
             with self.clock.timing("wait"):
                 previous.item()
             previous = None
         with self.clock.timing("start"):
             mx.async_eval(logits, probe, *more, *self.pool.landing())
-        self._last_prefill, self._last_prefill_tokens = probe, tokens
+        self._last_prefill, self._last_prefill_bytes = probe, held
         if previous is not None:
             with self.clock.timing("wait"):
                 previous.item()

@@ -4,6 +4,7 @@ graphs, decode traces), so that none of it happens during a user's request."""
 from __future__ import annotations
 
 import mlx.core as mx
+import numpy as np
 
 from ipc.messages.common import SamplingParams
 from ipc.messages.to_worker import ForwardBatch, NewRequest, PrefillChunk
@@ -166,24 +167,26 @@ def trace_decode_shapes(runner: ModelRunner, max_batch: int) -> int:
     return len(buckets) * len(widths)
 
 
-def prefill_bytes_per_token(runner: ModelRunner, step: int, prompt_len: int) -> float:
-    """Bytes of device memory a shared prefill forward holds a token: the peak MLX
-    reports over one forward of fresh prompts of `prompt_len` tokens (as many as
-    runner.prefill_forward_tokens holds), above what was held before it. MLX allocates
-    every op's output of a forward as the host launches it, so the peak is about the sum
-    of the forward's activations; prompts just shorter than the fused prefill's bucket
-    (worker_proc.prefill_attention) take the unfused attention, whose score matrices grow
-    with the prompt: the costliest tokens a forward of short prompts holds. Uses steps
-    `step` and `step + 1` and slots from 1 up (none handed out yet)."""
-    n = max(1, runner.prefill_forward_tokens // prompt_len)
-    n = min(n, (runner.pool.num_slots - 1) // prompt_len, runner.table.shape[0])
+
+def probe_prefill_bytes(runner: ModelRunner, step: int, lengths: list[int]) -> float:
+    """Bytes of device memory a prefill token holds: the peak MLX reports over one step
+    prefilling fresh prompts of `lengths` (one forward where the runner shares forwards
+    and they fit its cap), above what was held before it, a token. MLX allocates every
+    op's output of a forward as the host launches it, so the peak is about the sum of the
+    forward's activations. Random token ids (an MoE's tokens then spread over its
+    experts, as served). Uses steps `step` and `step + 1` and slots from 1 up (none
+    handed out yet; probe_space bounds them)."""
     windowed = runner.window_table is not None
-    rids = [f"memory-probe-{i}" for i in range(n)]
-    chunks = []
-    for i, rid in enumerate(rids):
-        ids = list(range(1 + i * prompt_len, 1 + (i + 1) * prompt_len))
-        chunks.append(PrefillChunk(rid=rid, start=0, token_ids=[1] * prompt_len, sample=True,
-                                   slot_ids=ids, window_slot_ids=ids if windowed else []))
+    rng = np.random.default_rng(0)
+    vocab = runner.vocab_size or 2
+    rids = [f"memory-probe-{i}" for i in range(len(lengths))]
+    chunks, first = [], 1
+    for rid, n in zip(rids, lengths):
+        ids = list(range(first, first + n))
+        first += n
+        chunks.append(PrefillChunk(rid=rid, start=0, sample=True, slot_ids=ids,
+                                   token_ids=rng.integers(0, vocab, n).tolist(),
+                                   window_slot_ids=ids if windowed else []))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=1)
     mx.synchronize()
     mx.clear_cache()
@@ -194,5 +197,13 @@ def prefill_bytes_per_token(runner: ModelRunner, step: int, prompt_len: int) -> 
     mx.synchronize()
     peak = mx.get_peak_memory() - before
     runner.run(ForwardBatch(step=step + 1, released=rids))
+    mx.synchronize()
     mx.clear_cache()
-    return peak / (n * prompt_len)
+    return peak / sum(lengths)
+
+
+def probe_space(runner: ModelRunner) -> int:
+    """Slots a probe may write from slot 1: the pool's, or the windowed layers' own
+    space where that is smaller."""
+    pool = runner.pool
+    return min(pool.num_slots, pool.window_slots or pool.num_slots)
