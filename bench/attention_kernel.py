@@ -115,7 +115,8 @@ def _time(step, repeats: int) -> float:
 def paged_us(batch: int, context: int, layers: int, repeats: int, rng: np.random.Generator,
              check: bool, order: str = "random",
              stages: int = pa.DEFAULT_STAGES,
-             mma: pa.MmaConfig | None = None) -> tuple[float, float]:
+             mma: pa.MmaConfig | None = None,
+             warp_tiles: bool = pa.DEFAULT_WARP_TILES) -> tuple[float, float]:
     """(µs a layer, max abs error against the reference) of the write-and-attend kernel
     with the module's current shape and split target, K/V staged `stages` tiles ahead
     (mma: the tensor-core kernel instead)."""
@@ -127,7 +128,8 @@ def paged_us(batch: int, context: int, layers: int, repeats: int, rng: np.random
     error = 0.0
     if check:
         out, mark = pa.paged_decode_write_attention(q0, k_new, v_new, slots, pools[0], table,
-                                                    lengths, SCALE, stages=stages, mma=mma)
+                                                    lengths, SCALE, stages=stages, mma=mma,
+                                                    warp_tiles=warp_tiles)
         mx.eval(out, mark)
         ref = pa.reference_decode_attention(q0, pools[0], table, lengths, SCALE)
         error = float(mx.max(mx.abs(out.astype(mx.float32) - ref.astype(mx.float32))))
@@ -137,7 +139,7 @@ def paged_us(batch: int, context: int, layers: int, repeats: int, rng: np.random
         for pool in pools:
             q, mark = pa.paged_decode_write_attention(q, k_new, v_new, slots, pool, table,
                                                       lengths, SCALE, after=mark, stages=stages,
-                                                      mma=mma)
+                                                      mma=mma, warp_tiles=warp_tiles)
         return q
 
     return _time(step, repeats) / layers * 1e6, error
@@ -217,7 +219,7 @@ def main() -> None:
                    help="TARGET_BLOCKS values")
     p.add_argument("--stages", type=stage_counts, default=[pa.DEFAULT_STAGES],
                    help="the kernel's stages: 0 register prefetch, >= 2 cp.async tiles in flight")
-    p.add_argument("--tiles", type=lambda v: v.split(","), default=["block"],
+    p.add_argument("--tiles", type=lambda v: v.split(","), default=["warp"],
                    help="with stages >= 2: who copies a tile, block (every thread, a "
                         "barrier an iteration) or warp (each warp its own tokens), or both: "
                         "block,warp")
@@ -271,13 +273,12 @@ def main() -> None:
                 args.shapes, args.targets, args.stages, args.tiles):
             pa.LANES_PER_TOKEN = pa.WIDE_HEAD_LANES = lanes
             pa.PASSES, pa.TARGET_BLOCKS = passes, target
-            pa.WARP_TILES = owner == "warp"
             tiles = pa.staged_tiles(DIM, 2, N_Q // N_KV, stages)
             if owner == "warp" and not tiles:
                 continue  # the register prefetch has no tiles to own
             splits = pa.num_splits(batch, N_KV, args.context)
             us, err = paged_us(batch, args.context, args.layers, args.repeats, rng, True,
-                               args.order, stages)
+                               args.order, stages, warp_tiles=owner == "warp")
             label = (f"kiln {lanes}x{passes}{f' staged {tiles} ({owner})' if tiles else ''}, "
                      f"target {target} ({splits} splits)")
             rows.append({"batch": batch, "kernel": label, "us": us, "max_abs_error": err})

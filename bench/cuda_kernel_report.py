@@ -63,7 +63,8 @@ def wrap(name: str, inputs: list[str], outputs: list[str], body: str, header: st
 
 
 def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int, passes: int,
-             stages: int = 0, mma: pa.MmaConfig | None = None) -> list[tuple[str, str]]:
+             stages: int = 0, mma: pa.MmaConfig | None = None,
+             warp_tiles: bool = pa.DEFAULT_WARP_TILES) -> list[tuple[str, str]]:
     """(label, .cu source) of every decode kernel as the served model launches it (mma:
     the tensor-core kernels of that shape, whose lanes, passes and stages are their own)."""
     out = []
@@ -101,10 +102,10 @@ def variants(dtype: str, dim: int, group: int, n_kv: int, lanes: int, passes: in
                 source = pa._mma_source(direct, write_new, fused, sinks, dynamic)
                 header = pa._HEADER + pa._MMA_HEADER
             else:
-                warp_tiles = pa.WARP_TILES and stages > 0
+                warped = warp_tiles and stages > 0
                 name = (f"kiln_{label}_{'direct' if direct else 'split'}_l{lanes}_u{passes}"
-                        + (f"_s{stages}" if stages else "") + ("w" if warp_tiles else ""))
-                source = pa._source(direct, write_new, fused, stages > 0, sinks, warp_tiles)
+                        + (f"_s{stages}" if stages else "") + ("w" if warped else ""))
+                source = pa._source(direct, write_new, fused, stages > 0, sinks, warped)
                 header = pa._HEADER
             out.append((name, wrap(name, inputs, outs, source,
                                    header + (pa._ROPE_HEADER if fused else ""), params)))
@@ -304,9 +305,9 @@ def main() -> None:
                         "for --head-dim)")
     p.add_argument("--stages", type=stage_counts, default=[pa.DEFAULT_STAGES],
                    help="staged-pipeline tiles, comma-separated (0: register prefetch)")
-    p.add_argument("--warp-tiles", action="store_true",
-                   help="the staged pipeline's tiles copied a warp's slice each "
-                        "(paged_attention.WARP_TILES)")
+    p.add_argument("--block-tiles", action="store_true",
+                   help="the staged pipeline's tiles copied by the whole block (--experiments "
+                        "block-tiles), not a warp's slice each")
     p.add_argument("--mma", action="store_true", help="the tensor-core kernels too")
     p.add_argument("--mma-stage-kib", type=int, default=pa.MmaConfig.stage_bytes // 1024,
                    help="with --mma: the tiles' shared memory in KiB (past 48 with the rest: "
@@ -326,7 +327,6 @@ def main() -> None:
     if args.cuda is None:
         sys.exit("no CUDA toolkit found: pass --cuda")
     itemsize = 4 if args.dtype == "float" else 2
-    pa.WARP_TILES = args.warp_tiles
     kernels = []
     for (lanes, passes), stages in itertools.product(args.shapes, args.stages):
         # As served: the tiles that fit beside the rest of the block's shared memory.
@@ -334,7 +334,7 @@ def main() -> None:
         pa.PASSES = passes
         tiles = pa.staged_tiles(args.head_dim, itemsize, args.group, stages)
         kernels += variants(args.dtype, args.head_dim, args.group, args.kv_heads, lanes,
-                            passes, tiles)
+                            passes, tiles, warp_tiles=not args.block_tiles)
     if args.mma:
         mma = pa.MmaConfig(args.mma_stage_kib * 1024, args.mma_stages, args.mma_warps)
         kernels += variants(args.dtype, args.head_dim, args.group, args.kv_heads, 0, 0, mma=mma)

@@ -27,10 +27,10 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "mixed-forward", "mma-attention", "mma-wide-tiles",
                       "cuda-core-attention", "gathered-latent", "fused-own-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
-                      "paged-prefill", "unpadded-experts")
+                      "paged-prefill", "unpadded-experts", "block-tiles")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
-CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv"})
+CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv", "block-tiles"})
 
 
 def kernel_body_conflict(experiments: frozenset[str]) -> str | None:
@@ -222,6 +222,10 @@ class ServerConfig:
                                       "CUDA-core attention kernel prefetches K/V into "
                                       "registers, as before it staged tiles through shared "
                                       "memory with cp.async; takes that kernel), "
+                                      "block-tiles (the CUDA-core kernel's staged tiles "
+                                      "copied by the whole block, a barrier an iteration, "
+                                      "as before each warp copied its own tokens'; takes "
+                                      "that kernel), "
                                       "unfused-prefill (every prefill attention as plain "
                                       "matmuls, as before prefill forwards went through "
                                       "MLX's fused cuDNN kernel at shapes padded to "

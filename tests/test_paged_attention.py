@@ -177,18 +177,15 @@ def test_cuda_write_attention_equals_a_write_then_attention(lengths, with_sinks,
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
 @pytest.mark.parametrize("warp_tiles", [False, True])
 @pytest.mark.parametrize("n_q, n_kv, dim", [(16, 8, 256), (64, 8, 256), (32, 8, 128)])
-def test_cuda_core_kernel_wide_heads_and_warp_tiles(monkeypatch, n_q, n_kv, dim, warp_tiles):
+def test_cuda_core_kernel_wide_heads_and_warp_tiles(n_q, n_kv, dim, warp_tiles):
     """The CUDA-core kernel (256-wide heads take 32 lanes a token: Gemma 3's 2 and 8
     query heads a KV head), with its staged tiles copied by the block or a warp's slice
-    each (WARP_TILES), at one split and several: the reference's attention, read-only and
-    storing the step's K/V in the same launch."""
-    from worker_proc import paged_attention as pa
-
-    monkeypatch.setattr(pa, "WARP_TILES", warp_tiles)
+    each (warp_tiles, the default), at one split and several: the reference's attention,
+    read-only and storing the step's K/V in the same launch."""
     lengths = [1, 4096, 33, 257, 16, 700]
     q, kv, table, ln = _case(n_q=n_q, n_kv=n_kv, dim=dim, dtype=mx.bfloat16, lengths=lengths,
                              seed=dim + n_q)
-    got = paged_decode_attention(q, kv, table, ln, scale=dim ** -0.5)
+    got = paged_decode_attention(q, kv, table, ln, scale=dim ** -0.5, warp_tiles=warp_tiles)
     want = reference_decode_attention(q, kv, table, ln, scale=dim ** -0.5)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
                                rtol=2e-2, atol=2e-2)
@@ -200,9 +197,10 @@ def test_cuda_core_kernel_wide_heads_and_warp_tiles(monkeypatch, n_q, n_kv, dim,
     separate, fused = kv + 0, kv + 0
     mx.eval(separate, fused)
     mark = pool_write_in_place(separate, slots, keys, values)
-    want = paged_decode_attention(q, separate, table, ln, scale=dim ** -0.5, written=mark)
+    want = paged_decode_attention(q, separate, table, ln, scale=dim ** -0.5, written=mark,
+                                  warp_tiles=warp_tiles)
     got, _ = paged_decode_write_attention(q, keys, values, slots, fused, table, ln,
-                                          scale=dim ** -0.5)
+                                          scale=dim ** -0.5, warp_tiles=warp_tiles)
     np.testing.assert_allclose(np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32)),
                                rtol=2 ** -7, atol=1e-5)
     np.testing.assert_array_equal(np.array(fused.astype(mx.float32)),
@@ -690,15 +688,14 @@ def test_launches_pick_the_kernel_body_its_template_and_threads(monkeypatch):
     pa.paged_decode_attention(q, pool, table, lengths, 0.1, mma=pa.MMA_WIDE_TILES)
     assert launches[-1]["dynamic"] == 64 * 1024 and launches[-1]["template"]["TOKEN_WARPS"] == 4
     # 256-wide heads (Gemma's: CUDA cores by default) take 32 lanes a token, 8 tiles of
-    # 4 tokens; the block copies the tiles unless told the warps do.
+    # 4 tokens, each warp copying its own tokens' rows unless the block is asked to.
     wide = mx.zeros((2, 16, 1, 256), dtype=mx.bfloat16)
     wide_pool = mx.zeros((100, 8, 512), dtype=mx.bfloat16)
     pa.paged_decode_attention(wide, wide_pool, table, lengths, 0.1)
     assert launches[-1]["template"]["LANES"] == 32 and launches[-1]["template"]["STAGES"] == 8
-    assert not launches[-1]["warp_tiles"]
-    monkeypatch.setattr(pa, "WARP_TILES", True)
-    pa.paged_decode_attention(wide, wide_pool, table, lengths, 0.1)
-    assert launches[-1]["warp_tiles"] and launches[-1]["template"]["LANES"] == 32
+    assert launches[-1]["warp_tiles"]
+    pa.paged_decode_attention(wide, wide_pool, table, lengths, 0.1, warp_tiles=False)
+    assert not launches[-1]["warp_tiles"] and launches[-1]["template"]["LANES"] == 32
 
 
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
@@ -770,13 +767,11 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
 
     wide = compile_kernels(cuda, staged(256, 2))
     results = wide + compile_kernels(cuda, staged(128, 8) + staged(256, 8))
-    pa.WARP_TILES = True  # the experiment's variants too (bench/attention_kernel.py --tiles)
-    try:
-        tiled = compile_kernels(cuda, staged(256, 2) + staged(128, 4))
-    finally:
-        pa.WARP_TILES = False
-    wide += tiled[:len(tiled) // 2]
-    results += tiled
+    blocks = compile_kernels(cuda, [k for dim, group in ((256, 2), (128, 4)) for k in variants(
+        "__nv_bfloat16", dim, group, 8, pa.lanes_per_token(dim), pa.PASSES,
+        pa.staged_tiles(dim, 2, group), warp_tiles=False)])  # --experiments block-tiles
+    wide += blocks[:len(blocks) // 2]
+    results += blocks
     assert all(r.ok and "0 bytes spill stores" in r.report for r in results), [
         r.name + ":\n" + r.report for r in results if not (r.ok and "0 bytes spill" in r.report)]
     for r in wide:

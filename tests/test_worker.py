@@ -816,6 +816,10 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     assert choose_decode_backend(specs, off) == KernelDecode()
     # register-kv is the CUDA-core kernel's option: it takes that kernel, never silently none.
     assert choose_decode_backend(specs, register.experiment_set) == KernelDecode(stages=0)
+    # ... as block-tiles is (the staged tiles copied by the whole block, not a warp's each).
+    block = ServerConfig(experiments="block-tiles").experiment_set
+    assert choose_decode_backend(specs, block) == KernelDecode(warp_tiles=False)
+    assert choose_decode_backend(gemma).warp_tiles
     with pytest.raises(ValueError, match="choose one"):
         choose_decode_backend(specs, frozenset({"mma-wide-tiles", "register-kv"}))
     with pytest.raises(ValueError, match="choose one"):  # at the command line already

@@ -24,8 +24,9 @@ import mlx.core as mx
 
 from ipc.config import (CUDA_CORE_EXPERIMENTS, DECODE_EXPERIMENTS, TENSOR_CORE_EXPERIMENTS,
                         kernel_body_conflict)
-from worker_proc.paged_attention import (DEFAULT_STAGES, fits_shared_memory, kernel_available,
-                                         LatentConfig, mma_preferred, MMA_WIDE_TILES, MmaConfig,
+from worker_proc.paged_attention import (DEFAULT_STAGES, DEFAULT_WARP_TILES, fits_shared_memory,
+                                         kernel_available, LatentConfig, mma_preferred,
+                                         MMA_WIDE_TILES, MmaConfig,
                                          paged_decode_attention, paged_decode_qkv_attention,
                                          paged_decode_write_attention, paged_latent_attention,
                                          reference_decode_attention, reference_latent_attention,
@@ -170,7 +171,9 @@ class KernelDecode(DecodeBackend):
     layer; off only for A/B runs). rope_in_kernel: fast decode blocks hand it the fused
     q/k/v output unrotated (`--experiments rope-in-kernel`). stages: K/V staged through
     shared memory with cp.async this many tiles ahead (the default), 0 for register
-    prefetch (`--experiments register-kv`). bucketed_prefill: causal prefill attention of long
+    prefetch (`--experiments register-kv`). warp_tiles: each warp copies its own tokens'
+    rows of the staged tiles (off, the whole block copies them: `--experiments
+    block-tiles`). bucketed_prefill: causal prefill attention of long
     chunks through MLX's fused kernel at padded shapes (bucketed_fused_attention), the
     rest unfused; off, every prefill attention that fits is unfused (`--experiments
     unfused-prefill`, the A/B arm). bucketed_masked: masked prefill forwards of
@@ -205,6 +208,7 @@ class KernelDecode(DecodeBackend):
     write_in_attention: bool = True
     rope_in_kernel: bool = False
     stages: int = DEFAULT_STAGES
+    warp_tiles: bool = DEFAULT_WARP_TILES
     bucketed_prefill: bool = True
     bucketed_masked: bool = True
     align_chunks: bool = True
@@ -376,7 +380,8 @@ class KernelDecode(DecodeBackend):
     def _attend(self, q: mx.array, pool: mx.array, table: mx.array, lengths: mx.array,
                 scale: float, written: mx.array | None, sinks: mx.array | None) -> mx.array:
         return paged_decode_attention(q, pool, table, lengths, scale, written, sinks=sinks,
-                                      stages=self.stages, mma=self.mma)
+                                      stages=self.stages, mma=self.mma,
+                                      warp_tiles=self.warp_tiles)
 
     def _write_attend(self, q: mx.array, keys: mx.array, values: mx.array, slots: mx.array,
                       pool: mx.array, table: mx.array, lengths: mx.array, scale: float,
@@ -384,7 +389,7 @@ class KernelDecode(DecodeBackend):
                       sinks: mx.array | None = None) -> tuple[mx.array, mx.array]:
         return paged_decode_write_attention(q, keys, values, slots, pool, table, lengths,
                                             scale, after, sinks=sinks, stages=self.stages,
-                                            mma=self.mma)
+                                            mma=self.mma, warp_tiles=self.warp_tiles)
 
     def _paged_prefill_takes(self, dtype: mx.Dtype, pool_dtype: mx.Dtype, key_dim: int,
                              value_dim: int) -> bool:
@@ -425,7 +430,8 @@ class KernelDecode(DecodeBackend):
                     pool: mx.array, table: mx.array, lengths: mx.array, scale: float,
                     after: mx.array | None) -> tuple[mx.array, mx.array]:
         return paged_decode_qkv_attention(qkv, n_q, rope, slots, pool, table, lengths, scale,
-                                          after, stages=self.stages, mma=self.mma)
+                                          after, stages=self.stages, mma=self.mma,
+                                          warp_tiles=self.warp_tiles)
 
 
 @dataclass(frozen=True)
@@ -533,6 +539,7 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
         return GatherDecode()
     return KernelDecode(rope_in_kernel="rope-in-kernel" in experiments,
                         stages=0 if "register-kv" in experiments else DEFAULT_STAGES,
+                        warp_tiles="block-tiles" not in experiments,
                         bucketed_prefill="unfused-prefill" not in experiments,
                         bucketed_masked="unfused-masked-prefill" not in experiments,
                         align_chunks="unaligned-chunks" not in experiments,

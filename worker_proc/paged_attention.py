@@ -416,7 +416,7 @@ _STAGED_PIPE = {
     "PIPE_NEXT": "++tile;",
 }
 
-# The staged pipeline with a tile slice a warp (`WARP_TILES`): each warp copies only the
+# The staged pipeline with a tile slice a warp (`warp_tiles`): each warp copies only the
 # tokens it computes (its U * TPW rows of each tile), so a tile's arrival is a warp's
 # affair (wait, then __syncwarp) and no iteration waits at a block-wide barrier for the
 # slowest warp's copies. Same shared memory, same math.
@@ -431,9 +431,11 @@ _WARP_STAGED_PIPE["PIPE_FETCH"] = _STAGED_PIPE["PIPE_FETCH"].replace(
     """        __syncthreads();  // ... and every thread's; the stage refilled next was read by all""",
     """        __syncwarp();  // ... and the warp's; the stage refilled next was read by them""")
 assert all(_WARP_STAGED_PIPE[k] != _STAGED_PIPE[k] for k in ("PIPE_SETUP", "PIPE_FETCH"))
-# Whether the staged pipeline copies a tile slice a warp (_WARP_STAGED_PIPE); an
-# experiment until measured (bench/attention_kernel.py --tiles block,warp).
-WARP_TILES = False
+# Whether the staged pipeline copies a tile slice a warp (_WARP_STAGED_PIPE), the
+# default: on the H200 at 64 and 128 rows of 256 and 1,024 tokens (Gemma 3's heads) it
+# beat the block's copies in every case, by 2-28% (docs/benchmarks.md, session 40;
+# `--experiments block-tiles` and bench/attention_kernel.py --tiles block,warp compare).
+DEFAULT_WARP_TILES = True
 
 _READ_ONLY = {
     "PROLOGUE": "",
@@ -1325,7 +1327,8 @@ def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
                            lengths: mx.array, scale: float,
                            written: mx.array | None = None,
                            sinks: mx.array | None = None,
-                           stages: int = DEFAULT_STAGES, mma: MmaConfig | None = None) -> mx.array:
+                           stages: int = DEFAULT_STAGES, mma: MmaConfig | None = None,
+                           warp_tiles: bool = DEFAULT_WARP_TILES) -> mx.array:
     """Attention of one new token per row over its pooled context.
 
     q: [B, Hq, 1, D]; kv_pool: [slots, Hkv, 2 * D], keys then values (KVPool's layout);
@@ -1337,7 +1340,7 @@ def paged_decode_attention(q: mx.array, kv_pool: mx.array, table: mx.array,
     batch, n_q, _, dim = q.shape
     inputs = [q.reshape(batch, n_q, dim), kv_pool, table, lengths, follow_mark(written)]
     out, _ = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1], scale,
-                     write_new=False, sinks=sinks, stages=stages, mma=mma)
+                     write_new=False, sinks=sinks, stages=stages, mma=mma, warp_tiles=warp_tiles)
     return out.reshape(batch, n_q, 1, dim)
 
 
@@ -1382,7 +1385,9 @@ def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
                                  after: mx.array | None = None,
                                  sinks: mx.array | None = None,
                                  stages: int = DEFAULT_STAGES,
-                                 mma: MmaConfig | None = None) -> tuple[mx.array, mx.array]:
+                                 mma: MmaConfig | None = None,
+                                 warp_tiles: bool = DEFAULT_WARP_TILES
+                                 ) -> tuple[mx.array, mx.array]:
     """paged_decode_attention for a pool written in place, storing the step's new keys
     and values ([B, Hkv, 1, D] each, any strides) at slots [B] in the same launch: the
     pool write of pool_write_in_place and the attention in one kernel, a launch less per
@@ -1392,7 +1397,8 @@ def paged_decode_write_attention(q: mx.array, keys: mx.array, values: mx.array,
     batch, n_q, _, dim = q.shape
     inputs = [q, keys, values, kv_pool, table, lengths, follow_mark(after), slots]
     out, mark = _attend(inputs, q.dtype, batch, n_q, dim, kv_pool, table.shape[1], scale,
-                        write_new=True, sinks=sinks, stages=stages, mma=mma)
+                        write_new=True, sinks=sinks, stages=stages, mma=mma,
+                        warp_tiles=warp_tiles)
     assert mark is not None
     return out.reshape(batch, n_q, 1, dim), mark
 
@@ -1401,7 +1407,9 @@ def paged_decode_qkv_attention(qkv: mx.array, n_q: int, rope: RopeSpec, slots: m
                                kv_pool: mx.array, table: mx.array, lengths: mx.array,
                                scale: float, after: mx.array | None = None,
                                stages: int = DEFAULT_STAGES,
-                               mma: MmaConfig | None = None) -> tuple[mx.array, mx.array]:
+                               mma: MmaConfig | None = None,
+                               warp_tiles: bool = DEFAULT_WARP_TILES
+                               ) -> tuple[mx.array, mx.array]:
     """paged_decode_write_attention straight from a fused q/k/v projection's output qkv
     [B, 1, (n_q + 2 Hkv) * D] (q heads, then k, then v), unrotated: the kernel applies
     `rope` to q and the new k itself. Returns the attention's output as [B, 1, n_q * D],
@@ -1412,7 +1420,8 @@ def paged_decode_qkv_attention(qkv: mx.array, n_q: int, rope: RopeSpec, slots: m
     dim = qkv.shape[-1] // (n_q + 2 * n_kv)
     inputs = [qkv, kv_pool, table, lengths, follow_mark(after), slots, rope.kernel_params]
     out, mark = _attend(inputs, qkv.dtype, batch, n_q, dim, kv_pool, table.shape[1], scale,
-                        write_new=True, rope=rope, stages=stages, mma=mma)
+                        write_new=True, rope=rope, stages=stages, mma=mma,
+                        warp_tiles=warp_tiles)
     assert mark is not None
     return out.reshape(batch, 1, n_q * dim), mark
 
@@ -1420,13 +1429,14 @@ def paged_decode_qkv_attention(qkv: mx.array, n_q: int, rope: RopeSpec, slots: m
 def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: int,
             kv_pool: mx.array, width: int, scale: float, write_new: bool,
             rope: RopeSpec | None = None, sinks: mx.array | None = None,
-            stages: int = DEFAULT_STAGES,
-            mma: MmaConfig | None = None) -> tuple[mx.array, mx.array | None]:
+            stages: int = DEFAULT_STAGES, mma: MmaConfig | None = None,
+            warp_tiles: bool = DEFAULT_WARP_TILES) -> tuple[mx.array, mx.array | None]:
     """Launch the decode kernel (and the merge, for several splits): [B, Hq, D] in
     `dtype`, and the write's mark when it stores the new K/V. rope: the fused q/k/v
     variant (paged_decode_qkv_attention). sinks: [Hq] sink logits, which the kernel adds
     with one split, the merge with several. mma: the tensor-core kernel of this shape
-    where it serves these heads (MmaConfig.fits), else the CUDA-core one with `stages`."""
+    where it serves these heads (MmaConfig.fits), else the CUDA-core one with `stages`
+    (warp_tiles: each warp copying its own tokens' rows of the staged tiles)."""
     n_kv = kv_pool.shape[1]
     group = n_q // n_kv
     splits = num_splits(batch, n_kv, width)
@@ -1450,7 +1460,7 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
             template.append(("STAGES", stages))
     kernel = functools.partial(_kernel, write_new=write_new, fused=rope is not None,
                                staged=stages > 0 and not tensor_cores, mma=tensor_cores,
-                               dynamic_bytes=dynamic, warp_tiles=WARP_TILES)
+                               dynamic_bytes=dynamic, warp_tiles=warp_tiles)
     grid = (splits * threads, n_kv, batch)
     if splits == 1:
         with_sinks = sinks is not None
