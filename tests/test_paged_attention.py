@@ -177,12 +177,14 @@ def test_cuda_write_attention_equals_a_write_then_attention(lengths, with_sinks,
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
 @pytest.mark.parametrize("warp_tiles", [False, True])
 @pytest.mark.parametrize("n_q, n_kv, dim", [(16, 8, 256), (64, 8, 256), (32, 8, 128)])
-def test_cuda_core_kernel_wide_heads_and_warp_tiles(n_q, n_kv, dim, warp_tiles):
-    """The CUDA-core kernel (256-wide heads take 32 lanes a token: Gemma 3's 2 and 8
-    query heads a KV head), with its staged tiles copied by the block or a warp's slice
-    each (warp_tiles, the default), at one split and several: the reference's attention,
-    read-only and storing the step's K/V in the same launch."""
-    lengths = [1, 4096, 33, 257, 16, 700]
+@pytest.mark.parametrize("lengths", [[1, 4096, 33, 257, 16, 700], list(range(1, 1300, 10))],
+                         ids=["6-rows", "130-rows"])
+def test_cuda_core_kernel_wide_heads_and_warp_tiles(n_q, n_kv, dim, warp_tiles, lengths):
+    """The CUDA-core kernel (256-wide heads take 32 lanes a token in launches of up to
+    TARGET_BLOCKS blocks, 16 in 130 rows' 1,040: Gemma 3's 2 and 8 query heads a KV head),
+    with its staged tiles copied by the block or a warp's slice each (warp_tiles, the
+    default), at one split and several: the reference's attention, read-only and storing
+    the step's K/V in the same launch."""
     q, kv, table, ln = _case(n_q=n_q, n_kv=n_kv, dim=dim, dtype=mx.bfloat16, lengths=lengths,
                              seed=dim + n_q)
     got = paged_decode_attention(q, kv, table, ln, scale=dim ** -0.5, warp_tiles=warp_tiles)
@@ -696,6 +698,13 @@ def test_launches_pick_the_kernel_body_its_template_and_threads(monkeypatch):
     assert launches[-1]["warp_tiles"]
     pa.paged_decode_attention(wide, wide_pool, table, lengths, 0.1, warp_tiles=False)
     assert not launches[-1]["warp_tiles"] and launches[-1]["template"]["LANES"] == 32
+    # ... where the launch has at most TARGET_BLOCKS blocks: 128 rows' 1,024 take 16 lanes
+    # a token (faster there on the H200), with the 4 tiles that fit them.
+    rows = mx.zeros((128, 16, 1, 256), dtype=mx.bfloat16)
+    pa.paged_decode_attention(rows, wide_pool, mx.zeros((128, 50), dtype=mx.int32),
+                              mx.full((128,), 50, dtype=mx.int32), 0.1)
+    assert launches[-1]["grid"] == (128, 8, 128)
+    assert (launches[-1]["template"]["LANES"], launches[-1]["template"]["STAGES"]) == (16, 4)
 
 
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
@@ -766,7 +775,10 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
                         pa.staged_tiles(dim, 2, group))
 
     wide = compile_kernels(cuda, staged(256, 2))
-    results = wide + compile_kernels(cuda, staged(128, 8) + staged(256, 8))
+    # (and at 16 lanes, as launches of more than TARGET_BLOCKS blocks take them: no spills)
+    narrow = variants("__nv_bfloat16", 256, 2, 8, 16, pa.PASSES,
+                      pa.staged_tiles(256, 2, 2, lanes=16))
+    results = wide + compile_kernels(cuda, staged(128, 8) + staged(256, 8) + narrow)
     blocks = compile_kernels(cuda, [k for dim, group in ((256, 2), (128, 4)) for k in variants(
         "__nv_bfloat16", dim, group, 8, pa.lanes_per_token(dim), pa.PASSES,
         pa.staged_tiles(dim, 2, group), warp_tiles=False)])  # --experiments block-tiles
