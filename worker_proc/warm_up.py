@@ -167,7 +167,6 @@ def trace_decode_shapes(runner: ModelRunner, max_batch: int) -> int:
     return len(buckets) * len(widths)
 
 
-
 def probe_prefill_bytes(runner: ModelRunner, step: int, lengths: list[int]) -> float:
     """Bytes of device memory a prefill token holds: the peak MLX reports over one step
     prefilling fresh prompts of `lengths` (one forward where the runner shares forwards
