@@ -380,6 +380,8 @@ def bench_server(name: str, model_dir: Path, args: argparse.Namespace,
         doc = measure(server, model_dir, args, sweep_seconds) | {"ready_s": round(ready_s, 1)}
     finally:
         stop_server(server)
+    if name.startswith("kiln"):
+        doc["worker"] = worker_digest(server.log)
     (args.out / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
     return doc
 
@@ -419,6 +421,8 @@ def bench_interleaved(names: list[str], model_dir: Path, args: argparse.Namespac
     for name in names:
         doc = median_round(rounds[name]) | {"ready_s": round(ready[name], 1),
                                             "rounds": rounds[name]}
+        if name.startswith("kiln"):
+            doc["worker"] = worker_digest(args.out / f"{name}.log")
         (args.out / f"{name}.json").write_text(json.dumps(doc, indent=2) + "\n")
         sweeps[name] = doc
     return sweeps
@@ -454,6 +458,26 @@ class KVFootprint:
         # The state memory is one row per running request and one per prompt-end snapshot.
         return cls(float(states[1]) * 2**20 / (int(states[2]) + int(states[3]))
                    if states else 0.0)
+
+
+# The worker's start-up lines that say how it sized itself, its periodic memory figures, and
+# its failed steps (a step failing as a whole ends every request it held: session 40's
+# out-of-memory read as a throughput of 3.5 tok/s until its log was opened).
+_SIZING_LINE = re.compile(r"worker: ((?:KV pool|MLX buffer cache capped|prefill forwards of "
+                          r"up to|prefill chunks of up to|decode first)[^\n]*)")
+_MEMORY_LINE = re.compile(r"memory GiB: active ([\d.]+), peak ([\d.]+)")
+_FAILED_STEP = "a step failed; ending every request the worker holds"
+
+
+def worker_digest(log: Path) -> dict[str, Any]:
+    """What a kiln server's log says of its worker: the sizing lines, the highest active
+    and peak memory of its periodic summaries (GiB), and how many steps failed whole."""
+    text = log.read_text(errors="replace") if log.exists() else ""
+    figures = [(float(a), float(p)) for a, p in _MEMORY_LINE.findall(text)]
+    return {"sizing": _SIZING_LINE.findall(text),
+            "active_gib": max((a for a, _ in figures), default=None),
+            "peak_gib": max((p for _, p in figures), default=None),
+            "failed_steps": text.count(_FAILED_STEP)}
 
 
 class KVProbe:
@@ -532,8 +556,21 @@ def summary_table(sweeps: dict[str, dict[str, Any]]) -> str:
                          f"{r['itl_ms']['p50']:>8.1f}ms{r['tpot_ms']['p50']:>8.1f}ms"
                          f"{r['e2e_ms']['p50'] / 1e3:>9.1f}s"
                          f"{r['failed']:>8}{r.get('retries', 0):>9}")
-    lines += _ratios(sweeps) + _round_lines(sweeps) + _kv_lines(sweeps)
+    lines += _ratios(sweeps) + _round_lines(sweeps) + _kv_lines(sweeps) + _worker_lines(sweeps)
     return "\n".join(lines)
+
+
+def _worker_lines(sweeps: dict[str, dict[str, Any]]) -> list[str]:
+    """Each kiln server's worker digest (worker_digest), where recorded."""
+    out = []
+    for name, doc in sweeps.items():
+        w = doc.get("worker")
+        if w is None:
+            continue
+        out += [f"{name} worker: {line}" for line in w["sizing"]]
+        out.append(f"{name} worker: memory GiB active {w['active_gib']}, peak {w['peak_gib']}; "
+                   f"{w['failed_steps']} steps failed whole")
+    return out
 
 
 def _round_lines(sweeps: dict[str, dict[str, Any]]) -> list[str]:

@@ -152,3 +152,31 @@ def test_interleaved_rounds_rotate_the_servers_and_compare_within_a_round(tmp_pa
     assert "round 1: kiln / mlx_lm.server (backlog 1024) output tok/s at 64: 6.00x" in table
     assert "round 3: kiln / mlx_lm.server (backlog 1024) output tok/s at 64: 2.00x" in table
     assert "output tok/s at 64: 4.00x" in table  # the medians' ratio
+
+
+def test_worker_digest_reads_sizing_memory_and_failed_steps(tmp_path: Path) -> None:
+    """The compare harness records how each kiln worker sized itself, its highest memory
+    figures and the steps that failed whole, from the server's log."""
+    from bench.h200_compare import _worker_lines, worker_digest
+
+    log = tmp_path / "kiln.log"
+    log.write_text(
+        "21:45:40    launcher INFO    launcher: worker: MLX buffer cache capped at 5.1 GiB\n"
+        "21:45:40    launcher INFO    launcher: worker: KV pool: 252936 slots, 31617.1 MiB\n"
+        "21:45:52    launcher INFO    launcher: worker: prefill forwards of up to 1216 tokens, "
+        "two within 24.9 GiB (probes: 10.2 MiB a token shared, 2.7 lone)\n"
+        "21:46:43      worker INFO    worker_proc: 133.3 steps/s ...; memory GiB: active 44.2, "
+        "peak 64.3, cache 5.1\n"
+        "21:46:44      worker INFO    worker_proc: 98.0 steps/s ...; memory GiB: active 45.0, "
+        "peak 61.0, cache 5.1\n"
+        "21:46:00      worker ERROR   worker_proc: a step failed; ending every request the "
+        "worker holds\n")
+    digest = worker_digest(log)
+    assert digest["sizing"] == [
+        "MLX buffer cache capped at 5.1 GiB", "KV pool: 252936 slots, 31617.1 MiB",
+        "prefill forwards of up to 1216 tokens, two within 24.9 GiB (probes: 10.2 MiB a "
+        "token shared, 2.7 lone)"]
+    assert (digest["active_gib"], digest["peak_gib"], digest["failed_steps"]) == (45.0, 64.3, 1)
+    lines = _worker_lines({"kiln": {"worker": digest}, "mlx_lm": {}})
+    assert lines[-1] == "kiln worker: memory GiB active 45.0, peak 64.3; 1 steps failed whole"
+    assert worker_digest(tmp_path / "missing.log")["failed_steps"] == 0
