@@ -1087,6 +1087,37 @@ def test_a_smaller_bucket_keeps_decode_firsts_chunks_on_its_edges(tiny_model, or
     assert set(fused) == {(256, 256, 0), (256, 512, 0), (256, 768, 0)} and not masked
 
 
+def test_a_burst_of_short_prompts_never_reaches_cudnn(tiny_model, oracle, monkeypatch):
+    """Several fresh prompts shorter than FUSED_PREFILL_BUCKET in one forward (a burst's)
+    take the unfused attention even where a smaller decode-first bucket pads a lone
+    prompt of that length through the fused call (cuDNN builds a graph for each count of
+    prompts); greedy tokens stay mlx-lm's (the CUDA stand-in)."""
+    from worker_proc import decode_backend
+
+    model, tokenizer = tiny_model
+    fused = []
+    bucketed, bucketed_masked = (decode_backend.bucketed_fused_attention,
+                                 decode_backend.bucketed_masked_attention)
+    monkeypatch.setattr(decode_backend, "bucketed_fused_attention",
+                        lambda q, *a, **k: (fused.append(q.shape[:3]), bucketed(q, *a, **k))[1])
+    monkeypatch.setattr(decode_backend, "bucketed_masked_attention",
+                        lambda q, *a, **k: (fused.append(q.shape[:3]),
+                                            bucketed_masked(q, *a, **k))[1])
+    engine = InProcessEngine(model, chunk_size=512, max_prefill_tokens=2048,
+                             backend=StandInKernel(prefill_bucket=128))
+    prompts = _prompts(5, [130, 140, 150, 135, 145], model.args.vocab_size, seed=12)
+    for i, p in enumerate(prompts):
+        engine.submit(f"b{i}", p, 6, _eos(tokenizer))
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"b{i}"].token_ids == oracle(p, 6)
+    assert fused == []
+    lone = _prompts(1, [200], model.args.vocab_size, seed=13)[0]
+    engine.submit("lone", lone, 6, _eos(tokenizer))
+    assert engine.run_until_idle()["lone"].token_ids == oracle(lone, 6)
+    assert fused and all(shape[0] == 1 for shape in fused)  # alone: padded to 256, fused
+
+
 def test_a_forwards_layers_share_one_causal_mask(tiny_model, oracle, monkeypatch):
     """The unfused prefill path's causal mask is built once a forward (in the graph, not
     from host data), however many layers attend through it."""

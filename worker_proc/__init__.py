@@ -221,14 +221,14 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
 
 def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chunk: int,
                          say: Callable[[str], None]) -> None:
-    """Measure what prefill forwards hold (one lone prompt of a chunk's length; where
-    forwards are shared, prompts one token under the width where attention turns fused,
-    whose unfused scores make the costliest shared tokens) and bound them by the device
-    memory left beside the pool (memory.prefill_room): the shared forwards' cap, and the
-    room ModelRunner._launch_prefill keeps two forwards in flight within. An H100 ran out
-    of memory in a burst of short prompts with two 2,048-token forwards beside a pool of
-    60% of the free memory (docs/benchmarks.md, session 40)."""
-    from worker_proc.decode_backend import MASKED_MIN_QUERIES
+    """Measure what prefill forwards hold and bound them by the device memory left beside
+    the pool (memory.prefill_room): the shared forwards' cap, and the room
+    ModelRunner._launch_prefill keeps two forwards in flight within. Two probes: a lone
+    prompt of a chunk's length, and, where forwards are shared, fresh prompts one token
+    short of FUSED_PREFILL_BUCKET, the most a shared forward's attention takes unfused
+    (decode_backend._short_fresh_prompts): the costliest shared tokens. An H100
+    ran out of memory in a burst of short prompts with two 2,048-token forwards beside a
+    pool of 60% of the free memory (docs/benchmarks.md, session 40)."""
     from worker_proc.memory import available_memory_bytes, prefill_forward_tokens, prefill_room
     from worker_proc.prefill_attention import FUSED_PREFILL_BUCKET
     from worker_proc.runner import PrefillMemory
@@ -241,8 +241,7 @@ def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chu
     try:
         lone = probe_prefill_bytes(runner, step, [longest])
         shared = lone
-        bucket = getattr(runner.pool.backend, "prefill_bucket", FUSED_PREFILL_BUCKET)
-        width = min(bucket, MASKED_MIN_QUERIES, runner.max_context + 1) - 1
+        width = min(FUSED_PREFILL_BUCKET, runner.max_context + 1) - 1
         n = min(runner.prefill_forward_tokens // max(width, 1), space // max(width, 1),
                 runner.table.shape[0])
         if runner.shares_prefill and width > 0 and n >= 2:
