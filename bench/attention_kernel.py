@@ -249,7 +249,8 @@ def main() -> None:
     if len(args.heads) != 3:
         p.error("--heads: query heads, KV heads, head size (three numbers)")
     _set_heads(*args.heads)
-    args.shapes = args.shapes or [(pa.lanes_per_token(DIM), pa.PASSES)]  # as served
+    served = args.shapes is None  # each batch's lanes as the server picks them
+    args.shapes = args.shapes or [(0, pa.PASSES)]
     if not pa.kernel_available():
         sys.exit("needs MLX's CUDA backend")
     rng = np.random.default_rng(0)
@@ -271,9 +272,11 @@ def main() -> None:
         print(f"batch {batch:4d}  reading the K/V alone            {floor:8.1f}")
         for (lanes, passes), target, stages, owner in itertools.product(
                 args.shapes, args.targets, args.stages, args.tiles):
-            pa.LANES_PER_TOKEN = pa.WIDE_HEAD_LANES = lanes
+            if not served:
+                pa.LANES_PER_TOKEN = pa.WIDE_HEAD_LANES = lanes
             pa.PASSES, pa.TARGET_BLOCKS = passes, target
-            tiles = pa.staged_tiles(DIM, 2, N_Q // N_KV, stages)
+            lanes = pa.lanes_per_token(DIM, N_Q // N_KV, batch * N_KV)
+            tiles = pa.staged_tiles(DIM, 2, N_Q // N_KV, stages, lanes)
             if owner == "warp" and not tiles:
                 continue  # the register prefetch has no tiles to own
             splits = pa.num_splits(batch, N_KV, args.context)

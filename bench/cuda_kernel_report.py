@@ -323,7 +323,9 @@ def main() -> None:
                    help="the paged prefill kernels too (--head-dim, --group, --kv-heads)")
     p.add_argument("--keep", type=Path, help="write the .cu files here too")
     args = p.parse_args()
-    args.shapes = args.shapes or [(pa.lanes_per_token(args.head_dim), pa.PASSES)]  # as served
+    if args.shapes is None:  # as served: wide heads take either lanes, by the launch's rows
+        lanes = {pa.lanes_per_token(args.head_dim, args.group, rows) for rows in (0, 1 << 20)}
+        args.shapes = [(n, pa.PASSES) for n in sorted(lanes, reverse=True)]
     if args.cuda is None:
         sys.exit("no CUDA toolkit found: pass --cuda")
     itemsize = 4 if args.dtype == "float" else 2

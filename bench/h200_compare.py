@@ -464,20 +464,25 @@ class KVFootprint:
 # its failed steps (a step failing as a whole ends every request it held: session 40's
 # out-of-memory read as a throughput of 3.5 tok/s until its log was opened).
 _SIZING_LINE = re.compile(r"worker: ((?:KV pool|MLX buffer cache capped|prefill forwards of "
-                          r"up to|prefill chunks of up to|decode first)[^\n]*)")
+                          r"up to|prefill chunks of up to|decode first|windowed layers|"
+                          r"recurrent states)[^\n]*)")
 _MEMORY_LINE = re.compile(r"memory GiB: active ([\d.]+), peak ([\d.]+)")
 _FAILED_STEP = "a step failed; ending every request the worker holds"
+_DIED_LINE = re.compile(r"launcher: (worker died[^\n]*)")
 
 
 def worker_digest(log: Path) -> dict[str, Any]:
     """What a kiln server's log says of its worker: the sizing lines, the highest active
-    and peak memory of its periodic summaries (GiB), and how many steps failed whole."""
+    and peak memory of its periodic summaries (GiB), how many steps failed whole, and the
+    launcher's line if the worker died."""
     text = log.read_text(errors="replace") if log.exists() else ""
     figures = [(float(a), float(p)) for a, p in _MEMORY_LINE.findall(text)]
+    died = _DIED_LINE.search(text)
     return {"sizing": _SIZING_LINE.findall(text),
             "active_gib": max((a for a, _ in figures), default=None),
             "peak_gib": max((p for _, p in figures), default=None),
-            "failed_steps": text.count(_FAILED_STEP)}
+            "failed_steps": text.count(_FAILED_STEP),
+            "died": died[1] if died else None}
 
 
 class KVProbe:
@@ -568,8 +573,10 @@ def _worker_lines(sweeps: dict[str, dict[str, Any]]) -> list[str]:
         if w is None:
             continue
         out += [f"{name} worker: {line}" for line in w["sizing"]]
-        out.append(f"{name} worker: memory GiB active {w['active_gib']}, peak {w['peak_gib']}; "
-                   f"{w['failed_steps']} steps failed whole")
+        memory = (f"memory GiB active {w['active_gib']}, peak {w['peak_gib']}"
+                  if w["peak_gib"] is not None else "no memory summary logged")
+        out.append(f"{name} worker: {memory}; {w['failed_steps']} steps failed whole"
+                   + (f"; {w['died']}" if w.get("died") else ""))
     return out
 
 

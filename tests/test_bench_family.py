@@ -170,7 +170,8 @@ def test_worker_digest_reads_sizing_memory_and_failed_steps(tmp_path: Path) -> N
         "21:46:44      worker INFO    worker_proc: 98.0 steps/s ...; memory GiB: active 45.0, "
         "peak 61.0, cache 5.1\n"
         "21:46:00      worker ERROR   worker_proc: a step failed; ending every request the "
-        "worker holds\n")
+        "worker holds\n"
+        "21:46:01    launcher ERROR   launcher: worker died (exit code 1): DeviceLost\n")
     digest = worker_digest(log)
     assert digest["sizing"] == [
         "MLX buffer cache capped at 5.1 GiB", "KV pool: 252936 slots, 31617.1 MiB",
@@ -178,5 +179,9 @@ def test_worker_digest_reads_sizing_memory_and_failed_steps(tmp_path: Path) -> N
         "token shared, 2.7 lone)"]
     assert (digest["active_gib"], digest["peak_gib"], digest["failed_steps"]) == (45.0, 64.3, 1)
     lines = _worker_lines({"kiln": {"worker": digest}, "mlx_lm": {}})
-    assert lines[-1] == "kiln worker: memory GiB active 45.0, peak 64.3; 1 steps failed whole"
-    assert worker_digest(tmp_path / "missing.log")["failed_steps"] == 0
+    assert lines[-1] == ("kiln worker: memory GiB active 45.0, peak 64.3; 1 steps failed whole; "
+                         "worker died (exit code 1): DeviceLost")
+    missing = worker_digest(tmp_path / "missing.log")
+    assert missing["failed_steps"] == 0 and missing["died"] is None
+    assert _worker_lines({"kiln": {"worker": missing}}) == [
+        "kiln worker: no memory summary logged; 0 steps failed whole"]

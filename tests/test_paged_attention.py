@@ -180,8 +180,8 @@ def test_cuda_write_attention_equals_a_write_then_attention(lengths, with_sinks,
 @pytest.mark.parametrize("lengths", [[1, 4096, 33, 257, 16, 700], list(range(1, 1300, 10))],
                          ids=["6-rows", "130-rows"])
 def test_cuda_core_kernel_wide_heads_and_warp_tiles(n_q, n_kv, dim, warp_tiles, lengths):
-    """The CUDA-core kernel (256-wide heads take 32 lanes a token in launches of up to
-    TARGET_BLOCKS blocks, 16 in 130 rows' 1,040: Gemma 3's 2 and 8 query heads a KV head),
+    """The CUDA-core kernel (256-wide heads take 32 lanes a token, 16 at 2 query heads a KV
+    head over 130 rows x 8 KV heads: Gemma 3's 2, and 8 query heads a KV head),
     with its staged tiles copied by the block or a warp's slice each (warp_tiles, the
     default), at one split and several: the reference's attention, read-only and storing
     the step's K/V in the same launch."""
@@ -698,13 +698,16 @@ def test_launches_pick_the_kernel_body_its_template_and_threads(monkeypatch):
     assert launches[-1]["warp_tiles"]
     pa.paged_decode_attention(wide, wide_pool, table, lengths, 0.1, warp_tiles=False)
     assert not launches[-1]["warp_tiles"] and launches[-1]["template"]["LANES"] == 32
-    # ... where the launch has at most TARGET_BLOCKS blocks: 128 rows' 1,024 take 16 lanes
-    # a token (faster there on the H200), with the 4 tiles that fit them.
+    # ... but at 2 query heads a KV head over more than WIDE_HEAD_MAX_ROW_HEADS rows x KV
+    # heads (128 x 8) 16 lanes a token (faster there on the H200), with the 4 tiles that
+    # fit them.
     rows = mx.zeros((128, 16, 1, 256), dtype=mx.bfloat16)
     pa.paged_decode_attention(rows, wide_pool, mx.zeros((128, 50), dtype=mx.int32),
                               mx.full((128,), 50, dtype=mx.int32), 0.1)
     assert launches[-1]["grid"] == (128, 8, 128)
     assert (launches[-1]["template"]["LANES"], launches[-1]["template"]["STAGES"]) == (16, 4)
+    assert pa.lanes_per_token(256, 8, 1024) == pa.lanes_per_token(512, 2, 1024) == 32
+    assert pa.lanes_per_token(256, 2, 512) == 32 and pa.lanes_per_token(128, 2, 8) == 16
 
 
 @pytest.mark.skipif(not kernel_available(), reason="the CUDA kernel needs MLX's CUDA backend")
@@ -771,7 +774,7 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     # without spills; 16 (Qwen3-235B) with two tiles (its accumulators spill with the
     # register prefetch too).
     def staged(dim: int, group: int) -> list:
-        return variants("__nv_bfloat16", dim, group, 8, pa.lanes_per_token(dim), pa.PASSES,
+        return variants("__nv_bfloat16", dim, group, 8, pa.lanes_per_token(dim, group), pa.PASSES,
                         pa.staged_tiles(dim, 2, group))
 
     wide = compile_kernels(cuda, staged(256, 2))
@@ -780,7 +783,7 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
                       pa.staged_tiles(256, 2, 2, lanes=16))
     results = wide + compile_kernels(cuda, staged(128, 8) + staged(256, 8) + narrow)
     blocks = compile_kernels(cuda, [k for dim, group in ((256, 2), (128, 4)) for k in variants(
-        "__nv_bfloat16", dim, group, 8, pa.lanes_per_token(dim), pa.PASSES,
+        "__nv_bfloat16", dim, group, 8, pa.lanes_per_token(dim, group), pa.PASSES,
         pa.staged_tiles(dim, 2, group), warp_tiles=False)])  # --experiments block-tiles
     wide += blocks[:len(blocks) // 2]
     results += blocks

@@ -230,7 +230,8 @@ def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chu
     ran out of memory in a burst of short prompts with two 2,048-token forwards beside a
     pool of 60% of the free memory (docs/benchmarks.md, session 40)."""
     from worker_proc.memory import available_memory_bytes, prefill_forward_tokens, prefill_room
-    from worker_proc.prefill_attention import FUSED_PREFILL_BUCKET
+    from worker_proc.kv_pool import attention_specs
+    from worker_proc.prefill_attention import FUSED_PREFILL_BUCKET, UNFUSED_SCORES_MAX_BYTES
     from worker_proc.runner import PrefillMemory
     from worker_proc.warm_up import probe_prefill_bytes, probe_space
 
@@ -241,10 +242,11 @@ def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chu
     try:
         lone = probe_prefill_bytes(runner, step, [longest])
         shared = lone
-        width = min(FUSED_PREFILL_BUCKET, runner.max_context + 1) - 1
-        n = min(runner.prefill_forward_tokens // max(width, 1), space // max(width, 1),
-                runner.table.shape[0])
-        if runner.shares_prefill and width > 0 and n >= 2:
+        width = max(1, min(FUSED_PREFILL_BUCKET, runner.max_context + 1) - 1)
+        heads = max((s.query_heads for s in attention_specs(runner.pool.specs)), default=1)
+        n = min(runner.prefill_forward_tokens // width, space // width, runner.table.shape[0],
+                UNFUSED_SCORES_MAX_BYTES // (max(heads, 1) * width * width * 4))
+        if runner.shares_prefill and n >= 2:
             # A shared forward may be as wide as a lone one (heads MLX's fused prefill
             # does not take keep their scores at every width): the costlier of the two.
             shared = max(lone, probe_prefill_bytes(runner, step + 2, [width] * n))

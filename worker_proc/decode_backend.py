@@ -277,7 +277,9 @@ class KernelDecode(DecodeBackend):
         # A float mask is added to the scores (MLA's RoPE part, its model's own): no
         # bucketed bias is made of it, the unfused path takes it as it is.
         additive = isinstance(mask, mx.array) and mask.dtype != mx.bool_
-        if self.bucketed_prefill and not additive and not _short_fresh_prompts(queries, keys):
+        if self.bucketed_prefill and not additive and not (
+                _short_fresh_prompts(queries, keys)
+                and unfused_prefill_fits(queries.shape, keys.shape[2])):
             pad = fused_bucket_padding(queries.shape[2], keys.shape[2], mask,
                                        self.prefill_bucket)
             if pad is not None:
@@ -526,11 +528,14 @@ def _tensor_cores(specs: list, experiments: frozenset[str]) -> MmaConfig | None:
 
 def _short_fresh_prompts(queries: mx.array, keys: mx.array) -> bool:
     """Whether a prefill forward is several fresh prompts shorter than FUSED_PREFILL_BUCKET
-    (a burst's shared forward), which the unfused path takes: cuDNN builds a graph for
-    every new shape, the prompt count included, and a burst's forwards of short prompts
-    meet a new count nearly every time (a 64-prompt wave's steps started in ~200 ms on the
-    H100 with the 128-token bucket that sent them to cuDNN, against 9-50 ms before;
-    docs/benchmarks.md, session 40); their scores are small."""
+    (a burst's shared forward), which the unfused path takes where its scores fit: cuDNN
+    builds a graph for every new shape, the prompt count included, and a burst's forwards
+    of short prompts meet a new count nearly every time (a 64-prompt wave's steps started
+    in ~200 ms on the H100 with the 128-token bucket that sent those of 128+ tokens to
+    cuDNN, against 9-50 ms before; docs/benchmarks.md, session 40). Those of 256-511
+    tokens had gone to cuDNN through the masked path at any bucket; unfused now too,
+    unmeasured. (Rows at different starts whose keys end at the longest query row pass
+    this test too; the unfused path takes their mask as it is.)"""
     return (queries.shape[0] > 1 and keys.shape[2] == queries.shape[2]
             and queries.shape[2] < FUSED_PREFILL_BUCKET)
 

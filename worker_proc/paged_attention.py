@@ -43,22 +43,27 @@ _THREADS = 128  # four warps per block
 # the softmax math on every lane, more passes or fewer lanes cost registers (occupancy).
 LANES_PER_TOKEN = 16
 PASSES = 1
-# Heads this wide or wider take WIDE_HEAD_LANES lanes a token in a launch of at most
-# TARGET_BLOCKS blocks: at 16, a lane of a 256-wide head holds 16 elements of each of q,
-# the accumulators, K and V, ~135-146 registers a thread (ptxas,
-# bench/cuda_kernel_report.py), room for three blocks an SM, so a 64-row step's 512 blocks
-# (Gemma 3's 8 KV heads) ran in two waves; at 32, ~72-88. On the H200 (session 40) 32
-# lanes won at 64 rows (7-24% with warp-copied tiles), 16 at 128 rows' 1,024 blocks (3-9%).
+# Heads this wide or wider take WIDE_HEAD_LANES lanes a token: at 16, a lane of a 256-wide
+# head holds 16 elements of each of q, the accumulators, K and V, ~135-146 registers a
+# thread at 2 query heads a KV head (ptxas, bench/cuda_kernel_report.py), room for three
+# blocks an SM, so a 64-row step's 512 blocks (Gemma 3's 8 KV heads) ran in two waves; at
+# 32, ~72-88 (at 4 or 8 query heads a KV head 16 lanes take ~200-255 and spill). On the
+# H200 (session 40) 32 lanes won at 64 rows x 8 KV heads (7-24% with warp-copied tiles),
+# 16 at 128 rows (3-9%): 256-wide heads of 2 query heads a KV head take 16 lanes past
+# WIDE_HEAD_MAX_ROW_HEADS (rows x KV heads).
 WIDE_HEAD_DIM = 256
 WIDE_HEAD_LANES = 32
+WIDE_HEAD_MAX_ROW_HEADS = 512
 
 
-def lanes_per_token(dim: int, blocks: int = 0) -> int:
-    """Lanes sharing a token's dot products in the CUDA-core kernel, for heads of `dim` in
-    a launch of `blocks` thread blocks."""
-    if dim >= WIDE_HEAD_DIM and blocks <= TARGET_BLOCKS:
-        return WIDE_HEAD_LANES
-    return LANES_PER_TOKEN
+def lanes_per_token(dim: int, group: int = 1, row_heads: int = 0) -> int:
+    """Lanes sharing a token's dot products in the CUDA-core kernel, for heads of `dim`
+    with `group` query heads a KV head, in a launch over `row_heads` (rows x KV heads)."""
+    if dim < WIDE_HEAD_DIM:
+        return LANES_PER_TOKEN
+    if dim == WIDE_HEAD_DIM and group <= 2 and row_heads > WIDE_HEAD_MAX_ROW_HEADS:
+        return LANES_PER_TOKEN
+    return WIDE_HEAD_LANES
 
 
 # K/V tiles a block keeps in flight through shared memory (cp.async, sm_80+), fewer where
@@ -89,13 +94,14 @@ def fits_shared_memory(dim: int, group: int) -> bool:
 def staged_tiles(dim: int, itemsize: int, group: int, stages: int = DEFAULT_STAGES,
                  lanes: int = 0) -> int:
     """Tiles of the staged pipeline for this head size, pool dtype and query heads per KV
-    head (and lanes a token: lanes_per_token's for a one-wave launch where 0): `stages`,
+    head (and lanes a token: lanes_per_token's for a small launch where 0): `stages`,
     fewer where they would not fit beside the rest of the block's shared memory
     (Llama-3-70B's 8 query heads a KV head leave room for 6), 0 when fewer than two fit
     (the register prefetch then) or when off."""
     if stages < 2:
         return 0
-    tile = _THREADS // 32 * PASSES * (32 // (lanes or lanes_per_token(dim))) * 2 * dim * itemsize
+    tile = (_THREADS // 32 * PASSES * (32 // (lanes or lanes_per_token(dim, group)))
+            * 2 * dim * itemsize)
     room = min(_STAGE_BYTES_MAX, _STATIC_SHARED_MAX - _shared_bytes(dim, group))
     tiles = min(stages, room // tile)
     return tiles if tiles >= 2 else 0
@@ -1463,7 +1469,7 @@ def _attend(inputs: list[mx.array], dtype: mx.Dtype, batch: int, n_q: int, dim: 
         dynamic = mma.dynamic_bytes(dim, group)
     else:
         threads, dynamic = _THREADS, 0
-        lanes = lanes_per_token(dim, splits * n_kv * batch)
+        lanes = lanes_per_token(dim, group, batch * n_kv)
         template += [("LANES", lanes), ("PASSES", PASSES)]
         stages = staged_tiles(dim, kv_pool.dtype.size, group, stages, lanes)
         if stages:
