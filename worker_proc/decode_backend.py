@@ -277,9 +277,10 @@ class KernelDecode(DecodeBackend):
         # A float mask is added to the scores (MLA's RoPE part, its model's own): no
         # bucketed bias is made of it, the unfused path takes it as it is.
         additive = isinstance(mask, mx.array) and mask.dtype != mx.bool_
+        # Whether the unfused path below can take it (float32 scores within bounds).
+        unfused_fits = unfused_prefill_fits(queries.shape, keys.shape[2], 2 if additive else 1)
         if self.bucketed_prefill and not additive and not (
-                _short_fresh_prompts(queries, keys)
-                and unfused_prefill_fits(queries.shape, keys.shape[2])):
+                unfused_fits and _short_fresh_prompts(queries, keys)):
             pad = fused_bucket_padding(queries.shape[2], keys.shape[2], mask,
                                        self.prefill_bucket)
             if pad is not None:
@@ -289,7 +290,7 @@ class KernelDecode(DecodeBackend):
                                     self.prefill_bucket)
                 return bucketed_masked_attention(queries, keys, values, scale, bias, sinks)
         # No cuDNN graph build per prompt shape, while the float32 scores stay small.
-        if unfused_prefill_fits(queries.shape, keys.shape[2], 2 if additive else 1):
+        if unfused_fits:
             if isinstance(mask, str):  # one causal mask for the forward's layers
                 n_new, n_keys = queries.shape[2], keys.shape[2]
                 mask = once(("causal mask", n_new, n_keys),
