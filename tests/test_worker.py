@@ -183,13 +183,47 @@ def test_prefill_forwards_fit_the_room_the_probes_measure(monkeypatch, family, o
     said = []
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 1 << 40)
     worker_proc.fit_prefill_forwards(runner, 10, 1 << 28, 256, said.append)
-    assert runner.prefill_forward_tokens == runner_module.PREFILL_FORWARD_TOKENS
-    assert runner.prefill_memory.lone > 0 and runner.prefill_memory.shared >= runner.prefill_memory.lone
-    assert runner.requests == {} and "prefill forwards of up to 2048 tokens" in said[0]
+    measured = runner.prefill_memory
+    assert all(runner.forward_cap(w) == runner_module.PREFILL_FORWARD_TOKENS
+               for w in (1, 64, 200, 511, 4096))
+    assert measured.lone > 0 and runner.requests == {}
+    assert "prefill forwards of up to 2048 tokens" in said[0]
+    if runner.shares_prefill:  # the wider where two such prompts fit the (300-slot) space
+        wide = [] if {"capacity", "window_slots"} & set(options) else [511]
+        assert [w for w, _ in measured.shared] == [worker_proc.SHARED_PROBE_WIDTH, *wide]
+        assert all(b > 0 for _, b in measured.shared)
+    else:
+        assert measured.shared == ()
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 0)
     worker_proc.fit_prefill_forwards(runner, 20, 1 << 28, 256, said.append)
-    assert runner.prefill_forward_tokens == memory.LEAST_FORWARD_TOKENS
+    assert all(runner.forward_cap(w) == memory.LEAST_FORWARD_TOKENS for w in (1, 511, 4096))
     assert runner.prefill_memory.room == 0
+
+
+def test_shared_forwards_take_more_tokens_where_their_prompts_are_narrower(tiny_model):
+    """A token's measured bytes by forward width: on the line between two probed widths,
+    the narrowest's below them, the costlier of the widest's and a lone prompt's past
+    them; the cap of a forward follows its width, and a new measure replaces the caps."""
+    from worker_proc.runner import PrefillMemory
+
+    mib = 1 << 20
+    memory = PrefillMemory(room=4000 * mib, lone=3 * mib, shared=((64, 4 * mib), (511, 8 * mib)))
+    assert memory.token_bytes(False, 100) == 3 * mib
+    assert memory.token_bytes(True, 10) == memory.token_bytes(True, 64) == 4 * mib
+    assert memory.token_bytes(True, 511) == 8 * mib
+    assert 4 * mib < memory.token_bytes(True, 200) < memory.token_bytes(True, 300) < 8 * mib
+    assert memory.token_bytes(True, 4096) == 8 * mib
+    assert PrefillMemory(room=0, lone=9 * mib, shared=((64, mib),)).token_bytes(True, 100) == 9 * mib
+    assert PrefillMemory(room=0, lone=9 * mib).token_bytes(True, 100) == 9 * mib
+
+    runner = InProcessEngine(tiny_model[0], capacity=200).runner
+    runner.set_prefill_memory(memory)
+    # two forwards of 2,000 MiB: 500 tokens at 4 MiB, 250 at 8 (multiples of 64, never
+    # below memory.LEAST_FORWARD_TOKENS)
+    assert runner.forward_cap(64) == 448 and runner.forward_cap(600) == 256
+    assert runner.forward_cap(64) > runner.forward_cap(300) >= runner.forward_cap(600)
+    runner.set_prefill_memory(PrefillMemory(room=1 << 40, lone=mib))
+    assert runner.forward_cap(64) == runner_module.PREFILL_FORWARD_TOKENS
 
 
 def test_a_forward_past_the_room_waits_for_the_one_before(tiny_model, oracle, monkeypatch):
@@ -210,7 +244,7 @@ def test_a_forward_past_the_room_waits_for_the_one_before(tiny_model, oracle, mo
     for seed, room, waits_first in ((6, 1 << 40, False), (7, 1, True)):
         # new prompts each round: none a prefix hit, so the step has several forwards
         prompts = _prompts(6, [9, 11, 12, 10, 8, 13], model.args.vocab_size, seed=seed)
-        runner.prefill_memory = PrefillMemory(room=room, shared=1.0, lone=1.0)
+        runner.set_prefill_memory(PrefillMemory(room=room, lone=1.0, shared=((1, 1.0),)))
         phases.clear()
         for i, p in enumerate(prompts):
             engine.submit(f"r{room}-{i}", p, 6, _eos(tokenizer))
@@ -243,6 +277,9 @@ def test_group_by_length_bounds_padding():
     groups = group_by_length([130] * 64, max_tokens=2048)
     assert [len(g) for g in groups] == [15, 15, 15, 15, 4]
     assert group_by_length([3000, 100, 100], max_tokens=2048) == [[0], [1, 2]]
+    # a cap by the group's longest chunk: narrow chunks share more
+    by_width = group_by_length([100] * 8 + [50] * 8, max_tokens=lambda w: 400 if w > 60 else 800)
+    assert [len(g) for g in by_width] == [4, 4, 8]
 
 
 @pytest.mark.parametrize("forward_tokens", [None, 30])

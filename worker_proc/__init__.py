@@ -27,6 +27,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 _SUMMARY_POLL_MS = 1000
+# The narrower shared prefill probe's prompts (fit_prefill_forwards): a burst of chat
+# prompts is mostly tens to a few hundred tokens each.
+SHARED_PROBE_WIDTH = 64
 
 
 def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
@@ -222,14 +225,16 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
 def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chunk: int,
                          say: Callable[[str], None]) -> None:
     """Measure what prefill forwards hold and bound them by the device memory left beside
-    the pool (memory.prefill_room): the shared forwards' cap, and the room
-    ModelRunner._launch_prefill keeps two forwards in flight within. Two probes: a lone
-    prompt of a chunk's length, and, where forwards are shared, fresh prompts one token
-    short of FUSED_PREFILL_BUCKET, the most a shared forward's attention takes unfused
-    (decode_backend._short_fresh_prompts): the costliest shared tokens. An H100
-    ran out of memory in a burst of short prompts with two 2,048-token forwards beside a
-    pool of 60% of the free memory (docs/benchmarks.md, session 40)."""
-    from worker_proc.memory import available_memory_bytes, prefill_forward_tokens, prefill_room
+    the pool (memory.prefill_room): the shared forwards' caps (ModelRunner.forward_cap),
+    and the room ModelRunner._launch_prefill keeps two forwards in flight within. Probes:
+    a lone prompt of a chunk's length and, where forwards are shared, fresh prompts
+    SHARED_PROBE_WIDTH tokens long and one token short of FUSED_PREFILL_BUCKET, the most
+    a shared forward's attention takes unfused (decode_backend._short_fresh_prompts):
+    their scores grow with the width, so a forward of short prompts may take more tokens
+    than one of long ones. An H100 ran out of memory in a burst of short prompts with
+    two 2,048-token forwards beside a pool of 60% of the free memory
+    (docs/benchmarks.md, session 40)."""
+    from worker_proc.memory import available_memory_bytes, prefill_room
     from worker_proc.kv_pool import attention_specs
     from worker_proc.prefill_attention import FUSED_PREFILL_BUCKET, UNFUSED_SCORES_MAX_BYTES
     from worker_proc.runner import PrefillMemory
@@ -239,17 +244,18 @@ def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chu
     longest = min(chunk, space, runner.max_context)
     if longest < 1:
         return
+    widest = max(1, min(FUSED_PREFILL_BUCKET, runner.max_context + 1) - 1)
+    heads = max((s.query_heads for s in attention_specs(runner.pool.specs)), default=1)
+    shared: list[tuple[int, float]] = []
     try:
         lone = probe_prefill_bytes(runner, step, [longest])
-        shared = lone
-        width = max(1, min(FUSED_PREFILL_BUCKET, runner.max_context + 1) - 1)
-        heads = max((s.query_heads for s in attention_specs(runner.pool.specs)), default=1)
-        n = min(runner.prefill_forward_tokens // width, space // width, runner.table.shape[0],
-                UNFUSED_SCORES_MAX_BYTES // (max(heads, 1) * width * width * 4))
-        if runner.shares_prefill and n >= 2:
-            # A shared forward may be as wide as a lone one (heads MLX's fused prefill
-            # does not take keep their scores at every width): the costlier of the two.
-            shared = max(lone, probe_prefill_bytes(runner, step + 2, [width] * n))
+        for width in sorted({min(SHARED_PROBE_WIDTH, widest), widest}):
+            n = min(runner.prefill_forward_tokens // width, space // width,
+                    runner.table.shape[0],
+                    UNFUSED_SCORES_MAX_BYTES // (max(heads, 1) * width * width * 4))
+            if runner.shares_prefill and n >= 2:
+                step += 2
+                shared.append((width, probe_prefill_bytes(runner, step, [width] * n)))
     except RuntimeError as exc:
         if "out of memory" not in str(exc):
             raise
@@ -257,12 +263,12 @@ def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chu
                            f"to {max(longest, runner.prefill_forward_tokens)} tokens beside the "
                            "KV pool: lower --mem-fraction (or --chunked-prefill-size)") from exc
     room = prefill_room(available_memory_bytes(), cache_limit)
-    runner.prefill_memory = PrefillMemory(room=room, shared=shared, lone=lone)
-    runner.prefill_forward_tokens = prefill_forward_tokens(shared, room,
-                                                           runner.prefill_forward_tokens)
-    say(f"prefill forwards of up to {runner.prefill_forward_tokens} tokens, two within "
-        f"{room / 2**30:.1f} GiB (probes: {shared / 2**20:.1f} MiB a token shared, "
-        f"{lone / 2**20:.1f} lone)")
+    runner.set_prefill_memory(PrefillMemory(room=room, lone=lone, shared=tuple(shared)))
+    caps = "; ".join(f"{runner.forward_cap(w)} of {w}-token prompts ({b / 2**20:.1f} MiB a "
+                     "token)" for w, b in shared)
+    say(f"prefill forwards of up to {runner.forward_cap(1)} tokens, two within "
+        f"{room / 2**30:.1f} GiB (shared: {caps or 'none'}; lone prompts "
+        f"{lone / 2**20:.1f} MiB a token)")
 
 
 def served_context(config: ServerConfig, hf: object) -> int:

@@ -104,9 +104,10 @@ def prefill_forward_tokens(bytes_per_token: float, room: int, most: int) -> int:
     """Most tokens a shared prefill forward may take so that two in flight (the runner
     keeps two: ModelRunner._launch_prefill) fit in `room` (prefill_room) at
     `bytes_per_token` of activations (a probe forward's: warm_up.probe_prefill_bytes):
-    `most` where they fit, a multiple of 64 otherwise, never below LEAST_FORWARD_TOKENS."""
+    `most` where they fit, a multiple of 64 otherwise, never below LEAST_FORWARD_TOKENS
+    (nor above `most`)."""
     tokens = int(room // (2 * max(bytes_per_token, 1.0))) // 64 * 64
-    return max(LEAST_FORWARD_TOKENS, min(most, tokens))
+    return min(most, max(LEAST_FORWARD_TOKENS, tokens))
 
 
 # MLX's CUDA backend records kernels into a CUDA graph and launches the graph once it holds

@@ -27,6 +27,7 @@ from worker_proc.compiled_decode import CompiledDecode
 from worker_proc.decode_block import dense_mlps, mixes_rows
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool
+from worker_proc.memory import prefill_forward_tokens
 from worker_proc.prefill_forward import PrefillForwards, rows_at, traceable
 from worker_proc.prefill_parts import (PartedForward, SpreadWave, most_parts, part_bounds,
                                        run_blocks, spread_refusal)
@@ -53,8 +54,8 @@ CPU_PREFILL_PADDING = 0.0
 # ~5 MB a token for an 8B model (8192 tokens, a step's worth, ran the H200 out of memory
 # beside a 74 GB pool), ~10 MB in forwards of many short prompts (their attention scores).
 # A chunk longer than this still runs whole (--chunked-prefill-size bounds those).
-# mlx-lm prefills in steps of 2048 too. On CUDA the worker lowers it where two forwards'
-# activations would not fit beside the pool (ModelRunner.prefill_forward_tokens).
+# mlx-lm prefills in steps of 2048 too. On CUDA a forward takes fewer where two forwards'
+# activations would not fit beside the pool (ModelRunner.forward_cap).
 PREFILL_FORWARD_TOKENS = 2048
 # A mixed forward's rows (its chunk's padded width, then one a decode row) are padded to a
 # multiple of this with rows that touch only the scratch slot, where every MLP is dense:
@@ -114,15 +115,29 @@ class _Unsampled(NamedTuple):
 @dataclass(frozen=True)
 class PrefillMemory:
     """What the worker measured of prefill memory (fit_prefill_forwards): `room`, the
-    bytes two forwards in flight may hold; a token's bytes in a forward of several short
-    prompts (`shared`, their attention scores the costliest) and in a lone prompt's."""
+    bytes two forwards in flight may hold; a token's bytes in a lone prompt's forward
+    (`lone`) and, at each probed width, in a forward of several fresh prompts that wide
+    (`shared`: (width, bytes) pairs, widths ascending; their attention scores grow with
+    the width, the rest of a token's activations do not)."""
 
     room: int
-    shared: float
     lone: float
+    shared: tuple[tuple[int, float], ...] = ()
 
-    def token_bytes(self, shared: bool) -> float:
-        return self.shared if shared else self.lone
+    def token_bytes(self, shared: bool, width: int) -> float:
+        """A token's bytes in a forward of chunks up to `width` long: between two probed
+        widths, on the line through them (scores linear in the width); below the
+        narrowest, its figure; past the widest, the costlier of it and a lone prompt's
+        (a shared forward may then be as wide as a lone one)."""
+        if not shared or not self.shared:
+            return self.lone
+        points = self.shared
+        if width <= points[0][0]:
+            return points[0][1]
+        for (w0, b0), (w1, b1) in zip(points, points[1:]):
+            if width <= w1:
+                return b0 + (b1 - b0) * (width - w0) / (w1 - w0)
+        return max(self.lone, points[-1][1])
 
 
 class ModelRunner:
@@ -200,12 +215,12 @@ class ModelRunner:
         self._last_prefill: mx.array | None = None  # see _launch_prefill
         self._last_prefill_bytes = 0.0
         # Where the worker measured prefill memory (CUDA: fit_prefill_forwards): the
-        # bytes two forwards in flight may hold, and a token's bytes in a forward of
-        # several prompts and in a lone prompt's; None: not measured, no bound.
+        # bytes two forwards in flight may hold, and a token's bytes in a lone prompt's
+        # forward and in shared ones by width; None: not measured, no bound.
         self.prefill_memory: PrefillMemory | None = None
-        # Most tokens a shared prefill forward takes (PREFILL_FORWARD_TOKENS, or fewer
-        # where two would not fit: memory.prefill_forward_tokens).
+        # Most tokens a shared prefill forward takes where memory allows (forward_cap).
         self.prefill_forward_tokens = PREFILL_FORWARD_TOKENS
+        self._caps: dict[int, int] = {}  # forward_cap's, by width
         self._forwards = PrefillForwards(model, split_model(model), pool, compile_prefill)
         self.tail_bucket = tail_bucket if traceable(pool) and not pool.has_states else 0
         # Last chunks starting on multiples of this are padded too (0: of tail_bucket):
@@ -681,6 +696,22 @@ class ModelRunner:
         """Rows of the window table (None where windowed layers share the full slots)."""
         return None if self.window_table is None else self.window_table[row]
 
+    def forward_cap(self, width: int) -> int:
+        """Most tokens a shared prefill forward of chunks up to `width` long takes:
+        prefill_forward_tokens, or fewer where two such forwards in flight would not fit
+        the measured room (memory.prefill_forward_tokens)."""
+        memory = self.prefill_memory
+        if memory is None:
+            return self.prefill_forward_tokens
+        if (cap := self._caps.get(width)) is None:
+            cap = self._caps[width] = prefill_forward_tokens(
+                memory.token_bytes(True, width), memory.room, self.prefill_forward_tokens)
+        return cap
+
+    def set_prefill_memory(self, memory: PrefillMemory) -> None:
+        self.prefill_memory = memory
+        self._caps.clear()
+
     def _prefill_groups(self, chunks: list[PrefillChunk], prefixes: dict[str, list[int]],
                         snapshot_hits: dict[str, int]) -> list[list[PrefillChunk]]:
         """The step's chunks as forwards, in an order that keeps the plan's meaning: a
@@ -692,8 +723,10 @@ class ModelRunner:
         for wave in prefill_waves(chunks, prefixes, snapshot_hits):
             forwards += [[c] for c in wave if self.requests[c.rid].sampling.prompt_logprobs >= 0]
             rest = [c for c in wave if self.requests[c.rid].sampling.prompt_logprobs < 0]
+            # A chunk after a prefix attends to it too: widths count the furthest start.
+            behind = max((c.start for c in rest), default=0)
             groups = (group_by_length([len(c.token_ids) for c in rest], self.prefill_padding,
-                                      self.prefill_forward_tokens)
+                                      lambda width: self.forward_cap(behind + width))
                   if self.shares_prefill else [[i] for i in range(len(rest))])
             forwards += [[rest[i] for i in g] for g in groups]
         return forwards
@@ -737,13 +770,15 @@ class ModelRunner:
         for state, n in zip(states, sizes):
             state.length += int(n)
         self._save_snapshots(states, chunks, staging.add)
-        self._launch_prefill(tokens.size, len(chunks) > 1, logits)
+        self._launch_prefill(tokens.size, len(chunks) > 1, logits,
+                             width=int(starts.max()) + tokens.shape[-1])
         return [logits[i:i + 1] for i in range(len(chunks))]
 
     def _launch_prefill(self, tokens: int, shared: bool, logits: mx.array,
-                        *more: mx.array) -> None:
-        """Put a prefill forward of `tokens` positions (`shared`: of several prompts) on
-        the device as it is built, then wait for the one put there before it: at most two
+                        *more: mx.array, width: int = 0) -> None:
+        """Put a prefill forward of `tokens` positions (`shared`: of several prompts,
+        `width` wide) on the device as it is built, then wait for the one put there
+        before it: at most two
         forwards' activations are held at once, while the host still builds one ahead;
         where the two would pass the measured room (prefill_memory: a long chunk runs
         whole), the one before ends first. Launched now, also for start's NOTE: a
@@ -752,7 +787,7 @@ class ModelRunner:
         # forward alone (mx.eval would wait for everything launched since).
         probe = logits[:1, :1]
         previous, memory = self._last_prefill, self.prefill_memory
-        held = tokens * memory.token_bytes(shared) if memory else 0.0
+        held = tokens * memory.token_bytes(shared, width) if memory else 0.0
         if previous is not None and memory and self._last_prefill_bytes + held > memory.room:
             with self.clock.timing("wait"):
                 previous.item()

@@ -5,7 +5,7 @@ model. The runner (worker_proc.runner) executes what these describe."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 import mlx.core as mx
 import numpy as np
@@ -92,17 +92,19 @@ def _wave_of(i: int, prefix: list[int] | None, written: np.ndarray, writer: np.n
 
 
 def group_by_length(sizes: list[int], max_padding: float = 0.25,
-                    max_tokens: int | None = None) -> list[list[int]]:
+                    max_tokens: int | Callable[[int], int] | None = None) -> list[list[int]]:
     """Indices of chunks to run together, longest first: a group grows while its padded
     size (members x longest) stays within (1 + max_padding) of its real tokens, and
-    within max_tokens (a longer chunk is a group of its own)."""
+    within max_tokens (a number, or one for each longest chunk's size; a longer chunk
+    is a group of its own)."""
+    cap = max_tokens if callable(max_tokens) else lambda _: max_tokens
     order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
     groups: list[list[int]] = []
     real = 0
     for i in order:
         padded = (len(groups[-1]) + 1) * sizes[groups[-1][0]] if groups else 0
         if (groups and padded <= (1 + max_padding) * (real + sizes[i])
-                and (max_tokens is None or padded <= max_tokens)):
+                and ((most := cap(sizes[groups[-1][0]])) is None or padded <= most)):
             groups[-1].append(i)
             real += sizes[i]
         else:
