@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker_proc import paged_attention as pa  # noqa: E402
 from worker_proc.kernel_constants import float_bits  # noqa: E402
-from worker_proc import paged_prefill, qk_norm_rope, residual_norm  # noqa: E402
+from worker_proc import fused_moe, paged_prefill, qk_norm_rope, residual_norm  # noqa: E402
 
 # Each input's element type in the kernels (T: q's dtype; P: the pool's).
 _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "table": "int32_t",
@@ -38,7 +38,9 @@ _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "tab
           "rope": "float", "sinks": "T", "acc": "float", "ml": "float", "out": "T", "out_ml": "float",
           "mark": "int32_t", "bias": "T", "qk_scale": "T",
           "branch": "T", "residual": "T", "weight": "T", "next_weight": "T",
-          "normed": "T", "starts": "int32_t"}
+          "normed": "T", "starts": "int32_t",
+          "logits": "T", "weights": "T", "experts": "uint32_t", "rows": "uint32_t",
+          "places": "uint32_t", "down": "T"}
 
 
 def _bits(x: float) -> str:
@@ -150,6 +152,28 @@ def residual_norm_variants(dtype: str, dim: int) -> list[tuple[str, str]]:
                                       *(["next_weight"] if next_norm else [])],
                                ["out", *(["normed"] if next_norm else [])],
                                residual_norm.source(next_norm), residual_norm._HEADER, params)))
+    return out
+
+
+def moe_variants(dtype: str, experts: int, top_k: int, dim: int, padded: int
+                 ) -> list[tuple[str, str]]:
+    """(label, .cu source) of the mixture-of-experts kernels (worker_proc.fused_moe): the
+    routing, top k first and softmax first, and the weighted sum with and without the
+    down bias and the residual."""
+    out = []
+    for first, normalize in ((False, False), (True, True)):
+        name = f"kiln_moe_route_e{experts}_k{top_k}{'_softmax_first' if first else ''}"
+        params = {"T": dtype, "E": str(experts), "K": str(top_k),
+                  "SOFTMAX_FIRST": str(first).lower(), "NORMALIZE": str(normalize).lower(),
+                  "BLOCK": str(fused_moe.ROUTE_THREADS)}
+        out.append((name, wrap(name, ["logits"], ["weights", "experts", "rows", "places"],
+                               fused_moe.route_source(), fused_moe._HEADER, params)))
+    for bias, residual in ((True, True), (False, False)):
+        name = f"kiln_moe_combine_d{dim}{'_bias' if bias else ''}{'_residual' if residual else ''}"
+        params = {"T": dtype, "D": str(dim), "DP": str(padded), "K": str(top_k),
+                  "BLOCK": str(fused_moe.COMBINE_THREADS)}
+        out.append((name, wrap(name, fused_moe.combine_inputs(bias, residual), ["out"],
+                               fused_moe.combine_source(bias, residual), "", params)))
     return out
 
 

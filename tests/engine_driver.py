@@ -21,6 +21,7 @@ from scheduler_proc.scheduler import Scheduler, SchedulerLimits
 from tests.oracle import divergence_off_a_tie
 from worker_proc import WorkerLoop
 from worker_proc.decode_backend import DecodeBackend, KernelDecode
+from worker_proc.fused_moe import reference_combine, reference_route
 from worker_proc.kv_pool import KVPool
 from worker_proc.memory import probe_attention_specs
 from worker_proc.own_caches import OwnCacheRunner
@@ -233,6 +234,12 @@ class StandInKernel(KernelDecode):
 
     def _residual_norm(self, branch, residual, weight, eps, next_weight):  # noqa: ANN001, ANN202
         return reference_residual_norm(branch, residual, weight, eps, next_weight)
+
+    def _route_experts(self, logits, routing):  # noqa: ANN001, ANN202
+        return reference_route(logits, routing)
+
+    def _combine_experts(self, down, routed, bias, out_dims, residual):  # noqa: ANN001, ANN202
+        return reference_combine(down, routed, bias, out_dims, residual)
 
     def _fused_builds_per_shape(self, queries, values):  # noqa: ANN001, ANN202
         # The tests' float32 stands in for the GPU's bfloat16: the heads' sizes decide.

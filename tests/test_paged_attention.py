@@ -740,7 +740,9 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     import re
 
     from bench.cuda_kernel_report import (compile_kernels, find_cuda, merge_variant,
-                                          qk_norm_variants, residual_norm_variants, variants)
+                                          moe_variants, qk_norm_variants,
+                                          residual_norm_variants, variants)
+    from worker_proc import fused_moe
     from worker_proc import paged_attention as pa
     from worker_proc import residual_norm
 
@@ -758,6 +760,10 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     kernels += qk_norm_variants("__nv_bfloat16", 256, 24) + qk_norm_variants("float", 16, 3)
     kernels += residual_norm_variants("__nv_bfloat16", 3840) + residual_norm_variants("__half", 6144)
     kernels += residual_norm_variants("__nv_bfloat16", 4096)  # the most a 256-thread row holds
+    # GPT-OSS's experts (down padded), the most the routing kernel takes, float32's
+    kernels += moe_variants("__nv_bfloat16", 32, 4, 2880, 2944)
+    kernels += moe_variants("__nv_bfloat16", fused_moe.ROUTE_MAX_EXPERTS, fused_moe.ROUTE_MAX_K,
+                            2048, 2048) + moe_variants("float", 4, 2, 64, 64)
     results = compile_kernels(cuda, kernels)
     failed = [r.name + ":\n" + r.report for r in results if not r.ok]
     assert not failed, "\n".join(failed)
@@ -768,6 +774,8 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
         if "residual_norm" in r.name:  # a block's threads x registers within 64K
             dim = int(re.search(r"_d(\d+)", r.name).group(1))
             assert registers * residual_norm.block_threads(dim) <= 65536, (r.name, registers)
+        if "moe_route" in r.name:  # one block of ROUTE_THREADS, with NVRTC's margin
+            assert registers * fused_moe.ROUTE_THREADS <= 56 * 1024, (r.name, registers)
     # The default stages for other heads compile within a block's 48 KiB of shared memory:
     # Gemma's 256-wide heads (32 lanes a token: within 128 registers too, four blocks an
     # SM) and 8 query heads a KV head (Llama-3-70B, ~200 registers: fewer blocks an SM)

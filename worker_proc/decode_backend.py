@@ -40,6 +40,8 @@ from worker_proc.prefill_attention import (bucketed_fused_attention, bucketed_ma
                                            masked_bias, masked_bias_fits,
                                            unfused_prefill_attention, unfused_prefill_fits)
 from worker_proc.qk_norm_rope import decode_qk_norm_rope, fits as qk_norm_rope_fits
+from worker_proc.fused_moe import Routed, Routing, combine as moe_combine, fits as moe_route_fits
+from worker_proc.fused_moe import route as moe_route
 from worker_proc.residual_norm import fits as residual_norm_fits, residual_norm
 
 if TYPE_CHECKING:
@@ -137,6 +139,18 @@ class DecodeBackend:
         ops itself."""
         return None
 
+    def route_experts(self, logits: mx.array, routing: Routing) -> Routed | None:
+        """A decode step's tokens routed to their experts from the router's logits [N, E]
+        (fused_moe.route, as reference_route computes it); None: the block runs mlx-lm's
+        MLP call itself."""
+        return None
+
+    def combine_experts(self, down: mx.array, routed: Routed, bias: mx.array | None,
+                        out_dims: int, residual: mx.array | None) -> mx.array:
+        """The experts' down outputs of route_experts' pairs back as the tokens' MLP
+        outputs (fused_moe.combine, as reference_combine computes it)."""
+        raise RuntimeError(f"{self.name} decode does not route experts")
+
     def latent_path(self, specs: list) -> str | None:
         """How latent (MLA) layers decode, for the start-up log (None: the model has none)."""
         from worker_proc.kv_pool import attention_specs
@@ -199,7 +213,9 @@ class KernelDecode(DecodeBackend):
     kernel's RoPE alone for blocks without q/k norms (llama, qwen2, GPT-OSS) in place of
     MLX's copy and RoPE (off: `--experiments unfused-qk-rope`). residual_norm_kernel: a
     decode step's sandwich norms and residual adds (Gemma 3's) in one kernel a pair
-    (residual_norm; off: `--experiments unfused-residual-norm`). paged_prefill: prefill
+    (residual_norm; off: `--experiments unfused-residual-norm`). moe_kernels: a decode
+    step's mixture-of-experts routing and the weighted sum of its experts' outputs in a
+    kernel each (fused_moe; off: `--experiments unfused-moe`). paged_prefill: prefill
     attention of full and sliding layers through the paged prefill kernel, which reads
     each row's context from the pool (paged_prefill; `--experiments paged-prefill`, off
     by default until measured): no gather, no score matrix, any head size to 256; rows
@@ -220,6 +236,7 @@ class KernelDecode(DecodeBackend):
     qk_norm_kernel: bool = True
     qk_rope_kernel: bool = True
     residual_norm_kernel: bool = True
+    moe_kernels: bool = True
     paged_prefill: bool = False
     # Rows of more queries than this go to cuDNN where it serves their heads: past a few
     # hundred queries a row the chunk is arithmetic, which cuDNN's kernel does faster
@@ -344,6 +361,15 @@ class KernelDecode(DecodeBackend):
             return None
         return self._residual_norm(branch, residual, weight, eps, next_weight)
 
+    def route_experts(self, logits: mx.array, routing: Routing) -> Routed | None:
+        if not (self.moe_kernels and moe_route_fits(logits, routing)):
+            return None
+        return self._route_experts(logits, routing)
+
+    def combine_experts(self, down: mx.array, routed: Routed, bias: mx.array | None,
+                        out_dims: int, residual: mx.array | None) -> mx.array:
+        return self._combine_experts(down, routed, bias, out_dims, residual)
+
     def own_prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
                               scale: float, mask: Any, sinks: mx.array | None,
                               once: Once = _every_time) -> mx.array | None:
@@ -421,6 +447,13 @@ class KernelDecode(DecodeBackend):
                        eps: float, next_weight: mx.array | None
                        ) -> tuple[mx.array, mx.array | None]:
         return residual_norm(branch, residual, weight, eps, next_weight)
+
+    def _route_experts(self, logits: mx.array, routing: Routing) -> Routed:
+        return moe_route(logits, routing)
+
+    def _combine_experts(self, down: mx.array, routed: Routed, bias: mx.array | None,
+                         out_dims: int, residual: mx.array | None) -> mx.array:
+        return moe_combine(down, routed, bias, out_dims, residual)
 
     def _latent_kernel_takes(self, dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int,
                              row: int) -> bool:
@@ -567,5 +600,6 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         qk_norm_kernel="unfused-qk-norm" not in experiments,
                         qk_rope_kernel="unfused-qk-rope" not in experiments,
                         residual_norm_kernel="unfused-residual-norm" not in experiments,
+                        moe_kernels="unfused-moe" not in experiments,
                         paged_prefill="paged-prefill" in experiments,
                         prefill_bucket=prefill_bucket)

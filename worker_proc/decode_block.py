@@ -39,6 +39,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
 
 from worker_proc.attention import MixedLayerCache, PooledKVCache
+from worker_proc.fused_moe import ExpertsPlan, experts_plan, fused_experts
 from worker_proc.paged_attention import RopeSpec
 
 logger = logging.getLogger(__name__)
@@ -133,13 +134,14 @@ class FastDecodeBlock:
     residual_in_gemm: bool = False  # set per block by speed_up_decode_blocks
     rope_spec: RopeSpec | None = None  # its attention's RoPE, ditto
     qk_norms: QKNorms | None = None  # its q and k norms (Qwen3's), ditto
+    moe_plan: ExpertsPlan | None = None  # its mixture of experts' parts (fused_moe), ditto
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if isinstance(cache, MixedLayerCache):
             return self._mixed(x, mask, cache)
         if _paged_decode(cache):
             qkv = self.self_attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
-            return self._after_attention(x, self._decode_attention(qkv, cache))
+            return self._after_attention(x, self._decode_attention(qkv, cache), cache)
         if _pooled_prefill(cache):
             qkv = self.self_attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
             return self._after_attention(x, self._prefill_attention(qkv, mask, cache))
@@ -181,14 +183,16 @@ class FastDecodeBlock:
         qk = _rotate_qk(cache, qkv, qk, attn.rope, self.rope_spec, self.qk_norms)
         return _prefill_attend(cache, qk, values, n_q, attn.scale, mask)
 
-    def _after_attention(self, x: mx.array, out: mx.array) -> mx.array:
+    def _after_attention(self, x: mx.array, out: mx.array,
+                         decode: PooledKVCache | None = None) -> mx.array:
         """The o projection and residual, then the MLP (a SwiGLU's, its gate and up fused;
-        else the block's own, e.g. a mixture of experts) and its residual."""
+        else the block's own, e.g. a mixture of experts: in a decode step (`decode`, its
+        cache) through the backend's routing where it has that) and its residual."""
         attn, mlp = self.self_attn, self.mlp  # type: ignore[attr-defined]
         h = self._residual(x, attn.o_proj, out)
         normed = self.post_attention_layernorm(h)  # type: ignore[attr-defined]
         if "gate_up_proj" not in mlp:
-            return h + mlp(normed)
+            return _experts_or_mlp(self.moe_plan, mlp, decode, normed, h)
         gate, up = mx.split(mlp.gate_up_proj(normed), 2, axis=-1)
         return self._residual(h, mlp.down_proj, swiglu(gate, up))
 
@@ -335,6 +339,7 @@ class FastGptOssBlock:
     mlx-lm's on the CPU (tests)."""
 
     rope_spec: RopeSpec | None = None  # its YaRN RoPE, set by speed_up_decode_blocks
+    moe_plan: ExpertsPlan | None = None  # its experts' parts (fused_moe), ditto
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if not (_paged_decode(cache) or _pooled_prefill(cache)):
@@ -345,7 +350,21 @@ class FastGptOssBlock:
         qk, values = _split_qkv(qkv, n_q, attn.num_key_value_heads, attn.head_dim)
         qk = _rotate_qk(cache, qkv, qk, attn.rope, self.rope_spec, None)
         h = x + attn.o_proj(_attend(cache, qk, values, n_q, attn.sm_scale, mask, attn.sinks))
-        return h + self.mlp(self.post_attention_layernorm(h))  # type: ignore[attr-defined]
+        normed = self.post_attention_layernorm(h)  # type: ignore[attr-defined]
+        return _experts_or_mlp(self.moe_plan, self.mlp, cache if cache.paged else None,  # type: ignore[attr-defined]
+                               normed, h)
+
+
+def _experts_or_mlp(plan: ExpertsPlan | None, mlp: nn.Module, decode: PooledKVCache | None,
+                    x: mx.array, residual: mx.array) -> mx.array:
+    """residual + mlp(x): in a decode step (`decode`, its cache) a mixture of experts
+    with a plan goes through its backend's routing and sum (fused_moe.fused_experts),
+    where the backend takes them."""
+    if plan is not None and decode is not None:
+        out = fused_experts(plan, decode.backend, x, residual)
+        if out is not None:
+            return out
+    return residual + mlp(x)
 
 
 def _sandwich_norms(block: nn.Module) -> SandwichNorms | None:
@@ -495,6 +514,7 @@ def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
             module.__class__ = _GPT_OSS
         else:
             continue
+        module.moe_plan = experts_plan(module.mlp)
         module.rope_spec = rope_spec(module.self_attn.rope)
         made = [] if module.rope_spec is None else [module.rope_spec.kernel_params]
         if getattr(module, "qk_norms", None) is not None:
@@ -506,6 +526,7 @@ def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
         count += 1
     _link_gemma3_norms(model)
     if count:
-        logger.info("%d blocks take the fast decode call (residual adds in GEMMs: %s)",
-                    count, residual_in_gemm)
+        planned = sum(getattr(m, "moe_plan", None) is not None for m in _blocks(model))
+        logger.info("%d blocks take the fast decode call (residual adds in GEMMs: %s; "
+                    "experts routed by the backend: %d)", count, residual_in_gemm, planned)
     return count

@@ -1,0 +1,230 @@
+"""A mixture of experts' decode step through the backend's routing and weighted sum
+(worker_proc.fused_moe): mlx-lm's outputs and tokens on the CPU (the kernels' meaning in
+mlx-lm's ops), and the kernels against that meaning on CUDA."""
+
+from __future__ import annotations
+
+import mlx.core as mx
+import mlx.nn as nn
+import numpy as np
+import pytest
+
+from tests.engine_driver import InProcessEngine, StandInInPlaceKernels, StandInKernel
+from tests.families import build
+from worker_proc import fused_moe
+from worker_proc.decode_backend import KernelDecode
+from worker_proc.decode_block import speed_up_decode_blocks
+from worker_proc.expert_padding import pad_expert_outputs
+from worker_proc.fused_moe import experts_plan, fused_experts, reference_combine, reference_route
+from worker_proc.fused_projections import fuse_projections
+
+
+def _draw_biases(model: nn.Module, seed: int) -> None:
+    """Random experts' and router biases (mlx-lm starts some at zero, which would hide
+    where a bias is added)."""
+    for i, (_, module) in enumerate(model.named_modules()):
+        if "bias" in module and isinstance(module["bias"], mx.array):
+            module["bias"] = 0.5 * mx.random.normal(module["bias"].shape,
+                                                    key=mx.random.key(seed + i))
+    mx.eval(model.parameters())
+
+
+def _model(name: str, quantize: bool = False, fuse: bool = True) -> nn.Module:
+    """The family's tiny model, biases drawn, experts quantized (MXFP4, as GPT-OSS ships)
+    and padded to whole tiles as the CUDA path pads them, gate/up fused."""
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    model = build(name)
+    _draw_biases(model, seed=40)
+    if quantize:
+        nn.quantize(model, group_size=32, bits=4, mode="mxfp4",
+                    class_predicate=lambda _, m: isinstance(m, SwitchLinear))
+    if fuse:
+        fuse_projections(model)
+        if quantize:
+            assert pad_expert_outputs(model, tile=128) > 0
+    return model
+
+
+@pytest.mark.parametrize("name,softmax_first", [("gpt_oss", False), ("qwen3_moe", True)])
+def test_blocks_get_a_plan_of_their_experts(name, softmax_first):
+    """Every fast block of GPT-OSS and Qwen3-MoE has its experts' plan (the family's
+    routing rule); unfused gate/up projections and dense MLPs have none."""
+    model = _model(name)
+    assert speed_up_decode_blocks(model, residual_in_gemm=False) == len(model.layers)
+    plans = [layer.moe_plan for layer in model.layers]
+    assert all(p is not None for p in plans)
+    assert {(p.routing.experts, p.routing.top_k, p.routing.softmax_first) for p in plans} == {
+        (4, 2, softmax_first)}
+    assert experts_plan(_model(name, fuse=False).layers[0].mlp) is None
+    dense = build("llama")
+    fuse_projections(dense)
+    speed_up_decode_blocks(dense, residual_in_gemm=False)
+    assert all(layer.moe_plan is None for layer in dense.layers)
+
+
+@pytest.mark.parametrize("quantize", [False, True])
+@pytest.mark.parametrize("tokens", [3, 40])
+@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_moe"])
+def test_the_routing_and_sum_compute_mlx_lm_mlps(name, tokens, quantize):
+    """The plan's call with the kernels' meaning (StandInKernel: reference_route and
+    reference_combine) equals the residual plus mlx-lm's MLP bit for bit on the CPU: pairs
+    in token order below SORT_PAIRS (3 tokens x 2), sorted by expert above (40 x 2), the
+    experts' biases and a padded down projection (MXFP4) included."""
+    ours, theirs = _model(name, quantize), _model(name, quantize, fuse=False)
+    plan = experts_plan(ours.layers[1].mlp)
+    x = mx.random.normal((tokens, 1, 64), key=mx.random.key(tokens))
+    residual = mx.random.normal((tokens, 1, 64), key=mx.random.key(7))
+    got = fused_experts(plan, StandInKernel(), x, residual)
+    want = residual + theirs.layers[1].mlp(x)
+    assert got.shape == want.shape
+    assert np.array_equal(np.array(got), np.array(want))
+
+
+def test_routing_places_each_pair_once_sorted_by_expert():
+    """reference_route's pairs, sorted: experts ascending, each token's j-th pair at its
+    slot with that token and expert; below SORT_PAIRS, the pairs in token order."""
+    routing = experts_plan(_model("qwen3_moe").layers[0].mlp).routing
+    for tokens in (5, 50):
+        logits = mx.random.normal((tokens, 4), key=mx.random.key(tokens))
+        routed = reference_route(logits, routing)
+        _, chosen = routing.select(logits)
+        experts, rows, slots = (np.array(a) for a in (routed.experts, routed.rows, routed.slots))
+        assert routed.sorted == (tokens * 2 >= fused_moe.SORT_PAIRS)
+        assert sorted(slots.tolist()) == list(range(tokens * 2))
+        assert (np.diff(experts) >= 0).all() or not routed.sorted
+        pairs = np.array(chosen).reshape(-1)
+        assert (experts[slots] == pairs).all() and (rows[slots] == np.arange(tokens * 2) // 2).all()
+
+
+@pytest.mark.parametrize("path", ["compiled", "in place"])
+@pytest.mark.parametrize("name", ["gpt_oss", "qwen3_moe"])
+def test_served_experts_keep_mlx_lm_tokens(name, path, monkeypatch):
+    """Served on the kernel path (stood in for), 36 streams at once (72 pairs: sorted) down
+    to the last few (unsorted), chunked prompts: mlx-lm's greedy tokens, and the decode
+    steps' experts went through the backend's routing, both ways."""
+    from tests.test_families import mlx_lm_tokens
+    from tests.test_worker import _prompts
+
+    ours, theirs = _model(name), _model(name, fuse=False)
+    assert speed_up_decode_blocks(ours, residual_in_gemm=False) == len(ours.layers)
+    seen: list[bool] = []
+    route = StandInKernel._route_experts
+
+    def counting(self, logits, routing):  # noqa: ANN001, ANN202
+        routed = route(self, logits, routing)
+        seen.append(routed.sorted)
+        return routed
+
+    monkeypatch.setattr(StandInKernel, "_route_experts", counting)
+    lengths = [(7 * i) % 40 + 1 for i in range(36)]
+    prompts = _prompts(36, lengths, 512, seed=61)
+    backend = StandInKernel() if path == "compiled" else StandInInPlaceKernels()
+    engine = InProcessEngine(ours, chunk_size=16, compile_decode=path == "compiled",
+                             overlap="ahead", backend=backend, max_running=36)
+    budgets = [6 + i % 9 for i in range(36)]
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        engine.submit(f"r{i}", p, n, [])
+    results = engine.run_until_idle()
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        assert results[f"r{i}"].token_ids == mlx_lm_tokens(theirs, p, n), f"r{i}"
+    assert True in seen and False in seen
+
+
+def test_unfused_moe_leaves_the_experts_to_mlx_lm():
+    """--experiments unfused-moe (the backend's moe_kernels off), and a step of more pairs
+    than the routing kernel takes: no routing; the block runs mlx-lm's MLP."""
+    from ipc.config import DECODE_EXPERIMENTS
+
+    assert "unfused-moe" in DECODE_EXPERIMENTS
+    plan = experts_plan(_model("gpt_oss").layers[0].mlp)
+    logits = mx.zeros((8, 4))
+    assert KernelDecode(moe_kernels=False).route_experts(logits, plan.routing) is None
+    many = fused_moe.ROUTE_MAX_PAIRS // plan.routing.top_k + 1
+    x = mx.zeros((many, 1, 64))
+    assert fused_experts(plan, StandInKernel(), x, None) is None
+
+
+def _cuda() -> None:
+    from worker_proc.paged_attention import kernel_available
+
+    if not kernel_available():
+        pytest.skip("the kernels need MLX's CUDA backend")
+
+
+def _distinct_logits(tokens: int, experts: int, seed: int) -> mx.array:
+    """bfloat16 logits without ties near the top (a random order of experts 0.5 apart)."""
+    rng = np.random.default_rng(seed)
+    rows = np.stack([rng.permutation(experts) for _ in range(tokens)]) * 0.5 - experts / 4
+    return mx.array(rows.astype(np.float32)).astype(mx.bfloat16)
+
+
+@pytest.mark.parametrize("experts,top_k,softmax_first,normalize", [
+    (32, 4, False, False), (128, 8, True, True), (128, 8, True, False),
+    (fused_moe.ROUTE_MAX_EXPERTS, fused_moe.ROUTE_MAX_K, False, False)])
+@pytest.mark.parametrize("tokens", [1, 5, 64, 256])
+def test_cuda_route_kernel_matches_mlx_ops(tokens, experts, top_k, softmax_first, normalize):
+    """On CUDA, the routing kernel picks each token's experts as mlx-lm's ops do (logits
+    without ties), their weights within a bfloat16 rounding, and places every pair once,
+    sorted by expert, at its slot with its token."""
+    _cuda()
+    routing = fused_moe.Routing(
+        experts, top_k, softmax_first, normalize,
+        fused_moe._qwen3_moe_select(top_k, normalize) if softmax_first
+        else fused_moe._gpt_oss_select(top_k))
+    logits = _distinct_logits(tokens, experts, seed=tokens + experts)
+    got = fused_moe.route(logits, routing)
+    want_weights, want_experts = routing.select(logits)
+    pairs = tokens * top_k
+    experts_out, rows, slots = (np.array(a) for a in (got.experts, got.rows, got.slots))
+    weights = np.array(got.weights.astype(mx.float32))[:pairs].reshape(tokens, top_k)
+    chosen = experts_out[slots].reshape(tokens, top_k)
+    assert got.sorted == (pairs >= fused_moe.SORT_PAIRS)
+    assert (np.diff(experts_out) >= 0).all()
+    assert sorted(slots.tolist()) == list(range(pairs))
+    assert (rows[slots] == np.arange(pairs) // top_k).all()
+    want_e = np.array(want_experts)
+    want_w = np.array(want_weights.astype(mx.float32))
+    for n in range(tokens):
+        assert sorted(chosen[n].tolist()) == sorted(want_e[n].tolist()), n
+        by_expert = dict(zip(want_e[n].tolist(), want_w[n].tolist()))
+        for e, w in zip(chosen[n].tolist(), weights[n].tolist()):
+            assert abs(w - by_expert[e]) <= 2 ** -7 * max(abs(w), 2 ** -20), (n, e, w)
+
+
+@pytest.mark.parametrize("bias,residual", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_cuda_combine_kernel_matches_mlx_ops(tokens, bias, residual):
+    """On CUDA, the weighted sum of each token's experts' outputs (a padded down
+    projection's first columns, its bias by expert, the residual) is reference_combine's
+    within a rounding or two of bfloat16 (the k products summed in another order)."""
+    _cuda()
+    experts, top_k, dim, padded = 32, 4, 2880, 2944
+    routing = fused_moe.Routing(experts, top_k, False, False, fused_moe._gpt_oss_select(top_k))
+    routed = fused_moe.route(_distinct_logits(tokens, experts, seed=3), routing)
+    pairs = tokens * top_k
+    down = mx.random.normal((pairs, 1, padded), key=mx.random.key(1)).astype(mx.bfloat16)
+    b = mx.random.normal((experts, padded), key=mx.random.key(2)).astype(mx.bfloat16) if bias else None
+    r = (4 * mx.random.normal((tokens, dim), key=mx.random.key(3))).astype(mx.bfloat16) if residual else None
+    got = fused_moe.combine(down, routed, b, dim, r)
+    want = reference_combine(down, routed, b, dim, r)
+    assert got.shape == want.shape == (tokens, dim) and got.dtype == mx.bfloat16
+    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    np.testing.assert_allclose(g, w, rtol=2 ** -6, atol=2 ** -6 * max(1.0, float(np.abs(w).mean())))
+
+
+@pytest.mark.parametrize("tokens", [1, 64])
+def test_cuda_fused_experts_compute_mlx_lm_mlps(tokens):
+    """On CUDA, GPT-OSS's MXFP4 experts (bfloat16, down padded) through both kernels give
+    the residual plus mlx-lm's MLP within bfloat16's rounding of the sum."""
+    _cuda()
+    ours, theirs = _model("gpt_oss", quantize=True), _model("gpt_oss", quantize=True, fuse=False)
+    for model in (ours, theirs):
+        model.set_dtype(mx.bfloat16)
+    plan = experts_plan(ours.layers[0].mlp)
+    x = mx.random.normal((tokens, 1, 64), key=mx.random.key(5)).astype(mx.bfloat16)
+    residual = mx.random.normal((tokens, 1, 64), key=mx.random.key(6)).astype(mx.bfloat16)
+    got = fused_experts(plan, KernelDecode(), x, residual)
+    want = residual + theirs.layers[0].mlp(x)
+    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    np.testing.assert_allclose(g, w, rtol=2 ** -5, atol=2 ** -5 * max(1.0, float(np.abs(w).mean())))

@@ -1,0 +1,456 @@
+"""A mixture-of-experts layer's decode step in fewer kernel launches: routing in one
+kernel, the weighted sum of the experts' outputs (with their down biases and the block's
+residual) in another.
+
+mlx-lm's call (GPT-OSS's MLPBlock, Qwen3-MoE's sparse block and their SwitchGLU) routes a
+step's tokens with an argpartition, a take, a softmax, two argsorts, a floor division and
+gathers of the tokens and their expert ids, gathers each projection's bias by expert, and
+puts the outputs back in token order by another gather, a multiply and a sum: ~20
+launches a layer besides the experts' matmuls. On MLX's CUDA backend each launch costs
+~14 us of host time, and a 64-row GPT-OSS step launches ~830 kernels (docs/benchmarks.md,
+session 24): with MXFP4 experts the host, not the device, sets its pace. Here a layer
+launches: the router's matmul, `route` (the top k by each family's rule, their weights,
+and the token-expert pairs sorted by expert with each pair's place, in one block), a
+gather of the tokens, the fused gate/up matmul, its bias's gather (GPT-OSS), the
+activation, the down matmul and `combine` (each token's k outputs with their down bias,
+weighted and summed, plus the residual): 8 for GPT-OSS, 7 for Qwen3-MoE.
+
+The matmuls are MLX's own (`gather_qmm` / `gather_mm`), called as mlx-lm's SwitchLinear
+calls them; pairs are sorted by expert once there are SORT_PAIRS or more, as mlx-lm's
+SwitchGLU sorts them. Each kernel rounds to the model's dtype where mlx-lm's ops round,
+but picks the top k by value (lower expert id on a tie, which argpartition leaves open)
+and sums a token's k outputs largest weight first, so on CUDA the tokens may differ from
+mlx-lm's at near-ties. `reference_route` and `reference_combine` are the same steps in
+mlx-lm's own ops, in its order: the CPU tests run them in the kernels' place and get
+mlx-lm's tokens exactly.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import mlx.core as mx
+import mlx.nn as nn
+from mlx_lm.models import gpt_oss, qwen3_moe
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
+
+from worker_proc.expert_padding import PaddedExperts
+from worker_proc.fused_projections import ProjectionPart
+from worker_proc.kernel_constants import CONSTANT_ELEMENTS
+
+# mlx-lm's SwitchGLU sorts a forward's token-expert pairs by expert from this many on.
+SORT_PAIRS = 64
+# The routing kernel is one block of ROUTE_THREADS: every pair of the step passes through
+# its threads, each of which must then use at most 64 registers (48 at 256 experts and a
+# top 8, by nvcc: bench/cuda_kernel_report.py; 92 at 512 and 16).
+ROUTE_MAX_PAIRS = 8192
+ROUTE_MAX_EXPERTS = 256
+ROUTE_MAX_K = 8
+ROUTE_THREADS = 1024
+COMBINE_THREADS = 256
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a family picks a token's experts from its router's logits. softmax_first:
+    a softmax over every expert, then the top k of those probabilities (Qwen3-MoE), with
+    `normalize` dividing them by their sum; else the top k logits, then a softmax over
+    those (GPT-OSS). select: the same in mlx-lm's ops and order, [N, E] -> (weights,
+    experts), each [N, k] (reference_route)."""
+
+    experts: int
+    top_k: int
+    softmax_first: bool
+    normalize: bool
+    select: Callable[[mx.array], tuple[mx.array, mx.array]]
+
+
+@dataclass(frozen=True)
+class Routed:
+    """A step's routing of `tokens` tokens to `top_k` experts each: their weights (the
+    first tokens * top_k elements, token-major); the token-expert pairs in the order the
+    experts' matmuls take them (sorted by expert where `sorted`): each pair's expert and
+    token (uint32, [tokens * top_k]); and for each token's j-th pair (n * k + j) its
+    place in that order (`slots`)."""
+
+    weights: mx.array
+    experts: mx.array
+    rows: mx.array
+    slots: mx.array
+    sorted: bool
+    tokens: int
+    top_k: int
+
+
+@dataclass(frozen=True)
+class ExpertsPlan:
+    """A mixture-of-experts MLP's parts as fused_experts calls them: its router, the
+    experts' fused gate/up projection (outputs [gate | up]) and down projection (whose
+    outputs past out_dims are a padding's: PaddedExperts), their activation (mlx-lm's,
+    called (up, gate))."""
+
+    routing: Routing
+    router: nn.Module
+    gate_up: nn.Module
+    down: nn.Module
+    out_dims: int
+    activation: Callable[[mx.array, mx.array], mx.array]
+
+
+def _gpt_oss_select(top_k: int) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
+    def select(logits: mx.array) -> tuple[mx.array, mx.array]:
+        values, experts = gpt_oss.mlx_topk(logits, k=top_k, axis=-1)
+        return mx.softmax(values, axis=-1, precise=True), experts
+    return select
+
+
+def _qwen3_moe_select(top_k: int, normalize: bool
+                      ) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
+    def select(logits: mx.array) -> tuple[mx.array, mx.array]:
+        gates = mx.softmax(logits, axis=-1, precise=True)
+        experts = mx.stop_gradient(mx.argpartition(gates, kth=-top_k, axis=-1)[..., -top_k:])
+        scores = mx.take_along_axis(gates, experts, axis=-1)
+        if normalize:
+            scores = scores / mx.sum(scores, axis=-1, keepdims=True)
+        return scores, experts
+    return select
+
+
+def _switch_parts(switch: Any) -> tuple[nn.Module, nn.Module, int] | None:
+    """A SwitchGLU's fused gate/up module, its down module (a padded one's inner) and
+    the down projection's output size; None unless gate/up are fused (gate first) and
+    every projection is a plain (Quantized)SwitchLinear, as mlx-lm builds them."""
+    if type(switch) is not SwitchGLU or "gate_up_proj" not in switch:
+        return None
+    gate, up = switch.gate_proj, switch.up_proj
+    if not (isinstance(gate, ProjectionPart) and isinstance(up, ProjectionPart)
+            and gate._shared is up._shared and (gate._index, up._index) == (0, 1)):
+        return None
+    down = switch.down_proj
+    inner, dims = (down.inner, down.out_dims) if isinstance(down, PaddedExperts) else (
+        down, down.weight.shape[1])
+    for module in (switch.gate_up_proj, inner):
+        if type(module) not in (SwitchLinear, QuantizedSwitchLinear):
+            return None
+        if type(module) is QuantizedSwitchLinear and module.global_scale is not None:
+            return None
+    return switch.gate_up_proj, inner, dims
+
+
+def experts_plan(mlp: nn.Module) -> ExpertsPlan | None:
+    """The plan of a GPT-OSS or Qwen3-MoE MLP as mlx-lm builds it (its experts' gate/up
+    fused: fuse_projections), else None (the block keeps mlx-lm's call)."""
+    if type(mlp) is gpt_oss.MLPBlock and mlp.sharding_group is None:
+        routing = Routing(mlp.num_local_experts, mlp.num_experts_per_tok, False, False,
+                          _gpt_oss_select(mlp.num_experts_per_tok))
+        router, switch = mlp.router, mlp.experts
+    elif type(mlp) is qwen3_moe.Qwen3MoeSparseMoeBlock and mlp.sharding_group is None:
+        routing = Routing(mlp.num_experts, mlp.top_k, True, bool(mlp.norm_topk_prob),
+                          _qwen3_moe_select(mlp.top_k, bool(mlp.norm_topk_prob)))
+        router, switch = mlp.gate, mlp.switch_mlp
+    else:
+        return None
+    parts = _switch_parts(switch)
+    if parts is None or not (0 < routing.top_k <= min(ROUTE_MAX_K, routing.experts)
+                             and routing.experts <= ROUTE_MAX_EXPERTS):
+        return None
+    gate_up, down, dims = parts
+    return ExpertsPlan(routing, router, gate_up, down, dims, switch.activation)
+
+
+def _project(module: nn.Module, x: mx.array, experts: mx.array, sort: bool) -> mx.array:
+    """An experts' projection without its bias, as mlx-lm's SwitchLinear calls it."""
+    if type(module) is QuantizedSwitchLinear:
+        return mx.gather_qmm(x, module["weight"], module["scales"], module.get("biases"),
+                             rhs_indices=experts, transpose=True, group_size=module.group_size,
+                             bits=module.bits, mode=module.mode, sorted_indices=sort)
+    return mx.gather_mm(x, module["weight"].swapaxes(-1, -2), rhs_indices=experts,
+                        sorted_indices=sort)
+
+
+def fused_experts(plan: ExpertsPlan, backend: Any, x: mx.array,
+                  residual: mx.array | None) -> mx.array | None:
+    """residual + the MLP of x ([..., D]) through the backend's route and combine
+    (DecodeBackend.route_experts, .combine_experts); None where the backend leaves the
+    layer to mlx-lm's call."""
+    dim = x.shape[-1]
+    flat = x.reshape(-1, dim)
+    if flat.shape[0] * plan.routing.top_k > ROUTE_MAX_PAIRS:
+        return None
+    routed = backend.route_experts(plan.router(flat), plan.routing)
+    if routed is None:
+        return None
+    # mlx-lm's rows: the tokens as [pairs, 1, D], each pair's projections one row.
+    rows = flat[routed.rows][:, None]
+    gate_up = _project(plan.gate_up, rows, routed.experts, routed.sorted)
+    if "bias" in plan.gate_up:
+        gate_up = gate_up + mx.expand_dims(plan.gate_up["bias"][routed.experts], -2)
+    gate, up = mx.split(gate_up, 2, axis=-1)
+    down = _project(plan.down, plan.activation(up, gate), routed.experts, routed.sorted)
+    out = backend.combine_experts(down, routed, plan.down.get("bias"), plan.out_dims,
+                                  None if residual is None else residual.reshape(-1, dim))
+    return out.reshape(x.shape)
+
+
+def reference_route(logits: mx.array, routing: Routing) -> Routed:
+    """What route computes, in mlx-lm's ops and order (SwitchGLU's _gather_sort)."""
+    weights, experts = routing.select(logits)
+    k = routing.top_k
+    flat = mx.stop_gradient(experts).flatten()
+    n = weights.size // k
+    if flat.size < SORT_PAIRS:
+        order = mx.arange(flat.size, dtype=mx.uint32)
+        return Routed(weights, flat, order // k, order, False, n, k)
+    order = mx.argsort(flat)
+    return Routed(weights, flat[order], order // k, mx.argsort(order), True, n, k)
+
+
+def reference_combine(down: mx.array, routed: Routed, bias: mx.array | None, out_dims: int,
+                      residual: mx.array | None) -> mx.array:
+    """What combine computes, in mlx-lm's ops and order: the bias, the padding cut, the
+    pairs back in token order, weighted and summed, then the residual; [N, out_dims]."""
+    if bias is not None:
+        down = down + mx.expand_dims(bias[routed.experts], -2)
+    down = down[..., :out_dims]
+    if routed.sorted:
+        down = down[routed.slots]
+    n, k = routed.tokens, routed.top_k
+    weights = routed.weights.reshape(-1)[:n * k].reshape(n, k, 1)
+    out = (down.reshape(n, k, out_dims) * weights).sum(axis=-2)
+    return out if residual is None else residual + out
+
+
+def fits(logits: mx.array, routing: Routing) -> bool:
+    """Whether the routing kernel takes this step's logits ([N, E])."""
+    return (logits.ndim == 2 and logits.shape[1] == routing.experts
+            and logits.shape[0] * routing.top_k <= ROUTE_MAX_PAIRS
+            and logits.dtype in (mx.float32, mx.float16, mx.bfloat16))
+
+
+# The warp-wide reductions route's rows need (each warp holds one row's logits).
+_HEADER = r"""
+__device__ __forceinline__ float kiln_warp_max(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffff, v, o));
+    return v;
+}
+__device__ __forceinline__ float kiln_warp_sum(float v) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+"""
+
+# One block: a warp a row picks the row's top K (highest value, lower expert on a tie),
+# writes its weights and, for now, each pair's expert into `places`, and counts the pairs
+# per expert; then each expert's first place (a running sum, one thread: E is small);
+# then each pair takes the next place of its expert. Places within an expert come in no
+# fixed order: an expert's matmul computes each row alone, so its rows' order changes
+# nothing. Values are rounded to T where mlx-lm's ops return T.
+_ROUTE = r"""
+    constexpr int WARPS = BLOCK / 32;
+    constexpr int PER_LANE = (E + 31) / 32;
+    const float NEG_INF = __int_as_float(0xff800000);
+    __shared__ int next_at[E];
+    const int t = threadIdx.x, lane = t & 31, warp = t >> 5;
+    const int n = logits_shape[0];
+    for (int e = t; e < E; e += BLOCK) next_at[e] = 0;
+    __syncthreads();
+    for (int row = warp; row < n; row += WARPS) {
+        float v[PER_LANE];
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) {
+            const int e = lane + 32 * i;
+            v[i] = e < E ? static_cast<float>(logits[(size_t)row * E + e]) : NEG_INF;
+        }
+        if (SOFTMAX_FIRST) {
+            float m = NEG_INF;
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i) m = fmaxf(m, v[i]);
+            m = kiln_warp_max(m);
+            float s = 0.f;
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i) {
+                v[i] = lane + 32 * i < E ? expf(v[i] - m) : 0.f;
+                s += v[i];
+            }
+            s = kiln_warp_sum(s);
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i)
+                v[i] = lane + 32 * i < E ? static_cast<float>(static_cast<T>(v[i] / s)) : NEG_INF;
+        }
+        float top[K];
+        int which[K];
+        unsigned taken[PER_LANE];
+#pragma unroll
+        for (int i = 0; i < PER_LANE; ++i) taken[i] = 0u;
+#pragma unroll
+        for (int j = 0; j < K; ++j) {
+            float best = NEG_INF;
+            int id = E;
+#pragma unroll
+            for (int i = 0; i < PER_LANE; ++i) {
+                const int e = lane + 32 * i;
+                if (e < E && !taken[i] && (v[i] > best || id == E)) { best = v[i]; id = e; }
+            }
+#pragma unroll
+            for (int o = 16; o > 0; o >>= 1) {
+                const float ob = __shfl_xor_sync(0xffffffff, best, o);
+                const int oi = __shfl_xor_sync(0xffffffff, id, o);
+                if (oi < E && (id == E || ob > best || (ob == best && oi < id))) {
+                    best = ob;
+                    id = oi;
+                }
+            }
+            top[j] = best;
+            which[j] = id;
+            if ((id & 31) == lane) taken[id >> 5] = 1u;
+        }
+        float w[K];
+        if (SOFTMAX_FIRST) {
+            float s = 0.f;
+#pragma unroll
+            for (int j = 0; j < K; ++j) s += top[j];
+            s = static_cast<float>(static_cast<T>(s));
+#pragma unroll
+            for (int j = 0; j < K; ++j) w[j] = NORMALIZE ? top[j] / s : top[j];
+        } else {
+            float s = 0.f;
+#pragma unroll
+            for (int j = 0; j < K; ++j) { w[j] = expf(top[j] - top[0]); s += w[j]; }
+#pragma unroll
+            for (int j = 0; j < K; ++j) w[j] /= s;
+        }
+#pragma unroll
+        for (int j = 0; j < K; ++j) {
+            if (lane == j) {
+                weights[(size_t)row * K + j] = static_cast<T>(w[j]);
+                places[(size_t)row * K + j] = which[j];
+                atomicAdd(&next_at[which[j]], 1);
+            }
+        }
+    }
+    __syncthreads();
+    if (t == 0) {
+        int run = 0;
+        for (int e = 0; e < E; ++e) {
+            const int c = next_at[e];
+            next_at[e] = run;
+            run += c;
+        }
+    }
+    __syncthreads();
+    for (int p = t; p < n * K; p += BLOCK) {
+        const int e = places[p];
+        const int at = atomicAdd(&next_at[e], 1);
+        experts[at] = e;
+        rows[at] = p / K;
+        places[p] = at;
+    }
+"""
+
+# A block a token: each of its columns' K outputs (each with its expert's bias, rounded
+# as mlx-lm's add rounds) times their weights, rounded, summed in float, rounded, then
+# the residual added.
+_COMBINE = r"""
+    const int row = blockIdx.x;
+    float w[K];
+    int at[K];
+    @EXPERT_DECLARE@
+#pragma unroll
+    for (int j = 0; j < K; ++j) {
+        w[j] = static_cast<float>(weights[row * K + j]);
+        at[j] = places[row * K + j];
+        @EXPERT_LOAD@
+    }
+    for (int d = threadIdx.x; d < D; d += BLOCK) {
+        float acc = 0.f;
+#pragma unroll
+        for (int j = 0; j < K; ++j) {
+            float v = static_cast<float>(down[(size_t)at[j] * DP + d]);
+            @BIAS@
+            acc += static_cast<float>(static_cast<T>(v * w[j]));
+        }
+        float o = static_cast<float>(static_cast<T>(acc));
+        @RESIDUAL@
+        out[(size_t)row * D + d] = static_cast<T>(o);
+    }
+"""
+
+
+def route_source() -> str:
+    return _ROUTE
+
+
+def combine_source(bias: bool, residual: bool) -> str:
+    """The combine kernel's source, with or without the down projection's bias and the
+    residual."""
+    parts = {
+        "@EXPERT_DECLARE@": "int ex[K];" if bias else "",
+        "@EXPERT_LOAD@": "ex[j] = experts[at[j]];" if bias else "",
+        "@BIAS@": ("v = static_cast<float>(static_cast<T>(v + static_cast<float>("
+                   "bias[(size_t)ex[j] * DP + d])));") if bias else "",
+        "@RESIDUAL@": ("o = static_cast<float>(static_cast<T>("
+                       "static_cast<float>(residual[(size_t)row * D + d]) + o));")
+                      if residual else ""}
+    out = _COMBINE
+    for key, text in parts.items():
+        out = out.replace(key, text)
+    return out
+
+
+def combine_inputs(bias: bool, residual: bool) -> list[str]:
+    return ["down", "weights", "places", *(["experts", "bias"] if bias else []),
+            *(["residual"] if residual else [])]
+
+
+@functools.cache
+def _route_kernel():
+    return mx.fast.cuda_kernel(name="kiln_moe_route", input_names=["logits"],
+                               output_names=["weights", "experts", "rows", "places"],
+                               source=route_source(), header=_HEADER)
+
+
+@functools.cache
+def _combine_kernel(bias: bool, residual: bool):
+    return mx.fast.cuda_kernel(
+        name=f"kiln_moe_combine{'_bias' if bias else ''}{'_residual' if residual else ''}",
+        input_names=combine_inputs(bias, residual), output_names=["out"],
+        source=combine_source(bias, residual))
+
+
+def route(logits: mx.array, routing: Routing) -> Routed:
+    """The routing kernel (fits must hold): reference_route's results, the pairs always
+    sorted by expert (the matmuls told so from SORT_PAIRS on)."""
+    n, k = logits.shape[0], routing.top_k
+    # The weights of one token are 8 bytes or less: made whole (kernel_constants).
+    weights, experts, rows, slots = _route_kernel()(
+        inputs=[logits],
+        template=[("T", logits.dtype), ("E", routing.experts), ("K", k),
+                  ("SOFTMAX_FIRST", routing.softmax_first), ("NORMALIZE", routing.normalize),
+                  ("BLOCK", ROUTE_THREADS)],
+        grid=(ROUTE_THREADS, 1, 1), threadgroup=(ROUTE_THREADS, 1, 1),
+        output_shapes=[(max(n * k, CONSTANT_ELEMENTS),), (n * k,), (n * k,), (n * k,)],
+        output_dtypes=[logits.dtype, mx.uint32, mx.uint32, mx.uint32])
+    return Routed(weights, experts, rows, slots, n * k >= SORT_PAIRS, n, k)
+
+
+def combine(down: mx.array, routed: Routed, bias: mx.array | None, out_dims: int,
+            residual: mx.array | None) -> mx.array:
+    """The combine kernel: reference_combine's result ([N, out_dims], the dtype of
+    `down`, [pairs, 1, DP])."""
+    n, k = routed.tokens, routed.top_k
+    padded = down.shape[-1]
+    inputs = [down, routed.weights, routed.slots]
+    if bias is not None:
+        inputs += [routed.experts, bias]
+    if residual is not None:
+        inputs.append(residual)
+    return _combine_kernel(bias is not None, residual is not None)(
+        inputs=inputs,
+        template=[("T", down.dtype), ("D", out_dims), ("DP", padded), ("K", k),
+                  ("BLOCK", COMBINE_THREADS)],
+        grid=(n * COMBINE_THREADS, 1, 1), threadgroup=(COMBINE_THREADS, 1, 1),
+        output_shapes=[(n, out_dims)], output_dtypes=[down.dtype])[0]
