@@ -130,7 +130,8 @@ echo "== kernel tests"
 # 330 s were not enough), so run it first in a call of its own.
 timeout --foreground -s INT -k 15 540 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line --durations=8 "${XDIST[@]}" tests/test_paged_attention.py \
     tests/test_decode_block.py tests/test_gated_delta_cuda.py tests/test_worker.py \
-    -k "kernel or in_place or staging or state or attention or block" > "$OUT/kernel_tests.txt" 2>&1
+    tests/test_fused_moe.py \
+    -k "kernel or in_place or staging or state or attention or block or cuda" > "$OUT/kernel_tests.txt" 2>&1
 tail -22 "$OUT/kernel_tests.txt"
 fi
 
