@@ -122,6 +122,7 @@ def test_served_experts_keep_mlx_lm_tokens(name, path, monkeypatch):
     backend = StandInKernel() if path == "compiled" else StandInInPlaceKernels()
     engine = InProcessEngine(ours, chunk_size=16, compile_decode=path == "compiled",
                              overlap="ahead", backend=backend, max_running=36)
+    seen.clear()  # the start-up probes' forwards (compiled: the served buckets' traces)
     budgets = [6 + i % 9 for i in range(36)]
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         engine.submit(f"r{i}", p, n, [])
@@ -131,18 +132,37 @@ def test_served_experts_keep_mlx_lm_tokens(name, path, monkeypatch):
     assert True in seen and False in seen
 
 
-def test_unfused_moe_leaves_the_experts_to_mlx_lm():
+def test_unfused_moe_leaves_the_experts_to_mlx_lm(monkeypatch):
     """--experiments unfused-moe (the backend's moe_kernels off), and a step of more pairs
-    than the routing kernel takes: no routing; the block runs mlx-lm's MLP."""
-    from ipc.config import DECODE_EXPERIMENTS
+    than the routing kernel takes: no routing; the blocks run mlx-lm's MLP, its tokens."""
+    import dataclasses
 
-    assert "unfused-moe" in DECODE_EXPERIMENTS
+    from tests.test_families import mlx_lm_tokens
+    from tests.test_worker import _prompts
+    from worker_proc import decode_backend
+
+    monkeypatch.setattr(decode_backend, "kernel_available", lambda: True)
+    monkeypatch.setattr(decode_backend, "kernel_fits", lambda specs: True)
+    assert decode_backend.choose_decode_backend([], frozenset({"unfused-moe"})).moe_kernels is False
+    assert decode_backend.choose_decode_backend([]).moe_kernels is True
     plan = experts_plan(_model("gpt_oss").layers[0].mlp)
-    logits = mx.zeros((8, 4))
-    assert KernelDecode(moe_kernels=False).route_experts(logits, plan.routing) is None
     many = fused_moe.ROUTE_MAX_PAIRS // plan.routing.top_k + 1
-    x = mx.zeros((many, 1, 64))
-    assert fused_experts(plan, StandInKernel(), x, None) is None
+    assert fused_experts(plan, StandInKernel(), mx.zeros((many, 1, 64)), None) is None
+
+    def refuse(*args):  # noqa: ANN002, ANN202
+        raise AssertionError("routed with moe_kernels off")
+
+    monkeypatch.setattr(StandInKernel, "_route_experts", refuse)
+    ours, theirs = _model("gpt_oss"), _model("gpt_oss", fuse=False)
+    speed_up_decode_blocks(ours, residual_in_gemm=False)
+    prompts = _prompts(3, [5, 30, 12], 512, seed=62)
+    engine = InProcessEngine(ours, chunk_size=16, compile_decode=True, overlap="ahead",
+                             backend=dataclasses.replace(StandInKernel(), moe_kernels=False))
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 8, [])
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == mlx_lm_tokens(theirs, p, 8)
 
 
 def _cuda() -> None:
@@ -160,7 +180,7 @@ def _distinct_logits(tokens: int, experts: int, seed: int) -> mx.array:
 
 
 @pytest.mark.parametrize("experts,top_k,softmax_first,normalize", [
-    (32, 4, False, False), (128, 8, True, True), (128, 8, True, False),
+    (32, 4, False, False), (128, 8, True, True), (128, 8, True, False), (8, 2, False, False),
     (fused_moe.ROUTE_MAX_EXPERTS, fused_moe.ROUTE_MAX_K, False, False)])
 @pytest.mark.parametrize("tokens", [1, 5, 64, 256])
 def test_cuda_route_kernel_matches_mlx_ops(tokens, experts, top_k, softmax_first, normalize):
@@ -190,6 +210,30 @@ def test_cuda_route_kernel_matches_mlx_ops(tokens, experts, top_k, softmax_first
         by_expert = dict(zip(want_e[n].tolist(), want_w[n].tolist()))
         for e, w in zip(chosen[n].tolist(), weights[n].tolist()):
             assert abs(w - by_expert[e]) <= 2 ** -7 * max(abs(w), 2 ** -20), (n, e, w)
+
+
+@pytest.mark.parametrize("softmax_first", [False, True])
+def test_cuda_route_kernel_breaks_ties_to_the_lower_expert(softmax_first):
+    """On CUDA, tied logits (every value four times, a top 2) give each token the two
+    lowest experts of its four highest, equal weights, and every pair one place."""
+    _cuda()
+    experts, top_k, tokens = 16, 2, 40
+    routing = fused_moe.Routing(experts, top_k, softmax_first, softmax_first,
+                                fused_moe._qwen3_moe_select(top_k, True) if softmax_first
+                                else fused_moe._gpt_oss_select(top_k))
+    rng = np.random.default_rng(9)
+    rows = np.stack([rng.permutation(np.arange(experts) // 4) for _ in range(tokens)])
+    logits = mx.array(rows.astype(np.float32)).astype(mx.bfloat16)
+    got = fused_moe.route(logits, routing)
+    slots, experts_out = np.array(got.slots), np.array(got.experts)
+    assert sorted(slots.tolist()) == list(range(tokens * top_k))
+    chosen = experts_out[slots].reshape(tokens, top_k)
+    top = rows.max(axis=1)
+    for n in range(tokens):
+        lowest = np.flatnonzero(rows[n] == top[n])[:top_k]
+        assert sorted(chosen[n].tolist()) == lowest.tolist()
+    weights = np.array(got.weights.astype(mx.float32))[:tokens * top_k]
+    np.testing.assert_allclose(weights, 1 / top_k, rtol=2 ** -7)
 
 
 @pytest.mark.parametrize("bias,residual", [(True, True), (False, False), (True, False)])

@@ -71,9 +71,10 @@ class Routing:
 class Routed:
     """A step's routing of `tokens` tokens to `top_k` experts each: their weights (the
     first tokens * top_k elements, token-major); the token-expert pairs in the order the
-    experts' matmuls take them (sorted by expert where `sorted`): each pair's expert and
-    token (uint32, [tokens * top_k]); and for each token's j-th pair (n * k + j) its
-    place in that order (`slots`)."""
+    experts' matmuls take them: each pair's expert and token (uint32, [tokens * top_k]);
+    for each token's j-th pair (n * k + j) its place in that order (`slots`); and whether
+    the matmuls are told the pairs come sorted by expert (`sorted`: from SORT_PAIRS on,
+    as mlx-lm's SwitchGLU sorts them)."""
 
     weights: mx.array
     experts: mx.array
@@ -213,9 +214,9 @@ def reference_combine(down: mx.array, routed: Routed, bias: mx.array | None, out
     pairs back in token order, weighted and summed, then the residual; [N, out_dims]."""
     if bias is not None:
         down = down + mx.expand_dims(bias[routed.experts], -2)
-    down = down[..., :out_dims]
-    if routed.sorted:
-        down = down[routed.slots]
+    # (Below SORT_PAIRS mlx-lm takes no gather here: the reference's slots are then the
+    # pairs' own order, so this one gives the same values.)
+    down = down[..., :out_dims][routed.slots]
     n, k = routed.tokens, routed.top_k
     weights = routed.weights.reshape(-1)[:n * k].reshape(n, k, 1)
     out = (down.reshape(n, k, out_dims) * weights).sum(axis=-2)
@@ -425,16 +426,21 @@ def route(logits: mx.array, routing: Routing) -> Routed:
     """The routing kernel (fits must hold): reference_route's results, the pairs always
     sorted by expert (the matmuls told so from SORT_PAIRS on)."""
     n, k = logits.shape[0], routing.top_k
-    # The weights of one token are 8 bytes or less: made whole (kernel_constants).
+    pairs = n * k
+    # Outputs of 8 bytes or less would land in MLX's small-array region: made whole
+    # (kernel_constants), the pairs' arrays then cut to their pairs.
+    size = max(pairs, CONSTANT_ELEMENTS)
     weights, experts, rows, slots = _route_kernel()(
         inputs=[logits],
         template=[("T", logits.dtype), ("E", routing.experts), ("K", k),
                   ("SOFTMAX_FIRST", routing.softmax_first), ("NORMALIZE", routing.normalize),
                   ("BLOCK", ROUTE_THREADS)],
         grid=(ROUTE_THREADS, 1, 1), threadgroup=(ROUTE_THREADS, 1, 1),
-        output_shapes=[(max(n * k, CONSTANT_ELEMENTS),), (n * k,), (n * k,), (n * k,)],
+        output_shapes=[(size,)] * 4,
         output_dtypes=[logits.dtype, mx.uint32, mx.uint32, mx.uint32])
-    return Routed(weights, experts, rows, slots, n * k >= SORT_PAIRS, n, k)
+    if size > pairs:
+        experts, rows, slots = experts[:pairs], rows[:pairs], slots[:pairs]
+    return Routed(weights, experts, rows, slots, pairs >= SORT_PAIRS, n, k)
 
 
 def combine(down: mx.array, routed: Routed, bias: mx.array | None, out_dims: int,
