@@ -694,6 +694,8 @@ def main() -> None:
         variants["kiln, compiled, fused, fast blocks"] = lambda b: compiled(fast_model(), b)
         variants["kiln, compiled, served, 1 + weight every call"] = lambda b: compiled(
             unsummed_model(), b)
+        variants["kiln, compiled, fast blocks, unfused MoE"] = lambda b: _with(
+            this, "BACKEND", replace(served, moe_kernels=False), lambda: compiled(fast_model(), b))
         variants["kiln, compiled, fast blocks, rope in kernel"] = lambda b: _with(
             this, "BACKEND", replace(served, rope_in_kernel=True), lambda: compiled(fast_model(), b))
         variants["kiln, compiled, splits <= 256"] = lambda b: _with(
