@@ -185,10 +185,11 @@ def fused_experts(plan: ExpertsPlan, backend: Any, x: mx.array,
         return None
     # mlx-lm's rows: the tokens as [pairs, 1, D], each pair's projections one row.
     rows = flat[routed.rows][:, None]
-    gate_up = _project(plan.gate_up, rows, routed.experts, routed.sorted)
-    if "bias" in plan.gate_up:
-        gate_up = gate_up + mx.expand_dims(plan.gate_up["bias"][routed.experts], -2)
-    gate, up = mx.split(gate_up, 2, axis=-1)
+    gate, up = mx.split(_project(plan.gate_up, rows, routed.experts, routed.sorted), 2, axis=-1)
+    if "bias" in plan.gate_up:  # added after the split: one fused kernel with the activation
+        gate_bias, up_bias = mx.split(
+            mx.expand_dims(plan.gate_up["bias"][routed.experts], -2), 2, axis=-1)
+        gate, up = gate + gate_bias, up + up_bias
     down = _project(plan.down, plan.activation(up, gate), routed.experts, routed.sorted)
     out = backend.combine_experts(down, routed, plan.down.get("bias"), plan.out_dims,
                                   None if residual is None else residual.reshape(-1, dim))
