@@ -777,12 +777,12 @@ class ModelRunner:
     def _launch_prefill(self, tokens: int, shared: bool, logits: mx.array,
                         *more: mx.array, width: int = 0) -> None:
         """Put a prefill forward of `tokens` positions (`shared`: of several prompts,
-        `width` wide) on the device as it is built, then wait for the one put there
-        before it: at most two
-        forwards' activations are held at once, while the host still builds one ahead;
-        where the two would pass the measured room (prefill_memory: a long chunk runs
-        whole), the one before ends first. Launched now, also for start's NOTE: a
-        scatter-written pool's next forward must find this one's reads done."""
+        `width` wide, prefixes included) on the device as it is built, then wait for the
+        one put there before it: at most two forwards' activations are held at once,
+        while the host still builds one ahead; where the two would pass the measured
+        room (prefill_memory: a long chunk runs whole), the one before ends first.
+        Launched now, also for start's NOTE: a scatter-written pool's next forward must
+        find this one's reads done."""
         # A view of its first logit, evaluated with it: reading it waits for this
         # forward alone (mx.eval would wait for everything launched since).
         probe = logits[:1, :1]
