@@ -40,7 +40,7 @@ _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "tab
           "branch": "T", "residual": "T", "weight": "T", "next_weight": "T",
           "normed": "T", "starts": "int32_t",
           "logits": "T", "weights": "T", "experts": "uint32_t", "rows": "uint32_t",
-          "places": "uint32_t", "down": "T"}
+          "places": "uint32_t", "down": "T", "router_bias": "T"}
 
 
 def _bits(x: float) -> str:
@@ -161,13 +161,15 @@ def moe_variants(dtype: str, experts: int, top_k: int, dim: int, padded: int
     routing, top k first and softmax first, and the weighted sum with and without the
     down bias and the residual."""
     out = []
-    for first, normalize in ((False, False), (True, True)):
-        name = f"kiln_moe_route_e{experts}_k{top_k}{'_softmax_first' if first else ''}"
+    for first, normalize, bias in ((False, False, True), (True, True, False)):
+        name = (f"kiln_moe_route_e{experts}_k{top_k}{'_softmax_first' if first else ''}"
+                f"{'_bias' if bias else ''}")
         params = {"T": dtype, "E": str(experts), "K": str(top_k),
                   "SOFTMAX_FIRST": str(first).lower(), "NORMALIZE": str(normalize).lower(),
                   "BLOCK": str(fused_moe.ROUTE_THREADS)}
-        out.append((name, wrap(name, ["logits"], ["weights", "experts", "rows", "places"],
-                               fused_moe.route_source(), fused_moe._HEADER, params)))
+        out.append((name, wrap(name, fused_moe.route_inputs(bias),
+                               ["weights", "experts", "rows", "places"],
+                               fused_moe.route_source(bias), fused_moe._HEADER, params)))
     for bias, residual in ((True, True), (False, False)):
         name = f"kiln_moe_combine_d{dim}{'_bias' if bias else ''}{'_residual' if residual else ''}"
         params = {"T": dtype, "D": str(dim), "DP": str(padded), "K": str(top_k),

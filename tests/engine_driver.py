@@ -235,8 +235,8 @@ class StandInKernel(KernelDecode):
     def _residual_norm(self, branch, residual, weight, eps, next_weight):  # noqa: ANN001, ANN202
         return reference_residual_norm(branch, residual, weight, eps, next_weight)
 
-    def _route_experts(self, logits, routing):  # noqa: ANN001, ANN202
-        return reference_route(logits, routing)
+    def _route_experts(self, logits, routing, bias):  # noqa: ANN001, ANN202
+        return reference_route(logits, routing, bias)
 
     def _combine_experts(self, down, routed, bias, out_dims, residual):  # noqa: ANN001, ANN202
         return reference_combine(down, routed, bias, out_dims, residual)

@@ -30,15 +30,20 @@ def _draw_biases(model: nn.Module, seed: int) -> None:
 
 
 def _model(name: str, quantize: bool = False, fuse: bool = True) -> nn.Module:
-    """The family's tiny model, biases drawn, experts quantized (MXFP4, as GPT-OSS ships)
-    and padded to whole tiles as the CUDA path pads them, gate/up fused."""
+    """The family's tiny model, biases drawn, experts quantized (MXFP4, as GPT-OSS ships;
+    its router 8 bits, as mlx-lm converts it) and padded to whole tiles as the CUDA path
+    pads them, gate/up fused."""
     from mlx_lm.models.switch_layers import SwitchLinear
 
     model = build(name)
     _draw_biases(model, seed=40)
     if quantize:
-        nn.quantize(model, group_size=32, bits=4, mode="mxfp4",
-                    class_predicate=lambda _, m: isinstance(m, SwitchLinear))
+        def which(path: str, module: nn.Module) -> bool | dict:
+            if path.endswith("router"):
+                return {"group_size": 64, "bits": 8, "mode": "affine"}
+            return isinstance(module, SwitchLinear)
+
+        nn.quantize(model, group_size=32, bits=4, mode="mxfp4", class_predicate=which)
     if fuse:
         fuse_projections(model)
         if quantize:
@@ -73,6 +78,8 @@ def test_the_routing_and_sum_compute_mlx_lm_mlps(name, tokens, quantize):
     experts' biases and a padded down projection (MXFP4) included."""
     ours, theirs = _model(name, quantize), _model(name, quantize, fuse=False)
     plan = experts_plan(ours.layers[1].mlp)
+    if quantize and name == "gpt_oss":  # its router's bias goes to the routing
+        assert type(plan.router) is nn.QuantizedLinear and "bias" in plan.router
     x = mx.random.normal((tokens, 1, 64), key=mx.random.key(tokens))
     residual = mx.random.normal((tokens, 1, 64), key=mx.random.key(7))
     got = fused_experts(plan, StandInKernel(), x, residual)
@@ -111,8 +118,8 @@ def test_served_experts_keep_mlx_lm_tokens(name, path, monkeypatch):
     seen: list[bool] = []
     route = StandInKernel._route_experts
 
-    def counting(self, logits, routing):  # noqa: ANN001, ANN202
-        routed = route(self, logits, routing)
+    def counting(self, logits, routing, bias):  # noqa: ANN001, ANN202
+        routed = route(self, logits, routing, bias)
         seen.append(routed.sorted)
         return routed
 
@@ -185,15 +192,22 @@ def _distinct_logits(tokens: int, experts: int, seed: int) -> mx.array:
 @pytest.mark.parametrize("tokens", [1, 5, 64, 256])
 def test_cuda_route_kernel_matches_mlx_ops(tokens, experts, top_k, softmax_first, normalize):
     """On CUDA, the routing kernel picks each token's experts as mlx-lm's ops do (logits
-    without ties), their weights within a bfloat16 rounding, and places every pair once,
-    sorted by expert, at its slot with its token."""
+    without ties; a router bias added first for the top-k-first rule, GPT-OSS's), their
+    weights within a bfloat16 rounding, and places every pair once, sorted by expert, at
+    its slot with its token."""
     _cuda()
     routing = fused_moe.Routing(
         experts, top_k, softmax_first, normalize,
         fused_moe._qwen3_moe_select(top_k, normalize) if softmax_first
         else fused_moe._gpt_oss_select(top_k))
     logits = _distinct_logits(tokens, experts, seed=tokens + experts)
-    got = fused_moe.route(logits, routing)
+    bias = None
+    if not softmax_first:  # under a quarter: within the logits' gaps of 0.5, no new ties
+        bias = mx.array(np.random.default_rng(1).integers(0, 16, experts) / 64,
+                        dtype=mx.bfloat16)
+    got = fused_moe.route(logits, routing, bias)
+    if bias is not None:
+        logits = logits + bias
     want_weights, want_experts = routing.select(logits)
     pairs = tokens * top_k
     experts_out, rows, slots = (np.array(a) for a in (got.experts, got.rows, got.slots))

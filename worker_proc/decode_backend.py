@@ -139,10 +139,11 @@ class DecodeBackend:
         ops itself."""
         return None
 
-    def route_experts(self, logits: mx.array, routing: Routing) -> Routed | None:
+    def route_experts(self, logits: mx.array, routing: Routing,
+                      bias: mx.array | None = None) -> Routed | None:
         """A decode step's tokens routed to their experts from the router's logits [N, E]
-        (fused_moe.route, as reference_route computes it); None: the block runs mlx-lm's
-        MLP call itself."""
+        and bias [E] (fused_moe.route, as reference_route computes it); None: the block
+        runs mlx-lm's MLP call itself."""
         return None
 
     def combine_experts(self, down: mx.array, routed: Routed, bias: mx.array | None,
@@ -361,10 +362,11 @@ class KernelDecode(DecodeBackend):
             return None
         return self._residual_norm(branch, residual, weight, eps, next_weight)
 
-    def route_experts(self, logits: mx.array, routing: Routing) -> Routed | None:
-        if not (self.moe_kernels and moe_route_fits(logits, routing)):
+    def route_experts(self, logits: mx.array, routing: Routing,
+                      bias: mx.array | None = None) -> Routed | None:
+        if not (self.moe_kernels and moe_route_fits(logits, routing, bias)):
             return None
-        return self._route_experts(logits, routing)
+        return self._route_experts(logits, routing, bias)
 
     def combine_experts(self, down: mx.array, routed: Routed, bias: mx.array | None,
                         out_dims: int, residual: mx.array | None) -> mx.array:
@@ -448,8 +450,9 @@ class KernelDecode(DecodeBackend):
                        ) -> tuple[mx.array, mx.array | None]:
         return residual_norm(branch, residual, weight, eps, next_weight)
 
-    def _route_experts(self, logits: mx.array, routing: Routing) -> Routed:
-        return moe_route(logits, routing)
+    def _route_experts(self, logits: mx.array, routing: Routing,
+                       bias: mx.array | None) -> Routed:
+        return moe_route(logits, routing, bias)
 
     def _combine_experts(self, down: mx.array, routed: Routed, bias: mx.array | None,
                          out_dims: int, residual: mx.array | None) -> mx.array:

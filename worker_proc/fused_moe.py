@@ -9,11 +9,12 @@ puts the outputs back in token order by another gather, a multiply and a sum: ~2
 launches a layer besides the experts' matmuls. On MLX's CUDA backend each launch costs
 ~14 us of host time, and a 64-row GPT-OSS step launches ~830 kernels (docs/benchmarks.md,
 session 24): with MXFP4 experts the host, not the device, sets its pace. Here a layer
-launches: the router's matmul, `route` (the top k by each family's rule, their weights,
-and the token-expert pairs sorted by expert with each pair's place, in one block), a
-gather of the tokens, the fused gate/up matmul, its bias's gather (GPT-OSS), the
-activation, the down matmul and `combine` (each token's k outputs with their down bias,
-weighted and summed, plus the residual): 8 for GPT-OSS, 7 for Qwen3-MoE.
+launches: the router's matmul, `route` (a quantized router's bias added, the top k by
+each family's rule, their weights, and the token-expert pairs sorted by expert with each
+pair's place, in one block), a gather of the tokens, the fused gate/up matmul, its
+bias's gather (GPT-OSS), the activation, the down matmul and `combine` (each token's k
+outputs with their down bias, weighted and summed, plus the residual): 8 for GPT-OSS (a
+plain router adds its bias inside its GEMM), 7 for Qwen3-MoE.
 
 The matmuls are MLX's own (`gather_qmm` / `gather_mm`), called as mlx-lm's SwitchLinear
 calls them; pairs are sorted by expert once there are SORT_PAIRS or more, as mlx-lm's
@@ -171,6 +172,19 @@ def _project(module: nn.Module, x: mx.array, experts: mx.array, sort: bool) -> m
                         sorted_indices=sort)
 
 
+def _router_logits(router: nn.Module, x: mx.array) -> tuple[mx.array, mx.array | None]:
+    """The router's logits, and its bias where the routing kernel may add it: a quantized
+    router's (GPT-OSS's, 8 bits as mlx-lm converts it), whose call adds its bias after
+    the matmul as an op of its own. A plain Linear adds its bias inside the GEMM (addmm,
+    one rounding), so it runs as it is."""
+    if type(router) is nn.QuantizedLinear and "bias" in router:
+        return mx.quantized_matmul(x, router["weight"], scales=router["scales"],
+                                   biases=router.get("biases"), transpose=True,
+                                   group_size=router.group_size, bits=router.bits,
+                                   mode=router.mode), router["bias"]
+    return router(x), None
+
+
 def fused_experts(plan: ExpertsPlan, backend: Any, x: mx.array,
                   residual: mx.array | None) -> mx.array | None:
     """residual + the MLP of x ([..., D]) through the backend's route and combine
@@ -180,7 +194,8 @@ def fused_experts(plan: ExpertsPlan, backend: Any, x: mx.array,
     flat = x.reshape(-1, dim)
     if flat.shape[0] * plan.routing.top_k > ROUTE_MAX_PAIRS:
         return None
-    routed = backend.route_experts(plan.router(flat), plan.routing)
+    logits, bias = _router_logits(plan.router, flat)
+    routed = backend.route_experts(logits, plan.routing, bias)
     if routed is None:
         return None
     # mlx-lm's rows: the tokens as [pairs, 1, D], each pair's projections one row.
@@ -196,9 +211,10 @@ def fused_experts(plan: ExpertsPlan, backend: Any, x: mx.array,
     return out.reshape(x.shape)
 
 
-def reference_route(logits: mx.array, routing: Routing) -> Routed:
-    """What route computes, in mlx-lm's ops and order (SwitchGLU's _gather_sort)."""
-    weights, experts = routing.select(logits)
+def reference_route(logits: mx.array, routing: Routing, bias: mx.array | None = None) -> Routed:
+    """What route computes, in mlx-lm's ops and order (the router's bias add, then
+    SwitchGLU's _gather_sort)."""
+    weights, experts = routing.select(logits if bias is None else logits + bias)
     k = routing.top_k
     flat = mx.stop_gradient(experts).flatten()
     n = weights.size // k
@@ -224,11 +240,13 @@ def reference_combine(down: mx.array, routed: Routed, bias: mx.array | None, out
     return out if residual is None else residual + out
 
 
-def fits(logits: mx.array, routing: Routing) -> bool:
-    """Whether the routing kernel takes this step's logits ([N, E])."""
+def fits(logits: mx.array, routing: Routing, bias: mx.array | None = None) -> bool:
+    """Whether the routing kernel takes this step's logits ([N, E]) and router bias."""
     return (logits.ndim == 2 and logits.shape[1] == routing.experts
             and logits.shape[0] * routing.top_k <= ROUTE_MAX_PAIRS
-            and logits.dtype in (mx.float32, mx.float16, mx.bfloat16))
+            and logits.dtype in (mx.float32, mx.float16, mx.bfloat16)
+            and (bias is None or (bias.shape == (routing.experts,)
+                                  and bias.dtype == logits.dtype)))
 
 
 # The warp-wide reductions route's rows need (each warp holds one row's logits).
@@ -266,6 +284,7 @@ _ROUTE = r"""
         for (int i = 0; i < PER_LANE; ++i) {
             const int e = lane + 32 * i;
             v[i] = e < E ? static_cast<float>(logits[(size_t)row * E + e]) : NEG_INF;
+            @ROUTER_BIAS@
         }
         if (SOFTMAX_FIRST) {
             float m = NEG_INF;
@@ -382,8 +401,16 @@ _COMBINE = r"""
 """
 
 
-def route_source() -> str:
-    return _ROUTE
+def route_source(bias: bool) -> str:
+    """The routing kernel's source, with or without the router's bias (added to each
+    logit and rounded, as the quantized router's own add rounds)."""
+    return _ROUTE.replace("@ROUTER_BIAS@", (
+        "if (e < E) v[i] = static_cast<float>(static_cast<T>("
+        "v[i] + static_cast<float>(router_bias[e])));") if bias else "")
+
+
+def route_inputs(bias: bool) -> list[str]:
+    return ["logits", *(["router_bias"] if bias else [])]
 
 
 def combine_source(bias: bool, residual: bool) -> str:
@@ -409,10 +436,11 @@ def combine_inputs(bias: bool, residual: bool) -> list[str]:
 
 
 @functools.cache
-def _route_kernel():
-    return mx.fast.cuda_kernel(name="kiln_moe_route", input_names=["logits"],
+def _route_kernel(bias: bool):
+    return mx.fast.cuda_kernel(name=f"kiln_moe_route{'_bias' if bias else ''}",
+                               input_names=route_inputs(bias),
                                output_names=["weights", "experts", "rows", "places"],
-                               source=route_source(), header=_HEADER)
+                               source=route_source(bias), header=_HEADER)
 
 
 @functools.cache
@@ -423,7 +451,7 @@ def _combine_kernel(bias: bool, residual: bool):
         source=combine_source(bias, residual))
 
 
-def route(logits: mx.array, routing: Routing) -> Routed:
+def route(logits: mx.array, routing: Routing, bias: mx.array | None = None) -> Routed:
     """The routing kernel (fits must hold): reference_route's results, the pairs always
     sorted by expert (the matmuls told so from SORT_PAIRS on)."""
     n, k = logits.shape[0], routing.top_k
@@ -431,8 +459,8 @@ def route(logits: mx.array, routing: Routing) -> Routed:
     # Outputs of 8 bytes or less would land in MLX's small-array region: made whole
     # (kernel_constants), the pairs' arrays then cut to their pairs.
     size = max(pairs, CONSTANT_ELEMENTS)
-    weights, experts, rows, slots = _route_kernel()(
-        inputs=[logits],
+    weights, experts, rows, slots = _route_kernel(bias is not None)(
+        inputs=[logits, *([] if bias is None else [bias])],
         template=[("T", logits.dtype), ("E", routing.experts), ("K", k),
                   ("SOFTMAX_FIRST", routing.softmax_first), ("NORMALIZE", routing.normalize),
                   ("BLOCK", ROUTE_THREADS)],
