@@ -774,8 +774,8 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
         if "residual_norm" in r.name:  # a block's threads x registers within 64K
             dim = int(re.search(r"_d(\d+)", r.name).group(1))
             assert registers * residual_norm.block_threads(dim) <= 65536, (r.name, registers)
-        if "moe_route" in r.name:  # one block of ROUTE_THREADS, with NVRTC's margin
-            assert registers * fused_moe.ROUTE_THREADS <= 56 * 1024, (r.name, registers)
+        if "moe_route" in r.name:  # one block of ROUTE_THREADS, with a margin for NVRTC's
+            assert registers * fused_moe.ROUTE_THREADS <= 48 * 1024, (r.name, registers)
     # The default stages for other heads compile within a block's 48 KiB of shared memory:
     # Gemma's 256-wide heads (32 lanes a token: within 128 registers too, four blocks an
     # SM) and 8 query heads a KV head (Llama-3-70B, ~200 registers: fewer blocks an SM)

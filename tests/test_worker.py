@@ -191,7 +191,8 @@ def test_prefill_forwards_fit_the_room_the_probes_measure(monkeypatch, family, o
     if runner.shares_prefill:  # the wider where two such prompts fit the (300-slot) space
         wide = [] if {"capacity", "window_slots"} & set(options) else [511]
         assert [w for w, _ in measured.shared] == [worker_proc.SHARED_PROBE_WIDTH, *wide]
-        assert all(b > 0 for _, b in measured.shared)
+        measured_bytes = [b for _, b in measured.shared]
+        assert all(b > 0 for b in measured_bytes) and measured_bytes == sorted(measured_bytes)
     else:
         assert measured.shared == ()
     monkeypatch.setattr(memory, "available_memory_bytes", lambda: 0)

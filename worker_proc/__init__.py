@@ -255,7 +255,10 @@ def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chu
                     UNFUSED_SCORES_MAX_BYTES // (max(heads, 1) * width * width * 4))
             if runner.shares_prefill and n >= 2:
                 step += 2
-                shared.append((width, probe_prefill_bytes(runner, step, [width] * n)))
+                measured = probe_prefill_bytes(runner, step, [width] * n)
+                # Never fewer bytes for wider prompts (a noisy narrow probe would tilt the
+                # line down and understate wider forwards).
+                shared.append((width, max([measured, *(b for _, b in shared)])))
     except RuntimeError as exc:
         if "out of memory" not in str(exc):
             raise

@@ -44,12 +44,13 @@ from worker_proc.kernel_constants import CONSTANT_ELEMENTS
 # mlx-lm's SwitchGLU sorts a forward's token-expert pairs by expert from this many on.
 SORT_PAIRS = 64
 # The routing kernel is one block of ROUTE_THREADS: every pair of the step passes through
-# its threads, each of which must then use at most 64 registers (48 at 256 experts and a
-# top 8, by nvcc: bench/cuda_kernel_report.py; 92 at 512 and 16).
+# its threads, each of which may use at most 128 registers (nvcc: 32-56 at up to 256
+# experts and a top 8, bench/cuda_kernel_report.py; 92 at 512 and 16; the launch, having
+# no bounds of its own, fails past the block's 64K).
 ROUTE_MAX_PAIRS = 8192
 ROUTE_MAX_EXPERTS = 256
 ROUTE_MAX_K = 8
-ROUTE_THREADS = 1024
+ROUTE_THREADS = 512
 COMBINE_THREADS = 256
 
 
