@@ -170,12 +170,15 @@ def moe_variants(dtype: str, experts: int, top_k: int, dim: int, padded: int
         out.append((name, wrap(name, fused_moe.route_inputs(bias),
                                ["weights", "experts", "rows", "places"],
                                fused_moe.route_source(bias), fused_moe._HEADER, params)))
-    for bias, residual in ((True, True), (False, False)):
-        name = f"kiln_moe_combine_d{dim}{'_bias' if bias else ''}{'_residual' if residual else ''}"
+    for bias, residual, norm in ((True, True, True), (True, True, False), (False, False, False)):
+        name = (f"kiln_moe_combine_d{dim}{'_bias' if bias else ''}"
+                f"{'_residual' if residual else ''}{'_norm' if norm else ''}")
         params = {"T": dtype, "D": str(dim), "DP": str(padded), "K": str(top_k),
-                  "BLOCK": str(fused_moe.COMBINE_THREADS)}
-        out.append((name, wrap(name, fused_moe.combine_inputs(bias, residual), ["out"],
-                               fused_moe.combine_source(bias, residual), "", params)))
+                  "BLOCK": str(fused_moe.COMBINE_THREADS), "EPS": _bits(1e-5)}
+        out.append((name, wrap(name, fused_moe.combine_inputs(bias, residual, norm),
+                               fused_moe.combine_outputs(norm),
+                               fused_moe.combine_source(bias, residual, norm),
+                               fused_moe._HEADER, params)))
     return out
 
 

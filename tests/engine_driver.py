@@ -238,8 +238,8 @@ class StandInKernel(KernelDecode):
     def _route_experts(self, logits, routing, bias):  # noqa: ANN001, ANN202
         return reference_route(logits, routing, bias)
 
-    def _combine_experts(self, down, routed, bias, out_dims, residual):  # noqa: ANN001, ANN202
-        return reference_combine(down, routed, bias, out_dims, residual)
+    def _combine_experts(self, down, routed, bias, out_dims, residual, next_norm):  # noqa: ANN001, ANN202
+        return reference_combine(down, routed, bias, out_dims, residual, next_norm)
 
     def _fused_builds_per_shape(self, queries, values):  # noqa: ANN001, ANN202
         # The tests' float32 stands in for the GPU's bfloat16: the heads' sizes decide.

@@ -13,7 +13,7 @@ from tests.engine_driver import InProcessEngine, StandInInPlaceKernels, StandInK
 from tests.families import build
 from worker_proc import fused_moe
 from worker_proc.decode_backend import KernelDecode
-from worker_proc.decode_block import speed_up_decode_blocks
+from worker_proc.decode_block import NormHandoff, speed_up_decode_blocks
 from worker_proc.expert_padding import pad_expert_outputs
 from worker_proc.fused_moe import experts_plan, fused_experts, reference_combine, reference_route
 from worker_proc.fused_projections import fuse_projections
@@ -54,9 +54,15 @@ def _model(name: str, quantize: bool = False, fuse: bool = True) -> nn.Module:
 @pytest.mark.parametrize("name,softmax_first", [("gpt_oss", False), ("qwen3_moe", True)])
 def test_blocks_get_a_plan_of_their_experts(name, softmax_first):
     """Every fast block of GPT-OSS and Qwen3-MoE has its experts' plan (the family's
-    routing rule); unfused gate/up projections and dense MLPs have none."""
+    routing rule) and but the last hands the next its input norm; unfused gate/up
+    projections and dense MLPs have none."""
     model = _model(name)
     assert speed_up_decode_blocks(model, residual_in_gemm=False) == len(model.layers)
+    layers = model.layers
+    assert all(a.handoff_out is b.handoff_in is not None for a, b in zip(layers, layers[1:]))
+    assert layers[0].handoff_in is None and layers[-1].handoff_out is None
+    assert all(a.handoff_out.next_norm.weight is b.input_layernorm.weight
+               for a, b in zip(layers, layers[1:]))
     plans = [layer.moe_plan for layer in model.layers]
     assert all(p is not None for p in plans)
     assert {(p.routing.experts, p.routing.top_k, p.routing.softmax_first) for p in plans} == {
@@ -82,10 +88,14 @@ def test_the_routing_and_sum_compute_mlx_lm_mlps(name, tokens, quantize):
         assert type(plan.router) is nn.QuantizedLinear and "bias" in plan.router
     x = mx.random.normal((tokens, 1, 64), key=mx.random.key(tokens))
     residual = mx.random.normal((tokens, 1, 64), key=mx.random.key(7))
-    got = fused_experts(plan, StandInKernel(), x, residual)
+    norm = theirs.layers[2].input_layernorm
+    got, normed = fused_experts(plan, StandInKernel(), x, residual,
+                                fused_moe.NextNorm(norm.weight, norm.eps))
     want = residual + theirs.layers[1].mlp(x)
-    assert got.shape == want.shape
+    assert got.shape == want.shape == normed.shape
     assert np.array_equal(np.array(got), np.array(want))
+    # the next block's input norm of that sum, as that block computes it
+    assert np.array_equal(np.array(normed), np.array(norm(want)))
 
 
 def test_routing_places_each_pair_once_sorted_by_expert():
@@ -124,6 +134,15 @@ def test_served_experts_keep_mlx_lm_tokens(name, path, monkeypatch):
         return routed
 
     monkeypatch.setattr(StandInKernel, "_route_experts", counting)
+    handed: list[bool] = []
+    take = NormHandoff.take
+
+    def taking(self, x):  # noqa: ANN001, ANN202
+        normed = take(self, x)
+        handed.append(normed is not None)
+        return normed
+
+    monkeypatch.setattr(NormHandoff, "take", taking)
     lengths = [(7 * i) % 40 + 1 for i in range(36)]
     prompts = _prompts(36, lengths, 512, seed=61)
     backend = StandInKernel() if path == "compiled" else StandInInPlaceKernels()
@@ -137,6 +156,7 @@ def test_served_experts_keep_mlx_lm_tokens(name, path, monkeypatch):
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(theirs, p, n), f"r{i}"
     assert True in seen and False in seen
+    assert True in handed  # decode steps' next-block norms came from combine
 
 
 def test_unfused_moe_leaves_the_experts_to_mlx_lm(monkeypatch):
@@ -250,12 +270,15 @@ def test_cuda_route_kernel_breaks_ties_to_the_lower_expert(softmax_first):
     np.testing.assert_allclose(weights, 1 / top_k, rtol=2 ** -7)
 
 
-@pytest.mark.parametrize("bias,residual", [(True, True), (False, False), (True, False)])
+@pytest.mark.parametrize("bias,residual,next_norm", [
+    (True, True, True), (True, True, False), (False, False, False), (True, False, False),
+    (False, True, True)])
 @pytest.mark.parametrize("tokens", [1, 64])
-def test_cuda_combine_kernel_matches_mlx_ops(tokens, bias, residual):
+def test_cuda_combine_kernel_matches_mlx_ops(tokens, bias, residual, next_norm):
     """On CUDA, the weighted sum of each token's experts' outputs (a padded down
-    projection's first columns, its bias by expert, the residual) is reference_combine's
-    within a rounding or two of bfloat16 (the k products summed in another order)."""
+    projection's first columns, its bias by expert, the residual) and that sum through
+    the next block's RMS norm are reference_combine's within a rounding or two of
+    bfloat16 (the k products summed, and the squares, in another order)."""
     _cuda()
     experts, top_k, dim, padded = 32, 4, 2880, 2944
     routing = fused_moe.Routing(experts, top_k, False, False, fused_moe._gpt_oss_select(top_k))
@@ -264,11 +287,19 @@ def test_cuda_combine_kernel_matches_mlx_ops(tokens, bias, residual):
     down = mx.random.normal((pairs, 1, padded), key=mx.random.key(1)).astype(mx.bfloat16)
     b = mx.random.normal((experts, padded), key=mx.random.key(2)).astype(mx.bfloat16) if bias else None
     r = (4 * mx.random.normal((tokens, dim), key=mx.random.key(3))).astype(mx.bfloat16) if residual else None
-    got = fused_moe.combine(down, routed, b, dim, r)
-    want = reference_combine(down, routed, b, dim, r)
-    assert got.shape == want.shape == (tokens, dim) and got.dtype == mx.bfloat16
-    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
-    np.testing.assert_allclose(g, w, rtol=2 ** -6, atol=2 ** -6 * max(1.0, float(np.abs(w).mean())))
+    norm = None
+    if next_norm:
+        weight = (1 + 0.3 * mx.random.normal((dim,), key=mx.random.key(4))).astype(mx.bfloat16)
+        norm = fused_moe.NextNorm(weight, 1e-5)
+    got = fused_moe.combine(down, routed, b, dim, r, norm)
+    want = reference_combine(down, routed, b, dim, r, norm)
+    assert (got[1] is None) == (want[1] is None) == (not next_norm)
+    for g, w in zip(got, want):
+        if w is None:
+            continue
+        assert g.shape == w.shape == (tokens, dim) and g.dtype == mx.bfloat16
+        g, w = np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
+        np.testing.assert_allclose(g, w, rtol=2 ** -6, atol=2 ** -6 * max(1.0, float(np.abs(w).mean())))
 
 
 @pytest.mark.parametrize("tokens", [1, 64])
@@ -282,7 +313,7 @@ def test_cuda_fused_experts_compute_mlx_lm_mlps(tokens):
     plan = experts_plan(ours.layers[0].mlp)
     x = mx.random.normal((tokens, 1, 64), key=mx.random.key(5)).astype(mx.bfloat16)
     residual = mx.random.normal((tokens, 1, 64), key=mx.random.key(6)).astype(mx.bfloat16)
-    got = fused_experts(plan, KernelDecode(), x, residual)
+    got, _ = fused_experts(plan, KernelDecode(), x, residual)
     want = residual + theirs.layers[0].mlp(x)
     g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     np.testing.assert_allclose(g, w, rtol=2 ** -5, atol=2 ** -5 * max(1.0, float(np.abs(w).mean())))

@@ -40,7 +40,8 @@ from worker_proc.prefill_attention import (bucketed_fused_attention, bucketed_ma
                                            masked_bias, masked_bias_fits,
                                            unfused_prefill_attention, unfused_prefill_fits)
 from worker_proc.qk_norm_rope import decode_qk_norm_rope, fits as qk_norm_rope_fits
-from worker_proc.fused_moe import Routed, Routing, combine as moe_combine, fits as moe_route_fits
+from worker_proc.fused_moe import NextNorm, Routed, Routing, combine as moe_combine
+from worker_proc.fused_moe import fits as moe_route_fits
 from worker_proc.fused_moe import route as moe_route
 from worker_proc.residual_norm import fits as residual_norm_fits, residual_norm
 
@@ -147,9 +148,11 @@ class DecodeBackend:
         return None
 
     def combine_experts(self, down: mx.array, routed: Routed, bias: mx.array | None,
-                        out_dims: int, residual: mx.array | None) -> mx.array:
+                        out_dims: int, residual: mx.array | None,
+                        next_norm: NextNorm | None = None) -> tuple[mx.array, mx.array | None]:
         """The experts' down outputs of route_experts' pairs back as the tokens' MLP
-        outputs (fused_moe.combine, as reference_combine computes it)."""
+        outputs plus the residual, and with next_norm that sum normalised
+        (fused_moe.combine, as reference_combine computes them)."""
         raise RuntimeError(f"{self.name} decode does not route experts")
 
     def latent_path(self, specs: list) -> str | None:
@@ -369,8 +372,9 @@ class KernelDecode(DecodeBackend):
         return self._route_experts(logits, routing, bias)
 
     def combine_experts(self, down: mx.array, routed: Routed, bias: mx.array | None,
-                        out_dims: int, residual: mx.array | None) -> mx.array:
-        return self._combine_experts(down, routed, bias, out_dims, residual)
+                        out_dims: int, residual: mx.array | None,
+                        next_norm: NextNorm | None = None) -> tuple[mx.array, mx.array | None]:
+        return self._combine_experts(down, routed, bias, out_dims, residual, next_norm)
 
     def own_prefill_attention(self, queries: mx.array, keys: mx.array, values: mx.array,
                               scale: float, mask: Any, sinks: mx.array | None,
@@ -455,8 +459,9 @@ class KernelDecode(DecodeBackend):
         return moe_route(logits, routing, bias)
 
     def _combine_experts(self, down: mx.array, routed: Routed, bias: mx.array | None,
-                         out_dims: int, residual: mx.array | None) -> mx.array:
-        return moe_combine(down, routed, bias, out_dims, residual)
+                         out_dims: int, residual: mx.array | None,
+                         next_norm: NextNorm | None) -> tuple[mx.array, mx.array | None]:
+        return moe_combine(down, routed, bias, out_dims, residual, next_norm)
 
     def _latent_kernel_takes(self, dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int,
                              row: int) -> bool:

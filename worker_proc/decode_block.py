@@ -39,7 +39,7 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
 
 from worker_proc.attention import MixedLayerCache, PooledKVCache
-from worker_proc.fused_moe import ExpertsPlan, experts_plan, fused_experts
+from worker_proc.fused_moe import ExpertsPlan, NextNorm, experts_plan, fused_experts
 from worker_proc.paged_attention import RopeSpec
 
 logger = logging.getLogger(__name__)
@@ -135,12 +135,14 @@ class FastDecodeBlock:
     rope_spec: RopeSpec | None = None  # its attention's RoPE, ditto
     qk_norms: QKNorms | None = None  # its q and k norms (Qwen3's), ditto
     moe_plan: ExpertsPlan | None = None  # its mixture of experts' parts (fused_moe), ditto
+    handoff_in: NormHandoff | None = None  # from the block before (_link_expert_norms)
+    handoff_out: NormHandoff | None = None  # to the block after, ditto
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if isinstance(cache, MixedLayerCache):
             return self._mixed(x, mask, cache)
         if _paged_decode(cache):
-            qkv = self.self_attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
+            qkv = self.self_attn.qkv_proj(_input_norm(self, x))  # type: ignore[attr-defined]
             return self._after_attention(x, self._decode_attention(qkv, cache), cache)
         if _pooled_prefill(cache):
             qkv = self.self_attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
@@ -192,7 +194,7 @@ class FastDecodeBlock:
         h = self._residual(x, attn.o_proj, out)
         normed = self.post_attention_layernorm(h)  # type: ignore[attr-defined]
         if "gate_up_proj" not in mlp:
-            return _experts_or_mlp(self.moe_plan, mlp, decode, normed, h)
+            return _experts_or_mlp(self.moe_plan, mlp, decode, normed, h, self.handoff_out)
         gate, up = mx.split(mlp.gate_up_proj(normed), 2, axis=-1)
         return self._residual(h, mlp.down_proj, swiglu(gate, up))
 
@@ -247,14 +249,16 @@ class SandwichNorms:
 
 
 class NormHandoff:
-    """The next Gemma 3 block's input norm, computed by this block's last kernel of a
-    decode step (residual_norm's second output) and taken by that block instead of its
-    own norm: a launch a layer less. mlx-lm's model loop hands block i's output straight
-    to block i + 1, so the output is the key; anything else computes its own norm.
-    (A plain object: an mlx Module's array or Module attributes become its parameters.)"""
+    """The next block's input norm, computed by this block's last kernel of a decode step
+    (Gemma 3: residual_norm's second output; a mixture of experts: combine's, `next_norm`)
+    and taken by that block instead of its own norm: a launch a layer less. mlx-lm's
+    model loop hands block i's output straight to block i + 1, so the output is the key;
+    anything else computes its own norm. (A plain object: an mlx Module's array or
+    Module attributes become its parameters.)"""
 
-    def __init__(self, scale: mx.array) -> None:
-        self.scale = scale  # the next block's input norm's 1 + weight
+    def __init__(self, scale: mx.array, next_norm: NextNorm | None = None) -> None:
+        self.scale = scale  # the next block's input norm's 1 + weight (Gemma 3)
+        self.next_norm = next_norm  # the next block's RMSNorm (experts' blocks)
         self._source: mx.array | None = None
         self._normed: mx.array | None = None
 
@@ -340,31 +344,45 @@ class FastGptOssBlock:
 
     rope_spec: RopeSpec | None = None  # its YaRN RoPE, set by speed_up_decode_blocks
     moe_plan: ExpertsPlan | None = None  # its experts' parts (fused_moe), ditto
+    handoff_in: NormHandoff | None = None  # from the block before (_link_expert_norms)
+    handoff_out: NormHandoff | None = None  # to the block after, ditto
 
     def __call__(self, x: mx.array, mask: Any = None, cache: Any = None) -> mx.array:
         if not (_paged_decode(cache) or _pooled_prefill(cache)):
             return super().__call__(x, mask, cache)  # type: ignore[misc]
         attn = self.self_attn  # type: ignore[attr-defined]
         n_q = attn.num_attention_heads
-        qkv = attn.qkv_proj(self.input_layernorm(x))  # type: ignore[attr-defined]
+        qkv = attn.qkv_proj(_input_norm(self, x))
         qk, values = _split_qkv(qkv, n_q, attn.num_key_value_heads, attn.head_dim)
         qk = _rotate_qk(cache, qkv, qk, attn.rope, self.rope_spec, None)
         h = x + attn.o_proj(_attend(cache, qk, values, n_q, attn.sm_scale, mask, attn.sinks))
         normed = self.post_attention_layernorm(h)  # type: ignore[attr-defined]
         return _experts_or_mlp(self.moe_plan, self.mlp, cache if cache.paged else None,  # type: ignore[attr-defined]
-                               normed, h)
+                               normed, h, self.handoff_out)
 
 
 def _experts_or_mlp(plan: ExpertsPlan | None, mlp: nn.Module, decode: PooledKVCache | None,
-                    x: mx.array, residual: mx.array) -> mx.array:
+                    x: mx.array, residual: mx.array, handoff: NormHandoff | None) -> mx.array:
     """residual + mlp(x): in a decode step (`decode`, its cache) a mixture of experts
     with a plan goes through its backend's routing and sum (fused_moe.fused_experts),
-    where the backend takes them."""
+    where the backend takes them, the sum's norm for the next block put in `handoff`."""
     if plan is not None and decode is not None:
-        out = fused_experts(plan, decode.backend, x, residual)
-        if out is not None:
+        made = fused_experts(plan, decode.backend, x, residual,
+                             None if handoff is None else handoff.next_norm)
+        if made is not None:
+            out, normed = made
+            if handoff is not None and normed is not None:
+                handoff.put(out, normed)
             return out
     return residual + mlp(x)
+
+
+def _input_norm(block: Any, x: mx.array) -> mx.array:
+    """The block's input norm of x: the one the block before computed (its handoff)
+    where it did, else its own."""
+    handoff = block.handoff_in
+    normed = handoff.take(x) if handoff is not None else None
+    return block.input_layernorm(x) if normed is None else normed
 
 
 def _sandwich_norms(block: nn.Module) -> SandwichNorms | None:
@@ -477,6 +495,22 @@ def _link_gemma3_norms(model: nn.Module) -> None:
             block.handoff_out = after.handoff_in = NormHandoff(scale)
 
 
+def _link_expert_norms(model: nn.Module) -> int:
+    """Give each block with an experts' plan whose next block takes the fast decode call
+    with mlx-lm's RMSNorm as its input norm a NormHandoff of that norm; returns how many."""
+    layers = _blocks(model)
+    linked = 0
+    for block, after in zip(layers, layers[1:]):
+        norm = getattr(after, "input_layernorm", None)
+        if (getattr(block, "moe_plan", None) is not None
+                and isinstance(after, (FastDecodeBlock, FastGptOssBlock))
+                and type(norm) is nn.RMSNorm):
+            block.handoff_out = after.handoff_in = NormHandoff(
+                norm.weight, NextNorm(norm.weight, float(norm.eps)))
+            linked += 1
+    return linked
+
+
 def mixes_rows(model: nn.Module) -> bool:
     """Whether every block of the model takes FastDecodeBlock's call, which also runs
     mixed forwards (MixedLayerCache): a prompt's chunk beside decode rows."""
@@ -525,6 +559,7 @@ def speed_up_decode_blocks(model: nn.Module, residual_in_gemm: bool) -> int:
         mx.eval(made)  # here, never inside a compiled trace
         count += 1
     _link_gemma3_norms(model)
+    _link_expert_norms(model)
     if count:
         planned = sum(getattr(m, "moe_plan", None) is not None for m in _blocks(model))
         logger.info("%d blocks take the fast decode call (residual adds in GEMMs: %s; "

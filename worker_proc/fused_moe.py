@@ -13,8 +13,10 @@ launches: the router's matmul, `route` (a quantized router's bias added, the top
 each family's rule, their weights, and the token-expert pairs sorted by expert with each
 pair's place, in one block), a gather of the tokens, the fused gate/up matmul, its
 bias's gather (GPT-OSS), the activation, the down matmul and `combine` (each token's k
-outputs with their down bias, weighted and summed, plus the residual): 8 for GPT-OSS (a
-plain router adds its bias inside its GEMM), 7 for Qwen3-MoE.
+outputs with their down bias, weighted and summed, plus the residual, and that sum through
+the next block's input norm, which that block then takes: decode_block.NormHandoff): 8
+for GPT-OSS (a plain router adds its bias inside its GEMM), 7 for Qwen3-MoE, and the next
+block's norm a launch less.
 
 The matmuls are MLX's own (`gather_qmm` / `gather_mm`), called as mlx-lm's SwitchLinear
 calls them; pairs are sorted by expert once there are SORT_PAIRS or more, as mlx-lm's
@@ -39,7 +41,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, Switch
 
 from worker_proc.expert_padding import PaddedExperts
 from worker_proc.fused_projections import ProjectionPart
-from worker_proc.kernel_constants import CONSTANT_ELEMENTS
+from worker_proc.kernel_constants import CONSTANT_ELEMENTS, float_bits
 
 # mlx-lm's SwitchGLU sorts a forward's token-expert pairs by expert from this many on.
 SORT_PAIRS = 64
@@ -85,6 +87,15 @@ class Routed:
     sorted: bool
     tokens: int
     top_k: int
+
+
+@dataclass(frozen=True)
+class NextNorm:
+    """The next block's input norm (mlx-lm's RMSNorm: its weight and eps), for combine to
+    compute beside the sum it takes (a launch a layer less)."""
+
+    weight: mx.array
+    eps: float
 
 
 @dataclass(frozen=True)
@@ -186,11 +197,11 @@ def _router_logits(router: nn.Module, x: mx.array) -> tuple[mx.array, mx.array |
     return router(x), None
 
 
-def fused_experts(plan: ExpertsPlan, backend: Any, x: mx.array,
-                  residual: mx.array | None) -> mx.array | None:
+def fused_experts(plan: ExpertsPlan, backend: Any, x: mx.array, residual: mx.array | None,
+                  next_norm: NextNorm | None = None) -> tuple[mx.array, mx.array | None] | None:
     """residual + the MLP of x ([..., D]) through the backend's route and combine
-    (DecodeBackend.route_experts, .combine_experts); None where the backend leaves the
-    layer to mlx-lm's call."""
+    (DecodeBackend.route_experts, .combine_experts), and with next_norm that sum through
+    it; None where the backend leaves the layer to mlx-lm's call."""
     dim = x.shape[-1]
     flat = x.reshape(-1, dim)
     if flat.shape[0] * plan.routing.top_k > ROUTE_MAX_PAIRS:
@@ -207,9 +218,10 @@ def fused_experts(plan: ExpertsPlan, backend: Any, x: mx.array,
             mx.expand_dims(plan.gate_up["bias"][routed.experts], -2), 2, axis=-1)
         gate, up = gate + gate_bias, up + up_bias
     down = _project(plan.down, plan.activation(up, gate), routed.experts, routed.sorted)
-    out = backend.combine_experts(down, routed, plan.down.get("bias"), plan.out_dims,
-                                  None if residual is None else residual.reshape(-1, dim))
-    return out.reshape(x.shape)
+    out, normed = backend.combine_experts(
+        down, routed, plan.down.get("bias"), plan.out_dims,
+        None if residual is None else residual.reshape(-1, dim), next_norm)
+    return out.reshape(x.shape), None if normed is None else normed.reshape(x.shape)
 
 
 def reference_route(logits: mx.array, routing: Routing, bias: mx.array | None = None) -> Routed:
@@ -227,9 +239,12 @@ def reference_route(logits: mx.array, routing: Routing, bias: mx.array | None = 
 
 
 def reference_combine(down: mx.array, routed: Routed, bias: mx.array | None, out_dims: int,
-                      residual: mx.array | None) -> mx.array:
+                      residual: mx.array | None, next_norm: NextNorm | None = None
+                      ) -> tuple[mx.array, mx.array | None]:
     """What combine computes, in mlx-lm's ops and order: the bias, the padding cut, the
-    pairs back in token order, weighted and summed, then the residual; [N, out_dims]."""
+    pairs back in token order, weighted and summed, then the residual, [N, out_dims];
+    with next_norm, also that sum through the next block's input norm (mlx-lm's RMSNorm
+    call: mx.fast.rms_norm)."""
     if bias is not None:
         down = down + mx.expand_dims(bias[routed.experts], -2)
     # (Below SORT_PAIRS mlx-lm takes no gather here: the reference's slots are then the
@@ -238,7 +253,10 @@ def reference_combine(down: mx.array, routed: Routed, bias: mx.array | None, out
     n, k = routed.tokens, routed.top_k
     weights = routed.weights.reshape(-1)[:n * k].reshape(n, k, 1)
     out = (down.reshape(n, k, out_dims) * weights).sum(axis=-2)
-    return out if residual is None else residual + out
+    out = out if residual is None else residual + out
+    if next_norm is None:
+        return out, None
+    return out, mx.fast.rms_norm(out, next_norm.weight, next_norm.eps)
 
 
 def fits(logits: mx.array, routing: Routing, bias: mx.array | None = None) -> bool:
@@ -250,7 +268,8 @@ def fits(logits: mx.array, routing: Routing, bias: mx.array | None = None) -> bo
                                   and bias.dtype == logits.dtype)))
 
 
-# The warp-wide reductions route's rows need (each warp holds one row's logits).
+# The reductions: a warp's over one token's logits (route), a block's over one token's
+# sums (combine's next norm).
 _HEADER = r"""
 __device__ __forceinline__ float kiln_warp_max(float v) {
 #pragma unroll
@@ -260,6 +279,16 @@ __device__ __forceinline__ float kiln_warp_max(float v) {
 __device__ __forceinline__ float kiln_warp_sum(float v) {
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
+    return v;
+}
+template <int WARPS>
+__device__ float kiln_block_sum(float v, float* part) {
+    v = kiln_warp_sum(v);
+    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
+    __syncthreads();
+    v = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) v += part[w];
     return v;
 }
 """
@@ -375,9 +404,11 @@ _ROUTE = r"""
 
 # A block a token: each of its columns' K outputs (each with its expert's bias, rounded
 # as mlx-lm's add rounds) times their weights, rounded, summed in float, rounded, then
-# the residual added.
+# the residual added; with the next block's input norm, the sum's RMS norm too (each
+# value rounded as MLX's norm rounds it: x * r, then its product with the weight).
 _COMBINE = r"""
     const int row = blockIdx.x;
+    float ss = 0.f;
     float w[K];
     int at[K];
     @EXPERT_DECLARE@
@@ -398,6 +429,19 @@ _COMBINE = r"""
         float o = static_cast<float>(static_cast<T>(acc));
         @RESIDUAL@
         out[(size_t)row * D + d] = static_cast<T>(o);
+        o = static_cast<float>(static_cast<T>(o));
+        ss += o * o;
+    }
+    @NEXT@
+"""
+_NEXT = r"""
+    __shared__ float part[BLOCK / 32];
+    const float r = rsqrtf(kiln_block_sum<BLOCK / 32>(ss, part) / static_cast<float>(D)
+                           + __int_as_float(EPS));
+    for (int d = threadIdx.x; d < D; d += BLOCK) {  // this thread's own sums, read back
+        const float h = static_cast<float>(out[(size_t)row * D + d]);
+        normed[(size_t)row * D + d] = static_cast<T>(static_cast<float>(next_weight[d])
+            * static_cast<float>(static_cast<T>(h * r)));
     }
 """
 
@@ -414,9 +458,9 @@ def route_inputs(bias: bool) -> list[str]:
     return ["logits", *(["router_bias"] if bias else [])]
 
 
-def combine_source(bias: bool, residual: bool) -> str:
-    """The combine kernel's source, with or without the down projection's bias and the
-    residual."""
+def combine_source(bias: bool, residual: bool, next_norm: bool = False) -> str:
+    """The combine kernel's source, with or without the down projection's bias, the
+    residual and the next block's input norm."""
     parts = {
         "@EXPERT_DECLARE@": "int ex[K];" if bias else "",
         "@EXPERT_LOAD@": "ex[j] = experts[at[j]];" if bias else "",
@@ -424,16 +468,21 @@ def combine_source(bias: bool, residual: bool) -> str:
                    "bias[(size_t)ex[j] * DP + d])));") if bias else "",
         "@RESIDUAL@": ("o = static_cast<float>(static_cast<T>("
                        "static_cast<float>(residual[(size_t)row * D + d]) + o));")
-                      if residual else ""}
+                      if residual else "",
+        "@NEXT@": _NEXT if next_norm else ""}
     out = _COMBINE
     for key, text in parts.items():
         out = out.replace(key, text)
     return out
 
 
-def combine_inputs(bias: bool, residual: bool) -> list[str]:
+def combine_inputs(bias: bool, residual: bool, next_norm: bool = False) -> list[str]:
     return ["down", "weights", "places", *(["experts", "bias"] if bias else []),
-            *(["residual"] if residual else [])]
+            *(["residual"] if residual else []), *(["next_weight"] if next_norm else [])]
+
+
+def combine_outputs(next_norm: bool) -> list[str]:
+    return ["out", *(["normed"] if next_norm else [])]
 
 
 @functools.cache
@@ -445,11 +494,13 @@ def _route_kernel(bias: bool):
 
 
 @functools.cache
-def _combine_kernel(bias: bool, residual: bool):
+def _combine_kernel(bias: bool, residual: bool, next_norm: bool):
     return mx.fast.cuda_kernel(
-        name=f"kiln_moe_combine{'_bias' if bias else ''}{'_residual' if residual else ''}",
-        input_names=combine_inputs(bias, residual), output_names=["out"],
-        source=combine_source(bias, residual))
+        name=(f"kiln_moe_combine{'_bias' if bias else ''}{'_residual' if residual else ''}"
+              f"{'_norm' if next_norm else ''}"),
+        input_names=combine_inputs(bias, residual, next_norm),
+        output_names=combine_outputs(next_norm),
+        source=combine_source(bias, residual, next_norm), header=_HEADER)
 
 
 def route(logits: mx.array, routing: Routing, bias: mx.array | None = None) -> Routed:
@@ -474,8 +525,9 @@ def route(logits: mx.array, routing: Routing, bias: mx.array | None = None) -> R
 
 
 def combine(down: mx.array, routed: Routed, bias: mx.array | None, out_dims: int,
-            residual: mx.array | None) -> mx.array:
-    """The combine kernel: reference_combine's result ([N, out_dims], the dtype of
+            residual: mx.array | None, next_norm: NextNorm | None = None
+            ) -> tuple[mx.array, mx.array | None]:
+    """The combine kernel: reference_combine's results ([N, out_dims], the dtype of
     `down`, [pairs, 1, DP])."""
     n, k = routed.tokens, routed.top_k
     padded = down.shape[-1]
@@ -484,9 +536,14 @@ def combine(down: mx.array, routed: Routed, bias: mx.array | None, out_dims: int
         inputs += [routed.experts, bias]
     if residual is not None:
         inputs.append(residual)
-    return _combine_kernel(bias is not None, residual is not None)(
+    if next_norm is not None:
+        inputs.append(next_norm.weight)
+    outs = _combine_kernel(bias is not None, residual is not None, next_norm is not None)(
         inputs=inputs,
         template=[("T", down.dtype), ("D", out_dims), ("DP", padded), ("K", k),
-                  ("BLOCK", COMBINE_THREADS)],
+                  ("BLOCK", COMBINE_THREADS),
+                  ("EPS", float_bits(next_norm.eps if next_norm is not None else 0.0))],
         grid=(n * COMBINE_THREADS, 1, 1), threadgroup=(COMBINE_THREADS, 1, 1),
-        output_shapes=[(n, out_dims)], output_dtypes=[down.dtype])[0]
+        output_shapes=[(n, out_dims)] * (1 + (next_norm is not None)),
+        output_dtypes=[down.dtype] * (1 + (next_norm is not None)))
+    return outs[0], outs[1] if next_norm is not None else None
