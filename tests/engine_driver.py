@@ -31,7 +31,7 @@ from worker_proc.paged_prefill import paged_prefill_fits, reference_paged_prefil
 from worker_proc.prefill_attention import fused_builds_per_shape
 from worker_proc.runner import PREFILL_PADDING, ModelRunner
 from worker_proc.qk_norm_rope import reference_qk_norm_rope
-from worker_proc.residual_norm import reference_residual_norm
+from worker_proc.residual_norm import reference_add_norm, reference_residual_norm
 
 
 class Pipe:
@@ -234,6 +234,9 @@ class StandInKernel(KernelDecode):
 
     def _residual_norm(self, branch, residual, weight, eps, next_weight):  # noqa: ANN001, ANN202
         return reference_residual_norm(branch, residual, weight, eps, next_weight)
+
+    def _add_norm(self, branch, bias, residual, weight, eps):  # noqa: ANN001, ANN202
+        return reference_add_norm(branch, bias, residual, weight, eps)
 
     def _route_experts(self, logits, routing, bias):  # noqa: ANN001, ANN202
         return reference_route(logits, routing, bias)

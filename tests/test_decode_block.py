@@ -571,6 +571,32 @@ def test_cuda_residual_norm_kernel_matches_mlx_lm_ops(dim, dtype, next_norm):
         np.testing.assert_allclose(g, w, rtol=2 * ulp, atol=4 * ulp * max(1.0, float(np.abs(w).mean())))
 
 
+@pytest.mark.parametrize("dim,dtype,bias", [
+    (2880, mx.bfloat16, True), (2880, mx.bfloat16, False), (64, mx.float32, True),
+    (4096, mx.float16, True)])
+def test_cuda_add_norm_kernel_matches_mlx_lm_ops(dim, dtype, bias):
+    """On CUDA, the residual add (the branch's bias first) and the sum's RMS norm in one
+    kernel give mlx-lm's ops within a rounding step or two of the dtype."""
+    from worker_proc.paged_attention import kernel_available
+    from worker_proc.residual_norm import add_norm, fits, reference_add_norm
+
+    if not kernel_available():
+        pytest.skip("the kernel needs MLX's CUDA backend")
+    assert fits(dim)
+    rows = (5, 1)
+    branch = (mx.random.normal((*rows, dim), key=mx.random.key(dim)) * 4).astype(dtype)
+    residual = (mx.random.normal((*rows, dim), key=mx.random.key(1)) * 20).astype(dtype)
+    b = mx.random.normal((dim,), key=mx.random.key(2)).astype(dtype) if bias else None
+    weight = (1 + 0.3 * mx.random.normal((dim,), key=mx.random.key(3))).astype(dtype)
+    got = add_norm(branch, b, residual, weight, 1e-5)
+    want = reference_add_norm(branch, b, residual, weight, 1e-5)
+    ulp = {mx.bfloat16: 2.0 ** -7, mx.float16: 2.0 ** -10, mx.float32: 2.0 ** -20}[dtype]
+    for g, w in zip(got, want):
+        assert g.shape == w.shape and g.dtype == dtype
+        g, w = np.array(g.astype(mx.float32)), np.array(w.astype(mx.float32))
+        np.testing.assert_allclose(g, w, rtol=2 * ulp, atol=4 * ulp * max(1.0, float(np.abs(w).mean())))
+
+
 def test_only_dense_mlps_take_padded_mixed_rows():
     """Pad rows cost a dense MLP GEMM rows alone; a mixture of experts would route them,
     so its runner leaves the rows unpadded (ModelRunner.mixed_rows_multiple)."""

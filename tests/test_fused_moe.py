@@ -159,6 +159,39 @@ def test_served_experts_keep_mlx_lm_tokens(name, path, monkeypatch):
     assert True in handed  # decode steps' next-block norms came from combine
 
 
+@pytest.mark.parametrize("path", ["compiled", "in place"])
+def test_gpt_oss_as_mlx_lm_converts_it_keeps_mlx_lm_tokens(path):
+    """GPT-OSS quantized as mlx-lm's convert quantizes it (every Linear MXFP4, the router
+    8 bits; biases drawn): the quantized router's and attention output's biases go to the
+    routing and add-norm kernels' meaning apart from their matmuls; mlx-lm's tokens."""
+    from tests.test_families import mlx_lm_tokens
+    from tests.test_worker import _prompts
+
+    def converted(fuse: bool) -> nn.Module:
+        model = build("gpt_oss")
+        _draw_biases(model, seed=43)
+        nn.quantize(model, group_size=32, bits=4, mode="mxfp4", class_predicate=lambda p, m: (
+            {"group_size": 64, "bits": 8, "mode": "affine"} if p.endswith("router")
+            else hasattr(m, "to_quantized") and not isinstance(m, nn.Embedding)))
+        if fuse:
+            fuse_projections(model)
+            pad_expert_outputs(model, tile=128)
+            speed_up_decode_blocks(model, residual_in_gemm=True)
+        return model
+
+    ours, theirs = converted(True), converted(False)
+    assert type(ours.layers[0].self_attn.o_proj) is nn.QuantizedLinear
+    prompts = _prompts(5, [3, 40, 17, 9, 28], 512, seed=44)
+    engine = InProcessEngine(ours, chunk_size=16, compile_decode=path == "compiled",
+                             overlap="ahead",
+                             backend=StandInKernel() if path == "compiled" else StandInInPlaceKernels())
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 10, [])
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == mlx_lm_tokens(theirs, p, 10), f"r{i}"
+
+
 def test_unfused_moe_leaves_the_experts_to_mlx_lm(monkeypatch):
     """--experiments unfused-moe (the backend's moe_kernels off), and a step of more pairs
     than the routing kernel takes: no routing; the blocks run mlx-lm's MLP, its tokens."""

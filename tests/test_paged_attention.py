@@ -771,7 +771,7 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
         assert "0 bytes spill stores" in r.report, (r.name, r.report)
         registers = int(re.search(r"Used (\d+) registers", r.report).group(1))
         assert registers <= 128, (r.name, registers)
-        if "residual_norm" in r.name:  # a block's threads x registers within 64K
+        if "residual_norm" in r.name or "add_norm" in r.name:  # a block's threads x registers within 64K
             dim = int(re.search(r"_d(\d+)", r.name).group(1))
             assert registers * residual_norm.block_threads(dim) <= 65536, (r.name, registers)
         if "moe_route" in r.name:  # one block of ROUTE_THREADS, with a margin for NVRTC's

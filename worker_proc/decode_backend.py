@@ -43,7 +43,7 @@ from worker_proc.qk_norm_rope import decode_qk_norm_rope, fits as qk_norm_rope_f
 from worker_proc.fused_moe import NextNorm, Routed, Routing, combine as moe_combine
 from worker_proc.fused_moe import fits as moe_route_fits
 from worker_proc.fused_moe import route as moe_route
-from worker_proc.residual_norm import fits as residual_norm_fits, residual_norm
+from worker_proc.residual_norm import add_norm, fits as residual_norm_fits, residual_norm
 
 if TYPE_CHECKING:
     from worker_proc.attention import DenseDecodeContext, PooledKVCache
@@ -140,6 +140,13 @@ class DecodeBackend:
         ops itself."""
         return None
 
+    def add_norm(self, branch: mx.array, bias: mx.array | None, residual: mx.array,
+                 weight: mx.array, eps: float) -> tuple[mx.array, mx.array] | None:
+        """A decode step's residual + (branch + bias) and that sum's RMS norm, as
+        residual_norm.reference_add_norm computes them; None: the caller runs those ops
+        itself."""
+        return None
+
     def route_experts(self, logits: mx.array, routing: Routing,
                       bias: mx.array | None = None) -> Routed | None:
         """A decode step's tokens routed to their experts from the router's logits [N, E]
@@ -217,7 +224,8 @@ class KernelDecode(DecodeBackend):
     kernel's RoPE alone for blocks without q/k norms (llama, qwen2, GPT-OSS) in place of
     MLX's copy and RoPE (off: `--experiments unfused-qk-rope`). residual_norm_kernel: a
     decode step's sandwich norms and residual adds (Gemma 3's) in one kernel a pair
-    (residual_norm; off: `--experiments unfused-residual-norm`). moe_kernels: a decode
+    (residual_norm; off: `--experiments unfused-residual-norm`, which also turns off
+    add_norm, GPT-OSS's attention residual and MLP norm in one kernel). moe_kernels: a decode
     step's mixture-of-experts routing and the weighted sum of its experts' outputs in a
     kernel each (fused_moe; off: `--experiments unfused-moe`). paged_prefill: prefill
     attention of full and sliding layers through the paged prefill kernel, which reads
@@ -365,6 +373,12 @@ class KernelDecode(DecodeBackend):
             return None
         return self._residual_norm(branch, residual, weight, eps, next_weight)
 
+    def add_norm(self, branch: mx.array, bias: mx.array | None, residual: mx.array,
+                 weight: mx.array, eps: float) -> tuple[mx.array, mx.array] | None:
+        if not (self.residual_norm_kernel and residual_norm_fits(branch.shape[-1])):
+            return None
+        return self._add_norm(branch, bias, residual, weight, eps)
+
     def route_experts(self, logits: mx.array, routing: Routing,
                       bias: mx.array | None = None) -> Routed | None:
         if not (self.moe_kernels and moe_route_fits(logits, routing, bias)):
@@ -453,6 +467,10 @@ class KernelDecode(DecodeBackend):
                        eps: float, next_weight: mx.array | None
                        ) -> tuple[mx.array, mx.array | None]:
         return residual_norm(branch, residual, weight, eps, next_weight)
+
+    def _add_norm(self, branch: mx.array, bias: mx.array | None, residual: mx.array,
+                  weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+        return add_norm(branch, bias, residual, weight, eps)
 
     def _route_experts(self, logits: mx.array, routing: Routing,
                        bias: mx.array | None) -> Routed:

@@ -39,7 +39,8 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
 
 from worker_proc.attention import MixedLayerCache, PooledKVCache
-from worker_proc.fused_moe import ExpertsPlan, NextNorm, experts_plan, fused_experts
+from worker_proc.fused_moe import (ExpertsPlan, NextNorm, experts_plan, fused_experts,
+                                   linear_and_bias)
 from worker_proc.paged_attention import RopeSpec
 
 logger = logging.getLogger(__name__)
@@ -340,7 +341,10 @@ class FastGptOssBlock:
     apart, each a copy of its strided view first on CUDA; in a CUDA decode step one kernel,
     YaRN's input scale included: DecodeBackend.norm_rope_qk), then mlx-lm's attention with
     sinks, o projection, MoE and residuals. RoPE works head by head, so the tokens are
-    mlx-lm's on the CPU (tests)."""
+    mlx-lm's on the CPU (tests). In a decode step the attention's residual add and the
+    MLP's norm are one kernel where the backend has it (add_norm), and the experts go
+    through its routing and sum (fused_moe), which also compute the next block's input
+    norm (NormHandoff)."""
 
     rope_spec: RopeSpec | None = None  # its YaRN RoPE, set by speed_up_decode_blocks
     moe_plan: ExpertsPlan | None = None  # its experts' parts (fused_moe), ditto
@@ -355,10 +359,25 @@ class FastGptOssBlock:
         qkv = attn.qkv_proj(_input_norm(self, x))
         qk, values = _split_qkv(qkv, n_q, attn.num_key_value_heads, attn.head_dim)
         qk = _rotate_qk(cache, qkv, qk, attn.rope, self.rope_spec, None)
-        h = x + attn.o_proj(_attend(cache, qk, values, n_q, attn.sm_scale, mask, attn.sinks))
-        normed = self.post_attention_layernorm(h)  # type: ignore[attr-defined]
+        out = _attend(cache, qk, values, n_q, attn.sm_scale, mask, attn.sinks)
+        h, normed = _residual_and_norm(self, x, out, cache)
         return _experts_or_mlp(self.moe_plan, self.mlp, cache if cache.paged else None,  # type: ignore[attr-defined]
                                normed, h, self.handoff_out)
+
+
+def _residual_and_norm(block: Any, x: mx.array, out: mx.array, cache: PooledKVCache
+                       ) -> tuple[mx.array, mx.array]:
+    """h = x + o_proj(out) and the MLP's input norm of h: in a decode step one kernel of
+    the backend's where it has it (add_norm, a quantized o_proj's bias added there too),
+    else mlx-lm's ops."""
+    norm = block.post_attention_layernorm
+    branch, bias = linear_and_bias(block.self_attn.o_proj, out)
+    if cache.paged and type(norm) is nn.RMSNorm:
+        made = cache.backend.add_norm(branch, bias, x, norm.weight, norm.eps)
+        if made is not None:
+            return made
+    h = x + (branch if bias is None else branch + bias)
+    return h, norm(h)
 
 
 def _experts_or_mlp(plan: ExpertsPlan | None, mlp: nn.Module, decode: PooledKVCache | None,

@@ -184,17 +184,17 @@ def _project(module: nn.Module, x: mx.array, experts: mx.array, sort: bool) -> m
                         sorted_indices=sort)
 
 
-def _router_logits(router: nn.Module, x: mx.array) -> tuple[mx.array, mx.array | None]:
-    """The router's logits, and its bias where the routing kernel may add it: a quantized
-    router's (GPT-OSS's, 8 bits as mlx-lm converts it), whose call adds its bias after
-    the matmul as an op of its own. A plain Linear adds its bias inside the GEMM (addmm,
-    one rounding), so it runs as it is."""
-    if type(router) is nn.QuantizedLinear and "bias" in router:
-        return mx.quantized_matmul(x, router["weight"], scales=router["scales"],
-                                   biases=router.get("biases"), transpose=True,
-                                   group_size=router.group_size, bits=router.bits,
-                                   mode=router.mode), router["bias"]
-    return router(x), None
+def linear_and_bias(linear: nn.Module, x: mx.array) -> tuple[mx.array, mx.array | None]:
+    """A Linear's output, and its bias apart where a kernel after it may add it: a
+    quantized Linear's (GPT-OSS's router, 8 bits as mlx-lm converts it, and its attention
+    output), whose call adds its bias after the matmul as an op of its own. A plain Linear
+    adds its bias inside the GEMM (addmm, one rounding), so it runs as it is."""
+    if type(linear) is nn.QuantizedLinear and "bias" in linear:
+        return mx.quantized_matmul(x, linear["weight"], scales=linear["scales"],
+                                   biases=linear.get("biases"), transpose=True,
+                                   group_size=linear.group_size, bits=linear.bits,
+                                   mode=linear.mode), linear["bias"]
+    return linear(x), None
 
 
 def fused_experts(plan: ExpertsPlan, backend: Any, x: mx.array, residual: mx.array | None,
@@ -206,7 +206,7 @@ def fused_experts(plan: ExpertsPlan, backend: Any, x: mx.array, residual: mx.arr
     flat = x.reshape(-1, dim)
     if flat.shape[0] * plan.routing.top_k > ROUTE_MAX_PAIRS:
         return None
-    logits, bias = _router_logits(plan.router, flat)
+    logits, bias = linear_and_bias(plan.router, flat)
     routed = backend.route_experts(logits, plan.routing, bias)
     if routed is None:
         return None

@@ -152,3 +152,78 @@ def reference_residual_norm(branch: mx.array, residual: mx.array, weight: mx.arr
     """What the kernel computes, in mlx-lm's ops (the CPU's path, the CUDA tests' yardstick)."""
     h = clip_residual(residual, mx.fast.rms_norm(branch, weight, eps))
     return h, None if next_weight is None else mx.fast.rms_norm(h, next_weight, eps)
+
+
+# A plain residual add and the sum's norm (a llama-style block's attention output, its
+# bias and the residual, then the MLP's input norm: GPT-OSS's), a block a row as above:
+# the branch plus its bias, rounded as mlx-lm's add rounds it, plus the residual, rounded;
+# then the norm of that sum.
+_ADD_NORM = r"""
+    constexpr int E = (D + BLOCK - 1) / BLOCK;
+    constexpr int WARPS = BLOCK / 32;
+    const size_t row = blockIdx.x;
+    const int t = threadIdx.x;
+    __shared__ float part[WARPS];
+    float h[E], w[E];
+    float hs = 0.f;
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const int d = t + e * BLOCK;
+        const bool in = d < D;
+        float v = in ? static_cast<float>(branch[row * D + d]) : 0.f;
+        @BIAS@
+        h[e] = in ? static_cast<float>(static_cast<T>(
+            static_cast<float>(residual[row * D + d]) + v)) : 0.f;
+        w[e] = in ? static_cast<float>(weight[d]) : 0.f;
+        if (in) out[row * D + d] = static_cast<T>(h[e]);
+        hs += h[e] * h[e];
+    }
+    const float r = rsqrtf(kiln_block_sum<WARPS>(hs, part) / static_cast<float>(D)
+                           + __int_as_float(EPS));
+#pragma unroll
+    for (int e = 0; e < E; ++e) {
+        const int d = t + e * BLOCK;
+        if (d < D) normed[row * D + d] = static_cast<T>(
+            w[e] * static_cast<float>(static_cast<T>(h[e] * r)));
+    }
+"""
+
+
+def add_norm_source(bias: bool) -> str:
+    """The add-and-norm kernel's source, with or without the branch's bias."""
+    return _ADD_NORM.replace("@BIAS@", "if (in) v = static_cast<float>(static_cast<T>("
+                             "v + static_cast<float>(bias[d])));" if bias else "")
+
+
+def add_norm_inputs(bias: bool) -> list[str]:
+    return ["branch", *(["bias"] if bias else []), "residual", "weight"]
+
+
+@functools.cache
+def _add_norm_kernel(bias: bool):
+    return mx.fast.cuda_kernel(
+        name=f"kiln_add_norm{'_bias' if bias else ''}", input_names=add_norm_inputs(bias),
+        output_names=["out", "normed"], source=add_norm_source(bias), header=_HEADER)
+
+
+def add_norm(branch: mx.array, bias: mx.array | None, residual: mx.array, weight: mx.array,
+             eps: float) -> tuple[mx.array, mx.array]:
+    """h = residual + (branch + bias) and rms_norm(h, weight, eps), as reference_add_norm
+    computes them (fits(D) must hold; [..., D] inputs of one dtype, bias [D])."""
+    dim = branch.shape[-1]
+    threads = block_threads(dim)
+    inputs = [branch, *([] if bias is None else [bias]), residual, weight]
+    out, normed = _add_norm_kernel(bias is not None)(
+        inputs=inputs,
+        template=[("T", branch.dtype), ("D", dim), ("BLOCK", threads), ("EPS", float_bits(eps))],
+        grid=(branch.size // dim * threads, 1, 1), threadgroup=(threads, 1, 1),
+        output_shapes=[branch.shape] * 2, output_dtypes=[branch.dtype] * 2)
+    return out, normed
+
+
+def reference_add_norm(branch: mx.array, bias: mx.array | None, residual: mx.array,
+                       weight: mx.array, eps: float) -> tuple[mx.array, mx.array]:
+    """What add_norm computes, in mlx-lm's ops and order (its block's `x + o_proj(...)`,
+    the Linear's bias added after its matmul, then the RMSNorm call)."""
+    h = residual + (branch if bias is None else branch + bias)
+    return h, mx.fast.rms_norm(h, weight, eps)
