@@ -20,12 +20,15 @@ from worker_proc.fused_projections import fuse_projections
 
 
 def _draw_biases(model: nn.Module, seed: int) -> None:
-    """Random experts' and router biases (mlx-lm starts some at zero, which would hide
-    where a bias is added)."""
+    """Random biases and norm weights, each layer's its own (mlx-lm starts biases at zero
+    and norms at one, which would hide where a bias is added or which norm is used)."""
     for i, (_, module) in enumerate(model.named_modules()):
         if "bias" in module and isinstance(module["bias"], mx.array):
             module["bias"] = 0.5 * mx.random.normal(module["bias"].shape,
                                                     key=mx.random.key(seed + i))
+        if isinstance(module, nn.RMSNorm):
+            module.weight = 1 + 0.3 * mx.random.normal(module.weight.shape,
+                                                       key=mx.random.key(seed + 1000 + i))
     mx.eval(model.parameters())
 
 
@@ -134,15 +137,21 @@ def test_served_experts_keep_mlx_lm_tokens(name, path, monkeypatch):
         return routed
 
     monkeypatch.setattr(StandInKernel, "_route_experts", counting)
-    handed: list[bool] = []
-    take = NormHandoff.take
+    handed: list[str] = []
+    take, put = NormHandoff.take, NormHandoff.put
 
     def taking(self, x):  # noqa: ANN001, ANN202
         normed = take(self, x)
-        handed.append(normed is not None)
+        if normed is not None:
+            handed.append("taken")
         return normed
 
+    def putting(self, source, normed):  # noqa: ANN001, ANN202
+        handed.append("put")
+        put(self, source, normed)
+
     monkeypatch.setattr(NormHandoff, "take", taking)
+    monkeypatch.setattr(NormHandoff, "put", putting)
     lengths = [(7 * i) % 40 + 1 for i in range(36)]
     prompts = _prompts(36, lengths, 512, seed=61)
     backend = StandInKernel() if path == "compiled" else StandInInPlaceKernels()
@@ -156,7 +165,8 @@ def test_served_experts_keep_mlx_lm_tokens(name, path, monkeypatch):
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(theirs, p, n), f"r{i}"
     assert True in seen and False in seen
-    assert True in handed  # decode steps' next-block norms came from combine
+    # every next-block norm combine made was taken by that block
+    assert handed and handed.count("put") == handed.count("taken")
 
 
 @pytest.mark.parametrize("path", ["compiled", "in place"])

@@ -375,7 +375,10 @@ class KernelDecode(DecodeBackend):
 
     def add_norm(self, branch: mx.array, bias: mx.array | None, residual: mx.array,
                  weight: mx.array, eps: float) -> tuple[mx.array, mx.array] | None:
-        if not (self.residual_norm_kernel and residual_norm_fits(branch.shape[-1])):
+        dtype = branch.dtype  # the kernel writes it (mlx-lm's ops would promote)
+        if not (self.residual_norm_kernel and residual_norm_fits(branch.shape[-1])
+                and residual.dtype == weight.dtype == dtype
+                and (bias is None or bias.dtype == dtype)):
             return None
         return self._add_norm(branch, bias, residual, weight, eps)
 

@@ -206,6 +206,8 @@ def fused_experts(plan: ExpertsPlan, backend: Any, x: mx.array, residual: mx.arr
     flat = x.reshape(-1, dim)
     if flat.shape[0] * plan.routing.top_k > ROUTE_MAX_PAIRS:
         return None
+    if next_norm is not None and next_norm.weight.dtype != x.dtype:
+        next_norm = None  # combine writes x's dtype; mlx-lm's norm would promote
     logits, bias = linear_and_bias(plan.router, flat)
     routed = backend.route_experts(logits, plan.routing, bias)
     if routed is None:
