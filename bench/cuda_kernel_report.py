@@ -151,13 +151,13 @@ def residual_norm_variants(dtype: str, dim: int) -> list[tuple[str, str]]:
         out.append((name, wrap(name, ["branch", "residual", "weight",
                                       *(["next_weight"] if next_norm else [])],
                                ["out", *(["normed"] if next_norm else [])],
-                               residual_norm.source(next_norm), residual_norm._HEADER, params)))
+                               residual_norm.source(next_norm), residual_norm.BLOCK_SUM_HEADER, params)))
     for bias in (True, False):  # the plain add and norm (GPT-OSS's)
         name = f"kiln_add_norm_d{dim}{'_bias' if bias else ''}"
         params = {"T": dtype, "D": str(dim), "BLOCK": str(residual_norm.block_threads(dim)),
                   "EPS": _bits(1e-5)}
         out.append((name, wrap(name, residual_norm.add_norm_inputs(bias), ["out", "normed"],
-                               residual_norm.add_norm_source(bias), residual_norm._HEADER,
+                               residual_norm.add_norm_source(bias), residual_norm.BLOCK_SUM_HEADER,
                                params)))
     return out
 

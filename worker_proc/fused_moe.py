@@ -42,6 +42,7 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, Switch
 from worker_proc.expert_padding import PaddedExperts
 from worker_proc.fused_projections import ProjectionPart
 from worker_proc.kernel_constants import CONSTANT_ELEMENTS, float_bits
+from worker_proc.residual_norm import BLOCK_SUM_HEADER
 
 # mlx-lm's SwitchGLU sorts a forward's token-expert pairs by expert from this many on.
 SORT_PAIRS = 64
@@ -283,17 +284,7 @@ __device__ __forceinline__ float kiln_warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffff, v, o);
     return v;
 }
-template <int WARPS>
-__device__ float kiln_block_sum(float v, float* part) {
-    v = kiln_warp_sum(v);
-    if ((threadIdx.x & 31) == 0) part[threadIdx.x >> 5] = v;
-    __syncthreads();
-    v = 0.f;
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) v += part[w];
-    return v;
-}
-"""
+""" + BLOCK_SUM_HEADER
 
 # One block: a warp a row picks the row's top K (highest value, lower expert on a tie),
 # writes its weights and, for now, each pair's expert into `places`, and counts the pairs

@@ -22,7 +22,7 @@ from worker_proc.kernel_constants import float_bits
 
 # A block's sum of a float from each of its WARPS warps: shuffles, then the warps'
 # partials through `part` (one array a reduction, so a second needs no barrier before it).
-_HEADER = r"""
+BLOCK_SUM_HEADER = r"""
 template <int WARPS>
 __device__ float kiln_block_sum(float v, float* part) {
 #pragma unroll
@@ -124,7 +124,7 @@ def _kernel(next_norm: bool):
         name=f"kiln_residual_norm{'_next' if next_norm else ''}",
         input_names=["branch", "residual", "weight", *(["next_weight"] if next_norm else [])],
         output_names=["out", *(["normed"] if next_norm else [])], source=source(next_norm),
-        header=_HEADER)
+        header=BLOCK_SUM_HEADER)
 
 
 def residual_norm(branch: mx.array, residual: mx.array, weight: mx.array, eps: float,
@@ -203,7 +203,7 @@ def add_norm_inputs(bias: bool) -> list[str]:
 def _add_norm_kernel(bias: bool):
     return mx.fast.cuda_kernel(
         name=f"kiln_add_norm{'_bias' if bias else ''}", input_names=add_norm_inputs(bias),
-        output_names=["out", "normed"], source=add_norm_source(bias), header=_HEADER)
+        output_names=["out", "normed"], source=add_norm_source(bias), header=BLOCK_SUM_HEADER)
 
 
 def add_norm(branch: mx.array, bias: mx.array | None, residual: mx.array, weight: mx.array,
