@@ -257,9 +257,9 @@ class NormHandoff:
     anything else computes its own norm. (A plain object: an mlx Module's array or
     Module attributes become its parameters.)"""
 
-    def __init__(self, scale: mx.array, next_norm: NextNorm | None = None) -> None:
-        self.scale = scale  # the next block's input norm's 1 + weight (Gemma 3)
-        self.next_norm = next_norm  # the next block's RMSNorm (experts' blocks)
+    def __init__(self, next_norm: NextNorm) -> None:
+        # The next block's input norm: its weight (Gemma 3's 1 + weight) and eps.
+        self.next_norm = next_norm
         self._source: mx.array | None = None
         self._normed: mx.array | None = None
 
@@ -298,10 +298,7 @@ class FastGemma3Block:
         if not (_paged_decode(cache) or _pooled_prefill(cache)):
             return super().__call__(x, mask, cache)  # type: ignore[misc]
         attn = self.self_attn  # type: ignore[attr-defined]
-        normed = self.handoff_in.take(x) if self.handoff_in is not None else None
-        if normed is None:
-            normed = self.input_layernorm(x)  # type: ignore[attr-defined]
-        qk, values = self._qk(attn.qkv_proj(normed), cache)
+        qk, values = self._qk(attn.qkv_proj(_input_norm(self, x)), cache)
         out = attn.o_proj(_attend(cache, qk, values, attn.n_heads, attn.scale, mask))
         return self._after_attention(x, out, cache)
 
@@ -326,7 +323,7 @@ class FastGemma3Block:
                 r = self.mlp(normed)  # type: ignore[attr-defined]
                 handoff = self.handoff_out
                 y, after = backend.residual_norm(r, h, sandwich.post_feedforward, sandwich.eps,
-                                                 None if handoff is None else handoff.scale)
+                                                 None if handoff is None else handoff.next_norm.weight)
                 if handoff is not None and after is not None:
                     handoff.put(y, after)
                 return y
@@ -511,23 +508,20 @@ def _link_gemma3_norms(model: nn.Module) -> None:
                 and isinstance(norm, gemma3_text.RMSNorm) and norm.eps == block.sandwich.eps):
             scale = 1.0 + norm.weight
             mx.eval(scale)
-            block.handoff_out = after.handoff_in = NormHandoff(scale)
+            block.handoff_out = after.handoff_in = NormHandoff(NextNorm(scale, norm.eps))
 
 
-def _link_expert_norms(model: nn.Module) -> int:
+def _link_expert_norms(model: nn.Module) -> None:
     """Give each block with an experts' plan whose next block takes the fast decode call
-    with mlx-lm's RMSNorm as its input norm a NormHandoff of that norm; returns how many."""
+    with mlx-lm's RMSNorm as its input norm a NormHandoff of that norm."""
     layers = _blocks(model)
-    linked = 0
     for block, after in zip(layers, layers[1:]):
         norm = getattr(after, "input_layernorm", None)
         if (getattr(block, "moe_plan", None) is not None
                 and isinstance(after, (FastDecodeBlock, FastGptOssBlock))
                 and type(norm) is nn.RMSNorm):
             block.handoff_out = after.handoff_in = NormHandoff(
-                norm.weight, NextNorm(norm.weight, float(norm.eps)))
-            linked += 1
-    return linked
+                NextNorm(norm.weight, float(norm.eps)))
 
 
 def mixes_rows(model: nn.Module) -> bool:

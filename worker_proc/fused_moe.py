@@ -205,8 +205,6 @@ def fused_experts(plan: ExpertsPlan, backend: Any, x: mx.array, residual: mx.arr
     it; None where the backend leaves the layer to mlx-lm's call."""
     dim = x.shape[-1]
     flat = x.reshape(-1, dim)
-    if flat.shape[0] * plan.routing.top_k > ROUTE_MAX_PAIRS:
-        return None
     if next_norm is not None and next_norm.weight.dtype != x.dtype:
         next_norm = None  # combine writes x's dtype; mlx-lm's norm would promote
     logits, bias = linear_and_bias(plan.router, flat)
