@@ -48,6 +48,16 @@ class PrefixMatch:
         return len(self.slots)
 
 
+@dataclass(frozen=True)
+class Insertion:
+    """What RadixCache.insert did with the caller's slots."""
+
+    adopted_from: int  # the tree owns the caller's slots from this position on
+    node: Node  # the node ending the sequence
+    # The tree's own slots it gave up for the caller's: the caller frees them.
+    replaced: np.ndarray = field(default_factory=lambda: _EMPTY)
+
+
 def common_prefix_len(a: np.ndarray, b: np.ndarray) -> int:
     n = min(len(a), len(b))
     diff = np.nonzero(a[:n] != b[:n])[0]
@@ -114,11 +124,18 @@ class RadixCache:
 
     # -- updates ---------------------------------------------------------------------------
 
-    def insert(self, tokens: np.ndarray, slots: np.ndarray) -> tuple[int, Node]:
-        """Cache tokens with their slots. Returns (adopted_from, node): the tree owns the
-        caller's slots from position adopted_from on; before it the tree already had its
-        own slots (the caller's are duplicates, or the same ones). node ends the sequence."""
-        node, pos = self.root, 0
+    def insert(self, tokens: np.ndarray, slots: np.ndarray) -> Insertion:
+        """Cache tokens with their slots (see Insertion). Where the tree has a position
+        already, it keeps its own slot if a running request reads it (the node is
+        locked: the caller's is a duplicate) and takes the caller's otherwise, handing
+        its own back. A request recomputes a cached position only where its hit was cut
+        back (the cached copy's windows were evicted, or the hit was cut to a bucket
+        edge) or the position was cached after its admission: keeping the tree's copy
+        then left the caller holding a duplicate beside a copy nobody reads, and a
+        request that could fit once could no longer fit both (it was preempted and
+        recomputed for ever)."""
+        node, pos, replaced = self.root, 0, []
+        adopted_from: int | None = None
         now = self._tick()
         while pos < len(tokens):
             child = node.children.get(int(tokens[pos]))
@@ -126,13 +143,24 @@ class RadixCache:
                 leaf = Node(tokens[pos:].copy(), slots[pos:].copy(), parent=node, last_access=now)
                 node.children[int(tokens[pos])] = leaf
                 self.total_size += len(leaf.key)
-                return pos, leaf
+                node = leaf
+                adopted_from = pos if adopted_from is None else adopted_from
+                break
             common = common_prefix_len(child.key, tokens[pos:])
             if common < len(child.key):
                 child = self._split(child, common)
             child.last_access = now
+            # Locks run up to the root, so the locked nodes are a head of the path: from
+            # the first unlocked one on, the tree owns the caller's slots.
+            if child.lock_ref == 0:
+                adopted_from = pos if adopted_from is None else adopted_from
+                ours = slots[pos:pos + common]
+                if not np.array_equal(ours, child.value):
+                    replaced.append(child.value)
+                    child.value = ours.copy()
             node, pos = child, pos + common
-        return pos, node
+        return Insertion(pos if adopted_from is None else adopted_from, node,
+                         np.concatenate(replaced) if replaced else _EMPTY)
 
     def _split(self, child: Node, at: int) -> Node:
         """Cut child's edge after `at` tokens; returns the new upper node."""
@@ -210,8 +238,8 @@ class DisabledCache(RadixCache):
     def match_len(self, tokens: np.ndarray) -> int:
         return 0
 
-    def insert(self, tokens: np.ndarray, slots: np.ndarray) -> tuple[int, Node]:
-        return len(tokens), self.root  # adopts nothing: the caller keeps (and frees) its slots
+    def insert(self, tokens: np.ndarray, slots: np.ndarray) -> Insertion:
+        return Insertion(len(tokens), self.root)  # adopts nothing: the caller frees its slots
 
 
 class SnapshotCache(RadixCache):

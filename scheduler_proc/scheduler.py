@@ -745,9 +745,11 @@ class Scheduler:
         none)."""
         ids = req.all_ids(end)
         slots = self.table.slots(req.row, end).copy()
-        adopted_from, node = self.cache.insert(ids, slots)
-        if adopted_from > req.prefix_len:
-            req.dups.append(DupRange(req.prefix_len, adopted_from, req.prefix_len))
+        inserted = self.cache.insert(ids, slots)
+        self._free(inserted.replaced)
+        node = inserted.node
+        if inserted.adopted_from > req.prefix_len:
+            req.dups.append(DupRange(req.prefix_len, inserted.adopted_from, req.prefix_len))
         self.cache.lock(node)
         self.cache.unlock(req.last_node)
         req.last_node, req.prefix_len = node, end
@@ -794,9 +796,10 @@ class Scheduler:
         known = min(req.num_computed, len(req.input_ids) + len(req.output_ids))
         if not keep:
             known = req.prefix_len
-        adopted_from, node = self.cache.insert(req.all_ids(known), slots[:known])
-        kept = self._release_snapshot(req, node, known) if keep and snapshot else 0
-        self._free(slots[req.prefix_len:max(req.prefix_len, adopted_from)])
+        inserted = self.cache.insert(req.all_ids(known), slots[:known])
+        self._free(inserted.replaced)
+        kept = self._release_snapshot(req, inserted.node, known) if keep and snapshot else 0
+        self._free(slots[req.prefix_len:max(req.prefix_len, inserted.adopted_from)])
         self._free(slots[known:])
         for dup in req.dups:
             self._free(slots[dup.start:dup.end])

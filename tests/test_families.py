@@ -851,14 +851,14 @@ def test_a_snapshot_cache_cuts_matches_back_to_its_snapshots():
 
     cache = SnapshotCache(capacity=2)
     ids = np.arange(10, 30, dtype=np.int32)
-    _, mid = cache.insert(ids[:8], np.arange(1, 9, dtype=np.int32))
+    mid = cache.insert(ids[:8], np.arange(1, 9, dtype=np.int32)).node
     assert cache.snapshot_at(mid) == 1 and cache.snapshot_at(mid) == 0  # once a node
-    _, end = cache.insert(ids, np.arange(1, 21, dtype=np.int32))
+    end = cache.insert(ids, np.arange(1, 21, dtype=np.int32)).node
     assert len(cache.match_prefix(ids[:15])) == 8 and cache.match_len(ids[:15]) == 8
     assert cache.snapshot_at(end) == 2 and len(cache.match_prefix(ids)) == 20
     assert len(cache.match_prefix(ids[:5])) == 0  # no snapshot at or before 5
     other = np.arange(50, 60, dtype=np.int32)
-    _, third = cache.insert(other, np.arange(21, 31, dtype=np.int32))
+    third = cache.insert(other, np.arange(21, 31, dtype=np.int32)).node
     assert cache.free_snapshots == 0 and cache.snapshot_at(third) == 0  # none free
     assert len(cache.evict_for_snapshot()) > 0 and cache.snapshot_at(third) in (1, 2)
 

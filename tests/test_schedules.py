@@ -150,7 +150,9 @@ def test_windowed_and_hybrid_families_under_random_schedules(family):
     model = build(family)
     memo: dict = {}
     failures, preempted, hits = [], 0, 0
-    for seed in range(100, 100 + FAMILY_SCHEDULES):
+    # Seeds whose draws preempt in every family's schedules (with a copy of a prefix
+    # recomputed beside the cached one no longer kept, seed 103 fits qwen3_next's pool).
+    for seed in range(102, 102 + FAMILY_SCHEDULES):
         schedule = draw_schedule(seed, VOCAB)
         engine, outputs = run_schedule(model, schedule)
         preempted += engine.scheduler.counters.preemptions > 0

@@ -181,3 +181,25 @@ def test_a_sliding_model_served_reports_both_spaces(tiny_model_dir, tmp_path):
         assert "kiln_window_slots_capacity 2000.0" in metrics
     finally:
         assert srv.stop() == 0, srv.log_tail()
+
+
+def test_a_prompt_whose_cached_copy_lost_its_windows_is_cached_again_in_its_place():
+    """A prompt cached in a small window space loses its windows to the next prompt, so
+    a request repeating it recomputes it. Its fresh copy replaces the cached one (which
+    nobody reads) instead of sitting beside it: in a pool too small for two copies the
+    repeat used to be preempted and recomputed for ever (schedule_soak seed 42017)."""
+    model = build("gpt_oss")
+    prompt = np.random.default_rng(10).integers(5, VOCAB, size=200).tolist()
+    engine = InProcessEngine(model, capacity=300, chunk_size=64, max_prefill_tokens=64,
+                             window_slots=100)
+    engine.submit("first", prompt, 1, [])
+    engine.run_until_idle()
+    engine.submit("other", np.random.default_rng(11).integers(5, VOCAB, size=60).tolist(), 1, [])
+    engine.run_until_idle()
+    hit_before = engine.scheduler.counters.cache_hit_tokens
+    engine.submit("again", prompt, 20, [])
+    results = engine.run_until_idle(max_steps=200)
+    assert results["again"].token_ids == mlx_lm_tokens(model, prompt, 20)
+    assert engine.scheduler.counters.cache_hit_tokens - hit_before < 100  # it recomputed
+    assert engine.scheduler.counters.preemptions == 0
+    assert_idle_invariant(engine.scheduler)
