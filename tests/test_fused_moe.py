@@ -4,6 +4,8 @@ mlx-lm's ops), and the kernels against that meaning on CUDA."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import mlx.core as mx
 import mlx.nn as nn
 import numpy as np
@@ -32,13 +34,13 @@ def _draw_biases(model: nn.Module, seed: int) -> None:
     mx.eval(model.parameters())
 
 
-def _model(name: str, quantize: bool = False, fuse: bool = True) -> nn.Module:
-    """The family's tiny model, biases drawn, experts quantized (MXFP4, as GPT-OSS ships;
-    its router 8 bits, as mlx-lm converts it) and padded to whole tiles as the CUDA path
-    pads them, gate/up fused."""
+def _model(name: str, quantize: bool = False, fuse: bool = True, **config: Any) -> nn.Module:
+    """The family's tiny model (config: values in place of the family's), biases drawn,
+    experts quantized (MXFP4, as GPT-OSS ships; its router 8 bits, as mlx-lm converts it)
+    and padded to whole tiles as the CUDA path pads them, gate/up fused."""
     from mlx_lm.models.switch_layers import SwitchLinear
 
-    model = build(name)
+    model = build(name, **config)
     _draw_biases(model, seed=40)
     if quantize:
         def which(path: str, module: nn.Module) -> bool | dict:
@@ -348,14 +350,18 @@ def test_cuda_combine_kernel_matches_mlx_ops(tokens, bias, residual, next_norm):
 @pytest.mark.parametrize("tokens", [1, 64])
 def test_cuda_fused_experts_compute_mlx_lm_mlps(tokens):
     """On CUDA, GPT-OSS's MXFP4 experts (bfloat16, down padded) through both kernels give
-    the residual plus mlx-lm's MLP within bfloat16's rounding of the sum."""
+    the residual plus mlx-lm's MLP within bfloat16's rounding of the sum. Sorted rows take
+    MLX's grouped MXFP4 kernel, whose tiles span 128 of the input width: at the family's
+    64 it failed to set up (for mlx-lm's call too), so this model is 192 wide."""
     _cuda()
-    ours, theirs = _model("gpt_oss", quantize=True), _model("gpt_oss", quantize=True, fuse=False)
+    dims = dict(hidden_size=192, intermediate_size=256)  # down still padded (192 -> 256)
+    ours = _model("gpt_oss", quantize=True, **dims)
+    theirs = _model("gpt_oss", quantize=True, fuse=False, **dims)
     for model in (ours, theirs):
         model.set_dtype(mx.bfloat16)
     plan = experts_plan(ours.layers[0].mlp)
-    x = mx.random.normal((tokens, 1, 64), key=mx.random.key(5)).astype(mx.bfloat16)
-    residual = mx.random.normal((tokens, 1, 64), key=mx.random.key(6)).astype(mx.bfloat16)
+    x = mx.random.normal((tokens, 1, 192), key=mx.random.key(5)).astype(mx.bfloat16)
+    residual = mx.random.normal((tokens, 1, 192), key=mx.random.key(6)).astype(mx.bfloat16)
     got, _ = fused_experts(plan, KernelDecode(), x, residual)
     want = residual + theirs.layers[0].mlp(x)
     g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
