@@ -30,7 +30,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from worker_proc import paged_attention as pa  # noqa: E402
 from worker_proc.kernel_constants import float_bits  # noqa: E402
-from worker_proc import fused_moe, paged_prefill, qk_norm_rope, residual_norm  # noqa: E402
+from worker_proc import (expert_rows, fused_moe, paged_prefill, qk_norm_rope,  # noqa: E402
+                         residual_norm)
 
 # Each input's element type in the kernels (T: q's dtype; P: the pool's).
 _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "table": "int32_t",
@@ -40,7 +41,9 @@ _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "tab
           "branch": "T", "residual": "T", "weight": "T", "next_weight": "T",
           "normed": "T", "starts": "int32_t",
           "logits": "T", "weights": "T", "experts": "uint32_t", "rows": "uint32_t",
-          "places": "uint32_t", "down": "T", "router_bias": "T"}
+          "places": "uint32_t", "down": "T", "router_bias": "T", "x": "T",
+          "tokens": "uint32_t", "packed": "uint32_t", "exponents": "uint8_t", "scales": "T",
+          "biases": "T"}
 
 
 def _bits(x: float) -> str:
@@ -186,6 +189,21 @@ def moe_variants(dtype: str, experts: int, top_k: int, dim: int, padded: int
                                fused_moe.combine_outputs(norm),
                                fused_moe.combine_source(bias, residual, norm),
                                fused_moe._HEADER, params)))
+    return out
+
+
+def expert_rows_variants(dtype: str, dim: int, outs: int) -> list[tuple[str, str]]:
+    """(label, .cu source) of the experts' 4-bit projection kernel (worker_proc.expert_rows):
+    MXFP4 and affine weights, rows gathered by token and in pair order."""
+    out = []
+    for mode, gather in itertools.product(("mxfp4", "affine"), (True, False)):
+        name = f"kiln_expert_rows_{mode}_k{dim}_n{outs}{'_gather' if gather else ''}"
+        params = {"T": dtype, "KD": str(dim), "N": str(outs),
+                  "GROUP": "32" if mode == "mxfp4" else "64", "BLOCK": str(expert_rows.BLOCK),
+                  "OUTS": str(expert_rows.OUTS), "ROWS": str(expert_rows.ROWS),
+                  "CHUNK": str(expert_rows.CHUNK)}
+        out.append((name, wrap(name, expert_rows.inputs(mode, gather), ["out"],
+                               expert_rows.source(mode, gather), "", params)))
     return out
 
 

@@ -21,6 +21,7 @@ from scheduler_proc.scheduler import Scheduler, SchedulerLimits
 from tests.oracle import divergence_off_a_tie
 from worker_proc import WorkerLoop
 from worker_proc.decode_backend import DecodeBackend, KernelDecode
+from worker_proc.expert_rows import reference_expert_rows
 from worker_proc.fused_moe import reference_combine, reference_route
 from worker_proc.kv_pool import KVPool
 from worker_proc.memory import probe_attention_specs
@@ -243,6 +244,9 @@ class StandInKernel(KernelDecode):
 
     def _combine_experts(self, down, routed, bias, out_dims, residual, next_norm):  # noqa: ANN001, ANN202
         return reference_combine(down, routed, bias, out_dims, residual, next_norm)
+
+    def _expert_rows(self, module, x, experts, tokens):  # noqa: ANN001, ANN202
+        return reference_expert_rows(module, x, experts, tokens)
 
     def _fused_builds_per_shape(self, queries, values):  # noqa: ANN001, ANN202
         # The tests' float32 stands in for the GPU's bfloat16: the heads' sizes decide.

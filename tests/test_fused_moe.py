@@ -366,3 +366,36 @@ def test_cuda_fused_experts_compute_mlx_lm_mlps(tokens):
     want = residual + theirs.layers[0].mlp(x)
     g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     np.testing.assert_allclose(g, w, rtol=2 ** -5, atol=2 ** -5 * max(1.0, float(np.abs(w).mean())))
+
+
+@pytest.mark.parametrize("mode,group", [("mxfp4", 32), ("affine", 64), ("affine", 32)])
+@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
+@pytest.mark.parametrize("gather", [True, False])
+def test_cuda_expert_rows_match_gather_qmm(mode, group, dtype, gather):
+    """On CUDA, the 4-bit experts' kernel gives MLX's gather_qmm of the sorted pairs
+    within the output's rounding: experts with no rows, one, more than a pass takes
+    (ROWS), outputs past the last whole tile and inputs past the last whole chunk; rows
+    gathered by token or taken in pair order."""
+    from worker_proc.expert_rows import ROWS, expert_rows, fits, reference_expert_rows
+
+    _cuda()
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    dims, outs = 320, 72  # a chunk and a quarter; two tiles and a quarter
+    mx.random.seed(3)
+    module = QuantizedSwitchLinear(dims, outs, 8, bias=False, group_size=group, mode=mode)
+    module.set_dtype(dtype)
+    counts = [0, 1, 2 * ROWS + 3, 0, 2, 5, 0, 3]
+    experts = mx.array(np.repeat(np.arange(8), counts).astype(np.uint32))
+    pairs = int(sum(counts))
+    rng = np.random.default_rng(4)
+    tokens = mx.array(rng.integers(0, 16, size=pairs).astype(np.uint32)) if gather else None
+    x = mx.random.normal((16 if gather else pairs, dims), key=mx.random.key(5)).astype(dtype)
+    assert fits(module, x)
+    got = expert_rows(module, x, experts, tokens)
+    want = reference_expert_rows(module, x, experts, tokens)
+    assert got.shape == want.shape == (pairs, 1, outs) and got.dtype == dtype
+    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    scale = float(np.abs(w).max())
+    tolerance = 2 ** -7 if dtype == mx.bfloat16 else 1e-5
+    np.testing.assert_allclose(g, w, rtol=tolerance, atol=tolerance * scale)

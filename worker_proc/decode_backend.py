@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable
 
 import mlx.core as mx
+import mlx.nn as nn
 
 from ipc.config import (CUDA_CORE_EXPERIMENTS, DECODE_EXPERIMENTS, TENSOR_CORE_EXPERIMENTS,
                         kernel_body_conflict)
@@ -40,6 +41,7 @@ from worker_proc.prefill_attention import (bucketed_fused_attention, bucketed_ma
                                            masked_bias, masked_bias_fits,
                                            unfused_prefill_attention, unfused_prefill_fits)
 from worker_proc.qk_norm_rope import decode_qk_norm_rope, fits as qk_norm_rope_fits
+from worker_proc.expert_rows import expert_rows, fits as expert_rows_fit
 from worker_proc.fused_moe import NextNorm, Routed, Routing, combine as moe_combine
 from worker_proc.fused_moe import fits as moe_route_fits
 from worker_proc.fused_moe import route as moe_route
@@ -154,6 +156,14 @@ class DecodeBackend:
         runs mlx-lm's MLP call itself."""
         return None
 
+    def expert_rows(self, module: nn.Module, x: mx.array, routed: Routed,
+                    gather: bool) -> mx.array | None:
+        """An experts' projection (without its bias) of route_experts' pairs: of x's rows
+        named by the pairs' tokens (gather) or of x's rows in pair order, [pairs, 1, out]
+        (expert_rows.expert_rows, as reference_expert_rows computes it); None: the caller
+        runs MLX's gather_qmm itself."""
+        return None
+
     def combine_experts(self, down: mx.array, routed: Routed, bias: mx.array | None,
                         out_dims: int, residual: mx.array | None,
                         next_norm: NextNorm | None = None) -> tuple[mx.array, mx.array | None]:
@@ -227,7 +237,8 @@ class KernelDecode(DecodeBackend):
     (residual_norm; off: `--experiments unfused-residual-norm`, which also turns off
     add_norm, GPT-OSS's attention residual and MLP norm in one kernel). moe_kernels: a decode
     step's mixture-of-experts routing and the weighted sum of its experts' outputs in a
-    kernel each (fused_moe; off: `--experiments unfused-moe`). paged_prefill: prefill
+    kernel each, and 4-bit experts' projections of its sorted pairs through expert_rows'
+    kernel (fused_moe; off: `--experiments unfused-moe`). paged_prefill: prefill
     attention of full and sliding layers through the paged prefill kernel, which reads
     each row's context from the pool (paged_prefill; `--experiments paged-prefill`, off
     by default until measured): no gather, no score matrix, any head size to 256; rows
@@ -388,6 +399,12 @@ class KernelDecode(DecodeBackend):
             return None
         return self._route_experts(logits, routing, bias)
 
+    def expert_rows(self, module: nn.Module, x: mx.array, routed: Routed,
+                    gather: bool) -> mx.array | None:
+        if not (self.moe_kernels and routed.grouped and expert_rows_fit(module, x)):
+            return None
+        return self._expert_rows(module, x, routed.experts, routed.rows if gather else None)
+
     def combine_experts(self, down: mx.array, routed: Routed, bias: mx.array | None,
                         out_dims: int, residual: mx.array | None,
                         next_norm: NextNorm | None = None) -> tuple[mx.array, mx.array | None]:
@@ -483,6 +500,10 @@ class KernelDecode(DecodeBackend):
                          out_dims: int, residual: mx.array | None,
                          next_norm: NextNorm | None) -> tuple[mx.array, mx.array | None]:
         return moe_combine(down, routed, bias, out_dims, residual, next_norm)
+
+    def _expert_rows(self, module: nn.Module, x: mx.array, experts: mx.array,
+                     tokens: mx.array | None) -> mx.array:
+        return expert_rows(module, x, experts, tokens)
 
     def _latent_kernel_takes(self, dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int,
                              row: int) -> bool:

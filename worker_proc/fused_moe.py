@@ -18,9 +18,11 @@ the next block's input norm, which that block then takes: decode_block.NormHando
 for GPT-OSS (a plain router adds its bias inside its GEMM), 7 for Qwen3-MoE, and the next
 block's norm a launch less.
 
-The matmuls are MLX's own (`gather_qmm` / `gather_mm`), called as mlx-lm's SwitchLinear
-calls them; pairs are sorted by expert once there are SORT_PAIRS or more, as mlx-lm's
-SwitchGLU sorts them. Each kernel rounds to the model's dtype where mlx-lm's ops round,
+The matmuls of 4-bit experts go through the backend's `expert_rows` (on CUDA
+worker_proc.expert_rows' kernel, which gathers the tokens itself: a launch less); others
+are MLX's own (`gather_qmm` / `gather_mm`), called as mlx-lm's SwitchLinear calls them,
+pairs sorted by expert once there are SORT_PAIRS or more, as mlx-lm's SwitchGLU sorts
+them. Each kernel rounds to the model's dtype where mlx-lm's ops round,
 but picks the top k by value (lower expert id on a tie, which argpartition leaves open)
 and sums a token's k outputs largest weight first, so on CUDA the tokens may differ from
 mlx-lm's at near-ties. `reference_route` and `reference_combine` are the same steps in
@@ -77,9 +79,10 @@ class Routed:
     """A step's routing of `tokens` tokens to `top_k` experts each: their weights (the
     first tokens * top_k elements, token-major); the token-expert pairs in the order the
     experts' matmuls take them: each pair's expert and token (uint32, [tokens * top_k]);
-    for each token's j-th pair (n * k + j) its place in that order (`slots`); and whether
+    for each token's j-th pair (n * k + j) its place in that order (`slots`); whether
     the matmuls are told the pairs come sorted by expert (`sorted`: from SORT_PAIRS on,
-    as mlx-lm's SwitchGLU sorts them)."""
+    as mlx-lm's SwitchGLU sorts them); and whether they are (`grouped`: the routing
+    kernel always sorts them, as expert_rows needs)."""
 
     weights: mx.array
     experts: mx.array
@@ -88,6 +91,7 @@ class Routed:
     sorted: bool
     tokens: int
     top_k: int
+    grouped: bool
 
 
 @dataclass(frozen=True)
@@ -211,14 +215,19 @@ def fused_experts(plan: ExpertsPlan, backend: Any, x: mx.array, residual: mx.arr
     routed = backend.route_experts(logits, plan.routing, bias)
     if routed is None:
         return None
-    # mlx-lm's rows: the tokens as [pairs, 1, D], each pair's projections one row.
-    rows = flat[routed.rows][:, None]
-    gate, up = mx.split(_project(plan.gate_up, rows, routed.experts, routed.sorted), 2, axis=-1)
+    gate_up = backend.expert_rows(plan.gate_up, flat, routed, gather=True)
+    if gate_up is None:  # mlx-lm's rows: the tokens as [pairs, 1, D], a pair's a row
+        rows = flat[routed.rows][:, None]
+        gate_up = _project(plan.gate_up, rows, routed.experts, routed.sorted)
+    gate, up = mx.split(gate_up, 2, axis=-1)
     if "bias" in plan.gate_up:  # added after the split: one fused kernel with the activation
         gate_bias, up_bias = mx.split(
             mx.expand_dims(plan.gate_up["bias"][routed.experts], -2), 2, axis=-1)
         gate, up = gate + gate_bias, up + up_bias
-    down = _project(plan.down, plan.activation(up, gate), routed.experts, routed.sorted)
+    hidden = plan.activation(up, gate)
+    down = backend.expert_rows(plan.down, hidden, routed, gather=False)
+    if down is None:
+        down = _project(plan.down, hidden, routed.experts, routed.sorted)
     out, normed = backend.combine_experts(
         down, routed, plan.down.get("bias"), plan.out_dims,
         None if residual is None else residual.reshape(-1, dim), next_norm)
@@ -234,9 +243,9 @@ def reference_route(logits: mx.array, routing: Routing, bias: mx.array | None = 
     n = weights.size // k
     if flat.size < SORT_PAIRS:
         order = mx.arange(flat.size, dtype=mx.uint32)
-        return Routed(weights, flat, order // k, order, False, n, k)
+        return Routed(weights, flat, order // k, order, False, n, k, False)
     order = mx.argsort(flat)
-    return Routed(weights, flat[order], order // k, mx.argsort(order), True, n, k)
+    return Routed(weights, flat[order], order // k, mx.argsort(order), True, n, k, True)
 
 
 def reference_combine(down: mx.array, routed: Routed, bias: mx.array | None, out_dims: int,
@@ -512,7 +521,7 @@ def route(logits: mx.array, routing: Routing, bias: mx.array | None = None) -> R
         output_dtypes=[logits.dtype, mx.uint32, mx.uint32, mx.uint32])
     if size > pairs:
         experts, rows, slots = experts[:pairs], rows[:pairs], slots[:pairs]
-    return Routed(weights, experts, rows, slots, pairs >= SORT_PAIRS, n, k)
+    return Routed(weights, experts, rows, slots, pairs >= SORT_PAIRS, n, k, True)
 
 
 def combine(down: mx.array, routed: Routed, bias: mx.array | None, out_dims: int,
