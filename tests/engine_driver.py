@@ -211,9 +211,11 @@ def assert_greedy(engine: InProcessEngine, prompts: list[list[int]], max_tokens:
 class StandInKernel(KernelDecode):
     """On the CPU, the CUDA kernel backend's decode path (no kept dense contexts; compiled
     decode allowed; a scatter-written pool) with the kernel's plain-MLX meaning in its
-    place."""
+    place. A quantized router keeps its quantized matmul (its dense weight rounds
+    otherwise: fused_moe.router_logits, tested apart)."""
 
     in_place = False
+    dense_routers = False
 
     def _attend(self, q, pool, table, lengths, scale, written, sinks):  # noqa: ANN001, ANN202
         return reference_decode_attention(q, pool, table, lengths, scale, written, sinks)

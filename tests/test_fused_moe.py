@@ -399,3 +399,24 @@ def test_cuda_expert_rows_match_gather_qmm(mode, group, dtype, gather):
     scale = float(np.abs(w).max())
     tolerance = 2 ** -7 if dtype == mx.bfloat16 else 1e-5
     np.testing.assert_allclose(g, w, rtol=tolerance, atol=tolerance * scale)
+
+
+def test_a_dense_router_gives_the_quantized_routers_logits():
+    """GPT-OSS's 8-bit router (as mlx_lm.convert leaves it) through its dequantized weight
+    (router_logits, dense: what the CUDA path takes) gives its quantized matmul's logits
+    within their bfloat16 rounding, and the same bias apart; unquantized routers and
+    dense=False keep linear_and_bias."""
+    from worker_proc.fused_moe import linear_and_bias, router_logits
+
+    model = _model("gpt_oss", quantize=True)
+    model.set_dtype(mx.bfloat16)
+    plan = experts_plan(model.layers[0].mlp)
+    assert plan.dense_router is not None and plan.dense_router.dtype == mx.bfloat16
+    x = mx.random.normal((64, model.args.hidden_size), key=mx.random.key(7)).astype(mx.bfloat16)
+    (dense, bias), (quantized, same) = router_logits(plan, x, True), linear_and_bias(plan.router, x)
+    assert bias is same and dense.dtype == quantized.dtype == mx.bfloat16
+    d, q = np.array(dense.astype(mx.float32)), np.array(quantized.astype(mx.float32))
+    np.testing.assert_allclose(d, q, rtol=2 ** -6, atol=2 ** -6 * float(np.abs(q).max()))
+    kept = router_logits(plan, x, False)[0]
+    assert mx.array_equal(kept, quantized).item()
+    assert experts_plan(_model("gpt_oss").layers[0].mlp).dense_router is None

@@ -156,6 +156,11 @@ class DecodeBackend:
         runs mlx-lm's MLP call itself."""
         return None
 
+    # Whether fused_experts takes a quantized router's logits through its dequantized
+    # weight (fused_moe.router_logits): MLX's CUDA quantized matmul at a decode step's
+    # rows is a naive kernel, slower than the dense GEMM by far.
+    dense_routers = False
+
     def expert_rows(self, module: nn.Module, x: mx.array, routed: Routed,
                     gather: bool) -> mx.array | None:
         """An experts' projection (without its bias) of route_experts' pairs: of x's rows
@@ -273,6 +278,10 @@ class KernelDecode(DecodeBackend):
     @property
     def attends_latent(self) -> bool:  # type: ignore[override]
         return self.latent is not None
+
+    @property
+    def dense_routers(self) -> bool:  # type: ignore[override]
+        return self.moe_kernels
 
     in_place = True
     compiles = True

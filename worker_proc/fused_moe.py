@@ -108,7 +108,9 @@ class ExpertsPlan:
     """A mixture-of-experts MLP's parts as fused_experts calls them: its router, the
     experts' fused gate/up projection (outputs [gate | up]) and down projection (whose
     outputs past out_dims are a padding's: PaddedExperts), their activation (mlx-lm's,
-    called (up, gate))."""
+    called (up, gate)). dense_router: a quantized router's weight dequantized ([E, D]),
+    for a backend whose quantized matmul is slow at a decode step's rows (MLX's CUDA
+    backend runs a naive kernel there: router_logits)."""
 
     routing: Routing
     router: nn.Module
@@ -116,6 +118,7 @@ class ExpertsPlan:
     down: nn.Module
     out_dims: int
     activation: Callable[[mx.array, mx.array], mx.array]
+    dense_router: mx.array | None = None
 
 
 def _gpt_oss_select(top_k: int) -> Callable[[mx.array], tuple[mx.array, mx.array]]:
@@ -176,7 +179,29 @@ def experts_plan(mlp: nn.Module) -> ExpertsPlan | None:
                              and routing.experts <= ROUTE_MAX_EXPERTS):
         return None
     gate_up, down, dims = parts
-    return ExpertsPlan(routing, router, gate_up, down, dims, switch.activation)
+    return ExpertsPlan(routing, router, gate_up, down, dims, switch.activation,
+                       _dequantized(router))
+
+
+def _dequantized(linear: nn.Module) -> mx.array | None:
+    """A quantized Linear's weight dequantized, in its bias's dtype (its scales' where it
+    has none), evaluated; None for another module."""
+    if type(linear) is not nn.QuantizedLinear:
+        return None
+    weight = mx.dequantize(linear["weight"], linear["scales"], linear.get("biases"),
+                           group_size=linear.group_size, bits=linear.bits, mode=linear.mode)
+    dtype = linear["bias"].dtype if "bias" in linear else linear["scales"].dtype
+    weight = weight.astype(dtype if mx.issubdtype(dtype, mx.floating) else mx.bfloat16)
+    mx.eval(weight)
+    return weight
+
+
+def router_logits(plan: ExpertsPlan, x: mx.array, dense: bool) -> tuple[mx.array, mx.array | None]:
+    """The router's logits of x [N, D] and its bias apart where the routing kernel adds it
+    (linear_and_bias); dense: through the dequantized weight where the plan has one."""
+    if dense and plan.dense_router is not None:
+        return x @ plan.dense_router.T, plan.router.get("bias")
+    return linear_and_bias(plan.router, x)
 
 
 def _project(module: nn.Module, x: mx.array, experts: mx.array, sort: bool) -> mx.array:
@@ -211,7 +236,7 @@ def fused_experts(plan: ExpertsPlan, backend: Any, x: mx.array, residual: mx.arr
     flat = x.reshape(-1, dim)
     if next_norm is not None and next_norm.weight.dtype != x.dtype:
         next_norm = None  # combine writes x's dtype; mlx-lm's norm would promote
-    logits, bias = linear_and_bias(plan.router, flat)
+    logits, bias = router_logits(plan, flat, backend.dense_routers)
     routed = backend.route_experts(logits, plan.routing, bias)
     if routed is None:
         return None
