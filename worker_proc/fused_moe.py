@@ -6,25 +6,25 @@ mlx-lm's call (GPT-OSS's MLPBlock, Qwen3-MoE's sparse block and their SwitchGLU)
 step's tokens with an argpartition, a take, a softmax, two argsorts, a floor division and
 gathers of the tokens and their expert ids, gathers each projection's bias by expert, and
 puts the outputs back in token order by another gather, a multiply and a sum: ~20
-launches a layer besides the experts' matmuls. On MLX's CUDA backend each launch costs
-~14 us of host time, and a 64-row GPT-OSS step launches ~830 kernels (docs/benchmarks.md,
-session 24): with MXFP4 experts the host, not the device, sets its pace. Here a layer
-launches: the router's matmul, `route` (a quantized router's bias added, the top k by
-each family's rule, their weights, and the token-expert pairs sorted by expert with each
-pair's place, in one block), a gather of the tokens, the fused gate/up matmul, its
-bias's gather (GPT-OSS), the activation, the down matmul and `combine` (each token's k
-outputs with their down bias, weighted and summed, plus the residual, and that sum through
-the next block's input norm, which that block then takes: decode_block.NormHandoff): 8
-for GPT-OSS (a plain router adds its bias inside its GEMM), 7 for Qwen3-MoE, and the next
-block's norm a launch less.
+launches a layer besides the experts' matmuls, each ~14 us of host time on MLX's CUDA
+backend (docs/benchmarks.md, session 24). Here a layer launches: the router's matmul,
+`route` (a quantized router's bias added, the top k by each family's rule, their
+weights, and the token-expert pairs sorted by expert with each pair's place, in one
+block), a gather of the tokens, the fused gate/up matmul, its bias's gather (GPT-OSS),
+the activation, the down matmul and `combine` (each token's k outputs with their down
+bias, weighted and summed, plus the residual, and that sum through the next block's
+input norm, which that block then takes: decode_block.NormHandoff): 8 for GPT-OSS (a
+plain router adds its bias inside its GEMM), 7 for Qwen3-MoE, and the next block's norm
+a launch less.
 
 The matmuls of 4-bit experts go through the backend's `expert_rows` (on CUDA
-worker_proc.expert_rows' kernel, which gathers the tokens itself: a launch less); others
-are MLX's own (`gather_qmm` / `gather_mm`), called as mlx-lm's SwitchLinear calls them,
-pairs sorted by expert once there are SORT_PAIRS or more, as mlx-lm's SwitchGLU sorts
-them. Each kernel rounds to the model's dtype where mlx-lm's ops round,
-but picks the top k by value (lower expert id on a tie, which argpartition leaves open)
-and sums a token's k outputs largest weight first, so on CUDA the tokens may differ from
+worker_proc.expert_rows' kernel, which gathers the tokens itself: a launch less again);
+others are MLX's own (`gather_qmm` / `gather_mm`), called as mlx-lm's SwitchLinear calls
+them, pairs sorted by expert once there are SORT_PAIRS or more, as mlx-lm's SwitchGLU
+sorts them. A quantized router's logits come from its dequantized weight on CUDA
+(`router_logits`). Each kernel rounds to the model's dtype where mlx-lm's ops round, but
+picks the top k by value (lower expert id on a tie, which argpartition leaves open) and
+sums a token's k outputs largest weight first, so on CUDA the tokens may differ from
 mlx-lm's at near-ties. `reference_route` and `reference_combine` are the same steps in
 mlx-lm's own ops, in its order: the CPU tests run them in the kernels' place and get
 mlx-lm's tokens exactly.
