@@ -420,3 +420,19 @@ def test_a_dense_router_gives_the_quantized_routers_logits():
     kept = router_logits(plan, x, False)[0]
     assert mx.array_equal(kept, quantized).item()
     assert experts_plan(_model("gpt_oss").layers[0].mlp).dense_router is None
+
+
+def test_the_moe_layers_benchmark_runs_its_variants_exactly_on_the_cpu():
+    """bench/moe_layers.py --tiny: mlx-lm's blocks and kiln's fused path (the stand-in
+    kernels, with and without expert_rows' meaning) at two row counts, the same outputs."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "bench" / "moe_layers.py"), "--tiny",
+                          "--rows", "64,1"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("rows")]
+    assert len(lines) == 6 and all(ln.endswith("max |diff| 0") for ln in lines), out.stdout
+    assert sorted(int(ln.split()[1]) for ln in lines) == [1, 1, 1, 64, 64, 64]

@@ -242,8 +242,10 @@ class KernelDecode(DecodeBackend):
     (residual_norm; off: `--experiments unfused-residual-norm`, which also turns off
     add_norm, GPT-OSS's attention residual and MLP norm in one kernel). moe_kernels: a decode
     step's mixture-of-experts routing and the weighted sum of its experts' outputs in a
-    kernel each, and 4-bit experts' projections of its sorted pairs through expert_rows'
-    kernel (fused_moe; off: `--experiments unfused-moe`). paged_prefill: prefill
+    kernel each (fused_moe; off: `--experiments unfused-moe`); expert_rows_kernel: with
+    them, 4-bit experts' projections of the sorted pairs through expert_rows' kernel, not
+    MLX's gather_qmm (`--experiments expert-rows`: slower than MLX's at most row counts,
+    docs/benchmarks.md, session 42). paged_prefill: prefill
     attention of full and sliding layers through the paged prefill kernel, which reads
     each row's context from the pool (paged_prefill; `--experiments paged-prefill`, off
     by default until measured): no gather, no score matrix, any head size to 256; rows
@@ -265,6 +267,7 @@ class KernelDecode(DecodeBackend):
     qk_rope_kernel: bool = True
     residual_norm_kernel: bool = True
     moe_kernels: bool = True
+    expert_rows_kernel: bool = False
     paged_prefill: bool = False
     # Rows of more queries than this go to cuDNN where it serves their heads: past a few
     # hundred queries a row the chunk is arithmetic, which cuDNN's kernel does faster
@@ -410,7 +413,8 @@ class KernelDecode(DecodeBackend):
 
     def expert_rows(self, module: nn.Module, x: mx.array, routed: Routed,
                     gather: bool) -> mx.array | None:
-        if not (self.moe_kernels and routed.grouped and expert_rows_fit(module, x)):
+        if not (self.moe_kernels and self.expert_rows_kernel and routed.grouped
+                and expert_rows_fit(module, x)):
             return None
         return self._expert_rows(module, x, routed.experts, routed.rows if gather else None)
 
@@ -660,5 +664,6 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         qk_rope_kernel="unfused-qk-rope" not in experiments,
                         residual_norm_kernel="unfused-residual-norm" not in experiments,
                         moe_kernels="unfused-moe" not in experiments,
+                        expert_rows_kernel="expert-rows" in experiments,
                         paged_prefill="paged-prefill" in experiments,
                         prefill_bucket=prefill_bucket)
