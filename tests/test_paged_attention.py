@@ -739,8 +739,8 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     measurements assumed)."""
     import re
 
-    from bench.cuda_kernel_report import (compile_kernels, find_cuda, merge_variant,
-                                          moe_variants, qk_norm_variants,
+    from bench.cuda_kernel_report import (compile_kernels, expert_rows_variants, find_cuda,
+                                          merge_variant, moe_variants, qk_norm_variants,
                                           residual_norm_variants, variants)
     from worker_proc import fused_moe
     from worker_proc import paged_attention as pa
@@ -764,6 +764,9 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     kernels += moe_variants("__nv_bfloat16", 32, 4, 2880, 2944)
     kernels += moe_variants("__nv_bfloat16", fused_moe.ROUTE_MAX_EXPERTS, fused_moe.ROUTE_MAX_K,
                             2048, 2048) + moe_variants("float", 4, 2, 64, 64)
+    # 4-bit experts' projections: GPT-OSS's gate/up, a small float32 one
+    kernels += expert_rows_variants("__nv_bfloat16", 2880, 5760)
+    kernels += expert_rows_variants("float", 64, 128)
     results = compile_kernels(cuda, kernels)
     failed = [r.name + ":\n" + r.report for r in results if not r.ok]
     assert not failed, "\n".join(failed)

@@ -6,9 +6,11 @@ those rows and sums on CUDA cores.
 A decode step gives each expert a handful of rows (64 tokens, 4 experts each among 32:
 ~8). For sorted MXFP4 rows MLX's gather_qmm runs its grouped GEMM, whose tiles are made
 for many rows and read a GPT-OSS expert's weights far below the memory's speed; for affine
-weights it takes a kernel a row. Here the weights stream once from memory, and the work
-per weight (a few rows' multiply-adds) stays under the memory's time
-(docs/benchmarks.md, session 42). The first projection also gathers its tokens itself
+weights it takes a kernel a row (docs/benchmarks.md, session 42). Here the weights are
+meant to stream once from memory at its speed, the work per weight (a few rows'
+multiply-adds) hidden under it. Session 42's first form of this kernel (4-byte loads)
+lost to MLX's at most row counts; this one is unmeasured, hence off by default
+(`--experiments expert-rows`). The first projection also gathers its tokens itself
 (the pairs' token ids), a launch less.
 
 Formats: MXFP4 (4-bit E2M1 values, an E8M0 power of two per 32: GPT-OSS as it ships) and
@@ -30,18 +32,24 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 BLOCK = 256  # threads: 8 warps
 OUTS = 4  # outputs a warp (32 a block)
 ROWS = 8  # rows a pass (an expert with more takes more passes, its tile from L2 again)
-CHUNK = 256  # input values a pass over the shared memory: 8 a lane
+CHUNK = 32 * 32  # input values a pass: 32 a lane, one 16-byte load of a weight row
 TILE = BLOCK // 32 * OUTS
 
-# Each lane takes one 32-bit word (8 values) of a weight row a pass: it dequantizes the
-# word's values once, then for each row takes their dot product with the row's 8 inputs
-# (from shared memory) and adds it, times the group's scale (and, affine, the group's
-# bias times the inputs' sum), to that row's sum. A warp's lanes then sum their parts.
+# Each lane loads 16 bytes (4 words, 32 values: one MXFP4 group, or part of an affine
+# one) of each of its warp's OUTS weight rows a pass, all before it sums, so a warp has
+# 2 KB in flight. Word by word it dequantizes the OUTS rows' 8 values once, then for each
+# of the expert's rows takes their dot product with the row's 8 inputs (from shared
+# memory) and adds it, times the group's scale (and, affine, the group's bias times the
+# inputs' sum), to that row's sum. A warp's lanes then sum their parts. The inputs sit
+# in shared memory as float4s laid out so that the lanes reading their w-th word's h-th
+# half read consecutive float4s (value lane * 32 + w * 8 + h * 4 + j at float4
+# (w * 2 + h) * 32 + lane): no bank conflicts.
 _SOURCE = r"""
     constexpr int WARPS = BLOCK / 32;
     constexpr int WORDS = KD / 8;
     constexpr int WORDS_PER_GROUP = GROUP / 8;
-    __shared__ __align__(16) float xs[ROWS][CHUNK];
+    constexpr int PIECES = CHUNK / 4;
+    __shared__ float4 xs[ROWS][PIECES];
     @LUT_DECLARE@
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     const int e = blockIdx.y;
@@ -63,50 +71,63 @@ _SOURCE = r"""
             for (int r = 0; r < ROWS; ++r) acc[o][r] = 0.f;
         for (int c = 0; c < KD; c += CHUNK) {
             __syncthreads();
-            for (int i = threadIdx.x; i < ROWS * CHUNK; i += BLOCK) {
-                const int r = i / CHUNK, k = c + i % CHUNK;
-                float v = 0.f;
-                if (r < rows && k < KD) v = static_cast<float>(x[(size_t)(@ROW@) * KD + k]);
-                xs[r][i % CHUNK] = v;
+            for (int i = threadIdx.x; i < ROWS * PIECES; i += BLOCK) {
+                const int r = i / PIECES, piece = i % PIECES, k = c + piece * 4;
+                float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+                if (r < rows && k < KD) {  // (KD is a multiple of 32: k..k+3 all in)
+                    const size_t at = (size_t)(@ROW@) * KD + k;
+                    v = make_float4(static_cast<float>(x[at]), static_cast<float>(x[at + 1]),
+                                    static_cast<float>(x[at + 2]), static_cast<float>(x[at + 3]));
+                }
+                xs[r][(((piece >> 1) & 3) * 2 + (piece & 1)) * 32 + (piece >> 3)] = v;
             }
             __syncthreads();
-            const int word = c / 8 + lane;
-            if (word >= WORDS) continue;
-            float w[OUTS][8];
+            const int word0 = c / 8 + lane * 4;  // (WORDS is a multiple of 4)
+            if (word0 >= WORDS) continue;
+            uint4 q[OUTS];
             float s[OUTS];
             @AFFINE_DECLARE@
 #pragma unroll
             for (int o = 0; o < OUTS; ++o) {
                 const int n = n0 + o;
-                uint32_t q = 0u;
+                q[o] = make_uint4(0u, 0u, 0u, 0u);
                 s[o] = 0.f;
                 @AFFINE_ZERO@
                 if (n < N) {
-                    const size_t at = ((size_t)e * N + n);
-                    q = packed[at * WORDS + word];
+                    const size_t at = (size_t)e * N + n;
+                    q[o] = *reinterpret_cast<const uint4*>(packed + at * WORDS + word0);
+                    const size_t g = at * (KD / GROUP) + word0 / WORDS_PER_GROUP;
                     @SCALE@
                 }
-#pragma unroll
-                for (int j = 0; j < 8; ++j) w[o][j] = @VALUE@;
             }
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                if (r >= rows) break;
-                const float4 a = *reinterpret_cast<const float4*>(&xs[r][lane * 8]);
-                const float4 b = *reinterpret_cast<const float4*>(&xs[r][lane * 8 + 4]);
-                @AFFINE_SUM@
+            for (int w = 0; w < 4; ++w) {
+                float d[OUTS][8];
 #pragma unroll
                 for (int o = 0; o < OUTS; ++o) {
-                    float d = w[o][0] * a.x;
-                    d = fmaf(w[o][1], a.y, d);
-                    d = fmaf(w[o][2], a.z, d);
-                    d = fmaf(w[o][3], a.w, d);
-                    d = fmaf(w[o][4], b.x, d);
-                    d = fmaf(w[o][5], b.y, d);
-                    d = fmaf(w[o][6], b.z, d);
-                    d = fmaf(w[o][7], b.w, d);
-                    acc[o][r] = fmaf(s[o], d, acc[o][r]);
-                    @AFFINE_ADD@
+                    const uint32_t word = w == 0 ? q[o].x : w == 1 ? q[o].y : w == 2 ? q[o].z : q[o].w;
+#pragma unroll
+                    for (int j = 0; j < 8; ++j) d[o][j] = @VALUE@;
+                }
+#pragma unroll
+                for (int r = 0; r < ROWS; ++r) {
+                    if (r >= rows) break;
+                    const float4 a = xs[r][(w * 2) * 32 + lane];
+                    const float4 b = xs[r][(w * 2 + 1) * 32 + lane];
+                    @AFFINE_SUM@
+#pragma unroll
+                    for (int o = 0; o < OUTS; ++o) {
+                        float t = d[o][0] * a.x;
+                        t = fmaf(d[o][1], a.y, t);
+                        t = fmaf(d[o][2], a.z, t);
+                        t = fmaf(d[o][3], a.w, t);
+                        t = fmaf(d[o][4], b.x, t);
+                        t = fmaf(d[o][5], b.y, t);
+                        t = fmaf(d[o][6], b.z, t);
+                        t = fmaf(d[o][7], b.w, t);
+                        acc[o][r] = fmaf(s[o], t, acc[o][r]);
+                        @AFFINE_ADD@
+                    }
                 }
             }
         }
@@ -133,9 +154,9 @@ _MXFP4 = {
         " lut[threadIdx.x] = threadIdx.x < 8 ? m[threadIdx.x] : -m[threadIdx.x - 8]; }"
         " __syncthreads();"),
     "@SCALE@": (
-        "{ const unsigned b = exponents[at * (KD / GROUP) + word / WORDS_PER_GROUP];"
+        "{ const unsigned b = exponents[g];"
         " s[o] = b ? __int_as_float(b << 23) : __int_as_float(0x00400000); }"),
-    "@VALUE@": "lut[(q >> (4 * j)) & 15u]",
+    "@VALUE@": "lut[(word >> (4 * j)) & 15u]",
     "@AFFINE_DECLARE@": "", "@AFFINE_ZERO@": "", "@AFFINE_SUM@": "", "@AFFINE_ADD@": "",
 }
 
@@ -143,10 +164,8 @@ _MXFP4 = {
 # scale * sum(q x) + bias * sum(x).
 _AFFINE = {
     "@LUT_DECLARE@": "", "@LUT_FILL@": "",
-    "@SCALE@": (
-        "{ const size_t g = at * (KD / GROUP) + word / WORDS_PER_GROUP;"
-        " s[o] = static_cast<float>(scales[g]); bias_of[o] = static_cast<float>(biases[g]); }"),
-    "@VALUE@": "static_cast<float>((q >> (4 * j)) & 15u)",
+    "@SCALE@": "s[o] = static_cast<float>(scales[g]); bias_of[o] = static_cast<float>(biases[g]);",
+    "@VALUE@": "static_cast<float>((word >> (4 * j)) & 15u)",
     "@AFFINE_DECLARE@": "float bias_of[OUTS];",
     "@AFFINE_ZERO@": "bias_of[o] = 0.f;",
     "@AFFINE_SUM@": "const float xsum = a.x + a.y + a.z + a.w + b.x + b.y + b.z + b.w;",
