@@ -17,11 +17,11 @@ input norm, which that block then takes: decode_block.NormHandoff): 8 for GPT-OS
 plain router adds its bias inside its GEMM), 7 for Qwen3-MoE, and the next block's norm
 a launch less.
 
-The matmuls of 4-bit experts go through the backend's `expert_rows` (on CUDA
-worker_proc.expert_rows' kernel, which gathers the tokens itself: a launch less again);
-others are MLX's own (`gather_qmm` / `gather_mm`), called as mlx-lm's SwitchLinear calls
-them, pairs sorted by expert once there are SORT_PAIRS or more, as mlx-lm's SwitchGLU
-sorts them. A quantized router's logits come from its dequantized weight on CUDA
+The experts' matmuls are MLX's own (`gather_qmm` / `gather_mm`), called as mlx-lm's
+SwitchLinear calls them, pairs sorted by expert once there are SORT_PAIRS or more, as
+mlx-lm's SwitchGLU sorts them, unless the backend's `expert_rows` takes a 4-bit one (on
+CUDA with `--experiments expert-rows`: worker_proc.expert_rows' kernel, which gathers
+the tokens itself, a launch less again). A quantized router's logits come from its dequantized weight on CUDA
 (`router_logits`). Each kernel rounds to the model's dtype where mlx-lm's ops round, but
 picks the top k by value (lower expert id on a tie, which argpartition leaves open) and
 sums a token's k outputs largest weight first, so on CUDA the tokens may differ from
