@@ -29,6 +29,8 @@ import mlx.core as mx
 import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
+from worker_proc.fused_moe import project_experts
+
 BLOCK = 256  # threads: 8 warps
 OUTS = 4  # outputs a warp (32 a block)
 ROWS = 8  # rows a pass (an expert with more takes more passes, its tile from L2 again)
@@ -245,6 +247,4 @@ def reference_expert_rows(module: QuantizedSwitchLinear, x: mx.array, experts: m
     then gather_qmm told they come sorted)."""
     rows = x.reshape(-1, x.shape[-1])
     rows = (rows if tokens is None else rows[tokens])[:, None]
-    return mx.gather_qmm(rows, module["weight"], module["scales"], module.get("biases"),
-                         rhs_indices=experts, transpose=True, group_size=module.group_size,
-                         bits=module.bits, mode=module.mode, sorted_indices=True)
+    return project_experts(module, rows, experts, sort=True)

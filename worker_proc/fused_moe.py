@@ -204,7 +204,7 @@ def router_logits(plan: ExpertsPlan, x: mx.array, dense: bool) -> tuple[mx.array
     return linear_and_bias(plan.router, x)
 
 
-def _project(module: nn.Module, x: mx.array, experts: mx.array, sort: bool) -> mx.array:
+def project_experts(module: nn.Module, x: mx.array, experts: mx.array, sort: bool) -> mx.array:
     """An experts' projection without its bias, as mlx-lm's SwitchLinear calls it."""
     if type(module) is QuantizedSwitchLinear:
         return mx.gather_qmm(x, module["weight"], module["scales"], module.get("biases"),
@@ -240,23 +240,29 @@ def fused_experts(plan: ExpertsPlan, backend: Any, x: mx.array, residual: mx.arr
     routed = backend.route_experts(logits, plan.routing, bias)
     if routed is None:
         return None
-    gate_up = backend.expert_rows(plan.gate_up, flat, routed, gather=True)
-    if gate_up is None:  # mlx-lm's rows: the tokens as [pairs, 1, D], a pair's a row
-        rows = flat[routed.rows][:, None]
-        gate_up = _project(plan.gate_up, rows, routed.experts, routed.sorted)
-    gate, up = mx.split(gate_up, 2, axis=-1)
+    gate, up = mx.split(_projection(backend, plan.gate_up, flat, routed, gather=True), 2,
+                        axis=-1)
     if "bias" in plan.gate_up:  # added after the split: one fused kernel with the activation
         gate_bias, up_bias = mx.split(
             mx.expand_dims(plan.gate_up["bias"][routed.experts], -2), 2, axis=-1)
         gate, up = gate + gate_bias, up + up_bias
-    hidden = plan.activation(up, gate)
-    down = backend.expert_rows(plan.down, hidden, routed, gather=False)
-    if down is None:
-        down = _project(plan.down, hidden, routed.experts, routed.sorted)
+    down = _projection(backend, plan.down, plan.activation(up, gate), routed, gather=False)
     out, normed = backend.combine_experts(
         down, routed, plan.down.get("bias"), plan.out_dims,
         None if residual is None else residual.reshape(-1, dim), next_norm)
     return out.reshape(x.shape), None if normed is None else normed.reshape(x.shape)
+
+
+def _projection(backend: Any, module: nn.Module, x: mx.array, routed: Routed,
+                gather: bool) -> mx.array:
+    """An experts' projection of the routed pairs' rows ([pairs, 1, out]): of x's rows
+    named by the pairs' tokens (gather; mlx-lm's rows: the tokens as [pairs, 1, D]) or
+    of x's rows in pair order, through the backend's expert_rows where it takes them."""
+    out = backend.expert_rows(module, x, routed, gather)
+    if out is not None:
+        return out
+    rows = x[routed.rows][:, None] if gather else x
+    return project_experts(module, rows, routed.experts, routed.sorted)
 
 
 def reference_route(logits: mx.array, routing: Routing, bias: mx.array | None = None) -> Routed:
