@@ -192,18 +192,22 @@ def moe_variants(dtype: str, experts: int, top_k: int, dim: int, padded: int
     return out
 
 
-def expert_rows_variants(dtype: str, dim: int, outs: int) -> list[tuple[str, str]]:
-    """(label, .cu source) of the experts' 4-bit projection kernel (worker_proc.expert_rows):
-    MXFP4 and affine weights, rows gathered by token and in pair order."""
+def expert_rows_variants(dim: int, outs: int,
+                         shapes: tuple[tuple[int, int], ...] = ((1, 1), (2, 1), (2, 4))
+                         ) -> list[tuple[str, str]]:
+    """(label, .cu source) of the experts' 4-bit projection kernel (worker_proc.expert_rows,
+    bfloat16 rows): MXFP4 and affine weights, rows gathered by token and in pair order, at
+    each (TILES, ROW_TILES) of shapes."""
     out = []
-    for mode, gather in itertools.product(("mxfp4", "affine"), (True, False)):
-        name = f"kiln_expert_rows_{mode}_k{dim}_n{outs}{'_gather' if gather else ''}"
-        params = {"T": dtype, "KD": str(dim), "N": str(outs),
-                  "GROUP": "32" if mode == "mxfp4" else "64", "BLOCK": str(expert_rows.BLOCK),
-                  "OUTS": str(expert_rows.OUTS), "ROWS": str(expert_rows.ROWS),
-                  "CHUNK": str(expert_rows.CHUNK)}
+    for mode, gather, (tiles, row_tiles) in itertools.product(("mxfp4", "affine"), (True, False),
+                                                              shapes):
+        name = (f"kiln_expert_rows_{mode}_k{dim}_n{outs}_t{tiles}_r{row_tiles}"
+                f"{'_gather' if gather else ''}")
+        params = {"T": "__nv_bfloat16", "KD": str(dim), "N": str(outs), "GROUP": "32" if mode == "mxfp4" else "64",
+                  "WARPS": str(expert_rows.WARPS), "TILES": str(tiles),
+                  "ROW_TILES": str(row_tiles), "CHUNK": str(expert_rows.CHUNK)}
         out.append((name, wrap(name, expert_rows.inputs(mode, gather), ["out"],
-                               expert_rows.source(mode, gather), "", params)))
+                               expert_rows.source(mode, gather), expert_rows.header(), params)))
     return out
 
 

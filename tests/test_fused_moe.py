@@ -368,37 +368,53 @@ def test_cuda_fused_experts_compute_mlx_lm_mlps(tokens):
     np.testing.assert_allclose(g, w, rtol=2 ** -5, atol=2 ** -5 * max(1.0, float(np.abs(w).mean())))
 
 
-@pytest.mark.parametrize("mode,group", [("mxfp4", 32), ("affine", 64), ("affine", 32)])
-@pytest.mark.parametrize("dtype", [mx.bfloat16, mx.float32])
-@pytest.mark.parametrize("gather", [True, False])
-def test_cuda_expert_rows_match_gather_qmm(mode, group, dtype, gather):
-    """On CUDA, the 4-bit experts' kernel gives MLX's gather_qmm of the sorted pairs
-    within the output's rounding: experts with no rows, one, more than a pass takes
-    (ROWS), outputs past the last whole tile and inputs past the last whole chunk; rows
-    gathered by token or taken in pair order."""
-    from worker_proc.expert_rows import ROWS, expert_rows, fits, reference_expert_rows
+# Pairs an expert over 8 experts: a mixed step (an expert with several passes' rows, one
+# with none), a one-token step (fewer pairs than experts: one output tile a warp) and a
+# busy one (four row tiles a pass).
+_COUNTS = {"mixed": [0, 1, 35, 0, 2, 5, 0, 3], "one token": [0, 1, 0, 0, 1, 1, 0, 1],
+           "busy": [20, 31, 18, 22, 0, 25, 19, 21]}
+
+
+@pytest.mark.parametrize("mode,group,gather,counts", [
+    *[(m, gr, ga, "mixed") for m, gr in (("mxfp4", 32), ("affine", 64), ("affine", 32))
+      for ga in (True, False)],
+    ("mxfp4", 32, True, "one token"), ("affine", 128, True, "busy")])
+def test_cuda_expert_rows_match_gather_qmm(mode, group, gather, counts):
+    """On CUDA, the 4-bit experts' tensor-core kernel gives MLX's gather_qmm of the sorted
+    pairs within bfloat16's rounding: experts with no rows, one, more than a pass takes,
+    outputs past the last whole tile and inputs past the last whole chunk and k-step; rows
+    gathered by token or taken in pair order; each pass shape."""
+    from worker_proc.expert_rows import expert_rows, fits, reference_expert_rows
 
     _cuda()
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-    dims, outs = 320, 72  # a chunk and a quarter; two tiles and a quarter
+    dims, outs = 704, 72  # a chunk and three k-steps and a half; four tiles and a half
     mx.random.seed(3)
     module = QuantizedSwitchLinear(dims, outs, 8, bias=False, group_size=group, mode=mode)
-    module.set_dtype(dtype)
-    counts = [0, 1, 2 * ROWS + 3, 0, 2, 5, 0, 3]
-    experts = mx.array(np.repeat(np.arange(8), counts).astype(np.uint32))
-    pairs = int(sum(counts))
+    module.set_dtype(mx.bfloat16)
+    experts = mx.array(np.repeat(np.arange(8), _COUNTS[counts]).astype(np.uint32))
+    pairs = int(sum(_COUNTS[counts]))
     rng = np.random.default_rng(4)
     tokens = mx.array(rng.integers(0, 16, size=pairs).astype(np.uint32)) if gather else None
-    x = mx.random.normal((16 if gather else pairs, dims), key=mx.random.key(5)).astype(dtype)
-    assert fits(module, x)
+    x = mx.random.normal((16 if gather else pairs, dims), key=mx.random.key(5)).astype(mx.bfloat16)
+    assert fits(module, x) and not fits(module, x.astype(mx.float32))
     got = expert_rows(module, x, experts, tokens)
     want = reference_expert_rows(module, x, experts, tokens)
-    assert got.shape == want.shape == (pairs, 1, outs) and got.dtype == dtype
+    assert got.shape == want.shape == (pairs, 1, outs) and got.dtype == mx.bfloat16
     g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
-    scale = float(np.abs(w).max())
-    tolerance = 2 ** -7 if dtype == mx.bfloat16 else 1e-5
-    np.testing.assert_allclose(g, w, rtol=tolerance, atol=tolerance * scale)
+    np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=2 ** -7 * float(np.abs(w).max()))
+
+
+def test_expert_rows_pass_shapes():
+    """A pass's rows follow the busy experts' mean share (up to 32), and a warp takes one
+    output tile while fewer experts than pairs are busy."""
+    from worker_proc.expert_rows import shape
+
+    assert shape(4, 32) == (1, 1)  # one token, top 4
+    assert shape(256, 32) == (2, 1)  # 64 tokens: 8 each
+    assert shape(512, 32) == (2, 2)
+    assert shape(4096, 32) == (2, 4)
 
 
 def test_a_dense_router_gives_the_quantized_routers_logits():
@@ -408,18 +424,19 @@ def test_a_dense_router_gives_the_quantized_routers_logits():
     dense=False keep linear_and_bias."""
     from worker_proc.fused_moe import linear_and_bias, router_logits
 
-    model = _model("gpt_oss", quantize=True)
-    model.set_dtype(mx.bfloat16)
-    plan = experts_plan(model.layers[0].mlp)
-    assert plan.dense_router is not None and plan.dense_router.dtype == mx.bfloat16
-    x = mx.random.normal((64, model.args.hidden_size), key=mx.random.key(7)).astype(mx.bfloat16)
-    (dense, bias), (quantized, same) = router_logits(plan, x, True), linear_and_bias(plan.router, x)
-    assert bias is same and dense.dtype == quantized.dtype == mx.bfloat16
-    d, q = np.array(dense.astype(mx.float32)), np.array(quantized.astype(mx.float32))
-    np.testing.assert_allclose(d, q, rtol=2 ** -6, atol=2 ** -6 * float(np.abs(q).max()))
-    kept = router_logits(plan, x, False)[0]
-    assert mx.array_equal(kept, quantized).item()
-    assert experts_plan(_model("gpt_oss").layers[0].mlp).dense_router is None
+    with mx.stream(mx.cpu):  # (MLX's CUDA quantized matmul takes no 64-wide rows)
+        model = _model("gpt_oss", quantize=True)
+        model.set_dtype(mx.bfloat16)
+        plan = experts_plan(model.layers[0].mlp)
+        assert plan.dense_router is not None and plan.dense_router.dtype == mx.bfloat16
+        x = mx.random.normal((64, model.args.hidden_size), key=mx.random.key(7)).astype(mx.bfloat16)
+        (dense, bias), (quantized, same) = router_logits(plan, x, True), linear_and_bias(plan.router, x)
+        assert bias is same and dense.dtype == quantized.dtype == mx.bfloat16
+        d, q = np.array(dense.astype(mx.float32)), np.array(quantized.astype(mx.float32))
+        np.testing.assert_allclose(d, q, rtol=2 ** -6, atol=2 ** -6 * float(np.abs(q).max()))
+        kept = router_logits(plan, x, False)[0]
+        assert mx.array_equal(kept, quantized).item()
+        assert experts_plan(_model("gpt_oss").layers[0].mlp).dense_router is None
 
 
 def test_the_moe_layers_benchmark_runs_its_variants_exactly_on_the_cpu():

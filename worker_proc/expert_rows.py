@@ -1,24 +1,25 @@
-"""A decode step's expert projections over 4-bit weights, one kernel a projection: each
-block takes one expert's rows (the step's token-expert pairs come sorted by expert from
-fused_moe.route) and a tile of its outputs, reads that tile's weights once for all of
-those rows and sums on CUDA cores.
+"""A decode step's expert projections over 4-bit weights, one kernel a projection, on
+tensor cores: each block takes one expert's rows (the step's token-expert pairs come sorted
+by expert from fused_moe.route) and a tile of its outputs, reads that tile's weights once
+for up to PASS_ROWS of those rows and multiplies with bf16 mma.sync.
 
 A decode step gives each expert a handful of rows (64 tokens, 4 experts each among 32:
 ~8). For sorted MXFP4 rows MLX's gather_qmm runs its grouped GEMM, whose tiles are made
 for many rows and read a GPT-OSS expert's weights far below the memory's speed; for affine
 weights it takes a kernel a row (docs/benchmarks.md, session 42). Here the weights are
-meant to stream once from memory at its speed, the work per weight (a few rows'
-multiply-adds) hidden under it. Session 42's first form of this kernel (4-byte loads)
-lost to MLX's at most row counts; this one is unmeasured, hence off by default
-(`--experiments expert-rows`). The first projection also gathers its tokens itself
-(the pairs' token ids), a launch less.
+meant to stream once from memory at its speed. Session 42's forms of this kernel summed on
+CUDA cores, where a weight's multiply-adds (one a row) and dequantization outweighed its
+load; this one dequantizes each weight once into an mma operand and leaves the rows to
+the tensor cores. It is unmeasured, hence off by default (`--experiments expert-rows`).
+The first projection also gathers its tokens itself (the pairs' token ids), a launch less.
 
 Formats: MXFP4 (4-bit E2M1 values, an E8M0 power of two per 32: GPT-OSS as it ships) and
 affine 4-bit (a scale and a bias per group of 32, 64 or 128: mlx-lm's default
-quantization). Values are dequantized exactly and summed in float32, then rounded to the
-input's dtype once; MLX sums in another order, so the outputs agree within that rounding,
-not bit for bit. `reference_expert_rows` is the same projection in MLX's ops (the CPU's
-stand-in backend runs it, and gets mlx-lm's values exactly).
+quantization), bfloat16 inputs. A weight is dequantized in float32 and rounded to bfloat16
+(exact for MXFP4 within bfloat16's range; affine values round), products sum in float32,
+and the output rounds to bfloat16 once; MLX sums in another order, so the outputs agree
+within that rounding, not bit for bit. `reference_expert_rows` is the same projection in
+MLX's ops (the CPU's stand-in backend runs it, and gets mlx-lm's values exactly).
 """
 
 from __future__ import annotations
@@ -30,30 +31,32 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
 from worker_proc.fused_moe import project_experts
+from worker_proc.paged_attention import _MMA_HEADER
 
-BLOCK = 256  # threads: 8 warps
-OUTS = 4  # outputs a warp (32 a block)
-ROWS = 8  # rows a pass (an expert with more takes more passes, its tile from L2 again)
-CHUNK = 32 * 32  # input values a pass: 32 a lane, one 16-byte load of a weight row
-TILE = BLOCK // 32 * OUTS
+WARPS = 4  # a block's warps (128 threads)
+CHUNK = 512  # input values staged in shared memory a fill: four k-steps of 128
 
-# Each lane loads 16 bytes (4 words, 32 values: one MXFP4 group, or part of an affine
-# one) of each of its warp's OUTS weight rows a pass, all before it sums, so a warp has
-# 2 KB in flight. Word by word it dequantizes the OUTS rows' 8 values once, then for each
-# of the expert's rows takes their dot product with the row's 8 inputs (from shared
-# memory) and adds it, times the group's scale (and, affine, the group's bias times the
-# inputs' sum), to that row's sum. A warp's lanes then sum their parts. The inputs sit
-# in shared memory as float4s laid out so that the lanes reading their w-th word's h-th
-# half read consecutive float4s (value lane * 32 + w * 8 + h * 4 + j at float4
-# (w * 2 + h) * 32 + lane): no bank conflicts.
+# The mma (m16n8k16, fp32 accumulators) takes the weights as A (16 outputs x 16 inputs)
+# and the rows as B (16 inputs x 8 rows); its output tile is 16 outputs x 8 rows. A
+# warp owns TILES such output tiles of 16 outputs and a pass's ROW_TILES tiles of 8 rows.
+# A dot product does not care in which order its inputs come, so the mma's 16 input
+# slots need not be 16 consecutive inputs: lane (g = lane / 4, t = lane % 4) loads 16
+# bytes of weight rows g and g + 8 (inputs 32t..32t+31 of the k-step, one MXFP4 group)
+# and, for the step's word w and half h, its slots 2t, 2t+1 / 2t+8, 2t+9 stand for inputs
+# 32t + 8w + 4h + 0, 1 / 2, 3. The rows' fragments are then 16 consecutive bytes of a row
+# (inputs 32t + 8w .. + 7), which shared memory holds at uint4 ((s * 4 + w) * ROWS + r) *
+# 4 + t for the chunk's k-step s: a warp's 32 lanes read 32 consecutive uint4 (no bank
+# conflicts). The weights of a chunk's k-steps are all loaded before the rows are staged,
+# so a warp has TILES * 4 KB in flight.
 _SOURCE = r"""
-    constexpr int WARPS = BLOCK / 32;
     constexpr int WORDS = KD / 8;
-    constexpr int WORDS_PER_GROUP = GROUP / 8;
-    constexpr int PIECES = CHUNK / 4;
-    __shared__ float4 xs[ROWS][PIECES];
-    @LUT_DECLARE@
+    constexpr int GROUPS = KD / GROUP;
+    constexpr int ROWS = ROW_TILES * 8;
+    constexpr int STEPS = CHUNK / 128;
+    __shared__ uint4 xs[CHUNK / 8 * ROWS];
+    __shared__ float lut[16];
     const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
     const int e = blockIdx.y;
     const int pairs = experts_shape[0];
     @LUT_FILL@
@@ -63,115 +66,126 @@ _SOURCE = r"""
     hi = pairs;
     for (int a = lo; a < hi;) { const int m = (a + hi) >> 1; if ((int)experts[m] <= e) a = m + 1; else hi = m; }
     if (lo == hi) return;
-    const int n0 = blockIdx.x * (WARPS * OUTS) + warp * OUTS;
+    __syncthreads();  // the table
+    const int n0 = (blockIdx.x * WARPS + warp) * (TILES * 16);
     for (int r0 = lo; r0 < hi; r0 += ROWS) {
         const int rows = min(ROWS, hi - r0);
-        float acc[OUTS][ROWS];
+        float acc[TILES][ROW_TILES][4];
 #pragma unroll
-        for (int o = 0; o < OUTS; ++o)
+        for (int m = 0; m < TILES; ++m)
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) acc[o][r] = 0.f;
+            for (int j = 0; j < ROW_TILES; ++j)
+#pragma unroll
+                for (int i = 0; i < 4; ++i) acc[m][j][i] = 0.f;
         for (int c = 0; c < KD; c += CHUNK) {
-            __syncthreads();
-            for (int i = threadIdx.x; i < ROWS * PIECES; i += BLOCK) {
-                const int r = i / PIECES, piece = i % PIECES, k = c + piece * 4;
-                float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-                if (r < rows && k < KD) {  // (KD is a multiple of 32: k..k+3 all in)
-                    const size_t at = (size_t)(@ROW@) * KD + k;
-                    v = make_float4(static_cast<float>(x[at]), static_cast<float>(x[at + 1]),
-                                    static_cast<float>(x[at + 2]), static_cast<float>(x[at + 3]));
-                }
-                xs[r][(((piece >> 1) & 3) * 2 + (piece & 1)) * 32 + (piece >> 3)] = v;
+            uint4 q[STEPS][TILES][2];
+            float s[STEPS][TILES][2];
+            @BIAS_DECLARE@
+#pragma unroll
+            for (int st = 0; st < STEPS; ++st)
+#pragma unroll
+                for (int m = 0; m < TILES; ++m)
+#pragma unroll
+                    for (int h = 0; h < 2; ++h) {
+                        const int k = c + st * 128 + t * 32;
+                        const int n = n0 + m * 16 + h * 8 + g;
+                        q[st][m][h] = make_uint4(0u, 0u, 0u, 0u);
+                        s[st][m][h] = 0.f;
+                        @BIAS_ZERO@
+                        if (k < KD && n < N) {  // (KD is a multiple of 32: all 32 in)
+                            const size_t at = (size_t)e * N + n;
+                            q[st][m][h] = *reinterpret_cast<const uint4*>(packed + at * WORDS + k / 8);
+                            const size_t gi = at * GROUPS + k / GROUP;
+                            @SCALE@
+                        }
+                    }
+            __syncthreads();  // the previous chunk's rows are used
+            for (int u = threadIdx.x; u < CHUNK / 8 * ROWS; u += WARPS * 32) {
+                const int ut = u & 3, r = (u >> 2) % ROWS, sw = (u >> 2) / ROWS;
+                const int k = c + (sw >> 2) * 128 + ut * 32 + (sw & 3) * 8;
+                uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                if (r < rows && k < KD)
+                    v = *reinterpret_cast<const uint4*>(x + (size_t)(@ROW@) * KD + k);
+                xs[u] = v;
             }
             __syncthreads();
-            const int word0 = c / 8 + lane * 4;  // (WORDS is a multiple of 4)
-            if (word0 >= WORDS) continue;
-            uint4 q[OUTS];
-            float s[OUTS];
-            @AFFINE_DECLARE@
 #pragma unroll
-            for (int o = 0; o < OUTS; ++o) {
-                const int n = n0 + o;
-                q[o] = make_uint4(0u, 0u, 0u, 0u);
-                s[o] = 0.f;
-                @AFFINE_ZERO@
-                if (n < N) {
-                    const size_t at = (size_t)e * N + n;
-                    q[o] = *reinterpret_cast<const uint4*>(packed + at * WORDS + word0);
-                    const size_t g = at * (KD / GROUP) + word0 / WORDS_PER_GROUP;
-                    @SCALE@
-                }
-            }
+            for (int st = 0; st < STEPS; ++st) {
+                if (c + st * 128 >= KD) break;
 #pragma unroll
-            for (int w = 0; w < 4; ++w) {
-                float d[OUTS][8];
+                for (int w = 0; w < 4; ++w) {
+                    uint4 b[ROW_TILES];
 #pragma unroll
-                for (int o = 0; o < OUTS; ++o) {
-                    const uint32_t word = w == 0 ? q[o].x : w == 1 ? q[o].y : w == 2 ? q[o].z : q[o].w;
+                    for (int j = 0; j < ROW_TILES; ++j) b[j] = xs[((st * 4 + w) * ROWS + j * 8 + g) * 4 + t];
 #pragma unroll
-                    for (int j = 0; j < 8; ++j) d[o][j] = @VALUE@;
-                }
+                    for (int m = 0; m < TILES; ++m) {
+                        const uint32_t w0 = w == 0 ? q[st][m][0].x : w == 1 ? q[st][m][0].y : w == 2 ? q[st][m][0].z : q[st][m][0].w;
+                        const uint32_t w1 = w == 0 ? q[st][m][1].x : w == 1 ? q[st][m][1].y : w == 2 ? q[st][m][1].z : q[st][m][1].w;
+                        float d0[8], d1[8];
 #pragma unroll
-                for (int r = 0; r < ROWS; ++r) {
-                    if (r >= rows) break;
-                    const float4 a = xs[r][(w * 2) * 32 + lane];
-                    const float4 b = xs[r][(w * 2 + 1) * 32 + lane];
-                    @AFFINE_SUM@
+                        for (int i = 0; i < 8; ++i) {
+                            d0[i] = @VALUE0@;
+                            d1[i] = @VALUE1@;
+                        }
 #pragma unroll
-                    for (int o = 0; o < OUTS; ++o) {
-                        float t = d[o][0] * a.x;
-                        t = fmaf(d[o][1], a.y, t);
-                        t = fmaf(d[o][2], a.z, t);
-                        t = fmaf(d[o][3], a.w, t);
-                        t = fmaf(d[o][4], b.x, t);
-                        t = fmaf(d[o][5], b.y, t);
-                        t = fmaf(d[o][6], b.z, t);
-                        t = fmaf(d[o][7], b.w, t);
-                        acc[o][r] = fmaf(s[o], t, acc[o][r]);
-                        @AFFINE_ADD@
+                        for (int half = 0; half < 2; ++half) {
+                            const uint32_t a0 = kiln_pack2(d0[4 * half], d0[4 * half + 1]);
+                            const uint32_t a1 = kiln_pack2(d1[4 * half], d1[4 * half + 1]);
+                            const uint32_t a2 = kiln_pack2(d0[4 * half + 2], d0[4 * half + 3]);
+                            const uint32_t a3 = kiln_pack2(d1[4 * half + 2], d1[4 * half + 3]);
+#pragma unroll
+                            for (int j = 0; j < ROW_TILES; ++j)
+                                kiln_mma<__nv_bfloat16>(acc[m][j], a0, a1, a2, a3,
+                                                        half ? b[j].z : b[j].x, half ? b[j].w : b[j].y);
+                        }
                     }
                 }
             }
         }
+        // acc[m][j][i]: output n0 + m * 16 + g + 8 * (i / 2) of row r0 + j * 8 + 2t + i % 2.
 #pragma unroll
-        for (int o = 0; o < OUTS; ++o) {
+        for (int m = 0; m < TILES; ++m)
 #pragma unroll
-            for (int r = 0; r < ROWS; ++r) {
-                float v = acc[o][r];
+            for (int j = 0; j < ROW_TILES; ++j)
 #pragma unroll
-                for (int off = 16; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffff, v, off);
-                if (lane == 0 && r < rows && n0 + o < N)
-                    out[(size_t)(r0 + r) * N + n0 + o] = static_cast<T>(v);
-            }
-        }
+                for (int i = 0; i < 4; ++i) {
+                    const int r = j * 8 + 2 * t + (i & 1), n = n0 + m * 16 + g + 8 * (i >> 1);
+                    if (r < rows && n < N) out[(size_t)(r0 + r) * N + n] = static_cast<__nv_bfloat16>(acc[m][j][i]);
+                }
     }
 """
 
-# MXFP4: a nibble's E2M1 value from a table, the group's E8M0 scale 2^(s - 127) from its
-# bits (s = 0: 2^-127, a subnormal).
+_HEADER = _MMA_HEADER + r"""
+// Two floats as a bf16x2 fragment register, the first in the low half.
+__device__ inline uint32_t kiln_pack2(float lo, float hi) {
+    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<const uint32_t*>(&v);
+}
+"""
+
+# MXFP4: a nibble's E2M1 value from a table, times the group's E8M0 scale 2^(s - 127)
+# from its bits (s = 0: 2^-127, a subnormal).
 _MXFP4 = {
-    "@LUT_DECLARE@": "__shared__ float lut[16];",
     "@LUT_FILL@": (
-        "if (threadIdx.x < 16) { const float m[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};"
-        " lut[threadIdx.x] = threadIdx.x < 8 ? m[threadIdx.x] : -m[threadIdx.x - 8]; }"
-        " __syncthreads();"),
+        "if (threadIdx.x < 16) { const float v[8] = {0.f, 0.5f, 1.f, 1.5f, 2.f, 3.f, 4.f, 6.f};"
+        " lut[threadIdx.x] = threadIdx.x < 8 ? v[threadIdx.x] : -v[threadIdx.x - 8]; }"),
     "@SCALE@": (
-        "{ const unsigned b = exponents[g];"
-        " s[o] = b ? __int_as_float(b << 23) : __int_as_float(0x00400000); }"),
-    "@VALUE@": "lut[(word >> (4 * j)) & 15u]",
-    "@AFFINE_DECLARE@": "", "@AFFINE_ZERO@": "", "@AFFINE_SUM@": "", "@AFFINE_ADD@": "",
+        "{ const unsigned bits = exponents[gi];"
+        " s[st][m][h] = bits ? __int_as_float(bits << 23) : __int_as_float(0x00400000); }"),
+    "@VALUE0@": "lut[(w0 >> (4 * i)) & 15u] * s[st][m][0]",
+    "@VALUE1@": "lut[(w1 >> (4 * i)) & 15u] * s[st][m][1]",
+    "@BIAS_DECLARE@": "", "@BIAS_ZERO@": "",
 }
 
-# Affine: value = q * scale + bias, so a group's part of a dot product is
-# scale * sum(q x) + bias * sum(x).
+# Affine: a value is q * scale + bias, q in 0..15.
 _AFFINE = {
-    "@LUT_DECLARE@": "", "@LUT_FILL@": "",
-    "@SCALE@": "s[o] = static_cast<float>(scales[g]); bias_of[o] = static_cast<float>(biases[g]);",
-    "@VALUE@": "static_cast<float>((word >> (4 * j)) & 15u)",
-    "@AFFINE_DECLARE@": "float bias_of[OUTS];",
-    "@AFFINE_ZERO@": "bias_of[o] = 0.f;",
-    "@AFFINE_SUM@": "const float xsum = a.x + a.y + a.z + a.w + b.x + b.y + b.z + b.w;",
-    "@AFFINE_ADD@": "acc[o][r] = fmaf(bias_of[o], xsum, acc[o][r]);",
+    "@LUT_FILL@": "if (threadIdx.x < 16) lut[threadIdx.x] = (float)threadIdx.x;",
+    "@SCALE@": ("s[st][m][h] = static_cast<float>(scales[gi]);"
+                " bias[st][m][h] = static_cast<float>(biases[gi]);"),
+    "@VALUE0@": "fmaf(lut[(w0 >> (4 * i)) & 15u], s[st][m][0], bias[st][m][0])",
+    "@VALUE1@": "fmaf(lut[(w1 >> (4 * i)) & 15u], s[st][m][1], bias[st][m][1])",
+    "@BIAS_DECLARE@": "float bias[STEPS][TILES][2];",
+    "@BIAS_ZERO@": "bias[st][m][h] = 0.f;",
 }
 
 
@@ -186,6 +200,11 @@ def source(mode: str, gather: bool) -> str:
     return out
 
 
+def header() -> str:
+    """The kernel's helpers: the mma and a bf16x2 pack."""
+    return _HEADER
+
+
 def inputs(mode: str, gather: bool) -> list[str]:
     """The kernel's inputs: the packed 4-bit values, then MXFP4's E8M0 exponents or the
     affine groups' scales and biases."""
@@ -197,13 +216,24 @@ def inputs(mode: str, gather: bool) -> list[str]:
 def _kernel(mode: str, gather: bool):
     return mx.fast.cuda_kernel(name=f"kiln_expert_rows_{mode}{'_gather' if gather else ''}",
                                input_names=inputs(mode, gather), output_names=["out"],
-                               source=source(mode, gather))
+                               source=source(mode, gather), header=_HEADER)
+
+
+def shape(pairs: int, experts: int) -> tuple[int, int]:
+    """(TILES, ROW_TILES) for `pairs` sorted pairs over `experts` experts: a pass's rows
+    (ROW_TILES * 8) sized to the busy experts' mean share (an expert with more takes more
+    passes, its weights from L2 again); two output tiles a warp, or one while fewer experts
+    than pairs are busy (twice the blocks: a one-token step keeps more loads in flight)."""
+    busy = max(1, min(experts, pairs))
+    mean = pairs / busy
+    row_tiles = 1 if mean <= 8 else 2 if mean <= 16 else 4
+    return (2 if pairs >= experts else 1), row_tiles
 
 
 def fits(module: nn.Module, x: mx.array) -> bool:
     """Whether the kernel takes this projection: 4-bit experts (MXFP4 in groups of 32,
-    or affine in groups of 32, 64 or 128) without a global scale, inputs of a float
-    dtype as wide as the weights' rows."""
+    or affine in groups of 32, 64 or 128) without a global scale, bfloat16 inputs as wide
+    as the weights' rows (the mma's operands; others keep MLX's gather_qmm)."""
     if type(module) is not QuantizedSwitchLinear or module.bits != 4:
         return False
     if getattr(module, "global_scale", None) is not None:
@@ -215,14 +245,14 @@ def fits(module: nn.Module, x: mx.array) -> bool:
     else:
         return False
     dims = module["weight"].shape[-1] * 8
-    return ok and x.shape[-1] == dims and x.dtype in (mx.float32, mx.float16, mx.bfloat16)
+    return ok and x.shape[-1] == dims and x.dtype == mx.bfloat16
 
 
 def expert_rows(module: QuantizedSwitchLinear, x: mx.array, experts: mx.array,
                 tokens: mx.array | None = None) -> mx.array:
     """The projection (without its bias) of each sorted pair's row: x's row tokens[p]
     (tokens given) or x's row p, by the weights of expert experts[p]; [pairs, 1, out]
-    in x's dtype (fits must hold; experts sorted, uint32)."""
+    in bfloat16 (fits must hold; experts sorted, uint32)."""
     mode = module.mode
     weight, scales = module["weight"], module["scales"]
     count, outs, words = weight.shape
@@ -231,12 +261,13 @@ def expert_rows(module: QuantizedSwitchLinear, x: mx.array, experts: mx.array,
     pairs = experts.shape[0]
     args = [flat, experts, *([] if tokens is None else [tokens]), weight, scales,
             *([module["biases"]] if mode == "affine" else [])]
-    tiles = (outs + TILE - 1) // TILE
+    tiles, row_tiles = shape(pairs, count)
+    blocks = -(-outs // (WARPS * tiles * 16))
     (out,) = _kernel(mode, tokens is not None)(
         inputs=args,
-        template=[("T", x.dtype), ("KD", dims), ("N", outs), ("GROUP", module.group_size),
-                  ("BLOCK", BLOCK), ("OUTS", OUTS), ("ROWS", ROWS), ("CHUNK", CHUNK)],
-        grid=(tiles * BLOCK, count, 1), threadgroup=(BLOCK, 1, 1),
+        template=[("KD", dims), ("N", outs), ("GROUP", module.group_size), ("WARPS", WARPS),
+                  ("TILES", tiles), ("ROW_TILES", row_tiles), ("CHUNK", CHUNK)],
+        grid=(blocks * WARPS * 32, count, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(pairs, outs)], output_dtypes=[x.dtype])
     return out[:, None]
 
