@@ -192,20 +192,19 @@ def moe_variants(dtype: str, experts: int, top_k: int, dim: int, padded: int
     return out
 
 
-def expert_rows_variants(dim: int, outs: int,
-                         shapes: tuple[tuple[int, int], ...] = ((1, 1), (2, 1), (2, 4))
+def expert_rows_variants(dim: int, outs: int, per_warp: tuple[int, ...] = (1, 2)
                          ) -> list[tuple[str, str]]:
     """(label, .cu source) of the experts' 4-bit projection kernel (worker_proc.expert_rows,
     bfloat16 rows): MXFP4 and affine weights, rows gathered by token and in pair order, at
-    each (TILES, ROW_TILES) of shapes."""
+    each count of output tiles a warp (TILES)."""
     out = []
-    for mode, gather, (tiles, row_tiles) in itertools.product(("mxfp4", "affine"), (True, False),
-                                                              shapes):
-        name = (f"kiln_expert_rows_{mode}_k{dim}_n{outs}_t{tiles}_r{row_tiles}"
-                f"{'_gather' if gather else ''}")
+    for mode, gather, tiles in itertools.product(("mxfp4", "affine"), (True, False), per_warp):
+        if mode == "affine" and tiles > 1:  # (expert_rows.tiles: one for affine weights)
+            continue
+        name = f"kiln_expert_rows_{mode}_k{dim}_n{outs}_t{tiles}{'_gather' if gather else ''}"
         params = {"T": "__nv_bfloat16", "KD": str(dim), "N": str(outs), "GROUP": "32" if mode == "mxfp4" else "64",
                   "WARPS": str(expert_rows.WARPS), "TILES": str(tiles),
-                  "ROW_TILES": str(row_tiles), "CHUNK": str(expert_rows.CHUNK)}
+                  "ROW_TILES": str(expert_rows.ROW_TILES), "CHUNK": str(expert_rows.CHUNK)}
         out.append((name, wrap(name, expert_rows.inputs(mode, gather), ["out"],
                                expert_rows.source(mode, gather), expert_rows.header(), params)))
     return out

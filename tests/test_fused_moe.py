@@ -368,11 +368,11 @@ def test_cuda_fused_experts_compute_mlx_lm_mlps(tokens):
     np.testing.assert_allclose(g, w, rtol=2 ** -5, atol=2 ** -5 * max(1.0, float(np.abs(w).mean())))
 
 
-# Pairs an expert over 8 experts: a mixed step (an expert with several passes' rows, one
+# Pairs an expert over 8 experts: a mixed step (an expert with two passes' rows, one
 # with none), a one-token step (fewer pairs than experts: one output tile a warp) and a
-# busy one (four row tiles a pass).
+# busy one (passes of every row-tile count).
 _COUNTS = {"mixed": [0, 1, 35, 0, 2, 5, 0, 3], "one token": [0, 1, 0, 0, 1, 1, 0, 1],
-           "busy": [20, 31, 18, 22, 0, 25, 19, 21]}
+           "busy": [20, 31, 9, 22, 0, 25, 19, 80]}
 
 
 @pytest.mark.parametrize("mode,group,gather,counts", [
@@ -406,15 +406,14 @@ def test_cuda_expert_rows_match_gather_qmm(mode, group, gather, counts):
     np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=2 ** -7 * float(np.abs(w).max()))
 
 
-def test_expert_rows_pass_shapes():
-    """A pass's rows follow the busy experts' mean share (up to 32), and a warp takes one
-    output tile while fewer experts than pairs are busy."""
-    from worker_proc.expert_rows import shape
+def test_expert_rows_output_tiles_a_warp():
+    """A warp takes two output tiles of MXFP4 weights, one while fewer experts than pairs
+    are busy; one of affine weights."""
+    from worker_proc.expert_rows import tiles
 
-    assert shape(4, 32) == (1, 1)  # one token, top 4
-    assert shape(256, 32) == (2, 1)  # 64 tokens: 8 each
-    assert shape(512, 32) == (2, 2)
-    assert shape(4096, 32) == (2, 4)
+    assert tiles(4, 32, "mxfp4") == 1  # one token, top 4
+    assert tiles(256, 32, "mxfp4") == tiles(32, 32, "mxfp4") == 2
+    assert tiles(256, 32, "affine") == 1
 
 
 def test_a_dense_router_gives_the_quantized_routers_logits():

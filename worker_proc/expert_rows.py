@@ -35,10 +35,12 @@ from worker_proc.paged_attention import _MMA_HEADER
 
 WARPS = 4  # a block's warps (128 threads)
 CHUNK = 512  # input values staged in shared memory a fill: four k-steps of 128
+ROW_TILES = 4  # a pass's rows, 8 a tile: an expert with more takes more passes (its
+# weights again, from L2 if they are still there); a pass multiplies only the tiles its rows fill
 
 # The mma (m16n8k16, fp32 accumulators) takes the weights as A (16 outputs x 16 inputs)
 # and the rows as B (16 inputs x 8 rows); its output tile is 16 outputs x 8 rows. A
-# warp owns TILES such output tiles of 16 outputs and a pass's ROW_TILES tiles of 8 rows.
+# warp owns TILES such output tiles of 16 outputs and a pass's row tiles.
 # A dot product does not care in which order its inputs come, so the mma's 16 input
 # slots need not be 16 consecutive inputs: lane (g = lane / 4, t = lane % 4) loads 16
 # bytes of weight rows g and g + 8 (inputs 32t..32t+31 of the k-step, one MXFP4 group)
@@ -69,7 +71,7 @@ _SOURCE = r"""
     __syncthreads();  // the table
     const int n0 = (blockIdx.x * WARPS + warp) * (TILES * 16);
     for (int r0 = lo; r0 < hi; r0 += ROWS) {
-        const int rows = min(ROWS, hi - r0);
+        const int rows = min(ROWS, hi - r0), used = (rows + 7) / 8;  // (row tiles)
         float acc[TILES][ROW_TILES][4];
 #pragma unroll
         for (int m = 0; m < TILES; ++m)
@@ -100,13 +102,13 @@ _SOURCE = r"""
                         }
                     }
             __syncthreads();  // the previous chunk's rows are used
-            for (int u = threadIdx.x; u < CHUNK / 8 * ROWS; u += WARPS * 32) {
-                const int ut = u & 3, r = (u >> 2) % ROWS, sw = (u >> 2) / ROWS;
+            for (int i = threadIdx.x; i < CHUNK / 8 * used * 8; i += WARPS * 32) {
+                const int ut = i & 3, r = (i >> 2) % (used * 8), sw = (i >> 2) / (used * 8);
                 const int k = c + (sw >> 2) * 128 + ut * 32 + (sw & 3) * 8;
                 uint4 v = make_uint4(0u, 0u, 0u, 0u);
                 if (r < rows && k < KD)
                     v = *reinterpret_cast<const uint4*>(x + (size_t)(@ROW@) * KD + k);
-                xs[u] = v;
+                xs[((sw * ROWS) + r) * 4 + ut] = v;
             }
             __syncthreads();
 #pragma unroll
@@ -116,7 +118,8 @@ _SOURCE = r"""
                 for (int w = 0; w < 4; ++w) {
                     uint4 b[ROW_TILES];
 #pragma unroll
-                    for (int j = 0; j < ROW_TILES; ++j) b[j] = xs[((st * 4 + w) * ROWS + j * 8 + g) * 4 + t];
+                    for (int j = 0; j < ROW_TILES; ++j)
+                        if (j < used) b[j] = xs[((st * 4 + w) * ROWS + j * 8 + g) * 4 + t];
 #pragma unroll
                     for (int m = 0; m < TILES; ++m) {
                         const uint32_t w0 = w == 0 ? q[st][m][0].x : w == 1 ? q[st][m][0].y : w == 2 ? q[st][m][0].z : q[st][m][0].w;
@@ -135,8 +138,9 @@ _SOURCE = r"""
                             const uint32_t a3 = kiln_pack2(d1[4 * half + 2], d1[4 * half + 3]);
 #pragma unroll
                             for (int j = 0; j < ROW_TILES; ++j)
-                                kiln_mma<__nv_bfloat16>(acc[m][j], a0, a1, a2, a3,
-                                                        half ? b[j].z : b[j].x, half ? b[j].w : b[j].y);
+                                if (j < used)
+                                    kiln_mma<__nv_bfloat16>(acc[m][j], a0, a1, a2, a3,
+                                                            half ? b[j].z : b[j].x, half ? b[j].w : b[j].y);
                         }
                     }
                 }
@@ -219,15 +223,12 @@ def _kernel(mode: str, gather: bool):
                                source=source(mode, gather), header=_HEADER)
 
 
-def shape(pairs: int, experts: int) -> tuple[int, int]:
-    """(TILES, ROW_TILES) for `pairs` sorted pairs over `experts` experts: a pass's rows
-    (ROW_TILES * 8) sized to the busy experts' mean share (an expert with more takes more
-    passes, its weights from L2 again); two output tiles a warp, or one while fewer experts
-    than pairs are busy (twice the blocks: a one-token step keeps more loads in flight)."""
-    busy = max(1, min(experts, pairs))
-    mean = pairs / busy
-    row_tiles = 1 if mean <= 8 else 2 if mean <= 16 else 4
-    return (2 if pairs >= experts else 1), row_tiles
+def tiles(pairs: int, experts: int, mode: str) -> int:
+    """Output tiles a warp (TILES) for `pairs` sorted pairs over `experts` experts: for
+    MXFP4 two, or one while fewer experts than pairs are busy (twice the blocks: a
+    one-token step keeps more loads in flight); for affine weights one (two hold ~220
+    registers a thread with the groups' biases: two blocks an SM)."""
+    return 2 if mode == "mxfp4" and pairs >= experts else 1
 
 
 def fits(module: nn.Module, x: mx.array) -> bool:
@@ -261,12 +262,12 @@ def expert_rows(module: QuantizedSwitchLinear, x: mx.array, experts: mx.array,
     pairs = experts.shape[0]
     args = [flat, experts, *([] if tokens is None else [tokens]), weight, scales,
             *([module["biases"]] if mode == "affine" else [])]
-    tiles, row_tiles = shape(pairs, count)
-    blocks = -(-outs // (WARPS * tiles * 16))
+    per_warp = tiles(pairs, count, mode)
+    blocks = -(-outs // (WARPS * per_warp * 16))
     (out,) = _kernel(mode, tokens is not None)(
         inputs=args,
         template=[("KD", dims), ("N", outs), ("GROUP", module.group_size), ("WARPS", WARPS),
-                  ("TILES", tiles), ("ROW_TILES", row_tiles), ("CHUNK", CHUNK)],
+                  ("TILES", per_warp), ("ROW_TILES", ROW_TILES), ("CHUNK", CHUNK)],
         grid=(blocks * WARPS * 32, count, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(pairs, outs)], output_dtypes=[x.dtype])
     return out[:, None]
