@@ -244,8 +244,8 @@ class KernelDecode(DecodeBackend):
     step's mixture-of-experts routing and the weighted sum of its experts' outputs in a
     kernel each (fused_moe; off: `--experiments unfused-moe`); expert_rows_kernel: with
     them, 4-bit experts' projections of the sorted pairs through expert_rows' kernel, not
-    MLX's gather_qmm (`--experiments expert-rows`: slower than MLX's at most row counts,
-    docs/benchmarks.md, session 42). paged_prefill: prefill
+    MLX's gather_qmm (`--experiments expert-rows`: session 42's CUDA-core form lost to
+    MLX's at most row counts, docs/benchmarks.md). paged_prefill: prefill
     attention of full and sliding layers through the paged prefill kernel, which reads
     each row's context from the pool (paged_prefill; `--experiments paged-prefill`, off
     by default until measured): no gather, no score matrix, any head size to 256; rows
