@@ -192,15 +192,13 @@ def moe_variants(dtype: str, experts: int, top_k: int, dim: int, padded: int
     return out
 
 
-def expert_rows_variants(dim: int, outs: int, per_warp: tuple[int, ...] = (1, 2)
+def expert_rows_variants(dim: int, outs: int, per_warp: tuple[int, ...] = (expert_rows.TILES,)
                          ) -> list[tuple[str, str]]:
     """(label, .cu source) of the experts' 4-bit projection kernel (worker_proc.expert_rows,
     bfloat16 rows): MXFP4 and affine weights, rows gathered by token and in pair order, at
     each count of output tiles a warp (TILES)."""
     out = []
     for mode, gather, tiles in itertools.product(("mxfp4", "affine"), (True, False), per_warp):
-        if mode == "affine" and tiles > 1:  # (expert_rows.tiles: one for affine weights)
-            continue
         name = f"kiln_expert_rows_{mode}_k{dim}_n{outs}_t{tiles}{'_gather' if gather else ''}"
         params = {"T": "__nv_bfloat16", "KD": str(dim), "N": str(outs), "GROUP": "32" if mode == "mxfp4" else "64",
                   "WARPS": str(expert_rows.WARPS), "TILES": str(tiles),

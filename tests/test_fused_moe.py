@@ -369,8 +369,7 @@ def test_cuda_fused_experts_compute_mlx_lm_mlps(tokens):
 
 
 # Pairs an expert over 8 experts: a mixed step (an expert with two passes' rows, one
-# with none), a one-token step (fewer pairs than experts: one output tile a warp) and a
-# busy one (passes of every row-tile count).
+# with none), a one-token step and a busy one (passes of every row-tile count).
 _COUNTS = {"mixed": [0, 1, 35, 0, 2, 5, 0, 3], "one token": [0, 1, 0, 0, 1, 1, 0, 1],
            "busy": [20, 31, 9, 22, 0, 25, 19, 80]}
 
@@ -404,16 +403,6 @@ def test_cuda_expert_rows_match_gather_qmm(mode, group, gather, counts):
     assert got.shape == want.shape == (pairs, 1, outs) and got.dtype == mx.bfloat16
     g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=2 ** -7 * float(np.abs(w).max()))
-
-
-def test_expert_rows_output_tiles_a_warp():
-    """A warp takes two output tiles of MXFP4 weights, one while fewer experts than pairs
-    are busy; one of affine weights."""
-    from worker_proc.expert_rows import tiles
-
-    assert tiles(4, 32, "mxfp4") == 1  # one token, top 4
-    assert tiles(256, 32, "mxfp4") == tiles(32, 32, "mxfp4") == 2
-    assert tiles(256, 32, "affine") == 1
 
 
 def test_a_dense_router_gives_the_quantized_routers_logits():

@@ -34,6 +34,8 @@ from worker_proc.fused_moe import project_experts
 from worker_proc.paged_attention import _MMA_HEADER
 
 WARPS = 4  # a block's warps (128 threads)
+TILES = 1  # output tiles of 16 a warp (two: fewer blocks, ~170 registers, slower
+# on GPT-OSS's projections at 1-256 tokens: docs/benchmarks.md, session 43)
 CHUNK = 512  # input values staged in shared memory a fill: four k-steps of 128
 ROW_TILES = 4  # a pass's rows, 8 a tile: an expert with more takes more passes (its
 # weights again, from L2 if they are still there); a pass multiplies only the tiles its rows fill
@@ -223,14 +225,6 @@ def _kernel(mode: str, gather: bool):
                                source=source(mode, gather), header=_HEADER)
 
 
-def tiles(pairs: int, experts: int, mode: str) -> int:
-    """Output tiles a warp (TILES) for `pairs` sorted pairs over `experts` experts: for
-    MXFP4 two, or one while fewer experts than pairs are busy (twice the blocks: a
-    one-token step keeps more loads in flight); for affine weights one (two hold ~220
-    registers a thread with the groups' biases: two blocks an SM)."""
-    return 2 if mode == "mxfp4" and pairs >= experts else 1
-
-
 def fits(module: nn.Module, x: mx.array) -> bool:
     """Whether the kernel takes this projection: 4-bit experts (MXFP4 in groups of 32,
     or affine in groups of 32, 64 or 128) without a global scale, bfloat16 inputs as wide
@@ -262,12 +256,11 @@ def expert_rows(module: QuantizedSwitchLinear, x: mx.array, experts: mx.array,
     pairs = experts.shape[0]
     args = [flat, experts, *([] if tokens is None else [tokens]), weight, scales,
             *([module["biases"]] if mode == "affine" else [])]
-    per_warp = tiles(pairs, count, mode)
-    blocks = -(-outs // (WARPS * per_warp * 16))
+    blocks = -(-outs // (WARPS * TILES * 16))
     (out,) = _kernel(mode, tokens is not None)(
         inputs=args,
         template=[("KD", dims), ("N", outs), ("GROUP", module.group_size), ("WARPS", WARPS),
-                  ("TILES", per_warp), ("ROW_TILES", ROW_TILES), ("CHUNK", CHUNK)],
+                  ("TILES", TILES), ("ROW_TILES", ROW_TILES), ("CHUNK", CHUNK)],
         grid=(blocks * WARPS * 32, count, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(pairs, outs)], output_dtypes=[x.dtype])
     return out[:, None]
