@@ -143,13 +143,13 @@ def main() -> None:
     if args.tiny:
         from tests.engine_driver import StandInKernel
         shape, dtype = TINY, mx.float32
-        backends = {"kiln fused": StandInKernel(),
-                    "kiln fused + expert_rows": StandInKernel(expert_rows_kernel=True)}
+        backends = {"kiln fused, MLX's expert matmuls": StandInKernel(expert_rows_kernel=False),
+                    "kiln fused + expert_rows": StandInKernel()}
     else:
         from worker_proc.decode_backend import KernelDecode
         shape, dtype = GPT_OSS_20B, mx.bfloat16
-        backends = {"kiln fused": KernelDecode(),
-                    "kiln fused + expert_rows": KernelDecode(expert_rows_kernel=True)}
+        backends = {"kiln fused, MLX's expert matmuls": KernelDecode(expert_rows_kernel=False),
+                    "kiln fused + expert_rows": KernelDecode()}
     layers = build_layers(shape, dtype, pad=not args.tiny)
     steps = chains(layers, backends)
     print(f"{shape.layers} GPT-OSS MLP blocks: {shape.experts} experts, top {shape.top_k}, "
@@ -161,7 +161,7 @@ def main() -> None:
         for name, step in steps.items():
             wall, host = time_step(step, x, 3 if args.tiny else args.runs)
             diff = float(mx.abs(step(x).astype(mx.float32) - want).max())
-            print(f"rows {rows:>4}  {name:<26} {wall:8.2f} ms a step  (host {host:6.2f} ms)"
+            print(f"rows {rows:>4}  {name:<34} {wall:8.2f} ms a step  (host {host:6.2f} ms)"
                   f"  max |diff| {diff:.3g}", flush=True)
             if trace is not None:
                 compiled = mx.compile(step)

@@ -28,7 +28,7 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "cuda-core-attention", "gathered-latent", "fused-own-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
                       "paged-prefill", "unpadded-experts", "block-tiles", "unfused-moe",
-                      "expert-rows")
+                      "mlx-expert-matmuls")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
 CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv", "block-tiles"})
@@ -276,10 +276,9 @@ class ServerConfig:
                                       "kernel), unfused-moe (a decode step's "
                                       "mixture-of-experts routing and sum of its experts' "
                                       "outputs in mlx-lm's ops, ~20 launches a layer, not "
-                                      "a kernel each), expert-rows (a decode step's 4-bit "
-                                      "expert projections through kiln's kernel, not "
-                                      "MLX's gather_qmm: slower but at some row counts, "
-                                      "kept to tune)."})
+                                      "a kernel each), mlx-expert-matmuls (a decode step's "
+                                      "4-bit expert projections through MLX's gather_qmm, "
+                                      "as mlx-lm calls it, not kiln's tensor-core kernel)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

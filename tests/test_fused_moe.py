@@ -217,6 +217,9 @@ def test_unfused_moe_leaves_the_experts_to_mlx_lm(monkeypatch):
     monkeypatch.setattr(decode_backend, "kernel_fits", lambda specs: True)
     assert decode_backend.choose_decode_backend([], frozenset({"unfused-moe"})).moe_kernels is False
     assert decode_backend.choose_decode_backend([]).moe_kernels is True
+    assert decode_backend.choose_decode_backend([]).expert_rows_kernel is True
+    assert decode_backend.choose_decode_backend(
+        [], frozenset({"mlx-expert-matmuls"})).expert_rows_kernel is False
     plan = experts_plan(_model("gpt_oss").layers[0].mlp)
     many = fused_moe.ROUTE_MAX_PAIRS // plan.routing.top_k + 1
     assert fused_experts(plan, StandInKernel(), mx.zeros((many, 1, 64)), None) is None
@@ -388,7 +391,8 @@ def test_cuda_expert_rows_match_gather_qmm(mode, group, gather, counts):
     _cuda()
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-    dims, outs = 704, 72  # a chunk and three k-steps and a half; four tiles and a half
+    # a chunk and three k-steps and a half (groups of 128: and one); four tiles and a half
+    dims, outs = (640 if group == 128 else 704), 72
     mx.random.seed(3)
     module = QuantizedSwitchLinear(dims, outs, 8, bias=False, group_size=group, mode=mode)
     module.set_dtype(mx.bfloat16)
@@ -397,7 +401,7 @@ def test_cuda_expert_rows_match_gather_qmm(mode, group, gather, counts):
     rng = np.random.default_rng(4)
     tokens = mx.array(rng.integers(0, 16, size=pairs).astype(np.uint32)) if gather else None
     x = mx.random.normal((16 if gather else pairs, dims), key=mx.random.key(5)).astype(mx.bfloat16)
-    assert fits(module, x) and not fits(module, x.astype(mx.float32))
+    assert fits(module, dims, mx.bfloat16) and not fits(module, dims, mx.float32)
     got = expert_rows(module, x, experts, tokens)
     want = reference_expert_rows(module, x, experts, tokens)
     assert got.shape == want.shape == (pairs, 1, outs) and got.dtype == mx.bfloat16

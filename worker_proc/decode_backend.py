@@ -41,7 +41,7 @@ from worker_proc.prefill_attention import (bucketed_fused_attention, bucketed_ma
                                            masked_bias, masked_bias_fits,
                                            unfused_prefill_attention, unfused_prefill_fits)
 from worker_proc.qk_norm_rope import decode_qk_norm_rope, fits as qk_norm_rope_fits
-from worker_proc.expert_rows import expert_rows, fits as expert_rows_fit
+from worker_proc.expert_rows import expert_rows, fits as expert_rows_fit, preferred as expert_rows_preferred
 from worker_proc.fused_moe import NextNorm, Routed, Routing, combine as moe_combine
 from worker_proc.fused_moe import fits as moe_route_fits
 from worker_proc.fused_moe import route as moe_route
@@ -243,9 +243,9 @@ class KernelDecode(DecodeBackend):
     add_norm, GPT-OSS's attention residual and MLP norm in one kernel). moe_kernels: a decode
     step's mixture-of-experts routing and the weighted sum of its experts' outputs in a
     kernel each (fused_moe; off: `--experiments unfused-moe`); expert_rows_kernel: with
-    them, 4-bit experts' projections of the sorted pairs through expert_rows' kernel, not
-    MLX's gather_qmm (`--experiments expert-rows`: session 42's CUDA-core form lost to
-    MLX's at most row counts, docs/benchmarks.md). paged_prefill: prefill
+    them, 4-bit experts' projections of the sorted pairs through expert_rows' tensor-core
+    kernel once a step has as many pairs as experts, not MLX's gather_qmm (off:
+    `--experiments mlx-expert-matmuls`). paged_prefill: prefill
     attention of full and sliding layers through the paged prefill kernel, which reads
     each row's context from the pool (paged_prefill; `--experiments paged-prefill`, off
     by default until measured): no gather, no score matrix, any head size to 256; rows
@@ -267,7 +267,7 @@ class KernelDecode(DecodeBackend):
     qk_rope_kernel: bool = True
     residual_norm_kernel: bool = True
     moe_kernels: bool = True
-    expert_rows_kernel: bool = False
+    expert_rows_kernel: bool = True
     paged_prefill: bool = False
     # Rows of more queries than this go to cuDNN where it serves their heads: past a few
     # hundred queries a row the chunk is arithmetic, which cuDNN's kernel does faster
@@ -414,7 +414,7 @@ class KernelDecode(DecodeBackend):
     def expert_rows(self, module: nn.Module, x: mx.array, routed: Routed,
                     gather: bool) -> mx.array | None:
         if not (self.moe_kernels and self.expert_rows_kernel and routed.grouped
-                and expert_rows_fit(module, x)):
+                and self._expert_rows_takes(module, x, routed.experts.shape[0])):
             return None
         return self._expert_rows(module, x, routed.experts, routed.rows if gather else None)
 
@@ -517,6 +517,9 @@ class KernelDecode(DecodeBackend):
     def _expert_rows(self, module: nn.Module, x: mx.array, experts: mx.array,
                      tokens: mx.array | None) -> mx.array:
         return expert_rows(module, x, experts, tokens)
+
+    def _expert_rows_takes(self, module: nn.Module, x: mx.array, pairs: int) -> bool:
+        return expert_rows_fit(module, x.shape[-1], x.dtype) and expert_rows_preferred(module, pairs)
 
     def _latent_kernel_takes(self, dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int,
                              row: int) -> bool:
@@ -664,6 +667,6 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         qk_rope_kernel="unfused-qk-rope" not in experiments,
                         residual_norm_kernel="unfused-residual-norm" not in experiments,
                         moe_kernels="unfused-moe" not in experiments,
-                        expert_rows_kernel="expert-rows" in experiments,
+                        expert_rows_kernel="mlx-expert-matmuls" not in experiments,
                         paged_prefill="paged-prefill" in experiments,
                         prefill_bucket=prefill_bucket)

@@ -10,8 +10,9 @@ weights it takes a kernel a row (docs/benchmarks.md, session 42). Here the weigh
 meant to stream once from memory at its speed. Session 42's forms of this kernel summed on
 CUDA cores, where a weight's multiply-adds (one a row) and dequantization outweighed its
 load; this one dequantizes each weight once into an mma operand and leaves the rows to
-the tensor cores. It is unmeasured, hence off by default (`--experiments expert-rows`).
-The first projection also gathers its tokens itself (the pairs' token ids), a launch less.
+the tensor cores. It serves a decode step's 4-bit experts once the step has as many
+pairs as experts (`preferred`; off: `--experiments mlx-expert-matmuls`). The first
+projection also gathers its tokens itself (the pairs' token ids), a launch less.
 
 Formats: MXFP4 (4-bit E2M1 values, an E8M0 power of two per 32: GPT-OSS as it ships) and
 affine 4-bit (a scale and a bias per group of 32, 64 or 128: mlx-lm's default
@@ -225,10 +226,11 @@ def _kernel(mode: str, gather: bool):
                                source=source(mode, gather), header=_HEADER)
 
 
-def fits(module: nn.Module, x: mx.array) -> bool:
+def fits(module: nn.Module, dims: int, dtype: mx.Dtype) -> bool:
     """Whether the kernel takes this projection: 4-bit experts (MXFP4 in groups of 32,
-    or affine in groups of 32, 64 or 128) without a global scale, bfloat16 inputs as wide
-    as the weights' rows (the mma's operands; others keep MLX's gather_qmm)."""
+    or affine in groups of 32, 64 or 128) without a global scale, inputs of dtype
+    bfloat16 (the mma's operands; others keep MLX's gather_qmm) and dims wide, as the
+    weights' rows."""
     if type(module) is not QuantizedSwitchLinear or module.bits != 4:
         return False
     if getattr(module, "global_scale", None) is not None:
@@ -239,8 +241,15 @@ def fits(module: nn.Module, x: mx.array) -> bool:
         ok = module.group_size in (32, 64, 128) and "biases" in module
     else:
         return False
-    dims = module["weight"].shape[-1] * 8
-    return ok and x.shape[-1] == dims and x.dtype == mx.bfloat16
+    return ok and dims == module["weight"].shape[-1] * 8 and dtype == mx.bfloat16
+
+
+def preferred(module: nn.Module, pairs: int) -> bool:
+    """Whether the kernel, not MLX's, takes a step of `pairs` pairs: once there are as many
+    pairs as experts. Below (a one-token step: four pairs over 32 experts) MLX's
+    matrix-vector kernels read the few busy experts' weights a little faster
+    (docs/benchmarks.md, session 43)."""
+    return pairs >= module["weight"].shape[0]
 
 
 def expert_rows(module: QuantizedSwitchLinear, x: mx.array, experts: mx.array,

@@ -20,8 +20,9 @@ a launch less.
 The experts' matmuls are MLX's own (`gather_qmm` / `gather_mm`), called as mlx-lm's
 SwitchLinear calls them, pairs sorted by expert once there are SORT_PAIRS or more, as
 mlx-lm's SwitchGLU sorts them, unless the backend's `expert_rows` takes a 4-bit one (on
-CUDA with `--experiments expert-rows`: worker_proc.expert_rows' kernel, which gathers
-the tokens itself, a launch less again). A quantized router's logits come from its dequantized weight on CUDA
+CUDA, bf16, once a step has as many pairs as experts: worker_proc.expert_rows' kernel,
+which gathers the tokens itself, a launch less again; off: `--experiments
+mlx-expert-matmuls`). A quantized router's logits come from its dequantized weight on CUDA
 (`router_logits`). Each kernel rounds to the model's dtype where mlx-lm's ops round, but
 picks the top k by value (lower expert id on a tie, which argpartition leaves open) and
 sums a token's k outputs largest weight first, so on CUDA the tokens may differ from
