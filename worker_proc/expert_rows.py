@@ -1,7 +1,7 @@
 """A decode step's expert projections over 4-bit weights, one kernel a projection, on
 tensor cores: each block takes one expert's rows (the step's token-expert pairs come sorted
 by expert from fused_moe.route) and a tile of its outputs, reads that tile's weights once
-for up to PASS_ROWS of those rows and multiplies with bf16 mma.sync.
+for each pass of up to 32 of those rows and multiplies with bf16 mma.sync.
 
 A decode step gives each expert a handful of rows (64 tokens, 4 experts each among 32:
 ~8). For sorted MXFP4 rows MLX's gather_qmm runs its grouped GEMM, whose tiles are made
