@@ -391,7 +391,7 @@ def test_cuda_expert_rows_match_gather_qmm(mode, group, gather, counts):
     _cuda()
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-    # a chunk and three k-steps and a half (groups of 128: and one); four tiles and a half
+    # a chunk and a k-step and a half (groups of 128: and a half); four tiles and a half
     dims, outs = (640 if group == 128 else 704), 72
     mx.random.seed(3)
     module = QuantizedSwitchLinear(dims, outs, 8, bias=False, group_size=group, mode=mode)
@@ -401,12 +401,38 @@ def test_cuda_expert_rows_match_gather_qmm(mode, group, gather, counts):
     rng = np.random.default_rng(4)
     tokens = mx.array(rng.integers(0, 16, size=pairs).astype(np.uint32)) if gather else None
     x = mx.random.normal((16 if gather else pairs, dims), key=mx.random.key(5)).astype(mx.bfloat16)
-    assert fits(module, dims, mx.bfloat16) and not fits(module, dims, mx.float32)
+    assert fits(module, dims, mx.bfloat16)
     got = expert_rows(module, x, experts, tokens)
     want = reference_expert_rows(module, x, experts, tokens)
     assert got.shape == want.shape == (pairs, 1, outs) and got.dtype == mx.bfloat16
     g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
     np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=2 ** -7 * float(np.abs(w).max()))
+
+
+def test_expert_rows_takes_bf16_4bit_experts_once_pairs_reach_experts():
+    """The tensor-core kernel takes bf16 rows over 4-bit MXFP4 or affine (bf16 scales and
+    biases, groups of 32-128) experts as wide as the rows, and is preferred once a step
+    has as many pairs as experts; anything else keeps MLX's gather_qmm."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    from worker_proc.expert_rows import fits, preferred
+
+    def experts(mode: str, group: int, bits: int = 4, dtype=mx.bfloat16) -> QuantizedSwitchLinear:
+        m = QuantizedSwitchLinear(128, 32, 8, bias=False, group_size=group, bits=bits, mode=mode)
+        m.set_dtype(dtype)
+        return m
+
+    for mode, group in (("mxfp4", 32), ("affine", 32), ("affine", 64), ("affine", 128)):
+        m = experts(mode, group)
+        assert fits(m, 128, mx.bfloat16)
+        assert not fits(m, 128, mx.float32) and not fits(m, 128, mx.float16)
+        assert not fits(m, 256, mx.bfloat16)
+    # float32 scales would promote gather_qmm's output past x's dtype
+    assert not fits(experts("affine", 64, dtype=mx.float32), 128, mx.bfloat16)
+    assert not fits(experts("affine", 64, bits=8), 128, mx.bfloat16)
+    assert not fits(SwitchLinear(128, 32, 8, bias=False), 128, mx.bfloat16)
+    m = experts("mxfp4", 32)
+    assert not preferred(m, 4) and preferred(m, 8) and preferred(m, 256)
 
 
 def test_a_dense_router_gives_the_quantized_routers_logits():

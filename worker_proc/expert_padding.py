@@ -15,7 +15,9 @@ took ~6x its experts' read (docs/benchmarks.md, session 39).
 tile and cuts its output back (`PaddedExperts`): 2.2% more weight bytes on GPT-OSS, and
 the outputs kept are the same products (a zero row adds nothing to the others; on the
 CPU they are equal bit for bit). A fused group's shared module (fused_projections) is
-left as it is: its parts read its columns by position.
+left as it is: its parts read its columns by position. Since worker_proc.expert_rows
+serves 4-bit bf16 decode steps (its own kernel, whole tiles or not), the padding pays off
+in prefill forwards, where MLX's grouped kernel still takes the sorted rows.
 """
 
 from __future__ import annotations

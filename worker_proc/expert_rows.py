@@ -237,8 +237,10 @@ def fits(module: nn.Module, dims: int, dtype: mx.Dtype) -> bool:
         return False
     if module.mode == "mxfp4":
         ok = module.group_size == 32 and "biases" not in module
-    elif module.mode == "affine":
-        ok = module.group_size in (32, 64, 128) and "biases" in module
+    elif module.mode == "affine":  # (scales and biases in bf16: gather_qmm's output dtype
+        # promotes x's with theirs, and the kernel's is x's)
+        ok = (module.group_size in (32, 64, 128) and "biases" in module
+              and module["scales"].dtype == module["biases"].dtype == mx.bfloat16)
     else:
         return False
     return ok and dims == module["weight"].shape[-1] * 8 and dtype == mx.bfloat16
