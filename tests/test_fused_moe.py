@@ -172,10 +172,12 @@ def test_served_experts_keep_mlx_lm_tokens(name, path, monkeypatch):
 
 
 @pytest.mark.parametrize("path", ["compiled", "in place"])
-def test_gpt_oss_as_mlx_lm_converts_it_keeps_mlx_lm_tokens(path):
+def test_gpt_oss_as_mlx_lm_converts_it_keeps_mlx_lm_tokens(path, monkeypatch):
     """GPT-OSS quantized as mlx-lm's convert quantizes it (every Linear MXFP4, the router
     8 bits; biases drawn): the quantized router's and attention output's biases go to the
-    routing and add-norm kernels' meaning apart from their matmuls; mlx-lm's tokens."""
+    routing and add-norm kernels' meaning apart from their matmuls, and the MXFP4 experts'
+    projections of sorted steps to expert_rows' (stood in for); mlx-lm's tokens."""
+    from tests import engine_driver
     from tests.test_families import mlx_lm_tokens
     from tests.test_worker import _prompts
 
@@ -193,15 +195,27 @@ def test_gpt_oss_as_mlx_lm_converts_it_keeps_mlx_lm_tokens(path):
 
     ours, theirs = converted(True), converted(False)
     assert type(ours.layers[0].self_attn.o_proj) is nn.QuantizedLinear
-    prompts = _prompts(5, [3, 40, 17, 9, 28], 512, seed=44)
+    rows_calls = []
+    stood_in = engine_driver.StandInKernel._expert_rows
+    monkeypatch.setattr(engine_driver.StandInKernel, "_expert_rows",
+                        lambda self, module, x, experts, tokens: rows_calls.append(
+                            (experts.shape[0], module["weight"].shape[0]))
+                        or stood_in(self, module, x, experts, tokens))
+    # 36 streams (72 pairs: sorted, as the CUDA routing kernel always sorts) down to the
+    # last few (unsorted: MLX's gather_qmm)
+    lengths = [(11 * i) % 40 + 1 for i in range(36)]
+    prompts = _prompts(36, lengths, 512, seed=44)
+    budgets = [4 + i % 7 for i in range(36)]
     engine = InProcessEngine(ours, chunk_size=16, compile_decode=path == "compiled",
-                             overlap="ahead",
+                             overlap="ahead", max_running=36,
                              backend=StandInKernel() if path == "compiled" else StandInInPlaceKernels())
-    for i, p in enumerate(prompts):
-        engine.submit(f"r{i}", p, 10, [])
+    rows_calls.clear()  # (the start-up probes' forwards)
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        engine.submit(f"r{i}", p, n, [])
     results = engine.run_until_idle()
-    for i, p in enumerate(prompts):
-        assert results[f"r{i}"].token_ids == mlx_lm_tokens(theirs, p, 10), f"r{i}"
+    for i, (p, n) in enumerate(zip(prompts, budgets)):
+        assert results[f"r{i}"].token_ids == mlx_lm_tokens(theirs, p, n), f"r{i}"
+    assert rows_calls and all(pairs >= experts for pairs, experts in rows_calls), rows_calls
 
 
 def test_unfused_moe_leaves_the_experts_to_mlx_lm(monkeypatch):
