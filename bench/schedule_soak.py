@@ -40,6 +40,7 @@ it) and the first token that differs. Exit status 1 on any mismatch or error.
 
     python bench/schedule_soak.py --seeds 0-9 --aborts 0.3 --eos --minutes 60
     python bench/schedule_soak.py --families gemma3_text,qwen3_next --paths kernel --seeds 7
+    python bench/schedule_soak.py --families gpt_oss,qwen3_moe --experts-mxfp4 --seeds 0-99
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.engine_driver import (Finished, InProcessEngine,  # noqa: E402
                                  StandInInPlaceKernels, StandInKernel)
+from worker_proc.fused_moe import reference_route  # noqa: E402
 from tests.families import FAMILIES, RECURRENT_FAMILIES, UNPAGED, VOCAB, build  # noqa: E402
 from tests.test_families import mlx_lm_tokens  # noqa: E402
 from tests.test_scheduler import assert_idle_invariant  # noqa: E402
@@ -83,6 +85,7 @@ class Outcome:
     kernel_calls: int  # the paged prefill kernel's (stood in for), or the mixed forwards
     aborted: int  # requests aborted before they finished
     refused: int  # requests admission refused (more than the pool could ever hold)
+    expert_rows: int = 0  # expert_rows calls (stood in for; a compiled path counts its traces)
 
 
 @functools.cache
@@ -112,10 +115,44 @@ class CountingStandIn(StandInKernel):
         return super()._paged_prefill(*args)
 
 
-def served_model(family: str, path: str) -> Any:
+_EXPERT_ROWS = [0]  # expert_rows' calls (stood in for) in the schedule running
+_stood_in_rows = StandInKernel._expert_rows
+
+
+def _counting_rows(self, *args):  # noqa: ANN001, ANN002, ANN202
+    _EXPERT_ROWS[0] += 1
+    return _stood_in_rows(self, *args)
+
+
+StandInKernel._expert_rows = _counting_rows  # (this script's process only)
+
+
+class SortingStandIn(StandInKernel):
+    """The stood-in kernel path routing as the CUDA kernel does: pairs sorted by expert at
+    any count (mlx-lm sorts from 64), so steps of as many pairs as experts reach
+    expert_rows (stood in for). Rows are computed one by one either way: mlx-lm's tokens."""
+
+    def _route_experts(self, logits, routing, bias):  # noqa: ANN001, ANN202
+        return reference_route(logits, routing, bias, sort=True)
+
+
+def quantize_experts(model: Any) -> Any:
+    """The model's mixture-of-experts projections (mlx-lm's SwitchLinear) as GPT-OSS ships
+    them: MXFP4, groups of 32 (what the CUDA worker's expert_rows kernel takes)."""
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    nn.quantize(model, group_size=32, bits=4, mode="mxfp4",
+                class_predicate=lambda _, m: isinstance(m, SwitchLinear))
+    return model
+
+
+def served_model(family: str, path: str, experts_mxfp4: bool = False) -> Any:
     """The family's tiny model as the worker would load it for this path."""
     # Rows placed at their own positions (give_rows_their_positions).
     model = build(family, **overrides(family, path))
+    if experts_mxfp4:
+        quantize_experts(model)
     if path != "plain":  # the CUDA defaults: fused projections, fast decode blocks
         fuse_projections(model)
         speed_up_decode_blocks(model, residual_in_gemm=False)
@@ -123,11 +160,12 @@ def served_model(family: str, path: str) -> Any:
     return model
 
 
-def engine_options(path: str, own_caches: bool) -> dict[str, Any]:
+def engine_options(path: str, own_caches: bool, sort_routes: bool = False) -> dict[str, Any]:
     if own_caches:
         return {"own_caches": True}
     if path == "kernel":
-        return {"backend": StandInKernel(), "compile_decode": True}
+        return {"backend": SortingStandIn() if sort_routes else StandInKernel(),
+                "compile_decode": True}
     if path == "in place":
         return {"backend": StandInInPlaceKernels()}
     if path == "paged prefill":
@@ -196,12 +234,12 @@ def stopped(tokens: list[int], eos: list[int]) -> list[int]:
 
 def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict,
              abort_share: float = 0.0, with_eos: bool = False,
-             sampled: bool = False) -> Outcome:
+             sampled: bool = False, experts_mxfp4: bool = False) -> Outcome:
     t0 = time.monotonic()
     own_caches = family in UNPAGED
-    model = served_model(family, path)
+    model = served_model(family, path, experts_mxfp4)
     schedule: Schedule = draw_schedule(seed, VOCAB)
-    options = engine_options(path, own_caches)
+    options = engine_options(path, own_caches, sort_routes=experts_mxfp4)
     if own_caches:  # no prefill traces, no kernel path on mlx-lm's own caches
         schedule.engine["compile_prefill"] = False
     if path == "in place":  # in-place stand-ins write Python objects: no traces
@@ -210,7 +248,8 @@ def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict,
     problems: list[str] = []
     changed = overrides(family, path)
     if str(changed) not in oracles:  # mlx-lm as mlx_lm.generate runs it
-        oracles[str(changed)] = build(family, as_served=False, **changed)
+        oracle = build(family, as_served=False, **changed)
+        oracles[str(changed)] = quantize_experts(oracle) if experts_mxfp4 else oracle
     oracle = oracles[str(changed)]
     wants = []
     for prompt, n in zip(schedule.prompts, schedule.max_tokens):
@@ -220,6 +259,7 @@ def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict,
         wants.append(memo[key])
     eos = common_token(wants) if with_eos else []
     CountingStandIn.calls = 0
+    _EXPERT_ROWS[0] = 0
     aborts = draw_aborts(seed, schedule, abort_share) if abort_share else {}
     sampling = draw_sampling(seed, len(schedule.prompts)) if sampled else None
     engine, outputs = run(model, schedule, aborts, eos, sampling)
@@ -252,7 +292,7 @@ def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict,
     return Outcome(family, path, seed, problems, engine.scheduler.counters.preemptions > 0,
                    engine.scheduler.counters.cache_hit_tokens > 0, time.monotonic() - t0,
                    engine.runner.mixed_forwards if path == "mixed forward"
-                   else CountingStandIn.calls, engine.aborted, refused)
+                   else CountingStandIn.calls, engine.aborted, refused, _EXPERT_ROWS[0])
 
 
 def parse_seeds(text: str) -> list[int]:
@@ -276,6 +316,10 @@ def main() -> None:
     p.add_argument("--sampled", action="store_true",
                    help="seeded sampling (temperatures, filters, penalties): each request's "
                         "tokens against the same request served alone on the same path")
+    p.add_argument("--experts-mxfp4", action="store_true",
+                   help="the mixture-of-experts families' experts quantized to MXFP4 (served "
+                        "and oracle); the kernel path routes as the CUDA kernel does (pairs "
+                        "always sorted), so its 4-bit experts reach expert_rows (stood in for)")
     p.add_argument("--minutes", type=float, default=0.0,
                    help="stop starting new schedules after this long (0: no limit)")
     args = p.parse_args()
@@ -299,7 +343,7 @@ def main() -> None:
                 runs += 1
                 try:
                     out = soak_one(family, path, seed, oracles, memo, args.aborts, args.eos,
-                                   args.sampled)
+                                   args.sampled, args.experts_mxfp4)
                 except Exception:  # noqa: BLE001 - a soak reports every failure and goes on
                     failed += 1
                     print(f"ERROR {family} [{path}] seed {seed}\n{traceback.format_exc()}", flush=True)
@@ -312,7 +356,8 @@ def main() -> None:
                       f"{f', {out.kernel_calls} paged prefill calls' if path == 'paged prefill' else ''}"
                       f"{f', {out.kernel_calls} mixed forwards' if path == 'mixed forward' else ''}"
                       f"{f', {out.aborted} aborted' if out.aborted else ''}"
-                      f"{f', {out.refused} refused' if out.refused else ''})",
+                      f"{f', {out.refused} refused' if out.refused else ''}"
+                      f"{f', {out.expert_rows} expert_rows calls' if out.expert_rows else ''})",
                       flush=True)
                 for problem in out.problems:
                     print(f"         {problem}", flush=True)

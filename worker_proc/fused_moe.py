@@ -266,14 +266,16 @@ def _projection(backend: Any, module: nn.Module, x: mx.array, routed: Routed,
     return project_experts(module, rows, routed.experts, routed.sorted)
 
 
-def reference_route(logits: mx.array, routing: Routing, bias: mx.array | None = None) -> Routed:
+def reference_route(logits: mx.array, routing: Routing, bias: mx.array | None = None,
+                    sort: bool = False) -> Routed:
     """What route computes, in mlx-lm's ops and order (the router's bias add, then
-    SwitchGLU's _gather_sort)."""
+    SwitchGLU's _gather_sort); sort: the pairs sorted at any count, as the kernel sorts
+    them (mlx-lm from SORT_PAIRS)."""
     weights, experts = routing.select(logits if bias is None else logits + bias)
     k = routing.top_k
     flat = mx.stop_gradient(experts).flatten()
     n = weights.size // k
-    if flat.size < SORT_PAIRS:
+    if flat.size < SORT_PAIRS and not sort:
         order = mx.arange(flat.size, dtype=mx.uint32)
         return Routed(weights, flat, order // k, order, False, n, k, False)
     order = mx.argsort(flat)
