@@ -200,7 +200,8 @@ def expert_rows_variants(dim: int, outs: int, per_warp: tuple[int, ...] = (exper
     out = []
     for mode, gather, tiles in itertools.product(("mxfp4", "affine"), (True, False), per_warp):
         name = f"kiln_expert_rows_{mode}_k{dim}_n{outs}_t{tiles}{'_gather' if gather else ''}"
-        params = {"T": "__nv_bfloat16", "KD": str(dim), "N": str(outs), "GROUP": "32" if mode == "mxfp4" else "64",
+        params = {"T": "__nv_bfloat16", "KD": str(dim), "N": str(outs),
+                  "GROUP": "32" if mode == "mxfp4" else "64",
                   "WARPS": str(expert_rows.WARPS), "TILES": str(tiles),
                   "ROW_TILES": str(expert_rows.ROW_TILES), "CHUNK": str(expert_rows.CHUNK)}
         out.append((name, wrap(name, expert_rows.inputs(mode, gather), ["out"],

@@ -21,7 +21,8 @@ from scheduler_proc.scheduler import Scheduler, SchedulerLimits
 from tests.oracle import divergence_off_a_tie
 from worker_proc import WorkerLoop
 from worker_proc.decode_backend import DecodeBackend, KernelDecode
-from worker_proc.expert_rows import fits as expert_rows_fit, preferred as expert_rows_preferred, reference_expert_rows
+from worker_proc.expert_rows import fits as expert_rows_fit, preferred as expert_rows_preferred
+from worker_proc.expert_rows import reference_expert_rows
 from worker_proc.fused_moe import reference_combine, reference_route
 from worker_proc.kv_pool import KVPool
 from worker_proc.memory import probe_attention_specs
@@ -253,7 +254,8 @@ class StandInKernel(KernelDecode):
     def _expert_rows_takes(self, module, x, pairs):  # noqa: ANN001, ANN202
         # The tests' float32 stands in for the GPU's bfloat16: the weights' format decides.
         dtype = mx.bfloat16 if x.dtype == mx.float32 else x.dtype
-        return expert_rows_fit(module, x.shape[-1], dtype) and expert_rows_preferred(module, pairs)
+        return (expert_rows_fit(module, x.shape[-1], dtype)
+                and expert_rows_preferred(module, pairs))
 
     def _fused_builds_per_shape(self, queries, values):  # noqa: ANN001, ANN202
         # The tests' float32 stands in for the GPU's bfloat16: the heads' sizes decide.

@@ -41,7 +41,8 @@ from worker_proc.prefill_attention import (bucketed_fused_attention, bucketed_ma
                                            masked_bias, masked_bias_fits,
                                            unfused_prefill_attention, unfused_prefill_fits)
 from worker_proc.qk_norm_rope import decode_qk_norm_rope, fits as qk_norm_rope_fits
-from worker_proc.expert_rows import expert_rows, fits as expert_rows_fit, preferred as expert_rows_preferred
+from worker_proc.expert_rows import expert_rows, fits as expert_rows_fit
+from worker_proc.expert_rows import preferred as expert_rows_preferred
 from worker_proc.fused_moe import NextNorm, Routed, Routing, combine as moe_combine
 from worker_proc.fused_moe import fits as moe_route_fits
 from worker_proc.fused_moe import route as moe_route
@@ -519,7 +520,8 @@ class KernelDecode(DecodeBackend):
         return expert_rows(module, x, experts, tokens)
 
     def _expert_rows_takes(self, module: nn.Module, x: mx.array, pairs: int) -> bool:
-        return expert_rows_fit(module, x.shape[-1], x.dtype) and expert_rows_preferred(module, pairs)
+        return (expert_rows_fit(module, x.shape[-1], x.dtype)
+                and expert_rows_preferred(module, pairs))
 
     def _latent_kernel_takes(self, dtype: mx.Dtype, pool_dtype: mx.Dtype, dim: int,
                              row: int) -> bool:
