@@ -115,25 +115,20 @@ class CountingStandIn(StandInKernel):
         return super()._paged_prefill(*args)
 
 
-_EXPERT_ROWS = [0]  # expert_rows' calls (stood in for) in the schedule running
-_stood_in_rows = StandInKernel._expert_rows
-
-
-def _counting_rows(self, *args):  # noqa: ANN001, ANN002, ANN202
-    _EXPERT_ROWS[0] += 1
-    return _stood_in_rows(self, *args)
-
-
-StandInKernel._expert_rows = _counting_rows  # (this script's process only)
-
-
 class SortingStandIn(StandInKernel):
     """The stood-in kernel path routing as the CUDA kernel does: pairs sorted by expert at
     any count (mlx-lm sorts from 64), so steps of as many pairs as experts reach
-    expert_rows (stood in for). Rows are computed one by one either way: mlx-lm's tokens."""
+    expert_rows (stood in for; its calls counted). Rows are computed one by one either
+    way: mlx-lm's tokens."""
+
+    rows_calls = 0
 
     def _route_experts(self, logits, routing, bias):  # noqa: ANN001, ANN202
         return reference_route(logits, routing, bias, sort=True)
+
+    def _expert_rows(self, *args):  # noqa: ANN002, ANN202
+        SortingStandIn.rows_calls += 1
+        return super()._expert_rows(*args)
 
 
 def quantize_experts(model: Any) -> Any:
@@ -259,7 +254,7 @@ def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict,
         wants.append(memo[key])
     eos = common_token(wants) if with_eos else []
     CountingStandIn.calls = 0
-    _EXPERT_ROWS[0] = 0
+    SortingStandIn.rows_calls = 0
     aborts = draw_aborts(seed, schedule, abort_share) if abort_share else {}
     sampling = draw_sampling(seed, len(schedule.prompts)) if sampled else None
     engine, outputs = run(model, schedule, aborts, eos, sampling)
@@ -292,7 +287,7 @@ def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict,
     return Outcome(family, path, seed, problems, engine.scheduler.counters.preemptions > 0,
                    engine.scheduler.counters.cache_hit_tokens > 0, time.monotonic() - t0,
                    engine.runner.mixed_forwards if path == "mixed forward"
-                   else CountingStandIn.calls, engine.aborted, refused, _EXPERT_ROWS[0])
+                   else CountingStandIn.calls, engine.aborted, refused, SortingStandIn.rows_calls)
 
 
 def parse_seeds(text: str) -> list[int]:
