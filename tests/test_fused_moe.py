@@ -386,7 +386,8 @@ def test_cuda_fused_experts_compute_mlx_lm_mlps(tokens):
 
 
 # Pairs an expert over 8 experts: a mixed step (an expert with two passes' rows, one
-# with none), a one-token step and a busy one (passes of every row-tile count).
+# with none), a one-token step and a busy one (passes of two to four row tiles, an
+# expert of three passes).
 _COUNTS = {"mixed": [0, 1, 35, 0, 2, 5, 0, 3], "one token": [0, 1, 0, 0, 1, 1, 0, 1],
            "busy": [20, 31, 9, 22, 0, 25, 19, 80]}
 
