@@ -135,10 +135,10 @@ _SOURCE = r"""
                         }
 #pragma unroll
                         for (int half = 0; half < 2; ++half) {
-                            const uint32_t a0 = kiln_pack2(d0[4 * half], d0[4 * half + 1]);
-                            const uint32_t a1 = kiln_pack2(d1[4 * half], d1[4 * half + 1]);
-                            const uint32_t a2 = kiln_pack2(d0[4 * half + 2], d0[4 * half + 3]);
-                            const uint32_t a3 = kiln_pack2(d1[4 * half + 2], d1[4 * half + 3]);
+                            const uint32_t a0 = kiln_pack<__nv_bfloat16>(d0[4 * half], d0[4 * half + 1]);
+                            const uint32_t a1 = kiln_pack<__nv_bfloat16>(d1[4 * half], d1[4 * half + 1]);
+                            const uint32_t a2 = kiln_pack<__nv_bfloat16>(d0[4 * half + 2], d0[4 * half + 3]);
+                            const uint32_t a3 = kiln_pack<__nv_bfloat16>(d1[4 * half + 2], d1[4 * half + 3]);
 #pragma unroll
                             for (int j = 0; j < ROW_TILES; ++j)
                                 if (j < used)
@@ -160,14 +160,6 @@ _SOURCE = r"""
                     if (r < rows && n < N) out[(size_t)(r0 + r) * N + n] = static_cast<__nv_bfloat16>(acc[m][j][i]);
                 }
     }
-"""
-
-_HEADER = _MMA_HEADER + r"""
-// Two floats as a bf16x2 fragment register, the first in the low half.
-__device__ inline uint32_t kiln_pack2(float lo, float hi) {
-    const __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<const uint32_t*>(&v);
-}
 """
 
 # MXFP4: a nibble's E2M1 value from a table, times the group's E8M0 scale 2^(s - 127)
@@ -208,8 +200,8 @@ def source(mode: str, gather: bool) -> str:
 
 
 def header() -> str:
-    """The kernel's helpers: the mma and a bf16x2 pack."""
-    return _HEADER
+    """The kernel's helpers: the mma and its fragments' packing (paged_attention's)."""
+    return _MMA_HEADER
 
 
 def inputs(mode: str, gather: bool) -> list[str]:
@@ -223,7 +215,7 @@ def inputs(mode: str, gather: bool) -> list[str]:
 def _kernel(mode: str, gather: bool):
     return mx.fast.cuda_kernel(name=f"kiln_expert_rows_{mode}{'_gather' if gather else ''}",
                                input_names=inputs(mode, gather), output_names=["out"],
-                               source=source(mode, gather), header=_HEADER)
+                               source=source(mode, gather), header=_MMA_HEADER)
 
 
 def fits(module: nn.Module, dims: int, dtype: mx.Dtype) -> bool:
