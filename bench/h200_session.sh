@@ -183,9 +183,12 @@ fi
 
 if has timeline; then
 echo "== device timeline of the served decode step (CUPTI)"
+# At its limit the part is stopped by SIGABRT, on which Python's faulthandler prints every
+# thread's stack: a step that never ends says where. Unbuffered (-u): what was printed
+# before a kill reaches the log.
 PYTHONPATH=${PYTHONPATH:-}:$HOME/site_c LD_LIBRARY_PATH=$HOME/site_c/nvidia/cu13/lib:${LD_LIBRARY_PATH:-} \
-    timeout --foreground 300 "$PYTHON" bench/device_timeline.py --model "$MODEL" ${TIMELINE_ARGS:---batch-sizes 1,64,128} \
-    --json "$OUT/device_timeline.json" 2>&1 | grep -v "RANDOM WEIGHTS" | tee "$OUT/device_timeline.txt"
+    timeout --foreground -s ABRT 300 "$PYTHON" -u -X faulthandler bench/device_timeline.py --model "$MODEL" ${TIMELINE_ARGS:---batch-sizes 1,64,128} \
+    --json "$OUT/device_timeline.json" 2>&1 | grep --line-buffered -v "RANDOM WEIGHTS" | tee "$OUT/device_timeline.txt"
 fi
 
 if has mixed; then

@@ -65,9 +65,7 @@ from tests.families import FAMILIES, RECURRENT_FAMILIES, UNPAGED, VOCAB, build  
 from tests.test_families import mlx_lm_tokens  # noqa: E402
 from tests.test_scheduler import assert_idle_invariant  # noqa: E402
 from tests.test_schedules import Schedule, draw_schedule  # noqa: E402
-from worker_proc.decode_block import speed_up_decode_blocks  # noqa: E402
-from worker_proc.fused_projections import fuse_projections  # noqa: E402
-from worker_proc.offset_norms import sum_offset_norms  # noqa: E402
+from worker_proc.model_rewrites import rewrite_for_serving  # noqa: E402
 
 PATHS = ("plain", "kernel", "in place", "paged prefill", "mixed forward")
 HEAD_DIM = 64  # the paged prefill path's heads
@@ -148,10 +146,8 @@ def served_model(family: str, path: str, experts_mxfp4: bool = False) -> Any:
     model = build(family, **overrides(family, path))
     if experts_mxfp4:
         quantize_experts(model)
-    if path != "plain":  # the CUDA defaults: fused projections, fast decode blocks
-        fuse_projections(model)
-        speed_up_decode_blocks(model, residual_in_gemm=False)
-    sum_offset_norms(model)
+    kernel = path != "plain"  # the CUDA defaults: fused projections, fast decode blocks
+    rewrite_for_serving(model, on_cuda=False, fuse=kernel, fast_blocks=kernel, pad_experts=False)
     return model
 
 

@@ -79,26 +79,25 @@ from worker_proc import decode_backend, paged_attention  # noqa: E402
 from worker_proc.gated_delta_cuda import install_gated_delta_kernel, uses_gated_delta  # noqa: E402
 from worker_proc import runner as runner_module  # noqa: E402
 from worker_proc.attention import PooledKVCache  # noqa: E402
-from worker_proc.decode_block import speed_up_decode_blocks  # noqa: E402
 from worker_proc.depthwise_conv import replace_depthwise_convs  # noqa: E402
 from worker_proc.fused_projections import fuse_projections  # noqa: E402
 from worker_proc.decode_backend import DecodeBackend, choose_decode_backend  # noqa: E402
 from worker_proc.kv_pool import KVPool  # noqa: E402
 from worker_proc.memory import probe_attention_specs, raise_cuda_graph_budgets  # noqa: E402
-from worker_proc.offset_norms import sum_offset_norms  # noqa: E402
+from worker_proc.model_rewrites import rewrite_for_serving  # noqa: E402
 from worker_proc.paged_attention import kernel_available  # noqa: E402
 from worker_proc.runner import ModelRunner  # noqa: E402
 from tests.engine_driver import StandInKernel  # noqa: E402
 
 
 def served_model(model: Any, summed_norms: bool = True) -> Any:
-    """The model as the server decodes with it on this backend: projections fused, fast
-    decode blocks (residual adds in GEMMs where the CUDA kernel runs), offset norms'
-    1 + weight made once (summed_norms). In place."""
-    fuse_projections(model)
-    speed_up_decode_blocks(model, residual_in_gemm=kernel_available())
-    if summed_norms:
-        sum_offset_norms(model)
+    """The model as the server decodes with it on this backend (the worker's rewrites,
+    worker_proc/model_rewrites.py): projections fused, fast decode blocks (residual adds
+    in GEMMs, quantized experts padded and short convolutions rewritten where the CUDA
+    kernel runs), offset norms' 1 + weight made once (summed_norms). In place."""
+    on_cuda = kernel_available()
+    rewrite_for_serving(model, on_cuda=on_cuda, fuse=True, fast_blocks=True,
+                        pad_experts=on_cuda, sum_norms=summed_norms)
     return model
 
 
@@ -163,10 +162,15 @@ def _empty_runner(model: Any, batch: int, context: int, steps: int, compile_deco
     rids = [f"r{i}" for i in range(batch)]
     slot = iter(range(1, pool.num_slots + 1))
     greedy = SamplingParams(temperature=0.0, max_new_tokens=steps + 2)
+    # Each row its own random prompt: rows of one prompt decode one token each step, and
+    # an MoE then routes the whole batch to one top-k (served steps spread over experts).
+    vocab = getattr(getattr(model, "args", None), "vocab_size", 256)
+    tokens = np.random.default_rng(0).integers(1, min(vocab, 4096), size=(batch, context))
     prefill = ForwardBatch(step=0, new_requests=[NewRequest(rid=r, sampling=greedy) for r in rids],
-                           prefill=[PrefillChunk(rid=r, start=0, token_ids=[1] * context, sample=True,
+                           prefill=[PrefillChunk(rid=r, start=0, token_ids=tokens[i].tolist(),
+                                                 sample=True,
                                                  slot_ids=[next(slot) for _ in range(context)])
-                                    for r in rids])
+                                    for i, r in enumerate(rids)])
     return runner, rids, slot, prefill
 
 
@@ -631,7 +635,7 @@ def main() -> None:
     if uses_gated_delta(model) and install_gated_delta_kernel():  # as the worker serves it
         print("gated delta rule: kiln's CUDA kernel")
     if kernel_available() and replace_depthwise_convs(model):  # as the worker serves it
-        print("short convolutions: shifted multiply-adds")
+        print("short convolutions: shifted multiply-adds")  # (served_model's copies too)
     # Further copies of the model, each made at its first use.
     @functools.cache
     def fused_model() -> Any:  # q/k/v and gate/up fused (the "fused" variants)

@@ -47,18 +47,14 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
     from kiln_common.windows import WindowRule
     from worker_proc.decode_backend import choose_decode_backend, kernel_misfit
     from worker_proc.prefill_attention import prefill_bucket_for
-    from worker_proc.row_positions import give_rows_their_positions
-    from worker_proc.decode_block import FastDecodeBlock, speed_up_decode_blocks
-    from worker_proc.depthwise_conv import replace_depthwise_convs
+    from worker_proc.decode_block import FastDecodeBlock
     from worker_proc.expert_padding import TILE as EXPERT_TILE
-    from worker_proc.expert_padding import pad_expert_outputs
-    from worker_proc.fused_projections import fuse_projections
     from worker_proc.gated_delta_cuda import install_gated_delta_kernel, uses_gated_delta
     from worker_proc.kv_pool import KVPool
     from worker_proc.layer_kinds import UnsupportedModelError, describe_layers
     from worker_proc.memory import (bound_cuda_cache, pool_spaces, probe_attention_specs,
                                     raise_cuda_graph_budgets)
-    from worker_proc.offset_norms import sum_offset_norms
+    from worker_proc.model_rewrites import rewrite_for_serving
     from worker_proc.paged_attention import kernel_available
     from worker_proc.prefill_parts import most_parts, spread_refusal
     from worker_proc.runner import CPU_PREFILL_PADDING, PREFILL_PADDING, ModelRunner, split_model
@@ -98,19 +94,13 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
     say("layers: " + describe_layers([s.describe() for s in specs]))
     fuse = switch_on(config.fuse_projections, auto=on_cuda)
     fast_blocks = switch_on(config.fast_decode_blocks, auto=fuse and on_cuda)
-    if fuse or fast_blocks:
-        fuse_projections(model)
-        # The separate weights' buffers sit in MLX's cache, which the device reports as
-        # used: give them back before the pool is sized from free memory (~8.5 GiB on
-        # an 8B model, which shrank the H200's pool by 5 GiB).
-        mx.clear_cache()
-    if on_cuda and "unpadded-experts" not in config.experiment_set:
-        if padded := pad_expert_outputs(model):
-            mx.clear_cache()  # the unpadded weights' buffers, as after fusing
-            say(f"{padded} quantized experts' projections padded to whole "
-                f"{EXPERT_TILE}-row tiles (MLX's grouped kernel for rows sorted by expert)")
-    sped_up = fast_blocks and speed_up_decode_blocks(model, on_cuda)
-    if not sped_up and config.fast_decode_blocks == "on":
+    done = rewrite_for_serving(
+        model, on_cuda=on_cuda, fuse=fuse, fast_blocks=fast_blocks,
+        pad_experts=on_cuda and "unpadded-experts" not in config.experiment_set)
+    if done.padded_experts:
+        say(f"{done.padded_experts} quantized experts' projections padded to whole "
+            f"{EXPERT_TILE}-row tiles (MLX's grouped kernel for rows sorted by expert)")
+    if not done.fast_blocks and config.fast_decode_blocks == "on":
         raise UnsupportedModelError("--fast-decode-blocks on: the model has no llama, qwen2, "
                                     "Gemma 3 or GPT-OSS block (mlx_lm.models.llama, .qwen2, "
                                     ".gemma3_text, .gpt_oss) to speed up")
@@ -119,16 +109,16 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
             isinstance(m, FastDecodeBlock) for _, m in model.named_modules()):
         raise UnsupportedModelError("--experiments rope-in-kernel: the model has no llama or "
                                     "qwen2 block (mlx_lm.models.llama, .qwen2) to speed up")
-    if norms := sum_offset_norms(model):
-        say(f"{norms} RMSNorms scale by 1 + weight: the sum made once, not every call")
-    if placed := give_rows_their_positions(model):
-        say(f"{placed} attention layers place each row's queries at its own positions "
-            "(rows of different lengths share a forward)")
+    if done.summed_norms:
+        say(f"{done.summed_norms} RMSNorms scale by 1 + weight: the sum made once, not every call")
+    if done.placed_layers:
+        say(f"{done.placed_layers} attention layers place each row's queries at its own "
+            "positions (rows of different lengths share a forward)")
+    if done.convs:
+        say(f"{done.convs} short convolutions as shifted multiply-adds (no cuDNN graph per shape)")
     say(f"model loaded in {time.monotonic() - t0:.1f}s")
     if uses_gated_delta(model) and install_gated_delta_kernel():
         say("gated delta rule (linear attention): kiln's CUDA kernel")
-    if on_cuda and (convs := replace_depthwise_convs(model)):
-        say(f"{convs} short convolutions as shifted multiply-adds (no cuDNN graph per shape)")
     # Decode first's prefill, whole or spread over steps (a model's blocks at most).
     split = split_model(model)
     refusal = spread_refusal(split, len(specs), KVPool.state_bytes_per_request(specs) > 0)
