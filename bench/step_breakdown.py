@@ -635,7 +635,7 @@ def main() -> None:
     if uses_gated_delta(model) and install_gated_delta_kernel():  # as the worker serves it
         print("gated delta rule: kiln's CUDA kernel")
     if kernel_available() and replace_depthwise_convs(model):  # as the worker serves it
-        print("short convolutions: shifted multiply-adds")  # (served_model's copies too)
+        print("short convolutions: shifted multiply-adds")  # (served_model rewrites its copies)
     # Further copies of the model, each made at its first use.
     @functools.cache
     def fused_model() -> Any:  # q/k/v and gate/up fused (the "fused" variants)
