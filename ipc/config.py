@@ -28,7 +28,7 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "cuda-core-attention", "gathered-latent", "fused-own-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
                       "paged-prefill", "unpadded-experts", "block-tiles", "unfused-moe",
-                      "mlx-expert-matmuls")
+                      "mlx-expert-matmuls", "batched-quantized-rows")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
 CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv", "block-tiles"})
@@ -278,7 +278,12 @@ class ServerConfig:
                                       "outputs in mlx-lm's ops, ~20 launches a layer, not "
                                       "a kernel each), mlx-expert-matmuls (a decode step's "
                                       "4-bit expert projections through MLX's gather_qmm, "
-                                      "as mlx-lm calls it, not kiln's tensor-core kernel)."})
+                                      "as mlx-lm calls it, not kiln's tensor-core kernel), "
+                                      "batched-quantized-rows (a decode step's quantized "
+                                      "Linear layers take its [rows, 1, dims] input as "
+                                      "mlx-lm passes it, which MLX's CUDA GEMM runs as a "
+                                      "one-row problem a row, not as one problem of all "
+                                      "rows)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

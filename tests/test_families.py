@@ -303,6 +303,32 @@ def test_a_4_bit_quantized_model_equals_mlx_lm(name, mode):
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(model, p, 16)
 
 
+@pytest.mark.parametrize("name,mode", [("qwen3", "affine"), ("gpt_oss", "mxfp4")])
+def test_a_4_bit_quantized_model_on_the_cuda_path_rewrites_equals_mlx_lm(name, mode):
+    """The same models with the CUDA worker's rewrites (projections fused, fast decode
+    blocks, quantized Linear layers taking a step's rows as one matrix) on the stood-in
+    kernel path, compiled decode: every request, served together, gets the tokens
+    mlx-lm's own code gives it alone."""
+    from mlx_lm.utils import quantize_model
+
+    from tests.engine_driver import StandInKernel
+    from worker_proc.model_rewrites import rewrite_for_serving
+
+    oracle, model = build(name), build(name)  # same weights
+    for m in (oracle, model):
+        quantize_model(m, {}, 32, 4, mode=mode)
+    done = rewrite_for_serving(model, on_cuda=False, fuse=True, fast_blocks=True,
+                               pad_experts=False, flat_rows=True)
+    assert done.flat_quantized > 0 and done.fast_blocks > 0
+    prompts = _prompts(seed=7)
+    engine = InProcessEngine(model, chunk_size=16, backend=StandInKernel(), compile_decode=True)
+    for i, p in enumerate(prompts):
+        engine.submit(f"r{i}", p, 16, [])
+    results = engine.run_until_idle()
+    for i, p in enumerate(prompts):
+        assert results[f"r{i}"].token_ids == mlx_lm_tokens(oracle, p, 16)
+
+
 @pytest.mark.parametrize("name,placed", [("minimax_m3_vl", 2), ("afm7", 2)])
 @pytest.mark.parametrize("path", ["plain", "compiled"])
 def test_rows_at_their_own_positions_share_forwards(name, placed, path):

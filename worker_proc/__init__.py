@@ -96,7 +96,8 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
     fast_blocks = switch_on(config.fast_decode_blocks, auto=fuse and on_cuda)
     done = rewrite_for_serving(
         model, on_cuda=on_cuda, fuse=fuse, fast_blocks=fast_blocks,
-        pad_experts=on_cuda and "unpadded-experts" not in config.experiment_set)
+        pad_experts=on_cuda and "unpadded-experts" not in config.experiment_set,
+        flat_rows=on_cuda and "batched-quantized-rows" not in config.experiment_set)
     if done.padded_experts:
         say(f"{done.padded_experts} quantized experts' projections padded to whole "
             f"{EXPERT_TILE}-row tiles (MLX's grouped kernel for rows sorted by expert)")
@@ -114,6 +115,8 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
     if done.placed_layers:
         say(f"{done.placed_layers} attention layers place each row's queries at its own "
             "positions (rows of different lengths share a forward)")
+    if done.flat_quantized:
+        say(f"{done.flat_quantized} quantized Linear layers take a step's rows as one matrix")
     if done.convs:
         say(f"{done.convs} short convolutions as shifted multiply-adds (no cuDNN graph per shape)")
     say(f"model loaded in {time.monotonic() - t0:.1f}s")

@@ -187,7 +187,7 @@ def experts_plan(mlp: nn.Module) -> ExpertsPlan | None:
 def _dequantized(linear: nn.Module) -> mx.array | None:
     """A quantized Linear's weight dequantized, in its bias's dtype (its scales' where it
     has none), evaluated; None for another module."""
-    if type(linear) is not nn.QuantizedLinear:
+    if not isinstance(linear, nn.QuantizedLinear):
         return None
     weight = mx.dequantize(linear["weight"], linear["scales"], linear.get("biases"),
                            group_size=linear.group_size, bits=linear.bits, mode=linear.mode)
@@ -220,11 +220,14 @@ def linear_and_bias(linear: nn.Module, x: mx.array) -> tuple[mx.array, mx.array 
     quantized Linear's (GPT-OSS's router, 8 bits as mlx-lm converts it, and its attention
     output), whose call adds its bias after the matmul as an op of its own. A plain Linear
     adds its bias inside the GEMM (addmm, one rounding), so it runs as it is."""
-    if type(linear) is nn.QuantizedLinear and "bias" in linear:
-        return mx.quantized_matmul(x, linear["weight"], scales=linear["scales"],
-                                   biases=linear.get("biases"), transpose=True,
-                                   group_size=linear.group_size, bits=linear.bits,
-                                   mode=linear.mode), linear["bias"]
+    if isinstance(linear, nn.QuantizedLinear) and "bias" in linear:
+        # As RowsQuantizedLinear calls MLX, where it stands: the rows as one matrix.
+        rows = x.reshape(-1, x.shape[-1]) if type(linear) is not nn.QuantizedLinear else x
+        out = mx.quantized_matmul(rows, linear["weight"], scales=linear["scales"],
+                                  biases=linear.get("biases"), transpose=True,
+                                  group_size=linear.group_size, bits=linear.bits,
+                                  mode=linear.mode)
+        return out.reshape(*x.shape[:-1], -1), linear["bias"]
     return linear(x), None
 
 

@@ -7,8 +7,9 @@ Each rewrite swaps modules or their classes in place and keeps the model's outpu
 quantized experts' outputs padded to whole tiles of MLX's grouped kernel
 (expert_padding, CUDA), the fast decode call of the common blocks (decode_block), offset
 RMSNorms' 1 + weight summed once (offset_norms), attention layers that place each
-row's queries at its own positions (row_positions) and short convolutions as shifted
-multiply-adds (depthwise_conv, CUDA)."""
+row's queries at its own positions (row_positions), short convolutions as shifted
+multiply-adds (depthwise_conv, CUDA) and quantized Linear layers that hand MLX their rows
+as one matrix (RowsQuantizedLinear, CUDA)."""
 
 from __future__ import annotations
 
@@ -25,6 +26,32 @@ from worker_proc.offset_norms import sum_offset_norms
 from worker_proc.row_positions import give_rows_their_positions
 
 
+class RowsQuantizedLinear(nn.QuantizedLinear):
+    """A quantized Linear whose input's leading axes are flattened into one of rows before
+    MLX's quantized matmul, and restored after. A decode step's input is [rows, 1, dims]
+    (mlx-lm's [batch, tokens, dims]); MLX's CUDA backend takes the last axis but one as
+    the GEMM's rows and the others as a batch, so it ran one single-row GEMM a row, each
+    reading the whole weight matrix again (a tile of 16 rows, 15 empty). As [rows, dims]
+    the weights are read once a step. Each output row is its input row's alone either way."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        if x.ndim <= 2:
+            return super().__call__(x)
+        lead = x.shape[:-1]
+        return super().__call__(x.reshape(-1, x.shape[-1])).reshape(*lead, -1)
+
+
+def flatten_quantized_rows(model: nn.Module) -> int:
+    """Swap RowsQuantizedLinear into every (exactly) QuantizedLinear of the model; returns
+    how many."""
+    count = 0
+    for _, m in model.named_modules():
+        if type(m) is nn.QuantizedLinear:
+            m.__class__ = RowsQuantizedLinear
+            count += 1
+    return count
+
+
 @dataclass(frozen=True)
 class Rewrites:
     """What rewrite_for_serving changed: counts of modules (0: none)."""
@@ -35,15 +62,18 @@ class Rewrites:
     summed_norms: int
     placed_layers: int
     convs: int
+    flat_quantized: int
 
 
 def rewrite_for_serving(model: nn.Module, *, on_cuda: bool, fuse: bool, fast_blocks: bool,
-                        pad_experts: bool, sum_norms: bool = True) -> Rewrites:
+                        pad_experts: bool, flat_rows: bool | None = None,
+                        sum_norms: bool = True) -> Rewrites:
     """Apply the rewrites in the order the worker needs them (fast blocks find their
     projections fused; experts are padded before the blocks learn their shapes).
     on_cuda: MLX runs on CUDA (the fast blocks' residual adds inside the o and down GEMMs,
     short convolutions rewritten); fuse: projections fused (fast_blocks implies it);
-    pad_experts: where MLX's grouped kernel reads whole tiles (CUDA)."""
+    pad_experts: where MLX's grouped kernel reads whole tiles (CUDA); flat_rows: quantized
+    Linear layers' rows flattened (RowsQuantizedLinear; None: on CUDA)."""
     fused = 0
     if fuse or fast_blocks:
         fused = fuse_projections(model)
@@ -58,4 +88,5 @@ def rewrite_for_serving(model: nn.Module, *, on_cuda: bool, fuse: bool, fast_blo
     norms = sum_offset_norms(model) if sum_norms else 0
     placed = give_rows_their_positions(model)
     convs = replace_depthwise_convs(model) if on_cuda else 0
-    return Rewrites(fused, padded, blocks, norms, placed, convs)
+    flat = flatten_quantized_rows(model) if (on_cuda if flat_rows is None else flat_rows) else 0
+    return Rewrites(fused, padded, blocks, norms, placed, convs, flat)
