@@ -1,5 +1,7 @@
 """MLX's quantized matmul alone at a decode step's shapes: µs a call and the weights'
-GB/s, beside the same matmul in the activations' dtype.
+GB/s, the same call on a [rows, 1, inputs] input (as mlx-lm hands a decode step's rows
+to a projection; RowsQuantizedLinear flattens it), and the matmul in the activations'
+dtype.
 
     python bench/quantized_matmul.py                      # GPT-OSS-20B's attention, MXFP4
     python bench/quantized_matmul.py --shapes 4096x2880,4096x2944 --rows 8,64
@@ -35,6 +37,7 @@ class Case:
 class Result:
     case: Case
     quantized_us: float
+    row_batch_us: float  # the same quantized matmul of a [rows, 1, inputs] input
     dense_us: float
     weight_bytes: int  # the quantized weights' (values, scales, biases) a call
 
@@ -69,13 +72,15 @@ def run_case(case: Case, args: argparse.Namespace) -> Result:
                  for w in dense]
     mx.eval(x, dense, quantized)
 
-    def qcall(parts: tuple) -> Callable[[], mx.array]:
+    def qcall(parts: tuple, rows: mx.array) -> Callable[[], mx.array]:
         w, scales, *biases = parts
-        return lambda: mx.quantized_matmul(x, w, scales, biases[0] if biases else None,
+        return lambda: mx.quantized_matmul(rows, w, scales, biases[0] if biases else None,
                                            transpose=True, group_size=args.group,
                                            bits=args.bits, mode=args.mode)
 
-    return Result(case, time_calls([qcall(p) for p in quantized], args.repeats),
+    batched = x[:, None]  # as mlx-lm hands a decode step's rows to a projection
+    return Result(case, time_calls([qcall(p, x) for p in quantized], args.repeats),
+                  time_calls([qcall(p, batched) for p in quantized], args.repeats),
                   time_calls([(lambda w=w: x @ w.T) for w in dense], args.repeats),
                   sum(a.nbytes for a in quantized[0]))
 
@@ -96,14 +101,15 @@ def main(argv: list[str] | None = None) -> list[Result]:
     print(f"device {mx.default_device()}, {args.mode} {args.bits}-bit groups of {args.group}, "
           f"{args.dtype} activations, {args.layers} weights in turn")
     print(f"{'inputs x outputs':>18} {'rows':>5} {'quantized us':>13} {'GB/s':>7} "
-          f"{args.dtype + ' us':>14}")
+          f"{'[rows, 1, in] us':>17} {args.dtype + ' us':>14}")
     results = []
     for k, n in args.shapes:
         for rows in (int(r) for r in args.rows.split(",")):
             r = run_case(Case(k, n, rows), args)
             results.append(r)
             print(f"{f'{k} x {n}':>18} {rows:>5} {r.quantized_us:>13.1f} "
-                  f"{r.weight_bytes / r.quantized_us / 1e3:>7.0f} {r.dense_us:>14.1f}")
+                  f"{r.weight_bytes / r.quantized_us / 1e3:>7.0f} {r.row_batch_us:>17.1f} "
+                  f"{r.dense_us:>14.1f}")
     return results
 
 

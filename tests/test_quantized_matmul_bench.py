@@ -15,7 +15,7 @@ def test_every_shape_and_row_count_is_timed(capsys):
     results = main([*SMALL, "--shapes", "64x128,128x96"])
     assert [(r.case.inputs, r.case.outputs, r.case.rows) for r in results] == [
         (64, 128, 1), (64, 128, 8), (128, 96, 1), (128, 96, 8)]
-    assert all(r.quantized_us > 0 and r.dense_us > 0 for r in results)
+    assert all(r.quantized_us > 0 and r.row_batch_us > 0 and r.dense_us > 0 for r in results)
     # MXFP4: half a byte a weight, one exponent byte a group of 32.
     assert results[0].weight_bytes == 64 * 128 // 2 + 64 * 128 // 32
     assert "128 x 96" in capsys.readouterr().out
