@@ -273,7 +273,7 @@ def reference_route(logits: mx.array, routing: Routing, bias: mx.array | None = 
                     sort: bool = False) -> Routed:
     """What route computes, in mlx-lm's ops and order (the router's bias add, then
     SwitchGLU's _gather_sort); sort: the pairs sorted at any count, as the kernel sorts
-    them (mlx-lm from SORT_PAIRS)."""
+    them (mlx-lm from SORT_PAIRS), the matmuls told so from SORT_PAIRS on either way."""
     weights, experts = routing.select(logits if bias is None else logits + bias)
     k = routing.top_k
     flat = mx.stop_gradient(experts).flatten()
@@ -282,7 +282,8 @@ def reference_route(logits: mx.array, routing: Routing, bias: mx.array | None = 
         order = mx.arange(flat.size, dtype=mx.uint32)
         return Routed(weights, flat, order // k, order, False, n, k, False)
     order = mx.argsort(flat)
-    return Routed(weights, flat[order], order // k, mx.argsort(order), True, n, k, True)
+    return Routed(weights, flat[order], order // k, mx.argsort(order), flat.size >= SORT_PAIRS,
+                  n, k, True)
 
 
 def reference_combine(down: mx.array, routed: Routed, bias: mx.array | None, out_dims: int,
