@@ -1,4 +1,4 @@
-"""worker_proc/model_rewrites.py: quantized Linear layers that hand MLX a decode step's
+"""worker_proc/quantized_rows.py: quantized Linear layers that hand MLX a decode step's
 rows as one matrix (RowsQuantizedLinear, on by default with MLX's CUDA backend) give
 every row what the layer gave it before, and a quantized model keeps mlx-lm's tokens."""
 
@@ -11,7 +11,7 @@ from mlx_lm.generate import generate_step
 
 from tests.families import build
 from worker_proc.fused_moe import linear_and_bias
-from worker_proc.model_rewrites import RowsQuantizedLinear, flatten_quantized_rows
+from worker_proc.quantized_rows import RowsQuantizedLinear, flatten_quantized_rows
 
 
 def _quantized(bias: bool, mode: str = "affine") -> nn.QuantizedLinear:

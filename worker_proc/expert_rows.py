@@ -215,7 +215,7 @@ def inputs(mode: str, gather: bool) -> list[str]:
 def _kernel(mode: str, gather: bool):
     return mx.fast.cuda_kernel(name=f"kiln_expert_rows_{mode}{'_gather' if gather else ''}",
                                input_names=inputs(mode, gather), output_names=["out"],
-                               source=source(mode, gather), header=_MMA_HEADER)
+                               source=source(mode, gather), header=header())
 
 
 def fits(module: nn.Module, dims: int, dtype: mx.Dtype) -> bool:

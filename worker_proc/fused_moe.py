@@ -43,6 +43,7 @@ from mlx_lm.models import gpt_oss, qwen3_moe
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
 from worker_proc.expert_padding import PaddedExperts
+from worker_proc.quantized_rows import quantized_matmul
 from worker_proc.fused_projections import ProjectionPart
 from worker_proc.kernel_constants import CONSTANT_ELEMENTS, float_bits
 from worker_proc.residual_norm import BLOCK_SUM_HEADER
@@ -221,13 +222,7 @@ def linear_and_bias(linear: nn.Module, x: mx.array) -> tuple[mx.array, mx.array 
     output), whose call adds its bias after the matmul as an op of its own. A plain Linear
     adds its bias inside the GEMM (addmm, one rounding), so it runs as it is."""
     if isinstance(linear, nn.QuantizedLinear) and "bias" in linear:
-        # As RowsQuantizedLinear calls MLX, where it stands: the rows as one matrix.
-        rows = x.reshape(-1, x.shape[-1]) if type(linear) is not nn.QuantizedLinear else x
-        out = mx.quantized_matmul(rows, linear["weight"], scales=linear["scales"],
-                                  biases=linear.get("biases"), transpose=True,
-                                  group_size=linear.group_size, bits=linear.bits,
-                                  mode=linear.mode)
-        return out.reshape(*x.shape[:-1], -1), linear["bias"]
+        return quantized_matmul(linear, x), linear["bias"]
     return linear(x), None
 
 

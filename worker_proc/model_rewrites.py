@@ -9,7 +9,7 @@ quantized experts' outputs padded to whole tiles of MLX's grouped kernel
 RMSNorms' 1 + weight summed once (offset_norms), attention layers that place each
 row's queries at its own positions (row_positions), short convolutions as shifted
 multiply-adds (depthwise_conv, CUDA) and quantized Linear layers that hand MLX their rows
-as one matrix (RowsQuantizedLinear, CUDA)."""
+as one matrix (quantized_rows, CUDA)."""
 
 from __future__ import annotations
 
@@ -23,33 +23,8 @@ from worker_proc.depthwise_conv import replace_depthwise_convs
 from worker_proc.expert_padding import pad_expert_outputs
 from worker_proc.fused_projections import fuse_projections
 from worker_proc.offset_norms import sum_offset_norms
+from worker_proc.quantized_rows import flatten_quantized_rows
 from worker_proc.row_positions import give_rows_their_positions
-
-
-class RowsQuantizedLinear(nn.QuantizedLinear):
-    """A quantized Linear whose input's leading axes are flattened into one of rows before
-    MLX's quantized matmul, and restored after. A decode step's input is [rows, 1, dims]
-    (mlx-lm's [batch, tokens, dims]); MLX's CUDA backend takes the last axis but one as
-    the GEMM's rows and the others as a batch, so it ran one single-row GEMM a row, each
-    reading the whole weight matrix again (a tile of 16 rows, 15 empty). As [rows, dims]
-    the weights are read once a step. Each output row is its input row's alone either way."""
-
-    def __call__(self, x: mx.array) -> mx.array:
-        if x.ndim <= 2:
-            return super().__call__(x)
-        lead = x.shape[:-1]
-        return super().__call__(x.reshape(-1, x.shape[-1])).reshape(*lead, -1)
-
-
-def flatten_quantized_rows(model: nn.Module) -> int:
-    """Swap RowsQuantizedLinear into every (exactly) QuantizedLinear of the model; returns
-    how many."""
-    count = 0
-    for _, m in model.named_modules():
-        if type(m) is nn.QuantizedLinear:
-            m.__class__ = RowsQuantizedLinear
-            count += 1
-    return count
 
 
 @dataclass(frozen=True)
