@@ -673,6 +673,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--family", default=None,
                    help="a bench/family_models.py shape (gemma3-12b, gpt-oss-20b, ...) "
                         "instead of the Llama-3-8B shape")
+    p.add_argument("--quantize", default=None,
+                   help="with --family: MODE[:BITS[:GROUP]] as bench/family_models.py takes it "
+                        "(without it a quantized model of the same family in --model-dir is "
+                        "rewritten unquantized)")
     p.add_argument("--output-tokens", type=int, default=None, help="default 256")
     p.add_argument("--warmup-tokens", type=int, default=8)
     p.add_argument("--request-timeout", type=float, default=180.0, help="seconds per request")
@@ -721,6 +725,8 @@ def apply_defaults(args: argparse.Namespace) -> argparse.Namespace:
         from bench.family_models import FAMILY_SHAPES
 
         args.shape = FAMILY_SHAPES[args.family]
+    elif args.quantize:
+        raise SystemExit("--quantize needs --family (bench/family_models.py quantizes)")
     if args.model_dir is None:
         args.model_dir = Path.home() / ".cache/kiln/bench" / f"{args.shape.name}-{args.dtype}"
     _LABELS["kiln_b"] = " ".join(["kiln B", args.kiln_b_args, args.kiln_b_env]
@@ -765,11 +771,16 @@ def main(argv: list[str] | None = None) -> int:
 
     deadline = time.monotonic() + args.total_seconds
     args.out.mkdir(parents=True, exist_ok=True)
-    print(f"device {mx.default_device()}, model {args.shape.name} {args.dtype}", flush=True)
+    print(f"device {mx.default_device()}, model {args.shape.name} {args.dtype}"
+          f"{' ' + args.quantize if args.quantize else ''}", flush=True)
     if args.family:
         from bench.family_models import make_family_model
 
-        model_dir = make_family_model(args.shape, args.dtype, args.model_dir, args.seed)
+        from bench.family_models import Quantization
+
+        quantize = Quantization.parse(args.quantize) if args.quantize else None
+        model_dir = make_family_model(args.shape, args.dtype, args.model_dir, args.seed,
+                                      quantize=quantize)
     else:
         model_dir = make_random_model(args.shape, args.dtype, args.model_dir, args.seed)
     if args.check:

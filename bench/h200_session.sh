@@ -216,8 +216,8 @@ echo "== serving, side by side"
 OUT=$OUT timeout --foreground $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --model-dir "$MODEL" \
     --total-seconds "$SWEEP_SECONDS" --servers "$SERVERS" \
     --concurrency "$CONCURRENCY" --num-requests "$NUM_REQUESTS" --kiln-args="$KILN_ARGS" \
-    ${FAMILY:+--family "$FAMILY"} --dtype "$DTYPE" --length-spread "$LENGTH_SPREAD" \
-    --kiln-b-args="$KILN_B_ARGS" --kiln-b-env="$KILN_B_ENV" --kiln-c-args="$KILN_C_ARGS" \
+    ${FAMILY:+--family "$FAMILY"} ${QUANTIZE:+--quantize "$QUANTIZE"} --dtype "$DTYPE" \
+    --length-spread "$LENGTH_SPREAD" --kiln-b-args="$KILN_B_ARGS" --kiln-b-env="$KILN_B_ENV" --kiln-c-args="$KILN_C_ARGS" \
     ${KILN_B_TREE:+--kiln-b-tree "$KILN_B_TREE"} --rounds "$ROUNDS" \
     --mlx-backlog "$MLX_BACKLOG" $( [ "$PRIME" = 1 ] && echo --prime ) 2>&1 | tail -40
 for log in "$OUT"/kiln*.log; do
@@ -235,7 +235,7 @@ fi
 if has longctx; then
 echo "== long context, side by side: $LONGCTX_STREAMS streams, $LONGCTX_WORDS-word prompts"
 OUT=$OUT/longctx timeout --foreground $((LONGCTX_SECONDS + 60)) bash bench/h200_run.sh --model-dir "$MODEL" \
-    ${FAMILY:+--family "$FAMILY"} --dtype "$DTYPE" --servers "$LONGCTX_SERVERS" \
+    ${FAMILY:+--family "$FAMILY"} ${QUANTIZE:+--quantize "$QUANTIZE"} --dtype "$DTYPE" --servers "$LONGCTX_SERVERS" \
     --no-check --kv-probe --concurrency "$LONGCTX_STREAMS" --num-requests "$LONGCTX_REQUESTS" \
     --input-words "$LONGCTX_WORDS" --length-spread 0 --output-tokens "$LONGCTX_OUTPUT" \
     --total-seconds "$LONGCTX_SECONDS" --sweep-seconds "$LONGCTX_SECONDS" --request-timeout 400 \
