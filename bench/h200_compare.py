@@ -45,6 +45,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from bench import serving  # noqa: E402
+from ipc.process import STACKS_SIGNAL  # noqa: E402
 from tests.server import free_port_pair, wait_until  # noqa: E402
 
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
@@ -278,11 +279,19 @@ def start_server(name: str, cmd: list[str], port: int, log: Path,
 
 
 def wait_ready(server: ServerRun, model: str, timeout: float) -> float:
-    """Poll until one short completion succeeds; returns the seconds it took."""
+    """Poll until one short completion succeeds; returns the seconds it took. A kiln server
+    still starting at the timeout is told to write its processes' stacks to its log first
+    (SIGUSR2), so the log says where its start-up waited."""
     body = {"model": model, "prompt": "the model", "max_tokens": 4, "temperature": 0.0}
-    return wait_until(
-        lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200,
-        server.proc, timeout, f"{server.name} (see {server.log})", interval=1.0)
+    try:
+        return wait_until(
+            lambda: httpx.post(server.url + "/v1/completions", json=body, timeout=60).status_code == 200,
+            server.proc, timeout, f"{server.name} (see {server.log})", interval=1.0)
+    except RuntimeError:
+        if server.name.startswith("kiln") and server.proc.poll() is None:
+            _signal_group(server.proc.pid, STACKS_SIGNAL)
+            time.sleep(2)  # for the dumps to reach the log
+        raise
 
 
 def stop_server(server: ServerRun, grace: float = 20.0) -> None:

@@ -50,6 +50,8 @@ SERVERS=${SERVERS:-kiln,mlx_lm}  # or kiln,kiln_b,mlx_lm (then raise SWEEP_SECON
 SWEEP_SECONDS=${SWEEP_SECONDS:-270}
 CONCURRENCY=${CONCURRENCY:-1,64,128}  # sweep: the streams of each level
 NUM_REQUESTS=${NUM_REQUESTS:-4,64,128}  # per concurrency level (2x: two waves)
+READY_TIMEOUT=${READY_TIMEOUT:-300}  # sweep and longctx: seconds a server may take to answer
+                                    # (kiln's processes' stacks go to its log at the limit)
 KILN_B_ARGS=${KILN_B_ARGS:-}  # server kiln_b (in SERVERS): kiln with these flags added
 KILN_B_ENV=${KILN_B_ENV:-}    # ... and this environment (K=V ...), for A/B runs
 KILN_B_TREE=${KILN_B_TREE:-}  # ... run from this directory's kiln (another commit's files:
@@ -217,7 +219,8 @@ OUT=$OUT timeout --foreground $((SWEEP_SECONDS + 20)) bash bench/h200_run.sh --m
     --total-seconds "$SWEEP_SECONDS" --servers "$SERVERS" \
     --concurrency "$CONCURRENCY" --num-requests "$NUM_REQUESTS" --kiln-args="$KILN_ARGS" \
     ${FAMILY:+--family "$FAMILY"} ${QUANTIZE:+--quantize "$QUANTIZE"} --dtype "$DTYPE" \
-    --length-spread "$LENGTH_SPREAD" --kiln-b-args="$KILN_B_ARGS" --kiln-b-env="$KILN_B_ENV" --kiln-c-args="$KILN_C_ARGS" \
+    --length-spread "$LENGTH_SPREAD" --ready-timeout "$READY_TIMEOUT" \
+    --kiln-b-args="$KILN_B_ARGS" --kiln-b-env="$KILN_B_ENV" --kiln-c-args="$KILN_C_ARGS" \
     ${KILN_B_TREE:+--kiln-b-tree "$KILN_B_TREE"} --rounds "$ROUNDS" \
     --mlx-backlog "$MLX_BACKLOG" $( [ "$PRIME" = 1 ] && echo --prime ) 2>&1 | tail -40
 for log in "$OUT"/kiln*.log; do
@@ -236,6 +239,7 @@ if has longctx; then
 echo "== long context, side by side: $LONGCTX_STREAMS streams, $LONGCTX_WORDS-word prompts"
 OUT=$OUT/longctx timeout --foreground $((LONGCTX_SECONDS + 60)) bash bench/h200_run.sh --model-dir "$MODEL" \
     ${FAMILY:+--family "$FAMILY"} ${QUANTIZE:+--quantize "$QUANTIZE"} --dtype "$DTYPE" --servers "$LONGCTX_SERVERS" \
+    --ready-timeout "$READY_TIMEOUT" \
     --no-check --kv-probe --concurrency "$LONGCTX_STREAMS" --num-requests "$LONGCTX_REQUESTS" \
     --input-words "$LONGCTX_WORDS" --length-spread 0 --output-tokens "$LONGCTX_OUTPUT" \
     --total-seconds "$LONGCTX_SECONDS" --sweep-seconds "$LONGCTX_SECONDS" --request-timeout 400 \

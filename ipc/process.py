@@ -4,6 +4,7 @@ and the report of a failure."""
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import gc
 import logging
 import os
@@ -34,6 +35,17 @@ _KILLED_WITH_PARENT = frozenset({"worker"})
 # KillMode), and a worker dying of it at once would cut the requests the front is still
 # letting finish. Children ignore both; only the launcher decides how the server stops.
 STOP_SIGNAL = signal.SIGUSR1
+
+# On this signal any kiln process writes every thread's Python stack to its log (stderr)
+# and goes on: where a slow start-up or a stuck step is, seen from outside (`kill -USR2`
+# to the launcher's process group). faulthandler writes from the signal handler itself,
+# so a main thread blocked in a device call still shows where it waits.
+STACKS_SIGNAL = signal.SIGUSR2
+
+
+def enable_stack_dumps() -> None:
+    """Install STACKS_SIGNAL's handler (every thread's stack to stderr)."""
+    faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=False)
 
 
 class ExitAtOnce(RuntimeError):
@@ -89,6 +101,7 @@ def setup_child(config: ServerConfig, role: str) -> "StartupReporter":
     except ImportError:  # optional nicety
         pass
     setup_logging(config.log_level, role)
+    enable_stack_dumps()
     # See STOP_SIGNAL: the launcher alone decides how the server stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
