@@ -6,16 +6,14 @@
 # Runs ../shared/gpu/prepare.sh (MLX's CUDA wheel in two halves, .dev/gpu_a and .dev/gpu_b)
 # with the wheels kiln serves with, adds llguidance (manylinux_2_31, which prepare.sh's
 # platform list skips) and the CUPTI wheels bench/device_timeline.py needs, then moves them
-# so that (with the ~7 MB tree):
-#   .dev/gpu_a  the wheel's first half and nvidia-cuda-cupti; first call:
+# so that (with the ~10 MB tree):
+#   .dev/gpu_a  the wheel's first half; first call:
 #               mkdir -p ~/stash && cp .dev/gpu_a/* ~/stash/
 #   .dev/gpu_b  the second half, every wheel kiln serves with and the tests parts' pytest
 #               and pytest-xdist; second call:
 #               bash .dev/gpu_b/install.sh && export PYTHONPATH=~/site:$PWD && ...
-#   .dev/gpu_c  the other CUPTI wheels (cuda-bindings alone is 8 MB): a third call, only for
-#               the timeline part:
-#               python3 -m pip install -q --no-index --no-deps --target ~/site_c \
-#                   ~/stash/nvidia_cuda_cupti-*.whl .dev/gpu_c/*.whl
+#   .dev/gpu_c  the CUPTI wheels (~20 MB): a third call, only for the timeline part:
+#               python3 -m pip install -q --no-index --no-deps --target ~/site_c .dev/gpu_c/*.whl
 #               (the timeline part then finds ~/site_c itself: h200_session.sh)
 # and prints each folder's size against the limit.
 set -euo pipefail
@@ -29,7 +27,6 @@ rm -rf .dev/gpu_c && mkdir -p .dev/gpu_c
 dl --platform manylinux_2_28_x86_64 --platform manylinux_2_25_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d .dev/gpu_c cupti-python==13.0.1 nvidia-cuda-cupti==13.0.85 cuda-bindings \
     cuda-pathfinder pyelftools
-mv .dev/gpu_c/nvidia_cuda_cupti-*.whl .dev/gpu_a/
 # What travels besides: tracked files and untracked ones git does not ignore.
 tree=$(git ls-files -z --cached --others --exclude-standard | xargs -0 stat -c %s \
            | awk '{n += $1} END {print n + 0}')
