@@ -246,6 +246,13 @@ OUT=$OUT/longctx timeout --foreground $((LONGCTX_SECONDS + 60)) bash bench/h200_
     --kiln-args="$KILN_ARGS" --mlx-backlog "$MLX_BACKLOG" 2>&1 | tail -8
 fi
 
+# MLX's JIT-compiled CUDA kernels (its quantized GEMMs among them: CuTe sources through
+# NVRTC, one module per tile size and format) land in its PTX cache, a file a module: their
+# names and times say which compiles a start-up paid, and when.
+ptx=${MLX_PTX_CACHE_DIR:-$(python3 -c 'import tempfile; print(tempfile.gettempdir())')/mlx}
+[ -d "$ptx" ] && find "$ptx" -name '*.ptx' -printf '%TT %s %p\n' 2>/dev/null | sort \
+    > "$OUT/ptx_cache.log"
+
 # At most 8 files come back from a device call: the two short reports travel as one,
 # the logs as one archive.
 cat "$OUT"/kernel_tests.txt "$OUT"/family_tests.txt "$OUT"/step_breakdown.txt "$OUT"/attention_kernel.txt "$OUT"/device_timeline.txt \
