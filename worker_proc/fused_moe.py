@@ -10,12 +10,14 @@ launches a layer besides the experts' matmuls, each ~14 us of host time on MLX's
 backend (docs/benchmarks.md, session 24). Here a layer launches: the router's matmul,
 `route` (a quantized router's bias added, the top k by each family's rule, their
 weights, and the token-expert pairs sorted by expert with each pair's place, in one
-block), a gather of the tokens, the fused gate/up matmul, its bias's gather (GPT-OSS),
-the activation, the down matmul and `combine` (each token's k outputs with their down
-bias, weighted and summed, plus the residual, and that sum through the next block's
-input norm, which that block then takes: decode_block.NormHandoff): 8 for GPT-OSS (a
-plain router adds its bias inside its GEMM), 7 for Qwen3-MoE, and the next block's norm
-a launch less.
+block), a gather of the tokens (below SORT_PAIRS none: the matmul reads each pair's
+token by index, nor the index MLX makes without one), the fused gate/up matmul, its
+bias's gather (GPT-OSS), the activation, the down matmul (and MLX's index of its rows)
+and `combine` (each token's k outputs with their down bias, weighted and summed, plus
+the residual, and that sum through the next block's input norm, which that block then
+takes: decode_block.NormHandoff): 8 for GPT-OSS (a plain router adds its bias inside
+its GEMM), 7 for Qwen3-MoE, a launch less each below SORT_PAIRS, and the next block's
+norm a launch less.
 
 The experts' matmuls are MLX's own (`gather_qmm` / `gather_mm`), called as mlx-lm's
 SwitchLinear calls them, pairs sorted by expert once there are SORT_PAIRS or more, as
@@ -206,14 +208,17 @@ def router_logits(plan: ExpertsPlan, x: mx.array, dense: bool) -> tuple[mx.array
     return linear_and_bias(plan.router, x)
 
 
-def project_experts(module: nn.Module, x: mx.array, experts: mx.array, sort: bool) -> mx.array:
-    """An experts' projection without its bias, as mlx-lm's SwitchLinear calls it."""
+def project_experts(module: nn.Module, x: mx.array, experts: mx.array, sort: bool,
+                    rows: mx.array | None = None) -> mx.array:
+    """An experts' projection without its bias, as mlx-lm's SwitchLinear calls it: of x's
+    rows in pair order, or (rows given, unsorted only) of x's rows named by `rows`."""
     if type(module) is QuantizedSwitchLinear:
         return mx.gather_qmm(x, module["weight"], module["scales"], module.get("biases"),
-                             rhs_indices=experts, transpose=True, group_size=module.group_size,
-                             bits=module.bits, mode=module.mode, sorted_indices=sort)
-    return mx.gather_mm(x, module["weight"].swapaxes(-1, -2), rhs_indices=experts,
-                        sorted_indices=sort)
+                             lhs_indices=rows, rhs_indices=experts, transpose=True,
+                             group_size=module.group_size, bits=module.bits, mode=module.mode,
+                             sorted_indices=sort)
+    return mx.gather_mm(x, module["weight"].swapaxes(-1, -2), lhs_indices=rows,
+                        rhs_indices=experts, sorted_indices=sort)
 
 
 def linear_and_bias(linear: nn.Module, x: mx.array) -> tuple[mx.array, mx.array | None]:
@@ -260,6 +265,13 @@ def _projection(backend: Any, module: nn.Module, x: mx.array, routed: Routed,
     out = backend.expert_rows(module, x, routed, gather)
     if out is not None:
         return out
+    if gather and not routed.sorted:
+        # Few pairs: the matmul reads each pair's token row by index, where a gather of the
+        # tokens and the pair-order index MLX makes without one would be two launches a
+        # layer (each ~8 us of host time on CUDA, where a one-row step is bound by its
+        # launches). Sorted pairs keep x gathered: MLX's grouped kernel for them needs
+        # the rows in pair order.
+        return project_experts(module, x[:, None], routed.experts, False, routed.rows)
     rows = x[routed.rows][:, None] if gather else x
     return project_experts(module, rows, routed.experts, routed.sorted)
 
