@@ -41,6 +41,9 @@ _KILL_GRACE = 2.0
 # Seconds the front gets, once told the engine is gone, to send the errors it answered
 # every request with and exit; those answers are already made, only bytes remain to go.
 _FRONT_FLUSH_S = 5.0
+# A start-up line after this many seconds without a child's report (and again each as
+# long): a first start may compile kernels for minutes, and silence reads as a hang.
+_STILL_STARTING_S = 60.0
 # How long a child that exited with an error may take to be heard saying why (it waited
 # for its ProcessFailed to be delivered before exiting, so this is only the read).
 _FAILURE_REPORT_S = 0.5
@@ -179,9 +182,15 @@ class Supervisor:
         why), a signal or the timeout."""
         pending = set(self.children)
         deadline = time.monotonic() + self.config.ready_timeout
+        heard = told = time.monotonic()  # the last report; the last line of ours since
         while pending:
             if self.stop_requested:
                 return False
+            if time.monotonic() - max(heard, told) >= _STILL_STARTING_S:
+                told = time.monotonic()
+                logger.info("still starting: waiting for %s, %.0f s since the last report "
+                            "(SIGUSR2 to a kiln process writes its threads' stacks to this log)",
+                            ", ".join(sorted(pending)), told - heard)
             dead = self.dead_child()
             if dead:
                 self.failure = self._startup_failure(dead, self.failure_report(dead, inbox))
@@ -191,6 +200,8 @@ class Supervisor:
                                 f"waiting for {', '.join(sorted(pending))}")
                 return False
             message = inbox.recv(timeout_ms=200)
+            if message is not None:
+                heard = time.monotonic()
             if isinstance(message, ProcessFailed):  # its process is exiting
                 self.failure = self._startup_failure(message.name, message)
                 return False

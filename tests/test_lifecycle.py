@@ -165,3 +165,35 @@ def test_a_model_it_cannot_serve_is_refused_in_the_launchers_last_line(tiny_mode
         f"launcher: cannot serve {model}: --fast-decode-blocks on: this model runs on "
         "mlx-lm's own caches, not kiln's pool (layers 0-1: LayerCache: not supported yet)"), log
     assert "Traceback" not in log and "did not stop" not in log, log
+
+
+# --- a start-up that goes quiet --------------------------------------------------------
+
+
+class _Quiet:
+    """A launcher inbox on which nothing arrives."""
+
+    def recv(self, timeout_ms: int | None = None) -> None:
+        time.sleep((timeout_ms or 0) / 1000)
+
+
+class _Running:
+    exitcode = None
+
+
+def test_a_quiet_start_up_is_told_about_then_times_out(monkeypatch, caplog):
+    """A child silent for _STILL_STARTING_S: the launcher logs that it is still waiting
+    (whom, and how to see where), again after as long, then gives up at --ready-timeout
+    with the waited-for child in its last line."""
+    import launch
+    from ipc.config import ServerConfig
+
+    monkeypatch.setattr(launch, "_STILL_STARTING_S", 0.3)
+    supervisor = launch.Supervisor(ServerConfig(ready_timeout=1.0))
+    supervisor.children = {"worker": _Running()}
+    with caplog.at_level("INFO", logger="launcher"):
+        assert not supervisor.wait_ready(_Quiet())
+    still = [r.getMessage() for r in caplog.records if "still starting" in r.getMessage()]
+    assert len(still) >= 2, still
+    assert "waiting for worker" in still[0] and "SIGUSR2" in still[0]
+    assert supervisor.failure == "start-up timed out after 1s waiting for worker"
