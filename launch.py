@@ -31,7 +31,8 @@ from ipc.config import PROJECT_NAME, ServerConfig, cli_fields, default_run_root
 from ipc.messages.to_launcher import (LauncherMessage, ProcessFailed, ProcessProgress,
                                       ProcessReady)
 from ipc.messages.to_tokenizer import EngineDead
-from ipc.process import STOP_SIGNAL, enable_stack_dumps, run_child, setup_logging
+from ipc.process import (STOP_SIGNAL, enable_stack_dumps, run_child, setup_logging,
+                         start_resource_tracker)
 from tokenizer_proc.remote_code import UntrustedModelError, check_remote_code
 
 logger = logging.getLogger("launcher")
@@ -106,6 +107,7 @@ def config_from_args(argv: list[str] | None = None) -> ServerConfig:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
     setup_logging(base.log_level, "launcher")
+    start_resource_tracker()  # first: it sets and restores the signal enable_stack_dumps takes
     enable_stack_dumps()
     logger.info("resolving model %s", base.model)
     model_path = resolve_model(base.model)

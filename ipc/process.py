@@ -48,6 +48,19 @@ def enable_stack_dumps() -> None:
     faulthandler.register(STACKS_SIGNAL, all_threads=True, chain=False)
 
 
+def start_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker (spawn's children otherwise start it) with
+    STACKS_SIGNAL ignored, which its exec keeps: it shares the server's process group but
+    installs no handler, so a group-wide stacks signal would kill it."""
+    from multiprocessing import resource_tracker
+
+    previous = signal.signal(STACKS_SIGNAL, signal.SIG_IGN)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        signal.signal(STACKS_SIGNAL, previous)
+
+
 class ExitAtOnce(RuntimeError):
     """A failure after which the process's native state must not be torn down: it exits
     with code 1 without running destructors (a lost CUDA context makes MLX's stream

@@ -225,29 +225,6 @@ def test_process_titles(server):
     assert titles == ["kiln:detokenizer", "kiln:scheduler", "kiln:tokenizer", "kiln:worker"]
 
 
-def test_sigusr2_logs_every_process_stack_and_changes_nothing(server):
-    """kill -USR2 to the launcher and each child: each writes its threads' stacks to the
-    log (a frame of its own package each: where a slow start or a stuck step waits),
-    and the server goes on serving."""
-    before = server.log_path.stat().st_size
-    for p in [psutil.Process(server.proc.pid), *(c for c in server.children()
-                                                 if " ".join(c.cmdline()).startswith("kiln:"))]:
-        p.send_signal(signal.SIGUSR2)
-    wanted = ["launch.py", "tokenizer_proc", "scheduler_proc", "worker_proc", "detokenizer_proc"]
-    deadline = time.monotonic() + 10
-    while True:
-        dumped = server.log_path.read_bytes()[before:].decode(errors="replace")
-        missing = [w for w in wanted if f"{os.sep}{w}" not in dumped]
-        if not missing or time.monotonic() > deadline:
-            break
-        time.sleep(0.1)
-    assert not missing, (missing, dumped[-3000:])
-    assert "most recent call first" in dumped
-    body = {"model": MODEL, "prompt": "still here", "max_tokens": 4, "temperature": 0}
-    assert httpx.post(server.url + "/v1/completions", json=body, timeout=30).status_code == 200
-    assert server.proc.poll() is None
-
-
 # -- lifecycle: each test owns a server ------------------------------------------------------
 
 def _gone(pids: list[int], timeout: float) -> bool:

@@ -167,6 +167,44 @@ def test_a_model_it_cannot_serve_is_refused_in_the_launchers_last_line(tiny_mode
     assert "Traceback" not in log and "did not stop" not in log, log
 
 
+# --- the stacks signal ------------------------------------------------------------------
+
+
+def test_sigusr2_to_the_group_logs_every_process_stack_and_changes_nothing(tiny_model_dir,
+                                                                          tmp_path):
+    """kill -USR2 to the server's process group: the launcher and each child write their
+    threads' stacks to the log (a frame of each one's package: where a slow start or a
+    stuck step waits), and nothing else happens: every process of the group (multiprocessing's
+    resource tracker too) lives on and the server answers."""
+    import os
+
+    import psutil
+
+    srv = Server(tiny_model_dir, log_path=tmp_path / "log", own_group=True).wait_ready()
+    try:
+        group = [psutil.Process(srv.proc.pid), *srv.children()]
+        assert any("resource_tracker" in " ".join(p.cmdline()) for p in group)
+        before = srv.log_path.stat().st_size
+        os.killpg(srv.proc.pid, signal.SIGUSR2)
+        wanted = ["launch.py", "tokenizer_proc", "scheduler_proc", "worker_proc",
+                  "detokenizer_proc"]
+        deadline = time.monotonic() + 10
+        while True:
+            dumped = srv.log_path.read_bytes()[before:].decode(errors="replace")
+            missing = [w for w in wanted if f"{os.sep}{w}" not in dumped]
+            if not missing or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        assert not missing, (missing, dumped[-3000:])
+        time.sleep(0.5)
+        assert all(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in group), [
+            (" ".join(p.cmdline())[:60], p.status()) for p in group]
+        body = {"model": "x", "prompt": "still here", "max_tokens": 4, "temperature": 0}
+        assert httpx.post(srv.url + "/v1/completions", json=body, timeout=30).status_code == 200
+    finally:
+        assert srv.stop() == 0, srv.log_tail()
+
+
 # --- a start-up that goes quiet --------------------------------------------------------
 
 
