@@ -783,9 +783,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"device {mx.default_device()}, model {args.shape.name} {args.dtype}"
           f"{' ' + args.quantize if args.quantize else ''}", flush=True)
     if args.family:
-        from bench.family_models import make_family_model
-
-        from bench.family_models import Quantization
+        from bench.family_models import Quantization, make_family_model
 
         quantize = Quantization.parse(args.quantize) if args.quantize else None
         model_dir = make_family_model(args.shape, args.dtype, args.model_dir, args.seed,

@@ -10,8 +10,8 @@ launches a layer besides the experts' matmuls, each ~14 us of host time on MLX's
 backend (docs/benchmarks.md, session 24). Here a layer launches: the router's matmul,
 `route` (a quantized router's bias added, the top k by each family's rule, their
 weights, and the token-expert pairs sorted by expert with each pair's place, in one
-block), a gather of the tokens (below SORT_PAIRS none: the matmul reads each pair's
-token by index, nor the index MLX makes without one), the fused gate/up matmul, its
+block), a gather of the tokens (below SORT_PAIRS the matmul reads each pair's token by
+index instead, and MLX then makes no index of its own), the fused gate/up matmul, its
 bias's gather (GPT-OSS), the activation, the down matmul (and MLX's index of its rows)
 and `combine` (each token's k outputs with their down bias, weighted and summed, plus
 the residual, and that sum through the next block's input norm, which that block then
