@@ -773,6 +773,18 @@ def prime(model_dir: Path, args: argparse.Namespace) -> None:
     print(f"primed the machine with a kiln server in {time.monotonic() - t0:.1f}s", flush=True)
 
 
+def bench_model(args: argparse.Namespace) -> Path:
+    """The model the servers load: made in args.model_dir, or the one already there if it
+    is the same (a family model's quantization included)."""
+    if args.family:
+        from bench.family_models import Quantization, make_family_model
+
+        quantize = Quantization.parse(args.quantize) if args.quantize else None
+        return make_family_model(args.shape, args.dtype, args.model_dir, args.seed,
+                                 quantize=quantize)
+    return make_random_model(args.shape, args.dtype, args.model_dir, args.seed)
+
+
 def main(argv: list[str] | None = None) -> int:
     signal.signal(signal.SIGTERM, exit_on_sigterm)
     args = parse_args(argv)
@@ -782,14 +794,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"device {mx.default_device()}, model {args.shape.name} {args.dtype}"
           f"{' ' + args.quantize if args.quantize else ''}", flush=True)
-    if args.family:
-        from bench.family_models import Quantization, make_family_model
-
-        quantize = Quantization.parse(args.quantize) if args.quantize else None
-        model_dir = make_family_model(args.shape, args.dtype, args.model_dir, args.seed,
-                                      quantize=quantize)
-    else:
-        model_dir = make_random_model(args.shape, args.dtype, args.model_dir, args.seed)
+    model_dir = bench_model(args)
     if args.check:
         print(f"mlx_lm check: {check_model(model_dir)}", flush=True)
     sweeps = {}

@@ -80,6 +80,26 @@ def test_a_quantized_family_model_is_what_mlx_lm_quantize_model_makes(shape: str
     check_model(model_dir)
 
 
+def test_the_sweep_serves_the_quantized_model_the_session_script_made(tmp_path: Path,
+                                                                        capsys) -> None:
+    """h200_session.sh makes a family model with --quantize, then h200_compare.py (given
+    the same QUANTIZE) reuses it as it is: the servers load the quantized model, not one
+    rewritten unquantized (sessions 39-45 served bf16 GPT-OSS as 'MXFP4' that way)."""
+    from bench import h200_compare
+    from bench.family_models import Quantization
+
+    model_dir = tmp_path / "gpt-oss-tiny"
+    make_family_model(FAMILY_SHAPES["gpt-oss-tiny"], "float32", model_dir,
+                      quantize=Quantization.parse("mxfp4"))
+    made = _weights(model_dir)
+    args = h200_compare.parse_args(["--family", "gpt-oss-tiny", "--quantize", "mxfp4",
+                                    "--dtype", "float32", "--model-dir", str(model_dir)])
+    assert h200_compare.bench_model(args) == model_dir
+    assert "reusing model" in capsys.readouterr().out
+    served = _weights(model_dir)
+    assert set(served) == set(made) and any(n.endswith(".scales") for n in served)
+
+
 def test_kiln_b_can_run_from_another_tree(tmp_path: Path, monkeypatch) -> None:
     """--kiln-b-tree starts kiln_b's launch.py in that directory (a before/after A/B in
     one sweep); every other server starts in this checkout, with kiln_b's labelled."""
