@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import time
 from dataclasses import dataclass
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from tests.server import Server
@@ -176,10 +178,6 @@ def test_sigusr2_to_the_group_logs_every_process_stack_and_changes_nothing(tiny_
     threads' stacks to the log (a frame of each one's package: where a slow start or a
     stuck step waits), and nothing else happens: every process of the group (multiprocessing's
     resource tracker too) lives on and the server answers."""
-    import os
-
-    import psutil
-
     srv = Server(tiny_model_dir, log_path=tmp_path / "log", own_group=True).wait_ready()
     try:
         group = [psutil.Process(srv.proc.pid), *srv.children()]
