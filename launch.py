@@ -107,8 +107,6 @@ def config_from_args(argv: list[str] | None = None) -> ServerConfig:
     except ValueError as exc:
         raise SystemExit(f"error: {exc}") from exc
     setup_logging(base.log_level, "launcher")
-    start_resource_tracker()  # first: it sets and restores the signal enable_stack_dumps takes
-    enable_stack_dumps()
     logger.info("resolving model %s", base.model)
     model_path = resolve_model(base.model)
     try:
@@ -167,6 +165,7 @@ class Supervisor:
         self.failure: str | None = None  # why start-up failed: the launcher's last line
 
     def start(self) -> None:
+        start_resource_tracker()  # before the children, which would start it unprotected
         for name, target in _child_targets().items():
             proc = self.ctx.Process(target=run_child, args=(name, target, self.config),
                                     name=name, daemon=False)
@@ -341,6 +340,7 @@ def _abandon_start(supervisor: Supervisor) -> int:
 def main(argv: list[str] | None = None) -> int:
     # Inherited by the children: transformers' "PyTorch was not found" advice is noise here.
     os.environ.setdefault("TRANSFORMERS_NO_ADVISORY_WARNINGS", "1")
+    enable_stack_dumps()  # here, not in config_from_args: tests call that in their process
     config = config_from_args(argv)
     return serve(config)
 

@@ -49,16 +49,17 @@ def enable_stack_dumps() -> None:
 
 
 def start_resource_tracker() -> None:
-    """Start multiprocessing's resource tracker (spawn's children otherwise start it) with
-    STACKS_SIGNAL ignored, which its exec keeps: it shares the server's process group but
-    installs no handler, so a group-wide stacks signal would kill it."""
+    """Start multiprocessing's resource tracker (spawn's first child otherwise starts it)
+    with STACKS_SIGNAL blocked, which its exec keeps and it never undoes: it shares the
+    server's process group but installs no handler, so a group-wide stacks signal would
+    kill it. (Blocked, not ignored: this works whatever handler the caller has.)"""
     from multiprocessing import resource_tracker
 
-    previous = signal.signal(STACKS_SIGNAL, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_BLOCK, {STACKS_SIGNAL})
     try:
         resource_tracker.ensure_running()
     finally:
-        signal.signal(STACKS_SIGNAL, previous)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {STACKS_SIGNAL})
 
 
 class ExitAtOnce(RuntimeError):
