@@ -249,7 +249,7 @@ fi
 # MLX's JIT-compiled CUDA kernels (its quantized GEMMs among them: CuTe sources through
 # NVRTC, one module per tile size and format) land in its PTX cache, a file a module: their
 # names and times say which compiles a start-up paid, and when.
-ptx=${MLX_PTX_CACHE_DIR:-$(python3 -c 'import tempfile; print(tempfile.gettempdir())')/mlx}
+ptx=${MLX_PTX_CACHE_DIR:-$("$PYTHON" -c 'import tempfile; print(tempfile.gettempdir())')/mlx}
 [ -d "$ptx" ] && find "$ptx" -name '*.ptx' -printf '%TT %s %p\n' 2>/dev/null | sort \
     > "$OUT/ptx_cache.log"
 

@@ -45,9 +45,9 @@ from mlx_lm.models import gpt_oss, qwen3_moe
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
 from worker_proc.expert_padding import PaddedExperts
-from worker_proc.quantized_rows import quantized_matmul
 from worker_proc.fused_projections import ProjectionPart
 from worker_proc.kernel_constants import CONSTANT_ELEMENTS, float_bits
+from worker_proc.quantized_rows import quantized_matmul
 from worker_proc.residual_norm import BLOCK_SUM_HEADER
 
 # mlx-lm's SwitchGLU sorts a forward's token-expert pairs by expert from this many on.
