@@ -13,6 +13,12 @@ CUDA backend picks its kernel by shape: a matrix-vector kernel below 8 rows, abo
 tiled tensor-core GEMM only where the outputs are a multiple of 128 and the inputs of
 64 (else a naive GEMM), so a shape and its outputs padded to the next multiple of 128
 (GPT-OSS's 2,880 and 2,944) tell whether padding pays.
+
+"first ms" is a case's first quantized call: on CUDA it includes compiling the kernel
+MLX picked, where no earlier case or run compiled it (MLX compiles its tiled quantized
+GEMMs at first use, one module per activation dtype, format and tile of rows, and keeps
+them in MLX_PTX_CACHE_DIR, else <tmp>/mlx/<version>/ptx): point MLX_PTX_CACHE_DIR at an
+empty directory to see what a fresh machine's first start pays.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ class Case:
 class Result:
     case: Case
     quantized_us: float
+    first_ms: float  # the first quantized call (MLX's kernel compile included, if any)
     row_batch_us: float  # the same quantized matmul of a [rows, 1, inputs] input
     dense_us: float
     weight_bytes: int  # the quantized weights' (values, scales, biases) a call
@@ -50,6 +57,12 @@ def parse_shapes(text: str) -> list[tuple[int, int]]:
             raise argparse.ArgumentTypeError(f"shape {part!r}: want INPUTSxOUTPUTS, e.g. 2880x5120")
         shapes.append((int(k), int(n)))
     return shapes
+
+
+def first_call_ms(call: Callable[[], mx.array]) -> float:
+    t0 = time.perf_counter()
+    mx.eval(call())
+    return (time.perf_counter() - t0) * 1e3
 
 
 def time_calls(calls: list[Callable[[], mx.array]], repeats: int) -> float:
@@ -79,7 +92,8 @@ def run_case(case: Case, args: argparse.Namespace) -> Result:
                                            bits=args.bits, mode=args.mode)
 
     batched = x[:, None]  # as mlx-lm hands a decode step's rows to a projection
-    return Result(case, time_calls([qcall(p, x) for p in quantized], args.repeats),
+    first = first_call_ms(qcall(quantized[0], x))
+    return Result(case, time_calls([qcall(p, x) for p in quantized], args.repeats), first,
                   time_calls([qcall(p, batched) for p in quantized], args.repeats),
                   time_calls([(lambda w=w: x @ w.T) for w in dense], args.repeats),
                   sum(a.nbytes for a in quantized[0]))
@@ -101,7 +115,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
     print(f"device {mx.default_device()}, {args.mode} {args.bits}-bit groups of {args.group}, "
           f"{args.dtype} activations, {args.layers} weights in turn")
     print(f"{'inputs x outputs':>18} {'rows':>5} {'quantized us':>13} {'GB/s':>7} "
-          f"{'[rows, 1, in] us':>17} {args.dtype + ' us':>14}")
+          f"{'[rows, 1, in] us':>17} {args.dtype + ' us':>14} {'first ms':>9}")
     results = []
     for k, n in args.shapes:
         for rows in (int(r) for r in args.rows.split(",")):
@@ -109,7 +123,7 @@ def main(argv: list[str] | None = None) -> list[Result]:
             results.append(r)
             print(f"{f'{k} x {n}':>18} {rows:>5} {r.quantized_us:>13.1f} "
                   f"{r.weight_bytes / r.quantized_us / 1e3:>7.0f} {r.row_batch_us:>17.1f} "
-                  f"{r.dense_us:>14.1f}")
+                  f"{r.dense_us:>14.1f} {r.first_ms:>9.1f}")
     return results
 
 

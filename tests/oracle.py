@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlx_lm import stream_generate
+from mlx_lm.generate import generate_step
 
 
 def mlx_lm_greedy(model: Any, tokenizer: Any, prompt_ids: list[int], max_tokens: int) -> list[int]:
@@ -15,6 +16,43 @@ def mlx_lm_greedy(model: Any, tokenizer: Any, prompt_ids: list[int], max_tokens:
         tokens.append(response.token)
         finish = response.finish_reason
     return tokens[:-1] if finish == "stop" else tokens
+
+
+def model_fingerprint(model: Any) -> str:
+    """What mlx-lm's output depends on, for telling models apart: every parameter's name,
+    shape, dtype and sum, and the classes of every module (a layer swapped for another of
+    the same parameters, as the served rewrites do, runs other code)."""
+    import hashlib
+
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    params = tree_flatten(model.parameters())
+    sums = mx.stack([mx.sum(v.astype(mx.float32)) for _, v in params]).tolist() if params else []
+    h = hashlib.sha256()
+    for (name, v), total in zip(params, sums):
+        h.update(f"{name}:{v.shape}:{v.dtype}:{total!r};".encode())
+    for _, module in model.named_modules():
+        h.update(f"{type(module).__module__}.{type(module).__qualname__};".encode())
+    return h.hexdigest()
+
+
+# (model fingerprint, prompt) -> the longest greedy run asked for so far: a shorter one is
+# its prefix (generate_step's steps do not depend on max_tokens).
+_RUNS: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+
+
+def mlx_lm_tokens(model: Any, prompt: list[int], n: int) -> list[int]:
+    """mlx_lm.generate's greedy tokens (its generate_step, no EOS: ids run to n), memoised
+    across tests: many build the same family model and ask about the same prompts."""
+    import mlx.core as mx
+
+    key = (model_fingerprint(model), tuple(prompt))
+    run = _RUNS.get(key)
+    if run is None or len(run) < n:
+        run = [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
+        _RUNS[key] = run
+    return run[:n]
 
 
 # A rounding difference can flip greedy's pick only where the two best logits are this

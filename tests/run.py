@@ -35,6 +35,10 @@ def main() -> None:
     given = sys.argv[1:]
     spread = [] if any(a.startswith(("-n", "--numprocesses")) for a in given) else [
         "-n", str(min(2, os.cpu_count() or 1))]
+    # Work stealing: a worker out of tests takes the other's pending ones, so a run of the
+    # slow (tens of seconds) tests near the end does not leave one core idle.
+    if spread and not any(a.startswith("--dist") for a in given):
+        spread += ["--dist", "worksteal"]
     args = [sys.executable, "-m", "pytest", *spread, *given]
     os.execve(sys.executable, args, env)
 

@@ -10,10 +10,10 @@ import re
 import mlx.core as mx
 import numpy as np
 import pytest
-from mlx_lm.generate import generate_step
 
 from tests.engine_driver import InProcessEngine
 from tests.families import _COMMON, FAMILIES, RECURRENT_FAMILIES, VOCAB, WINDOW, build
+from tests.oracle import mlx_lm_tokens
 from tests.test_scheduler import assert_idle_invariant
 from worker_proc.layer_kinds import Kind, UnsupportedModelError
 from worker_proc.kv_pool import StateLayerSpec, UnusedLayerSpec, attention_specs, flat_specs
@@ -55,11 +55,6 @@ FILLING = {"longcat_flash_ngram"}
 # AFM 7's query positions from the keys' count are mended at load, as build() does too:
 # test_rows_at_their_own_positions_share_forwards.)
 BY_LENGTH = {"gemma2", "llama4_text"}
-
-
-def mlx_lm_tokens(model, prompt: list[int], n: int) -> list[int]:
-    """mlx_lm.generate's greedy tokens (its generate_step, no EOS: ids run to n)."""
-    return [int(t) for t, _ in generate_step(mx.array(prompt), model, max_tokens=n)]
 
 
 def served_greedy(srv, prompts: list[list[int]], n: int) -> list[list[int]]:
