@@ -40,7 +40,24 @@ def build_runner(config: ServerConfig, reporter: StartupReporter | None = None):
 def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
                  ) -> tuple[ModelRunner, PrefillChunking]:
     """Load the model, size the pool and warm up: the runner, and how its prompts are cut
-    into chunks (--prefill-spread resolved), which the scheduler learns of."""
+    into chunks (--prefill-spread resolved), which the scheduler learns of. On CUDA,
+    MLX's kernels compiled meanwhile are kept in kiln's cache and reported as they come."""
+    from worker_proc.demo_model import default_cache_root
+    from worker_proc.kernel_cache import CompileWatch, keep_kernels
+    from worker_proc.paged_attention import kernel_available
+
+    say = reporter.progress if reporter else logger.info
+    if not kernel_available():
+        return _build_worker(config, say)
+    kernels = keep_kernels(default_cache_root())  # before MLX's first compile
+    with CompileWatch(kernels, logger.info) as watch:  # a log line: thread-safe
+        built = _build_worker(config, say)
+    say(watch.count.summary())
+    return built
+
+
+def _build_worker(config: ServerConfig, say: Callable[[str], None]
+                  ) -> tuple[ModelRunner, PrefillChunking]:
     import mlx.core as mx
     import mlx_lm
 
@@ -60,7 +77,6 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
     from worker_proc.runner import CPU_PREFILL_PADDING, PREFILL_PADDING, ModelRunner, split_model
     from worker_proc.warm_up import trace_decode_shapes, warm_up
 
-    say = reporter.progress if reporter else logger.info
     on_cuda = kernel_available()
     on_cpu = mx.default_device() == mx.cpu
     if config.compile_prefill and on_cpu:
