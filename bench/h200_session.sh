@@ -248,10 +248,12 @@ fi
 
 # MLX's JIT-compiled CUDA kernels (its quantized GEMMs among them: CuTe sources through
 # NVRTC, one module per tile size and format) land in its PTX cache, a file a module: their
-# names and times say which compiles a start-up paid, and when.
+# names and times say which compiles a start-up paid, and when. kiln's worker keeps its own
+# under kiln's cache (worker_proc/kernel_cache.py); mlx_lm.server uses MLX's default.
 ptx=${MLX_PTX_CACHE_DIR:-$("$PYTHON" -c 'import tempfile; print(tempfile.gettempdir())')/mlx}
-[ -d "$ptx" ] && find "$ptx" -name '*.ptx' -printf '%TT %s %p\n' 2>/dev/null | sort \
-    > "$OUT/ptx_cache.log"
+find "$ptx" "${KILN_CACHE_DIR:-$HOME/.cache/kiln}/mlx-kernels" -name '*.ptx' \
+    -printf '%TT %s %p\n' 2>/dev/null | sort > "$OUT/ptx_cache.log"
+[ -s "$OUT/ptx_cache.log" ] || rm -f "$OUT/ptx_cache.log"
 
 # At most 8 files come back from a device call: the two short reports travel as one,
 # the logs as one archive.

@@ -11,17 +11,24 @@ them again after every reboot.
 kiln points MLX_PTX_CACHE_DIR (unless the user set it) at a directory of its own cache,
 one per MLX version and GPU architecture (the modules are that GPU's machine code, and
 their file names carry neither), and reports the modules compiled while it starts.
+
+MLX trusts whatever file it finds there. One left cut short (a process killed while
+writing it, a full disk) would fail every later start that needs the module, and a
+kept cache keeps it, so the worker drops incomplete modules before MLX reads any: MLX
+compiles them again.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import struct
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import BinaryIO
 
 logger = logging.getLogger(__name__)
 
@@ -30,9 +37,10 @@ ENV = "MLX_PTX_CACHE_DIR"
 REPORT_EVERY_S = 30.0
 _POLL_S = 2.0
 _NAME_SHOWN = 80
+_SHT_NOBITS = 8  # an ELF section that takes no bytes in the file (.bss)
 
 
-def kernel_cache_dir(environ: dict[str, str] | os._Environ, cache_root: Path,
+def kernel_cache_dir(environ: Mapping[str, str], cache_root: Path,
                      mlx_version: str, architecture: str) -> tuple[Path, bool]:
     """Where MLX keeps its compiled CUDA kernels: the user's MLX_PTX_CACHE_DIR, else
     kiln's; and whether kiln chose it (then MLX_PTX_CACHE_DIR must be set to it)."""
@@ -44,7 +52,8 @@ def kernel_cache_dir(environ: dict[str, str] | os._Environ, cache_root: Path,
 
 def keep_kernels(cache_root: Path) -> Path:
     """Call on MLX's CUDA backend before its first kernel compile in this process: sets
-    MLX_PTX_CACHE_DIR to kiln's directory unless the user chose one; returns it."""
+    MLX_PTX_CACHE_DIR to kiln's directory unless the user chose one, and drops the
+    incomplete modules there; returns it."""
     import mlx.core as mx
 
     architecture = str(mx.device_info().get("architecture", ""))
@@ -52,7 +61,68 @@ def keep_kernels(cache_root: Path) -> Path:
     if chosen:
         path.mkdir(parents=True, exist_ok=True)
         os.environ[ENV] = str(path)  # MLX reads it at its first compile
+    dropped = drop_incomplete(path)
+    if dropped:
+        logger.warning("dropped %d incomplete compiled kernel modules from %s (MLX compiles "
+                       "them again): %s", len(dropped), path, ", ".join(dropped))
     return path
+
+
+def complete(module: Path) -> bool:
+    """Whether a module's files were written whole: the kernel list (written after the
+    code) ends its last line, and machine code in ELF form holds everything its header
+    and tables place in the file (a file cut short lacks its end). PTX text is only
+    checked to be there."""
+    try:
+        names = module.with_suffix(".txt").read_bytes()
+        with module.open("rb") as f:
+            head = f.read(64)
+            return (names.endswith(b"\n")
+                    and all(b"\t" in line for line in names.splitlines())
+                    and (_elf_whole(f, head) if head[:4] == b"\x7fELF" else len(head) > 0))
+    except (OSError, struct.error):
+        return False
+
+
+def _elf_whole(f: BinaryIO, head: bytes) -> bool:
+    """A 64-bit ELF's file holds its section and program tables, and every section's
+    and segment's bytes they point at."""
+    size = os.fstat(f.fileno()).st_size
+    if len(head) < 64 or head[4] != 2:
+        return False
+    order = "<" if head[5] == 1 else ">"
+    ph_off, sh_off = struct.unpack_from(order + "QQ", head, 0x20)
+    ph_size, ph_count, sh_size, sh_count = struct.unpack_from(order + "HHHH", head, 0x36)
+    ends = [ph_off + ph_size * ph_count, sh_off + sh_size * sh_count]
+    if max(ends) > size:
+        return False
+    f.seek(sh_off)
+    table = f.read(sh_size * sh_count)
+    for i in range(sh_count):  # sh_type, then sh_offset and sh_size at 0x18
+        kind, = struct.unpack_from(order + "I", table, i * sh_size + 4)
+        offset, length = struct.unpack_from(order + "QQ", table, i * sh_size + 0x18)
+        ends.append(0 if kind == _SHT_NOBITS else offset + length)
+    f.seek(ph_off)
+    table = f.read(ph_size * ph_count)
+    for i in range(ph_count):  # p_offset at 8, p_filesz at 0x20
+        offset, = struct.unpack_from(order + "Q", table, i * ph_size + 8)
+        length, = struct.unpack_from(order + "Q", table, i * ph_size + 0x20)
+        ends.append(offset + length)
+    return max(ends) <= size
+
+
+def drop_incomplete(directory: Path) -> list[str]:
+    """Removes every module in MLX's cache directory whose files are not whole; their
+    names."""
+    dropped = []
+    for module in directory.rglob("*.ptx"):
+        if complete(module):
+            continue
+        for path in (module, module.with_suffix(".txt"), module.with_suffix(".cu")):
+            path.unlink(missing_ok=True)
+        dropped.append(module.relative_to(directory).as_posix().replace("/", "")
+                       .removesuffix(".ptx"))
+    return dropped
 
 
 def compiled_modules(directory: Path) -> dict[str, float]:
