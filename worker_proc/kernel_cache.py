@@ -168,7 +168,8 @@ class CompileCount:
     def summary(self) -> str:
         self.poll()
         if not self.new:
-            return f"MLX's CUDA kernels: every one this start used was compiled before ({self.directory})"
+            return (f"MLX compiled no CUDA kernel module during start-up (its cache: "
+                    f"{self.directory})")
         return (f"MLX compiled {len(self.new)} CUDA kernel modules during start-up (first use "
                 f"on this machine), kept in {self.directory}: later starts skip them")
 
