@@ -72,7 +72,8 @@ def test_compiles_since_the_start_are_counted_and_named(tmp_path):
     _module(tmp_path, "gather_bfloat16_int32_1")  # from an earlier start
     count = CompileCount.start(tmp_path)
     assert count.poll() is None
-    assert count.summary() == f"MLX compiled no CUDA kernel module during start-up (its cache: {tmp_path})"
+    assert count.summary() == ("MLX compiled no CUDA kernel module during start-up "
+                               f"(its cache: {tmp_path})")
     _module(tmp_path, "qmm_sm80_tn_bfloat16_m16_b4_g32_mxfp4")
     line = count.poll()
     assert line.startswith("MLX compiled 1 CUDA kernel modules so far")
