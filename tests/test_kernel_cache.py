@@ -68,6 +68,14 @@ def test_keep_kernels_sets_the_variable_mlx_reads_unless_the_user_did(tmp_path, 
     assert os.environ[ENV] == str(tmp_path / "mine") and not (tmp_path / "other").exists()
 
 
+def test_a_directory_that_cannot_be_made_leaves_mlx_its_own(tmp_path, monkeypatch, caplog):
+    monkeypatch.delenv(ENV, raising=False)
+    (tmp_path / "file").write_text("not a folder")
+    assert keep_kernels(tmp_path / "file") is None
+    assert ENV not in os.environ
+    assert "cannot keep MLX's compiled CUDA kernels" in caplog.text
+
+
 def test_compiles_since_the_start_are_counted_and_named(tmp_path):
     _module(tmp_path, "gather_bfloat16_int32_1")  # from an earlier start
     count = CompileCount.start(tmp_path)

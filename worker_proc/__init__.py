@@ -50,6 +50,8 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
     if not kernel_available():
         return _build_worker(config, say)
     kernels = keep_kernels(default_cache_root())  # before MLX's first compile
+    if kernels is None:
+        return _build_worker(config, say)
     with CompileWatch(kernels, logger.info) as watch:  # a log line: thread-safe
         built = _build_worker(config, say)
     say(watch.count.summary())

@@ -50,16 +50,23 @@ def kernel_cache_dir(environ: Mapping[str, str], cache_root: Path,
     return cache_root / "mlx-kernels" / f"{mlx_version}-{architecture or 'unknown'}", True
 
 
-def keep_kernels(cache_root: Path) -> Path:
+def keep_kernels(cache_root: Path) -> Path | None:
     """Call on MLX's CUDA backend before its first kernel compile in this process: sets
     MLX_PTX_CACHE_DIR to kiln's directory unless the user chose one, and drops the
-    incomplete modules there; returns it."""
+    incomplete modules there; returns it (None: kiln's cannot be made, MLX's default
+    stays)."""
     import mlx.core as mx
 
     architecture = str(mx.device_info().get("architecture", ""))
     path, chosen = kernel_cache_dir(os.environ, cache_root, mx.__version__, architecture)
     if chosen:
-        path.mkdir(parents=True, exist_ok=True)
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:  # a read-only home, say: slower starts, not a failed one
+            logger.warning("cannot keep MLX's compiled CUDA kernels in %s (%s): MLX's own "
+                           "cache directory it is (set %s or KILN_CACHE_DIR to choose one)",
+                           path, exc, ENV)
+            return None
         os.environ[ENV] = str(path)  # MLX reads it at its first compile
     dropped = drop_incomplete(path)
     if dropped:
@@ -128,12 +135,16 @@ def drop_incomplete(directory: Path) -> list[str]:
 def compiled_modules(directory: Path) -> dict[str, float]:
     """Each compiled module in MLX's cache directory and when it was written (a name
     too long for one file is cut into folders: the path read whole is the name)."""
-    found = {}
-    for path in directory.rglob("*.ptx"):
-        try:
-            found[path.relative_to(directory).as_posix().replace("/", "")] = path.stat().st_mtime
-        except (OSError, ValueError):  # written or removed meanwhile
-            continue
+    found: dict[str, float] = {}
+    try:
+        for path in directory.rglob("*.ptx"):
+            try:
+                found[path.relative_to(directory).as_posix().replace("/", "")] = (
+                    path.stat().st_mtime)
+            except (OSError, ValueError):  # written or removed meanwhile
+                continue
+    except OSError:  # a folder removed while walked: what was seen
+        pass
     return found
 
 
@@ -200,10 +211,10 @@ class CompileWatch:
         while not self._stop.wait(self._poll_s):
             if time.monotonic() - last < self._every_s:
                 continue
-            line = self.count.poll()
-            if line:
-                last = time.monotonic()
-                try:
+            try:
+                line = self.count.poll()
+                if line:
+                    last = time.monotonic()
                     self._report(line)
-                except Exception:  # a report lost is no reason to stop the start-up
-                    logger.exception("reporting kernel compiles failed")
+            except Exception:  # a report lost is no reason to stop the start-up or the watch
+                logger.exception("reporting kernel compiles failed")
