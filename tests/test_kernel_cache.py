@@ -169,3 +169,15 @@ def test_a_real_cubin_is_whole_and_any_cut_of_it_is_not(tmp_path):
     for cut in (1, 8, 64, len(code) // 2, len(code) - 64):
         module.write_bytes(code[:-cut])
         assert not complete(module), cut
+
+
+def test_an_incomplete_module_that_cannot_be_removed_is_named_not_fatal(tmp_path, monkeypatch,
+                                                                        caplog):
+    cut = _module(tmp_path, "qmm_naive_tn_aligned_bfloat16_m16_b4_g32_mxfp4", _cubin()[:-1])
+
+    def refuse(self, missing_ok=False):  # as on a cache another user owns
+        raise PermissionError(13, "Permission denied", str(self))
+
+    monkeypatch.setattr(Path, "unlink", refuse)
+    assert drop_incomplete(tmp_path) == []
+    assert cut.exists() and "cannot remove the incomplete kernel module" in caplog.text

@@ -122,13 +122,20 @@ def drop_incomplete(directory: Path) -> list[str]:
     """Removes every module in MLX's cache directory whose files are not whole; their
     names."""
     dropped = []
-    for module in directory.rglob("*.ptx"):
-        if complete(module):
-            continue
-        for path in (module, module.with_suffix(".txt"), module.with_suffix(".cu")):
-            path.unlink(missing_ok=True)
-        dropped.append(module.relative_to(directory).as_posix().replace("/", "")
-                       .removesuffix(".ptx"))
+    try:
+        for module in list(directory.rglob("*.ptx")):
+            if complete(module):
+                continue
+            try:
+                for path in (module, module.with_suffix(".txt"), module.with_suffix(".cu")):
+                    path.unlink(missing_ok=True)
+            except OSError as exc:  # not ours to remove: MLX may fail on it, say so
+                logger.warning("cannot remove the incomplete kernel module %s: %s", module, exc)
+                continue
+            dropped.append(module.relative_to(directory).as_posix().replace("/", "")
+                           .removesuffix(".ptx"))
+    except OSError as exc:  # a folder that cannot be read: MLX will say what it cannot use
+        logger.warning("cannot check the compiled kernels in %s: %s", directory, exc)
     return dropped
 
 
