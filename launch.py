@@ -154,6 +154,22 @@ def describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
+def kernel_compiles_since(started: float) -> str:
+    """What a timed-out start-up's last line adds when MLX compiled CUDA kernels meanwhile
+    (into the directory the worker keeps them in: worker_proc.kernel_cache), else ""."""
+    from worker_proc.demo_model import default_cache_root
+    from worker_proc.kernel_cache import ENV, compiled_modules
+
+    given = os.environ.get(ENV)
+    root = Path(given) if given else default_cache_root() / "mlx-kernels"
+    made = sum(t >= started for t in compiled_modules(root).values()) if root.is_dir() else 0
+    if not made:
+        return ""
+    return (f" (MLX compiled {made} CUDA kernel modules meanwhile, a first start's cost: they "
+            "are kept, so the next start resumes from them; --ready-timeout gives a first "
+            "start longer)")
+
+
 class Supervisor:
     """Owns the child processes from start to teardown."""
 
@@ -182,6 +198,7 @@ class Supervisor:
         """True once every child reported ready; False on a failure (then `failure` says
         why), a signal or the timeout."""
         pending = set(self.children)
+        started = time.time()
         deadline = time.monotonic() + self.config.ready_timeout
         heard = told = time.monotonic()  # the last report; the last line of ours since
         while pending:
@@ -198,7 +215,8 @@ class Supervisor:
                 return False
             if time.monotonic() > deadline:
                 self.failure = (f"start-up timed out after {self.config.ready_timeout:.0f}s "
-                                f"waiting for {', '.join(sorted(pending))}")
+                                f"waiting for {', '.join(sorted(pending))}"
+                                + kernel_compiles_since(started))
                 return False
             message = inbox.recv(timeout_ms=200)
             if message is not None:

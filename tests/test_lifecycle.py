@@ -217,13 +217,15 @@ class _Running:
     exitcode = None
 
 
-def test_a_quiet_start_up_is_told_about_then_times_out(monkeypatch, caplog):
+def test_a_quiet_start_up_is_told_about_then_times_out(monkeypatch, caplog, tmp_path):
     """A child silent for _STILL_STARTING_S: the launcher logs that it is still waiting
     (whom, and how to see where), again after as long, then gives up at --ready-timeout
     with the waited-for child in its last line."""
     import launch
     from ipc.config import ServerConfig
 
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))  # no kernel compiles to tell of
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
     monkeypatch.setattr(launch, "_STILL_STARTING_S", 0.3)
     supervisor = launch.Supervisor(ServerConfig(ready_timeout=1.0))
     supervisor.children = {"worker": _Running()}
@@ -233,3 +235,33 @@ def test_a_quiet_start_up_is_told_about_then_times_out(monkeypatch, caplog):
     assert len(still) >= 2, still
     assert "waiting for worker" in still[0] and "SIGUSR2" in still[0]
     assert supervisor.failure == "start-up timed out after 1s waiting for worker"
+
+
+def test_a_start_up_timed_out_in_kernel_compiles_says_so(monkeypatch, tmp_path):
+    """The last line of a start-up that timed out while MLX compiled CUDA kernels into
+    kiln's cache says how many, and that the next start resumes from them."""
+    import launch
+    from ipc.config import ServerConfig
+
+    monkeypatch.setenv("KILN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("MLX_PTX_CACHE_DIR", raising=False)
+    cache = tmp_path / "mlx-kernels" / "0.32.4-sm_90"
+    cache.mkdir(parents=True)
+    (cache / "gather_bool_uint32_1.ptx").write_bytes(b"old")
+    old = time.time() - 3600
+    os.utime(cache / "gather_bool_uint32_1.ptx", (old, old))  # an earlier start's
+
+    class Compiling(_Quiet):
+        def recv(self, timeout_ms=None):
+            for tile in (16, 32):  # the worker's MLX compiling, as seen on disk
+                (cache / f"qmm_sm80_tn_bfloat16_m{tile}_b4_g32_mxfp4.ptx").write_bytes(b"new")
+            return super().recv(timeout_ms)
+
+    supervisor = launch.Supervisor(ServerConfig(ready_timeout=1.0))
+    supervisor.children = {"worker": _Running()}
+    assert not supervisor.wait_ready(Compiling())
+    assert supervisor.failure.startswith("start-up timed out after 1s waiting for worker (MLX "
+                                         "compiled 2 CUDA kernel modules meanwhile")
+    assert "the next start resumes from them" in supervisor.failure
+    monkeypatch.setenv("MLX_PTX_CACHE_DIR", str(tmp_path / "elsewhere"))  # the user's: none
+    assert launch.kernel_compiles_since(0.0) == ""
