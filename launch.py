@@ -158,11 +158,9 @@ def kernel_compiles_since(started: float) -> str:
     """What a timed-out start-up's last line adds when MLX compiled CUDA kernels meanwhile
     (into the directory the worker keeps them in: worker_proc.kernel_cache), else ""."""
     from worker_proc.demo_model import default_cache_root
-    from worker_proc.kernel_cache import ENV, compiled_modules
+    from worker_proc.kernel_cache import compiled_since
 
-    given = os.environ.get(ENV)
-    root = Path(given) if given else default_cache_root() / "mlx-kernels"
-    made = sum(t >= started for t in compiled_modules(root).values()) if root.is_dir() else 0
+    made = compiled_since(os.environ, default_cache_root(), started)
     if not made:
         return ""
     return (f" (MLX compiled {made} CUDA kernel modules meanwhile, a first start's cost: they "

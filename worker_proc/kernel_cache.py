@@ -40,14 +40,26 @@ _NAME_SHOWN = 80
 _SHT_NOBITS = 8  # an ELF section that takes no bytes in the file (.bss)
 
 
+def kernels_root(environ: Mapping[str, str], cache_root: Path) -> tuple[Path, bool]:
+    """The user's MLX_PTX_CACHE_DIR, else the folder of kiln's per-version directories;
+    and whether it is kiln's."""
+    given = environ.get(ENV)
+    return (Path(given), False) if given else (cache_root / "mlx-kernels", True)
+
+
 def kernel_cache_dir(environ: Mapping[str, str], cache_root: Path,
                      mlx_version: str, architecture: str) -> tuple[Path, bool]:
     """Where MLX keeps its compiled CUDA kernels: the user's MLX_PTX_CACHE_DIR, else
     kiln's; and whether kiln chose it (then MLX_PTX_CACHE_DIR must be set to it)."""
-    given = environ.get(ENV)
-    if given:
-        return Path(given), False
-    return cache_root / "mlx-kernels" / f"{mlx_version}-{architecture or 'unknown'}", True
+    root, chosen = kernels_root(environ, cache_root)
+    return (root / f"{mlx_version}-{architecture or 'unknown'}" if chosen else root), chosen
+
+
+def compiled_since(environ: Mapping[str, str], cache_root: Path, started: float) -> int:
+    """Modules compiled into the kernel cache since `started` (a time.time()), by any
+    MLX version's worker: for a launcher that knows neither version nor GPU."""
+    root, _ = kernels_root(environ, cache_root)
+    return sum(t >= started for t in compiled_modules(root).values())
 
 
 def keep_kernels(cache_root: Path) -> Path | None:
@@ -132,22 +144,26 @@ def drop_incomplete(directory: Path) -> list[str]:
             except OSError as exc:  # not ours to remove: MLX may fail on it, say so
                 logger.warning("cannot remove the incomplete kernel module %s: %s", module, exc)
                 continue
-            dropped.append(module.relative_to(directory).as_posix().replace("/", "")
-                           .removesuffix(".ptx"))
+            dropped.append(_module_name(directory, module).removesuffix(".ptx"))
     except OSError as exc:  # a folder that cannot be read: MLX will say what it cannot use
         logger.warning("cannot check the compiled kernels in %s: %s", directory, exc)
     return dropped
 
 
+def _module_name(directory: Path, path: Path) -> str:
+    """A module file's name as MLX gave it (a name too long for one file is cut into
+    folders: the path read whole is the name)."""
+    return path.relative_to(directory).as_posix().replace("/", "")
+
+
 def compiled_modules(directory: Path) -> dict[str, float]:
-    """Each compiled module in MLX's cache directory and when it was written (a name
-    too long for one file is cut into folders: the path read whole is the name)."""
+    """Each compiled module in MLX's cache directory (none if there is no such
+    directory) and when it was written."""
     found: dict[str, float] = {}
     try:
         for path in directory.rglob("*.ptx"):
             try:
-                found[path.relative_to(directory).as_posix().replace("/", "")] = (
-                    path.stat().st_mtime)
+                found[_module_name(directory, path)] = path.stat().st_mtime
             except (OSError, ValueError):  # written or removed meanwhile
                 continue
     except OSError:  # a folder removed while walked: what was seen
