@@ -137,8 +137,9 @@ def test_every_schedule_gives_mlx_lm_tokens(tiny_model, oracle, schedules):
 # beside attention; deepseek_v32: MLA with its indexer's top-k, own score math) through
 # fewer schedules each (bench/schedule_soak.py runs every family, longer): windows of 16
 # positions, far shorter than the prompts, so chunks, hits and resumptions cross window
-# edges.
-FAMILY_SCHEDULES = 5
+# edges. These seeds' schedules hit the prefix cache in every family and preempt in every
+# family (in qwen3_next's only seed 106's: its pool fits 103's requests).
+FAMILY_SEEDS = (102, 103, 106)
 
 
 @pytest.mark.parametrize("family", ["gemma3_text", "gpt_oss", "llama4_text", "qwen3_next",
@@ -149,9 +150,7 @@ def test_windowed_and_hybrid_families_under_random_schedules(family):
 
     model = build(family)
     failures, preempted, hits = [], 0, 0
-    # Seeds whose draws preempt in every family's schedules (with a copy of a prefix
-    # recomputed beside the cached one no longer kept, seed 103 fits qwen3_next's pool).
-    for seed in range(102, 102 + FAMILY_SCHEDULES):
+    for seed in FAMILY_SEEDS:
         schedule = draw_schedule(seed, VOCAB)
         engine, outputs = run_schedule(model, schedule)
         preempted += engine.scheduler.counters.preemptions > 0
@@ -161,7 +160,7 @@ def test_windowed_and_hybrid_families_under_random_schedules(family):
                 failures.append(f"{family} {schedule.describe()}: r{i} (prompt {len(prompt)})")
         assert_idle_invariant(engine.scheduler)
     assert not failures, "\n".join(failures)
-    assert preempted >= 1 and hits >= FAMILY_SCHEDULES // 2, (preempted, hits)
+    assert preempted >= 1 and hits == len(FAMILY_SEEDS), (preempted, hits)
 
 
 def _chunk(rid: str, slots: range) -> PrefillChunk:
