@@ -7,7 +7,9 @@ wrapper re-executing pytest.
 
 The tests spread over up to two processes (pytest-xdist), unless the arguments choose
 (`-n 0` runs them in this one): half the suite's time is servers starting and waiting on
-their children, which overlaps well with another process's model tests.
+their children, which overlaps well with another process's model tests. Spread so, each
+process (and every server a test starts) gets one BLAS thread unless MKL_NUM_THREADS or
+OMP_NUM_THREADS says otherwise.
 """
 
 from __future__ import annotations
@@ -39,6 +41,12 @@ def main() -> None:
     # slow (tens of seconds) tests near the end does not leave one core idle.
     if spread and not any(a.startswith("--dist") for a in given):
         spread += ["--dist", "worksteal"]
+    # One BLAS thread a process when the workers take a core each: the tiny test models'
+    # matmuls gain nothing from more, while MKL's extra threads spin against the other
+    # worker's (the suite ~20% faster on 2 cores: docs/benchmarks.md, session 47).
+    if spread:
+        for name in ("MKL_NUM_THREADS", "OMP_NUM_THREADS"):
+            env.setdefault(name, "1")
     args = [sys.executable, "-m", "pytest", *spread, *given]
     os.execve(sys.executable, args, env)
 
