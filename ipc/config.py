@@ -214,6 +214,12 @@ class ServerConfig:
         "near-ties). Needs fused projections. auto: on where projections are fused and decode "
         "attention runs the CUDA kernel (llama, 64 streams: ~6%% more tokens/s on the H200), "
         "for the models that have such blocks.")
+    parallel_kernel_compiles: str = _auto_on_off(
+        "Before the warm-up, compile MLX's quantized GEMM kernels for each of the model's "
+        "quantized layer shapes in processes of their own, one a CPU core (at most 16), "
+        "instead of one after another as the warm-up meets them (25-72 s each on CUDA, once "
+        "a machine: they are kept in the kernel cache). auto: on with MLX's CUDA backend for "
+        "quantized models whose kernels this cache has not compiled yet.")
     experiments: str = dataclasses.field(
         default="", metadata={"help": "Comma-separated experimental CUDA decode paths to turn "
                                       "on, for A/B runs (may change or go): rope-in-kernel (the "

@@ -44,22 +44,30 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
     MLX's kernels compiled meanwhile are kept in kiln's cache and reported as they come."""
     from worker_proc.demo_model import default_cache_root
     from worker_proc.kernel_cache import CompileWatch, keep_kernels
+    from worker_proc.layer_kinds import UnsupportedModelError
     from worker_proc.paged_attention import kernel_available
 
     say = reporter.progress if reporter else logger.info
     if not kernel_available():
+        if config.parallel_kernel_compiles == "on":
+            raise UnsupportedModelError("--parallel-kernel-compiles on: only MLX's CUDA backend "
+                                        "compiles its quantized kernels at first use")
         return _build_worker(config, say)
     kernels = keep_kernels(default_cache_root())  # before MLX's first compile
     if kernels is None:
+        if config.parallel_kernel_compiles == "on":
+            say("--parallel-kernel-compiles on: skipped, kiln's kernel cache could not be "
+                "made (the warm-up compiles the kernels one after another)")
         return _build_worker(config, say)
     with CompileWatch(kernels, logger.info) as watch:  # a log line: thread-safe
-        built = _build_worker(config, say)
+        built = _build_worker(config, say, kernels)
     say(watch.count.summary())
     return built
 
 
-def _build_worker(config: ServerConfig, say: Callable[[str], None]
+def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Path | None = None
                   ) -> tuple[ModelRunner, PrefillChunking]:
+    """build_worker's work; kernels: the CUDA kernel cache kiln keeps (None: none)."""
     import mlx.core as mx
     import mlx_lm
 
@@ -69,6 +77,7 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None]
     from worker_proc.decode_block import FastDecodeBlock
     from worker_proc.expert_padding import TILE as EXPERT_TILE
     from worker_proc.gated_delta_cuda import install_gated_delta_kernel, uses_gated_delta
+    from worker_proc.kernel_precompile import compile_quantized_kernels
     from worker_proc.kv_pool import KVPool
     from worker_proc.layer_kinds import UnsupportedModelError, describe_layers
     from worker_proc.memory import (bound_cuda_cache, pool_spaces, probe_attention_specs,
@@ -138,6 +147,8 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None]
     if done.convs:
         say(f"{done.convs} short convolutions as shifted multiply-adds (no cuDNN graph per shape)")
     say(f"model loaded in {time.monotonic() - t0:.1f}s")
+    if kernels is not None and config.parallel_kernel_compiles != "off":
+        compile_quantized_kernels(model, kernels, say)
     if uses_gated_delta(model) and install_gated_delta_kernel():
         say("gated delta rule (linear attention): kiln's CUDA kernel")
     # Decode first's prefill, whole or spread over steps (a model's blocks at most).

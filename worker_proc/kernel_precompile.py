@@ -1,0 +1,198 @@
+"""MLX's quantized GEMM modules for a model's layers, compiled side by side before the
+warm-up needs them.
+
+On CUDA, MLX compiles its tiled quantized GEMMs with NVRTC the first time a process calls
+them: one module per activation dtype, format and tile of rows, 25-72 s each on one CPU
+core, one after another in the warm-up (a quantized GPT-OSS's first start spent 7
+minutes or more in them: docs/benchmarks.md, session 46). The modules land in MLX's
+kernel cache (worker_proc.kernel_cache), where a later process reads them back. So the
+worker first runs each of its quantized layer shapes at each tile of rows in a process of
+its own, many at once, and lets the warm-up find the cache full. Nothing here predicts
+MLX's module names or kernel choices (they change between MLX versions): each process
+calls the layer class the model serves with, at the layer's shape, and MLX picks as it
+would mid-serving. A shape whose compile fails costs nothing but its time: the warm-up
+compiles what is missing as before.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from dataclasses import astuple, dataclass
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Rows a call gets: MLX's tiled kernels come in tiles of 16, 32 and 64 rows (fewer than
+# 16 rows take matrix-vector kernels built into MLX; more than 64, the 64-row tile).
+ROW_TILES = (16, 32, 64)
+# Experts a case builds: the kernels are per expert, not per expert count.
+CASE_EXPERTS = 4
+# A case's process: longer than any measured compile (72 s) with room for a slower host.
+CASE_TIMEOUT_S = 600.0
+
+
+@dataclass(frozen=True, order=True)
+class QuantizedCase:
+    """One quantized layer shape at one tile of rows: what one process calls."""
+
+    inputs: int
+    outputs: int
+    bits: int
+    group_size: int
+    mode: str
+    biases: bool
+    dtype: str  # the activations', e.g. "bfloat16"
+    experts: int  # 0: a Linear layer; else a mixture's experts (rows sorted by expert)
+    rows: int
+
+    def describe(self) -> str:
+        what = f"{self.experts} experts" if self.experts else "linear"
+        return (f"{what} {self.inputs}x{self.outputs} {self.mode} {self.bits}-bit/"
+                f"{self.group_size} {self.dtype}, {self.rows} rows")
+
+
+def activation_dtype(model: Any) -> str:
+    """The dtype most of the model's floating-point parameters have (its activations')."""
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    counts: dict[str, int] = {}
+    for _, value in tree_flatten(model.parameters()):
+        if value.dtype in (mx.bfloat16, mx.float16, mx.float32):
+            name = str(value.dtype).removeprefix("mlx.core.")
+            counts[name] = counts.get(name, 0) + value.size
+    return max(counts, key=counts.get) if counts else "float32"
+
+
+def quantized_cases(model: Any) -> list[QuantizedCase]:
+    """Every quantized Linear and expert layer shape of the model, at each tile of rows,
+    once each (as served: after the worker's rewrites, fused projections included)."""
+    import mlx.nn as nn
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+
+    dtype = activation_dtype(model)
+    cases: set[QuantizedCase] = set()
+    for _, module in model.named_modules():
+        if isinstance(module, nn.QuantizedLinear):
+            experts = 0
+        elif isinstance(module, QuantizedSwitchLinear):
+            experts = min(module["weight"].shape[0], CASE_EXPERTS)
+        else:
+            continue
+        outputs = module["weight"].shape[-2]
+        inputs = module["scales"].shape[-1] * module.group_size
+        biases = module.get("biases") is not None
+        for rows in ROW_TILES:
+            cases.add(QuantizedCase(inputs, outputs, module.bits, module.group_size,
+                                    module.mode, biases, dtype, experts, rows))
+    return sorted(cases)
+
+
+def run_case(case: QuantizedCase) -> float:
+    """In a process of its own: the layer's quantized matmul at the case's rows, as the
+    served layer calls it, evaluated (MLX compiles the kernels it picks, or reads them
+    from its cache). Zero weights, quantized here: no random draw of a large layer's
+    floats. Seconds it took."""
+    import mlx.core as mx
+
+    t0 = time.monotonic()
+    dtype = getattr(mx, case.dtype)
+    shape = ((case.experts,) if case.experts else ()) + (case.outputs, case.inputs)
+    weight, scales, *biases = mx.quantize(mx.zeros(shape, dtype=dtype),
+                                          group_size=case.group_size, bits=case.bits,
+                                          mode=case.mode)
+    if bool(biases) != case.biases:
+        raise ValueError(f"{case.describe()}: the format's biases are not the model's")
+    bias = biases[0] if biases else None
+    options = dict(transpose=True, group_size=case.group_size, bits=case.bits, mode=case.mode)
+    if case.experts:
+        # mlx-lm's SwitchGLU past its sorting threshold: one row a (token, expert) pair,
+        # the pairs sorted by expert (QuantizedSwitchLinear's call).
+        x = mx.zeros((case.rows, 1, case.inputs), dtype=dtype)
+        indices = mx.sort(mx.arange(case.rows, dtype=mx.uint32) % case.experts)
+        out = mx.gather_qmm(x, weight, scales, bias, rhs_indices=indices,
+                            sorted_indices=True, **options)
+    else:  # a step's rows as one matrix (quantized_rows.RowsQuantizedLinear's call)
+        out = mx.quantized_matmul(mx.zeros((case.rows, case.inputs), dtype=dtype), weight,
+                                  scales=scales, biases=bias, **options)
+    mx.eval(out)
+    return time.monotonic() - t0
+
+
+def marker_name(cases: list[QuantizedCase], mlx_version: str) -> str:
+    """The cache directory's file that says these cases were compiled there."""
+    digest = hashlib.sha256(repr((mlx_version, [astuple(c) for c in cases])).encode())
+    return f"kiln-precompiled-{digest.hexdigest()[:16]}"
+
+
+@dataclass
+class PrecompileResult:
+    cases: int
+    failed: list[str]
+    seconds: float
+    skipped: bool  # the marker said every case was compiled before
+
+
+def precompile(cases: list[QuantizedCase], cache_dir: Path, mlx_version: str,
+               workers: int, run: Callable[[QuantizedCase], float] = run_case,
+               timeout_s: float = CASE_TIMEOUT_S) -> PrecompileResult:
+    """Runs every case in `workers` processes at once (spawned: a fresh MLX each), unless
+    cache_dir holds the marker of this case list; writes the marker when all succeeded.
+    A case that fails or is still running after timeout_s is reported, never raised (its
+    process is stopped): the warm-up compiles what it left."""
+    marker = cache_dir / marker_name(cases, mlx_version)
+    if not cases or marker.exists():
+        return PrecompileResult(len(cases), [], 0.0, skipped=bool(cases))
+    t0 = time.monotonic()
+    failed: list[str] = []
+    context = multiprocessing.get_context("spawn")
+    with context.Pool(processes=max(1, min(workers, len(cases)))) as pool:
+        pending = [(case, pool.apply_async(run, (case,))) for case in cases]
+        deadline = time.monotonic() + timeout_s
+        for case, result in pending:
+            try:
+                result.get(timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as exc:  # noqa: BLE001 - any failure leaves the case to the warm-up
+                failed.append(f"{case.describe()}: {type(exc).__name__}: {exc}"[:300])
+        # Leaving the block terminates the processes, one still compiling among them.
+    if not failed:
+        try:
+            marker.write_text("\n".join(c.describe() for c in cases) + "\n")
+        except OSError as exc:  # an unwritable cache: the next start runs them again (fast)
+            logger.warning("cannot mark the precompiled kernels in %s: %s", cache_dir, exc)
+    return PrecompileResult(len(cases), failed, time.monotonic() - t0, skipped=False)
+
+
+def default_workers() -> int:
+    """Processes at once: one a CPU core (each compile is single-threaded), at most 16
+    (each holds a CUDA context, a few hundred MB of GPU memory)."""
+    return max(1, min(16, os.cpu_count() or 1))
+
+
+def compile_quantized_kernels(model: Any, cache_dir: Path, say: Callable[[str], None],
+                              workers: int = 0) -> PrecompileResult | None:
+    """The worker's step: the model's quantized cases compiled into cache_dir, side by
+    side, unless done there before (None: nothing to do). Reports through `say`."""
+    import mlx.core as mx
+
+    cases = quantized_cases(model)
+    if not cases or (cache_dir / marker_name(cases, mx.__version__)).exists():
+        return None
+    workers = min(workers or default_workers(), len(cases))
+    say(f"compiling MLX's quantized GEMM kernels for {len(cases)} layer shapes and tiles of "
+        f"rows in {workers} processes at once (their first use on this machine; kept in "
+        f"{cache_dir} for later starts)")
+    result = precompile(cases, cache_dir, mx.__version__, workers)
+    if result.failed:
+        say(f"{len(result.failed)} of {len(cases)} quantized kernel cases did not compile "
+            f"ahead (the warm-up compiles them), in {result.seconds:.1f}s; first: "
+            f"{result.failed[0]}")
+    else:
+        say(f"compiled the quantized kernels of {len(cases)} cases in {result.seconds:.1f}s")
+    return result
