@@ -8,9 +8,10 @@ minutes or more in them: docs/benchmarks.md, session 46). The modules land in ML
 kernel cache (worker_proc.kernel_cache), where a later process reads them back. So the
 worker first runs each of its quantized layer shapes at each tile of rows in a process of
 its own, many at once, and lets the warm-up find the cache full. Nothing here predicts
-MLX's module names or kernel choices (they change between MLX versions): each process
-calls the layer class the model serves with, at the layer's shape, and MLX picks as it
-would mid-serving. A shape whose compile fails costs nothing but its time: the warm-up
+MLX's module names (they change between MLX versions): each process makes the MLX call
+the served layer makes (quantized_matmul on a step's rows as one matrix, or gather_qmm
+on rows sorted by expert), at the layer's shape, and MLX picks its kernel as it would
+mid-serving. A shape whose compile fails costs nothing but its time: the warm-up
 compiles what is missing as before.
 """
 
@@ -28,10 +29,12 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-# Rows a call gets: MLX's tiled kernels come in tiles of 16, 32 and 64 rows (fewer than
-# 16 rows take matrix-vector kernels built into MLX; more than 64, the 64-row tile).
+# Rows a call gets: the tiles MLX 0.32.4 compiled modules for (m16, m32, m64 in their
+# names, session 46); a single row took a matrix-vector kernel built into MLX. Other row
+# counts meet one of these tiles or a built-in kernel.
 ROW_TILES = (16, 32, 64)
-# Experts a case builds: the kernels are per expert, not per expert count.
+# Experts a case builds: MLX's module names carry no expert count (session 46's
+# gather_qmm_rhs_sm80_..._m64_b4_g32_mxfp4), so a few stand in for the model's.
 CASE_EXPERTS = 4
 # A case's process: longer than any measured compile (72 s) with room for a slower host.
 CASE_TIMEOUT_S = 600.0
@@ -133,6 +136,8 @@ def marker_name(cases: list[QuantizedCase], mlx_version: str) -> str:
 
 @dataclass
 class PrecompileResult:
+    """What precompile did: its cases, those that failed (described), how long it took."""
+
     cases: int
     failed: list[str]
     seconds: float
