@@ -98,3 +98,31 @@ def test_asking_for_it_where_nothing_compiles_is_refused():
     with pytest.raises(UnsupportedModelError, match="--parallel-kernel-compiles on"):
         build_worker(ServerConfig(model_path=str(Path("/nonexistent")),
                                   parallel_kernel_compiles="on"))
+
+
+def test_the_worker_compiles_a_quantized_models_kernels_once(tiny_model_dir, tmp_path):
+    """The worker's start (as on CUDA, given a kernel cache): the quantized demo model's
+    cases compiled before the warm-up, reported; the next start finds them marked."""
+    from mlx_lm import convert
+
+    from worker_proc import _build_worker
+
+    quantized = tmp_path / "q"
+    convert(str(tiny_model_dir), mlx_path=str(quantized), quantize=True, q_group_size=32,
+            q_bits=4)
+    cache = tmp_path / "kernels"
+    cache.mkdir()
+    config = ServerConfig(model_path=str(quantized))
+    for start in range(2):
+        lines: list[str] = []
+        _build_worker(config, lines.append, kernels=cache)
+        compiled = [line for line in lines if "quantized kernels of" in line]
+        assert len(compiled) == (1 if start == 0 else 0), lines
+    assert len(list(cache.glob("kiln-precompiled-*"))) == 1
+    # Off: nothing runs, even with the marker gone.
+    for marker in cache.glob("kiln-precompiled-*"):
+        marker.unlink()
+    lines = []
+    _build_worker(ServerConfig(model_path=str(quantized), parallel_kernel_compiles="off"),
+                  lines.append, kernels=cache)
+    assert not any("quantized GEMM kernels" in line for line in lines)
