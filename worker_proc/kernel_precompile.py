@@ -36,7 +36,8 @@ ROW_TILES = (16, 32, 64)
 # Experts a case builds: MLX's module names carry no expert count (session 46's
 # gather_qmm_rhs_sm80_..._m64_b4_g32_mxfp4), so a few stand in for the model's.
 CASE_EXPERTS = 4
-# A case's process: longer than any measured compile (72 s) with room for a slower host.
+# The cases' deadline, all of them: several waves of the longest measured compile (72 s)
+# on a host of fewer cores than cases; what is left at it falls to the warm-up.
 CASE_TIMEOUT_S = 600.0
 
 
@@ -149,8 +150,8 @@ def precompile(cases: list[QuantizedCase], cache_dir: Path, mlx_version: str,
                timeout_s: float = CASE_TIMEOUT_S) -> PrecompileResult:
     """Runs every case in `workers` processes at once (spawned: a fresh MLX each), unless
     cache_dir holds the marker of this case list; writes the marker when all succeeded.
-    A case that fails or is still running after timeout_s is reported, never raised (its
-    process is stopped): the warm-up compiles what it left."""
+    A case that fails, or is not done timeout_s after the first began, is reported, never
+    raised (its process is stopped): the warm-up compiles what it left."""
     marker = cache_dir / marker_name(cases, mlx_version)
     if not cases or marker.exists():
         return PrecompileResult(len(cases), [], 0.0, skipped=bool(cases))
