@@ -57,7 +57,7 @@ def test_every_case_runs_in_processes_and_a_second_start_skips_them(tmp_path):
     assert not (tmp_path / marker_name(cases[:5], "0.0")).exists()
 
 
-def fail_odd_rows(case: QuantizedCase) -> float:
+def fail_at_32_rows(case: QuantizedCase) -> float:
     """A stand-in for run_case (module level: the spawned processes import it)."""
     if case.rows == 32:
         raise RuntimeError("NVRTC failed")
@@ -76,7 +76,7 @@ def _cases() -> list[QuantizedCase]:
 
 
 def test_a_failing_case_is_reported_and_leaves_the_cache_unmarked(tmp_path):
-    result = precompile(_cases(), tmp_path, "0.0", workers=3, run=fail_odd_rows)
+    result = precompile(_cases(), tmp_path, "0.0", workers=3, run=fail_at_32_rows)
     assert len(result.failed) == 1 and "32 rows" in result.failed[0]
     assert "NVRTC failed" in result.failed[0]
     assert not list(tmp_path.iterdir())  # the next start tries again
