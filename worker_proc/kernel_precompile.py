@@ -61,26 +61,15 @@ class QuantizedCase:
                 f"{self.group_size} {self.dtype}, {self.rows} rows")
 
 
-def activation_dtype(model: Any) -> str:
-    """The dtype most of the model's floating-point parameters have (its activations')."""
-    import mlx.core as mx
-    from mlx.utils import tree_flatten
-
-    counts: dict[str, int] = {}
-    for _, value in tree_flatten(model.parameters()):
-        if value.dtype in (mx.bfloat16, mx.float16, mx.float32):
-            name = str(value.dtype).removeprefix("mlx.core.")
-            counts[name] = counts.get(name, 0) + value.size
-    return max(counts, key=counts.get) if counts else "float32"
-
-
 def quantized_cases(model: Any) -> list[QuantizedCase]:
     """Every quantized Linear and expert layer shape of the model, at each tile of rows,
     once each (as served: after the worker's rewrites, fused projections included)."""
     import mlx.nn as nn
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear
 
-    dtype = activation_dtype(model)
+    from worker_proc.attention import model_dtype
+
+    dtype = str(model_dtype(model)).removeprefix("mlx.core.")  # the activations'
     cases: set[QuantizedCase] = set()
     for _, module in model.named_modules():
         if isinstance(module, nn.QuantizedLinear):
@@ -147,9 +136,11 @@ class PrecompileResult:
 
 def precompile(cases: list[QuantizedCase], cache_dir: Path, mlx_version: str,
                workers: int, run: Callable[[QuantizedCase], float] = run_case,
-               timeout_s: float = CASE_TIMEOUT_S) -> PrecompileResult:
+               timeout_s: float = CASE_TIMEOUT_S,
+               starting: Callable[[int], None] = lambda processes: None) -> PrecompileResult:
     """Runs every case in `workers` processes at once (spawned: a fresh MLX each), unless
-    cache_dir holds the marker of this case list; writes the marker when all succeeded.
+    cache_dir holds the marker of this case list (`starting` is told how many processes
+    run, when they do); writes the marker when all succeeded.
     A case that fails, or is not done timeout_s after the first began, is reported, never
     raised (its process is stopped): the warm-up compiles what it left."""
     marker = cache_dir / marker_name(cases, mlx_version)
@@ -157,8 +148,9 @@ def precompile(cases: list[QuantizedCase], cache_dir: Path, mlx_version: str,
         return PrecompileResult(len(cases), [], 0.0, skipped=bool(cases))
     t0 = time.monotonic()
     failed: list[str] = []
-    context = multiprocessing.get_context("spawn")
-    with context.Pool(processes=max(1, min(workers, len(cases)))) as pool:
+    processes = max(1, min(workers, len(cases)))
+    starting(processes)
+    with multiprocessing.get_context("spawn").Pool(processes=processes) as pool:
         pending = [(case, pool.apply_async(run, (case,))) for case in cases]
         deadline = time.monotonic() + timeout_s
         for case, result in pending:
@@ -184,17 +176,20 @@ def default_workers() -> int:
 def compile_quantized_kernels(model: Any, cache_dir: Path, say: Callable[[str], None],
                               workers: int = 0) -> PrecompileResult | None:
     """The worker's step: the model's quantized cases compiled into cache_dir, side by
-    side, unless done there before (None: nothing to do). Reports through `say`."""
+    side, unless done there before (None: nothing ran). Reports through `say`."""
     import mlx.core as mx
 
     cases = quantized_cases(model)
-    if not cases or (cache_dir / marker_name(cases, mx.__version__)).exists():
+
+    def starting(processes: int) -> None:
+        say(f"compiling MLX's quantized GEMM kernels for {len(cases)} layer shapes and tiles "
+            f"of rows in {processes} processes at once (their first use on this machine; "
+            f"kept in {cache_dir} for later starts)")
+
+    result = precompile(cases, cache_dir, mx.__version__, workers or default_workers(),
+                        starting=starting)
+    if not cases or result.skipped:
         return None
-    workers = min(workers or default_workers(), len(cases))
-    say(f"compiling MLX's quantized GEMM kernels for {len(cases)} layer shapes and tiles of "
-        f"rows in {workers} processes at once (their first use on this machine; kept in "
-        f"{cache_dir} for later starts)")
-    result = precompile(cases, cache_dir, mx.__version__, workers)
     if result.failed:
         say(f"{len(result.failed)} of {len(cases)} quantized kernel cases did not compile "
             f"ahead (the warm-up compiles them), in {result.seconds:.1f}s; first: "
