@@ -15,7 +15,8 @@ import pytest
 
 from tests.engine_driver import InProcessEngine, StandInKernel
 from tests.families import VOCAB, write_model_dir
-from tests.test_families import SMALL_SERVER, mlx_lm_tokens, served_greedy
+from tests.oracle import mlx_lm_tokens
+from tests.test_families import SMALL_SERVER, served_greedy
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -48,7 +48,7 @@ def test_padded_experts_keep_mlx_lm_tokens_fused_or_not(name):
     """Served as on the CUDA path (compiled decode, the kernels stood in for), batched and
     chunked, with the gate/up pair fused (its shared module keeps its size) and not:
     mlx-lm's greedy tokens from the unpadded model."""
-    from tests.test_families import mlx_lm_tokens
+    from tests.oracle import mlx_lm_tokens
 
     oracle_model = _quantized(name, "mxfp4")
     for fuse in (False, True):

@@ -125,7 +125,7 @@ def test_served_experts_keep_mlx_lm_tokens(name, path, monkeypatch):
     """Served on the kernel path (stood in for), 36 streams at once (72 pairs: sorted) down
     to the last few (unsorted), chunked prompts: mlx-lm's greedy tokens, and the decode
     steps' experts went through the backend's routing, both ways."""
-    from tests.test_families import mlx_lm_tokens
+    from tests.oracle import mlx_lm_tokens
     from tests.test_worker import _prompts
 
     ours, theirs = _model(name), _model(name, fuse=False)
@@ -178,7 +178,7 @@ def test_gpt_oss_as_mlx_lm_converts_it_keeps_mlx_lm_tokens(path, monkeypatch):
     routing and add-norm kernels' meaning apart from their matmuls, and the MXFP4 experts'
     projections of sorted steps to expert_rows' (stood in for); mlx-lm's tokens."""
     from tests import engine_driver
-    from tests.test_families import mlx_lm_tokens
+    from tests.oracle import mlx_lm_tokens
     from tests.test_worker import _prompts
 
     def converted(fuse: bool) -> nn.Module:
@@ -223,7 +223,7 @@ def test_unfused_moe_leaves_the_experts_to_mlx_lm(monkeypatch):
     than the routing kernel takes: no routing; the blocks run mlx-lm's MLP, its tokens."""
     import dataclasses
 
-    from tests.test_families import mlx_lm_tokens
+    from tests.oracle import mlx_lm_tokens
     from tests.test_worker import _prompts
     from worker_proc import decode_backend
 

@@ -110,7 +110,7 @@ def test_gated_deltanet_input_projections_fuse_and_keep_mlx_lm_tokens(name):
     become one matmul, as served on the CUDA path (compiled decode, the kernels stood
     in for); batched and chunked, mlx-lm's greedy tokens from the unfused model."""
     from tests.families import build
-    from tests.test_families import mlx_lm_tokens
+    from tests.oracle import mlx_lm_tokens
 
     oracle_model, served = build(name), build(name)  # one seed: the same weights
     # Per layer: its input group and gate/up; Qwen3-Next's MoE layers also their experts'.
@@ -137,7 +137,7 @@ def test_experts_gate_and_up_fuse_and_keep_mlx_lm_tokens(name, quantized):
     from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchGLU, SwitchLinear
 
     from tests.families import build
-    from tests.test_families import mlx_lm_tokens
+    from tests.oracle import mlx_lm_tokens
 
     def make():
         model = build(name)

@@ -13,7 +13,8 @@ import pytest
 from scheduler_proc.scheduler import BURST_STEPS
 from tests.engine_driver import InProcessEngine
 from tests.families import build
-from tests.test_families import mlx_lm_tokens, run_recording_parts
+from tests.oracle import mlx_lm_tokens
+from tests.test_families import run_recording_parts
 from tests.test_prompt_logprobs import _check_prompt
 from tests.test_scheduler import assert_idle_invariant
 from tests.test_worker import _prompts

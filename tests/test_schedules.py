@@ -146,7 +146,7 @@ FAMILY_SEEDS = (102, 103, 106)
                                     "deepseek_v32"])
 def test_windowed_and_hybrid_families_under_random_schedules(family):
     from tests.families import VOCAB, build
-    from tests.test_families import mlx_lm_tokens
+    from tests.oracle import mlx_lm_tokens
 
     model = build(family)
     failures, preempted, hits = [], 0, 0
@@ -205,7 +205,7 @@ def test_a_hit_on_a_snapshot_saved_in_the_same_step_is_exact(family):
     that another prompt's chunk saved in the same step, ran in that chunk's forward and
     started from the snapshot's old contents (its second token on differed)."""
     from tests.families import VOCAB, build
-    from tests.test_families import mlx_lm_tokens
+    from tests.oracle import mlx_lm_tokens
 
     model = build(family)
     schedule = draw_schedule(11003, VOCAB)
@@ -240,7 +240,7 @@ def test_padding_queries_past_a_window_keep_every_row_finite():
     stood in for): mlx-lm's tokens."""
     from tests.engine_driver import StandInInPlaceKernels
     from tests.families import VOCAB, build
-    from tests.test_families import mlx_lm_tokens
+    from tests.oracle import mlx_lm_tokens
 
     model = build("llama_sliding")
     schedule = draw_schedule(1003, VOCAB)
@@ -259,7 +259,7 @@ def test_copies_of_cached_positions_give_their_window_slots_back():
     `--aborts 0.3`: two requests aborted mid-prompt left their prefixes cached): every
     request finishes, with mlx-lm's tokens, and the scheduler ends idle."""
     from tests.families import VOCAB, build
-    from tests.test_families import mlx_lm_tokens
+    from tests.oracle import mlx_lm_tokens
 
     model = build("llama_sliding")
     schedule = draw_schedule(3003, VOCAB)
