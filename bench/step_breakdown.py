@@ -783,8 +783,6 @@ def main() -> None:
         if kernel_path:  # as served: fused projections and fast blocks
             step_variants["kiln, served model"] = kiln(fast_model)
             step_variants["kiln, served, compiled prefill"] = kiln(fast_model, compile_prefill=True)
-            step_variants["kiln, served, decode-only row kernels"] = _patching(  # the A/B arm
-                this, "BACKEND", replace(served, prefill_row_kernels=False), kiln(fast_model))
             step_variants["kiln, served, fused attention"] = _patching(
                 decode_backend, "unfused_prefill_fits", lambda *_: False, kiln(fast_model))
             step_variants["kiln, served, unfused attention"] = _patching(
