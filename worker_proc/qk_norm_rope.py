@@ -24,18 +24,15 @@ from worker_proc.kernel_constants import CONSTANT_ELEMENTS, float_bits
 from worker_proc.paged_attention import _ROPE_HEADER, RopeSpec
 
 # A block a (head, token); thread i takes the head's i-th rotation pair. Row b's token l
-# (of qkv's L a row) sits at POSITION: a decode step's one token at its row's length - 1,
+# (of TOKENS a row) sits at POSITION: a decode step's one token at its row's length - 1,
 # a prefill forward's at its row's start + l. With NORM, the sum of squares is reduced
 # over the block: warps (or the one part-warp of a head under 64 wide) by shuffles, then
 # the warps' partials through shared memory.
 _BODY = r"""
     constexpr int HALF = D / 2;
-    // Blocks along x alone (y and z stop at 65,535: a long prefill forward's tokens pass
-    // that); the tokens a row a runtime value (a template would compile per length).
-    const int tokens = qkv_shape[1];
-    const int h = blockIdx.x % H;
-    const int b = blockIdx.x / H / tokens;
-    const int l = blockIdx.x / H % tokens;
+    const int h = blockIdx.x;
+    const int b = blockIdx.y / TOKENS;
+    const int l = blockIdx.y % TOKENS;
     const int i = threadIdx.x;
     const int64_t es = qkv_strides[2];
     const size_t at = (size_t)b * qkv_strides[0] + (size_t)l * qkv_strides[1]
@@ -55,7 +52,7 @@ _BODY = r"""
         m2 = static_cast<float>(static_cast<T>(m2 * ms));
     }
     const float c = rope_cos[i], s = rope_sin[i];  // pair i's frequency, either layout
-    const size_t o = (((size_t)b * H + h) * tokens + l) * D;
+    const size_t o = (((size_t)b * H + h) * TOKENS + l) * D;
     out[o + d1] = static_cast<T>(m1 * c - m2 * s);
     out[o + d2] = static_cast<T>(m1 * s + m2 * c);
 """
@@ -136,9 +133,10 @@ def _launch(qkv: mx.array, heads: int, positions: mx.array, scale: mx.array | No
     norm = scale is not None
     (out,) = _kernel(norm, prefill)(
         inputs=[qkv, *([scale] if norm else []), rope.kernel_params, positions],
-        template=[("T", qkv.dtype), ("D", dim), ("H", heads), ("TRAD", rope.traditional), ("FREQS", rope.freqs is not None),
+        template=[("T", qkv.dtype), ("D", dim), ("H", heads), ("TOKENS", tokens),
+                  ("TRAD", rope.traditional), ("FREQS", rope.freqs is not None),
                   ("EPS", float_bits(eps)), ("MSCALE", float_bits(rope.mscale))],
-        grid=(heads * dim // 2 * batch * tokens, 1, 1), threadgroup=(dim // 2, 1, 1),
+        grid=(heads * dim // 2, batch * tokens, 1), threadgroup=(dim // 2, 1, 1),
         output_shapes=[(batch, heads, tokens, dim)], output_dtypes=[qkv.dtype])
     return out
 
