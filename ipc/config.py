@@ -28,8 +28,7 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "cuda-core-attention", "gathered-latent", "fused-own-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
                       "paged-prefill", "unpadded-experts", "block-tiles", "unfused-moe",
-                      "mlx-expert-matmuls", "batched-quantized-rows",
-                      "decode-only-row-kernels")
+                      "mlx-expert-matmuls", "batched-quantized-rows")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
 CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv", "block-tiles"})
@@ -290,10 +289,7 @@ class ServerConfig:
                                       "Linear layers take its [rows, 1, dims] input as "
                                       "mlx-lm passes it, which MLX's CUDA GEMM runs as a "
                                       "one-row problem a row, not as one problem of all "
-                                      "rows), decode-only-row-kernels (the q/k norm and "
-                                      "RoPE, sandwich-norm and add-and-norm kernels in "
-                                      "decode steps alone, as before, prefill forwards "
-                                      "running MLX's ops for those)."})
+                                      "rows)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

@@ -32,7 +32,7 @@ from worker_proc.paged_attention import reference_decode_attention, reference_la
 from worker_proc.paged_prefill import paged_prefill_fits, reference_paged_prefill_attention
 from worker_proc.prefill_attention import fused_builds_per_shape
 from worker_proc.runner import PREFILL_PADDING, ModelRunner
-from worker_proc.qk_norm_rope import reference_prefill_qk_norm_rope, reference_qk_norm_rope
+from worker_proc.qk_norm_rope import reference_qk_norm_rope
 from worker_proc.residual_norm import reference_add_norm, reference_residual_norm
 
 
@@ -235,9 +235,6 @@ class StandInKernel(KernelDecode):
 
     def _qk_norm_rope(self, qkv, heads, lengths, scale, eps, rope):  # noqa: ANN001, ANN202
         return reference_qk_norm_rope(qkv, heads, lengths, scale, eps, rope)
-
-    def _prefill_qk_norm_rope(self, qkv, heads, offset, scale, eps, rope, once):  # noqa: ANN001, ANN202
-        return reference_prefill_qk_norm_rope(qkv, heads, offset, scale, eps, rope)
 
     def _residual_norm(self, branch, residual, weight, eps, next_weight):  # noqa: ANN001, ANN202
         return reference_residual_norm(branch, residual, weight, eps, next_weight)

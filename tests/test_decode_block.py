@@ -426,55 +426,40 @@ def _gemma3_pair(seed: int):
     return theirs, ours
 
 
-def test_gemma3_norms_and_rope_go_to_the_backend(monkeypatch):
-    """A Gemma 3 decode step and prefill forward hand their q/k norms and RoPE to the
-    backend's one call (norm_rope_qk, prefill_norm_rope_qk: the CUDA kernel's place; the
-    stand-in computes its plain-MLX meaning), each layer once a forward, with the rows'
-    lengths (the prompt's start) and the layer's own RoPE; under --experiments
-    decode-only-row-kernels a decode step's alone; under unfused-qk-norm (qk_norm_kernel
-    off) the block computes them itself."""
-    from worker_proc.qk_norm_rope import reference_prefill_qk_norm_rope, reference_qk_norm_rope
+def test_gemma3_decode_norms_and_rope_go_to_the_backend(monkeypatch):
+    """A Gemma 3 decode step hands its q/k norms and RoPE to the backend's one call
+    (norm_rope_qk, the CUDA kernel's place; the stand-in computes its plain-MLX meaning),
+    each layer once a step, with the rows' lengths and the layer's own RoPE; under
+    --experiments unfused-qk-norm (qk_norm_kernel off) it computes them itself."""
+    from worker_proc.qk_norm_rope import reference_qk_norm_rope
 
     _, ours = _gemma3_pair(seed=5)
-    calls, prefill_calls = [], []
+    calls = []
 
     def recording(self, qkv, heads, lengths, scale, eps, rope):  # noqa: ANN001, ANN202
         calls.append((heads, lengths.tolist(), rope))
         return reference_qk_norm_rope(qkv, heads, lengths, scale, eps, rope)
 
-    def recording_prefill(self, qkv, heads, offset, scale, eps, rope, once):  # noqa: ANN001, ANN202
-        prefill_calls.append((heads, offset, qkv.shape[1], rope))
-        return reference_prefill_qk_norm_rope(qkv, heads, offset, scale, eps, rope)
-
     monkeypatch.setattr(StandInKernel, "_qk_norm_rope", recording)
-    monkeypatch.setattr(StandInKernel, "_prefill_qk_norm_rope", recording_prefill)
-    attn, n = ours.layers[0].self_attn, len(ours.layers)
-    for kernel, prefill, decodes, prefills in ((False, True, 0, 0), (True, False, n, 0),
-                                               (True, True, n, n)):
-        engine = InProcessEngine(ours, backend=StandInKernel(qk_norm_kernel=kernel,
-                                                             prefill_row_kernels=prefill))
+    attn = ours.layers[0].self_attn
+    for kernel, expected in ((False, 0), (True, len(ours.layers))):
+        engine = InProcessEngine(ours, backend=StandInKernel(qk_norm_kernel=kernel))
         calls.clear()  # after start-up's probes and warm-up
-        prefill_calls.clear()
         engine.submit("r", [5, 6, 7, 8, 9], 3, [])
         engine.run_until_idle()
-        assert len(calls) == 2 * decodes  # two decode steps (the first token: prefill's)
-        assert len(prefill_calls) == prefills
+        assert len(calls) == 2 * expected  # two decode steps (the first token: prefill's)
     heads, lengths, rope = calls[0]
     assert heads == attn.n_heads + attn.n_kv_heads and lengths == [6]
     assert rope == ours.layers[0].rope_spec and rope.dims == attn.head_dim
-    assert [c[:3] for c in prefill_calls] == [(heads, 0, 5)] * n
-    assert [c[3] for c in prefill_calls] == [layer.rope_spec for layer in ours.layers]
 
 
 def test_gemma3_sandwich_and_next_input_norms_go_to_the_backend(monkeypatch):
-    """By default (KernelDecode.residual_norm_kernel) a Gemma 3 decode step and prefill
-    forward hand each layer's two residual adds and their norms to the backend's
-    residual_norm: twice a layer, the first also normalising the sum with the pre-MLP
-    norm's scale, the second with the next layer's input norm's, which that layer then
-    takes instead of running its own (NormHandoff); each the arrays mlx-lm's norms
-    multiply by. Under decode-only-row-kernels, in decode steps alone (the prefill
-    forward runs every layer's input norm); under unfused-residual-norm, never, and every
-    layer runs its input norm in every forward."""
+    """By default (KernelDecode.residual_norm_kernel) a Gemma 3 decode step hands each
+    layer's two residual adds and their norms to the backend's residual_norm: twice a
+    layer, the first also normalising the sum with the pre-MLP norm's scale, the second
+    with the next layer's input norm's, which that layer then takes instead of running
+    its own (NormHandoff); each the arrays mlx-lm's norms multiply by. Under
+    unfused-residual-norm, never, and every layer runs its input norm."""
     from worker_proc.residual_norm import reference_residual_norm
 
     _, ours = _gemma3_pair(seed=5)
@@ -496,20 +481,16 @@ def test_gemma3_sandwich_and_next_input_norms_go_to_the_backend(monkeypatch):
 
     monkeypatch.setattr(StandInKernel, "_residual_norm", recording)
     monkeypatch.setattr(norm_class, "__call__", counting)
-    n = len(layers)
-    # (kernel, in prefill forwards too): the forwards whose layers call it, the runs of
-    # each layer past the first's input norm in the three forwards.
-    for kernel, prefill, forwards, own_norms in ((False, False, 0, 3), (True, False, 2, 1),
-                                                 (True, True, 3, 0)):
-        engine = InProcessEngine(ours, backend=StandInKernel(residual_norm_kernel=kernel,
-                                                             prefill_row_kernels=prefill))
+    for kernel in (False, True):
+        engine = InProcessEngine(ours, backend=StandInKernel(residual_norm_kernel=kernel))
         calls.clear()  # after start-up's probes and warm-up
         input_norms.clear()
         engine.submit("r", [5, 6, 7, 8, 9], 3, [])  # a prefill forward, two decode steps
         engine.run_until_idle()
-        assert len(calls) == 2 * n * forwards
-        assert [input_norms.count(i) for i in range(n)] == [3] + [own_norms] * (n - 1)
-    for i, block in enumerate(layers):  # the prefill forward's calls, two a layer
+        assert len(calls) == (2 * 2 * len(layers) if kernel else 0)
+        runs = [input_norms.count(i) for i in range(len(layers))]
+        assert runs == ([3] + [1] * (len(layers) - 1) if kernel else [3] * len(layers))
+    for i, block in enumerate(layers):  # the first decode step's calls, two a layer
         (w1, n1), (w2, n2) = calls[2 * i:2 * i + 2]
         assert mx.array_equal(w1, 1.0 + block.post_attention_layernorm.weight).item()
         assert mx.array_equal(n1, 1.0 + block.pre_feedforward_layernorm.weight).item()
@@ -558,68 +539,20 @@ def test_cuda_qk_norm_rope_kernel_matches_mlx_ops(dim, traditional, freqs, dtype
         assert np.mean(g != w) < 0.05  # float32 the reduction's order shows in most)
 
 
-@pytest.mark.parametrize("dim,traditional,norm,dtype,offset", [
-    (256, False, True, mx.bfloat16, 0), (256, False, True, mx.bfloat16, "rows"),
-    (128, False, False, mx.bfloat16, 2048), (64, True, True, mx.float16, "rows"),
-    (128, False, True, mx.float32, 5)])
-def test_cuda_prefill_qk_norm_rope_kernel_matches_mlx_ops(dim, traditional, norm, dtype, offset):
-    """On CUDA, the q/k norm and RoPE kernel over a prefill forward's tokens (read in place
-    from a strided view of the fused output, [B, L, F]) gives MLX's norm, multiply and
-    RoPE from the forward's offset, one for every row (an int) or one a row (an array,
-    rows at different starts), within a rounding step or two of the dtype."""
-    from worker_proc.paged_attention import RopeSpec, kernel_available
-    from worker_proc.qk_norm_rope import (prefill_qk_norm_rope, reference_prefill_qk_norm_rope,
-                                          rope_starts)
-
-    if not kernel_available():
-        pytest.skip("the kernel needs MLX's CUDA backend")
-    n_q, n_kv, batch, tokens = 4, 2, 3, 37
-    rope = RopeSpec(dim, traditional, 10000.0, 0.125)
-    width = (n_q + 2 * n_kv) * dim
-    wide = (mx.random.normal((batch, tokens, width + 8), key=mx.random.key(dim)) * 3).astype(dtype)
-    qkv = wide[..., 8:]
-    scale = (1 + 0.2 * mx.random.normal((n_q + n_kv, dim), key=mx.random.key(1))).astype(dtype)
-    scale = scale if norm else None
-    starts = mx.array([0, 300, 4059], dtype=mx.int32) if offset == "rows" else offset
-    got = prefill_qk_norm_rope(qkv, n_q + n_kv, rope_starts(starts), scale, 1e-6, rope)
-    want = reference_prefill_qk_norm_rope(qkv, n_q + n_kv, starts, scale, 1e-6, rope)
-    assert got.shape == want.shape == (batch, n_q + n_kv, tokens, dim) and got.dtype == dtype
-    ulp = {mx.bfloat16: 2.0 ** -7, mx.float16: 2.0 ** -10, mx.float32: 2.0 ** -20}[dtype]
-    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
-    np.testing.assert_allclose(g, w, rtol=2 * ulp, atol=4 * ulp)
-    if dtype != mx.float32:
-        assert np.mean(g != w) < 0.05
-
-
-def test_rope_starts_pad_past_the_constants_region():
-    """The prefill kernel's starts: the offset for every row (an int) or each row's, as
-    int32, padded past CONSTANT_ELEMENTS (arrays of 8 bytes or less would sit in MLX's
-    host-written scalar region on CUDA)."""
-    from worker_proc.kernel_constants import CONSTANT_ELEMENTS
-    from worker_proc.qk_norm_rope import rope_starts
-
-    one = rope_starts(7)
-    assert one.dtype == mx.int32 and one.shape == (CONSTANT_ELEMENTS,) and (one == 7).all().item()
-    rows = rope_starts(mx.array([3, 0, 9], dtype=mx.int32))
-    assert rows.shape == (CONSTANT_ELEMENTS,) and rows[:3].tolist() == [3, 0, 9]
-
-
-@pytest.mark.parametrize("dim,dtype,next_norm,rows", [
-    (3840, mx.bfloat16, True, (3, 1)), (3840, mx.bfloat16, False, (3, 1)),
-    (1152, mx.float16, True, (3, 1)), (64, mx.float32, True, (3, 1)),
-    (6144, mx.bfloat16, True, (3, 1)), (5376, mx.bfloat16, True, (3, 1)),
-    (3840, mx.bfloat16, True, (2, 37))])
-def test_cuda_residual_norm_kernel_matches_mlx_lm_ops(dim, dtype, next_norm, rows):
+@pytest.mark.parametrize("dim,dtype,next_norm", [
+    (3840, mx.bfloat16, True), (3840, mx.bfloat16, False), (1152, mx.float16, True),
+    (64, mx.float32, True), (6144, mx.bfloat16, True), (5376, mx.bfloat16, True)])
+def test_cuda_residual_norm_kernel_matches_mlx_lm_ops(dim, dtype, next_norm):
     """On CUDA, the sandwich-norm kernel gives mlx-lm's norm and clip_residual (and the
     sum's own norm) within a rounding step or two of the dtype (its sums of squares are
-    reduced in another order), float16 sums clipped to its range as mlx-lm clips them:
-    a decode step's rows ([B, 1, D]) or a prefill forward's tokens ([B, L, D])."""
+    reduced in another order), float16 sums clipped to its range as mlx-lm clips them."""
     from worker_proc.paged_attention import kernel_available
     from worker_proc.residual_norm import fits, reference_residual_norm, residual_norm
 
     if not kernel_available():
         pytest.skip("the kernel needs MLX's CUDA backend")
     assert fits(dim)
+    rows = (3, 1)
     branch = (mx.random.normal((*rows, dim), key=mx.random.key(dim)) * 4).astype(dtype)
     residual = (mx.random.normal((*rows, dim), key=mx.random.key(1)) * 50).astype(dtype)
     if dtype == mx.float16:  # near the top of its range: the sum clips
@@ -641,17 +574,16 @@ def test_cuda_residual_norm_kernel_matches_mlx_lm_ops(dim, dtype, next_norm, row
 @pytest.mark.parametrize("dim,dtype,bias", [
     (2880, mx.bfloat16, True), (2880, mx.bfloat16, False), (64, mx.float32, True),
     (4096, mx.float16, True)])
-@pytest.mark.parametrize("rows", [(5, 1), (2, 37)])
-def test_cuda_add_norm_kernel_matches_mlx_lm_ops(dim, dtype, bias, rows):
+def test_cuda_add_norm_kernel_matches_mlx_lm_ops(dim, dtype, bias):
     """On CUDA, the residual add (the branch's bias first) and the sum's RMS norm in one
-    kernel give mlx-lm's ops within a rounding step or two of the dtype (decode rows or
-    prefill tokens)."""
+    kernel give mlx-lm's ops within a rounding step or two of the dtype."""
     from worker_proc.paged_attention import kernel_available
     from worker_proc.residual_norm import add_norm, fits, reference_add_norm
 
     if not kernel_available():
         pytest.skip("the kernel needs MLX's CUDA backend")
     assert fits(dim)
+    rows = (5, 1)
     branch = (mx.random.normal((*rows, dim), key=mx.random.key(dim)) * 4).astype(dtype)
     residual = (mx.random.normal((*rows, dim), key=mx.random.key(1)) * 20).astype(dtype)
     b = mx.random.normal((dim,), key=mx.random.key(2)).astype(dtype) if bias else None

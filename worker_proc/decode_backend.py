@@ -40,8 +40,7 @@ from worker_proc.prefill_attention import (bucketed_fused_attention, bucketed_ma
                                            fused_builds_per_shape, FUSED_PREFILL_BUCKET,
                                            masked_bias, masked_bias_fits,
                                            unfused_prefill_attention, unfused_prefill_fits)
-from worker_proc.qk_norm_rope import (decode_qk_norm_rope, fits as qk_norm_rope_fits,
-                                      prefill_qk_norm_rope, rope_starts)
+from worker_proc.qk_norm_rope import decode_qk_norm_rope, fits as qk_norm_rope_fits
 from worker_proc.expert_rows import expert_rows, fits as expert_rows_fit
 from worker_proc.expert_rows import preferred as expert_rows_preferred
 from worker_proc.fused_moe import NextNorm, Routed, Routing, combine as moe_combine
@@ -135,30 +134,20 @@ class DecodeBackend:
         None: the caller runs those ops itself."""
         return None
 
-    def prefill_norm_rope_qk(self, qkv: mx.array, heads: int, offset: int | mx.array,
-                             scale: mx.array | None, eps: float, rope: RopeSpec | None,
-                             once: Once = _every_time) -> mx.array | None:
-        """norm_rope_qk for a prefill forward's fused q/k/v output [B, L, F], token l of
-        row b rotated at offset (+ b's entry, an array) + l, as
-        qk_norm_rope.reference_prefill_qk_norm_rope computes them, [B, heads, L, D]; None:
-        the caller runs those ops itself. once: as prefill_attention's."""
-        return None
-
     def residual_norm(self, branch: mx.array, residual: mx.array, weight: mx.array,
-                      eps: float, next_weight: mx.array | None = None, prefill: bool = False
+                      eps: float, next_weight: mx.array | None = None
                       ) -> tuple[mx.array, mx.array | None] | None:
-        """residual + rms_norm(branch, weight) and, with next_weight, that sum normalised
-        again (Gemma's sandwich norms), a decode step's rows or (prefill) a prefill
-        forward's tokens, as residual_norm.reference_residual_norm computes them; None: the
-        caller runs those ops itself."""
+        """A decode step's residual + rms_norm(branch, weight) and, with next_weight, that
+        sum normalised again (Gemma's sandwich norms), as
+        residual_norm.reference_residual_norm computes them; None: the caller runs those
+        ops itself."""
         return None
 
     def add_norm(self, branch: mx.array, bias: mx.array | None, residual: mx.array,
-                 weight: mx.array, eps: float, prefill: bool = False
-                 ) -> tuple[mx.array, mx.array] | None:
-        """residual + (branch + bias) and that sum's RMS norm, a decode step's rows or
-        (prefill) a prefill forward's tokens, as residual_norm.reference_add_norm computes
-        them; None: the caller runs those ops itself."""
+                 weight: mx.array, eps: float) -> tuple[mx.array, mx.array] | None:
+        """A decode step's residual + (branch + bias) and that sum's RMS norm, as
+        residual_norm.reference_add_norm computes them; None: the caller runs those ops
+        itself."""
         return None
 
     def route_experts(self, logits: mx.array, routing: Routing,
@@ -252,10 +241,7 @@ class KernelDecode(DecodeBackend):
     MLX's copy and RoPE (off: `--experiments unfused-qk-rope`). residual_norm_kernel: a
     decode step's sandwich norms and residual adds (Gemma 3's) in one kernel a pair
     (residual_norm; off: `--experiments unfused-residual-norm`, which also turns off
-    add_norm, GPT-OSS's attention residual and MLP norm in one kernel). prefill_row_kernels:
-    those three kernels (the q/k norm and RoPE, residual_norm, add_norm) in prefill
-    forwards too, each token a row (off, a decode step's alone, as before: `--experiments
-    decode-only-row-kernels`). moe_kernels: a decode
+    add_norm, GPT-OSS's attention residual and MLP norm in one kernel). moe_kernels: a decode
     step's mixture-of-experts routing and the weighted sum of its experts' outputs in a
     kernel each (fused_moe; off: `--experiments unfused-moe`); expert_rows_kernel: with
     them, 4-bit experts' projections of the sorted pairs through expert_rows' tensor-core
@@ -281,7 +267,6 @@ class KernelDecode(DecodeBackend):
     qk_norm_kernel: bool = True
     qk_rope_kernel: bool = True
     residual_norm_kernel: bool = True
-    prefill_row_kernels: bool = True
     moe_kernels: bool = True
     expert_rows_kernel: bool = True
     paged_prefill: bool = False
@@ -405,29 +390,17 @@ class KernelDecode(DecodeBackend):
             return None
         return self._qk_norm_rope(qkv, heads, lengths, scale, eps, rope)
 
-    def prefill_norm_rope_qk(self, qkv: mx.array, heads: int, offset: int | mx.array,
-                             scale: mx.array | None, eps: float, rope: RopeSpec | None,
-                             once: Once = _every_time) -> mx.array | None:
-        wanted = self.qk_rope_kernel if scale is None else self.qk_norm_kernel
-        if not (self.prefill_row_kernels and wanted and rope is not None
-                and qk_norm_rope_fits(rope)):
-            return None
-        return self._prefill_qk_norm_rope(qkv, heads, offset, scale, eps, rope, once)
-
     def residual_norm(self, branch: mx.array, residual: mx.array, weight: mx.array,
-                      eps: float, next_weight: mx.array | None = None, prefill: bool = False
+                      eps: float, next_weight: mx.array | None = None
                       ) -> tuple[mx.array, mx.array | None] | None:
-        if not (self.residual_norm_kernel and residual_norm_fits(branch.shape[-1])
-                and (self.prefill_row_kernels or not prefill)):
+        if not (self.residual_norm_kernel and residual_norm_fits(branch.shape[-1])):
             return None
         return self._residual_norm(branch, residual, weight, eps, next_weight)
 
     def add_norm(self, branch: mx.array, bias: mx.array | None, residual: mx.array,
-                 weight: mx.array, eps: float, prefill: bool = False
-                 ) -> tuple[mx.array, mx.array] | None:
+                 weight: mx.array, eps: float) -> tuple[mx.array, mx.array] | None:
         dtype = branch.dtype  # the kernel writes it (mlx-lm's ops would promote)
         if not (self.residual_norm_kernel and residual_norm_fits(branch.shape[-1])
-                and (self.prefill_row_kernels or not prefill)
                 and residual.dtype == weight.dtype == dtype
                 and (bias is None or bias.dtype == dtype)):
             return None
@@ -523,12 +496,6 @@ class KernelDecode(DecodeBackend):
     def _qk_norm_rope(self, qkv: mx.array, heads: int, lengths: mx.array,
                       scale: mx.array | None, eps: float, rope: RopeSpec) -> mx.array:
         return decode_qk_norm_rope(qkv, heads, lengths, scale, eps, rope)
-
-    def _prefill_qk_norm_rope(self, qkv: mx.array, heads: int, offset: int | mx.array,
-                              scale: mx.array | None, eps: float, rope: RopeSpec,
-                              once: Once) -> mx.array:
-        starts = once(("rope starts",), lambda: rope_starts(offset))
-        return prefill_qk_norm_rope(qkv, heads, starts, scale, eps, rope)
 
     def _residual_norm(self, branch: mx.array, residual: mx.array, weight: mx.array,
                        eps: float, next_weight: mx.array | None
@@ -701,7 +668,6 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         qk_norm_kernel="unfused-qk-norm" not in experiments,
                         qk_rope_kernel="unfused-qk-rope" not in experiments,
                         residual_norm_kernel="unfused-residual-norm" not in experiments,
-                        prefill_row_kernels="decode-only-row-kernels" not in experiments,
                         moe_kernels="unfused-moe" not in experiments,
                         expert_rows_kernel="mlx-expert-matmuls" not in experiments,
                         paged_prefill="paged-prefill" in experiments,

@@ -113,17 +113,13 @@ def _rotate_qk(cache: PooledKVCache, qkv: mx.array, qk: mx.array, rope: nn.Modul
                spec: RopeSpec | None, norms: QKNorms | None) -> mx.array:
     """The q and k heads (qk, [B, L, n_q + n_kv, D], views of the fused output qkv)
     through the block's q/k norms where it has them, then its RoPE: [B, n_q + n_kv, L, D].
-    A decode step or prefill forward hands both to the backend's one kernel
-    (norm_rope_qk, prefill_norm_rope_qk) where it has one and `spec`, the RoPE's
-    arguments, rotates whole heads; else MLX's norm as one unscaled norm and a multiply
-    (see QKNorms) and the model's RoPE."""
-    if spec is not None and spec.dims == qk.shape[-1]:
-        scale, eps = (None, 0.0) if norms is None else (norms.scale, norms.eps)
-        backend = cache.backend
-        rotated = (backend.norm_rope_qk(qkv, qk.shape[2], cache.layout.lengths, scale, eps, spec)
-                   if cache.paged else
-                   backend.prefill_norm_rope_qk(qkv, qk.shape[2], cache.offset, scale, eps,
-                                                spec, cache.layout.once))
+    A decode step hands both to the backend's one kernel (norm_rope_qk) where it has one
+    and `spec`, the RoPE's arguments, rotates whole heads; else MLX's norm as one unscaled
+    norm and a multiply (see QKNorms) and the model's RoPE."""
+    if cache.paged and spec is not None and spec.dims == qk.shape[-1]:
+        rotated = cache.backend.norm_rope_qk(qkv, qk.shape[2], cache.layout.lengths,
+                                             None if norms is None else norms.scale,
+                                             0.0 if norms is None else norms.eps, spec)
         if rotated is not None:
             return rotated
     if norms is not None:
@@ -286,11 +282,11 @@ class FastGemma3Block:
     made at load) and one RoPE (RoPE works head by head with one offset per row). That
     multiply is the scale step of MLX's CPU rms_norm, so on the CPU the tokens are
     mlx-lm's bit for bit (the tests compare them); CUDA's norm kernel scales before
-    rounding, so there they may differ at near-ties. The norm, multiply and RoPE are one
-    kernel where the backend has it (DecodeBackend.norm_rope_qk, prefill_norm_rope_qk:
-    CUDA), and the sandwich norms and residual adds two where it has those
-    (residual_norm), the second also the next block's input norm (NormHandoff): in decode
-    steps and prefill forwards alike. Attention and the MLP are mlx-lm's calls."""
+    rounding, so there they may differ at near-ties. A decode step's norm, multiply and
+    RoPE are one kernel where the backend has it (DecodeBackend.norm_rope_qk: CUDA), and
+    its sandwich norms and residual adds two where it has those (residual_norm), the
+    second also the next block's input norm (NormHandoff). Attention and the MLP are
+    mlx-lm's calls."""
 
     qk_norms: QKNorms | None = None  # set per block by speed_up_decode_blocks
     rope_spec: RopeSpec | None = None  # its attention's RoPE, ditto
@@ -315,22 +311,19 @@ class FastGemma3Block:
         return _rotate_qk(cache, qkv, qk, attn.rope, self.rope_spec, self.qk_norms), values
 
     def _after_attention(self, x: mx.array, out: mx.array, cache: PooledKVCache) -> mx.array:
-        """The sandwich-normed residuals around the MLP: two kernels where the backend has
-        them (residual_norm; a decode step's rows or a prefill forward's tokens alike),
-        else mlx-lm's norms and adds."""
+        """The sandwich-normed residuals around the MLP: in a decode step two kernels
+        where the backend has them (residual_norm), else mlx-lm's norms and adds."""
         sandwich = self.sandwich
-        if sandwich is not None:
+        if cache.paged and sandwich is not None:
             backend = cache.backend
-            prefill = not cache.paged
             first = backend.residual_norm(out, x, sandwich.post_attention, sandwich.eps,
-                                          sandwich.pre_feedforward, prefill)
+                                          sandwich.pre_feedforward)
             if first is not None:
                 h, normed = first
                 r = self.mlp(normed)  # type: ignore[attr-defined]
                 handoff = self.handoff_out
                 y, after = backend.residual_norm(r, h, sandwich.post_feedforward, sandwich.eps,
-                                                 None if handoff is None else handoff.next_norm.weight,
-                                                 prefill)
+                                                 None if handoff is None else handoff.next_norm.weight)
                 if handoff is not None and after is not None:
                     handoff.put(y, after)
                 return y
@@ -345,10 +338,10 @@ class FastGptOssBlock:
     apart, each a copy of its strided view first on CUDA; in a CUDA decode step one kernel,
     YaRN's input scale included: DecodeBackend.norm_rope_qk), then mlx-lm's attention with
     sinks, o projection, MoE and residuals. RoPE works head by head, so the tokens are
-    mlx-lm's on the CPU (tests). The attention's residual add and the MLP's norm are one
-    kernel where the backend has it (add_norm; decode and prefill), and in a decode step
-    the experts go through its routing and sum (fused_moe), which also compute the next
-    block's input norm (NormHandoff)."""
+    mlx-lm's on the CPU (tests). In a decode step the attention's residual add and the
+    MLP's norm are one kernel where the backend has it (add_norm), and the experts go
+    through its routing and sum (fused_moe), which also compute the next block's input
+    norm (NormHandoff)."""
 
     rope_spec: RopeSpec | None = None  # its YaRN RoPE, set by speed_up_decode_blocks
     moe_plan: ExpertsPlan | None = None  # its experts' parts (fused_moe), ditto
@@ -371,13 +364,13 @@ class FastGptOssBlock:
 
 def _residual_and_norm(block: Any, x: mx.array, out: mx.array, cache: PooledKVCache
                        ) -> tuple[mx.array, mx.array]:
-    """h = x + o_proj(out) and the MLP's input norm of h: one kernel of the backend's
-    where it has it (add_norm, a quantized o_proj's bias added there too; decode rows or
-    prefill tokens alike), else mlx-lm's ops."""
+    """h = x + o_proj(out) and the MLP's input norm of h: in a decode step one kernel of
+    the backend's where it has it (add_norm, a quantized o_proj's bias added there too),
+    else mlx-lm's ops."""
     norm = block.post_attention_layernorm
     branch, bias = linear_and_bias(block.self_attn.o_proj, out)
-    if type(norm) is nn.RMSNorm:
-        made = cache.backend.add_norm(branch, bias, x, norm.weight, norm.eps, not cache.paged)
+    if cache.paged and type(norm) is nn.RMSNorm:
+        made = cache.backend.add_norm(branch, bias, x, norm.weight, norm.eps)
         if made is not None:
             return made
     h = x + (branch if bias is None else branch + bias)

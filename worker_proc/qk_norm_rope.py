@@ -8,10 +8,7 @@ and MLX's norm kernel runs slowly on these short rows (docs/benchmarks.md, sessi
 This kernel reads the projection's output in place and writes the rotated heads in
 attention's layout, rounding as those ops do: the norm's output, the scaled head and
 the rotated head each to the input's dtype. Without the norm it is RoPE alone, for
-blocks that only rotate (llama, qwen2: MLX's copy and RoPE, two launches a layer). A
-prefill forward's tokens take the same kernel, each at its row's start plus its column:
-its launches are what a spread prefill piece's host time is made of (worker_proc/
-prefill_parts.py), four or five a layer here too.
+blocks that only rotate (llama, qwen2: MLX's copy and RoPE, two launches a layer).
 """
 
 from __future__ import annotations
@@ -20,30 +17,27 @@ import functools
 
 import mlx.core as mx
 
-from worker_proc.kernel_constants import CONSTANT_ELEMENTS, float_bits
+from worker_proc.kernel_constants import float_bits
 from worker_proc.paged_attention import _ROPE_HEADER, RopeSpec
 
-# A block a (head, token); thread i takes the head's i-th rotation pair. Row b's token l
-# (of TOKENS a row) sits at POSITION: a decode step's one token at its row's length - 1,
-# a prefill forward's at its row's start + l. With NORM, the sum of squares is reduced
-# over the block: warps (or the one part-warp of a head under 64 wide) by shuffles, then
-# the warps' partials through shared memory.
+# A block a (head, row); thread i takes the head's i-th rotation pair. With NORM, the sum
+# of squares is reduced over the block: warps (or the one part-warp of a head under 64
+# wide) by shuffles, then the warps' partials through shared memory.
 _BODY = r"""
     constexpr int HALF = D / 2;
     const int h = blockIdx.x;
-    const int b = blockIdx.y / TOKENS;
-    const int l = blockIdx.y % TOKENS;
+    const int b = blockIdx.y;
     const int i = threadIdx.x;
     const int64_t es = qkv_strides[2];
-    const size_t at = (size_t)b * qkv_strides[0] + (size_t)l * qkv_strides[1]
-                      + (size_t)h * D * es;
+    const size_t at = (size_t)b * qkv_strides[0] + (size_t)h * D * es;
     const int d1 = TRAD ? 2 * i : i;
     const int d2 = TRAD ? 2 * i + 1 : i + HALF;
     float m1 = static_cast<float>(qkv[at + (size_t)d1 * es]);
     float m2 = static_cast<float>(qkv[at + (size_t)d2 * es]);
     __shared__ float rope_cos[HALF], rope_sin[HALF];
     NORM_PARTIAL
-    kiln_rope_angles<D, FREQS>(static_cast<float>(POSITION), rope, rope_cos, rope_sin);
+    kiln_rope_angles<D, FREQS>(static_cast<float>(lengths[b * lengths_strides[0]] - 1), rope,
+                              rope_cos, rope_sin);
     __syncthreads();
     NORM_APPLY
     if (MSCALE != 0x3f800000) {  // YaRN's input scale (not 1.0f), in T as mlx-lm's multiply
@@ -52,7 +46,7 @@ _BODY = r"""
         m2 = static_cast<float>(static_cast<T>(m2 * ms));
     }
     const float c = rope_cos[i], s = rope_sin[i];  // pair i's frequency, either layout
-    const size_t o = (((size_t)b * H + h) * TOKENS + l) * D;
+    const size_t o = ((size_t)b * H + h) * D;
     out[o + d1] = static_cast<T>(m1 * c - m2 * s);
     out[o + d2] = static_cast<T>(m1 * s + m2 * c);
 """
@@ -76,27 +70,18 @@ _NORM_APPLY = r"""float total = 0.f;
     m2 = static_cast<float>(static_cast<T>(static_cast<float>(static_cast<T>(m2 * r)) * s2));"""
 
 
-# Where row b's token l is rotated: from the decode step's lengths, or the prefill
-# forward's starts (a padded array: see rope_starts).
-_DECODE_POSITION = "lengths[b * lengths_strides[0]] - 1"
-_PREFILL_POSITION = "starts[b] + l"
-
-
-def source(norm: bool, prefill: bool = False) -> str:
-    """The kernel's source: the heads normalised and scaled before RoPE, or RoPE alone;
-    of a decode step's rows or a prefill forward's tokens."""
+def source(norm: bool) -> str:
+    """The kernel's source: the heads normalised and scaled before RoPE, or RoPE alone."""
     return (_BODY.replace("NORM_PARTIAL", _NORM_PARTIAL if norm else "")
-            .replace("NORM_APPLY", _NORM_APPLY if norm else "")
-            .replace("POSITION", _PREFILL_POSITION if prefill else _DECODE_POSITION))
+            .replace("NORM_APPLY", _NORM_APPLY if norm else ""))
 
 
 @functools.cache
-def _kernel(norm: bool, prefill: bool = False):
+def _kernel(norm: bool):
     return mx.fast.cuda_kernel(
-        name=f"kiln_qk{'_norm' if norm else ''}_rope{'_prefill' if prefill else ''}",
-        input_names=["qkv", *(["qk_scale"] if norm else []), "rope",
-                     "starts" if prefill else "lengths"],
-        output_names=["out"], source=source(norm, prefill), header=_ROPE_HEADER,
+        name=f"kiln_qk{'_norm' if norm else ''}_rope",
+        input_names=["qkv", *(["qk_scale"] if norm else []), "rope", "lengths"],
+        output_names=["out"], source=source(norm), header=_ROPE_HEADER,
         ensure_row_contiguous=False)  # qkv read in place; the small inputs are made whole,
                                       # the lengths read through their stride
 
@@ -116,40 +101,16 @@ def decode_qk_norm_rope(qkv: mx.array, heads: int, lengths: mx.array, scale: mx.
     `scale` [heads, D] (scale None: neither), scaled by the RoPE's mscale (YaRN's) and
     rotated at position lengths[b] - 1:
     [B, heads, 1, D], as reference_qk_norm_rope computes (fits(rope) must hold)."""
-    return _launch(qkv, heads, lengths, scale, eps, rope, prefill=False)
-
-
-def prefill_qk_norm_rope(qkv: mx.array, heads: int, starts: mx.array, scale: mx.array | None,
-                         eps: float, rope: RopeSpec) -> mx.array:
-    """decode_qk_norm_rope for a prefill forward's fused q/k/v output [B, L, F]: token l of
-    row b rotated at position starts[b] + l (starts: rope_starts'), [B, heads, L, D], as
-    reference_prefill_qk_norm_rope computes (fits(rope) must hold)."""
-    return _launch(qkv, heads, starts, scale, eps, rope, prefill=True)
-
-
-def _launch(qkv: mx.array, heads: int, positions: mx.array, scale: mx.array | None,
-            eps: float, rope: RopeSpec, prefill: bool) -> mx.array:
-    batch, tokens, dim = qkv.shape[0], qkv.shape[1], rope.dims
+    batch, dim = qkv.shape[0], rope.dims
     norm = scale is not None
-    (out,) = _kernel(norm, prefill)(
-        inputs=[qkv, *([scale] if norm else []), rope.kernel_params, positions],
-        template=[("T", qkv.dtype), ("D", dim), ("H", heads), ("TOKENS", tokens),
-                  ("TRAD", rope.traditional), ("FREQS", rope.freqs is not None),
-                  ("EPS", float_bits(eps)), ("MSCALE", float_bits(rope.mscale))],
-        grid=(heads * dim // 2, batch * tokens, 1), threadgroup=(dim // 2, 1, 1),
-        output_shapes=[(batch, heads, tokens, dim)], output_dtypes=[qkv.dtype])
+    (out,) = _kernel(norm)(
+        inputs=[qkv, *([scale] if norm else []), rope.kernel_params, lengths],
+        template=[("T", qkv.dtype), ("D", dim), ("H", heads), ("TRAD", rope.traditional),
+                  ("FREQS", rope.freqs is not None), ("EPS", float_bits(eps)),
+                  ("MSCALE", float_bits(rope.mscale))],
+        grid=(heads * dim // 2, batch, 1), threadgroup=(dim // 2, 1, 1),
+        output_shapes=[(batch, heads, 1, dim)], output_dtypes=[qkv.dtype])
     return out
-
-
-def rope_starts(offset: int | mx.array) -> mx.array:
-    """The prefill kernel's `starts` from a forward's offset (an int for every row, or
-    an int32 array a row): int32, padded past CONSTANT_ELEMENTS and made by a kernel, so
-    in device memory on CUDA (kernel_constants). Make it once a forward (its layers
-    share it: ForwardLayout.once)."""
-    if isinstance(offset, int):
-        return mx.full((CONSTANT_ELEMENTS,), offset, dtype=mx.int32)
-    pad = max(0, CONSTANT_ELEMENTS - offset.size)
-    return mx.concatenate([offset.reshape(-1).astype(mx.int32), mx.zeros((pad,), mx.int32)])
 
 
 def reference_qk_norm_rope(qkv: mx.array, heads: int, lengths: mx.array, scale: mx.array | None,
@@ -160,16 +121,3 @@ def reference_qk_norm_rope(qkv: mx.array, heads: int, lengths: mx.array, scale: 
     if scale is not None:
         qk = mx.fast.rms_norm(qk, None, eps) * scale
     return rope.apply(qk.transpose(0, 2, 1, 3), lengths - 1)
-
-
-def reference_prefill_qk_norm_rope(qkv: mx.array, heads: int, offset: int | mx.array,
-                                   scale: mx.array | None, eps: float,
-                                   rope: RopeSpec) -> mx.array:
-    """What the prefill kernel computes, in MLX ops, from the forward's offset (an int or
-    an array a row, as mx.fast.rope takes it): the ops a prefill forward runs without it
-    (decode_block._rotate_qk), so on the CPU the tokens stay mlx-lm's."""
-    batch, tokens, dim = qkv.shape[0], qkv.shape[1], rope.dims
-    qk = qkv[..., :heads * dim].reshape(batch, tokens, heads, dim)
-    if scale is not None:
-        qk = mx.fast.rms_norm(qk, None, eps) * scale
-    return rope.apply(qk.transpose(0, 2, 1, 3), offset)
