@@ -317,6 +317,20 @@ def test_ordinary_models_need_no_remote_code(tmp_path: Path) -> None:
     assert remote_code_reasons(named) == []
 
 
+def test_a_model_type_mlx_lm_ships_is_checked_without_importing_mlx_lm(tmp_path: Path) -> None:
+    """The launcher's check finds mlx-lm's own module for a plain model_type on disk (the
+    package's import is most of the launcher's start-up); remapped and unknown types, and
+    names that are not identifiers, still go through mlx-lm's lookup."""
+    model = _model_dir(tmp_path / "m", {"model_type": "qwen3"})
+    probe = ("import sys; from tokenizer_proc.remote_code import remote_code_reasons as r; "
+             f"from pathlib import Path; print(r(Path({str(model)!r})), 'mlx_lm' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", probe], cwd=ROOT, capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout.split() == ["[]", "False"], done.stderr
+    traversal = remote_code_reasons(_model_dir(tmp_path / "t", {"model_type": "../models/llama"}))
+    assert len(traversal) == 1 and "'../models/llama'" in traversal[0]
+
+
 def test_launcher_refuses_a_remote_code_model(tmp_path: Path) -> None:
     model = _model_dir(tmp_path / "m", {"model_type": "llama", "auto_map": AUTO_MAP})
     done = subprocess.run([sys.executable, str(ROOT / "launch.py"), "--model", str(model)],

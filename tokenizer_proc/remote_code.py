@@ -7,6 +7,7 @@ tokenizer, detokenizer and worker pass `trust_remote_code=True` to their loaders
 
 from __future__ import annotations
 
+import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -47,11 +48,28 @@ def remote_code_reasons(model_dir: Path) -> list[str]:
 
 
 def mlx_lm_knows(config: dict[str, Any]) -> bool:
-    """Whether mlx-lm builds this architecture itself (its own lookup, remappings included)."""
-    from mlx_lm.utils import _get_classes  # heavy import, only when a model is checked
+    """Whether mlx-lm builds this architecture itself (its own lookup, remappings included).
+    A model_type with a module of its own in mlx-lm's models package is found without
+    importing mlx-lm: that import (transformers with it) is most of the launcher's time
+    before it starts the processes (docs/benchmarks.md, session 48)."""
+    if _ships_model_module(config["model_type"]):
+        return True
+    from mlx_lm.utils import _get_classes  # heavy: for remapped or unknown types only
 
     try:
         _get_classes(config)
     except ValueError:  # mlx-lm's "Model type ... not supported."
         return False
     return True
+
+
+def _ships_model_module(model_type: str) -> bool:
+    """Whether mlx-lm's models package holds a module named model_type (what its lookup
+    imports for a type it does not remap; a remapped one leads to another of its own
+    modules, so mlx-lm knows the type either way). Found on disk, mlx-lm unimported;
+    a name that is not an identifier is left to mlx-lm's own lookup."""
+    if not model_type.isidentifier():
+        return False
+    spec = importlib.util.find_spec("mlx_lm")  # a top-level spec: nothing is imported
+    locations = spec.submodule_search_locations if spec is not None else None
+    return any((Path(at) / "models" / f"{model_type}.py").is_file() for at in locations or ())
