@@ -20,8 +20,10 @@ def mlx_lm_greedy(model: Any, tokenizer: Any, prompt_ids: list[int], max_tokens:
 
 def model_fingerprint(model: Any) -> str:
     """What mlx-lm's output depends on, for telling models apart: every parameter's name,
-    shape, dtype and sum, and the classes of every module (a layer swapped for another of
-    the same parameters, as the served rewrites do, runs other code)."""
+    shape, dtype and sum, the classes of every module (a layer swapped for another of
+    the same parameters, as the served rewrites do, runs other code) and each module's
+    plain settings (a sliding window, a RoPE base, an eps, its model args: llama with
+    sliding layers has llama's very parameters and classes)."""
     import hashlib
 
     import mlx.core as mx
@@ -32,9 +34,27 @@ def model_fingerprint(model: Any) -> str:
     h = hashlib.sha256()
     for (name, v), total in zip(params, sums):
         h.update(f"{name}:{v.shape}:{v.dtype}:{total!r};".encode())
-    for _, module in model.named_modules():
-        h.update(f"{type(module).__module__}.{type(module).__qualname__};".encode())
+    for name, module in model.named_modules():
+        h.update(f"{name}={type(module).__module__}.{type(module).__qualname__}"
+                 f"{_settings(module)};".encode())
     return h.hexdigest()
+
+
+def _settings(module: Any) -> list[tuple[str, str]]:
+    """A module's own attributes that are settings (scalars, strings, dataclasses such as
+    mlx-lm's ModelArgs, and sequences of those), by name: what its code reads besides
+    its parameters. Other objects are left out (their repr may hold an address)."""
+    import dataclasses
+
+    def plain(v: Any) -> bool:
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return True
+        if isinstance(v, (list, tuple)):
+            return all(plain(x) for x in v)
+        return dataclasses.is_dataclass(v) and not isinstance(v, type)
+
+    return sorted((k, repr(v)) for k, v in vars(module).items()
+                  if not k.startswith("_") and plain(v))
 
 
 # (model fingerprint, prompt) -> the longest greedy run asked for so far: a shorter one is

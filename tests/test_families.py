@@ -1081,3 +1081,18 @@ def test_one_token_prefill_forwards_equal_mlx_lm():
     assert engine.scheduler.counters.cache_hit_tokens >= 2 * len(prefix)
     assert all(r.error is None for r in results.values()), [r.error for r in results.values()]
     assert_mlx_lm_tokens(model, "deepseek_v32", results, cases, 8)
+
+
+def test_the_oracles_memo_tells_apart_models_that_differ_in_settings_alone():
+    """mlx_lm_tokens memoises mlx-lm's runs by model fingerprint across tests: llama with
+    sliding layers has plain llama's parameters and classes but other tokens past its
+    window, so the fingerprint covers the modules' settings (one served the other's
+    memoised run before: a bench/schedule_soak.py run of llama, then llama_sliding,
+    failed); the same build twice shares one."""
+    from tests.oracle import model_fingerprint
+
+    full, sliding = build("llama", as_served=False), build("llama_sliding", as_served=False)
+    assert model_fingerprint(full) != model_fingerprint(sliding)
+    assert model_fingerprint(full) == model_fingerprint(build("llama", as_served=False))
+    prompt = [(7 * i) % 500 + 1 for i in range(40)]  # past the sliding window of 16
+    assert mlx_lm_tokens(full, prompt, 6) != mlx_lm_tokens(sliding, prompt, 6)
