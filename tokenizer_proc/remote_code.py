@@ -7,11 +7,11 @@ tokenizer, detokenizer and worker pass `trust_remote_code=True` to their loaders
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
 from kiln_common.model_info import read_json
+from tokenizer_proc.mlx_lm_shim import mlx_lm_has_module
 
 
 class UntrustedModelError(Exception):
@@ -66,10 +66,6 @@ def mlx_lm_knows(config: dict[str, Any]) -> bool:
 def _ships_model_module(model_type: str) -> bool:
     """Whether mlx-lm's models package holds a module named model_type (what its lookup
     imports for a type it does not remap; a remapped one leads to another of its own
-    modules, so mlx-lm knows the type either way). Found on disk, mlx-lm unimported;
-    a name that is not an identifier is left to mlx-lm's own lookup."""
-    if not model_type.isidentifier():
-        return False
-    spec = importlib.util.find_spec("mlx_lm")  # a top-level spec: nothing is imported
-    locations = spec.submodule_search_locations if spec is not None else None
-    return any((Path(at) / "models" / f"{model_type}.py").is_file() for at in locations or ())
+    modules, so mlx-lm knows the type either way), mlx-lm's package unimported; a name
+    that is not an identifier is left to mlx-lm's own lookup."""
+    return model_type.isidentifier() and mlx_lm_has_module(f"models.{model_type}")

@@ -15,15 +15,13 @@ tokens), else from `<think>`/`</think>` in the template.
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import logging
-import sys
-import types
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import regex
+
+from tokenizer_proc.mlx_lm_shim import mlx_lm_module
 
 logger = logging.getLogger(__name__)
 
@@ -77,22 +75,6 @@ def _json_header(args_key: str = "arguments") -> str:
     # {"name": "f", "arguments": ...  (also "function"/"parameters", as models vary)
     return (r'\s*\{\s*"(?:name|function)"\s*:\s*"(?P<name>[^"]+)"\s*,\s*'
             rf'"(?:{args_key})"\s*:\s*')
-
-
-_MLX_LM_SHIM = "_kiln_mlx_lm"
-
-
-def mlx_lm_module(name: str) -> types.ModuleType:
-    """A module of mlx-lm (`tokenizer_utils`, `tool_parsers.X`) loaded without mlx_lm's
-    package __init__, which imports MLX and its generation stack: the front process never
-    loads MLX (on a GPU that would open a device context here too)."""
-    if _MLX_LM_SHIM not in sys.modules:
-        spec = importlib.util.find_spec("mlx_lm")
-        assert spec is not None and spec.submodule_search_locations is not None
-        shim = types.ModuleType(_MLX_LM_SHIM)
-        shim.__path__ = list(spec.submodule_search_locations)
-        sys.modules[_MLX_LM_SHIM] = shim
-    return importlib.import_module(f"{_MLX_LM_SHIM}.{name}")
 
 
 def _mlx_lm_parser(name: str) -> RegionParser:
