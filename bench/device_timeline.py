@@ -244,6 +244,9 @@ def main() -> None:
                    "each step also prefills that many tokens of --prompt-token prompts "
                    "(a burst's prompts beside the decode rows; 0: decode only)")
     p.add_argument("--prompt", type=int, default=4096)
+    p.add_argument("--spread", type=int, default=1, help="with --chunks: pieces of this "
+                   "many chunks, each run a share of the blocks a step over this many steps "
+                   "(the served decode-first spread, --prefill-spread; 1: whole)")
     p.add_argument("--experiments", default="", help="the decode backend's --experiments "
                    "names (e.g. mixed-forward: each step's chunk rides in the decode forward)")
     p.add_argument("--prefill-bucket", type=int, default=0, help="the backend's prefill "
@@ -287,7 +290,7 @@ def main() -> None:
 
         timings = kiln_step_ms(model, batch, args.context, args.warmup + args.steps,
                                pipelined=True, compile_decode=True, before_step=before_step,
-                               chunk=chunk, prompt=args.prompt)
+                               chunk=chunk, prompt=args.prompt, spread=args.spread)
         mx.synchronize()
         records = trace.take()
         if not records:
@@ -296,9 +299,12 @@ def main() -> None:
         host_ms = statistics.median(timings.step[args.warmup:]) * 1e3
         report = analyse(records, batch, args.steps, args.top)
         if chunk:
-            print(f"\nprefilling {chunk} tokens a step beside the decode rows")
+            print(f"\nprefilling {chunk} tokens a step beside the decode rows"
+                  + (f" (pieces of {chunk * args.spread} over {args.spread} steps)"
+                     if args.spread > 1 else ""))
         print_report(report, host_ms, timings)
-        reports.append({**asdict(report), "chunk": chunk, "host_step_ms": host_ms})
+        reports.append({**asdict(report), "chunk": chunk, "spread": args.spread,
+                        "host_step_ms": host_ms})
     if args.json:
         Path(args.json).write_text(json.dumps(reports, indent=1))
 

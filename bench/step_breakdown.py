@@ -178,19 +178,27 @@ class _Prompts:
     """Long prompts prefilled `chunk` tokens a step beside the decode rows, as a burst of
     prompts meets a decoding batch (the mixed-traffic bench's steps): each prompt `length`
     tokens, the next one started when one ends, their slots two ranges from `first_slot`
-    on, taken in turn."""
+    on, taken in turn. spread > 1: as a served decode-first step spreads its prefill
+    (ForwardBatch.parts), a piece of spread * chunk tokens run a share of the blocks a
+    step over `spread` steps."""
 
-    def __init__(self, chunk: int, length: int, first_slot: int) -> None:
-        self.chunk, self.length, self.first_slot = chunk, length, first_slot
-        self.number, self.start = 0, 0
+    def __init__(self, chunk: int, length: int, first_slot: int, spread: int = 1) -> None:
+        self.chunk, self.length, self.first_slot, self.spread = chunk, length, first_slot, spread
+        self.number, self.start, self.part = 0, 0, 0
 
     def step_plan(self, step: int, rids: list[str], slots: list[int]) -> ForwardBatch:
-        """Step `step`: the decode rows and the current prompt's next chunk."""
+        """Step `step`: the decode rows and the current prompt's next chunk, or the next
+        part of the piece an earlier step started."""
+        if self.part:
+            plan = ForwardBatch(step=step, decode_rids=rids, decode_slots=slots,
+                                parts=self.spread, parts_from=self.part, parts_to=self.part + 1)
+            self.part = (self.part + 1) % self.spread
+            return plan
         rid = f"prompt{self.number}"
         new = [NewRequest(rid=rid, sampling=SamplingParams(temperature=0.0, max_new_tokens=1))
                ] if self.start == 0 else []
         released = [f"prompt{self.number - 1}"] if self.start == 0 and self.number else []
-        size = min(self.chunk, self.length - self.start)
+        size = min(self.chunk * self.spread, self.length - self.start)
         base = self.first_slot + (self.number % 2) * self.length + self.start
         chunk = PrefillChunk(rid=rid, start=self.start, token_ids=[1] * size,
                              sample=self.start + size == self.length,
@@ -198,24 +206,26 @@ class _Prompts:
         self.start += size
         if self.start == self.length:
             self.number, self.start = self.number + 1, 0
+        self.part = 1 % self.spread
         return ForwardBatch(step=step, new_requests=new, prefill=[chunk], released=released,
-                            decode_rids=rids, decode_slots=slots)
+                            decode_rids=rids, decode_slots=slots, parts=self.spread)
 
 
 def kiln_step_ms(model: Any, batch: int, context: int, steps: int,
                  pipelined: bool = False, compile_decode: bool = False,
                  profile: cProfile.Profile | None = None,
                  before_step: Callable[[int], None] | None = None,
-                 chunk: int = 0, prompt: int = 4096) -> Timings:
+                 chunk: int = 0, prompt: int = 4096, spread: int = 1) -> Timings:
     """Decode steps: build, start (async_eval), wait. Alone, each step is waited for before
     the next; pipelined, as the worker's start-ahead loop (no scheduler or sockets), step
     N+1 is built and half started before N is waited for, so step ms is the steady state
     (the wait for N counts as "wait"). profile: a profiler to run around each step's
     build; before_step: called with each step's number (1, 2, ...) before its build.
-    chunk > 0: each step also prefills that many tokens of `prompt`-token prompts."""
+    chunk > 0: each step also prefills that many tokens of `prompt`-token prompts, in
+    pieces of spread * chunk tokens run over `spread` steps (_Prompts)."""
     runner, rids, slot = _runner(model, batch, context, steps, compile_decode,
                                  prompt if chunk else 0)
-    prompts = (_Prompts(chunk, prompt, runner.pool.num_slots + 1 - 2 * prompt)
+    prompts = (_Prompts(chunk, prompt, runner.pool.num_slots + 1 - 2 * prompt, spread)
                if chunk else None)
     t = Timings(pool_mb=runner.pool.nbytes / 1e6)
     mx.synchronize()
