@@ -27,7 +27,8 @@ def test_a_spread_piece_runs_over_its_steps_and_prompts_follow_each_other():
 def test_spread_steps_run_on_the_runner(tmp_path):
     """The runner refuses (RuntimeError) a part out of order, a later part with chunks or
     a piece started before the last one ended: the plans keep its protocol over two
-    prompts' pieces (48 tokens in pieces of 16, the second prompt's first piece last)."""
+    prompts' pieces (48 tokens in pieces of 16 over two steps each: nine steps run the
+    first prompt's three, the second's first and the first part of its second)."""
     model_dir = make_family_model(FAMILY_SHAPES["gemma3-tiny"], "float32", tmp_path / "gemma")
     model = served_model(mlx_lm.load(str(model_dir))[0])
     timings = kiln_step_ms(model, 2, 16, 9, pipelined=True, chunk=8, prompt=48, spread=2)
