@@ -28,7 +28,8 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "cuda-core-attention", "gathered-latent", "fused-own-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
                       "paged-prefill", "unpadded-experts", "block-tiles", "unfused-moe",
-                      "mlx-expert-matmuls", "batched-quantized-rows")
+                      "mlx-expert-matmuls", "batched-quantized-rows", "wide-cache",
+                      "kept-pool")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
 CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv", "block-tiles"})
@@ -289,7 +290,11 @@ class ServerConfig:
                                       "Linear layers take its [rows, 1, dims] input as "
                                       "mlx-lm passes it, which MLX's CUDA GEMM runs as a "
                                       "one-row problem a row, not as one problem of all "
-                                      "rows)."})
+                                      "rows), wide-cache (MLX's buffer cache capped at half "
+                                      "the device memory left beside the pool, not a "
+                                      "quarter), kept-pool (the device's memory pool keeps "
+                                      "as much as the cache's cap of what MLX frees across "
+                                      "synchronisations, not none)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

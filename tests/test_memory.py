@@ -7,6 +7,7 @@ import math
 import os
 
 import mlx.core as mx
+import pytest
 
 from ipc.config import ServerConfig
 from worker_proc import memory
@@ -91,6 +92,52 @@ def test_cuda_cache_is_capped_at_a_share_of_free_memory(monkeypatch):
     assert memory.bound_cuda_cache() == 10 << 30 and limits == [10 << 30]
     monkeypatch.setattr(memory.mx, "device_info", lambda: {"memory_size": 1 << 40})
     assert memory.bound_cuda_cache() is None and limits == [10 << 30]  # CPU, Metal: untouched
+
+
+class _FakeRuntime:
+    """The two CUDA runtime calls keep_pool_memory makes, recorded."""
+
+    def __init__(self, pool_error: int = 0, set_error: int = 0) -> None:
+        self.pool_error, self.set_error, self.set = pool_error, set_error, []
+
+    def cudaDeviceGetDefaultMemPool(self, pool_ref, device):
+        pool_ref._obj.value = 0x1234
+        return self.pool_error
+
+    def cudaMemPoolSetAttribute(self, pool, attribute, value_ref):
+        self.set.append((pool.value, attribute, value_ref._obj.value))
+        return self.set_error
+
+
+def test_kept_pool_sets_the_default_pools_release_threshold_or_says_why_not():
+    rt = _FakeRuntime()
+    assert memory.keep_pool_memory(5 << 30, rt) is None
+    assert rt.set == [(0x1234, 4, 5 << 30)]  # cudaMemPoolAttrReleaseThreshold
+    assert "error 2" in memory.keep_pool_memory(1, _FakeRuntime(pool_error=2))
+    assert "cudaMemPoolSetAttribute failed (error 1)" == memory.keep_pool_memory(
+        1, _FakeRuntime(set_error=1))
+
+
+def test_memory_experiments_widen_the_cache_keep_the_pool_and_are_refused_off_cuda(monkeypatch):
+    from worker_proc import cuda_cache_limits
+    from worker_proc.layer_kinds import UnsupportedModelError
+
+    limits, kept, said = [], [], []
+    monkeypatch.setattr(memory.mx, "set_cache_limit", limits.append)
+    monkeypatch.setattr(memory.mx, "device_info", lambda: {"free_memory": 40 << 30})
+    monkeypatch.setattr(memory, "keep_pool_memory", lambda keep: kept.append(keep))
+    assert cuda_cache_limits(frozenset(), said.append) == 10 << 30 and not kept
+    assert cuda_cache_limits(frozenset({"wide-cache"}), said.append) == 20 << 30
+    # The pool keeps as much as the cache may: the prefill room counts both.
+    assert cuda_cache_limits(frozenset({"kept-pool"}), said.append) == 20 << 30
+    assert limits == [10 << 30, 20 << 30, 10 << 30] and kept == [10 << 30]
+    monkeypatch.setattr(memory, "keep_pool_memory", lambda keep: "no CUDA runtime")
+    with pytest.raises(RuntimeError, match="kept-pool: no CUDA runtime"):
+        cuda_cache_limits(frozenset({"kept-pool"}), said.append)
+    monkeypatch.setattr(memory.mx, "device_info", lambda: {"memory_size": 1 << 40})
+    assert cuda_cache_limits(frozenset(), said.append) is None
+    with pytest.raises(UnsupportedModelError, match="kept-pool, wide-cache: CUDA's memory only"):
+        cuda_cache_limits(frozenset({"wide-cache", "kept-pool"}), said.append)
 
 
 def test_cuda_graph_budgets_are_raised_on_cuda_only_and_yield_to_the_environment(monkeypatch):

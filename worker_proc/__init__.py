@@ -80,8 +80,7 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
     from worker_proc.kernel_precompile import compile_quantized_kernels
     from worker_proc.kv_pool import KVPool
     from worker_proc.layer_kinds import UnsupportedModelError, describe_layers
-    from worker_proc.memory import (bound_cuda_cache, pool_spaces, probe_attention_specs,
-                                    raise_cuda_graph_budgets)
+    from worker_proc.memory import pool_spaces, probe_attention_specs, raise_cuda_graph_budgets
     from worker_proc.model_rewrites import rewrite_for_serving
     from worker_proc.paged_attention import kernel_available
     from worker_proc.prefill_parts import most_parts, spread_refusal
@@ -187,9 +186,7 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
                                       most_slots=KVPool.most_slots(specs))
     pool = KVPool(specs, slots, backend, state_rows=config.max_running_requests,
                   snapshots=snapshots, window_slots=window_slots)
-    cache_limit = bound_cuda_cache()
-    if cache_limit is not None:
-        say(f"MLX buffer cache capped at {cache_limit / 2**30:.1f} GiB")
+    cache_limit = cuda_cache_limits(config.experiment_set, say)
     if states:
         say(f"recurrent states: {states / 2**20:.1f} MiB for {config.max_running_requests} "
             f"requests and {snapshots} prompt-end snapshots")
@@ -242,6 +239,30 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
         f"{time.monotonic() - t0:.1f}s)")
     start_grammars(grammars, hf)
     return runner, chunking
+
+
+def cuda_cache_limits(experiments: frozenset[str], say: Callable[[str], None]) -> int | None:
+    """On CUDA, bound MLX's buffer cache (memory.bound_cuda_cache) and, with --experiments
+    kept-pool, let the device's memory pool keep as much again; returns the bytes both
+    may hold for prefill_room, or None off CUDA, where the memory experiments are refused."""
+    from worker_proc.layer_kinds import UnsupportedModelError
+    from worker_proc.memory import (CUDA_CACHE_SHARE, WIDE_CUDA_CACHE_SHARE, bound_cuda_cache,
+                                    keep_pool_memory)
+
+    wide = "wide-cache" in experiments
+    limit = bound_cuda_cache(WIDE_CUDA_CACHE_SHARE if wide else CUDA_CACHE_SHARE)
+    named = sorted(experiments & {"wide-cache", "kept-pool"})
+    if limit is None:
+        if named:
+            raise UnsupportedModelError(f"--experiments {', '.join(named)}: CUDA's memory only")
+        return None
+    say(f"MLX buffer cache capped at {limit / 2**30:.1f} GiB")
+    if "kept-pool" not in experiments:
+        return limit
+    if why := keep_pool_memory(limit):
+        raise RuntimeError(f"--experiments kept-pool: {why}")
+    say(f"the device's memory pool keeps up to {limit / 2**30:.1f} GiB it frees")
+    return 2 * limit  # what the pool keeps is reserved beside MLX's cache
 
 
 def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chunk: int,

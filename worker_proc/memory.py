@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import os
 from typing import Any
@@ -69,17 +70,52 @@ def available_memory_bytes() -> int:
 # after freeing its cache. On CUDA the cache may hold this share of what the pool and the
 # weights leave free (decode steps reuse a few fixed sizes; they still hit it).
 CUDA_CACHE_SHARE = 0.25
+# The share with --experiments wide-cache: a capped cache that is full frees buffers at
+# each new allocation, which may stall the host (an A/B of a spread step's host spikes).
+WIDE_CUDA_CACHE_SHARE = 0.5
 
 
-def bound_cuda_cache() -> int | None:
-    """On CUDA, cap MLX's buffer cache at CUDA_CACHE_SHARE of the free device memory
-    (call once the pool is allocated); returns the cap, or None elsewhere."""
+def bound_cuda_cache(share: float = CUDA_CACHE_SHARE) -> int | None:
+    """On CUDA, cap MLX's buffer cache at `share` of the free device memory (call once
+    the pool is allocated); returns the cap, or None elsewhere."""
     info = mx.device_info()
     if "free_memory" not in info:
         return None
-    limit = max(1 << 28, int(int(info["free_memory"]) * CUDA_CACHE_SHARE))
+    limit = max(1 << 28, int(int(info["free_memory"]) * share))
     mx.set_cache_limit(limit)
     return limit
+
+
+# cudaMemPoolAttrReleaseThreshold in CUDA's runtime API.
+_RELEASE_THRESHOLD = 4
+
+
+def keep_pool_memory(keep: int, runtime: Any = None) -> str | None:
+    """Let the device's default memory pool (where MLX's cudaMallocAsync takes memory and
+    cudaFreeAsync returns it) hold up to `keep` freed bytes across synchronisations,
+    rather than CUDA's default of none: a later allocation then reuses them instead of
+    mapping memory afresh (--experiments kept-pool). Returns None, or why it could not.
+    `runtime`: the CUDA runtime library (found among those loaded with MLX's if None)."""
+    rt = runtime if runtime is not None else _cuda_runtime()
+    if rt is None:
+        return "no CUDA runtime library (libcudart) found"
+    pool = ctypes.c_void_p()
+    if err := rt.cudaDeviceGetDefaultMemPool(ctypes.byref(pool), 0):
+        return f"cudaDeviceGetDefaultMemPool failed (error {err})"
+    value = ctypes.c_uint64(keep)
+    if err := rt.cudaMemPoolSetAttribute(pool, _RELEASE_THRESHOLD, ctypes.byref(value)):
+        return f"cudaMemPoolSetAttribute failed (error {err})"
+    return None
+
+
+def _cuda_runtime() -> Any:
+    """The CUDA runtime MLX's library loaded (its soname resolves to the loaded copy)."""
+    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+        try:
+            return ctypes.CDLL(name)
+        except OSError:
+            continue
+    return None
 
 
 # Memory beside the pool that a prefill forward's activations may not count on: cuBLAS's
