@@ -29,7 +29,7 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
                       "paged-prefill", "unpadded-experts", "block-tiles", "unfused-moe",
                       "mlx-expert-matmuls", "batched-quantized-rows", "wide-cache",
-                      "kept-pool")
+                      "trim-pool")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
 CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv", "block-tiles"})
@@ -292,9 +292,10 @@ class ServerConfig:
                                       "one-row problem a row, not as one problem of all "
                                       "rows), wide-cache (MLX's buffer cache capped at half "
                                       "the device memory left beside the pool, not a "
-                                      "quarter), kept-pool (the device's memory pool keeps "
-                                      "as much as the cache's cap of what MLX frees across "
-                                      "synchronisations, not none)."})
+                                      "quarter), trim-pool (after each step, the device's "
+                                      "memory pool gives back what it holds unused once it "
+                                      "nears 95% of the device, where MLX empties its "
+                                      "cache)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

@@ -95,49 +95,75 @@ def test_cuda_cache_is_capped_at_a_share_of_free_memory(monkeypatch):
 
 
 class _FakeRuntime:
-    """The two CUDA runtime calls keep_pool_memory makes, recorded."""
+    """The CUDA runtime calls DevicePool makes, on a pool that reserves `reserved` bytes
+    and gives back down to `used` when trimmed."""
 
-    def __init__(self, pool_error: int = 0, set_error: int = 0) -> None:
-        self.pool_error, self.set_error, self.set = pool_error, set_error, []
+    def __init__(self, reserved: int, used: int, error: int = 0) -> None:
+        self.reserved, self.used, self.error, self.trims = reserved, used, error, []
 
     def cudaDeviceGetDefaultMemPool(self, pool_ref, device):
         pool_ref._obj.value = 0x1234
-        return self.pool_error
+        return 0
 
-    def cudaMemPoolSetAttribute(self, pool, attribute, value_ref):
-        self.set.append((pool.value, attribute, value_ref._obj.value))
-        return self.set_error
+    def cudaMemPoolGetAttribute(self, pool, attribute, value_ref):
+        assert pool.value == 0x1234
+        value_ref._obj.value = {5: self.reserved, 7: self.used}[attribute]
+        return self.error
 
-
-def test_kept_pool_sets_the_default_pools_release_threshold_or_says_why_not():
-    rt = _FakeRuntime()
-    assert memory.keep_pool_memory(5 << 30, rt) is None
-    assert rt.set == [(0x1234, 4, 5 << 30)]  # cudaMemPoolAttrReleaseThreshold
-    assert "error 2" in memory.keep_pool_memory(1, _FakeRuntime(pool_error=2))
-    assert "cudaMemPoolSetAttribute failed (error 1)" == memory.keep_pool_memory(
-        1, _FakeRuntime(set_error=1))
+    def cudaMemPoolTrimTo(self, pool, keep):
+        self.trims.append(keep.value)
+        self.reserved = max(self.used, keep.value)
+        return 0
 
 
-def test_memory_experiments_widen_the_cache_keep_the_pool_and_are_refused_off_cuda(monkeypatch):
-    from worker_proc import cuda_cache_limits
+def test_the_trimmer_gives_the_pool_back_once_it_nears_where_mlx_empties_its_cache():
+    gib = 1 << 30
+    rt = _FakeRuntime(reserved=60 * gib, used=50 * gib)
+    pool = memory.DevicePool(rt)
+    assert (pool.reserved(), pool.used()) == (60 * gib, 50 * gib)
+    trimmer = memory.PoolTrimmer(pool, total_bytes=80 * gib)
+    assert trimmer.trigger == 74 * gib  # 95% of 80 GiB, less the 2 GiB margin
+    trimmer.after_step()
+    assert rt.trims == [] and trimmer.trims == 0  # well below: nothing to do
+    rt.reserved = 75 * gib  # a long prompt's forward reserved its peak
+    trimmer.after_step()
+    assert rt.trims == [0] and pool.reserved() == 50 * gib
+    assert (trimmer.trims, trimmer.released) == (1, 25 * gib)
+    rt.error = 1  # a failing runtime call ends the trimming, not the worker
+    trimmer.after_step()
+    assert trimmer.broken and trimmer.trims == 1
+    trimmer.after_step()
+    assert trimmer.trims == 1
+
+
+def test_memory_experiments_widen_the_cache_and_are_refused_off_cuda(monkeypatch):
+    from worker_proc import cuda_cache_limits, pool_trimmer
     from worker_proc.layer_kinds import UnsupportedModelError
 
-    limits, kept, said = [], [], []
+    limits, said = [], []
     monkeypatch.setattr(memory.mx, "set_cache_limit", limits.append)
     monkeypatch.setattr(memory.mx, "device_info", lambda: {"free_memory": 40 << 30})
-    monkeypatch.setattr(memory, "keep_pool_memory", lambda keep: kept.append(keep))
-    assert cuda_cache_limits(frozenset(), said.append) == 10 << 30 and not kept
+    assert cuda_cache_limits(frozenset(), said.append) == 10 << 30
     assert cuda_cache_limits(frozenset({"wide-cache"}), said.append) == 20 << 30
-    # The pool keeps as much as the cache may: the prefill room counts both.
-    assert cuda_cache_limits(frozenset({"kept-pool"}), said.append) == 20 << 30
-    assert limits == [10 << 30, 20 << 30, 10 << 30] and kept == [10 << 30]
-    monkeypatch.setattr(memory, "keep_pool_memory", lambda keep: "no CUDA runtime")
-    with pytest.raises(RuntimeError, match="kept-pool: no CUDA runtime"):
-        cuda_cache_limits(frozenset({"kept-pool"}), said.append)
+    assert limits == [10 << 30, 20 << 30]
+    assert pool_trimmer(frozenset()) is None
     monkeypatch.setattr(memory.mx, "device_info", lambda: {"memory_size": 1 << 40})
     assert cuda_cache_limits(frozenset(), said.append) is None
-    with pytest.raises(UnsupportedModelError, match="kept-pool, wide-cache: CUDA's memory only"):
-        cuda_cache_limits(frozenset({"wide-cache", "kept-pool"}), said.append)
+    with pytest.raises(UnsupportedModelError, match="trim-pool, wide-cache: CUDA's memory only"):
+        cuda_cache_limits(frozenset({"wide-cache", "trim-pool"}), said.append)
+    assert memory.DevicePool.find() is None  # no CUDA backend here
+
+
+def test_memory_note_reports_the_device_pool_where_there_is_one():
+    from worker_proc import memory_note
+
+    gib = 1 << 30
+    pool = memory.DevicePool(_FakeRuntime(reserved=75 * gib, used=50 * gib))
+    trimmer = memory.PoolTrimmer(pool, total_bytes=80 * gib)
+    trimmer.after_step()
+    note = memory_note(pool, trimmer)
+    assert note.endswith("device pool 50.0 (trims 1, 25.0 given back)")
+    assert "device pool" not in memory_note()
 
 
 def test_cuda_graph_budgets_are_raised_on_cuda_only_and_yield_to_the_environment(monkeypatch):

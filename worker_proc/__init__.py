@@ -21,6 +21,7 @@ from worker_proc.step_stats import PHASES, StepStats, Timer
 if TYPE_CHECKING:
     from worker_proc.decode_backend import DecodeBackend
     from worker_proc.grammar import GrammarMatchers
+    from worker_proc.memory import DevicePool, PoolTrimmer
     from worker_proc.own_caches import OwnCacheRunner
     from worker_proc.runner import ModelRunner, PendingStep
 
@@ -242,27 +243,38 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
 
 
 def cuda_cache_limits(experiments: frozenset[str], say: Callable[[str], None]) -> int | None:
-    """On CUDA, bound MLX's buffer cache (memory.bound_cuda_cache) and, with --experiments
-    kept-pool, let the device's memory pool keep as much again; returns the bytes both
-    may hold for prefill_room, or None off CUDA, where the memory experiments are refused."""
+    """On CUDA, bound MLX's buffer cache (memory.bound_cuda_cache; --experiments
+    wide-cache: a wider share) and return the bound, or None off CUDA, where the memory
+    experiments are refused."""
     from worker_proc.layer_kinds import UnsupportedModelError
-    from worker_proc.memory import (CUDA_CACHE_SHARE, WIDE_CUDA_CACHE_SHARE, bound_cuda_cache,
-                                    keep_pool_memory)
+    from worker_proc.memory import CUDA_CACHE_SHARE, WIDE_CUDA_CACHE_SHARE, bound_cuda_cache
 
     wide = "wide-cache" in experiments
     limit = bound_cuda_cache(WIDE_CUDA_CACHE_SHARE if wide else CUDA_CACHE_SHARE)
-    named = sorted(experiments & {"wide-cache", "kept-pool"})
     if limit is None:
-        if named:
+        if named := sorted(experiments & MEMORY_EXPERIMENTS):
             raise UnsupportedModelError(f"--experiments {', '.join(named)}: CUDA's memory only")
         return None
     say(f"MLX buffer cache capped at {limit / 2**30:.1f} GiB")
-    if "kept-pool" not in experiments:
-        return limit
-    if why := keep_pool_memory(limit):
-        raise RuntimeError(f"--experiments kept-pool: {why}")
-    say(f"the device's memory pool keeps up to {limit / 2**30:.1f} GiB it frees")
-    return 2 * limit  # what the pool keeps is reserved beside MLX's cache
+    return limit
+
+
+# --experiments names about CUDA's memory, not a kernel: refused elsewhere.
+MEMORY_EXPERIMENTS = frozenset({"wide-cache", "trim-pool"})
+
+
+def pool_trimmer(experiments: frozenset[str]) -> "PoolTrimmer | None":
+    """--experiments trim-pool's trimmer of the device's memory pool (see DevicePool)."""
+    import mlx.core as mx
+
+    from worker_proc.memory import DevicePool, PoolTrimmer
+
+    if "trim-pool" not in experiments:
+        return None
+    pool = DevicePool.find()
+    if pool is None:
+        raise RuntimeError("--experiments trim-pool: no CUDA runtime library (libcudart) found")
+    return PoolTrimmer(pool, int(mx.device_info()["total_memory"]))
 
 
 def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chunk: int,
@@ -438,8 +450,14 @@ class WorkerLoop:
     """
 
     def __init__(self, runner, results: Sender, overlap: bool,  # noqa: ANN001
-                 start_ahead: bool = False, stats: StepStats | None = None) -> None:
+                 start_ahead: bool = False, stats: StepStats | None = None,
+                 device_pool: "DevicePool | None" = None,
+                 trimmer: "PoolTrimmer | None" = None) -> None:
+        """device_pool: the CUDA memory pool, whose reserve the summaries report;
+        trimmer: trims it after each step (--experiments trim-pool)."""
         self.runner = runner
+        self.device_pool = device_pool
+        self.trimmer = trimmer
         self.results = results
         self.overlap = overlap
         self.start_ahead = overlap and start_ahead
@@ -577,6 +595,8 @@ class WorkerLoop:
         waited = self._timer.mark("wait")
         self.owed.remove(result.step)
         self.results.send(result)
+        if self.trimmer is not None:
+            self.trimmer.after_step()
         self._timer.mark("report")
         logger.debug("step %d: waited %.2f ms for its tokens", result.step, waited * 1e3)
 
@@ -584,21 +604,31 @@ class WorkerLoop:
         """Log the last interval's phase times once one has passed (see StepStats)."""
         line = self.stats.summary()
         if line:
-            logger.info("%s; %s", line, memory_note())
+            logger.info("%s; %s", line, memory_note(self.device_pool, self.trimmer))
 
     def _report_all(self) -> None:
         while self.in_flight:
             self._report_oldest()
 
 
-def memory_note() -> str:
+def memory_note(device_pool: "DevicePool | None" = None,
+                trimmer: "PoolTrimmer | None" = None) -> str:
     """MLX's memory figures, the peak since the last note: a peak far above the active
-    memory (the pool is most of it) is a pool write that copied instead of updating."""
+    memory (the pool is most of it) is a pool write that copied instead of updating.
+    On CUDA also what the device's memory pool reserves (see DevicePool), and the
+    trimmer's work so far."""
     import mlx.core as mx
 
     gib = 1 << 30
     note = (f"memory GiB: active {mx.get_active_memory() / gib:.1f}, peak "
             f"{mx.get_peak_memory() / gib:.1f}, cache {mx.get_cache_memory() / gib:.1f}")
+    if device_pool is not None:
+        try:
+            note += f", device pool {device_pool.reserved() / gib:.1f}"
+        except OSError as exc:
+            note += f", device pool unread ({exc})"
+    if trimmer is not None:
+        note += f" (trims {trimmer.trims}, {trimmer.released / gib:.1f} given back)"
     mx.reset_peak_memory()
     return note
 
@@ -692,6 +722,8 @@ def prefill_chunking(config: ServerConfig, backend: DecodeBackend, specs: list,
 def run_worker(config: ServerConfig) -> None:
     import mlx.core as mx
 
+    from worker_proc.memory import DevicePool
+
     reporter = setup_child(config, "worker")
     runner, chunking = build_worker(config, reporter)
     overlap = overlap_enabled(config, on_gpu=mx.default_device() == mx.gpu)
@@ -710,7 +742,9 @@ def run_worker(config: ServerConfig) -> None:
                              decode_first_tokens=chunking.decode_first,
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
-    loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place)
+    loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place,
+                      device_pool=DevicePool.find(),
+                      trimmer=pool_trimmer(config.experiment_set))
     # A timeout now and then lets an interval's summary out while no plans come.
     while loop.handle(plans.recv(timeout_ms=_SUMMARY_POLL_MS)):
         loop.log_summary()

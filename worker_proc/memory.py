@@ -86,36 +86,93 @@ def bound_cuda_cache(share: float = CUDA_CACHE_SHARE) -> int | None:
     return limit
 
 
-# cudaMemPoolAttrReleaseThreshold in CUDA's runtime API.
-_RELEASE_THRESHOLD = 4
+# Attributes of cudaMemPoolGetAttribute in CUDA's runtime API.
+_RESERVED_MEM_CURRENT = 5
+_USED_MEM_CURRENT = 7
 
 
-def keep_pool_memory(keep: int, runtime: Any = None) -> str | None:
-    """Let the device's default memory pool (where MLX's cudaMallocAsync takes memory and
-    cudaFreeAsync returns it) hold up to `keep` freed bytes across synchronisations,
-    rather than CUDA's default of none: a later allocation then reuses them instead of
-    mapping memory afresh (--experiments kept-pool). Returns None, or why it could not.
-    `runtime`: the CUDA runtime library (found among those loaded with MLX's if None)."""
-    rt = runtime if runtime is not None else _cuda_runtime()
-    if rt is None:
-        return "no CUDA runtime library (libcudart) found"
-    pool = ctypes.c_void_p()
-    if err := rt.cudaDeviceGetDefaultMemPool(ctypes.byref(pool), 0):
-        return f"cudaDeviceGetDefaultMemPool failed (error {err})"
-    value = ctypes.c_uint64(keep)
-    if err := rt.cudaMemPoolSetAttribute(pool, _RELEASE_THRESHOLD, ctypes.byref(value)):
-        return f"cudaMemPoolSetAttribute failed (error {err})"
-    return None
+class DevicePool:
+    """The device's default memory pool, where MLX's cudaMallocAsync takes memory and
+    cudaFreeAsync gives it back, read and trimmed through CUDA's runtime library.
+
+    MLX 0.32 empties its whole buffer cache at each allocation the cache cannot serve
+    once this pool has reserved more than 95% of the device (allocator.cpp), and frees
+    the cache's host-read (managed) buffers with cudaFree, which waits for all the
+    device's work in flight. A pool that reserved its peak in a long prompt's prefill
+    forward keeps it (CUDA's default release threshold of 0 applies at synchronisations
+    only), so later steps may meet that stall again and again: served mixed traffic's
+    logs show MLX's cache at 0.0 GiB under a 5.3-6.1 GiB cap (docs/benchmarks.md,
+    session 50)."""
+
+    def __init__(self, runtime: Any) -> None:
+        self._rt = runtime
+        self._handle = ctypes.c_void_p()
+        if err := runtime.cudaDeviceGetDefaultMemPool(ctypes.byref(self._handle), 0):
+            raise OSError(f"cudaDeviceGetDefaultMemPool failed (error {err})")
+
+    @classmethod
+    def find(cls) -> "DevicePool | None":
+        """The pool of device 0 on MLX's CUDA backend, else None."""
+        if "total_memory" not in mx.device_info():
+            return None
+        for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+            try:  # the soname resolves to the copy MLX's library loaded
+                return cls(ctypes.CDLL(name))
+            except OSError:
+                continue
+        return None
+
+    def _attribute(self, attribute: int) -> int:
+        value = ctypes.c_uint64(0)
+        if err := self._rt.cudaMemPoolGetAttribute(self._handle, attribute, ctypes.byref(value)):
+            raise OSError(f"cudaMemPoolGetAttribute({attribute}) failed (error {err})")
+        return int(value.value)
+
+    def reserved(self) -> int:
+        """Bytes the pool holds from the device, in use or not."""
+        return self._attribute(_RESERVED_MEM_CURRENT)
+
+    def used(self) -> int:
+        """Bytes of the pool's allocations not yet freed (MLX's arrays and its cache)."""
+        return self._attribute(_USED_MEM_CURRENT)
+
+    def trim(self, keep: int = 0) -> None:
+        """Give the device what the pool holds unused, down to `keep` bytes reserved."""
+        if err := self._rt.cudaMemPoolTrimTo(self._handle, ctypes.c_size_t(keep)):
+            raise OSError(f"cudaMemPoolTrimTo failed (error {err})")
 
 
-def _cuda_runtime() -> Any:
-    """The CUDA runtime MLX's library loaded (its soname resolves to the loaded copy)."""
-    for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
+# MLX empties its cache once the pool reserves more than this share of the device.
+MLX_POOL_SHARE = 0.95
+# The trimmer acts this far below that line, so a step's own allocations do not cross it.
+TRIM_MARGIN_BYTES = 2 << 30
+
+
+class PoolTrimmer:
+    """After each step, trims the device pool whose reserve nears the share at which MLX
+    empties its cache (--experiments trim-pool)."""
+
+    def __init__(self, pool: DevicePool, total_bytes: int) -> None:
+        self.pool = pool
+        self.trigger = int(total_bytes * MLX_POOL_SHARE) - TRIM_MARGIN_BYTES
+        self.trims = 0
+        self.released = 0  # bytes given back, all trims
+        self.broken = False  # a runtime call failed: no more trims
+
+    def after_step(self) -> None:
+        if self.broken:
+            return
         try:
-            return ctypes.CDLL(name)
-        except OSError:
-            continue
-    return None
+            reserved = self.pool.reserved()
+            if reserved <= self.trigger:
+                return
+            self.pool.trim()
+            self.released += max(0, reserved - self.pool.reserved())
+        except OSError as exc:  # an experiment's failure ends the experiment, not serving
+            logger.warning("device pool trimming stopped: %s", exc)
+            self.broken = True
+            return
+        self.trims += 1
 
 
 # Memory beside the pool that a prefill forward's activations may not count on: cuBLAS's
