@@ -294,7 +294,7 @@ class ServerConfig:
                                       "the device memory left beside the pool, not a "
                                       "quarter), trim-pool (after each step, the device's "
                                       "memory pool gives back what it holds unused once it "
-                                      "nears 95% of the device, where MLX empties its "
+                                      "nears 95%% of the device, where MLX empties its "
                                       "cache)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
