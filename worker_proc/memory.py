@@ -98,11 +98,11 @@ class DevicePool:
     MLX 0.32 empties its whole buffer cache at each allocation the cache cannot serve
     once this pool has reserved more than 95% of the device (allocator.cpp), and frees
     the cache's host-read (managed) buffers with cudaFree, which waits for all the
-    device's work in flight. A pool that reserved its peak in a long prompt's prefill
-    forward keeps it (CUDA's default release threshold of 0 applies at synchronisations
-    only), so later steps may meet that stall again and again: served mixed traffic's
+    device's work in flight. The pool may keep what a long prompt's prefill forward
+    reserved (CUDA's default release threshold of 0 applies at synchronisations only),
+    and later steps would then meet that stall again and again: served mixed traffic's
     logs show MLX's cache at 0.0 GiB under a 5.3-6.1 GiB cap (docs/benchmarks.md,
-    session 50)."""
+    session 50; the pool's reserve is not yet measured)."""
 
     def __init__(self, runtime: Any) -> None:
         self._rt = runtime
