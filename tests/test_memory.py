@@ -146,7 +146,9 @@ def test_memory_experiments_widen_the_cache_and_are_refused_off_cuda(monkeypatch
     assert cuda_cache_limits(frozenset(), said.append) == 10 << 30
     assert cuda_cache_limits(frozenset({"wide-cache"}), said.append) == 20 << 30
     assert limits == [10 << 30, 20 << 30]
-    assert pool_trimmer(frozenset()) is None
+    assert pool_trimmer(frozenset(), None) is None
+    with pytest.raises(RuntimeError, match="trim-pool: no CUDA runtime library"):
+        pool_trimmer(frozenset({"trim-pool"}), None)
     monkeypatch.setattr(memory.mx, "device_info", lambda: {"memory_size": 1 << 40})
     assert cuda_cache_limits(frozenset(), said.append) is None
     with pytest.raises(UnsupportedModelError, match="trim-pool, wide-cache: CUDA's memory only"):

@@ -263,15 +263,15 @@ def cuda_cache_limits(experiments: frozenset[str], say: Callable[[str], None]) -
 MEMORY_EXPERIMENTS = frozenset({"wide-cache", "trim-pool"})
 
 
-def pool_trimmer(experiments: frozenset[str]) -> "PoolTrimmer | None":
-    """--experiments trim-pool's trimmer of the device's memory pool (see DevicePool)."""
+def pool_trimmer(experiments: frozenset[str],
+                 pool: "DevicePool | None") -> "PoolTrimmer | None":
+    """--experiments trim-pool's trimmer of the device's memory pool (DevicePool.find's)."""
     import mlx.core as mx
 
-    from worker_proc.memory import DevicePool, PoolTrimmer
+    from worker_proc.memory import PoolTrimmer
 
     if "trim-pool" not in experiments:
         return None
-    pool = DevicePool.find()
     if pool is None:
         raise RuntimeError("--experiments trim-pool: no CUDA runtime library (libcudart) found")
     return PoolTrimmer(pool, int(mx.device_info()["total_memory"]))
@@ -742,9 +742,10 @@ def run_worker(config: ServerConfig) -> None:
                              decode_first_tokens=chunking.decode_first,
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
+    device_pool = DevicePool.find()
     loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place,
-                      device_pool=DevicePool.find(),
-                      trimmer=pool_trimmer(config.experiment_set))
+                      device_pool=device_pool,
+                      trimmer=pool_trimmer(config.experiment_set, device_pool))
     # A timeout now and then lets an interval's summary out while no plans come.
     while loop.handle(plans.recv(timeout_ms=_SUMMARY_POLL_MS)):
         loop.log_summary()
