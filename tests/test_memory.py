@@ -95,49 +95,58 @@ def test_cuda_cache_is_capped_at_a_share_of_free_memory(monkeypatch):
 
 
 class _FakeRuntime:
-    """The CUDA runtime calls DevicePool makes, on a pool that reserves `reserved` bytes
-    and gives back down to `used` when trimmed."""
+    """CUDA's runtime as DevicePool calls it: pools by handle, device 0's current one."""
 
     def __init__(self, reserved: int, used: int, error: int = 0) -> None:
-        self.reserved, self.used, self.error, self.trims = reserved, used, error, []
+        self.pools = {0x1234: (reserved, used)}
+        self.current, self.error, self.made = 0x1234, error, []
 
-    def cudaDeviceGetDefaultMemPool(self, pool_ref, device):
-        pool_ref._obj.value = 0x1234
-        return 0
-
-    def cudaMemPoolGetAttribute(self, pool, attribute, value_ref):
-        assert pool.value == 0x1234
-        value_ref._obj.value = {5: self.reserved, 7: self.used}[attribute]
+    def cudaDeviceGetMemPool(self, pool_ref, device):
+        assert device == 0
+        pool_ref._obj.value = self.current
         return self.error
 
-    def cudaMemPoolTrimTo(self, pool, keep):
-        self.trims.append(keep.value)
-        self.reserved = max(self.used, keep.value)
+    def cudaMemPoolGetAttribute(self, pool, attribute, value_ref):
+        reserved, used = self.pools[pool.value]
+        value_ref._obj.value = {5: reserved, 7: used}[attribute]
+        return self.error
+
+    def cudaMemPoolCreate(self, pool_ref, props_ref):
+        props = props_ref._obj
+        self.made.append((props.alloc_type, props.location.type, props.location.id))
+        pool_ref._obj.value = 0x5678
+        self.pools[0x5678] = (0, 0)
+        return self.error
+
+    def cudaDeviceSetMemPool(self, device, pool):
+        self.current = pool.value
         return 0
 
 
-def test_the_trimmer_gives_the_pool_back_once_it_nears_where_mlx_empties_its_cache():
+def test_device_pool_reads_the_current_pool_and_makes_one_of_its_own():
     gib = 1 << 30
     rt = _FakeRuntime(reserved=60 * gib, used=50 * gib)
-    pool = memory.DevicePool(rt)
+    pool = memory.DevicePool.current(rt)
     assert (pool.reserved(), pool.used()) == (60 * gib, 50 * gib)
-    trimmer = memory.PoolTrimmer(pool, total_bytes=80 * gib)
-    assert trimmer.trigger == 74 * gib  # 95% of 80 GiB, less the 2 GiB margin
-    trimmer.after_step()
-    assert rt.trims == [] and trimmer.trims == 0  # well below: nothing to do
-    rt.reserved = 75 * gib  # a long prompt's forward reserved its peak
-    trimmer.after_step()
-    assert rt.trims == [0] and pool.reserved() == 50 * gib
-    assert (trimmer.trims, trimmer.released) == (1, 25 * gib)
-    rt.error = 1  # a failing runtime call ends the trimming, not the worker
-    trimmer.after_step()
-    assert trimmer.broken and trimmer.trims == 1
-    trimmer.after_step()
-    assert trimmer.trims == 1
+    own = memory.DevicePool.make_current(rt)
+    assert rt.made == [(1, 1, 0)]  # pinned device memory on device 0
+    assert (own.reserved(), memory.DevicePool.current(rt).reserved()) == (0, 0)
+    rt.error = 2
+    with pytest.raises(OSError, match="cudaMemPoolGetAttribute"):
+        pool.reserved()
+    with pytest.raises(OSError, match="cudaMemPoolCreate"):
+        memory.DevicePool.make_current(rt)
+
+
+def test_prefill_room_under_mlx_line_counts_the_weights_pool_cache_and_slack():
+    gib = 1 << 30
+    # 95% of 80 GiB is 76: less 50 live, a 6 GiB cache and 2 of slack.
+    assert memory.pool_line_room(80 * gib, 50 * gib, 6 * gib) == 18 * gib
+    assert memory.pool_line_room(80 * gib, 75 * gib, 6 * gib) == 0
 
 
 def test_memory_experiments_widen_the_cache_and_are_refused_off_cuda(monkeypatch):
-    from worker_proc import cuda_cache_limits, pool_trimmer
+    from worker_proc import cuda_cache_limits, own_memory_pool
     from worker_proc.layer_kinds import UnsupportedModelError
 
     limits, said = [], []
@@ -146,13 +155,13 @@ def test_memory_experiments_widen_the_cache_and_are_refused_off_cuda(monkeypatch
     assert cuda_cache_limits(frozenset(), said.append) == 10 << 30
     assert cuda_cache_limits(frozenset({"wide-cache"}), said.append) == 20 << 30
     assert limits == [10 << 30, 20 << 30]
-    assert pool_trimmer(frozenset(), None) is None
-    with pytest.raises(RuntimeError, match="trim-pool: no CUDA runtime library"):
-        pool_trimmer(frozenset({"trim-pool"}), None)
     monkeypatch.setattr(memory.mx, "device_info", lambda: {"memory_size": 1 << 40})
     assert cuda_cache_limits(frozenset(), said.append) is None
-    with pytest.raises(UnsupportedModelError, match="trim-pool, wide-cache: CUDA's memory only"):
-        cuda_cache_limits(frozenset({"wide-cache", "trim-pool"}), said.append)
+    with pytest.raises(UnsupportedModelError, match="pool-headroom, wide-cache: CUDA's memory"):
+        cuda_cache_limits(frozenset({"wide-cache", "pool-headroom"}), said.append)
+    own_memory_pool(frozenset(), said.append)  # not asked for: nothing to refuse
+    with pytest.raises(UnsupportedModelError, match="own-pool: CUDA's memory only"):
+        own_memory_pool(frozenset({"own-pool"}), said.append)
     assert memory.DevicePool.find() is None  # no CUDA backend here
 
 
@@ -160,11 +169,8 @@ def test_memory_note_reports_the_device_pool_where_there_is_one():
     from worker_proc import memory_note
 
     gib = 1 << 30
-    pool = memory.DevicePool(_FakeRuntime(reserved=75 * gib, used=50 * gib))
-    trimmer = memory.PoolTrimmer(pool, total_bytes=80 * gib)
-    trimmer.after_step()
-    note = memory_note(pool, trimmer)
-    assert note.endswith("device pool 50.0 (trims 1, 25.0 given back)")
+    pool = memory.DevicePool.current(_FakeRuntime(reserved=75 * gib, used=50 * gib))
+    assert memory_note(pool).endswith("device pool 75.0 (50.0 used)")
     assert "device pool" not in memory_note()
 
 

@@ -490,11 +490,7 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
     class Results:
         send = sent.append
 
-    class Trimmer:  # --experiments trim-pool's: after each step's result is sent
-        def after_step(self):
-            calls.append(("trim", sent[-1].step))
-
-    loop = WorkerLoop(Runner(), Results(), overlap=True, start_ahead=True, trimmer=Trimmer())
+    loop = WorkerLoop(Runner(), Results(), overlap=True, start_ahead=True)
     for step in (1, 2, 3):
         loop.handle(ForwardBatch(step=step, decode_rids=["a"], decode_slots=[step]))
         assert len(loop.in_flight) == 1
@@ -503,10 +499,10 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
                                                    slot_ids=[9])]))
     loop.handle(SyncSteps())
     assert calls == [("build", 1), ("start half", 1), ("start", 1),
-                     ("build", 2), ("start half", 2), ("finish", 1), ("trim", 1), ("start", 2),
-                     ("build", 3), ("start half", 3), ("finish", 2), ("trim", 2), ("start", 3),
-                     ("build", 4), ("start half", 4), ("finish", 3), ("trim", 3), ("start", 4),
-                     ("finish", 4), ("trim", 4)]
+                     ("build", 2), ("start half", 2), ("finish", 1), ("start", 2),
+                     ("build", 3), ("start half", 3), ("finish", 2), ("start", 3),
+                     ("build", 4), ("start half", 4), ("finish", 3), ("start", 4),
+                     ("finish", 4)]
     assert [r.step for r in sent] == [1, 2, 3, 4]
 
 

@@ -21,7 +21,7 @@ from worker_proc.step_stats import PHASES, StepStats, Timer
 if TYPE_CHECKING:
     from worker_proc.decode_backend import DecodeBackend
     from worker_proc.grammar import GrammarMatchers
-    from worker_proc.memory import DevicePool, PoolTrimmer
+    from worker_proc.memory import DevicePool
     from worker_proc.own_caches import OwnCacheRunner
     from worker_proc.runner import ModelRunner, PendingStep
 
@@ -185,6 +185,7 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
                                       int(per_window * (1 + kept)), context,
                                       reserved_bytes=states, window_floor=floor,
                                       most_slots=KVPool.most_slots(specs))
+    own_memory_pool(config.experiment_set, say)
     pool = KVPool(specs, slots, backend, state_rows=config.max_running_requests,
                   snapshots=snapshots, window_slots=window_slots)
     cache_limit = cuda_cache_limits(config.experiment_set, say)
@@ -233,7 +234,8 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
                     walk_offsets=chunking.walk_offsets() if hits else ())
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
     if cache_limit is not None:  # CUDA: device memory figures
-        fit_prefill_forwards(runner, steps + 1, cache_limit, chunking.size, say)
+        fit_prefill_forwards(runner, steps + 1, cache_limit, chunking.size, say,
+                             under_line="pool-headroom" in config.experiment_set)
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")
     say(f"warmed up ({steps} steps{f', {traces} more decode traces' if traces else ''}, "
@@ -260,25 +262,27 @@ def cuda_cache_limits(experiments: frozenset[str], say: Callable[[str], None]) -
 
 
 # --experiments names about CUDA's memory, not a kernel: refused elsewhere.
-MEMORY_EXPERIMENTS = frozenset({"wide-cache", "trim-pool"})
+MEMORY_EXPERIMENTS = frozenset({"wide-cache", "pool-headroom", "own-pool"})
 
 
-def pool_trimmer(experiments: frozenset[str],
-                 pool: "DevicePool | None") -> "PoolTrimmer | None":
-    """--experiments trim-pool's trimmer of the device's memory pool (DevicePool.find's)."""
-    import mlx.core as mx
+def own_memory_pool(experiments: frozenset[str], say: Callable[[str], None]) -> None:
+    """--experiments own-pool: MLX takes device memory from here on (the KV pool, every
+    step's arrays) from a pool of kiln's own, not the default pool, whose reserve MLX reads
+    to decide to empty its cache (memory.DevicePool)."""
+    from worker_proc.layer_kinds import UnsupportedModelError
+    from worker_proc.memory import DevicePool
 
-    from worker_proc.memory import PoolTrimmer
-
-    if "trim-pool" not in experiments:
-        return None
-    if pool is None:
-        raise RuntimeError("--experiments trim-pool: no CUDA runtime library (libcudart) found")
-    return PoolTrimmer(pool, int(mx.device_info()["total_memory"]))
+    if "own-pool" not in experiments:
+        return
+    runtime = DevicePool.runtime()
+    if runtime is None:
+        raise UnsupportedModelError("--experiments own-pool: CUDA's memory only")
+    DevicePool.make_current(runtime)
+    say("device memory from kiln's own pool (MLX's default pool keeps the weights)")
 
 
 def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chunk: int,
-                         say: Callable[[str], None]) -> None:
+                         say: Callable[[str], None], under_line: bool = False) -> None:
     """Measure what prefill forwards hold and bound them by the device memory left beside
     the pool (memory.prefill_room): the shared forwards' caps (ModelRunner.forward_cap),
     and the room ModelRunner._launch_prefill keeps two forwards in flight within. Probes:
@@ -288,8 +292,12 @@ def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chu
     their scores grow with the width, so a forward of short prompts may take more tokens
     than one of long ones. An H100 ran out of memory in a burst of short prompts with
     two 2,048-token forwards beside a pool of 60% of the free memory
-    (docs/benchmarks.md, session 40)."""
-    from worker_proc.memory import available_memory_bytes, prefill_room
+    (docs/benchmarks.md, session 40). under_line (--experiments pool-headroom): the room
+    also keeps the device's memory pool under the share at which MLX empties its cache
+    (memory.pool_line_room)."""
+    import mlx.core as mx
+
+    from worker_proc.memory import available_memory_bytes, pool_line_room, prefill_room
     from worker_proc.kv_pool import attention_specs
     from worker_proc.prefill_attention import FUSED_PREFILL_BUCKET, UNFUSED_SCORES_MAX_BYTES
     from worker_proc.runner import PrefillMemory
@@ -321,11 +329,16 @@ def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chu
                            f"to {max(longest, runner.prefill_forward_tokens)} tokens beside the "
                            "KV pool: lower --mem-fraction (or --chunked-prefill-size)") from exc
     room = prefill_room(available_memory_bytes(), cache_limit)
+    line = ""
+    if under_line:
+        room = min(room, pool_line_room(int(mx.device_info()["total_memory"]),
+                                        mx.get_active_memory(), cache_limit))
+        line = ", under MLX's line"
     runner.set_prefill_memory(PrefillMemory(room=room, lone=lone, shared=tuple(shared)))
     caps = "; ".join(f"{runner.forward_cap(w)} of {w}-token prompts ({b / 2**20:.1f} MiB a "
                      "token)" for w, b in shared)
     say(f"prefill forwards of up to {runner.forward_cap(1)} tokens, two within "
-        f"{room / 2**30:.1f} GiB (shared: {caps or 'none'}; lone prompts "
+        f"{room / 2**30:.1f} GiB{line} (shared: {caps or 'none'}; lone prompts "
         f"{lone / 2**20:.1f} MiB a token)")
 
 
@@ -451,13 +464,10 @@ class WorkerLoop:
 
     def __init__(self, runner, results: Sender, overlap: bool,  # noqa: ANN001
                  start_ahead: bool = False, stats: StepStats | None = None,
-                 device_pool: "DevicePool | None" = None,
-                 trimmer: "PoolTrimmer | None" = None) -> None:
-        """device_pool: the CUDA memory pool, whose reserve the summaries report;
-        trimmer: trims it after each step (--experiments trim-pool)."""
+                 device_pool: "DevicePool | None" = None) -> None:
+        """device_pool: the CUDA memory pool, whose reserve the summaries report."""
         self.runner = runner
         self.device_pool = device_pool
-        self.trimmer = trimmer
         self.results = results
         self.overlap = overlap
         self.start_ahead = overlap and start_ahead
@@ -595,8 +605,6 @@ class WorkerLoop:
         waited = self._timer.mark("wait")
         self.owed.remove(result.step)
         self.results.send(result)
-        if self.trimmer is not None:
-            self.trimmer.after_step()
         self._timer.mark("report")
         logger.debug("step %d: waited %.2f ms for its tokens", result.step, waited * 1e3)
 
@@ -604,19 +612,18 @@ class WorkerLoop:
         """Log the last interval's phase times once one has passed (see StepStats)."""
         line = self.stats.summary()
         if line:
-            logger.info("%s; %s", line, memory_note(self.device_pool, self.trimmer))
+            logger.info("%s; %s", line, memory_note(self.device_pool))
 
     def _report_all(self) -> None:
         while self.in_flight:
             self._report_oldest()
 
 
-def memory_note(device_pool: "DevicePool | None" = None,
-                trimmer: "PoolTrimmer | None" = None) -> str:
+def memory_note(device_pool: "DevicePool | None" = None) -> str:
     """MLX's memory figures, the peak since the last note: a peak far above the active
     memory (the pool is most of it) is a pool write that copied instead of updating.
-    On CUDA also what the device's memory pool reserves (see DevicePool), and the
-    trimmer's work so far."""
+    On CUDA also what the device's memory pool reserves and what of that is in use (see
+    DevicePool)."""
     import mlx.core as mx
 
     gib = 1 << 30
@@ -624,11 +631,10 @@ def memory_note(device_pool: "DevicePool | None" = None,
             f"{mx.get_peak_memory() / gib:.1f}, cache {mx.get_cache_memory() / gib:.1f}")
     if device_pool is not None:
         try:
-            note += f", device pool {device_pool.reserved() / gib:.1f}"
+            note += (f", device pool {device_pool.reserved() / gib:.1f} "
+                     f"({device_pool.used() / gib:.1f} used)")
         except OSError as exc:
             note += f", device pool unread ({exc})"
-    if trimmer is not None:
-        note += f" (trims {trimmer.trims}, {trimmer.released / gib:.1f} given back)"
     mx.reset_peak_memory()
     return note
 
@@ -744,8 +750,7 @@ def run_worker(config: ServerConfig) -> None:
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
     device_pool = DevicePool.find()
     loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place,
-                      device_pool=device_pool,
-                      trimmer=pool_trimmer(config.experiment_set, device_pool))
+                      device_pool=device_pool)
     # A timeout now and then lets an interval's summary out while no plans come.
     while loop.handle(plans.recv(timeout_ms=_SUMMARY_POLL_MS)):
         loop.log_summary()

@@ -89,38 +89,85 @@ def bound_cuda_cache(share: float = CUDA_CACHE_SHARE) -> int | None:
 # Attributes of cudaMemPoolGetAttribute in CUDA's runtime API.
 _RESERVED_MEM_CURRENT = 5
 _USED_MEM_CURRENT = 7
+# cudaMemAllocationTypePinned, cudaMemLocationTypeDevice.
+_PINNED, _ON_DEVICE = 1, 1
+
+
+class _MemLocation(ctypes.Structure):
+    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
+
+
+class _PoolProps(ctypes.Structure):
+    """cudaMemPoolProps (CUDA 12.2 and later), its reserved tail longer than the runtime's
+    own (zeroed): a runtime reading more than it used to reads zeros, not past the end."""
+
+    _fields_ = [("alloc_type", ctypes.c_int), ("handle_types", ctypes.c_int),
+                ("location", _MemLocation), ("win32_security_attributes", ctypes.c_void_p),
+                ("max_size", ctypes.c_size_t), ("usage", ctypes.c_ushort),
+                ("reserved", ctypes.c_ubyte * 118)]
 
 
 class DevicePool:
-    """The device's default memory pool, where MLX's cudaMallocAsync takes memory and
-    cudaFreeAsync gives it back, read and trimmed through CUDA's runtime library.
+    """Device 0's current memory pool, where MLX's cudaMallocAsync takes memory and
+    cudaFreeAsync gives it back, read through CUDA's runtime library.
 
     MLX 0.32 empties its whole buffer cache at each allocation the cache cannot serve
-    once this pool has reserved more than 95% of the device (allocator.cpp), and frees
-    the cache's host-read (managed) buffers with cudaFree, which waits for all the
-    device's work in flight. The pool may keep what a long prompt's prefill forward
-    reserved (CUDA's default release threshold of 0 applies at synchronisations only),
-    and later steps would then meet that stall again and again: served mixed traffic's
-    logs show MLX's cache at 0.0 GiB under a 5.3-6.1 GiB cap (docs/benchmarks.md,
-    session 50; the pool's reserve is not yet measured)."""
+    once the device's *default* pool has reserved more than 95% of the device
+    (allocator.cpp), and frees the cache's host-read (managed) buffers with cudaFree,
+    which waits for all the device's work in flight. The pool keeps what a long prompt's
+    prefill forward reserved, and later steps then meet that stall again and again:
+    served mixed traffic's logs show MLX's cache at 0.0 GiB under a 5.3-6.1 GiB cap and
+    the pool above that line, which trimming does not bring down (docs/benchmarks.md,
+    sessions 50-51). `--experiments own-pool` (`make_current`) gives MLX a pool of
+    kiln's own after the weights are loaded, so that the pool MLX reads holds the weights
+    alone."""
 
-    def __init__(self, runtime: Any) -> None:
+    def __init__(self, runtime: Any, handle: ctypes.c_void_p) -> None:
         self._rt = runtime
-        self._handle = ctypes.c_void_p()
-        if err := runtime.cudaDeviceGetDefaultMemPool(ctypes.byref(self._handle), 0):
-            raise OSError(f"cudaDeviceGetDefaultMemPool failed (error {err})")
+        self._handle = handle
 
-    @classmethod
-    def find(cls) -> "DevicePool | None":
-        """The pool of device 0 on MLX's CUDA backend, else None."""
+    @staticmethod
+    def runtime() -> Any | None:
+        """CUDA's runtime library where MLX runs on its CUDA backend, else None."""
         if "total_memory" not in mx.device_info():
             return None
         for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
             try:  # the soname resolves to the copy MLX's library loaded
-                return cls(ctypes.CDLL(name))
+                return ctypes.CDLL(name)
             except OSError:
                 continue
         return None
+
+    @classmethod
+    def current(cls, runtime: Any) -> "DevicePool":
+        handle = ctypes.c_void_p()
+        if err := runtime.cudaDeviceGetMemPool(ctypes.byref(handle), 0):
+            raise OSError(f"cudaDeviceGetMemPool failed (error {err})")
+        return cls(runtime, handle)
+
+    @classmethod
+    def make_current(cls, runtime: Any) -> "DevicePool":
+        """A new pool of device memory, made device 0's current one: MLX's later
+        cudaMallocAsync calls take memory from it."""
+        props = _PoolProps(alloc_type=_PINNED, location=_MemLocation(_ON_DEVICE, 0))
+        handle = ctypes.c_void_p()
+        if err := runtime.cudaMemPoolCreate(ctypes.byref(handle), ctypes.byref(props)):
+            raise OSError(f"cudaMemPoolCreate failed (error {err})")
+        if err := runtime.cudaDeviceSetMemPool(0, handle):
+            raise OSError(f"cudaDeviceSetMemPool failed (error {err})")
+        return cls(runtime, handle)
+
+    @classmethod
+    def find(cls) -> "DevicePool | None":
+        """The current pool of device 0 on MLX's CUDA backend, else None."""
+        runtime = cls.runtime()
+        if runtime is None:
+            return None
+        try:
+            return cls.current(runtime)
+        except OSError as exc:  # the figure is a log line's: serving goes on without it
+            logger.warning("device memory pool unread: %s", exc)
+            return None
 
     def _attribute(self, attribute: int) -> int:
         value = ctypes.c_uint64(0)
@@ -136,43 +183,22 @@ class DevicePool:
         """Bytes of the pool's allocations not yet freed (MLX's arrays and its cache)."""
         return self._attribute(_USED_MEM_CURRENT)
 
-    def trim(self, keep: int = 0) -> None:
-        """Give the device what the pool holds unused, down to `keep` bytes reserved."""
-        if err := self._rt.cudaMemPoolTrimTo(self._handle, ctypes.c_size_t(keep)):
-            raise OSError(f"cudaMemPoolTrimTo failed (error {err})")
-
 
 # MLX empties its cache once the pool reserves more than this share of the device.
 MLX_POOL_SHARE = 0.95
-# The trimmer acts this far below that line, so a step's own allocations do not cross it.
-TRIM_MARGIN_BYTES = 2 << 30
+# What the pool may reserve beyond MLX's live arrays and its cache: chunks that a few live
+# buffers pin once a forward's big temporaries are freed, which trimming cannot give back
+# (docs/benchmarks.md, session 51).
+POOL_SLACK_BYTES = 2 << 30
 
 
-class PoolTrimmer:
-    """After each step, trims the device pool whose reserve nears the share at which MLX
-    empties its cache (--experiments trim-pool)."""
-
-    def __init__(self, pool: DevicePool, total_bytes: int) -> None:
-        self.pool = pool
-        self.trigger = int(total_bytes * MLX_POOL_SHARE) - TRIM_MARGIN_BYTES
-        self.trims = 0
-        self.released = 0  # bytes given back, all trims
-        self.broken = False  # a runtime call failed: no more trims
-
-    def after_step(self) -> None:
-        if self.broken:
-            return
-        try:
-            reserved = self.pool.reserved()
-            if reserved <= self.trigger:
-                return
-            self.pool.trim()
-            self.released += max(0, reserved - self.pool.reserved())
-        except OSError as exc:  # an experiment's failure ends the experiment, not serving
-            logger.warning("device pool trimming stopped: %s", exc)
-            self.broken = True
-            return
-        self.trims += 1
+def pool_line_room(total_bytes: int, active_bytes: int, cache_bytes: int) -> int:
+    """Bytes two prefill forwards in flight may add to the device pool and keep its reserve
+    under MLX_POOL_SHARE of the device (--experiments pool-headroom), beside `active_bytes`
+    of live arrays (the weights and the KV pool), a full cache of `cache_bytes` and
+    POOL_SLACK_BYTES."""
+    return max(0, int(total_bytes * MLX_POOL_SHARE) - active_bytes - cache_bytes
+               - POOL_SLACK_BYTES)
 
 
 # Memory beside the pool that a prefill forward's activations may not count on: cuBLAS's
