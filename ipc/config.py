@@ -28,8 +28,7 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "cuda-core-attention", "gathered-latent", "fused-own-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
                       "paged-prefill", "unpadded-experts", "block-tiles", "unfused-moe",
-                      "mlx-expert-matmuls", "batched-quantized-rows", "wide-cache",
-                      "pool-headroom", "own-pool")
+                      "mlx-expert-matmuls", "batched-quantized-rows", "wide-cache")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
 CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv", "block-tiles"})
@@ -292,13 +291,7 @@ class ServerConfig:
                                       "one-row problem a row, not as one problem of all "
                                       "rows), wide-cache (MLX's buffer cache capped at half "
                                       "the device memory left beside the pool, not a "
-                                      "quarter), pool-headroom (prefill forwards sized to "
-                                      "keep the device's memory pool under 95%% of the "
-                                      "device, where MLX empties its cache at every "
-                                      "allocation it cannot serve), own-pool (MLX takes "
-                                      "memory from a pool of kiln's own once the weights "
-                                      "are loaded, so the pool MLX reads for that line "
-                                      "holds the weights alone)."})
+                                      "quarter)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

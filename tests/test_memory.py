@@ -95,58 +95,36 @@ def test_cuda_cache_is_capped_at_a_share_of_free_memory(monkeypatch):
 
 
 class _FakeRuntime:
-    """CUDA's runtime as DevicePool calls it: pools by handle, device 0's current one."""
+    """CUDA's runtime as DevicePool calls it: device 0's current pool."""
 
     def __init__(self, reserved: int, used: int, error: int = 0) -> None:
-        self.pools = {0x1234: (reserved, used)}
-        self.current, self.error, self.made = 0x1234, error, []
+        self.reserved, self.used, self.error = reserved, used, error
 
     def cudaDeviceGetMemPool(self, pool_ref, device):
         assert device == 0
-        pool_ref._obj.value = self.current
+        pool_ref._obj.value = 0x1234
         return self.error
 
     def cudaMemPoolGetAttribute(self, pool, attribute, value_ref):
-        reserved, used = self.pools[pool.value]
-        value_ref._obj.value = {5: reserved, 7: used}[attribute]
+        assert pool.value == 0x1234
+        value_ref._obj.value = {5: self.reserved, 7: self.used}[attribute]
         return self.error
 
-    def cudaMemPoolCreate(self, pool_ref, props_ref):
-        props = props_ref._obj
-        self.made.append((props.alloc_type, props.location.type, props.location.id))
-        pool_ref._obj.value = 0x5678
-        self.pools[0x5678] = (0, 0)
-        return self.error
 
-    def cudaDeviceSetMemPool(self, device, pool):
-        self.current = pool.value
-        return 0
-
-
-def test_device_pool_reads_the_current_pool_and_makes_one_of_its_own():
+def test_device_pool_reads_the_current_pool_and_says_when_it_cannot():
     gib = 1 << 30
     rt = _FakeRuntime(reserved=60 * gib, used=50 * gib)
     pool = memory.DevicePool.current(rt)
     assert (pool.reserved(), pool.used()) == (60 * gib, 50 * gib)
-    own = memory.DevicePool.make_current(rt)
-    assert rt.made == [(1, 1, 0)]  # pinned device memory on device 0
-    assert (own.reserved(), memory.DevicePool.current(rt).reserved()) == (0, 0)
     rt.error = 2
     with pytest.raises(OSError, match="cudaMemPoolGetAttribute"):
         pool.reserved()
-    with pytest.raises(OSError, match="cudaMemPoolCreate"):
-        memory.DevicePool.make_current(rt)
-
-
-def test_prefill_room_under_mlx_line_counts_the_weights_pool_cache_and_slack():
-    gib = 1 << 30
-    # 95% of 80 GiB is 76: less 50 live, a 6 GiB cache and 2 of slack.
-    assert memory.pool_line_room(80 * gib, 50 * gib, 6 * gib) == 18 * gib
-    assert memory.pool_line_room(80 * gib, 75 * gib, 6 * gib) == 0
+    with pytest.raises(OSError, match="cudaDeviceGetMemPool"):
+        memory.DevicePool.current(rt)
 
 
 def test_memory_experiments_widen_the_cache_and_are_refused_off_cuda(monkeypatch):
-    from worker_proc import cuda_cache_limits, own_memory_pool
+    from worker_proc import cuda_cache_limits
     from worker_proc.layer_kinds import UnsupportedModelError
 
     limits, said = [], []
@@ -157,11 +135,8 @@ def test_memory_experiments_widen_the_cache_and_are_refused_off_cuda(monkeypatch
     assert limits == [10 << 30, 20 << 30]
     monkeypatch.setattr(memory.mx, "device_info", lambda: {"memory_size": 1 << 40})
     assert cuda_cache_limits(frozenset(), said.append) is None
-    with pytest.raises(UnsupportedModelError, match="pool-headroom, wide-cache: CUDA's memory"):
-        cuda_cache_limits(frozenset({"wide-cache", "pool-headroom"}), said.append)
-    own_memory_pool(frozenset(), said.append)  # not asked for: nothing to refuse
-    with pytest.raises(UnsupportedModelError, match="own-pool: CUDA's memory only"):
-        own_memory_pool(frozenset({"own-pool"}), said.append)
+    with pytest.raises(UnsupportedModelError, match="wide-cache: CUDA's memory only"):
+        cuda_cache_limits(frozenset({"wide-cache"}), said.append)
     assert memory.DevicePool.find() is None  # no CUDA backend here
 
 

@@ -185,7 +185,6 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
                                       int(per_window * (1 + kept)), context,
                                       reserved_bytes=states, window_floor=floor,
                                       most_slots=KVPool.most_slots(specs))
-    own_memory_pool(config.experiment_set, say)
     pool = KVPool(specs, slots, backend, state_rows=config.max_running_requests,
                   snapshots=snapshots, window_slots=window_slots)
     cache_limit = cuda_cache_limits(config.experiment_set, say)
@@ -234,8 +233,7 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
                     walk_offsets=chunking.walk_offsets() if hits else ())
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
     if cache_limit is not None:  # CUDA: device memory figures
-        fit_prefill_forwards(runner, steps + 1, cache_limit, chunking.size, say,
-                             under_line="pool-headroom" in config.experiment_set)
+        fit_prefill_forwards(runner, steps + 1, cache_limit, chunking.size, say)
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")
     say(f"warmed up ({steps} steps{f', {traces} more decode traces' if traces else ''}, "
@@ -262,27 +260,12 @@ def cuda_cache_limits(experiments: frozenset[str], say: Callable[[str], None]) -
 
 
 # --experiments names about CUDA's memory, not a kernel: refused elsewhere.
-MEMORY_EXPERIMENTS = frozenset({"wide-cache", "pool-headroom", "own-pool"})
+MEMORY_EXPERIMENTS = frozenset({"wide-cache"})
 
-
-def own_memory_pool(experiments: frozenset[str], say: Callable[[str], None]) -> None:
-    """--experiments own-pool: MLX takes device memory from here on (the KV pool, every
-    step's arrays) from a pool of kiln's own, not the default pool, whose reserve MLX reads
-    to decide to empty its cache (memory.DevicePool)."""
-    from worker_proc.layer_kinds import UnsupportedModelError
-    from worker_proc.memory import DevicePool
-
-    if "own-pool" not in experiments:
-        return
-    runtime = DevicePool.runtime()
-    if runtime is None:
-        raise UnsupportedModelError("--experiments own-pool: CUDA's memory only")
-    DevicePool.make_current(runtime)
-    say("device memory from kiln's own pool (MLX's default pool keeps the weights)")
 
 
 def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chunk: int,
-                         say: Callable[[str], None], under_line: bool = False) -> None:
+                         say: Callable[[str], None]) -> None:
     """Measure what prefill forwards hold and bound them by the device memory left beside
     the pool (memory.prefill_room): the shared forwards' caps (ModelRunner.forward_cap),
     and the room ModelRunner._launch_prefill keeps two forwards in flight within. Probes:
@@ -292,12 +275,8 @@ def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chu
     their scores grow with the width, so a forward of short prompts may take more tokens
     than one of long ones. An H100 ran out of memory in a burst of short prompts with
     two 2,048-token forwards beside a pool of 60% of the free memory
-    (docs/benchmarks.md, session 40). under_line (--experiments pool-headroom): the room
-    also keeps the device's memory pool under the share at which MLX empties its cache
-    (memory.pool_line_room)."""
-    import mlx.core as mx
-
-    from worker_proc.memory import available_memory_bytes, pool_line_room, prefill_room
+    (docs/benchmarks.md, session 40)."""
+    from worker_proc.memory import available_memory_bytes, prefill_room
     from worker_proc.kv_pool import attention_specs
     from worker_proc.prefill_attention import FUSED_PREFILL_BUCKET, UNFUSED_SCORES_MAX_BYTES
     from worker_proc.runner import PrefillMemory
@@ -329,16 +308,11 @@ def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chu
                            f"to {max(longest, runner.prefill_forward_tokens)} tokens beside the "
                            "KV pool: lower --mem-fraction (or --chunked-prefill-size)") from exc
     room = prefill_room(available_memory_bytes(), cache_limit)
-    line = ""
-    if under_line:
-        room = min(room, pool_line_room(int(mx.device_info()["total_memory"]),
-                                        mx.get_active_memory(), cache_limit))
-        line = ", under MLX's line"
     runner.set_prefill_memory(PrefillMemory(room=room, lone=lone, shared=tuple(shared)))
     caps = "; ".join(f"{runner.forward_cap(w)} of {w}-token prompts ({b / 2**20:.1f} MiB a "
                      "token)" for w, b in shared)
     say(f"prefill forwards of up to {runner.forward_cap(1)} tokens, two within "
-        f"{room / 2**30:.1f} GiB{line} (shared: {caps or 'none'}; lone prompts "
+        f"{room / 2**30:.1f} GiB (shared: {caps or 'none'}; lone prompts "
         f"{lone / 2**20:.1f} MiB a token)")
 
 

@@ -89,22 +89,6 @@ def bound_cuda_cache(share: float = CUDA_CACHE_SHARE) -> int | None:
 # Attributes of cudaMemPoolGetAttribute in CUDA's runtime API.
 _RESERVED_MEM_CURRENT = 5
 _USED_MEM_CURRENT = 7
-# cudaMemAllocationTypePinned, cudaMemLocationTypeDevice.
-_PINNED, _ON_DEVICE = 1, 1
-
-
-class _MemLocation(ctypes.Structure):
-    _fields_ = [("type", ctypes.c_int), ("id", ctypes.c_int)]
-
-
-class _PoolProps(ctypes.Structure):
-    """cudaMemPoolProps (CUDA 12.2 and later), its reserved tail longer than the runtime's
-    own (zeroed): a runtime reading more than it used to reads zeros, not past the end."""
-
-    _fields_ = [("alloc_type", ctypes.c_int), ("handle_types", ctypes.c_int),
-                ("location", _MemLocation), ("win32_security_attributes", ctypes.c_void_p),
-                ("max_size", ctypes.c_size_t), ("usage", ctypes.c_ushort),
-                ("reserved", ctypes.c_ubyte * 118)]
 
 
 class DevicePool:
@@ -114,13 +98,10 @@ class DevicePool:
     MLX 0.32 empties its whole buffer cache at each allocation the cache cannot serve
     once the device's *default* pool has reserved more than 95% of the device
     (allocator.cpp), and frees the cache's host-read (managed) buffers with cudaFree,
-    which waits for all the device's work in flight. The pool keeps what a long prompt's
-    prefill forward reserved, and later steps then meet that stall again and again:
-    served mixed traffic's logs show MLX's cache at 0.0 GiB under a 5.3-6.1 GiB cap and
-    the pool above that line, which trimming does not bring down (docs/benchmarks.md,
-    sessions 50-51). `--experiments own-pool` (`make_current`) gives MLX a pool of
-    kiln's own after the weights are loaded, so that the pool MLX reads holds the weights
-    alone."""
+    which waits for all the device's work in flight. Served mixed traffic's logs show
+    MLX's cache at 0.0 GiB under a 5.3-6.1 GiB cap and the pool above that line from the
+    warm-up's long forwards on, which trimming does not bring down; whether the emptying
+    stalls the host is not yet measured (docs/benchmarks.md, sessions 50-51)."""
 
     def __init__(self, runtime: Any, handle: ctypes.c_void_p) -> None:
         self._rt = runtime
@@ -143,18 +124,6 @@ class DevicePool:
         handle = ctypes.c_void_p()
         if err := runtime.cudaDeviceGetMemPool(ctypes.byref(handle), 0):
             raise OSError(f"cudaDeviceGetMemPool failed (error {err})")
-        return cls(runtime, handle)
-
-    @classmethod
-    def make_current(cls, runtime: Any) -> "DevicePool":
-        """A new pool of device memory, made device 0's current one: MLX's later
-        cudaMallocAsync calls take memory from it."""
-        props = _PoolProps(alloc_type=_PINNED, location=_MemLocation(_ON_DEVICE, 0))
-        handle = ctypes.c_void_p()
-        if err := runtime.cudaMemPoolCreate(ctypes.byref(handle), ctypes.byref(props)):
-            raise OSError(f"cudaMemPoolCreate failed (error {err})")
-        if err := runtime.cudaDeviceSetMemPool(0, handle):
-            raise OSError(f"cudaDeviceSetMemPool failed (error {err})")
         return cls(runtime, handle)
 
     @classmethod
@@ -182,23 +151,6 @@ class DevicePool:
     def used(self) -> int:
         """Bytes of the pool's allocations not yet freed (MLX's arrays and its cache)."""
         return self._attribute(_USED_MEM_CURRENT)
-
-
-# MLX empties its cache once the pool reserves more than this share of the device.
-MLX_POOL_SHARE = 0.95
-# What the pool may reserve beyond MLX's live arrays and its cache: chunks that a few live
-# buffers pin once a forward's big temporaries are freed, which trimming cannot give back
-# (docs/benchmarks.md, session 51).
-POOL_SLACK_BYTES = 2 << 30
-
-
-def pool_line_room(total_bytes: int, active_bytes: int, cache_bytes: int) -> int:
-    """Bytes two prefill forwards in flight may add to the device pool and keep its reserve
-    under MLX_POOL_SHARE of the device (--experiments pool-headroom), beside `active_bytes`
-    of live arrays (the weights and the KV pool), a full cache of `cache_bytes` and
-    POOL_SLACK_BYTES."""
-    return max(0, int(total_bytes * MLX_POOL_SHARE) - active_bytes - cache_bytes
-               - POOL_SLACK_BYTES)
 
 
 # Memory beside the pool that a prefill forward's activations may not count on: cuBLAS's
