@@ -263,7 +263,6 @@ def cuda_cache_limits(experiments: frozenset[str], say: Callable[[str], None]) -
 MEMORY_EXPERIMENTS = frozenset({"wide-cache"})
 
 
-
 def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chunk: int,
                          say: Callable[[str], None]) -> None:
     """Measure what prefill forwards hold and bound them by the device memory left beside

@@ -100,7 +100,7 @@ class DevicePool:
     (allocator.cpp), and frees the cache's host-read (managed) buffers with cudaFree,
     which waits for all the device's work in flight. Served mixed traffic's logs show
     MLX's cache at 0.0 GiB under a 5.3-6.1 GiB cap and the pool above that line from the
-    warm-up's long forwards on, which trimming does not bring down; whether the emptying
+    first 10-s summary on, which trimming does not bring down; whether the emptying
     stalls the host is not yet measured (docs/benchmarks.md, sessions 50-51)."""
 
     def __init__(self, runtime: Any, handle: ctypes.c_void_p) -> None:
