@@ -95,12 +95,12 @@ def test_cuda_cache_is_capped_at_a_share_of_free_memory(monkeypatch):
 
 
 class _FakeRuntime:
-    """CUDA's runtime as DevicePool calls it: device 0's current pool."""
+    """CUDA's runtime as DevicePool calls it: device 0's default pool."""
 
     def __init__(self, reserved: int, used: int, error: int = 0) -> None:
         self.reserved, self.used, self.error = reserved, used, error
 
-    def cudaDeviceGetMemPool(self, pool_ref, device):
+    def cudaDeviceGetDefaultMemPool(self, pool_ref, device):
         assert device == 0
         pool_ref._obj.value = 0x1234
         return self.error
@@ -111,16 +111,16 @@ class _FakeRuntime:
         return self.error
 
 
-def test_device_pool_reads_the_current_pool_and_says_when_it_cannot():
+def test_device_pool_reads_the_default_pool_and_says_when_it_cannot():
     gib = 1 << 30
     rt = _FakeRuntime(reserved=60 * gib, used=50 * gib)
-    pool = memory.DevicePool.current(rt)
+    pool = memory.DevicePool(rt)
     assert (pool.reserved(), pool.used()) == (60 * gib, 50 * gib)
     rt.error = 2
     with pytest.raises(OSError, match="cudaMemPoolGetAttribute"):
         pool.reserved()
-    with pytest.raises(OSError, match="cudaDeviceGetMemPool"):
-        memory.DevicePool.current(rt)
+    with pytest.raises(OSError, match="cudaDeviceGetDefaultMemPool"):
+        memory.DevicePool(rt)
 
 
 def test_memory_experiments_widen_the_cache_and_are_refused_off_cuda(monkeypatch):
@@ -144,7 +144,7 @@ def test_memory_note_reports_the_device_pool_where_there_is_one():
     from worker_proc import memory_note
 
     gib = 1 << 30
-    pool = memory.DevicePool.current(_FakeRuntime(reserved=75 * gib, used=50 * gib))
+    pool = memory.DevicePool(_FakeRuntime(reserved=75 * gib, used=50 * gib))
     assert memory_note(pool).endswith("device pool 75.0 (50.0 used)")
     assert "device pool" not in memory_note()
 

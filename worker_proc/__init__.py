@@ -438,7 +438,7 @@ class WorkerLoop:
     def __init__(self, runner, results: Sender, overlap: bool,  # noqa: ANN001
                  start_ahead: bool = False, stats: StepStats | None = None,
                  device_pool: "DevicePool | None" = None) -> None:
-        """device_pool: the CUDA memory pool, whose reserve the summaries report."""
+        """device_pool: the CUDA memory pool, whose reserve and use the summaries report."""
         self.runner = runner
         self.device_pool = device_pool
         self.results = results
@@ -721,9 +721,8 @@ def run_worker(config: ServerConfig) -> None:
                              decode_first_tokens=chunking.decode_first,
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
-    device_pool = DevicePool.find()
     loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place,
-                      device_pool=device_pool)
+                      device_pool=DevicePool.find())
     # A timeout now and then lets an interval's summary out while no plans come.
     while loop.handle(plans.recv(timeout_ms=_SUMMARY_POLL_MS)):
         loop.log_summary()

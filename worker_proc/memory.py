@@ -92,51 +92,39 @@ _USED_MEM_CURRENT = 7
 
 
 class DevicePool:
-    """Device 0's current memory pool, where MLX's cudaMallocAsync takes memory and
+    """The device's default memory pool, where MLX's cudaMallocAsync takes memory and
     cudaFreeAsync gives it back, read through CUDA's runtime library.
 
     MLX 0.32 empties its whole buffer cache at each allocation the cache cannot serve
-    once the device's *default* pool has reserved more than 95% of the device
-    (allocator.cpp), and frees the cache's host-read (managed) buffers with cudaFree,
-    which waits for all the device's work in flight. Served mixed traffic's logs show
-    MLX's cache at 0.0 GiB under a 5.3-6.1 GiB cap and the pool above that line from the
-    first 10-s summary on, which trimming does not bring down; whether the emptying
-    stalls the host is not yet measured (docs/benchmarks.md, sessions 50-51)."""
+    once this pool has reserved more than 95% of the device (allocator.cpp), and frees
+    the cache's host-read (managed) buffers with cudaFree, which waits for all the
+    device's work in flight. Served mixed traffic's logs show MLX's cache at 0.0 GiB
+    under a 5.3-6.1 GiB cap and this pool above that line from the first 10-s summary
+    on, which trimming does not bring down; whether the emptying stalls the host is not
+    yet measured (docs/benchmarks.md, sessions 50-51)."""
 
-    def __init__(self, runtime: Any, handle: ctypes.c_void_p) -> None:
+    def __init__(self, runtime: Any) -> None:
         self._rt = runtime
-        self._handle = handle
+        self._handle = ctypes.c_void_p()
+        if err := runtime.cudaDeviceGetDefaultMemPool(ctypes.byref(self._handle), 0):
+            raise OSError(f"cudaDeviceGetDefaultMemPool failed (error {err})")
 
-    @staticmethod
-    def runtime() -> Any | None:
-        """CUDA's runtime library where MLX runs on its CUDA backend, else None."""
+    @classmethod
+    def find(cls) -> "DevicePool | None":
+        """The pool of device 0 on MLX's CUDA backend, else None."""
         if "total_memory" not in mx.device_info():
             return None
         for name in ("libcudart.so.13", "libcudart.so.12", "libcudart.so"):
             try:  # the soname resolves to the copy MLX's library loaded
-                return ctypes.CDLL(name)
+                runtime = ctypes.CDLL(name)
             except OSError:
                 continue
+            try:
+                return cls(runtime)
+            except OSError as exc:  # the figure is a log line's: serving goes on without it
+                logger.warning("device memory pool unread: %s", exc)
+                return None
         return None
-
-    @classmethod
-    def current(cls, runtime: Any) -> "DevicePool":
-        handle = ctypes.c_void_p()
-        if err := runtime.cudaDeviceGetMemPool(ctypes.byref(handle), 0):
-            raise OSError(f"cudaDeviceGetMemPool failed (error {err})")
-        return cls(runtime, handle)
-
-    @classmethod
-    def find(cls) -> "DevicePool | None":
-        """The current pool of device 0 on MLX's CUDA backend, else None."""
-        runtime = cls.runtime()
-        if runtime is None:
-            return None
-        try:
-            return cls.current(runtime)
-        except OSError as exc:  # the figure is a log line's: serving goes on without it
-            logger.warning("device memory pool unread: %s", exc)
-            return None
 
     def _attribute(self, attribute: int) -> int:
         value = ctypes.c_uint64(0)
@@ -149,7 +137,7 @@ class DevicePool:
         return self._attribute(_RESERVED_MEM_CURRENT)
 
     def used(self) -> int:
-        """Bytes of the pool's allocations not yet freed (MLX's arrays and its cache)."""
+        """Bytes of the pool's allocations not yet freed."""
         return self._attribute(_USED_MEM_CURRENT)
 
 
