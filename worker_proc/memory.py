@@ -100,8 +100,9 @@ class DevicePool:
     the cache's host-read (managed) buffers with cudaFree, which waits for all the
     device's work in flight. Served mixed traffic's logs show MLX's cache at 0.0 GiB
     under a 5.3-6.1 GiB cap and this pool above that line from the first 10-s summary
-    on, which trimming does not bring down; whether the emptying stalls the host is not
-    yet measured (docs/benchmarks.md, sessions 50-51)."""
+    on, which trimming does not bring down, while its use equals MLX's active memory;
+    whether the emptying stalls the host is not yet measured (docs/benchmarks.md,
+    sessions 50-52)."""
 
     def __init__(self, runtime: Any) -> None:
         self._rt = runtime
