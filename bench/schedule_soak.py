@@ -15,9 +15,10 @@ of the worker's paths:
   (`tests.engine_driver.StandInKernel`): projections fused, fast decode blocks, decode
   replayed from compiled traces;
 - in place: the CUDA path's in-place pool (`StandInInPlaceKernels`), eager decode;
-- paged prefill: the kernel path with `--experiments paged-prefill` (prefill attention
-  read from the pool, `worker_proc/paged_prefill.py`, stood in for), on the family's
-  model with heads of 64 (the kernel takes 64 to 256) where its config takes a head size
+- paged prefill: the kernel path with `--experiments paged-short-rows` (prefill attention
+  read from the pool, `worker_proc/paged_prefill.py`, stood in for, also for heads the
+  stood-in cuDNN takes), on the family's model with heads of 64 (the kernel takes 64 to
+  256) where its config takes a head size
   (the kernel's calls are counted: 0 where it never serves the family's layers);
 - mixed forward: the kernel path with `--experiments mixed-forward` (a step's lone prompt
   chunk in its decode rows' forward, padded with scratch-slot rows where MLPs are dense),
@@ -160,7 +161,7 @@ def engine_options(path: str, own_caches: bool, sort_routes: bool = False) -> di
     if path == "in place":
         return {"backend": StandInInPlaceKernels()}
     if path == "paged prefill":
-        return {"backend": CountingStandIn(paged_prefill=True), "compile_decode": True}
+        return {"backend": CountingStandIn(paged_short_rows=True), "compile_decode": True}
     if path == "mixed forward":
         return {"backend": StandInKernel(mixed_forward=True), "compile_decode": True}
     return {}

@@ -799,10 +799,12 @@ def main() -> None:
                 this, "BACKEND", replace(served, bucketed_prefill=False), kiln(fast_model))
             step_variants["kiln, served, unfused masked attention"] = _patching(
                 this, "BACKEND", replace(served, bucketed_masked=False), kiln(fast_model))
-            step_variants["kiln, served, paged prefill"] = _patching(  # --experiments paged-prefill
-                this, "BACKEND", replace(served, paged_prefill=True), kiln(fast_model))
+            step_variants["kiln, served, unpaged prefill"] = _patching(  # --experiments unpaged-prefill
+                this, "BACKEND", replace(served, paged_prefill=False), kiln(fast_model))
+            step_variants["kiln, served, paged short rows"] = _patching(  # --experiments paged-short-rows
+                this, "BACKEND", replace(served, paged_short_rows=True), kiln(fast_model))
             step_variants["kiln, served, paged prefill, any length"] = _patching(  # no cuDNN limit
-                this, "BACKEND", replace(served, paged_prefill=True, paged_prefill_max_queries=None),
+                this, "BACKEND", replace(served, paged_short_rows=True, paged_prefill_max_queries=None),
                 kiln(fast_model))
         else:  # CUDA's prefill attention (unfused), stood in for on this device
             for compiles in (False, True):

@@ -27,7 +27,7 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "mixed-forward", "mma-attention", "mma-wide-tiles",
                       "cuda-core-attention", "gathered-latent", "fused-own-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
-                      "paged-prefill", "unpadded-experts", "block-tiles", "unfused-moe",
+                      "unpaged-prefill", "paged-short-rows", "unpadded-experts", "block-tiles", "unfused-moe",
                       "mlx-expert-matmuls", "batched-quantized-rows", "wide-cache")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
@@ -268,14 +268,14 @@ class ServerConfig:
                                       "unfused-qk-rope (a llama, qwen2 or GPT-OSS decode "
                                       "step's RoPE of q and k through MLX's copy and RoPE "
                                       "as before, not one kernel from the fused "
-                                      "projection's output), paged-prefill (prefill "
-                                      "attention of full and sliding layers over a "
-                                      "computed context read from the pool by a "
-                                      "tensor-core kernel, heads of 64 to 256, instead of "
-                                      "a gather and cuDNN or MLX's matmuls, where a "
-                                      "row holds at most 256 queries or cuDNN does not "
-                                      "take the heads; slower on the H200 than the "
-                                      "default but for many short rows), "
+                                      "projection's output), unpaged-prefill (prefill "
+                                      "attention of layers whose heads cuDNN does not "
+                                      "take, Gemma's 256, through MLX's matmuls and a "
+                                      "score matrix as before, not the paged prefill "
+                                      "kernel), paged-short-rows (also rows of at most "
+                                      "256 queries over a computed context where cuDNN "
+                                      "takes the heads through the paged prefill kernel; "
+                                      "slower on the H200 but for many short rows), "
                                       "unpadded-experts (quantized experts' projections "
                                       "at their own output sizes, as before they were "
                                       "padded to whole 128-row tiles for MLX's grouped "

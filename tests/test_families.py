@@ -983,39 +983,46 @@ def test_compiled_decode_compiles_no_kernel_while_serving(name, tmp_path):
 @pytest.mark.parametrize("name", ["llama", "gemma3_text", "gpt_oss"])
 @pytest.mark.parametrize("path", ["compiled", "in place"])
 def test_prefill_read_from_the_pool_equals_mlx_lm(name, path):
-    """`--experiments paged-prefill`: prefill attention over a computed context reads each
-    row's K/V from the pool through the prefill kernel (stood in for by its plain-MLX
-    meaning), full and sliding layers (Gemma 3's, GPT-OSS's with sinks), chunks across
-    the window's edge, prefix hits, rows at different starts: mlx-lm's tokens. Heads of
-    64 (the kernel takes multiples of 64)."""
+    """Prefill attention of heads cuDNN does not take (float32 here, as Gemma's 256 on
+    the device) reads each row's K/V from the pool through the prefill kernel (stood in
+    for by its plain-MLX meaning) by default: full and sliding layers (Gemma 3's,
+    GPT-OSS's with sinks), fresh prompts, chunks across the window's edge, prefix hits,
+    rows at different starts: mlx-lm's tokens. Heads of 64 (the kernel takes multiples
+    of 64)."""
     from tests.engine_driver import StandInInPlaceKernels, StandInKernel, record_paged_prefill
 
-    model = build(name, head_dim=64)
+    model = build(name, head_dim=256)
     compiled = path == "compiled"
-    backend = (StandInKernel if compiled else StandInInPlaceKernels)(paged_prefill=True)
+    backend = (StandInKernel if compiled else StandInInPlaceKernels)()
     calls = record_paged_prefill(backend)
     prompts = _prompts(seed=300 + len(name))
     engine = InProcessEngine(model, chunk_size=16, compile_decode=compiled, overlap="ahead",
                              backend=backend)
+    short = list(prompts[0][:10])  # one fresh chunk, no context
+    engine.submit("short", short, 12, [])
+    results = engine.run_until_idle()
+    assert calls, "a fresh prompt's forward did not read the pool"
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, 12, [])
-    results = engine.run_until_idle()
+    results.update(engine.run_until_idle())
     engine.submit("again", list(prompts[1]), 12, [])
     results.update(engine.run_until_idle())
     assert engine.scheduler.counters.cache_hit_tokens > 0
     kinds = {c.window for c in calls}
     assert 0 in kinds and (name == "llama" or WINDOW in kinds), kinds
     assert any(c.sinks for c in calls) == (name in SINKS)
-    assert_mlx_lm_tokens(model, name, results, [*((f"r{i}", p) for i, p in enumerate(prompts)),
-                                                ("again", prompts[1])], 12)
+    expected = [("short", short), *((f"r{i}", p) for i, p in enumerate(prompts)),
+                ("again", prompts[1])]
+    assert_mlx_lm_tokens(model, name, results, expected, 12)
 
 
-@pytest.mark.parametrize("limit", [8, None])
+@pytest.mark.parametrize("limit", [8, None, "default"])
 def test_paged_prefill_leaves_long_chunks_to_cudnn(limit):
-    """Where cuDNN serves a layer's heads (stood in for here), a forward whose rows hold
-    more queries than paged_prefill_max_queries attends through it (a long chunk is
-    arithmetic, cuDNN's strength); shorter ones over a computed context read the pool
-    through the prefill kernel. mlx-lm's tokens either way."""
+    """Where cuDNN serves a layer's heads (stood in for here), prefill attends through
+    it by default. Under `--experiments paged-short-rows` only a forward whose rows hold
+    more queries than paged_prefill_max_queries does (a long chunk is arithmetic,
+    cuDNN's strength); shorter ones over a computed context read the pool through the
+    prefill kernel. mlx-lm's tokens either way."""
     from tests.engine_driver import StandInKernel, record_paged_prefill
 
     class CudnnHeads(StandInKernel):
@@ -1023,7 +1030,8 @@ def test_paged_prefill_leaves_long_chunks_to_cudnn(limit):
             return True
 
     model = build("llama", head_dim=64)
-    backend = CudnnHeads(paged_prefill=True, paged_prefill_max_queries=limit)
+    backend = (CudnnHeads() if limit == "default" else
+               CudnnHeads(paged_short_rows=True, paged_prefill_max_queries=limit))
     calls = record_paged_prefill(backend)
     prompts = _prompts(seed=307)
     engine = InProcessEngine(model, chunk_size=16, backend=backend)
@@ -1031,10 +1039,13 @@ def test_paged_prefill_leaves_long_chunks_to_cudnn(limit):
         engine.submit(f"r{i}", p, 6, [])
     results = engine.run_until_idle()
     rows = [c.queries for c in calls]
-    assert rows, "no forward over a computed context read the pool"
+    if limit == "default":
+        assert not rows, rows
+    else:
+        assert rows, "no forward over a computed context read the pool"
     if limit is None:
         assert max(rows) > 8, rows  # the long chunks the limit turns away exist
-    else:
+    elif limit != "default":
         assert max(rows) <= limit, rows
     assert_mlx_lm_tokens(model, "llama", results, [(f"r{i}", p) for i, p in enumerate(prompts)], 6)
 

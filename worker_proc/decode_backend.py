@@ -247,10 +247,12 @@ class KernelDecode(DecodeBackend):
     them, 4-bit experts' projections of the sorted pairs through expert_rows' tensor-core
     kernel once a step has as many pairs as experts, not MLX's gather_qmm (off:
     `--experiments mlx-expert-matmuls`). paged_prefill: prefill
-    attention of full and sliding layers through the paged prefill kernel, which reads
-    each row's context from the pool (paged_prefill; `--experiments paged-prefill`, off
-    by default until measured): no gather, no score matrix, any head size to 256; rows
-    of more than paged_prefill_max_queries queries stay with cuDNN where it serves them."""
+    attention of full and sliding layers whose heads cuDNN does not take (Gemma's 256,
+    float32) through the paged prefill kernel, which reads each row's context from the
+    pool: no gather, no score matrix in memory (off: `--experiments unpaged-prefill`,
+    MLX's matmul attention). paged_short_rows: also rows of at most
+    paged_prefill_max_queries queries over a computed context where cuDNN takes the
+    heads (`--experiments paged-short-rows`)."""
 
     write_in_attention: bool = True
     rope_in_kernel: bool = False
@@ -269,7 +271,11 @@ class KernelDecode(DecodeBackend):
     residual_norm_kernel: bool = True
     moe_kernels: bool = True
     expert_rows_kernel: bool = True
-    paged_prefill: bool = False
+    # Kept on by default where cuDNN does not take the heads: MLX's matmul attention
+    # there holds float32 scores whose peaks push the device pool over MLX's 95% line,
+    # after which MLX empties its buffer cache (docs/benchmarks.md, session 53).
+    paged_prefill: bool = True
+    paged_short_rows: bool = False
     # Rows of more queries than this go to cuDNN where it serves their heads: past a few
     # hundred queries a row the chunk is arithmetic, which cuDNN's kernel does faster
     # than the paged one (docs/benchmarks.md, session 32); None: no limit.
@@ -360,10 +366,11 @@ class KernelDecode(DecodeBackend):
                 and self._paged_prefill_takes(queries.dtype, pool.layers[layer].dtype,
                                               spec.head_dim, spec.v_head_dim)):
             return None
-        limit = self.paged_prefill_max_queries
-        long_rows = limit is not None and queries.shape[2] > limit
-        if (layout.fresh or long_rows) and self._fused_builds_per_shape(queries, queries):
-            return None  # a fresh prompt's own K/V, or a long chunk, through cuDNN
+        if self._fused_builds_per_shape(queries, queries):
+            limit = self.paged_prefill_max_queries
+            long_rows = limit is not None and queries.shape[2] > limit
+            if not self.paged_short_rows or layout.fresh or long_rows:
+                return None  # cuDNN: a fresh prompt's own K/V, a long chunk, by default all
         table = cache.read_slots
         offset = layout.offset
         starts = (mx.zeros((table.shape[0],), dtype=mx.int32) + offset
@@ -670,5 +677,6 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         residual_norm_kernel="unfused-residual-norm" not in experiments,
                         moe_kernels="unfused-moe" not in experiments,
                         expert_rows_kernel="mlx-expert-matmuls" not in experiments,
-                        paged_prefill="paged-prefill" in experiments,
+                        paged_prefill="unpaged-prefill" not in experiments,
+                        paged_short_rows="paged-short-rows" in experiments,
                         prefill_bucket=prefill_bucket)

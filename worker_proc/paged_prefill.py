@@ -2,16 +2,16 @@
 row's context through its slot table, causal, optionally windowed and with sinks, on
 tensor cores (sm_80+, 16-bit pools).
 
-The default prefill path gathers every row's context out of the pool into dense K/V, then
-attends through MLX's fused call (cuDNN, heads up to 128 wide, a graph per padded shape)
-or MLX's matmul fallback (wider heads: Gemma's 256, whose scores are materialised). This
-kernel takes the place of the gather, the copies and either attention: each block holds
+Without it, a prefill forward gathers every row's context out of the pool into dense K/V,
+then attends through MLX's fused call (cuDNN, heads up to 128 wide, a graph per padded
+shape) or MLX's matmul fallback (wider heads: Gemma's 256, whose scores are materialised).
+This kernel takes the place of the gather, the copies and either attention: each block holds
 16 x WARPS (query, head) rows of one KV head in shared memory, and streams the context's
 K/V through shared memory in tiles (cp.async, two stages), every warp scoring its 16 rows
 against a tile on tensor cores and keeping an online softmax, so no score matrix exists
 and the graph has one node a layer whatever the shapes. Its fragments follow the decode
 kernel's (paged_attention._MMA_BODY): rows are (query position, head) pairs instead of
-heads. `--experiments paged-prefill` turns it on (KernelDecode.paged_prefill).
+heads. On by default for heads cuDNN does not take (KernelDecode.paged_prefill).
 """
 
 from __future__ import annotations
