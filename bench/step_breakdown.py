@@ -365,7 +365,7 @@ PREFILL_STEPS: dict[str, tuple[str, tuple[tuple[Chunk, ...], ...]]] = {
                    (tuple(Chunk(i, 256 * (i + 1), 256) for i in range(8)),)),
     "4096chunked": ("4096 in 2 steps of 2048 (TTFT)", ((Chunk(0, 0, 2048),), (Chunk(0, 2048, 2048),))),
     # A long prompt's late chunks under the decode-first budget (512 tokens a step, or
-    # 128 spread over 4 steps): few queries a row against a long cached context.
+    # 128 spread over 8 steps): few queries a row against a long cached context.
     "1024after3072": ("1024 after a cached 3072", ((Chunk(0, 3072, 1024),),)),
     "256after3840": ("256 after a cached 3840", ((Chunk(0, 3840, 256),),)),
     "2x512late": ("2 x 512 after prefixes 2048, 3072", ((Chunk(0, 2048, 512), Chunk(1, 3072, 512)),)),

@@ -18,7 +18,7 @@ PREFILL_CHUNK = 2048  # --chunked-prefill-size 0's value by device: mlx-lm's pre
 LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerConfig.chunk_size)
 # Decode first's defaults (ServerConfig.spread_parts, .decode_first_tokens): prompt tokens
 # a step computes beside the streams it protects, whole or spread over several steps.
-AUTO_PREFILL_SPREAD = 4
+AUTO_PREFILL_SPREAD = 8
 DECODE_FIRST_TOKENS = 512
 SPREAD_DECODE_FIRST_TOKENS = 128
 # CUDA attention paths other than the default, for --experiments (A/B runs).
@@ -136,7 +136,7 @@ class ServerConfig:
                                      "stream's gap grows by a share of a prefill forward's "
                                      "launch and compute, not a whole one. 1: off; a power "
                                      "of two keeps chunks to the shapes built at start-up; "
-                                     "0: 4 on CUDA, 1 elsewhere. Models whose call is a "
+                                     "0: 8 on CUDA, 1 elsewhere. Models whose call is a "
                                      "backbone and an output head, without recurrent layers; "
                                      "others run whole forwards."})
     fixed_decode_first_budget: bool = dataclasses.field(
@@ -479,8 +479,8 @@ class ServerConfig:
 
     def spread_parts(self, on_cuda: bool, most: int) -> int:
         """--prefill-spread resolved: `most` is how many parts this model's prefill
-        forwards can take (its blocks; 1 where they run whole). By default 4 on CUDA, the
-        one backend it was measured on (docs/benchmarks.md, sessions 37-39), and none
+        forwards can take (its blocks; 1 where they run whole). By default 8 on CUDA, the
+        one backend it was measured on (docs/benchmarks.md, sessions 37-39 and 53), and none
         beside --experiments mixed-forward, the other way a decode step carries prefill."""
         wanted = self.prefill_spread
         if not wanted:

@@ -397,7 +397,7 @@ def test_decode_firsts_defaults_resolve_by_device_and_model():
     from ipc.config import ServerConfig
 
     auto = ServerConfig()
-    assert auto.spread_parts(on_cuda=True, most=48) == 4
+    assert auto.spread_parts(on_cuda=True, most=48) == 8
     assert auto.decode_first_tokens(4) == 128
     assert auto.spread_parts(on_cuda=False, most=48) == 1 == auto.spread_parts(True, most=1)
     assert auto.decode_first_tokens(1) == 512

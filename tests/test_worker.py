@@ -771,9 +771,11 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     assert plain.spread(1) == plain
     assert chunking(GatherDecode()).spread(4) == dataclasses.replace(chunking(GatherDecode()), parts=4)
     assert small.spread(4).warm_walk == small.spread(4).align == 1024
-    # The defaults' spread (CUDA's: 4 parts, 128 tokens a step, the 128 bucket).
-    cuda = prefill_chunking(ServerConfig(), KernelDecode(prefill_bucket=128), llama, parts=4)
-    assert (cuda.decode_first, cuda.parts, cuda.align, cuda.warm_walk) == (128, 4, 512, 512)
+    # The defaults' spread (CUDA's: 8 parts, 128 tokens a step, the 128 bucket).
+    config = ServerConfig()
+    parts = config.spread_parts(on_cuda=True, most=48)
+    cuda = prefill_chunking(config, KernelDecode(prefill_bucket=128), llama, parts=parts)
+    assert (cuda.decode_first, cuda.parts, cuda.align, cuda.warm_walk) == (128, 8, 1024, 1024)
     assert (plain.decode_first, plain.parts) == (512, 1)
     # Prefix hits stay on the buckets' edges; the chunks from each to the spread's next
     # edge are walked.
