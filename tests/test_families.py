@@ -981,30 +981,36 @@ def test_compiled_decode_compiles_no_kernel_while_serving(name, tmp_path):
 
 
 @pytest.mark.parametrize("name", ["llama", "gemma3_text", "gpt_oss"])
-@pytest.mark.parametrize("path", ["compiled", "in place"])
+@pytest.mark.parametrize("path", ["compiled", "in place", "aligned, spread"])
 def test_prefill_read_from_the_pool_equals_mlx_lm(name, path):
     """Prefill attention of heads cuDNN does not take (float32 here, as Gemma's 256 on
     the device) reads each row's K/V from the pool through the prefill kernel (stood in
     for by its plain-MLX meaning) by default: full and sliding layers (Gemma 3's,
     GPT-OSS's with sinks), fresh prompts, chunks across the window's edge, prefix hits,
-    rows at different starts: mlx-lm's tokens. Heads of 64 (the kernel takes multiples
-    of 64)."""
+    rows at different starts: mlx-lm's tokens. Such heads make long prefill chunks
+    aligned on the bucket's edges, prompts' tails padded (fuses_long_prefill), served
+    with decode first's prefill spread over steps ("aligned, spread")."""
     from tests.engine_driver import StandInInPlaceKernels, StandInKernel, record_paged_prefill
 
     model = build(name, head_dim=256)
-    compiled = path == "compiled"
-    backend = (StandInKernel if compiled else StandInInPlaceKernels)()
+    compiled = path != "in place"
+    backend = (StandInInPlaceKernels if path == "in place" else StandInKernel)()
     calls = record_paged_prefill(backend)
     prompts = _prompts(seed=300 + len(name))
+    aligned = ({"chunk_align": 16, "tail_bucket": 16, "max_prefill_tokens_while_decoding": 8,
+                "prefill_parts": 2, "decode_first_for_all": True}
+               if path == "aligned, spread" else {})
     engine = InProcessEngine(model, chunk_size=16, compile_decode=compiled, overlap="ahead",
-                             backend=backend)
+                             backend=backend, **aligned)
     short = list(prompts[0][:10])  # one fresh chunk, no context
     engine.submit("short", short, 12, [])
     results = engine.run_until_idle()
     assert calls, "a fresh prompt's forward did not read the pool"
     for i, p in enumerate(prompts):
         engine.submit(f"r{i}", p, 12, [])
-    results.update(engine.run_until_idle())
+    parts = run_recording_parts(engine)
+    results.update(engine.results)
+    assert ((2, 1, 2) in parts) == bool(aligned), parts
     engine.submit("again", list(prompts[1]), 12, [])
     results.update(engine.run_until_idle())
     assert engine.scheduler.counters.cache_hit_tokens > 0

@@ -733,12 +733,17 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     assert chunking(GatherDecode()).size == 2048  # mlx-lm's prefill step
     assert chunking(KernelDecode()).size == 4096  # cuDNN, bucketed
     assert chunking(KernelDecode(bucketed_prefill=False)).size == 2048
-    # Heads cuDNN does not take: MLX's matmul fallback, whose scores exist in memory.
+    # Heads cuDNN does not take (Gemma's 256): the paged prefill kernel, no scores in
+    # memory, so long chunks; with MLX's matmul fallback, whose scores exist, mlx-lm's.
     gemma = [AttentionLayerSpec(8, 256, 256, mx.bfloat16)]
-    assert chunking(KernelDecode(), llama + gemma).size == 2048
+    unpaged = KernelDecode(paged_prefill=False)
+    assert chunking(KernelDecode(), llama + gemma).size == 4096
+    assert chunking(unpaged, llama + gemma).size == 2048
+    latent = [AttentionLayerSpec(1, 576, 0, mx.bfloat16)]  # not the paged kernel's heads
+    assert chunking(KernelDecode(), llama + latent).size == 2048
     # Chunks end on the bucket's edges exactly where long chunks are bucketed.
-    assert chunking(KernelDecode()).align == 512
-    assert chunking(GatherDecode()).align == chunking(KernelDecode(), llama + gemma).align == 1
+    assert chunking(KernelDecode()).align == chunking(KernelDecode(), llama + gemma).align == 512
+    assert chunking(GatherDecode()).align == chunking(unpaged, llama + gemma).align == 1
     assert chunking(KernelDecode(bucketed_prefill=False)).align == 1
     assert chunking(KernelDecode(align_chunks=False)).align == 1  # the A/B arm
     # Last chunks padded to the bucket exactly where chunks are aligned to it.
@@ -756,7 +761,7 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     # The warm-up walks decode first's chunks where they are bucketed, aligned or not.
     unaligned = KernelDecode(align_chunks=False)
     assert chunking(KernelDecode()).warm_walk == chunking(unaligned).warm_walk == 512
-    assert chunking(GatherDecode()).warm_walk == chunking(KernelDecode(), llama + gemma).warm_walk == 0
+    assert chunking(GatherDecode()).warm_walk == chunking(unpaged, llama + gemma).warm_walk == 0
     # No chunk is longer than `size`: one budget for every step walks chunks of 4,096; a
     # prefill spread over steps walks its longer decode-first chunks.
     one_budget = prefill_chunking(ServerConfig(max_prefill_tokens_while_decoding=8192),

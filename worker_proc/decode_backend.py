@@ -361,10 +361,7 @@ class KernelDecode(DecodeBackend):
                                 sinks: mx.array | None) -> mx.array | None:
         kind, layout, pool, layer = cache.kind, cache.layout, cache.pool, cache.layer
         spec = pool.specs[layer]
-        if not (self.paged_prefill and kind.kind in (Kind.FULL, Kind.SLIDING)
-                and not kind.own_attention and not spec.values_are_keys
-                and self._paged_prefill_takes(queries.dtype, pool.layers[layer].dtype,
-                                              spec.head_dim, spec.v_head_dim)):
+        if not (queries.dtype == spec.dtype and self._pages_prefill(spec)):
             return None
         if self._fused_builds_per_shape(queries, queries):
             limit = self.paged_prefill_max_queries
@@ -450,10 +447,23 @@ class KernelDecode(DecodeBackend):
             mask.shape[0] if mask.ndim == 4 else 1, n_new, n_keys, bucket)
 
     def fuses_long_prefill(self, specs: list) -> bool:
-        # Heads cuDNN does not take (Gemma's 256, MLA's latent) go to MLX's matmul
-        # fallback, whose scores do exist: those keep mlx-lm's chunk.
+        # Heads cuDNN does not take go to the paged prefill kernel (Gemma's 256: no scores
+        # in memory, one node a layer whatever the shapes) or else to MLX's matmul
+        # fallback, whose scores do exist (MLA's latent, --experiments unpaged-prefill):
+        # those keep mlx-lm's chunk, unaligned.
         return self.bucketed_prefill and all(
-            fused_builds_per_shape(s.dtype, s.head_dim, s.v_head_dim) for s in specs)
+            fused_builds_per_shape(s.dtype, s.head_dim, s.v_head_dim) or self._pages_prefill(s)
+            for s in specs)
+
+    def _pages_prefill(self, spec: Any) -> bool:
+        """Whether prefill attention of this layer can read the pool through the paged
+        prefill kernel (full or sliding attention through the hook, keys and values
+        apart, heads the kernel takes)."""
+        kind = spec.kind
+        return (self.paged_prefill and kind.kind in (Kind.FULL, Kind.SLIDING)
+                and not kind.own_attention and not spec.values_are_keys
+                and self._paged_prefill_takes(spec.dtype, spec.dtype, spec.head_dim,
+                                              spec.v_head_dim))
 
     def _fused_builds_per_shape(self, queries: mx.array, values: mx.array) -> bool:
         return fused_builds_per_shape(queries.dtype, queries.shape[-1], values.shape[-1])
