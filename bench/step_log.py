@@ -7,9 +7,10 @@ rows), the worker's build line (graph building, starting the prefill forwards, w
 earlier ones) and the scheduler's "tokens back" line (plan sent to tokens back, with the
 steps in flight). Prints how many steps held several chunks or chunks starting off the
 `--align` edges, how many prefill steps' building alone took `--slow-build-ms` and how
-many of those followed a change in the decode batch's size, and every step whose build
+many of those followed a change in the decode batch's size, a spread prefill's host cost
+by the part each step ran (its first parts by piece size), and every step whose build
 plus prefill start took `--slow-ms` or more: where mixed traffic's slow steps come from
-(docs/benchmarks.md, sessions 19 and 22).
+(docs/benchmarks.md, sessions 19, 22 and 53).
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 _PLAN = re.compile(r"scheduler_proc: step (\d+): (\d+) prefill chunks "
-                   r"\((\d+) tokens((?:, \d+@\d+)*)\), (\d+) decodes")
+                   r"\((\d+) tokens((?:, \d+@\d+)*)\), (\d+) decodes"
+                   r"(?:, prefill parts (\d+)-\d+ of (\d+))?")
 _BUILD = re.compile(r"worker_proc: step (\d+) built in ([\d.]+) ms \(and ([\d.]+) ms starting "
                     r"prefill forwards, ([\d.]+) ms waiting")
 _BACK = re.compile(r"scheduler_proc: step (\d+): \d+ tokens back after ([\d.]+) ms")
@@ -39,6 +41,8 @@ class Step:
     wait_ms: float | None = None
     back_ms: float | None = None
     mixed: bool = False  # its chunk rode in the decode forward (--experiments mixed-forward)
+    part: int | None = None  # the spread part it ran (--prefill-spread), of `parts`
+    parts: int = 1
 
     @property
     def host_ms(self) -> float:
@@ -63,6 +67,8 @@ def read_steps(lines: list[str]) -> list[Step]:
             s = at(m[1])
             s.n_chunks, s.tokens, s.decodes = int(m[2]), int(m[3]), int(m[5])
             s.chunks = [(int(n), int(start)) for n, start in re.findall(r"(\d+)@(\d+)", m[4])]
+            if m[6] is not None:
+                s.part, s.parts = int(m[6]), int(m[7])
         elif m := _BUILD.search(line):
             s = at(m[1])
             s.build_ms, s.start_ms, s.wait_ms = float(m[2]), float(m[3]), float(m[4])
@@ -95,6 +101,7 @@ def summary(steps: list[Step], slow_ms: float, align: int, slow_build_ms: float 
     lines.append(f"{len(slow_builds)} prefill steps built in >= {slow_build_ms:g} ms, {changed} "
                  f"of them where the decode batch changed size")
     lines += chunk_costs(steps)
+    lines += part_costs(steps)
     lines.append(f"{len(slow)} with build + prefill start >= {slow_ms:g} ms:")
     lines += ["  " + s.describe() for s in slow]
     return "\n".join(lines)
@@ -115,7 +122,7 @@ def chunk_costs(steps: list[Step], busy_rows: int = 16) -> list[str]:
     for s in busy:
         if s.n_chunks == 1:
             by_size.setdefault((s.tokens, s.mixed), []).append(s)
-    decode_only = [s for s in busy if not s.n_chunks]
+    decode_only = [s for s in busy if not s.n_chunks and s.part is None]  # no spread part
     lines = []
     if decode_only:
         lines.append(f"beside {busy_rows}+ decode rows, median ms: no chunk ({len(decode_only)} "
@@ -125,6 +132,44 @@ def chunk_costs(steps: list[Step], busy_rows: int = 16) -> list[str]:
         lines.append(f"  one {size}-token chunk{', mixed forward' if mixed else ''} "
                      f"({len(group)} steps): build {med(group, 'build_ms')}, prefill start "
                      f"{med(group, 'start_ms')}, tokens back {med(group, 'back_ms')}")
+    return lines
+
+
+def _quantile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def part_costs(steps: list[Step], busy_rows: int = 16) -> list[str]:
+    """A spread's steps beside `busy_rows`+ decode rows, by the part they ran: the host's
+    build plus prefill start (median, p90) and the tokens' return. The first part is
+    split by its piece's size: whole pieces (the commonest size) against the others (a
+    prompt's tail or a head that came alone), whose shapes recur less: on the H100 those
+    started 10-30 ms slower (docs/benchmarks.md, session 53)."""
+    spread = [s for s in steps if s.part is not None and s.decodes >= busy_rows
+              and s.build_ms is not None]
+    if not spread:
+        return []
+
+    def line(label: str, group: list[Step]) -> str:
+        host = [s.host_ms for s in group]
+        back = [s.back_ms for s in group if s.back_ms is not None]
+        returned = (f", tokens back {statistics.median(back):.1f} / {_quantile(back, 0.9):.1f}"
+                    if back else "")
+        return (f"  {label} ({len(group)} steps): host {statistics.median(host):.1f} / "
+                f"{_quantile(host, 0.9):.1f}{returned}")
+
+    lines = [f"spread over {spread[0].parts} steps, beside {busy_rows}+ decode rows, ms "
+             "median / p90:"]
+    first = [s for s in spread if s.part == 0]
+    sizes = [s.tokens for s in first]
+    whole = max(set(sizes), key=sizes.count) if sizes else 0
+    for label, group in ((f"part 0, {whole}-token pieces", [s for s in first if s.tokens == whole]),
+                         ("part 0, other sizes", [s for s in first if s.tokens != whole])):
+        if group:
+            lines.append(line(label, group))
+    for part in sorted({s.part for s in spread} - {0}):
+        lines.append(line(f"part {part}", [s for s in spread if s.part == part]))
     return lines
 
 

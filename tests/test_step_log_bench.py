@@ -49,3 +49,33 @@ def test_a_chunks_cost_is_set_against_decode_rows_alone():
     assert "one 511-token chunk (1 steps): build 9.0, prefill start 12.0, tokens back -" in text
     lines = [line for line in text.splitlines() if line.startswith("  one ")]
     assert len(lines) == 2  # not step 8's two chunks (512 tokens), nor step 11's 3 rows
+
+
+SPREAD_LOG = """\
+09:00:01   scheduler DEBUG   scheduler_proc: step 20: 1 prefill chunks (1024 tokens, 1024@0), 32 decodes, prefill parts 0-1 of 2
+09:00:01      worker DEBUG   worker_proc: step 20 built in 6.00 ms (and 2.00 ms starting prefill forwards, 0.00 ms waiting for them)
+09:00:01   scheduler DEBUG   scheduler_proc: step 21: 0 prefill chunks (0 tokens), 32 decodes, prefill parts 1-2 of 2
+09:00:01      worker DEBUG   worker_proc: step 21 built in 5.00 ms (and 1.00 ms starting prefill forwards, 0.00 ms waiting for them)
+09:00:01   scheduler DEBUG   scheduler_proc: step 20: 32 tokens back after 44.0 ms
+09:00:01   scheduler DEBUG   scheduler_proc: step 22: 1 prefill chunks (1024 tokens, 1024@1024), 32 decodes, prefill parts 0-1 of 2
+09:00:01      worker DEBUG   worker_proc: step 22 built in 7.00 ms (and 3.00 ms starting prefill forwards, 0.00 ms waiting for them)
+09:00:01   scheduler DEBUG   scheduler_proc: step 23: 1 prefill chunks (700 tokens, 700@2048), 32 decodes, prefill parts 0-1 of 2
+09:00:01      worker DEBUG   worker_proc: step 23 built in 8.00 ms (and 20.00 ms starting prefill forwards, 0.00 ms waiting for them)
+09:00:01   scheduler DEBUG   scheduler_proc: step 24: 0 prefill chunks (0 tokens), 32 decodes
+09:00:01      worker DEBUG   worker_proc: step 24 built in 2.00 ms (and 0.00 ms starting prefill forwards, 0.00 ms waiting for them)
+"""
+
+
+def test_a_spreads_steps_are_told_by_part_and_first_parts_by_piece_size():
+    """Steps of a spread prefill (--prefill-spread) are grouped by the part they ran; the
+    first parts by their piece's size (whole pieces, the commonest, against the others);
+    a later part is no decode-only step though it carries no chunk."""
+    steps = read_steps(SPREAD_LOG.splitlines())
+    assert [(s.step, s.part, s.parts) for s in steps] == [
+        (20, 0, 2), (21, 1, 2), (22, 0, 2), (23, 0, 2), (24, None, 1)]
+    text = summary(steps, slow_ms=30, align=1024)
+    assert "spread over 2 steps, beside 16+ decode rows, ms median / p90:" in text
+    assert "part 0, 1024-token pieces (2 steps): host 9.0 / 10.0, tokens back 44.0 / 44.0" in text
+    assert "part 0, other sizes (1 steps): host 28.0 / 28.0" in text
+    assert "part 1 (1 steps): host 6.0 / 6.0" in text
+    assert "no chunk (1 steps) build 2.0" in text  # step 24 alone, not step 21
