@@ -20,6 +20,9 @@ of the worker's paths:
   stood-in cuDNN takes), on the family's model with heads of 64 (the kernel takes 64 to
   256) where its config takes a head size
   (the kernel's calls are counted: 0 where it never serves the family's layers);
+- wide heads: the kernel path's defaults on the family's model with heads of 256, which
+  the stood-in cuDNN does not take (Gemma's): every prefill attention, fresh prompts
+  too, through the paged prefill kernel (stood in for; its calls counted);
 - mixed forward: the kernel path with `--experiments mixed-forward` (a step's lone prompt
   chunk in its decode rows' forward, padded with scratch-slot rows where MLPs are dense),
   where every block can run it (ModelRunner.mixes_rows: llama, qwen3, qwen3_moe among the
@@ -68,8 +71,11 @@ from tests.test_scheduler import assert_idle_invariant  # noqa: E402
 from tests.test_schedules import Schedule, draw_schedule  # noqa: E402
 from worker_proc.model_rewrites import rewrite_for_serving  # noqa: E402
 
-PATHS = ("plain", "kernel", "in place", "paged prefill", "mixed forward")
-HEAD_DIM = 64  # the paged prefill path's heads
+PATHS = ("plain", "kernel", "in place", "paged prefill", "wide heads", "mixed forward")
+# Heads of the paths that reach the paged prefill kernel: 64 with short rows sent there too
+# (the stood-in cuDNN takes them), 256 as Gemma's (cuDNN does not: every prefill, fresh
+# prompts too, through the kernel by default).
+HEAD_DIMS = {"paged prefill": 64, "wide heads": 256}
 
 
 @dataclass
@@ -88,9 +94,12 @@ class Outcome:
 
 
 @functools.cache
-def _takes_head_dim(family: str) -> bool:
+def _takes_head_dim(family: str, head_dim: int) -> bool:
+    import mlx.core as mx
+
     try:
-        build(family, as_served=False, head_dim=HEAD_DIM)
+        model = build(family, as_served=False, head_dim=head_dim)
+        mx.eval(model(mx.array([[5, 6]])))  # heads wider than the model: none (RWKV-7)
     except (ValueError, TypeError, AssertionError):  # its head size follows from others
         return False
     return True
@@ -99,8 +108,9 @@ def _takes_head_dim(family: str) -> bool:
 def overrides(family: str, path: str) -> dict[str, Any]:
     """Config values the path changes: heads the paged prefill kernel takes, where the
     family's model builds with them."""
-    if path == "paged prefill" and _takes_head_dim(family):
-        return {"head_dim": HEAD_DIM}
+    head_dim = HEAD_DIMS.get(path)
+    if head_dim and _takes_head_dim(family, head_dim):
+        return {"head_dim": head_dim}
     return {}
 
 
@@ -162,6 +172,8 @@ def engine_options(path: str, own_caches: bool, sort_routes: bool = False) -> di
         return {"backend": StandInInPlaceKernels()}
     if path == "paged prefill":
         return {"backend": CountingStandIn(paged_short_rows=True), "compile_decode": True}
+    if path == "wide heads":
+        return {"backend": CountingStandIn(), "compile_decode": True}
     if path == "mixed forward":
         return {"backend": StandInKernel(mixed_forward=True), "compile_decode": True}
     return {}
@@ -345,7 +357,7 @@ def main() -> None:
                 status = "MISMATCH" if out.problems else "ok"
                 print(f"{status:8s} {family:22s} [{path}] seed {seed} ({out.seconds:.1f} s"
                       f"{', preempted' if out.preempted else ''}{', prefix hits' if out.hit else ''}"
-                      f"{f', {out.kernel_calls} paged prefill calls' if path == 'paged prefill' else ''}"
+                      f"{f', {out.kernel_calls} paged prefill calls' if path in HEAD_DIMS else ''}"
                       f"{f', {out.kernel_calls} mixed forwards' if path == 'mixed forward' else ''}"
                       f"{f', {out.aborted} aborted' if out.aborted else ''}"
                       f"{f', {out.refused} refused' if out.refused else ''}"

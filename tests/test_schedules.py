@@ -91,6 +91,10 @@ def draw_schedule(seed: int, vocab: int) -> Schedule:
     # Half hold every decoding stream to decode first (arrivals come within 12 steps, so
     # under the default rule few streams have decoded long enough to be protected).
     engine["decode_first_for_all"] = rng.random() < 0.5
+    # Half the aligned ones pad a prompt's last chunk to the edge, as the CUDA worker does
+    # (ModelRunner.tail_bucket).
+    padded = rng.random() < 0.5
+    engine["tail_bucket"] = engine["chunk_align"] if padded and engine["chunk_align"] > 1 else 0
     return Schedule(seed, prompts, max_tokens, arrivals, engine)
 
 
