@@ -722,7 +722,7 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     from ipc.config import ServerConfig
     from worker_proc import prefill_chunking
     from worker_proc.decode_backend import GatherDecode, KernelDecode
-    from worker_proc.kv_pool import AttentionLayerSpec
+    from worker_proc.kv_pool import AttentionLayerSpec, StateLayerSpec
 
     auto = ServerConfig()
     llama = [AttentionLayerSpec(8, 128, 128, mx.bfloat16)] * 2
@@ -741,6 +741,12 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     assert chunking(unpaged, llama + gemma).size == 2048
     latent = [AttentionLayerSpec(1, 576, 0, mx.bfloat16)]  # not the paged kernel's heads
     assert chunking(KernelDecode(), llama + latent).size == 2048
+    # A hybrid with such heads (Qwen3.5's) keeps mlx-lm's chunk, unaligned: its prefix
+    # hits sit at snapshots that aligned hits would be cut back from.
+    state = [StateLayerSpec(((4, 64),), (mx.float32,))]
+    hybrid = chunking(KernelDecode(), gemma + state)
+    assert (hybrid.size, hybrid.align) == (2048, 1)
+    assert chunking(KernelDecode(), llama + state).size == 4096  # cuDNN's, as before
     # Chunks end on the bucket's edges exactly where long chunks are bucketed.
     assert chunking(KernelDecode()).align == chunking(KernelDecode(), llama + gemma).align == 512
     assert chunking(GatherDecode()).align == chunking(unpaged, llama + gemma).align == 1
