@@ -983,8 +983,8 @@ def test_compiled_decode_compiles_no_kernel_while_serving(name, tmp_path):
 @pytest.mark.parametrize("name", ["llama", "gemma3_text", "gpt_oss"])
 @pytest.mark.parametrize("path", ["compiled", "in place", "aligned, spread"])
 def test_prefill_read_from_the_pool_equals_mlx_lm(name, path):
-    """Prefill attention of heads cuDNN does not take (float32 here, as Gemma's 256 on
-    the device) reads each row's K/V from the pool through the prefill kernel (stood in
+    """Prefill attention of heads cuDNN does not take (256 wide, as Gemma's; the stand-in
+    judges float32 as bfloat16) reads each row's K/V from the pool through the prefill kernel (stood in
     for by its plain-MLX meaning) by default: full and sliding layers (Gemma 3's,
     GPT-OSS's with sinks), fresh prompts, chunks across the window's edge, prefix hits,
     rows at different starts: mlx-lm's tokens. Such heads make long prefill chunks
