@@ -98,11 +98,11 @@ class DevicePool:
     MLX 0.32 empties its whole buffer cache at each allocation the cache cannot serve
     once this pool has reserved more than 95% of the device (allocator.cpp), and frees
     the cache's host-read (managed) buffers with cudaFree, which waits for all the
-    device's work in flight. Served mixed traffic's logs show MLX's cache at 0.0 GiB
-    under a 5.3-6.1 GiB cap and this pool above that line from the first 10-s summary
-    on, which trimming does not bring down, while its use equals MLX's active memory;
-    whether the emptying stalls the host is not yet measured (docs/benchmarks.md,
-    sessions 50-52)."""
+    device's work in flight. Once a forward pushes this pool over that line it stays
+    there (trimming does not bring it down; its use equals MLX's active memory) and
+    every step pays for the emptied cache, decode steps too: Gemma-3-12B's did until its
+    prefill attention stopped holding float32 scores (the paged prefill kernel;
+    docs/benchmarks.md, sessions 50-53). The worker's 10-s summaries read it."""
 
     def __init__(self, runtime: Any) -> None:
         self._rt = runtime
