@@ -987,9 +987,10 @@ def test_prefill_read_from_the_pool_equals_mlx_lm(name, path):
     judges float32 as bfloat16) reads each row's K/V from the pool through the prefill kernel (stood in
     for by its plain-MLX meaning) by default: full and sliding layers (Gemma 3's,
     GPT-OSS's with sinks), fresh prompts, chunks across the window's edge, prefix hits,
-    rows at different starts: mlx-lm's tokens. Such heads make long prefill chunks
-    aligned on the bucket's edges, prompts' tails padded (fuses_long_prefill), served
-    with decode first's prefill spread over steps ("aligned, spread")."""
+    rows at different starts: mlx-lm's tokens. "aligned, spread": chunks end on the
+    bucket's edges, prompts' tails padded, decode first's prefill spread over steps, as
+    cuDNN models' chunks are where `--experiments paged-short-rows` sends their short rows
+    to the kernel."""
     from tests.engine_driver import StandInInPlaceKernels, StandInKernel, record_paged_prefill
 
     model = build(name, head_dim=256)

@@ -733,23 +733,21 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     assert chunking(GatherDecode()).size == 2048  # mlx-lm's prefill step
     assert chunking(KernelDecode()).size == 4096  # cuDNN, bucketed
     assert chunking(KernelDecode(bucketed_prefill=False)).size == 2048
-    # Heads cuDNN does not take (Gemma's 256): the paged prefill kernel, no scores in
-    # memory, so long chunks; with MLX's matmul fallback, whose scores exist, mlx-lm's.
+    # Heads cuDNN does not take keep mlx-lm's chunk, unaligned, whether the paged prefill
+    # kernel serves them (Gemma's 256: its 4,096-token chunks ran an H100 out of memory)
+    # or MLX's matmul fallback does (MLA's latent, or --experiments unpaged-prefill).
     gemma = [AttentionLayerSpec(8, 256, 256, mx.bfloat16)]
     unpaged = KernelDecode(paged_prefill=False)
-    assert chunking(KernelDecode(), llama + gemma).size == 4096
-    assert chunking(unpaged, llama + gemma).size == 2048
-    latent = [AttentionLayerSpec(1, 576, 0, mx.bfloat16)]  # not the paged kernel's heads
-    assert chunking(KernelDecode(), llama + latent).size == 2048
-    # A hybrid with such heads (Qwen3.5's) keeps mlx-lm's chunk, unaligned: its prefix
-    # hits sit at snapshots that aligned hits would be cut back from.
-    state = [StateLayerSpec(((4, 64),), (mx.float32,))]
-    hybrid = chunking(KernelDecode(), gemma + state)
-    assert (hybrid.size, hybrid.align) == (2048, 1)
-    assert chunking(KernelDecode(), llama + state).size == 4096  # cuDNN's, as before
+    latent = [AttentionLayerSpec(1, 576, 0, mx.bfloat16)]
+    for backend, specs in ((KernelDecode(), gemma), (unpaged, gemma), (KernelDecode(), latent)):
+        wide = chunking(backend, llama + specs)
+        assert (wide.size, wide.align, wide.tail_bucket) == (2048, 1, 0)
+    state = [StateLayerSpec(((4, 64),), (mx.float32,))]  # recurrent layers change nothing
+    assert chunking(KernelDecode(), llama + state).size == 4096
+    assert chunking(KernelDecode(), gemma + state).size == 2048
     # Chunks end on the bucket's edges exactly where long chunks are bucketed.
-    assert chunking(KernelDecode()).align == chunking(KernelDecode(), llama + gemma).align == 512
-    assert chunking(GatherDecode()).align == chunking(unpaged, llama + gemma).align == 1
+    assert chunking(KernelDecode()).align == 512
+    assert chunking(GatherDecode()).align == 1
     assert chunking(KernelDecode(bucketed_prefill=False)).align == 1
     assert chunking(KernelDecode(align_chunks=False)).align == 1  # the A/B arm
     # Last chunks padded to the bucket exactly where chunks are aligned to it.
@@ -767,7 +765,7 @@ def test_prefill_chunk_is_the_flag_or_longer_where_long_prefill_is_fused():
     # The warm-up walks decode first's chunks where they are bucketed, aligned or not.
     unaligned = KernelDecode(align_chunks=False)
     assert chunking(KernelDecode()).warm_walk == chunking(unaligned).warm_walk == 512
-    assert chunking(GatherDecode()).warm_walk == chunking(unpaged, llama + gemma).warm_walk == 0
+    assert chunking(GatherDecode()).warm_walk == chunking(KernelDecode(), llama + gemma).warm_walk == 0
     # No chunk is longer than `size`: one budget for every step walks chunks of 4,096; a
     # prefill spread over steps walks its longer decode-first chunks.
     one_budget = prefill_chunking(ServerConfig(max_prefill_tokens_while_decoding=8192),

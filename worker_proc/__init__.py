@@ -673,10 +673,9 @@ def prefill_chunking(config: ServerConfig, backend: DecodeBackend, specs: list,
                      parts: int = 1) -> PrefillChunking:
     """The chunking for this backend, with decode first's budget for a spread of `parts`
     (ServerConfig.spread_parts) and the spread applied."""
-    from worker_proc.kv_pool import KVPool, attention_specs
+    from worker_proc.kv_pool import attention_specs
 
-    fused = backend.fuses_long_prefill(attention_specs(specs),
-                                       recurrent=KVPool.state_bytes_per_request(specs) > 0)
+    fused = backend.fuses_long_prefill(attention_specs(specs))
     walk = config.decode_first_tokens(parts)
     bucket = backend.prefill_bucket
     align = bucket if fused and backend.align_chunks else 1

@@ -186,10 +186,10 @@ class DecodeBackend:
             return None
         return "the model's own code over gathered K/V"
 
-    def fuses_long_prefill(self, specs: list, recurrent: bool = False) -> bool:
+    def fuses_long_prefill(self, specs: list) -> bool:
         """Whether long causal prefill chunks over these attention layers run fused at
         recurring shapes, their scores never in memory: chunks may then be longer
-        (ServerConfig.chunk_size). recurrent: the model also has recurrent layers."""
+        (ServerConfig.chunk_size)."""
         return False
 
     def write_rows(self, layer: mx.array, slots: mx.array, keys: mx.array, values: mx.array,
@@ -446,16 +446,13 @@ class KernelDecode(DecodeBackend):
         return isinstance(mask, mx.array) and masked_bias_fits(
             mask.shape[0] if mask.ndim == 4 else 1, n_new, n_keys, bucket)
 
-    def fuses_long_prefill(self, specs: list, recurrent: bool = False) -> bool:
-        # Heads cuDNN does not take go to the paged prefill kernel (Gemma's 256: no scores
-        # in memory, one node a layer whatever the shapes) or else to MLX's matmul
-        # fallback, whose scores do exist (MLA's latent, --experiments unpaged-prefill):
-        # those keep mlx-lm's chunk, unaligned. So do hybrids with such heads (Qwen3.5's
-        # 256): their prefix hits sit at snapshots of prompt ends, which aligned hits are
-        # cut back from, and their long chunks were not measured.
+    def fuses_long_prefill(self, specs: list) -> bool:
+        # Only cuDNN's heads. Heads it does not take keep mlx-lm's chunk, unaligned, even
+        # where the paged prefill kernel serves them (Gemma's 256): Gemma-3-12B's 4,096-token
+        # chunks beside an H100's pool ran out of memory or hung the worker, and aligning
+        # chunks of 2,048 bought nothing (docs/benchmarks.md, session 54).
         return self.bucketed_prefill and all(
-            fused_builds_per_shape(s.dtype, s.head_dim, s.v_head_dim)
-            or (not recurrent and self._pages_prefill(s)) for s in specs)
+            fused_builds_per_shape(s.dtype, s.head_dim, s.v_head_dim) for s in specs)
 
     def _pages_prefill(self, spec: Any) -> bool:
         """Whether prefill attention of this layer can read the pool through the paged
