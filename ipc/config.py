@@ -21,6 +21,8 @@ LONG_PREFILL_CHUNK = 4096  # and where long prefill attention is fused (ServerCo
 AUTO_PREFILL_SPREAD = 8
 DECODE_FIRST_TOKENS = 512
 SPREAD_DECODE_FIRST_TOKENS = 128
+# The shortest --watchdog-timeout: well above the worker's one-second poll for plans.
+MIN_WATCHDOG_SECONDS = 5.0
 # CUDA attention paths other than the default, for --experiments (A/B runs).
 DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
@@ -313,6 +315,13 @@ class ServerConfig:
     shutdown_timeout: float = dataclasses.field(
         default=10.0, metadata={"help": "Seconds in-flight requests get to finish after "
                                         "SIGINT/SIGTERM before they are aborted."})
+    watchdog_timeout: float = dataclasses.field(
+        default=300.0, metadata={"help": "Seconds one step may keep the worker (building it, "
+                                         "or waiting for the device) before the worker writes "
+                                         "every thread's stack to its log and exits, taking "
+                                         "the server down so a supervisor can restart it, "
+                                         "rather than leaving its requests hanging. 0: "
+                                         "off; else at least 5."})
     run_dir: str = dataclasses.field(
         default="", metadata={"cli": False, "help": "Private directory (0700) of the ipc:// "
                                                     "endpoints."})
@@ -379,6 +388,10 @@ class ServerConfig:
         self.prefill_padding_share  # refuses a value that is neither auto nor a share
         if not 0.0 <= self.window_ratio <= 1.0:
             raise ValueError("--window-ratio must be in [0, 1]")
+        if self.watchdog_timeout and self.watchdog_timeout < MIN_WATCHDOG_SECONDS:
+            raise ValueError(f"--watchdog-timeout must be 0 (off) or at least "
+                             f"{MIN_WATCHDOG_SECONDS:g} s: the worker may wait a second "
+                             "for the scheduler's next step while its watchdog is armed")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError("--mem-fraction must be in (0, 1]")
         if self.max_total_tokens < 0:

@@ -17,6 +17,7 @@ from ipc.messages.to_worker import ForwardBatch, Shutdown, SyncSteps, WorkerMess
 from ipc.process import StartupReporter, setup_child
 from worker_proc.device_lost import DeviceLost, device_lost
 from worker_proc.step_stats import PHASES, StepStats, Timer
+from worker_proc.watchdog import StepWatchdog
 
 if TYPE_CHECKING:
     from worker_proc.decode_backend import DecodeBackend
@@ -437,9 +438,12 @@ class WorkerLoop:
 
     def __init__(self, runner, results: Sender, overlap: bool,  # noqa: ANN001
                  start_ahead: bool = False, stats: StepStats | None = None,
-                 device_pool: "DevicePool | None" = None) -> None:
-        """device_pool: the CUDA memory pool, whose reserve and use the summaries report."""
+                 device_pool: "DevicePool | None" = None,
+                 watchdog: StepWatchdog | None = None) -> None:
+        """device_pool: the CUDA memory pool, whose reserve and use the summaries report.
+        watchdog: armed while steps are handled (a stuck one ends the worker)."""
         self.runner = runner
+        self.watchdog = watchdog or StepWatchdog(0)
         self.device_pool = device_pool
         self.results = results
         self.overlap = overlap
@@ -459,9 +463,14 @@ class WorkerLoop:
         DeviceLost, once the failed step's requests are ended, where a step failed with
         an error that leaves the GPU unusable."""
         self._timer.mark("idle")
+        if message is None:
+            self.watchdog.idle()
         if isinstance(message, Shutdown):
+            self.watchdog.idle()
             logger.info("shutting down: %s", message.reason)
             return False
+        if message is not None:
+            self.watchdog.busy()
         try:
             self._handle_step_message(message)
         except Exception as exc:  # noqa: BLE001 - the worker lives on (see _fail_owed)
@@ -721,8 +730,12 @@ def run_worker(config: ServerConfig) -> None:
                              decode_first_tokens=chunking.decode_first,
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
+    if config.watchdog_timeout > 0:
+        logger.info("a step that keeps the worker %.0f s ends it, its stacks in this log "
+                    "(--watchdog-timeout)", config.watchdog_timeout)
     loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place,
-                      device_pool=DevicePool.find())
+                      device_pool=DevicePool.find(),
+                      watchdog=StepWatchdog(config.watchdog_timeout))
     # A timeout now and then lets an interval's summary out while no plans come.
     while loop.handle(plans.recv(timeout_ms=_SUMMARY_POLL_MS)):
         loop.log_summary()
