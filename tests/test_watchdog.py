@@ -128,3 +128,64 @@ def test_steps_that_keep_coming_or_stop_do_not_fire_it(body):
     on: 1.5 s against a 0.5-s timeout."""
     run = _run(body)
     assert run.returncode == 0, run.stderr
+
+
+# A llama whose embedding waits while a file beside it exists: a step stuck in the worker,
+# as one waiting on a device that never answers would be.
+STUCK_MODEL = '''
+import time
+from pathlib import Path
+
+import mlx.nn as nn
+from mlx_lm.models import llama
+
+ModelArgs = llama.ModelArgs
+TRIGGER = Path(__file__).with_name("stuck")
+
+
+class StuckEmbedding(nn.Embedding):
+    def __call__(self, x):
+        while TRIGGER.exists():
+            time.sleep(0.05)
+        return super().__call__(x)
+
+
+class Model(llama.Model):
+    def __init__(self, args):
+        super().__init__(args)
+        self.model.embed_tokens = StuckEmbedding(args.vocab_size, args.hidden_size)
+'''
+
+
+def test_a_served_step_that_never_ends_takes_the_server_down_with_its_stack(tiny_model_dir,
+                                                                             tmp_path):
+    """Served: a step stuck in the worker past --watchdog-timeout ends the worker (its
+    stack, naming where it waits, in the log), its request gets an error and the server
+    exits 1, instead of hanging."""
+    import json
+    import shutil
+
+    import httpx
+
+    from tests.server import Server
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model_dir, model)
+    (model / "stuck_llama.py").write_text(STUCK_MODEL)
+    config = json.loads((model / "config.json").read_text())
+    (model / "config.json").write_text(json.dumps({**config, "model_file": "stuck_llama.py"}))
+    srv = Server(model, "--trust-remote-code", "--watchdog-timeout", "5",
+                 log_path=tmp_path / "log").wait_ready()
+    try:
+        (model / "stuck").touch()
+        t0 = time.monotonic()
+        reply = httpx.post(srv.url + "/v1/completions", timeout=60,
+                           json={"model": "m", "prompt": "hello", "max_tokens": 4})
+        assert reply.status_code >= 500, reply.text
+        assert srv.proc.wait(30) == 1
+        assert time.monotonic() - t0 < 30
+        log = srv.log_tail(20000)
+        assert "worker died" in log and "Timeout" in log, log[-3000:]
+        assert "stuck_llama.py" in log  # the stack names the stuck call
+    finally:
+        srv.stop()
