@@ -7,10 +7,10 @@
 # with the wheels kiln serves with, adds llguidance (manylinux_2_31, which prepare.sh's
 # platform list skips) and the CUPTI wheels bench/device_timeline.py needs, then moves them
 # so that (with the ~10 MB tree):
-#   .dev/gpu_a  the wheel's first half; first call:
+#   .dev/gpu_a  the wheel's first half and the tests parts' pytest and pytest-xdist;
+#               first call:
 #               mkdir -p ~/stash && cp .dev/gpu_a/* ~/stash/
-#   .dev/gpu_b  the second half, every wheel kiln serves with and the tests parts' pytest
-#               and pytest-xdist; second call:
+#   .dev/gpu_b  the second half and every wheel kiln serves with; second call:
 #               bash .dev/gpu_b/install.sh && export PYTHONPATH=~/site:$PWD && ...
 #   .dev/gpu_c  the CUPTI wheels (~20 MB): a third call, only for the timeline part:
 #               python3 -m pip install -q --no-index --no-deps --target ~/site_c .dev/gpu_c/*.whl
@@ -23,6 +23,12 @@ bash ../shared/gpu/prepare.sh msgspec fastapi uvicorn setproctitle prometheus-cl
 dl() { python3 -m pip download -q --only-binary=:all: --python-version 3.12 --implementation cp \
            --no-deps "$@"; }
 dl --platform manylinux_2_31_x86_64 --platform manylinux_2_28_x86_64 -d .dev/gpu_b "llguidance>=1.7"
+# The tests parts' wheels ride with the first half (its call has room; the second half's
+# does not, beside a tree that grows each session); install.sh then installs what the
+# stash holds too.
+mv .dev/gpu_b/{pytest,pytest_xdist,execnet,iniconfig,pluggy,pygments}-*.whl .dev/gpu_a/
+sed -i 's|"$HOME/stash/$name" "$here"/\*.whl|"$HOME/stash"/*.whl "$here"/*.whl|' .dev/gpu_b/install.sh
+grep -q '"$HOME/stash"/\*.whl' .dev/gpu_b/install.sh || { echo "install.sh changed shape"; exit 1; }
 rm -rf .dev/gpu_c && mkdir -p .dev/gpu_c
 dl --platform manylinux_2_28_x86_64 --platform manylinux_2_25_x86_64 --platform manylinux2014_x86_64 \
     --platform any -d .dev/gpu_c cupti-python==13.0.1 nvidia-cuda-cupti==13.0.85 cuda-bindings \
