@@ -10,7 +10,8 @@ steps in flight). Prints how many steps held several chunks or chunks starting o
 many of those followed a change in the decode batch's size, a spread prefill's host cost
 by the part each step ran (its first parts by piece size), and every step whose build
 plus prefill start took `--slow-ms` or more: where mixed traffic's slow steps come from
-(docs/benchmarks.md, sessions 19, 22 and 53).
+(docs/benchmarks.md, sessions 19, 22 and 53). Where the worker's lines carry MLX's buffer
+cache (since session 54), each part's line counts the steps after whose start it fell.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ _PLAN = re.compile(r"scheduler_proc: step (\d+): (\d+) prefill chunks "
 _BUILD = re.compile(r"worker_proc: step (\d+) built in ([\d.]+) ms \(and ([\d.]+) ms starting "
                     r"prefill forwards, ([\d.]+) ms waiting")
 _BACK = re.compile(r"scheduler_proc: step (\d+): \d+ tokens back after ([\d.]+) ms")
+_CACHE = re.compile(r"; MLX cache ([\d.]+) GiB")  # the build line's, after the step started
 
 
 @dataclass
@@ -43,6 +45,7 @@ class Step:
     mixed: bool = False  # its chunk rode in the decode forward (--experiments mixed-forward)
     part: int | None = None  # the spread part it ran (--prefill-spread), of `parts`
     parts: int = 1
+    cache_gib: float | None = None  # MLX's buffer cache once the step was started
 
     @property
     def host_ms(self) -> float:
@@ -52,7 +55,8 @@ class Step:
         chunks = " ".join(f"{n}@{s}" for n, s in self.chunks) or f"{self.tokens} tokens"
         return (f"step {self.step}: {self.n_chunks} chunks [{chunks}], {self.decodes} decodes; "
                 f"build {self.build_ms} start {self.start_ms} wait {self.wait_ms} ms, "
-                f"tokens back after {self.back_ms} ms")
+                f"tokens back after {self.back_ms} ms"
+                + (f", MLX cache {self.cache_gib} GiB" if self.cache_gib is not None else ""))
 
 
 def read_steps(lines: list[str]) -> list[Step]:
@@ -73,6 +77,8 @@ def read_steps(lines: list[str]) -> list[Step]:
             s = at(m[1])
             s.build_ms, s.start_ms, s.wait_ms = float(m[2]), float(m[3]), float(m[4])
             s.mixed = "rode in the decode forward" in line
+            if c := _CACHE.search(line):
+                s.cache_gib = float(c[1])
         elif m := _BACK.search(line):
             at(m[1]).back_ms = float(m[2])
     return [steps[k] for k in sorted(steps)]
@@ -150,14 +156,17 @@ def part_costs(steps: list[Step], busy_rows: int = 16) -> list[str]:
               and s.build_ms is not None]
     if not spread:
         return []
+    fell = cache_falls(steps)
 
     def line(label: str, group: list[Step]) -> str:
         host = [s.host_ms for s in group]
         back = [s.back_ms for s in group if s.back_ms is not None]
         returned = (f", tokens back {statistics.median(back):.1f} / {_quantile(back, 0.9):.1f}"
                     if back else "")
+        cache = (f", MLX cache fell in {sum(s.step in fell for s in group)}"
+                 if any(s.cache_gib is not None for s in group) else "")
         return (f"  {label} ({len(group)} steps): host {statistics.median(host):.1f} / "
-                f"{_quantile(host, 0.9):.1f}{returned}")
+                f"{_quantile(host, 0.9):.1f}{returned}{cache}")
 
     lines = [f"spread over {spread[0].parts} steps, beside {busy_rows}+ decode rows, ms "
              "median / p90:"]
@@ -173,11 +182,21 @@ def part_costs(steps: list[Step], busy_rows: int = 16) -> list[str]:
     return lines
 
 
+def cache_falls(steps: list[Step], least_gib: float = 0.01) -> set[int]:
+    """Steps after whose start MLX's buffer cache held less than after the step before:
+    the start made an allocation the cache could not serve, and MLX 0.32 then empties
+    the cache (worker_proc.memory.DevicePool), waiting for the device to free it."""
+    known = [s for s in steps if s.cache_gib is not None]
+    return {s.step for prev, s in zip(known, known[1:])
+            if s.cache_gib < prev.cache_gib - least_gib}
+
+
 def table(steps: list[Step]) -> str:
     rows = ["# step chunks tokens decodes build_ms prefill_start_ms prefill_wait_ms "
-            "tokens_back_ms chunks(tokens@start)"]
+            "tokens_back_ms mlx_cache_gib chunks(tokens@start)"]
     rows += [f"{s.step} {s.n_chunks} {s.tokens} {s.decodes} {s.build_ms} {s.start_ms} {s.wait_ms} "
-             f"{s.back_ms} {' '.join(f'{n}@{st}' for n, st in s.chunks)}".rstrip() for s in steps]
+             f"{s.back_ms} {s.cache_gib} {' '.join(f'{n}@{st}' for n, st in s.chunks)}".rstrip()
+             for s in steps]
     return "\n".join(rows) + "\n"
 
 

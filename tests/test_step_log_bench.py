@@ -30,7 +30,7 @@ def test_steps_are_joined_and_the_slow_ones_named():
     assert "1 with build + prefill start >= 30 ms" in text and "step 8: 2 chunks [1@4096 511@0]" in text
     # Step 8's 26 ms build followed step 7's 32 decode rows with 31.
     assert "1 prefill steps built in >= 20 ms, 1 of them where the decode batch changed size" in text
-    assert table(steps).splitlines()[2] == "8 2 512 31 26.12 112.06 0.17 None 1@4096 511@0"
+    assert table(steps).splitlines()[2] == "8 2 512 31 26.12 112.06 0.17 None None 1@4096 511@0"
 
 
 def test_a_chunks_cost_is_set_against_decode_rows_alone():
@@ -79,3 +79,20 @@ def test_a_spreads_steps_are_told_by_part_and_first_parts_by_piece_size():
     assert "part 0, other sizes (1 steps): host 28.0 / 28.0" in text
     assert "part 1 (1 steps): host 6.0 / 6.0" in text
     assert "no chunk (1 steps) build 2.0" in text  # step 24 alone, not step 21
+
+
+def test_a_start_after_which_mlxs_cache_fell_is_counted_by_part():
+    """The worker's build lines carry MLX's buffer cache once the step started: a first
+    part after whose start the cache fell (MLX emptied it for an allocation) is counted
+    in its group's line, and named among the slow steps."""
+    with_cache = "\n".join(
+        line + (f"; MLX cache {cache} GiB" if "built in" in line else "")
+        for line, cache in zip(SPREAD_LOG.splitlines(), [0, 5.0, 0, 5.0, 0, 0, 5.1, 0, 2.0, 0, 4.0]))
+    steps = read_steps(with_cache.splitlines())
+    assert [s.cache_gib for s in steps] == [5.0, 5.0, 5.1, 2.0, 4.0]
+    text = summary(steps, slow_ms=25, align=1024)
+    assert "part 0, 1024-token pieces (2 steps): host 9.0 / 10.0, tokens back 44.0 / 44.0, " \
+           "MLX cache fell in 0" in text
+    assert "part 0, other sizes (1 steps): host 28.0 / 28.0, MLX cache fell in 1" in text
+    assert "step 23: 1 chunks [700@2048]" in text and "MLX cache 2.0 GiB" in text
+    assert table(steps).splitlines()[4].split()[8] == "2.0"

@@ -558,11 +558,17 @@ class WorkerLoop:
         # The prefill forwards it started and waited for are not graph building.
         clock = self.runner.clock
         spent = self._timer.mark("build", clock.phases())
-        logger.debug("step %d built in %.2f ms (and %.2f ms starting prefill forwards, "
-                     "%.2f ms waiting for them)%s", batch.step, spent * 1e3, clock.start * 1e3,
-                     clock.wait * 1e3,
-                     "; its chunk rode in the decode forward"
-                     if self.runner.mixed_forwards > mixed else "")
+        if logger.isEnabledFor(logging.DEBUG):
+            import mlx.core as mx
+
+            # MLX's cache beside the start's time: a start that waited while MLX emptied
+            # its cache for an allocation shows as a fall from the step before.
+            logger.debug("step %d built in %.2f ms (and %.2f ms starting prefill forwards, "
+                         "%.2f ms waiting for them)%s; MLX cache %.2f GiB", batch.step,
+                         spent * 1e3, clock.start * 1e3, clock.wait * 1e3,
+                         "; its chunk rode in the decode forward"
+                         if self.runner.mixed_forwards > mixed else "",
+                         mx.get_cache_memory() / 2**30)
         return pending
 
     def _start(self, pending: PendingStep) -> None:
