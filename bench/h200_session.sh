@@ -46,6 +46,11 @@ MODEL=${MODEL:-$HOME/.cache/kiln/bench/${FAMILY:-llama3-8b-shape}-$DTYPE${QUANTI
 LENGTH_SPREAD=${LENGTH_SPREAD:-0.5}  # prompt lengths uniform in 100 words * (1 +- this): the
                                     # issues' +-50% (sessions 15-21 ran 0.2)
 KILN_ARGS=${KILN_ARGS:-}  # extra launch.py flags, e.g. "--log-level debug"
+KILN_WATCHDOG=${KILN_WATCHDOG:-90}  # kiln's --watchdog-timeout here: a hung step ends its
+                                   # server (stacks in its log) within a part's time, not
+                                   # the call's (session 54 lost 7 minutes to one); 0: the
+                                   # flag left out (a KILN_B_TREE from before session 54)
+[ "$KILN_WATCHDOG" = 0 ] || KILN_ARGS="--watchdog-timeout $KILN_WATCHDOG $KILN_ARGS"
 SERVERS=${SERVERS:-kiln,mlx_lm}  # or kiln,kiln_b,mlx_lm (then raise SWEEP_SECONDS)
 SWEEP_SECONDS=${SWEEP_SECONDS:-270}
 CONCURRENCY=${CONCURRENCY:-1,64,128}  # sweep: the streams of each level
