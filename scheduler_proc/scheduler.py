@@ -644,7 +644,16 @@ class Scheduler:
         match = self.cache.match_prefix(ids)
         usable = self._usable_hit(match.slots, fill_len)
         if usable < len(match):
-            match = self.cache.match_prefix(ids[:usable])
+            cut = self.cache.match_prefix(ids[:usable])
+            if len(cut) < usable:
+                # A snapshot cache hits only where a state was kept (chunk ends, prompt and
+                # request ends): with none at the edge the cut falls to an earlier one, often
+                # off an edge itself, recomputing far more than the bucket it meant to, as
+                # a multi-turn chat's next turn would (its hit is the last answer's end).
+                # The hit stays where it was then, cut only where windows need it.
+                cut = self.cache.match_prefix(ids[:self._usable_hit(match.slots, fill_len,
+                                                                    aligned=False)])
+            match = cut
         self.cache.lock(match.node)
         req.fill_len = fill_len
         need, window_need = reservation.need(req, len(match)), reservation.window_need(req)
@@ -667,18 +676,19 @@ class Scheduler:
         self.running[req.rid] = req
         return True
 
-    def _usable_hit(self, slots: np.ndarray, fill_len: int) -> int:
+    def _usable_hit(self, slots: np.ndarray, fill_len: int, aligned: bool = True) -> int:
         """How much of a cached prefix (its slots) a request of fill_len positions reuses:
         cut back to where every windowed layer still holds what it sees, and, where the
-        worker wants chunks on bucket edges (chunk_align), to an edge when half a bucket
-        or more of the prompt is left to compute. Recomputing less than a bucket then
-        keeps the prompt's chunks on the worker's recurring causal shapes; a hit at any
-        length (one shared BOS token, say) would send its chunks through an explicit
-        mask, at shapes the worker has not built."""
+        worker wants chunks on bucket edges (chunk_align) and `aligned`, to an edge when
+        half a bucket or more of the prompt is left to compute. Recomputing less than a
+        bucket then keeps the prompt's chunks on the worker's recurring causal shapes; a
+        hit at any length (one shared BOS token, say) would send its chunks through an
+        explicit mask, at shapes the worker has not built."""
         def usable(slots: np.ndarray) -> int:
             return self.windows.usable(slots) if self.windows is not None else len(slots)
 
-        n, align = usable(slots), self.limits.prefix_align or self.limits.chunk_align
+        n = usable(slots)
+        align = (self.limits.prefix_align or self.limits.chunk_align) if aligned else 1
         while align > 1 and n % align and fill_len - n >= align // 2:
             n = usable(slots[:n - n % align])
         return n

@@ -884,6 +884,32 @@ def test_a_snapshot_cache_cuts_matches_back_to_its_snapshots():
     assert len(cache.evict_for_snapshot()) > 0 and cache.snapshot_at(third) in (1, 2)
 
 
+def test_an_aligned_hybrid_keeps_a_hit_whose_edge_holds_no_snapshot():
+    """Chunks on bucket edges (CUDA, heads cuDNN takes: Nemotron-H, Falcon-H1) cut a hit
+    back to an edge to keep chunks on built shapes, recomputing less than a bucket. A
+    snapshot cache has a state only at chunk, prompt and request ends: a next turn after
+    a long answer hits at the answer's end, and the edge below it holds no state, so the
+    cut fell to the first prompt's end (off an edge too), recomputing the whole answer.
+    Such a hit stays where it is; one whose edge holds a state is still cut; exact."""
+    model = build("qwen3_next")
+    rng = np.random.default_rng(710)
+    first = rng.integers(5, VOCAB, size=70).tolist()
+    engine = InProcessEngine(model, chunk_size=16, chunk_align=16)
+    engine.submit("first", first, 41, [])
+    answer = engine.run_until_idle()["first"].token_ids
+    assert len(answer) == 41
+    cases = {"next turn": (first + answer + rng.integers(5, VOCAB, size=10).tolist(),
+                           70 + len(answer) - 1),  # the answer's end, not 70
+             "extended": (first + rng.integers(5, VOCAB, size=30).tolist(), 64)}  # edge 64
+    for rid, (prompt, hit) in cases.items():
+        before = engine.scheduler.counters.cache_hit_tokens
+        engine.submit(rid, prompt, 8, [])
+        result = engine.run_until_idle()[rid]
+        assert engine.scheduler.counters.cache_hit_tokens - before == hit, rid
+        assert result.token_ids == mlx_lm_tokens(model, prompt, 8), rid
+    assert_idle_invariant(engine.scheduler)
+
+
 def test_a_snapshot_stride_spaces_the_snapshots_inside_a_prompt():
     """With --snapshot-stride 40 and chunks of 16, a 70-token prompt keeps snapshots at 48
     (the first chunk end 40 past the start) and 70 (its end), not at 16 or 32: a prompt
