@@ -23,6 +23,7 @@ DECODE_FIRST_TOKENS = 512
 SPREAD_DECODE_FIRST_TOKENS = 128
 # The shortest --watchdog-timeout: well above the worker's one-second poll for plans.
 MIN_WATCHDOG_SECONDS = 5.0
+AUTO_WATCHDOG_SECONDS = 300.0  # on a GPU (SGLang's --watchdog-timeout has the same)
 # CUDA attention paths other than the default, for --experiments (A/B runs).
 DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-masked-prefill", "unaligned-chunks",
@@ -316,12 +317,14 @@ class ServerConfig:
         default=10.0, metadata={"help": "Seconds in-flight requests get to finish after "
                                         "SIGINT/SIGTERM before they are aborted."})
     watchdog_timeout: float = dataclasses.field(
-        default=300.0, metadata={"help": "Seconds one step may keep the worker (building it, "
-                                         "or waiting for the device) before the worker writes "
-                                         "every thread's stack to its log and exits, taking "
-                                         "the server down so a supervisor can restart it, "
-                                         "rather than leaving its requests hanging. 0: "
-                                         "off; else at least 5."})
+        default=-1.0, metadata={"help": "Seconds one step may keep the worker (building it, "
+                                        "or waiting for the device) before the worker writes "
+                                        "every thread's stack to its log and exits, taking "
+                                        "the server down so a supervisor can restart it, "
+                                        "rather than leaving its requests hanging. -1 (the "
+                                        "default): 300 on a GPU, off on the CPU, where a "
+                                        "large model's 8,192-token prefill step can take "
+                                        "minutes; 0: off; else at least 5."})
     run_dir: str = dataclasses.field(
         default="", metadata={"cli": False, "help": "Private directory (0700) of the ipc:// "
                                                     "endpoints."})
@@ -388,8 +391,8 @@ class ServerConfig:
         self.prefill_padding_share  # refuses a value that is neither auto nor a share
         if not 0.0 <= self.window_ratio <= 1.0:
             raise ValueError("--window-ratio must be in [0, 1]")
-        if self.watchdog_timeout and self.watchdog_timeout < MIN_WATCHDOG_SECONDS:
-            raise ValueError(f"--watchdog-timeout must be 0 (off) or at least "
+        if self.watchdog_timeout not in (-1, 0) and self.watchdog_timeout < MIN_WATCHDOG_SECONDS:
+            raise ValueError(f"--watchdog-timeout must be -1 (by device), 0 (off) or at least "
                              f"{MIN_WATCHDOG_SECONDS:g} s: the worker may wait a second "
                              "for the scheduler's next step while its watchdog is armed")
         if not 0.0 < self.mem_fraction <= 1.0:
@@ -489,6 +492,12 @@ class ServerConfig:
         18); the worker decides (WorkerReady.chunk_size)."""
         default = LONG_PREFILL_CHUNK if fused_long_prefill else PREFILL_CHUNK
         return min(self.chunked_prefill_size or default, self.max_prefill_tokens)
+
+    def watchdog_seconds(self, on_gpu: bool) -> float:
+        """--watchdog-timeout resolved (0: off)."""
+        if self.watchdog_timeout == -1:
+            return AUTO_WATCHDOG_SECONDS if on_gpu else 0.0
+        return self.watchdog_timeout
 
     def spread_parts(self, on_cuda: bool, most: int) -> int:
         """--prefill-spread resolved: `most` is how many parts this model's prefill

@@ -189,3 +189,18 @@ def test_a_served_step_that_never_ends_takes_the_server_down_with_its_stack(tiny
         assert "stuck_llama.py" in log  # the stack names the stuck call
     finally:
         srv.stop()
+
+
+def test_the_timeout_is_on_by_default_on_a_gpu_only():
+    """-1 (the default): 300 s on a GPU; off on the CPU, where a large model's prefill
+    step may take minutes. Set, it holds on both; under 5 s (the worker's poll for plans
+    is 1 s) it is refused."""
+    from ipc.config import ServerConfig
+
+    assert ServerConfig().watchdog_seconds(on_gpu=True) == 300
+    assert ServerConfig().watchdog_seconds(on_gpu=False) == 0
+    assert ServerConfig(watchdog_timeout=60).watchdog_seconds(on_gpu=False) == 60
+    assert ServerConfig(watchdog_timeout=0).watchdog_seconds(on_gpu=True) == 0
+    for bad in (1, -2):
+        with pytest.raises(ValueError, match="--watchdog-timeout"):
+            ServerConfig(watchdog_timeout=bad)

@@ -736,12 +736,12 @@ def run_worker(config: ServerConfig) -> None:
                              decode_first_tokens=chunking.decode_first,
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
-    if config.watchdog_timeout > 0:
+    watchdog = config.watchdog_seconds(on_gpu=mx.default_device() == mx.gpu)
+    if watchdog > 0:
         logger.info("a step that keeps the worker %.0f s ends it, its stacks in this log "
-                    "(--watchdog-timeout)", config.watchdog_timeout)
+                    "(--watchdog-timeout)", watchdog)
     loop = WorkerLoop(runner, results, overlap=overlap, start_ahead=runner.pool.in_place,
-                      device_pool=DevicePool.find(),
-                      watchdog=StepWatchdog(config.watchdog_timeout))
+                      device_pool=DevicePool.find(), watchdog=StepWatchdog(watchdog))
     # A timeout now and then lets an interval's summary out while no plans come.
     while loop.handle(plans.recv(timeout_ms=_SUMMARY_POLL_MS)):
         loop.log_summary()
