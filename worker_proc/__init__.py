@@ -463,14 +463,13 @@ class WorkerLoop:
         DeviceLost, once the failed step's requests are ended, where a step failed with
         an error that leaves the GPU unusable."""
         self._timer.mark("idle")
-        if message is None:
+        if message is None or isinstance(message, Shutdown):
             self.watchdog.idle()
+        else:
+            self.watchdog.busy()
         if isinstance(message, Shutdown):
-            self.watchdog.idle()
             logger.info("shutting down: %s", message.reason)
             return False
-        if message is not None:
-            self.watchdog.busy()
         try:
             self._handle_step_message(message)
         except Exception as exc:  # noqa: BLE001 - the worker lives on (see _fail_owed)
@@ -720,7 +719,8 @@ def run_worker(config: ServerConfig) -> None:
 
     reporter = setup_child(config, "worker")
     runner, chunking = build_worker(config, reporter)
-    overlap = overlap_enabled(config, on_gpu=mx.default_device() == mx.gpu)
+    on_gpu = mx.default_device() == mx.gpu
+    overlap = overlap_enabled(config, on_gpu=on_gpu)
     plans: Receiver[WorkerMessage] = Receiver(config.worker_endpoint, WorkerMessage)
     results = Sender(config.scheduler_endpoint)
     results.send(WorkerReady(num_slots=runner.pool.num_slots, max_context_len=runner.max_context,
@@ -736,7 +736,7 @@ def run_worker(config: ServerConfig) -> None:
                              decode_first_tokens=chunking.decode_first,
                              overlap=overlap))
     reporter.ready(f"{runner.pool.num_slots} KV slots, overlap {'on' if overlap else 'off'}")
-    watchdog = config.watchdog_seconds(on_gpu=mx.default_device() == mx.gpu)
+    watchdog = config.watchdog_seconds(on_gpu=on_gpu)
     if watchdog > 0:
         logger.info("a step that keeps the worker %.0f s ends it, its stacks in this log "
                     "(--watchdog-timeout)", watchdog)
