@@ -13,7 +13,8 @@ of the worker's paths:
   the model as the worker loads it there (offset norms summed once, rows placed);
 - kernel: the CUDA path with its kernels stood in for by their plain-MLX meaning
   (`tests.engine_driver.StandInKernel`): projections fused, fast decode blocks, decode
-  replayed from compiled traces;
+  replayed from compiled traces, a lone prompt chunk padded as CUDA pads it (to a
+  multiple of 16 here; every path below but plain too);
 - in place: the CUDA path's in-place pool (`StandInInPlaceKernels`), eager decode;
 - paged prefill: the kernel path with `--experiments paged-short-rows` (prefill attention
   read from the pool, `worker_proc/paged_prefill.py`, stood in for, also for heads the
@@ -162,20 +163,26 @@ def served_model(family: str, path: str, experts_mxfp4: bool = False) -> Any:
     return model
 
 
+# The CUDA path pads a lone prompt chunk to a multiple of runner.TAIL_MULTIPLE (256): here
+# of a size the schedules' short chunks cross.
+SOAK_TAIL_MULTIPLE = 16
+
+
 def engine_options(path: str, own_caches: bool, sort_routes: bool = False) -> dict[str, Any]:
     if own_caches:
         return {"own_caches": True}
+    cuda = {"pad_tails": SOAK_TAIL_MULTIPLE}
     if path == "kernel":
         return {"backend": SortingStandIn() if sort_routes else StandInKernel(),
-                "compile_decode": True}
+                "compile_decode": True, **cuda}
     if path == "in place":
-        return {"backend": StandInInPlaceKernels()}
+        return {"backend": StandInInPlaceKernels(), **cuda}
     if path == "paged prefill":
-        return {"backend": CountingStandIn(paged_short_rows=True), "compile_decode": True}
+        return {"backend": CountingStandIn(paged_short_rows=True), "compile_decode": True, **cuda}
     if path == "wide heads":
-        return {"backend": CountingStandIn(), "compile_decode": True}
+        return {"backend": CountingStandIn(), "compile_decode": True, **cuda}
     if path == "mixed forward":
-        return {"backend": StandInKernel(mixed_forward=True), "compile_decode": True}
+        return {"backend": StandInKernel(mixed_forward=True), "compile_decode": True, **cuda}
     return {}
 
 

@@ -26,7 +26,7 @@ MIN_WATCHDOG_SECONDS = 5.0
 AUTO_WATCHDOG_SECONDS = 300.0  # on a GPU (SGLang's --watchdog-timeout has the same)
 # CUDA attention paths other than the default, for --experiments (A/B runs).
 DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
-                      "unfused-masked-prefill", "unaligned-chunks",
+                      "unfused-masked-prefill", "unaligned-chunks", "unpadded-tails",
                       "mixed-forward", "mma-attention", "mma-wide-tiles",
                       "cuda-core-attention", "gathered-latent", "fused-own-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
@@ -246,6 +246,10 @@ class ServerConfig:
                                       "unaligned-chunks (prompt chunks end wherever the "
                                       "step's budget does, as before they were cut back to "
                                       "the 512 edges of the bucketed prefill), "
+                                      "unpadded-tails (a step's lone prompt chunk runs "
+                                      "at its own length, as before it was padded to a "
+                                      "multiple of 256 tokens where chunks are not "
+                                      "aligned), "
                                       "mixed-forward (a step's lone prompt chunk runs in "
                                       "its decode rows' forward, one weight read for both; "
                                       "llama and qwen2 blocks; slower than two forwards on "

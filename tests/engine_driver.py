@@ -77,7 +77,7 @@ class InProcessEngine:
                  chunk_align: int = 1, tail_bucket: int = 0,
                  steps_in_flight: int = 2, own_caches: bool = False,
                  prefill_parts: int = 1, prefix_align: int = 0,
-                 decode_first_for_all: bool = False) -> None:
+                 decode_first_for_all: bool = False, pad_tails: int = 0) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False; steps_in_flight: how many steps the scheduler keeps at the
         worker with overlap (ServerConfig.steps_in_flight). tokenizer: what the scheduler decodes stop strings with.
@@ -97,7 +97,8 @@ class InProcessEngine:
         last chunks starting there are padded to tail_bucket's next edge (a spread's
         PrefillChunking.hit_align; 0: chunk_align). decode_first_for_all: every decoding
         stream held to the decode-first budget (--fixed-decode-first-budget), not only
-        those decoding well before the waiting prompts arrived."""
+        those decoding well before the waiting prompts arrived. pad_tails: a lone chunk
+        padded to a multiple of this (ModelRunner.pad_tails, the CUDA path's default)."""
         specs = [] if own_caches else probe_attention_specs(model)
         if window_slots is None:
             recurrent = KVPool.state_bytes_per_request(specs) > 0
@@ -110,6 +111,8 @@ class InProcessEngine:
                              prefill_padding=prefill_padding, compile_decode=compile_decode,
                              compile_prefill=compile_prefill, tail_bucket=tail_bucket)
         self.runner.tail_starts = prefix_align
+        if pad_tails:  # where the runner can, as the worker asks on the CUDA path
+            self.runner.pad_tails(pad_tails)
         # As the worker tells the scheduler (WorkerReady): a model with recurrent layers
         # caches prefixes only where it keeps state snapshots (one on its own caches never).
         radix_cache = radix_cache and self.runner.serves_prefix_hits

@@ -1049,6 +1049,41 @@ def test_prefill_read_from_the_pool_equals_mlx_lm(name, path):
     assert_mlx_lm_tokens(model, name, results, expected, 12)
 
 
+@pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss", "llama4_text"])
+def test_padded_tails_keep_mlx_lm_tokens(name):
+    """On the CUDA path (unless `--experiments unpadded-tails`), where chunks are not
+    aligned, a step's lone prompt chunk runs right-padded to a multiple of a tail size (16 here), on the kernel path
+    with decode first's prefill spread over steps: sliding layers beside full ones (with
+    sinks too) and chunk-local ones, prefix hits past the window. mlx-lm's tokens, and tails were
+    padded. A model with recurrent state refuses it (padding would run through it)."""
+    from tests.engine_driver import StandInKernel
+
+    model = build(name, head_dim=256)
+    engine = InProcessEngine(model, chunk_size=16, overlap="ahead", backend=StandInKernel(),
+                             max_prefill_tokens_while_decoding=8, prefill_parts=2,
+                             decode_first_for_all=True, pad_tails=16)
+    widths: list[tuple[int, int]] = []
+    padded_width = engine.runner._padded_width
+
+    def recorded(group):  # noqa: ANN001, ANN202
+        widths.append((len(group[0].token_ids), padded_width(group)))
+        return widths[-1][1]
+
+    engine.runner._padded_width = recorded
+    prompts = _prompts(seed=311)
+    cases = [(f"r{i}", p) for i, p in enumerate(prompts)]
+    for rid, p in cases:
+        engine.submit(rid, p, 12, [])
+    results = engine.run_until_idle()
+    engine.submit("again", list(prompts[2]), 12, [])  # a hit past the window
+    results.update(engine.run_until_idle())
+    assert engine.scheduler.counters.cache_hit_tokens > 0
+    assert_mlx_lm_tokens(model, name, results, [*cases, ("again", prompts[2])], 12)
+    assert {w for n, w in widths if 1 < n < 16} == {16}, widths
+    hybrid = InProcessEngine(build("qwen3_next"), chunk_size=16, backend=StandInKernel())
+    assert not hybrid.runner.pad_tails(16) and hybrid.runner.tail_multiple == 0
+
+
 @pytest.mark.parametrize("limit", [8, None, "default"])
 def test_paged_prefill_leaves_long_chunks_to_cudnn(limit):
     """Where cuDNN serves a layer's heads (stood in for here), prefill attends through

@@ -814,6 +814,10 @@ def test_experiments_are_named_and_become_the_kernel_backends_options(monkeypatc
     monkeypatch.setattr(decode_backend, "kernel_available", lambda: True)
     assert choose_decode_backend(specs) == KernelDecode()
     assert choose_decode_backend(specs, config.experiment_set) == KernelDecode(rope_in_kernel=True)
+    # Lone chunks padded to recurring widths on the kernel path only (the CPU computes
+    # every padded row), unless asked not to.
+    assert choose_decode_backend(specs).pad_tails and not GatherDecode().pad_tails
+    assert not choose_decode_backend(specs, frozenset({"unpadded-tails"})).pad_tails
     assert choose_decode_backend([AttentionLayerSpec(8, 80, 80, mx.bfloat16)]) == GatherDecode()
     # A block holds one KV head's queries in shared memory: multi-query models with many
     # query heads a KV head (Falcon-7B: 71 of 64 wide) take the gather path instead.

@@ -86,7 +86,8 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
     from worker_proc.model_rewrites import rewrite_for_serving
     from worker_proc.paged_attention import kernel_available
     from worker_proc.prefill_parts import most_parts, spread_refusal
-    from worker_proc.runner import CPU_PREFILL_PADDING, PREFILL_PADDING, ModelRunner, split_model
+    from worker_proc.runner import (CPU_PREFILL_PADDING, PREFILL_PADDING, TAIL_MULTIPLE, ModelRunner,
+                                    split_model)
     from worker_proc.warm_up import trace_decode_shapes, warm_up
 
     on_cuda = kernel_available()
@@ -208,6 +209,8 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
                          compile_decode=not config.eager_decode and backend.compiles,
                          compile_prefill=config.compile_prefill,
                          tail_bucket=chunking.tail_bucket)
+    if backend.pad_tails and runner.pad_tails(TAIL_MULTIPLE):
+        say(f"a step's lone prompt chunk runs padded to a multiple of {TAIL_MULTIPLE} tokens")
     if backend.mixed_forward:
         if not runner.mixes_rows:
             raise UnsupportedModelError(

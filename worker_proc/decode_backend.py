@@ -81,6 +81,7 @@ class DecodeBackend:
     bucketed_prefill: bool = False  # long causal prefill chunks padded to recurring shapes
     bucketed_masked: bool = False  # ... and masked ones
     align_chunks: bool = False  # prompt chunks end on the fused prefill bucket's edges
+    pad_tails: bool = False  # a lone unaligned chunk runs padded (ModelRunner.pad_tails)
     prefill_bucket: int = FUSED_PREFILL_BUCKET  # the padded prefill shapes' multiple
     mixed_forward: bool = False  # a step's lone prompt chunk rides in its decode forward
     attends_latent: bool = False  # latent (MLA) layers' decode reads the pool's keys itself
@@ -224,7 +225,13 @@ class KernelDecode(DecodeBackend):
     align_chunks: the scheduler ends a prompt's unfinished chunks
     on the bucket's edges (worker_proc.prefill_chunking; `--experiments unaligned-chunks`
     is the A/B arm); a prompt's last chunk after aligned ones then runs padded to a whole
-    bucket, the shape of its earlier chunks (ModelRunner.tail_bucket). mixed_forward:
+    bucket, the shape of its earlier chunks (ModelRunner.tail_bucket). pad_tails: where
+    chunks are not aligned, a step's lone prompt chunk runs padded to a multiple of
+    worker_proc.runner.TAIL_MULTIPLE tokens (ModelRunner.pad_tails; `--experiments
+    unpadded-tails` is the A/B arm): a prompt's last chunk then meets a few recurring
+    shapes, not a new one each, whose first forward costs MLX milliseconds of host work
+    (docs/benchmarks.md, session 55).
+    mixed_forward:
     a step's lone prompt chunk and its decode rows run as one forward, their GEMMs
     reading the weights once (ModelRunner._mixed, decode_block.MixedLayerCache's
     blocks; `--experiments mixed-forward` turns it on). mma: decode attention through
@@ -261,6 +268,7 @@ class KernelDecode(DecodeBackend):
     bucketed_prefill: bool = True
     bucketed_masked: bool = True
     align_chunks: bool = True
+    pad_tails: bool = True
     prefill_bucket: int = FUSED_PREFILL_BUCKET
     mixed_forward: bool = False
     mma: MmaConfig | None = None
@@ -677,6 +685,7 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         bucketed_prefill="unfused-prefill" not in experiments,
                         bucketed_masked="unfused-masked-prefill" not in experiments,
                         align_chunks="unaligned-chunks" not in experiments,
+                        pad_tails="unpadded-tails" not in experiments,
                         mixed_forward="mixed-forward" in experiments,
                         mma=_tensor_cores(specs, experiments),
                         latent=None if "gathered-latent" in experiments else LatentConfig(),

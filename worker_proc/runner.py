@@ -57,6 +57,9 @@ CPU_PREFILL_PADDING = 0.0
 # mlx-lm prefills in steps of 2048 too. On CUDA a forward takes fewer where two forwards'
 # activations would not fit beside the pool (ModelRunner.forward_cap).
 PREFILL_FORWARD_TOKENS = 2048
+# What ModelRunner.pad_tails rounds a lone chunk up to a multiple of on the CUDA kernel path
+# (--experiments unpadded-tails: not).
+TAIL_MULTIPLE = 256
 # A mixed forward's rows (its chunk's padded width, then one a decode row) are padded to a
 # multiple of this with rows that touch only the scratch slot, where every MLP is dense:
 # cuBLAS picks slow tilings for row counts past a multiple of 64 (on an H100 a 512-token
@@ -226,6 +229,9 @@ class ModelRunner:
         # Last chunks starting on multiples of this are padded too (0: of tail_bucket):
         # with a spread prefill, edges several buckets apart after a hit on a bucket's.
         self.tail_starts = 0
+        # Where chunks are not aligned (tail_bucket 0): a lone chunk's width rounded up to
+        # a multiple of this (pad_tails; 0: as it is).
+        self.tail_multiple = 0
         # A step's lone prompt chunk rides in its decode rows' forward (the backend's
         # mixed_forward; blocks that run it, full attention alone, an output head).
         self.mixes_rows = (backend.mixed_forward and mixes_rows(model) and self.ragged
@@ -734,18 +740,34 @@ class ModelRunner:
     def _padded_width(self, group: list[PrefillChunk]) -> int:
         """The width a forward of these chunks is padded to, 0 for as it is: a lone
         prompt's last chunk, starting on a multiple of tail_starts (default tail_bucket),
-        to the next multiple of tail_bucket."""
+        to the next multiple of tail_bucket; without a tail_bucket, a lone chunk to a
+        multiple of tail_multiple (pad_tails)."""
         if any(self.requests[c.rid].sampling.prompt_logprobs >= 0 for c in group):
             return 0  # scored over every position: alone and unpadded
         longest = max(len(c.token_ids) for c in group)
         chunk, bucket = group[0], self.tail_bucket
-        if len(group) != 1 or not bucket or not chunk.start or chunk.start % (
-                self.tail_starts or bucket):
+        if len(group) != 1:
             return 0
-        width = bucket - chunk.start % bucket
+        if bucket:
+            if not chunk.start or chunk.start % (self.tail_starts or bucket):
+                return 0
+            width = bucket - chunk.start % bucket
+        else:
+            width = -(-longest // self.tail_multiple) * self.tail_multiple if self.tail_multiple else 0
         if 1 < longest < width and chunk.start + width <= self.table.shape[1]:
             return width
         return 0
+
+    def pad_tails(self, multiple: int) -> bool:
+        """Run a lone prompt chunk padded to a multiple of `multiple` tokens where chunks
+        are not aligned (tail_bucket 0), so a prompt's last chunk meets a few recurring
+        shapes (MLX's host work for a forward's first shape is milliseconds on CUDA);
+        False where padding cannot run:
+        recurrent state (padding would run through it) or an aligned tail rule."""
+        if self.tail_bucket or self.pool.has_states:
+            return False
+        self.tail_multiple = multiple
+        return True
 
     def _prefill_many(self, chunks: list[PrefillChunk], width: int = 0) -> list[mx.array]:
         """One forward over chunks of several requests, right-padded to the longest (or to
