@@ -744,17 +744,19 @@ class ModelRunner:
         multiple of tail_multiple (pad_tails)."""
         if any(self.requests[c.rid].sampling.prompt_logprobs >= 0 for c in group):
             return 0  # scored over every position: alone and unpadded
-        longest = max(len(c.token_ids) for c in group)
-        chunk, bucket = group[0], self.tail_bucket
         if len(group) != 1:
             return 0
+        chunk, bucket, multiple = group[0], self.tail_bucket, self.tail_multiple
+        size = len(chunk.token_ids)
         if bucket:
             if not chunk.start or chunk.start % (self.tail_starts or bucket):
                 return 0
             width = bucket - chunk.start % bucket
+        elif multiple:
+            width = -(-size // multiple) * multiple
         else:
-            width = -(-longest // self.tail_multiple) * self.tail_multiple if self.tail_multiple else 0
-        if 1 < longest < width and chunk.start + width <= self.table.shape[1]:
+            return 0
+        if 1 < size < width and chunk.start + width <= self.table.shape[1]:
             return width
         return 0
 
@@ -762,8 +764,8 @@ class ModelRunner:
         """Run a lone prompt chunk padded to a multiple of `multiple` tokens where chunks
         are not aligned (tail_bucket 0), so a prompt's last chunk meets a few recurring
         shapes (MLX's host work for a forward's first shape is milliseconds on CUDA);
-        False where padding cannot run:
-        recurrent state (padding would run through it) or an aligned tail rule."""
+        False where it cannot: recurrent state (padding would run through it), or
+        aligned chunks (tail_bucket's rule pads their tails)."""
         if self.tail_bucket or self.pool.has_states:
             return False
         self.tail_multiple = multiple
