@@ -1051,11 +1051,12 @@ def test_prefill_read_from_the_pool_equals_mlx_lm(name, path):
 
 @pytest.mark.parametrize("name", ["gemma3_text", "gpt_oss", "llama4_text"])
 def test_padded_tails_keep_mlx_lm_tokens(name):
-    """On the CUDA path (unless `--experiments unpadded-tails`), where chunks are not
-    aligned, a step's lone prompt chunk runs right-padded to a multiple of a tail size (16 here), on the kernel path
-    with decode first's prefill spread over steps: sliding layers beside full ones (with
-    sinks too) and chunk-local ones, prefix hits past the window. mlx-lm's tokens, and tails were
-    padded. A model with recurrent state refuses it (padding would run through it)."""
+    """On the CUDA path (unless `--experiments unpadded-tails`), where no bucket pads a
+    prompt's tail, a step's lone prompt chunk runs right-padded to a multiple of a tail
+    size (16 here): the kernel path with decode first's prefill spread over steps,
+    sliding layers beside full ones (with sinks too) and chunk-local ones, prefix hits
+    past the window. mlx-lm's tokens, and tails were padded. A model with recurrent
+    state refuses it (padding would run through it)."""
     from tests.engine_driver import StandInKernel
 
     model = build(name, head_dim=256)

@@ -226,7 +226,8 @@ class KernelDecode(DecodeBackend):
     on the bucket's edges (worker_proc.prefill_chunking; `--experiments unaligned-chunks`
     is the A/B arm); a prompt's last chunk after aligned ones then runs padded to a whole
     bucket, the shape of its earlier chunks (ModelRunner.tail_bucket). pad_tails: where
-    chunks are not aligned, a step's lone prompt chunk runs padded to a multiple of
+    tail_bucket pads no tail (chunks not aligned, or windowed layers, which it cannot
+    trace), a step's lone prompt chunk runs padded to a multiple of
     worker_proc.runner.TAIL_MULTIPLE tokens (ModelRunner.pad_tails; `--experiments
     unpadded-tails` is the A/B arm): a prompt's last chunk then meets a few recurring
     shapes, not a new one each, whose first forward costs MLX milliseconds of host work

@@ -229,8 +229,9 @@ class ModelRunner:
         # Last chunks starting on multiples of this are padded too (0: of tail_bucket):
         # with a spread prefill, edges several buckets apart after a hit on a bucket's.
         self.tail_starts = 0
-        # Where chunks are not aligned (tail_bucket 0): a lone chunk's width rounded up to
-        # a multiple of this (pad_tails; 0: as it is).
+        # Where tail_bucket pads no tail (0: chunks not aligned, or layers it cannot trace,
+        # windowed ones): a lone chunk's width rounded up to a multiple of this
+        # (pad_tails; 0: as it is).
         self.tail_multiple = 0
         # A step's lone prompt chunk rides in its decode rows' forward (the backend's
         # mixed_forward; blocks that run it, full attention alone, an output head).
@@ -761,11 +762,11 @@ class ModelRunner:
         return 0
 
     def pad_tails(self, multiple: int) -> bool:
-        """Run a lone prompt chunk padded to a multiple of `multiple` tokens where chunks
-        are not aligned (tail_bucket 0), so a prompt's last chunk meets a few recurring
+        """Run a lone prompt chunk padded to a multiple of `multiple` tokens where
+        tail_bucket pads no tail (0), so a prompt's last chunk meets a few recurring
         shapes (MLX's host work for a forward's first shape is milliseconds on CUDA);
-        False where it cannot: recurrent state (padding would run through it), or
-        aligned chunks (tail_bucket's rule pads their tails)."""
+        False where it cannot: recurrent state (padding would run through it), or a
+        tail_bucket (its rule pads the tails)."""
         if self.tail_bucket or self.pool.has_states:
             return False
         self.tail_multiple = multiple
