@@ -12,6 +12,10 @@ by the part each step ran (its first parts by piece size), and every step whose 
 plus prefill start took `--slow-ms` or more: where mixed traffic's slow steps come from
 (docs/benchmarks.md, sessions 19, 22 and 53). Where the worker's lines carry MLX's buffer
 cache (since session 54), each part's line counts the steps after whose start it fell.
+Where the lines carry milliseconds (since session 56), it also gives the gaps between
+consecutive steps' tokens at the worker and at the scheduler, before and during prefill:
+set against a client's inter-token gaps, they split its p99 into the steps' share and
+the way out's (detokenizer, HTTP front, client).
 """
 
 from __future__ import annotations
@@ -29,6 +33,8 @@ _BUILD = re.compile(r"worker_proc: step (\d+) built in ([\d.]+) ms \(and ([\d.]+
                     r"prefill forwards, ([\d.]+) ms waiting")
 _BACK = re.compile(r"scheduler_proc: step (\d+): \d+ tokens back after ([\d.]+) ms")
 _CACHE = re.compile(r"; MLX cache ([\d.]+) GiB")  # the build line's, after the step started
+_WAITED = re.compile(r"worker_proc: step (\d+): waited [\d.]+ ms for its tokens")
+_STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) ")  # since session 56's logs
 
 
 @dataclass
@@ -46,6 +52,10 @@ class Step:
     part: int | None = None  # the spread part it ran (--prefill-spread), of `parts`
     parts: int = 1
     cache_gib: float | None = None  # MLX's buffer cache once the step was started
+    # When the step's tokens reached the worker (its wait ended) and the scheduler, in
+    # seconds of the day: the gaps between steps are a stream's inter-token gaps there.
+    worker_at: float | None = None
+    scheduler_at: float | None = None
 
     @property
     def host_ms(self) -> float:
@@ -81,10 +91,21 @@ def read_steps(lines: list[str]) -> list[Step]:
                 s.cache_gib = float(c[1])
         elif m := _BACK.search(line):
             at(m[1]).back_ms = float(m[2])
+            at(m[1]).scheduler_at = _stamp(line)
+        elif m := _WAITED.search(line):
+            at(m[1]).worker_at = _stamp(line)
     return [steps[k] for k in sorted(steps)]
 
 
-def summary(steps: list[Step], slow_ms: float, align: int, slow_build_ms: float = 20.0) -> str:
+def _stamp(line: str) -> float | None:
+    if m := _STAMP.match(line):
+        h, mi, sec, ms = (int(g) for g in m.groups())
+        return h * 3600 + mi * 60 + sec + ms / 1000
+    return None
+
+
+def summary(steps: list[Step], slow_ms: float, align: int, slow_build_ms: float = 20.0,
+            busy_rows: int = 16) -> str:
     prefill = [s for s in steps if s.n_chunks and s.build_ms is not None]
     off_edge = [s for s in prefill if any(start % align for _, start in s.chunks)]
     slow = [s for s in prefill if s.host_ms >= slow_ms]
@@ -106,8 +127,9 @@ def summary(steps: list[Step], slow_ms: float, align: int, slow_build_ms: float 
     changed = sum(decodes_before.get(s.step, s.decodes) != s.decodes for s in slow_builds)
     lines.append(f"{len(slow_builds)} prefill steps built in >= {slow_build_ms:g} ms, {changed} "
                  f"of them where the decode batch changed size")
-    lines += chunk_costs(steps)
-    lines += part_costs(steps)
+    lines += chunk_costs(steps, busy_rows)
+    lines += part_costs(steps, busy_rows)
+    lines += token_gaps(steps, busy_rows)
     lines.append(f"{len(slow)} with build + prefill start >= {slow_ms:g} ms:")
     lines += ["  " + s.describe() for s in slow]
     return "\n".join(lines)
@@ -182,6 +204,32 @@ def part_costs(steps: list[Step], busy_rows: int = 16) -> list[str]:
     return lines
 
 
+def token_gaps(steps: list[Step], busy_rows: int = 16) -> list[str]:
+    """Gaps between consecutive steps' tokens, at the worker (its wait for them ended) and
+    at the scheduler (they arrived), for steps of `busy_rows`+ decode rows: before the
+    first step with prefill beside such rows, and from it to the last one. A client's
+    inter-token gaps over the same span, against these, say how much of its p99 is the
+    steps and how much the way out (detokenizer, HTTP front, client)."""
+    busy = [s for s in steps if s.decodes >= busy_rows]
+    loaded = [s.step for s in busy if s.n_chunks or s.part is not None]
+    if not loaded:
+        return []
+    first, last = loaded[0], loaded[-1]
+    lines = ["gaps between steps' tokens beside "
+             f"{busy_rows}+ decode rows, ms p50 / p90 / p99 (count):"]
+    for where in ("worker_at", "scheduler_at"):
+        for label, lo, hi in (("before prefill", 0, first - 1), ("during prefill", first, last)):
+            gaps = [1000 * ((getattr(b, where) - getattr(a, where)) % 86400)
+                    for a, b in zip(busy, busy[1:])
+                    if b.step == a.step + 1 and lo <= a.step and b.step <= hi
+                    and getattr(a, where) is not None and getattr(b, where) is not None]
+            if gaps:
+                lines.append(f"  at the {where[:-3]}, {label}: {_quantile(gaps, 0.5):.0f} / "
+                             f"{_quantile(gaps, 0.9):.0f} / {_quantile(gaps, 0.99):.0f} "
+                             f"({len(gaps)})")
+    return lines
+
+
 def cache_falls(steps: list[Step], least_gib: float = 0.01) -> set[int]:
     """Steps after whose start MLX's buffer cache held less than after the step before:
     the start made an allocation the cache could not serve, and MLX 0.32 then empties
@@ -207,12 +255,15 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--align", type=int, default=512, help="the prefill bucket's edge")
     p.add_argument("--slow-build-ms", type=float, default=20.0,
                    help="count prefill steps whose graph building alone took this long")
+    p.add_argument("--busy-rows", type=int, default=16,
+                   help="steps of this many decode rows or more count as busy (mixed "
+                        "traffic: its steady streams, whose gaps the client measures)")
     p.add_argument("--table", type=Path, help="also write every step, one a line, here")
     args = p.parse_args(argv)
     steps = read_steps(args.log.read_text(errors="replace").splitlines())
     if args.table:
         args.table.write_text(table(steps))
-    print(summary(steps, args.slow_ms, args.align, args.slow_build_ms))
+    print(summary(steps, args.slow_ms, args.align, args.slow_build_ms, args.busy_rows))
 
 
 if __name__ == "__main__":

@@ -77,7 +77,9 @@ class CannotServe(Exception):
 def setup_logging(level: str, role: str) -> None:
     logging.basicConfig(
         level=level.upper(),
-        format=f"%(asctime)s {role:>11} %(levelname)-7s %(name)s: %(message)s",
+        # Milliseconds: a step takes 5-50 ms, and bench/step_log.py times steps' tokens
+        # from these stamps.
+        format=f"%(asctime)s.%(msecs)03d {role:>11} %(levelname)-7s %(name)s: %(message)s",
         datefmt="%H:%M:%S",
         stream=sys.stderr,
         force=True,

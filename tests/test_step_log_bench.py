@@ -96,3 +96,33 @@ def test_a_start_after_which_mlxs_cache_fell_is_counted_by_part():
     assert "part 0, other sizes (1 steps): host 28.0 / 28.0, MLX cache fell in 1" in text
     assert "step 23: 1 chunks [700@2048]" in text and "MLX cache 2.0 GiB" in text
     assert table(steps).splitlines()[4].split()[8] == "2.0"
+
+
+def test_gaps_between_steps_tokens_are_read_from_the_lines_stamps():
+    """With millisecond stamps (since session 56), the gaps between consecutive steps'
+    tokens at the worker and at the scheduler are told apart before the first step with
+    prefill beside busy rows and from it to the last; a step of few rows breaks the
+    chain, and a gap across midnight counts as its milliseconds."""
+    lines = []
+    at = 86399.980  # 23:59:59.980
+    for step, (chunk, rows, gap) in enumerate([(0, 32, 0), (0, 32, 12), (0, 32, 14),
+                                               (512, 32, 20), (512, 32, 24), (512, 32, 20),
+                                               (0, 4, 5), (0, 32, 30)]):
+        at = (at + gap / 1000) % 86400
+        ms = round(at * 1000)
+        stamp = f"{ms // 3600000:02d}:{ms // 60000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}"
+        chunks = (f"1 prefill chunks ({chunk} tokens, {chunk}@0)" if chunk
+                  else "0 prefill chunks (0 tokens)")
+        lines += [f"{stamp}   scheduler DEBUG   scheduler_proc: step {step}: {chunks}, "
+                  f"{rows} decodes",
+                  f"{stamp}      worker DEBUG   worker_proc: step {step}: waited 3.00 ms for "
+                  "its tokens",
+                  f"{stamp}   scheduler DEBUG   scheduler_proc: step {step}: {rows} tokens "
+                  "back after 30.0 ms"]
+    steps = read_steps(lines)
+    assert steps[1].worker_at == 86399.992 and steps[2].scheduler_at == 0.006
+    text = summary(steps, slow_ms=30, align=512)
+    # Before: steps 0-1-2 (12 ms, 14 across midnight); during: steps 3-4-5 (24, 20 ms).
+    for where in ("worker", "scheduler"):
+        assert f"at the {where}, before prefill: 14 / 14 / 14 (2)" in text
+        assert f"at the {where}, during prefill: 24 / 24 / 24 (2)" in text
