@@ -147,6 +147,35 @@ def test_warm_up_leaves_the_runner_clean(tiny_model, oracle):
     assert engine.run_until_idle()["r"].token_ids == oracle(prompt, 20)
 
 
+def test_warm_up_runs_each_padded_tail_width_once(tiny_model, oracle):
+    """Where lone chunks are padded to a multiple of a tail size (the CUDA path's
+    pad_tails), warm-up runs a lone prompt in chunks of every such width up to the chunk
+    size, as far as the context holds them, so a served tail meets no new width; then
+    the engine serves exactly as before."""
+    model, tokenizer = tiny_model
+    engine = InProcessEngine(model, capacity=2000, max_running=4, chunk_size=64,
+                             max_context=128, backend=StandInKernel(), pad_tails=16)
+    assert engine.runner.tail_multiple == 16
+    widths: list[int] = []
+    padded_width = engine.runner._padded_width
+
+    def recorded(group):  # noqa: ANN001, ANN202
+        width = padded_width(group)
+        widths.append(width or len(group[0].token_ids))
+        return width
+
+    engine.runner._padded_width = recorded
+    # The lone prompt (16 tokens: its 16), then 16, 32, 48 (ending at 96; 64 more would
+    # pass the context of 128), two-chunk prompts, then sizes 1, 2, 4.
+    assert warm_up(engine.runner, max_batch=4, long_chunk=64) == 2 + 4 + 2 + 2 * 3
+    assert widths[:4] == [16, 16, 32, 48]
+    assert engine.runner.requests == {}
+    prompt = _prompts(1, [70], model.args.vocab_size, seed=9)[0]
+    engine.submit("r", prompt, 20, _eos(tokenizer))
+    assert engine.run_until_idle()["r"].token_ids == oracle(prompt, 20)
+    assert widths[-1] == 16  # its 6-token tail after 64, padded
+
+
 def test_memory_probes_measure_forwards_and_leave_the_runner_clean(tiny_model, oracle):
     """The start-up probes of a prefill forward's memory (run on CUDA, where they bound
     the forwards) report the bytes a token their step held, a lone prompt's and several

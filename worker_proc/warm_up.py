@@ -3,6 +3,8 @@ graphs, decode traces), so that none of it happens during a user's request."""
 
 from __future__ import annotations
 
+import itertools
+
 import mlx.core as mx
 import numpy as np
 
@@ -38,6 +40,10 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
     chunk) or to where decode first's chunk from there ends (_hit_chunks): a spread
     prefill's chunks after a prefix hit between its edges, only such shapes, not the
     chunks from the edges to the hits, which no served prompt runs;
+    where the runner pads lone chunks to a multiple of a tail size (pad_tails), a lone
+    prompt in chunks of each such width up to `long_chunk` (MLX's host work for a forward's
+    first row count is 6-20 ms on CUDA, docs/benchmarks.md session 55: a burst's tails
+    met them one a step otherwise);
     then prompts in two chunks (the first fresh, the second read back from the
     pool, with one start and with mixed starts; two sets where prefill forwards are
     traced), then decode batch sizes up to
@@ -115,6 +121,11 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
             for _ in range(passes):
                 for hit, end in _hit_chunks(walk[-1], walk_chunk, walk_offsets, walk_edge):
                     step = hit_prompt("warmup-hit", step, hit, end)
+    tail = runner.tail_multiple
+    if tail and long_chunk > tail:
+        ends = [e for e in itertools.accumulate(range(tail, long_chunk + 1, tail)) if e <= room]
+        if ends:
+            step = lone_prompt("warmup-tails", step, ends)
     for again in range(prompt_sets):
         if again:  # the first set goes; the second decodes
             runner.run(ForwardBatch(step=step + 1, released=rids))
