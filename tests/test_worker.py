@@ -149,9 +149,9 @@ def test_warm_up_leaves_the_runner_clean(tiny_model, oracle):
 
 def test_warm_up_runs_each_padded_tail_width_once(tiny_model, oracle):
     """Where lone chunks are padded to a multiple of a tail size (the CUDA path's
-    pad_tails), warm-up runs a lone prompt in chunks of every such width up to the chunk
-    size, as far as the context holds them, so a served tail meets no new width; then
-    the engine serves exactly as before."""
+    pad_tails), warm-up runs a lone prompt in chunks of every such width up to the one
+    it is given (the worker's: decode first's piece), as far as the context holds them,
+    so a served tail meets no new width; then the engine serves exactly as before."""
     model, tokenizer = tiny_model
     engine = InProcessEngine(model, capacity=2000, max_running=4, chunk_size=64,
                              max_context=128, backend=StandInKernel(), pad_tails=16)
@@ -167,7 +167,7 @@ def test_warm_up_runs_each_padded_tail_width_once(tiny_model, oracle):
     engine.runner._padded_width = recorded
     # The lone prompt (16 tokens: its 16), then 16, 32, 48 (ending at 96; 64 more would
     # pass the context of 128), two-chunk prompts, then sizes 1, 2, 4.
-    assert warm_up(engine.runner, max_batch=4, long_chunk=64) == 2 + 4 + 2 + 2 * 3
+    assert warm_up(engine.runner, max_batch=4, long_chunk=64, tail_top=64) == 2 + 4 + 2 + 2 * 3
     assert widths[:4] == [16, 16, 32, 48]
     assert engine.runner.requests == {}
     prompt = _prompts(1, [70], model.args.vocab_size, seed=9)[0]

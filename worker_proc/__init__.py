@@ -234,7 +234,8 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
     t0 = time.monotonic()
     steps = warm_up(runner, config.max_running_requests, long_chunk=chunking.size,
                     walk_chunk=chunking.warm_walk, walk_edge=chunking.align,
-                    walk_offsets=chunking.walk_offsets() if hits else ())
+                    walk_offsets=chunking.walk_offsets() if hits else (),
+                    tail_top=min(chunking.size, chunking.decode_first * chunking.parts))
     traces = trace_decode_shapes(runner, config.max_running_requests) if runner.compiles_decode else 0
     if cache_limit is not None:  # CUDA: device memory figures
         fit_prefill_forwards(runner, steps + 1, cache_limit, chunking.size, say)

@@ -24,7 +24,8 @@ PREFILL_WARM_KEYS = 8192
 
 
 def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chunk: int = 0,
-            walk_chunk: int = 0, walk_offsets: tuple[int, ...] = (), walk_edge: int = 0) -> int:
+            walk_chunk: int = 0, walk_offsets: tuple[int, ...] = (), walk_edge: int = 0,
+            tail_top: int = 0) -> int:
     """Run throwaway requests through the paths the server will meet first, so kernel
     compilation happens before the first user request, not during it: a lone prompt in
     one fresh chunk (a forward of one row, as a quiet server's first request meets it),
@@ -41,9 +42,11 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
     prefill's chunks after a prefix hit between its edges, only such shapes, not the
     chunks from the edges to the hits, which no served prompt runs;
     where the runner pads lone chunks to a multiple of a tail size (pad_tails), a lone
-    prompt in chunks of each such width up to `long_chunk` (MLX's host work for a forward's
+    prompt in chunks of each such width up to `tail_top` (MLX's host work for a forward's
     first row count is 6-20 ms on CUDA, docs/benchmarks.md session 55: a burst's tails
-    met them one a step otherwise);
+    met them one a step otherwise; the worker passes decode first's piece, not the whole
+    chunk, whose forward alone may take a fifth of an H100: once reserved, CUDA's pool
+    keeps it, worker_proc.memory.DevicePool);
     then prompts in two chunks (the first fresh, the second read back from the
     pool, with one start and with mixed starts; two sets where prefill forwards are
     traced), then decode batch sizes up to
@@ -122,8 +125,8 @@ def warm_up(runner: ModelRunner, max_batch: int, prompt_len: int = 16, long_chun
                 for hit, end in _hit_chunks(walk[-1], walk_chunk, walk_offsets, walk_edge):
                     step = hit_prompt("warmup-hit", step, hit, end)
     tail = runner.tail_multiple
-    if tail and long_chunk > tail:
-        ends = [e for e in itertools.accumulate(range(tail, long_chunk + 1, tail)) if e <= room]
+    if tail and tail_top >= tail:
+        ends = [e for e in itertools.accumulate(range(tail, tail_top + 1, tail)) if e <= room]
         if ends:
             step = lone_prompt("warmup-tails", step, ends)
     for again in range(prompt_sets):
