@@ -204,21 +204,31 @@ def part_costs(steps: list[Step], busy_rows: int = 16) -> list[str]:
     return lines
 
 
-def token_gaps(steps: list[Step], busy_rows: int = 16) -> list[str]:
+def token_gaps(steps: list[Step], busy_rows: int = 16, apart: int = 64) -> list[str]:
     """Gaps between consecutive steps' tokens, at the worker (its wait for them ended) and
-    at the scheduler (they arrived), for steps of `busy_rows`+ decode rows: before the
-    first step with prefill beside such rows, and from it to the last one. A client's
-    inter-token gaps over the same span, against these, say how much of its p99 is the
-    steps and how much the way out (detokenizer, HTTP front, client)."""
+    at the scheduler (they arrived), for steps of `busy_rows`+ decode rows: over the
+    longest run of steps with prefill beside such rows (runs split where `apart` steps
+    pass without; a bench's warm-up makes a short one first), and over the busy steps
+    before it, back to the run before. A client's inter-token gaps over the same span,
+    against these, say how much of its p99 is the steps and how much the way out
+    (detokenizer, HTTP front, client)."""
     busy = [s for s in steps if s.decodes >= busy_rows]
     loaded = [s.step for s in busy if s.n_chunks or s.part is not None]
     if not loaded:
         return []
-    first, last = loaded[0], loaded[-1]
+    runs: list[list[int]] = [[loaded[0]]]
+    for n in loaded[1:]:
+        if n - runs[-1][-1] > apart:
+            runs.append([])
+        runs[-1].append(n)
+    longest = max(range(len(runs)), key=lambda i: len(runs[i]))
+    first, last = runs[longest][0], runs[longest][-1]
+    quiet_from = runs[longest - 1][-1] + 1 if longest else 0
     lines = ["gaps between steps' tokens beside "
              f"{busy_rows}+ decode rows, ms p50 / p90 / p99 (count):"]
     for where in ("worker_at", "scheduler_at"):
-        for label, lo, hi in (("before prefill", 0, first - 1), ("during prefill", first, last)):
+        for label, lo, hi in (("before prefill", quiet_from, first - 1),
+                              ("during prefill", first, last)):
             gaps = [1000 * ((getattr(b, where) - getattr(a, where)) % 86400)
                     for a, b in zip(busy, busy[1:])
                     if b.step == a.step + 1 and lo <= a.step and b.step <= hi

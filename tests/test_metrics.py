@@ -78,7 +78,11 @@ def test_latencies_and_counters_of_one_request() -> None:
     assert value(scrape, "kiln_time_to_first_token_seconds_sum") == pytest.approx(0.25)
     assert value(scrape, "kiln_inter_token_latency_seconds_count") == 3
     assert value(scrape, "kiln_inter_token_latency_seconds_sum") == pytest.approx(0.05)
-    assert value(scrape, "kiln_inter_token_latency_seconds_bucket", le="0.005") == 0
+    # Edges a few ms apart: the 10 ms gap and the two of 20 ms fall in buckets of their own.
+    assert value(scrape, "kiln_inter_token_latency_seconds_bucket", le="0.008") == 0
+    assert value(scrape, "kiln_inter_token_latency_seconds_bucket", le="0.0125") == 1
+    assert value(scrape, "kiln_inter_token_latency_seconds_bucket", le="0.0175") == 1
+    assert value(scrape, "kiln_inter_token_latency_seconds_bucket", le="0.025") == 3
     assert value(scrape, "kiln_e2e_request_latency_seconds_sum") == pytest.approx(0.3)
     assert value(scrape, "kiln_requests_finished_total", finish_reason="length") == 1
 

@@ -58,3 +58,19 @@ def test_every_budget_runs_under_every_variant_with_its_own_log():
     assert tuned[0].env == {"MLX_MAX_OPS_PER_BUFFER": "1000", "A": "b"}  # the last A, as a shell
     assert tuned[0].flags == ["--max-prefill-tokens-while-decoding", "256",
                               "--compile-prefill", "--api-key", "K=v"]  # a flag's value
+
+
+def test_the_fronts_gaps_are_read_off_two_reads_of_its_histogram():
+    """The server's inter-token histogram read at the burst's sending and at its
+    prefill's end: only what it counted between them, linear within a bucket."""
+    from bench.mixed_traffic import histogram_percentiles
+
+    inf = float("inf")
+    before = {0.01: 50.0, 0.02: 100.0, 0.05: 100.0, inf: 100.0}
+    # Between the reads: 100 gaps under 10 ms, 80 in (10, 20], 20 in (20, 50].
+    after = {0.01: 150.0, 0.02: 280.0, 0.05: 300.0, inf: 300.0}
+    got = histogram_percentiles(before, after)
+    assert got == {"p50": 10.0, "p90": 20.0, "p99": 20.0 + 30.0 * 0.9}
+    assert histogram_percentiles(after, after) == {"p50": 0.0, "p90": 0.0, "p99": 0.0}
+    # Past the last finite edge: that edge.
+    assert histogram_percentiles({}, {0.01: 0.0, inf: 4.0})["p99"] == 10.0

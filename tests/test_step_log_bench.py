@@ -98,16 +98,11 @@ def test_a_start_after_which_mlxs_cache_fell_is_counted_by_part():
     assert table(steps).splitlines()[4].split()[8] == "2.0"
 
 
-def test_gaps_between_steps_tokens_are_read_from_the_lines_stamps():
-    """With millisecond stamps (since session 56), the gaps between consecutive steps'
-    tokens at the worker and at the scheduler are told apart before the first step with
-    prefill beside busy rows and from it to the last; a step of few rows breaks the
-    chain, and a gap across midnight counts as its milliseconds."""
+def _stamped(steps: list[tuple[int, int, int]], at: float) -> list[str]:
+    """Debug lines of steps (prefill tokens, decode rows, ms since the step before), the
+    first at `at` seconds of the day."""
     lines = []
-    at = 86399.980  # 23:59:59.980
-    for step, (chunk, rows, gap) in enumerate([(0, 32, 0), (0, 32, 12), (0, 32, 14),
-                                               (512, 32, 20), (512, 32, 24), (512, 32, 20),
-                                               (0, 4, 5), (0, 32, 30)]):
+    for step, (chunk, rows, gap) in enumerate(steps):
         at = (at + gap / 1000) % 86400
         ms = round(at * 1000)
         stamp = f"{ms // 3600000:02d}:{ms // 60000 % 60:02d}:{ms // 1000 % 60:02d}.{ms % 1000:03d}"
@@ -119,6 +114,16 @@ def test_gaps_between_steps_tokens_are_read_from_the_lines_stamps():
                   "its tokens",
                   f"{stamp}   scheduler DEBUG   scheduler_proc: step {step}: {rows} tokens "
                   "back after 30.0 ms"]
+    return lines
+
+
+def test_gaps_between_steps_tokens_are_read_from_the_lines_stamps():
+    """With millisecond stamps (since session 56), the gaps between consecutive steps'
+    tokens at the worker and at the scheduler are told apart before the first step with
+    prefill beside busy rows and from it to the last; a step of few rows breaks the
+    chain, and a gap across midnight counts as its milliseconds."""
+    lines = _stamped([(0, 32, 0), (0, 32, 12), (0, 32, 14), (512, 32, 20), (512, 32, 24),
+                      (512, 32, 20), (0, 4, 5), (0, 32, 30)], at=86399.980)  # 23:59:59.980
     steps = read_steps(lines)
     assert steps[1].worker_at == 86399.992 and steps[2].scheduler_at == 0.006
     text = summary(steps, slow_ms=30, align=512)
@@ -126,3 +131,16 @@ def test_gaps_between_steps_tokens_are_read_from_the_lines_stamps():
     for where in ("worker", "scheduler"):
         assert f"at the {where}, before prefill: 14 / 14 / 14 (2)" in text
         assert f"at the {where}, during prefill: 24 / 24 / 24 (2)" in text
+
+
+def test_the_gaps_window_is_the_longest_run_of_prefill_steps():
+    """A bench's warm-up sends a short burst first: the window is the longest run of
+    steps with prefill (runs split by 64 steps without), and "before" the busy steps
+    between the run before it and it."""
+    warm = [(0, 32, 10), (512, 32, 50), (512, 32, 50)]
+    quiet = [(0, 32, 10)] * 70
+    burst = [(512, 32, 25)] * 5
+    text = summary(read_steps(_stamped(warm + quiet + burst, at=3600.0)), slow_ms=30, align=512)
+    # Before: steps 3-72's 69 gaps of 10 ms; during: steps 73-77, 4 gaps of 25.
+    assert "at the worker, before prefill: 10 / 10 / 10 (69)" in text
+    assert "at the worker, during prefill: 25 / 25 / 25 (4)" in text
