@@ -33,6 +33,7 @@ _BUILD = re.compile(r"worker_proc: step (\d+) built in ([\d.]+) ms \(and ([\d.]+
                     r"prefill forwards, ([\d.]+) ms waiting")
 _BACK = re.compile(r"scheduler_proc: step (\d+): \d+ tokens back after ([\d.]+) ms")
 _CACHE = re.compile(r"; MLX cache ([\d.]+) GiB")  # the build line's, after the step started
+_LAUNCHED = re.compile(r"worker_proc: step (\d+) launched in ([\d.]+) ms")  # since session 56
 _WAITED = re.compile(r"worker_proc: step (\d+): waited [\d.]+ ms for its tokens")
 _STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) ")  # since session 56's logs
 
@@ -55,6 +56,7 @@ class Step:
     # When the step's tokens reached the worker (its wait ended) and the scheduler, in
     # seconds of the day: the gaps between steps are a stream's inter-token gaps there.
     worker_at: float | None = None
+    launch_ms: float | None = None  # its decode forward's launch (start ahead: both halves)
     scheduler_at: float | None = None
 
     @property
@@ -92,6 +94,8 @@ def read_steps(lines: list[str]) -> list[Step]:
         elif m := _BACK.search(line):
             at(m[1]).back_ms = float(m[2])
             at(m[1]).scheduler_at = _stamp(line)
+        elif m := _LAUNCHED.search(line):
+            at(m[1]).launch_ms = float(m[2])
         elif m := _WAITED.search(line):
             at(m[1]).worker_at = _stamp(line)
     return [steps[k] for k in sorted(steps)]
@@ -204,12 +208,14 @@ def part_costs(steps: list[Step], busy_rows: int = 16) -> list[str]:
     return lines
 
 
-def token_gaps(steps: list[Step], busy_rows: int = 16, apart: int = 64) -> list[str]:
+def token_gaps(steps: list[Step], busy_rows: int = 16, apart: int = 64,
+               slowest: int = 3) -> list[str]:
     """Gaps between consecutive steps' tokens, at the worker (its wait for them ended) and
     at the scheduler (they arrived), for steps of `busy_rows`+ decode rows: over the
     longest run of steps with prefill beside such rows (runs split where `apart` steps
     pass without; a bench's warm-up makes a short one first), and over the busy steps
-    before it, back to the run before. A client's inter-token gaps over the same span,
+    before it, back to the run before; and the `slowest` gaps in the run with the host
+    work inside them. A client's inter-token gaps over the same span,
     against these, say how much of its p99 is the steps and how much the way out
     (detokenizer, HTTP front, client)."""
     busy = [s for s in steps if s.decodes >= busy_rows]
@@ -237,6 +243,24 @@ def token_gaps(steps: list[Step], busy_rows: int = 16, apart: int = 64) -> list[
                 lines.append(f"  at the {where[:-3]}, {label}: {_quantile(gaps, 0.5):.0f} / "
                              f"{_quantile(gaps, 0.9):.0f} / {_quantile(gaps, 0.99):.0f} "
                              f"({len(gaps)})")
+    return lines + _slowest_gaps(steps, first, last, slowest)
+
+
+def _slowest_gaps(steps: list[Step], first: int, last: int, count: int) -> list[str]:
+    """The worker's `count` longest gaps to a step's tokens in [first, last], with the host
+    work inside each (start ahead: the rest of the step's launch, then the next step's
+    build, prefill start and first half of its launch, then the wait for the tokens)."""
+    by = {s.step: s for s in steps}
+    gaps = [(1000 * ((s.worker_at - by[s.step - 1].worker_at) % 86400), s) for s in steps
+            if first < s.step <= last and s.worker_at is not None
+            and by.get(s.step - 1) is not None and by[s.step - 1].worker_at is not None]
+    lines = []
+    for gap, s in sorted(gaps, key=lambda g: -g[0])[:count]:
+        nxt = by.get(s.step + 1, Step(s.step + 1))
+        lines.append(f"  {gap:.0f} ms to step {s.step}'s tokens ({s.decodes} rows, part "
+                     f"{s.part}, launched in {s.launch_ms} ms); step {nxt.step} built in "
+                     f"{nxt.build_ms}, prefill start {nxt.start_ms}, launched in "
+                     f"{nxt.launch_ms} ms")
     return lines
 
 

@@ -110,6 +110,8 @@ def _stamped(steps: list[tuple[int, int, int]], at: float) -> list[str]:
                   else "0 prefill chunks (0 tokens)")
         lines += [f"{stamp}   scheduler DEBUG   scheduler_proc: step {step}: {chunks}, "
                   f"{rows} decodes",
+                  f"{stamp}      worker DEBUG   worker_proc: step {step} launched in "
+                  f"{gap / 10:.2f} ms (0.50 ms before the last step's report)",
                   f"{stamp}      worker DEBUG   worker_proc: step {step}: waited 3.00 ms for "
                   "its tokens",
                   f"{stamp}   scheduler DEBUG   scheduler_proc: step {step}: {rows} tokens "
@@ -139,8 +141,14 @@ def test_the_gaps_window_is_the_longest_run_of_prefill_steps():
     between the run before it and it."""
     warm = [(0, 32, 10), (512, 32, 50), (512, 32, 50)]
     quiet = [(0, 32, 10)] * 70
-    burst = [(512, 32, 25)] * 5
+    burst = [(512, 32, 25), (512, 32, 25), (512, 32, 40), (512, 32, 25), (512, 32, 25)]
     text = summary(read_steps(_stamped(warm + quiet + burst, at=3600.0)), slow_ms=30, align=512)
-    # Before: steps 3-72's 69 gaps of 10 ms; during: steps 73-77, 4 gaps of 25.
+    # Before: steps 3-72's 69 gaps of 10 ms; during: steps 73-77, gaps 25, 40, 25, 25.
     assert "at the worker, before prefill: 10 / 10 / 10 (69)" in text
-    assert "at the worker, during prefill: 25 / 25 / 25 (4)" in text
+    assert "at the worker, during prefill: 25 / 40 / 40 (4)" in text
+    # The slowest first, with the host work in it (each step "launched" in a tenth of
+    # its gap here).
+    slowest = [line for line in text.splitlines() if " ms to step " in line]
+    assert slowest[0] == ("  40 ms to step 75's tokens (32 rows, part None, launched in 4.0 ms); "
+                          "step 76 built in None, prefill start None, launched in 2.5 ms")
+    assert len(slowest) == 3

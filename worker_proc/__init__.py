@@ -538,9 +538,14 @@ class WorkerLoop:
         # So half of N+1 goes first, then N is reported: the scheduler's round trip for
         # N+2 overlaps the launch of N+1's second half instead of following it.
         self.runner.start_head()
-        self._timer.mark("start")
+        head = self._timer.mark("start")
         self._report_all()
-        self._start(pending)
+        rest = self._start(pending)
+        if logger.isEnabledFor(logging.DEBUG):
+            # A launch that stalls (MLX building a CUDA graph anew, an allocation) shows
+            # here, not in the build line nor in the wait for the tokens.
+            logger.debug("step %d launched in %.2f ms (%.2f ms before the last step's "
+                         "report)", batch.step, (head + rest) * 1e3, head * 1e3)
         self.in_flight.append(self._sampled(pending))
 
     def _run_deferred(self, batch: ForwardBatch) -> None:
@@ -574,9 +579,9 @@ class WorkerLoop:
                          mx.get_cache_memory() / 2**30)
         return pending
 
-    def _start(self, pending: PendingStep) -> None:
+    def _start(self, pending: PendingStep) -> float:
         self.runner.start(pending)
-        self._timer.mark("start")
+        return self._timer.mark("start")
 
     def _sampled(self, pending: PendingStep) -> PendingStep:
         """A started step, with its sampling: a step with constrained rows was started with
