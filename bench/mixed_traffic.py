@@ -19,10 +19,11 @@ the burst, during it (gaps ending between the burst's sending and its last promp
 token, i.e. while its prompts are prefilled) and after; the burst's TTFT; and output
 tokens/s over the whole run; and every stream's gaps as the server's HTTP front sent
 them during the burst (its /metrics histogram read at the burst's sending and at its
-prefill's end): set against the client's, what the client itself adds. The target of issue 20 reads off as `p99_ratio` (ITL p99
-during / before) <= 2 with `output_tok_s` not below the one-budget arm's. On a CPU a
-step's fair share of prefill is far smaller than a GPU's (the demo model prefills ~1.5k
-tokens/s there: 512 tokens are ~300 ms beside a 10-15 ms decode step), hence an arm of 32.
+prefill's end): set against the client's, what the client itself adds. The target of
+issue 20 reads off as `p99_ratio` (ITL p99 during / before) <= 2 with `output_tok_s` not
+below the one-budget arm's. On a CPU a step's fair share of prefill is far smaller than
+a GPU's (the demo model prefills ~1.5k tokens/s there: 512 tokens are ~300 ms beside a
+10-15 ms decode step), hence an arm of 32.
 """
 
 from __future__ import annotations

@@ -215,9 +215,9 @@ def token_gaps(steps: list[Step], busy_rows: int = 16, apart: int = 64,
     longest run of steps with prefill beside such rows (runs split where `apart` steps
     pass without; a bench's warm-up makes a short one first), and over the busy steps
     before it, back to the run before; and the `slowest` gaps in the run with the host
-    work inside them. A client's inter-token gaps over the same span,
-    against these, say how much of its p99 is the steps and how much the way out
-    (detokenizer, HTTP front, client)."""
+    work inside them. A client's inter-token gaps over the same span, against these, say
+    how much of its p99 is the steps and how much the way out (detokenizer, HTTP front,
+    client)."""
     busy = [s for s in steps if s.decodes >= busy_rows]
     loaded = [s.step for s in busy if s.n_chunks or s.part is not None]
     if not loaded:
