@@ -101,6 +101,13 @@ LONGCTX_SERVERS=${LONGCTX_SERVERS:-kiln,mlx_lm}
 MIXED_ARMS=${MIXED_ARMS:-default,off}
 MIXED_STEADY=${MIXED_STEADY:-32}  # streams decoding through the burst; 0: the burst alone,
                                   # whose "prefill t/s" is a wave's prefill rate (issue 20)
+MIXED_STEADY_SECONDS=${MIXED_STEADY_SECONDS:-15}  # measured before the burst: its p99 is
+                                  # set by the slowest 1% of its steps (all streams share
+                                  # each), ~4 of 5 s's ~400 on Gemma-3-12B, which moved
+                                  # the ratio's denominator 15.3-19.3 ms between runs of
+                                  # one tree (sessions 55-56); 15 s, ~1,200 steps
+MIXED_STEADY_OUTPUT=${MIXED_STEADY_OUTPUT:-3000}  # the streams' tokens: through most of
+                                  # the burst (their end is steady_ended_during_burst)
 MIXED_BURST_OUTPUT=${MIXED_BURST_OUTPUT:-64}  # the burst's output tokens; 1: no burst
                                   # request decodes, so no decode-first bound slows its prefill
 MIXED_BURST_REQUESTS=${MIXED_BURST_REQUESTS:-64}  # the burst's prompts (of 4,096 tokens)
@@ -200,13 +207,13 @@ fi
 
 if has mixed; then
 echo "== mixed traffic: $MIXED_STEADY streams decoding, $MIXED_BURST_REQUESTS x 4096-token prompts arrive"
-# Each arm (start, warm-up, ~30 s of traffic, stop) should take ~2 minutes, 4 at most; the
+# Each arm (start, warm-up, ~60 s of traffic, stop) should take ~2 minutes, 4 at most; the
 # part stops after 520 s (a device call has 600), keeping the arms done in mixed.json.
 arms=$(( $(tr ',' '\n' <<<"$MIXED_ARMS" | wc -l) * $(tr ';' '\n' <<<"${MIXED_VARIANTS:-x}" | wc -l) ))
 timeout --foreground $((arms * 240 < 520 ? arms * 240 : 520)) "$PYTHON" bench/mixed_traffic.py \
     --model "$MODEL" --arms "$MIXED_ARMS" --kiln-args="$KILN_ARGS" --out "$OUT" \
-    --steady-streams "$MIXED_STEADY" --steady-prompt-tokens 128 --steady-output-tokens 2000 \
-    --steady-seconds 5 --burst-requests "$MIXED_BURST_REQUESTS" --burst-prompt-tokens 4096 --burst-output-tokens "$MIXED_BURST_OUTPUT" \
+    --steady-streams "$MIXED_STEADY" --steady-prompt-tokens 128 --steady-output-tokens "$MIXED_STEADY_OUTPUT" \
+    --steady-seconds "$MIXED_STEADY_SECONDS" --burst-requests "$MIXED_BURST_REQUESTS" --burst-prompt-tokens 4096 --burst-output-tokens "$MIXED_BURST_OUTPUT" \
     --burst-length-spread "$MIXED_BURST_SPREAD" --variants "$MIXED_VARIANTS" \
     --json "$OUT/mixed.json" $( [ "$PRIME" = 1 ] && echo --prime ) 2>&1 \
     | grep -v "RANDOM WEIGHTS" | tee "$OUT/mixed.txt"
