@@ -235,10 +235,9 @@ def token_gaps(steps: list[Step], busy_rows: int = 16, apart: int = 64,
     for where in ("worker_at", "scheduler_at"):
         for label, lo, hi in (("before prefill", quiet_from, first - 1),
                               ("during prefill", first, last)):
-            gaps = [1000 * ((getattr(b, where) - getattr(a, where)) % 86400)
-                    for a, b in zip(busy, busy[1:])
+            gaps = [gap for a, b in zip(busy, busy[1:])
                     if b.step == a.step + 1 and lo <= a.step and b.step <= hi
-                    and getattr(a, where) is not None and getattr(b, where) is not None]
+                    and (gap := _gap_ms(a, b, where)) is not None]
             if gaps:
                 lines.append(f"  at the {where[:-3]}, {label}: {_quantile(gaps, 0.5):.0f} / "
                              f"{_quantile(gaps, 0.9):.0f} / {_quantile(gaps, 0.99):.0f} "
@@ -246,14 +245,22 @@ def token_gaps(steps: list[Step], busy_rows: int = 16, apart: int = 64,
     return lines + _slowest_gaps(steps, first, last, slowest)
 
 
+def _gap_ms(a: Step, b: Step, where: str) -> float | None:
+    """Milliseconds from step a's tokens to step b's at `where` (worker_at, scheduler_at),
+    across midnight too; None where a line lacks its stamp."""
+    at_a, at_b = getattr(a, where), getattr(b, where)
+    if at_a is None or at_b is None:
+        return None
+    return 1000 * ((at_b - at_a) % 86400)
+
+
 def _slowest_gaps(steps: list[Step], first: int, last: int, count: int) -> list[str]:
     """The worker's `count` longest gaps to a step's tokens in [first, last], with the host
     work inside each (start ahead: the rest of the step's launch, then the next step's
     build, prefill start and first half of its launch, then the wait for the tokens)."""
     by = {s.step: s for s in steps}
-    gaps = [(1000 * ((s.worker_at - by[s.step - 1].worker_at) % 86400), s) for s in steps
-            if first < s.step <= last and s.worker_at is not None
-            and by.get(s.step - 1) is not None and by[s.step - 1].worker_at is not None]
+    gaps = [(gap, s) for s in steps if first < s.step <= last and s.step - 1 in by
+            and (gap := _gap_ms(by[s.step - 1], s, "worker_at")) is not None]
     lines = []
     for gap, s in sorted(gaps, key=lambda g: -g[0])[:count]:
         nxt = by.get(s.step + 1, Step(s.step + 1))
