@@ -34,6 +34,10 @@ _BUILD = re.compile(r"worker_proc: step (\d+) built in ([\d.]+) ms \(and ([\d.]+
 _BACK = re.compile(r"scheduler_proc: step (\d+): \d+ tokens back after ([\d.]+) ms")
 _CACHE = re.compile(r"; MLX cache ([\d.]+) GiB")  # the build line's, after the step started
 _LAUNCHED = re.compile(r"worker_proc: step (\d+) launched in ([\d.]+) ms")  # since session 56
+# Since session 57: the launch line's host span and the thread's CPU time in it.
+_HOST_CPU = re.compile(r"built and launched in ([\d.]+) ms, ([\d.]+) ms of it on the CPU")
+_COLLECTED = re.compile(r"worker DEBUG +ipc\.process: garbage collection of generation \d "
+                        r"took ([\d.]+) ms")  # since session 57
 _WAITED = re.compile(r"worker_proc: step (\d+): waited [\d.]+ ms for its tokens")
 _STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) ")  # since session 56's logs
 
@@ -57,6 +61,11 @@ class Step:
     # seconds of the day: the gaps between steps are a stream's inter-token gaps there.
     worker_at: float | None = None
     launch_ms: float | None = None  # its decode forward's launch (start ahead: both halves)
+    # Its build, prefill start and launch, less the wait for the step before, in wall
+    # time and in the worker thread's CPU time: a host that computed longer against one
+    # kept off its core or blocked in a call.
+    host_wall_ms: float | None = None
+    host_cpu_ms: float | None = None
     scheduler_at: float | None = None
 
     @property
@@ -73,7 +82,14 @@ class Step:
 
 def read_steps(lines: list[str]) -> list[Step]:
     """Every step a plan line names, with what the other lines add, in step order."""
+    return read_log(lines)[0]
+
+
+def read_log(lines: list[str]) -> tuple[list[Step], list[tuple[float, float]]]:
+    """read_steps's steps, and the worker's garbage collections its lines name (when each
+    ended, in seconds of the day; milliseconds it took)."""
     steps: dict[int, Step] = {}
+    collections: list[tuple[float, float]] = []
 
     def at(n: str) -> Step:
         return steps.setdefault(int(n), Step(int(n)))
@@ -96,9 +112,13 @@ def read_steps(lines: list[str]) -> list[Step]:
             at(m[1]).scheduler_at = _stamp(line)
         elif m := _LAUNCHED.search(line):
             at(m[1]).launch_ms = float(m[2])
+            if c := _HOST_CPU.search(line):
+                at(m[1]).host_wall_ms, at(m[1]).host_cpu_ms = float(c[1]), float(c[2])
         elif m := _WAITED.search(line):
             at(m[1]).worker_at = _stamp(line)
-    return [steps[k] for k in sorted(steps)]
+        elif (m := _COLLECTED.search(line)) and (when := _stamp(line)) is not None:
+            collections.append((when, float(m[1])))
+    return [steps[k] for k in sorted(steps)], collections
 
 
 def _stamp(line: str) -> float | None:
@@ -109,7 +129,7 @@ def _stamp(line: str) -> float | None:
 
 
 def summary(steps: list[Step], slow_ms: float, align: int, slow_build_ms: float = 20.0,
-            busy_rows: int = 16) -> str:
+            busy_rows: int = 16, collections: list[tuple[float, float]] = ()) -> str:
     prefill = [s for s in steps if s.n_chunks and s.build_ms is not None]
     off_edge = [s for s in prefill if any(start % align for _, start in s.chunks)]
     slow = [s for s in prefill if s.host_ms >= slow_ms]
@@ -133,7 +153,7 @@ def summary(steps: list[Step], slow_ms: float, align: int, slow_build_ms: float 
                  f"of them where the decode batch changed size")
     lines += chunk_costs(steps, busy_rows)
     lines += part_costs(steps, busy_rows)
-    lines += token_gaps(steps, busy_rows)
+    lines += token_gaps(steps, busy_rows, collections=collections)
     lines.append(f"{len(slow)} with build + prefill start >= {slow_ms:g} ms:")
     lines += ["  " + s.describe() for s in slow]
     return "\n".join(lines)
@@ -209,15 +229,15 @@ def part_costs(steps: list[Step], busy_rows: int = 16) -> list[str]:
 
 
 def token_gaps(steps: list[Step], busy_rows: int = 16, apart: int = 64,
-               slowest: int = 3) -> list[str]:
+               slowest: int = 3, collections: list[tuple[float, float]] = ()) -> list[str]:
     """Gaps between consecutive steps' tokens, at the worker (its wait for them ended) and
     at the scheduler (they arrived), for steps of `busy_rows`+ decode rows: over the
     longest run of steps with prefill beside such rows (runs split where `apart` steps
     pass without; a bench's warm-up makes a short one first), and over the busy steps
     before it, back to the run before; and the `slowest` gaps in the run with the host
-    work inside them. A client's inter-token gaps over the same span, against these, say
-    how much of its p99 is the steps and how much the way out (detokenizer, HTTP front,
-    client)."""
+    work inside them; then the host work of the run's steps (host_work). A client's
+    inter-token gaps over the same span, against these, say how much of its p99 is the
+    steps and how much the way out (detokenizer, HTTP front, client)."""
     busy = [s for s in steps if s.decodes >= busy_rows]
     loaded = [s.step for s in busy if s.n_chunks or s.part is not None]
     if not loaded:
@@ -242,7 +262,48 @@ def token_gaps(steps: list[Step], busy_rows: int = 16, apart: int = 64,
                 lines.append(f"  at the {where[:-3]}, {label}: {_quantile(gaps, 0.5):.0f} / "
                              f"{_quantile(gaps, 0.9):.0f} / {_quantile(gaps, 0.99):.0f} "
                              f"({len(gaps)})")
-    return lines + _slowest_gaps(steps, first, last, slowest)
+    window = [s for s in busy if first <= s.step <= last]
+    return (lines + _slowest_gaps(steps, first, last, slowest, collections)
+            + host_work(window, collections))
+
+
+def host_work(window: list[Step], collections: list[tuple[float, float]] = (),
+              share: float = 0.03) -> list[str]:
+    """The host's work a step (build, prefill start, launch: the wait for the step before
+    left out) over `window`'s steps: its spread, the share of it the worker thread spent
+    on the CPU in the slowest `share` of steps against the others (near 100%: it computed
+    longer, a collection or a slower path; far below: kept off its core, or blocked in a
+    call such as a free that waits for the device), and the worker's garbage collections
+    in the window's span."""
+    timed = [s for s in window if s.host_wall_ms is not None and s.host_cpu_ms is not None]
+    if not timed:
+        return []
+    walls = [s.host_wall_ms for s in timed]
+    ranked = sorted(timed, key=lambda s: -s.host_wall_ms)
+    slow = ranked[:max(1, int(share * len(ranked)))]
+    rest = ranked[len(slow):] or slow
+
+    def on_cpu(group: list[Step]) -> float:
+        return 100 * sum(s.host_cpu_ms for s in group) / max(1e-9, sum(s.host_wall_ms for s in group))
+
+    lines = [f"host work a step (build, prefill start, launch), ms p50 / p90 / p99: "
+             f"{_quantile(walls, 0.5):.1f} / {_quantile(walls, 0.9):.1f} / "
+             f"{_quantile(walls, 0.99):.1f} ({len(timed)}); on the CPU {on_cpu(rest):.0f}% of "
+             f"it, {on_cpu(slow):.0f}% in the slowest {len(slow)} (>= "
+             f"{slow[-1].host_wall_ms:.1f} ms)"]
+    stamps = [s.worker_at for s in window if s.worker_at is not None]
+    if stamps:
+        inside = [ms for at, ms in collections if _within(at, stamps[0], stamps[-1])]
+        lines.append(f"the worker's logged garbage collections in that span: {len(inside)}"
+                     + (f", {sum(inside):.1f} ms in all, the longest {max(inside):.1f} ms"
+                        if inside else ""))
+    return lines
+
+
+def _within(at: float, start: float, end: float) -> bool:
+    """Whether seconds-of-the-day `at` falls in [start, end], a span that may cross
+    midnight."""
+    return (at - start) % 86400 <= (end - start) % 86400
 
 
 def _gap_ms(a: Step, b: Step, where: str) -> float | None:
@@ -254,20 +315,29 @@ def _gap_ms(a: Step, b: Step, where: str) -> float | None:
     return 1000 * ((at_b - at_a) % 86400)
 
 
-def _slowest_gaps(steps: list[Step], first: int, last: int, count: int) -> list[str]:
+def _slowest_gaps(steps: list[Step], first: int, last: int, count: int,
+                  collections: list[tuple[float, float]] = ()) -> list[str]:
     """The worker's `count` longest gaps to a step's tokens in [first, last], with the host
     work inside each (start ahead: the rest of the step's launch, then the next step's
-    build, prefill start and first half of its launch, then the wait for the tokens)."""
+    build, prefill start and first half of its launch, then the wait for the tokens) and
+    the garbage collections that ended in it."""
     by = {s.step: s for s in steps}
     gaps = [(gap, s) for s in steps if first < s.step <= last and s.step - 1 in by
             and (gap := _gap_ms(by[s.step - 1], s, "worker_at")) is not None]
     lines = []
     for gap, s in sorted(gaps, key=lambda g: -g[0])[:count]:
         nxt = by.get(s.step + 1, Step(s.step + 1))
-        lines.append(f"  {gap:.0f} ms to step {s.step}'s tokens ({s.decodes} rows, part "
-                     f"{s.part}, launched in {s.launch_ms} ms); step {nxt.step} built in "
-                     f"{nxt.build_ms}, prefill start {nxt.start_ms}, launched in "
-                     f"{nxt.launch_ms} ms")
+        line = (f"  {gap:.0f} ms to step {s.step}'s tokens ({s.decodes} rows, part "
+                f"{s.part}, launched in {s.launch_ms} ms); step {nxt.step} built in "
+                f"{nxt.build_ms}, prefill start {nxt.start_ms}, launched in "
+                f"{nxt.launch_ms} ms")
+        if nxt.host_cpu_ms is not None:
+            line += f", {nxt.host_cpu_ms} of its {nxt.host_wall_ms} ms on the CPU"
+        start = by[s.step - 1].worker_at
+        collected = [ms for at, ms in collections if _within(at, start, s.worker_at)]
+        if collected:
+            line += f"; garbage collections {', '.join(f'{ms:.1f}' for ms in collected)} ms"
+        lines.append(line)
     return lines
 
 
@@ -301,10 +371,11 @@ def main(argv: list[str] | None = None) -> None:
                         "traffic: its steady streams, whose gaps the client measures)")
     p.add_argument("--table", type=Path, help="also write every step, one a line, here")
     args = p.parse_args(argv)
-    steps = read_steps(args.log.read_text(errors="replace").splitlines())
+    steps, collections = read_log(args.log.read_text(errors="replace").splitlines())
     if args.table:
         args.table.write_text(table(steps))
-    print(summary(steps, args.slow_ms, args.align, args.slow_build_ms, args.busy_rows))
+    print(summary(steps, args.slow_ms, args.align, args.slow_build_ms, args.busy_rows,
+                  collections))
 
 
 if __name__ == "__main__":

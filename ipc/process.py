@@ -86,6 +86,29 @@ def setup_logging(level: str, role: str) -> None:
     )
 
 
+# At debug level each garbage collection that held a process this long is logged: a
+# serving loop's step that stalls in one shows beside it (bench/step_log.py).
+COLLECTION_LOGGED_MS = 1.0
+
+
+def log_slow_collections(least_ms: float = COLLECTION_LOGGED_MS) -> Callable[[str, dict], None]:
+    """Log (debug) every garbage collection of `least_ms` or more; returns the callback
+    installed in gc.callbacks."""
+    started = [0.0]
+
+    def watch(phase: str, info: dict) -> None:
+        if phase == "start":
+            started[0] = time.perf_counter()
+            return
+        took = (time.perf_counter() - started[0]) * 1e3
+        if took >= least_ms:
+            logger.debug("garbage collection of generation %d took %.2f ms (%d objects freed)",
+                         info["generation"], took, info["collected"])
+
+    gc.callbacks.append(watch)
+    return watch
+
+
 def _watch_parent(parent_pid: int, run_dir: str) -> None:
     # Once the launcher is gone we are re-parented, and nobody would ever stop us or
     # remove the run directory (its socket files) as the launcher does when it exits.
@@ -117,6 +140,8 @@ def setup_child(config: ServerConfig, role: str) -> "StartupReporter":
     except ImportError:  # optional nicety
         pass
     setup_logging(config.log_level, role)
+    if logger.isEnabledFor(logging.DEBUG):
+        log_slow_collections()
     enable_stack_dumps()
     # See STOP_SIGNAL: the launcher alone decides how the server stops.
     signal.signal(signal.SIGINT, signal.SIG_IGN)

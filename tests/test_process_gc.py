@@ -20,3 +20,21 @@ def test_start_up_objects_are_frozen_out_of_the_collectors_walk():
                          check=True, timeout=120).stdout.split()
     n, frozen, left = (int(x) for x in out)
     assert frozen >= n // 2 and left < n // 10, out
+
+
+def test_slow_collections_are_logged_at_debug(caplog):
+    """A collection that takes the threshold or more is logged with its generation; the
+    callback leaves with the test."""
+    import gc
+    import logging
+
+    from ipc.process import log_slow_collections
+
+    watch = log_slow_collections(least_ms=0.0)
+    try:
+        with caplog.at_level(logging.DEBUG, logger="ipc.process"):
+            gc.collect(1)
+    finally:
+        gc.callbacks.remove(watch)
+    lines = [r.getMessage() for r in caplog.records]
+    assert any(line.startswith("garbage collection of generation 1 took ") for line in lines), lines

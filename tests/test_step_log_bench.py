@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from bench.step_log import read_steps, summary, table
+import re
+
+from bench.step_log import read_log, read_steps, summary, table
 
 LOG = """\
 18:10:31   scheduler DEBUG   scheduler_proc: step 7: 1 prefill chunks (512 tokens, 512@1024), 32 decodes
@@ -152,3 +154,37 @@ def test_the_gaps_window_is_the_longest_run_of_prefill_steps():
     assert slowest[0] == ("  40 ms to step 75's tokens (32 rows, part None, launched in 4.0 ms); "
                           "step 76 built in None, prefill start None, launched in 2.5 ms")
     assert len(slowest) == 3
+
+
+def test_host_work_is_split_by_cpu_time_and_collections_are_placed():
+    """Since session 57 the launch line carries the step's host work in wall and CPU
+    time, and the worker logs its slow garbage collections: the window's host work is
+    summed up, its slowest steps' CPU share set against the others', and a collection
+    that ended inside a slow gap named on that gap's line."""
+    lines = _stamped([(0, 32, 10)] * 3 + [(512, 32, 20)] * 40 + [(512, 32, 45)]
+                     + [(512, 32, 20)] * 2, at=7200.0)
+    out = []
+    for line in lines:
+        if " launched in " in line:
+            step = int(re.search(r"step (\d+) launched", line)[1])
+            slow = step == 44  # the step after the slow gap: its host work is the gap's
+            wall, cpu = (40.0, 12.0) if slow else (15.0, 14.0)
+            line += f"; built and launched in {wall:.2f} ms, {cpu:.2f} ms of it on the CPU"
+        out.append(line)
+        if "step 43: waited" in line:  # a collection ending inside the gap to step 43
+            out.insert(-1, line[:13] + "      worker DEBUG   ipc.process: garbage collection "
+                       "of generation 2 took 6.50 ms (10 objects freed)")
+    steps, collections = read_log(out)
+    assert steps[44].host_wall_ms == 40.0 and steps[44].host_cpu_ms == 12.0
+    assert len(collections) == 1 and collections[0][1] == 6.5
+    text = summary(steps, slow_ms=30, align=512, collections=collections)
+    assert "45 ms to step 43's tokens" in text
+    gap = next(line for line in text.splitlines() if "45 ms to step 43's tokens" in line)
+    assert gap.endswith("12.0 of its 40.0 ms on the CPU; garbage collections 6.5 ms"), gap
+    host = next(line for line in text.splitlines() if line.startswith("host work a step"))
+    assert host.startswith("host work a step (build, prefill start, launch), ms p50 / p90 / "
+                           "p99: 15.0 / 15.0 / 40.0 (43)"), host
+    assert host.endswith("on the CPU 93% of it, 30% in the slowest 1 (>= 40.0 ms)"), host
+    assert ("the worker's logged garbage collections in that span: 1, 6.5 ms in all, the "
+            "longest 6.5 ms") in text
+

@@ -535,6 +535,61 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
     assert [r.step for r in sent] == [1, 2, 3, 4]
 
 
+def test_the_launch_line_tells_the_hosts_cpu_time_from_its_waits(caplog):
+    """At debug level the start-ahead launch line gives the step's host work (build and
+    both launch halves, not the wait for the step before) in wall time and in the worker
+    thread's CPU time: a sleep in the launch counts in the first alone, the report's wait
+    in neither."""
+    import logging
+    import re
+    import time as time_module
+    from dataclasses import dataclass
+
+    from ipc.messages.to_scheduler import StepResult
+    from ipc.messages.to_worker import ForwardBatch
+    from worker_proc import WorkerLoop
+    from worker_proc.step_stats import ForwardClock
+
+    @dataclass
+    class Pending:
+        step: int
+        needs_sampling: bool = False
+
+    class Runner:
+        clock = ForwardClock()
+        mixed_forwards = 0
+
+        def build(self, batch):
+            spun = time_module.thread_time()
+            while time_module.thread_time() - spun < 0.02:  # 20 ms computing
+                pass
+            return Pending(batch.step)
+
+        def start_head(self):
+            time_module.sleep(0.06)  # blocked in a call
+
+        def start(self, pending):
+            pass
+
+        def finish(self, pending):
+            time_module.sleep(0.2)  # the device's time: waited for, not host work
+            return StepResult(step=pending.step, rids=[], token_ids=[])
+
+    class Results:
+        send = staticmethod(lambda result: None)
+
+    loop = WorkerLoop(Runner(), Results(), overlap=True, start_ahead=True)
+    with caplog.at_level(logging.DEBUG, logger="worker_proc"):
+        loop.handle(ForwardBatch(step=1, decode_rids=["a"], decode_slots=[1]))
+        loop.handle(ForwardBatch(step=2, decode_rids=["a"], decode_slots=[2]))
+    line = next(r.getMessage() for r in caplog.records
+                if r.getMessage().startswith("step 2 launched in"))
+    wall, cpu = (float(x) for x in re.search(
+        r"built and launched in ([\d.]+) ms, ([\d.]+) ms of it on the CPU", line).groups())
+    assert 80 <= wall < 200, line  # 20 + 60 ms, not the 200 ms wait
+    assert 20 <= cpu <= wall - 50, line
+
+
 def test_the_summary_names_the_intervals_slowest_step(monkeypatch):
     """The worker's 10 s summary ends with the interval's slowest step: its time, phases
     and what it carried, so a stall shows in any server log."""

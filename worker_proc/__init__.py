@@ -16,7 +16,7 @@ from ipc.messages.to_scheduler import StepResult, WorkerReady
 from ipc.messages.to_worker import ForwardBatch, Shutdown, SyncSteps, WorkerMessage
 from ipc.process import StartupReporter, setup_child
 from worker_proc.device_lost import DeviceLost, device_lost
-from worker_proc.step_stats import PHASES, StepStats, Timer
+from worker_proc.step_stats import PHASES, HostClock, StepStats, Timer
 from worker_proc.watchdog import StepWatchdog
 
 if TYPE_CHECKING:
@@ -533,19 +533,27 @@ class WorkerLoop:
 
     def _run_ahead(self, batch: ForwardBatch) -> None:
         self.steps_built_ahead += bool(self.in_flight)
+        cpu = HostClock.start()
         pending = self._build(batch)
         # Launching a step takes the host about as long as the device takes to run one.
         # So half of N+1 goes first, then N is reported: the scheduler's round trip for
         # N+2 overlaps the launch of N+1's second half instead of following it.
         self.runner.start_head()
         head = self._timer.mark("start")
+        cpu.pause()
         self._report_all()
+        cpu.resume()
         rest = self._start(pending)
         if logger.isEnabledFor(logging.DEBUG):
             # A launch that stalls (MLX building a CUDA graph anew, an allocation) shows
-            # here, not in the build line nor in the wait for the tokens.
+            # here, not in the build line nor in the wait for the tokens. The thread's CPU
+            # time tells a host that computed longer (a collection, a slower path) from
+            # one that was kept off its core or blocked in a call (a synchronizing free).
+            wall, on_cpu = cpu.spent()
             logger.debug("step %d launched in %.2f ms (%.2f ms before the last step's "
-                         "report)", batch.step, (head + rest) * 1e3, head * 1e3)
+                         "report); built and launched in %.2f ms, %.2f ms of it on the "
+                         "CPU", batch.step, (head + rest) * 1e3, head * 1e3, wall * 1e3,
+                         on_cpu * 1e3)
         self.in_flight.append(self._sampled(pending))
 
     def _run_deferred(self, batch: ForwardBatch) -> None:

@@ -135,3 +135,35 @@ class Timer:
             spent -= seconds
         self.stats.add(phase, spent)
         return spent
+
+
+@dataclass
+class HostClock:
+    """Wall and this thread's CPU time over a span of host work, less the pauses (waits
+    for the device) it is told of."""
+
+    wall: float = 0.0
+    cpu: float = 0.0
+    _since: tuple[float, float] | None = None
+
+    @classmethod
+    def start(cls) -> "HostClock":
+        clock = cls()
+        clock.resume()
+        return clock
+
+    def resume(self) -> None:
+        self._since = (time.perf_counter(), time.thread_time())
+
+    def pause(self) -> None:
+        if self._since is not None:
+            wall, cpu = self._since
+            self.wall += time.perf_counter() - wall
+            self.cpu += time.thread_time() - cpu
+            self._since = None
+
+    def spent(self) -> tuple[float, float]:
+        """(wall, CPU) seconds so far; the clock stops."""
+        self.pause()
+        return self.wall, self.cpu
+
