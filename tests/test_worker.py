@@ -1278,7 +1278,7 @@ def test_host_staging_reuses_its_buffers_and_keeps_the_last_steps_inputs():
     steps later (the steps still in flight read their own)."""
     import mlx.core as mx
 
-    from worker_proc.staging import HostStaging
+    from worker_proc.staging import MIN_ELEMENTS, HostStaging
 
     staging = HostStaging(depth=3)
     staged = []
@@ -1288,14 +1288,35 @@ def test_host_staging_reuses_its_buffers_and_keeps_the_last_steps_inputs():
         for want, got in staged[-3:]:  # this step's and the two before it
             assert all(g.shape == w.shape and g.tolist() == w.tolist() for w, g in zip(want, got))
     assert staging.grown == 3
-    big = np.arange(10_000, dtype=np.int32)
+    big = np.arange(MIN_ELEMENTS + 1, dtype=np.int32)
     assert staging.stage(big)[0].tolist() == big.tolist() and staging.grown == 4
     assert mx.array_equal(staging.stage(big[:3], big[3:5])[1], mx.array([3, 4])).item()
+
+
+def test_host_staging_checks_the_devices_reads_once_a_process(monkeypatch):
+    """Each check reads a result back, a wait for every step in flight: a buffer that
+    grows mid-serving (a longer context's table) must not check again, nor grow again
+    for a part a little larger (GROWTH)."""
+    from worker_proc import staging
+
+    checks = []
+    monkeypatch.setattr(staging, "_reads_host_writes", None)
+    monkeypatch.setattr(staging, "_device_reads",
+                        lambda array, view, first: checks.append(first) or True)
+    rings = [staging.HostStaging(depth=2), staging.HostStaging(depth=2)]
+    for size in (10, staging.MIN_ELEMENTS + 1, staging.MIN_ELEMENTS + 2):
+        for ring in rings:
+            for _ in range(2):  # each buffer of the ring
+                part = np.arange(size, dtype=np.int32)
+                assert ring.stage(part)[0].tolist() == part.tolist()
+    assert checks == [7, 11]
+    assert [ring.grown for ring in rings] == [4, 4]  # made, then grown once, per buffer
 
 
 def test_host_staging_falls_back_to_new_arrays_where_the_device_misses_host_writes(monkeypatch):
     from worker_proc import staging
 
+    monkeypatch.setattr(staging, "_reads_host_writes", None)
     monkeypatch.setattr(staging, "_device_reads", lambda array, view, first: False)
     ring = staging.HostStaging()
     part = np.arange(6, dtype=np.float32).reshape(2, 3)

@@ -12,11 +12,20 @@ device (measured on a hybrid's compiled decode: docs/benchmarks.md, session 12).
 tables, lengths, sampling settings) into one of them through a numpy view, handing out
 slices of it: nothing is allocated a step. A buffer is written again only `depth` steps later; with at most two steps in
 flight, the steps that read it have finished by then.
+
+A buffer that must grow (a longer context's slot table) is made anew, which waits as
+above; whether the device reads what the host writes is a property of the platform, so
+it is checked once a process (each check reads a result back: a wait for every step in
+flight). Buffers start at MIN_ELEMENTS words and grow by GROWTH, so a serving run meets
+few growths: a spread prefill's pieces at 1,024-token steps of one prompt's context made
+every ring buffer grow twice, each growth of the piece's first part a 10-18 ms stall of
+the host with the device busy (docs/benchmarks.md, session 57).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from typing import Callable
 
 import mlx.core as mx
@@ -27,7 +36,10 @@ logger = logging.getLogger(__name__)
 _DTYPES = {np.dtype(np.uint32): mx.uint32, np.dtype(np.float32): mx.float32}
 # Steps between two writes of one buffer: two in flight, one being built, one to spare.
 DEPTH = 4
-MIN_ELEMENTS = 1 << 12
+MIN_ELEMENTS = 1 << 15  # 128 KiB: a few MiB for every ring of a worker
+GROWTH = 4
+# Whether the device reads host writes into MLX's arrays here (None: not yet checked).
+_reads_host_writes: bool | None = None
 
 
 # What makes a use's MLX arrays from numpy ones: HostStaging.add / .stage, or new_arrays.
@@ -70,7 +82,7 @@ class HostStaging:
         held = self._buffers[self._k]
         if held is None or held[1].size < self._at + total:
             # This use's earlier parts keep the old buffer alive through their slices.
-            made = self._buffer(max(self._at + total, 2 * (held[1].size if held else 0),
+            made = self._buffer(max(self._at + total, GROWTH * (held[1].size if held else 0),
                                     MIN_ELEMENTS))
             if made is None:
                 return self.add(*parts)
@@ -89,12 +101,19 @@ class HostStaging:
     def _buffer(self, size: int) -> tuple[mx.array, np.ndarray] | None:
         """A new buffer and its host view; None (and plain arrays from now on) where MLX
         hands out its arrays' memory read-only, or the device does not read what the host
-        writes there (checked twice: the second write comes after the device read it)."""
+        writes there (checked once a process, twice over: the second write comes after
+        the device read it)."""
+        global _reads_host_writes
         self.grown += 1
+        began = time.perf_counter()
         array = mx.array(np.zeros(size, dtype=np.int32))
         mx.eval(array)
         view = np.asarray(array)  # on CUDA: the buffer moved to managed memory, once
-        if view.flags.writeable and all(_device_reads(array, view, first) for first in (7, 11)):
+        if view.flags.writeable and _reads_host_writes is None:
+            _reads_host_writes = all(_device_reads(array, view, first) for first in (7, 11))
+        if view.flags.writeable and _reads_host_writes:
+            logger.debug("a staging buffer grew to %d words in %.2f ms", size,
+                         (time.perf_counter() - began) * 1e3)
             return array, view
         logger.warning("the device does not read host writes into MLX's arrays here: step "
                        "inputs are made as new arrays")
