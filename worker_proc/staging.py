@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 _DTYPES = {np.dtype(np.uint32): mx.uint32, np.dtype(np.float32): mx.float32}
 # Steps between two writes of one buffer: two in flight, one being built, one to spare.
 DEPTH = 4
-MIN_ELEMENTS = 1 << 15  # 128 KiB: a few MiB for every ring of a worker
+MIN_ELEMENTS = 1 << 17  # 512 KiB a buffer: ~16 MiB for a worker's eight rings of four
 GROWTH = 4
 # Whether the device reads host writes into MLX's arrays here (None: not yet checked).
 _reads_host_writes: bool | None = None
