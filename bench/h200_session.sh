@@ -114,12 +114,58 @@ MIXED_BURST_REQUESTS=${MIXED_BURST_REQUESTS:-64}  # the burst's prompts (of 4,09
 MIXED_BURST_SPREAD=${MIXED_BURST_SPREAD:-0}  # ... each 4,096 * (1 +- this) tokens
 MIXED_VARIANTS=${MIXED_VARIANTS:-}  # ';'-joined launch flags, each arm run under each
                                     # (A/B on one machine: ";--experiments mixed-forward")
+GPU_SAMPLE_MS=${GPU_SAMPLE_MS:-0}  # above 0: the card's SM clock, power and clock-event
+                                   # reasons (nvidia-smi) every this many ms, for the whole
+                                   # call, into $OUT/gpu_samples.csv, summed up at its end:
+                                   # whether the card capped its clocks during a part
+                                   # (session 57: a software power cap for ~3 s at each
+                                   # burst's start, SM clock 1,770-1,860 against 1,980 MHz).
+                                   # The polling may slow the host: leave it off for A/B
 if [ -n "$QUANTIZE" ] && [ -z "$FAMILY" ]; then
     echo "QUANTIZE needs FAMILY (bench/family_models.py makes quantized models)" >&2
     exit 2
 fi
 mkdir -p "$OUT"
 has() { [[ ",$PARTS," == *",$1,"* ]]; }
+
+# GPU_SAMPLE_MS's summary: samples, the SM clock's lowest and median, and how many samples
+# named each clock-event reason (nvidia-smi's bits; idle apart).
+gpu_summary() {
+    echo "== the card's clocks ($OUT/gpu_samples.csv)"
+    "$PYTHON" - "$OUT/gpu_samples.csv" <<'PY'
+import statistics, sys
+names = {2: "applications clocks", 4: "software power cap", 8: "hardware slowdown",
+         16: "sync boost", 32: "software thermal", 64: "hardware thermal",
+         128: "hardware power brake"}
+clocks, hits = [], dict.fromkeys(names, 0)
+for line in open(sys.argv[1], errors="replace"):
+    fields = [f.strip() for f in line.split(",")]
+    if len(fields) < 5 or not fields[1].endswith("MHz"):
+        continue
+    clocks.append(int(fields[1].split()[0]))
+    for bit in names:
+        hits[bit] += bool(int(fields[4], 16) & bit)
+if not clocks:
+    print("no samples")
+else:
+    print(f"{len(clocks)} samples, SM clock lowest {min(clocks)}, median "
+          f"{statistics.median_low(clocks)} MHz")
+    for bit, n in hits.items():
+        if n:
+            print(f"  {names[bit]}: {n} samples")
+PY
+}
+if [ "$GPU_SAMPLE_MS" -gt 0 ]; then
+    # Drivers before 535 name the reasons clocks_throttle_reasons.
+    for reasons in clocks_event_reasons clocks_throttle_reasons; do
+        nvidia-smi --query-gpu=timestamp,clocks.sm,power.draw,temperature.gpu,$reasons.active \
+            --format=csv,noheader -lms "$GPU_SAMPLE_MS" > "$OUT/gpu_samples.csv" 2>&1 &
+        SAMPLER=$!
+        sleep 1
+        kill -0 "$SAMPLER" 2>/dev/null && break
+    done
+    trap 'kill "$SAMPLER" 2>/dev/null; gpu_summary' EXIT
+fi
 # Every part's `timeout` runs --foreground: in this script's process group, so a timeout
 # around the whole script (a device call's) reaches the Python under it, whose SIGTERM
 # handler stops its servers (h200_run.sh passes it on to its own). Without it each part's

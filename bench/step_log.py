@@ -36,8 +36,23 @@ _CACHE = re.compile(r"; MLX cache ([\d.]+) GiB")  # the build line's, after the 
 _LAUNCHED = re.compile(r"worker_proc: step (\d+) launched in ([\d.]+) ms")  # since session 56
 # Since session 57: the launch line's host span and the thread's CPU time in it.
 _HOST_CPU = re.compile(r"built and launched in ([\d.]+) ms, ([\d.]+) ms of it on the CPU")
-_COLLECTED = re.compile(r"worker DEBUG +ipc\.process: garbage collection of generation \d "
-                        r"took ([\d.]+) ms")  # since session 57
+# Since session 57: host stalls the worker logs, by kind.
+_STALLS = {
+    "garbage collection": re.compile(r"worker DEBUG +ipc\.process: garbage collection of "
+                                     r"generation \d took ([\d.]+) ms"),
+    "staging growth": re.compile(r"worker DEBUG +worker_proc\.staging: a staging buffer grew "
+                                 r"to \d+ words in ([\d.]+) ms"),
+}
+
+
+@dataclass(frozen=True)
+class Stall:
+    """A pause of the worker's host work that it logged: when it ended (seconds of the
+    day), how long it took, what it was (a _STALLS kind)."""
+
+    at: float
+    ms: float
+    kind: str
 _WAITED = re.compile(r"worker_proc: step (\d+): waited [\d.]+ ms for its tokens")
 _STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) ")  # since session 56's logs
 
@@ -85,11 +100,10 @@ def read_steps(lines: list[str]) -> list[Step]:
     return read_log(lines)[0]
 
 
-def read_log(lines: list[str]) -> tuple[list[Step], list[tuple[float, float]]]:
-    """read_steps's steps, and the worker's garbage collections its lines name (when each
-    ended, in seconds of the day; milliseconds it took)."""
+def read_log(lines: list[str]) -> tuple[list[Step], list[Stall]]:
+    """read_steps's steps, and the worker's logged stalls."""
     steps: dict[int, Step] = {}
-    collections: list[tuple[float, float]] = []
+    stalls: list[Stall] = []
 
     def at(n: str) -> Step:
         return steps.setdefault(int(n), Step(int(n)))
@@ -116,9 +130,15 @@ def read_log(lines: list[str]) -> tuple[list[Step], list[tuple[float, float]]]:
                 at(m[1]).host_wall_ms, at(m[1]).host_cpu_ms = float(c[1]), float(c[2])
         elif m := _WAITED.search(line):
             at(m[1]).worker_at = _stamp(line)
-        elif (m := _COLLECTED.search(line)) and (when := _stamp(line)) is not None:
-            collections.append((when, float(m[1])))
-    return [steps[k] for k in sorted(steps)], collections
+        else:
+            stalls += _stalls_in(line)
+    return [steps[k] for k in sorted(steps)], stalls
+
+
+def _stalls_in(line: str) -> list[Stall]:
+    when = _stamp(line)
+    return [Stall(when, float(m[1]), kind) for kind, pattern in _STALLS.items()
+            if when is not None and (m := pattern.search(line))]
 
 
 def _stamp(line: str) -> float | None:
@@ -129,7 +149,7 @@ def _stamp(line: str) -> float | None:
 
 
 def summary(steps: list[Step], slow_ms: float, align: int, slow_build_ms: float = 20.0,
-            busy_rows: int = 16, collections: list[tuple[float, float]] = ()) -> str:
+            busy_rows: int = 16, stalls: list[Stall] = ()) -> str:
     prefill = [s for s in steps if s.n_chunks and s.build_ms is not None]
     off_edge = [s for s in prefill if any(start % align for _, start in s.chunks)]
     slow = [s for s in prefill if s.host_ms >= slow_ms]
@@ -153,7 +173,7 @@ def summary(steps: list[Step], slow_ms: float, align: int, slow_build_ms: float 
                  f"of them where the decode batch changed size")
     lines += chunk_costs(steps, busy_rows)
     lines += part_costs(steps, busy_rows)
-    lines += token_gaps(steps, busy_rows, collections=collections)
+    lines += token_gaps(steps, busy_rows, stalls=stalls)
     lines.append(f"{len(slow)} with build + prefill start >= {slow_ms:g} ms:")
     lines += ["  " + s.describe() for s in slow]
     return "\n".join(lines)
@@ -229,7 +249,7 @@ def part_costs(steps: list[Step], busy_rows: int = 16) -> list[str]:
 
 
 def token_gaps(steps: list[Step], busy_rows: int = 16, apart: int = 64,
-               slowest: int = 3, collections: list[tuple[float, float]] = ()) -> list[str]:
+               slowest: int = 3, stalls: list[Stall] = ()) -> list[str]:
     """Gaps between consecutive steps' tokens, at the worker (its wait for them ended) and
     at the scheduler (they arrived), for steps of `busy_rows`+ decode rows: over the
     longest run of steps with prefill beside such rows (runs split where `apart` steps
@@ -263,18 +283,17 @@ def token_gaps(steps: list[Step], busy_rows: int = 16, apart: int = 64,
                              f"{_quantile(gaps, 0.9):.0f} / {_quantile(gaps, 0.99):.0f} "
                              f"({len(gaps)})")
     window = [s for s in busy if first <= s.step <= last]
-    return (lines + _slowest_gaps(steps, first, last, slowest, collections)
-            + host_work(window, collections))
+    return (lines + _slowest_gaps(steps, first, last, slowest, stalls)
+            + host_work(window, stalls))
 
 
-def host_work(window: list[Step], collections: list[tuple[float, float]] = (),
-              share: float = 0.03) -> list[str]:
+def host_work(window: list[Step], stalls: list[Stall] = (), share: float = 0.03) -> list[str]:
     """The host's work a step (build, prefill start, launch: the wait for the step before
     left out) over `window`'s steps: its spread, the share of it the worker thread spent
     on the CPU in the slowest `share` of steps against the others (near 100%: it computed
     longer, a collection or a slower path; far below: kept off its core, or blocked in a
-    call such as a free that waits for the device), and the worker's garbage collections
-    in the window's span."""
+    call such as a free that waits for the device), and the worker's logged stalls in the
+    window's span, by kind."""
     timed = [s for s in window if s.host_wall_ms is not None and s.host_cpu_ms is not None]
     if not timed:
         return []
@@ -293,10 +312,12 @@ def host_work(window: list[Step], collections: list[tuple[float, float]] = (),
              f"{slow[-1].host_wall_ms:.1f} ms)"]
     stamps = [s.worker_at for s in window if s.worker_at is not None]
     if stamps:
-        inside = [ms for at, ms in collections if _within(at, stamps[0], stamps[-1])]
-        lines.append(f"the worker's logged garbage collections in that span: {len(inside)}"
-                     + (f", {sum(inside):.1f} ms in all, the longest {max(inside):.1f} ms"
-                        if inside else ""))
+        for kind in _STALLS:
+            inside = [x.ms for x in stalls
+                      if x.kind == kind and _within(x.at, stamps[0], stamps[-1])]
+            lines.append(f"the worker's logged {kind}s in that span: {len(inside)}"
+                         + (f", {sum(inside):.1f} ms in all, the longest {max(inside):.1f} ms"
+                            if inside else ""))
     return lines
 
 
@@ -316,11 +337,11 @@ def _gap_ms(a: Step, b: Step, where: str) -> float | None:
 
 
 def _slowest_gaps(steps: list[Step], first: int, last: int, count: int,
-                  collections: list[tuple[float, float]] = ()) -> list[str]:
+                  stalls: list[Stall] = ()) -> list[str]:
     """The worker's `count` longest gaps to a step's tokens in [first, last], with the host
     work inside each (start ahead: the rest of the step's launch, then the next step's
     build, prefill start and first half of its launch, then the wait for the tokens) and
-    the garbage collections that ended in it."""
+    the logged stalls that ended in it."""
     by = {s.step: s for s in steps}
     gaps = [(gap, s) for s in steps if first < s.step <= last and s.step - 1 in by
             and (gap := _gap_ms(by[s.step - 1], s, "worker_at")) is not None]
@@ -334,9 +355,9 @@ def _slowest_gaps(steps: list[Step], first: int, last: int, count: int,
         if nxt.host_cpu_ms is not None:
             line += f", {nxt.host_cpu_ms} of its {nxt.host_wall_ms} ms on the CPU"
         start = by[s.step - 1].worker_at
-        collected = [ms for at, ms in collections if _within(at, start, s.worker_at)]
-        if collected:
-            line += f"; garbage collections {', '.join(f'{ms:.1f}' for ms in collected)} ms"
+        inside = [x for x in stalls if _within(x.at, start, s.worker_at)]
+        if inside:
+            line += "; " + ", ".join(f"{x.kind} {x.ms:.1f} ms" for x in inside)
         lines.append(line)
     return lines
 
@@ -371,11 +392,11 @@ def main(argv: list[str] | None = None) -> None:
                         "traffic: its steady streams, whose gaps the client measures)")
     p.add_argument("--table", type=Path, help="also write every step, one a line, here")
     args = p.parse_args(argv)
-    steps, collections = read_log(args.log.read_text(errors="replace").splitlines())
+    steps, stalls = read_log(args.log.read_text(errors="replace").splitlines())
     if args.table:
         args.table.write_text(table(steps))
     print(summary(steps, args.slow_ms, args.align, args.slow_build_ms, args.busy_rows,
-                  collections))
+                  stalls))
 
 
 if __name__ == "__main__":

@@ -205,3 +205,30 @@ def test_worker_digest_reads_sizing_memory_and_failed_steps(tmp_path: Path) -> N
     assert missing["failed_steps"] == 0 and missing["died"] is None
     assert _worker_lines({"kiln": {"worker": missing}}) == [
         "kiln worker: no memory summary logged; 0 steps failed whole"]
+
+
+def test_the_session_scripts_gpu_sampler_sums_up_clock_caps(tmp_path: Path) -> None:
+    """GPU_SAMPLE_MS polls nvidia-smi through the call (under the older field name where
+    the driver lacks the newer) and ends with the SM clock and the samples that named
+    each clock-event reason."""
+    import os
+    import stat
+    import subprocess
+
+    fake = tmp_path / "bin" / "nvidia-smi"
+    fake.parent.mkdir()
+    fake.write_text("#!/usr/bin/env bash\n"
+                    "case \"$*\" in *clocks_event_reasons*) exit 2;; esac\n"
+                    "i=0; while true; do i=$((i+1)); r=0x0; c=1980\n"
+                    "[ $((i % 3)) = 0 ] && { r=0x0000000000000004; c=1785; }\n"
+                    "echo \"2026/12/07 16:41:27.364, $c MHz, 600.1 W, 45, $r\"; sleep 0.05; done\n")
+    fake.chmod(fake.stat().st_mode | stat.S_IEXEC)
+    env = {**os.environ, "PATH": f"{fake.parent}:{os.environ['PATH']}", "GPU_SAMPLE_MS": "50",
+           "PARTS": "none", "OUT": str(tmp_path / "out")}
+    script = Path(__file__).resolve().parent.parent / "bench" / "h200_session.sh"
+    out = subprocess.run(["bash", str(script)], env=env,
+                         capture_output=True, text=True, timeout=60, check=True).stdout
+    lines = (tmp_path / "out" / "gpu_samples.csv").read_text().splitlines()
+    caps = sum(line.endswith("0x0000000000000004") for line in lines)
+    assert caps >= 1 and "SM clock lowest 1785, median 1980 MHz" in out, out
+    assert f"software power cap: {caps} samples" in out, out

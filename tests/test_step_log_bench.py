@@ -158,9 +158,9 @@ def test_the_gaps_window_is_the_longest_run_of_prefill_steps():
 
 def test_host_work_is_split_by_cpu_time_and_collections_are_placed():
     """Since session 57 the launch line carries the step's host work in wall and CPU
-    time, and the worker logs its slow garbage collections: the window's host work is
-    summed up, its slowest steps' CPU share set against the others', and a collection
-    that ended inside a slow gap named on that gap's line."""
+    time, and the worker logs its slow garbage collections and staging buffers' growths:
+    the window's host work is summed up, its slowest steps' CPU share set against the
+    others', and a stall that ended inside a slow gap named on that gap's line."""
     lines = _stamped([(0, 32, 10)] * 3 + [(512, 32, 20)] * 40 + [(512, 32, 45)]
                      + [(512, 32, 20)] * 2, at=7200.0)
     out = []
@@ -172,19 +172,24 @@ def test_host_work_is_split_by_cpu_time_and_collections_are_placed():
             line += f"; built and launched in {wall:.2f} ms, {cpu:.2f} ms of it on the CPU"
         out.append(line)
         if "step 43: waited" in line:  # a collection ending inside the gap to step 43
-            out.insert(-1, line[:13] + "      worker DEBUG   ipc.process: garbage collection "
-                       "of generation 2 took 6.50 ms (10 objects freed)")
-    steps, collections = read_log(out)
+            out[-1:-1] = [line[:13] + "      worker DEBUG   ipc.process: garbage collection "
+                          "of generation 2 took 6.50 ms (10 objects freed)",
+                          line[:13] + "      worker DEBUG   worker_proc.staging: a staging "
+                          "buffer grew to 131072 words in 14.20 ms"]
+    steps, stalls = read_log(out)
     assert steps[44].host_wall_ms == 40.0 and steps[44].host_cpu_ms == 12.0
-    assert len(collections) == 1 and collections[0][1] == 6.5
-    text = summary(steps, slow_ms=30, align=512, collections=collections)
+    assert [(x.kind, x.ms) for x in stalls] == [("garbage collection", 6.5),
+                                                ("staging growth", 14.2)]
+    text = summary(steps, slow_ms=30, align=512, stalls=stalls)
     assert "45 ms to step 43's tokens" in text
     gap = next(line for line in text.splitlines() if "45 ms to step 43's tokens" in line)
-    assert gap.endswith("12.0 of its 40.0 ms on the CPU; garbage collections 6.5 ms"), gap
+    assert gap.endswith("12.0 of its 40.0 ms on the CPU; garbage collection 6.5 ms, staging "
+                        "growth 14.2 ms"), gap
     host = next(line for line in text.splitlines() if line.startswith("host work a step"))
     assert host.startswith("host work a step (build, prefill start, launch), ms p50 / p90 / "
                            "p99: 15.0 / 15.0 / 40.0 (43)"), host
     assert host.endswith("on the CPU 93% of it, 30% in the slowest 1 (>= 40.0 ms)"), host
     assert ("the worker's logged garbage collections in that span: 1, 6.5 ms in all, the "
             "longest 6.5 ms") in text
+    assert "the worker's logged staging growths in that span: 1, 14.2 ms in all" in text
 
