@@ -28,6 +28,45 @@ def _prompts(n: int, lengths: list[int], vocab: int, seed: int = 0) -> list[list
     return [rng.integers(5, vocab, size=lengths[i % len(lengths)]).tolist() for i in range(n)]
 
 
+@dataclasses.dataclass
+class _Pending:
+    """A started step, as _StubRunner hands it to the worker loop."""
+
+    step: int
+    needs_sampling: bool = False
+
+
+class _StubRunner:
+    """What WorkerLoop calls of a ModelRunner, doing nothing: a test overrides the calls
+    it watches or slows."""
+
+    mixed_forwards = 0
+
+    def __init__(self) -> None:
+        from worker_proc.step_stats import ForwardClock
+
+        self.clock = ForwardClock()  # no prefill forwards started in build
+
+    def build(self, batch):
+        return _Pending(batch.step)
+
+    def start_head(self):
+        pass
+
+    def start(self, pending):
+        pass
+
+    def finish(self, pending):
+        from ipc.messages.to_scheduler import StepResult
+
+        return StepResult(step=pending.step, rids=[], token_ids=[])
+
+
+class _DroppedResults:
+    def send(self, result):
+        pass
+
+
 @pytest.mark.parametrize(("overlap", "depth"), [(True, 2), ("ahead", 2), ("ahead", 3), (False, 1)])
 def test_batched_chunked_greedy_matches_mlx_lm(tiny_model, oracle, overlap, depth):
     model, tokenizer = tiny_model
@@ -481,27 +520,16 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
     when the worker blocks, and step N's result leaves before the second half of N+1 is
     launched (so the scheduler plans N+2 meanwhile); never more than two steps in flight,
     steps with prefill too."""
-    from dataclasses import dataclass
-
     from ipc.messages.to_scheduler import StepResult
     from ipc.messages.to_worker import ForwardBatch, PrefillChunk, SyncSteps
     from worker_proc import WorkerLoop
-    from worker_proc.step_stats import ForwardClock
 
     calls: list[tuple] = []
 
-    @dataclass
-    class Pending:
-        step: int
-        needs_sampling: bool = False
-
-    class Runner:
-        clock = ForwardClock()  # no prefill forwards started in build
-        mixed_forwards = 0
-
+    class Runner(_StubRunner):
         def build(self, batch):
             calls.append(("build", batch.step))
-            return Pending(batch.step)
+            return super().build(batch)
 
         def start_head(self):
             step = max(c[1] for c in calls if c[0] == "build")  # the step just built
@@ -512,7 +540,7 @@ def test_start_ahead_reports_a_step_between_the_two_halves_of_the_next():
 
         def finish(self, pending):
             calls.append(("finish", pending.step))
-            return StepResult(step=pending.step, rids=[], token_ids=[])
+            return super().finish(pending)
 
     sent: list[StepResult] = []
 
@@ -543,42 +571,25 @@ def test_the_launch_line_tells_the_hosts_cpu_time_from_its_waits(caplog):
     import logging
     import re
     import time as time_module
-    from dataclasses import dataclass
 
-    from ipc.messages.to_scheduler import StepResult
     from ipc.messages.to_worker import ForwardBatch
     from worker_proc import WorkerLoop
-    from worker_proc.step_stats import ForwardClock
 
-    @dataclass
-    class Pending:
-        step: int
-        needs_sampling: bool = False
-
-    class Runner:
-        clock = ForwardClock()
-        mixed_forwards = 0
-
+    class Runner(_StubRunner):
         def build(self, batch):
             spun = time_module.thread_time()
             while time_module.thread_time() - spun < 0.02:  # 20 ms computing
                 pass
-            return Pending(batch.step)
+            return super().build(batch)
 
         def start_head(self):
             time_module.sleep(0.06)  # blocked in a call
 
-        def start(self, pending):
-            pass
-
         def finish(self, pending):
             time_module.sleep(0.2)  # the device's time: waited for, not host work
-            return StepResult(step=pending.step, rids=[], token_ids=[])
+            return super().finish(pending)
 
-    class Results:
-        send = staticmethod(lambda result: None)
-
-    loop = WorkerLoop(Runner(), Results(), overlap=True, start_ahead=True)
+    loop = WorkerLoop(Runner(), _DroppedResults(), overlap=True, start_ahead=True)
     with caplog.at_level(logging.DEBUG, logger="worker_proc"):
         loop.handle(ForwardBatch(step=1, decode_rids=["a"], decode_slots=[1]))
         loop.handle(ForwardBatch(step=2, decode_rids=["a"], decode_slots=[2]))
@@ -594,38 +605,17 @@ def test_the_summary_names_the_intervals_slowest_step(monkeypatch):
     """The worker's 10 s summary ends with the interval's slowest step: its time, phases
     and what it carried, so a stall shows in any server log."""
     import time as time_module
-    from dataclasses import dataclass
 
     import worker_proc
-    from ipc.messages.to_scheduler import StepResult
     from ipc.messages.to_worker import ForwardBatch, PrefillChunk
-    from worker_proc.step_stats import ForwardClock
 
-    @dataclass
-    class Pending:
-        step: int
-        needs_sampling: bool = False
-
-    class Runner:
-        clock = ForwardClock()
-        mixed_forwards = 0
-
+    class Runner(_StubRunner):
         def build(self, batch):
             if batch.prefill:
                 time_module.sleep(0.05)  # the stall
-            return Pending(batch.step)
+            return super().build(batch)
 
-        def start(self, pending):
-            pass
-
-        def finish(self, pending):
-            return StepResult(step=pending.step, rids=[], token_ids=[])
-
-    class Results:
-        def send(self, result):
-            pass
-
-    loop = worker_proc.WorkerLoop(Runner(), Results(), overlap=False)
+    loop = worker_proc.WorkerLoop(Runner(), _DroppedResults(), overlap=False)
     chunk = PrefillChunk(rid="b", start=0, token_ids=[1] * 7, sample=True, slot_ids=list(range(7)))
     loop.handle(ForwardBatch(step=1, decode_rids=["a"], decode_slots=[1]))
     loop.handle(ForwardBatch(step=2, decode_rids=["a"], decode_slots=[2], prefill=[chunk]))
