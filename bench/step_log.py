@@ -287,13 +287,16 @@ def token_gaps(steps: list[Step], busy_rows: int = 16, apart: int = 64,
             + host_work(window, stalls))
 
 
-def host_work(window: list[Step], stalls: list[Stall] = (), share: float = 0.03) -> list[str]:
+def host_work(window: list[Step], stalls: list[Stall] = (), share: float = 0.03,
+              off_cpu_ms: float = 3.0) -> list[str]:
     """The host's work a step (build, prefill start, launch: the wait for the step before
     left out) over `window`'s steps: its spread, the share of it the worker thread spent
     on the CPU in the slowest `share` of steps against the others (near 100%: it computed
     longer, a collection or a slower path; far below: kept off its core, or blocked in a
-    call such as a free that waits for the device), and the worker's logged stalls in the
-    window's span, by kind."""
+    call such as a free that waits for the device), the steps with `off_cpu_ms` or more
+    of it off the CPU by spread part (session 57: a staging buffer's growth blocked a
+    piece's first part early in a burst), and the worker's logged stalls in the window's
+    span, by kind."""
     timed = [s for s in window if s.host_wall_ms is not None and s.host_cpu_ms is not None]
     if not timed:
         return []
@@ -310,6 +313,14 @@ def host_work(window: list[Step], stalls: list[Stall] = (), share: float = 0.03)
              f"{_quantile(walls, 0.99):.1f} ({len(timed)}); on the CPU {on_cpu(rest):.0f}% of "
              f"it, {on_cpu(slow):.0f}% in the slowest {len(slow)} (>= "
              f"{slow[-1].host_wall_ms:.1f} ms)"]
+    blocked = [s for s in timed if s.host_wall_ms - s.host_cpu_ms >= off_cpu_ms]
+    by_part: dict[str, int] = {}
+    for s in blocked:
+        key = "no part" if s.part is None else f"part {s.part}"
+        by_part[key] = by_part.get(key, 0) + 1
+    lines.append(f"steps with {off_cpu_ms:g}+ ms of it off the CPU: {len(blocked)}"
+                 + (f" ({', '.join(f'{k}: {n}' for k, n in sorted(by_part.items()))}), steps "
+                    f"{blocked[0].step} to {blocked[-1].step}" if blocked else ""))
     stamps = [s.worker_at for s in window if s.worker_at is not None]
     if stamps:
         for kind in _STALLS:

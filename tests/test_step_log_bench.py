@@ -189,6 +189,7 @@ def test_host_work_is_split_by_cpu_time_and_collections_are_placed():
     assert host.startswith("host work a step (build, prefill start, launch), ms p50 / p90 / "
                            "p99: 15.0 / 15.0 / 40.0 (43)"), host
     assert host.endswith("on the CPU 93% of it, 30% in the slowest 1 (>= 40.0 ms)"), host
+    assert "steps with 3+ ms of it off the CPU: 1 (no part: 1), steps 44 to 44" in text
     assert ("the worker's logged garbage collections in that span: 1, 6.5 ms in all, the "
             "longest 6.5 ms") in text
     assert "the worker's logged staging growths in that span: 1, 14.2 ms in all" in text
