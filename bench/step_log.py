@@ -15,7 +15,10 @@ cache (since session 54), each part's line counts the steps after whose start it
 Where the lines carry milliseconds (since session 56), it also gives the gaps between
 consecutive steps' tokens at the worker and at the scheduler, before and during prefill:
 set against a client's inter-token gaps, they split its p99 into the steps' share and
-the way out's (detokenizer, HTTP front, client).
+the way out's (detokenizer, HTTP front, client). Where the launch line carries the host
+work's CPU time and the worker logs its stalls (since session 57), it sums up the host
+work a step in wall and CPU time, counts the steps that spent part of it off the CPU
+(blocked or descheduled), and places garbage collections and staging buffers' growths.
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ _BUILD = re.compile(r"worker_proc: step (\d+) built in ([\d.]+) ms \(and ([\d.]+
 _BACK = re.compile(r"scheduler_proc: step (\d+): \d+ tokens back after ([\d.]+) ms")
 _CACHE = re.compile(r"; MLX cache ([\d.]+) GiB")  # the build line's, after the step started
 _LAUNCHED = re.compile(r"worker_proc: step (\d+) launched in ([\d.]+) ms")  # since session 56
+_WAITED = re.compile(r"worker_proc: step (\d+): waited [\d.]+ ms for its tokens")
+_STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) ")  # since session 56's logs
 # Since session 57: the launch line's host span and the thread's CPU time in it.
 _HOST_CPU = re.compile(r"built and launched in ([\d.]+) ms, ([\d.]+) ms of it on the CPU")
 # Since session 57: host stalls the worker logs, by kind.
@@ -53,8 +58,6 @@ class Stall:
     at: float
     ms: float
     kind: str
-_WAITED = re.compile(r"worker_proc: step (\d+): waited [\d.]+ ms for its tokens")
-_STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) ")  # since session 56's logs
 
 
 @dataclass
@@ -306,7 +309,8 @@ def host_work(window: list[Step], stalls: list[Stall] = (), share: float = 0.03,
     rest = ranked[len(slow):] or slow
 
     def on_cpu(group: list[Step]) -> float:
-        return 100 * sum(s.host_cpu_ms for s in group) / max(1e-9, sum(s.host_wall_ms for s in group))
+        wall = sum(s.host_wall_ms for s in group)
+        return 100 * sum(s.host_cpu_ms for s in group) / max(1e-9, wall)
 
     lines = [f"host work a step (build, prefill start, launch), ms p50 / p90 / p99: "
              f"{_quantile(walls, 0.5):.1f} / {_quantile(walls, 0.9):.1f} / "
