@@ -267,7 +267,7 @@ timeout --foreground $((arms * 240 < 520 ? arms * 240 : 520)) "$PYTHON" bench/mi
 for log in "$OUT"/mixed_*.log; do
     grep -q "DEBUG.*scheduler_proc: step" "$log" 2>/dev/null || continue
     echo "-- $(basename "$log")"
-    "$PYTHON" bench/step_log.py "$log" --busy-rows $(( MIXED_STEADY > 16 ? MIXED_STEADY : 16 )) --table "${log%.log}_steps.txt" | head -30
+    "$PYTHON" bench/step_log.py "$log" --busy-rows $(( MIXED_STEADY > 16 ? MIXED_STEADY : 16 )) --table "${log%.log}_steps.txt" | head -40
 done
 fi
 
