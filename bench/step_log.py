@@ -37,7 +37,7 @@ _BUILD = re.compile(r"worker_proc: step (\d+) built in ([\d.]+) ms \(and ([\d.]+
 _BACK = re.compile(r"scheduler_proc: step (\d+): \d+ tokens back after ([\d.]+) ms")
 _CACHE = re.compile(r"; MLX cache ([\d.]+) GiB")  # the build line's, after the step started
 _LAUNCHED = re.compile(r"worker_proc: step (\d+) launched in ([\d.]+) ms")  # since session 56
-_WAITED = re.compile(r"worker_proc: step (\d+): waited [\d.]+ ms for its tokens")
+_WAITED = re.compile(r"worker_proc: step (\d+): waited ([\d.]+) ms for its tokens")
 _STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) ")  # since session 56's logs
 # Since session 57: the launch line's host span and the thread's CPU time in it.
 _HOST_CPU = re.compile(r"built and launched in ([\d.]+) ms, ([\d.]+) ms of it on the CPU")
@@ -84,6 +84,7 @@ class Step:
     # kept off its core or blocked in a call.
     host_wall_ms: float | None = None
     host_cpu_ms: float | None = None
+    tokens_wait_ms: float | None = None  # the worker's wait for its tokens (the device's)
     scheduler_at: float | None = None
 
     @property
@@ -133,6 +134,7 @@ def read_log(lines: list[str]) -> tuple[list[Step], list[Stall]]:
                 at(m[1]).host_wall_ms, at(m[1]).host_cpu_ms = float(c[1]), float(c[2])
         elif m := _WAITED.search(line):
             at(m[1]).worker_at = _stamp(line)
+            at(m[1]).tokens_wait_ms = float(m[2])
         else:
             stalls += _stalls_in(line)
     return [steps[k] for k in sorted(steps)], stalls
@@ -287,7 +289,33 @@ def token_gaps(steps: list[Step], busy_rows: int = 16, apart: int = 64,
                              f"({len(gaps)})")
     window = [s for s in busy if first <= s.step <= last]
     return (lines + _slowest_gaps(steps, first, last, slowest, stalls)
-            + host_work(window, stalls))
+            + host_work(window, stalls) + device_waits(steps, first, last))
+
+
+def device_waits(steps: list[Step], first: int, last: int, slow_ms: float = 33.0,
+                 waited_ms: float = 12.0) -> list[str]:
+    """The worker's gaps of `slow_ms` or more in [first, last] split by the wait for the
+    tokens that ended them: `waited_ms` or more is the device's (its step ran long while
+    the host's work was typical), less the host's. For the device's, how often MLX's
+    buffer cache fell at the step after (cache_falls) against every step in the span:
+    session 57's lead on those spikes."""
+    by = {s.step: s for s in steps}
+    slow = [s for s in steps if first < s.step <= last and s.step - 1 in by
+            and (gap := _gap_ms(by[s.step - 1], s, "worker_at")) is not None and gap >= slow_ms
+            and s.tokens_wait_ms is not None]
+    if not slow:
+        return []
+    device = [s for s in slow if s.tokens_wait_ms >= waited_ms]
+    line = (f"gaps of {slow_ms:g}+ ms: {len(device)} ended by a wait of {waited_ms:g}+ ms for "
+            f"the device, {len(slow) - len(device)} by less")
+    fell = cache_falls(steps)
+    span = [s for s in steps if first < s.step <= last]
+    if device and any(s.cache_gib is not None for s in span):
+        after = sum(s.step + 1 in fell for s in device) / len(device)
+        every = sum(s.step + 1 in fell for s in span) / len(span)
+        line += (f"; MLX's cache fell at the step after {100 * after:.0f}% of the device's "
+                 f"(every step: {100 * every:.0f}%)")
+    return [line]
 
 
 def host_work(window: list[Step], stalls: list[Stall] = (), share: float = 0.03,

@@ -194,3 +194,27 @@ def test_host_work_is_split_by_cpu_time_and_collections_are_placed():
             "longest 6.5 ms") in text
     assert "the worker's logged staging growths in that span: 1, 14.2 ms in all" in text
 
+
+
+def test_slow_gaps_are_split_by_the_device_wait_that_ended_them():
+    """A gap of 33+ ms ended by a long wait for the tokens is the device's; a short wait,
+    the host's. For the device's, how often MLX's cache fell at the step after is set
+    against every step's rate (session 57's lead on device-side spikes)."""
+    lines = _stamped([(0, 32, 10)] * 2 + [(512, 32, 20)] * 10 + [(512, 32, 40)]
+                     + [(512, 32, 20)] * 3 + [(512, 32, 40)] + [(512, 32, 20)] * 3, at=7200.0)
+    out = []
+    cache = 4.0
+    for line in lines:
+        if m := re.search(r"worker_proc: step (\d+): waited", line):
+            step = int(m[1])
+            if step == 12:  # the device's: its wait was long
+                line = line.replace("waited 3.00 ms", "waited 20.00 ms")
+            # MLX's cache, read at each step's build: it falls after step 12 alone.
+            cache = cache - 1.0 if step == 13 else cache + 0.001
+            out.append(line[:13] + f"      worker DEBUG   worker_proc: step {step} built in "
+                       f"5.00 ms (and 1.00 ms starting prefill forwards, 0.00 ms waiting for "
+                       f"them); MLX cache {cache:.3f} GiB")
+        out.append(line)
+    text = summary(read_steps(out), slow_ms=30, align=512)
+    assert ("gaps of 33+ ms: 1 ended by a wait of 12+ ms for the device, 1 by less; MLX's "
+            "cache fell at the step after 100% of the device's (every step: 6%)") in text, text
