@@ -195,7 +195,6 @@ def test_host_work_is_split_by_cpu_time_and_collections_are_placed():
     assert "the worker's logged staging growths in that span: 1, 14.2 ms in all" in text
 
 
-
 def test_slow_gaps_are_split_by_the_device_wait_that_ended_them():
     """A gap of 33+ ms ended by a long wait for the tokens is the device's; a short wait,
     the host's. For the device's, how often MLX's cache fell at the step after is set
