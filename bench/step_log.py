@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import re
 import statistics
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -299,10 +300,8 @@ def device_waits(steps: list[Step], first: int, last: int, slow_ms: float = 33.0
     the host's work was typical), less the host's. For the device's, how often MLX's
     buffer cache fell at the step after (cache_falls) against every step in the span:
     session 57's lead on those spikes."""
-    by = {s.step: s for s in steps}
-    slow = [s for s in steps if first < s.step <= last and s.step - 1 in by
-            and (gap := _gap_ms(by[s.step - 1], s, "worker_at")) is not None and gap >= slow_ms
-            and s.tokens_wait_ms is not None]
+    slow = [s for gap, s in _worker_gaps(steps, first, last)
+            if gap >= slow_ms and s.tokens_wait_ms is not None]
     if not slow:
         return []
     device = [s for s in slow if s.tokens_wait_ms >= waited_ms]
@@ -346,10 +345,7 @@ def host_work(window: list[Step], stalls: list[Stall] = (), share: float = 0.03,
              f"it, {on_cpu(slow):.0f}% in the slowest {len(slow)} (>= "
              f"{slow[-1].host_wall_ms:.1f} ms)"]
     blocked = [s for s in timed if s.host_wall_ms - s.host_cpu_ms >= off_cpu_ms]
-    by_part: dict[str, int] = {}
-    for s in blocked:
-        key = "no part" if s.part is None else f"part {s.part}"
-        by_part[key] = by_part.get(key, 0) + 1
+    by_part = Counter("no part" if s.part is None else f"part {s.part}" for s in blocked)
     lines.append(f"steps with {off_cpu_ms:g}+ ms of it off the CPU: {len(blocked)}"
                  + (f" ({', '.join(f'{k}: {n}' for k, n in sorted(by_part.items()))}), steps "
                     f"{blocked[0].step} to {blocked[-1].step}" if blocked else ""))
@@ -379,6 +375,14 @@ def _gap_ms(a: Step, b: Step, where: str) -> float | None:
     return 1000 * ((at_b - at_a) % 86400)
 
 
+def _worker_gaps(steps: list[Step], first: int, last: int) -> list[tuple[float, Step]]:
+    """Each step in (first, last] with the worker's gap to its tokens from the step
+    before's (ms), where both lines carry a stamp."""
+    by = {s.step: s for s in steps}
+    return [(gap, s) for s in steps if first < s.step <= last and s.step - 1 in by
+            and (gap := _gap_ms(by[s.step - 1], s, "worker_at")) is not None]
+
+
 def _slowest_gaps(steps: list[Step], first: int, last: int, count: int,
                   stalls: list[Stall] = ()) -> list[str]:
     """The worker's `count` longest gaps to a step's tokens in [first, last], with the host
@@ -386,10 +390,8 @@ def _slowest_gaps(steps: list[Step], first: int, last: int, count: int,
     build, prefill start and first half of its launch, then the wait for the tokens) and
     the logged stalls that ended in it."""
     by = {s.step: s for s in steps}
-    gaps = [(gap, s) for s in steps if first < s.step <= last and s.step - 1 in by
-            and (gap := _gap_ms(by[s.step - 1], s, "worker_at")) is not None]
     lines = []
-    for gap, s in sorted(gaps, key=lambda g: -g[0])[:count]:
+    for gap, s in sorted(_worker_gaps(steps, first, last), key=lambda g: -g[0])[:count]:
         nxt = by.get(s.step + 1, Step(s.step + 1))
         line = (f"  {gap:.0f} ms to step {s.step}'s tokens ({s.decodes} rows, part "
                 f"{s.part}, launched in {s.launch_ms} ms); step {nxt.step} built in "

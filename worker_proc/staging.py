@@ -110,12 +110,13 @@ class HostStaging:
         array = mx.array(np.zeros(size, dtype=np.int32))
         mx.eval(array)
         view = np.asarray(array)  # on CUDA: the buffer moved to managed memory, once
-        if view.flags.writeable and _reads_host_writes is None:
-            _reads_host_writes = all(_device_reads(array, view, first) for first in (7, 11))
-        if view.flags.writeable and _reads_host_writes:
-            logger.debug("a staging buffer grew to %d words in %.2f ms", size,
-                         (time.perf_counter() - began) * 1e3)
-            return array, view
+        if view.flags.writeable:
+            if _reads_host_writes is None:
+                _reads_host_writes = all(_device_reads(array, view, first) for first in (7, 11))
+            if _reads_host_writes:
+                logger.debug("a staging buffer grew to %d words in %.2f ms", size,
+                             (time.perf_counter() - began) * 1e3)
+                return array, view
         logger.warning("the device does not read host writes into MLX's arrays here: step "
                        "inputs are made as new arrays")
         self._unwritable = True
