@@ -984,8 +984,20 @@ def serve_after_warm_up_compiling_nothing(name: str) -> None:
     assert libraries() == made, sorted(libraries() - made)
 
 
+@pytest.fixture(scope="session")
+def jit_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """PATH for a process whose MLX JIT starts from an empty cache: MLX's preamble header
+    precompiled once a run for its g++ (tests/mlx_jit.py), where that works."""
+    import os
+
+    from tests.mlx_jit import gxx_with_precompiled_preamble
+
+    bin_dir = gxx_with_precompiled_preamble(tmp_path_factory.mktemp("mlx-jit"))
+    return os.pathsep.join([str(bin_dir)] * (bin_dir is not None) + [os.environ["PATH"]])
+
+
 @pytest.mark.parametrize("name", ["gemma3_text", "llama"])
-def test_compiled_decode_compiles_no_kernel_while_serving(name, tmp_path):
+def test_compiled_decode_compiles_no_kernel_while_serving(name, tmp_path, jit_path):
     """Serving after the warm-up compiles no fused kernel. Nothing in the compiled decode
     trace may depend on the slot table's width as a number (a windowed layer's table was
     capped by width - 1): a constant of a fused kernel, so one kernel per width, compiled
@@ -1002,7 +1014,8 @@ def test_compiled_decode_compiles_no_kernel_while_serving(name, tmp_path):
     script = ("from tests.test_families import serve_after_warm_up_compiling_nothing as f; "
               f"f({name!r})")
     run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "TMPDIR": str(tmp_path)})
+                         timeout=300, env={**os.environ, "TMPDIR": str(tmp_path),
+                                           "PATH": jit_path})
     assert run.returncode == 0, run.stderr[-3000:]
 
 
