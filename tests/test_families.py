@@ -985,15 +985,14 @@ def serve_after_warm_up_compiling_nothing(name: str) -> None:
 
 
 @pytest.fixture(scope="session")
-def jit_path(tmp_path_factory: pytest.TempPathFactory) -> str:
+def jit_path() -> str:
     """PATH for a process whose MLX JIT starts from an empty cache: MLX's preamble header
-    precompiled once a run for its g++ (tests/mlx_jit.py), where that works."""
+    precompiled for its g++ (tests/mlx_jit.py; tests/run.py puts it there already)."""
     import os
 
-    from tests.mlx_jit import gxx_with_precompiled_preamble
+    from tests.mlx_jit import path_with_gxx
 
-    bin_dir = gxx_with_precompiled_preamble(tmp_path_factory.mktemp("mlx-jit"))
-    return os.pathsep.join([str(bin_dir)] * (bin_dir is not None) + [os.environ["PATH"]])
+    return path_with_gxx(os.environ["PATH"])
 
 
 @pytest.mark.parametrize("name", ["gemma3_text", "llama"])
