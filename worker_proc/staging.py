@@ -13,10 +13,11 @@ tables, lengths, sampling settings) into one of them through a numpy view, handi
 slices of it: nothing is allocated a step. A buffer is written again only `depth` steps later; with at most two steps in
 flight, the steps that read it have finished by then.
 
-A buffer that must grow (a longer context's slot table) is made anew, which waits as
-above; whether the device reads what the host writes is a property of the platform, so
-it is checked once a process (each check reads a result back: a wait for every step in
-flight). Buffers start at MIN_ELEMENTS words and grow by GROWTH, so a serving run meets
+A buffer that must grow (a longer context's slot table) is made anew: the host pays
+for the new managed pages' first touch (and it may wait as above, were MLX to hand it a
+device buffer from its cache). Whether the device reads what the host writes is a
+property of the platform, so it is checked once a process (each check reads a result
+back: a wait for every step in flight). Buffers start at MIN_ELEMENTS words and grow by GROWTH, so a serving run meets
 few growths. At 4,096 words doubling, a spread prefill's pieces at 1,024-token steps of
 one prompt's context grew every buffer of their ring twice, and 32 decoding streams'
 slot tables grew the decode ring's at each doubling of their contexts: each growth a
