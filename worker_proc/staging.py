@@ -17,8 +17,8 @@ A buffer that must grow (a longer context's slot table) is made anew: the host p
 for the new managed pages' first touch (and it may wait as above, were MLX to hand it a
 device buffer from its cache). Whether the device reads what the host writes is a
 property of the platform, so it is checked once a process (each check reads a result
-back: a wait for every step in flight). Buffers start at MIN_ELEMENTS words and grow by GROWTH, so a serving run meets
-few growths. At 4,096 words doubling, a spread prefill's pieces at 1,024-token steps of
+back: a wait for every step in flight). Buffers start at MIN_ELEMENTS words and grow
+by GROWTH, so a serving run meets few growths. At 4,096 words doubling, a spread prefill's pieces at 1,024-token steps of
 one prompt's context grew every buffer of their ring twice, and 32 decoding streams'
 slot tables grew the decode ring's at each doubling of their contexts: each growth a
 5-18 ms stall of the host with the device busy (docs/benchmarks.md, session 57).
