@@ -10,18 +10,19 @@ device (measured on a hybrid's compiled decode: docs/benchmarks.md, session 12).
 
 `HostStaging` keeps a few managed buffers of its own and writes each step's inputs (slot
 tables, lengths, sampling settings) into one of them through a numpy view, handing out
-slices of it: nothing is allocated a step. A buffer is written again only `depth` steps later; with at most two steps in
-flight, the steps that read it have finished by then.
+slices of it: nothing is allocated a step. A buffer is written again only `depth` steps
+later; with at most two steps in flight, the steps that read it have finished by then.
 
-A buffer that must grow (a longer context's slot table) is made anew: the host pays
-for the new managed pages' first touch (and it may wait as above, were MLX to hand it a
+A buffer that must grow (a longer context's slot table) is made anew: the host pays for
+the new managed pages' first touch (and it may wait as above, were MLX to hand it a
 device buffer from its cache). Whether the device reads what the host writes is a
 property of the platform, so it is checked once a process (each check reads a result
-back: a wait for every step in flight). Buffers start at MIN_ELEMENTS words and grow
-by GROWTH, so a serving run meets few growths. At 4,096 words doubling, a spread prefill's pieces at 1,024-token steps of
-one prompt's context grew every buffer of their ring twice, and 32 decoding streams'
-slot tables grew the decode ring's at each doubling of their contexts: each growth a
-5-18 ms stall of the host with the device busy (docs/benchmarks.md, session 57).
+back: a wait for every step in flight). Buffers start at MIN_ELEMENTS words and grow by
+GROWTH, so a serving run meets few growths. At 4,096 words doubling, a spread prefill's
+pieces at 1,024-token steps of one prompt's context grew every buffer of their ring
+twice, and 32 decoding streams' slot tables grew the decode ring's at each doubling of
+their contexts: each growth a 5-18 ms stall of the host with the device busy
+(docs/benchmarks.md, session 57).
 """
 
 from __future__ import annotations
