@@ -4,7 +4,7 @@ MLX's CPU backend compiles each fused kernel with `g++ -std=c++17 -O3 -Wall -fPI
 -shared -I <mlx/include> kernel.cpp`, each source opening with
 `#include "mlx/backend/cpu/compiled_preamble.h"`: parsing that header is ~0.65 s of a
 compile's ~0.75 s, paid again by every kernel (a suite run from an empty cache compiles
-~480 of them; the compiled-decode tests start from an empty cache on purpose). GCC takes
+~330 of them; the compiled-decode tests start from an empty cache on purpose). GCC takes
 a precompiled `<header>.gch` found in an include directory ahead of the header itself, so
 a `g++` on PATH that puts a directory holding one first makes each compile ~0.2 s. The
 kernels' code, their library names and which of them get compiled are MLX's as before:

@@ -12,7 +12,7 @@ process (and every server a test starts) gets one BLAS thread unless MKL_NUM_THR
 OMP_NUM_THREADS says otherwise.
 
 MLX's CPU JIT compiles each fused kernel with g++ the first time any process meets it
-(~480 kernels over the suite, ~1 s each from an empty cache): the suite's processes get a
+(~330 kernels over the suite, ~1 s each from an empty cache): the suite's processes get a
 g++ that reads MLX's preamble header precompiled (tests/mlx_jit.py), ~5x faster a kernel.
 """
 
