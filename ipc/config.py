@@ -31,7 +31,8 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "cuda-core-attention", "gathered-latent", "fused-own-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
                       "unpaged-prefill", "paged-short-rows", "unpadded-experts", "block-tiles", "unfused-moe",
-                      "mlx-expert-matmuls", "batched-quantized-rows", "wide-cache")
+                      "mlx-expert-matmuls", "batched-quantized-rows", "wide-cache",
+                      "readback-ring")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
 CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv", "block-tiles"})
@@ -298,7 +299,11 @@ class ServerConfig:
                                       "one-row problem a row, not as one problem of all "
                                       "rows), wide-cache (MLX's buffer cache capped at half "
                                       "the device memory left beside the pool, not a "
-                                      "quarter)."})
+                                      "quarter), readback-ring (a step's tokens copied on "
+                                      "the device into buffers the host keeps reading, so "
+                                      "no buffer the host read is ever freed: MLX frees "
+                                      "those with cudaFree, which waits for the steps in "
+                                      "flight)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

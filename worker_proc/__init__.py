@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     from worker_proc.grammar import GrammarMatchers
     from worker_proc.memory import DevicePool
     from worker_proc.own_caches import OwnCacheRunner
+    from worker_proc.readback import ReadbackRing
     from worker_proc.runner import ModelRunner, PendingStep
 
 logger = logging.getLogger(__name__)
@@ -209,6 +210,8 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
                          compile_decode=not config.eager_decode and backend.compiles,
                          compile_prefill=config.compile_prefill,
                          tail_bucket=chunking.tail_bucket)
+    if "readback-ring" in config.experiment_set:  # CUDA only (cuda_cache_limits refused it)
+        runner.readback = readback_ring(say)
     if backend.pad_tails and runner.pad_tails(TAIL_MULTIPLE):
         say(f"a step's lone prompt chunk runs padded to a multiple of {TAIL_MULTIPLE} tokens")
     if backend.mixed_forward:
@@ -264,8 +267,21 @@ def cuda_cache_limits(experiments: frozenset[str], say: Callable[[str], None]) -
     return limit
 
 
+def readback_ring(say: Callable[[str], None]) -> "ReadbackRing | None":
+    """A ring the steps' tokens are read back through (--experiments readback-ring),
+    where the host reads what the device copies there; else None, with a warning."""
+    from worker_proc.readback import ReadbackRing, reads_back_here
+
+    if not reads_back_here():
+        logger.warning("--experiments readback-ring unused: the host does not read what "
+                       "the device writes into MLX's managed buffers here")
+        return None
+    say("a step's tokens are read back through a ring of managed buffers (readback-ring)")
+    return ReadbackRing()
+
+
 # --experiments names about CUDA's memory, not a kernel: refused elsewhere.
-MEMORY_EXPERIMENTS = frozenset({"wide-cache"})
+MEMORY_EXPERIMENTS = frozenset({"wide-cache", "readback-ring"})
 
 
 def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chunk: int,

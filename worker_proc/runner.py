@@ -27,6 +27,7 @@ from worker_proc.compiled_decode import CompiledDecode
 from worker_proc.decode_block import dense_mlps, mixes_rows
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool
+from worker_proc.readback import Readback, ReadbackRing, prefill_mark
 from worker_proc.memory import prefill_forward_tokens
 from worker_proc.prefill_forward import PrefillForwards, rows_at, traceable
 from worker_proc.prefill_parts import (PartedForward, SpreadWave, most_parts, part_bounds,
@@ -83,6 +84,9 @@ class PendingStep:
     final: list[mx.array]
     landing: list[mx.array]
     logprobs: StepLogprobs | None = None  # only when some row asked
+    # Its tokens (and logprobs) on their way to a host-read buffer (ReadbackRing), where
+    # the runner lands results; finish reads them there.
+    readback: Readback | None = None
     # Constrained rows (index into rids) and their matchers, which finish advances.
     matchers: list[tuple[int, Any]] = field(default_factory=list)
     # Set while a step with constrained rows holds only its forward (final: its logits and
@@ -216,6 +220,9 @@ class ModelRunner:
         self.vocab_size: int | None = getattr(getattr(model, "args", None), "vocab_size", None)
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._last_prefill: mx.array | None = None  # see _launch_prefill
+        # Where a step's results are copied for the host to read (--experiments readback-ring,
+        # set by the worker on CUDA); None: the host reads the arrays themselves.
+        self.readback: ReadbackRing | None = None
         self._last_prefill_bytes = 0.0
         # Where the worker measured prefill memory (CUDA: fit_prefill_forwards): the
         # bytes two forwards in flight may hold, and a token's bytes in a lone prompt's
@@ -400,8 +407,13 @@ class ModelRunner:
         # must not grow.
         final = [*([tokens] if tokens is not None else []), *out.counts,
                  *(logprobs.arrays if logprobs is not None else [])]
+        readback = None
+        if self.readback is not None and tokens is not None:
+            readback = self.readback.land(tokens, *(logprobs.arrays if logprobs else ()))
+            final.append(readback.done)
         return PendingStep(step, [s.rid for s in sampled], tokens, final,
-                           self.pool.take_landing(), logprobs, matchers=matchers or [])
+                           self.pool.take_landing(), logprobs, matchers=matchers or [],
+                           readback=readback)
 
     def start(self, pending: PendingStep) -> None:
         """Put a built step on the device; returns before it finishes.
@@ -451,17 +463,22 @@ class ModelRunner:
         # all of `final` one event). mx.eval would instead put a barrier at the end of the
         # stream and so also wait for a next step already started (the CUDA start-ahead):
         # measured on the H200, 3.3 ms of waiting per step at batch 1 for nothing.
+        if pending.readback is not None:
+            tokens, *logprob_parts = self.readback.read(pending.readback)  # type: ignore[union-attr]
+        else:
+            lp = pending.logprobs
+            tokens, *logprob_parts = [pending.tokens, *(lp.arrays if lp is not None else [])]
         result = StepResult(step=pending.step, rids=pending.rids,
-                            token_ids=pending.tokens.tolist(), prompt_logprobs=prompt,
+                            token_ids=tokens.tolist(), prompt_logprobs=prompt,
                             errors=errors)
         for row, matcher in pending.matchers:
             GrammarMatchers.advance(matcher, result.token_ids[row])
         lp = pending.logprobs
         if lp is None:
             return result
-        top_ids, top_logprobs = lp.top_ids.tolist(), lp.top_logprobs.tolist()
+        chosen, top_ids, top_logprobs = (a.tolist() for a in logprob_parts)
         return msgspec.structs.replace(
-            result, logprob_rows=lp.rows, logprobs=lp.chosen.tolist(), top_counts=lp.counts,
+            result, logprob_rows=lp.rows, logprobs=chosen, top_counts=lp.counts,
             top_ids=[t for row, k in zip(top_ids, lp.counts) for t in row[:k]],
             top_logprobs=[v for row, k in zip(top_logprobs, lp.counts) for v in row[:k]])
 
@@ -810,7 +827,7 @@ class ModelRunner:
         find this one's reads done."""
         # A view of its first logit, evaluated with it: reading it waits for this
         # forward alone (mx.eval would wait for everything launched since).
-        probe = logits[:1, :1]
+        probe = logits[:1, :1] if self.readback is None else prefill_mark(logits)
         previous, memory = self._last_prefill, self.prefill_memory
         held = tokens * memory.token_bytes(shared, width) if memory else 0.0
         if previous is not None and memory and self._last_prefill_bytes + held > memory.room:
