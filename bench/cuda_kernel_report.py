@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from worker_proc import paged_attention as pa  # noqa: E402
 from worker_proc.kernel_constants import float_bits  # noqa: E402
 from worker_proc import (expert_rows, fused_moe, paged_prefill, qk_norm_rope,  # noqa: E402
-                         residual_norm)
+                         readback, residual_norm)
 
 # Each input's element type in the kernels (T: q's dtype; P: the pool's).
 _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "table": "int32_t",
@@ -43,7 +43,7 @@ _TYPES = {"q": "T", "k_new": "T", "v_new": "T", "qkv": "T", "kv_pool": "P", "tab
           "logits": "T", "weights": "T", "experts": "uint32_t", "rows": "uint32_t",
           "places": "uint32_t", "down": "T", "router_bias": "T", "x": "T",
           "tokens": "uint32_t", "packed": "uint32_t", "exponents": "uint8_t", "scales": "T",
-          "biases": "T"}
+          "biases": "T", "dst": "int32_t", "src": "int32_t", "done": "int32_t"}
 
 
 def _bits(x: float) -> str:
@@ -124,6 +124,12 @@ def merge_variant(dtype: str, dim: int, group: int, n_kv: int,
     name = "kiln_merge" + ("_sinks" if sinks else "")
     return name, wrap(name, ["acc", "ml", *(["sinks"] if sinks else [])], ["out"],
                       pa.merge_source(sinks), pa._HEADER, params)
+
+
+def readback_variant() -> tuple[str, str]:
+    """(label, .cu source) of the copy into a readback ring (worker_proc.readback)."""
+    return "kiln_readback", wrap("kiln_readback", ["dst", "src"], ["done"], readback.SOURCE,
+                                 "", {})
 
 
 def qk_norm_variants(dtype: str, dim: int, heads: int) -> list[tuple[str, str]]:

@@ -735,15 +735,15 @@ def test_cuda_tensor_core_kernel_head_shapes(n_q, n_kv, dim, dtype):
 def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     """Where a CUDA toolkit is installed (no GPU needed), every decode kernel variant (both
     K/V pipelines, the float32 pool of the CUDA tests too), the merge kernel and the q/k
-    norm and RoPE kernel (Gemma's heads, a part-warp's) and the sandwich-norm kernel compile as
-    MLX's NVRTC would compile them, keep their arrays in registers (no spill stores) and
-    use at most 128 registers a thread (four blocks of 128 threads an SM: what the H200
-    measurements assumed)."""
+    norm and RoPE kernel (Gemma's heads, a part-warp's), the sandwich-norm kernel and the
+    readback ring's copy compile as MLX's NVRTC would compile them, keep their arrays in
+    registers (no spill stores) and use at most 128 registers a thread (four blocks of 128
+    threads an SM: what the H200 measurements assumed)."""
     import re
 
     from bench.cuda_kernel_report import (compile_kernels, expert_rows_variants, find_cuda,
                                           merge_variant, moe_variants, qk_norm_variants,
-                                          residual_norm_variants, variants)
+                                          readback_variant, residual_norm_variants, variants)
     from worker_proc import fused_moe
     from worker_proc import paged_attention as pa
     from worker_proc import residual_norm
@@ -768,6 +768,7 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
                             2048, 2048) + moe_variants("float", 4, 2, 64, 64)
     # 4-bit experts' projections: GPT-OSS's gate/up and down (padded)
     kernels += expert_rows_variants(2880, 5760) + expert_rows_variants(2880, 2944)
+    kernels.append(readback_variant())  # a step's results into the readback ring
     # The other groups below, compiled in the same nvcc runs as these (each run parses
     # CUDA's headers again: ~1 s): their checks follow.
     def staged(dim: int, group: int) -> list:

@@ -36,8 +36,8 @@ _NP_DTYPES = {mx.int32: np.int32, mx.uint32: np.uint32, mx.float32: np.float32}
 
 # One thread a word; the ring's row comes in as an input (MLX has no in-place custom
 # kernel) and is written through a cast pointer; `done` (its one element) is the mark.
-_SOURCE = r"""
-    const uint i = blockIdx.x * blockDim.x + threadIdx.x;
+SOURCE = r"""
+    const int i = blockIdx.x * blockDim.x + threadIdx.x;
     if (i == 0) done[0] = 0;
     if (i < src_shape[0]) {
         int* out = const_cast<int*>(dst);
@@ -52,7 +52,7 @@ def _copy_kernel():
     # ensure_row_contiguous: the source may be a strided view; the ring's row is always
     # row-contiguous, so MLX hands over its own buffer, never a copy.
     return mx.fast.cuda_kernel(name="kiln_readback", input_names=["dst", "src"],
-                               output_names=["done"], source=_SOURCE)
+                               output_names=["done"], source=SOURCE)
 
 
 def cuda_copy(dst: mx.array, src: mx.array) -> mx.array:
