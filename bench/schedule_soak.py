@@ -28,7 +28,10 @@ of the worker's paths:
   chunk in its decode rows' forward, padded with scratch-slot rows where MLPs are dense),
   where every block can run it (ModelRunner.mixes_rows: llama, qwen3, qwen3_moe among the
   families; the forwards are counted, and elsewhere the runner keeps the two forwards
-  apart, so this is the kernel path again).
+  apart, so this is the kernel path again);
+- readback ring: the kernel path with `--experiments readback-ring` (a step's tokens and
+  logprobs read back through `worker_proc.readback.ReadbackRing`, its device copy stood in
+  for by a host write).
 
 With `--eos`, every request stops at a token some of the schedule's mlx-lm outputs hold
 (mlx-lm's tokens then end before it). With `--sampled`, requests draw seeded sampling
@@ -72,7 +75,8 @@ from tests.test_scheduler import assert_idle_invariant  # noqa: E402
 from tests.test_schedules import Schedule, draw_schedule  # noqa: E402
 from worker_proc.model_rewrites import rewrite_for_serving  # noqa: E402
 
-PATHS = ("plain", "kernel", "in place", "paged prefill", "wide heads", "mixed forward")
+PATHS = ("plain", "kernel", "in place", "paged prefill", "wide heads", "mixed forward",
+         "readback ring")
 # Heads of the paths that reach the paged prefill kernel: 64 with short rows sent there too
 # (the stood-in cuDNN takes them), 256 as Gemma's (cuDNN does not: every prefill, fresh
 # prompts too, through the kernel by default).
@@ -183,6 +187,8 @@ def engine_options(path: str, own_caches: bool, sort_routes: bool = False) -> di
         return {"backend": CountingStandIn(), "compile_decode": True, **cuda}
     if path == "mixed forward":
         return {"backend": StandInKernel(mixed_forward=True), "compile_decode": True, **cuda}
+    if path == "readback ring":
+        return {"backend": StandInKernel(), "compile_decode": True, "readback": True, **cuda}
     return {}
 
 

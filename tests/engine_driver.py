@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import mlx.core as mx
+import numpy as np
 
 from ipc.messages.common import SamplingParams, TokenLogprob
 from ipc.messages.to_detokenizer import BatchTokens, TokenOutput
@@ -33,6 +34,7 @@ from worker_proc.paged_prefill import paged_prefill_fits, reference_paged_prefil
 from worker_proc.prefill_attention import fused_builds_per_shape
 from worker_proc.runner import PREFILL_PADDING, ModelRunner
 from worker_proc.qk_norm_rope import reference_qk_norm_rope
+from worker_proc.readback import ReadbackRing
 from worker_proc.residual_norm import reference_add_norm, reference_residual_norm
 
 
@@ -64,6 +66,13 @@ class Finished:
     cumulative_logprob: float | None = None
 
 
+def stand_in_readback_copy(dst: mx.array, src: mx.array) -> mx.array:
+    """readback.cuda_copy's meaning on the CPU: src's words into dst's buffer (now, on the
+    host: MLX's CPU arrays are host memory), and the one-element mark."""
+    np.asarray(dst)[:src.shape[0]] = np.asarray(src)
+    return mx.zeros((1,), dtype=mx.int32)
+
+
 class InProcessEngine:
     def __init__(self, model: Any, capacity: int = 8192, max_running: int = 16,
                  chunk_size: int = 256, max_prefill_tokens: int = 1024, max_context: int = 4096,
@@ -77,7 +86,8 @@ class InProcessEngine:
                  chunk_align: int = 1, tail_bucket: int = 0,
                  steps_in_flight: int = 2, own_caches: bool = False,
                  prefill_parts: int = 1, prefix_align: int = 0,
-                 decode_first_for_all: bool = False, pad_tails: int = 0) -> None:
+                 decode_first_for_all: bool = False, pad_tails: int = 0,
+                 readback: bool = False) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False; steps_in_flight: how many steps the scheduler keeps at the
         worker with overlap (ServerConfig.steps_in_flight). tokenizer: what the scheduler decodes stop strings with.
@@ -98,7 +108,9 @@ class InProcessEngine:
         PrefillChunking.hit_align; 0: chunk_align). decode_first_for_all: every decoding
         stream held to the decode-first budget (--fixed-decode-first-budget), not only
         those decoding well before the waiting prompts arrived. pad_tails: a lone chunk
-        padded to a multiple of this (ModelRunner.pad_tails, the CUDA path's default)."""
+        padded to a multiple of this (ModelRunner.pad_tails, the CUDA path's default).
+        readback: a step's results read back through a ReadbackRing (--experiments
+        readback-ring), its device copy stood in for (stand_in_readback_copy)."""
         specs = [] if own_caches else probe_attention_specs(model)
         if window_slots is None:
             recurrent = KVPool.state_bytes_per_request(specs) > 0
@@ -113,6 +125,8 @@ class InProcessEngine:
         self.runner.tail_starts = prefix_align
         if pad_tails:  # where the runner can, as the worker asks on the CUDA path
             self.runner.pad_tails(pad_tails)
+        if readback:
+            self.runner.readback = ReadbackRing(stand_in_readback_copy)
         # As the worker tells the scheduler (WorkerReady): a model with recurrent layers
         # caches prefixes only where it keeps state snapshots (one on its own caches never).
         radix_cache = radix_cache and self.runner.serves_prefix_hits

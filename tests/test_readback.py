@@ -11,13 +11,8 @@ import numpy as np
 import pytest
 
 from tests.engine_driver import InProcessEngine, StandInKernel
+from tests.engine_driver import stand_in_readback_copy as host_copy
 from worker_proc.readback import MIN_WORDS, ReadbackRing, prefill_mark, reads_back_here
-
-
-def host_copy(dst: mx.array, src: mx.array) -> mx.array:
-    """cuda_copy's meaning on the CPU: src's words into dst's buffer, now; the mark."""
-    np.asarray(dst)[:src.shape[0]] = np.asarray(src)
-    return mx.zeros((1,), dtype=mx.int32)
 
 
 def _parts(rng: np.random.Generator, rows: int, k: int) -> list[np.ndarray]:
@@ -60,9 +55,8 @@ def test_the_prefill_mark_is_a_one_element_copy_of_the_first_logit() -> None:
 
 
 def _serve(model: Any, readback: bool) -> dict[str, Any]:
-    engine = InProcessEngine(model, backend=StandInKernel(), overlap="ahead", max_running=4)
-    if readback:
-        engine.runner.readback = ReadbackRing(host_copy)
+    engine = InProcessEngine(model, backend=StandInKernel(), overlap="ahead", max_running=4,
+                             readback=readback)
     rng = np.random.default_rng(7)
     vocab = model.args.vocab_size
     for i in range(6):
