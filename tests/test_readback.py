@@ -43,6 +43,15 @@ def test_reads_of_earlier_steps_survive_later_landings() -> None:
     np.testing.assert_array_equal(ring.read(second)[0], np.arange(10, 30))
 
 
+def test_a_read_after_its_buffer_was_reused_is_an_error_not_other_tokens() -> None:
+    ring = ReadbackRing(host_copy, depth=2)
+    first = ring.land(mx.array(np.arange(4, dtype=np.int32)))
+    ring.land(mx.array(np.arange(8, dtype=np.int32)))
+    ring.land(mx.array(np.arange(6, dtype=np.int32)))  # first's buffer again
+    with pytest.raises(RuntimeError, match="more steps in flight than the readback ring"):
+        ring.read(first)
+
+
 def test_a_copy_that_writes_nothing_is_found_at_start_up() -> None:
     assert reads_back_here(host_copy)
     assert not reads_back_here(lambda dst, src: mx.zeros((1,), dtype=mx.int32))

@@ -77,6 +77,8 @@ class Readback:
     done: mx.array
     words: np.ndarray  # the host's view of the buffer they land in
     parts: tuple[tuple[tuple[int, ...], type], ...]
+    buffer: int  # which of the ring's
+    use: int  # the ring's count of landings when this one was made
 
 
 class ReadbackRing:
@@ -86,6 +88,8 @@ class ReadbackRing:
         self._copy = copy
         self._buffers: list[tuple[mx.array, np.ndarray] | None] = [None] * depth
         self._k = 0
+        self._uses = 0
+        self._last_use = [0] * depth  # by buffer: the landing that wrote it last
 
     def land(self, *parts: mx.array) -> Readback:
         """Copy the parts (4-byte int32, uint32 or float32 arrays) into the next buffer
@@ -94,13 +98,19 @@ class ReadbackRing:
                  for p in parts]
         flat = words[0] if len(words) == 1 else mx.concatenate(words)
         self._k = (self._k + 1) % len(self._buffers)
+        self._uses += 1
+        self._last_use[self._k] = self._uses
         array, view = self._buffer(self._k, flat.shape[0])
         return Readback(self._copy(array, flat), view,
-                        tuple((tuple(p.shape), _NP_DTYPES[p.dtype]) for p in parts))
+                        tuple((tuple(p.shape), _NP_DTYPES[p.dtype]) for p in parts),
+                        self._k, self._uses)
 
-    @staticmethod
-    def read(readback: Readback) -> list[np.ndarray]:
+    def read(self, readback: Readback) -> list[np.ndarray]:
         """Wait for the step and return its parts (copies, in their shapes and dtypes)."""
+        if self._last_use[readback.buffer] != readback.use:
+            raise RuntimeError(f"a step's results were read back after {len(self._buffers)} "
+                               "later landings reused their buffer: more steps in flight "
+                               "than the readback ring holds")
         readback.done.item()  # waits for this step's work alone (its own event)
         at, out = 0, []
         for shape, dtype in readback.parts:
