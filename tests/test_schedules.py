@@ -220,6 +220,24 @@ def test_a_hit_on_a_snapshot_saved_in_the_same_step_is_exact(family):
         assert outputs[f"r{i}"] == mlx_lm_tokens(model, prompt, n), f"r{i}"
 
 
+def test_a_model_on_its_own_caches_runs_its_tails_unpadded(tiny_model, oracle):
+    """bench/schedule_soak.py's seed 31002 (deepseek_v41, which the worker serves on
+    mlx-lm's own caches): a runner told to pad prompts' last chunks (as the schedules'
+    engines are) sent a lone tail to the padded shared forward, which such a runner has
+    not, and every request of the step failed. Such a runner pads nothing."""
+    model, _ = tiny_model
+    prompts = [np.random.default_rng(i).integers(5, model.args.vocab_size, size=n).tolist()
+               for i, n in enumerate((21, 37))]
+    engine = InProcessEngine(model, own_caches=True, chunk_size=16, chunk_align=16,
+                             tail_bucket=16, pad_tails=16)
+    for i, prompt in enumerate(prompts):
+        engine.submit(f"r{i}", prompt, 6, [])
+    results = engine.run_until_idle()
+    for i, prompt in enumerate(prompts):
+        assert results[f"r{i}"].error is None, results[f"r{i}"].error
+        assert results[f"r{i}"].token_ids == oracle(prompt, 6)
+
+
 def test_same_step_hit_on_a_shorter_prompt_is_exact(tiny_model, oracle):
     """The case the random schedules first caught: r1 shares r0's first token, both are
     admitted in one step, and r1's longer chunk was run first (before r0 wrote it)."""

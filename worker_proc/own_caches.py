@@ -75,6 +75,7 @@ class OwnCacheRunner(ModelRunner):
         self.bytes_per_token = bytes_per_token
         self.shares_prefill = False  # one request a forward
         self.mixes_rows = False
+        self.tail_bucket = 0  # a chunk runs as it is: padding would run through its caches
         self.spread_refusal = "its layers run on mlx-lm's own caches"
         self._caches: dict[str, list[Any]] = {}
 
@@ -126,6 +127,9 @@ class OwnCacheRunner(ModelRunner):
         self._launch_prefill(len(chunk.token_ids), False, logits,
                              *(scored.picked if scored else ()), *_states([caches]))
         return logits
+
+    def pad_tails(self, multiple: int) -> bool:
+        return False  # as tail_bucket (__init__)
 
     def _prefill_many(self, chunks: list[PrefillChunk], width: int) -> list[mx.array]:
         raise AssertionError("prefill chunks of a model on its own caches run one a forward")
