@@ -299,10 +299,10 @@ class ServerConfig:
                                       "one-row problem a row, not as one problem of all "
                                       "rows), wide-cache (MLX's buffer cache capped at half "
                                       "the device memory left beside the pool, not a "
-                                      "quarter), readback-ring (a step's tokens copied on "
-                                      "the device into buffers the host keeps reading, so "
-                                      "no buffer the host read is ever freed: MLX frees "
-                                      "those with cudaFree, which waits for the steps in "
+                                      "quarter), readback-ring (a step's tokens and logprobs "
+                                      "copied on the device into buffers the host keeps, so "
+                                      "the host reads no per-step array that MLX later frees "
+                                      "with cudaFree, which waits for the steps in "
                                       "flight)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "

@@ -16,9 +16,10 @@ mixed traffic (docs/benchmarks.md, sessions 57-58).
 ring of managed buffers it holds for the process (one a step, written `depth` steps apart
 as HostStaging's are), and hands back a one-element mark: MLX keeps arrays of 8 bytes or
 less in a managed region of their own that it never frees with cudaFree. The host waits
-on the mark and reads the results from its view of the buffer, so nothing it reads is
-ever freed. `prefill_mark` is the same for a prefill forward's wait: a one-element copy of
-a logit, where a view of the logits would move the whole logits buffer.
+on the mark and reads the results from its view of the buffer, so nothing it reads a
+step is ever freed. `prefill_mark` is the same for a prefill forward's wait: a one-element
+copy of a logit, where a view of the logits would move the whole logits buffer. Prompt
+logprobs (asked for rarely) are still read from their own arrays.
 """
 
 from __future__ import annotations
