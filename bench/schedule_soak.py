@@ -29,7 +29,7 @@ of the worker's paths:
   where every block can run it (ModelRunner.mixes_rows: llama, qwen3, qwen3_moe among the
   families; the forwards are counted, and elsewhere the runner keeps the two forwards
   apart, so this is the kernel path again);
-- readback ring: the kernel path with `--experiments readback-ring` (a step's tokens and
+- readback ring: the kernel path with the CUDA worker's readback ring (a step's tokens and
   logprobs read back through `worker_proc.readback.ReadbackRing`, its device copy stood in
   for by a host write).
 

@@ -32,7 +32,7 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
                       "unpaged-prefill", "paged-short-rows", "unpadded-experts", "block-tiles", "unfused-moe",
                       "mlx-expert-matmuls", "batched-quantized-rows", "wide-cache",
-                      "readback-ring")
+                      "array-readback")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
 CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv", "block-tiles"})
@@ -299,10 +299,10 @@ class ServerConfig:
                                       "one-row problem a row, not as one problem of all "
                                       "rows), wide-cache (MLX's buffer cache capped at half "
                                       "the device memory left beside the pool, not a "
-                                      "quarter), readback-ring (a step's tokens and logprobs "
-                                      "copied on the device into buffers the host keeps, so "
-                                      "the host reads no per-step array that MLX later frees "
-                                      "with cudaFree, which waits for the steps in "
+                                      "quarter), array-readback (a step's tokens read from "
+                                      "their own arrays, not through the worker's ring of "
+                                      "host-read buffers: MLX later frees each such array's "
+                                      "buffer with cudaFree, which waits for the steps in "
                                       "flight)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "

@@ -109,8 +109,8 @@ class InProcessEngine:
         stream held to the decode-first budget (--fixed-decode-first-budget), not only
         those decoding well before the waiting prompts arrived. pad_tails: a lone chunk
         padded to a multiple of this (ModelRunner.pad_tails, the CUDA path's default).
-        readback: a step's results read back through a ReadbackRing (--experiments
-        readback-ring), its device copy stood in for (stand_in_readback_copy)."""
+        readback: a step's results read back through a ReadbackRing (the CUDA worker's
+        default), its device copy stood in for (stand_in_readback_copy)."""
         specs = [] if own_caches else probe_attention_specs(model)
         if window_slots is None:
             recurrent = KVPool.state_bytes_per_request(specs) > 0

@@ -137,8 +137,8 @@ def test_memory_experiments_widen_the_cache_and_are_refused_off_cuda(monkeypatch
     assert cuda_cache_limits(frozenset(), said.append) is None
     with pytest.raises(UnsupportedModelError, match="wide-cache: CUDA's memory only"):
         cuda_cache_limits(frozenset({"wide-cache"}), said.append)
-    with pytest.raises(UnsupportedModelError, match="readback-ring: CUDA's memory only"):
-        cuda_cache_limits(frozenset({"readback-ring"}), said.append)
+    with pytest.raises(UnsupportedModelError, match="array-readback: CUDA's memory only"):
+        cuda_cache_limits(frozenset({"array-readback"}), said.append)
     assert memory.DevicePool.find() is None  # no CUDA backend here
 
 

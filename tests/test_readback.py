@@ -1,5 +1,5 @@
 """A step's results read back through a ring of host-read buffers (worker_proc.readback,
-`--experiments readback-ring`): on the CPU its device copy is stood in for by a host
+CUDA's default): on the CPU its device copy is stood in for by a host
 write of the same words; the CUDA kernel itself is checked where MLX runs on CUDA."""
 
 from __future__ import annotations

@@ -210,7 +210,7 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
                          compile_decode=not config.eager_decode and backend.compiles,
                          compile_prefill=config.compile_prefill,
                          tail_bucket=chunking.tail_bucket)
-    if "readback-ring" in config.experiment_set:  # CUDA only (cuda_cache_limits refused it)
+    if on_cuda and "array-readback" not in config.experiment_set:
         runner.readback = readback_ring(say)
     if backend.pad_tails and runner.pad_tails(TAIL_MULTIPLE):
         say(f"a step's lone prompt chunk runs padded to a multiple of {TAIL_MULTIPLE} tokens")
@@ -268,20 +268,20 @@ def cuda_cache_limits(experiments: frozenset[str], say: Callable[[str], None]) -
 
 
 def readback_ring(say: Callable[[str], None]) -> "ReadbackRing | None":
-    """A ring the steps' tokens are read back through (--experiments readback-ring),
-    where the host reads what the device copies there; else None, with a warning."""
+    """A ring the steps' tokens are read back through (CUDA; --experiments array-readback:
+    none), where the host reads what the device copies there; else None, with a warning."""
     from worker_proc.readback import ReadbackRing, reads_back_here
 
     if not reads_back_here():
-        logger.warning("--experiments readback-ring unused: the host does not read what "
-                       "the device writes into MLX's managed buffers here")
+        logger.warning("a step's tokens are read from their arrays: the host does not read "
+                       "what the device writes into MLX's managed buffers here")
         return None
-    say("a step's tokens are read back through a ring of managed buffers (readback-ring)")
+    say("a step's tokens are read back through a ring of managed buffers")
     return ReadbackRing()
 
 
 # --experiments names about CUDA's memory, not a kernel: refused elsewhere.
-MEMORY_EXPERIMENTS = frozenset({"wide-cache", "readback-ring"})
+MEMORY_EXPERIMENTS = frozenset({"wide-cache", "array-readback"})
 
 
 def fit_prefill_forwards(runner: "ModelRunner", step: int, cache_limit: int, chunk: int,

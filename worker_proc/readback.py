@@ -1,5 +1,5 @@
-"""A step's results read back through memory the host already reads (`--experiments
-readback-ring`, CUDA).
+"""A step's results read back through memory the host already reads (CUDA's default;
+`--experiments array-readback` reads the arrays themselves, the A/B arm).
 
 On MLX's CUDA backend, reading an array on the host (`tolist`, `item`) moves its device
 buffer into a new managed one (cudaMallocManaged and a copy), which the array then keeps.

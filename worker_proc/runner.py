@@ -220,8 +220,8 @@ class ModelRunner:
         self.vocab_size: int | None = getattr(getattr(model, "args", None), "vocab_size", None)
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
         self._last_prefill: mx.array | None = None  # see _launch_prefill
-        # Where a step's results are copied for the host to read (--experiments readback-ring,
-        # set by the worker on CUDA); None: the host reads the arrays themselves.
+        # Where a step's results are copied for the host to read (set by the worker on CUDA;
+        # --experiments array-readback: None); None: the host reads the arrays themselves.
         self.readback: ReadbackRing | None = None
         self._last_prefill_bytes = 0.0
         # Where the worker measured prefill memory (CUDA: fit_prefill_forwards): the
