@@ -31,7 +31,8 @@ from typing import Callable
 import mlx.core as mx
 import numpy as np
 
-DEPTH = 4  # as HostStaging's: two steps in flight, one being built, one to spare
+from worker_proc.staging import DEPTH, GROWTH, host_view_buffer
+
 MIN_WORDS = 1 << 14  # 64 KiB a buffer: 128 rows' tokens and top-20 logprobs fit
 _NP_DTYPES = {mx.int32: np.int32, mx.uint32: np.uint32, mx.float32: np.float32}
 
@@ -76,7 +77,6 @@ class Readback:
     marks their arrival; parts' shapes and dtypes say how to read the words."""
 
     done: mx.array
-    words: np.ndarray  # the host's view of the buffer they land in
     parts: tuple[tuple[tuple[int, ...], type], ...]
     buffer: int  # which of the ring's
     use: int  # the ring's count of landings when this one was made
@@ -101,8 +101,8 @@ class ReadbackRing:
         self._k = (self._k + 1) % len(self._buffers)
         self._uses += 1
         self._last_use[self._k] = self._uses
-        array, view = self._buffer(self._k, flat.shape[0])
-        return Readback(self._copy(array, flat), view,
+        array = self._buffer(self._k, flat.shape[0])
+        return Readback(self._copy(array, flat),
                         tuple((tuple(p.shape), _NP_DTYPES[p.dtype]) for p in parts),
                         self._k, self._uses)
 
@@ -113,23 +113,23 @@ class ReadbackRing:
                                "later landings reused their buffer: more steps in flight "
                                "than the readback ring holds")
         readback.done.item()  # waits for this step's work alone (its own event)
-        at, out = 0, []
+        held = self._buffers[readback.buffer]  # the one it landed in (no landing since)
+        assert held is not None
+        words, at, out = held[1], 0, []
         for shape, dtype in readback.parts:
             n = int(np.prod(shape, dtype=np.int64))
-            out.append(readback.words[at:at + n].view(dtype).reshape(shape).copy())
+            out.append(words[at:at + n].view(dtype).reshape(shape).copy())
             at += n
         return out
 
-    def _buffer(self, k: int, words: int) -> tuple[mx.array, np.ndarray]:
+    def _buffer(self, k: int, words: int) -> mx.array:
         """Buffer k, made or remade to hold `words` (one a step in flight still writes
-        stays alive through that step's graph and Readback)."""
+        stays alive through that step's graph)."""
         held = self._buffers[k]
         if held is None or held[1].size < words:
-            size = max(words, MIN_WORDS, 4 * (held[1].size if held else 0))
-            array = mx.array(np.zeros(size, dtype=np.int32))
-            mx.eval(array)
-            held = self._buffers[k] = (array, np.asarray(array))  # managed from here on
-        return held
+            size = max(words, MIN_WORDS, GROWTH * (held[1].size if held else 0))
+            held = self._buffers[k] = host_view_buffer(size)  # managed from here on
+        return held[0]
 
 
 def reads_back_here(copy: Copy = cuda_copy) -> bool:

@@ -463,17 +463,16 @@ class ModelRunner:
         # all of `final` one event). mx.eval would instead put a barrier at the end of the
         # stream and so also wait for a next step already started (the CUDA start-ahead):
         # measured on the H200, 3.3 ms of waiting per step at batch 1 for nothing.
+        lp = pending.logprobs
         if pending.readback is not None:
             tokens, *logprob_parts = self.readback.read(pending.readback)  # type: ignore[union-attr]
         else:
-            lp = pending.logprobs
             tokens, *logprob_parts = [pending.tokens, *(lp.arrays if lp is not None else [])]
         result = StepResult(step=pending.step, rids=pending.rids,
                             token_ids=tokens.tolist(), prompt_logprobs=prompt,
                             errors=errors)
         for row, matcher in pending.matchers:
             GrammarMatchers.advance(matcher, result.token_ids[row])
-        lp = pending.logprobs
         if lp is None:
             return result
         chosen, top_ids, top_logprobs = (a.tolist() for a in logprob_parts)

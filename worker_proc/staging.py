@@ -109,9 +109,7 @@ class HostStaging:
         global _reads_host_writes
         self.grown += 1
         began = time.perf_counter()
-        array = mx.array(np.zeros(size, dtype=np.int32))
-        mx.eval(array)
-        view = np.asarray(array)  # on CUDA: the buffer moved to managed memory, once
+        array, view = host_view_buffer(size)
         if view.flags.writeable:
             if _reads_host_writes is None:
                 _reads_host_writes = all(_device_reads(array, view, first) for first in (7, 11))
@@ -123,6 +121,14 @@ class HostStaging:
                        "inputs are made as new arrays")
         self._unwritable = True
         return None
+
+
+def host_view_buffer(size: int) -> tuple[mx.array, np.ndarray]:
+    """A new MLX array of `size` int32 zeros and the host's numpy view of its memory (on
+    CUDA, making the view moves the buffer to managed memory, once)."""
+    array = mx.array(np.zeros(size, dtype=np.int32))
+    mx.eval(array)
+    return array, np.asarray(array)
 
 
 def _device_reads(array: mx.array, view: np.ndarray, first: int) -> bool:
