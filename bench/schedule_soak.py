@@ -31,7 +31,11 @@ of the worker's paths:
   apart, so this is the kernel path again);
 - readback ring: the kernel path with the CUDA worker's readback ring (a step's tokens and
   logprobs read back through `worker_proc.readback.ReadbackRing`, its device copy stood in
-  for by a host write).
+  for by a host write);
+- launch thread: the kernel path with `--experiments launch-thread` (decode steps launched
+  from a thread of their own while the next one is built; its ring's copy a lazy stand-in,
+  tests.engine_driver.LazyStandInRing). The thread's stream is this process's default
+  from its first such schedule on.
 
 With `--eos`, every request stops at a token some of the schedule's mlx-lm outputs hold
 (mlx-lm's tokens then end before it). With `--sampled`, requests draw seeded sampling
@@ -66,6 +70,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import mlx.core as mx  # noqa: E402
+
 from tests.engine_driver import (Finished, InProcessEngine,  # noqa: E402
                                  StandInInPlaceKernels, StandInKernel)
 from worker_proc.fused_moe import reference_route  # noqa: E402
@@ -73,10 +79,11 @@ from tests.families import FAMILIES, RECURRENT_FAMILIES, UNPAGED, VOCAB, build  
 from tests.test_families import mlx_lm_tokens  # noqa: E402
 from tests.test_scheduler import assert_idle_invariant  # noqa: E402
 from tests.test_schedules import Schedule, draw_schedule  # noqa: E402
+from worker_proc.launcher import LaunchThread  # noqa: E402
 from worker_proc.model_rewrites import rewrite_for_serving  # noqa: E402
 
 PATHS = ("plain", "kernel", "in place", "paged prefill", "wide heads", "mixed forward",
-         "readback ring")
+         "readback ring", "launch thread")
 # Heads of the paths that reach the paged prefill kernel: 64 with short rows sent there too
 # (the stood-in cuDNN takes them), 256 as Gemma's (cuDNN does not: every prefill, fresh
 # prompts too, through the kernel by default).
@@ -189,7 +196,18 @@ def engine_options(path: str, own_caches: bool, sort_routes: bool = False) -> di
         return {"backend": StandInKernel(mixed_forward=True), "compile_decode": True, **cuda}
     if path == "readback ring":
         return {"backend": StandInKernel(), "compile_decode": True, "readback": True, **cuda}
+    if path == "launch thread":
+        return {"backend": StandInKernel(), "compile_decode": True, "launcher": _launcher(),
+                **cuda}
     return {}
+
+
+@functools.cache
+def _launcher() -> LaunchThread:
+    """The process's launch thread, its stream everyone's default from now on."""
+    thread = LaunchThread()
+    mx.set_default_stream(thread.stream)
+    return thread
 
 
 def draw_aborts(seed: int, schedule: Schedule, share: float) -> dict[int, int]:

@@ -34,7 +34,8 @@ from worker_proc.paged_prefill import paged_prefill_fits, reference_paged_prefil
 from worker_proc.prefill_attention import fused_builds_per_shape
 from worker_proc.runner import PREFILL_PADDING, ModelRunner
 from worker_proc.qk_norm_rope import reference_qk_norm_rope
-from worker_proc.readback import ReadbackRing
+from worker_proc.launcher import LaunchThread
+from worker_proc.readback import Readback, ReadbackRing
 from worker_proc.residual_norm import reference_add_norm, reference_residual_norm
 
 
@@ -73,6 +74,19 @@ def stand_in_readback_copy(dst: mx.array, src: mx.array) -> mx.array:
     return mx.zeros((1,), dtype=mx.int32)
 
 
+class LazyStandInRing(ReadbackRing):
+    """The ring on the CPU with its copy computed with the step, as the CUDA kernel's is
+    (stand_in_readback_copy writes when the step is built): the mark is the words' copy
+    itself, read once computed. Like the device's buffer, it is no array a later step
+    reads, so a launch thread may be launching one meanwhile."""
+
+    def __init__(self) -> None:
+        super().__init__(lambda dst, src: src + 0)
+
+    def _words(self, readback: Readback) -> np.ndarray:
+        return np.asarray(readback.done)
+
+
 class InProcessEngine:
     def __init__(self, model: Any, capacity: int = 8192, max_running: int = 16,
                  chunk_size: int = 256, max_prefill_tokens: int = 1024, max_context: int = 4096,
@@ -87,7 +101,7 @@ class InProcessEngine:
                  steps_in_flight: int = 2, own_caches: bool = False,
                  prefill_parts: int = 1, prefix_align: int = 0,
                  decode_first_for_all: bool = False, pad_tails: int = 0,
-                 readback: bool = False) -> None:
+                 readback: bool = False, launcher: LaunchThread | None = None) -> None:
         """overlap: True (deferred start, the CPU default), "ahead" (start before waiting,
         as on CUDA) or False; steps_in_flight: how many steps the scheduler keeps at the
         worker with overlap (ServerConfig.steps_in_flight). tokenizer: what the scheduler decodes stop strings with.
@@ -110,7 +124,9 @@ class InProcessEngine:
         those decoding well before the waiting prompts arrived. pad_tails: a lone chunk
         padded to a multiple of this (ModelRunner.pad_tails, the CUDA path's default).
         readback: a step's results read back through a ReadbackRing (the CUDA worker's
-        default), its device copy stood in for (stand_in_readback_copy)."""
+        default), its device copy stood in for (stand_in_readback_copy). launcher: the
+        thread decode steps launch from (--experiments launch-thread; its stream must be
+        the caller's default), with a LazyStandInRing as the ring."""
         specs = [] if own_caches else probe_attention_specs(model)
         if window_slots is None:
             recurrent = KVPool.state_bytes_per_request(specs) > 0
@@ -127,6 +143,8 @@ class InProcessEngine:
             self.runner.pad_tails(pad_tails)
         if readback:
             self.runner.readback = ReadbackRing(stand_in_readback_copy)
+        if launcher is not None:
+            self.runner.readback, self.runner.launcher = LazyStandInRing(), launcher
         # As the worker tells the scheduler (WorkerReady): a model with recurrent layers
         # caches prefixes only where it keeps state snapshots (one on its own caches never).
         radix_cache = radix_cache and self.runner.serves_prefix_hits

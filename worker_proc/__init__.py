@@ -21,6 +21,7 @@ from worker_proc.watchdog import StepWatchdog
 
 if TYPE_CHECKING:
     from worker_proc.decode_backend import DecodeBackend
+    from worker_proc.launcher import LaunchThread
     from worker_proc.grammar import GrammarMatchers
     from worker_proc.memory import DevicePool
     from worker_proc.own_caches import OwnCacheRunner
@@ -97,6 +98,7 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
         # Graph building is well under 1% of a CPU prefill forward: nothing to save.
         raise UnsupportedModelError("--compile-prefill: the CPU builds every prefill forward "
                                     "(its prefill is compute-bound); drop the flag")
+    launcher = launch_thread(config.experiment_set, on_cuda)  # before anything is built
     budgets = raise_cuda_graph_budgets()  # before the model touches the GPU
     if budgets:
         say("CUDA graph budgets: " + ", ".join(f"{k}={v}" for k, v in budgets.items()))
@@ -244,6 +246,12 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
         fit_prefill_forwards(runner, steps + 1, cache_limit, chunking.size, say)
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")
+    if launcher is not None:
+        if runner.readback is None:
+            raise UnsupportedModelError("--experiments launch-thread: needs the readback ring "
+                                        "(drop array-readback)")
+        runner.launcher = launcher
+        say("decode steps launched from a thread of their own (launch-thread)")
     say(f"warmed up ({steps} steps{f', {traces} more decode traces' if traces else ''}, "
         f"{time.monotonic() - t0:.1f}s)")
     start_grammars(grammars, hf)
@@ -265,6 +273,24 @@ def cuda_cache_limits(experiments: frozenset[str], say: Callable[[str], None]) -
         return None
     say(f"MLX buffer cache capped at {limit / 2**30:.1f} GiB")
     return limit
+
+
+def launch_thread(experiments: frozenset[str], on_cuda: bool) -> "LaunchThread | None":
+    """The thread decode steps launch from (--experiments launch-thread, CUDA only), its
+    stream made this thread's default; None without the experiment."""
+    if "launch-thread" not in experiments:
+        return None
+    from worker_proc.launcher import LaunchThread
+    from worker_proc.layer_kinds import UnsupportedModelError
+
+    if not on_cuda:
+        # MLX's CPU launch returns only when the step is nearly computed: nothing to hide.
+        raise UnsupportedModelError("--experiments launch-thread: CUDA's decode kernel path only")
+    import mlx.core as mx
+
+    launcher = LaunchThread()
+    mx.set_default_stream(launcher.stream)
+    return launcher
 
 
 def readback_ring(say: Callable[[str], None]) -> "ReadbackRing | None":
@@ -551,15 +577,23 @@ class WorkerLoop:
         self.steps_built_ahead += bool(self.in_flight)
         cpu = HostClock.start()
         pending = self._build(batch)
-        # Launching a step takes the host about as long as the device takes to run one.
-        # So half of N+1 goes first, then N is reported: the scheduler's round trip for
-        # N+2 overlaps the launch of N+1's second half instead of following it.
-        self.runner.start_head()
-        head = self._timer.mark("start")
-        cpu.pause()
-        self._report_all()
-        cpu.resume()
-        rest = self._start(pending)
+        if self.runner.launcher is not None:
+            # Its launch thread takes the whole step; meanwhile this one reports N and
+            # then builds N+2.
+            head, rest = 0.0, self._start(pending)
+            cpu.pause()
+            self._report_all()
+            cpu.resume()
+        else:
+            # Launching a step takes the host about as long as the device takes to run
+            # one. So half of N+1 goes first, then N is reported: the scheduler's round
+            # trip for N+2 overlaps the launch of N+1's second half instead of following it.
+            self.runner.start_head()
+            head = self._timer.mark("start")
+            cpu.pause()
+            self._report_all()
+            cpu.resume()
+            rest = self._start(pending)
         if logger.isEnabledFor(logging.DEBUG):
             # A launch that stalls (MLX building a CUDA graph anew, an allocation) shows
             # here, not in the build line nor in the wait for the tokens. The thread's CPU
@@ -632,6 +666,9 @@ class WorkerLoop:
         """Log the last interval's phase times once one has passed (see StepStats)."""
         line = self.stats.summary()
         if line:
+            launcher = getattr(self.runner, "launcher", None)
+            if launcher is not None:
+                line += f"; launch thread: {launcher.interval_note()}"
             logger.info("%s; %s", line, memory_note(self.device_pool))
 
     def _report_all(self) -> None:

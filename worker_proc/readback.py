@@ -112,15 +112,19 @@ class ReadbackRing:
             raise RuntimeError(f"a step's results were read back after {len(self._buffers)} "
                                "later landings reused their buffer: more steps in flight "
                                "than the readback ring holds")
-        readback.done.item()  # waits for this step's work alone (its own event)
-        held = self._buffers[readback.buffer]  # the one it landed in (no landing since)
-        assert held is not None
-        words, at, out = held[1], 0, []
+        words, at, out = self._words(readback), 0, []
         for shape, dtype in readback.parts:
             n = int(np.prod(shape, dtype=np.int64))
             out.append(words[at:at + n].view(dtype).reshape(shape).copy())
             at += n
         return out
+
+    def _words(self, readback: Readback) -> np.ndarray:
+        """The host's view of the words a landing wrote, once they are there."""
+        readback.done.item()  # waits for this step's work alone (its own event)
+        held = self._buffers[readback.buffer]  # the one it landed in (no landing since)
+        assert held is not None
+        return held[1]
 
     def _buffer(self, k: int, words: int) -> mx.array:
         """Buffer k, made or remade to hold `words` (one a step in flight still writes

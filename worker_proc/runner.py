@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -27,6 +28,7 @@ from worker_proc.compiled_decode import CompiledDecode
 from worker_proc.decode_block import dense_mlps, mixes_rows
 from worker_proc.grammar import GrammarMatchers
 from worker_proc.kv_pool import KVPool
+from worker_proc.launcher import LaunchThread
 from worker_proc.readback import Readback, ReadbackRing, prefill_mark
 from worker_proc.memory import prefill_forward_tokens
 from worker_proc.prefill_forward import PrefillForwards, rows_at, traceable
@@ -223,6 +225,10 @@ class ModelRunner:
         # Where a step's results are copied for the host to read (set by the worker on CUDA;
         # --experiments array-readback: None); None: the host reads the arrays themselves.
         self.readback: ReadbackRing | None = None
+        # The thread decode steps are launched from (set by the worker: --experiments
+        # launch-thread); None: launched from the caller's.
+        self.launcher: LaunchThread | None = None
+        self._launches: dict[int, Future] = {}  # by step, launches handed to it
         self._last_prefill_bytes = 0.0
         # Where the worker measured prefill memory (CUDA: fit_prefill_forwards): the
         # bytes two forwards in flight may hold, and a token's bytes in a lone prompt's
@@ -302,6 +308,9 @@ class ModelRunner:
     def reset(self) -> None:
         """Forget every request and every step's pending reports (after a step failed
         as a whole: nothing it held can be trusted)."""
+        if self.launcher is not None:
+            self.launcher.quiesce(raise_errors=False)
+            self._launches.clear()
         self._release(list(self.requests))
         self._prompt_logprobs.clear()
         self._refused.clear()
@@ -341,6 +350,8 @@ class ModelRunner:
         prefill chunks already runs those forwards (with a scatter-written pool, see
         start's NOTE: no earlier step may still be running when this is called for one)."""
         self.clock = ForwardClock()
+        if self.launcher is not None and not self.builds_lazily(batch):
+            self.launcher.quiesce()  # it runs forwards or copies as it is built
         self._release(batch.released, batch.released_snapshots)
         refused: list[RequestError] = []
         for new in batch.new_requests:
@@ -386,6 +397,14 @@ class ModelRunner:
         out = self._sampler.sample(logits, sampled) if sampled else NOTHING_SAMPLED
         return self._with_tokens(batch.step, sampled, out)
 
+    @staticmethod
+    def builds_lazily(batch: ForwardBatch) -> bool:
+        """Whether building the step evaluates nothing (a launch thread may then still be
+        launching the step before): decode rows alone, no request added, no prefill, no
+        recurrent state kept."""
+        return not (batch.new_requests or batch.prefill or batch.continues_prefill
+                    or batch.parts > 1 or any(batch.released_snapshots))
+
     def sample_constrained(self, pending: PendingStep) -> PendingStep:
         """The sampling of a step whose forward build() left alone because some rows have
         a grammar. Call it once every earlier step has finished (their tokens are then in
@@ -424,7 +443,11 @@ class ModelRunner:
         pool-update probe in docs/benchmarks.md, "Retired probes"; on the H200, out of
         memory).
         """
-        mx.async_eval(*pending.final, *pending.landing)
+        if self.launcher is not None:
+            self._launches[pending.step] = self.launcher.launch([*pending.final,
+                                                                 *pending.landing])
+        else:
+            mx.async_eval(*pending.final, *pending.landing)
         if pending.tokens is not None:
             # Its tokens now stand for the whole step (finish waits on them). Scatter
             # pools: holding the layer arrays past this point would keep the next step
@@ -437,8 +460,10 @@ class ModelRunner:
         Launching while a step runs is for in-place pools; a scatter pool's layers would
         be copied (correct, only slow). A step whose forwards launched as they were built
         (prefill) launches nothing new."""
-        if not self.pool.layers:
-            return  # no K/V layer marks a half-way point (a purely recurrent model)
+        if not self.pool.layers or self.launcher is not None:
+            # No K/V layer marks a half-way point (a purely recurrent model); a launch
+            # thread takes the step whole.
+            return
         middle = len(self.pool.layers) // 2
         head = self.pool.mark(middle) if self.pool.in_place else self.pool.layers[middle]
         if head is not None:
@@ -453,6 +478,13 @@ class ModelRunner:
         """Wait for a started step and report its tokens; the grammars of its constrained
         rows consume theirs."""
         assert not pending.needs_sampling, "sample_constrained was not called"
+        if self.launcher is not None:
+            launched = self._launches.pop(pending.step, None)
+            if launched is not None:
+                launched.result()  # raises its launch's error
+            if pending.readback is None or pending.step in self._prompt_logprobs:
+                # Read from the step's arrays, which a step launching now may use.
+                self.launcher.quiesce()
         prompt = [p.message() for p in self._prompt_logprobs.pop(pending.step, [])]
         errors = self._refused.pop(pending.step, [])
         if pending.tokens is None:

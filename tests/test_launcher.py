@@ -1,0 +1,117 @@
+"""Decode steps launched from a thread of the worker's own (worker_proc.launcher,
+`--experiments launch-thread`): served tokens equal mlx-lm's while the worker's thread
+builds the next step beside a launch, and a failed launch ends its requests, not the
+worker. On the CPU the ring's device copy is stood in for by a lazy copy (LazyStandInRing)."""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable, Iterator
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from tests.engine_driver import InProcessEngine, StandInKernel
+from worker_proc.launcher import LaunchThread
+
+
+@pytest.fixture
+def launcher() -> Iterator[LaunchThread]:
+    """A launch thread whose stream is this thread's default while the test runs."""
+    before = mx.default_stream(mx.default_device())
+    thread = LaunchThread()
+    mx.set_default_stream(thread.stream)
+    try:
+        yield thread
+    finally:
+        mx.set_default_stream(before)
+        thread.close()
+
+
+def test_launched_arrays_compute_and_a_launch_error_is_raised_once(
+        launcher: LaunchThread) -> None:
+    a = mx.arange(12, dtype=mx.float32).reshape(3, 4)
+    out = (a @ a.T).sum()
+    seconds = launcher.launch([out]).result()
+    n = np.arange(12.0).reshape(3, 4)
+    assert seconds >= 0 and out.item() == float((n @ n.T).sum())
+    # A stream of this thread's own is one the launch thread cannot run.
+    with mx.stream(mx.new_stream(mx.default_device())):
+        stranded = a + 1
+    failed = launcher.launch([stranded])
+    ok = a * 2
+    launcher.launch([ok])
+    with pytest.raises(RuntimeError, match="no Stream"):
+        launcher.quiesce()
+    launcher.quiesce()  # raised once; nothing open
+    assert isinstance(failed.exception(), RuntimeError)
+    np.testing.assert_array_equal(np.asarray(ok), np.arange(12).reshape(3, 4) * 2)
+
+
+def _serve(model: Any, launcher: LaunchThread | None,
+           fail_launch: Callable[[], bool] | None = None) -> tuple[InProcessEngine, dict]:
+    """Requests that arrive over time (new ones join decoding ones, some finish early),
+    two with logprobs, served with the CUDA path's start-ahead."""
+    engine = InProcessEngine(model, backend=StandInKernel(), overlap="ahead", max_running=4,
+                             readback=launcher is None, launcher=launcher)
+    rng = np.random.default_rng(11)
+    vocab = model.args.vocab_size
+    prompts = [rng.integers(0, vocab, int(rng.integers(5, 60))).tolist() for _ in range(8)]
+    for i, prompt in enumerate(prompts[:3]):
+        engine.submit(f"r{i}", prompt, 6 + 4 * i, [], **({"logprobs": 2} if i == 1 else {}))
+    for _ in range(5):
+        engine.step()
+    for i, prompt in enumerate(prompts[3:], start=3):
+        engine.submit(f"r{i}", prompt, 14, [], **({"logprobs": 3} if i == 6 else {}))
+    return engine, engine.run_until_idle()
+
+
+def test_served_tokens_equal_mlx_lm_with_the_launch_thread(
+        tiny_model: tuple[Any, Any], oracle: Any, launcher: LaunchThread) -> None:
+    model, _ = tiny_model
+    plain_engine, plain = _serve(model, None)
+    engine, threaded = _serve(model, launcher)
+    assert threaded.keys() == plain.keys()
+    for rid, done in threaded.items():
+        assert done.error is None
+        assert done.token_ids == plain[rid].token_ids
+        assert done.logprobs == plain[rid].logprobs
+    # The oracle on two of them (the plain engine is itself checked against it elsewhere).
+    rng = np.random.default_rng(11)
+    vocab = model.args.vocab_size
+    prompts = [rng.integers(0, vocab, int(rng.integers(5, 60))).tolist() for _ in range(8)]
+    assert threaded["r0"].token_ids == oracle(prompts[0], 6)
+    assert threaded["r7"].token_ids == oracle(prompts[7], 14)
+    # Decode steps went through the thread, and steps were built with one in flight.
+    assert launcher.launches > 10 and engine.worker.steps_built_ahead > 10
+
+
+def test_a_failed_launch_ends_its_requests_and_the_worker_serves_on(
+        tiny_model: tuple[Any, Any], launcher: LaunchThread,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    model, _ = tiny_model
+    real = mx.async_eval
+    fails = {"left": 1, "seen": 0}
+
+    def flaky(*arrays: mx.array) -> None:
+        if threading.current_thread().name == "kiln-launch":
+            fails["seen"] += 1
+            if fails["seen"] == 8 and fails["left"]:
+                fails["left"] -= 1
+                raise RuntimeError("injected launch failure")
+        real(*arrays)
+
+    monkeypatch.setattr(mx, "async_eval", flaky)
+    engine, results = _serve(model, launcher)
+    failed = [rid for rid, done in results.items() if done.error]
+    assert failed and all("injected launch failure" in results[r].error for r in failed)
+    served = [rid for rid, done in results.items() if not done.error]
+    assert served, "requests after the failure were served"
+    monkeypatch.setattr(mx, "async_eval", real)
+    # What the worker serves after it is exact.
+    engine.submit("after", [5, 6, 7, 8, 9], 8, [])
+    after = engine.run_until_idle()["after"]
+    plain_engine = InProcessEngine(model, backend=StandInKernel(), overlap="ahead")
+    plain_engine.submit("after", [5, 6, 7, 8, 9], 8, [])
+    assert after.error is None and after.token_ids == plain_engine.run_until_idle()["after"].token_ids
