@@ -121,7 +121,9 @@ class ReadbackRing:
 
     def _words(self, readback: Readback) -> np.ndarray:
         """The host's view of the words a landing wrote, once they are there."""
-        readback.done.item()  # waits for this step's work alone (its own event)
+        # Waits for this step's work alone (its own event), without the GIL (item() keeps
+        # it): a launch thread then gets on with the next step meanwhile.
+        mx.eval(readback.done)
         held = self._buffers[readback.buffer]  # the one it landed in (no landing since)
         assert held is not None
         return held[1]
