@@ -32,8 +32,8 @@ of the worker's paths:
 - readback ring: the kernel path with the CUDA worker's readback ring (a step's tokens and
   logprobs read back through `worker_proc.readback.ReadbackRing`, its device copy stood in
   for by a host write);
-- launch thread: the kernel path with `--experiments launch-thread` (decode steps launched
-  from a thread of their own while the next one is built; its ring's copy a lazy stand-in,
+- launch thread: the kernel path with the CUDA worker's launch thread (decode steps
+  launched from a thread of their own while the next one is built; its ring's copy a lazy stand-in,
   tests.engine_driver.LazyStandInRing). The thread's stream is this process's default
   from its first such schedule on.
 

@@ -32,7 +32,7 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
                       "unpaged-prefill", "paged-short-rows", "unpadded-experts", "block-tiles", "unfused-moe",
                       "mlx-expert-matmuls", "batched-quantized-rows", "wide-cache",
-                      "array-readback", "launch-thread")
+                      "array-readback", "inline-launch")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
 CUDA_CORE_EXPERIMENTS = frozenset({"cuda-core-attention", "register-kv", "block-tiles"})
@@ -303,9 +303,10 @@ class ServerConfig:
                                       "their own arrays, not through the worker's ring of "
                                       "host-read buffers: MLX later frees each such array's "
                                       "buffer with cudaFree, which waits for the steps in "
-                                      "flight), launch-thread (decode steps put on the "
-                                      "device by MLX from a thread of the worker's own, "
-                                      "while its main thread builds the next step's graph)."})
+                                      "flight; also launches inline), inline-launch (decode "
+                                      "steps put on the device by MLX from the worker's "
+                                      "main thread between building steps, not from a "
+                                      "thread of their own while the next is built)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

@@ -1,5 +1,5 @@
-"""Decode steps launched from a thread of the worker's own (worker_proc.launcher,
-`--experiments launch-thread`): served tokens equal mlx-lm's while the worker's thread
+"""Decode steps launched from a thread of the worker's own (worker_proc.launcher, the CUDA
+worker's default): served tokens equal mlx-lm's while the worker's thread
 builds the next step beside a launch, and a failed launch ends its requests, not the
 worker. On the CPU the ring's device copy is stood in for by a lazy copy (LazyStandInRing)."""
 
@@ -115,3 +115,19 @@ def test_a_failed_launch_ends_its_requests_and_the_worker_serves_on(
     plain_engine = InProcessEngine(model, backend=StandInKernel(), overlap="ahead")
     plain_engine.submit("after", [5, 6, 7, 8, 9], 8, [])
     assert after.error is None and after.token_ids == plain_engine.run_until_idle()["after"].token_ids
+
+
+def test_the_worker_launches_from_a_thread_on_cuda_unless_told_not() -> None:
+    from worker_proc import launch_thread
+
+    assert launch_thread(frozenset(), on_cuda=False) is None
+    for arm in ("inline-launch", "array-readback"):
+        assert launch_thread(frozenset({arm}), on_cuda=True) is None
+    before = mx.default_stream(mx.default_device())
+    try:
+        thread = launch_thread(frozenset({"wide-cache"}), on_cuda=True)
+        assert thread is not None
+        assert mx.default_stream(mx.default_device()) == thread.stream
+        thread.close()
+    finally:
+        mx.set_default_stream(before)

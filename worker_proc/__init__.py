@@ -246,12 +246,12 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
         fit_prefill_forwards(runner, steps + 1, cache_limit, chunking.size, say)
     if runner.prefill_forwards.compiles:
         say("prefill forwards of a shape met before replay mx.compile traces")
-    if launcher is not None:
-        if runner.readback is None:
-            raise UnsupportedModelError("--experiments launch-thread: needs the readback ring "
-                                        "(drop array-readback)")
+    if launcher is not None and runner.readback is not None:
         runner.launcher = launcher
-        say("decode steps launched from a thread of their own (launch-thread)")
+        say("decode steps are launched from a thread of their own while the next is built")
+    elif launcher is not None:
+        # Its steps' results would be read from arrays a launching step may use.
+        logger.warning("decode steps are launched from the worker's own thread: no readback ring")
     say(f"warmed up ({steps} steps{f', {traces} more decode traces' if traces else ''}, "
         f"{time.monotonic() - t0:.1f}s)")
     start_grammars(grammars, hf)
@@ -276,17 +276,15 @@ def cuda_cache_limits(experiments: frozenset[str], say: Callable[[str], None]) -
 
 
 def launch_thread(experiments: frozenset[str], on_cuda: bool) -> "LaunchThread | None":
-    """The thread decode steps launch from (--experiments launch-thread, CUDA only), its
-    stream made this thread's default; None without the experiment."""
-    if "launch-thread" not in experiments:
+    """The thread decode steps launch from, its stream made this thread's default (CUDA;
+    --experiments inline-launch, or array-readback, whose reads of a step's arrays could
+    meet a launch: none). Off CUDA none: MLX's CPU launch returns only once a step is
+    nearly computed, so there is no launch to hide."""
+    if not on_cuda or experiments & {"inline-launch", "array-readback"}:
         return None
-    from worker_proc.launcher import LaunchThread
-    from worker_proc.layer_kinds import UnsupportedModelError
-
-    if not on_cuda:
-        # MLX's CPU launch returns only when the step is nearly computed: nothing to hide.
-        raise UnsupportedModelError("--experiments launch-thread: CUDA's decode kernel path only")
     import mlx.core as mx
+
+    from worker_proc.launcher import LaunchThread
 
     launcher = LaunchThread()
     mx.set_default_stream(launcher.stream)

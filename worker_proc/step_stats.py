@@ -4,11 +4,12 @@ device or the host holds the step back.
 Phases of the worker's loop, as it spends them:
 - idle:   blocked on the scheduler's next message (the plan round trip, or no work);
 - build:  building a step's lazy graph on the host;
-- start:  `mx.async_eval` of the step (on MLX's CUDA backend, launching its kernels); a
-          step with prefill chunks starts their forwards as it builds them, which counts
-          here too (ForwardClock);
-- wait:   blocked on a step's tokens (the device is behind the host), or, building a
-          prefill step, on the forward before the one just started;
+- start:  `mx.async_eval` of the step (on MLX's CUDA backend, launching its kernels), or
+          with a launch thread (worker_proc.launcher) handing it over, whose launches
+          the summary counts apart; a step with prefill chunks starts their forwards as
+          it builds them, which counts here too (ForwardClock);
+- wait:   blocked on a step's tokens (the device, or a launch thread, is behind the
+          host), or, building a prefill step, on the forward before the one just started;
 - report: turning tokens into a result message and sending it.
 
 With two steps in flight a healthy loop waits (device-bound); a loop that idles or
