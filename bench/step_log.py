@@ -37,7 +37,11 @@ _BUILD = re.compile(r"worker_proc: step (\d+) built in ([\d.]+) ms \(and ([\d.]+
                     r"prefill forwards, ([\d.]+) ms waiting")
 _BACK = re.compile(r"scheduler_proc: step (\d+): \d+ tokens back after ([\d.]+) ms")
 _CACHE = re.compile(r"; MLX cache ([\d.]+) GiB")  # the build line's, after the step started
-_LAUNCHED = re.compile(r"worker_proc: step (\d+) launched in ([\d.]+) ms")  # since session 56
+# Since session 56; since session 60 a launch thread's line (worker_proc.launcher) where
+# the worker hands decode steps to one, and the worker's own line says "handed".
+_LAUNCHED = re.compile(r"worker_proc(?:\.launcher)?: step (\d+) launched in ([\d.]+) ms")
+_HANDED = re.compile(r"worker_proc: step (\d+) handed to the launch thread; built and "
+                     r"handed over in ([\d.]+) ms, ([\d.]+) ms of it on the CPU")
 _WAITED = re.compile(r"worker_proc: step (\d+): waited ([\d.]+) ms for its tokens")
 _STAMP = re.compile(r"^(\d\d):(\d\d):(\d\d)\.(\d{3}) ")  # since session 56's logs
 # Since session 57: the launch line's host span and the thread's CPU time in it.
@@ -133,6 +137,8 @@ def read_log(lines: list[str]) -> tuple[list[Step], list[Stall]]:
             at(m[1]).launch_ms = float(m[2])
             if c := _HOST_CPU.search(line):
                 at(m[1]).host_wall_ms, at(m[1]).host_cpu_ms = float(c[1]), float(c[2])
+        elif m := _HANDED.search(line):
+            at(m[1]).host_wall_ms, at(m[1]).host_cpu_ms = float(m[2]), float(m[3])
         elif m := _WAITED.search(line):
             at(m[1]).worker_at = _stamp(line)
             at(m[1]).tokens_wait_ms = float(m[2])

@@ -217,3 +217,14 @@ def test_slow_gaps_are_split_by_the_device_wait_that_ended_them():
     text = summary(read_steps(out), slow_ms=30, align=512)
     assert ("gaps of 33+ ms: 1 ended by a wait of 12+ ms for the device, 1 by less; MLX's "
             "cache fell at the step after 100% of the device's (every step: 6%)") in text, text
+
+
+def test_a_launch_threads_lines_give_each_step_its_launch_and_host_work():
+    """Since session 60 a worker that hands decode steps to its launch thread logs the
+    hand-over on its own line and the launch on the thread's (worker_proc.launcher)."""
+    lines = ["12:00:00.010      worker DEBUG   worker_proc: step 7 handed to the launch thread; "
+             "built and handed over in 2.40 ms, 2.10 ms of it on the CPU",
+             "12:00:00.013      worker DEBUG   worker_proc.launcher: step 7 launched in 3.60 ms"]
+    steps, _ = read_log(lines)
+    assert (steps[0].step, steps[0].launch_ms) == (7, 3.6)
+    assert (steps[0].host_wall_ms, steps[0].host_cpu_ms) == (2.4, 2.1)

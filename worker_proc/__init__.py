@@ -598,10 +598,15 @@ class WorkerLoop:
             # time tells a host that computed longer (a collection, a slower path) from
             # one that was kept off its core or blocked in a call (a synchronizing free).
             wall, on_cpu = cpu.spent()
-            logger.debug("step %d launched in %.2f ms (%.2f ms before the last step's "
-                         "report); built and launched in %.2f ms, %.2f ms of it on the "
-                         "CPU", batch.step, (head + rest) * 1e3, head * 1e3, wall * 1e3,
-                         on_cpu * 1e3)
+            if self.runner.launcher is not None:  # (its launch: the launch thread's line)
+                logger.debug("step %d handed to the launch thread; built and handed over "
+                             "in %.2f ms, %.2f ms of it on the CPU", batch.step,
+                             wall * 1e3, on_cpu * 1e3)
+            else:
+                logger.debug("step %d launched in %.2f ms (%.2f ms before the last step's "
+                             "report); built and launched in %.2f ms, %.2f ms of it on the "
+                             "CPU", batch.step, (head + rest) * 1e3, head * 1e3, wall * 1e3,
+                             on_cpu * 1e3)
         self.in_flight.append(self._sampled(pending))
 
     def _run_deferred(self, batch: ForwardBatch) -> None:

@@ -42,7 +42,8 @@ class LaunchThread:
 
     def __init__(self) -> None:
         self.stream = mx.new_thread_unsafe_stream(mx.default_device())
-        self._jobs: queue.SimpleQueue[tuple[Future, list[mx.array]] | None] = queue.SimpleQueue()
+        self._jobs: queue.SimpleQueue[tuple[Future, list[mx.array], str] | None] = (
+            queue.SimpleQueue())
         self._open: deque[Future] = deque()  # handed over, oldest first, not yet quiesced
         self.launches = 0
         self.seconds = 0.0  # spent in MLX's launches (observability)
@@ -50,14 +51,15 @@ class LaunchThread:
         self._thread = threading.Thread(target=self._run, name="kiln-launch", daemon=True)
         self._thread.start()
 
-    def launch(self, arrays: Sequence[mx.array]) -> Future:
+    def launch(self, arrays: Sequence[mx.array], what: str = "") -> Future:
         """Hand arrays over to be launched; the future ends (with the seconds it took, or
-        the launch's error) once they are on the device's queue."""
+        the launch's error) once they are on the device's queue. what: its name in the
+        DEBUG log's line of each launch."""
         while self._open and self._open[0].done() and self._open[0].exception() is None:
             self._open.popleft()
         future: Future = Future()
         self._open.append(future)
-        self._jobs.put((future, list(arrays)))
+        self._jobs.put((future, list(arrays), what))
         return future
 
     def quiesce(self, raise_errors: bool = True) -> None:
@@ -84,7 +86,7 @@ class LaunchThread:
             job = self._jobs.get()
             if job is None:
                 return
-            future, arrays = job
+            future, arrays, what = job
             job = None
             began = time.perf_counter()
             try:
@@ -96,6 +98,7 @@ class LaunchThread:
                 self.launches += 1
                 self.seconds += spent
                 future.set_result(spent)
+                logger.debug("%s launched in %.2f ms", what or "arrays", spent * 1e3)
             # Holding the step's arrays until the next job would keep the next step's
             # pool writes from updating the layers they replace in place.
             arrays = None  # type: ignore[assignment]

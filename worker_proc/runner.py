@@ -444,8 +444,8 @@ class ModelRunner:
         memory).
         """
         if self.launcher is not None:
-            self._launches[pending.step] = self.launcher.launch([*pending.final,
-                                                                 *pending.landing])
+            self._launches[pending.step] = self.launcher.launch(
+                [*pending.final, *pending.landing], f"step {pending.step}")
         else:
             mx.async_eval(*pending.final, *pending.landing)
         if pending.tokens is not None:
