@@ -575,7 +575,9 @@ class WorkerLoop:
         self.steps_built_ahead += bool(self.in_flight)
         cpu = HostClock.start()
         pending = self._build(batch)
-        if self.runner.launcher is not None:
+        # (A runner on mlx-lm's own caches has no launch thread.)
+        handed = getattr(self.runner, "launcher", None) is not None
+        if handed:
             # Its launch thread takes the whole step; meanwhile this one reports N and
             # then builds N+2.
             head, rest = 0.0, self._start(pending)
@@ -598,7 +600,7 @@ class WorkerLoop:
             # time tells a host that computed longer (a collection, a slower path) from
             # one that was kept off its core or blocked in a call (a synchronizing free).
             wall, on_cpu = cpu.spent()
-            if self.runner.launcher is not None:  # (its launch: the launch thread's line)
+            if handed:  # (its launch: the launch thread's line)
                 logger.debug("step %d handed to the launch thread; built and handed over "
                              "in %.2f ms, %.2f ms of it on the CPU", batch.step,
                              wall * 1e3, on_cpu * 1e3)
