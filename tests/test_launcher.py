@@ -6,7 +6,7 @@ worker. On the CPU the ring's device copy is stood in for by a lazy copy (LazySt
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable, Iterator
+from typing import Any, Iterator
 
 import mlx.core as mx
 import numpy as np
@@ -14,6 +14,7 @@ import pytest
 
 from tests.engine_driver import InProcessEngine, StandInKernel
 from worker_proc.launcher import LaunchThread
+from worker_proc.runner import ModelRunner
 
 
 @pytest.fixture
@@ -49,12 +50,18 @@ def test_launched_arrays_compute_and_a_launch_error_is_raised_once(
     np.testing.assert_array_equal(np.asarray(ok), np.arange(12).reshape(3, 4) * 2)
 
 
-def _serve(model: Any, launcher: LaunchThread | None,
-           fail_launch: Callable[[], bool] | None = None) -> tuple[InProcessEngine, dict]:
+# Decode first with the prompts' forwards spread over two steps (as CUDA's default spreads
+# them over eight), small chunks: prefill parts ride in decoding steps.
+SPREAD = {"chunk_size": 32, "max_prefill_tokens_while_decoding": 32, "prefill_parts": 2,
+          "decode_first_for_all": True}
+
+
+def _serve(model: Any, launcher: LaunchThread | None, **options: Any
+           ) -> tuple[InProcessEngine, dict]:
     """Requests that arrive over time (new ones join decoding ones, some finish early),
     two with logprobs, served with the CUDA path's start-ahead."""
     engine = InProcessEngine(model, backend=StandInKernel(), overlap="ahead", max_running=4,
-                             readback=launcher is None, launcher=launcher)
+                             readback=launcher is None, launcher=launcher, **options)
     rng = np.random.default_rng(11)
     vocab = model.args.vocab_size
     prompts = [rng.integers(0, vocab, int(rng.integers(5, 60))).tolist() for _ in range(8)]
@@ -67,11 +74,17 @@ def _serve(model: Any, launcher: LaunchThread | None,
     return engine, engine.run_until_idle()
 
 
+@pytest.mark.parametrize("options", [{}, SPREAD], ids=["whole", "spread"])
 def test_served_tokens_equal_mlx_lm_with_the_launch_thread(
-        tiny_model: tuple[Any, Any], oracle: Any, launcher: LaunchThread) -> None:
+        tiny_model: tuple[Any, Any], oracle: Any, launcher: LaunchThread,
+        options: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     model, _ = tiny_model
-    plain_engine, plain = _serve(model, None)
-    engine, threaded = _serve(model, launcher)
+    plain_engine, plain = _serve(model, None, **options)
+    spread_steps = []
+    real = ModelRunner._spread_step
+    monkeypatch.setattr(ModelRunner, "_spread_step",
+                        lambda self, *a: spread_steps.append(1) or real(self, *a))
+    engine, threaded = _serve(model, launcher, **options)
     assert threaded.keys() == plain.keys()
     for rid, done in threaded.items():
         assert done.error is None
@@ -85,6 +98,7 @@ def test_served_tokens_equal_mlx_lm_with_the_launch_thread(
     assert threaded["r7"].token_ids == oracle(prompts[7], 14)
     # Decode steps went through the thread, and steps were built with one in flight.
     assert launcher.launches > 10 and engine.worker.steps_built_ahead > 10
+    assert bool(spread_steps) == bool(options)  # spread parts launched by the thread too
 
 
 def test_a_failed_launch_ends_its_requests_and_the_worker_serves_on(

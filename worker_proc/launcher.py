@@ -11,13 +11,13 @@ it launches.
 Two threads on one MLX stream need care:
 - The stream is made with `mx.new_thread_unsafe_stream` and is the worker thread's default
   from before the model loads, so every array and compiled trace is on it and either
-  thread may evaluate it. Unsafe means one at a time: the worker's thread evaluates only
-  once this thread is idle (`quiesce`), which ModelRunner does before any step whose build
-  runs forwards (prefill), before reading results from arrays a later step may use, and
-  before forgetting its requests.
+  thread may evaluate it. Unsafe means one at a time: ModelRunner hands every launch
+  here, and its own thread evaluates only once this one is idle (`quiesce`): before
+  reading results from arrays a later step may use, and before forgetting its requests.
 - MLX marks arrays as it evaluates them (their status, events, inputs), so while a step is
-  launching, the worker's thread only builds on its outputs and reads the step before it
-  through the readback ring (a copy no later step uses), never the step's arrays.
+  launching, the worker's thread only builds on its outputs and waits on what no later
+  step takes as an input (the readback ring's copy, a prefill forward's probe), after
+  that array's own launch has ended.
 """
 
 from __future__ import annotations

@@ -221,7 +221,9 @@ class ModelRunner:
         self._refused: dict[int, list[RequestError]] = {}
         self.vocab_size: int | None = getattr(getattr(model, "args", None), "vocab_size", None)
         self._seed_rng = np.random.default_rng(int.from_bytes(os.urandom(8), "little"))
-        self._last_prefill: mx.array | None = None  # see _launch_prefill
+        # The last prefill forward's probe and its launch, if launched by a thread (see
+        # _launch_prefill).
+        self._last_prefill: tuple[mx.array, Future | None] | None = None
         # Where a step's results are copied for the host to read (set by the worker on CUDA;
         # --experiments array-readback: None); None: the host reads the arrays themselves.
         self.readback: ReadbackRing | None = None
@@ -350,8 +352,6 @@ class ModelRunner:
         prefill chunks already runs those forwards (with a scatter-written pool, see
         start's NOTE: no earlier step may still be running when this is called for one)."""
         self.clock = ForwardClock()
-        if self.launcher is not None and not self.builds_lazily(batch):
-            self.launcher.quiesce()  # it runs forwards or copies as it is built
         self._release(batch.released, batch.released_snapshots)
         refused: list[RequestError] = []
         for new in batch.new_requests:
@@ -397,14 +397,6 @@ class ModelRunner:
         out = self._sampler.sample(logits, sampled) if sampled else NOTHING_SAMPLED
         return self._with_tokens(batch.step, sampled, out)
 
-    @staticmethod
-    def builds_lazily(batch: ForwardBatch) -> bool:
-        """Whether building the step evaluates nothing (a launch thread may then still be
-        launching the step before): decode rows alone, no request added, no prefill, no
-        recurrent state kept."""
-        return not (batch.new_requests or batch.prefill or batch.continues_prefill
-                    or batch.parts > 1 or any(batch.released_snapshots))
-
     def sample_constrained(self, pending: PendingStep) -> PendingStep:
         """The sampling of a step whose forward build() left alone because some rows have
         a grammar. Call it once every earlier step has finished (their tokens are then in
@@ -443,11 +435,9 @@ class ModelRunner:
         pool-update probe in docs/benchmarks.md, "Retired probes"; on the H200, out of
         memory).
         """
-        if self.launcher is not None:
-            self._launches[pending.step] = self.launcher.launch(
-                [*pending.final, *pending.landing], f"step {pending.step}")
-        else:
-            mx.async_eval(*pending.final, *pending.landing)
+        launched = self._launch_now([*pending.final, *pending.landing], f"step {pending.step}")
+        if launched is not None:
+            self._launches[pending.step] = launched
         if pending.tokens is not None:
             # Its tokens now stand for the whole step (finish waits on them). Scatter
             # pools: holding the layer arrays past this point would keep the next step
@@ -468,6 +458,22 @@ class ModelRunner:
         head = self.pool.mark(middle) if self.pool.in_place else self.pool.layers[middle]
         if head is not None:
             mx.async_eval(head)
+
+    def _launch_now(self, arrays: list[mx.array], what: str) -> Future | None:
+        """Put arrays on the device: handed to the launch thread where there is one (the
+        future ends once they are launched), else launched here."""
+        if self.launcher is None:
+            mx.async_eval(*arrays)
+            return None
+        return self.launcher.launch(arrays, what)
+
+    @staticmethod
+    def _wait_for(probe: mx.array, launched: Future | None) -> None:
+        """Wait for a launched forward, through its probe: its own event alone, without
+        the GIL (after its launch, where a thread launched it)."""
+        if launched is not None:
+            launched.result()
+        mx.eval(probe)
 
     def launch(self, batch: ForwardBatch) -> PendingStep:
         pending = self.build(batch)
@@ -586,7 +592,7 @@ class ModelRunner:
             forward.hidden = run_blocks(backbone, forward.tokens, forward.caches,
                                         forward.hidden, start, stop)
             with self.clock.timing("start"):
-                mx.async_eval(forward.hidden, *self.pool.landing())
+                self._launch_now([forward.hidden, *self.pool.landing()], "a spread part")
         wave.done = batch.parts_to
         if wave.done < wave.parts:
             return [], []
@@ -854,8 +860,8 @@ class ModelRunner:
         one put there before it: at most two forwards' activations are held at once,
         while the host still builds one ahead; where the two would pass the measured
         room (prefill_memory: a long chunk runs whole), the one before ends first.
-        Launched now, also for start's NOTE: a scatter-written pool's next forward must
-        find this one's reads done."""
+        Launched now (by the launch thread, where there is one), also for start's NOTE: a
+        scatter-written pool's next forward must find this one's reads done."""
         # A view of its first logit, evaluated with it: reading it waits for this
         # forward alone (mx.eval would wait for everything launched since).
         probe = logits[:1, :1] if self.readback is None else prefill_mark(logits)
@@ -863,14 +869,15 @@ class ModelRunner:
         held = tokens * memory.token_bytes(shared, width) if memory else 0.0
         if previous is not None and memory and self._last_prefill_bytes + held > memory.room:
             with self.clock.timing("wait"):
-                previous.item()
+                self._wait_for(*previous)
             previous = None
         with self.clock.timing("start"):
-            mx.async_eval(logits, probe, *more, *self.pool.landing())
-        self._last_prefill, self._last_prefill_bytes = probe, held
+            launched = self._launch_now([logits, probe, *more, *self.pool.landing()],
+                                        "a prefill forward")
+        self._last_prefill, self._last_prefill_bytes = (probe, launched), held
         if previous is not None:
             with self.clock.timing("wait"):
-                previous.item()
+                self._wait_for(*previous)
 
     def _prompt_logprobs_of(self, state: RequestState, chunk: PrefillChunk,
                             out: mx.array | None, last: mx.array) -> PendingPromptLogprobs | None:
