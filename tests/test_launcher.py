@@ -145,3 +145,16 @@ def test_the_worker_launches_from_a_thread_on_cuda_unless_told_not() -> None:
         thread.close()
     finally:
         mx.set_default_stream(before)
+
+
+def test_check_raises_each_ended_launchs_error_once_oldest_first(
+        launcher: LaunchThread) -> None:
+    with mx.stream(mx.new_stream(mx.default_device())):
+        stranded = mx.ones((2,)) + 1  # on a stream the launch thread cannot run
+    first = launcher.launch([stranded], "a prefill forward")
+    after = launcher.launch([mx.ones((2,)) * 3], "step 1")
+    after.result()
+    with pytest.raises(RuntimeError, match="no Stream"):
+        launcher.check()
+    launcher.check()  # raised once
+    assert first.exception() is not None and after.exception() is None

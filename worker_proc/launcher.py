@@ -62,6 +62,15 @@ class LaunchThread:
         self._jobs.put((future, list(arrays), what))
         return future
 
+    def check(self) -> None:
+        """Raise the first error of the launches that have ended, oldest first (each
+        error once): a step's report calls it once its own launch ended, so a prefill
+        forward that failed to launch before it fails that step at the latest."""
+        while self._open and self._open[0].done():
+            exc = self._open.popleft().exception()
+            if exc is not None:
+                raise exc
+
     def quiesce(self, raise_errors: bool = True) -> None:
         """Wait until everything handed over is launched, so the caller may evaluate on
         the stream; raises the first launch error not yet raised here (unless told not)."""

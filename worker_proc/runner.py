@@ -488,6 +488,7 @@ class ModelRunner:
             launched = self._launches.pop(pending.step, None)
             if launched is not None:
                 launched.result()  # raises its launch's error
+            self.launcher.check()  # and any launch before it (a prefill forward's)
             if pending.readback is None or pending.step in self._prompt_logprobs:
                 # Read from the step's arrays, which a step launching now may use.
                 self.launcher.quiesce()
