@@ -67,6 +67,7 @@ def _serve(model: Any, launcher: LaunchThread | None, **options: Any
     prompts = [rng.integers(0, vocab, int(rng.integers(5, 60))).tolist() for _ in range(8)]
     for i, prompt in enumerate(prompts[:3]):
         engine.submit(f"r{i}", prompt, 6 + 4 * i, [], **({"logprobs": 2} if i == 1 else {}))
+    engine.submit("echo", prompts[0][:30], 3, [], prompt_logprobs=2)
     for _ in range(5):
         engine.step()
     for i, prompt in enumerate(prompts[3:], start=3):
@@ -90,6 +91,7 @@ def test_served_tokens_equal_mlx_lm_with_the_launch_thread(
         assert done.error is None
         assert done.token_ids == plain[rid].token_ids
         assert done.logprobs == plain[rid].logprobs
+        assert done.prompt_logprobs == plain[rid].prompt_logprobs
     # The oracle on two of them (the plain engine is itself checked against it elsewhere).
     rng = np.random.default_rng(11)
     vocab = model.args.vocab_size

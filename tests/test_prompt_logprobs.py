@@ -51,6 +51,29 @@ def test_prompt_logprobs_equal_mlx_lm_across_chunks(tiny_model: tuple[Any, Any],
     assert out["plain"].prompt_logprobs is None
 
 
+@pytest.mark.parametrize("chunk", [16, 512])
+def test_prompt_logprobs_read_back_through_the_ring_are_the_same(tiny_model: tuple[Any, Any],
+                                                                 chunk: int) -> None:
+    """The CUDA worker lands a step's prompt logprobs in its readback (after its tokens
+    and logprobs; alone for a chunk that samples nothing), stood in for here."""
+    model, tokenizer = tiny_model
+    prompt = _prompt(tokenizer.vocab_size, 100, seed=9)
+    outs = []
+    for readback in (False, True):
+        engine = InProcessEngine(model, chunk_size=chunk, max_prefill_tokens=chunk,
+                                 readback=readback)
+        engine.submit("a", prompt, 3, [], logprobs=2, prompt_logprobs=3)
+        engine.submit("b", prompt[:40], 4, [], prompt_logprobs=0)
+        outs.append(engine.run_until_idle())
+    plain, ringed = outs
+    for rid in ("a", "b"):
+        assert ringed[rid].prompt_logprobs == plain[rid].prompt_logprobs
+        assert ringed[rid].token_ids == plain[rid].token_ids
+        assert ringed[rid].logprobs == plain[rid].logprobs
+    _check_prompt(model, prompt, ringed["a"].prompt_logprobs, 3)
+    _check_prompt(model, prompt[:40], ringed["b"].prompt_logprobs, 0)
+
+
 def test_prompt_logprobs_bypass_the_prefix_cache(tiny_model: tuple[Any, Any], oracle) -> None:
     model, tokenizer = tiny_model
     prompt = _prompt(tokenizer.vocab_size, 60, seed=8)

@@ -13,7 +13,8 @@ Two threads on one MLX stream need care:
   from before the model loads, so every array and compiled trace is on it and either
   thread may evaluate it. Unsafe means one at a time: ModelRunner hands every launch
   here, and its own thread evaluates only once this one is idle (`quiesce`): before
-  reading results from arrays a later step may use, and before forgetting its requests.
+  reading results from (or waiting on) arrays a later step may use, and before
+  forgetting its requests.
 - MLX marks arrays as it evaluates them (their status, events, inputs), so while a step is
   launching, the worker's thread only builds on its outputs and waits on what no later
   step takes as an input (the readback ring's copy, a prefill forward's probe), after

@@ -18,8 +18,8 @@ as HostStaging's are), and hands back a one-element mark: MLX keeps arrays of 8 
 less in a managed region of their own that it never frees with cudaFree. The host waits
 on the mark and reads the results from its view of the buffer, so nothing it reads a
 step is ever freed. `prefill_mark` is the same for a prefill forward's wait: a one-element
-copy of a logit, where a view of the logits would move the whole logits buffer. Prompt
-logprobs (asked for rarely) are still read from their own arrays.
+copy of a logit, where a view of the logits would move the whole logits buffer. A step's
+prompt logprobs ride in its landing, after its results.
 """
 
 from __future__ import annotations

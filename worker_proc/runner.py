@@ -86,8 +86,8 @@ class PendingStep:
     final: list[mx.array]
     landing: list[mx.array]
     logprobs: StepLogprobs | None = None  # only when some row asked
-    # Its tokens (and logprobs) on their way to a host-read buffer (ReadbackRing), where
-    # the runner lands results; finish reads them there.
+    # Its tokens and logprobs, then its chunks' prompt logprobs, on their way to a
+    # host-read buffer (ReadbackRing), where the runner lands results; finish reads them there.
     readback: Readback | None = None
     # Constrained rows (index into rids) and their matchers, which finish advances.
     matchers: list[tuple[int, Any]] = field(default_factory=list)
@@ -109,8 +109,9 @@ class PendingPromptLogprobs:
     top_k: int
     picked: PickedLogprobs
 
-    def message(self) -> PromptLogprobs:
-        p = self.picked
+    def message(self, read: PickedLogprobs | None = None) -> PromptLogprobs:
+        """The message, from `read` (the picks' values as read back) or the picks."""
+        p = self.picked if read is None else read
         return PromptLogprobs(rid=self.rid, start=self.start, logprobs=p.chosen.tolist(),
                               top_k=self.top_k, top_ids=p.top_ids.reshape(-1).tolist(),
                               top_logprobs=p.top_logprobs.reshape(-1).tolist())
@@ -418,9 +419,13 @@ class ModelRunner:
         # must not grow.
         final = [*([tokens] if tokens is not None else []), *out.counts,
                  *(logprobs.arrays if logprobs is not None else [])]
+        # The step's prompt logprobs ride along (read back with its results, never
+        # from their own arrays).
+        picks = [a for p in self._prompt_logprobs.get(step, []) for a in p.picked]
         readback = None
-        if self.readback is not None and tokens is not None:
-            readback = self.readback.land(tokens, *(logprobs.arrays if logprobs else ()))
+        if self.readback is not None and (tokens is not None or picks):
+            readback = self.readback.land(*([tokens] if tokens is not None else []),
+                                          *(logprobs.arrays if logprobs else ()), *picks)
             final.append(readback.done)
         return PendingStep(step, [s.rid for s in sampled], tokens, final,
                            self.pool.take_landing(), logprobs, matchers=matchers or [],
@@ -489,24 +494,30 @@ class ModelRunner:
             if launched is not None:
                 launched.result()  # raises its launch's error
             self.launcher.check()  # and any launch before it (a prefill forward's)
-            if pending.readback is None or pending.step in self._prompt_logprobs:
-                # Read from the step's arrays, which a step launching now may use.
+            if pending.tokens is None or pending.readback is None:
+                # It waits on, or reads, its own arrays, which a step launching now may use.
                 self.launcher.quiesce()
-        prompt = [p.message() for p in self._prompt_logprobs.pop(pending.step, [])]
+        scored = self._prompt_logprobs.pop(pending.step, [])
         errors = self._refused.pop(pending.step, [])
-        if pending.tokens is None:
-            mx.eval(*pending.final, *pending.landing)
-            return StepResult(step=pending.step, rids=[], token_ids=[], prompt_logprobs=prompt,
-                              errors=errors)
+        lp = pending.logprobs
         # NOTE: reading the tokens waits for this step's own work (start's async_eval gave
         # all of `final` one event). mx.eval would instead put a barrier at the end of the
         # stream and so also wait for a next step already started (the CUDA start-ahead):
         # measured on the H200, 3.3 ms of waiting per step at batch 1 for nothing.
-        lp = pending.logprobs
-        if pending.readback is not None:
-            tokens, *logprob_parts = self.readback.read(pending.readback)  # type: ignore[union-attr]
+        if pending.readback is not None:  # its results, then its prompt logprobs' picks
+            read = self.readback.read(pending.readback)  # type: ignore[union-attr]
+            ahead = (pending.tokens is not None) + (len(lp.arrays) if lp is not None else 0)
+            results, picks = read[:ahead], read[ahead:]
+            prompt = [p.message(PickedLogprobs(*picks[3 * i:3 * i + 3]))
+                      for i, p in enumerate(scored)]
         else:
-            tokens, *logprob_parts = [pending.tokens, *(lp.arrays if lp is not None else [])]
+            results = [pending.tokens, *(lp.arrays if lp is not None else [])]
+            prompt = [p.message() for p in scored]
+        if pending.tokens is None:
+            mx.eval(*pending.final, *pending.landing)
+            return StepResult(step=pending.step, rids=[], token_ids=[], prompt_logprobs=prompt,
+                              errors=errors)
+        tokens, *logprob_parts = results
         result = StepResult(step=pending.step, rids=pending.rids,
                             token_ids=tokens.tolist(), prompt_logprobs=prompt,
                             errors=errors)
