@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import pytest
 
@@ -45,3 +45,21 @@ def oracle(tiny_model: tuple[Any, Any]) -> Callable[[list[int], int], list[int]]
         return memo[key]
 
     return run
+
+
+@pytest.fixture
+def launcher() -> Iterator[Any]:
+    """A launch thread (worker_proc.launcher) whose stream is this thread's default while
+    the test runs."""
+    import mlx.core as mx
+
+    from worker_proc.launcher import LaunchThread
+
+    before = mx.default_stream(mx.default_device())
+    thread = LaunchThread()
+    mx.set_default_stream(thread.stream)
+    try:
+        yield thread
+    finally:
+        mx.set_default_stream(before)
+        thread.close()

@@ -6,7 +6,7 @@ worker. On the CPU the ring's device copy is stood in for by a lazy copy (LazySt
 from __future__ import annotations
 
 import threading
-from typing import Any, Iterator
+from typing import Any
 
 import mlx.core as mx
 import numpy as np
@@ -15,19 +15,6 @@ import pytest
 from tests.engine_driver import InProcessEngine, StandInKernel
 from worker_proc.launcher import LaunchThread
 from worker_proc.runner import ModelRunner
-
-
-@pytest.fixture
-def launcher() -> Iterator[LaunchThread]:
-    """A launch thread whose stream is this thread's default while the test runs."""
-    before = mx.default_stream(mx.default_device())
-    thread = LaunchThread()
-    mx.set_default_stream(thread.stream)
-    try:
-        yield thread
-    finally:
-        mx.set_default_stream(before)
-        thread.close()
 
 
 def test_launched_arrays_compute_and_a_launch_error_is_raised_once(
