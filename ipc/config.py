@@ -303,10 +303,11 @@ class ServerConfig:
                                       "their own arrays, not through the worker's ring of "
                                       "host-read buffers: MLX later frees each such array's "
                                       "buffer with cudaFree, which waits for the steps in "
-                                      "flight; also launches inline), inline-launch (decode "
-                                      "steps put on the device by MLX from the worker's "
-                                      "main thread between building steps, not from a "
-                                      "thread of their own while the next is built)."})
+                                      "flight; also launches inline), inline-launch (steps "
+                                      "and prefill forwards put on the device by MLX from "
+                                      "the worker's main thread between building steps, "
+                                      "not from a thread of their own while the next step "
+                                      "is built)."})
     eager_decode: bool = dataclasses.field(
         default=False, metadata={"help": "Run decode forwards through the model's Python code "
                                          "every step instead of replaying mx.compile traces "

@@ -125,8 +125,8 @@ class InProcessEngine:
         padded to a multiple of this (ModelRunner.pad_tails, the CUDA path's default).
         readback: a step's results read back through a ReadbackRing (the CUDA worker's
         default), its device copy stood in for (stand_in_readback_copy). launcher: the
-        thread decode steps launch from (the CUDA worker's default; its stream must be
-        the caller's default), with a LazyStandInRing as the ring."""
+        thread the runner's launches go through (the CUDA worker's default; its stream
+        must be the caller's default), with a LazyStandInRing as the ring."""
         specs = [] if own_caches else probe_attention_specs(model)
         if window_slots is None:
             recurrent = KVPool.state_bytes_per_request(specs) > 0

@@ -248,7 +248,7 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
         say("prefill forwards of a shape met before replay mx.compile traces")
     if launcher is not None and runner.readback is not None:
         runner.launcher = launcher
-        say("decode steps are launched from a thread of their own while the next is built")
+        say("steps are launched from a thread of their own while the next is built")
     elif launcher is not None:
         # Its steps' results would be read from arrays a launching step may use.
         logger.warning("decode steps are launched from the worker's own thread: no readback ring")
@@ -276,10 +276,10 @@ def cuda_cache_limits(experiments: frozenset[str], say: Callable[[str], None]) -
 
 
 def launch_thread(experiments: frozenset[str], on_cuda: bool) -> "LaunchThread | None":
-    """The thread decode steps launch from, its stream made this thread's default (CUDA;
-    --experiments inline-launch, or array-readback, whose reads of a step's arrays could
-    meet a launch: none). Off CUDA none: MLX's CPU launch returns only once a step is
-    nearly computed, so there is no launch to hide."""
+    """The thread the runner's launches go through, its stream made this thread's default
+    (CUDA; --experiments inline-launch, or array-readback, whose reads of a step's arrays
+    could meet a launch: none). Off CUDA none: MLX's CPU launch returns only once a step
+    is nearly computed, so there is no launch to hide."""
     if not on_cuda or experiments & {"inline-launch", "array-readback"}:
         return None
     import mlx.core as mx

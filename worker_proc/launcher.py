@@ -1,6 +1,6 @@
-"""A thread of the worker's own that puts decode steps on the device, so the worker's
-thread builds the next step's graph while this one launches the last (CUDA's default;
-`--experiments inline-launch`: the worker's thread launches, the A/B arm).
+"""A thread of the worker's own that puts steps and prefill forwards on the device, so the
+worker's thread builds the next step's graph while this one launches the last (CUDA's
+default; `--experiments inline-launch`: the worker's thread launches, the A/B arm).
 
 On MLX's CUDA backend `mx.async_eval` is host work: it walks the step's graph and records
 each kernel into CUDA graphs, several milliseconds for an 8B model's step, while building

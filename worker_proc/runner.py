@@ -228,8 +228,8 @@ class ModelRunner:
         # Where a step's results are copied for the host to read (set by the worker on CUDA;
         # --experiments array-readback: None); None: the host reads the arrays themselves.
         self.readback: ReadbackRing | None = None
-        # The thread decode steps are launched from (set by the worker on CUDA;
-        # --experiments inline-launch: None); None: launched from the caller's.
+        # The thread launches go through (set by the worker on CUDA; --experiments
+        # inline-launch: None); None: launched from the caller's.
         self.launcher: LaunchThread | None = None
         self._launches: dict[int, Future] = {}  # by step, launches handed to it
         self._last_prefill_bytes = 0.0
