@@ -43,15 +43,19 @@ SPREAD = {"chunk_size": 32, "max_prefill_tokens_while_decoding": 32, "prefill_pa
           "decode_first_for_all": True}
 
 
+def _prompts(model: Any) -> list[list[int]]:
+    rng = np.random.default_rng(11)
+    vocab = model.args.vocab_size
+    return [rng.integers(0, vocab, int(rng.integers(5, 60))).tolist() for _ in range(8)]
+
+
 def _serve(model: Any, launcher: LaunchThread | None, **options: Any
            ) -> tuple[InProcessEngine, dict]:
     """Requests that arrive over time (new ones join decoding ones, some finish early),
     two with logprobs, served with the CUDA path's start-ahead."""
     engine = InProcessEngine(model, backend=StandInKernel(), overlap="ahead", max_running=4,
                              readback=launcher is None, launcher=launcher, **options)
-    rng = np.random.default_rng(11)
-    vocab = model.args.vocab_size
-    prompts = [rng.integers(0, vocab, int(rng.integers(5, 60))).tolist() for _ in range(8)]
+    prompts = _prompts(model)
     for i, prompt in enumerate(prompts[:3]):
         engine.submit(f"r{i}", prompt, 6 + 4 * i, [], **({"logprobs": 2} if i == 1 else {}))
     engine.submit("echo", prompts[0][:30], 3, [], prompt_logprobs=2)
@@ -80,9 +84,7 @@ def test_served_tokens_equal_mlx_lm_with_the_launch_thread(
         assert done.logprobs == plain[rid].logprobs
         assert done.prompt_logprobs == plain[rid].prompt_logprobs
     # The oracle on two of them (the plain engine is itself checked against it elsewhere).
-    rng = np.random.default_rng(11)
-    vocab = model.args.vocab_size
-    prompts = [rng.integers(0, vocab, int(rng.integers(5, 60))).tolist() for _ in range(8)]
+    prompts = _prompts(model)
     assert threaded["r0"].token_ids == oracle(prompts[0], 6)
     assert threaded["r7"].token_ids == oracle(prompts[7], 14)
     # Decode steps went through the thread, and steps were built with one in flight.

@@ -251,7 +251,7 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
         say("steps are launched from a thread of their own while the next is built")
     elif launcher is not None:
         # Its steps' results would be read from arrays a launching step may use.
-        logger.warning("decode steps are launched from the worker's own thread: no readback ring")
+        logger.warning("steps are launched from the worker's own thread: no readback ring")
     say(f"warmed up ({steps} steps{f', {traces} more decode traces' if traces else ''}, "
         f"{time.monotonic() - t0:.1f}s)")
     start_grammars(grammars, hf)
@@ -547,6 +547,11 @@ class WorkerLoop:
         elif isinstance(message, SyncSteps):
             self._report_all()
 
+    @property
+    def launcher(self) -> "LaunchThread | None":
+        """The runner's launch thread (a runner on mlx-lm's own caches has none)."""
+        return getattr(self.runner, "launcher", None)
+
     def _make_up(self, batch: ForwardBatch, before: dict[str, float]) -> str:
         """What a step carried and where its time went (phases since `before`, ms)."""
         phases = " ".join(f"{p} {(self.stats.total(p) - before[p]) * 1e3:.1f}"
@@ -575,25 +580,21 @@ class WorkerLoop:
         self.steps_built_ahead += bool(self.in_flight)
         cpu = HostClock.start()
         pending = self._build(batch)
-        # (A runner on mlx-lm's own caches has no launch thread.)
-        handed = getattr(self.runner, "launcher", None) is not None
+        handed = self.launcher is not None
         if handed:
             # Its launch thread takes the whole step; meanwhile this one reports N and
             # then builds N+2.
-            head, rest = 0.0, self._start(pending)
-            cpu.pause()
-            self._report_all()
-            cpu.resume()
+            head = self._start(pending)
         else:
             # Launching a step takes the host about as long as the device takes to run
             # one. So half of N+1 goes first, then N is reported: the scheduler's round
             # trip for N+2 overlaps the launch of N+1's second half instead of following it.
             self.runner.start_head()
             head = self._timer.mark("start")
-            cpu.pause()
-            self._report_all()
-            cpu.resume()
-            rest = self._start(pending)
+        cpu.pause()
+        self._report_all()
+        cpu.resume()
+        rest = 0.0 if handed else self._start(pending)
         if logger.isEnabledFor(logging.DEBUG):
             # A launch that stalls (MLX building a CUDA graph anew, an allocation) shows
             # here, not in the build line nor in the wait for the tokens. The thread's CPU
@@ -671,9 +672,8 @@ class WorkerLoop:
         """Log the last interval's phase times once one has passed (see StepStats)."""
         line = self.stats.summary()
         if line:
-            launcher = getattr(self.runner, "launcher", None)
-            if launcher is not None:
-                line += f"; launch thread: {launcher.interval_note()}"
+            if self.launcher is not None:
+                line += f"; launch thread: {self.launcher.interval_note()}"
             logger.info("%s; %s", line, memory_note(self.device_pool))
 
     def _report_all(self) -> None:
