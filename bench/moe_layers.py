@@ -1,14 +1,16 @@
 """A decode step's mixture-of-experts layers alone: GPT-OSS-20B-shaped MLP blocks (MXFP4
 experts as it ships, an 8-bit router as mlx_lm.convert leaves it, gate/up fused, down
-padded as the CUDA worker pads it), chained and compiled, through mlx-lm's MLPBlock call
-and through kiln's fused path (fused_moe.fused_experts: the routing and combine kernels,
-the dense router), with and without kiln's 4-bit experts' kernel (expert_rows). Prints
+padded as the CUDA worker pads it; or --experts bf16, nothing quantized), chained and
+compiled, through mlx-lm's MLPBlock call and through kiln's fused path
+(fused_moe.fused_experts: the routing and combine kernels, the dense router), with and
+without kiln's experts' kernel (expert_rows). Prints
 ms a step (wall, after warm-up), the host's build and launch ms, and the largest
 difference from mlx-lm's output; --timeline adds CUPTI's kernels of each
 (bench/device_timeline.py; needs cupti-python).
 
     python bench/moe_layers.py                       # CUDA: 24 layers at 64 and 1 rows
     python bench/moe_layers.py --rows 8,64,128 --timeline
+    python bench/moe_layers.py --experts bf16        # the bf16 shape (38 GB of experts)
     python bench/moe_layers.py --tiny                # anywhere: a small model, float32
 
 Random weights route a step's rows over nearly every expert (as a trained model's
@@ -49,8 +51,10 @@ GPT_OSS_20B = Shape(2880, 2880, 32, 4, 24)
 TINY = Shape(64, 64, 4, 2, 4)
 
 
-def build_layers(shape: Shape, dtype: mx.Dtype, pad: bool) -> list[nn.Module]:
-    """shape.layers GPT-OSS MLP blocks with random weights, quantized as served."""
+def build_layers(shape: Shape, dtype: mx.Dtype, pad: bool, quantize: bool = True
+                 ) -> list[nn.Module]:
+    """shape.layers GPT-OSS MLP blocks with random weights, quantized as served (quantize)
+    or left in dtype."""
     from mlx_lm.models import gpt_oss
     from mlx_lm.models.switch_layers import SwitchLinear
 
@@ -76,9 +80,10 @@ def build_layers(shape: Shape, dtype: mx.Dtype, pad: bool) -> list[nn.Module]:
     for _ in range(shape.layers):
         holder = Holder()
         holder.set_dtype(dtype)
-        nn.quantize(holder, group_size=32, bits=4, mode="mxfp4", class_predicate=which)
+        if quantize:
+            nn.quantize(holder, group_size=32, bits=4, mode="mxfp4", class_predicate=which)
         fuse_projections(holder)
-        if pad:
+        if pad and quantize:
             pad_expert_outputs(holder)
         mx.eval(holder.parameters())
         layers.append(holder.mlp)
@@ -131,6 +136,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="64,1", help="decode rows a step, ','-joined")
     p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--experts", choices=("mxfp4", "bf16"), default="mxfp4",
+                   help="the experts' (and router's) weights: MXFP4 (an 8-bit router) or bf16")
     p.add_argument("--tiny", action="store_true",
                    help="4 small layers in float32 with the CPU tests' stand-in kernels")
     p.add_argument("--timeline", action="store_true",
@@ -143,17 +150,18 @@ def main() -> None:
     if args.tiny:
         from tests.engine_driver import StandInKernel
         shape, dtype = TINY, mx.float32
-        backends = {"kiln fused, MLX's expert matmuls": StandInKernel(expert_rows_kernel=False),
-                    "kiln fused + expert_rows": StandInKernel()}
+        kernel = StandInKernel
     else:
         from worker_proc.decode_backend import KernelDecode
         shape, dtype = GPT_OSS_20B, mx.bfloat16
-        backends = {"kiln fused, MLX's expert matmuls": KernelDecode(expert_rows_kernel=False),
-                    "kiln fused + expert_rows": KernelDecode()}
-    layers = build_layers(shape, dtype, pad=not args.tiny)
+        kernel = KernelDecode
+    dense = args.experts == "bf16"
+    backends = {"kiln fused, MLX's expert matmuls": kernel(expert_rows_kernel=False),
+                "kiln fused + expert_rows": kernel(dense_expert_rows=dense)}
+    layers = build_layers(shape, dtype, pad=not args.tiny, quantize=not dense)
     steps = chains(layers, backends)
-    print(f"{shape.layers} GPT-OSS MLP blocks: {shape.experts} experts, top {shape.top_k}, "
-          f"{shape.hidden} wide, {dtype}, {mx.default_device()}")
+    print(f"{shape.layers} GPT-OSS MLP blocks: {shape.experts} {args.experts} experts, top "
+          f"{shape.top_k}, {shape.hidden} wide, {dtype}, {mx.default_device()}")
     for rows in (int(r) for r in args.rows.split(",")):
         x = (0.1 * mx.random.normal((rows, 1, shape.hidden), key=mx.random.key(rows))).astype(dtype)
         mx.eval(x)

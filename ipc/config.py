@@ -31,7 +31,7 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "cuda-core-attention", "gathered-latent", "fused-own-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
                       "unpaged-prefill", "paged-short-rows", "unpadded-experts", "block-tiles", "unfused-moe",
-                      "mlx-expert-matmuls", "batched-quantized-rows", "wide-cache",
+                      "mlx-expert-matmuls", "bf16-expert-rows", "batched-quantized-rows", "wide-cache",
                       "array-readback", "inline-launch")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
@@ -293,6 +293,8 @@ class ServerConfig:
                                       "a kernel each), mlx-expert-matmuls (a decode step's "
                                       "4-bit expert projections through MLX's gather_qmm, "
                                       "as mlx-lm calls it, not kiln's tensor-core kernel), "
+                                      "bf16-expert-rows (bfloat16 experts' projections "
+                                      "through that kernel too, not MLX's gather_mm), "
                                       "batched-quantized-rows (a decode step's quantized "
                                       "Linear layers take its [rows, 1, dims] input as "
                                       "mlx-lm passes it, which MLX's CUDA GEMM runs as a "

@@ -393,23 +393,29 @@ _COUNTS = {"mixed": [0, 1, 35, 0, 2, 5, 0, 3], "one token": [0, 1, 0, 0, 1, 1, 0
 
 
 @pytest.mark.parametrize("mode,group,gather,counts", [
-    *[(m, gr, ga, "mixed") for m, gr in (("mxfp4", 32), ("affine", 64), ("affine", 32))
-      for ga in (True, False)],
-    ("mxfp4", 32, True, "one token"), ("affine", 128, True, "busy")])
+    *[(m, gr, ga, "mixed") for m, gr in (("mxfp4", 32), ("affine", 64), ("affine", 32),
+                                         ("bf16", 0)) for ga in (True, False)],
+    ("mxfp4", 32, True, "one token"), ("affine", 128, True, "busy"), ("bf16", 0, True, "busy"),
+    ("bf16", 0, False, "one token")])
 def test_cuda_expert_rows_match_gather_qmm(mode, group, gather, counts):
-    """On CUDA, the 4-bit experts' tensor-core kernel gives MLX's gather_qmm of the sorted
-    pairs within bfloat16's rounding: experts with no rows, one, more than a pass takes,
-    outputs past the last whole tile and inputs past the last whole chunk and k-step; rows
-    gathered by token or taken in pair order; each pass shape."""
+    """On CUDA, the experts' tensor-core kernel gives MLX's gather_qmm (4-bit weights) or
+    gather_mm (bfloat16) of the sorted pairs within bfloat16's rounding: experts with no
+    rows, one, more than a pass takes, outputs past the last whole tile and inputs past the
+    last whole chunk and k-step; rows gathered by token or taken in pair order; each pass
+    shape."""
     from worker_proc.expert_rows import expert_rows, fits, reference_expert_rows
 
     _cuda()
-    from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
-    # a chunk and a k-step and a half (groups of 128: and a half); four tiles and a half
-    dims, outs = (640 if group == 128 else 704), 72
+    # a chunk and a k-step and a half (groups of 128: and a half); four tiles and a half;
+    # bf16: five k-steps and a word of 32 and a word of 8
+    dims, outs = {128: 640, 0: 680}.get(group, 704), 72
     mx.random.seed(3)
-    module = QuantizedSwitchLinear(dims, outs, 8, bias=False, group_size=group, mode=mode)
+    if mode == "bf16":
+        module = SwitchLinear(dims, outs, 8, bias=False)
+    else:
+        module = QuantizedSwitchLinear(dims, outs, 8, bias=False, group_size=group, mode=mode)
     module.set_dtype(mx.bfloat16)
     experts = mx.array(np.repeat(np.arange(8), _COUNTS[counts]).astype(np.uint32))
     pairs = int(sum(_COUNTS[counts]))
@@ -445,9 +451,43 @@ def test_expert_rows_takes_bf16_4bit_experts_once_pairs_reach_experts():
     # float32 scales would promote gather_qmm's output past x's dtype
     assert not fits(experts("affine", 64, dtype=mx.float32), 128, mx.bfloat16)
     assert not fits(experts("affine", 64, bits=8), 128, mx.bfloat16)
-    assert not fits(SwitchLinear(128, 32, 8, bias=False), 128, mx.bfloat16)
+    # bfloat16 experts as wide as a multiple of 8 (a float32 SwitchLinear: MLX's gather_mm)
+    dense = SwitchLinear(136, 32, 8, bias=False)
+    assert not fits(dense, 136, mx.bfloat16)
+    dense.set_dtype(mx.bfloat16)
+    assert fits(dense, 136, mx.bfloat16) and not fits(dense, 136, mx.float32)
+    assert not fits(dense, 128, mx.bfloat16)
+    narrow = SwitchLinear(132, 32, 8, bias=False)
+    narrow.set_dtype(mx.bfloat16)
+    assert not fits(narrow, 132, mx.bfloat16)
     m = experts("mxfp4", 32)
     assert not preferred(m, 4) and preferred(m, 8) and preferred(m, 256)
+
+
+def test_bf16_experts_take_the_kernel_only_under_their_experiment(monkeypatch):
+    """bfloat16 experts' projections stay MLX's gather_mm unless `--experiments
+    bf16-expert-rows` asks for the kernel; 4-bit ones take it either way."""
+    from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
+
+    dense = SwitchLinear(128, 32, 8, bias=False)
+    dense.set_dtype(mx.bfloat16)
+    quantized = QuantizedSwitchLinear(128, 32, 8, bias=False, group_size=32, mode="mxfp4")
+    quantized.set_dtype(mx.bfloat16)
+    x = mx.random.normal((16, 128)).astype(mx.bfloat16)
+    pairs = mx.arange(32, dtype=mx.uint32)  # 16 tokens, 2 experts each, grouped by expert
+    routed = fused_moe.Routed(mx.ones((32,)), pairs // 4, pairs % 16, pairs, False, 16, 2, True)
+    plain, asked = StandInKernel(), StandInKernel(dense_expert_rows=True)
+    assert plain.expert_rows(dense, x, routed, True) is None
+    assert plain.expert_rows(quantized, x, routed, True) is not None
+    got = asked.expert_rows(dense, x, routed, True)
+    assert got is not None and got.shape == (32, 1, 32)
+    from worker_proc import decode_backend
+
+    monkeypatch.setattr(decode_backend, "kernel_available", lambda: True)
+    monkeypatch.setattr(decode_backend, "kernel_fits", lambda specs: True)
+    choose = decode_backend.choose_decode_backend
+    assert choose([], frozenset({"bf16-expert-rows"})).dense_expert_rows is True
+    assert choose([]).dense_expert_rows is False
 
 
 def test_a_dense_router_gives_the_quantized_routers_logits():

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models.switch_layers import SwitchLinear
 
 from ipc.config import (CUDA_CORE_EXPERIMENTS, DECODE_EXPERIMENTS, TENSOR_CORE_EXPERIMENTS,
                         kernel_body_conflict)
@@ -254,7 +255,8 @@ class KernelDecode(DecodeBackend):
     kernel each (fused_moe; off: `--experiments unfused-moe`); expert_rows_kernel: with
     them, 4-bit experts' projections of the sorted pairs through expert_rows' tensor-core
     kernel once a step has as many pairs as experts, not MLX's gather_qmm (off:
-    `--experiments mlx-expert-matmuls`). paged_prefill: prefill
+    `--experiments mlx-expert-matmuls`); dense_expert_rows: bfloat16 experts' too, not
+    MLX's gather_mm (`--experiments bf16-expert-rows`). paged_prefill: prefill
     attention of full and sliding layers whose heads cuDNN does not take (Gemma's 256,
     float32) through the paged prefill kernel, which reads each row's context from the
     pool: no gather, no score matrix in memory (off: `--experiments unpaged-prefill`,
@@ -280,6 +282,7 @@ class KernelDecode(DecodeBackend):
     residual_norm_kernel: bool = True
     moe_kernels: bool = True
     expert_rows_kernel: bool = True
+    dense_expert_rows: bool = False
     # Kept on by default where cuDNN does not take the heads: MLX's matmul attention
     # there holds float32 scores whose peaks push the device pool over MLX's 95% line,
     # after which MLX empties its buffer cache (docs/benchmarks.md, session 53).
@@ -428,6 +431,7 @@ class KernelDecode(DecodeBackend):
     def expert_rows(self, module: nn.Module, x: mx.array, routed: Routed,
                     gather: bool) -> mx.array | None:
         if not (self.moe_kernels and self.expert_rows_kernel and routed.grouped
+                and (self.dense_expert_rows or type(module) is not SwitchLinear)
                 and self._expert_rows_takes(module, x, routed.experts.shape[0])):
             return None
         return self._expert_rows(module, x, routed.experts, routed.rows if gather else None)
@@ -696,6 +700,7 @@ def choose_decode_backend(specs: list, experiments: frozenset[str] = frozenset()
                         residual_norm_kernel="unfused-residual-norm" not in experiments,
                         moe_kernels="unfused-moe" not in experiments,
                         expert_rows_kernel="mlx-expert-matmuls" not in experiments,
+                        dense_expert_rows="bf16-expert-rows" in experiments,
                         paged_prefill="unpaged-prefill" not in experiments,
                         paged_short_rows="paged-short-rows" in experiments,
                         prefill_bucket=prefill_bucket)

@@ -29,7 +29,7 @@ import functools
 
 import mlx.core as mx
 import mlx.nn as nn
-from mlx_lm.models.switch_layers import QuantizedSwitchLinear
+from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from worker_proc.fused_moe import project_experts
 from worker_proc.paged_attention import _MMA_HEADER
@@ -188,13 +188,95 @@ _AFFINE = {
 }
 
 
+# bfloat16 weights (a SwitchLinear's, [experts, N, KD]): no dequantization, so a weight's
+# 16 bytes are its mma fragment registers as they are. A k-step of 128 inputs is four words
+# of 32; for word w, lane (g, t) loads 16 bytes of weight rows g and g + 8, inputs
+# 32w + 8t .. + 7, and the mma's slots 2t, 2t+1 / 2t+8, 2t+9 of half h stand for inputs
+# 32w + 8t + 4h + 0, 1 / 2, 3 (the rows' fragments likewise): each load instruction then
+# reads 64 consecutive bytes of each of a warp's 8 weight rows. A chunk is one k-step:
+# 16 uint4 a lane (4 KB a warp) in flight, loaded before the rows are staged.
+_DENSE_SOURCE = r"""
+    constexpr int ROWS = ROW_TILES * 8;
+    __shared__ uint4 xs[16 * ROWS];
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int e = blockIdx.y;
+    const int pairs = experts_shape[0];
+    // This expert's pairs [lo, hi) of the sorted ones.
+    int lo = 0, hi = pairs;
+    while (lo < hi) { const int m = (lo + hi) >> 1; if ((int)experts[m] < e) lo = m + 1; else hi = m; }
+    hi = pairs;
+    for (int a = lo; a < hi;) { const int m = (a + hi) >> 1; if ((int)experts[m] <= e) a = m + 1; else hi = m; }
+    if (lo == hi) return;
+    const int n0 = (blockIdx.x * WARPS + warp) * 16;
+    for (int r0 = lo; r0 < hi; r0 += ROWS) {
+        const int rows = min(ROWS, hi - r0), used = (rows + 7) / 8;  // (row tiles)
+        float acc[ROW_TILES][4];
+#pragma unroll
+        for (int j = 0; j < ROW_TILES; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+        for (int c = 0; c < KD; c += 128) {
+            uint4 q[4][2];
+#pragma unroll
+            for (int w = 0; w < 4; ++w)
+#pragma unroll
+                for (int h = 0; h < 2; ++h) {
+                    const int k = c + w * 32 + t * 8, n = n0 + h * 8 + g;
+                    q[w][h] = make_uint4(0u, 0u, 0u, 0u);
+                    if (k < KD && n < N)  // (KD is a multiple of 8: a word is all in)
+                        q[w][h] = *reinterpret_cast<const uint4*>(weight + ((size_t)e * N + n) * KD + k);
+                }
+            __syncthreads();  // the previous chunk's rows are used
+            for (int i = threadIdx.x; i < 16 * used * 8; i += WARPS * 32) {
+                const int ut = i & 3, r = (i >> 2) % (used * 8), w = (i >> 2) / (used * 8);
+                const int k = c + w * 32 + ut * 8;
+                uint4 v = make_uint4(0u, 0u, 0u, 0u);
+                if (r < rows && k < KD)
+                    v = *reinterpret_cast<const uint4*>(x + (size_t)(@ROW@) * KD + k);
+                xs[((w * ROWS) + r) * 4 + ut] = v;
+            }
+            __syncthreads();
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                if (c + w * 32 >= KD) break;
+                uint4 b[ROW_TILES];
+#pragma unroll
+                for (int j = 0; j < ROW_TILES; ++j)
+                    if (j < used) b[j] = xs[((w * ROWS) + j * 8 + g) * 4 + t];
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const uint32_t a0 = half ? q[w][0].z : q[w][0].x, a2 = half ? q[w][0].w : q[w][0].y;
+                    const uint32_t a1 = half ? q[w][1].z : q[w][1].x, a3 = half ? q[w][1].w : q[w][1].y;
+#pragma unroll
+                    for (int j = 0; j < ROW_TILES; ++j)
+                        if (j < used)
+                            kiln_mma<__nv_bfloat16>(acc[j], a0, a1, a2, a3,
+                                                    half ? b[j].z : b[j].x, half ? b[j].w : b[j].y);
+                }
+            }
+        }
+        // acc[j][i]: output n0 + g + 8 * (i / 2) of row r0 + j * 8 + 2t + i % 2.
+#pragma unroll
+        for (int j = 0; j < ROW_TILES; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = j * 8 + 2 * t + (i & 1), n = n0 + g + 8 * (i >> 1);
+                if (r < rows && n < N) out[(size_t)(r0 + r) * N + n] = static_cast<__nv_bfloat16>(acc[j][i]);
+            }
+    }
+"""
+
+
 def source(mode: str, gather: bool) -> str:
-    """The kernel's source for a weight format ("mxfp4" or "affine"); gather: the rows are
-    x's rows named by `tokens` (the pairs' token ids), else x's own rows in pair order."""
-    parts = {**(_MXFP4 if mode == "mxfp4" else _AFFINE),
-             "@ROW@": "tokens[r0 + r]" if gather else "r0 + r"}
+    """The kernel's source for a weight format ("mxfp4", "affine" or "bf16"); gather: the
+    rows are x's rows named by `tokens` (the pairs' token ids), else x's own rows in pair
+    order."""
+    row = {"@ROW@": "tokens[r0 + r]" if gather else "r0 + r"}
+    if mode == "bf16":
+        return _DENSE_SOURCE.replace("@ROW@", row["@ROW@"])
     out = _SOURCE
-    for key, text in parts.items():
+    for key, text in {**(_MXFP4 if mode == "mxfp4" else _AFFINE), **row}.items():
         out = out.replace(key, text)
     return out
 
@@ -205,10 +287,12 @@ def header() -> str:
 
 
 def inputs(mode: str, gather: bool) -> list[str]:
-    """The kernel's inputs: the packed 4-bit values, then MXFP4's E8M0 exponents or the
-    affine groups' scales and biases."""
-    return ["x", "experts", *(["tokens"] if gather else []), "packed",
-            *(["exponents"] if mode == "mxfp4" else ["scales", "biases"])]
+    """The kernel's inputs: bf16 weights, or the packed 4-bit values and then MXFP4's E8M0
+    exponents or the affine groups' scales and biases."""
+    rows = ["x", "experts", *(["tokens"] if gather else [])]
+    if mode == "bf16":
+        return [*rows, "weight"]
+    return [*rows, "packed", *(["exponents"] if mode == "mxfp4" else ["scales", "biases"])]
 
 
 @functools.cache
@@ -218,15 +302,15 @@ def _kernel(mode: str, gather: bool):
                                source=source(mode, gather), header=header())
 
 
-def fits(module: nn.Module, dims: int, dtype: mx.Dtype) -> bool:
-    """Whether the kernel takes this projection: 4-bit experts (MXFP4 in groups of 32,
-    or affine in groups of 32, 64 or 128) without a global scale, inputs of dtype
-    bfloat16 (the mma's operands; others keep MLX's gather_qmm) and dims wide, as the
-    weights' rows."""
+def weight_mode(module: nn.Module) -> str | None:
+    """The kernel's name for an experts' weight format: "mxfp4" or "affine" (4-bit
+    QuantizedSwitchLinear), "bf16" (a bfloat16 SwitchLinear), None for any other."""
+    if type(module) is SwitchLinear:
+        return "bf16" if module["weight"].dtype == mx.bfloat16 else None
     if type(module) is not QuantizedSwitchLinear or module.bits != 4:
-        return False
+        return None
     if getattr(module, "global_scale", None) is not None:
-        return False
+        return None
     if module.mode == "mxfp4":
         ok = module.group_size == 32 and "biases" not in module
     elif module.mode == "affine":  # (scales and biases in bf16: gather_qmm's output dtype
@@ -234,8 +318,21 @@ def fits(module: nn.Module, dims: int, dtype: mx.Dtype) -> bool:
         ok = (module.group_size in (32, 64, 128) and "biases" in module
               and module["scales"].dtype == module["biases"].dtype == mx.bfloat16)
     else:
+        return None
+    return module.mode if ok else None
+
+
+def fits(module: nn.Module, dims: int, dtype: mx.Dtype) -> bool:
+    """Whether the kernel takes this projection: 4-bit experts (MXFP4 in groups of 32,
+    or affine in groups of 32, 64 or 128) without a global scale, or bfloat16 experts as
+    wide as a multiple of 8; inputs of dtype bfloat16 (the mma's operands; others keep
+    MLX's gather_qmm / gather_mm) and dims wide, as the weights' rows."""
+    mode = weight_mode(module)
+    if mode is None or dtype != mx.bfloat16:
         return False
-    return ok and dims == module["weight"].shape[-1] * 8 and dtype == mx.bfloat16
+    if mode == "bf16":
+        return dims == module["weight"].shape[-1] and dims % 8 == 0
+    return dims == module["weight"].shape[-1] * 8
 
 
 def preferred(module: nn.Module, pairs: int) -> bool:
@@ -246,33 +343,39 @@ def preferred(module: nn.Module, pairs: int) -> bool:
     return pairs >= module["weight"].shape[0]
 
 
-def expert_rows(module: QuantizedSwitchLinear, x: mx.array, experts: mx.array,
+def expert_rows(module: nn.Module, x: mx.array, experts: mx.array,
                 tokens: mx.array | None = None) -> mx.array:
     """The projection (without its bias) of each sorted pair's row: x's row tokens[p]
     (tokens given) or x's row p, by the weights of expert experts[p]; [pairs, 1, out]
     in bfloat16 (fits must hold; experts sorted, uint32)."""
-    mode = module.mode
-    weight, scales = module["weight"], module["scales"]
-    count, outs, words = weight.shape
-    dims = words * 8
+    mode = weight_mode(module)
+    weight = module["weight"]
+    count, outs, width = weight.shape
+    dims = width if mode == "bf16" else width * 8
     flat = x.reshape(-1, dims)
     pairs = experts.shape[0]
-    args = [flat, experts, *([] if tokens is None else [tokens]), weight, scales,
-            *([module["biases"]] if mode == "affine" else [])]
-    blocks = -(-outs // (WARPS * TILES * 16))
+    rows = [flat, experts, *([] if tokens is None else [tokens])]
+    if mode == "bf16":
+        args, tiles = [*rows, weight], 1
+        template = [("KD", dims), ("N", outs), ("WARPS", WARPS), ("ROW_TILES", ROW_TILES)]
+    else:
+        args = [*rows, weight, module["scales"],
+                *([module["biases"]] if mode == "affine" else [])]
+        tiles = TILES
+        template = [("KD", dims), ("N", outs), ("GROUP", module.group_size), ("WARPS", WARPS),
+                    ("TILES", TILES), ("ROW_TILES", ROW_TILES), ("CHUNK", CHUNK)]
+    blocks = -(-outs // (WARPS * tiles * 16))
     (out,) = _kernel(mode, tokens is not None)(
-        inputs=args,
-        template=[("KD", dims), ("N", outs), ("GROUP", module.group_size), ("WARPS", WARPS),
-                  ("TILES", TILES), ("ROW_TILES", ROW_TILES), ("CHUNK", CHUNK)],
+        inputs=args, template=template,
         grid=(blocks * WARPS * 32, count, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(pairs, outs)], output_dtypes=[x.dtype])
     return out[:, None]
 
 
-def reference_expert_rows(module: QuantizedSwitchLinear, x: mx.array, experts: mx.array,
+def reference_expert_rows(module: nn.Module, x: mx.array, experts: mx.array,
                           tokens: mx.array | None = None) -> mx.array:
     """What expert_rows computes, as mlx-lm's SwitchLinear calls MLX (the rows gathered,
-    then gather_qmm told they come sorted)."""
+    then gather_qmm or gather_mm told they come sorted)."""
     rows = x.reshape(-1, x.shape[-1])
     rows = (rows if tokens is None else rows[tokens])[:, None]
     return project_experts(module, rows, experts, sort=True)
