@@ -202,7 +202,7 @@ def expert_rows_variants(dim: int, outs: int, per_warp: tuple[int, ...] = (exper
                          ) -> list[tuple[str, str]]:
     """(label, .cu source) of the experts' projection kernel (worker_proc.expert_rows,
     bfloat16 rows): MXFP4 and affine weights at each count of output tiles a warp (TILES),
-    and bfloat16 weights; rows gathered by token and in pair order."""
+    and bfloat16 weights in both forms; rows gathered by token and in pair order."""
     out = []
     for mode, gather, tiles in itertools.product(("mxfp4", "affine"), (True, False), per_warp):
         name = f"kiln_expert_rows_{mode}_k{dim}_n{outs}_t{tiles}{'_gather' if gather else ''}"
@@ -212,12 +212,13 @@ def expert_rows_variants(dim: int, outs: int, per_warp: tuple[int, ...] = (exper
                   "ROW_TILES": str(expert_rows.ROW_TILES), "CHUNK": str(expert_rows.CHUNK)}
         out.append((name, wrap(name, expert_rows.inputs(mode, gather), ["out"],
                                expert_rows.source(mode, gather), expert_rows.header(), params)))
-    for gather in (True, False):
-        name = f"kiln_expert_rows_bf16_k{dim}_n{outs}{'_gather' if gather else ''}"
+    for mode, gather in itertools.product(("bf16", "bf16_staged"), (True, False)):
+        name = f"kiln_expert_rows_{mode}_k{dim}_n{outs}{'_gather' if gather else ''}"
         params = {"T": "__nv_bfloat16", "KD": str(dim), "N": str(outs),
-                  "WARPS": str(expert_rows.WARPS), "ROW_TILES": str(expert_rows.ROW_TILES)}
-        out.append((name, wrap(name, expert_rows.inputs("bf16", gather), ["out"],
-                               expert_rows.source("bf16", gather), expert_rows.header(), params)))
+                  "WARPS": str(expert_rows.WARPS), "ROW_TILES": str(expert_rows.ROW_TILES),
+                  "STAGES": str(expert_rows.STAGES)}
+        out.append((name, wrap(name, expert_rows.inputs(mode, gather), ["out"],
+                               expert_rows.source(mode, gather), expert_rows.header(mode), params)))
     return out
 
 

@@ -75,12 +75,16 @@ TIMELINE_ARGS=${TIMELINE_ARGS:-}  # part timeline: its flags (default --batch-si
 MLX_BACKLOG=${MLX_BACKLOG:-1024}  # mlx_lm.server's listen backlog (0: its own 5; see
                                # bench/mlx_lm_server_backlog.py)
 TEST_WORKERS=${TEST_WORKERS:-4}  # tests and families parts: processes (pytest-xdist, if there)
+MOE_EXPERTS=${MOE_EXPERTS:-bf16}  # part moe: bench/moe_layers.py --experts (bf16, mxfp4)
+MOE_ROWS=${MOE_ROWS:-64,128,8}     # ... and its --rows
 PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made for any;
                                        # also: families, tests/test_gpu_families.py;
                                        # timeline, bench/device_timeline.py (needs
                                        # cupti-python); attention, bench/attention_kernel.py;
                                        # prefix; longctx; mixed, bench/mixed_traffic.py;
-                                       # prefill, step_breakdown.py --prefill-steps)
+                                       # prefill, step_breakdown.py --prefill-steps;
+                                       # moe, the experts' kernel tests and
+                                       # bench/moe_layers.py)
 BREAKDOWN_VARIANTS=${BREAKDOWN_VARIANTS:-}  # step_breakdown --variants (';'-joined; default all)
 BREAKDOWN_ROUNDS=${BREAKDOWN_ROUNDS:-1}  # step_breakdown --rounds (interleaved repeats; the
                                         # host's speed drifts, so A/B runs want 3 or more)
@@ -200,6 +204,15 @@ echo "== every architecture family on the CUDA path, against mlx-lm's forward"
 timeout --foreground -s INT -k 15 540 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line "${XDIST[@]}" tests/test_gpu_families.py \
     > "$OUT/family_tests.txt" 2>&1
 tail -12 "$OUT/family_tests.txt"
+fi
+
+if has moe; then
+echo "== experts' kernel: its CUDA tests, then GPT-OSS-20B's MoE layers alone ($MOE_EXPERTS)"
+timeout --foreground -s INT -k 15 240 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line \
+    tests/test_fused_moe.py -k "cuda_expert_rows" > "$OUT/moe_tests.txt" 2>&1
+tail -6 "$OUT/moe_tests.txt"
+timeout --foreground 300 "$PYTHON" bench/moe_layers.py --experts "$MOE_EXPERTS" --rows "$MOE_ROWS" \
+    2>&1 | tee "$OUT/moe_layers.txt"
 fi
 
 # The parts that serve or run the model (tests, families and attention need none).

@@ -3,7 +3,7 @@ experts as it ships, an 8-bit router as mlx_lm.convert leaves it, gate/up fused,
 padded as the CUDA worker pads it; or --experts bf16, nothing quantized), chained and
 compiled, through mlx-lm's MLPBlock call and through kiln's fused path
 (fused_moe.fused_experts: the routing and combine kernels, the dense router), with and
-without kiln's experts' kernel (expert_rows). Prints
+without kiln's experts' kernel (expert_rows; for bf16 experts in both its forms). Prints
 ms a step (wall, after warm-up), the host's build and launch ms, and the largest
 difference from mlx-lm's output; --timeline adds CUPTI's kernels of each
 (bench/device_timeline.py; needs cupti-python).
@@ -132,6 +132,19 @@ def time_step(step: Callable[[mx.array], mx.array], x: mx.array, runs: int
     return (time.perf_counter() - start) / runs * 1e3, host / runs * 1e3
 
 
+def _register_form() -> type:
+    from worker_proc.decode_backend import KernelDecode
+    from worker_proc.expert_rows import expert_rows
+
+    class RegisterForm(KernelDecode):
+        """The bf16 experts' kernel in its other form (weights read into registers)."""
+
+        def _expert_rows(self, module, x, experts, tokens):  # noqa: ANN001, ANN202
+            return expert_rows(module, x, experts, tokens, dense_form="registers")
+
+    return RegisterForm
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="64,1", help="decode rows a step, ','-joined")
@@ -158,6 +171,8 @@ def main() -> None:
     dense = args.experts == "bf16"
     backends = {"kiln fused, MLX's expert matmuls": kernel(expert_rows_kernel=False),
                 "kiln fused + expert_rows": kernel(dense_expert_rows=dense)}
+    if dense and not args.tiny:
+        backends["kiln fused + expert_rows, registers"] = _register_form()(dense_expert_rows=True)
     layers = build_layers(shape, dtype, pad=not args.tiny, quantize=not dense)
     steps = chains(layers, backends)
     print(f"{shape.layers} GPT-OSS MLP blocks: {shape.experts} {args.experts} experts, top "

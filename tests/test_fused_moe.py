@@ -394,15 +394,16 @@ _COUNTS = {"mixed": [0, 1, 35, 0, 2, 5, 0, 3], "one token": [0, 1, 0, 0, 1, 1, 0
 
 @pytest.mark.parametrize("mode,group,gather,counts", [
     *[(m, gr, ga, "mixed") for m, gr in (("mxfp4", 32), ("affine", 64), ("affine", 32),
-                                         ("bf16", 0)) for ga in (True, False)],
+                                         ("bf16", 0), ("bf16 registers", 0))
+      for ga in (True, False)],
     ("mxfp4", 32, True, "one token"), ("affine", 128, True, "busy"), ("bf16", 0, True, "busy"),
-    ("bf16", 0, False, "one token")])
+    ("bf16 registers", 0, True, "busy"), ("bf16", 0, False, "one token")])
 def test_cuda_expert_rows_match_gather_qmm(mode, group, gather, counts):
     """On CUDA, the experts' tensor-core kernel gives MLX's gather_qmm (4-bit weights) or
     gather_mm (bfloat16) of the sorted pairs within bfloat16's rounding: experts with no
     rows, one, more than a pass takes, outputs past the last whole tile and inputs past the
     last whole chunk and k-step; rows gathered by token or taken in pair order; each pass
-    shape."""
+    shape; bfloat16 weights through shared memory (the default) and through registers."""
     from worker_proc.expert_rows import expert_rows, fits, reference_expert_rows
 
     _cuda()
@@ -412,7 +413,8 @@ def test_cuda_expert_rows_match_gather_qmm(mode, group, gather, counts):
     # bf16: five k-steps and a word of 32 and a word of 8
     dims, outs = {128: 640, 0: 680}.get(group, 704), 72
     mx.random.seed(3)
-    if mode == "bf16":
+    form = "registers" if mode == "bf16 registers" else "staged"
+    if mode.startswith("bf16"):
         module = SwitchLinear(dims, outs, 8, bias=False)
     else:
         module = QuantizedSwitchLinear(dims, outs, 8, bias=False, group_size=group, mode=mode)
@@ -423,7 +425,7 @@ def test_cuda_expert_rows_match_gather_qmm(mode, group, gather, counts):
     tokens = mx.array(rng.integers(0, 16, size=pairs).astype(np.uint32)) if gather else None
     x = mx.random.normal((16 if gather else pairs, dims), key=mx.random.key(5)).astype(mx.bfloat16)
     assert fits(module, dims, mx.bfloat16)
-    got = expert_rows(module, x, experts, tokens)
+    got = expert_rows(module, x, experts, tokens, dense_form=form)
     want = reference_expert_rows(module, x, experts, tokens)
     assert got.shape == want.shape == (pairs, 1, outs) and got.dtype == mx.bfloat16
     g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))

@@ -32,7 +32,7 @@ import mlx.nn as nn
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from worker_proc.fused_moe import project_experts
-from worker_proc.paged_attention import _MMA_HEADER
+from worker_proc.paged_attention import _HEADER, _MMA_HEADER
 
 WARPS = 4  # a block's warps (128 threads)
 TILES = 1  # output tiles of 16 a warp (two: fewer blocks, ~170 registers, slower
@@ -40,6 +40,11 @@ TILES = 1  # output tiles of 16 a warp (two: fewer blocks, ~170 registers, slowe
 CHUNK = 512  # input values staged in shared memory a fill: four k-steps of 128
 ROW_TILES = 4  # a pass's rows, 8 a tile: an expert with more takes more passes (its
 # weights again, from L2 if they are still there); a pass multiplies only the tiles its rows fill
+
+# bfloat16 experts: "staged" (_DENSE_STAGED_SOURCE, weights through shared memory by
+# cp.async) or "registers" (_DENSE_SOURCE, each warp's loads in its registers).
+DENSE_FORM = "staged"
+STAGES = 3  # the staged form's k-steps in shared memory: 24 KB each (64 outputs, 32 rows)
 
 # The mma (m16n8k16, fp32 accumulators) takes the weights as A (16 outputs x 16 inputs)
 # and the rows as B (16 inputs x 8 rows); its output tile is 16 outputs x 8 rows. A
@@ -268,29 +273,139 @@ _DENSE_SOURCE = r"""
 """
 
 
+# bfloat16 weights through shared memory: the same fragments and input order as
+# _DENSE_SOURCE, but each k-step's weight tile (BN outputs x 128 inputs, 16 KB) and rows
+# come by cp.async STAGES - 1 k-steps ahead, so a block keeps up to 32 KB of weights in
+# flight whatever its registers, and no warp waits on its own loads between mma's. A
+# tile row's 16-byte chunks are stored at chunk ^ kiln_swz(row % 8): a quarter warp's
+# fragment reads (rows 2i and 2i + 1, 4 chunks each) then fall on distinct banks.
+_DENSE_STAGED_SOURCE = r"""
+    constexpr int ROWS = ROW_TILES * 8;
+    constexpr int BN = WARPS * 16;
+    constexpr int STEPS = (KD + 127) / 128;
+    extern __shared__ __align__(16) unsigned char kiln_dynamic[];
+    __nv_bfloat16* ws = reinterpret_cast<__nv_bfloat16*>(kiln_dynamic);  // [STAGES][BN][128]
+    __nv_bfloat16* xs = ws + STAGES * BN * 128;                           // [STAGES][ROWS][128]
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int e = blockIdx.y;
+    const int pairs = experts_shape[0];
+    // This expert's pairs [lo, hi) of the sorted ones.
+    int lo = 0, hi = pairs;
+    while (lo < hi) { const int m = (lo + hi) >> 1; if ((int)experts[m] < e) lo = m + 1; else hi = m; }
+    hi = pairs;
+    for (int a = lo; a < hi;) { const int m = (a + hi) >> 1; if ((int)experts[m] <= e) a = m + 1; else hi = m; }
+    if (lo == hi) return;
+    const int nb = blockIdx.x * BN;
+    const int r_lo = warp * 16 + g;  // this lane's fragment rows: r_lo and r_lo + 8
+    const int swz = kiln_swz(g);     // (r_lo % 8 == (r_lo + 8) % 8 == g)
+    for (int r0 = lo; r0 < hi; r0 += ROWS) {
+        const int rows = min(ROWS, hi - r0), used = (rows + 7) / 8;  // (row tiles)
+        // k-step s into stage b: one commit group; chunks past N, KD or the rows zeroed.
+        auto issue = [&](int s, int b) {
+            const int k0 = s * 128;
+            __nv_bfloat16* wt = ws + (size_t)b * BN * 128;
+            for (int c = threadIdx.x; c < BN * 16; c += WARPS * 32) {
+                const int row = c >> 4, piece = c & 15, n = nb + row, k = k0 + piece * 8;
+                __nv_bfloat16* dst = wt + row * 128 + (piece ^ kiln_swz(row & 7)) * 8;
+                if (n < N && k < KD)
+                    kiln_cp_async16(dst, weight + ((size_t)e * N + n) * KD + k);
+                else
+                    *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+            }
+            __nv_bfloat16* xt = xs + (size_t)b * ROWS * 128;
+            for (int c = threadIdx.x; c < used * 8 * 16; c += WARPS * 32) {
+                const int r = c >> 4, piece = c & 15, k = k0 + piece * 8;
+                __nv_bfloat16* dst = xt + r * 128 + (piece ^ kiln_swz(r & 7)) * 8;
+                if (r < rows && k < KD)
+                    kiln_cp_async16(dst, x + (size_t)(@ROW@) * KD + k);
+                else
+                    *reinterpret_cast<uint4*>(dst) = make_uint4(0u, 0u, 0u, 0u);
+            }
+            kiln_cp_commit();
+        };
+        float acc[ROW_TILES][4];
+#pragma unroll
+        for (int j = 0; j < ROW_TILES; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[j][i] = 0.f;
+        __syncthreads();  // the previous pass's stages are read
+#pragma unroll
+        for (int s = 0; s < STAGES - 1; ++s) {
+            if (s < STEPS) issue(s, s); else kiln_cp_commit();
+        }
+        for (int s = 0; s < STEPS; ++s) {
+            kiln_cp_wait<STAGES - 2>();
+            __syncthreads();  // k-step s landed for every thread; stage (s - 1) % STAGES read
+            if (s + STAGES - 1 < STEPS) issue(s + STAGES - 1, (s + STAGES - 1) % STAGES);
+            else kiln_cp_commit();
+            const __nv_bfloat16* wt = ws + (size_t)(s % STAGES) * BN * 128;
+            const __nv_bfloat16* xt = xs + (size_t)(s % STAGES) * ROWS * 128;
+#pragma unroll
+            for (int w = 0; w < 4; ++w) {
+                if (s * 128 + w * 32 >= KD) break;
+                const int at = ((4 * w + t) ^ swz) * 8;
+                const uint4 lo_w = *reinterpret_cast<const uint4*>(wt + r_lo * 128 + at);
+                const uint4 hi_w = *reinterpret_cast<const uint4*>(wt + (r_lo + 8) * 128 + at);
+                uint4 b[ROW_TILES];
+#pragma unroll
+                for (int j = 0; j < ROW_TILES; ++j)
+                    if (j < used) b[j] = *reinterpret_cast<const uint4*>(xt + (j * 8 + g) * 128 + at);
+#pragma unroll
+                for (int half = 0; half < 2; ++half) {
+                    const uint32_t a0 = half ? lo_w.z : lo_w.x, a2 = half ? lo_w.w : lo_w.y;
+                    const uint32_t a1 = half ? hi_w.z : hi_w.x, a3 = half ? hi_w.w : hi_w.y;
+#pragma unroll
+                    for (int j = 0; j < ROW_TILES; ++j)
+                        if (j < used)
+                            kiln_mma<__nv_bfloat16>(acc[j], a0, a1, a2, a3,
+                                                    half ? b[j].z : b[j].x, half ? b[j].w : b[j].y);
+                }
+            }
+        }
+        kiln_cp_wait<0>();
+        // acc[j][i]: output nb + r_lo + 8 * (i / 2) of row r0 + j * 8 + 2t + i % 2.
+#pragma unroll
+        for (int j = 0; j < ROW_TILES; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) {
+                const int r = j * 8 + 2 * t + (i & 1), n = nb + r_lo + 8 * (i >> 1);
+                if (r < rows && n < N) out[(size_t)(r0 + r) * N + n] = static_cast<__nv_bfloat16>(acc[j][i]);
+            }
+    }
+"""
+
+
 def source(mode: str, gather: bool) -> str:
-    """The kernel's source for a weight format ("mxfp4", "affine" or "bf16"); gather: the
+    """The kernel's source for a weight format ("mxfp4", "affine", "bf16": bfloat16
+    weights read through registers, "bf16_staged": through shared memory); gather: the
     rows are x's rows named by `tokens` (the pairs' token ids), else x's own rows in pair
     order."""
-    row = {"@ROW@": "tokens[r0 + r]" if gather else "r0 + r"}
-    if mode == "bf16":
-        return _DENSE_SOURCE.replace("@ROW@", row["@ROW@"])
+    row = "tokens[r0 + r]" if gather else "r0 + r"
+    if mode in ("bf16", "bf16_staged"):
+        return (_DENSE_SOURCE if mode == "bf16" else _DENSE_STAGED_SOURCE).replace("@ROW@", row)
     out = _SOURCE
-    for key, text in {**(_MXFP4 if mode == "mxfp4" else _AFFINE), **row}.items():
+    for key, text in {**(_MXFP4 if mode == "mxfp4" else _AFFINE), "@ROW@": row}.items():
         out = out.replace(key, text)
     return out
 
 
-def header() -> str:
-    """The kernel's helpers: the mma and its fragments' packing (paged_attention's)."""
-    return _MMA_HEADER
+def header(mode: str = "mxfp4") -> str:
+    """The kernel's helpers: the mma and its fragments' packing (paged_attention's), and
+    for the staged form cp.async's."""
+    return (_HEADER + _MMA_HEADER) if mode == "bf16_staged" else _MMA_HEADER
+
+
+def shared_bytes(mode: str) -> int:
+    """The dynamic shared memory a block of the kernel takes (the staged form's stages)."""
+    return STAGES * (WARPS * 16 + ROW_TILES * 8) * 128 * 2 if mode == "bf16_staged" else 0
 
 
 def inputs(mode: str, gather: bool) -> list[str]:
     """The kernel's inputs: bf16 weights, or the packed 4-bit values and then MXFP4's E8M0
     exponents or the affine groups' scales and biases."""
     rows = ["x", "experts", *(["tokens"] if gather else [])]
-    if mode == "bf16":
+    if mode in ("bf16", "bf16_staged"):
         return [*rows, "weight"]
     return [*rows, "packed", *(["exponents"] if mode == "mxfp4" else ["scales", "biases"])]
 
@@ -299,7 +414,8 @@ def inputs(mode: str, gather: bool) -> list[str]:
 def _kernel(mode: str, gather: bool):
     return mx.fast.cuda_kernel(name=f"kiln_expert_rows_{mode}{'_gather' if gather else ''}",
                                input_names=inputs(mode, gather), output_names=["out"],
-                               source=source(mode, gather), header=header())
+                               source=source(mode, gather), header=header(mode),
+                               shared_memory=shared_bytes(mode))
 
 
 def weight_mode(module: nn.Module) -> str | None:
@@ -344,10 +460,11 @@ def preferred(module: nn.Module, pairs: int) -> bool:
 
 
 def expert_rows(module: nn.Module, x: mx.array, experts: mx.array,
-                tokens: mx.array | None = None) -> mx.array:
+                tokens: mx.array | None = None, dense_form: str = DENSE_FORM) -> mx.array:
     """The projection (without its bias) of each sorted pair's row: x's row tokens[p]
     (tokens given) or x's row p, by the weights of expert experts[p]; [pairs, 1, out]
-    in bfloat16 (fits must hold; experts sorted, uint32)."""
+    in bfloat16 (fits must hold; experts sorted, uint32). dense_form: bfloat16 weights'
+    kernel ("staged" or "registers")."""
     mode = weight_mode(module)
     weight = module["weight"]
     count, outs, width = weight.shape
@@ -356,8 +473,10 @@ def expert_rows(module: nn.Module, x: mx.array, experts: mx.array,
     pairs = experts.shape[0]
     rows = [flat, experts, *([] if tokens is None else [tokens])]
     if mode == "bf16":
+        mode = "bf16_staged" if dense_form == "staged" else "bf16"
         args, tiles = [*rows, weight], 1
-        template = [("KD", dims), ("N", outs), ("WARPS", WARPS), ("ROW_TILES", ROW_TILES)]
+        template = [("KD", dims), ("N", outs), ("WARPS", WARPS), ("ROW_TILES", ROW_TILES),
+                    *([("STAGES", STAGES)] if mode == "bf16_staged" else [])]
     else:
         args = [*rows, weight, module["scales"],
                 *([module["biases"]] if mode == "affine" else [])]
