@@ -13,6 +13,7 @@ from typing import Any
 
 import mlx.core as mx
 import numpy as np
+from mlx_lm.models.switch_layers import SwitchLinear
 
 from ipc.messages.common import SamplingParams, TokenLogprob
 from ipc.messages.to_detokenizer import BatchTokens, TokenOutput
@@ -23,7 +24,7 @@ from tests.oracle import divergence_off_a_tie
 from worker_proc import WorkerLoop
 from worker_proc.decode_backend import DecodeBackend, KernelDecode
 from worker_proc.expert_rows import fits as expert_rows_fit, preferred as expert_rows_preferred
-from worker_proc.expert_rows import reference_expert_rows
+from worker_proc.expert_rows import dense_fits as dense_rows_fit, reference_expert_rows
 from worker_proc.fused_moe import reference_combine, reference_route
 from worker_proc.kv_pool import KVPool
 from worker_proc.memory import probe_attention_specs
@@ -287,10 +288,14 @@ class StandInKernel(KernelDecode):
         return reference_expert_rows(module, x, experts, tokens)
 
     def _expert_rows_takes(self, module, x, pairs):  # noqa: ANN001, ANN202
-        # The tests' float32 stands in for the GPU's bfloat16: the weights' format decides.
+        # The tests' float32 stands in for the GPU's bfloat16: the weights' format decides,
+        # float32 experts' weights standing for bfloat16 ones.
         dtype = mx.bfloat16 if x.dtype == mx.float32 else x.dtype
-        return (expert_rows_fit(module, x.shape[-1], dtype)
-                and expert_rows_preferred(module, pairs))
+        if type(module) is SwitchLinear and module["weight"].dtype == mx.float32:
+            fit = dense_rows_fit(x.shape[-1], module["weight"].shape[-1])
+        else:
+            fit = expert_rows_fit(module, x.shape[-1], dtype)
+        return fit and expert_rows_preferred(module, pairs)
 
     def _fused_builds_per_shape(self, queries, values):  # noqa: ANN001, ANN202
         # The tests' float32 stands in for the GPU's bfloat16: the heads' sizes decide.

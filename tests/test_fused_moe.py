@@ -119,12 +119,14 @@ def test_routing_places_each_pair_once_sorted_by_expert():
         assert (experts[slots] == pairs).all() and (rows[slots] == np.arange(tokens * 2) // 2).all()
 
 
-@pytest.mark.parametrize("path", ["compiled", "in place"])
+@pytest.mark.parametrize("path", ["compiled", "in place", "bf16 expert rows"])
 @pytest.mark.parametrize("name", ["gpt_oss", "qwen3_moe"])
 def test_served_experts_keep_mlx_lm_tokens(name, path, monkeypatch):
     """Served on the kernel path (stood in for), 36 streams at once (72 pairs: sorted) down
     to the last few (unsorted), chunked prompts: mlx-lm's greedy tokens, and the decode
-    steps' experts went through the backend's routing, both ways."""
+    steps' experts went through the backend's routing, both ways; with `--experiments
+    bf16-expert-rows` the sorted steps' (float32 standing for bfloat16) experts'
+    projections through expert_rows (stood in for), the others not."""
     from tests.oracle import mlx_lm_tokens
     from tests.test_worker import _prompts
 
@@ -154,12 +156,19 @@ def test_served_experts_keep_mlx_lm_tokens(name, path, monkeypatch):
 
     monkeypatch.setattr(NormHandoff, "take", taking)
     monkeypatch.setattr(NormHandoff, "put", putting)
+    rows_calls: list[int] = []
+    stood_in = StandInKernel._expert_rows
+    monkeypatch.setattr(StandInKernel, "_expert_rows",
+                        lambda self, module, x, experts, tokens: rows_calls.append(
+                            experts.shape[0]) or stood_in(self, module, x, experts, tokens))
     lengths = [(7 * i) % 40 + 1 for i in range(36)]
     prompts = _prompts(36, lengths, 512, seed=61)
-    backend = StandInKernel() if path == "compiled" else StandInInPlaceKernels()
-    engine = InProcessEngine(ours, chunk_size=16, compile_decode=path == "compiled",
+    backend = (StandInInPlaceKernels() if path == "in place"
+               else StandInKernel(dense_expert_rows=path == "bf16 expert rows"))
+    engine = InProcessEngine(ours, chunk_size=16, compile_decode=path != "in place",
                              overlap="ahead", backend=backend, max_running=36)
     seen.clear()  # the start-up probes' forwards (compiled: the served buckets' traces)
+    rows_calls.clear()
     budgets = [6 + i % 9 for i in range(36)]
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         engine.submit(f"r{i}", p, n, [])
@@ -167,6 +176,11 @@ def test_served_experts_keep_mlx_lm_tokens(name, path, monkeypatch):
     for i, (p, n) in enumerate(zip(prompts, budgets)):
         assert results[f"r{i}"].token_ids == mlx_lm_tokens(theirs, p, n), f"r{i}"
     assert True in seen and False in seen
+    switch = ours.layers[0].mlp.experts if name == "gpt_oss" else ours.layers[0].mlp.switch_mlp
+    if path == "bf16 expert rows":
+        assert rows_calls and min(rows_calls) >= switch.down_proj["weight"].shape[0], rows_calls
+    else:
+        assert not rows_calls
     # every next-block norm combine made was taken by that block
     assert handed and handed.count("put") == handed.count("taken")
 

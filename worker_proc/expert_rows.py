@@ -447,8 +447,14 @@ def fits(module: nn.Module, dims: int, dtype: mx.Dtype) -> bool:
     if mode is None or dtype != mx.bfloat16:
         return False
     if mode == "bf16":
-        return dims == module["weight"].shape[-1] and dims % 8 == 0
+        return dense_fits(dims, module["weight"].shape[-1])
     return dims == module["weight"].shape[-1] * 8
+
+
+def dense_fits(dims: int, width: int) -> bool:
+    """Whether rows of `dims` take bfloat16 experts of `width` inputs: as wide, whole
+    16-byte words."""
+    return dims == width and dims % 8 == 0
 
 
 def preferred(module: nn.Module, pairs: int) -> bool:
