@@ -53,6 +53,7 @@ it) and the first token that differs. Exit status 1 on any mismatch or error.
     python bench/schedule_soak.py --seeds 0-9 --aborts 0.3 --eos --minutes 60
     python bench/schedule_soak.py --families gemma3_text,qwen3_next --paths kernel --seeds 7
     python bench/schedule_soak.py --families gpt_oss,qwen3_moe --experts-mxfp4 --seeds 0-99
+    python bench/schedule_soak.py --families gpt_oss,qwen3_moe --paths kernel --bf16-expert-rows
 """
 
 from __future__ import annotations
@@ -179,13 +180,15 @@ def served_model(family: str, path: str, experts_mxfp4: bool = False) -> Any:
 SOAK_TAIL_MULTIPLE = 16
 
 
-def engine_options(path: str, own_caches: bool, sort_routes: bool = False) -> dict[str, Any]:
+def engine_options(path: str, own_caches: bool, sort_routes: bool = False,
+                   dense_rows: bool = False) -> dict[str, Any]:
     if own_caches:
         return {"own_caches": True}
     cuda = {"pad_tails": SOAK_TAIL_MULTIPLE}
     if path == "kernel":
-        return {"backend": SortingStandIn() if sort_routes else StandInKernel(),
-                "compile_decode": True, **cuda}
+        sorting = sort_routes or dense_rows
+        return {"backend": SortingStandIn(dense_expert_rows=dense_rows) if sorting
+                else StandInKernel(), "compile_decode": True, **cuda}
     if path == "in place":
         return {"backend": StandInInPlaceKernels(), **cuda}
     if path == "paged prefill":
@@ -269,12 +272,13 @@ def stopped(tokens: list[int], eos: list[int]) -> list[int]:
 
 def soak_one(family: str, path: str, seed: int, oracles: dict, memo: dict,
              abort_share: float = 0.0, with_eos: bool = False,
-             sampled: bool = False, experts_mxfp4: bool = False) -> Outcome:
+             sampled: bool = False, experts_mxfp4: bool = False,
+             dense_rows: bool = False) -> Outcome:
     t0 = time.monotonic()
     own_caches = family in UNPAGED
     model = served_model(family, path, experts_mxfp4)
     schedule: Schedule = draw_schedule(seed, VOCAB)
-    options = engine_options(path, own_caches, sort_routes=experts_mxfp4)
+    options = engine_options(path, own_caches, sort_routes=experts_mxfp4, dense_rows=dense_rows)
     if own_caches:  # no prefill traces, no kernel path on mlx-lm's own caches
         schedule.engine["compile_prefill"] = False
     if path == "in place":  # in-place stand-ins write Python objects: no traces
@@ -355,6 +359,10 @@ def main() -> None:
                    help="the mixture-of-experts families' experts quantized to MXFP4 (served "
                         "and oracle); the kernel path routes as the CUDA kernel does (pairs "
                         "always sorted), so its 4-bit experts reach expert_rows (stood in for)")
+    p.add_argument("--bf16-expert-rows", action="store_true",
+                   help="the kernel path as --experiments bf16-expert-rows serves: unquantized "
+                        "experts' projections of sorted steps through expert_rows (stood in "
+                        "for; the float32 experts standing for bf16 ones), pairs always sorted")
     p.add_argument("--minutes", type=float, default=0.0,
                    help="stop starting new schedules after this long (0: no limit)")
     args = p.parse_args()
@@ -378,7 +386,7 @@ def main() -> None:
                 runs += 1
                 try:
                     out = soak_one(family, path, seed, oracles, memo, args.aborts, args.eos,
-                                   args.sampled, args.experts_mxfp4)
+                                   args.sampled, args.experts_mxfp4, args.bf16_expert_rows)
                 except Exception:  # noqa: BLE001 - a soak reports every failure and goes on
                     failed += 1
                     print(f"ERROR {family} [{path}] seed {seed}\n{traceback.format_exc()}", flush=True)
