@@ -65,17 +65,8 @@ _SOURCE = r"""
     constexpr int STEPS = CHUNK / 128;
     __shared__ uint4 xs[CHUNK / 8 * ROWS];
     __shared__ float lut[16];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int e = blockIdx.y;
-    const int pairs = experts_shape[0];
+@PROLOGUE@
     @LUT_FILL@
-    // This expert's pairs [lo, hi) of the sorted ones.
-    int lo = 0, hi = pairs;
-    while (lo < hi) { const int m = (lo + hi) >> 1; if ((int)experts[m] < e) lo = m + 1; else hi = m; }
-    hi = pairs;
-    for (int a = lo; a < hi;) { const int m = (a + hi) >> 1; if ((int)experts[m] <= e) a = m + 1; else hi = m; }
-    if (lo == hi) return;
     __syncthreads();  // the table
     const int n0 = (blockIdx.x * WARPS + warp) * (TILES * 16);
     for (int r0 = lo; r0 < hi; r0 += ROWS) {
@@ -203,16 +194,7 @@ _AFFINE = {
 _DENSE_SOURCE = r"""
     constexpr int ROWS = ROW_TILES * 8;
     __shared__ uint4 xs[16 * ROWS];
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int e = blockIdx.y;
-    const int pairs = experts_shape[0];
-    // This expert's pairs [lo, hi) of the sorted ones.
-    int lo = 0, hi = pairs;
-    while (lo < hi) { const int m = (lo + hi) >> 1; if ((int)experts[m] < e) lo = m + 1; else hi = m; }
-    hi = pairs;
-    for (int a = lo; a < hi;) { const int m = (a + hi) >> 1; if ((int)experts[m] <= e) a = m + 1; else hi = m; }
-    if (lo == hi) return;
+@PROLOGUE@
     const int n0 = (blockIdx.x * WARPS + warp) * 16;
     for (int r0 = lo; r0 < hi; r0 += ROWS) {
         const int rows = min(ROWS, hi - r0), used = (rows + 7) / 8;  // (row tiles)
@@ -249,26 +231,10 @@ _DENSE_SOURCE = r"""
 #pragma unroll
                 for (int j = 0; j < ROW_TILES; ++j)
                     if (j < used) b[j] = xs[((w * ROWS) + j * 8 + g) * 4 + t];
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const uint32_t a0 = half ? q[w][0].z : q[w][0].x, a2 = half ? q[w][0].w : q[w][0].y;
-                    const uint32_t a1 = half ? q[w][1].z : q[w][1].x, a3 = half ? q[w][1].w : q[w][1].y;
-#pragma unroll
-                    for (int j = 0; j < ROW_TILES; ++j)
-                        if (j < used)
-                            kiln_mma<__nv_bfloat16>(acc[j], a0, a1, a2, a3,
-                                                    half ? b[j].z : b[j].x, half ? b[j].w : b[j].y);
-                }
+                kiln_word_mma<ROW_TILES>(acc, q[w][0], q[w][1], b, used);
             }
         }
-        // acc[j][i]: output n0 + g + 8 * (i / 2) of row r0 + j * 8 + 2t + i % 2.
-#pragma unroll
-        for (int j = 0; j < ROW_TILES; ++j)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = j * 8 + 2 * t + (i & 1), n = n0 + g + 8 * (i >> 1);
-                if (r < rows && n < N) out[(size_t)(r0 + r) * N + n] = static_cast<__nv_bfloat16>(acc[j][i]);
-            }
+        kiln_store_rows<ROW_TILES>(acc, out, r0, rows, n0 + g, N, t);
     }
 """
 
@@ -286,16 +252,7 @@ _DENSE_STAGED_SOURCE = r"""
     extern __shared__ __align__(16) unsigned char kiln_dynamic[];
     __nv_bfloat16* ws = reinterpret_cast<__nv_bfloat16*>(kiln_dynamic);  // [STAGES][BN][128]
     __nv_bfloat16* xs = ws + STAGES * BN * 128;                           // [STAGES][ROWS][128]
-    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-    const int g = lane >> 2, t = lane & 3;
-    const int e = blockIdx.y;
-    const int pairs = experts_shape[0];
-    // This expert's pairs [lo, hi) of the sorted ones.
-    int lo = 0, hi = pairs;
-    while (lo < hi) { const int m = (lo + hi) >> 1; if ((int)experts[m] < e) lo = m + 1; else hi = m; }
-    hi = pairs;
-    for (int a = lo; a < hi;) { const int m = (a + hi) >> 1; if ((int)experts[m] <= e) a = m + 1; else hi = m; }
-    if (lo == hi) return;
+@PROLOGUE@
     const int nb = blockIdx.x * BN;
     const int r_lo = warp * 16 + g;  // this lane's fragment rows: r_lo and r_lo + 8
     const int swz = kiln_swz(g);     // (r_lo % 8 == (r_lo + 8) % 8 == g)
@@ -351,29 +308,23 @@ _DENSE_STAGED_SOURCE = r"""
 #pragma unroll
                 for (int j = 0; j < ROW_TILES; ++j)
                     if (j < used) b[j] = *reinterpret_cast<const uint4*>(xt + (j * 8 + g) * 128 + at);
-#pragma unroll
-                for (int half = 0; half < 2; ++half) {
-                    const uint32_t a0 = half ? lo_w.z : lo_w.x, a2 = half ? lo_w.w : lo_w.y;
-                    const uint32_t a1 = half ? hi_w.z : hi_w.x, a3 = half ? hi_w.w : hi_w.y;
-#pragma unroll
-                    for (int j = 0; j < ROW_TILES; ++j)
-                        if (j < used)
-                            kiln_mma<__nv_bfloat16>(acc[j], a0, a1, a2, a3,
-                                                    half ? b[j].z : b[j].x, half ? b[j].w : b[j].y);
-                }
+                kiln_word_mma<ROW_TILES>(acc, lo_w, hi_w, b, used);
             }
         }
         kiln_cp_wait<0>();
-        // acc[j][i]: output nb + r_lo + 8 * (i / 2) of row r0 + j * 8 + 2t + i % 2.
-#pragma unroll
-        for (int j = 0; j < ROW_TILES; ++j)
-#pragma unroll
-            for (int i = 0; i < 4; ++i) {
-                const int r = j * 8 + 2 * t + (i & 1), n = nb + r_lo + 8 * (i >> 1);
-                if (r < rows && n < N) out[(size_t)(r0 + r) * N + n] = static_cast<__nv_bfloat16>(acc[j][i]);
-            }
+        kiln_store_rows<ROW_TILES>(acc, out, r0, rows, nb + r_lo, N, t);
     }
 """
+
+
+# Every form's start: the lane's place, and the block's expert (blockIdx.y) and its sorted
+# pairs [lo, hi); a block whose expert has none ends.
+_PROLOGUE = """    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int e = blockIdx.y;
+    int lo, hi;
+    kiln_expert_pairs(experts, experts_shape[0], e, lo, hi);
+    if (lo == hi) return;"""
 
 
 def source(mode: str, gather: bool) -> str:
@@ -381,19 +332,60 @@ def source(mode: str, gather: bool) -> str:
     weights read through registers, "bf16_staged": through shared memory); gather: the
     rows are x's rows named by `tokens` (the pairs' token ids), else x's own rows in pair
     order."""
-    row = "tokens[r0 + r]" if gather else "r0 + r"
+    parts = {"@ROW@": "tokens[r0 + r]" if gather else "r0 + r", "@PROLOGUE@": _PROLOGUE}
     if mode in ("bf16", "bf16_staged"):
-        return (_DENSE_SOURCE if mode == "bf16" else _DENSE_STAGED_SOURCE).replace("@ROW@", row)
-    out = _SOURCE
-    for key, text in {**(_MXFP4 if mode == "mxfp4" else _AFFINE), "@ROW@": row}.items():
+        out = _DENSE_SOURCE if mode == "bf16" else _DENSE_STAGED_SOURCE
+    else:
+        out = _SOURCE
+        parts.update(_MXFP4 if mode == "mxfp4" else _AFFINE)
+    for key, text in parts.items():
         out = out.replace(key, text)
     return out
 
 
+_PAIRS_HEADER = r"""
+// The sorted pairs [lo, hi) of expert e: two binary searches over the pairs' experts.
+__device__ inline void kiln_expert_pairs(const uint32_t* experts, int pairs, int e, int& lo, int& hi) {
+    lo = 0, hi = pairs;
+    while (lo < hi) { const int m = (lo + hi) >> 1; if ((int)experts[m] < e) lo = m + 1; else hi = m; }
+    hi = pairs;
+    for (int a = lo; a < hi;) { const int m = (a + hi) >> 1; if ((int)experts[m] <= e) a = m + 1; else hi = m; }
+}
+// bfloat16 weights: a word's two mma's (halves h) into each of a pass's used row tiles,
+// weight rows g and g + 8 (inputs 32w + 8t .. + 7) as A, each row tile's row g as B.
+template <int ROW_TILES>
+__device__ __forceinline__ void kiln_word_mma(float (&acc)[ROW_TILES][4], const uint4& lo_w,
+                                              const uint4& hi_w, const uint4 (&b)[ROW_TILES], int used) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const uint32_t a0 = half ? lo_w.z : lo_w.x, a2 = half ? lo_w.w : lo_w.y;
+        const uint32_t a1 = half ? hi_w.z : hi_w.x, a3 = half ? hi_w.w : hi_w.y;
+#pragma unroll
+        for (int j = 0; j < ROW_TILES; ++j)
+            if (j < used)
+                kiln_mma<__nv_bfloat16>(acc[j], a0, a1, a2, a3, half ? b[j].z : b[j].x,
+                                        half ? b[j].w : b[j].y);
+    }
+}
+// A bfloat16 pass's outputs: acc[j][i] is output n + 8 * (i / 2) of row r0 + j * 8 + 2t + i % 2.
+template <int ROW_TILES>
+__device__ __forceinline__ void kiln_store_rows(const float (&acc)[ROW_TILES][4], __nv_bfloat16* out,
+                                                int r0, int rows, int n, int N, int t) {
+#pragma unroll
+    for (int j = 0; j < ROW_TILES; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+            const int r = j * 8 + 2 * t + (i & 1), at = n + 8 * (i >> 1);
+            if (r < rows && at < N) out[(size_t)(r0 + r) * N + at] = static_cast<__nv_bfloat16>(acc[j][i]);
+        }
+}
+"""
+
+
 def header(mode: str = "mxfp4") -> str:
-    """The kernel's helpers: the mma and its fragments' packing (paged_attention's), and
-    for the staged form cp.async's."""
-    return (_HEADER + _MMA_HEADER) if mode == "bf16_staged" else _MMA_HEADER
+    """The kernel's helpers: the mma and its fragments' packing (paged_attention's), the
+    pairs' search and the bfloat16 forms' mma and store; for the staged form cp.async's."""
+    return (_HEADER if mode == "bf16_staged" else "") + _MMA_HEADER + _PAIRS_HEADER
 
 
 def shared_bytes(mode: str) -> int:
