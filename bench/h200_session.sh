@@ -83,8 +83,8 @@ PARTS=${PARTS:-tests,breakdown,sweep}  # which parts to run (the model is made f
                                        # cupti-python); attention, bench/attention_kernel.py;
                                        # prefix; longctx; mixed, bench/mixed_traffic.py;
                                        # prefill, step_breakdown.py --prefill-steps;
-                                       # moe, the experts' kernel tests and
-                                       # bench/moe_layers.py)
+                                       # moe, the experts' kernel tests,
+                                       # bench/moe_layers.py, bench/skinny_gemm.py)
 BREAKDOWN_VARIANTS=${BREAKDOWN_VARIANTS:-}  # step_breakdown --variants (';'-joined; default all)
 BREAKDOWN_ROUNDS=${BREAKDOWN_ROUNDS:-1}  # step_breakdown --rounds (interleaved repeats; the
                                         # host's speed drifts, so A/B runs want 3 or more)
@@ -213,6 +213,8 @@ timeout --foreground -s INT -k 15 240 "$PYTHON" -m pytest -q -p no:cacheprovider
 tail -6 "$OUT/moe_tests.txt"
 timeout --foreground 300 "$PYTHON" bench/moe_layers.py --experts "$MOE_EXPERTS" --rows "$MOE_ROWS" \
     2>&1 | tee "$OUT/moe_layers.txt"
+echo "== the same kernel as a dense projection against MLX's matmul (bench/skinny_gemm.py)"
+timeout --foreground 180 "$PYTHON" bench/skinny_gemm.py --rows 64,128 2>&1 | tee "$OUT/skinny_gemm.txt"
 fi
 
 # The parts that serve or run the model (tests, families and attention need none).

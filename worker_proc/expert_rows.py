@@ -388,9 +388,9 @@ def header(mode: str = "mxfp4") -> str:
     return (_HEADER if mode == "bf16_staged" else "") + _MMA_HEADER + _PAIRS_HEADER
 
 
-def shared_bytes(mode: str) -> int:
+def shared_bytes(mode: str, row_tiles: int = ROW_TILES) -> int:
     """The dynamic shared memory a block of the kernel takes (the staged form's stages)."""
-    return STAGES * (WARPS * 16 + ROW_TILES * 8) * 128 * 2 if mode == "bf16_staged" else 0
+    return STAGES * (WARPS * 16 + row_tiles * 8) * 128 * 2 if mode == "bf16_staged" else 0
 
 
 def inputs(mode: str, gather: bool) -> list[str]:
@@ -403,11 +403,11 @@ def inputs(mode: str, gather: bool) -> list[str]:
 
 
 @functools.cache
-def _kernel(mode: str, gather: bool):
+def _kernel(mode: str, gather: bool, row_tiles: int = ROW_TILES):
     return mx.fast.cuda_kernel(name=f"kiln_expert_rows_{mode}{'_gather' if gather else ''}",
                                input_names=inputs(mode, gather), output_names=["out"],
                                source=source(mode, gather), header=header(mode),
-                               shared_memory=shared_bytes(mode))
+                               shared_memory=shared_bytes(mode, row_tiles))
 
 
 def weight_mode(module: nn.Module) -> str | None:
@@ -458,11 +458,13 @@ def preferred(module: nn.Module, pairs: int) -> bool:
 
 
 def expert_rows(module: nn.Module, x: mx.array, experts: mx.array,
-                tokens: mx.array | None = None, dense_form: str = DENSE_FORM) -> mx.array:
+                tokens: mx.array | None = None, dense_form: str = DENSE_FORM,
+                row_tiles: int = ROW_TILES) -> mx.array:
     """The projection (without its bias) of each sorted pair's row: x's row tokens[p]
     (tokens given) or x's row p, by the weights of expert experts[p]; [pairs, 1, out]
     in bfloat16 (fits must hold; experts sorted, uint32). dense_form: bfloat16 weights'
-    kernel ("staged" or "registers")."""
+    kernel ("staged" or "registers") and its rows a pass in tiles of 8 (row_tiles: an
+    expert's weights are read once a pass)."""
     mode = weight_mode(module)
     weight = module["weight"]
     count, outs, width = weight.shape
@@ -470,19 +472,20 @@ def expert_rows(module: nn.Module, x: mx.array, experts: mx.array,
     flat = x.reshape(-1, dims)
     pairs = experts.shape[0]
     rows = [flat, experts, *([] if tokens is None else [tokens])]
+    gather = tokens is not None
     if mode == "bf16":
         mode = "bf16_staged" if dense_form == "staged" else "bf16"
-        args, tiles = [*rows, weight], 1
-        template = [("KD", dims), ("N", outs), ("WARPS", WARPS), ("ROW_TILES", ROW_TILES),
+        args, tiles, kernel = [*rows, weight], 1, _kernel(mode, gather, row_tiles)
+        template = [("KD", dims), ("N", outs), ("WARPS", WARPS), ("ROW_TILES", row_tiles),
                     *([("STAGES", STAGES)] if mode == "bf16_staged" else [])]
     else:
         args = [*rows, weight, module["scales"],
                 *([module["biases"]] if mode == "affine" else [])]
-        tiles = TILES
+        tiles, kernel = TILES, _kernel(mode, gather)
         template = [("KD", dims), ("N", outs), ("GROUP", module.group_size), ("WARPS", WARPS),
                     ("TILES", TILES), ("ROW_TILES", ROW_TILES), ("CHUNK", CHUNK)]
     blocks = -(-outs // (WARPS * tiles * 16))
-    (out,) = _kernel(mode, tokens is not None)(
+    (out,) = kernel(
         inputs=args, template=template,
         grid=(blocks * WARPS * 32, count, 1), threadgroup=(WARPS * 32, 1, 1),
         output_shapes=[(pairs, outs)], output_dtypes=[x.dtype])
