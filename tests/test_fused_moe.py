@@ -446,6 +446,27 @@ def test_cuda_expert_rows_match_gather_qmm(mode, group, gather, counts):
     np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=2 ** -7 * float(np.abs(w).max()))
 
 
+@pytest.mark.parametrize("form", ["staged", "registers"])
+@pytest.mark.parametrize("rows,row_tiles", [(64, 8), (61, 8), (64, 2)])
+def test_cuda_bf16_expert_rows_as_one_dense_projection(form, rows, row_tiles):
+    """On CUDA, one bf16 expert taking every row (bench/skinny_gemm.py's use) gives x @ w.T
+    within bfloat16's rounding, in one pass of up to 64 rows or several of 16."""
+    from worker_proc.expert_rows import expert_rows
+
+    _cuda()
+    from mlx_lm.models.switch_layers import SwitchLinear
+
+    dims, outs = 392, 200  # three k-steps and 8 inputs; twelve output tiles and a half
+    module = SwitchLinear(dims, outs, 1, bias=False)
+    module.set_dtype(mx.bfloat16)
+    x = mx.random.normal((rows, dims), key=mx.random.key(8)).astype(mx.bfloat16)
+    got = expert_rows(module, x, mx.zeros((rows,), dtype=mx.uint32), dense_form=form,
+                      row_tiles=row_tiles)[:, 0]
+    want = x @ module["weight"][0].T
+    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=2 ** -7 * float(np.abs(w).max()))
+
+
 def test_expert_rows_takes_bf16_4bit_experts_once_pairs_reach_experts():
     """The tensor-core kernel takes bf16 rows over 4-bit MXFP4 or affine (bf16 scales and
     biases, groups of 32-128) experts as wide as the rows, and is preferred once a step
