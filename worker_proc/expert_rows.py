@@ -1,5 +1,5 @@
-"""A decode step's expert projections over 4-bit weights, one kernel a projection, on
-tensor cores: each block takes one expert's rows (the step's token-expert pairs come sorted
+"""A decode step's expert projections over 4-bit (or bfloat16) weights, one kernel a
+projection, on tensor cores: each block takes one expert's rows (the step's token-expert pairs come sorted
 by expert from fused_moe.route) and a tile of its outputs, reads that tile's weights once
 for each pass of up to 32 of those rows and multiplies with bf16 mma.sync.
 
@@ -21,6 +21,12 @@ quantization), bfloat16 inputs. A weight is dequantized in float32 and rounded t
 and the output rounds to bfloat16 once; MLX sums in another order, so the outputs agree
 within that rounding, not bit for bit. `reference_expert_rows` is the same projection in
 MLX's ops (the CPU's stand-in backend runs it, and gets mlx-lm's values exactly).
+
+bfloat16 experts (`--experiments bf16-expert-rows`, off until measured on a device): MLX's
+gather_mm runs GPT-OSS-20B's at 71% of the H200's memory pace (docs/benchmarks.md,
+session 24). Their weights need no dequantization, so the mma takes their bytes as loaded;
+two forms, weights through registers or (DENSE_FORM's default) through shared memory by
+cp.async.
 """
 
 from __future__ import annotations
