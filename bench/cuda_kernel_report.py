@@ -202,16 +202,20 @@ def expert_rows_variants(dim: int, outs: int, per_warp: tuple[int, ...] = (exper
                          ) -> list[tuple[str, str]]:
     """(label, .cu source) of the experts' projection kernel (worker_proc.expert_rows,
     bfloat16 rows): MXFP4 and affine weights at each count of output tiles a warp (TILES),
-    and bfloat16 weights in both forms; rows gathered by token and in pair order."""
+    rows gathered by token, in pair order and a quantized Linear's (linear_rows); bfloat16
+    weights in both forms, rows gathered and in pair order."""
     out = []
-    for mode, gather, tiles in itertools.product(("mxfp4", "affine"), (True, False), per_warp):
-        name = f"kiln_expert_rows_{mode}_k{dim}_n{outs}_t{tiles}{'_gather' if gather else ''}"
+    forms = ((True, False), (False, False), (False, True))  # (gather, a Linear's rows)
+    for mode, (gather, linear), tiles in itertools.product(("mxfp4", "affine"), forms, per_warp):
+        kind = "_gather" if gather else "_linear" if linear else ""
+        name = f"kiln_expert_rows_{mode}_k{dim}_n{outs}_t{tiles}{kind}"
         params = {"T": "__nv_bfloat16", "KD": str(dim), "N": str(outs),
                   "GROUP": "32" if mode == "mxfp4" else "64",
                   "WARPS": str(expert_rows.WARPS), "TILES": str(tiles),
                   "ROW_TILES": str(expert_rows.ROW_TILES), "CHUNK": str(expert_rows.CHUNK)}
-        out.append((name, wrap(name, expert_rows.inputs(mode, gather), ["out"],
-                               expert_rows.source(mode, gather), expert_rows.header(), params)))
+        out.append((name, wrap(name, expert_rows.inputs(mode, gather, linear), ["out"],
+                               expert_rows.source(mode, gather, linear), expert_rows.header(),
+                               params)))
     for mode, gather in itertools.product(("bf16", "bf16_staged"), (True, False)):
         name = f"kiln_expert_rows_{mode}_k{dim}_n{outs}{'_gather' if gather else ''}"
         params = {"T": "__nv_bfloat16", "KD": str(dim), "N": str(outs),

@@ -209,12 +209,12 @@ fi
 if has moe; then
 echo "== experts' kernel: its CUDA tests, then GPT-OSS-20B's MoE layers alone ($MOE_EXPERTS)"
 timeout --foreground -s INT -k 15 240 "$PYTHON" -m pytest -q -p no:cacheprovider -rf --tb=line \
-    tests/test_fused_moe.py -k "cuda_expert_rows or cuda_bf16_expert_rows" > "$OUT/moe_tests.txt" 2>&1
+    tests/test_fused_moe.py -k "cuda_expert_rows or cuda_bf16_expert_rows or cuda_linear_rows" > "$OUT/moe_tests.txt" 2>&1
 tail -6 "$OUT/moe_tests.txt"
 timeout --foreground 300 "$PYTHON" bench/moe_layers.py --experts "$MOE_EXPERTS" --rows "$MOE_ROWS" \
     2>&1 | tee "$OUT/moe_layers.txt"
-echo "== the same kernel as a dense projection against MLX's matmul (bench/skinny_gemm.py)"
-timeout --foreground 180 "$PYTHON" bench/skinny_gemm.py --rows 64,128 2>&1 | tee "$OUT/skinny_gemm.txt"
+echo "== the same kernel as one projection against MLX's bf16 and 4-bit matmuls (bench/skinny_gemm.py)"
+timeout --foreground 240 "$PYTHON" bench/skinny_gemm.py --rows 64,128 --layers 8 2>&1 | tee "$OUT/skinny_gemm.txt"
 fi
 
 # The parts that serve or run the model (tests, families and attention need none).

@@ -1,8 +1,9 @@
-"""Whether expert_rows' bfloat16 kernel, run as a single expert, reads a decode step's dense
-projection weights faster than MLX's matmul (cuBLAS on CUDA) does.
+"""Whether expert_rows' kernel, run as a single expert, reads a decode step's projection
+weights faster than MLX's matmul (cuBLAS on CUDA) does in bfloat16, and than MLX's
+quantized matmul in 4 bits (`--experiments quantized-rows-kernel`'s question).
 
     python bench/skinny_gemm.py                      # CUDA: Llama-3-8B and Gemma-3-12B shapes
-    python bench/skinny_gemm.py --rows 64,128 --layers 24
+    python bench/skinny_gemm.py --rows 64,128,256 --weights mxfp4:32,affine:64
     python bench/skinny_gemm.py --tiny               # anywhere: small shapes, float32 MLX only
 
 A decode step's projections are [rows, K] x [K, N] with few rows, so they read their
@@ -13,8 +14,10 @@ memory; with one expert and every row its pair it computes x @ w.T. For each sha
 chain of --layers independent weight matrices (more bytes than the L2 holds), timed
 after warm-up: µs a call (median of --runs) and the weights' GB/s, for MLX's matmul and
 the kernel's staged form at one pass (all rows: row tiles = rows / 8) and at its default
-passes of 32 rows. The kernel's outputs are checked against the matmul's (bfloat16
-rounding). On the CPU (--tiny) only MLX's matmul runs: a smoke test of the script.
+passes of 32 rows; for 4-bit weights (MXFP4, affine), MLX's quantized matmul on the rows
+as one matrix (as the worker calls it on CUDA) and linear_rows. The kernel's outputs are
+checked against MLX's (bfloat16 rounding). On the CPU (--tiny) only MLX's bf16 matmul
+runs: a smoke test of the script.
 """
 
 from __future__ import annotations
@@ -51,48 +54,88 @@ def _median_us(run, calls: int, runs: int) -> float:
     return statistics.median(times)
 
 
+def _bf16_line(name: str, k: int, n: int, rows: int, args: argparse.Namespace,
+               dtype: mx.Dtype) -> str:
+    """MLX's matmul, and (CUDA) the bf16 experts' kernel as one expert."""
+    weights = [(0.02 * mx.random.normal((n, k), key=mx.random.key(i))).astype(dtype)
+               for i in range(args.layers)]
+    x = mx.random.normal((rows, k), key=mx.random.key(99)).astype(dtype)
+    mx.eval(weights, x)
+    gb = n * k * weights[0].itemsize / 1e9
+    line = [f"{name:<22} bf16   rows {rows:>4}"]
+    us = _median_us(lambda: [x @ w.T for w in weights], len(weights), args.runs)
+    line.append(f"matmul {us:7.1f} µs {gb / us * 1e6:6.0f} GB/s")
+    if not args.tiny:
+        from mlx_lm.models.switch_layers import SwitchLinear
+
+        from worker_proc.expert_rows import ROW_TILES, expert_rows
+
+        experts = mx.zeros((rows,), dtype=mx.uint32)
+        modules = []
+        for w in weights:
+            m = SwitchLinear(k, n, 1, bias=False)
+            m.weight = w[None]
+            modules.append(m)
+        want = x @ weights[0].T
+        for tiles in sorted({min(8, -(-rows // 8)), ROW_TILES}):
+            run = (lambda t: lambda: [expert_rows(m, x, experts, row_tiles=t)
+                                      for m in modules])(tiles)
+            got = expert_rows(modules[0], x, experts, row_tiles=tiles)[:, 0]
+            line.append(f"kernel ({tiles * 8} rows a pass) {_versus(run, got, want, gb, args)}")
+    return "  ".join(line)
+
+
+def _quantized_line(name: str, k: int, n: int, rows: int, args: argparse.Namespace,
+                    mode: str, group: int) -> str:
+    """MLX's quantized matmul on the rows as one matrix (RowsQuantizedLinear's call) and
+    the experts' 4-bit kernel as one expert (linear_rows)."""
+    import mlx.nn as nn
+
+    from worker_proc.expert_rows import linear_rows
+
+    layers = []
+    for i in range(args.layers):
+        linear = nn.Linear(k, n, bias=False)
+        linear.weight = (0.02 * mx.random.normal((n, k), key=mx.random.key(i))).astype(mx.bfloat16)
+        q = nn.QuantizedLinear.from_linear(linear, group_size=group, bits=4, mode=mode)
+        q.set_dtype(mx.bfloat16)
+        layers.append(q)
+    x = mx.random.normal((rows, k), key=mx.random.key(99)).astype(mx.bfloat16)
+    mx.eval([m.parameters() for m in layers], x)
+    gb = sum(v.nbytes for _, v in nn.utils.tree_flatten(layers[0].parameters())) / 1e9
+    line = [f"{name:<22} {mode}:{group:<3} rows {rows:>4}"]
+    us = _median_us(lambda: [m(x) for m in layers], len(layers), args.runs)
+    line.append(f"MLX {us:7.1f} µs {gb / us * 1e6:6.0f} GB/s")
+    line.append("kernel " + _versus(lambda: [linear_rows(m, x) for m in layers],
+                                    linear_rows(layers[0], x), layers[0](x), gb, args))
+    return "  ".join(line)
+
+
+def _versus(run, got: mx.array, want: mx.array, gb: float, args: argparse.Namespace) -> str:
+    us = _median_us(run, args.layers, args.runs)
+    err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
+    return f"{us:7.1f} µs {gb / us * 1e6:6.0f} GB/s (max |diff| {err:.3g})"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rows", default="64", help="rows a call, ','-joined")
     p.add_argument("--layers", type=int, default=16, help="weight matrices in a chain")
     p.add_argument("--runs", type=int, default=20)
+    p.add_argument("--weights", default="bf16,mxfp4:32,affine:64",
+                   help="','-joined: bf16, or 4-bit MODE:GROUP (CUDA)")
     p.add_argument("--tiny", action="store_true", help="small float32 shapes, MLX only")
     args = p.parse_args()
     dtype = mx.float32 if args.tiny else mx.bfloat16
-    kernel = not args.tiny
-    if kernel:
-        from mlx_lm.models.switch_layers import SwitchLinear
-
-        from worker_proc.expert_rows import ROW_TILES, expert_rows
-    print(f"{mx.default_device()}, {dtype}, chains of {args.layers}")
+    print(f"{mx.default_device()}, chains of {args.layers}")
     for name, k, n in TINY if args.tiny else SHAPES:
-        weights = [(0.02 * mx.random.normal((n, k), key=mx.random.key(i))).astype(dtype)
-                   for i in range(args.layers)]
-        mx.eval(weights)
-        gb = n * k * weights[0].itemsize / 1e9
         for rows in (int(r) for r in args.rows.split(",")):
-            x = mx.random.normal((rows, k), key=mx.random.key(99)).astype(dtype)
-            mx.eval(x)
-            line = [f"{name:<22} rows {rows:>4}"]
-            us = _median_us(lambda: [x @ w.T for w in weights], len(weights), args.runs)
-            line.append(f"matmul {us:7.1f} µs {gb / us * 1e6:6.0f} GB/s")
-            if kernel:
-                experts = mx.zeros((rows,), dtype=mx.uint32)
-                modules = []
-                for w in weights:
-                    m = SwitchLinear(k, n, 1, bias=False)
-                    m.weight = w[None]
-                    modules.append(m)
-                want = x @ weights[0].T
-                for tiles in sorted({-(-rows // 8), ROW_TILES}):
-                    run = (lambda t: lambda: [expert_rows(m, x, experts, row_tiles=t)
-                                              for m in modules])(tiles)
-                    got = expert_rows(modules[0], x, experts, row_tiles=tiles)[:, 0]
-                    err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
-                    us = _median_us(run, len(modules), args.runs)
-                    line.append(f"kernel ({tiles * 8} rows a pass) {us:7.1f} µs "
-                                f"{gb / us * 1e6:6.0f} GB/s (max |diff| {err:.3g})")
-            print("  ".join(line), flush=True)
+            for weights in ["bf16"] if args.tiny else args.weights.split(","):
+                if weights == "bf16":
+                    print(_bf16_line(name, k, n, rows, args, dtype), flush=True)
+                else:
+                    mode, group = weights.split(":")
+                    print(_quantized_line(name, k, n, rows, args, mode, int(group)), flush=True)
 
 
 if __name__ == "__main__":

@@ -31,7 +31,8 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "cuda-core-attention", "gathered-latent", "fused-own-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
                       "unpaged-prefill", "paged-short-rows", "unpadded-experts", "block-tiles", "unfused-moe",
-                      "mlx-expert-matmuls", "bf16-expert-rows", "batched-quantized-rows", "wide-cache",
+                      "mlx-expert-matmuls", "bf16-expert-rows", "batched-quantized-rows",
+                      "quantized-rows-kernel", "wide-cache",
                       "array-readback", "inline-launch")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
@@ -299,7 +300,10 @@ class ServerConfig:
                                       "Linear layers take its [rows, 1, dims] input as "
                                       "mlx-lm passes it, which MLX's CUDA GEMM runs as a "
                                       "one-row problem a row, not as one problem of all "
-                                      "rows), wide-cache (MLX's buffer cache capped at half "
+                                      "rows), quantized-rows-kernel (4-bit Linear layers' "
+                                      "steps of up to 256 rows through kiln's experts' "
+                                      "kernel as one expert, not MLX's quantized GEMM), "
+                                      "wide-cache (MLX's buffer cache capped at half "
                                       "the device memory left beside the pool, not a "
                                       "quarter), array-readback (a step's tokens read from "
                                       "their own arrays, not through the worker's ring of "

@@ -467,6 +467,29 @@ def test_cuda_bf16_expert_rows_as_one_dense_projection(form, rows, row_tiles):
     np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=2 ** -7 * float(np.abs(w).max()))
 
 
+@pytest.mark.parametrize("mode,group", [("mxfp4", 32), ("affine", 32), ("affine", 64),
+                                        ("affine", 128)])
+@pytest.mark.parametrize("rows", [1, 8, 61, 256])
+def test_cuda_linear_rows_match_quantized_matmul(mode, group, rows):
+    """On CUDA, a 4-bit quantized Linear's rows through the experts' kernel as one expert
+    (`--experiments quantized-rows-kernel`) give MLX's quantized matmul within bfloat16's
+    rounding: one row, a pass's part, passes and a part, the most a step sends."""
+    from worker_proc.expert_rows import linear_fits, linear_rows
+
+    _cuda()
+    dims, outs = (640 if group == 128 else 704), 200  # chunks and a half; tiles and a half
+    mx.random.seed(5)
+    linear = nn.QuantizedLinear(dims, outs, bias=False, group_size=group, bits=4, mode=mode)
+    linear.set_dtype(mx.bfloat16)
+    x = mx.random.normal((rows, dims), key=mx.random.key(6)).astype(mx.bfloat16)
+    assert linear_fits(linear, dims, mx.bfloat16)
+    got = linear_rows(linear, x)
+    want = linear(x)
+    assert got.shape == want.shape == (rows, outs) and got.dtype == mx.bfloat16
+    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=2 ** -7 * float(np.abs(w).max()))
+
+
 def test_expert_rows_takes_bf16_4bit_experts_once_pairs_reach_experts():
     """The tensor-core kernel takes bf16 rows over 4-bit MXFP4 or affine (bf16 scales and
     biases, groups of 32-128) experts as wide as the rows, and is preferred once a step

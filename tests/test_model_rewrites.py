@@ -56,3 +56,44 @@ def test_a_quantized_model_keeps_its_greedy_tokens():
     swapped = flatten_quantized_rows(model)
     assert swapped == sum(type(m) is RowsQuantizedLinear for _, m in model.named_modules()) > 0
     assert greedy() == want
+
+
+def test_kernel_rows_send_decode_steps_of_4bit_bf16_layers_to_the_kernel(monkeypatch):
+    """--experiments quantized-rows-kernel: a KernelRowsQuantizedLinear hands a step of up
+    to LINEAR_MAX_ROWS bfloat16 rows over 4-bit weights to expert_rows.linear_rows (stood
+    in for by MLX's product here) and adds its bias after; more rows, other dtypes and other
+    bit widths keep MLX's quantized matmul. The worker's rewrite swaps it in."""
+    from worker_proc import expert_rows
+    from worker_proc.model_rewrites import rewrite_for_serving
+
+    calls: list[tuple[int, ...]] = []
+
+    def stand_in(linear, x):  # noqa: ANN001, ANN202
+        calls.append(x.shape)
+        return RowsQuantizedLinear.matmul(linear, x)
+
+    monkeypatch.setattr(expert_rows, "linear_rows", stand_in)
+    for mode, bits in (("affine", 4), ("mxfp4", 4), ("affine", 8)):
+        layer = nn.QuantizedLinear.from_linear(nn.Linear(128, 96, bias=True), group_size=32,
+                                               bits=bits, mode=mode)
+        layer.set_dtype(mx.bfloat16)
+        for shape in ((8, 1, 128), (3, 2, 128), (expert_rows.LINEAR_MAX_ROWS + 1, 128)):
+            x = mx.random.normal(shape).astype(mx.bfloat16)
+            layer.__class__ = RowsQuantizedLinear
+            want = layer(x)
+            layer.__class__ = expert_rows.KernelRowsQuantizedLinear
+            calls.clear()
+            got = layer(x)
+            assert got.shape == want.shape and mx.array_equal(got, want).item()
+            taken = bits == 4 and shape[0] <= expert_rows.LINEAR_MAX_ROWS
+            rows = shape[0] * (shape[1] if len(shape) == 3 else 1)
+            assert calls == ([(rows, 128)] if taken else []), (mode, bits, shape)
+        calls.clear()
+        layer(mx.random.normal((8, 1, 128)))  # float32 rows: MLX's
+        assert not calls
+    model = build("llama")
+    nn.quantize(model, group_size=32, bits=4)
+    done = rewrite_for_serving(model, on_cuda=False, fuse=False, fast_blocks=False,
+                               pad_experts=False, flat_rows=True, rows_kernel=True)
+    kinds = {type(m) for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
+    assert done.flat_quantized > 0 and kinds == {expert_rows.KernelRowsQuantizedLinear}

@@ -129,7 +129,8 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
     done = rewrite_for_serving(
         model, on_cuda=on_cuda, fuse=fuse, fast_blocks=fast_blocks,
         pad_experts=on_cuda and "unpadded-experts" not in config.experiment_set,
-        flat_rows=on_cuda and "batched-quantized-rows" not in config.experiment_set)
+        flat_rows=on_cuda and "batched-quantized-rows" not in config.experiment_set,
+        rows_kernel=on_cuda and "quantized-rows-kernel" in config.experiment_set)
     if done.padded_experts:
         say(f"{done.padded_experts} quantized experts' projections padded to whole "
             f"{EXPERT_TILE}-row tiles (MLX's grouped kernel for rows sorted by expert)")

@@ -39,11 +39,15 @@ from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from worker_proc.fused_moe import project_experts
 from worker_proc.paged_attention import _HEADER, _MMA_HEADER
+from worker_proc.quantized_rows import RowsQuantizedLinear
 
 WARPS = 4  # a block's warps (128 threads)
 TILES = 1  # output tiles of 16 a warp (two: fewer blocks, ~170 registers, slower
 # on GPT-OSS's projections at 1-256 tokens: docs/benchmarks.md, session 43)
 CHUNK = 512  # input values staged in shared memory a fill: four k-steps of 128
+# Quantized Linear layers' steps of at most this many rows take linear_rows (the kernel
+# reads a Linear's weights once a pass of 8 * ROW_TILES rows).
+LINEAR_MAX_ROWS = 256
 ROW_TILES = 4  # a pass's rows, 8 a tile: an expert with more takes more passes (its
 # weights again, from L2 if they are still there); a pass multiplies only the tiles its rows fill
 
@@ -333,12 +337,20 @@ _PROLOGUE = """    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
     if (lo == hi) return;"""
 
 
-def source(mode: str, gather: bool) -> str:
+# A quantized Linear's rows (linear_rows): one expert, every row of x its pair.
+_LINEAR_PROLOGUE = """    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    const int g = lane >> 2, t = lane & 3;
+    const int e = 0, lo = 0, hi = x_shape[0];"""
+
+
+def source(mode: str, gather: bool, linear: bool = False) -> str:
     """The kernel's source for a weight format ("mxfp4", "affine", "bf16": bfloat16
     weights read through registers, "bf16_staged": through shared memory); gather: the
     rows are x's rows named by `tokens` (the pairs' token ids), else x's own rows in pair
-    order."""
-    parts = {"@ROW@": "tokens[r0 + r]" if gather else "r0 + r", "@PROLOGUE@": _PROLOGUE}
+    order; linear: a quantized Linear's rows (no experts: every row of x, one weight
+    matrix)."""
+    parts = {"@ROW@": "tokens[r0 + r]" if gather else "r0 + r",
+             "@PROLOGUE@": _LINEAR_PROLOGUE if linear else _PROLOGUE}
     if mode in ("bf16", "bf16_staged"):
         out = _DENSE_SOURCE if mode == "bf16" else _DENSE_STAGED_SOURCE
     else:
@@ -399,20 +411,22 @@ def shared_bytes(mode: str, row_tiles: int = ROW_TILES) -> int:
     return STAGES * (WARPS * 16 + row_tiles * 8) * 128 * 2 if mode == "bf16_staged" else 0
 
 
-def inputs(mode: str, gather: bool) -> list[str]:
-    """The kernel's inputs: bf16 weights, or the packed 4-bit values and then MXFP4's E8M0
-    exponents or the affine groups' scales and biases."""
-    rows = ["x", "experts", *(["tokens"] if gather else [])]
+def inputs(mode: str, gather: bool, linear: bool = False) -> list[str]:
+    """The kernel's inputs: the rows (and the pairs' experts and tokens), then bf16
+    weights, or the packed 4-bit values and then MXFP4's E8M0 exponents or the affine
+    groups' scales and biases."""
+    rows = ["x", *([] if linear else ["experts"]), *(["tokens"] if gather else [])]
     if mode in ("bf16", "bf16_staged"):
         return [*rows, "weight"]
     return [*rows, "packed", *(["exponents"] if mode == "mxfp4" else ["scales", "biases"])]
 
 
 @functools.cache
-def _kernel(mode: str, gather: bool, row_tiles: int = ROW_TILES):
-    return mx.fast.cuda_kernel(name=f"kiln_expert_rows_{mode}{'_gather' if gather else ''}",
-                               input_names=inputs(mode, gather), output_names=["out"],
-                               source=source(mode, gather), header=header(mode),
+def _kernel(mode: str, gather: bool, row_tiles: int = ROW_TILES, linear: bool = False):
+    kind = "_gather" if gather else "_linear" if linear else ""
+    return mx.fast.cuda_kernel(name=f"kiln_expert_rows_{mode}{kind}",
+                               input_names=inputs(mode, gather, linear), output_names=["out"],
+                               source=source(mode, gather, linear), header=header(mode),
                                shared_memory=shared_bytes(mode, row_tiles))
 
 
@@ -421,9 +435,14 @@ def weight_mode(module: nn.Module) -> str | None:
     QuantizedSwitchLinear), "bf16" (a bfloat16 SwitchLinear), None for any other."""
     if type(module) is SwitchLinear:
         return "bf16" if module["weight"].dtype == mx.bfloat16 else None
-    if type(module) is not QuantizedSwitchLinear or module.bits != 4:
+    if type(module) is not QuantizedSwitchLinear:
         return None
-    if getattr(module, "global_scale", None) is not None:
+    return _four_bit_mode(module)
+
+
+def _four_bit_mode(module: nn.Module) -> str | None:
+    """A 4-bit quantized module's format as the kernel takes it, or None."""
+    if module.bits != 4 or getattr(module, "global_scale", None) is not None:
         return None
     if module.mode == "mxfp4":
         ok = module.group_size == 32 and "biases" not in module
@@ -455,6 +474,28 @@ def dense_fits(dims: int, width: int) -> bool:
     return dims == width and dims % 8 == 0
 
 
+def linear_fits(linear: nn.Module, dims: int, dtype: mx.Dtype) -> bool:
+    """Whether linear_rows takes this quantized Linear: 4-bit weights in the formats the
+    experts' kernel takes, bfloat16 rows of dims inputs."""
+    return (isinstance(linear, nn.QuantizedLinear) and _four_bit_mode(linear) is not None
+            and dtype == mx.bfloat16 and dims == linear["weight"].shape[-1] * 8)
+
+
+class KernelRowsQuantizedLinear(RowsQuantizedLinear):
+    """A RowsQuantizedLinear whose product with a step of at most LINEAR_MAX_ROWS rows
+    (decode steps) goes through linear_rows where it fits (`--experiments
+    quantized-rows-kernel`). MLX's CUDA quantized GEMM at those rows ran no faster than
+    bfloat16's dense one although it reads a quarter of the bytes (docs/benchmarks.md,
+    session 45); larger steps (prefill forwards) keep it, where its tiles suit them."""
+
+    def matmul(self, x: mx.array) -> mx.array:
+        rows = x.size // x.shape[-1]
+        if rows > LINEAR_MAX_ROWS or not linear_fits(self, x.shape[-1], x.dtype):
+            return super().matmul(x)
+        out = linear_rows(self, x.reshape(rows, x.shape[-1]))
+        return out.reshape(*x.shape[:-1], -1)
+
+
 def preferred(module: nn.Module, pairs: int) -> bool:
     """Whether the kernel, not MLX's, takes a step of `pairs` pairs: once there are as many
     pairs as experts. Below (a one-token step: four pairs over 32 experts) MLX's
@@ -472,30 +513,48 @@ def expert_rows(module: nn.Module, x: mx.array, experts: mx.array,
     kernel ("staged" or "registers") and its rows a pass in tiles of 8 (row_tiles: an
     expert's weights are read once a pass)."""
     mode = weight_mode(module)
-    weight = module["weight"]
-    count, outs, width = weight.shape
-    dims = width if mode == "bf16" else width * 8
-    flat = x.reshape(-1, dims)
-    pairs = experts.shape[0]
-    rows = [flat, experts, *([] if tokens is None else [tokens])]
-    gather = tokens is not None
     if mode == "bf16":
         mode = "bf16_staged" if dense_form == "staged" else "bf16"
-        args, tiles, kernel = [*rows, weight], 1, _kernel(mode, gather, row_tiles)
+    dims = module["weight"].shape[-1] * (1 if mode.startswith("bf16") else 8)
+    out = _project(mode, module, x.reshape(-1, dims), experts, tokens, row_tiles)
+    return out[:, None]
+
+
+def linear_rows(linear: nn.QuantizedLinear, x: mx.array) -> mx.array:
+    """A 4-bit quantized Linear's product (without its bias) with x's rows [rows, dims],
+    [rows, out] in bfloat16 (linear_fits must hold): the experts' kernel as one expert
+    whose pairs are all the rows."""
+    return _project(_four_bit_mode(linear), linear, x, None, None, ROW_TILES)
+
+
+def _project(mode: str, module: nn.Module, flat: mx.array, experts: mx.array | None,
+             tokens: mx.array | None, row_tiles: int) -> mx.array:
+    """The kernel's launch for a weight format (source's modes) over x's rows [*, dims]:
+    [pairs, out] (experts None: a Linear's [rows, out], its weights made one expert's)."""
+    linear = experts is None
+    weight = module["weight"][None] if linear else module["weight"]
+    count, outs, _ = weight.shape
+    dims = flat.shape[-1]
+    pairs = flat.shape[0] if linear else experts.shape[0]
+    rows = [flat, *([] if linear else [experts]), *([] if tokens is None else [tokens])]
+    gather = tokens is not None
+    if mode.startswith("bf16"):
+        args, tiles, kernel = [*rows, weight], 1, _kernel(mode, gather, row_tiles, linear)
         template = [("KD", dims), ("N", outs), ("WARPS", WARPS), ("ROW_TILES", row_tiles),
                     *([("STAGES", STAGES)] if mode == "bf16_staged" else [])]
     else:
-        args = [*rows, weight, module["scales"],
-                *([module["biases"]] if mode == "affine" else [])]
-        tiles, kernel = TILES, _kernel(mode, gather)
+        scales, biases = module["scales"], module.get("biases")
+        args = [*rows, weight, scales[None] if linear else scales,
+                *([] if biases is None else [biases[None] if linear else biases])]
+        tiles, kernel = TILES, _kernel(mode, gather, ROW_TILES, linear)
         template = [("KD", dims), ("N", outs), ("GROUP", module.group_size), ("WARPS", WARPS),
                     ("TILES", TILES), ("ROW_TILES", ROW_TILES), ("CHUNK", CHUNK)]
     blocks = -(-outs // (WARPS * tiles * 16))
     (out,) = kernel(
         inputs=args, template=template,
         grid=(blocks * WARPS * 32, count, 1), threadgroup=(WARPS * 32, 1, 1),
-        output_shapes=[(pairs, outs)], output_dtypes=[x.dtype])
-    return out[:, None]
+        output_shapes=[(pairs, outs)], output_dtypes=[flat.dtype])
+    return out
 
 
 def reference_expert_rows(module: nn.Module, x: mx.array, experts: mx.array,

@@ -9,7 +9,7 @@ quantized experts' outputs padded to whole tiles of MLX's grouped kernel
 RMSNorms' 1 + weight summed once (offset_norms), attention layers that place each
 row's queries at its own positions (row_positions), short convolutions as shifted
 multiply-adds (depthwise_conv, CUDA) and quantized Linear layers that hand MLX their rows
-as one matrix (quantized_rows, CUDA)."""
+as one matrix (quantized_rows, CUDA; or a decode step's to expert_rows' kernel)."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ from worker_proc.depthwise_conv import replace_depthwise_convs
 from worker_proc.expert_padding import pad_expert_outputs
 from worker_proc.fused_projections import fuse_projections
 from worker_proc.offset_norms import sum_offset_norms
-from worker_proc.quantized_rows import flatten_quantized_rows
+from worker_proc.expert_rows import KernelRowsQuantizedLinear
+from worker_proc.quantized_rows import RowsQuantizedLinear, flatten_quantized_rows
 from worker_proc.row_positions import give_rows_their_positions
 
 
@@ -42,13 +43,14 @@ class Rewrites:
 
 def rewrite_for_serving(model: nn.Module, *, on_cuda: bool, fuse: bool, fast_blocks: bool,
                         pad_experts: bool, flat_rows: bool | None = None,
-                        sum_norms: bool = True) -> Rewrites:
+                        sum_norms: bool = True, rows_kernel: bool = False) -> Rewrites:
     """Apply the rewrites in the order the worker needs them (fast blocks find their
     projections fused; experts are padded before the blocks learn their shapes).
     on_cuda: MLX runs on CUDA (the fast blocks' residual adds inside the o and down GEMMs,
     short convolutions rewritten); fuse: projections fused (fast_blocks implies it);
     pad_experts: where MLX's grouped kernel reads whole tiles (CUDA); flat_rows: quantized
-    Linear layers' rows flattened (RowsQuantizedLinear; None: on CUDA)."""
+    Linear layers' rows flattened (RowsQuantizedLinear; None: on CUDA); rows_kernel: and
+    a decode step's rows through the experts' 4-bit kernel (KernelRowsQuantizedLinear)."""
     fused = 0
     if fuse or fast_blocks:
         fused = fuse_projections(model)
@@ -63,5 +65,8 @@ def rewrite_for_serving(model: nn.Module, *, on_cuda: bool, fuse: bool, fast_blo
     norms = sum_offset_norms(model) if sum_norms else 0
     placed = give_rows_their_positions(model)
     convs = replace_depthwise_convs(model) if on_cuda else 0
-    flat = flatten_quantized_rows(model) if (on_cuda if flat_rows is None else flat_rows) else 0
+    flat = 0
+    if on_cuda if flat_rows is None else flat_rows:
+        flat = flatten_quantized_rows(
+            model, KernelRowsQuantizedLinear if rows_kernel else RowsQuantizedLinear)
     return Rewrites(fused, padded, blocks, norms, placed, convs, flat)

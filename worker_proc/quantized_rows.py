@@ -18,27 +18,34 @@ class RowsQuantizedLinear(nn.QuantizedLinear):
     MLX's quantized matmul, and restored after."""
 
     def __call__(self, x: mx.array) -> mx.array:
-        if x.ndim <= 2:
-            return super().__call__(x)
-        return super().__call__(x.reshape(-1, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        out = self.matmul(x)
+        return out + self["bias"] if "bias" in self else out
+
+    def matmul(self, x: mx.array) -> mx.array:
+        """x's product with the weights, without the bias."""
+        rows = x.reshape(-1, x.shape[-1]) if x.ndim > 2 else x
+        out = mx.quantized_matmul(rows, self["weight"], scales=self["scales"],
+                                  biases=self.get("biases"), transpose=True,
+                                  group_size=self.group_size, bits=self.bits, mode=self.mode)
+        return out.reshape(*x.shape[:-1], -1) if x.ndim > 2 else out
 
 
 def quantized_matmul(linear: nn.QuantizedLinear, x: mx.array) -> mx.array:
     """The layer's quantized matmul of x without its bias, its rows flattened as the
     layer's own call flattens them."""
-    rows = x.reshape(-1, x.shape[-1]) if isinstance(linear, RowsQuantizedLinear) else x
-    out = mx.quantized_matmul(rows, linear["weight"], scales=linear["scales"],
-                              biases=linear.get("biases"), transpose=True,
-                              group_size=linear.group_size, bits=linear.bits, mode=linear.mode)
-    return out.reshape(*x.shape[:-1], -1)
+    if isinstance(linear, RowsQuantizedLinear):
+        return linear.matmul(x)
+    return mx.quantized_matmul(x, linear["weight"], scales=linear["scales"],
+                               biases=linear.get("biases"), transpose=True,
+                               group_size=linear.group_size, bits=linear.bits, mode=linear.mode)
 
 
-def flatten_quantized_rows(model: nn.Module) -> int:
-    """Swap RowsQuantizedLinear into every (exactly) QuantizedLinear of the model; returns
-    how many."""
+def flatten_quantized_rows(model: nn.Module, cls: type = RowsQuantizedLinear) -> int:
+    """Swap cls (RowsQuantizedLinear or a subclass) into every (exactly) QuantizedLinear of
+    the model; returns how many."""
     count = 0
     for _, m in model.named_modules():
         if type(m) is nn.QuantizedLinear:
-            m.__class__ = RowsQuantizedLinear
+            m.__class__ = cls
             count += 1
     return count
