@@ -214,7 +214,10 @@ tail -6 "$OUT/moe_tests.txt"
 timeout --foreground 300 "$PYTHON" bench/moe_layers.py --experts "$MOE_EXPERTS" --rows "$MOE_ROWS" \
     2>&1 | tee "$OUT/moe_layers.txt"
 echo "== the same kernel as one projection against MLX's bf16 and 4-bit matmuls (bench/skinny_gemm.py)"
-timeout --foreground 240 "$PYTHON" bench/skinny_gemm.py --rows 64,128 --layers 8 2>&1 | tee "$OUT/skinny_gemm.txt"
+timeout --foreground 150 "$PYTHON" bench/skinny_gemm.py --rows 1,8,64,128,256 --weights affine:64 \
+    --layers 8 2>&1 | tee "$OUT/skinny_gemm.txt"
+timeout --foreground 150 "$PYTHON" bench/skinny_gemm.py --rows 64,128 --weights bf16,mxfp4:32 \
+    --layers 8 2>&1 | tee -a "$OUT/skinny_gemm.txt"
 fi
 
 # The parts that serve or run the model (tests, families and attention need none).
