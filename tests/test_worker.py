@@ -1374,6 +1374,35 @@ def test_prefill_experiments_are_refused_for_the_device_not_the_model(tiny_model
                                   fast_decode_blocks="on"))
 
 
+def test_expert_kernel_experiments_are_refused_for_models_they_do_not_take(tiny_model_dir,
+                                                                          tmp_path) -> None:
+    """quantized-rows-kernel needs 4-bit quantized Linear layers and bf16-expert-rows bf16
+    GPT-OSS or Qwen3-MoE experts: a float32 model has neither, and is told so; the counts
+    find them once the model has them."""
+    import mlx.core as mx
+    import mlx.nn as nn
+
+    from ipc.config import ServerConfig
+    from tests.families import write_model_dir
+    from worker_proc import build_runner
+    from worker_proc.layer_kinds import UnsupportedModelError
+
+    oss = write_model_dir("gpt_oss", tiny_model_dir, tmp_path / "gpt_oss")
+    with pytest.raises(UnsupportedModelError, match="no 4-bit quantized Linear layer"):
+        build_runner(ServerConfig(model_path=str(oss), experiments="quantized-rows-kernel"))
+    with pytest.raises(UnsupportedModelError, match="no bfloat16 GPT-OSS or Qwen3-MoE"):
+        build_runner(ServerConfig(model_path=str(oss), experiments="bf16-expert-rows"))
+    from tests.families import build
+    from worker_proc.expert_rows import bf16_expert_layers, kernel_rows_layers
+
+    model = build("gpt_oss")
+    assert bf16_expert_layers(model) == 0 and kernel_rows_layers(model) == 0
+    model.set_dtype(mx.bfloat16)
+    assert bf16_expert_layers(model) == len(model.layers)
+    nn.quantize(model, group_size=32, bits=4, mode="mxfp4")
+    assert kernel_rows_layers(model) > 0 and bf16_expert_layers(model) == 0
+
+
 def test_compile_prefill_is_refused_on_the_cpu(tiny_model_dir) -> None:
     from ipc.config import ServerConfig
     from worker_proc import build_runner

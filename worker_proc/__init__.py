@@ -8,7 +8,7 @@ from collections import deque
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from ipc.channel import Receiver, Sender
 from ipc.config import ServerConfig, switch_on
@@ -67,6 +67,22 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
         built = _build_worker(config, say, kernels)
     say(watch.count.summary())
     return built
+
+
+def _check_expert_rows_experiments(model: Any, experiments: frozenset[str]) -> None:
+    """Refuse the experts' kernel's experiments for a model with nothing they take."""
+    from worker_proc.expert_rows import bf16_expert_layers, kernel_rows_layers
+    from worker_proc.layer_kinds import UnsupportedModelError
+
+    if "quantized-rows-kernel" in experiments and not kernel_rows_layers(model):
+        raise UnsupportedModelError(
+            "--experiments quantized-rows-kernel: the model has no 4-bit quantized Linear "
+            "layer the kernel takes (MXFP4 in groups of 32, or affine in groups of 32, 64 or "
+            "128 with bfloat16 scales)")
+    if "bf16-expert-rows" in experiments and not bf16_expert_layers(model):
+        raise UnsupportedModelError(
+            "--experiments bf16-expert-rows: the model has no bfloat16 GPT-OSS or Qwen3-MoE "
+            "experts")
 
 
 def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Path | None = None
@@ -143,6 +159,7 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
             isinstance(m, FastDecodeBlock) for _, m in model.named_modules()):
         raise UnsupportedModelError("--experiments rope-in-kernel: the model has no llama or "
                                     "qwen2 block (mlx_lm.models.llama, .qwen2) to speed up")
+    _check_expert_rows_experiments(model, config.experiment_set)
     if done.summed_norms:
         say(f"{done.summed_norms} RMSNorms scale by 1 + weight: the sum made once, not every call")
     if done.placed_layers:

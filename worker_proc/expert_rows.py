@@ -35,6 +35,7 @@ import functools
 
 import mlx.core as mx
 import mlx.nn as nn
+from mlx_lm.models import gpt_oss, qwen3_moe
 from mlx_lm.models.switch_layers import QuantizedSwitchLinear, SwitchLinear
 
 from worker_proc.fused_moe import project_experts
@@ -494,6 +495,23 @@ class KernelRowsQuantizedLinear(RowsQuantizedLinear):
             return super().matmul(x)
         out = linear_rows(self, x.reshape(rows, x.shape[-1]))
         return out.reshape(*x.shape[:-1], -1)
+
+
+def kernel_rows_layers(model: nn.Module) -> int:
+    """The model's quantized Linear layers whose 4-bit format linear_rows takes."""
+    return sum(isinstance(m, nn.QuantizedLinear) and _four_bit_mode(m) is not None
+               for _, m in model.named_modules())
+
+
+def bf16_expert_layers(model: nn.Module) -> int:
+    """The model's mixture-of-experts blocks that fused_experts serves (GPT-OSS's,
+    Qwen3-MoE's) whose experts are bfloat16."""
+    count = 0
+    for _, m in model.named_modules():
+        switch = (m.experts if type(m) is gpt_oss.MLPBlock else
+                  m.switch_mlp if type(m) is qwen3_moe.Qwen3MoeSparseMoeBlock else None)
+        count += switch is not None and weight_mode(switch.down_proj) == "bf16"
+    return count
 
 
 def preferred(module: nn.Module, pairs: int) -> bool:
