@@ -69,20 +69,26 @@ def build_worker(config: ServerConfig, reporter: StartupReporter | None = None
     return built
 
 
-def _check_expert_rows_experiments(model: Any, experiments: frozenset[str]) -> None:
-    """Refuse the experts' kernel's experiments for a model with nothing they take."""
+def _expert_rows_experiments(model: Any, experiments: frozenset[str],
+                             say: Callable[[str], None]) -> None:
+    """Say what the experts' kernel's experiments take; refuse them for a model with
+    nothing they take."""
     from worker_proc.expert_rows import bf16_expert_layers, kernel_rows_layers
     from worker_proc.layer_kinds import UnsupportedModelError
 
-    if "quantized-rows-kernel" in experiments and not kernel_rows_layers(model):
-        raise UnsupportedModelError(
-            "--experiments quantized-rows-kernel: the model has no 4-bit quantized Linear "
-            "layer the kernel takes (MXFP4 in groups of 32, or affine in groups of 32, 64 or "
-            "128 with bfloat16 scales)")
-    if "bf16-expert-rows" in experiments and not bf16_expert_layers(model):
-        raise UnsupportedModelError(
-            "--experiments bf16-expert-rows: the model has no bfloat16 GPT-OSS or Qwen3-MoE "
-            "experts")
+    if "quantized-rows-kernel" in experiments:
+        if not (taken := kernel_rows_layers(model)):
+            raise UnsupportedModelError(
+                "--experiments quantized-rows-kernel: the model has no 4-bit quantized Linear "
+                "layer the kernel takes (MXFP4 in groups of 32, or affine in groups of 32, 64 "
+                "or 128 with bfloat16 scales)")
+        say(f"{taken} 4-bit Linear layers: decode steps' rows through the experts' kernel")
+    if "bf16-expert-rows" in experiments:
+        if not (taken := bf16_expert_layers(model)):
+            raise UnsupportedModelError(
+                "--experiments bf16-expert-rows: the model has no bfloat16 GPT-OSS or "
+                "Qwen3-MoE experts")
+        say(f"{taken} blocks' bfloat16 experts: sorted decode steps through the experts' kernel")
 
 
 def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Path | None = None
@@ -159,7 +165,7 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
             isinstance(m, FastDecodeBlock) for _, m in model.named_modules()):
         raise UnsupportedModelError("--experiments rope-in-kernel: the model has no llama or "
                                     "qwen2 block (mlx_lm.models.llama, .qwen2) to speed up")
-    _check_expert_rows_experiments(model, config.experiment_set)
+    _expert_rows_experiments(model, config.experiment_set, say)
     if done.summed_norms:
         say(f"{done.summed_norms} RMSNorms scale by 1 + weight: the sum made once, not every call")
     if done.placed_layers:
