@@ -226,6 +226,17 @@ def expert_rows_variants(dim: int, outs: int, per_warp: tuple[int, ...] = (exper
     return out
 
 
+def bf16_linear_rows_variant(dim: int, outs: int) -> tuple[str, str]:
+    """(label, .cu source) of a bfloat16 Linear's rows through the experts' kernel
+    (expert_rows.linear_rows: the staged form at its most rows a pass, 64)."""
+    name = f"kiln_expert_rows_bf16_staged_k{dim}_n{outs}_linear"
+    params = {"T": "__nv_bfloat16", "KD": str(dim), "N": str(outs),
+              "WARPS": str(expert_rows.WARPS), "ROW_TILES": "8", "STAGES": str(expert_rows.STAGES)}
+    return (name, wrap(name, expert_rows.inputs("bf16_staged", False, True), ["out"],
+                       expert_rows.source("bf16_staged", False, True),
+                       expert_rows.header("bf16_staged"), params))
+
+
 def latent_variants(dtype: str, dim: int, heads: int,
                     config: pa.LatentConfig = pa.LatentConfig()) -> list[tuple[str, str]]:
     """(label, .cu source) of the latent (MLA) decode kernels, one split and several."""

@@ -1,6 +1,7 @@
 """Whether expert_rows' kernel, run as a single expert, reads a decode step's projection
 weights faster than MLX's matmul (cuBLAS on CUDA) does in bfloat16, and than MLX's
-quantized matmul in 4 bits (`--experiments quantized-rows-kernel`'s question).
+quantized matmul in 4 bits (`--experiments bf16-rows-kernel`'s and
+`quantized-rows-kernel`'s question).
 
     python bench/skinny_gemm.py                      # CUDA: Llama-3-8B and Gemma-3-12B shapes
     python bench/skinny_gemm.py --rows 64,128,256 --weights mxfp4:32,affine:64
@@ -10,14 +11,14 @@ A decode step's projections are [rows, K] x [K, N] with few rows, so they read t
 weights and little else: at 64 rows the H100 ran Gemma-3-12B's q/k/v and o projections at
 68-74% of its memory's pace and gate/up at 84% (docs/benchmarks.md, session 47). The
 experts' kernel (worker_proc/expert_rows.py) streams weights by cp.async through shared
-memory; with one expert and every row its pair it computes x @ w.T. For each shape, a
+memory; with one expert and every row its pair it computes x @ w.T (linear_rows, as
+`--experiments bf16-rows-kernel` and `quantized-rows-kernel` serve it). For each shape, a
 chain of --layers independent weight matrices (more bytes than the L2 holds), timed
-after warm-up: µs a call (median of --runs) and the weights' GB/s, for MLX's matmul and
-the kernel's staged form at one pass (all rows: row tiles = rows / 8) and at its default
-passes of 32 rows; for 4-bit weights (MXFP4, affine), MLX's quantized matmul on the rows
-as one matrix (as the worker calls it on CUDA) and linear_rows. The kernel's outputs are
-checked against MLX's (bfloat16 rounding). On the CPU (--tiny) only MLX's bf16 matmul
-runs: a smoke test of the script.
+after warm-up: µs a call (median of --runs) and the weights' GB/s, for MLX's matmul
+(bf16) or quantized matmul on the rows as one matrix (4-bit MXFP4, affine: as the worker
+calls it on CUDA) and for linear_rows. The kernel's outputs are checked against MLX's
+(bfloat16 rounding). On the CPU (--tiny) only MLX's bf16 matmul runs: a smoke test of
+the script.
 """
 
 from __future__ import annotations
@@ -56,32 +57,25 @@ def _median_us(run, calls: int, runs: int) -> float:
 
 def _bf16_line(name: str, k: int, n: int, rows: int, args: argparse.Namespace,
                dtype: mx.Dtype) -> str:
-    """MLX's matmul, and (CUDA) the bf16 experts' kernel as one expert."""
-    weights = [(0.02 * mx.random.normal((n, k), key=mx.random.key(i))).astype(dtype)
-               for i in range(args.layers)]
+    """MLX's matmul, and (CUDA) the kernel's bfloat16 staged form (linear_rows)."""
+    import mlx.nn as nn
+
+    layers = []
+    for i in range(args.layers):
+        linear = nn.Linear(k, n, bias=False)
+        linear.weight = (0.02 * mx.random.normal((n, k), key=mx.random.key(i))).astype(dtype)
+        layers.append(linear)
     x = mx.random.normal((rows, k), key=mx.random.key(99)).astype(dtype)
-    mx.eval(weights, x)
-    gb = n * k * weights[0].itemsize / 1e9
-    line = [f"{name:<22} bf16   rows {rows:>4}"]
-    us = _median_us(lambda: [x @ w.T for w in weights], len(weights), args.runs)
+    mx.eval([m.parameters() for m in layers], x)
+    gb = n * k * layers[0].weight.itemsize / 1e9
+    line = [f"{name:<22} bf16      rows {rows:>4}"]
+    us = _median_us(lambda: [m(x) for m in layers], len(layers), args.runs)
     line.append(f"matmul {us:7.1f} µs {gb / us * 1e6:6.0f} GB/s")
     if not args.tiny:
-        from mlx_lm.models.switch_layers import SwitchLinear
+        from worker_proc.expert_rows import linear_rows
 
-        from worker_proc.expert_rows import ROW_TILES, expert_rows
-
-        experts = mx.zeros((rows,), dtype=mx.uint32)
-        modules = []
-        for w in weights:
-            m = SwitchLinear(k, n, 1, bias=False)
-            m.weight = w[None]
-            modules.append(m)
-        want = x @ weights[0].T
-        for tiles in sorted({min(8, -(-rows // 8)), ROW_TILES}):
-            run = (lambda t: lambda: [expert_rows(m, x, experts, row_tiles=t)
-                                      for m in modules])(tiles)
-            got = expert_rows(modules[0], x, experts, row_tiles=tiles)[:, 0]
-            line.append(f"kernel ({tiles * 8} rows a pass) {_versus(run, got, want, gb, args)}")
+        line.append("kernel " + _versus(lambda: [linear_rows(m, x) for m in layers],
+                                        linear_rows(layers[0], x), layers[0](x), gb, args))
     return "  ".join(line)
 
 

@@ -32,7 +32,7 @@ DECODE_EXPERIMENTS = ("rope-in-kernel", "register-kv", "unfused-prefill",
                       "unfused-qk-norm", "unfused-residual-norm", "unfused-qk-rope",
                       "unpaged-prefill", "paged-short-rows", "unpadded-experts", "block-tiles", "unfused-moe",
                       "mlx-expert-matmuls", "bf16-expert-rows", "batched-quantized-rows",
-                      "quantized-rows-kernel", "wide-cache",
+                      "quantized-rows-kernel", "bf16-rows-kernel", "wide-cache",
                       "array-readback", "inline-launch")
 # The decode attention kernel's two bodies: names that take one exclude the other's.
 TENSOR_CORE_EXPERIMENTS = frozenset({"mma-attention", "mma-wide-tiles"})
@@ -303,6 +303,8 @@ class ServerConfig:
                                       "rows), quantized-rows-kernel (4-bit Linear layers' "
                                       "steps of up to 256 rows through kiln's experts' "
                                       "kernel as one expert, not MLX's quantized GEMM), "
+                                      "bf16-rows-kernel (bfloat16 Linear layers' steps of "
+                                      "up to 128 rows likewise, not cuBLAS's GEMM), "
                                       "wide-cache (MLX's buffer cache capped at half "
                                       "the device memory left beside the pool, not a "
                                       "quarter), array-readback (a step's tokens read from "

@@ -490,6 +490,25 @@ def test_cuda_linear_rows_match_quantized_matmul(mode, group, rows):
     np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=2 ** -7 * float(np.abs(w).max()))
 
 
+@pytest.mark.parametrize("rows", [1, 8, 61, 128])
+def test_cuda_linear_rows_match_a_bf16_linear(rows):
+    """On CUDA, a bfloat16 Linear's rows through the kernel's staged form (`--experiments
+    bf16-rows-kernel`) give x @ w.T within bfloat16's rounding: a row, a tile, a pass of up
+    to 64 rows and two."""
+    from worker_proc.expert_rows import linear_fits, linear_rows
+
+    _cuda()
+    dims, outs = 392, 200  # three k-steps and 8 inputs; twelve output tiles and a half
+    linear = nn.Linear(dims, outs, bias=False)
+    linear.set_dtype(mx.bfloat16)
+    x = mx.random.normal((rows, dims), key=mx.random.key(7)).astype(mx.bfloat16)
+    assert linear_fits(linear, dims, mx.bfloat16)
+    got, want = linear_rows(linear, x), linear(x)
+    assert got.shape == want.shape == (rows, outs) and got.dtype == mx.bfloat16
+    g, w = np.array(got.astype(mx.float32)), np.array(want.astype(mx.float32))
+    np.testing.assert_allclose(g, w, rtol=2 ** -7, atol=2 ** -7 * float(np.abs(w).max()))
+
+
 def test_expert_rows_takes_bf16_4bit_experts_once_pairs_reach_experts():
     """The tensor-core kernel takes bf16 rows over 4-bit MXFP4 or affine (bf16 scales and
     biases, groups of 32-128) experts as wide as the rows, and is preferred once a step

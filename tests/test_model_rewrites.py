@@ -97,3 +97,58 @@ def test_kernel_rows_send_decode_steps_of_4bit_bf16_layers_to_the_kernel(monkeyp
                                pad_experts=False, flat_rows=True, rows_kernel=True)
     kinds = {type(m) for _, m in model.named_modules() if isinstance(m, nn.QuantizedLinear)}
     assert done.flat_quantized > 0 and kinds == {expert_rows.KernelRowsQuantizedLinear}
+
+
+def test_kernel_rows_send_decode_steps_of_bf16_linears_to_the_kernel(monkeypatch):
+    """--experiments bf16-rows-kernel: a KernelRowsLinear hands a step of up to
+    DENSE_MAX_ROWS bfloat16 rows to expert_rows.linear_rows (stood in for by MLX's product)
+    and adds its bias after; more rows and float32 rows keep MLX's GEMM. The rewrite swaps
+    it into bfloat16 Linear layers only, and a fast decode block still puts the o and down
+    projections' residual adds inside their GEMM."""
+    from worker_proc import expert_rows
+    from worker_proc.model_rewrites import rewrite_for_serving
+
+    calls: list[tuple[int, ...]] = []
+
+    def stand_in(linear, x):  # noqa: ANN001, ANN202
+        calls.append(x.shape)
+        return x @ linear["weight"].T
+
+    monkeypatch.setattr(expert_rows, "linear_rows", stand_in)
+    layer = nn.Linear(128, 96, bias=True)
+    layer.set_dtype(mx.bfloat16)
+    for shape in ((8, 1, 128), (3, 2, 128), (expert_rows.DENSE_MAX_ROWS + 1, 128)):
+        x = mx.random.normal(shape).astype(mx.bfloat16)
+        layer.__class__ = nn.Linear
+        want = (x @ layer["weight"].T) + layer["bias"]
+        layer.__class__ = expert_rows.KernelRowsLinear
+        calls.clear()
+        got = layer(x)
+        assert got.shape == want.shape
+        taken = shape[0] <= expert_rows.DENSE_MAX_ROWS
+        if taken:  # (MLX's addmm rounds once, the kernel's product and bias twice)
+            assert mx.array_equal(got, want).item()
+        rows = shape[0] * (shape[1] if len(shape) == 3 else 1)
+        assert calls == ([(rows, 128)] if taken else []), shape
+    calls.clear()
+    layer(mx.random.normal((8, 1, 128)))  # float32 rows: MLX's
+    assert not calls
+
+    model = build("llama")
+    model.set_dtype(mx.bfloat16)
+    done = rewrite_for_serving(model, on_cuda=True, fuse=True, fast_blocks=True,
+                               pad_experts=False, flat_rows=False, dense_rows_kernel=True)
+    linears = [m for _, m in model.named_modules() if isinstance(m, nn.Linear)]
+    assert done.kernel_linears == len(linears) > 0
+    assert {type(m) for m in linears} == {expert_rows.KernelRowsLinear}
+    addmm = mx.addmm
+    added: list[int] = []
+    monkeypatch.setattr(mx, "addmm", lambda *a, **k: added.append(1) or addmm(*a, **k))
+    block = model.layers[0]
+    outs, ins = block.self_attn.o_proj.weight.shape
+    block._residual(mx.zeros((2, 1, outs), dtype=mx.bfloat16), block.self_attn.o_proj,
+                    mx.zeros((2, 1, ins), dtype=mx.bfloat16))
+    assert added and not calls
+    float32 = build("llama")
+    assert rewrite_for_serving(float32, on_cuda=False, fuse=False, fast_blocks=False,
+                               pad_experts=False, dense_rows_kernel=True).kernel_linears == 0

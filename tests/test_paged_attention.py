@@ -813,6 +813,11 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     groups["prefill"] = (prefill_variants("__nv_bfloat16", 128, 4, 8)
                          + prefill_variants("__nv_bfloat16", 256, 2, 8)
                          + prefill_variants("__half", 64, 1, 4))
+    # A bf16 Linear's rows through the experts' kernel (64 rows a pass: ~170 registers,
+    # two blocks an SM by its shared memory anyway): Llama's q/k/v and Gemma's down.
+    from bench.cuda_kernel_report import bf16_linear_rows_variant
+
+    groups["linear"] = [bf16_linear_rows_variant(4096, 6144), bf16_linear_rows_variant(15360, 3840)]
     every = compile_kernels(cuda, [k for group in groups.values() for k in group])
     assert len(every) == sum(map(len, groups.values()))
     compiled, at = {}, 0
@@ -842,6 +847,7 @@ def test_kernel_sources_compile_with_nvcc_and_do_not_spill():
     assert all(r.ok for r in compiled["sixteen"])
     no_spills(compiled["mma"])
     no_spills(compiled["prefill"])
+    no_spills(compiled["linear"])
     # GPUs before sm_80 have no cp.async: the staged default copies at once there.
     assert all(r.ok for r in compile_kernels(cuda, staged(128, 4)[:2], arch="sm_75"))
 

@@ -1376,9 +1376,9 @@ def test_prefill_experiments_are_refused_for_the_device_not_the_model(tiny_model
 
 def test_expert_kernel_experiments_are_refused_for_models_they_do_not_take(tiny_model_dir,
                                                                           tmp_path) -> None:
-    """quantized-rows-kernel needs 4-bit quantized Linear layers and bf16-expert-rows bf16
-    GPT-OSS or Qwen3-MoE experts: a float32 model has neither, and is told so; the counts
-    find them once the model has them."""
+    """quantized-rows-kernel needs 4-bit quantized Linear layers, bf16-expert-rows bf16
+    GPT-OSS or Qwen3-MoE experts and bf16-rows-kernel bf16 Linear layers: a float32 model
+    has none, and is told so; the counts find them once the model has them."""
     import mlx.core as mx
     import mlx.nn as nn
 
@@ -1392,6 +1392,8 @@ def test_expert_kernel_experiments_are_refused_for_models_they_do_not_take(tiny_
         build_runner(ServerConfig(model_path=str(oss), experiments="quantized-rows-kernel"))
     with pytest.raises(UnsupportedModelError, match="no bfloat16 GPT-OSS or Qwen3-MoE"):
         build_runner(ServerConfig(model_path=str(oss), experiments="bf16-expert-rows"))
+    with pytest.raises(UnsupportedModelError, match="no bfloat16 Linear layer"):
+        build_runner(ServerConfig(model_path=str(oss), experiments="bf16-rows-kernel"))
     from tests.families import build
     from worker_proc.expert_rows import bf16_expert_layers, kernel_rows_layers
 

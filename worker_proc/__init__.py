@@ -73,7 +73,9 @@ def _expert_rows_experiments(model: Any, experiments: frozenset[str],
                              say: Callable[[str], None]) -> None:
     """Say what the experts' kernel's experiments take; refuse them for a model with
     nothing they take."""
-    from worker_proc.expert_rows import bf16_expert_layers, kernel_rows_layers
+    import mlx.nn as nn
+
+    from worker_proc.expert_rows import bf16_expert_layers, kernel_rows_layers, linear_mode
     from worker_proc.layer_kinds import UnsupportedModelError
 
     if "quantized-rows-kernel" in experiments:
@@ -89,6 +91,13 @@ def _expert_rows_experiments(model: Any, experiments: frozenset[str],
                 "--experiments bf16-expert-rows: the model has no bfloat16 GPT-OSS or "
                 "Qwen3-MoE experts")
         say(f"{taken} blocks' bfloat16 experts: sorted decode steps through the experts' kernel")
+    if "bf16-rows-kernel" in experiments:
+        if not (taken := sum(isinstance(m, nn.Linear) and linear_mode(m) == "bf16"
+                             for _, m in model.named_modules())):
+            raise UnsupportedModelError(
+                "--experiments bf16-rows-kernel: the model has no bfloat16 Linear layer")
+        say(f"{taken} bfloat16 Linear layers: decode steps' rows through the experts' kernel "
+            "(not the o and down projections' GEMMs with their residual add)")
 
 
 def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Path | None = None
@@ -152,7 +161,8 @@ def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Pat
         model, on_cuda=on_cuda, fuse=fuse, fast_blocks=fast_blocks,
         pad_experts=on_cuda and "unpadded-experts" not in config.experiment_set,
         flat_rows=on_cuda and "batched-quantized-rows" not in config.experiment_set,
-        rows_kernel=on_cuda and "quantized-rows-kernel" in config.experiment_set)
+        rows_kernel=on_cuda and "quantized-rows-kernel" in config.experiment_set,
+        dense_rows_kernel=on_cuda and "bf16-rows-kernel" in config.experiment_set)
     if done.padded_experts:
         say(f"{done.padded_experts} quantized experts' projections padded to whole "
             f"{EXPERT_TILE}-row tiles (MLX's grouped kernel for rows sorted by expert)")

@@ -39,11 +39,16 @@ from mlx_lm.models.activations import swiglu
 from mlx_lm.models.rope_utils import Llama3RoPE, YarnRoPE
 
 from worker_proc.attention import MixedLayerCache, PooledKVCache
+from worker_proc.expert_rows import KernelRowsLinear
 from worker_proc.fused_moe import (ExpertsPlan, NextNorm, experts_plan, fused_experts,
                                    linear_and_bias)
 from worker_proc.paged_attention import RopeSpec
 
 logger = logging.getLogger(__name__)
+
+# Linear layers whose product is x @ weight.T (+ bias): a residual add goes inside the GEMM
+# (KernelRowsLinear's own kernel then gives way to it).
+_PLAIN_LINEARS = (nn.Linear, KernelRowsLinear)
 
 def rope_spec(rope: nn.Module) -> RopeSpec | None:
     """The RopeSpec of an mlx-lm RoPE module (nn.RoPE, Llama3RoPE, YarnRoPE); None for
@@ -214,7 +219,7 @@ class FastDecodeBlock:
 
     def _residual(self, x: mx.array, proj: nn.Module, a: mx.array) -> mx.array:
         """x + proj(a), the add inside the GEMM where it may be."""
-        if self.residual_in_gemm and type(proj) is nn.Linear and "bias" not in proj:
+        if self.residual_in_gemm and type(proj) in _PLAIN_LINEARS and "bias" not in proj:
             # As 2-D operands: one GEMM over all rows, never a batch of one-row GEMMs.
             out = mx.addmm(x.reshape(-1, x.shape[-1]), a.reshape(-1, a.shape[-1]), proj.weight.T)
             return out.reshape(x.shape)

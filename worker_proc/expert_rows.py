@@ -47,8 +47,10 @@ TILES = 1  # output tiles of 16 a warp (two: fewer blocks, ~170 registers, slowe
 # on GPT-OSS's projections at 1-256 tokens: docs/benchmarks.md, session 43)
 CHUNK = 512  # input values staged in shared memory a fill: four k-steps of 128
 # Quantized Linear layers' steps of at most this many rows take linear_rows (the kernel
-# reads a Linear's weights once a pass of 8 * ROW_TILES rows).
+# reads a Linear's weights once a pass of 8 * ROW_TILES rows); bfloat16 ones' steps of at
+# most DENSE_MAX_ROWS (a pass of up to 64 rows: two at most).
 LINEAR_MAX_ROWS = 256
+DENSE_MAX_ROWS = 128
 ROW_TILES = 4  # a pass's rows, 8 a tile: an expert with more takes more passes (its
 # weights again, from L2 if they are still there); a pass multiplies only the tiles its rows fill
 
@@ -475,11 +477,26 @@ def dense_fits(dims: int, width: int) -> bool:
     return dims == width and dims % 8 == 0
 
 
+def linear_mode(linear: nn.Module) -> str | None:
+    """The kernel's name for a Linear layer's weight format: a 4-bit quantized Linear's
+    ("mxfp4", "affine"), "bf16" for a bfloat16 Linear, None for any other."""
+    if isinstance(linear, nn.QuantizedLinear):
+        return _four_bit_mode(linear)
+    if isinstance(linear, nn.Linear):
+        return "bf16" if linear["weight"].dtype == mx.bfloat16 else None
+    return None
+
+
 def linear_fits(linear: nn.Module, dims: int, dtype: mx.Dtype) -> bool:
-    """Whether linear_rows takes this quantized Linear: 4-bit weights in the formats the
-    experts' kernel takes, bfloat16 rows of dims inputs."""
-    return (isinstance(linear, nn.QuantizedLinear) and _four_bit_mode(linear) is not None
-            and dtype == mx.bfloat16 and dims == linear["weight"].shape[-1] * 8)
+    """Whether linear_rows takes this Linear: 4-bit weights in the formats the experts'
+    kernel takes or bfloat16 ones, bfloat16 rows of dims inputs (bfloat16: whole 16-byte
+    words)."""
+    mode = linear_mode(linear)
+    if mode is None or dtype != mx.bfloat16:
+        return False
+    if mode == "bf16":
+        return dense_fits(dims, linear["weight"].shape[-1])
+    return dims == linear["weight"].shape[-1] * 8
 
 
 class KernelRowsQuantizedLinear(RowsQuantizedLinear):
@@ -495,6 +512,32 @@ class KernelRowsQuantizedLinear(RowsQuantizedLinear):
             return super().matmul(x)
         out = linear_rows(self, x.reshape(rows, x.shape[-1]))
         return out.reshape(*x.shape[:-1], -1)
+
+
+class KernelRowsLinear(nn.Linear):
+    """A bfloat16 Linear whose product with a step of at most DENSE_MAX_ROWS rows goes
+    through linear_rows where it fits (`--experiments bf16-rows-kernel`), not MLX's GEMM
+    (cuBLAS), which ran a 64-row step's Gemma-3-12B projections at 68-84% of an H100's
+    memory pace (docs/benchmarks.md, session 47). decode_block's residual adds inside the
+    o and down GEMMs stay cuBLAS's (mx.addmm)."""
+
+    def __call__(self, x: mx.array) -> mx.array:
+        rows = x.size // x.shape[-1]
+        if rows > DENSE_MAX_ROWS or not linear_fits(self, x.shape[-1], x.dtype):
+            return super().__call__(x)
+        out = linear_rows(self, x.reshape(rows, x.shape[-1])).reshape(*x.shape[:-1], -1)
+        return out + self["bias"] if "bias" in self else out
+
+
+def kernel_rows_linears(model: nn.Module) -> int:
+    """Swap KernelRowsLinear into every (exactly) nn.Linear of the model whose bfloat16
+    weights linear_rows takes; returns how many."""
+    count = 0
+    for _, m in model.named_modules():
+        if type(m) is nn.Linear and linear_mode(m) == "bf16" and m["weight"].shape[-1] % 8 == 0:
+            m.__class__ = KernelRowsLinear
+            count += 1
+    return count
 
 
 def kernel_rows_layers(model: nn.Module) -> int:
@@ -538,11 +581,15 @@ def expert_rows(module: nn.Module, x: mx.array, experts: mx.array,
     return out[:, None]
 
 
-def linear_rows(linear: nn.QuantizedLinear, x: mx.array) -> mx.array:
-    """A 4-bit quantized Linear's product (without its bias) with x's rows [rows, dims],
-    [rows, out] in bfloat16 (linear_fits must hold): the experts' kernel as one expert
-    whose pairs are all the rows."""
-    return _project(_four_bit_mode(linear), linear, x, None, None, ROW_TILES)
+def linear_rows(linear: nn.Module, x: mx.array) -> mx.array:
+    """A 4-bit quantized or bfloat16 Linear's product (without its bias) with x's rows
+    [rows, dims], [rows, out] in bfloat16 (linear_fits must hold): the experts' kernel as
+    one expert whose pairs are all the rows (bfloat16: its staged form, up to 64 rows a
+    pass, so that a step of up to 64 reads the weights once)."""
+    mode = linear_mode(linear)
+    if mode == "bf16":
+        return _project("bf16_staged", linear, x, None, None, min(8, -(-x.shape[0] // 8)))
+    return _project(mode, linear, x, None, None, ROW_TILES)
 
 
 def _project(mode: str, module: nn.Module, flat: mx.array, experts: mx.array | None,

@@ -23,7 +23,7 @@ from worker_proc.depthwise_conv import replace_depthwise_convs
 from worker_proc.expert_padding import pad_expert_outputs
 from worker_proc.fused_projections import fuse_projections
 from worker_proc.offset_norms import sum_offset_norms
-from worker_proc.expert_rows import KernelRowsQuantizedLinear
+from worker_proc.expert_rows import KernelRowsQuantizedLinear, kernel_rows_linears
 from worker_proc.quantized_rows import RowsQuantizedLinear, flatten_quantized_rows
 from worker_proc.row_positions import give_rows_their_positions
 
@@ -39,18 +39,21 @@ class Rewrites:
     placed_layers: int
     convs: int
     flat_quantized: int
+    kernel_linears: int = 0
 
 
 def rewrite_for_serving(model: nn.Module, *, on_cuda: bool, fuse: bool, fast_blocks: bool,
                         pad_experts: bool, flat_rows: bool | None = None,
-                        sum_norms: bool = True, rows_kernel: bool = False) -> Rewrites:
+                        sum_norms: bool = True, rows_kernel: bool = False,
+                        dense_rows_kernel: bool = False) -> Rewrites:
     """Apply the rewrites in the order the worker needs them (fast blocks find their
     projections fused; experts are padded before the blocks learn their shapes).
     on_cuda: MLX runs on CUDA (the fast blocks' residual adds inside the o and down GEMMs,
     short convolutions rewritten); fuse: projections fused (fast_blocks implies it);
     pad_experts: where MLX's grouped kernel reads whole tiles (CUDA); flat_rows: quantized
     Linear layers' rows flattened (RowsQuantizedLinear; None: on CUDA); rows_kernel: and
-    a decode step's rows through the experts' 4-bit kernel (KernelRowsQuantizedLinear)."""
+    a decode step's rows through the experts' 4-bit kernel (KernelRowsQuantizedLinear);
+    dense_rows_kernel: bfloat16 Linear layers' through its bfloat16 form (KernelRowsLinear)."""
     fused = 0
     if fuse or fast_blocks:
         fused = fuse_projections(model)
@@ -69,4 +72,5 @@ def rewrite_for_serving(model: nn.Module, *, on_cuda: bool, fuse: bool, fast_blo
     if on_cuda if flat_rows is None else flat_rows:
         flat = flatten_quantized_rows(
             model, KernelRowsQuantizedLinear if rows_kernel else RowsQuantizedLinear)
-    return Rewrites(fused, padded, blocks, norms, placed, convs, flat)
+    linears = kernel_rows_linears(model) if dense_rows_kernel else 0
+    return Rewrites(fused, padded, blocks, norms, placed, convs, flat, linears)
