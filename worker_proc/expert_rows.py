@@ -463,12 +463,16 @@ def fits(module: nn.Module, dims: int, dtype: mx.Dtype) -> bool:
     or affine in groups of 32, 64 or 128) without a global scale, or bfloat16 experts as
     wide as a multiple of 8; inputs of dtype bfloat16 (the mma's operands; others keep
     MLX's gather_qmm / gather_mm) and dims wide, as the weights' rows."""
-    mode = weight_mode(module)
+    return _takes(weight_mode(module), module, dims, dtype)
+
+
+def _takes(mode: str | None, module: nn.Module, dims: int, dtype: mx.Dtype) -> bool:
+    """Whether the kernel takes rows of dims inputs in dtype over module's weights in
+    format `mode` (None: none it takes)."""
     if mode is None or dtype != mx.bfloat16:
         return False
-    if mode == "bf16":
-        return dense_fits(dims, module["weight"].shape[-1])
-    return dims == module["weight"].shape[-1] * 8
+    width = module["weight"].shape[-1]
+    return dense_fits(dims, width) if mode == "bf16" else dims == width * 8
 
 
 def dense_fits(dims: int, width: int) -> bool:
@@ -491,12 +495,7 @@ def linear_fits(linear: nn.Module, dims: int, dtype: mx.Dtype) -> bool:
     """Whether linear_rows takes this Linear: 4-bit weights in the formats the experts'
     kernel takes or bfloat16 ones, bfloat16 rows of dims inputs (bfloat16: whole 16-byte
     words)."""
-    mode = linear_mode(linear)
-    if mode is None or dtype != mx.bfloat16:
-        return False
-    if mode == "bf16":
-        return dense_fits(dims, linear["weight"].shape[-1])
-    return dims == linear["weight"].shape[-1] * 8
+    return _takes(linear_mode(linear), linear, dims, dtype)
 
 
 class KernelRowsQuantizedLinear(RowsQuantizedLinear):
