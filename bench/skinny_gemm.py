@@ -14,7 +14,8 @@ experts' kernel (worker_proc/expert_rows.py) streams weights by cp.async through
 memory; with one expert and every row its pair it computes x @ w.T (linear_rows, as
 `--experiments bf16-rows-kernel` and `quantized-rows-kernel` serve it). For each shape, a
 chain of --layers independent weight matrices (more bytes than the L2 holds), timed
-after warm-up: µs a call (median of --runs) and the weights' GB/s, for MLX's matmul
+after warm-up (quantized_matmul.time_calls): µs a call (median of --runs) and the
+weights' GB/s, for MLX's matmul
 (bf16) or quantized matmul on the rows as one matrix (4-bit MXFP4, affine: as the worker
 calls it on CUDA) and for linear_rows. The kernel's outputs are checked against MLX's
 (bfloat16 rounding). On the CPU (--tiny) only MLX's bf16 matmul runs: a smoke test of
@@ -24,14 +25,16 @@ the script.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import mlx.core as mx
+import mlx.nn as nn
+from mlx.utils import tree_flatten
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.quantized_matmul import time_calls  # noqa: E402
 
 # (name, K, N): the projections of a decode step, q/k/v and gate/up fused as served.
 SHAPES = [("llama-3-8b q/k/v", 4096, 6144), ("llama-3-8b o", 4096, 4096),
@@ -41,74 +44,41 @@ SHAPES = [("llama-3-8b q/k/v", 4096, 6144), ("llama-3-8b o", 4096, 4096),
 TINY = [("tiny", 256, 512)]
 
 
-def _median_us(run, calls: int, runs: int) -> float:
-    """Median µs a call of `run` (which launches `calls` calls and returns their outputs)."""
-    for _ in range(3):
-        mx.eval(run())
-    times = []
-    for _ in range(runs):
-        mx.synchronize()
-        start = time.perf_counter()
-        mx.eval(run())
-        mx.synchronize()
-        times.append((time.perf_counter() - start) / calls * 1e6)
-    return statistics.median(times)
-
-
-def _bf16_line(name: str, k: int, n: int, rows: int, args: argparse.Namespace,
-               dtype: mx.Dtype) -> str:
-    """MLX's matmul, and (CUDA) the kernel's bfloat16 staged form (linear_rows)."""
-    import mlx.nn as nn
-
-    layers = []
-    for i in range(args.layers):
+def _layers(k: int, n: int, weights: str, dtype: mx.Dtype, layers_n: int) -> list[nn.Module]:
+    """layers_n random Linear layers in dtype: plain (weights "bf16") or quantized to 4-bit
+    MODE:GROUP."""
+    layers: list[nn.Module] = []
+    for i in range(layers_n):
         linear = nn.Linear(k, n, bias=False)
         linear.weight = (0.02 * mx.random.normal((n, k), key=mx.random.key(i))).astype(dtype)
+        if weights != "bf16":
+            mode, group = weights.split(":")
+            linear = nn.QuantizedLinear.from_linear(linear, group_size=int(group), bits=4,
+                                                    mode=mode)
+            linear.set_dtype(dtype)
         layers.append(linear)
+    return layers
+
+
+def _line(name: str, k: int, n: int, rows: int, weights: str, args: argparse.Namespace) -> str:
+    """One shape, row count and weight format: MLX's call of the layers (the rows as one
+    matrix, as the worker calls them on CUDA) and, on CUDA, linear_rows."""
+    dtype = mx.float32 if args.tiny else mx.bfloat16
+    layers = _layers(k, n, weights, dtype, args.layers)
     x = mx.random.normal((rows, k), key=mx.random.key(99)).astype(dtype)
     mx.eval([m.parameters() for m in layers], x)
-    gb = n * k * layers[0].weight.itemsize / 1e9
-    line = [f"{name:<22} bf16      rows {rows:>4}"]
-    us = _median_us(lambda: [m(x) for m in layers], len(layers), args.runs)
-    line.append(f"matmul {us:7.1f} µs {gb / us * 1e6:6.0f} GB/s")
+    gb = sum(v.nbytes for _, v in tree_flatten(layers[0].parameters())) / 1e9
+    line = [f"{name:<22} {weights:<9} rows {rows:>4}"]
+    us = time_calls([lambda m=m: m(x) for m in layers], args.runs)
+    line.append(f"MLX {us:7.1f} µs {gb / us * 1e6:6.0f} GB/s")
     if not args.tiny:
         from worker_proc.expert_rows import linear_rows
 
-        line.append("kernel " + _versus(lambda: [linear_rows(m, x) for m in layers],
-                                        linear_rows(layers[0], x), layers[0](x), gb, args))
+        got, want = linear_rows(layers[0], x), layers[0](x)
+        err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
+        us = time_calls([lambda m=m: linear_rows(m, x) for m in layers], args.runs)
+        line.append(f"kernel {us:7.1f} µs {gb / us * 1e6:6.0f} GB/s (max |diff| {err:.3g})")
     return "  ".join(line)
-
-
-def _quantized_line(name: str, k: int, n: int, rows: int, args: argparse.Namespace,
-                    mode: str, group: int) -> str:
-    """MLX's quantized matmul on the rows as one matrix (RowsQuantizedLinear's call) and
-    the experts' 4-bit kernel as one expert (linear_rows)."""
-    import mlx.nn as nn
-
-    from worker_proc.expert_rows import linear_rows
-
-    layers = []
-    for i in range(args.layers):
-        linear = nn.Linear(k, n, bias=False)
-        linear.weight = (0.02 * mx.random.normal((n, k), key=mx.random.key(i))).astype(mx.bfloat16)
-        q = nn.QuantizedLinear.from_linear(linear, group_size=group, bits=4, mode=mode)
-        q.set_dtype(mx.bfloat16)
-        layers.append(q)
-    x = mx.random.normal((rows, k), key=mx.random.key(99)).astype(mx.bfloat16)
-    mx.eval([m.parameters() for m in layers], x)
-    gb = sum(v.nbytes for _, v in nn.utils.tree_flatten(layers[0].parameters())) / 1e9
-    line = [f"{name:<22} {mode}:{group:<3} rows {rows:>4}"]
-    us = _median_us(lambda: [m(x) for m in layers], len(layers), args.runs)
-    line.append(f"MLX {us:7.1f} µs {gb / us * 1e6:6.0f} GB/s")
-    line.append("kernel " + _versus(lambda: [linear_rows(m, x) for m in layers],
-                                    linear_rows(layers[0], x), layers[0](x), gb, args))
-    return "  ".join(line)
-
-
-def _versus(run, got: mx.array, want: mx.array, gb: float, args: argparse.Namespace) -> str:
-    us = _median_us(run, args.layers, args.runs)
-    err = float(mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max())
-    return f"{us:7.1f} µs {gb / us * 1e6:6.0f} GB/s (max |diff| {err:.3g})"
 
 
 def main() -> None:
@@ -120,16 +90,11 @@ def main() -> None:
                    help="','-joined: bf16, or 4-bit MODE:GROUP (CUDA)")
     p.add_argument("--tiny", action="store_true", help="small float32 shapes, MLX only")
     args = p.parse_args()
-    dtype = mx.float32 if args.tiny else mx.bfloat16
     print(f"{mx.default_device()}, chains of {args.layers}")
     for name, k, n in TINY if args.tiny else SHAPES:
         for rows in (int(r) for r in args.rows.split(",")):
             for weights in ["bf16"] if args.tiny else args.weights.split(","):
-                if weights == "bf16":
-                    print(_bf16_line(name, k, n, rows, args, dtype), flush=True)
-                else:
-                    mode, group = weights.split(":")
-                    print(_quantized_line(name, k, n, rows, args, mode, int(group)), flush=True)
+                print(_line(name, k, n, rows, weights, args), flush=True)
 
 
 if __name__ == "__main__":
