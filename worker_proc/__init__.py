@@ -73,9 +73,8 @@ def _expert_rows_experiments(model: Any, experiments: frozenset[str],
                              say: Callable[[str], None]) -> None:
     """Say what the experts' kernel's experiments take; refuse them for a model with
     nothing they take."""
-    import mlx.nn as nn
-
-    from worker_proc.expert_rows import bf16_expert_layers, kernel_rows_layers, linear_mode
+    from worker_proc.expert_rows import (bf16_expert_layers, bf16_linear_layers,
+                                         kernel_rows_layers)
     from worker_proc.layer_kinds import UnsupportedModelError
 
     if "quantized-rows-kernel" in experiments:
@@ -92,10 +91,10 @@ def _expert_rows_experiments(model: Any, experiments: frozenset[str],
                 "Qwen3-MoE experts")
         say(f"{taken} blocks' bfloat16 experts: sorted decode steps through the experts' kernel")
     if "bf16-rows-kernel" in experiments:
-        if not (taken := sum(isinstance(m, nn.Linear) and linear_mode(m) == "bf16"
-                             for _, m in model.named_modules())):
+        if not (taken := bf16_linear_layers(model)):
             raise UnsupportedModelError(
-                "--experiments bf16-rows-kernel: the model has no bfloat16 Linear layer")
+                "--experiments bf16-rows-kernel: the model has no bfloat16 Linear layer the "
+                "kernel takes (inputs a multiple of 8)")
         say(f"{taken} bfloat16 Linear layers: decode steps' rows through the experts' kernel "
             "(not the o and down projections' GEMMs with their residual add)")
 

@@ -528,15 +528,27 @@ class KernelRowsLinear(nn.Linear):
         return out + self["bias"] if "bias" in self else out
 
 
+def _bf16_linear(m: nn.Module) -> bool:
+    """Whether m is a Linear (KernelRowsLinear or not) whose bfloat16 weights linear_rows
+    takes (whole 16-byte words a row)."""
+    return (isinstance(m, nn.Linear) and linear_mode(m) == "bf16"
+            and m["weight"].shape[-1] % 8 == 0)
+
+
 def kernel_rows_linears(model: nn.Module) -> int:
     """Swap KernelRowsLinear into every (exactly) nn.Linear of the model whose bfloat16
     weights linear_rows takes; returns how many."""
     count = 0
     for _, m in model.named_modules():
-        if type(m) is nn.Linear and linear_mode(m) == "bf16" and m["weight"].shape[-1] % 8 == 0:
+        if type(m) is nn.Linear and _bf16_linear(m):
             m.__class__ = KernelRowsLinear
             count += 1
     return count
+
+
+def bf16_linear_layers(model: nn.Module) -> int:
+    """The model's Linear layers whose bfloat16 weights linear_rows takes (swapped or not)."""
+    return sum(_bf16_linear(m) for _, m in model.named_modules())
 
 
 def kernel_rows_layers(model: nn.Module) -> int:
