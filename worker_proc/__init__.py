@@ -77,26 +77,23 @@ def _expert_rows_experiments(model: Any, experiments: frozenset[str],
                                          kernel_rows_layers)
     from worker_proc.layer_kinds import UnsupportedModelError
 
-    if "quantized-rows-kernel" in experiments:
-        if not (taken := kernel_rows_layers(model)):
-            raise UnsupportedModelError(
-                "--experiments quantized-rows-kernel: the model has no 4-bit quantized Linear "
-                "layer the kernel takes (MXFP4 in groups of 32, or affine in groups of 32, 64 "
-                "or 128 with bfloat16 scales)")
-        say(f"{taken} 4-bit Linear layers: decode steps' rows through the experts' kernel")
-    if "bf16-expert-rows" in experiments:
-        if not (taken := bf16_expert_layers(model)):
-            raise UnsupportedModelError(
-                "--experiments bf16-expert-rows: the model has no bfloat16 GPT-OSS or "
-                "Qwen3-MoE experts")
-        say(f"{taken} blocks' bfloat16 experts: sorted decode steps through the experts' kernel")
-    if "bf16-rows-kernel" in experiments:
-        if not (taken := bf16_linear_layers(model)):
-            raise UnsupportedModelError(
-                "--experiments bf16-rows-kernel: the model has no bfloat16 Linear layer the "
-                "kernel takes (inputs a multiple of 8)")
-        say(f"{taken} bfloat16 Linear layers: decode steps' rows through the experts' kernel "
-            "(not the o and down projections' GEMMs with their residual add)")
+    # experiment: its count of what it takes, what a model without any lacks, what it says
+    rules = (("quantized-rows-kernel", kernel_rows_layers,
+              "4-bit quantized Linear layer the kernel takes (MXFP4 in groups of 32, or affine "
+              "in groups of 32, 64 or 128 with bfloat16 scales)",
+              "4-bit Linear layers: decode steps' rows through the experts' kernel"),
+             ("bf16-expert-rows", bf16_expert_layers, "bfloat16 GPT-OSS or Qwen3-MoE experts",
+              "blocks' bfloat16 experts: sorted decode steps through the experts' kernel"),
+             ("bf16-rows-kernel", bf16_linear_layers,
+              "bfloat16 Linear layer the kernel takes (inputs a multiple of 8)",
+              "bfloat16 Linear layers: decode steps' rows through the experts' kernel (not "
+              "the o and down projections' GEMMs with their residual add)"))
+    for name, count, lacking, takes in rules:
+        if name not in experiments:
+            continue
+        if not (taken := count(model)):
+            raise UnsupportedModelError(f"--experiments {name}: the model has no {lacking}")
+        say(f"{taken} {takes}")
 
 
 def _build_worker(config: ServerConfig, say: Callable[[str], None], kernels: Path | None = None
