@@ -350,7 +350,7 @@ def source(mode: str, gather: bool, linear: bool = False) -> str:
     """The kernel's source for a weight format ("mxfp4", "affine", "bf16": bfloat16
     weights read through registers, "bf16_staged": through shared memory); gather: the
     rows are x's rows named by `tokens` (the pairs' token ids), else x's own rows in pair
-    order; linear: a quantized Linear's rows (no experts: every row of x, one weight
+    order; linear: a Linear layer's rows (no experts: every row of x, one weight
     matrix)."""
     parts = {"@ROW@": "tokens[r0 + r]" if gather else "r0 + r",
              "@PROLOGUE@": _LINEAR_PROLOGUE if linear else _PROLOGUE}
